@@ -1,0 +1,284 @@
+"""The vLLM KV-event wire schema, written once, and a decoder that never raises.
+
+Frames are ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpack
+``[ts, events, data_parallel_rank?]``. Two event layouts exist in the wild:
+
+* vLLM >= 0.2x (0.32 observed): named-field maps with a ``type`` key;
+* older vLLM: positional arrays whose first element is the tag,
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``.
+
+Block hashes are ints, or bytes in some builds (we take the last 8 bytes,
+big-endian, as llm-d and Dynamo do). Unknown fields are ignored and unknown tags
+are reported, so a newer engine degrades to counted errors, never to a crash.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+TOPIC_PREFIX = "kv"
+SEQ_END = -1  # replay socket: a reply with this seq ends the stream
+
+
+class BlockStored(msgspec.Struct, frozen=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, frozen=True):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class Topic(msgspec.Struct, frozen=True):
+    pod_id: str
+    model: str
+
+
+class DecodedFrame(msgspec.Struct, frozen=True):
+    """One ZMQ message, decoded as far as it could be; ``errors`` says what was dropped and why."""
+
+    topic: Topic | None
+    seq: int | None
+    batch: EventBatch | None
+    errors: list[str]
+
+
+class DecodeError(ValueError):
+    pass
+
+
+_msgpack = msgspec.msgpack.Decoder()
+
+_POSITIONAL_FIELDS = {
+    "BlockStored": BlockStored.__struct_fields__,
+    "BlockRemoved": BlockRemoved.__struct_fields__,
+    "AllBlocksCleared": (),
+}
+_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+
+
+def parse_topic(raw: bytes | str) -> Topic:
+    """``kv@<pod>@<model>``; the model may itself contain ``@`` (rare, but split only twice)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    parts = text.split("@", 2)
+    if len(parts) != 3 or not parts[1] or not parts[2]:
+        raise DecodeError(f"topic {text!r} is not kv@<pod>@<model>")
+    return Topic(pod_id=parts[1], model=parts[2])
+
+
+def parse_seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise DecodeError(f"sequence frame has {len(raw)} bytes, expected 8")
+    return int.from_bytes(raw, "big", signed=True)
+
+
+def block_hash_to_int(value: Any) -> int:
+    """Ints pass through (masked to uint64); bytes hashes keep their last 8 bytes, big-endian."""
+    if isinstance(value, bool):
+        raise DecodeError("block hash is a bool")
+    if isinstance(value, int):
+        return value & 0xFFFFFFFFFFFFFFFF
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if not raw:
+            raise DecodeError("empty bytes block hash")
+        return int.from_bytes(raw[-8:], "big")
+    raise DecodeError(f"block hash of type {type(value).__name__}")
+
+
+def _as_hash_list(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise DecodeError("block_hashes is not a list")
+    return [block_hash_to_int(v) for v in value]
+
+
+def _int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeError(f"{name} is not an integer")
+    return value
+
+
+def _str_or_none(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    raise DecodeError(f"{name} is not a string")
+
+
+def _build(tag: str, fields: dict[str, Any]) -> Event:
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if tag == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=_as_hash_list(fields.get("block_hashes")),
+            medium=_str_or_none("medium", fields.get("medium")),
+            group_idx=_int_or_none("group_idx", fields.get("group_idx")),
+        )
+    tokens = fields.get("token_ids")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise DecodeError("token_ids is not a list of integers")
+    block_size = fields.get("block_size")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise DecodeError(f"block_size {block_size!r} is not a positive integer")
+    hashes = _as_hash_list(fields.get("block_hashes"))
+    if len(tokens) < len(hashes) * block_size:
+        raise DecodeError(f"{len(hashes)} blocks of {block_size} need {len(hashes) * block_size} tokens, got {len(tokens)}")
+    parent = fields.get("parent_block_hash")
+    extra = fields.get("extra_keys")
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if parent is None else block_hash_to_int(parent),
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=_int_or_none("lora_id", fields.get("lora_id")),
+        medium=_str_or_none("medium", fields.get("medium")),
+        lora_name=_str_or_none("lora_name", fields.get("lora_name")),
+        extra_keys=extra if isinstance(extra, list) else None,
+        group_idx=_int_or_none("group_idx", fields.get("group_idx")),
+        kv_cache_spec_kind=_str_or_none("kv_cache_spec_kind", fields.get("kv_cache_spec_kind")),
+        kv_cache_spec_sliding_window=_int_or_none(
+            "kv_cache_spec_sliding_window", fields.get("kv_cache_spec_sliding_window")
+        ),
+    )
+
+
+def decode_event(raw: Any) -> Event:
+    """One event in either layout. Raises DecodeError (never anything else) on a bad one."""
+    try:
+        if isinstance(raw, dict):
+            tag = raw.get("type")
+            fields = raw
+        elif isinstance(raw, list) and raw:
+            tag = raw[0]
+            names = _POSITIONAL_FIELDS.get(tag) if isinstance(tag, str) else None
+            fields = dict(zip(names, raw[1:])) if names is not None else {}
+        else:
+            raise DecodeError(f"event is a {type(raw).__name__}, not a map or tagged array")
+        if isinstance(tag, bytes):
+            tag = tag.decode("utf-8", "replace")
+        if tag not in _TYPES:
+            raise DecodeError(f"unknown event tag {tag!r}")
+        return _build(tag, fields)
+    except DecodeError:
+        raise
+    except Exception as exc:  # a shape nobody anticipated: still a counted error
+        raise DecodeError(f"malformed event: {exc!r}") from None
+
+
+def decode_payload(payload: bytes) -> tuple[EventBatch, list[str]]:
+    """A batch and the reasons for any events dropped from it; the valid ones still apply.
+
+    Raises DecodeError when the payload as a whole is unusable.
+    """
+    try:
+        raw = _msgpack.decode(payload)
+    except Exception as exc:
+        raise DecodeError(f"payload is not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise DecodeError("batch is neither [ts, events, dp_rank?] nor a map")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise DecodeError("batch timestamp is not a number")
+    if not isinstance(events, list):
+        raise DecodeError("batch events is not a list")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        rank = None
+    decoded: list[Event] = []
+    errors: list[str] = []
+    for i, ev in enumerate(events):
+        try:
+            decoded.append(decode_event(ev))
+        except DecodeError as exc:
+            errors.append(f"event {i}: {exc}")
+    return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors
+
+
+def decode_frames(frames: list[bytes]) -> DecodedFrame:
+    """A PUB message (``[topic, seq, payload]``) or a replay reply, fully tolerant.
+
+    Replay replies come as ``["", topic, seq, payload]`` (vLLM 0.32) or
+    ``["", seq, payload]`` (older); the leading empty delimiter is stripped by the
+    caller or here.
+    """
+    # Replay replies lead with the ROUTER's empty delimiter frame.
+    if len(frames) == 4 and frames[0] == b"":
+        frames = frames[1:]
+    elif len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8:
+        frames = frames[1:]
+    topic: Topic | None = None
+    try:
+        if len(frames) == 3:
+            seq_raw, payload = frames[1], frames[2]
+        elif len(frames) == 2:
+            seq_raw, payload = frames[0], frames[1]
+        else:
+            return DecodedFrame(None, None, None, [f"message has {len(frames)} frames, expected 3"])
+        seq = parse_seq(seq_raw)
+        # The replay end marker carries an empty topic; every other message names its pod.
+        if len(frames) == 3 and not (seq == SEQ_END and frames[0] == b""):
+            topic = parse_topic(frames[0])
+    except DecodeError as exc:
+        return DecodedFrame(topic, None, None, [str(exc)])
+    if seq == SEQ_END or not payload:
+        return DecodedFrame(topic, seq, None, [])
+    try:
+        batch, errors = decode_payload(payload)
+    except DecodeError as exc:
+        return DecodedFrame(topic, seq, None, [str(exc)])
+    return DecodedFrame(topic, seq, batch, errors)
+
+
+# ---- encoding: the simulator and tests publish exactly what vLLM 0.32 sends ----
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def event_to_wire(event: Event) -> dict[str, Any]:
+    name = type(event).__name__
+    body = {f: getattr(event, f) for f in event.__struct_fields__}
+    return {"type": name, **body}
+
+
+def encode_payload(batch: EventBatch) -> bytes:
+    return _encoder.encode([batch.ts, [event_to_wire(e) for e in batch.events], batch.data_parallel_rank])
+
+
+def encode_frames(topic: str, seq: int, batch: EventBatch | None) -> list[bytes]:
+    payload = b"" if batch is None else encode_payload(batch)
+    return [topic.encode(), seq.to_bytes(8, "big", signed=True), payload]
+
+
+def make_topic(pod_id: str, model: str) -> str:
+    return f"{TOPIC_PREFIX}@{pod_id}@{model}"

@@ -1,0 +1,525 @@
+"""The Valkey index: the one module that knows key names, field encodings and scripts.
+
+Layout (llm-d-kv-cache v0.9+ Redis index, so an llm-d scheduler shares it):
+
+  <request key, decimal>     HASH  field = PodEntry (JSON in Go field order, or v0.8 ``pod@tier``), value ""
+  engine:<engine key>        ZSET  member = request key (decimal), score = position within the engine block
+
+Ours, all HASHes under ``kvpf:`` because llm-d's Clear() runs HKEYS on every key
+that does not start with ``engine:``:
+
+  kvpf:pods                  HASH  pod -> model
+  kvpf:pod:<pod>             HASH  model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
+                                   incomplete, incomplete_reason, stored, removed, cleared, orphans
+  kvpf:blocks:<pod>          HASH  "<engine key>|<tier>" -> PodEntry field; the per-pod reverse index that
+                                   makes BlockRemoved and AllBlocksCleared cost O(pod's blocks)
+  kvpf:counters              HASH  fleet-wide counters (decode errors, replays, ...)
+
+Batches are applied by one script that first checks the batch's seq against the
+persisted seq of (pod, dp rank), so several ingesters on one engine converge on
+exactly one application of every batch (see docs/operations.md).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+ENGINE_PREFIX = "engine:"
+OUR_PREFIX = "kvpf:"
+PODS_KEY = OUR_PREFIX + "pods"
+COUNTERS_KEY = OUR_PREFIX + "counters"
+DEFAULT_TIER = "gpu"
+
+
+def request_key_name(request_key: int) -> str:
+    return str(request_key)
+
+
+def engine_key_name(engine_key: int) -> str:
+    return ENGINE_PREFIX + str(engine_key)
+
+
+def pod_meta_key(pod_id: str) -> str:
+    return f"{OUR_PREFIX}pod:{pod_id}"
+
+
+def pod_blocks_key(pod_id: str) -> str:
+    return f"{OUR_PREFIX}blocks:{pod_id}"
+
+
+# ---------------------------------------------------------------- PodEntry
+
+
+class PodEntry(msgspec.Struct, frozen=True):
+    """llm-d's PodEntry; field order is Go's, which the JSON encoding must keep byte for byte."""
+
+    PodIdentifier: str
+    DeviceTier: str = DEFAULT_TIER
+    Speculative: bool = False
+    HasGroup: bool = False
+    GroupIdx: int = 0
+
+
+_entry_json = msgspec.json.Encoder()
+_entry_decoder = msgspec.json.Decoder(PodEntry)
+
+
+def tier_of(medium: str | None) -> str:
+    return medium.lower() if medium else DEFAULT_TIER
+
+
+def make_entry(pod_id: str, medium: str | None, group_idx: int | None) -> PodEntry:
+    return PodEntry(
+        PodIdentifier=pod_id,
+        DeviceTier=tier_of(medium),
+        HasGroup=group_idx is not None,
+        GroupIdx=group_idx or 0,
+    )
+
+
+def encode_entry(entry: PodEntry, entry_format: str = "json") -> str:
+    if entry_format == "v08":
+        return f"{entry.PodIdentifier}@{entry.DeviceTier}" + ("[speculative]" if entry.Speculative else "")
+    return _entry_json.encode(entry).decode()
+
+
+def parse_entry(field_value: str | bytes) -> PodEntry | None:
+    """Either form llm-d has written; None for a field no llm-d version would write."""
+    text = field_value.decode("utf-8", "replace") if isinstance(field_value, bytes) else field_value
+    if text.startswith("{"):
+        try:
+            return _entry_decoder.decode(text)
+        except msgspec.DecodeError:
+            return None
+    pod, sep, tier = text.partition("@")
+    if not sep or not pod:
+        return None
+    speculative = False
+    bracket = tier.find("[")
+    if bracket != -1:
+        speculative = "speculative" in tier[bracket:]
+        tier = tier[:bracket]
+    return PodEntry(PodIdentifier=pod, DeviceTier=tier or DEFAULT_TIER, Speculative=speculative)
+
+
+# ---------------------------------------------------------------- mutations
+
+
+@dataclass(frozen=True)
+class StoreBlock:
+    engine_key: int
+    tier: str
+    entry_field: str
+    request_keys: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RemoveBlock:
+    engine_key: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class ClearPod:
+    pass
+
+
+Mutation = StoreBlock | RemoveBlock | ClearPod
+
+
+def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
+    """Flat script arguments: ``S ek tier field n rk..`` / ``R ek tier`` / ``C``."""
+    out: list[str | int] = []
+    for m in mutations:
+        if isinstance(m, StoreBlock):
+            out += ["S", m.engine_key, m.tier, m.entry_field, len(m.request_keys), *m.request_keys]
+        elif isinstance(m, RemoveBlock):
+            out += ["R", m.engine_key, m.tier]
+        else:
+            out.append("C")
+    return out
+
+
+# Shared Lua: remove every entry of one pod, via its reverse index (O(pod's blocks)).
+_LUA_CLEAR_POD = """
+local function clear_pod(blocks_key)
+  local n = 0
+  local all = redis.call('HGETALL', blocks_key)
+  for i = 1, #all, 2 do
+    local ek = string.match(all[i], '^([^|]*)')
+    local ekey = 'engine:' .. ek
+    local rks = redis.call('ZRANGE', ekey, 0, -1)
+    local alive = false
+    for _, rk in ipairs(rks) do
+      redis.call('HDEL', rk, all[i + 1])
+      if redis.call('EXISTS', rk) == 1 then alive = true end
+    end
+    if not alive then redis.call('DEL', ekey) end
+    n = n + 1
+  end
+  redis.call('DEL', blocks_key)
+  return n
+end
+"""
+
+# KEYS: none (keys are derived inside; single-node or single-shard Valkey).
+# ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, ops...
+# mode: "check" applies only the next seq; "force" applies regardless (gap accepted);
+#       "reset" clears the pod first (engine restart), then applies.
+# Returns {status, last_seq}; status in applied|dup|gap|restart.
+_LUA_APPLY = _LUA_CLEAR_POD + """
+local pod, rank = ARGV[1], ARGV[2]
+local seq, ts, mode = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local meta = 'kvpf:pod:' .. pod
+local blocks = 'kvpf:blocks:' .. pod
+local last = redis.call('HGET', meta, 'seq:' .. rank)
+local last_n = -1
+if last then last_n = tonumber(last) end
+if mode == 'check' then
+  if last then
+    if seq <= last_n then
+      local last_ts = tonumber(redis.call('HGET', meta, 'ts:' .. rank) or '0')
+      if ts > last_ts then return {'restart', last_n} end
+      return {'dup', last_n}
+    end
+    if seq > last_n + 1 then return {'gap', last_n} end
+  elseif seq > 0 then
+    return {'gap', -1}
+  end
+end
+if mode == 'reset' then
+  clear_pod(blocks)
+  redis.call('HINCRBY', meta, 'restarts', 1)
+end
+local stored, removed, cleared = 0, 0, 0
+local i = 9
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'S' then
+    local ek, tier, fld, n = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
+    local ekey = 'engine:' .. ek
+    redis.call('HSET', blocks, ek .. '|' .. tier, fld)
+    for j = 1, n do
+      local rk = ARGV[i + 4 + j]
+      redis.call('ZADD', ekey, j - 1, rk)
+      redis.call('HSET', rk, fld, '')
+    end
+    stored = stored + 1
+    i = i + 5 + n
+  elseif op == 'R' then
+    local ek, tier = ARGV[i + 1], ARGV[i + 2]
+    local bk = ek .. '|' .. tier
+    local fld = redis.call('HGET', blocks, bk)
+    if fld then
+      redis.call('HDEL', blocks, bk)
+      local ekey = 'engine:' .. ek
+      local rks = redis.call('ZRANGE', ekey, 0, -1)
+      local alive = false
+      for _, rk in ipairs(rks) do
+        redis.call('HDEL', rk, fld)
+        if redis.call('EXISTS', rk) == 1 then alive = true end
+      end
+      if not alive then redis.call('DEL', ekey) end
+      removed = removed + 1
+    end
+    i = i + 3
+  elseif op == 'C' then
+    clear_pod(blocks)
+    cleared = cleared + 1
+    i = i + 1
+  else
+    return redis.error_reply('unknown op ' .. tostring(op))
+  end
+end
+redis.call('HSET', meta, 'seq:' .. rank, seq, 'ts:' .. rank, ARGV[4], 'model', ARGV[6],
+           'last_event_time', ARGV[8])
+if ARGV[7] ~= '' then redis.call('HSET', meta, 'engine_block_size', ARGV[7]) end
+if mode == 'force' and last and seq > last_n + 1 then
+  redis.call('HINCRBY', meta, 'gaps_accepted', 1)
+end
+redis.call('HINCRBY', meta, 'batches', 1)
+if stored > 0 then redis.call('HINCRBY', meta, 'stored', stored) end
+if removed > 0 then redis.call('HINCRBY', meta, 'removed', removed) end
+if cleared > 0 then redis.call('HINCRBY', meta, 'cleared', cleared) end
+redis.call('HSET', 'kvpf:pods', pod, ARGV[6])
+return {'applied', last_n}
+"""
+
+_LUA_CLEAR = _LUA_CLEAR_POD + """
+local n = clear_pod('kvpf:blocks:' .. ARGV[1])
+if ARGV[2] == '1' then
+  redis.call('DEL', 'kvpf:pod:' .. ARGV[1])
+  redis.call('HDEL', 'kvpf:pods', ARGV[1])
+end
+return n
+"""
+
+# KEYS: the request-key chain. ARGV: pod ids to consider (none = all).
+# Walks the chain with early stop, returning per pod the length of its consecutive
+# prefix and the tier of its last matched block: {pod, blocks, tier, ...}.
+# Speculative entries (written by llm-d's scheduler before the engine confirms) are
+# not cache, so they do not count.
+_LUA_LOOKUP = """
+local filter = nil
+if #ARGV > 0 then
+  filter = {}
+  for _, p in ipairs(ARGV) do filter[p] = true end
+end
+local function parse(f)
+  if string.sub(f, 1, 1) == '{' then
+    if string.find(f, '"Speculative":true', 1, true) then return nil end
+    local pod = string.match(f, '"PodIdentifier":"(.-)"')
+    if pod and string.find(pod, '\\\\', 1, true) then
+      local ok, obj = pcall(cjson.decode, f)
+      if not ok then return nil end
+      return obj.PodIdentifier, obj.DeviceTier or 'gpu'
+    end
+    return pod, string.match(f, '"DeviceTier":"(.-)"') or 'gpu'
+  end
+  local pod, tier = string.match(f, '^([^@]*)@([^%[]*)')
+  if not pod or pod == '' then return nil end
+  if string.find(f, '[speculative]', 1, true) then return nil end
+  if tier == '' then tier = 'gpu' end
+  return pod, tier
+end
+local alive, counts, tiers = nil, {}, {}
+for i, key in ipairs(KEYS) do
+  local present = {}
+  for _, f in ipairs(redis.call('HKEYS', key)) do
+    local pod, tier = parse(f)
+    if pod and (filter == nil or filter[pod]) then
+      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
+    end
+  end
+  if alive == nil then
+    alive = present
+  else
+    for pod, _ in pairs(alive) do
+      if present[pod] == nil then alive[pod] = nil end
+    end
+  end
+  local any = false
+  for pod, _ in pairs(alive) do
+    counts[pod] = i
+    tiers[pod] = present[pod]
+    any = true
+  end
+  if not any then break end
+end
+local out = {}
+for pod, n in pairs(counts) do
+  out[#out + 1] = pod
+  out[#out + 1] = n
+  out[#out + 1] = tiers[pod]
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    status: str  # applied | dup | gap | restart
+    last_seq: int
+
+
+@dataclass(frozen=True)
+class PodMatch:
+    pod_id: str
+    blocks: int  # consecutive request-key blocks from the start of the chain
+    tier: str
+
+
+@dataclass
+class PodInfo:
+    pod_id: str
+    model: str
+    engine_block_size: int | None
+    seqs: dict[str, int]
+    last_event_time: float | None
+    incomplete: bool
+    incomplete_reason: str
+    blocks: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def longest_prefix(fields_per_key: Sequence[Sequence[str | bytes]], pods: Iterable[str] | None = None) -> list[PodMatch]:
+    """Pure twin of the lookup script, for the pipeline path (Valkey Cluster) and tests."""
+    wanted = set(pods) if pods else None
+    alive: dict[str, str] | None = None
+    counts: dict[str, int] = {}
+    tiers: dict[str, str] = {}
+    for i, fields in enumerate(fields_per_key, start=1):
+        present: dict[str, str] = {}
+        for f in fields:
+            entry = parse_entry(f)
+            if entry is None or entry.Speculative:
+                continue
+            if wanted is not None and entry.PodIdentifier not in wanted:
+                continue
+            if entry.PodIdentifier not in present or entry.DeviceTier == DEFAULT_TIER:
+                present[entry.PodIdentifier] = entry.DeviceTier
+        alive = present if alive is None else {p: t for p, t in present.items() if p in alive}
+        if not alive:
+            break
+        for pod in alive:
+            counts[pod] = i
+            tiers[pod] = alive[pod]
+    return [PodMatch(p, n, tiers[p]) for p, n in counts.items()]
+
+
+class Index:
+    """Async access to the index. Every call is bounded by the client's socket timeout."""
+
+    def __init__(self, client: aioredis.Redis, entry_format: str = "json"):
+        self.client = client
+        self.entry_format = entry_format
+        self._apply = client.register_script(_LUA_APPLY)
+        self._lookup = client.register_script(_LUA_LOOKUP)
+        self._clear = client.register_script(_LUA_CLEAR)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json") -> "Index":
+        client = aioredis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=0,
+            retry_on_timeout=False,
+        )
+        return cls(client, entry_format)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    def entry_field(self, pod_id: str, medium: str | None, group_idx: int | None) -> str:
+        return encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
+
+    # ---- write path
+
+    async def apply_batch(
+        self,
+        *,
+        pod_id: str,
+        rank: int,
+        seq: int,
+        ts: float,
+        model: str,
+        engine_block_size: int | None,
+        mutations: Sequence[Mutation],
+        mode: str = "check",
+    ) -> ApplyResult:
+        args: list[Any] = [
+            pod_id, rank, seq, repr(ts), mode, model,
+            "" if engine_block_size is None else engine_block_size, repr(time.time()),
+        ]
+        args += encode_mutations(mutations)
+        status, last = await self._apply(keys=[], args=args)
+        return ApplyResult(status.decode() if isinstance(status, bytes) else status, int(last))
+
+    async def resolve_engine_keys(self, engine_keys: Iterable[int]) -> dict[int, int]:
+        """Engine key -> its last request key (the one a child block chains from), one round trip."""
+        eks = list(dict.fromkeys(engine_keys))
+        if not eks:
+            return {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for ek in eks:
+                pipe.zrange(engine_key_name(ek), -1, -1)
+            replies = await pipe.execute()
+        return {ek: int(r[0]) for ek, r in zip(eks, replies) if r}
+
+    async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
+        """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""
+        return int(await self._clear(keys=[], args=[pod_id, "1" if forget else "0"]))
+
+    async def mark_incomplete(self, pod_id: str, reason: str) -> None:
+        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 1, "incomplete_reason": reason})
+
+    async def mark_complete(self, pod_id: str) -> None:
+        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 0, "incomplete_reason": ""})
+
+    async def count(self, name: str, n: int = 1, *, pod_id: str | None = None) -> None:
+        key = pod_meta_key(pod_id) if pod_id else COUNTERS_KEY
+        await self.client.hincrby(key, name, n)
+
+    # ---- read path
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *, mode: str = "script") -> list[PodMatch]:
+        """Per pod, how many leading blocks of the chain it holds. One round trip either way."""
+        if not request_keys:
+            return []
+        if mode == "pipeline":
+            return longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods)
+        flat = await self._lookup(keys=[request_key_name(k) for k in request_keys], args=list(pods or []))
+        out = []
+        for i in range(0, len(flat), 3):
+            pod, n, tier = flat[i], flat[i + 1], flat[i + 2]
+            out.append(PodMatch(pod.decode() if isinstance(pod, bytes) else pod, int(n),
+                                tier.decode() if isinstance(tier, bytes) else tier))
+        return out
+
+    async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
+        """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in request_keys:
+                pipe.hkeys(request_key_name(k))
+            replies = await pipe.execute()
+        if stop_at_gap:
+            for i, r in enumerate(replies):
+                if not r:
+                    return replies[:i]
+        return replies
+
+    async def pod_ids(self) -> dict[str, str]:
+        raw = await self.client.hgetall(PODS_KEY)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def pod_info(self, pod_id: str) -> PodInfo:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(pod_meta_key(pod_id))
+            pipe.hlen(pod_blocks_key(pod_id))
+            meta_raw, blocks = await pipe.execute()
+        meta = {k.decode(): v.decode() for k, v in meta_raw.items()}
+        seqs = {k[4:]: int(v) for k, v in meta.items() if k.startswith("seq:")}
+        counters = {
+            k: int(v) for k, v in meta.items()
+            if k in ("batches", "stored", "removed", "cleared", "orphans", "restarts", "gaps_accepted", "replays")
+        }
+        ebs = meta.get("engine_block_size")
+        let = meta.get("last_event_time")
+        return PodInfo(
+            pod_id=pod_id,
+            model=meta.get("model", ""),
+            engine_block_size=int(ebs) if ebs else None,
+            seqs=seqs,
+            last_event_time=float(let) if let else None,
+            incomplete=meta.get("incomplete") == "1",
+            incomplete_reason=meta.get("incomplete_reason", ""),
+            blocks=int(blocks),
+            counters=counters,
+        )
+
+    async def pods(self) -> list[PodInfo]:
+        return [await self.pod_info(p) for p in sorted(await self.pod_ids())]
+
+    async def counters(self) -> dict[str, int]:
+        raw = await self.client.hgetall(COUNTERS_KEY)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def key_count(self) -> int:
+        return int(await self.client.dbsize())
+
+
+__all__ = [
+    "ApplyResult", "ClearPod", "Index", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
+    "RemoveBlock", "ResponseError", "StoreBlock", "encode_entry", "engine_key_name", "longest_prefix",
+    "make_entry", "parse_entry", "pod_blocks_key", "pod_meta_key", "request_key_name", "tier_of",
+]
