@@ -1,0 +1,96 @@
+"""The ``kv-preflight`` command: run, inspect and rebuild.
+
+Sub-commands import their process lazily so ``kv-preflight keys`` stays instant.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from shared.config import Config, parse_model_urls
+
+
+def _read_tokens(spec: str) -> list[int]:
+    """A JSON list, or ``@file`` holding one."""
+    text = Path(spec[1:]).read_text() if spec.startswith("@") else spec
+    try:
+        tokens = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"--tokens is not JSON: {exc}") from None
+    if not isinstance(tokens, list):
+        raise click.BadParameter("--tokens must be a JSON list of token ids")
+    return tokens
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kv-preflight")
+def cli() -> None:
+    """Predict prefix-cache hits of LLM engines from their KV-cache events."""
+
+
+@cli.command()
+@click.option("--model", required=True, help="Model name as llm-d hashes it (the LoRA adapter name for adapters).")
+@click.option("--hash-seed", default="", show_default=True, help="llm-d's hash seed (PYTHONHASHSEED of the engines).")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Canonical tokens per request key.")
+@click.option("--parent", default=None, type=int, help="Continue the chain from this request key instead of the model root.")
+@click.option("--tokens", "tokens_spec", required=True, help="JSON list of token ids, or @file.")
+def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str) -> None:
+    """Print llm-d request keys for TOKENS as a JSON list of decimal strings."""
+    from shared.keys import request_keys
+
+    try:
+        out = request_keys(_read_tokens(tokens_spec), model=model, hash_seed=hash_seed, block_size=block_size, parent=parent)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    click.echo(json.dumps([str(k) for k in out]))
+
+
+@cli.command()
+@click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password).  [env KVPF_VALKEY_URL]")
+@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT]. Repeatable.")
+@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect (tcp://*:PORT). Repeatable.")
+@click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
+@click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
+@click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
+@click.option("--entry-format", default=None, type=click.Choice(["json", "v08"]), help="PodEntry form to write (default json, llm-d v0.9+).")
+@click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
+def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_format, log_json) -> None:
+    """Subscribe to engines' KV events and keep the Valkey index in step."""
+    from ingester.main import run
+
+    cfg = Config.load(valkey_url=valkey_url, sources=sources, binds=binds, engines=engines, hash_seed=hash_seed,
+                      block_size=block_size, entry_format=entry_format, log_json=log_json)
+    if not (cfg.sources or cfg.binds or cfg.engines):
+        raise click.UsageError("give at least one --source, --bind or --engine")
+    sys.exit(run(cfg))
+
+
+@cli.command()
+@click.option("--valkey-url", default=None, help="Valkey URL.  [env KVPF_VALKEY_URL]")
+@click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT, for tokenizing prompt/messages. Repeatable.")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
+@click.option("--port", default=None, type=int, help="Listen port (default 8080).")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1), help="Worker processes sharing the port.")
+@click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
+@click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
+@click.option("--max-tokens", default=None, type=click.IntRange(min=1), help="Largest prompt accepted, in tokens (default 262144).")
+@click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="script: one EVALSHA walks the chain; pipeline: HKEYS per key (Valkey Cluster).")
+@click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
+def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json) -> None:
+    """Serve predictions over HTTP."""
+    from predictor.main import serve as run_server
+
+    try:
+        urls = parse_model_urls(engine_urls) if engine_urls else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    cfg = Config.load(valkey_url=valkey_url, engine_urls=urls, host=host, port=port, hash_seed=hash_seed,
+                      block_size=block_size, max_tokens=max_tokens, lookup=lookup, log_json=log_json)
+    run_server(cfg, workers=workers)
+
+
+def main() -> None:  # pragma: no cover
+    cli()
