@@ -1,0 +1,237 @@
+"""The ingester loop: frames -> decoded batches -> planned mutations -> one script call per batch.
+
+Ordering and exactly-once come from the index script's seq check (shared/index.py):
+a batch applies only if it is the next seq of its (pod, dp rank). Everything else
+is recovery: a gap asks the engine's replay socket for what was missed, a seq that
+went backwards with a newer timestamp is an engine restart (clear, then apply),
+and an older duplicate (another ingester got there first) is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
+from shared.config import Config
+from shared.events import DecodedFrame, EventBatch, decode_frames
+from shared.index import Index
+
+log = logging.getLogger("kvpf.ingester")
+
+
+@dataclass
+class PodRoute:
+    model: str
+    replay: str | None = None
+
+
+@dataclass
+class Stats:
+    counts: Counter = field(default_factory=Counter)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+
+class Ingester:
+    def __init__(self, cfg: Config, index: Index, sources: list[Source]):
+        self.cfg = cfg
+        self.index = index
+        self.sources = sources
+        self.state = ChainState()
+        self.routes: dict[str, PodRoute] = {}
+        self.stats = Stats()
+        self.subscriber: Subscriber | None = None
+        self._stopping = asyncio.Event()
+
+    # ---- lifecycle
+
+    @classmethod
+    async def create(cls, cfg: Config, index: Index | None = None) -> "Ingester":
+        sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
+        for url in cfg.engines:
+            found = await discover(url)
+            if not found:
+                raise RuntimeError(f"{url}/kv_event_sources lists no KV-event publisher")
+            log.info("discovered %d event source(s) from %s", len(found), url)
+            sources += found
+        index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format)
+        return cls(cfg, index, sources)
+
+    def start(self) -> None:
+        self.subscriber = Subscriber(self.sources)
+        for src in self.sources:
+            if src.topic:
+                parts = src.topic.split("@", 2)
+                if len(parts) == 3:
+                    self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        if self.subscriber is None:
+            self.start()
+        await self.resume_known_pods()
+        assert self.subscriber is not None
+        try:
+            while not self._stopping.is_set():
+                recv = asyncio.ensure_future(self.subscriber.receive())
+                stop = asyncio.ensure_future(self._stopping.wait())
+                done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if recv not in done:
+                    recv.cancel()
+                    break
+                stop.cancel()
+                for src, frames in recv.result():
+                    await self.handle_frames(src, frames)
+        finally:
+            self.subscriber.close()
+
+    async def resume_known_pods(self) -> None:
+        """On start, replay from each known pod's persisted seq: closes the restart blind spot."""
+        for pod, route in self.routes.items():
+            if not route.replay:
+                continue
+            try:
+                info = await self._valkey(self.index.pod_info, pod)
+            except asyncio.CancelledError:
+                raise
+            last = max(info.seqs.values()) if info.seqs else -1
+            frames, complete = await fetch_replay(route.replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+            log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
+            for f in frames:
+                if f.batch is not None and f.seq is not None:
+                    await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False)
+
+    # ---- per message
+
+    async def handle_frames(self, src: Source, frames: list[bytes]) -> None:
+        decoded = decode_frames(frames)
+        for err in decoded.errors:
+            self.stats.inc("decode_errors")
+            log.warning("dropped from %s: %s", src.endpoint, err)
+        if decoded.errors:
+            await self._count_quietly("decode_errors", len(decoded.errors))
+        if decoded.topic is None or decoded.seq is None or decoded.batch is None:
+            return
+        pod = decoded.topic.pod_id
+        route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay))
+        route.model = decoded.topic.model
+        if src.replay and not route.replay:
+            route.replay = src.replay
+        await self.apply(pod, route.model, decoded.seq, decoded.batch)
+
+    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True, mode: str = "check") -> str:
+        """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
+        missing = unresolved_parents(batch, model, self.state)
+        if missing:
+            resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing])
+            seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
+        plan = plan_batch(
+            batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
+            block_size=self.cfg.block_size, entry_field=self.index.entry_field,
+        )
+        rank = batch.data_parallel_rank or 0
+        result = await self._valkey(
+            self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
+            engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
+        )
+        status = result.status
+        if status == "applied":
+            self.stats.inc("batches_applied")
+            self.stats.inc("blocks_stored", plan.stored_blocks)
+            self.stats.inc("blocks_removed", plan.removed_blocks)
+            if plan.orphans:
+                self.stats.inc("orphan_blocks", plan.orphans)
+                log.warning("%s seq %d: %d BlockStored event(s) with an unknown parent were not indexed", pod, seq, plan.orphans)
+                await self._valkey(self.index.count, "orphans", plan.orphans, pod_id=pod)
+                await self._valkey(self.index.mark_incomplete, pod, f"{plan.orphans} stored block(s) had an unknown parent")
+            elif plan.clears or mode == "reset":
+                await self._valkey(self.index.mark_complete, pod)
+        elif status == "dup":
+            self.stats.inc("duplicates_skipped")
+        elif status == "restart":
+            log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its entries",
+                        pod, result.last_seq, seq)
+            self.stats.inc("engine_restarts")
+            self.state = ChainState()  # engine keys of the old process mean nothing now
+            return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, mode="reset")
+        elif status == "gap":
+            return await self._fill_gap(pod, model, seq, batch, result.last_seq, allow_replay)
+        return status
+
+    async def _fill_gap(self, pod: str, model: str, seq: int, batch: EventBatch, last: int, allow_replay: bool) -> str:
+        start = last + 1
+        self.stats.inc("gaps")
+        route = self.routes.get(pod)
+        covered = False
+        if allow_replay and route and route.replay:
+            log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, last, seq, start)
+            frames, _ = await fetch_replay(route.replay, start, timeout_s=self.cfg.replay_timeout_s)
+            self.stats.inc("replays")
+            await self._count_quietly("replays", 1, pod_id=pod)
+            wanted = [f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq]
+            by_seq = {f.seq: f for f in wanted}
+            covered = sorted(by_seq) == list(range(start, seq))
+            if covered:
+                for f in (by_seq[s] for s in range(start, seq)):
+                    await self.apply(pod, model, f.seq, f.batch, allow_replay=False)
+                return await self.apply(pod, model, seq, batch, allow_replay=False)
+        reason = (f"events {start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
+                  if route and route.replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
+        log.warning("%s: %s; marking the pod incomplete", pod, reason)
+        self.stats.inc("gaps_unrecovered")
+        await self._valkey(self.index.mark_incomplete, pod, reason)
+        return await self.apply(pod, model, seq, batch, allow_replay=False, mode="force")
+
+    # ---- Valkey with retries
+
+    async def _valkey(self, fn, *args, **kwargs):
+        """Retry until Valkey answers: ZMQ keeps buffering meanwhile, and replay covers overflow."""
+        attempt = 0
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self.stats.inc("valkey_errors")
+                if attempt == 0 or attempt % 20 == 0:
+                    log.error("valkey unavailable (%s); retrying with backoff", exc)
+                attempt += 1
+                if self._stopping.is_set():
+                    raise
+                await sleep_backoff(attempt)
+
+    async def _count_quietly(self, name: str, n: int, pod_id: str | None = None) -> None:
+        try:
+            await self.index.count(name, n, pod_id=pod_id)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            self.stats.inc("valkey_errors")
+
+
+async def run_ingester(cfg: Config) -> None:
+    ing = await Ingester.create(cfg)
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, ing.stop)
+        except NotImplementedError:  # pragma: no cover
+            pass
+    ing.start()
+    log.info("ingesting from %d source(s) into %s", len(ing.sources), cfg.valkey_url.split("@")[-1])
+    try:
+        await ing.run()
+    finally:
+        await ing.index.close()
+        log.info("stopped: %s", dict(ing.stats.counts))
+
+
+__all__ = ["DecodedFrame", "Ingester", "run_ingester", "time"]

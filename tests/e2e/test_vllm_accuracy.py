@@ -1,0 +1,74 @@
+"""The foundation's promise, against a real vLLM: a prediction made just before a request
+equals the ``cached_tokens`` the engine then reports, through shared prefixes and eviction."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_vllm
+from tests.e2e.harness import EventWatcher, kvpf_stack, wait_index_caught_up
+
+pytestmark = pytest.mark.e2e
+
+
+def workload(seed: int = 7, n: int = 40) -> list[dict]:
+    """Shared system prompts and documents, revisited in random order; 23 usable blocks of 32
+    tokens cannot hold them all, so vLLM evicts as it goes."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 8000) for _ in range(rng.choice([70, 100, 130]))] for _ in range(4)]
+    docs = [[rng.randrange(10, 8000) for _ in range(rng.choice([40, 64, 90]))] for _ in range(6)]
+    reqs = []
+    for i in range(n):
+        s, d = rng.choice(systems), rng.choice(docs)
+        tail = [rng.randrange(10, 8000) for _ in range(rng.randrange(1, 40))]
+        reqs.append({"token_ids": s + d + tail})
+    # Text inputs go through the engine's tokenizer on both sides.
+    reqs.insert(5, {"prompt": "The quick brown fox jumps over the lazy dog. " * 12})
+    reqs.insert(9, {"prompt": "The quick brown fox jumps over the lazy dog. " * 12 + "Again?"})
+    msgs = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hello there"}]
+    reqs.insert(12, {"messages": msgs})
+    reqs.insert(15, {"messages": msgs[:1] + [{"role": "user", "content": "Hello again, friend"}]})
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    engine = start_vllm(pod="e2e-acc", port=8311, zmq_port=5581, replay_port=5582, blocks=24)
+    yield engine
+    engine.stop()
+
+
+def send(engine_url: str, req: dict) -> int:
+    if "messages" in req:
+        body = {"model": "tiny", "messages": req["messages"], "max_tokens": 1}
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": "tiny", "prompt": req.get("token_ids") or req["prompt"], "max_tokens": 1}
+        path = "/v1/completions"
+    r = httpx.post(engine_url + path, json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_predictions_equal_vllm_cached_tokens(vllm, valkey_url):
+    watcher = EventWatcher(vllm.zmq)
+    with kvpf_stack(valkey_url, ["--engine", vllm.url], ["--engine-url", f"tiny={vllm.url}"], "e2e-acc") as stack:
+        results = []
+        for i, req in enumerate(workload()):
+            wait_index_caught_up(valkey_url, watcher)
+            pred = httpx.post(stack.predictor_url + "/v1/cache/predict", json={"model": "tiny", **req}, timeout=10)
+            assert pred.status_code == 200, pred.text
+            predicted = pred.json()["predicted_cached_tokens"]
+            actual = send(vllm.url, req)
+            results.append((i, predicted, actual))
+        stats = httpx.get(stack.predictor_url + "/stats", timeout=5).json()
+    watcher.close()
+    mismatches = [r for r in results if r[1] != r[2]]
+    hits = sum(1 for r in results if r[2] > 0)
+    print(f"\naccuracy: {len(results) - len(mismatches)}/{len(results)} exact; {hits} requests had cache hits")
+    assert hits >= 10, "the workload must exercise real cache hits"
+    pod = next(p for p in stats["pods"] if p["pod_id"] == vllm.pod_id)
+    assert pod["counters"].get("removed", 0) > 0, "the workload must force eviction"
+    assert not mismatches, f"(request, predicted, actual): {mismatches}"

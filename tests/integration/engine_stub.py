@@ -1,0 +1,62 @@
+"""A publisher that speaks vLLM 0.32's KV-event protocol (PUB + replay ROUTER), driven by the test."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import zmq
+
+from shared.events import EventBatch, encode_frames
+
+
+class EngineStub:
+    def __init__(self, pub_endpoint: str, replay_endpoint: str, topic: str, *, bind: bool = True, buffer: int = 10_000):
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        (self.pub.bind if bind else self.pub.connect)(pub_endpoint)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(replay_endpoint)
+        self.topic = topic
+        self.seq = 0
+        self.buffer: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: EventBatch, *, send: bool = True) -> int:
+        """Publish the next batch; ``send=False`` buffers it for replay only (a frame lost on the wire)."""
+        with self._lock:
+            seq = self.seq
+            frames = encode_frames(self.topic, seq, batch)
+            self.buffer.append((seq, frames))
+            self.seq += 1
+        if send:
+            self.pub.send_multipart(frames)
+        return seq
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)
+
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(50)):
+                continue
+            ident, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                replies = [f for s, f in self.buffer if s >= first]
+            for frames in replies:
+                self.router.send_multipart([ident, b"", *frames])
+            self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()

@@ -1,0 +1,103 @@
+"""The Valkey layout and the apply script, against a real valkey-server."""
+from __future__ import annotations
+
+import pytest
+import redis
+
+from shared.index import (
+    ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+F0 = encode_entry(make_entry("pod-a", "GPU", 0))
+FB = encode_entry(make_entry("pod-b", "GPU", 0))
+
+
+async def apply(ix, seq, muts, pod="pod-a", ts=None, mode="check"):
+    return await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=ts if ts is not None else 1000.0 + seq,
+                                model="m", engine_block_size=32, mutations=muts, mode=mode)
+
+
+@pytest.fixture
+async def ix(valkey_url):
+    index = Index.from_url(valkey_url)
+    yield index
+    await index.close()
+
+
+async def test_store_writes_llmd_layout(ix, valkey_url):
+    r = await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101, 102)), StoreBlock(12, "gpu", F0, (103, 104))])
+    assert (r.status, r.last_seq) == ("applied", -1)
+    sync = redis.Redis.from_url(valkey_url, decode_responses=True)
+    assert sync.hgetall("101") == {F0: ""}
+    assert sync.type("engine:11") == "zset"
+    assert sync.zrange("engine:11", 0, -1, withscores=True) == [("101", 0.0), ("102", 1.0)]
+    assert F0 == '{"PodIdentifier":"pod-a","DeviceTier":"gpu","Speculative":false,"HasGroup":true,"GroupIdx":0}'
+    # llm-d's Clear() runs HKEYS on every key not starting with "engine:": each must be a HASH.
+    for key in sync.scan_iter():
+        if not key.startswith("engine:"):
+            sync.hkeys(key)
+            assert sync.type(key) == "hash", key
+    meta = sync.hgetall("kvpf:pod:pod-a")
+    assert meta["seq:0"] == "0" and meta["engine_block_size"] == "32" and meta["model"] == "m"
+
+
+async def test_seq_check_dup_gap_restart(ix):
+    assert (await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,))])).status == "applied"
+    assert (await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,))])).status == "dup"
+    gap = await apply(ix, 3, [])
+    assert (gap.status, gap.last_seq) == ("gap", 0)
+    assert (await apply(ix, 1, [])).status == "applied"
+    # seq back to 0 with a newer timestamp: the engine restarted.
+    assert (await apply(ix, 0, [], ts=5000.0)).status == "restart"
+    assert (await apply(ix, 0, [StoreBlock(13, "gpu", F0, (105,))], ts=5000.0, mode="reset")).status == "applied"
+    assert await ix.client.exists("101") == 0 and await ix.client.exists("105") == 1
+    # An unseen pod that starts past seq 0 has missed history.
+    assert (await apply(ix, 4, [], pod="pod-new")).status == "gap"
+    assert (await apply(ix, 4, [], pod="pod-new", mode="force")).status == "applied"
+
+
+async def test_remove_prunes_and_keeps_other_pods(ix):
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101, 102))])
+    await apply(ix, 0, [StoreBlock(11, "gpu", FB, (101, 102))], pod="pod-b")
+    await apply(ix, 1, [RemoveBlock(11, "gpu")])
+    assert await ix.client.hkeys("101") == [FB.encode()]
+    assert await ix.client.exists(engine_key_name(11)) == 1  # pod-b still holds it
+    await apply(ix, 1, [RemoveBlock(11, "gpu")], pod="pod-b")
+    assert await ix.client.exists("101", "102", engine_key_name(11)) == 0
+    # Removing what is not there is a no-op, not an error.
+    assert (await apply(ix, 2, [RemoveBlock(99, "gpu"), RemoveBlock(11, "cpu")])).status == "applied"
+
+
+async def test_clear_pod_is_per_pod(ix):
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,)), StoreBlock(12, "gpu", F0, (102,))])
+    await apply(ix, 0, [StoreBlock(11, "gpu", FB, (101,))], pod="pod-b")
+    await apply(ix, 1, [ClearPod(), StoreBlock(13, "gpu", F0, (103,))])
+    assert await ix.client.hkeys("101") == [FB.encode()]
+    assert await ix.client.exists("102") == 0 and await ix.client.exists("103") == 1
+    assert await ix.clear_pod("pod-b", forget=True) == 1
+    assert await ix.client.exists("101", "kvpf:pod:pod-b") == 0
+    assert "pod-b" not in await ix.pod_ids()
+
+
+async def test_lookup_script_equals_pipeline_and_llmd_forms(ix, valkey_url):
+    chain = [201, 202, 203, 204]
+    await apply(ix, 0, [StoreBlock(1, "gpu", F0, tuple(chain))])
+    await apply(ix, 0, [StoreBlock(2, "gpu", FB, tuple(chain[:2]))], pod="pod-b")
+    sync = redis.Redis.from_url(valkey_url)
+    sync.hset("201", "llmd-v08@gpu", "")  # written by an llm-d v0.8 scheduler
+    sync.hset("201", "spec-pod@gpu[speculative]", "")  # not confirmed: never counts
+    sync.hset("202", "llmd-v08@cpu", "")
+    for mode in ("script", "pipeline"):
+        got = {m.pod_id: (m.blocks, m.tier) for m in await ix.lookup(chain, mode=mode)}
+        assert got == {"pod-a": (4, "gpu"), "pod-b": (2, "gpu"), "llmd-v08": (2, "cpu")}, mode
+        got = {m.pod_id: m.blocks for m in await ix.lookup(chain, ["pod-b", "nope"], mode=mode)}
+        assert got == {"pod-b": 2}
+    assert await ix.lookup([999, 201]) == []  # the chain breaks at its first block
+
+
+def test_longest_prefix_pure():
+    a, b = "a@gpu", "b@gpu"
+    assert {m.pod_id: m.blocks for m in longest_prefix([[a, b], [a], [a, b], []])} == {"a": 3, "b": 1}
+    assert longest_prefix([[], [a]]) == []

@@ -1,0 +1,228 @@
+"""The ingester against real ZMQ sockets (both directions) and a real Valkey."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cli.valkey_server import free_port
+from ingester.service import Ingester
+from ingester.subscriber import Source, fetch_replay
+from shared.config import Config
+from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from shared.index import Index
+from shared.keys import request_keys
+from tests.integration.engine_stub import EngineStub
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+TOKENS = list(range(2000, 2000 + 32 * 8))
+
+
+def stored(hashes, parent, start_block, medium="GPU"):
+    toks = TOKENS[start_block * 32 : (start_block + len(hashes)) * 32]
+    return BlockStored(hashes, parent, toks, 32, medium=medium, group_idx=0, lora_name=None, extra_keys=[None] * len(hashes),
+                       kv_cache_spec_kind="full_attention")
+
+
+def batch(*events, ts=None):
+    return EventBatch(ts if ts is not None else time.time(), list(events), 0)
+
+
+class Harness:
+    def __init__(self, valkey_url: str, *, bind_side: str = "engine"):
+        zport, rport = free_port(), free_port()
+        self.replay = f"tcp://127.0.0.1:{rport}"
+        if bind_side == "engine":  # engine binds (tcp://*:P), ingester connects
+            self.engine = EngineStub(f"tcp://127.0.0.1:{zport}", self.replay, "kv@pod-a@tiny", bind=True)
+            self.source = Source(f"tcp://127.0.0.1:{zport}", bind=False, replay=self.replay)
+        else:  # engine connects, ingester binds
+            self.source = Source(f"tcp://127.0.0.1:{zport}", bind=True, replay=self.replay)
+            self.engine = None
+            self._zport = zport
+        self.valkey_url = valkey_url
+        self.ingesters: list[tuple[Ingester, asyncio.Task]] = []
+
+    def start_engine_connecting(self):
+        self.engine = EngineStub(f"tcp://127.0.0.1:{self._zport}", self.replay, "kv@pod-a@tiny", bind=False)
+
+    async def start_ingester(self) -> Ingester:
+        cfg = Config(valkey_url=self.valkey_url, replay_timeout_s=1.0)
+        ing = Ingester(cfg, Index.from_url(self.valkey_url), [self.source])
+        ing.start()
+        task = asyncio.create_task(ing.run())
+        self.ingesters.append((ing, task))
+        await asyncio.sleep(0.3)  # ZMQ slow joiner: frames sent before the subscription lands are lost
+        return ing
+
+    async def stop_ingester(self, ing: Ingester):
+        for i, (x, task) in enumerate(self.ingesters):
+            if x is ing:
+                ing.stop()
+                await asyncio.wait_for(task, 5)
+                await ing.index.close()
+                self.ingesters.pop(i)
+                return
+
+    async def wait_seq(self, ix: Index, seq: int, pod="pod-a", timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = await ix.pod_info(pod)
+            if info.seqs.get("0", -1) >= seq:
+                return info
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"index stuck at {await ix.pod_info(pod)}, wanted seq {seq}")
+
+    async def close(self):
+        for ing, task in list(self.ingesters):
+            await self.stop_ingester(ing)
+        if self.engine:
+            self.engine.close()
+
+
+@pytest.fixture
+async def ix(valkey_url):
+    index = Index.from_url(valkey_url)
+    yield index
+    await index.close()
+
+
+async def cached_blocks(ix: Index, n_tokens: int) -> int:
+    matches = await ix.lookup(request_keys(TOKENS[:n_tokens], model="tiny"))
+    return max((m.blocks for m in matches if m.pod_id == "pod-a"), default=0)
+
+
+@pytest.mark.parametrize("bind_side", ["engine", "ingester"])
+async def test_stream_store_remove_clear(valkey_url, ix, bind_side):
+    h = Harness(valkey_url, bind_side=bind_side)
+    try:
+        await h.start_ingester()
+        if bind_side == "ingester":
+            h.start_engine_connecting()
+            await asyncio.sleep(0.3)
+        h.engine.publish(batch(stored([1, 2], None, 0)))
+        h.engine.publish(batch(stored([3], 2, 2)))
+        await h.wait_seq(ix, 1)
+        assert await cached_blocks(ix, 3 * 32) == 6  # 3 engine blocks of 32 = 6 request keys of 16
+        h.engine.publish(batch(BlockRemoved([3], medium="GPU", group_idx=0)))
+        await h.wait_seq(ix, 2)
+        assert await cached_blocks(ix, 3 * 32) == 4
+        h.engine.publish(batch(AllBlocksCleared(), stored([9], None, 0)))
+        info = await h.wait_seq(ix, 3)
+        assert info.blocks == 1 and await cached_blocks(ix, 64) == 2
+    finally:
+        await h.close()
+
+
+async def test_gap_is_filled_from_replay(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        await h.start_ingester()
+        h.engine.publish(batch(stored([1], None, 0)))
+        h.engine.publish(batch(stored([2], 1, 1)), send=False)  # lost on the wire
+        h.engine.publish(batch(stored([3], 2, 2)))
+        info = await h.wait_seq(ix, 2)
+        assert await cached_blocks(ix, 96) == 6 and not info.incomplete
+        assert info.counters.get("replays", 0) == 1
+    finally:
+        await h.close()
+
+
+async def test_cold_start_catches_up_from_replay(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        for i in range(4):  # published before any ingester existed
+            h.engine.publish(batch(stored([i + 1], i or None, i)))
+        await h.start_ingester()
+        h.engine.publish(batch(stored([5], 4, 4)))
+        info = await h.wait_seq(ix, 4)
+        assert await cached_blocks(ix, 160) == 10 and not info.incomplete
+    finally:
+        await h.close()
+
+
+async def test_gap_beyond_replay_buffer_marks_incomplete(valkey_url, ix):
+    h = Harness(valkey_url)
+    h.engine.buffer = type(h.engine.buffer)(maxlen=1)
+    try:
+        await h.start_ingester()
+        h.engine.publish(batch(stored([1], None, 0)))
+        await h.wait_seq(ix, 0)
+        h.engine.publish(batch(stored([2], 1, 1)), send=False)
+        h.engine.publish(batch(stored([7], None, 3)), send=False)  # pushes seq 1 out of the 1-batch buffer
+        h.engine.publish(batch(BlockRemoved([1])))
+        info = await h.wait_seq(ix, 3)
+        assert info.incomplete and "replay buffer no longer holds" in info.incomplete_reason
+        # A reset makes the index exact again.
+        h.engine.publish(batch(AllBlocksCleared()))
+        info = await h.wait_seq(ix, 4)
+        assert not info.incomplete and info.blocks == 0
+    finally:
+        await h.close()
+
+
+async def test_engine_restart_clears_old_entries(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        await h.start_ingester()
+        h.engine.publish(batch(stored([1, 2], None, 0)))
+        h.engine.publish(batch(stored([3], 2, 2)))
+        await h.wait_seq(ix, 1)
+        h.engine.seq = 0  # a new engine process counts from 0 again
+        h.engine.buffer.clear()
+        h.engine.publish(batch(stored([8], None, 5)))
+        deadline = time.monotonic() + 5
+        while (await ix.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        info = await ix.pod_info("pod-a")
+        assert info.counters.get("restarts") == 1 and info.blocks == 1
+        assert await cached_blocks(ix, 32) == 0
+    finally:
+        await h.close()
+
+
+async def test_two_ingesters_apply_each_batch_once(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        a = await h.start_ingester()
+        b = await h.start_ingester()
+        for i in range(6):
+            h.engine.publish(batch(stored([i + 1], i or None, i)))
+        h.engine.publish(batch(BlockRemoved([6])))
+        info = await h.wait_seq(ix, 6)
+        await asyncio.sleep(0.2)
+        assert info.counters["batches"] == 7 and info.counters["stored"] == 6 and info.counters["removed"] == 1
+        applied = a.stats.counts["batches_applied"] + b.stats.counts["batches_applied"]
+        assert applied == 7
+        assert a.stats.counts["duplicates_skipped"] + b.stats.counts["duplicates_skipped"] == 7
+        assert await cached_blocks(ix, 6 * 32) == 10
+    finally:
+        await h.close()
+
+
+async def test_malformed_frames_are_counted_not_fatal(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        ing = await h.start_ingester()
+        h.engine.send_raw([b"kv@pod-a@tiny", b"\x00" * 8, b"\xc1\xc1 not msgpack"])
+        h.engine.send_raw([b"nonsense"])
+        h.engine.send_raw([b"kv@pod-a@tiny", b"\x00\x01", b""])
+        h.engine.publish(batch(stored([1], None, 0)))
+        await h.wait_seq(ix, 0)
+        assert ing.stats.counts["decode_errors"] == 3
+        assert (await ix.counters())["decode_errors"] == 3
+        assert await cached_blocks(ix, 32) == 2
+    finally:
+        await h.close()
+
+
+async def test_replay_client_reads_until_end_marker(valkey_url):
+    h = Harness(valkey_url)
+    try:
+        for i in range(3):
+            h.engine.publish(batch(stored([i + 1], i or None, i)), send=False)
+        frames, complete = await fetch_replay(h.replay, 1, timeout_s=2)
+        assert complete and [f.seq for f in frames] == [1, 2]
+    finally:
+        await h.close()

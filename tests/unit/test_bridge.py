@@ -1,0 +1,72 @@
+"""The engine-key -> request-key bridge, for every engine/canonical block ratio."""
+import pytest
+
+from ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from shared.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
+from shared.keys import request_keys
+
+TOKENS = list(range(1000, 1128))  # 128 tokens
+
+
+def field(pod, medium, group):
+    return encode_entry(make_entry(pod, medium, group))
+
+
+def plan(events, state=None, block_size=16, model="tiny"):
+    return plan_batch(EventBatch(1.0, events, 0), pod_id="p", topic_model=model, state=state if state is not None else ChainState(),
+                      hash_seed="", block_size=block_size, entry_field=field)
+
+
+@pytest.mark.parametrize("engine_block", [16, 32, 64, 8, 24, 48])
+def test_any_ratio_maps_to_the_canonical_chain(engine_block):
+    n = len(TOKENS) // engine_block
+    expected = request_keys(TOKENS[: n * engine_block], model="tiny")
+    # Split the same chain over two events so the second resolves its parent from state.
+    state = ChainState()
+    half = n // 2
+    ev1 = BlockStored(list(range(1, half + 1)), None, TOKENS[: half * engine_block], engine_block, medium="GPU", group_idx=0)
+    ev2 = BlockStored(list(range(half + 1, n + 1)), half, TOKENS[half * engine_block : n * engine_block], engine_block,
+                      medium="GPU", group_idx=0)
+    p1 = plan([ev1], state)
+    p2 = plan([ev2], state)
+    stores = [m for m in p1.mutations + p2.mutations if isinstance(m, StoreBlock)]
+    assert [m.engine_key for m in stores] == list(range(1, n + 1))
+    assert [k for m in stores for k in m.request_keys] == expected
+    if engine_block % 16 == 0:
+        assert all(len(m.request_keys) == engine_block // 16 for m in stores)
+    assert p2.engine_block_size == engine_block and p1.orphans == p2.orphans == 0
+
+
+def test_unknown_parent_is_an_orphan_until_resolved():
+    ev = BlockStored([7], 99, TOKENS[:32], 32)
+    state = ChainState()
+    assert unresolved_parents(EventBatch(1.0, [ev]), "tiny", state) == [("tiny", 99)]
+    assert plan([ev], state).orphans == 1
+    seed_state(state, {("tiny", 99): 12345})
+    p = plan([ev], state)
+    assert p.orphans == 0
+    assert p.mutations[0].request_keys == tuple(request_keys(TOKENS[:32], model="tiny", parent=12345))
+
+
+def test_parent_in_same_batch_needs_no_lookup():
+    evs = [BlockStored([1], None, TOKENS[:32], 32), BlockStored([2], 1, TOKENS[32:64], 32)]
+    assert unresolved_parents(EventBatch(1.0, evs), "tiny", ChainState()) == []
+
+
+def test_lora_blocks_are_keyed_by_adapter_name():
+    ev = BlockStored([1], None, TOKENS[:32], 32, lora_id=3, lora_name="sql-lora")
+    p = plan([ev])
+    assert p.mutations[0].request_keys == tuple(request_keys(TOKENS[:32], model="sql-lora"))
+
+
+def test_removed_and_cleared_and_tiers():
+    p = plan([BlockRemoved([5, 6], medium="CPU"), AllBlocksCleared(), BlockRemoved([7])])
+    assert p.mutations == [RemoveBlock(5, "cpu"), RemoveBlock(6, "cpu"), ClearPod(), RemoveBlock(7, "gpu")]
+    assert p.clears == 1 and p.removed_blocks == 3
+
+
+def test_entry_field_carries_tier_and_group():
+    p = plan([BlockStored([1], None, TOKENS[:32], 32, medium="CPU", group_idx=1)])
+    assert p.mutations[0].entry_field == \
+        '{"PodIdentifier":"p","DeviceTier":"cpu","Speculative":false,"HasGroup":true,"GroupIdx":1}'

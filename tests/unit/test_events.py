@@ -1,0 +1,113 @@
+import base64
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames, decode_payload, encode_frames,
+)
+from tests.conftest import load_jsonl
+
+
+def _live(name):
+    return [
+        decode_frames([o["topic"].encode(), o["seq"].to_bytes(8, "big"), base64.b64decode(o["payload_b64"])])
+        for o in load_jsonl(name)
+    ]
+
+
+def test_vllm_032_live_frames_decode_completely():
+    frames = _live("vllm-0.32-live-frames.jsonl")
+    assert frames and all(not f.errors and f.batch is not None for f in frames)
+    assert {f.topic.pod_id for f in frames} == {"vllm-0"} and {f.topic.model for f in frames} == {"tiny"}
+    kinds = [type(e).__name__ for f in frames for e in f.batch.events]
+    assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kinds)
+    stored = next(e for f in frames for e in f.batch.events if isinstance(e, BlockStored))
+    assert stored.block_size == 32 and stored.medium == "GPU" and stored.group_idx == 0
+    assert stored.kv_cache_spec_kind == "full_attention" and stored.lora_name is None
+    assert len(stored.token_ids) == 32 * len(stored.block_hashes)
+    # A prefix-cache reset: AllBlocksCleared then a BlockStored in the same batch, in that order.
+    reset = next(f for f in frames if any(isinstance(e, AllBlocksCleared) for e in f.batch.events))
+    assert isinstance(reset.batch.events[0], AllBlocksCleared) and isinstance(reset.batch.events[1], BlockStored)
+
+
+def test_vllm_032_replay_frames_decode_and_end():
+    frames = [decode_frames([base64.b64decode(x) for x in o["frames_b64"]]) for o in load_jsonl("vllm-0.32-replay-frames.jsonl")]
+    assert [f.seq for f in frames[:-1]] == list(range(len(frames) - 1))
+    assert all(not f.errors and f.batch and f.topic.pod_id == "vllm-0" for f in frames[:-1])
+    assert frames[-1].seq == -1 and frames[-1].batch is None and not frames[-1].errors
+
+
+def test_old_replay_reply_without_topic():
+    payload = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}], 0])
+    f = decode_frames([b"", (7).to_bytes(8, "big"), payload])
+    assert f.seq == 7 and f.topic is None and isinstance(f.batch.events[0], AllBlocksCleared)
+
+
+def test_legacy_positional_frames():
+    frames = _live("vllm-legacy-array-frames.jsonl")
+    assert all(not f.errors for f in frames)
+    first = frames[0].batch.events[0]
+    assert isinstance(first, BlockStored) and first.block_hashes == [111, 222] and first.medium == "GPU"
+    assert first.parent_block_hash is None and first.block_size == 32
+    assert frames[1].batch.events[0].parent_block_hash == 222
+    assert frames[2].batch.events[0].block_hashes == [0x1BC]  # bytes hash: last 8 bytes, big-endian
+    assert isinstance(frames[3].batch.events[0], BlockRemoved) and frames[3].batch.events[0].block_hashes == [333]
+    assert isinstance(frames[4].batch.events[0], AllBlocksCleared)
+
+
+def test_unknown_tag_and_bad_event_are_reported_and_others_apply():
+    payload = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockWarmed", "block_hashes": [1]},
+        {"type": "BlockRemoved", "block_hashes": "nope"},
+        {"type": "BlockRemoved", "block_hashes": [5], "medium": "CPU", "future_field": {"x": 1}},
+        ["AllBlocksCleared"],
+    ]])
+    batch, errors = decode_payload(payload)
+    assert len(errors) == 2 and "unknown event tag" in errors[0]
+    assert [type(e).__name__ for e in batch.events] == ["BlockRemoved", "AllBlocksCleared"]
+    assert batch.data_parallel_rank is None
+
+
+def test_map_batch_layout():
+    payload = msgspec.msgpack.encode({"ts": 2.5, "events": [{"type": "AllBlocksCleared"}], "data_parallel_rank": 1})
+    batch, errors = decode_payload(payload)
+    assert not errors and batch.ts == 2.5 and batch.data_parallel_rank == 1
+
+
+def test_stored_with_too_few_tokens_is_rejected():
+    payload = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                                            "token_ids": [1] * 40, "block_size": 32}]])
+    batch, errors = decode_payload(payload)
+    assert not batch.events and "need 64 tokens" in errors[0]
+
+
+def test_encode_roundtrip():
+    batch = EventBatch(ts=3.0, events=[BlockStored([1], None, list(range(16)), 16, medium="GPU", group_idx=0),
+                                       BlockRemoved([1], medium="GPU"), AllBlocksCleared()], data_parallel_rank=0)
+    f = decode_frames(encode_frames("kv@p@m", 9, batch))
+    assert f.seq == 9 and f.topic.pod_id == "p" and f.batch == batch and not f.errors
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=5))
+def test_fuzz_frames_never_raise(frames):
+    out = decode_frames(frames)
+    assert out.batch is None or isinstance(out.batch, EventBatch)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=5) | st.binary(max_size=9),
+    lambda c: st.lists(c, max_size=6) | st.dictionaries(st.sampled_from(["type", "block_hashes", "token_ids", "block_size",
+                                                                           "parent_block_hash", "medium", "ts", "events"]) | st.text(max_size=3), c, max_size=6),
+    max_leaves=30,
+))
+def test_fuzz_structured_payloads_never_raise(obj):
+    try:
+        payload = msgspec.msgpack.encode(obj)
+    except (TypeError, OverflowError):
+        return
+    out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), payload])
+    assert isinstance(out.errors, list)
