@@ -94,3 +94,8 @@ def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, m
 
 def main() -> None:  # pragma: no cover
     cli()
+
+
+from cli.index_cmds import index_group  # noqa: E402
+
+cli.add_command(index_group)

@@ -171,7 +171,8 @@ end
 # KEYS: none (keys are derived inside; single-node or single-shard Valkey).
 # ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, ops...
 # mode: "check" applies only the next seq; "force" applies regardless (gap accepted);
-#       "reset" clears the pod first (engine restart), then applies.
+#       "reset" clears the pod first (engine restart), then applies; "import" applies
+#       without touching the pod's seq (index import).
 # Returns {status, last_seq}; status in applied|dup|gap|restart.
 _LUA_APPLY = _LUA_CLEAR_POD + """
 local pod, rank = ARGV[1], ARGV[2]
@@ -237,8 +238,12 @@ while i <= #ARGV do
     return redis.error_reply('unknown op ' .. tostring(op))
   end
 end
-redis.call('HSET', meta, 'seq:' .. rank, seq, 'ts:' .. rank, ARGV[4], 'model', ARGV[6],
-           'last_event_time', ARGV[8])
+if mode == 'import' then
+  redis.call('HSET', meta, 'model', ARGV[6])
+else
+  redis.call('HSET', meta, 'seq:' .. rank, seq, 'ts:' .. rank, ARGV[4], 'model', ARGV[6],
+             'last_event_time', ARGV[8])
+end
 if ARGV[7] ~= '' then redis.call('HSET', meta, 'engine_block_size', ARGV[7]) end
 if mode == 'force' and last and seq > last_n + 1 then
   redis.call('HINCRBY', meta, 'gaps_accepted', 1)
@@ -435,6 +440,35 @@ class Index:
                 pipe.zrange(engine_key_name(ek), -1, -1)
             replies = await pipe.execute()
         return {ek: int(r[0]) for ek, r in zip(eks, replies) if r}
+
+    async def import_blocks(self, pod_id: str, model: str, engine_block_size: int | None,
+                            stores: Sequence[StoreBlock]) -> None:
+        """Write exported entries back; the pod's seq is left alone (the next live batch decides)."""
+        await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model=model,
+                               engine_block_size=engine_block_size, mutations=stores, mode="import")
+
+    async def export_blocks(self, pod_id: str, batch: int = 1000):
+        """Yield every StoreBlock a pod holds, read with HSCAN so a large pod never blocks Valkey."""
+        cursor = 0
+        while True:
+            cursor, chunk = await self.client.hscan(pod_blocks_key(pod_id), cursor, count=batch)
+            items = list(chunk.items())
+            async with self.client.pipeline(transaction=False) as pipe:
+                for bk, _ in items:
+                    pipe.zrange(engine_key_name(int(bk.split(b"|", 1)[0])), 0, -1)
+                rks = await pipe.execute() if items else []
+            for (bk, fld), keys in zip(items, rks):
+                ek, _, tier = bk.decode().partition("|")
+                yield StoreBlock(int(ek), tier, fld.decode(), tuple(int(k) for k in keys))
+            if cursor == 0:
+                return
+
+    async def memory_usage(self) -> int | None:
+        try:
+            info = await self.client.info("memory")
+            return int(info.get("used_memory", 0))
+        except RedisError:
+            return None
 
     async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
         """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""

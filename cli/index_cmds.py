@@ -1,0 +1,319 @@
+"""``kv-preflight index ...``: look inside the Valkey index, clear, rebuild, export and import it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import click
+import httpx
+
+from shared.config import Config
+from shared.index import Index, StoreBlock, parse_entry
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except (OSError, ConnectionError) as exc:
+        raise click.ClickException(f"cannot reach Valkey: {exc}") from None
+    except Exception as exc:  # redis errors and the like: one clear line, no traceback
+        if exc.__class__.__module__.startswith("redis"):
+            raise click.ClickException(f"Valkey error: {exc}") from None
+        raise
+
+
+def _emit(as_json: bool, data: Any, human) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        human(data)
+
+
+def _index(valkey_url: str | None) -> Index:
+    cfg = Config.load(valkey_url=valkey_url)
+    return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format)
+
+
+valkey_opt = click.option("--valkey-url", default=None, help="Valkey URL.  [env KVPF_VALKEY_URL]")
+json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.group("index")
+def index_group() -> None:
+    """Inspect and maintain the Valkey index."""
+
+
+def _pod_row(p, now: float) -> dict[str, Any]:
+    return {
+        "pod_id": p.pod_id, "model": p.model, "engine_block_size": p.engine_block_size, "blocks": p.blocks,
+        "seq": p.seqs, "last_event_age_s": None if p.last_event_time is None else round(now - p.last_event_time, 3),
+        "incomplete": p.incomplete, "incomplete_reason": p.incomplete_reason, "counters": p.counters,
+    }
+
+
+@index_group.command()
+@valkey_opt
+@json_opt
+def stats(valkey_url, as_json) -> None:
+    """Keys, memory, and per pod: blocks, seq, last event age, incomplete flags."""
+    async def go():
+        ix = _index(valkey_url)
+        try:
+            now = time.time()
+            return {"keys": await ix.key_count(), "used_memory_bytes": await ix.memory_usage(),
+                    "pods": [_pod_row(p, now) for p in await ix.pods()], "counters": await ix.counters()}
+        finally:
+            await ix.close()
+
+    def human(d):
+        click.echo(f"keys: {d['keys']}   memory: {d['used_memory_bytes']} bytes   counters: {d['counters'] or '-'}")
+        _pods_table(d["pods"])
+
+    _emit(as_json, _run(go()), human)
+
+
+def _pods_table(pods: list[dict]) -> None:
+    if not pods:
+        click.echo("no pods in the index")
+        return
+    click.echo(f"{'pod':<20} {'model':<24} {'E':>4} {'blocks':>8} {'seq':>10} {'age s':>8}  state")
+    for p in pods:
+        seq = ",".join(f"{r}:{s}" for r, s in sorted(p["seq"].items())) or "-"
+        state = "INCOMPLETE: " + p["incomplete_reason"] if p["incomplete"] else "ok"
+        click.echo(f"{p['pod_id']:<20} {p['model']:<24} {p['engine_block_size'] or '-':>4} {p['blocks']:>8} "
+                   f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  {state}")
+
+
+@index_group.command()
+@valkey_opt
+@json_opt
+def pods(valkey_url, as_json) -> None:
+    """The pods the index knows."""
+    async def go():
+        ix = _index(valkey_url)
+        try:
+            now = time.time()
+            return [_pod_row(p, now) for p in await ix.pods()]
+        finally:
+            await ix.close()
+
+    _emit(as_json, _run(go()), _pods_table)
+
+
+@index_group.command()
+@valkey_opt
+@click.option("--model", required=True)
+@click.option("--tokens", "tokens_spec", default=None, help="JSON list of token ids, or @file.")
+@click.option("--prompt", default=None, help="Text, tokenized by --engine-url.")
+@click.option("--engine-url", default=None, help="Engine to tokenize --prompt with.")
+@click.option("--hash-seed", default=None)
+@click.option("--block-size", default=None, type=click.IntRange(min=1))
+@json_opt
+def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, as_json) -> None:
+    """Per block of a prompt: its key, which pods and tiers hold it, where each pod's chain breaks."""
+    from cli.main import _read_tokens
+    from shared.keys import request_keys
+
+    if (tokens_spec is None) == (prompt is None):
+        raise click.UsageError("give exactly one of --tokens or --prompt")
+    if prompt is not None:
+        if not engine_url:
+            raise click.UsageError("--prompt needs --engine-url to tokenize it")
+        try:
+            r = httpx.post(engine_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": prompt}, timeout=10)
+            r.raise_for_status()
+            tokens = r.json()["tokens"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
+    else:
+        tokens = _read_tokens(tokens_spec)
+    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
+    try:
+        keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+    async def go():
+        ix = _index(valkey_url)
+        try:
+            return await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
+        finally:
+            await ix.close()
+
+    fields = _run(go())
+    blocks, alive, breaks = [], None, {}
+    for i, (key, fl) in enumerate(zip(keys, fields)):
+        holders = [e for e in (parse_entry(f) for f in fl) if e is not None]
+        pods_here = {e.PodIdentifier for e in holders if not e.Speculative}
+        if alive is None:
+            alive = set(pods_here)
+        for p in sorted(alive - pods_here):
+            breaks[p] = i
+        alive &= pods_here
+        blocks.append({"block": i, "tokens": [i * cfg.block_size, (i + 1) * cfg.block_size], "key": str(key),
+                       "holders": [{"pod_id": e.PodIdentifier, "tier": e.DeviceTier, "speculative": e.Speculative}
+                                   for e in holders]})
+    for p in alive or ():
+        breaks[p] = len(keys)
+    data = {"model": model, "tokens": len(tokens), "blocks": blocks,
+            "prefix_blocks_per_pod": dict(sorted(breaks.items(), key=lambda kv: -kv[1]))}
+
+    def human(d):
+        click.echo(f"{d['tokens']} tokens, {len(d['blocks'])} full blocks of {cfg.block_size}")
+        for b in d["blocks"]:
+            who = ", ".join(f"{h['pod_id']}@{h['tier']}" + ("[spec]" if h["speculative"] else "") for h in b["holders"]) or "-"
+            click.echo(f"  #{b['block']:<5} {b['key']:>20}  {who}")
+        for p, n in d["prefix_blocks_per_pod"].items():
+            click.echo(f"  {p}: chain holds {n} block(s)" + ("" if n == len(d["blocks"]) else f", breaks at block #{n}"))
+
+    _emit(as_json, data, human)
+
+
+@index_group.command()
+@valkey_opt
+@click.option("--pod", "pod_id", required=True)
+@click.option("--forget", is_flag=True, help="Also drop the pod's metadata (seq, counters).")
+@json_opt
+def clear(valkey_url, pod_id, forget, as_json) -> None:
+    """Remove every entry of one pod, in time proportional to its blocks."""
+    async def go():
+        ix = _index(valkey_url)
+        try:
+            return await ix.clear_pod(pod_id, forget=forget)
+        finally:
+            await ix.close()
+
+    n = _run(go())
+    _emit(as_json, {"pod_id": pod_id, "blocks_removed": n}, lambda d: click.echo(f"removed {n} block(s) of {pod_id}"))
+
+
+@index_group.command("export")
+@valkey_opt
+@click.option("--pod", "pod_ids", multiple=True, help="Pod to export (repeatable; default all).")
+@click.option("-o", "--output", type=click.File("w"), default="-", show_default=True)
+def export_cmd(valkey_url, pod_ids, output) -> None:
+    """Write pods' entries as JSON lines: one pod line, then one line per engine block."""
+    async def go():
+        ix = _index(valkey_url)
+        total = 0
+        try:
+            for pod_id in pod_ids or sorted(await ix.pod_ids()):
+                info = await ix.pod_info(pod_id)
+                output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size}) + "\n")
+                async for s in ix.export_blocks(pod_id):
+                    output.write(json.dumps({"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
+                                             "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}) + "\n")
+                    total += 1
+                    if total % 10_000 == 0:
+                        click.echo(f"exported {total} blocks ...", err=True)
+        finally:
+            await ix.close()
+        click.echo(f"exported {total} block(s)", err=True)
+
+    _run(go())
+
+
+@index_group.command("import")
+@valkey_opt
+@click.option("-i", "--input", "source", type=click.File("r"), default="-", show_default=True)
+@json_opt
+def import_cmd(valkey_url, source, as_json) -> None:
+    """Load JSON lines written by ``index export``."""
+    async def go():
+        ix = _index(valkey_url)
+        counts: dict[str, int] = {}
+        meta: dict[str, dict] = {}
+        pending: dict[str, list[StoreBlock]] = {}
+        try:
+            async def flush(pod):
+                m = meta.get(pod, {})
+                await ix.import_blocks(pod, m.get("model", ""), m.get("engine_block_size"), pending.pop(pod, []))
+
+            for n, line in enumerate(source, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    pod = row["pod"]
+                    if "engine_key" not in row:
+                        meta[pod] = row
+                        continue
+                    pending.setdefault(pod, []).append(StoreBlock(int(row["engine_key"]), row["tier"], row["entry"],
+                                                                  tuple(int(k) for k in row["request_keys"])))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise click.ClickException(f"line {n}: not an export row ({exc})") from None
+                counts[pod] = counts.get(pod, 0) + 1
+                if len(pending[pod]) >= 500:
+                    await flush(pod)
+            for pod in list(pending):
+                await flush(pod)
+        finally:
+            await ix.close()
+        return counts
+
+    counts = _run(go())
+    _emit(as_json, {"imported_blocks": counts},
+          lambda d: click.echo("imported " + (", ".join(f"{p}: {n}" for p, n in counts.items()) or "nothing")))
+
+
+@index_group.command()
+@valkey_opt
+@click.option("--engine", "engines", multiple=True, required=True, help="Engine HTTP URL (its /kv_event_sources). Repeatable.")
+@click.option("--pod", "only_pods", multiple=True, help="Rebuild only these pods (default: every pod the engines publish).")
+@click.option("--hash-seed", default=None)
+@click.option("--block-size", default=None, type=click.IntRange(min=1))
+@json_opt
+def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> None:
+    """Wipe pods and re-ingest them from the engines' replay buffers, from seq 0."""
+    from ingester.service import Ingester
+    from ingester.subscriber import discover, fetch_replay
+
+    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
+
+    async def go():
+        ix = _index(valkey_url)
+        report = []
+        try:
+            ing = Ingester(cfg, ix, [])
+            for url in engines:
+                try:
+                    sources = await discover(url)
+                except httpx.HTTPError as exc:
+                    raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
+                for src in sources:
+                    if not src.replay or not src.topic:
+                        click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
+                        continue
+                    _, pod, model = src.topic.split("@", 2)
+                    if only_pods and pod not in only_pods:
+                        continue
+                    click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
+                    frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
+                    frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
+                    await ix.clear_pod(pod, forget=True)
+                    for i, f in enumerate(frames, 1):
+                        await ing.apply(pod, model, f.seq, f.batch, allow_replay=False)
+                        if i % 1000 == 0:
+                            click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
+                    info = await ix.pod_info(pod)
+                    first = frames[0].seq if frames else None
+                    report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
+                                   "last_seq": frames[-1].seq if frames else None,
+                                   "covers_full_history": first == 0 and complete,
+                                   "blocks": info.blocks, "incomplete": info.incomplete})
+        finally:
+            await ix.close()
+        return report
+
+    def human(rows):
+        for r in rows:
+            cover = "full history" if r["covers_full_history"] else f"history from seq {r['first_seq']} only (pod marked incomplete)"
+            click.echo(f"{r['pod_id']}: {r['batches']} batch(es), {cover}; {r['blocks']} block(s) indexed")
+
+    _emit(as_json, _run(go()), human)
+
+
+__all__ = ["index_group", "sys"]

@@ -1,0 +1,165 @@
+"""Fault tests with real processes: kill -9 an ingester, restart Valkey, two ingesters, outages.
+After each, the index equals the engine's true state (stored minus removed)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from cli.valkey_server import ValkeyServer, free_port
+from shared.events import BlockRemoved, BlockStored, EventBatch
+from shared.index import Index
+from tests.e2e.harness import spawn, stop
+from tests.integration.engine_stub import EngineStub
+from tests.integration.truth import engine_truth, index_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+class Workload:
+    """A chain-shaped stream like vLLM's: new prompts store chains, the pool evicts old blocks."""
+
+    def __init__(self, seed: int = 1):
+        self.rng = random.Random(seed)
+        self.next_ek = 1
+        self.live: list[int] = []
+        self.batches: list[EventBatch] = []
+
+    def next_batch(self) -> EventBatch:
+        events = []
+        if len(self.live) > 40:
+            victims = [self.live.pop(0) for _ in range(self.rng.randrange(1, 6))]
+            events.append(BlockRemoved(victims, medium="GPU", group_idx=0))
+        n = self.rng.randrange(1, 5)
+        hashes = list(range(self.next_ek, self.next_ek + n))
+        self.next_ek += n
+        parent = self.rng.choice(self.live) if self.live and self.rng.random() < 0.5 else None
+        tokens = [self.rng.randrange(1, 30000) for _ in range(32 * n)]
+        events.append(BlockStored(hashes, parent, tokens, 32, medium="GPU", group_idx=0, extra_keys=[None] * n))
+        self.live += hashes
+        batch = EventBatch(time.time(), events, 0)
+        self.batches.append(batch)
+        return batch
+
+
+async def wait_for_seq(ix: Index, pod: str, seq: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (await ix.pod_info(pod)).seqs.get("0", -1) >= seq:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{pod} did not reach seq {seq}: {await ix.pod_info(pod)}")
+
+
+@pytest.fixture
+async def own_valkey(tmp_path):
+    server = ValkeyServer(tmp_path / "valkey", appendonly=True).start()
+    yield server
+    server.stop()
+
+
+def engine_and_source():
+    zport, rport = free_port(), free_port()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", "kv@pod-f@tiny", bind=True)
+    return engine, f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
+
+
+async def publish(engine, wl, n, pause=0.005):
+    for _ in range(n):
+        engine.publish(wl.next_batch())
+        await asyncio.sleep(pause)
+
+
+async def assert_exact(ix, wl, engine):
+    await wait_for_seq(ix, "pod-f", engine.seq - 1)
+    assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
+    assert not (await ix.pod_info("pod-f")).incomplete
+
+
+async def test_kill_9_ingester_mid_stream_and_restart(own_valkey, tmp_path):
+    engine, source = engine_and_source()
+    wl = Workload()
+    ix = Index.from_url(own_valkey.url)
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing1.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 60)
+        stop(ing, kill=True)  # SIGKILL: no cleanup, whatever was in flight is lost
+        await publish(engine, wl, 60)  # nobody is listening
+        ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing2.log"))
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 20)
+        await assert_exact(ix, wl, engine)
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_valkey_restart_with_aof(own_valkey, tmp_path):
+    engine, source = engine_and_source()
+    wl = Workload(2)
+    ix = Index.from_url(own_valkey.url)
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 50)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        own_valkey.stop()  # graceful: AOF flushed
+        await publish(engine, wl, 50)  # the ingester retries with backoff meanwhile
+        await asyncio.sleep(0.5)
+        own_valkey.start()
+        await publish(engine, wl, 10)
+        await assert_exact(ix, wl, engine)
+        assert "valkey unavailable" in (tmp_path / "ing.log").read_text()
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_valkey_lost_writes_are_recovered_by_replay(own_valkey, tmp_path):
+    """kill -9 of Valkey may lose the last second of AOF; the persisted seq rolls back with the
+    data (one script = one atomic unit), so the ingester sees a gap and replays it."""
+    engine, source = engine_and_source()
+    wl = Workload(3)
+    ix = Index.from_url(own_valkey.url)
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 40)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        own_valkey.stop(kill=True)
+        own_valkey.start()
+        await publish(engine, wl, 10)
+        await assert_exact(ix, wl, engine)
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_two_ingester_processes_one_engine(own_valkey, tmp_path):
+    engine, source = engine_and_source()
+    wl = Workload(4)
+    ix = Index.from_url(own_valkey.url)
+    a = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "a.log"))
+    b = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "b.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 80)
+        stop(a, kill=True)  # one dies; the other carries on alone
+        await publish(engine, wl, 40)
+        await assert_exact(ix, wl, engine)
+        info = await ix.pod_info("pod-f")
+        assert info.counters["batches"] == engine.seq  # every batch applied exactly once
+    finally:
+        stop(a)
+        stop(b)
+        engine.close()
+        await ix.close()
