@@ -1,0 +1,65 @@
+"""Run the predictor under uvicorn, in one process or several sharing the port.
+
+With ``workers > 1`` uvicorn starts fresh processes that import the app by name,
+so the Config travels to them as JSON in an environment variable and
+``app_from_env`` rebuilds the app there; each worker gets its own Valkey and
+engine clients and caches. uvloop and httptools are used when importable.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+
+from predictor.app import create_app
+from shared.config import Config
+
+CONFIG_ENV = "KVPF_SERVE_CONFIG_JSON"
+APP_FACTORY = "predictor.main:app_from_env"
+
+
+def encode_config(cfg: Config) -> str:
+    return msgspec.json.encode(cfg).decode()
+
+
+def decode_config(raw: str) -> Config:
+    cfg = msgspec.json.decode(raw, type=Config)
+    cfg.validate()
+    return cfg
+
+
+def app_from_env() -> Starlette:
+    """uvicorn factory for worker processes: the parent's exact Config, else the ``KVPF_*`` env."""
+    raw = os.environ.get(CONFIG_ENV)
+    return create_app(decode_config(raw) if raw else Config.load())
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def uvicorn_options(cfg: Config, workers: int) -> dict:
+    return {
+        "host": cfg.host,
+        "port": cfg.port,
+        "loop": "uvloop" if _has("uvloop") else "asyncio",
+        "http": "httptools" if _has("httptools") else "h11",
+        "lifespan": "on",
+        "access_log": False,  # per-request log lines would cost more than a prediction
+        "log_level": "info",
+        "workers": workers if workers > 1 else None,
+    }
+
+
+def serve(cfg: Config, workers: int = 1) -> None:
+    logging.basicConfig(level=logging.INFO)
+    options = uvicorn_options(cfg, workers)
+    if workers > 1:
+        os.environ[CONFIG_ENV] = encode_config(cfg)
+        uvicorn.run(APP_FACTORY, factory=True, **options)
+    else:
+        uvicorn.run(create_app(cfg), **options)

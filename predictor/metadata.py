@@ -1,0 +1,91 @@
+"""A per-process, short-lived cache of pod metadata and known models.
+
+A prediction needs each matched pod's engine block size and incomplete flag, and
+the set of models the index knows; both change rarely (a restart, a gap), so
+keeping them ~1 s saves a Valkey round trip on nearly every request while
+reflecting changes within about a second. Concurrent misses for the same pod
+share one fetch, so an expiry under load costs one round trip, not one per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from shared.index import Index, PodInfo
+
+DEFAULT_TTL_S = 1.0
+# A model missing from the cached set is re-checked at most this often, so a
+# flood of requests for an unknown model cannot turn into a flood of HGETALLs.
+MODEL_MISS_RECHECK_S = 0.1
+
+
+class _SingleFlight:
+    """At most one fetch per key at a time; every waiter gets its result or its error."""
+
+    def __init__(self) -> None:
+        self._running: dict[Any, asyncio.Task] = {}
+
+    async def run(self, key: Any, fetch: Callable[[], Awaitable[Any]]) -> Any:
+        task = self._running.get(key)
+        if task is None:
+            task = asyncio.ensure_future(fetch())
+            self._running[key] = task
+            task.add_done_callback(lambda t, k=key: self._done(k, t))
+        # shield: a waiter that gives up (timeout, disconnect) must not cancel the others' fetch
+        return await asyncio.shield(task)
+
+    def _done(self, key: Any, task: asyncio.Task) -> None:
+        if self._running.get(key) is task:
+            del self._running[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here so an abandoned failure is not logged as "never retrieved"
+
+
+class IndexMetadata:
+    def __init__(self, index: Index, *, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic):
+        self.index = index
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._pods: dict[str, tuple[float, PodInfo]] = {}
+        self._models: frozenset[str] = frozenset()
+        self._models_at: float | None = None
+        self._flight = _SingleFlight()
+
+    async def pod_infos(self, pod_ids: Iterable[str]) -> dict[str, PodInfo]:
+        """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods concurrently)."""
+        now = self.clock()
+        out: dict[str, PodInfo] = {}
+        stale: list[str] = []
+        for pod in pod_ids:
+            hit = self._pods.get(pod)
+            if hit is not None and hit[0] > now:
+                out[pod] = hit[1]
+            else:
+                stale.append(pod)
+        if stale:
+            infos = await asyncio.gather(*(self._flight.run(("pod", p), lambda p=p: self._load_pod(p)) for p in stale))
+            out.update(zip(stale, infos))
+        return out
+
+    async def known_models(self, wanted: str | None = None) -> frozenset[str]:
+        """Models the index has pods for; re-read when older than ``ttl_s`` or when ``wanted`` is missing."""
+        now = self.clock()
+        age = None if self._models_at is None else now - self._models_at
+        if age is None or age >= self.ttl_s or (wanted is not None and wanted not in self._models and age >= MODEL_MISS_RECHECK_S):
+            await self._flight.run("models", self._load_models)
+        return self._models
+
+    async def _load_pod(self, pod: str) -> PodInfo:
+        info = await self.index.pod_info(pod)
+        now = self.clock()
+        self._pods[pod] = (now + self.ttl_s, info)
+        if len(self._pods) > 4096:  # pods come and go; never let departed ones pile up
+            self._pods = {p: e for p, e in self._pods.items() if e[0] > now}
+        return info
+
+    async def _load_models(self) -> None:
+        pods = await self.index.pod_ids()
+        self._models = frozenset(m for m in pods.values() if m)
+        self._models_at = self.clock()

@@ -1,0 +1,92 @@
+"""Turn per-pod prefix matches into the numbers the predictor answers: pure, no I/O.
+
+The index counts canonical blocks (``C`` tokens each), but an engine only reuses
+whole blocks of its own size ``E`` and always recomputes at least the last prompt
+token, so a match of ``b`` canonical blocks is worth
+``min(floor(b*C/E)*E, floor((N-1)/E)*E)`` tokens for a prompt of ``N`` tokens.
+Predicting more would tell a scheduler a pod is warmer than the engine will find it.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Protocol
+
+import msgspec
+
+
+class Match(Protocol):
+    """What scoring needs of a lookup result (``shared.index.PodMatch`` fits)."""
+
+    pod_id: str
+    blocks: int
+    tier: str
+
+
+class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True):
+    pod_id: str
+    cached_blocks: int  # canonical blocks matched, before engine-block rounding
+    cached_tokens: int  # what the engine would actually reuse
+    device_tier: str
+    incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
+
+
+class Prediction(msgspec.Struct, frozen=True):
+    predicted_cached_tokens: int
+    total_prompt_tokens: int
+    blocks_total: int
+    blocks_cached: int
+    cache_hit_ratio: float
+    best_pod: str | None
+    pod_affinities: list[PodAffinity]
+
+
+def engine_cached_tokens(blocks: int, canonical_block: int, engine_block: int | None, prompt_len: int) -> int:
+    """Tokens an engine with ``engine_block``-sized blocks reuses from ``blocks`` matched canonical blocks."""
+    if blocks <= 0 or prompt_len <= 1:
+        return 0
+    e = engine_block if engine_block and engine_block > 0 else canonical_block
+    by_match = (blocks * canonical_block) // e * e
+    by_last_token = (prompt_len - 1) // e * e
+    return max(0, min(by_match, by_last_token))
+
+
+def score(
+    matches: Iterable[Match],
+    *,
+    prompt_len: int,
+    canonical_block: int,
+    engine_blocks: Mapping[str, int | None] | None = None,
+    incomplete: Collection[str] = (),
+    pods: Collection[str] | None = None,
+) -> Prediction:
+    """Rank pods by the tokens their engine would reuse; ties go to the smaller pod id.
+
+    ``engine_blocks`` maps pod -> engine block size (missing or None: canonical);
+    ``pods``, when given, keeps only those pods (the lookup filters too; this keeps
+    scoring correct for any match source). Pods that would reuse nothing are left out.
+    """
+    engine_blocks = engine_blocks or {}
+    wanted = set(pods) if pods is not None else None
+    affinities = []
+    for m in matches:
+        if wanted is not None and m.pod_id not in wanted:
+            continue
+        tokens = engine_cached_tokens(m.blocks, canonical_block, engine_blocks.get(m.pod_id), prompt_len)
+        if tokens <= 0:
+            continue
+        affinities.append(PodAffinity(
+            pod_id=m.pod_id, cached_blocks=m.blocks, cached_tokens=tokens,
+            device_tier=m.tier, incomplete=m.pod_id in incomplete,
+        ))
+    affinities.sort(key=lambda a: (-a.cached_tokens, a.pod_id))
+    best = affinities[0] if affinities else None
+    predicted = best.cached_tokens if best else 0
+    return Prediction(
+        predicted_cached_tokens=predicted,
+        total_prompt_tokens=prompt_len,
+        blocks_total=prompt_len // canonical_block,
+        blocks_cached=best.cached_blocks if best else 0,
+        cache_hit_ratio=predicted / prompt_len if prompt_len > 0 else 0.0,
+        best_pod=best.pod_id if best else None,
+        pod_affinities=affinities,
+    )

@@ -1,0 +1,129 @@
+"""Pure scoring: engine-block rounding, the last-token rule, ranking, filtering."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from predictor.score import PodAffinity, engine_cached_tokens, score
+from shared.index import PodMatch
+
+C = 16
+
+
+@pytest.mark.parametrize(
+    ("blocks", "engine_block", "prompt_len", "expected"),
+    [
+        (4, 16, 100, 64),  # whole match counts
+        (4, 16, 64, 48),  # prompt fully cached: the last block is recomputed for the last token
+        (4, 16, 65, 64),  # one token past the match: nothing lost
+        (3, 32, 100, 32),  # 48 canonical tokens = 1 whole 32-token engine block
+        (4, 32, 100, 64),
+        (4, 32, 64, 32),  # 63 tokens at most -> 1 engine block of 32
+        (4, 32, 65, 64),
+        (1, 32, 100, 0),  # half an engine block is nothing
+        (5, None, 100, 80),  # unknown engine block size -> canonical
+        (5, 0, 100, 80),
+        (0, 16, 100, 0),
+        (4, 16, 1, 0),  # a one-token prompt never hits
+        (4, 16, 0, 0),
+        (6, 48, 200, 96),  # engine block not a power of two
+    ],
+)
+def test_engine_cached_tokens(blocks, engine_block, prompt_len, expected):
+    assert engine_cached_tokens(blocks, C, engine_block, prompt_len) == expected
+
+
+@given(
+    blocks=st.integers(0, 5000),
+    canonical=st.sampled_from([1, 8, 16, 32, 64]),
+    engine=st.one_of(st.none(), st.integers(1, 1024)),
+    prompt_len=st.integers(0, 100_000),
+)
+def test_cached_tokens_never_exceeds_what_the_engine_can_reuse(blocks, canonical, engine, prompt_len):
+    tokens = engine_cached_tokens(blocks, canonical, engine, prompt_len)
+    e = engine or canonical
+    assert tokens >= 0
+    assert tokens % e == 0
+    assert tokens <= blocks * canonical
+    assert tokens <= max(prompt_len - 1, 0)
+    # and it is the largest such multiple
+    assert tokens + e > min(blocks * canonical, max(prompt_len - 1, 0))
+
+
+def test_best_pod_first_and_zero_pods_omitted():
+    matches = [PodMatch("pod-b", 2, "gpu"), PodMatch("pod-a", 5, "gpu"), PodMatch("pod-c", 1, "cpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, engine_blocks={"pod-c": 32})
+    assert p.best_pod == "pod-a"
+    assert p.predicted_cached_tokens == 80
+    assert p.total_prompt_tokens == 100
+    assert p.blocks_total == 6
+    assert p.blocks_cached == 5
+    assert p.cache_hit_ratio == pytest.approx(0.8)
+    # pod-c matched 1 canonical block but its engine needs 32 tokens: it reuses nothing and is left out
+    assert [a.pod_id for a in p.pod_affinities] == ["pod-a", "pod-b"]
+    assert p.pod_affinities[1] == PodAffinity("pod-b", 2, 32, "gpu")
+
+
+def test_engine_block_size_changes_the_ranking():
+    # same canonical match, but pod-32 can only reuse one 32-token block of the 48 tokens
+    matches = [PodMatch("pod-32", 3, "gpu"), PodMatch("pod-16", 3, "gpu")]
+    p = score(matches, prompt_len=200, canonical_block=C, engine_blocks={"pod-32": 32, "pod-16": 16})
+    assert [(a.pod_id, a.cached_blocks, a.cached_tokens) for a in p.pod_affinities] == [
+        ("pod-16", 3, 48), ("pod-32", 3, 32),
+    ]
+
+
+def test_ties_go_to_pod_id_order_whatever_the_input_order():
+    for order in (["z", "m", "a"], ["a", "z", "m"], ["m", "a", "z"]):
+        p = score([PodMatch(pod, 4, "gpu") for pod in order], prompt_len=100, canonical_block=C)
+        assert [a.pod_id for a in p.pod_affinities] == ["a", "m", "z"]
+        assert p.best_pod == "a"
+    # equal tokens from different block counts also tie (pod "b" matched more canonical blocks)
+    p = score([PodMatch("b", 3, "gpu"), PodMatch("a", 2, "gpu")], prompt_len=100, canonical_block=C,
+              engine_blocks={"b": 32, "a": 16})
+    assert [(a.pod_id, a.cached_tokens) for a in p.pod_affinities] == [("a", 32), ("b", 32)]
+
+
+def test_last_token_rule_caps_a_fully_cached_prompt():
+    p = score([PodMatch("pod", 4, "gpu")], prompt_len=64, canonical_block=C)
+    assert p.predicted_cached_tokens == 48
+    assert p.blocks_cached == 4
+    assert p.blocks_total == 4
+    assert p.cache_hit_ratio == pytest.approx(0.75)
+
+
+def test_pods_filter_keeps_only_candidates():
+    matches = [PodMatch("pod-a", 5, "gpu"), PodMatch("pod-b", 2, "gpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, pods=["pod-b", "pod-x"])
+    assert p.best_pod == "pod-b"
+    assert [a.pod_id for a in p.pod_affinities] == ["pod-b"]
+    empty = score(matches, prompt_len=100, canonical_block=C, pods=[])
+    assert empty.best_pod is None and empty.pod_affinities == []
+
+
+def test_nothing_matches():
+    p = score([], prompt_len=40, canonical_block=C)
+    assert (p.predicted_cached_tokens, p.best_pod, p.blocks_cached, p.cache_hit_ratio) == (0, None, 0, 0.0)
+    assert p.blocks_total == 2
+    p = score([PodMatch("pod", 1, "gpu")], prompt_len=16, canonical_block=C)  # only match is the last block
+    assert (p.predicted_cached_tokens, p.best_pod, p.pod_affinities) == (0, None, [])
+
+
+def test_incomplete_flag_and_json_shape():
+    matches = [PodMatch("pod-a", 2, "gpu"), PodMatch("pod-b", 2, "cpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, incomplete={"pod-b"})
+    doc = msgspec.json.decode(msgspec.json.encode(p))
+    assert doc == {
+        "predicted_cached_tokens": 32,
+        "total_prompt_tokens": 100,
+        "blocks_total": 6,
+        "blocks_cached": 2,
+        "cache_hit_ratio": 0.32,
+        "best_pod": "pod-a",
+        "pod_affinities": [
+            {"pod_id": "pod-a", "cached_blocks": 2, "cached_tokens": 32, "device_tier": "gpu"},
+            {"pod_id": "pod-b", "cached_blocks": 2, "cached_tokens": 32, "device_tier": "cpu", "incomplete": True},
+        ],
+    }
