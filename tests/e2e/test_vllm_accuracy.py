@@ -7,6 +7,7 @@ import random
 import httpx
 import pytest
 
+from cli.valkey_server import free_port
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import EventWatcher, kvpf_stack, wait_index_caught_up
 
@@ -35,7 +36,7 @@ def workload(seed: int = 7, n: int = 40) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm():
-    engine = start_vllm(pod="e2e-acc", port=8311, zmq_port=5581, replay_port=5582, blocks=24)
+    engine = start_vllm(pod="e2e-acc", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=24)
     yield engine
     engine.stop()
 
