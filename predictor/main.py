@@ -8,7 +8,6 @@ engine clients and caches. uvloop and httptools are used when importable.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 import msgspec
@@ -17,6 +16,7 @@ from starlette.applications import Starlette
 
 from predictor.app import create_app
 from shared.config import Config
+from shared.logs import setup_logging
 
 CONFIG_ENV = "KVPF_SERVE_CONFIG_JSON"
 APP_FACTORY = "predictor.main:app_from_env"
@@ -35,7 +35,9 @@ def decode_config(raw: str) -> Config:
 def app_from_env() -> Starlette:
     """uvicorn factory for worker processes: the parent's exact Config, else the ``KVPF_*`` env."""
     raw = os.environ.get(CONFIG_ENV)
-    return create_app(decode_config(raw) if raw else Config.load())
+    cfg = decode_config(raw) if raw else Config.load()
+    setup_logging(cfg.log_json)  # a fresh worker process has no handlers yet
+    return create_app(cfg)
 
 
 def _has(module: str) -> bool:
@@ -51,12 +53,13 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
         "lifespan": "on",
         "access_log": False,  # per-request log lines would cost more than a prediction
         "log_level": "info",
+        "log_config": None,  # keep our handlers (plain or JSON lines)
         "workers": workers if workers > 1 else None,
     }
 
 
 def serve(cfg: Config, workers: int = 1) -> None:
-    logging.basicConfig(level=logging.INFO)
+    setup_logging(cfg.log_json)
     options = uvicorn_options(cfg, workers)
     if workers > 1:
         os.environ[CONFIG_ENV] = encode_config(cfg)
