@@ -1,0 +1,19 @@
+# kv-preflight: one image for ingester, predictor, simulator and the index CLI.
+FROM python:3.11-slim AS build
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY shared shared
+COPY ingester ingester
+COPY predictor predictor
+COPY simulator simulator
+COPY cli cli
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+    && python -c "from shared.keys import HAS_C_EXTENSION; assert HAS_C_EXTENSION"
+USER nobody
+ENTRYPOINT ["kv-preflight"]
+CMD ["--help"]
