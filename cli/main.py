@@ -99,3 +99,30 @@ def main() -> None:  # pragma: no cover
 from cli.index_cmds import index_group  # noqa: E402
 
 cli.add_command(index_group)
+
+
+@cli.command()
+@click.option("--pod", required=True, help="Pod name: the topic is kv@POD@MODEL.")
+@click.option("--model", required=True, help="Served model name.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP port.")
+@click.option("--zmq", "zmq_endpoint", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint; binds when it holds '*', connects otherwise (as vLLM).")
+@click.option("--replay", "replay_endpoint", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint (bound); 'none' disables replay.")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens per engine KV block.")
+@click.option("--blocks", default=256, show_default=True, type=click.IntRange(min=2), help="KV blocks in the pool, including vLLM's reserved null block.")
+@click.option("--max-model-len", default=512, show_default=True, type=click.IntRange(min=2), help="Context length (prompt + output).")
+@click.option("--step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Wall time per engine step.")
+def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, blocks, max_model_len, step_ms) -> None:
+    """Run a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's."""
+    from simulator.config import SimulatorConfig
+    from simulator.main import run
+
+    cfg = SimulatorConfig(pod=pod, model=model, host=host, port=port, zmq_endpoint=zmq_endpoint,
+                          replay_endpoint=None if replay_endpoint.lower() == "none" else replay_endpoint,
+                          block_size=block_size, num_blocks=blocks, max_model_len=max_model_len,
+                          step_delay_s=step_ms / 1000)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    run(cfg)

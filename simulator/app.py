@@ -1,0 +1,258 @@
+"""The simulator's HTTP surface: the slice of vLLM 0.32's OpenAI server that prefix-cache tools use.
+
+Request validation and error bodies follow vLLM's (``{"error": {message, type,
+param, code}}``), including its max_tokens rules: completions default to 16,
+chat to the rest of the context, and both are clamped to
+``max_model_len - prompt_tokens``.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from simulator import tokenizer
+from simulator.config import SimulatorConfig
+from simulator.engine import Generation
+from simulator.runner import EngineRunner
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+FINGERPRINT = "vllm-0.32.0-kv-preflight-simulator"
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, *, status: int = 400, kind: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.kind, self.param = message, status, kind, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
+def _token_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+def _prompt_ids(prompt: Any, add_special_tokens: bool = True) -> list[int]:
+    """A string (tokenized, BOS first) or a list of token ids (as given); one prompt only."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        return tokenizer.encode(prompt, add_bos=add_special_tokens)
+    ids = _token_list(prompt)
+    if ids is None and isinstance(prompt, list) and len(prompt) == 1:
+        inner = prompt[0]
+        return _prompt_ids(inner, add_special_tokens) if isinstance(inner, (str, list)) else _prompt_ids(None)
+    if ids is None:
+        if isinstance(prompt, list) and prompt:
+            raise ApiError("batched prompts are not supported by the simulator; send one prompt per request",
+                           param="prompt")
+        raise ApiError("You must pass at least one prompt", param="prompt")
+    if any(t < 0 or t > 0xFFFFFFFF for t in ids):
+        raise ApiError("token ids must be in [0, 2**32)", param="prompt")
+    return ids
+
+
+def _messages_ids(body: dict[str, Any]) -> list[int]:
+    try:
+        return tokenizer.apply_chat_template(
+            body.get("messages"), add_generation_prompt=bool(body.get("add_generation_prompt", True))
+        )
+    except tokenizer.TemplateError as exc:
+        raise ApiError(str(exc), param="messages") from None
+
+
+class SimulatorApp:
+    """Routes bound to one engine runner and config; build with ``.starlette()``."""
+
+    def __init__(self, cfg: SimulatorConfig, runner: EngineRunner) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.created = int(time.time())
+
+    # ---- helpers ----
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.cfg.model:
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.",
+                           status=404, kind="NotFoundError", param="model")
+
+    def _max_tokens(self, body: dict[str, Any], num_prompt: int, default: int | None) -> int:
+        limit = self.cfg.max_model_len
+        if num_prompt > limit:
+            raise ApiError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{num_prompt} input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt.", param="input_tokens")
+        requested = body.get("max_completion_tokens", body.get("max_tokens"))
+        if requested is None:
+            requested = default if default is not None else limit - num_prompt
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise ApiError("max_tokens must be an integer", param="max_tokens")
+        if requested > limit:
+            raise ApiError(f"max_tokens={requested} cannot be greater than max_model_len={limit}. "
+                           "Please request fewer output tokens.", param="max_tokens")
+        max_tokens = min(requested, limit - num_prompt)
+        if max_tokens < 1:
+            raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        usable = self.cfg.num_blocks - 1
+        if self.runner.blocks_needed(num_prompt, max_tokens) > usable:
+            # vLLM would leave such a request waiting forever; say so instead.
+            raise ApiError(f"request needs {self.runner.blocks_needed(num_prompt, max_tokens)} KV blocks "
+                           f"but the pool has {usable}", param="max_tokens")
+        return max_tokens
+
+    def _usage(self, gen: Generation, chat: bool) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(gen.prompt_ids),
+            "total_tokens": len(gen.prompt_ids) + len(gen.output_ids),
+            "completion_tokens": len(gen.output_ids),
+            # vLLM 0.32 reports created_cache_tokens as null for completions and 0 for chat.
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens,
+                                      "created_cache_tokens": 0 if chat else None, "multimodal_tokens": None},
+            "completion_tokens_details": None,
+        }
+
+    # ---- routes ----
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            self._check_model(body)
+            prompt_ids = _prompt_ids(body.get("prompt"), bool(body.get("add_special_tokens", True)))
+            max_tokens = self._max_tokens(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+        except ApiError as exc:
+            return exc.response()
+        gen = await self.runner.generate(prompt_ids, max_tokens)
+        rid, text = f"cmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
+        if body.get("stream"):
+            chunk = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            return self._stream(rid, "text_completion", chunk, gen, body, chat=False)
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}],
+            "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": self._usage(gen, chat=False),
+            "kv_transfer_params": None,
+        })
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            self._check_model(body)
+            prompt_ids = _messages_ids(body)
+            max_tokens = self._max_tokens(body, len(prompt_ids), None)
+        except ApiError as exc:
+            return exc.response()
+        gen = await self.runner.generate(prompt_ids, max_tokens)
+        rid, text = f"chatcmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
+        if body.get("stream"):
+            chunk = {"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": "length", "stop_reason": None}
+            return self._stream(rid, "chat.completion.chunk", chunk, gen, body, chat=True)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                 "tool_calls": [], "reasoning": None},
+                         "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}],
+            "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": self._usage(gen, chat=True),
+            "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
+        })
+
+    def _stream(self, rid: str, obj: str, choice: dict[str, Any], gen: Generation, body: dict[str, Any],
+                chat: bool) -> StreamingResponse:
+        """One content chunk, then usage when ``stream_options.include_usage`` asks; the request already ran."""
+        opts = body.get("stream_options") or {}
+
+        async def events() -> AsyncIterator[bytes]:
+            base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.cfg.model}
+            yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
+            if isinstance(opts, dict) and opts.get("include_usage"):
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(gen, chat)})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            self._check_model(body)
+            if "messages" in body:
+                ids = _messages_ids(body)
+            else:
+                ids = _prompt_ids(body.get("prompt"), bool(body.get("add_special_tokens", True)))
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        return JSONResponse(self.runner.publisher.sources())
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        return JSONResponse({"success": self.runner.reset_prefix_cache()})
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "vllm",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        c = self.runner.counters
+        labels = f'{{engine="0",model_name="{self.cfg.model}"}}'
+        rows = [
+            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", c.running),
+            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", c.waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             self.runner.cache.usage),
+            ("vllm:prefix_cache_queries_total", "counter",
+             "Prefix cache queries, in terms of number of queried tokens.", c.prefix_cache_queries),
+            ("vllm:prefix_cache_hits_total", "counter",
+             "Prefix cache hits, in terms of number of cached tokens.", c.prefix_cache_hits),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             c.generation_tokens),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)!r}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def starlette(self, lifespan: Any = None) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            lifespan=lifespan,
+        )

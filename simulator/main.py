@@ -1,0 +1,58 @@
+"""``kv-preflight simulate``: a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's.
+
+Everything is built here and handed down, so no module holds global state:
+config -> PrefixCache + EventPublisher -> EngineRunner -> HTTP app -> uvicorn.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from simulator.app import SimulatorApp
+from simulator.cache import PrefixCache
+from simulator.config import SimulatorConfig
+from simulator.publisher import EventPublisher
+from simulator.runner import EngineRunner
+from simulator.tokenizer import OUTPUT_ALPHABET
+
+log = logging.getLogger("kv_preflight.simulator")
+
+
+def build_app(cfg: SimulatorConfig, *, open_sockets: bool = False) -> Starlette:
+    """The ASGI app; its lifespan starts the ZMQ publisher (opening the sockets now if asked) and closes it."""
+    cfg.validate()
+    publisher = EventPublisher(cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic, buffer_steps=cfg.buffer_steps)
+    if open_sockets:
+        publisher.open()
+    runner = EngineRunner(PrefixCache(cfg.num_blocks, cfg.block_size), publisher, OUTPUT_ALPHABET,
+                          step_delay_s=cfg.step_delay_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        publisher.start()
+        log.info("simulating %s: http://%s:%d events %s replay %s topic %s, %d blocks of %d tokens",
+                 cfg.pod, cfg.host, cfg.port, cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic,
+                 cfg.num_blocks, cfg.block_size)
+        try:
+            yield
+        finally:
+            await publisher.close()
+
+    return SimulatorApp(cfg, runner).starlette(lifespan=lifespan)
+
+
+def run(cfg: SimulatorConfig | None = None, **fields: Any) -> None:
+    """Serve until interrupted. Pass a config, or its fields (``run(pod="sim-0", model="tiny", ...)``)."""
+    cfg = cfg if cfg is not None else SimulatorConfig(**fields)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(cfg, open_sockets=True)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kv-preflight simulate: {exc}") from None
+    # The plain asyncio loop: pyzmq's asyncio sockets rely on add_reader, which it guarantees.
+    uvicorn.run(app, host=cfg.host, port=cfg.port, loop="asyncio", log_level="warning", lifespan="on")

@@ -1,0 +1,83 @@
+"""Runs requests through the pure engine one at a time and publishes each step's events.
+
+This is the only place where the cache model meets time and sockets: a lock
+serialises requests (the simulator's scheduler runs one request at a time), and
+each step's batch is published before the next step starts, so sequence numbers
+follow engine order as in vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from simulator.cache import PrefixCache
+from simulator.engine import Generation, run_request
+from simulator.publisher import EventPublisher
+
+
+@dataclass
+class EngineCounters:
+    """What ``/metrics`` reports; plain numbers, updated only by the runner."""
+
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    requests_finished: int = 0
+
+
+class EngineRunner:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        publisher: EventPublisher,
+        alphabet: Sequence[int],
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.cache = cache
+        self.publisher = publisher
+        self.alphabet = tuple(alphabet)
+        self.step_delay_s = step_delay_s
+        self.counters = EngineCounters()
+        self._lock = asyncio.Lock()
+
+    def blocks_needed(self, num_prompt: int, max_tokens: int) -> int:
+        """Blocks a request holds at its end: KV for prompt + outputs - 1 tokens."""
+        return -(-(num_prompt + max_tokens - 1) // self.cache.block_size)
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        """Run one request to completion; the caller has checked it fits the pool."""
+        self.counters.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.counters.waiting -= 1
+        gen = Generation(prompt_ids=list(prompt_ids), max_tokens=max_tokens)
+        self.counters.running = 1
+        steps = run_request(self.cache, gen, self.alphabet)
+        try:
+            for step in steps:
+                if step.events:
+                    await self.publisher.publish(step.events)
+                if not step.finished:
+                    # Yield between steps, as vLLM's engine core serves utility calls
+                    # (reset_prefix_cache, metrics) between steps.
+                    await asyncio.sleep(self.step_delay_s)
+        finally:
+            steps.close()  # frees the blocks if we were cancelled mid-request
+            self.counters.running = 0
+            self._lock.release()
+        c = self.counters
+        c.prompt_tokens += len(prompt_ids)
+        c.generation_tokens += len(gen.output_ids)
+        c.prefix_cache_queries += len(prompt_ids)
+        c.prefix_cache_hits += gen.cached_tokens
+        c.requests_finished += 1
+        return gen
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM refuses while blocks are held; the AllBlocksCleared goes out with the next step's batch."""
+        return self.cache.reset()
