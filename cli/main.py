@@ -96,9 +96,14 @@ def main() -> None:  # pragma: no cover
     cli()
 
 
+from cli.demo import accuracy, demo  # noqa: E402
 from cli.index_cmds import index_group  # noqa: E402
+from cli.up import up  # noqa: E402
 
 cli.add_command(index_group)
+cli.add_command(up)
+cli.add_command(demo)
+cli.add_command(accuracy)
 
 
 @cli.command()

@@ -29,6 +29,7 @@ log = logging.getLogger("kvpf.ingester")
 class PodRoute:
     model: str
     replay: str | None = None
+    source: str | None = None  # the endpoint its frames arrive on
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Ingester:
             if src.topic:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
-                    self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay)
+                    self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -90,7 +91,10 @@ class Ingester:
                     break
                 stop.cancel()
                 for src, frames in recv.result():
-                    await self.handle_frames(src, frames)
+                    if frames is None:
+                        await self.probe_restart(src)
+                    else:
+                        await self.handle_frames(src, frames)
         finally:
             self.subscriber.close()
 
@@ -110,6 +114,30 @@ class Ingester:
                 if f.batch is not None and f.seq is not None:
                     await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False)
 
+    async def probe_restart(self, src: Source) -> None:
+        """On (re)connect, ask the replay socket for the last batch we applied. An engine that
+        restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
+        empty, so the pod's entries go now, not when it first publishes."""
+        if not src.replay:
+            return
+        for pod, route in list(self.routes.items()):
+            if route.source != src.endpoint:
+                continue
+            info = await self._valkey(self.index.pod_info, pod)
+            for rank, last in info.seqs.items():
+                if last < 0:
+                    continue
+                frames, complete = await fetch_replay(src.replay, last, timeout_s=self.cfg.replay_timeout_s)
+                if not complete:
+                    log.warning("%s: replay socket %s did not answer the restart probe", pod, src.replay)
+                    continue
+                if any(f.seq == last for f in frames):
+                    continue
+                if await self._valkey(self.index.reset_if_seq, pod, int(rank), last):
+                    self.stats.inc("engine_restarts")
+                    log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",
+                                pod, last)
+
     # ---- per message
 
     async def handle_frames(self, src: Source, frames: list[bytes]) -> None:
@@ -122,8 +150,9 @@ class Ingester:
         if decoded.topic is None or decoded.seq is None or decoded.batch is None:
             return
         pod = decoded.topic.pod_id
-        route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay))
+        route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
         route.model = decoded.topic.model
+        route.source = src.endpoint
         if src.replay and not route.replay:
             route.replay = src.replay
         await self.apply(pod, route.model, decoded.seq, decoded.batch)

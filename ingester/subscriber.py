@@ -87,6 +87,7 @@ class Subscriber:
         self.sources = sources
         self.sockets: list[zmq.asyncio.Socket] = []
         self.poller = zmq.asyncio.Poller()
+        self.monitors: dict[zmq.asyncio.Socket, Source] = {}
         for src in sources:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -98,13 +99,24 @@ class Subscriber:
                 sock.connect(src.endpoint)
             self.sockets.append(sock)
             self.poller.register(sock, zmq.POLLIN)
+            if not src.bind:
+                # Every (re)connection is reported, so an engine that restarted behind the same
+                # endpoint can be probed before it publishes anything.
+                mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+                self.monitors[mon] = src
+                self.poller.register(mon, zmq.POLLIN)
             log.info("subscribed", extra={"endpoint": src.endpoint, "mode": "bind" if src.bind else "connect"})
 
-    async def receive(self, max_messages: int = 512) -> list[tuple[Source, list[bytes]]]:
-        """At least one message; more if they are already queued (batched application)."""
+    async def receive(self, max_messages: int = 512) -> list[tuple[Source, list[bytes] | None]]:
+        """At least one message; more if they are already queued (batched application).
+        ``None`` instead of frames means the source has just (re)connected."""
         ready = await self.poller.poll()
-        out: list[tuple[Source, list[bytes]]] = []
+        out: list[tuple[Source, list[bytes] | None]] = []
         for sock, _ in ready:
+            if sock in self.monitors:
+                await sock.recv_multipart()
+                out.append((self.monitors[sock], None))
+                continue
             src = self.sources[self.sockets.index(sock)]
             while len(out) < max_messages:
                 try:
@@ -114,6 +126,8 @@ class Subscriber:
         return out
 
     def close(self) -> None:
+        for mon in self.monitors:
+            mon.close(linger=0)
         for sock in self.sockets:
             sock.close(linger=0)
 

@@ -182,6 +182,18 @@ local blocks = 'kvpf:blocks:' .. pod
 local last = redis.call('HGET', meta, 'seq:' .. rank)
 local last_n = -1
 if last then last_n = tonumber(last) end
+if mode == 'reset_if' then
+  -- Engine restart found by probing its replay socket: clear the pod, but only if no other
+  -- ingester has applied anything since the probe read the seq (else it is not stale).
+  if last_n ~= seq then return {'dup', last_n} end
+  clear_pod(blocks)
+  local fields = redis.call('HKEYS', meta)
+  for _, f in ipairs(fields) do
+    if string.sub(f, 1, 4) == 'seq:' or string.sub(f, 1, 3) == 'ts:' then redis.call('HDEL', meta, f) end
+  end
+  redis.call('HINCRBY', meta, 'restarts', 1)
+  return {'applied', last_n}
+end
 if mode == 'check' then
   if last then
     if seq <= last_n then
@@ -469,6 +481,12 @@ class Index:
             return int(info.get("used_memory", 0))
         except RedisError:
             return None
+
+    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
+        """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
+        result = await self.apply_batch(pod_id=pod_id, rank=rank, seq=expected_last, ts=0.0, model="",
+                                        engine_block_size=None, mutations=(), mode="reset_if")
+        return result.status == "applied"
 
     async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
         """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""

@@ -9,7 +9,8 @@ import pytest
 
 from cli.valkey_server import free_port
 from tests.e2e.conftest import start_vllm
-from tests.e2e.harness import EventWatcher, kvpf_stack, wait_index_caught_up
+from cli.accuracy import run_workload, summarize
+from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -41,35 +42,14 @@ def vllm():
     engine.stop()
 
 
-def send(engine_url: str, req: dict) -> int:
-    if "messages" in req:
-        body = {"model": "tiny", "messages": req["messages"], "max_tokens": 1}
-        path = "/v1/chat/completions"
-    else:
-        body = {"model": "tiny", "prompt": req.get("token_ids") or req["prompt"], "max_tokens": 1}
-        path = "/v1/completions"
-    r = httpx.post(engine_url + path, json=body, timeout=60)
-    r.raise_for_status()
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
 def test_predictions_equal_vllm_cached_tokens(vllm, valkey_url):
-    watcher = EventWatcher(vllm.zmq)
     with kvpf_stack(valkey_url, ["--engine", vllm.url], ["--engine-url", f"tiny={vllm.url}"], "e2e-acc") as stack:
-        results = []
-        for i, req in enumerate(workload()):
-            wait_index_caught_up(valkey_url, watcher)
-            pred = httpx.post(stack.predictor_url + "/v1/cache/predict", json={"model": "tiny", **req}, timeout=10)
-            assert pred.status_code == 200, pred.text
-            predicted = pred.json()["predicted_cached_tokens"]
-            actual = send(vllm.url, req)
-            results.append((i, predicted, actual))
+        results = run_workload(vllm.url, stack.predictor_url, "tiny", workload())
         stats = httpx.get(stack.predictor_url + "/stats", timeout=5).json()
-    watcher.close()
-    mismatches = [r for r in results if r[1] != r[2]]
-    hits = sum(1 for r in results if r[2] > 0)
-    print(f"\naccuracy: {len(results) - len(mismatches)}/{len(results)} exact; {hits} requests had cache hits")
-    assert hits >= 10, "the workload must exercise real cache hits"
+    summary = summarize(results)
+    print(f"\naccuracy against vLLM 0.32: {summary}")
+    assert summary["requests_with_hits"] >= 10, "the workload must exercise real cache hits"
     pod = next(p for p in stats["pods"] if p["pod_id"] == vllm.pod_id)
     assert pod["counters"].get("removed", 0) > 0, "the workload must force eviction"
+    mismatches = [(r.index, r.predicted, r.actual) for r in results if not r.exact]
     assert not mismatches, f"(request, predicted, actual): {mismatches}"

@@ -226,3 +226,25 @@ async def test_replay_client_reads_until_end_marker(valkey_url):
         assert complete and [f.seq for f in frames] == [1, 2]
     finally:
         await h.close()
+
+
+async def test_engine_restart_is_noticed_on_reconnect_before_it_publishes(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        await h.start_ingester()
+        h.engine.publish(batch(stored([1, 2], None, 0)))
+        await h.wait_seq(ix, 0)
+        pub, replay = h.source.endpoint, h.replay
+        h.engine.close()  # the engine process dies ...
+        await asyncio.sleep(0.3)
+        h.engine = EngineStub(pub, replay, "kv@pod-a@tiny", bind=True)  # ... and a new one binds the same ports
+        deadline = time.monotonic() + 10
+        while (await ix.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        info = await ix.pod_info("pod-a")
+        assert info.counters.get("restarts") == 1 and info.blocks == 0 and info.seqs == {}
+        h.engine.publish(batch(stored([5], None, 3)))  # the new process starts at seq 0
+        info = await h.wait_seq(ix, 0)
+        assert info.blocks == 1 and not info.incomplete
+    finally:
+        await h.close()

@@ -1,0 +1,191 @@
+"""``kv-preflight up``: the whole local stack in one command, stopped cleanly by Ctrl-C.
+
+Starts a private valkey-server on loopback (AOF under ./.data), simulated engines unless real
+ones are given, ingesters, and the predictor. Each child is a real ``kv-preflight`` process with
+its log under .data/logs, so what runs here is what runs in production.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import httpx
+
+from cli.valkey_server import ValkeyServer, free_port
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    children: list[Child] = field(default_factory=list)
+    valkey: ValkeyServer | None = None
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        log_dir = self.data_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"{name}.log"
+        fh = open(log, "a")
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def check(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+        if self.valkey:
+            self.valkey.stop()
+
+
+def wait_http(url: str, stack: Stack, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = stack.check()
+        if dead:
+            raise click.ClickException(f"{dead.name} exited ({dead.proc.returncode}); last log lines:\n"
+                                       + "\n".join(dead.log.read_text().splitlines()[-15:]))
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise click.ClickException(f"{what} did not become ready at {url} within {timeout_s}s")
+
+
+def step(i: int, n: int, text: str) -> None:
+    click.echo(click.style(f"[{i}/{n}] ", fg="cyan") + text)
+
+
+@click.command("up")
+@click.option("--engine", "engines", multiple=True, help="A real engine's HTTP URL (discovered via /kv_event_sources). Repeatable; default: simulated engines.")
+@click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT used to tokenize prompts (default: the given or simulated engines).")
+@click.option("--valkey-url", default=None, help="Use this Valkey instead of starting one.")
+@click.option("--data-dir", default=".data", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Valkey data (AOF) and logs.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Predictor port.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="Predictor worker processes on that port.")
+@click.option("--ingesters", default=1, show_default=True, type=click.IntRange(min=1), help="Ingester processes (active-active).")
+@click.option("--sim-engines", default=2, show_default=True, type=click.IntRange(min=1), help="Simulated engines when no --engine is given.")
+@click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
+@click.option("--sim-block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Engine block size of the simulated engines.")
+@click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
+@click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
+@click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
+def up(engines, engine_urls, valkey_url, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
+       sim_blocks, demo, exit_after_demo) -> None:
+    """Run Valkey, engines (simulated unless given), ingesters and the predictor together."""
+    stack = Stack(data_dir)
+    n = 5
+    rc = 0
+    original = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        if valkey_url:
+            step(1, n, f"using Valkey at {valkey_url.split('@')[-1]}")
+        else:
+            step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
+            try:
+                stack.valkey = ValkeyServer(data_dir / "valkey", appendonly=True).start()
+            except FileNotFoundError as exc:
+                raise click.ClickException(str(exc)) from None
+            valkey_url = stack.valkey.url
+            click.echo(f"      valkey: {valkey_url}")
+        engine_list = list(engines)
+        if engine_list:
+            step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
+        else:
+            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
+            for i in range(sim_engines):
+                http, zp, rp = free_port(), free_port(), free_port()
+                stack.spawn(f"engine-sim-{i}", ["simulate", "--pod", f"sim-{i}", "--model", model, "--port", str(http),
+                                                "--zmq", f"tcp://*:{zp}", "--replay", f"tcp://*:{rp}",
+                                                "--block-size", str(sim_block_size), "--blocks", str(sim_blocks)])
+                engine_list.append(f"http://127.0.0.1:{http}")
+            for url in engine_list:
+                wait_http(url + "/v1/models", stack, "simulated engine")
+            for url in engine_list:
+                click.echo(f"      engine: {url}")
+        step(3, n, f"starting {ingesters} ingester(s) ...")
+        for i in range(ingesters):
+            args = ["ingest", "--valkey-url", valkey_url]
+            for url in engine_list:
+                args += ["--engine", url]
+            stack.spawn(f"ingester-{i}", args)
+        urls = list(engine_urls)
+        if not urls:
+            models = _served_models(engine_list[0]) or [model]
+            urls = [f"{m}={engine_list[0]}" for m in models]
+        step(4, n, f"starting the predictor on 127.0.0.1:{port} with {workers} worker(s) ...")
+        serve = ["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", str(workers)]
+        for u in urls:
+            serve += ["--engine-url", u]
+        stack.spawn("predictor", serve)
+        predictor = f"http://127.0.0.1:{port}"
+        wait_http(predictor + "/health", stack, "predictor")
+        served_model = urls[0].split("=", 1)[0]
+        step(5, n, click.style("ready", fg="green"))
+        click.echo(f"""
+  predictor  {predictor}   (GET /health, GET /stats, POST /v1/cache/predict)
+  engines    {' '.join(engine_list)}
+  logs       {data_dir / 'logs'}/
+
+  try:
+    curl -s {predictor}/v1/cache/predict -H 'content-type: application/json' \\
+      -d '{{"model": "{served_model}", "prompt": "You are a helpful assistant. Summarize the following report."}}'
+    curl -s {engine_list[0]}/v1/completions -H 'content-type: application/json' \\
+      -d '{{"model": "{served_model}", "prompt": "You are a helpful assistant. Summarize the following report.", "max_tokens": 1}}'
+    (run the first again: the prediction now counts the blocks the engine cached)
+""")
+        if demo:
+            from cli.demo import print_demo
+
+            ok = print_demo(engine_list[0], predictor, served_model)
+            if exit_after_demo:
+                rc = 0 if ok else 1
+                return
+        click.echo("Ctrl-C stops everything.")
+        while True:
+            dead = stack.check()
+            if dead:
+                click.echo(f"{dead.name} exited ({dead.proc.returncode}); see {dead.log}. Stopping.", err=True)
+                rc = 1
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        click.echo("\nstopping ...")
+    finally:
+        stack.stop()
+        signal.signal(signal.SIGTERM, original)
+        click.echo("stopped.")
+        if rc:
+            sys.exit(rc)
+
+
+def _served_models(engine_url: str) -> list[str]:
+    try:
+        return [m["id"] for m in httpx.get(engine_url + "/v1/models", timeout=5).json()["data"]]
+    except Exception:
+        return []

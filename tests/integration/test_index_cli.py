@@ -1,0 +1,74 @@
+"""``kv-preflight index ...`` against a real Valkey and a simulated engine process."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from tests.integration.sim import sim_engine
+
+pytestmark = pytest.mark.integration
+
+
+def run(*args: str, input: str | None = None) -> str:
+    result = CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout  # progress lines go to stderr
+
+
+def complete(url: str, tokens: list[int]) -> int:
+    r = httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": tokens, "max_tokens": 1}, timeout=10)
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = sim_engine("sim-cli", tmp_path).start()
+    yield e
+    e.stop()
+
+
+def test_rebuild_inspect_export_import_clear(valkey_url, engine):
+    tokens = list(range(500, 600))  # 6 full engine blocks of 16, last token recomputed
+    complete(engine.url, tokens)
+    complete(engine.url, tokens[:40] + [7] * 30)
+    # The index is empty; rebuild re-ingests the engine's whole history from its replay buffer.
+    report = json.loads(run("index", "rebuild", "--valkey-url", valkey_url, "--engine", engine.url, "--json"))
+    assert report[0]["pod_id"] == "sim-cli" and report[0]["covers_full_history"]
+    assert report[0]["blocks"] > 0 and not report[0]["incomplete"]
+    stats = json.loads(run("index", "stats", "--valkey-url", valkey_url, "--json"))
+    pod = stats["pods"][0]
+    assert pod["pod_id"] == "sim-cli" and pod["engine_block_size"] == 16 and pod["blocks"] == report[0]["blocks"]
+    assert stats["keys"] > 0 and stats["used_memory_bytes"] > 0
+
+    seen = json.loads(run("index", "inspect", "--valkey-url", valkey_url, "--model", "sim",
+                          "--tokens", json.dumps(tokens + [1] * 16), "--json"))
+    assert seen["prefix_blocks_per_pod"] == {"sim-cli": 6}
+    assert seen["blocks"][5]["holders"][0]["pod_id"] == "sim-cli" and seen["blocks"][6]["holders"] == []
+    human = run("index", "inspect", "--valkey-url", valkey_url, "--model", "sim", "--tokens", json.dumps(tokens + [1] * 16))
+    assert "breaks at block #6" in human
+
+    exported = run("index", "export", "--valkey-url", valkey_url)
+    rows = [json.loads(line) for line in exported.splitlines() if line.startswith("{")]
+    assert rows[0] == {"pod": "sim-cli", "model": "sim", "engine_block_size": 16}
+    assert len(rows) - 1 == pod["blocks"]
+
+    cleared = json.loads(run("index", "clear", "--valkey-url", valkey_url, "--pod", "sim-cli", "--json"))
+    assert cleared["blocks_removed"] == pod["blocks"]
+    assert json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]["blocks"] == 0
+
+    imported = json.loads(run("index", "import", "--valkey-url", valkey_url, "--json", input=exported))
+    assert imported["imported_blocks"] == {"sim-cli": pod["blocks"]}
+    again = json.loads(run("index", "inspect", "--valkey-url", valkey_url, "--model", "sim",
+                           "--tokens", json.dumps(tokens), "--json"))
+    assert again["prefix_blocks_per_pod"] == {"sim-cli": 6}
+
+
+def test_unreachable_valkey_is_one_clear_line():
+    result = CliRunner().invoke(cli, ["index", "stats", "--valkey-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 1
+    assert "cannot reach Valkey" in result.output or "Valkey error" in result.output
