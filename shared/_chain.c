@@ -5,10 +5,17 @@
  * CBOR encoding and the hashing in C, streaming bytes straight into FNV without
  * building the encoding, turns ~6 us of Python per block into ~1 ns per token.
  * shared/keys.py keeps the pure-Python reference; tests check both agree.
+ *
+ * Tokens come as a list or tuple of ints (read without a call per item when the
+ * int is small, as every token id is), as any object with the buffer protocol and
+ * an integer format (array('I'), numpy uint32, memoryview), or as any sequence.
+ * FNV is a serial chain (each byte depends on the previous state), so the floor is
+ * one multiply latency per CBOR byte; what is left around it is kept off the loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define FNV_OFFSET 14695981039346656037ULL
 #define FNV_PRIME 1099511628211ULL
@@ -30,15 +37,110 @@ static inline uint64_t fnv_head(uint64_t h, uint8_t major, uint64_t v) {
     }
     if (v <= 0xffffffffULL) {
         h = fnv_byte(h, mt | 26);
-        for (int s = 24; s >= 0; s -= 8) h = fnv_byte(h, (uint8_t)(v >> s));
-        return h;
+        h = fnv_byte(h, (uint8_t)(v >> 24));
+        h = fnv_byte(h, (uint8_t)(v >> 16));
+        h = fnv_byte(h, (uint8_t)(v >> 8));
+        return fnv_byte(h, (uint8_t)v);
     }
     h = fnv_byte(h, mt | 27);
     for (int s = 56; s >= 0; s -= 8) h = fnv_byte(h, (uint8_t)(v >> s));
     return h;
 }
 
-/* request_keys(parent: int, tokens: sequence[int], block_size: int) -> list[int] */
+/* A token id from a Python int: inline for exact small ints, else the C API. -1 on error. */
+static inline int token_of(PyObject *o, uint64_t *out) {
+    if (PyLong_CheckExact(o)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)o);
+            if (v >= 0) { *out = (uint64_t)v; return 0; }
+        }
+#else
+        Py_ssize_t size = Py_SIZE(o);
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        if (size == 1) { *out = d[0]; return 0; }
+        if (size == 0) { *out = 0; return 0; }
+        if (size == 2) { *out = (uint64_t)d[0] | ((uint64_t)d[1] << PyLong_SHIFT); goto check; }
+#endif
+    }
+    {
+        unsigned long long t = PyLong_AsUnsignedLongLong(o);
+        if (t == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        *out = t;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+check:
+#endif
+    if (*out > 0xffffffffULL) {
+        PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
+        return -1;
+    }
+    return 0;
+}
+
+static inline uint64_t block_start(uint64_t prev, Py_ssize_t block_size) {
+    uint64_t h = FNV_OFFSET;
+    h = fnv_byte(h, 0x83);                    /* array(3) */
+    h = fnv_head(h, 0, prev);                 /* parent */
+    return fnv_head(h, 4, (uint64_t)block_size); /* array(block_size) */
+}
+
+/* Keys from a buffer of integers (array('I'), numpy, memoryview). Returns 0, or -1 with an error set. */
+static int keys_from_buffer(Py_buffer *view, uint64_t prev, Py_ssize_t block_size, Py_ssize_t nblocks, uint64_t *out) {
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<') fmt++;
+    char f = *fmt;
+    Py_ssize_t isz = view->itemsize;
+    const char *base = (const char *)view->buf;
+    int is_signed = (f == 'b' || f == 'h' || f == 'i' || f == 'l' || f == 'q' || f == 'n');
+    int is_int = is_signed || f == 'B' || f == 'H' || f == 'I' || f == 'L' || f == 'Q' || f == 'N';
+    if (!is_int || fmt[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "token buffer must hold integers, not format '%s'", view->format);
+        return -1;
+    }
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        uint64_t h = block_start(prev, block_size);
+        for (Py_ssize_t i = b * block_size; i < (b + 1) * block_size; i++) {
+            const char *p = base + i * isz;
+            int64_t sv = 0;
+            uint64_t t;
+            switch (isz) {
+            case 1: if (is_signed) sv = *(const int8_t *)p; else sv = *(const uint8_t *)p; break;
+            case 2: { int16_t s; uint16_t u; if (is_signed) { memcpy(&s, p, 2); sv = s; } else { memcpy(&u, p, 2); sv = u; } break; }
+            case 4: { int32_t s; uint32_t u; if (is_signed) { memcpy(&s, p, 4); sv = s; } else { memcpy(&u, p, 4); sv = u; } break; }
+            case 8: { uint64_t u; memcpy(&u, p, 8);
+                      if (is_signed && (int64_t)u < 0) sv = -1; else if (u > 0xffffffffULL) sv = (int64_t)0x100000000LL; else sv = (int64_t)u;
+                      break; }
+            default:
+                PyErr_SetString(PyExc_TypeError, "unsupported token item size");
+                return -1;
+            }
+            if (sv < 0 || sv > 0xffffffffLL) {
+                PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
+                return -1;
+            }
+            t = (uint64_t)sv;
+            h = fnv_head(h, 0, t);
+        }
+        h = fnv_byte(h, 0xf6);                /* extra = nil */
+        out[b] = h;
+        prev = h;
+    }
+    return 0;
+}
+
+static PyObject *list_of(const uint64_t *keys, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *k = PyLong_FromUnsignedLongLong(keys[b]);
+        if (k == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, b, k);
+    }
+    return out;
+}
+
+/* request_keys(parent: int, tokens, block_size: int) -> list[int] */
 static PyObject *request_keys(PyObject *self, PyObject *args) {
     unsigned long long parent;
     PyObject *tokens_obj;
@@ -48,6 +150,20 @@ static PyObject *request_keys(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
+    uint64_t prev = (uint64_t)parent;
+    if (!PyList_Check(tokens_obj) && !PyTuple_Check(tokens_obj) && PyObject_CheckBuffer(tokens_obj)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens_obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
+        Py_ssize_t nblocks = n / block_size;
+        uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (nblocks ? nblocks : 1));
+        if (keys == NULL) { PyBuffer_Release(&view); return PyErr_NoMemory(); }
+        int rc = keys_from_buffer(&view, prev, block_size, nblocks, keys);
+        PyBuffer_Release(&view);
+        PyObject *out = rc == 0 ? list_of(keys, nblocks) : NULL;
+        PyMem_Free(keys);
+        return out;
+    }
     PyObject *seq = PySequence_Fast(tokens_obj, "tokens must be a sequence of ints");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -55,19 +171,12 @@ static PyObject *request_keys(PyObject *self, PyObject *args) {
     Py_ssize_t nblocks = n / block_size;
     PyObject *out = PyList_New(nblocks);
     if (out == NULL) { Py_DECREF(seq); return NULL; }
-    uint64_t prev = (uint64_t)parent;
     for (Py_ssize_t b = 0; b < nblocks; b++) {
-        uint64_t h = FNV_OFFSET;
-        h = fnv_byte(h, 0x83);              /* array(3) */
-        h = fnv_head(h, 0, prev);           /* parent */
-        h = fnv_head(h, 4, (uint64_t)block_size); /* array(block_size) */
-        for (Py_ssize_t i = b * block_size; i < (b + 1) * block_size; i++) {
-            unsigned long long t = PyLong_AsUnsignedLongLong(items[i]);
-            if (t == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
-            if (t > 0xffffffffULL) {
-                PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
-                goto fail;
-            }
+        uint64_t h = block_start(prev, block_size);
+        PyObject **it = items + b * block_size;
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            uint64_t t;
+            if (token_of(it[i], &t) < 0) goto fail;
             h = fnv_head(h, 0, t);
         }
         h = fnv_byte(h, 0xf6);              /* extra = nil */
@@ -84,9 +193,47 @@ fail:
     return NULL;
 }
 
+#define KEY_WIDTH 20 /* decimal digits of the largest uint64 */
+
+static const char DIGITS2[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* pack_keys(keys: sequence[int]) -> bytes: each key as 20 characters, decimal, right-aligned, space-padded.
+ * The lookup script reads key i at a fixed offset, so a chain travels as one argument. */
+static PyObject *pack_keys(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "keys must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * KEY_WIDTH);
+    if (out == NULL) { Py_DECREF(seq); return NULL; }
+    char *buf = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { Py_DECREF(seq); Py_DECREF(out); return NULL; }
+        char *end = buf + (i + 1) * KEY_WIDTH;
+        char *p = end;
+        while (v >= 100) {
+            unsigned q = (unsigned)(v % 100);
+            v /= 100;
+            *--p = DIGITS2[2 * q + 1];
+            *--p = DIGITS2[2 * q];
+        }
+        if (v >= 10) { *--p = DIGITS2[2 * v + 1]; *--p = DIGITS2[2 * v]; }
+        else *--p = (char)('0' + v);
+        memset(buf + i * KEY_WIDTH, ' ', (size_t)(p - (buf + i * KEY_WIDTH)));
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"request_keys", request_keys, METH_VARARGS,
      "Chained llm-d request keys for the full blocks of tokens (extra = nil)."},
+    {"pack_keys", pack_keys, METH_O,
+     "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {NULL, NULL, 0, NULL},
 };
 

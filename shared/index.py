@@ -30,6 +30,8 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from shared.keys import pack_keys
+
 ENGINE_PREFIX = "engine:"
 OUR_PREFIX = "kvpf:"
 PODS_KEY = OUR_PREFIX + "pods"
@@ -277,17 +279,10 @@ end
 return n
 """
 
-# KEYS: the request-key chain. ARGV: pod ids to consider (none = all).
-# Walks the chain with early stop, returning per pod the length of its consecutive
-# prefix and the tier of its last matched block: {pod, blocks, tier, ...}.
+# Shared Lua: a PodEntry field -> pod, tier; nil for speculative or unparseable entries.
 # Speculative entries (written by llm-d's scheduler before the engine confirms) are
-# not cache, so they do not count.
-_LUA_LOOKUP = """
-local filter = nil
-if #ARGV > 0 then
-  filter = {}
-  for _, p in ipairs(ARGV) do filter[p] = true end
-end
+# not cache, so they never count.
+_LUA_PARSE_ENTRY = """
 local function parse(f)
   if string.sub(f, 1, 1) == '{' then
     if string.find(f, '"Speculative":true', 1, true) then return nil end
@@ -305,12 +300,99 @@ local function parse(f)
   if tier == '' then tier = 'gpu' end
   return pod, tier
 end
+"""
+
+# ARGV: n, the chain packed by shared.keys.pack_keys (key i at bytes 20(i-1)+1 .. 20i, decimal,
+# right-aligned: one argument instead of n), then pod ids to consider (none = all). Keys are
+# derived inside the script, like the apply script's: single-node or single-shard Valkey
+# (Valkey Cluster: lookup mode "pipeline").
+#
+# A pod's blocks of one chain form a prefix of it: the engine only reuses a block after
+# every block before it, evicts the tail of a chain before its head (vLLM frees a request's
+# blocks last-first), and the ingester writes and removes whole engine blocks. So rather than
+# read every key, the script reads the first key's pods, then for each pod gallops (keys 2, 4,
+# 8, ...) and bisects to the last key that still holds it. Each key read (HKEYS, its fields
+# parsed once per distinct field) answers for every pod at once and is remembered, so pods
+# share reads: O(pods x log(chain)) reads instead of one per key. A pod counts at a key
+# through any of its fields (tiers, groups), with gpu preferred for the tier, as in the
+# linear walk, which this equals whenever every pod's blocks form a prefix.
+# Returns {pod, blocks, tier, ...}.
+_LUA_LOOKUP = _LUA_PARSE_ENTRY + """
+local n = tonumber(ARGV[1])
+local chain = ARGV[2]
+local filter = nil
+if #ARGV > 2 then
+  filter = {}
+  for i = 3, #ARGV do filter[ARGV[i]] = true end
+end
+local parsed, seen = {}, {}
+-- Pods (wanted, not speculative) holding key i, pod -> tier; remembered per key.
+local function at(i)
+  local present = seen[i]
+  if present then return present end
+  present = {}
+  local k = string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
+  for _, f in ipairs(redis.call('HKEYS', k)) do
+    local e = parsed[f]
+    if e == nil then
+      local pod, tier = parse(f)
+      if pod and (filter == nil or filter[pod]) then e = {pod, tier} else e = false end
+      parsed[f] = e
+    end
+    if e then
+      local pod, tier = e[1], e[2]
+      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
+    end
+  end
+  seen[i] = present
+  return present
+end
+local out = {}
+local first = at(1)
+for pod, _ in pairs(first) do
+  -- lo: a key that holds the pod; hi: one that does not (n + 1: past the end)
+  local lo, hi = 1, n + 1
+  while lo < n do
+    local nxt = math.min(lo * 2, n)
+    if at(nxt)[pod] then lo = nxt else hi = nxt; break end
+  end
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if at(mid)[pod] then lo = mid else hi = mid end
+  end
+  out[#out + 1] = pod
+  out[#out + 1] = lo
+  out[#out + 1] = at(lo)[pod]
+end
+return out
+"""
+
+# The exact linear walk (mode "linear"): one HKEYS per key, keeping the pods that hold every
+# key so far, early stop when none is left; each distinct field is parsed once. Same ARGV.
+# It is what the pipeline path computes in Python, and what the benchmark checks the galloping
+# script against.
+_LUA_LOOKUP_LINEAR = _LUA_PARSE_ENTRY + """
+local n = tonumber(ARGV[1])
+local chain = ARGV[2]
+local filter = nil
+if #ARGV > 2 then
+  filter = {}
+  for i = 3, #ARGV do filter[ARGV[i]] = true end
+end
+local parsed = {}
 local alive, counts, tiers = nil, {}, {}
-for i, key in ipairs(KEYS) do
+for i = 1, n do
   local present = {}
-  for _, f in ipairs(redis.call('HKEYS', key)) do
-    local pod, tier = parse(f)
-    if pod and (filter == nil or filter[pod]) then
+  local k = string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
+  for _, f in ipairs(redis.call('HKEYS', k)) do
+    local e = parsed[f]
+    if e == nil then
+      local pod, tier = parse(f)
+      if pod and (filter == nil or filter[pod]) then e = {pod, tier} else e = false end
+      parsed[f] = e
+    end
+    if e then
+      local pod, tier = e[1], e[2]
       if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
     end
   end
@@ -330,9 +412,9 @@ for i, key in ipairs(KEYS) do
   if not any then break end
 end
 local out = {}
-for pod, n in pairs(counts) do
+for pod, c in pairs(counts) do
   out[#out + 1] = pod
-  out[#out + 1] = n
+  out[#out + 1] = c
   out[#out + 1] = tiers[pod]
 end
 return out
@@ -390,6 +472,15 @@ def longest_prefix(fields_per_key: Sequence[Sequence[str | bytes]], pods: Iterab
     return [PodMatch(p, n, tiers[p]) for p, n in counts.items()]
 
 
+def parse_lookup_reply(flat: Sequence[Any]) -> list[PodMatch]:
+    out = []
+    for i in range(0, len(flat), 3):
+        pod, n, tier = flat[i], flat[i + 1], flat[i + 2]
+        out.append(PodMatch(pod.decode() if isinstance(pod, bytes) else pod, int(n),
+                            tier.decode() if isinstance(tier, bytes) else tier))
+    return out
+
+
 class Index:
     """Async access to the index. Every call is bounded by the client's socket timeout."""
 
@@ -398,6 +489,7 @@ class Index:
         self.entry_format = entry_format
         self._apply = client.register_script(_LUA_APPLY)
         self._lookup = client.register_script(_LUA_LOOKUP)
+        self._lookup_linear = client.register_script(_LUA_LOOKUP_LINEAR)
         self._clear = client.register_script(_LUA_CLEAR)
 
     @classmethod
@@ -505,18 +597,18 @@ class Index:
     # ---- read path
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *, mode: str = "script") -> list[PodMatch]:
-        """Per pod, how many leading blocks of the chain it holds. One round trip either way."""
+        """Per pod, how many leading blocks of the chain it holds. One round trip in every mode.
+
+        ``script``: galloping search in one EVALSHA (a pod's blocks form a prefix of the chain);
+        ``linear``: the exact walk in one EVALSHA; ``pipeline``: pipelined HKEYS (Valkey Cluster).
+        """
         if not request_keys:
             return []
         if mode == "pipeline":
             return longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods)
-        flat = await self._lookup(keys=[request_key_name(k) for k in request_keys], args=list(pods or []))
-        out = []
-        for i in range(0, len(flat), 3):
-            pod, n, tier = flat[i], flat[i + 1], flat[i + 2]
-            out.append(PodMatch(pod.decode() if isinstance(pod, bytes) else pod, int(n),
-                                tier.decode() if isinstance(tier, bytes) else tier))
-        return out
+        script = self._lookup_linear if mode == "linear" else self._lookup
+        flat = await script(keys=[], args=[len(request_keys), pack_keys(request_keys), *(pods or ())])
+        return parse_lookup_reply(flat)
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""

@@ -62,6 +62,16 @@ def _check_tokens(tokens: Sequence[int]) -> None:
             raise ValueError(f"token id {t!r} is not an integer in [0, {MAX_TOKEN_ID}]")
 
 
+KEY_WIDTH = 20  # decimal digits of the largest uint64
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Keys as one string the lookup script indexes: each 20 characters, decimal, right-aligned."""
+    if _chain is not None:
+        return _chain.pack_keys(keys)
+    return b"".join(b"%20d" % k for k in keys)
+
+
 def request_keys_reference(
     tokens: Sequence[int],
     *,

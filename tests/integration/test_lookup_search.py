@@ -1,0 +1,69 @@
+"""The galloping lookup script against the exact walks (linear script, pipelined HKEYS)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import redis
+
+from shared.index import Index, StoreBlock, encode_entry, make_entry
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+@pytest.fixture
+async def ix(valkey_url):
+    index = Index.from_url(valkey_url)
+    yield index
+    await index.close()
+
+
+async def hold(ix: Index, pod: str, chain: list[int], n: int, medium: str = "GPU", group: int | None = 0) -> None:
+    fld = encode_entry(make_entry(pod, medium, group))
+    await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=0.0, model="m", engine_block_size=16, mode="import",
+                         mutations=[StoreBlock(10_000 + k, medium.lower(), fld, (k,)) for k in chain[:n]])
+
+
+async def all_modes(ix: Index, chain: list[int], pods=None) -> dict[str, dict[str, tuple[int, str]]]:
+    return {mode: {m.pod_id: (m.blocks, m.tier) for m in await ix.lookup(chain, pods, mode=mode)}
+            for mode in ("script", "linear", "pipeline")}
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_prefix_holding_pods_agree_in_every_mode(ix, seed):
+    rng = random.Random(seed)
+    length = rng.choice([1, 2, 3, 7, 64, 100, 257, 1000])
+    chain = [rng.randrange(1, 2**64) for _ in range(length)]
+    pods = [f"pod-{i}" for i in range(rng.choice([1, 2, 5, 17]))]
+    for pod in pods:
+        if rng.random() < 0.8:
+            await hold(ix, pod, chain, rng.randint(1, length))
+        if rng.random() < 0.3:  # also offloaded: a shorter or longer prefix in the cpu tier
+            await hold(ix, pod, chain, rng.randint(1, length), medium="CPU")
+    got = await all_modes(ix, chain)
+    assert got["script"] == got["linear"] == got["pipeline"]
+    wanted = rng.sample(pods, k=max(1, len(pods) // 2)) + ["nope"]
+    got = await all_modes(ix, chain, wanted)
+    assert got["script"] == got["linear"] == got["pipeline"]
+
+
+async def test_tier_and_fields_that_appear_past_the_first_key(ix, valkey_url):
+    chain = list(range(301, 321))
+    await hold(ix, "pod-a", chain, 12)  # gpu 1..12
+    await hold(ix, "pod-a", chain, 17, medium="CPU")  # cpu 1..17: last matched block is cpu
+    sync = redis.Redis.from_url(valkey_url)
+    for k in chain[:3]:
+        sync.hset(str(k), "v08@gpu", "")
+    for k in chain[3:9]:  # the same pod under another field from key 4 on
+        sync.hset(str(k), "v08@cpu", "")
+    for k in chain[:5]:
+        sync.hset(str(k), "spec@gpu[speculative]", "")
+    got = await all_modes(ix, chain)
+    assert got["script"] == got["linear"] == got["pipeline"] == {"pod-a": (17, "cpu"), "v08": (9, "cpu")}
+
+
+async def test_a_missing_first_key_means_no_match(ix):
+    chain = [11, 12, 13]
+    await hold(ix, "pod-a", chain[1:], 2)
+    assert (await all_modes(ix, chain))["script"] == {}
+    assert await ix.lookup([]) == []

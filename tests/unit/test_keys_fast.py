@@ -1,0 +1,37 @@
+"""The C routine's input forms (list, tuple, buffers) and the packed chain the lookup script reads."""
+import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import keys
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70), block_size=st.integers(1, 17))
+def test_every_input_form_gives_the_reference_keys(tokens, block_size):
+    ref = keys.request_keys_reference(tokens, model="m", block_size=block_size)
+    for form in (tokens, tuple(tokens), array.array("I", tokens), array.array("Q", tokens),
+                 memoryview(array.array("L", tokens))):
+        assert keys.request_keys(form, model="m", block_size=block_size) == ref
+
+
+def test_large_ints_take_the_slow_path_and_still_agree():
+    toks = [2**30 - 1, 2**30, 2**31, 2**32 - 1] * 8  # one and two 30-bit digits
+    assert keys.request_keys(toks, model="m") == keys.request_keys_reference(toks, model="m")
+
+
+@pytest.mark.parametrize("bad", [array.array("i", [-1] * 16), array.array("q", [2**32] * 16), array.array("d", [1.0] * 16),
+                                 [2**64] * 16, [-(2**40)] * 16])
+def test_buffers_and_ints_out_of_uint32_are_rejected(bad):
+    with pytest.raises(ValueError):
+        keys.request_keys(bad, model="m")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=50))
+def test_pack_keys_is_fixed_width_decimal(ks):
+    packed = keys.pack_keys(ks)
+    assert packed == b"".join(b"%20d" % k for k in ks)
+    assert [int(packed[i * 20:(i + 1) * 20]) for i in range(len(ks))] == ks
