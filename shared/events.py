@@ -265,10 +265,16 @@ def decode_frames(frames: list[bytes]) -> DecodedFrame:
 _encoder = msgspec.msgpack.Encoder()
 
 
+# vLLM 0.32's event structs are ``omit_defaults``: fields whose default is None are left out
+# while unset; lora_id, medium and lora_name have no default there and are always sent.
+_OMITTED_WHEN_NONE = frozenset({"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"})
+
+
 def event_to_wire(event: Event) -> dict[str, Any]:
-    name = type(event).__name__
+    """The map vLLM 0.32 would send for this event, byte for byte once msgpack-encoded."""
     body = {f: getattr(event, f) for f in event.__struct_fields__}
-    return {"type": name, **body}
+    return {"type": type(event).__name__,
+            **{k: v for k, v in body.items() if not (v is None and k in _OMITTED_WHEN_NONE)}}
 
 
 def encode_payload(batch: EventBatch) -> bytes:

@@ -6,10 +6,8 @@
 * A ROUTER on the replay endpoint answers a DEALER's ``["", start_seq]`` with
   ``["", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``,
   then ``["", "", -1, ""]``. The buffer keeps the last ``buffer_steps`` batches.
-* Payload: msgpack ``[ts, [event maps], data_parallel_rank]``. vLLM's structs are
-  ``omit_defaults``, so optional fields that are still unset are left out of the
-  map; ``shared.events.encode_payload`` writes them as nil, hence ``encode_payload``
-  here.
+* Payload: msgpack ``[ts, [event maps], data_parallel_rank]``, encoded by
+  ``shared.events`` (the one wire schema; unset optional fields left out as vLLM does).
 """
 from __future__ import annotations
 
@@ -21,32 +19,21 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.events import Event, event_to_wire
+from shared.events import Event, EventBatch
+from shared.events import encode_payload as encode_batch
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
-# Fields whose vLLM default is None (so omitted when None); lora_id, medium and
-# lora_name have no default there and are always sent, even as nil.
-_OMITTED_WHEN_NONE = frozenset(
-    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-     "locality", "ownership", "session_id"}
-)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def event_map(event: Event) -> dict[str, Any]:
-    return {k: v for k, v in event_to_wire(event).items() if not (v is None and k in _OMITTED_WHEN_NONE)}
 
 
 def encode_payload(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
-    return _encoder.encode([ts, [event_map(e) for e in events], data_parallel_rank])
+    return encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=data_parallel_rank))
 
 
 def is_bind_endpoint(endpoint: str) -> bool:

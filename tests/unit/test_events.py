@@ -111,3 +111,13 @@ def test_fuzz_structured_payloads_never_raise(obj):
         return
     out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), payload])
     assert isinstance(out.errors, list)
+
+
+def test_encoder_reproduces_vllm_032_bytes():
+    """The one wire schema encodes exactly what vLLM 0.32 sent, so the simulator cannot drift."""
+    from shared.events import encode_payload
+
+    for o in load_jsonl("vllm-0.32-live-frames.jsonl"):
+        raw = base64.b64decode(o["payload_b64"])
+        f = decode_frames([o["topic"].encode(), o["seq"].to_bytes(8, "big"), raw])
+        assert encode_payload(f.batch) == raw, o["seq"]
