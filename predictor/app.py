@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from predictor.errors import BadRequest, BodyTooLarge, PredictorError
-from predictor.request import parse_request
+from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
 from shared.config import Config
 from shared.index import Index
@@ -61,8 +61,12 @@ async def predict(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
     try:
         body = await read_body(request, predictor.cfg.max_body_bytes)
-        req = parse_request(body, max_tokens=predictor.cfg.max_tokens)
-        prediction = await predictor.predict(req)
+        cfg = predictor.cfg
+        keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+        if keyed is not None:
+            prediction = await predictor.predict_keyed(keyed)
+        else:
+            prediction = await predictor.predict(parse_request(body, max_tokens=cfg.max_tokens))
     except PredictorError as exc:
         return error_response(predictor, exc)
     predictor.counters.predictions += 1

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 
 from predictor.errors import BadRequest
-from shared.keys import MAX_TOKEN_ID
+from shared.keys import MAX_TOKEN_ID, request_keys_json
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
@@ -65,6 +65,46 @@ def parse_request(body: bytes, *, max_tokens: int) -> PredictRequest:
     elif req.messages is not None and not req.messages:
         raise BadRequest("messages is empty")
     return req
+
+
+class _KeyedShape(msgspec.Struct):
+    """The common request, token_ids kept as raw JSON text for the C routine."""
+
+    model: str | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    messages: msgspec.Raw = msgspec.Raw()
+    pods: list[str] | None = None
+
+
+_keyed_decoder = msgspec.json.Decoder(_KeyedShape)
+
+
+class KeyedRequest(msgspec.Struct):
+    """A token_ids request already turned into request keys (the fast path)."""
+
+    model: str
+    keys: list[int]
+    n_tokens: int
+    pods: list[str] | None
+
+
+def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int) -> KeyedRequest | None:
+    """The fast path for a well-formed token_ids request: keys straight from the JSON text.
+
+    Anything else (other inputs, any error, an empty or over-long prompt) is None, and the
+    caller goes through ``parse_request``, which decides, and words every error, as before.
+    """
+    try:
+        shape = _keyed_decoder.decode(body)
+    except msgspec.MsgspecError:
+        return None
+    if not shape.model or not shape.token_ids or shape.prompt or shape.messages:
+        return None
+    got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
+    if got is None or not 0 < got[1] <= max_tokens:
+        return None
+    return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods)
 
 
 def check_token_count(n: int, max_tokens: int) -> None:

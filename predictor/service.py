@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from predictor.errors import BadRequest, IndexUnavailable, UnknownModel
 from predictor.metadata import IndexMetadata
-from predictor.request import PredictRequest, check_token_count
+from predictor.request import KeyedRequest, PredictRequest, check_token_count
 from predictor.score import Prediction, score
 from predictor.stats import ProcessCounters, build_stats
 from predictor.tokenize import EngineTokenizer
@@ -79,19 +79,27 @@ class Predictor:
             keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        return await self._predict_keys(model, keys, len(tokens), req.pods)
+
+    async def predict_keyed(self, req: KeyedRequest) -> Prediction:
+        """A token_ids request whose keys the request parser already computed (the fast path)."""
+        await self._check_model(req.model, need_engine=False)
+        return await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
+
+    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
         engine_blocks: dict[str, int | None] = {}
         incomplete: set[str] = set()
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
-        if keys and (req.pods is None or req.pods):
+        if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
-                matches = await self.index.lookup(keys, req.pods, mode=self.cfg.lookup)
+                matches = await self.index.lookup(keys, pods, mode=self.cfg.lookup)
                 infos = await self.metadata.pod_infos(m.pod_id for m in matches)
             engine_blocks = {p: i.engine_block_size for p, i in infos.items()}
             incomplete = {p for p, i in infos.items() if i.incomplete}
         return score(
-            matches, prompt_len=len(tokens), canonical_block=self.cfg.block_size,
-            engine_blocks=engine_blocks, incomplete=incomplete, pods=req.pods,
+            matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
+            engine_blocks=engine_blocks, incomplete=incomplete, pods=pods,
         )
 
     async def _check_model(self, model: str, *, need_engine: bool) -> None:

@@ -193,6 +193,84 @@ fail:
     return NULL;
 }
 
+/* request_keys_json(parent: int, raw: bytes-like, block_size: int) -> (list[int], n_tokens)
+ *
+ * ``raw`` is the JSON text of a token-id array, e.g. the ``token_ids`` member of a request
+ * body captured as msgspec.Raw. Numbers are parsed and hashed in one pass, with no Python
+ * int per token. Only plain non-negative integers up to 2^32-1 are accepted (no sign,
+ * fraction, exponent or leading zero); anything else raises ValueError, and the caller
+ * falls back to its full decoder, which also words the error. */
+static PyObject *request_keys_json(PyObject *self, PyObject *args) {
+    unsigned long long parent;
+    Py_buffer raw;
+    Py_ssize_t block_size;
+    if (!PyArg_ParseTuple(args, "Ky*n", &parent, &raw, &block_size)) return NULL;
+    PyObject *result = NULL;
+    uint64_t *keys = NULL;
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        goto done;
+    }
+    const unsigned char *p = (const unsigned char *)raw.buf, *end = p + raw.len;
+    Py_ssize_t cap = raw.len / (2 * block_size) + 1, nkeys = 0, ntok = 0, in_block = 0;
+    keys = PyMem_Malloc(sizeof(uint64_t) * cap);
+    if (keys == NULL) { PyErr_NoMemory(); goto done; }
+    uint64_t prev = (uint64_t)parent, h = 0;
+#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
+    WS();
+    if (p >= end || *p != '[') goto bad;
+    p++;
+    WS();
+    if (p < end && *p == ']') { p++; goto close; }
+    for (;;) {
+        if (p >= end || *p < '0' || *p > '9') goto bad;
+        uint64_t v = (uint64_t)(*p++ - '0');
+        if (v == 0 && p < end && *p >= '0' && *p <= '9') goto bad; /* leading zero */
+        int digits = 1;
+        while (p < end && *p >= '0' && *p <= '9') {
+            v = v * 10 + (uint64_t)(*p++ - '0');
+            if (++digits > 10) goto bad;
+        }
+        if (v > 0xffffffffULL) goto bad;
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) goto bad;
+        if (in_block == 0) h = block_start(prev, block_size);
+        h = fnv_head(h, 0, v);
+        ntok++;
+        if (++in_block == block_size) {
+            h = fnv_byte(h, 0xf6);          /* extra = nil */
+            if (nkeys == cap) {
+                cap *= 2;
+                uint64_t *grown = PyMem_Realloc(keys, sizeof(uint64_t) * cap);
+                if (grown == NULL) { PyErr_NoMemory(); goto done; }
+                keys = grown;
+            }
+            keys[nkeys++] = h;
+            prev = h;
+            in_block = 0;
+        }
+        WS();
+        if (p < end && *p == ',') { p++; WS(); continue; }
+        if (p < end && *p == ']') { p++; break; }
+        goto bad;
+    }
+close:
+    WS();
+    if (p != end) goto bad;
+#undef WS
+    {
+        PyObject *list = list_of(keys, nkeys);
+        if (list == NULL) goto done;
+        result = Py_BuildValue("(Nn)", list, ntok);
+    }
+    goto done;
+bad:
+    PyErr_SetString(PyExc_ValueError, "not a JSON array of integers in [0, 4294967295]");
+done:
+    PyMem_Free(keys);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 #define KEY_WIDTH 20 /* decimal digits of the largest uint64 */
 
 static const char DIGITS2[201] =
@@ -232,6 +310,8 @@ static PyObject *pack_keys(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"request_keys", request_keys, METH_VARARGS,
      "Chained llm-d request keys for the full blocks of tokens (extra = nil)."},
+    {"request_keys_json", request_keys_json, METH_VARARGS,
+     "Request keys and token count straight from the JSON text of a token-id array."},
     {"pack_keys", pack_keys, METH_O,
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {NULL, NULL, 0, NULL},

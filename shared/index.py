@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared.keys import pack_keys
+from shared.resp import FastConnection
 
 ENGINE_PREFIX = "engine:"
 OUR_PREFIX = "kvpf:"
@@ -484,9 +485,10 @@ def parse_lookup_reply(flat: Sequence[Any]) -> list[PodMatch]:
 class Index:
     """Async access to the index. Every call is bounded by the client's socket timeout."""
 
-    def __init__(self, client: aioredis.Redis, entry_format: str = "json"):
+    def __init__(self, client: aioredis.Redis, entry_format: str = "json", fast: FastConnection | None = None):
         self.client = client
         self.entry_format = entry_format
+        self.fast = fast  # the lookup's lean connection (from_url gives one for redis:// and unix://)
         self._apply = client.register_script(_LUA_APPLY)
         self._lookup = client.register_script(_LUA_LOOKUP)
         self._lookup_linear = client.register_script(_LUA_LOOKUP_LINEAR)
@@ -501,9 +503,11 @@ class Index:
             health_check_interval=0,
             retry_on_timeout=False,
         )
-        return cls(client, entry_format)
+        return cls(client, entry_format, FastConnection.from_url(url, timeout_s=timeout_s))
 
     async def close(self) -> None:
+        if self.fast is not None:
+            await self.fast.close()
         await self.client.aclose()
 
     async def ping(self) -> bool:
@@ -607,8 +611,10 @@ class Index:
         if mode == "pipeline":
             return longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods)
         script = self._lookup_linear if mode == "linear" else self._lookup
-        flat = await script(keys=[], args=[len(request_keys), pack_keys(request_keys), *(pods or ())])
-        return parse_lookup_reply(flat)
+        args = [len(request_keys), pack_keys(request_keys), *(pods or ())]
+        if self.fast is not None:
+            return parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args))
+        return parse_lookup_reply(await script(keys=[], args=args))
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""

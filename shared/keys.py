@@ -95,6 +95,27 @@ def request_keys_reference(
     return keys
 
 
+def request_keys_json(
+    raw: bytes | memoryview | Any,
+    *,
+    model: str,
+    hash_seed: str = "",
+    block_size: int = 16,
+) -> tuple[list[int], int] | None:
+    """Keys and token count straight from the JSON text of a token-id array (e.g. a msgspec.Raw).
+
+    The fast path of a prediction: no Python int per token. None when the C routine is
+    absent or the text is anything but a plain array of integers in [0, 2^32-1]; the
+    caller then decodes it the ordinary way, which also explains what is wrong.
+    """
+    if _chain is None or block_size <= 0:
+        return None
+    try:
+        return _chain.request_keys_json(root_key(model, hash_seed), raw, block_size)
+    except (ValueError, TypeError, OverflowError):
+        return None
+
+
 def request_keys(
     tokens: Sequence[int],
     *,
