@@ -109,7 +109,7 @@ def up(engines, engine_urls, valkey_url, data_dir, port, workers, ingesters, sim
             step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
             try:
                 stack.valkey = ValkeyServer(data_dir / "valkey", appendonly=True).start()
-            except FileNotFoundError as exc:
+            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
                 raise click.ClickException(str(exc)) from None
             valkey_url = stack.valkey.url
             click.echo(f"      valkey: {valkey_url}")

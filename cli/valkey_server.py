@@ -45,6 +45,8 @@ class ValkeyServer:
     def start(self, timeout_s: float = 10.0) -> "ValkeyServer":
         if not self.port:
             self.port = free_port()
+        # valkey-server chdirs into --dir before opening --logfile: relative paths would nest.
+        self.data_dir = self.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             server_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),

@@ -72,3 +72,4 @@ def test_unreachable_valkey_is_one_clear_line():
     result = CliRunner().invoke(cli, ["index", "stats", "--valkey-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code == 1
     assert "cannot reach Valkey" in result.output or "Valkey error" in result.output
+
