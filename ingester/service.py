@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+from ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
@@ -155,7 +155,11 @@ class Ingester:
         route.source = src.endpoint
         if src.replay and not route.replay:
             route.replay = src.replay
-        await self.apply(pod, route.model, decoded.seq, decoded.batch)
+        status = await self.apply(pod, route.model, decoded.seq, decoded.batch)
+        if decoded.errors and status == "applied":
+            # A dropped BlockRemoved would leave blocks the engine no longer has: say so.
+            await self._valkey(self.index.mark_incomplete, pod,
+                               f"{len(decoded.errors)} event(s) at seq {decoded.seq} could not be decoded")
 
     async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True, mode: str = "check") -> str:
         """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
@@ -163,10 +167,16 @@ class Ingester:
         if missing:
             resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing])
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
-        plan = plan_batch(
-            batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
-            block_size=self.cfg.block_size, entry_field=self.index.entry_field,
-        )
+        try:
+            plan = plan_batch(
+                batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
+                block_size=self.cfg.block_size, entry_field=self.index.entry_field,
+            )
+        except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
+            log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
+            self.stats.inc("plan_errors")
+            plan = Plan()
+            await self._valkey(self.index.mark_incomplete, pod, f"batch at seq {seq} could not be applied: {exc}")
         rank = batch.data_parallel_rank or 0
         result = await self._valkey(
             self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,

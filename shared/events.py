@@ -143,8 +143,10 @@ def _build(tag: str, fields: dict[str, Any]) -> Event:
             group_idx=_int_or_none("group_idx", fields.get("group_idx")),
         )
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise DecodeError("token_ids is not a list of integers")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 0xFFFFFFFF for t in tokens
+    ):
+        raise DecodeError("token_ids is not a list of integers in [0, 2^32)")
     block_size = fields.get("block_size")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise DecodeError(f"block_size {block_size!r} is not a positive integer")

@@ -248,3 +248,21 @@ async def test_engine_restart_is_noticed_on_reconnect_before_it_publishes(valkey
         assert info.blocks == 1 and not info.incomplete
     finally:
         await h.close()
+
+
+async def test_partly_bad_batch_applies_the_rest_and_flags_the_pod(valkey_url, ix):
+    import msgspec
+
+    from shared.events import event_to_wire
+
+    h = Harness(valkey_url)
+    try:
+        await h.start_ingester()
+        good = event_to_wire(stored([1], None, 0))
+        bad = {"type": "BlockRemoved", "block_hashes": ["not-a-hash"]}
+        h.engine.send_raw([b"kv@pod-a@tiny", (0).to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [bad, good], 0])])
+        info = await h.wait_seq(ix, 0)
+        assert info.blocks == 1 and await cached_blocks(ix, 32) == 2
+        assert info.incomplete and "could not be decoded" in info.incomplete_reason
+    finally:
+        await h.close()
