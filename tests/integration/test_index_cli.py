@@ -52,6 +52,17 @@ def test_rebuild_inspect_export_import_clear(valkey_url, engine):
     human = run("index", "inspect", "--valkey-url", valkey_url, "--model", "sim", "--tokens", json.dumps(tokens + [1] * 16))
     assert "breaks at block #6" in human
 
+    # --prompt is tokenized by the engine, then inspected the same way.
+    prompt = "inspect me " * 12
+    r = httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": prompt, "max_tokens": 1}, timeout=10)
+    r.raise_for_status()
+    run("index", "rebuild", "--valkey-url", valkey_url, "--engine", engine.url)
+    by_prompt = json.loads(run("index", "inspect", "--valkey-url", valkey_url, "--model", "sim", "--prompt", prompt,
+                               "--engine-url", engine.url, "--json"))
+    n_tokens = r.json()["usage"]["prompt_tokens"]
+    assert by_prompt["tokens"] == n_tokens and by_prompt["prefix_blocks_per_pod"] == {"sim-cli": n_tokens // 16}
+    pod = json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]
+
     exported = run("index", "export", "--valkey-url", valkey_url)
     rows = [json.loads(line) for line in exported.splitlines() if line.startswith("{")]
     assert rows[0] == {"pod": "sim-cli", "model": "sim", "engine_block_size": 16}
