@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from shared.config import Config, parse_model_urls
+from shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
 
 
 def _read_tokens(spec: str) -> list[int]:
@@ -57,12 +57,16 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
 @click.option("--entry-format", default=None, type=click.Choice(["json", "v08"]), help="PodEntry form to write (default json, llm-d v0.9+).")
 @click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
-def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_format, log_json) -> None:
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535), help="Serve Prometheus /metrics on this port (default 0: off).")
+@click.option("--metrics-host", default=None, help="Address for --metrics-port (default 127.0.0.1).")
+def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
+           metrics_host) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
     cfg = Config.load(valkey_url=valkey_url, sources=sources, binds=binds, engines=engines, hash_seed=hash_seed,
-                      block_size=block_size, entry_format=entry_format, log_json=log_json)
+                      block_size=block_size, entry_format=entry_format, log_json=log_json,
+                      metrics_port=metrics_port, metrics_host=metrics_host)
     if not (cfg.sources or cfg.binds or cfg.engines):
         raise click.UsageError("give at least one --source, --bind or --engine")
     sys.exit(run(cfg))
@@ -79,17 +83,55 @@ def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_for
 @click.option("--max-tokens", default=None, type=click.IntRange(min=1), help="Largest prompt accepted, in tokens (default 262144).")
 @click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="script: one EVALSHA walks the chain; pipeline: HKEYS per key (Valkey Cluster).")
 @click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
-def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json) -> None:
-    """Serve predictions over HTTP."""
+@click.option("--tokenizer", "tokenizers", multiple=True, help="MODEL=DIR: tokenize locally from DIR's tokenizer.json + tokenizer_config.json. Repeatable.")
+@click.option("--tokenizer-check/--no-tokenizer-check", default=None, help="Compare local tokenizers with the engine at start-up; fall back to the engine on a mismatch (default on).")
+@click.option("--ttft-model", default=None, type=click.Path(exists=True, dir_okay=False), help="Prefill model JSON from `kv-preflight calibrate` (default: docs/ttft.md defaults).")
+@click.option("--pod-metrics", "pod_metrics", multiple=True, help="POD=http://HOST:PORT: scrape the engine's /metrics for routing. Repeatable; --engine-url engines are scraped too.")
+@click.option("--metrics-interval", "metrics_interval_s", default=None, type=click.FloatRange(min=0.05), help="Seconds between engine metric scrapes (default 1).")
+@click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8). Repeatable.")
+@click.option("--route-waiting-weight", default=None, type=float, help="Load = running + this x waiting (default 2).")
+@click.option("--route-overload-abs", default=None, type=float, help="Overloaded if load - least load >= this (default 4) ...")
+@click.option("--route-overload-rel", default=None, type=float, help="... and load >= this x least load (default 1.5).")
+@click.option("--route-max-kv-usage", default=None, type=float, help="Overloaded at or above this KV usage, 0-1 (default 0.95).")
+@click.option("--route-good-match", default=None, type=float, help="A good match holds at least this fraction of the best overlap (default 0.5).")
+@click.option("--route-stale", "route_stale_s", default=None, type=float, help="Engine load older than this many seconds is unknown (default 5).")
+@click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
+def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
+          tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
+          route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
+          route_stale_s, api_keys_file) -> None:
+    """Serve predictions and routing over HTTP."""
     from predictor.main import serve as run_server
 
     try:
         urls = parse_model_urls(engine_urls) if engine_urls else None
+        cfg = Config.load(
+            valkey_url=valkey_url, engine_urls=urls, host=host, port=port, hash_seed=hash_seed,
+            block_size=block_size, max_tokens=max_tokens, lookup=lookup, log_json=log_json,
+            tokenizers=parse_tokenizer_dirs(tokenizers) if tokenizers else None, tokenizer_check=tokenizer_check,
+            ttft_model=ttft_model, pod_metrics=parse_pod_urls(pod_metrics) if pod_metrics else None,
+            metrics_interval_s=metrics_interval_s,
+            route_tier_weights=parse_tier_weights(tier_weights) if tier_weights else None,
+            route_waiting_weight=route_waiting_weight, route_overload_abs=route_overload_abs,
+            route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
+            route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
+        )
+        check_serve_files(cfg)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    cfg = Config.load(valkey_url=valkey_url, engine_urls=urls, host=host, port=port, hash_seed=hash_seed,
-                      block_size=block_size, max_tokens=max_tokens, lookup=lookup, log_json=log_json)
     run_server(cfg, workers=workers)
+
+
+def check_serve_files(cfg: Config) -> None:
+    """Fail at the command line, not in every worker: tokenizer dirs, TTFT model, API keys."""
+    from predictor.auth import load_api_keys
+    from predictor.local_tokenizer import LocalTokenizer
+    from predictor.ttft import TtftModels
+
+    for model, directory in cfg.tokenizers.items():
+        LocalTokenizer.load(directory, name=model)
+    TtftModels.load(cfg.ttft_model)
+    load_api_keys(cfg.api_keys_file, cfg.api_keys)
 
 
 def main() -> None:  # pragma: no cover
@@ -97,10 +139,14 @@ def main() -> None:  # pragma: no cover
 
 
 from cli.demo import accuracy, demo  # noqa: E402
+from cli.calibrate import calibrate  # noqa: E402
 from cli.index_cmds import index_group  # noqa: E402
+from cli.tokenizer_cmds import tokenizer_group  # noqa: E402
 from cli.up import up  # noqa: E402
 
 cli.add_command(index_group)
+cli.add_command(tokenizer_group)
+cli.add_command(calibrate)
 cli.add_command(up)
 cli.add_command(demo)
 cli.add_command(accuracy)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 
 def free_port() -> int:
@@ -36,11 +38,17 @@ class ValkeyServer:
     data_dir: Path
     port: int = 0
     appendonly: bool = True
+    requirepass: str = field(default="", repr=False)  # clients must AUTH; the URL then carries it
+    tls_cert: Path | None = None  # with tls_key: TLS only (rediss://), this self-signed cert as the CA
+    tls_key: Path | None = None
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.requirepass, safe='')}@" if self.requirepass else ""
+        if self.tls_cert:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(str(self.tls_cert), safe='/')}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "ValkeyServer":
         if not self.port:
@@ -54,6 +62,12 @@ class ValkeyServer:
             "--appendfsync", "everysec", "--protected-mode", "yes", "--daemonize", "no",
             "--logfile", str(self.data_dir / "valkey.log"),
         ]
+        if self.requirepass:
+            args += ["--requirepass", self.requirepass]
+        if self.tls_cert and self.tls_key:
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls_cert), "--tls-key-file",
+                     str(self.tls_key), "--tls-ca-cert-file", str(self.tls_cert), "--tls-auth-clients", "no"]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -61,7 +75,12 @@ class ValkeyServer:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 raise RuntimeError(f"valkey-server exited ({self.proc.returncode}): {err} see {self.data_dir}/valkey.log")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with self._probe_socket() as s:
+                    if self.requirepass:
+                        pw = self.requirepass.encode()
+                        s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                        if not s.recv(64).startswith(b"+OK"):
+                            raise OSError("AUTH refused")
                     s.sendall(b"PING\r\n")
                     if s.recv(64).startswith(b"+PONG"):
                         return self
@@ -70,6 +89,14 @@ class ValkeyServer:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"valkey-server did not answer PING on port {self.port} within {timeout_s}s")
+
+    def _probe_socket(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.2)
+        if not self.tls_cert:
+            return sock
+        ctx = ssl.create_default_context(cafile=str(self.tls_cert))
+        ctx.check_hostname = False
+        return ctx.wrap_socket(sock)
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
+from ingester.metrics import IngesterMetrics
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
@@ -48,6 +49,7 @@ class Ingester:
         self.state = ChainState()
         self.routes: dict[str, PodRoute] = {}
         self.stats = Stats()
+        self.metrics = IngesterMetrics()
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
 
@@ -144,6 +146,7 @@ class Ingester:
         decoded = decode_frames(frames)
         for err in decoded.errors:
             self.stats.inc("decode_errors")
+            self.metrics.decode_errors.inc()
             log.warning("dropped from %s: %s", src.endpoint, err)
         if decoded.errors:
             await self._count_quietly("decode_errors", len(decoded.errors))
@@ -183,7 +186,9 @@ class Ingester:
             engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
         )
         status = result.status
+        self.metrics.batches.labels(pod, status).inc()
         if status == "applied":
+            self.metrics.applied(pod, batch)
             self.stats.inc("batches_applied")
             self.stats.inc("blocks_stored", plan.stored_blocks)
             self.stats.inc("blocks_removed", plan.removed_blocks)
@@ -209,12 +214,14 @@ class Ingester:
     async def _fill_gap(self, pod: str, model: str, seq: int, batch: EventBatch, last: int, allow_replay: bool) -> str:
         start = last + 1
         self.stats.inc("gaps")
+        self.metrics.gaps.labels(pod).inc()
         route = self.routes.get(pod)
         covered = False
         if allow_replay and route and route.replay:
             log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, last, seq, start)
             frames, _ = await fetch_replay(route.replay, start, timeout_s=self.cfg.replay_timeout_s)
             self.stats.inc("replays")
+            self.metrics.replays.labels(pod).inc()
             await self._count_quietly("replays", 1, pod_id=pod)
             wanted = [f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq]
             by_seq = {f.seq: f for f in wanted}
@@ -227,6 +234,7 @@ class Ingester:
                   if route and route.replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         self.stats.inc("gaps_unrecovered")
+        self.metrics.gaps_unrecovered.labels(pod).inc()
         await self._valkey(self.index.mark_incomplete, pod, reason)
         return await self.apply(pod, model, seq, batch, allow_replay=False, mode="force")
 
@@ -240,6 +248,7 @@ class Ingester:
                 return await fn(*args, **kwargs)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self.stats.inc("valkey_errors")
+                self.metrics.valkey_errors.inc()
                 if attempt == 0 or attempt % 20 == 0:
                     log.error("valkey unavailable (%s); retrying with backoff", exc)
                 attempt += 1
@@ -266,9 +275,15 @@ async def run_ingester(cfg: Config) -> None:
             pass
     ing.start()
     log.info("ingesting from %d source(s) into %s", len(ing.sources), cfg.valkey_url.split("@")[-1])
+    metrics_server = None
+    if cfg.metrics_port:
+        metrics_server = ing.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
     try:
         await ing.run()
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await ing.index.close()
         log.info("stopped: %s", dict(ing.stats.counts))
 

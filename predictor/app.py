@@ -5,7 +5,9 @@ All state (Valkey client, engine client, caches, counters) hangs off
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,15 +15,19 @@ from typing import Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from predictor.auth import ApiKeyAuth, load_api_keys
 from predictor.errors import BadRequest, BodyTooLarge, PredictorError
+from predictor.openapi import openapi_document
 from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
 from shared.config import Config
 from shared.index import Index
+from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("kvpf.predictor")
 
@@ -34,6 +40,8 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 def error_response(predictor: Predictor, exc: PredictorError) -> Response:
     predictor.counters.errors[exc.kind] += 1
+    if exc.kind == "valkey":
+        predictor.metrics.valkey_errors.inc()
     return json_response({"error": exc.message}, exc.status)
 
 
@@ -59,6 +67,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def predict(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
+    started = time.perf_counter()
     try:
         body = await read_body(request, predictor.cfg.max_body_bytes)
         cfg = predictor.cfg
@@ -68,9 +77,40 @@ async def predict(request: Request) -> Response:
         else:
             prediction = await predictor.predict(parse_request(body, max_tokens=cfg.max_tokens))
     except PredictorError as exc:
+        predictor.metrics.request("predict", exc.kind, time.perf_counter() - started)
         return error_response(predictor, exc)
     predictor.counters.predictions += 1
+    predictor.metrics.request("predict", "hit" if prediction.predicted_cached_tokens else "miss",
+                              time.perf_counter() - started)
     return json_response(prediction)
+
+
+async def route(request: Request) -> Response:
+    """The pod to send this request to, and why (predictor/route.py, docs/routing.md)."""
+    predictor: Predictor = request.app.state.predictor
+    started = time.perf_counter()
+    try:
+        body = await read_body(request, predictor.cfg.max_body_bytes)
+        cfg = predictor.cfg
+        keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+        if keyed is not None:
+            decision = await predictor.route_keyed(keyed)
+        else:
+            decision = await predictor.route(parse_request(body, max_tokens=cfg.max_tokens))
+    except PredictorError as exc:
+        predictor.metrics.request("route", exc.kind, time.perf_counter() - started)
+        return error_response(predictor, exc)
+    predictor.metrics.request("route", "hit" if decision.cached_tokens else "miss", time.perf_counter() - started)
+    return json_response(decision)
+
+
+async def metrics(request: Request) -> Response:
+    predictor: Predictor = request.app.state.predictor
+    return Response(predictor.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+
+async def openapi(request: Request) -> Response:
+    return Response(request.app.state.openapi, media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -103,21 +143,43 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def create_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The ASGI app; ``index`` is for callers that own one (tests), else one is made from ``cfg``."""
+    keys = load_api_keys(cfg.api_keys_file, cfg.api_keys)
     predictor = Predictor.create(cfg, index)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await predictor.aclose()
+        tasks = []
+        if predictor.tokenization.pending():
+            # before serving: a model whose local tokenizer disagrees with its engine must not be used
+            await predictor.tokenization.run_checks()
+            if predictor.tokenization.pending():
+                tasks.append(asyncio.create_task(predictor.tokenization.keep_checking()))
+        if predictor.load is not None:
+            tasks.append(asyncio.create_task(predictor.load.run()))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await predictor.aclose()
 
+    middleware = []
+    if keys:
+        middleware.append(Middleware(ApiKeyAuth, keys=keys, on_reject=predictor.metrics.unauthorized.inc))
     app = Starlette(
         routes=[
             Route("/v1/cache/predict", predict, methods=["POST"]),
+            Route("/v1/cache/route", route, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
+        middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
     )
     app.state.predictor = predictor
+    app.state.openapi = msgspec.json.encode(openapi_document(cfg, auth=bool(keys)))
     return app

@@ -4,6 +4,8 @@ With ``workers > 1`` uvicorn starts fresh processes that import the app by name,
 so the Config travels to them as JSON in an environment variable and
 ``app_from_env`` rebuilds the app there; each worker gets its own Valkey and
 engine clients and caches. uvloop and httptools are used when importable.
+Their Prometheus metrics are summed across workers through a fresh multiprocess
+directory (shared/metrics.py), so any scrape sees the whole server.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from starlette.applications import Starlette
 from predictor.app import create_app
 from shared.config import Config
 from shared.logs import setup_logging
+from shared.metrics import remove_multiprocess_dir, use_multiprocess_dir
 
 CONFIG_ENV = "KVPF_SERVE_CONFIG_JSON"
 APP_FACTORY = "predictor.main:app_from_env"
@@ -63,6 +66,10 @@ def serve(cfg: Config, workers: int = 1) -> None:
     options = uvicorn_options(cfg, workers)
     if workers > 1:
         os.environ[CONFIG_ENV] = encode_config(cfg)
-        uvicorn.run(APP_FACTORY, factory=True, **options)
+        metrics_dir = use_multiprocess_dir()  # before any worker imports prometheus_client
+        try:
+            uvicorn.run(APP_FACTORY, factory=True, **options)
+        finally:
+            remove_multiprocess_dir(metrics_dir)
     else:
         uvicorn.run(create_app(cfg), **options)

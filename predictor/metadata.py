@@ -50,6 +50,7 @@ class IndexMetadata:
         self.clock = clock
         self._pods: dict[str, tuple[float, PodInfo]] = {}
         self._models: frozenset[str] = frozenset()
+        self._pod_models: dict[str, str] = {}
         self._models_at: float | None = None
         self._flight = _SingleFlight()
 
@@ -77,6 +78,11 @@ class IndexMetadata:
             await self._flight.run("models", self._load_models)
         return self._models
 
+    async def pods_of(self, model: str) -> set[str]:
+        """Pods the index lists under ``model`` (their topic's model), as fresh as ``known_models``."""
+        await self.known_models()
+        return {p for p, m in self._pod_models.items() if m == model}
+
     async def _load_pod(self, pod: str) -> PodInfo:
         info = await self.index.pod_info(pod)
         now = self.clock()
@@ -87,5 +93,6 @@ class IndexMetadata:
 
     async def _load_models(self) -> None:
         pods = await self.index.pod_ids()
+        self._pod_models = pods
         self._models = frozenset(m for m in pods.values() if m)
         self._models_at = self.clock()

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import msgspec
 
+from predictor.ttft import PrefillModel
+
 
 class Match(Protocol):
     """What scoring needs of a lookup result (``shared.index.PodMatch`` fits)."""
@@ -27,10 +29,11 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_blocks: int  # canonical blocks matched, before engine-block rounding
     cached_tokens: int  # what the engine would actually reuse
     device_tier: str
+    estimated_ttft_ms: float | None = None  # prefill model: this pod's TTFT given its cached tokens
     incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
 
 
-class Prediction(msgspec.Struct, frozen=True):
+class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     predicted_cached_tokens: int
     total_prompt_tokens: int
     blocks_total: int
@@ -38,6 +41,7 @@ class Prediction(msgspec.Struct, frozen=True):
     cache_hit_ratio: float
     best_pod: str | None
     pod_affinities: list[PodAffinity]
+    estimated_ttft_ms: float | None = None  # on the best pod (no pod: nothing cached)
 
 
 def engine_cached_tokens(blocks: int, canonical_block: int, engine_block: int | None, prompt_len: int) -> int:
@@ -58,12 +62,14 @@ def score(
     engine_blocks: Mapping[str, int | None] | None = None,
     incomplete: Collection[str] = (),
     pods: Collection[str] | None = None,
+    ttft: PrefillModel | None = None,
 ) -> Prediction:
     """Rank pods by the tokens their engine would reuse; ties go to the smaller pod id.
 
     ``engine_blocks`` maps pod -> engine block size (missing or None: canonical);
     ``pods``, when given, keeps only those pods (the lookup filters too; this keeps
     scoring correct for any match source). Pods that would reuse nothing are left out.
+    ``ttft``, when given, adds each pod's estimated time to first token.
     """
     engine_blocks = engine_blocks or {}
     wanted = set(pods) if pods is not None else None
@@ -75,8 +81,9 @@ def score(
         if tokens <= 0:
             continue
         affinities.append(PodAffinity(
-            pod_id=m.pod_id, cached_blocks=m.blocks, cached_tokens=tokens,
-            device_tier=m.tier, incomplete=m.pod_id in incomplete,
+            pod_id=m.pod_id, cached_blocks=m.blocks, cached_tokens=tokens, device_tier=m.tier,
+            estimated_ttft_ms=ttft.estimate_ms(prompt_len, tokens) if ttft else None,
+            incomplete=m.pod_id in incomplete,
         ))
     affinities.sort(key=lambda a: (-a.cached_tokens, a.pod_id))
     best = affinities[0] if affinities else None
@@ -89,4 +96,5 @@ def score(
         cache_hit_ratio=predicted / prompt_len if prompt_len > 0 else 0.0,
         best_pod=best.pod_id if best else None,
         pod_affinities=affinities,
+        estimated_ttft_ms=ttft.estimate_ms(prompt_len, predicted) if ttft else None,
     )

@@ -11,17 +11,22 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from predictor.errors import BadRequest, IndexUnavailable, UnknownModel
+from predictor.load import LoadMonitor
 from predictor.metadata import IndexMetadata
+from predictor.metrics import PredictorMetrics
 from predictor.request import KeyedRequest, PredictRequest, check_token_count
+from predictor.route import RouteDecision, RoutingPolicy, decide
 from predictor.score import Prediction, score
 from predictor.stats import ProcessCounters, build_stats
+from predictor.tokenization import Tokenization
 from predictor.tokenize import EngineTokenizer
+from predictor.ttft import TtftModels
 from shared.config import Config
 from shared.index import Index
 from shared.keys import request_keys
@@ -47,15 +52,31 @@ class Predictor:
     metadata: IndexMetadata
     counters: ProcessCounters
     owns_index: bool = True
+    tokenization: Tokenization = None  # type: ignore[assignment]  # set in __post_init__ when not given
+    ttft: TtftModels = field(default_factory=TtftModels)
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
+    metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
+
+    def __post_init__(self) -> None:
+        if self.tokenization is None:
+            self.tokenization = Tokenization(self.tokenizer, {})
 
     @classmethod
     def create(cls, cfg: Config, index: Index | None = None) -> "Predictor":
         owns = index is None
+        engine = EngineTokenizer(cfg.engine_urls, cfg.engine_timeout_s)
+        tokenization = Tokenization.load(engine, cfg.tokenizers, check=cfg.tokenizer_check)
+        ttft = TtftModels.load(cfg.ttft_model)
+        load = None
+        if cfg.pod_metrics or cfg.engine_urls:
+            load = LoadMonitor.from_config(cfg.pod_metrics, cfg.engine_urls, cfg.metrics_interval_s)
         if index is None:
             index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format)
         return cls(
-            cfg=cfg, index=index, tokenizer=EngineTokenizer(cfg.engine_urls, cfg.engine_timeout_s),
+            cfg=cfg, index=index, tokenizer=engine,
             metadata=IndexMetadata(index), counters=ProcessCounters(), owns_index=owns,
+            tokenization=tokenization, ttft=ttft, policy=routing_policy(cfg), load=load,
         )
 
     @property
@@ -64,6 +85,11 @@ class Predictor:
         return 2 * self.cfg.valkey_timeout_s
 
     async def predict(self, req: PredictRequest) -> Prediction:
+        model, keys, n_tokens = await self._request_keys(req)
+        return await self._predict_keys(model, keys, n_tokens, req.pods)
+
+    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int]:
+        """(model, request keys, prompt length) of a parsed request, tokenizing prompt/messages first."""
         model = req.model
         assert model  # parse_request guarantees it
         if req.token_ids is not None:
@@ -71,15 +97,16 @@ class Predictor:
             tokens = req.token_ids
         else:
             await self._check_model(model, need_engine=True)
-            tokens = await self.tokenizer.tokenize(model, prompt=req.prompt, messages=req.messages)
+            tokens, source = await self.tokenization.tokenize(model, prompt=req.prompt, messages=req.messages)
+            self.metrics.tokenized(model, source)
             if not tokens:
-                raise BadRequest("the engine tokenized the input to no tokens")
+                raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
             check_token_count(len(tokens), self.cfg.max_tokens)
         try:
             keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        return await self._predict_keys(model, keys, len(tokens), req.pods)
+        return model, keys, len(tokens)
 
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
@@ -99,12 +126,51 @@ class Predictor:
             incomplete = {p for p, i in infos.items() if i.incomplete}
         return score(
             matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
-            engine_blocks=engine_blocks, incomplete=incomplete, pods=pods,
+            engine_blocks=engine_blocks, incomplete=incomplete, pods=pods, ttft=self.ttft.for_model(model),
         )
 
+    # ---- routing
+
+    async def route(self, req: PredictRequest) -> RouteDecision:
+        model, keys, n_tokens = await self._request_keys(req)
+        return await self._route_keys(model, keys, n_tokens, req.pods)
+
+    async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
+        await self._check_model(req.model, need_engine=False)
+        return await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
+
+    async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
+        prediction = await self._predict_keys(model, keys, n_tokens, pods)
+        candidates = await self._route_candidates(model, prediction, pods)
+        loads = {p: self.load.snapshot(p, self.policy.stale_s) for p in candidates} if self.load else {}
+        decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
+                          affinity_key=keys[0] if keys else n_tokens)
+        self.metrics.route(decision.reason)
+        return decision
+
+    async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
+        """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.
+
+        Known: holds blocks of this prompt under this model's keys (a LoRA adapter's keys carry its
+        name, so base-model blocks never count for an adapter), is in the index under this model, or
+        lists it in ``/v1/models``. A pod whose model list is known and lacks the model is dropped, and
+        so is a pod whose metrics stopped answering, while another candidate is left.
+        """
+        if pods is not None:
+            return set(pods)
+        out = {a.pod_id for a in prediction.pod_affinities}
+        async with valkey_call(self.valkey_deadline_s, "pods of model"):
+            out |= await self.metadata.pods_of(model)
+        if self.load is not None:
+            out |= self.load.serving(model) or set()
+            out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
+            reachable = out - self.load.unreachable()
+            out = reachable or out
+        return out
+
     async def _check_model(self, model: str, *, need_engine: bool) -> None:
-        """Known = has an engine URL, or pods in the index serve it; prompts also need the engine."""
-        if self.tokenizer.has_engine(model):
+        """Known = has an engine URL or a local tokenizer, or pods in the index serve it; prompts need a tokenizer."""
+        if self.tokenization.can_tokenize(model):
             return
         async with valkey_call(self.valkey_deadline_s, "model check"):
             known = model in await self.metadata.known_models(model)
@@ -116,7 +182,8 @@ class Predictor:
             )
         if need_engine:
             raise BadRequest(
-                f"cannot tokenize for model {model!r}: no --engine-url configured for it; send token_ids instead"
+                f"cannot tokenize for model {model!r}: no --engine-url or --tokenizer configured for it; "
+                "send token_ids instead"
             )
 
     async def healthy(self) -> tuple[bool, str]:
@@ -132,11 +199,39 @@ class Predictor:
             key_count = await self.index.key_count()
             pods = await self.index.pods()
             index_counters = await self.index.counters()
-        return build_stats(
+        out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
         )
+        out["tokenization"] = self.tokenization.status()
+        out["engine_load"] = self.load_stats()
+        return out
+
+    def load_stats(self) -> dict[str, Any]:
+        if self.load is None:
+            return {}
+        now = self.load.clock()
+        out: dict[str, Any] = {}
+        for t in self.load.targets:
+            pod = t.pod_id or f"(undiscovered) {t.base_url}"
+            ld = self.load.loads.get(t.pod_id) if t.pod_id else None
+            out[pod] = {
+                "metrics_url": t.metrics_url,
+                "running": ld.running if ld else None, "waiting": ld.waiting if ld else None,
+                "kv_usage": ld.kv_usage if ld else None, "age_s": round(now - ld.at, 3) if ld else None,
+                "models": sorted(self.load.served.get(t.pod_id, ())) if t.pod_id else [],
+                "error": self.load.failures.get(t.pod_id) if t.pod_id else "pod id not discovered yet",
+            }
+        return out
 
     async def aclose(self) -> None:
         await self.tokenizer.aclose()
         if self.owns_index:
             await self.index.close()
+
+
+def routing_policy(cfg: Config) -> RoutingPolicy:
+    return RoutingPolicy(
+        tier_weights=dict(cfg.route_tier_weights), waiting_weight=cfg.route_waiting_weight,
+        overload_abs=cfg.route_overload_abs, overload_rel=cfg.route_overload_rel,
+        max_kv_usage=cfg.route_max_kv_usage, good_match=cfg.route_good_match, stale_s=cfg.route_stale_s,
+    )

@@ -33,6 +33,26 @@ class Config:
     engine_timeout_s: float = 5.0
     lookup: str = "script"  # "script" (one EVALSHA) or "pipeline" (HKEYS per key, Valkey Cluster)
     log_json: bool = False
+    # Local tokenization: model -> directory holding tokenizer.json + tokenizer_config.json.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenizer_check: bool = True  # compare with the engine's /tokenize at start-up; fall back on a mismatch
+    ttft_model: str = ""  # JSON written by `kv-preflight calibrate`; empty: the documented defaults
+    # Routing (docs/routing.md): engine metrics to scrape, pod -> http://host:port, plus the --engine-url engines.
+    pod_metrics: dict[str, str] = field(default_factory=dict)
+    metrics_interval_s: float = 1.0
+    route_tier_weights: dict[str, float] = field(default_factory=lambda: {"gpu": 1.0, "cpu": 0.8})
+    route_waiting_weight: float = 2.0
+    route_overload_abs: float = 4.0
+    route_overload_rel: float = 1.5
+    route_max_kv_usage: float = 0.95
+    route_good_match: float = 0.5
+    route_stale_s: float = 5.0
+    # API keys (Authorization: Bearer); none configured: no auth. Never logged or printed.
+    api_keys_file: str = ""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Ingester: Prometheus /metrics port (0: none).
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -59,6 +79,18 @@ class Config:
             raise ValueError(f"lookup must be 'script' or 'pipeline', got {self.lookup!r}")
         if self.max_tokens <= 0:
             raise ValueError("max_tokens must be positive")
+        if self.metrics_interval_s <= 0:
+            raise ValueError("metrics_interval_s must be positive")
+        if not 0 < self.route_max_kv_usage <= 1:
+            raise ValueError("route_max_kv_usage must be in (0, 1]")
+        if self.route_overload_rel < 1 or self.route_overload_abs < 0 or self.route_waiting_weight < 0:
+            raise ValueError("route_overload_rel must be >= 1; route_overload_abs and route_waiting_weight >= 0")
+        if not 0 <= self.route_good_match <= 1:
+            raise ValueError("route_good_match must be in [0, 1]")
+        if any(w < 0 for w in self.route_tier_weights.values()):
+            raise ValueError("route_tier_weights must not be negative")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be a port number (0: off)")
 
 
 def _parse_env(f: dataclasses.Field, raw: str) -> Any:
@@ -72,7 +104,8 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     if kind.startswith("tuple"):
         return tuple(x for x in (p.strip() for p in raw.split(",")) if x)
     if kind.startswith("dict"):
-        return parse_model_urls(x for x in raw.split(",") if x.strip())
+        items = [x for x in raw.split(",") if x.strip()]
+        return _DICT_PARSERS.get(f.name, parse_model_urls)(items)
     return raw
 
 
@@ -85,3 +118,44 @@ def parse_model_urls(items: Any) -> dict[str, str]:
             raise ValueError(f"--engine-url expects MODEL=http://HOST:PORT, got {item!r}")
         out[model] = url.rstrip("/")
     return out
+
+
+def parse_pairs(items: Any, flag: str, what: str) -> dict[str, str]:
+    """``NAME=VALUE`` pairs of a repeatable flag."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.strip().partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{flag} expects NAME={what}, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def parse_tokenizer_dirs(items: Any) -> dict[str, str]:
+    """``MODEL=DIR`` pairs, as given to ``serve --tokenizer``."""
+    return parse_pairs(items, "--tokenizer", "DIR")
+
+
+def parse_pod_urls(items: Any) -> dict[str, str]:
+    """``POD=http://host:port`` pairs, as given to ``serve --pod-metrics``."""
+    out = parse_pairs(items, "--pod-metrics", "http://HOST:PORT")
+    for pod, url in out.items():
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--pod-metrics expects POD=http://HOST:PORT, got {pod}={url}")
+        out[pod] = url.rstrip("/")
+    return out
+
+
+def parse_tier_weights(items: Any) -> dict[str, float]:
+    """``TIER=WEIGHT`` pairs (``gpu=1.0 cpu=0.8``), as given to ``serve --route-tier-weight``."""
+    out: dict[str, float] = {}
+    for tier, value in parse_pairs(items, "--route-tier-weight", "WEIGHT").items():
+        try:
+            out[tier.lower()] = float(value)
+        except ValueError:
+            raise ValueError(f"--route-tier-weight expects TIER=NUMBER, got {tier}={value}") from None
+    return out
+
+
+_DICT_PARSERS = {"tokenizers": parse_tokenizer_dirs, "pod_metrics": parse_pod_urls,
+                 "route_tier_weights": parse_tier_weights}

@@ -24,6 +24,7 @@ from cli.valkey_server import free_port
 from predictor.app import create_app
 from shared.config import Config
 from shared.index import Index, StoreBlock
+from predictor.ttft import PrefillModel
 from shared.keys import MAX_TOKEN_ID, request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -165,6 +166,11 @@ def tokens_of(n: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n))
 
 
+def ttft(prompt_tokens: int, cached_tokens: int) -> float:
+    """The estimate with the documented default prefill model (no --ttft-model)."""
+    return PrefillModel().estimate_ms(prompt_tokens, cached_tokens)
+
+
 def affinities(doc: dict) -> list[tuple]:
     return [(a["pod_id"], a["cached_blocks"], a["cached_tokens"], a["device_tier"]) for a in doc["pod_affinities"]]
 
@@ -188,9 +194,12 @@ async def test_predicts_longest_prefix_per_pod(client, writer):
         "cache_hit_ratio": 0.64,
         "best_pod": "pod-a",
         "pod_affinities": [
-            {"pod_id": "pod-a", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu"},
-            {"pod_id": "pod-b", "cached_blocks": 2, "cached_tokens": 32, "device_tier": "gpu"},
+            {"pod_id": "pod-a", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu",
+             "estimated_ttft_ms": ttft(100, 64)},
+            {"pod_id": "pod-b", "cached_blocks": 2, "cached_tokens": 32, "device_tier": "gpu",
+             "estimated_ttft_ms": ttft(100, 32)},
         ],
+        "estimated_ttft_ms": ttft(100, 64),
     }
 
 
@@ -267,8 +276,10 @@ async def test_incomplete_pod_is_flagged(client, writer, ix):
     await ix.mark_incomplete("pod-b", "gap in event sequence")
     doc = (await client.post(PREDICT, json={"model": MODEL, "token_ids": prompt + [1]})).json()
     assert doc["pod_affinities"] == [
-        {"pod_id": "pod-a", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu"},
-        {"pod_id": "pod-b", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu", "incomplete": True},
+        {"pod_id": "pod-a", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu",
+         "estimated_ttft_ms": ttft(65, 64)},
+        {"pod_id": "pod-b", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu",
+         "estimated_ttft_ms": ttft(65, 64), "incomplete": True},
     ]
 
 

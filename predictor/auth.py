@@ -1,0 +1,79 @@
+"""Optional API keys: ``Authorization: Bearer <key>`` on every route but ``/health``.
+
+Checked in a pure ASGI middleware before any routing or body read, so a refused
+request costs almost nothing. The presented key is hashed once (SHA-256) and compared
+with *every* configured key's digest by ``hmac.compare_digest``, never stopping
+early: the time taken says nothing about how much of a key matched, nor which key.
+Keys are never logged, and the process keeps only their digests.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+OPEN_PATHS = frozenset({"/health"})
+_UNAUTHORIZED = b'{"error":"missing or invalid API key: send Authorization: Bearer <key>"}'
+
+
+def load_api_keys(path: str = "", inline: Iterable[str] = ()) -> list[str]:
+    """Keys from a file (one per line, ``#`` comments and blank lines ignored) plus ``KVPF_API_KEYS``-style ones."""
+    keys = [k.strip() for k in inline if k.strip()]
+    if path:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read --api-keys-file {path}: {exc.strerror or exc}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-keys-file {path} holds no key")
+    return keys
+
+
+def digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+class ApiKeyAuth:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], *, on_reject: Callable[[], None] | None = None,
+                 open_paths: frozenset[str] = OPEN_PATHS):
+        self.app = app
+        self.digests = [digest(k) for k in keys]
+        if not self.digests:
+            raise ValueError("ApiKeyAuth needs at least one key")
+        self.open_paths = open_paths
+        self.on_reject = on_reject
+
+    def allowed(self, authorization: bytes | None) -> bool:
+        if not authorization or authorization[:7].lower() != b"bearer ":
+            presented = digest(os.urandom(16))  # still compare, so a missing header takes the same path
+        else:
+            presented = digest(authorization[7:].strip())
+        ok = False
+        for d in self.digests:
+            ok |= hmac.compare_digest(presented, d)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        auth = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                auth = value
+                break
+        if self.allowed(auth):
+            await self.app(scope, receive, send)
+            return
+        if self.on_reject:
+            self.on_reject()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+            (b"www-authenticate", b'Bearer realm="kv-preflight"')]})
+        await send({"type": "http.response.body", "body": _UNAUTHORIZED})

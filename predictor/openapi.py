@@ -1,0 +1,116 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json``.
+
+Response schemas are generated from the msgspec structs the handlers encode
+(``Prediction``, ``RouteDecision``), so they cannot drift from what is sent. The
+request schema is written out because the contract is stricter than the struct:
+``model`` plus exactly one of ``token_ids``, ``prompt``, ``messages``. The test suite
+fuzzes the running app against this document (schemathesis) and validates every
+response it gets against it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from predictor.route import RouteDecision
+from predictor.score import Prediction
+from shared.config import Config
+from shared.keys import MAX_TOKEN_ID
+
+REF = "#/components/schemas/{name}"
+
+
+def _request_schema(cfg: Config) -> dict[str, Any]:
+    models = sorted(set(cfg.engine_urls) | set(cfg.tokenizers))
+    common = {
+        "model": {"type": "string", "minLength": 1, "description": "Model name as the engine serves it; the "
+                  "adapter name for a LoRA adapter.", **({"examples": models} if models else {})},
+        "pods": {"type": "array", "items": {"type": "string"},
+                 "description": "Candidate pods; omitted: every pod. An empty list means none."},
+    }
+    inputs = {
+        "token_ids": {"type": "array", "minItems": 1, "maxItems": cfg.max_tokens,
+                      "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
+        "prompt": {"type": "string", "minLength": 1, "description": "Tokenized as the engine's /v1/completions does."},
+        "messages": {"type": "array", "minItems": 1, "description": "Chat messages; the model's chat template is "
+                     "applied with add_generation_prompt, as /v1/chat/completions does.",
+                     "items": {"$ref": REF.format(name="ChatMessage")}},
+    }
+    return {"oneOf": [
+        {"type": "object", "title": f"by {name}", "required": ["model", name], "additionalProperties": False,
+         "properties": {**common, name: schema}}
+        for name, schema in inputs.items()
+    ]}
+
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    what = {400: "Bad input: unknown model, missing or several inputs, bad token ids, too many tokens.",
+            401: "Missing or wrong API key (only when keys are configured).",
+            413: "Body larger than max_body_bytes.",
+            503: "Valkey or the engine is unreachable or too slow (answered fast, never a hang)."}
+    return {str(c): {"description": what[c], "content": {"application/json": {
+        "schema": {"$ref": REF.format(name="Error")}}}} for c in codes}
+
+
+def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
+    _, components = msgspec.json.schema_components([Prediction, RouteDecision], ref_template=REF)
+    components["PredictRequest"] = _request_schema(cfg)
+    components["ChatMessage"] = {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"type": "string"}, "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "object", "properties": {"type": {"type": "string"},
+                                                                       "text": {"type": "string"}}}},
+        ]}},
+    }
+    components["Error"] = _ERROR
+
+    def body_op(summary: str, response: str, description: str) -> dict[str, Any]:
+        op: dict[str, Any] = {
+            "summary": summary, "description": description,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": REF.format(name="PredictRequest")}}}},
+            "responses": {"200": {"description": "OK", "content": {"application/json": {
+                "schema": {"$ref": REF.format(name=response)}}}}, **_errors(400, 413, 503)},
+        }
+        if auth:
+            op["responses"].update(_errors(401))
+        return op
+
+    def get_op(summary: str, content: dict[str, Any], codes: tuple[int, ...] = ()) -> dict[str, Any]:
+        op = {"summary": summary, "responses": {"200": {"description": "OK", "content": content}, **_errors(*codes)}}
+        if auth:
+            op["responses"].update(_errors(401))
+        return op
+
+    any_json = {"application/json": {"schema": {"type": "object"}}}
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "kv-preflight", "version": "1",
+                 "description": "Prefix-cache hit prediction, TTFT estimates and cache-aware routing for vLLM pods."},
+        "paths": {
+            "/v1/cache/predict": {"post": body_op(
+                "Predict cached tokens per pod", "Prediction",
+                "How many prompt tokens each pod would reuse from its prefix cache, the best pod, and the "
+                "estimated time to first token on each.")},
+            "/v1/cache/route": {"post": body_op(
+                "Choose a pod", "RouteDecision",
+                "The pod to send the request to: the best cache overlap unless that pod is overloaded, then "
+                "the least loaded among the good matches (docs/routing.md).")},
+            "/health": {"get": {"summary": "Liveness and Valkey reachability", "security": [], "responses": {
+                "200": {"description": "OK", "content": any_json},
+                "503": {"description": "Valkey unreachable", "content": any_json}}}},
+            "/stats": {"get": get_op("Index, pods, tokenization sources, engine load", any_json, (503,))},
+            "/metrics": {"get": get_op("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},
+            "/openapi.json": {"get": get_op("This document", any_json)},
+        },
+        "components": {"schemas": components},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc

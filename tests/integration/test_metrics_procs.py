@@ -1,0 +1,112 @@
+"""/metrics and --log-json of the real processes: the ingester (events, gaps, replays, lag) and
+``serve --workers 2``, whose counters must add up across workers whichever one answers a scrape."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cli.valkey_server import free_port
+from shared.events import AllBlocksCleared, BlockRemoved
+from shared.index import Index
+from tests.e2e.harness import stop, wait_http
+from tests.integration.engine_stub import EngineStub
+from tests.integration.test_ingester import Harness, batch, stored
+from tests.integration.test_predictor_features import metric
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.mark.anyio
+async def test_ingester_metrics_count_events_gaps_and_lag(valkey_url):
+    h = Harness(valkey_url)
+    ix = Index.from_url(valkey_url)
+    try:
+        ing = await h.start_ingester()
+        h.engine.publish(batch(stored([11, 12], None, 0)))
+        h.engine.publish(batch(BlockRemoved([12], medium="GPU")))
+        h.engine.publish(batch(stored([13], None, 3)), send=False)  # lost on the wire: a gap, replayed
+        h.engine.publish(batch(AllBlocksCleared()))
+        h.engine.send_raw([b"kv@pod-a@tiny", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        await h.wait_seq(ix, 3)
+        for _ in range(100):
+            if ing.stats.counts.get("decode_errors"):
+                break
+            await asyncio.sleep(0.02)
+        text = ing.metrics.exposition().decode()
+    finally:
+        await h.close()
+        await ix.close()
+    assert metric(text, "kvpf_ingest_events_total", type="BlockStored", pod="pod-a") == 2
+    assert metric(text, "kvpf_ingest_events_total", type="BlockRemoved", pod="pod-a") == 1
+    assert metric(text, "kvpf_ingest_events_total", type="AllBlocksCleared", pod="pod-a") == 1
+    assert metric(text, "kvpf_ingest_batches_total", pod="pod-a", result="applied") == 4
+    assert metric(text, "kvpf_ingest_batches_total", pod="pod-a", result="gap") == 1
+    assert metric(text, "kvpf_ingest_gaps_total", pod="pod-a") == 1
+    assert metric(text, "kvpf_ingest_replays_total", pod="pod-a") == 1
+    assert metric(text, "kvpf_ingest_decode_errors_total") == 1
+    assert metric(text, "kvpf_ingest_lag_seconds_count") == 4
+    assert 0 <= metric(text, "kvpf_ingest_last_lag_seconds", pod="pod-a") < 60
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_ingest_process_serves_metrics_and_logs_json(valkey_url):
+    zport, rport, mport = free_port(), free_port(), free_port()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", "kv@pod-p@tiny", bind=True)
+    proc = spawn(["ingest", "--valkey-url", valkey_url, "--source",
+                  f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}", "--metrics-port", str(mport),
+                  "--log-json"])
+    try:
+        wait_http(f"http://127.0.0.1:{mport}/metrics")
+        deadline = time.monotonic() + 20
+        text = ""
+        while time.monotonic() < deadline:  # publish until one batch lands (ZMQ slow joiner)
+            engine.publish(batch(stored([21], None, 0)))
+            text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=2).text
+            if metric(text, "kvpf_ingest_batches_total", pod="pod-p", result="applied") >= 1:
+                break
+            time.sleep(0.1)
+        assert metric(text, "kvpf_ingest_events_total", type="BlockStored", pod="pod-p") >= 1
+    finally:
+        stop(proc)
+        engine.close()
+    err = proc.stderr.read()
+    records = json_lines(err)  # every line is JSON: raises otherwise
+    assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+
+
+def test_serve_workers_sum_metrics_and_log_json(valkey_url):
+    port = free_port()
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", "2", "--log-json"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health")
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for i in range(20):  # new connections, so both workers get some
+                with httpx.Client(base_url=url, timeout=5) as one:
+                    assert one.post("/v1/cache/predict", json={"model": "m", "token_ids": [i]}).status_code == 400
+            totals = set()
+            for _ in range(6):
+                with httpx.Client(base_url=url, timeout=5) as one:
+                    text = one.get("/metrics").text
+                totals.add(metric(text, "kvpf_predictions_total", endpoint="predict", outcome="unknown_model"))
+            assert totals == {20.0}, "every scrape must see both workers' counts"
+            assert metric(text, "kvpf_request_duration_seconds_count", endpoint="predict") == 20
+            assert c.get("/health").status_code == 200
+    finally:
+        stop(proc)
+    records = json_lines(proc.stderr.read())
+    assert any("uvicorn" in r["logger"] for r in records)

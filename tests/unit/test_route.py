@@ -1,0 +1,129 @@
+"""Routing decisions (pure) and the engine-metrics parser, on a real vLLM 0.32 /metrics capture."""
+from __future__ import annotations
+
+import pytest
+
+from predictor.load import PodLoad, make_target, parse_vllm_metrics
+from predictor.route import RoutingPolicy, decide, rendezvous
+from predictor.score import PodAffinity, Prediction
+from predictor.ttft import PrefillModel
+from tests.conftest import fixture_path
+
+POLICY = RoutingPolicy()
+TTFT = PrefillModel()
+
+
+def prediction(n: int, *cached: tuple[str, int, str]) -> Prediction:
+    aff = [PodAffinity(pod_id=p, cached_blocks=c // 16, cached_tokens=c, device_tier=t) for p, c, t in cached]
+    aff.sort(key=lambda a: (-a.cached_tokens, a.pod_id))
+    best = aff[0] if aff else None
+    return Prediction(best.cached_tokens if best else 0, n, n // 16, best.cached_blocks if best else 0, 0.0,
+                      best.pod_id if best else None, aff)
+
+
+def load(running: float = 0, waiting: float = 0, kv: float = 0.1) -> PodLoad:
+    return PodLoad(running, waiting, kv, at=0.0)
+
+
+def test_best_overlap_when_not_overloaded():
+    p = prediction(512, ("a", 320, "gpu"), ("b", 128, "gpu"))
+    d = decide(p, ["a", "b", "c"], {"a": load(3), "b": load(1), "c": load(0)}, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason, d.cached_tokens) == ("a", "best_overlap", 320)
+    assert d.estimated_ttft_ms == TTFT.estimate_ms(512, 320)
+    assert [c.pod_id for c in d.candidates] == ["a", "b", "c"]
+    assert d.best_overlap_pod == "a"
+
+
+def test_overloaded_best_goes_to_least_loaded_good_match():
+    p = prediction(512, ("a", 320, "gpu"), ("b", 256, "gpu"), ("c", 64, "gpu"))
+    loads = {"a": load(8, 4), "b": load(2), "c": load(0)}  # a: 16 vs least 0 -> overloaded
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("b", "least_loaded_good_match")
+    assert "a has the best overlap but is overloaded" in d.detail
+    assert next(c for c in d.candidates if c.pod_id == "a").overloaded
+
+
+def test_no_good_match_falls_to_least_loaded():
+    p = prediction(512, ("a", 320, "gpu"), ("c", 64, "gpu"))
+    d = decide(p, ["a", "b", "c"], {"a": load(10), "b": load(0), "c": load(1)}, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("b", "least_loaded")
+
+
+def test_small_absolute_differences_never_overload():
+    # 3 vs 0 is "infinitely" more loaded but below the absolute threshold (SGLang-style double condition)
+    p = prediction(512, ("a", 320, "gpu"))
+    d = decide(p, ["a", "b"], {"a": load(3), "b": load(0)}, policy=POLICY, ttft=TTFT)
+    assert d.pod_id == "a"
+    # 20 vs 17 exceeds the absolute threshold but not the relative one
+    d = decide(p, ["a", "b"], {"a": load(20), "b": load(17)}, policy=RoutingPolicy(overload_abs=2), ttft=TTFT)
+    assert d.pod_id == "a"
+
+
+def test_kv_usage_alone_overloads():
+    p = prediction(512, ("a", 320, "gpu"), ("b", 200, "gpu"))
+    d = decide(p, ["a", "b"], {"a": load(1, kv=0.97), "b": load(1)}, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("b", "least_loaded_good_match")
+    assert "KV usage" in d.detail
+
+
+def test_tier_weights_prefer_gpu_over_a_slightly_longer_cpu_hit():
+    p = prediction(512, ("cpu-pod", 320, "cpu"), ("gpu-pod", 288, "gpu"))
+    d = decide(p, ["cpu-pod", "gpu-pod"], {}, policy=POLICY, ttft=TTFT)
+    assert d.pod_id == "gpu-pod"  # 288 x 1.0 > 320 x 0.8
+    even = RoutingPolicy(tier_weights={"gpu": 1.0, "cpu": 1.0})
+    assert decide(p, ["cpu-pod", "gpu-pod"], {}, policy=even, ttft=TTFT).pod_id == "cpu-pod"
+
+
+def test_no_overlap_least_loaded_else_stable_rendezvous():
+    p = prediction(100)
+    d = decide(p, ["a", "b", "c"], {"a": load(2), "b": load(1), "c": load(3)}, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("b", "no_overlap")
+    # no load data: a prefix goes to the same pod every time, and different prefixes spread out
+    chosen = {decide(p, ["a", "b", "c"], {}, policy=POLICY, ttft=TTFT, affinity_key=k).pod_id for k in range(60)}
+    assert chosen == {"a", "b", "c"}
+    again = decide(p, ["a", "b", "c"], {}, policy=POLICY, ttft=TTFT, affinity_key=7).pod_id
+    assert again == decide(p, ["c", "b", "a"], {}, policy=POLICY, ttft=TTFT, affinity_key=7).pod_id
+    assert max(["a", "b", "c"], key=lambda pod: rendezvous(7, pod)) == again
+
+
+def test_all_overloaded_and_no_candidates():
+    p = prediction(512, ("a", 320, "gpu"), ("b", 64, "gpu"))
+    d = decide(p, ["a", "b"], {"a": load(1, kv=0.99), "b": load(1, kv=0.99)}, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("a", "all_overloaded")
+    none = decide(prediction(10), [], {}, policy=POLICY, ttft=TTFT)
+    assert (none.pod_id, none.reason, none.candidates) == (None, "no_candidates", [])
+
+
+def test_unknown_load_is_not_overloaded_but_known_load_is_preferred():
+    p = prediction(512, ("a", 320, "gpu"), ("b", 300, "gpu"), ("c", 300, "gpu"))
+    d = decide(p, ["a", "b", "c"], {"a": load(12), "b": None, "c": load(0)}, policy=POLICY, ttft=TTFT)
+    assert d.pod_id == "c"
+
+
+# ---------------------------------------------------------------- metrics parsing
+
+
+def test_parse_real_vllm_metrics_under_load():
+    running, waiting, kv = parse_vllm_metrics(fixture_path("vllm-0.32-metrics.txt").read_text())
+    assert (running, waiting) == (8.0, 8.0)  # max-num-seqs 8, the rest queued; *_by_reason is not added in
+    assert 0 < kv < 1
+
+
+def test_parse_sums_dp_ranks_and_accepts_the_old_name():
+    text = "\n".join([
+        "# HELP vllm:num_requests_running x", "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 3.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.7',
+        "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} 99",
+    ])
+    assert parse_vllm_metrics(text) == pytest.approx((5.0, 1.0, 0.6))
+    assert parse_vllm_metrics("process_cpu_seconds_total 1.0\n") is None
+
+
+def test_make_target():
+    t = make_target("p", "http://h:8000/metrics")
+    assert (t.base_url, t.metrics_url) == ("http://h:8000", "http://h:8000/metrics")
+    assert make_target(None, "http://h:8000/").metrics_url == "http://h:8000/metrics"
