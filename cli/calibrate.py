@@ -18,11 +18,13 @@ from predictor.ttft import fit_by_model, merge_into, parse_observations
               help="Write (or update) this model file, for `serve --ttft-model`.")
 @click.option("--quadratic/--no-quadratic", default=True, show_default=True,
               help="Allow the attention term (kept only if non-negative and it lowers the error).")
-def calibrate(input_path: Path, model: str | None, output: Path | None, quadratic: bool) -> None:
+@click.option("--robust/--no-robust", default=True, show_default=True,
+              help="Refit without slow outliers (queueing, hiccups): residual > 3 robust sigmas, at most 25%.")
+def calibrate(input_path: Path, model: str | None, output: Path | None, quadratic: bool, robust: bool) -> None:
     """Least-squares fit of ttft = overhead + uncached/throughput (+ attention); prints the fit error."""
     try:
         data = parse_observations(input_path.read_text().splitlines(), str(input_path))
-        fits = fit_by_model(data, model, quadratic=quadratic)
+        fits = fit_by_model(data, model, quadratic=quadratic, robust=robust)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     for name, fit in fits.items():
@@ -31,7 +33,9 @@ def calibrate(input_path: Path, model: str | None, output: Path | None, quadrati
         click.echo(f"  overhead_ms            {m.overhead_ms:.3f}")
         click.echo(f"  prefill_tokens_per_s   {m.prefill_tokens_per_s:.1f}")
         click.echo(f"  attention_ms_per_mpair {m.attention_ms_per_mpair:.4f}")
-        click.echo(f"  fit error: MAE {fit.mae_ms:.2f} ms, p90 relative error {fit.p90_rel_error:.1%}")
+        click.echo(f"  fit error: MAE {fit.mae_ms:.2f} ms, p90 relative error {fit.p90_rel_error:.1%}"
+                   + (f" ({fit.outliers} slow outlier(s) left out; with them: MAE {fit.all_mae_ms:.2f} ms, "
+                      f"p90 relative error {fit.all_p90_rel_error:.1%})" if fit.outliers else ""))
     if output:
         existing = None
         if output.exists():

@@ -101,15 +101,20 @@ class Observation:
 @dataclass(frozen=True)
 class Fit:
     model: PrefillModel
-    n: int
-    mae_ms: float
+    n: int  # observations the model was fitted on
+    mae_ms: float  # on those
     p90_rel_error: float
     terms: tuple[str, ...]
+    outliers: int = 0  # slow outliers left out (queueing, hiccups), see fit_prefill_model
+    all_mae_ms: float | None = None  # on every observation, outliers included
+    all_p90_rel_error: float | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self.model), "fit": {"n": self.n, "mae_ms": round(self.mae_ms, 3),
-                                             "p90_rel_error": round(self.p90_rel_error, 4),
-                                             "terms": list(self.terms)}}
+        fit: dict[str, Any] = {"n": self.n, "mae_ms": round(self.mae_ms, 3), "p90_rel_error": round(self.p90_rel_error, 4),
+                               "terms": list(self.terms), "outliers": self.outliers}
+        if self.outliers:
+            fit.update(all_mae_ms=round(self.all_mae_ms or 0.0, 3), all_p90_rel_error=round(self.all_p90_rel_error or 0.0, 4))
+        return {**asdict(self.model), "fit": fit}
 
 
 def parse_observations(lines: Iterable[str], source: str = "input") -> list[Observation]:
@@ -169,7 +174,50 @@ def errors(model: PrefillModel, data: Sequence[Observation]) -> tuple[float, flo
 TERMS = ("overhead", "per_token", "attention")
 
 
-def fit_prefill_model(data: Sequence[Observation], *, quadratic: bool = True) -> Fit:
+# Slow outliers: residual above the median by more than this many robust standard deviations (MAD x 1.4826).
+OUTLIER_SIGMAS = 3.0
+MAX_OUTLIER_SHARE = 0.25
+
+
+def fit_prefill_model(data: Sequence[Observation], *, quadratic: bool = True, robust: bool = True) -> Fit:
+    """The least-squares fit; with ``robust``, refitted without slow outliers.
+
+    Observed TTFT includes time a request waited in the engine's queue and the odd
+    hiccup (GC, a noisy neighbour); those are always *slower* than prefill, and a
+    few of them drag a least-squares line far off. So points whose residual is more
+    than OUTLIER_SIGMAS robust deviations above the median are left out and the fit
+    redone (at most twice, never more than MAX_OUTLIER_SHARE of the data); the
+    error is reported on the kept points and on all of them.
+    """
+    fit = _least_squares_fit(data, quadratic)
+    if not robust or len(data) < 8:
+        return fit
+    kept = list(data)
+    for _ in range(2):
+        res = [o.ttft_ms - fit.model.estimate_ms(o.prompt_tokens, o.cached_tokens) for o in kept]
+        med = _median(res)
+        sigma = 1.4826 * _median([abs(r - med) for r in res])
+        if sigma <= 0:
+            break
+        keep = [o for o, r in zip(kept, res) if r - med <= OUTLIER_SIGMAS * sigma]
+        if len(keep) == len(kept) or len(data) - len(keep) > MAX_OUTLIER_SHARE * len(data):
+            break
+        kept = keep
+        fit = _least_squares_fit(kept, quadratic)
+    if len(kept) == len(data):
+        return fit
+    all_mae, all_p90 = errors(fit.model, data)
+    return Fit(fit.model, fit.n, fit.mae_ms, fit.p90_rel_error, fit.terms, outliers=len(data) - len(kept),
+               all_mae_ms=all_mae, all_p90_rel_error=all_p90)
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _least_squares_fit(data: Sequence[Observation], quadratic: bool) -> Fit:
     """Least squares over every subset of terms that keeps the per-token term; the best non-negative one wins.
 
     Coefficients must be non-negative to mean anything (time does not shrink with
@@ -206,17 +254,18 @@ def fit_prefill_model(data: Sequence[Observation], *, quadratic: bool = True) ->
     return Fit(model, len(data), mae, p90, terms)
 
 
-def fit_by_model(data: Sequence[Observation], model: str | None = None, *, quadratic: bool = True) -> dict[str, Fit]:
+def fit_by_model(data: Sequence[Observation], model: str | None = None, *, quadratic: bool = True,
+                 robust: bool = True) -> dict[str, Fit]:
     """One fit per model named in the data (unnamed rows: ``*``), or one for ``model`` from its rows and unnamed rows."""
     if model is not None:
         rows = [o for o in data if o.model in (None, model)]
         if not rows:
             raise ValueError(f"no observation for model {model!r}")
-        return {model: fit_prefill_model(rows, quadratic=quadratic)}
+        return {model: fit_prefill_model(rows, quadratic=quadratic, robust=robust)}
     groups: dict[str, list[Observation]] = {}
     for o in data:
         groups.setdefault(o.model or DEFAULT_MODEL_KEY, []).append(o)
-    return {name: fit_prefill_model(rows, quadratic=quadratic) for name, rows in sorted(groups.items())}
+    return {name: fit_prefill_model(rows, quadratic=quadratic, robust=robust) for name, rows in sorted(groups.items())}
 
 
 def merge_into(existing: Mapping[str, Any] | None, fits: Mapping[str, Fit]) -> dict[str, Any]:

@@ -71,6 +71,22 @@ def test_fit_is_exact_on_noise_free_data(overhead, tps, attn, seed):
     assert fit.mae_ms <= 0.02 + 1e-6 * max(o.ttft_ms for o in data)
 
 
+def test_robust_fit_leaves_slow_outliers_out():
+    truth = PrefillModel(overhead_ms=18.0, prefill_tokens_per_s=40_000.0)
+    data = synth(truth, n=40, seed=9, noise=0.02)
+    slowed = [Observation(o.prompt_tokens, o.cached_tokens, o.ttft_ms + 150.0) if i % 10 == 3 else o
+              for i, o in enumerate(data)]  # four requests that waited in a queue
+    plain = fit_prefill_model(slowed, robust=False)
+    robust = fit_prefill_model(slowed)
+    assert robust.outliers == 4 and robust.n == 36
+    assert robust.model.overhead_ms == pytest.approx(18.0, rel=0.1)
+    assert robust.model.prefill_tokens_per_s == pytest.approx(40_000, rel=0.15)
+    assert robust.mae_ms < plain.mae_ms and robust.all_mae_ms > robust.mae_ms
+    assert robust.as_json()["fit"]["outliers"] == 4
+    # clean data loses nothing
+    assert fit_prefill_model(synth(truth, n=40, seed=9)).outliers == 0
+
+
 def test_fit_needs_variation():
     with pytest.raises(ValueError, match="at least 2"):
         fit_prefill_model([Observation(10, 0, 5.0)])

@@ -1,0 +1,76 @@
+"""``kv-preflight tokenizer check`` against an engine stub on a real port, and ``kv-preflight calibrate``."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from cli.valkey_server import free_port
+from predictor.local_tokenizer import LocalTokenizer
+from predictor.ttft import PrefillModel, TtftModels
+from tests.integration.http_engine import HttpEngine
+from tests.tokenizer_files import write_tokenizer
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_tokenizer_check_exit_codes_and_report(tok_dir, tmp_path):
+    tok = LocalTokenizer.load(tok_dir)
+    same = HttpEngine("p", ["m"], tokenize_fn=lambda b: tok.encode(prompt=b.get("prompt"), messages=b.get("messages")))
+    drift = HttpEngine("p", ["m"], tokenize_fn=lambda b: tok.encode(prompt=b.get("prompt"), messages=b.get("messages"))
+                       + ([7] if b.get("prompt", "").endswith(" ") else []))
+    same.start(), drift.start()
+    samples = tmp_path / "s.jsonl"
+    samples.write_text('{"name": "mine", "prompt": "ends with a space "}\n')
+    try:
+        runner = CliRunner()
+        ok = runner.invoke(cli, ["tokenizer", "check", "--model", "m", "--engine-url", same.url, "--tokenizer-dir",
+                                 str(tok_dir), "--samples", str(samples)])
+        assert ok.exit_code == 0, ok.output
+        assert "15/15 samples identical" in ok.output
+        bad = runner.invoke(cli, ["tokenizer", "check", "--model", "m", "--engine-url", drift.url, "--tokenizer-dir",
+                                  str(tok_dir), "--samples", str(samples), "--json"])
+        assert bad.exit_code == 1
+        report = json.loads(bad.output)
+        mine = next(s for s in report["samples"] if s["sample"] == "mine")
+        assert mine["ok"] is False and mine["hint"].startswith("trailing whitespace")
+        assert mine["engine_token"].startswith("7 ") and mine["local_token"] == "(end)"
+        down = runner.invoke(cli, ["tokenizer", "check", "--model", "m", "--engine-url",
+                                   f"http://127.0.0.1:{free_port()}", "--tokenizer-dir", str(tok_dir)])
+        assert down.exit_code == 2 and "not checked" in down.output
+        no_dir = runner.invoke(cli, ["tokenizer", "check", "--model", "m", "--engine-url", same.url])
+        assert no_dir.exit_code == 2 and "--tokenizer-dir" in no_dir.output
+    finally:
+        same.stop(), drift.stop()
+
+
+def test_calibrate_writes_and_merges_the_model_file(tmp_path):
+    truth = PrefillModel(overhead_ms=12.0, prefill_tokens_per_s=6000.0, attention_ms_per_mpair=4.0)
+    rng = random.Random(3)
+    rows = []
+    for _ in range(50):
+        n = rng.randrange(32, 8000)
+        k = rng.randrange(0, n) // 16 * 16
+        rows.append({"model": "big", "prompt_tokens": n, "cached_tokens": k, "ttft_ms": truth.estimate_ms(n, k)})
+    observed = tmp_path / "observed.jsonl"
+    observed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_file = tmp_path / "ttft.json"
+    out_file.write_text(json.dumps({"models": {"other": {"overhead_ms": 1, "prefill_tokens_per_s": 100}}}))
+    res = CliRunner().invoke(cli, ["calibrate", "--input", str(observed), "--model", "big", "-o", str(out_file)])
+    assert res.exit_code == 0, res.output
+    assert "fit error: MAE" in res.output and "p90 relative error" in res.output
+    models = TtftModels.load(out_file)
+    assert set(models.models) == {"big", "other"}
+    assert models.for_model("big").prefill_tokens_per_s == pytest.approx(6000, rel=1e-3)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_tokens": 5}\n')
+    res = CliRunner().invoke(cli, ["calibrate", "--input", str(bad)])
+    assert res.exit_code == 1 and "bad.jsonl:1" in res.output
