@@ -17,7 +17,7 @@ from shared.index import Index
 from tests.e2e.harness import stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_ingester import Harness, batch, stored
-from tests.integration.test_predictor_features import metric
+from tests.prom import metric
 
 pytestmark = [pytest.mark.integration]
 

@@ -3,9 +3,9 @@
 valkey-server and engine HTTP stubs on real ports."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import re
 from contextlib import asynccontextmanager
 
 import httpx
@@ -19,6 +19,7 @@ from shared.config import Config
 from shared.index import Index
 from shared.keys import request_keys
 from tests.integration.http_engine import HttpEngine
+from tests.prom import metric
 from tests.integration.test_predictor import IndexWriter
 from tests.tokenizer_files import BOS, write_tokenizer
 
@@ -80,17 +81,6 @@ def engine_like(tok: LocalTokenizer, *, double_bos_for_messages: bool = False):
             return [ids[0]] + ids if double_bos_for_messages else ids
         return tok.encode_prompt(body["prompt"])
     return tokenize
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from the Prometheus text format (0 when absent)."""
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # ---------------------------------------------------------------- local tokenization
@@ -270,7 +260,7 @@ async def test_route_load_is_scraped_in_the_background(valkey_url, engines, writ
             load = (await client.get("/stats")).json()["engine_load"]["pod-x"]
             if load["running"] is not None:
                 break
-            await __import__("asyncio").sleep(0.02)
+            await asyncio.sleep(0.02)
         assert (load["running"], load["waiting"], load["kv_usage"], load["models"]) == (3, 1, 0.25, ["m"])
         d = (await client.post("/v1/cache/route", json={"model": "m", "token_ids": list(range(80))})).json()
         assert d["candidates"][0]["running"] == 3 and d["pod_id"] == "pod-x"
@@ -409,5 +399,7 @@ async def test_tls_valkey(tmp_path):
         await ix.close()
         async with running(Config(valkey_url=server.url, block_size=C)) as (app, client):
             assert (await client.get("/health")).status_code == 200
+            doc = (await client.post("/v1/cache/predict", json={"model": "m", "token_ids": list(range(40))})).json()
+            assert (doc["best_pod"], doc["predicted_cached_tokens"]) == ("pod-t", 32)
     finally:
         server.stop()
