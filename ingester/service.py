@@ -25,6 +25,9 @@ from shared.index import Index
 
 log = logging.getLogger("kvpf.ingester")
 
+# Batches sent to Valkey in one round trip when several messages are already queued.
+PIPELINE_BATCHES = 64
+
 
 @dataclass
 class PodRoute:
@@ -92,11 +95,15 @@ class Ingester:
                     recv.cancel()
                     break
                 stop.cancel()
+                run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in recv.result():
-                    if frames is None:
+                    if frames is None:  # a reconnect: handle what came before, then probe
+                        await self.handle_messages(run)
+                        run = []
                         await self.probe_restart(src)
                     else:
-                        await self.handle_frames(src, frames)
+                        run.append((src, frames))
+                await self.handle_messages(run)
         finally:
             self.subscriber.close()
 
@@ -143,6 +150,39 @@ class Ingester:
     # ---- per message
 
     async def handle_frames(self, src: Source, frames: list[bytes]) -> None:
+        await self.handle_messages([(src, frames)])
+
+    async def handle_messages(self, messages: list[tuple[Source, list[bytes]]]) -> None:
+        """Messages in arrival order: decoded and planned one by one, applied in one pipelined
+        round trip (at most ``PIPELINE_BATCHES`` batches per trip). The seq check still runs per
+        batch inside Valkey, so order and exactly-once hold; a batch not applied at once (gap,
+        restart, or one behind such a batch) goes through ``apply``, in order, which recovers."""
+        accepted = []
+        for src, frames in messages:
+            item = await self._accept(src, frames)
+            if item is not None:
+                accepted.append(item)
+        runs = [accepted[i:i + PIPELINE_BATCHES] for i in range(0, len(accepted), PIPELINE_BATCHES)]
+        if len(runs) == 1 and len(runs[0]) == 1:
+            pod, model, seq, batch, errors = runs[0][0]
+            await self._after_decode_errors(pod, seq, errors, await self.apply(pod, model, seq, batch))
+            return
+        # Two runs in flight: while Valkey applies one, the next is planned and written.
+        inflight = None
+        for run in runs:
+            plans = [await self._plan(pod, model, seq, batch) for pod, model, seq, batch, _ in run]
+            args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
+                         engine_block_size=plan.engine_block_size, mutations=plan.mutations)
+                    for (pod, model, seq, batch, _), plan in zip(run, plans)]
+            sent = await self._valkey(self.index.send_batches, args)
+            if inflight is not None:
+                await self._finish_run(*inflight)
+            inflight = (run, plans, args, sent)
+        if inflight is not None:
+            await self._finish_run(*inflight)
+
+    async def _accept(self, src: Source, frames: list[bytes]) -> tuple[str, str, int, EventBatch, int] | None:
+        """Decode one message and note its route: (pod, model, seq, batch, decode errors), or None."""
         decoded = decode_frames(frames)
         for err in decoded.errors:
             self.stats.inc("decode_errors")
@@ -151,35 +191,72 @@ class Ingester:
         if decoded.errors:
             await self._count_quietly("decode_errors", len(decoded.errors))
         if decoded.topic is None or decoded.seq is None or decoded.batch is None:
-            return
+            return None
         pod = decoded.topic.pod_id
         route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
         route.model = decoded.topic.model
         route.source = src.endpoint
         if src.replay and not route.replay:
             route.replay = src.replay
-        status = await self.apply(pod, route.model, decoded.seq, decoded.batch)
-        if decoded.errors and status == "applied":
-            # A dropped BlockRemoved would leave blocks the engine no longer has: say so.
-            await self._valkey(self.index.mark_incomplete, pod,
-                               f"{len(decoded.errors)} event(s) at seq {decoded.seq} could not be decoded")
+        return pod, route.model, decoded.seq, decoded.batch, len(decoded.errors)
 
-    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True, mode: str = "check") -> str:
-        """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
+    async def _finish_run(self, run: list[tuple[str, str, int, EventBatch, int]], plans: list[Plan],
+                          args: list[dict], sent: "asyncio.Future") -> None:
+        try:
+            results = await sent
+        except (RedisError, OSError, asyncio.TimeoutError):
+            # Lost with the connection: send the run again (what did apply answers "dup").
+            results = await self._valkey(self.index.apply_batches, args)
+        for (pod, model, seq, batch, errors), plan, result in zip(run, plans, results):
+            if result.status == "applied":
+                self.metrics.batches.labels(pod, "applied").inc()
+                await self._applied(pod, seq, batch, plan, "check")
+                status = "applied"
+            elif result.status == "dup":
+                self.metrics.batches.labels(pod, "dup").inc()
+                self.stats.inc("duplicates_skipped")
+                status = "dup"
+            else:  # gap or restart, or behind one: the one-batch path re-checks (and counts), recovers
+                status = await self.apply(pod, model, seq, batch)
+            await self._after_decode_errors(pod, seq, errors, status)
+
+    async def _after_decode_errors(self, pod: str, seq: int, errors: int, status: str) -> None:
+        if errors and status == "applied":
+            # A dropped BlockRemoved would leave blocks the engine no longer has: say so.
+            await self._valkey(self.index.mark_incomplete, pod, f"{errors} event(s) at seq {seq} could not be decoded")
+
+    async def _plan(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
         missing = unresolved_parents(batch, model, self.state)
         if missing:
             resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing])
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
-            plan = plan_batch(
+            return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
             self.stats.inc("plan_errors")
-            plan = Plan()
             await self._valkey(self.index.mark_incomplete, pod, f"batch at seq {seq} could not be applied: {exc}")
+            return Plan()
+
+    async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, mode: str) -> None:
+        self.metrics.applied(pod, batch)
+        self.stats.inc("batches_applied")
+        self.stats.inc("blocks_stored", plan.stored_blocks)
+        self.stats.inc("blocks_removed", plan.removed_blocks)
+        if plan.orphans:
+            self.stats.inc("orphan_blocks", plan.orphans)
+            log.warning("%s seq %d: %d BlockStored event(s) with an unknown parent were not indexed", pod, seq, plan.orphans)
+            await self._valkey(self.index.count, "orphans", plan.orphans, pod_id=pod)
+            await self._valkey(self.index.mark_incomplete, pod, f"{plan.orphans} stored block(s) had an unknown parent")
+        elif plan.clears or mode == "reset":
+            await self._valkey(self.index.mark_complete, pod)
+
+    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True, mode: str = "check") -> str:
+        """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
+        plan = await self._plan(pod, model, seq, batch)
         rank = batch.data_parallel_rank or 0
         result = await self._valkey(
             self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
@@ -188,17 +265,7 @@ class Ingester:
         status = result.status
         self.metrics.batches.labels(pod, status).inc()
         if status == "applied":
-            self.metrics.applied(pod, batch)
-            self.stats.inc("batches_applied")
-            self.stats.inc("blocks_stored", plan.stored_blocks)
-            self.stats.inc("blocks_removed", plan.removed_blocks)
-            if plan.orphans:
-                self.stats.inc("orphan_blocks", plan.orphans)
-                log.warning("%s seq %d: %d BlockStored event(s) with an unknown parent were not indexed", pod, seq, plan.orphans)
-                await self._valkey(self.index.count, "orphans", plan.orphans, pod_id=pod)
-                await self._valkey(self.index.mark_incomplete, pod, f"{plan.orphans} stored block(s) had an unknown parent")
-            elif plan.clears or mode == "reset":
-                await self._valkey(self.index.mark_complete, pod)
+            await self._applied(pod, seq, batch, plan, mode)
         elif status == "dup":
             self.stats.inc("duplicates_skipped")
         elif status == "restart":

@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #define FNV_OFFSET 14695981039346656037ULL
@@ -307,11 +308,96 @@ static PyObject *pack_keys(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* pack_command(args: list | tuple) -> bytes: one RESP array of bulk strings (a Valkey command).
+ * Items: bytes-like, str (UTF-8) or int. The ingester sends thousands of arguments per round
+ * trip; this costs ~20 ns each instead of ~0.5 us in Python. */
+static PyObject *pack_command(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "args must be a list or tuple");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    size_t cap = 32 + (size_t)n * 40, len = 0;
+    char *buf = PyMem_Malloc(cap);
+    if (buf == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    len += (size_t)snprintf(buf, cap, "*%zd\r\n", n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        const char *data;
+        Py_ssize_t dlen;
+        char num[24];
+        Py_buffer view;
+        int have_view = 0;
+        PyObject *text = NULL;
+        if (PyLong_Check(o)) {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (overflow > 0) {
+                unsigned long long u = PyLong_AsUnsignedLongLong(o);
+                if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+                dlen = snprintf(num, sizeof num, "%llu", u);
+            } else if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "int argument out of range");
+                goto fail;
+            } else {
+                dlen = snprintf(num, sizeof num, "%lld", v);
+            }
+            data = num;
+        } else if (PyUnicode_Check(o)) {
+            data = PyUnicode_AsUTF8AndSize(o, &dlen);
+            if (data == NULL) goto fail;
+        } else if (PyBytes_Check(o)) {
+            data = PyBytes_AS_STRING(o);
+            dlen = PyBytes_GET_SIZE(o);
+        } else if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) == 0) {
+            have_view = 1;
+            data = view.buf;
+            dlen = view.len;
+        } else {  /* anything else as its str(), as redis-py does for floats */
+            PyErr_Clear();
+            text = PyObject_Str(o);
+            if (text == NULL) goto fail;
+            data = PyUnicode_AsUTF8AndSize(text, &dlen);
+            if (data == NULL) { Py_DECREF(text); goto fail; }
+        }
+        if (len + (size_t)dlen + 32 > cap) {
+            size_t ncap = cap * 2 > len + (size_t)dlen + 32 ? cap * 2 : len + (size_t)dlen + 96;
+            char *nb = PyMem_Realloc(buf, ncap);
+            if (nb == NULL) {
+                if (have_view) PyBuffer_Release(&view);
+                Py_XDECREF(text);
+                PyErr_NoMemory();
+                goto fail;
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        len += (size_t)snprintf(buf + len, cap - len, "$%zd\r\n", dlen);
+        memcpy(buf + len, data, (size_t)dlen);
+        len += (size_t)dlen;
+        buf[len++] = '\r';
+        buf[len++] = '\n';
+        if (have_view) PyBuffer_Release(&view);
+        Py_XDECREF(text);
+    }
+    {
+        PyObject *out = PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
+        PyMem_Free(buf);
+        Py_DECREF(seq);
+        return out;
+    }
+fail:
+    PyMem_Free(buf);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"request_keys", request_keys, METH_VARARGS,
      "Chained llm-d request keys for the full blocks of tokens (extra = nil)."},
     {"request_keys_json", request_keys_json, METH_VARARGS,
      "Request keys and token count straight from the JSON text of a token-id array."},
+    {"pack_command", pack_command, METH_O,
+     "One RESP command (array of bulk strings) from a list of bytes, str and int."},
     {"pack_keys", pack_keys, METH_O,
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {NULL, NULL, 0, NULL},

@@ -11,8 +11,9 @@ that does not start with ``engine:``:
   kvpf:pods                  HASH  pod -> model
   kvpf:pod:<pod>             HASH  model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
                                    incomplete, incomplete_reason, stored, removed, cleared, orphans
-  kvpf:blocks:<pod>          HASH  "<engine key>|<tier>" -> PodEntry field; the per-pod reverse index that
-                                   makes BlockRemoved and AllBlocksCleared cost O(pod's blocks)
+  kvpf:blocks:<pod>          HASH  "<engine key>|<tier>" -> id of the PodEntry field written; the per-pod
+                                   reverse index that makes BlockRemoved and AllBlocksCleared cost O(pod's blocks)
+  kvpf:fields:<pod>          HASH  id -> PodEntry field (a pod writes one or a few distinct fields)
   kvpf:counters              HASH  fleet-wide counters (decode errors, replays, ...)
 
 Batches are applied by one script that first checks the batch's seq against the
@@ -21,6 +22,7 @@ exactly one application of every batch (see docs/operations.md).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from shared.keys import pack_keys
 from shared.resp import FastConnection
@@ -54,6 +56,10 @@ def pod_meta_key(pod_id: str) -> str:
 
 def pod_blocks_key(pod_id: str) -> str:
     return f"{OUR_PREFIX}blocks:{pod_id}"
+
+
+def pod_fields_key(pod_id: str) -> str:
+    return f"{OUR_PREFIX}fields:{pod_id}"
 
 
 # ---------------------------------------------------------------- PodEntry
@@ -114,22 +120,19 @@ def parse_entry(field_value: str | bytes) -> PodEntry | None:
 # ---------------------------------------------------------------- mutations
 
 
-@dataclass(frozen=True)
-class StoreBlock:
+class StoreBlock(msgspec.Struct, frozen=True):
     engine_key: int
     tier: str
     entry_field: str
     request_keys: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class RemoveBlock:
+class RemoveBlock(msgspec.Struct, frozen=True):
     engine_key: int
     tier: str
 
 
-@dataclass(frozen=True)
-class ClearPod:
+class ClearPod(msgspec.Struct, frozen=True):
     pass
 
 
@@ -137,33 +140,62 @@ Mutation = StoreBlock | RemoveBlock | ClearPod
 
 
 def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
-    """Flat script arguments: ``S ek tier field n rk..`` / ``R ek tier`` / ``C``."""
-    out: list[str | int] = []
+    """Flat script arguments: ``nf field..`` (the batch's distinct PodEntry fields, each sent
+    once), then ops ``S ek tier fi n rk..`` (fi: 1-based into the fields) / ``R ek tier`` / ``C``."""
+    fields: dict[str, int] = {}
+    ops: list[str | int] = []
     for m in mutations:
         if isinstance(m, StoreBlock):
-            out += ["S", m.engine_key, m.tier, m.entry_field, len(m.request_keys), *m.request_keys]
+            fi = fields.get(m.entry_field)
+            if fi is None:
+                fi = fields[m.entry_field] = len(fields) + 1
+            ops += ["S", m.engine_key, m.tier, fi, len(m.request_keys), *m.request_keys]
         elif isinstance(m, RemoveBlock):
-            out += ["R", m.engine_key, m.tier]
+            ops += ["R", m.engine_key, m.tier]
         else:
-            out.append("C")
-    return out
+            ops.append("C")
+    return [len(fields), *fields, *ops]
 
 
-# Shared Lua: remove every entry of one pod, via its reverse index (O(pod's blocks)).
-_LUA_CLEAR_POD = """
-local function clear_pod(blocks_key)
+# Shared Lua. kvpf:blocks:<pod> maps "<engine key>|<tier>" to a small id of the PodEntry
+# field written for that block, and kvpf:fields:<pod> maps id -> field: a pod writes one or
+# a few distinct fields, so the reverse index holds a digit or two per block instead of a
+# ~95-byte JSON copy. A value that is not all digits is a field itself (written before ids).
+_LUA_FIELDS = """
+local function field_ids(fields_key)
+  local byid, byfield, n = {}, {}, 0
+  local all = redis.call('HGETALL', fields_key)
+  for i = 1, #all, 2 do
+    byid[all[i]] = all[i + 1]
+    byfield[all[i + 1]] = all[i]
+    n = n + 1
+  end
+  return byid, byfield, n
+end
+local function is_id(v)
+  return string.find(v, '^%d+$') ~= nil
+end
+-- Drop one pod field from an engine block's request keys; the engine key goes with its last holder.
+local function unlink(ek, fld)
+  local ekey = 'engine:' .. ek
+  local rks = redis.call('ZRANGE', ekey, 0, -1)
+  if fld then
+    for _, rk in ipairs(rks) do redis.call('HDEL', rk, fld) end
+  end
+  if #rks == 0 or redis.call('EXISTS', unpack(rks)) == 0 then redis.call('DEL', ekey) end
+end
+-- Remove every entry of one pod, via its reverse index (O(pod's blocks)).
+local function clear_pod(blocks_key, fields_key)
+  local byid = nil
   local n = 0
   local all = redis.call('HGETALL', blocks_key)
   for i = 1, #all, 2 do
-    local ek = string.match(all[i], '^([^|]*)')
-    local ekey = 'engine:' .. ek
-    local rks = redis.call('ZRANGE', ekey, 0, -1)
-    local alive = false
-    for _, rk in ipairs(rks) do
-      redis.call('HDEL', rk, all[i + 1])
-      if redis.call('EXISTS', rk) == 1 then alive = true end
+    local fld = all[i + 1]
+    if is_id(fld) then
+      if byid == nil then byid = field_ids(fields_key) end
+      fld = byid[fld]
     end
-    if not alive then redis.call('DEL', ekey) end
+    unlink(string.match(all[i], '^([^|]*)'), fld)
     n = n + 1
   end
   redis.call('DEL', blocks_key)
@@ -172,16 +204,17 @@ end
 """
 
 # KEYS: none (keys are derived inside; single-node or single-shard Valkey).
-# ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, ops...
+# ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, then encode_mutations(...).
 # mode: "check" applies only the next seq; "force" applies regardless (gap accepted);
 #       "reset" clears the pod first (engine restart), then applies; "import" applies
 #       without touching the pod's seq (index import).
 # Returns {status, last_seq}; status in applied|dup|gap|restart.
-_LUA_APPLY = _LUA_CLEAR_POD + """
+_LUA_APPLY = _LUA_FIELDS + """
 local pod, rank = ARGV[1], ARGV[2]
 local seq, ts, mode = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local meta = 'kvpf:pod:' .. pod
 local blocks = 'kvpf:blocks:' .. pod
+local fkey = 'kvpf:fields:' .. pod
 local last = redis.call('HGET', meta, 'seq:' .. rank)
 local last_n = -1
 if last then last_n = tonumber(last) end
@@ -189,7 +222,7 @@ if mode == 'reset_if' then
   -- Engine restart found by probing its replay socket: clear the pod, but only if no other
   -- ingester has applied anything since the probe read the seq (else it is not stale).
   if last_n ~= seq then return {'dup', last_n} end
-  clear_pod(blocks)
+  clear_pod(blocks, fkey)
   local fields = redis.call('HKEYS', meta)
   for _, f in ipairs(fields) do
     if string.sub(f, 1, 4) == 'seq:' or string.sub(f, 1, 3) == 'ts:' then redis.call('HDEL', meta, f) end
@@ -210,22 +243,42 @@ if mode == 'check' then
   end
 end
 if mode == 'reset' then
-  clear_pod(blocks)
+  clear_pod(blocks, fkey)
   redis.call('HINCRBY', meta, 'restarts', 1)
 end
 local stored, removed, cleared = 0, 0, 0
-local i = 9
+local nf = tonumber(ARGV[9])
+local byid, byfield, nids = nil, nil, 0
+local ids = {}  -- batch field index -> id
+local function id_of(fi)
+  local id = ids[fi]
+  if id then return id end
+  if byid == nil then byid, byfield, nids = field_ids(fkey) end
+  local fld = ARGV[9 + fi]
+  id = byfield[fld]
+  if id == nil then
+    nids = nids + 1
+    id = tostring(nids)
+    redis.call('HSET', fkey, id, fld)
+    byid[id], byfield[fld] = fld, id
+  end
+  ids[fi] = id
+  return id
+end
+local i = 10 + nf
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'S' then
-    local ek, tier, fld, n = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
-    local ekey = 'engine:' .. ek
-    redis.call('HSET', blocks, ek .. '|' .. tier, fld)
+    local ek, tier, fi, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+    local fld = ARGV[9 + fi]
+    redis.call('HSET', blocks, ek .. '|' .. tier, id_of(fi))
+    local za = {}
     for j = 1, n do
       local rk = ARGV[i + 4 + j]
-      redis.call('ZADD', ekey, j - 1, rk)
+      za[2 * j - 1], za[2 * j] = j - 1, rk
       redis.call('HSET', rk, fld, '')
     end
+    if n > 0 then redis.call('ZADD', 'engine:' .. ek, unpack(za)) end
     stored = stored + 1
     i = i + 5 + n
   elseif op == 'R' then
@@ -234,19 +287,16 @@ while i <= #ARGV do
     local fld = redis.call('HGET', blocks, bk)
     if fld then
       redis.call('HDEL', blocks, bk)
-      local ekey = 'engine:' .. ek
-      local rks = redis.call('ZRANGE', ekey, 0, -1)
-      local alive = false
-      for _, rk in ipairs(rks) do
-        redis.call('HDEL', rk, fld)
-        if redis.call('EXISTS', rk) == 1 then alive = true end
+      if is_id(fld) then
+        if byid == nil then byid, byfield, nids = field_ids(fkey) end
+        fld = byid[fld]
       end
-      if not alive then redis.call('DEL', ekey) end
+      unlink(ek, fld)
       removed = removed + 1
     end
     i = i + 3
   elseif op == 'C' then
-    clear_pod(blocks)
+    clear_pod(blocks, fkey)
     cleared = cleared + 1
     i = i + 1
   else
@@ -271,10 +321,10 @@ redis.call('HSET', 'kvpf:pods', pod, ARGV[6])
 return {'applied', last_n}
 """
 
-_LUA_CLEAR = _LUA_CLEAR_POD + """
-local n = clear_pod('kvpf:blocks:' .. ARGV[1])
+_LUA_CLEAR = _LUA_FIELDS + """
+local n = clear_pod('kvpf:blocks:' .. ARGV[1], 'kvpf:fields:' .. ARGV[1])
 if ARGV[2] == '1' then
-  redis.call('DEL', 'kvpf:pod:' .. ARGV[1])
+  redis.call('DEL', 'kvpf:pod:' .. ARGV[1], 'kvpf:fields:' .. ARGV[1])
   redis.call('HDEL', 'kvpf:pods', ARGV[1])
 end
 return n
@@ -422,6 +472,17 @@ return out
 """
 
 
+def _apply_args(pod_id: str, rank: int, seq: int, ts: float, model: str, engine_block_size: int | None,
+                mutations: Sequence[Mutation], mode: str) -> list[Any]:
+    return [pod_id, rank, seq, repr(ts), mode, model, "" if engine_block_size is None else engine_block_size,
+            repr(time.time()), *encode_mutations(mutations)]
+
+
+def _apply_result(reply: Sequence[Any]) -> "ApplyResult":
+    status, last = reply
+    return ApplyResult(status.decode() if isinstance(status, bytes) else status, int(last))
+
+
 @dataclass(frozen=True)
 class ApplyResult:
     status: str  # applied | dup | gap | restart
@@ -530,13 +591,43 @@ class Index:
         mutations: Sequence[Mutation],
         mode: str = "check",
     ) -> ApplyResult:
-        args: list[Any] = [
-            pod_id, rank, seq, repr(ts), mode, model,
-            "" if engine_block_size is None else engine_block_size, repr(time.time()),
-        ]
-        args += encode_mutations(mutations)
-        status, last = await self._apply(keys=[], args=args)
-        return ApplyResult(status.decode() if isinstance(status, bytes) else status, int(last))
+        args = _apply_args(pod_id, rank, seq, ts, model, engine_block_size, mutations, mode)
+        return _apply_result(await self._apply(keys=[], args=args))
+
+    async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
+        """Several ``apply_batch`` calls (same keyword arguments each) in one round trip, in order.
+
+        Each still runs its own seq check, so the results are what one-by-one calls would give
+        when every batch applies; a batch behind one that did not (gap, restart) gets "gap" or
+        "restart" itself and the caller re-applies it after recovering.
+        """
+        return await (await self.send_batches(batches))
+
+    async def send_batches(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        """``apply_batches`` in two steps: the commands are written now, the results come from
+        the returned future, so the caller can prepare the next batches while Valkey runs these.
+        Commands written later on this Index run after these (one connection). Without the
+        lean connection (TLS) the batches run before this returns."""
+        args = [_apply_args(b["pod_id"], b["rank"], b["seq"], b["ts"], b["model"], b["engine_block_size"],
+                            b["mutations"], b.get("mode", "check")) for b in batches]
+        if self.fast is not None:
+            replies = await self.fast.evalsha_send(self._apply.sha, self._apply.script, args)
+
+            async def results() -> list[ApplyResult]:
+                return [_apply_result(r) for r in await replies]
+
+            return asyncio.ensure_future(results())
+        async with self.client.pipeline(transaction=False) as pipe:
+            for a in args:
+                pipe.evalsha(self._apply.sha, 0, *a)
+            try:
+                out = await pipe.execute()
+            except NoScriptError:
+                await self.client.script_load(_LUA_APPLY)
+                return await self.send_batches(batches)
+        done: asyncio.Future[list[ApplyResult]] = asyncio.get_running_loop().create_future()
+        done.set_result([_apply_result(r) for r in out])
+        return done
 
     async def resolve_engine_keys(self, engine_keys: Iterable[int]) -> dict[int, int]:
         """Engine key -> its last request key (the one a child block chains from), one round trip."""
@@ -557,6 +648,7 @@ class Index:
 
     async def export_blocks(self, pod_id: str, batch: int = 1000):
         """Yield every StoreBlock a pod holds, read with HSCAN so a large pod never blocks Valkey."""
+        ids = {k: v.decode() for k, v in (await self.client.hgetall(pod_fields_key(pod_id))).items()}
         cursor = 0
         while True:
             cursor, chunk = await self.client.hscan(pod_blocks_key(pod_id), cursor, count=batch)
@@ -567,7 +659,7 @@ class Index:
                 rks = await pipe.execute() if items else []
             for (bk, fld), keys in zip(items, rks):
                 ek, _, tier = bk.decode().partition("|")
-                yield StoreBlock(int(ek), tier, fld.decode(), tuple(int(k) for k in keys))
+                yield StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(), tuple(int(k) for k in keys))
             if cursor == 0:
                 return
 
@@ -671,5 +763,5 @@ class Index:
 __all__ = [
     "ApplyResult", "ClearPod", "Index", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "encode_entry", "engine_key_name", "longest_prefix",
-    "make_entry", "parse_entry", "pod_blocks_key", "pod_meta_key", "request_key_name", "tier_of",
+    "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -25,7 +25,20 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 
+try:
+    from shared._chain import pack_command as _pack_c
+except ImportError:  # pragma: no cover - no compiler at install time
+    _pack_c = None
+
+
 def pack(*args: Any) -> bytes:
+    """One command in RESP: bytes, str and int arguments (C when built, else Python)."""
+    if _pack_c is not None:
+        return _pack_c(args)
+    return _pack_py(args)
+
+
+def _pack_py(args: Any) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for a in args:
         if isinstance(a, str):
@@ -174,6 +187,43 @@ class FastConnection:
         except NoScriptError:
             await self.execute("SCRIPT", "LOAD", script)
             return await self.execute("EVALSHA", sha, 0, *args)
+
+    async def evalsha_many(self, sha: str, script: str, arg_lists: list[list[Any]]) -> list[Any]:
+        """Several EVALSHAs written at once, replies in order; a server error reply raises."""
+        return await (await self.evalsha_send(sha, script, arg_lists))
+
+    async def evalsha_send(self, sha: str, script: str, arg_lists: list[list[Any]]) -> "asyncio.Future[list[Any]]":
+        """Write several EVALSHAs now; the returned future gives their replies, in order.
+
+        If the server did not know the script, it is loaded and the commands that failed on
+        that are sent again, in order (those that ran are not repeated). A server error
+        reply raises ResponseError from the future.
+        """
+        loop = asyncio.get_running_loop()
+        if not arg_lists:
+            done = loop.create_future()
+            done.set_result([])
+            return done
+        proto = await self._conn()
+        futs = [loop.create_future() for _ in arg_lists]
+        proto.pending.extend(futs)
+        assert proto.transport is not None
+        proto.transport.write(b"".join(pack("EVALSHA", sha, 0, *a) for a in arg_lists))
+
+        async def replies() -> list[Any]:
+            out = [await f for f in futs]
+            missing = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError) and str(r).startswith("NOSCRIPT")]
+            if missing:
+                await self.execute("SCRIPT", "LOAD", script)
+                again = await self.evalsha_many(sha, script, [arg_lists[i] for i in missing])
+                for i, r in zip(missing, again):
+                    out[i] = r
+            for r in out:
+                if isinstance(r, hiredis.ReplyError):
+                    raise ResponseError(str(r))
+            return out
+
+        return asyncio.ensure_future(replies())
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None

@@ -35,3 +35,13 @@ def test_pack_keys_is_fixed_width_decimal(ks):
     packed = keys.pack_keys(ks)
     assert packed == b"".join(b"%20d" % k for k in ks)
     assert [int(packed[i * 20:(i + 1) * 20]) for i in range(len(ks))] == ks
+
+
+def test_pack_command_equals_the_python_packer():
+    from shared.resp import _pack_c, _pack_py
+
+    assert _pack_c is not None
+    args = ("EVALSHA", "abc", 0, b"xy", 2**64 - 1, -5, "\u00e9", 1.5, bytearray(b"q"), memoryview(b"mv"), "")
+    assert _pack_c(args) == _pack_py(args)
+    with pytest.raises(OverflowError):
+        _pack_c([2**64])
