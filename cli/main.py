@@ -152,6 +152,15 @@ cli.add_command(demo)
 cli.add_command(accuracy)
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Benchmark every hot path against a straightforward baseline (bench --help: options)."""
+    from cli.bench.__main__ import main as run_bench
+
+    run_bench(list(args))
+
+
 @cli.command()
 @click.option("--pod", required=True, help="Pod name: the topic is kv@POD@MODEL.")
 @click.option("--model", required=True, help="Served model name.")

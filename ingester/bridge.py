@@ -20,13 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from shared.index import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from shared.keys import request_keys, root_key
 
 
-@dataclass(frozen=True)
-class ChainPoint:
+class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make
     """Where a chain stands after an engine block: its last request key and tokens not yet keyed."""
 
     request_key: int
@@ -47,9 +48,12 @@ class ChainState:
         return point
 
     def put(self, model: str, engine_key: int, point: ChainPoint) -> None:
-        self._points[(model, engine_key)] = point
-        self._points.move_to_end((model, engine_key))
-        if len(self._points) > self.capacity:
+        key = (model, engine_key)
+        points = self._points
+        if key in points:
+            points.move_to_end(key)
+        points[key] = point  # a new key goes last already
+        if len(points) > self.capacity:
             self._points.popitem(last=False)
 
     def __len__(self) -> int:

@@ -1,0 +1,51 @@
+"""The benchmark runs and its correctness checks hold (figures are its business, not the tests')."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cli.bench import loadgen
+from cli.bench.workload import event_stream
+from shared.events import decode_frames
+
+pytestmark = pytest.mark.integration
+
+
+def test_workload_is_vllm_032_frames_with_chained_parents():
+    st = event_stream(pods=2, target_blocks=3000, capacity_blocks=500)
+    seen = set()
+    chained = 0
+    for _, frames in st.frames:
+        d = decode_frames(frames)
+        assert not d.errors and d.batch is not None
+        for ev in d.batch.events:
+            if type(ev).__name__ == "BlockStored":
+                assert ev.block_size == 32 and len(ev.token_ids) == 32 * len(ev.block_hashes)
+                chained += ev.parent_block_hash is not None
+                seen.update(ev.block_hashes)
+    assert st.removed_blocks > 0 and chained > 0 and st.prompts
+
+
+def test_bodies_file_round_trip(tmp_path):
+    bodies = [b"{}", b'{"a": 1}', b""]
+    loadgen.write_bodies(str(tmp_path / "b"), bodies)
+    assert loadgen.read_bodies(str(tmp_path / "b")) == bodies
+
+
+def test_quick_bench_rows_and_checks(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "cli.bench", "--quick", "--only", "keys,ingest", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["row"].split(",")[0]: r for r in doc["rows"]}
+    assert {"request keys", "ingestion", "Valkey memory per (block", "ingestion over ZMQ"} <= set(rows)
+    ingest = next(r for r in doc["rows"] if r["row"].startswith("ingestion, in process"))
+    assert ingest["equal_content"] is True  # the seed path and ours leave the same llm-d keys
+    agree = doc["lookup_agreement"]
+    assert agree["galloping_equals_linear"] == agree["prompts"] > 0
+    zmq_row = next(r for r in doc["rows"] if r["row"].startswith("ingestion over ZMQ"))
+    assert zmq_row["pods_incomplete"] == []
