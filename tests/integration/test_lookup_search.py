@@ -67,3 +67,28 @@ async def test_a_missing_first_key_means_no_match(ix):
     await hold(ix, "pod-a", chain[1:], 2)
     assert (await all_modes(ix, chain))["script"] == {}
     assert await ix.lookup([]) == []
+
+
+@pytest.mark.parametrize("seed", range(25))
+async def test_fields_that_come_and_go_agree_in_every_mode(ix, valkey_url, seed):
+    """Each pod holds a prefix, but through a random mix of its fields per key (tiers, v0.8 and JSON
+    forms): no single field forms a prefix. Speculative entries are sprinkled anywhere."""
+    rng = random.Random(1000 + seed)
+    length = rng.choice([1, 2, 5, 33, 200])
+    chain = [rng.randrange(1, 2**64) for _ in range(length)]
+    sync = redis.Redis.from_url(valkey_url)
+    pods = [f"p{i}" for i in range(rng.choice([1, 3, 8, 20]))]
+    for pod in pods:
+        forms = [encode_entry(make_entry(pod, "GPU", 0)), encode_entry(make_entry(pod, "CPU", 0)),
+                 f"{pod}@gpu", f"{pod}@cpu", encode_entry(make_entry(pod, "DISK", 1))]
+        held = rng.randint(0, length)
+        for k in chain[:held]:
+            for f in rng.sample(forms, k=rng.randint(1, 2)):
+                sync.hset(str(k), f, "")
+    for k in rng.sample(chain, k=min(len(chain), 5)):
+        sync.hset(str(k), f"spec{rng.randrange(3)}@gpu[speculative]", "")
+    got = await all_modes(ix, chain)
+    assert got["script"] == got["linear"] == got["pipeline"]
+    wanted = rng.sample(pods, k=max(1, len(pods) // 3))
+    got = await all_modes(ix, chain, wanted)
+    assert got["script"] == got["linear"] == got["pipeline"]
