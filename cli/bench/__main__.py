@@ -87,6 +87,7 @@ class Results:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        self.failed_checks: list[str] = []
 
     def add(self, row: str, figure: str, target: str, baseline: str, ratio: float | None, met: bool | None,
             **data: Any) -> None:
@@ -217,6 +218,8 @@ def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) 
     asyncio.run(_ingest(vk.url, sub))
     same = base_digest == _digest(r)
     print(f"  llm-d keys and seqs equal after {len(sub)} batches through the seed path and ours: {same}", flush=True)
+    if not same:
+        res.failed_checks.append("the seed ingestion path and ours left different llm-d keys")
     # Ours, in process, the whole stream, into an empty Valkey.
     r.flushall()
     mem0 = _used(r)
@@ -273,6 +276,8 @@ def _agreement(res: Results, vk: ValkeyServer, prompts: list[list[int]]) -> None
 
     same, hits, n = asyncio.run(run())
     res.extra["lookup_agreement"] = {"prompts": n, "with_hits": hits, "galloping_equals_linear": same}
+    if same != n:
+        res.failed_checks.append(f"galloping lookup differed from the exact walk on {n - same} prompts")
     print(f"  galloping lookup == exact walk on {same}/{n} served prompts ({hits} with cached blocks)", flush=True)
 
 
@@ -352,6 +357,8 @@ def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: fl
         srv.stop()
     blocks = stream.stored_blocks + stream.removed_blocks
     rate = blocks / elapsed
+    if incomplete:
+        res.failed_checks.append(f"pods marked incomplete after the ZMQ run: {incomplete}")
     res.add("ingestion over ZMQ, `kv-preflight ingest` process",
             f"{rate:,.0f} blocks/s (publish took {sent:.2f} s of {elapsed:.2f} s)", ">= 50,000 blocks/s",
             f"{base_rate:,.0f} blocks/s (seed path, in process)", rate / base_rate, rate >= 50_000 and not incomplete,
@@ -560,7 +567,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{m['seconds']:.0f}s; load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f} "
           "(other work on this machine skews every figure)")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra}, indent=1, default=str))
+        Path(a.json_out).write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra,
+                                                "failed_checks": res.failed_checks}, indent=1, default=str))
+    if res.failed_checks:
+        print("\nFAILED CHECKS:\n  " + "\n  ".join(res.failed_checks))
+        sys.exit(1)
 
 
 if __name__ == "__main__":
