@@ -1,10 +1,12 @@
-"""A lean pipelined Valkey connection for the predictor's one hot command (EVALSHA of the lookup).
+"""A lean pipelined Valkey connection for the two hot paths: the predictor's lookup (one EVALSHA
+per prediction) and the ingester's batch scripts (runs of EVALSHAs written at once).
 
 redis-py spends ~70 us of Python per command (connection pool, health checks, per-argument
 encoding, timeouts); a prediction sends exactly one command, so that was most of its Valkey
-cost. Here one connection per process carries every in-flight lookup: commands are written
-as they come (no pool, no lock on the hot path) and replies, parsed by hiredis, resolve the
-waiting futures in order. Everything else keeps using redis-py.
+cost. Here one connection per process carries every in-flight command: commands are written
+as they come (no pool, no lock on the hot path), packed in C (shared._chain.pack_command), and
+replies, parsed by hiredis, resolve the waiting futures in order. Everything else keeps using
+redis-py.
 
 Failures surface as redis-py's exceptions (ConnectionError, ResponseError), so callers treat
 both clients alike. A lost connection fails what was in flight and the next command
@@ -15,6 +17,7 @@ the caller stays on redis-py.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import deque
 from typing import Any
@@ -127,8 +130,6 @@ class FastConnection:
                 raise RedisConnectionError(f"cannot connect to valkey: {exc}") from None
             sock = proto.transport.get_extra_info("socket") if proto.transport else None
             if sock is not None and not self.path:
-                import socket
-
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             setup = []
             if self.password:
