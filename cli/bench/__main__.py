@@ -241,10 +241,12 @@ def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) 
     try:
         r.flushall()
         mem0 = _used(r)
-        asyncio.run(_ingest(vk.url, stream.frames))
+        t128, _ = asyncio.run(_ingest(vk.url, stream.frames))
         entries = _entries(r)
-        res.extra["memory_listpack_128"] = {"bytes_per_entry": (_used(r) - mem0) / entries, "entries": entries}
-        print(f"  with hash-max-listpack-value 128: {(_used(r) - mem0) / entries:.0f} B per (block, pod) entry", flush=True)
+        res.extra["memory_listpack_128"] = {"bytes_per_entry": (_used(r) - mem0) / entries, "entries": entries,
+                                            "ingest_blocks_per_s": blocks / t128}
+        print(f"  with hash-max-listpack-value 128: {(_used(r) - mem0) / entries:.0f} B per (block, pod) entry; "
+              f"ingestion {blocks / t128:,.0f} blocks/s", flush=True)
     finally:
         r.config_set("hash-max-listpack-value", 64)
     _ingest_zmq(res, vk, stream, tmp, base_rate)
