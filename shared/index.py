@@ -175,6 +175,14 @@ end
 local function is_id(v)
   return string.find(v, '^%d+$') ~= nil
 end
+-- vLLM (0.32) can hold one hash in two physical blocks (a fully cached prompt recomputes its
+-- last block and caches the copy) and reports each copy's store and eviction; so a value
+-- "<id>*<n>" counts n copies, and only the last eviction removes the entry.
+local function copies(v)
+  local id, n = string.match(v, '^(%d+)%*(%d+)$')
+  if id then return id, tonumber(n) end
+  return v, 1
+end
 -- Drop one pod field from an engine block's request keys; the engine key goes with its last holder.
 local function unlink(ek, fld)
   local ekey = 'engine:' .. ek
@@ -190,7 +198,7 @@ local function clear_pod(blocks_key, fields_key)
   local n = 0
   local all = redis.call('HGETALL', blocks_key)
   for i = 1, #all, 2 do
-    local fld = all[i + 1]
+    local fld = copies(all[i + 1])
     if is_id(fld) then
       if byid == nil then byid = field_ids(fields_key) end
       fld = byid[fld]
@@ -271,7 +279,14 @@ while i <= #ARGV do
   if op == 'S' then
     local ek, tier, fi, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     local fld = ARGV[9 + fi]
-    redis.call('HSET', blocks, ek .. '|' .. tier, id_of(fi))
+    local bk = ek .. '|' .. tier
+    local held = redis.call('HGET', blocks, bk)
+    if held then
+      local _, n_held = copies(held)
+      redis.call('HSET', blocks, bk, id_of(fi) .. '*' .. (n_held + 1))
+    else
+      redis.call('HSET', blocks, bk, id_of(fi))
+    end
     local za = {}
     for j = 1, n do
       local rk = ARGV[i + 4 + j]
@@ -284,8 +299,13 @@ while i <= #ARGV do
   elseif op == 'R' then
     local ek, tier = ARGV[i + 1], ARGV[i + 2]
     local bk = ek .. '|' .. tier
-    local fld = redis.call('HGET', blocks, bk)
-    if fld then
+    local held = redis.call('HGET', blocks, bk)
+    local fld, n_held = nil, 0
+    if held then fld, n_held = copies(held) end
+    if n_held > 1 then
+      redis.call('HSET', blocks, bk, fld .. (n_held > 2 and ('*' .. (n_held - 1)) or ''))
+      removed = removed + 1
+    elseif fld then
       redis.call('HDEL', blocks, bk)
       if is_id(fld) then
         if byid == nil then byid, byfield, nids = field_ids(fkey) end
@@ -746,9 +766,12 @@ class Index:
                 for bk, _ in items:
                     pipe.zrange(engine_key_name(int(bk.split(b"|", 1)[0])), 0, -1)
                 rks = await pipe.execute() if items else []
-            for (bk, fld), keys in zip(items, rks):
+            for (bk, held), keys in zip(items, rks):
                 ek, _, tier = bk.decode().partition("|")
-                yield StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(), tuple(int(k) for k in keys))
+                fld, star, n = held.partition(b"*")
+                block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(), tuple(int(k) for k in keys))
+                for _ in range(int(n) if star and n.isdigit() else 1):  # one per physical copy
+                    yield block
             if cursor == 0:
                 return
 

@@ -101,3 +101,20 @@ def test_longest_prefix_pure():
     a, b = "a@gpu", "b@gpu"
     assert {m.pod_id: m.blocks for m in longest_prefix([[a, b], [a], [a, b], []])} == {"a": 3, "b": 1}
     assert longest_prefix([[], [a]]) == []
+
+
+async def test_duplicate_copies_of_one_hash_need_as_many_removals(ix):
+    """vLLM 0.32 caches a recomputed last block as a second copy under the same hash (seen on a
+    real engine: BlockStored of the same hash twice) and reports each copy's eviction."""
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101, 102))])
+    await apply(ix, 1, [StoreBlock(11, "gpu", F0, (101, 102))])  # the copy
+    await apply(ix, 2, [RemoveBlock(11, "gpu")])  # one copy evicted: the engine still holds the hash
+    assert await ix.client.hkeys("101") == [F0.encode()]
+    exported = [b async for b in ix.export_blocks("pod-a")]
+    assert len(exported) == 1
+    await apply(ix, 3, [StoreBlock(11, "gpu", F0, (101, 102)), RemoveBlock(11, "gpu"), RemoveBlock(11, "gpu")])
+    assert await ix.client.exists("101", "102", engine_key_name(11)) == 0
+    assert (await ix.pod_info("pod-a")).blocks == 0
+    # Export carries the copies, so an import restores the same count.
+    await apply(ix, 4, [StoreBlock(12, "gpu", F0, (103,)), StoreBlock(12, "gpu", F0, (103,))])
+    assert len([b async for b in ix.export_blocks("pod-a")]) == 2
