@@ -280,12 +280,9 @@ while i <= #ARGV do
     local ek, tier, fi, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     local fld = ARGV[9 + fi]
     local bk = ek .. '|' .. tier
-    local held = redis.call('HGET', blocks, bk)
-    if held then
-      local _, n_held = copies(held)
+    if redis.call('HSETNX', blocks, bk, id_of(fi)) == 0 then  -- rare: another copy of the hash
+      local _, n_held = copies(redis.call('HGET', blocks, bk))
       redis.call('HSET', blocks, bk, id_of(fi) .. '*' .. (n_held + 1))
-    else
-      redis.call('HSET', blocks, bk, id_of(fi))
     end
     local za = {}
     for j = 1, n do

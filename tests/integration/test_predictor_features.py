@@ -258,7 +258,8 @@ async def test_route_load_is_scraped_in_the_background(valkey_url, engines, writ
     async with running(cfg) as (app, client):
         for _ in range(200):
             load = (await client.get("/stats")).json()["engine_load"]["pod-x"]
-            if load["running"] is not None:
+            # /metrics and /v1/models are fetched separately: wait for both.
+            if load["running"] is not None and load["models"]:
                 break
             await asyncio.sleep(0.02)
         assert (load["running"], load["waiting"], load["kv_usage"], load["models"]) == (3, 1, 0.25, ["m"])
