@@ -65,7 +65,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def predict(request: Request) -> Response:
+async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_tokens) -> Response:
+    """Shared by predict and route: the token_ids fast path (one C pass over the raw JSON) when the
+    body allows it, the full parser (which explains any error) otherwise; metrics either way."""
     predictor: Predictor = request.app.state.predictor
     started = time.perf_counter()
     try:
@@ -73,35 +75,27 @@ async def predict(request: Request) -> Response:
         cfg = predictor.cfg
         keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
         if keyed is not None:
-            prediction = await predictor.predict_keyed(keyed)
+            result = await keyed_fn(predictor, keyed)
         else:
-            prediction = await predictor.predict(parse_request(body, max_tokens=cfg.max_tokens))
+            result = await parsed_fn(predictor, parse_request(body, max_tokens=cfg.max_tokens))
     except PredictorError as exc:
-        predictor.metrics.request("predict", exc.kind, time.perf_counter() - started)
+        predictor.metrics.request(endpoint, exc.kind, time.perf_counter() - started)
         return error_response(predictor, exc)
-    predictor.counters.predictions += 1
-    predictor.metrics.request("predict", "hit" if prediction.predicted_cached_tokens else "miss",
-                              time.perf_counter() - started)
-    return json_response(prediction)
+    predictor.metrics.request(endpoint, "hit" if cached_tokens(result) else "miss", time.perf_counter() - started)
+    return json_response(result)
+
+
+async def predict(request: Request) -> Response:
+    response = await _answer(request, "predict", Predictor.predict_keyed, Predictor.predict,
+                             lambda p: p.predicted_cached_tokens)
+    if response.status_code == 200:
+        request.app.state.predictor.counters.predictions += 1
+    return response
 
 
 async def route(request: Request) -> Response:
     """The pod to send this request to, and why (predictor/route.py, docs/routing.md)."""
-    predictor: Predictor = request.app.state.predictor
-    started = time.perf_counter()
-    try:
-        body = await read_body(request, predictor.cfg.max_body_bytes)
-        cfg = predictor.cfg
-        keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
-        if keyed is not None:
-            decision = await predictor.route_keyed(keyed)
-        else:
-            decision = await predictor.route(parse_request(body, max_tokens=cfg.max_tokens))
-    except PredictorError as exc:
-        predictor.metrics.request("route", exc.kind, time.perf_counter() - started)
-        return error_response(predictor, exc)
-    predictor.metrics.request("route", "hit" if decision.cached_tokens else "miss", time.perf_counter() - started)
-    return json_response(decision)
+    return await _answer(request, "route", Predictor.route_keyed, Predictor.route, lambda d: d.cached_tokens)
 
 
 async def metrics(request: Request) -> Response:

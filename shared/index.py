@@ -370,6 +370,31 @@ local function parse(f)
 end
 """
 
+# Shared by both lookup scripts: their arguments, key i of the chain, and each distinct field
+# parsed once into {pod, tier}, or false (speculative, unparseable, or filtered out).
+_LUA_CHAIN = _LUA_PARSE_ENTRY + """
+local n = tonumber(ARGV[1])
+local chain = ARGV[2]
+local filter = nil
+if #ARGV > 2 then
+  filter = {}
+  for i = 3, #ARGV do filter[ARGV[i]] = true end
+end
+local function key(i)
+  return string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
+end
+local parsed = {}
+local function entry(f)
+  local e = parsed[f]
+  if e == nil then
+    local pod, tier = parse(f)
+    if pod and (filter == nil or filter[pod]) then e = {pod, tier} else e = false end
+    parsed[f] = e
+  end
+  return e
+end
+"""
+
 # ARGV: n, the chain packed by shared.keys.pack_keys (key i at bytes 20(i-1)+1 .. 20i, decimal,
 # right-aligned: one argument instead of n), then pod ids to consider (none = all). Keys are
 # derived inside the script, like the apply script's: single-node or single-shard Valkey
@@ -386,18 +411,7 @@ end
 # (tiers, groups), gpu preferred for the tier, as in the linear walk, which this equals whenever
 # every pod's blocks form a prefix.
 # Returns {pod, blocks, tier, ...}.
-_LUA_LOOKUP = _LUA_PARSE_ENTRY + """
-local n = tonumber(ARGV[1])
-local chain = ARGV[2]
-local filter = nil
-if #ARGV > 2 then
-  filter = {}
-  for i = 3, #ARGV do filter[ARGV[i]] = true end
-end
-local function key(i)
-  return string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
-end
-local parsed = {}  -- field -> {pod, tier}, or false (speculative, unparseable, filtered out)
+_LUA_LOOKUP = _LUA_CHAIN + """
 local full = {}    -- key index -> pod -> tier, read whole (HKEYS)
 local known = {}   -- pod -> its fields seen so far, in order; kset: the same as a set
 local kset = {}
@@ -408,12 +422,7 @@ local function at(i)
   if present then return present end
   present = {}
   for _, f in ipairs(redis.call('HKEYS', key(i))) do
-    local e = parsed[f]
-    if e == nil then
-      local pod, tier = parse(f)
-      if pod and (filter == nil or filter[pod]) then e = {pod, tier} else e = false end
-      parsed[f] = e
-    end
+    local e = entry(f)
     if e then
       local pod, tier = e[1], e[2]
       if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
@@ -528,26 +537,12 @@ return out
 # key so far, early stop when none is left; each distinct field is parsed once. Same ARGV.
 # It is what the pipeline path computes in Python, and what the benchmark checks the galloping
 # script against.
-_LUA_LOOKUP_LINEAR = _LUA_PARSE_ENTRY + """
-local n = tonumber(ARGV[1])
-local chain = ARGV[2]
-local filter = nil
-if #ARGV > 2 then
-  filter = {}
-  for i = 3, #ARGV do filter[ARGV[i]] = true end
-end
-local parsed = {}
+_LUA_LOOKUP_LINEAR = _LUA_CHAIN + """
 local alive, counts, tiers = nil, {}, {}
 for i = 1, n do
   local present = {}
-  local k = string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
-  for _, f in ipairs(redis.call('HKEYS', k)) do
-    local e = parsed[f]
-    if e == nil then
-      local pod, tier = parse(f)
-      if pod and (filter == nil or filter[pod]) then e = {pod, tier} else e = false end
-      parsed[f] = e
-    end
+  for _, f in ipairs(redis.call('HKEYS', key(i))) do
+    local e = entry(f)
     if e then
       local pod, tier = e[1], e[2]
       if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
