@@ -213,9 +213,12 @@ end
 
 # KEYS: none (keys are derived inside; single-node or single-shard Valkey).
 # ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, then encode_mutations(...).
-# mode: "check" applies only the next seq; "force" applies regardless (gap accepted);
+# mode: "check" applies only the next seq; "force" also applies past a gap (gap accepted);
 #       "reset" clears the pod first (engine restart), then applies; "import" applies
-#       without touching the pod's seq (index import).
+#       without touching the pod's seq (index import). "force" and "reset" re-check inside
+#       the script: a batch at or below the persisted seq is still "dup" (another ingester
+#       got there first), or "restart" for force; a reset that is no longer a restart (another
+#       ingester reset and moved on) is handled as "check".
 # Returns {status, last_seq}; status in applied|dup|gap|restart.
 _LUA_APPLY = _LUA_FIELDS + """
 local pod, rank = ARGV[1], ARGV[2]
@@ -238,17 +241,26 @@ if mode == 'reset_if' then
   redis.call('HINCRBY', meta, 'restarts', 1)
   return {'applied', last_n}
 end
-if mode == 'check' then
+-- What "check" answers: nil (the next seq: apply), or dup, restart or gap.
+local verdict = nil
+if mode ~= 'import' then
   if last then
     if seq <= last_n then
       local last_ts = tonumber(redis.call('HGET', meta, 'ts:' .. rank) or '0')
-      if ts > last_ts then return {'restart', last_n} end
-      return {'dup', last_n}
+      if ts > last_ts then verdict = 'restart' else verdict = 'dup' end
+    elseif seq > last_n + 1 then
+      verdict = 'gap'
     end
-    if seq > last_n + 1 then return {'gap', last_n} end
   elseif seq > 0 then
-    return {'gap', -1}
+    verdict = 'gap'
   end
+end
+if mode == 'check' and verdict then return {verdict, last_n} end
+-- force accepts a gap, never a batch at or below the persisted seq
+if mode == 'force' and (verdict == 'dup' or verdict == 'restart') then return {verdict, last_n} end
+if mode == 'reset' and verdict ~= 'restart' then
+  if verdict then return {verdict, last_n} end
+  mode = 'check'  -- another ingester already reset and this is its next seq: apply, keep its work
 end
 if mode == 'reset' then
   clear_pod(blocks, fkey)

@@ -118,3 +118,34 @@ async def test_duplicate_copies_of_one_hash_need_as_many_removals(ix):
     # Export carries the copies, so an import restores the same count.
     await apply(ix, 4, [StoreBlock(12, "gpu", F0, (103,)), StoreBlock(12, "gpu", F0, (103,))])
     assert len([b async for b in ix.export_blocks("pod-a")]) == 2
+
+
+async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq(ix):
+    """Two ingesters that both hit an unrecoverable gap both force the same batch; two that both
+    saw a restart both reset. The second must not apply it again (seq back, copies doubled)."""
+    await apply(ix, 0, [])
+    b5 = [StoreBlock(11, "gpu", F0, (101,))]
+    assert (await apply(ix, 5, b5, mode="force")).status == "applied"  # ingester X
+    assert (await apply(ix, 6, [])).status == "applied"
+    r = await apply(ix, 5, b5, mode="force")  # ingester Y, a moment later
+    assert (r.status, r.last_seq) == ("dup", 6)
+    assert (await ix.pod_info("pod-a")).seqs == {"0": 6}
+    assert await ix.client.hget("kvpf:blocks:pod-a", "11|gpu") == b"1"  # one copy, not two
+    assert (await apply(ix, 7, [RemoveBlock(11, "gpu")])).status == "applied"
+    assert await ix.lookup([101]) == []
+    # A forced batch from a restarted engine (seq back, newer ts) is still a restart.
+    assert (await apply(ix, 3, [], ts=9000.0, mode="force")).status == "restart"
+
+    # Restart seen by both: X resets and applies seq 0 and 1 of the new engine; Y's reset of
+    # seq 0 comes after and must neither clear X's work nor move the seq back.
+    new = [StoreBlock(12, "gpu", F0, (102,))]
+    assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "applied"  # X
+    assert (await apply(ix, 1, [StoreBlock(13, "gpu", F0, (103,))], ts=10_001.0)).status == "applied"
+    assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "dup"  # Y
+    assert (await ix.pod_info("pod-a")).seqs == {"0": 1}
+    assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
+    assert await ix.client.hget("kvpf:blocks:pod-a", "12|gpu") == b"1"
+    # Y's reset of a seq X has not reached yet applies it as the next batch, without clearing.
+    assert (await apply(ix, 2, [], ts=10_002.0, mode="reset")).status == "applied"
+    assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
+    assert (await ix.pod_info("pod-a")).counters["restarts"] == 1
