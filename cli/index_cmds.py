@@ -204,8 +204,11 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
                 info = await ix.pod_info(pod_id)
                 output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size}) + "\n")
                 async for s in ix.export_blocks(pod_id):
-                    output.write(json.dumps({"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
-                                             "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}) + "\n")
+                    row = {"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
+                           "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
+                    if s.group:
+                        row["group"] = s.group
+                    output.write(json.dumps(row) + "\n")
                     total += 1
                     if total % 10_000 == 0:
                         click.echo(f"exported {total} blocks ...", err=True)
@@ -242,7 +245,8 @@ def import_cmd(valkey_url, source, as_json) -> None:
                         meta[pod] = row
                         continue
                     pending.setdefault(pod, []).append(StoreBlock(int(row["engine_key"]), row["tier"], row["entry"],
-                                                                  tuple(int(k) for k in row["request_keys"])))
+                                                                  tuple(int(k) for k in row["request_keys"]),
+                                                                  int(row.get("group") or 0)))
                 except (ValueError, KeyError, TypeError) as exc:
                     raise click.ClickException(f"line {n}: not an export row ({exc})") from None
                 counts[pod] = counts.get(pod, 0) + 1

@@ -123,7 +123,7 @@ def plan_batch(
             _plan_stored(ev, plan, pod_id, topic_model, state, hash_seed, block_size, entry_field)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
-            plan.mutations.extend(RemoveBlock(ek, tier) for ek in ev.block_hashes)
+            plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
             plan.removed_blocks += len(ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
             plan.mutations.append(ClearPod())
@@ -155,7 +155,7 @@ def _plan_stored(
         per = e // block_size
         for i, ek in enumerate(ev.block_hashes):
             own = tuple(keys[i * per : (i + 1) * per])
-            plan.mutations.append(StoreBlock(ek, tier, fld, own))
+            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0))
             state.put(model, ek, ChainPoint(own[-1] if own else point.request_key))
         plan.stored_blocks += len(ev.block_hashes)
         return
@@ -167,7 +167,7 @@ def _plan_stored(
                            parent=point.request_key,
                            extra_per_block=[mm] * (full // block_size) if mm else None)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
-        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own)))
+        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0))
         state.put(model, ek, point)
         plan.stored_blocks += 1
 

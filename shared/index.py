@@ -11,8 +11,10 @@ that does not start with ``engine:``:
   kvpf:pods                  HASH  pod -> model
   kvpf:pod:<pod>             HASH  model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
                                    incomplete, incomplete_reason, stored, removed, cleared, orphans
-  kvpf:blocks:<pod>          HASH  "<engine key>|<tier>" -> id of the PodEntry field written; the per-pod
+  kvpf:blocks:<pod>          HASH  "<engine key>|<tier>[|<group>]" -> id of the PodEntry field written; the per-pod
                                    reverse index that makes BlockRemoved and AllBlocksCleared cost O(pod's blocks)
+                                   (|<group> for a KV-cache group other than 0: a hybrid model's groups
+                                   store and evict the same hash each)
   kvpf:fields:<pod>          HASH  id -> PodEntry field (a pod writes one or a few distinct fields)
   kvpf:counters              HASH  fleet-wide counters (decode errors, replays, ...)
 
@@ -125,11 +127,18 @@ class StoreBlock(msgspec.Struct, frozen=True):
     tier: str
     entry_field: str
     request_keys: tuple[int, ...]
+    group: int = 0  # the engine's KV-cache group (hybrid models hold one hash once per group)
 
 
 class RemoveBlock(msgspec.Struct, frozen=True):
     engine_key: int
     tier: str
+    group: int = 0
+
+
+def block_slot(tier: str, group: int | None) -> str:
+    """The reverse-index key suffix of a block: its tier, and its KV-cache group when not 0."""
+    return f"{tier}|{group}" if group else tier
 
 
 class ClearPod(msgspec.Struct, frozen=True):
@@ -149,15 +158,15 @@ def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
             fi = fields.get(m.entry_field)
             if fi is None:
                 fi = fields[m.entry_field] = len(fields) + 1
-            ops += ["S", m.engine_key, m.tier, fi, len(m.request_keys), *m.request_keys]
+            ops += ["S", m.engine_key, block_slot(m.tier, m.group), fi, len(m.request_keys), *m.request_keys]
         elif isinstance(m, RemoveBlock):
-            ops += ["R", m.engine_key, m.tier]
+            ops += ["R", m.engine_key, block_slot(m.tier, m.group)]
         else:
             ops.append("C")
     return [len(fields), *fields, *ops]
 
 
-# Shared Lua. kvpf:blocks:<pod> maps "<engine key>|<tier>" to a small id of the PodEntry
+# Shared Lua. kvpf:blocks:<pod> maps "<engine key>|<tier>[|<group>]" to a small id of the PodEntry
 # field written for that block, and kvpf:fields:<pod> maps id -> field: a pod writes one or
 # a few distinct fields, so the reverse index holds a digit or two per block instead of a
 # ~95-byte JSON copy. A value that is not all digits is a field itself (written before ids).
@@ -771,9 +780,11 @@ class Index:
                     pipe.zrange(engine_key_name(int(bk.split(b"|", 1)[0])), 0, -1)
                 rks = await pipe.execute() if items else []
             for (bk, held), keys in zip(items, rks):
-                ek, _, tier = bk.decode().partition("|")
+                ek, _, slot = bk.decode().partition("|")
+                tier, _, group = slot.partition("|")
                 fld, star, n = held.partition(b"*")
-                block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(), tuple(int(k) for k in keys))
+                block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(), tuple(int(k) for k in keys),
+                                   int(group) if group.isdigit() else 0)
                 for _ in range(int(n) if star and n.isdigit() else 1):  # one per physical copy
                     yield block
             if cursor == 0:
@@ -878,6 +889,6 @@ class Index:
 
 __all__ = [
     "ApplyResult", "ClearPod", "Index", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
-    "RemoveBlock", "ResponseError", "StoreBlock", "encode_entry", "engine_key_name", "longest_prefix",
+    "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -84,3 +84,32 @@ def test_unreachable_valkey_is_one_clear_line():
     assert result.exit_code == 1
     assert "cannot reach Valkey" in result.output or "Valkey error" in result.output
 
+
+
+def test_export_import_keeps_kv_cache_groups(valkey_url):
+    """A hybrid model's groups hold one hash each; after export + import each group's eviction
+    still finds its own entry."""
+    import asyncio
+
+    import redis
+
+    from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+
+    f0, f1 = encode_entry(make_entry("pod-g", "GPU", 0)), encode_entry(make_entry("pod-g", "GPU", 1))
+
+    async def write(seq, muts):
+        ix = Index.from_url(valkey_url)
+        try:
+            await ix.apply_batch(pod_id="pod-g", rank=0, seq=seq, ts=1.0 + seq, model="m", engine_block_size=16,
+                                 mutations=muts)
+        finally:
+            await ix.close()
+
+    asyncio.run(write(0, [StoreBlock(7, "gpu", f0, (70,), 0), StoreBlock(7, "gpu", f1, (70,), 1)]))
+    exported = run("index", "export", "--valkey-url", valkey_url)
+    run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-g")
+    run("index", "import", "--valkey-url", valkey_url, input=exported)
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    assert sorted(r.hkeys("kvpf:blocks:pod-g")) == ["7|gpu", "7|gpu|1"]
+    asyncio.run(write(1, [RemoveBlock(7, "gpu", 0), RemoveBlock(7, "gpu", 1)]))
+    assert not r.exists("70", "engine:7")

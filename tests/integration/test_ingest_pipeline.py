@@ -9,6 +9,7 @@ from ingester.subscriber import Source
 from shared.config import Config
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from shared.keys import request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -115,3 +116,35 @@ async def test_reverse_index_stores_field_ids_and_reads_old_values(valkey_url):
     assert await ix.clear_pod("pod-a", forget=True) == 2
     assert not r.exists("101", "103", "engine:11", "engine:12", "kvpf:blocks:pod-a", "kvpf:fields:pod-a")
     await ix.close()
+
+
+async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
+    """vLLM 0.32 emits BlockStored/BlockRemoved per KV-cache group of a hybrid model (full and
+    sliding-window attention), the same block hash in each, told apart by group_idx. Evicting the
+    hash from every group must leave nothing behind, and a group's eviction leaves the other."""
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    toks = list(range(7000, 7032))
+
+    def s(g):
+        return BlockStored([41], None, toks, 32, medium="GPU", group_idx=g, extra_keys=[None])
+
+    msgs = [encode_frames(make_topic("pod-h", "m"), seq, EventBatch(1000.0 + seq, events, 0)) for seq, events in enumerate([
+        [s(0), s(1)],
+        [BlockRemoved([41], medium="GPU", group_idx=1)],  # the sliding-window group lets it go
+        [BlockRemoved([41], medium="GPU", group_idx=0)],
+    ])]
+    keys = request_keys(toks, model="m")
+    await ing.handle_frames(SRC, msgs[0])
+    f0, f1 = encode_entry(make_entry("pod-h", "GPU", 0)), encode_entry(make_entry("pod-h", "GPU", 1))
+    exported = sorted([b async for b in ing.index.export_blocks("pod-h")], key=lambda b: b.group)
+    assert exported == [StoreBlock(41, "gpu", f0, tuple(keys), 0), StoreBlock(41, "gpu", f1, tuple(keys), 1)]
+    await ing.handle_frames(SRC, msgs[1])
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    assert r.hkeys(str(keys[0])) == [f0]  # group 0 still holds it
+    exported = [b async for b in ing.index.export_blocks("pod-h")]
+    assert [(b.engine_key, b.tier, b.entry_field) for b in exported] == [(41, "gpu", f0)]
+    await ing.handle_frames(SRC, msgs[2])
+    assert await ing.index.lookup(keys) == []
+    assert not r.exists(*[str(k) for k in keys], "engine:41")
+    assert (await ing.index.pod_info("pod-h")).blocks == 0
+    await ing.index.close()
