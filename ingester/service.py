@@ -51,6 +51,9 @@ class Ingester:
         self.sources = sources
         self.state = ChainState()
         self.routes: dict[str, PodRoute] = {}
+        # (pod, data-parallel rank) -> the source its batches come from: with data parallelism one
+        # pod (topic) has one PUB and one replay socket per rank, each rank with its own seq.
+        self.rank_sources: dict[tuple[str, int], Source] = {}
         self.stats = Stats()
         self.metrics = IngesterMetrics()
         self.subscriber: Subscriber | None = None
@@ -77,6 +80,8 @@ class Ingester:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
                     self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
+                    if src.rank is not None:
+                        self.rank_sources[(parts[1], src.rank)] = src
 
     def stop(self) -> None:
         self._stopping.set()
@@ -116,12 +121,17 @@ class Ingester:
                 info = await self._valkey(self.index.pod_info, pod)
             except asyncio.CancelledError:
                 raise
-            last = max(info.seqs.values()) if info.seqs else -1
-            frames, complete = await fetch_replay(route.replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
-            log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
-            for f in frames:
-                if f.batch is not None and f.seq is not None:
-                    await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False)
+            ranks = {r: s.replay for (p, r), s in self.rank_sources.items() if p == pod and s.replay}
+            if ranks:  # each rank from its own replay socket, from its own seq
+                todo = [(info.seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
+            else:
+                todo = [(max(info.seqs.values()) if info.seqs else -1, route.replay)]
+            for last, replay in todo:
+                frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+                log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
+                for f in frames:
+                    if f.batch is not None and f.seq is not None:
+                        await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False)
 
     async def probe_restart(self, src: Source) -> None:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
@@ -130,11 +140,16 @@ class Ingester:
         if not src.replay:
             return
         for pod, route in list(self.routes.items()):
-            if route.source != src.endpoint:
+            here = {r for (p, r), s in self.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
+            if not here and route.source != src.endpoint:
                 continue
             info = await self._valkey(self.index.pod_info, pod)
             for rank, last in info.seqs.items():
                 if last < 0:
+                    continue
+                # only the ranks this source publishes: another rank's seq is not in its replay buffer
+                owner = self.rank_sources.get((pod, int(rank)))
+                if (owner.endpoint if owner is not None else route.source) != src.endpoint:
                     continue
                 frames, complete = await fetch_replay(src.replay, last, timeout_s=self.cfg.replay_timeout_s)
                 if not complete:
@@ -198,6 +213,7 @@ class Ingester:
         route.source = src.endpoint
         if src.replay and not route.replay:
             route.replay = src.replay
+        self.rank_sources[(pod, decoded.batch.data_parallel_rank or 0)] = src
         return pod, route.model, decoded.seq, decoded.batch, len(decoded.errors)
 
     async def _finish_run(self, run: list[tuple[str, str, int, EventBatch, int]], plans: list[Plan],
@@ -283,10 +299,12 @@ class Ingester:
         self.stats.inc("gaps")
         self.metrics.gaps.labels(pod).inc()
         route = self.routes.get(pod)
+        owner = self.rank_sources.get((pod, batch.data_parallel_rank or 0))
+        replay = owner.replay if owner is not None and owner.replay else (route.replay if route else None)
         covered = False
-        if allow_replay and route and route.replay:
+        if allow_replay and replay:
             log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, last, seq, start)
-            frames, _ = await fetch_replay(route.replay, start, timeout_s=self.cfg.replay_timeout_s)
+            frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
             self.stats.inc("replays")
             self.metrics.replays.labels(pod).inc()
             await self._count_quietly("replays", 1, pod_id=pod)
@@ -298,7 +316,7 @@ class Ingester:
                     await self.apply(pod, model, f.seq, f.batch, allow_replay=False)
                 return await self.apply(pod, model, seq, batch, allow_replay=False)
         reason = (f"events {start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
-                  if route and route.replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
+                  if replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         self.stats.inc("gaps_unrecovered")
         self.metrics.gaps_unrecovered.labels(pod).inc()

@@ -30,6 +30,7 @@ class Source:
     bind: bool = False
     replay: str | None = None
     topic: str | None = None  # known when discovered from the engine
+    rank: int | None = None  # data-parallel rank, known when discovered (each rank has its own sockets)
 
 
 def parse_source(spec: str, *, bind: bool = False) -> Source:
@@ -55,7 +56,7 @@ def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
     """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank)."""
     host = urlsplit(engine_url).hostname or "127.0.0.1"
     out = []
-    for _rank, conf in sorted(body.items()):
+    for rank, conf in sorted(body.items()):
         if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events", True):
             continue
         endpoint = conf.get("endpoint")
@@ -68,6 +69,7 @@ def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
             bind=not engine_binds,
             replay=_reachable(replay, host) if isinstance(replay, str) and replay else None,
             topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
+            rank=int(rank) if str(rank).isdigit() else None,
         ))
     return out
 

@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import pytest
+import zmq
 
 from cli.valkey_server import free_port
 from ingester.service import Ingester
@@ -266,3 +267,55 @@ async def test_partly_bad_batch_applies_the_rest_and_flags_the_pod(valkey_url, i
         assert info.incomplete and "could not be decoded" in info.incomplete_reason
     finally:
         await h.close()
+
+
+async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(valkey_url, ix):
+    """vLLM 0.32 with data parallelism: one topic (one pod), one PUB and one replay socket per
+    rank (ports offset by the rank), each rank counting its own seq. A reconnect of rank 1 must
+    not probe rank 0's seq on rank 1's replay socket (it would look like a restart and clear the
+    pod), and a gap of rank 1 is replayed from rank 1's socket."""
+    e0 = EngineStub(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "kv@pod-a@tiny")
+    e1 = EngineStub(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "kv@pod-a@tiny")
+    srcs = [Source(e.pub.getsockopt(zmq.LAST_ENDPOINT).decode(), replay=e.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+            for e in (e0, e1)]
+    ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), srcs)
+    ing.start()
+
+    async def feed(engine, src, rank, *events, send=True):
+        engine.publish(EventBatch(time.time(), list(events), rank), send=False)
+        if send:
+            await ing.handle_frames(src, engine.buffer[-1][1])
+
+    try:
+        for i in range(5):  # rank 0: seqs 0..4
+            await feed(e0, srcs[0], 0, stored([i + 1], i or None, i))
+        await feed(e1, srcs[1], 1, stored([101], None, 0, medium="CPU"))  # rank 1: seq 0
+        assert (await ix.pod_info("pod-a")).seqs == {"0": 4, "1": 0}
+        await ing.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
+        await ing.probe_restart(srcs[0])
+        info = await ix.pod_info("pod-a")
+        assert info.counters.get("restarts", 0) == 0 and info.seqs == {"0": 4, "1": 0}
+        assert await cached_blocks(ix, 5 * 32) == 10
+        # rank 1's seq 1 is lost on the wire; seq 2 arrives: replay from rank 1's own socket
+        await feed(e1, srcs[1], 1, stored([102], 101, 1, medium="CPU"), send=False)
+        await feed(e1, srcs[1], 1, stored([103], 102, 2, medium="CPU"))
+        info = await ix.pod_info("pod-a")
+        assert info.seqs == {"0": 4, "1": 2} and not info.incomplete, info.incomplete_reason
+        assert info.blocks == 8
+    finally:
+        await ing.index.close()
+        if ing.subscriber:
+            ing.subscriber.close()
+        e0.close()
+        e1.close()
+
+
+def test_discovered_sources_know_their_data_parallel_rank():
+    from ingester.subscriber import sources_from_kv_event_sources
+
+    conf = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv@pod-a@tiny"}
+    body = {"0": {**conf, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
+            "1": {**conf, "endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558"}}
+    got = sources_from_kv_event_sources("http://vllm-0:8000", body)
+    assert [(s.rank, s.endpoint, s.replay) for s in got] == [
+        (0, "tcp://vllm-0:5557", "tcp://vllm-0:5558"), (1, "tcp://vllm-0:6557", "tcp://vllm-0:6558")]
