@@ -289,6 +289,12 @@ class Ingester:
                         pod, result.last_seq, seq)
             self.stats.inc("engine_restarts")
             self.state = ChainState()  # engine keys of the old process mean nothing now
+            if seq > 0:
+                # The new process published seq 0..seq-1 before this one and they never came here:
+                # clear the pod (unless another ingester moved on meanwhile), then take them as a gap
+                # from seq 0 (replayed, or the pod is flagged incomplete).
+                await self._valkey(self.index.reset_if_seq, pod, rank, result.last_seq)
+                return await self.apply(pod, model, seq, batch, allow_replay=allow_replay)
             return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, mode="reset")
         elif status == "gap":
             return await self._fill_gap(pod, model, seq, batch, result.last_seq, allow_replay)

@@ -248,6 +248,8 @@ if mode == 'reset_if' then
     if string.sub(f, 1, 4) == 'seq:' or string.sub(f, 1, 3) == 'ts:' then redis.call('HDEL', meta, f) end
   end
   redis.call('HINCRBY', meta, 'restarts', 1)
+  -- the pod is empty now, as the new engine is: exact again
+  redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')
   return {'applied', last_n}
 end
 -- What "check" answers: nil (the next seq: apply), or dup, restart or gap.

@@ -319,3 +319,56 @@ def test_discovered_sources_know_their_data_parallel_rank():
     got = sources_from_kv_event_sources("http://vllm-0:8000", body)
     assert [(s.rank, s.endpoint, s.replay) for s in got] == [
         (0, "tcp://vllm-0:5557", "tcp://vllm-0:5558"), (1, "tcp://vllm-0:6557", "tcp://vllm-0:6558")]
+
+
+async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(valkey_url, ix):
+    """A restart noticed at the new engine's seq 2 (its seq 0 and 1 never reached this ingester:
+    slow joiner, --bind, a probe that timed out): the old entries go, and seq 0 and 1 come from
+    the replay socket, or the pod is flagged incomplete when they cannot."""
+    for buffered in (True, False):
+        h = Harness(valkey_url)
+        try:
+            ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
+            for i in range(3):  # the old engine process
+                h.engine.publish(batch(stored([i + 1], i or None, i), ts=1000.0 + i), send=False)
+                await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+            await ix.mark_incomplete("pod-a", "an old gap")
+            h.engine.seq = 0  # a new process counts from 0 again
+            h.engine.buffer.clear()
+            h.engine.publish(batch(stored([11], None, 4)), send=False)
+            h.engine.publish(batch(stored([12], 11, 5)), send=False)
+            if not buffered:
+                h.engine.buffer.clear()
+            h.engine.publish(batch(stored([13], 12 if buffered else None, 6)), send=False)
+            await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+            info = await ix.pod_info("pod-a")
+            assert info.counters.get("restarts") == 1 and info.seqs == {"0": 2}
+            old = {m.pod_id: m.blocks for m in await ix.lookup(request_keys(TOKENS[:32], model="tiny"))}
+            assert old == {}
+            new = {m.pod_id: m.blocks for m in await ix.lookup(request_keys(TOKENS[4 * 32:7 * 32], model="tiny"))}
+            if buffered:
+                assert new == {"pod-a": 6} and info.blocks == 3 and not info.incomplete, info.incomplete_reason
+            else:
+                assert info.incomplete and "0..1 were missed" in info.incomplete_reason
+            await ing.index.close()
+        finally:
+            await h.close()
+            await ix.client.flushall()
+
+
+async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url, ix):
+    h = Harness(valkey_url)
+    try:
+        ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
+        h.engine.publish(batch(stored([1], None, 0)), send=False)
+        await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+        await ix.mark_incomplete("pod-a", "an old gap")
+        h.engine.buffer.clear()  # a new engine process behind the same endpoints
+        h.engine.seq = 0
+        await ing.probe_restart(h.source)
+        info = await ix.pod_info("pod-a")
+        assert info.counters.get("restarts") == 1 and info.blocks == 0
+        assert not info.incomplete  # the pod is exact again (empty, as the new engine)
+        await ing.index.close()
+    finally:
+        await h.close()
