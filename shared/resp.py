@@ -145,7 +145,8 @@ class FastConnection:
 
     async def _conn(self) -> _Protocol:
         proto = self._proto
-        if proto is not None and not proto.closed:
+        # a transport closed by us (a caller gave up on a quiet server) is lost a loop turn later
+        if proto is not None and not proto.closed and proto.transport is not None and not proto.transport.is_closing():
             return proto
         if self._connecting is None:  # one connect at a time; concurrent callers share it
             self._connecting = asyncio.ensure_future(self._open())
@@ -168,12 +169,16 @@ class FastConnection:
     async def execute(self, *args: Any) -> Any:
         """One command; a server error reply raises ResponseError (NoScriptError for NOSCRIPT)."""
         proto = await self._conn()
+        sent = time.monotonic()
         try:
             reply = await self._send(proto, pack(*args))
         except asyncio.CancelledError:
-            # The caller gave up (its deadline). If the server has gone quiet, drop the
-            # connection so the next command does not queue behind a stalled stream.
-            if time.monotonic() - proto.last_rx > self.timeout_s and proto.transport is not None:
+            # The caller gave up (its deadline). If the server has gone quiet (nothing received
+            # for timeout_s since this command went out), drop the connection so the next command
+            # does not queue behind a stalled stream. A connection that was merely idle before
+            # is not quiet: the other commands in flight on it must not fail for this one.
+            now = time.monotonic()
+            if proto.last_rx < sent and now - sent > self.timeout_s and proto.transport is not None:
                 proto.transport.close()
             raise
         if isinstance(reply, hiredis.ReplyError):

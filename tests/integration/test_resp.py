@@ -45,3 +45,35 @@ def test_only_plain_urls_get_a_fast_connection():
     assert FastConnection.from_url("rediss://127.0.0.1:6379/0") is None
     c = FastConnection.from_url("redis://user:pw@127.0.0.1:7000/3")
     assert (c.host, c.port, c.db, c.username, c.password) == ("127.0.0.1", 7000, 3, "user", "pw")
+
+
+async def test_a_cancelled_command_leaves_the_others_alone_on_a_healthy_connection(valkey_url):
+    """One caller giving up (its client went away) must not drop the connection every other
+    in-flight command shares, just because the connection had been idle for a while before."""
+    conn = FastConnection.from_url(valkey_url, timeout_s=0.05)
+    assert await conn.execute("PING") == b"PONG"
+    await asyncio.sleep(0.2)  # idle between requests, longer than timeout_s
+    a = asyncio.ensure_future(conn.execute("SET", "k", "v"))
+    b = asyncio.ensure_future(conn.execute("PING"))
+    await asyncio.sleep(0)  # both written
+    b.cancel()
+    assert await a == b"OK"
+    assert await conn.execute("GET", "k") == b"v"
+    await conn.close()
+
+
+async def test_a_connection_that_went_quiet_is_dropped_when_its_caller_gives_up(valkey_server, valkey_url):
+    import signal
+
+    conn = FastConnection.from_url(valkey_url, timeout_s=0.05)
+    assert await conn.execute("PING") == b"PONG"
+    valkey_server.proc.send_signal(signal.SIGSTOP)  # the server stops answering
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await conn.execute("PING")
+        assert conn._proto is None or conn._proto.closed or conn._proto.transport.is_closing()
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    assert await conn.execute("PING") == b"PONG"  # a fresh connection
+    await conn.close()
