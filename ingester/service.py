@@ -244,7 +244,7 @@ class Ingester:
     async def _plan(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
         missing = unresolved_parents(batch, model, self.state)
         if missing:
-            resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing])
+            resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
             return plan_batch(

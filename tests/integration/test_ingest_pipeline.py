@@ -148,3 +148,27 @@ async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
     assert not r.exists(*[str(k) for k in keys], "engine:41")
     assert (await ing.index.pod_info("pod-h")).blocks == 0
     await ing.index.close()
+
+
+async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_url):
+    """Engines of two models with the same hash seed (llm-d sets PYTHONHASHSEED fleet-wide) give
+    the same engine key to the same tokens (vLLM's hash has no model in it), so engine:<key>
+    holds both models' request keys. An ingester that did not see the parent (restarted, LRU)
+    must chain pod-a's child from model-a's key, not from whichever member sorts last."""
+    t0, t1 = list(range(2000, 2032)), list(range(2032, 2064))
+
+    def msg(pod, model, seq, ev):
+        return encode_frames(make_topic(pod, model), seq, EventBatch(1000.0 + seq, [ev], 0))
+
+    first = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await first.handle_frames(SRC, msg("pod-a", "model-a", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))
+    await first.handle_frames(SRC, msg("pod-b", "model-b", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))
+    await first.index.close()
+    cold = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await cold.handle_frames(SRC, msg("pod-a", "model-a", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))
+    await cold.handle_frames(SRC, msg("pod-b", "model-b", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))
+    got_a = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-a"))}
+    got_b = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-b"))}
+    assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
+    assert not (await cold.index.pod_info("pod-a")).incomplete
+    await cold.index.close()
