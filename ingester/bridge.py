@@ -32,6 +32,7 @@ class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct
 
     request_key: int
     carry: tuple[int, ...] = ()
+    carry_known: bool = True  # False when resolved from Valkey, which stores no carry
 
 
 class ChainState:
@@ -140,7 +141,8 @@ def _plan_stored(
         point = ChainPoint(root_key(model, hash_seed))
     else:
         point = state.get(model, ev.parent_block_hash)
-        if point is None:
+        if point is None or (not point.carry_known and ev.block_size % block_size):
+            # unknown parent; or E not a multiple of C and the parent's leftover tokens unknown
             plan.orphans += 1
             return
     tier = tier_of(ev.medium)
@@ -175,7 +177,7 @@ def _plan_stored(
 def seed_state(state: ChainState, resolved: dict[tuple[str, int], int]) -> None:
     """Parents resolved from Valkey's engine map: aligned chain points (no carry is stored there)."""
     for (model, ek), rk in resolved.items():
-        state.put(model, ek, ChainPoint(rk))
+        state.put(model, ek, ChainPoint(rk, carry_known=False))
 
 
 __all__ = ["ChainPoint", "ChainState", "Plan", "plan_batch", "seed_state", "unresolved_parents", "Sequence"]

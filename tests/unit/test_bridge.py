@@ -70,3 +70,23 @@ def test_entry_field_carries_tier_and_group():
     p = plan([BlockStored([1], None, TOKENS[:32], 32, medium="CPU", group_idx=1)])
     assert p.mutations[0].entry_field == \
         '{"PodIdentifier":"p","DeviceTier":"cpu","Speculative":false,"HasGroup":true,"GroupIdx":1}'
+
+
+def test_parent_from_valkey_with_unknown_carry_is_an_orphan():
+    """E=24, C=16: an engine block may end mid request key, its leftover tokens ("carry") kept only
+    in the ingester's memory. A parent resolved from Valkey has no carry there, so its child cannot
+    be keyed: an orphan (the pod is flagged), never keys computed as if the carry were empty."""
+    a = BlockStored([1], None, TOKENS[:24], 24, medium="GPU", group_idx=0)
+    b = BlockStored([2], 1, TOKENS[24:48], 24, medium="GPU", group_idx=0)
+    warm = ChainState()
+    plan([a], warm)
+    assert [k for m in plan([b], warm).mutations for k in m.request_keys] == request_keys(TOKENS[:48], model="tiny")[1:]
+    cold = ChainState()
+    rk_a = request_keys(TOKENS[:16], model="tiny")[-1]  # what engine:1 holds (its only request key)
+    seed_state(cold, {("tiny", 1): rk_a})
+    p = plan([b], cold)
+    assert p.orphans == 1 and p.mutations == []
+    # With E a multiple of C no block carries anything: a resolved parent is exact.
+    c = BlockStored([3], 1, TOKENS[32:64], 32, medium="GPU", group_idx=0)
+    seed_state(cold, {("tiny", 1): request_keys(TOKENS[:32], model="tiny")[-1]})
+    assert plan([c], cold).mutations[0].request_keys == tuple(request_keys(TOKENS[:64], model="tiny")[2:])
