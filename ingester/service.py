@@ -21,7 +21,7 @@ from ingester.metrics import IngesterMetrics
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
-from shared.index import Index
+from shared.index import Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -131,7 +131,7 @@ class Ingester:
                 log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
                 for f in frames:
                     if f.batch is not None and f.seq is not None:
-                        await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False)
+                        await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
 
     async def probe_restart(self, src: Source) -> None:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
@@ -180,12 +180,12 @@ class Ingester:
         runs = [accepted[i:i + PIPELINE_BATCHES] for i in range(0, len(accepted), PIPELINE_BATCHES)]
         if len(runs) == 1 and len(runs[0]) == 1:
             pod, model, seq, batch, errors = runs[0][0]
-            await self._after_decode_errors(pod, seq, errors, await self.apply(pod, model, seq, batch))
+            await self.apply(pod, model, seq, batch, decode_errors=errors)
             return
         # Two runs in flight: while Valkey applies one, the next is planned and written.
         inflight = None
         for run in runs:
-            plans = [await self._plan(pod, model, seq, batch) for pod, model, seq, batch, _ in run]
+            plans = [await self._plan(pod, model, seq, batch, errors) for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
                          engine_block_size=plan.engine_block_size, mutations=plan.mutations)
                     for (pod, model, seq, batch, _), plan in zip(run, plans)]
@@ -227,21 +227,26 @@ class Ingester:
             if result.status == "applied":
                 self.metrics.batches.labels(pod, "applied").inc()
                 await self._applied(pod, seq, batch, plan, "check")
-                status = "applied"
             elif result.status == "dup":
                 self.metrics.batches.labels(pod, "dup").inc()
                 self.stats.inc("duplicates_skipped")
-                status = "dup"
             else:  # gap or restart, or behind one: the one-batch path re-checks (and counts), recovers
-                status = await self.apply(pod, model, seq, batch)
-            await self._after_decode_errors(pod, seq, errors, status)
+                await self.apply(pod, model, seq, batch, decode_errors=errors)
 
-    async def _after_decode_errors(self, pod: str, seq: int, errors: int, status: str) -> None:
-        if errors and status == "applied":
-            # A dropped BlockRemoved would leave blocks the engine no longer has: say so.
-            await self._valkey(self.index.mark_incomplete, pod, f"{errors} event(s) at seq {seq} could not be decoded")
+    async def _plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0) -> Plan:
+        """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
+        as a MarkIncomplete, so the flag is written by the very script that applies the batch."""
+        plan = await self._plan_events(pod, model, seq, batch)
+        reasons = []
+        if plan.orphans:
+            reasons.append(f"{plan.orphans} stored block(s) had an unknown parent")
+        if decode_errors:  # a dropped BlockRemoved would leave blocks the engine no longer has
+            reasons.append(f"{decode_errors} event(s) at seq {seq} could not be decoded")
+        if reasons:
+            plan.mutations.append(MarkIncomplete("; ".join(reasons)))
+        return plan
 
-    async def _plan(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
+    async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
         missing = unresolved_parents(batch, model, self.state)
         if missing:
             resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
@@ -254,10 +259,10 @@ class Ingester:
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
             self.stats.inc("plan_errors")
-            await self._valkey(self.index.mark_incomplete, pod, f"batch at seq {seq} could not be applied: {exc}")
-            return Plan()
+            return Plan(mutations=[MarkIncomplete(f"batch at seq {seq} could not be applied: {exc}")])
 
     async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, mode: str) -> None:
+        # The incomplete flag is the script's (MarkIncomplete set, AllBlocksCleared and reset cleared).
         self.metrics.applied(pod, batch)
         self.stats.inc("batches_applied")
         self.stats.inc("blocks_stored", plan.stored_blocks)
@@ -266,13 +271,11 @@ class Ingester:
             self.stats.inc("orphan_blocks", plan.orphans)
             log.warning("%s seq %d: %d BlockStored event(s) with an unknown parent were not indexed", pod, seq, plan.orphans)
             await self._valkey(self.index.count, "orphans", plan.orphans, pod_id=pod)
-            await self._valkey(self.index.mark_incomplete, pod, f"{plan.orphans} stored block(s) had an unknown parent")
-        elif plan.clears or mode == "reset":
-            await self._valkey(self.index.mark_complete, pod)
 
-    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True, mode: str = "check") -> str:
+    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
+                    mode: str = "check", decode_errors: int = 0) -> str:
         """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
-        plan = await self._plan(pod, model, seq, batch)
+        plan = await self._plan(pod, model, seq, batch, decode_errors)
         rank = batch.data_parallel_rank or 0
         result = await self._valkey(
             self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
@@ -294,13 +297,15 @@ class Ingester:
                 # clear the pod (unless another ingester moved on meanwhile), then take them as a gap
                 # from seq 0 (replayed, or the pod is flagged incomplete).
                 await self._valkey(self.index.reset_if_seq, pod, rank, result.last_seq)
-                return await self.apply(pod, model, seq, batch, allow_replay=allow_replay)
-            return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, mode="reset")
+                return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, decode_errors=decode_errors)
+            return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, mode="reset",
+                                    decode_errors=decode_errors)
         elif status == "gap":
-            return await self._fill_gap(pod, model, seq, batch, result.last_seq, allow_replay)
+            return await self._fill_gap(pod, model, seq, batch, result.last_seq, allow_replay, decode_errors)
         return status
 
-    async def _fill_gap(self, pod: str, model: str, seq: int, batch: EventBatch, last: int, allow_replay: bool) -> str:
+    async def _fill_gap(self, pod: str, model: str, seq: int, batch: EventBatch, last: int, allow_replay: bool,
+                        decode_errors: int = 0) -> str:
         start = last + 1
         self.stats.inc("gaps")
         self.metrics.gaps.labels(pod).inc()
@@ -319,15 +324,15 @@ class Ingester:
             covered = sorted(by_seq) == list(range(start, seq))
             if covered:
                 for f in (by_seq[s] for s in range(start, seq)):
-                    await self.apply(pod, model, f.seq, f.batch, allow_replay=False)
-                return await self.apply(pod, model, seq, batch, allow_replay=False)
+                    await self.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+                return await self.apply(pod, model, seq, batch, allow_replay=False, decode_errors=decode_errors)
         reason = (f"events {start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
                   if replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         self.stats.inc("gaps_unrecovered")
         self.metrics.gaps_unrecovered.labels(pod).inc()
         await self._valkey(self.index.mark_incomplete, pod, reason)
-        return await self.apply(pod, model, seq, batch, allow_replay=False, mode="force")
+        return await self.apply(pod, model, seq, batch, allow_replay=False, mode="force", decode_errors=decode_errors)
 
     # ---- Valkey with retries
 

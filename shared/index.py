@@ -145,12 +145,20 @@ class ClearPod(msgspec.Struct, frozen=True):
     pass
 
 
-Mutation = StoreBlock | RemoveBlock | ClearPod
+class MarkIncomplete(msgspec.Struct, frozen=True):
+    """Flag the pod incomplete in the same script that applies the batch (so a batch applied
+    whose reply was lost, then answered "dup" on retry, still leaves its flag)."""
+
+    reason: str
+
+
+Mutation = StoreBlock | RemoveBlock | ClearPod | MarkIncomplete
 
 
 def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
     """Flat script arguments: ``nf field..`` (the batch's distinct PodEntry fields, each sent
-    once), then ops ``S ek tier fi n rk..`` (fi: 1-based into the fields) / ``R ek tier`` / ``C``."""
+    once), then ops ``S ek tier fi n rk..`` (fi: 1-based into the fields) / ``R ek tier`` / ``C``
+    / ``I reason``."""
     fields: dict[str, int] = {}
     ops: list[str | int] = []
     for m in mutations:
@@ -161,6 +169,8 @@ def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
             ops += ["S", m.engine_key, block_slot(m.tier, m.group), fi, len(m.request_keys), *m.request_keys]
         elif isinstance(m, RemoveBlock):
             ops += ["R", m.engine_key, block_slot(m.tier, m.group)]
+        elif isinstance(m, MarkIncomplete):
+            ops += ["I", m.reason]
         else:
             ops.append("C")
     return [len(fields), *fields, *ops]
@@ -276,6 +286,7 @@ end
 if mode == 'reset' then
   clear_pod(blocks, fkey)
   redis.call('HINCRBY', meta, 'restarts', 1)
+  redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- empty, as the new engine: exact
 end
 local stored, removed, cleared = 0, 0, 0
 local nf = tonumber(ARGV[9])
@@ -337,8 +348,12 @@ while i <= #ARGV do
     i = i + 3
   elseif op == 'C' then
     clear_pod(blocks, fkey)
+    redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- exact again from here
     cleared = cleared + 1
     i = i + 1
+  elseif op == 'I' then
+    redis.call('HSET', meta, 'incomplete', 1, 'incomplete_reason', ARGV[i + 1])
+    i = i + 2
   else
     return redis.error_reply('unknown op ' .. tostring(op))
   end
@@ -922,7 +937,7 @@ class Index:
 
 
 __all__ = [
-    "ApplyResult", "ClearPod", "Index", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
+    "ApplyResult", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -172,3 +172,35 @@ async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_ur
     assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
     assert not (await cold.index.pod_info("pod-a")).incomplete
     await cold.index.close()
+
+
+async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
+    """Valkey ran the run (a batch with an orphan among it) but the replies never came back: the
+    run is sent again and answers dup. The pod must still be flagged, so the flag is written by
+    the same script that applies the batch, not by a call after its reply."""
+    import asyncio
+
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    toks = list(range(100, 164))
+    msgs = [encode_frames(make_topic("pod-a", "m"), 0, EventBatch(1.0, [stored([1], None, 100)], 0)),
+            encode_frames(make_topic("pod-a", "m"), 1, EventBatch(2.0, [BlockStored([3], 999, toks, 32)], 0))]
+    await ing.index.client.script_load(ing.index._apply.script)
+    real, dropped = ing.index.send_batches, []
+
+    async def send_then_lose_the_replies(batches):
+        sent = await real(batches)
+        if not dropped:
+            dropped.append(True)
+            proto = ing.index.fast._proto
+            proto.data_received = lambda data: None  # replies lost on the way back
+            while (await ing.index.pod_info("pod-a")).seqs.get("0") != 1:
+                await asyncio.sleep(0.01)  # Valkey has run both scripts
+            proto.transport.close()
+        return sent
+
+    ing.index.send_batches = send_then_lose_the_replies
+    await ing.handle_messages([(SRC, m) for m in msgs])
+    assert ing.stats.counts["duplicates_skipped"] == 2
+    info = await ing.index.pod_info("pod-a")
+    assert info.incomplete and "unknown parent" in info.incomplete_reason
+    await ing.index.close()
