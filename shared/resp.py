@@ -10,7 +10,9 @@ redis-py.
 
 Failures surface as redis-py's exceptions (ConnectionError, ResponseError), so callers treat
 both clients alike. A lost connection fails what was in flight and the next command
-reconnects; a script the server forgot (restart, SCRIPT FLUSH) is loaded again. Plain
+reconnects; so does a server that went quiet (nothing back for timeout_s: for the ingester's
+runs here, for a single command when its caller gives up); a script the server forgot
+(restart, SCRIPT FLUSH) is loaded again. Plain
 ``redis://`` and ``unix://`` URLs only: ``from_url`` returns None for anything else (TLS), and
 the caller stays on redis-py.
 """
@@ -215,9 +217,10 @@ class FastConnection:
         proto.pending.extend(futs)
         assert proto.transport is not None
         proto.transport.write(b"".join(pack("EVALSHA", sha, 0, *a) for a in arg_lists))
+        sent = time.monotonic()
 
         async def replies() -> list[Any]:
-            out = [await f for f in futs]
+            out = [await self._reply(proto, f, sent) for f in futs]
             missing = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError) and str(r).startswith("NOSCRIPT")]
             if missing:
                 await self.execute("SCRIPT", "LOAD", script)
@@ -230,6 +233,21 @@ class FastConnection:
             return out
 
         return asyncio.ensure_future(replies())
+
+    async def _reply(self, proto: _Protocol, fut: asyncio.Future, sent: float) -> Any:
+        """The reply, or ConnectionError once the server has gone quiet: nothing received for
+        timeout_s since the command was sent (a paused or partitioned server never closes the
+        connection; without this an ingester run would wait as long as TCP does)."""
+        while True:
+            if fut.done():
+                return fut.result()
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            except TimeoutError:
+                if fut.done():
+                    continue
+                if time.monotonic() - max(proto.last_rx, sent) > self.timeout_s and proto.transport is not None:
+                    proto.transport.close()  # fails every pending future; the next command reconnects
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None

@@ -77,3 +77,24 @@ async def test_a_connection_that_went_quiet_is_dropped_when_its_caller_gives_up(
         valkey_server.proc.send_signal(signal.SIGCONT)
     assert await conn.execute("PING") == b"PONG"  # a fresh connection
     await conn.close()
+
+
+async def test_pipelined_scripts_fail_when_the_server_goes_quiet(valkey_server, valkey_url):
+    """The ingester's runs (evalsha_send) had no bound at all: a server that stops answering
+    without closing the connection (paused, partitioned) hung the ingester, and its stop, for
+    as long as TCP took to give up. Now the future fails once nothing has come back for
+    timeout_s, the connection is dropped, and the next command reconnects."""
+    import signal
+
+    conn = FastConnection.from_url(valkey_url, timeout_s=0.1)
+    sha = await conn.execute("SCRIPT", "LOAD", "return ARGV[1]")
+    assert await conn.evalsha_many(sha.decode(), "return ARGV[1]", [["a"], ["b"]]) == [b"a", b"b"]
+    valkey_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        pending = await conn.evalsha_send(sha.decode(), "return ARGV[1]", [["c"]])
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(pending, 30)  # the guard only keeps a regression from hanging the suite
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    assert await conn.evalsha_many(sha.decode(), "return ARGV[1]", [["d"]]) == [b"d"]
+    await conn.close()
