@@ -157,6 +157,13 @@ class Ingester:
                     continue
                 if any(f.seq == last for f in frames):
                     continue
+                seqs = [f.seq for f in frames if f.seq is not None]
+                if seqs and min(seqs) > last:
+                    # The same engine, further on: its buffer no longer reaches back to our seq.
+                    # That is a gap (replayed or flagged when its next batch arrives), not a restart.
+                    log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
+                                pod, min(seqs), last)
+                    continue
                 if await self._valkey(self.index.reset_if_seq, pod, int(rank), last):
                     self.stats.inc("engine_restarts")
                     log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",

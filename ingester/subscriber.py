@@ -114,16 +114,21 @@ class Subscriber:
         ``None`` instead of frames means the source has just (re)connected."""
         ready = await self.poller.poll()
         out: list[tuple[Source, list[bytes] | None]] = []
+        data = []
         for sock, _ in ready:
             if sock in self.monitors:
                 await sock.recv_multipart()
                 out.append((self.monitors[sock], None))
-                continue
-            src = self.sources[self.sockets.index(sock)]
-            while len(out) < max_messages:
+            else:
+                data.append(sock)
+        # Round-robin over the ready sockets, so one busy engine cannot starve the others.
+        while data and len(out) < max_messages:
+            for sock in list(data):
                 try:
-                    out.append((src, await sock.recv_multipart(flags=zmq.NOBLOCK)))
+                    out.append((self.sources[self.sockets.index(sock)], await sock.recv_multipart(flags=zmq.NOBLOCK)))
                 except zmq.Again:
+                    data.remove(sock)
+                if len(out) >= max_messages:
                     break
         return out
 

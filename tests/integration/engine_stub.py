@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import zmq
@@ -36,6 +37,20 @@ class EngineStub:
         if send:
             self.pub.send_multipart(frames)
         return seq
+
+    def reopen_pub(self, endpoint: str) -> None:
+        """Drop and re-bind the PUB socket, as a network blip looks to subscribers: same process,
+        same seq and replay buffer."""
+        self.pub.close(0)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        for _ in range(100):  # the old socket's port is released asynchronously
+            try:
+                self.pub.bind(endpoint)
+                return
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        self.pub.bind(endpoint)
 
     def send_raw(self, frames: list[bytes]) -> None:
         self.pub.send_multipart(frames)

@@ -372,3 +372,51 @@ async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url,
         await ing.index.close()
     finally:
         await h.close()
+
+
+async def test_reconnect_to_an_engine_whose_buffer_moved_on_is_not_a_restart(valkey_url, ix):
+    """Same engine process, reconnected after a blip during which it published more than its
+    replay buffer keeps: the probe finds only newer seqs. That is a gap, not a restart; clearing
+    the pod would throw away blocks the engine still holds."""
+    h = Harness(valkey_url)
+    h.engine.buffer = type(h.engine.buffer)(maxlen=2)
+    try:
+        await h.start_ingester()
+        h.engine.publish(batch(stored([1, 2], None, 0)))
+        await h.wait_seq(ix, 0)
+        h.engine.reopen_pub(h.source.endpoint)  # the subscriber is cut off and reconnects
+        for i in range(3):  # lost on the wire; the 2-batch buffer keeps seqs 2 and 3
+            h.engine.publish(batch(stored([10 + i], None, 3 + i)), send=False)
+        await asyncio.sleep(1.0)  # the reconnect and its probe
+        assert (await ix.pod_info("pod-a")).counters.get("restarts", 0) == 0
+        assert await cached_blocks(ix, 64) == 4
+        h.engine.publish(batch(stored([20], None, 6)))
+        info = await h.wait_seq(ix, 4)
+        assert info.counters.get("restarts", 0) == 0 and await cached_blocks(ix, 64) == 4
+        assert info.incomplete  # seq 1 is lost for good: said so
+    finally:
+        await h.close()
+
+
+async def test_a_busy_engine_does_not_starve_a_quiet_one():
+    from ingester.subscriber import Subscriber
+
+    busy, quiet = free_port(), free_port()
+    engines = [EngineStub(f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{free_port()}", f"kv@{n}@tiny")
+               for p, n in ((busy, "busy"), (quiet, "quiet"))]
+    sub = Subscriber([Source(f"tcp://127.0.0.1:{busy}"), Source(f"tcp://127.0.0.1:{quiet}")])
+    try:
+        await asyncio.sleep(0.3)
+        for _ in range(2000):
+            engines[0].publish(batch(AllBlocksCleared()))
+        engines[1].publish(batch(AllBlocksCleared()))
+        await asyncio.sleep(0.3)
+        got: list = []
+        while not got:  # skip receives that carried only (re)connect notices
+            got = [f for _, f in await sub.receive(max_messages=64) if f is not None]
+        assert len(got) <= 64
+        assert any(f[0] == b"kv@quiet@tiny" for f in got), "the quiet engine waited behind the busy one"
+    finally:
+        sub.close()
+        for e in engines:
+            e.close()
