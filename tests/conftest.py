@@ -39,6 +39,16 @@ def valkey_url(valkey_server):
 
 
 @pytest.fixture
+async def ix(valkey_url):
+    """An Index on the flushed test Valkey."""
+    from shared.index import Index
+
+    index = Index.from_url(valkey_url)
+    yield index
+    await index.close()
+
+
+@pytest.fixture
 def anyio_backend():
     return "asyncio"
 

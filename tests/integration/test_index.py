@@ -5,7 +5,7 @@ import pytest
 import redis
 
 from shared.index import (
-    ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
+    ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -17,13 +17,6 @@ FB = encode_entry(make_entry("pod-b", "GPU", 0))
 async def apply(ix, seq, muts, pod="pod-a", ts=None, mode="check"):
     return await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=ts if ts is not None else 1000.0 + seq,
                                 model="m", engine_block_size=32, mutations=muts, mode=mode)
-
-
-@pytest.fixture
-async def ix(valkey_url):
-    index = Index.from_url(valkey_url)
-    yield index
-    await index.close()
 
 
 async def test_store_writes_llmd_layout(ix, valkey_url):

@@ -82,13 +82,6 @@ class Harness:
             self.engine.close()
 
 
-@pytest.fixture
-async def ix(valkey_url):
-    index = Index.from_url(valkey_url)
-    yield index
-    await index.close()
-
-
 async def cached_blocks(ix: Index, n_tokens: int) -> int:
     matches = await ix.lookup(request_keys(TOKENS[:n_tokens], model="tiny"))
     return max((m.blocks for m in matches if m.pod_id == "pod-a"), default=0)

@@ -11,13 +11,6 @@ from shared.index import Index, StoreBlock, encode_entry, make_entry
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 
-@pytest.fixture
-async def ix(valkey_url):
-    index = Index.from_url(valkey_url)
-    yield index
-    await index.close()
-
-
 async def hold(ix: Index, pod: str, chain: list[int], n: int, medium: str = "GPU", group: int | None = 0) -> None:
     fld = encode_entry(make_entry(pod, medium, group))
     await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=0.0, model="m", engine_block_size=16, mode="import",

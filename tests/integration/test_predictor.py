@@ -65,13 +65,6 @@ class IndexWriter:
 
 
 @pytest.fixture
-async def ix(valkey_url):
-    index = Index.from_url(valkey_url)
-    yield index
-    await index.close()
-
-
-@pytest.fixture
 def writer(ix):
     return IndexWriter(ix)
 
