@@ -28,17 +28,20 @@ import msgspec
 from predictor.load import PodLoad
 from predictor.score import Prediction
 from predictor.ttft import PrefillModel
+from shared.config import Config
+
+_DEFAULTS = Config()  # the documented defaults live in one place: shared/config.py
 
 
 @dataclass(frozen=True)
 class RoutingPolicy:
-    tier_weights: Mapping[str, float] = field(default_factory=lambda: {"gpu": 1.0, "cpu": 0.8})
-    waiting_weight: float = 2.0
-    overload_abs: float = 4.0
-    overload_rel: float = 1.5
-    max_kv_usage: float = 0.95
-    good_match: float = 0.5
-    stale_s: float = 5.0
+    tier_weights: Mapping[str, float] = field(default_factory=lambda: dict(_DEFAULTS.route_tier_weights))
+    waiting_weight: float = _DEFAULTS.route_waiting_weight
+    overload_abs: float = _DEFAULTS.route_overload_abs
+    overload_rel: float = _DEFAULTS.route_overload_rel
+    max_kv_usage: float = _DEFAULTS.route_max_kv_usage
+    good_match: float = _DEFAULTS.route_good_match
+    stale_s: float = _DEFAULTS.route_stale_s
     default_tier_weight: float = 0.8  # a tier not in tier_weights (disk, remote): at most a CPU hit
 
     def tier_weight(self, tier: str) -> float:
