@@ -8,7 +8,6 @@ reads the pod's applied seq from the predictor's ``/stats``, so no sleep decides
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Iterable
@@ -18,6 +17,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import zmq
+
+from shared.jsonl import read_json_lines
 
 
 class EventWatcher:
@@ -143,13 +144,7 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
 def load_workload(path: Path) -> list[dict]:
     """JSON lines, each with one of token_ids, prompt, messages."""
     reqs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+    for n, obj in read_json_lines(path):
         if not isinstance(obj, dict) or sum(k in obj for k in ("token_ids", "prompt", "messages")) != 1:
             raise ValueError(f"{path}:{n}: needs exactly one of token_ids, prompt, messages")
         reqs.append(obj)

@@ -9,7 +9,6 @@ The comparison and the diagnosis are pure; only ``check_parity`` does I/O.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 
 from predictor.errors import EngineRejected, EngineUnavailable
 from predictor.local_tokenizer import LocalTokenizer, TemplateError
+from shared.jsonl import read_json_lines
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,7 @@ def builtin_samples(local: LocalTokenizer | None = None) -> list[Sample]:
 def load_samples(path: Path) -> list[Sample]:
     """JSON lines, each ``{"prompt": ...}`` or ``{"messages": [...]}``, optionally with a ``name``."""
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc})") from None
+    for n, obj in read_json_lines(path):
         if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
             raise ValueError(f"{path}:{n}: needs exactly one of prompt, messages")
         if "prompt" in obj and not isinstance(obj["prompt"], str):
