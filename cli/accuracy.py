@@ -99,6 +99,8 @@ def _send(client: httpx.Client, engine_url: str, model: str, req: dict) -> tuple
         body, path = {"model": model, "messages": req["messages"], "max_tokens": 1}, "/v1/chat/completions"
     else:
         body, path = {"model": model, "prompt": req.get("token_ids", req.get("prompt")), "max_tokens": 1}, "/v1/completions"
+    # Passed to the engine as given: vLLM's per-request extras (e.g. kv_cache_report_mode) and cache_salt.
+    body.update({k: req[k] for k in ("vllm_xargs", "cache_salt") if k in req})
     r = client.post(engine_url.rstrip("/") + path, json=body, timeout=120)
     r.raise_for_status()
     usage = r.json()["usage"]

@@ -50,8 +50,8 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 
 @cli.command()
 @click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password).  [env KVPF_VALKEY_URL]")
-@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT]. Repeatable.")
-@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect (tcp://*:PORT). Repeatable.")
+@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85]. Repeatable.")
+@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...]. Repeatable.")
 @click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
@@ -59,14 +59,24 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535), help="Serve Prometheus /metrics on this port (default 0: off).")
 @click.option("--metrics-host", default=None, help="Address for --metrics-port (default 127.0.0.1).")
+@click.option("--max-pod-series", default=None, type=click.IntRange(min=1), help="Pods with series of their own per metric; the rest are summed under pod=\"_other\" (default 256).")
+@click.option("--max-frame-bytes", default=None, type=click.IntRange(min=4096), help="Largest ZMQ frame accepted; a larger one drops its connection unread (default 32 MiB).")
+@click.option("--max-queue-bytes", default=None, type=click.IntRange(min=4096), help="Bytes of frames one socket may queue, and one replay may return (default 256 MiB).")
+@click.option("--curve-secret-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="The ingester's CURVE keypair (zmq.auth *.key_secret, or the z85 secret key alone): --bind sockets become CURVE servers.")
+@click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
 def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
-           metrics_host) -> None:
+           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
-    cfg = Config.load(valkey_url=valkey_url, sources=sources, binds=binds, engines=engines, hash_seed=hash_seed,
-                      block_size=block_size, entry_format=entry_format, log_json=log_json,
-                      metrics_port=metrics_port, metrics_host=metrics_host)
+    try:
+        cfg = Config.load(valkey_url=valkey_url, sources=sources, binds=binds, engines=engines, hash_seed=hash_seed,
+                          block_size=block_size, entry_format=entry_format, log_json=log_json,
+                          metrics_port=metrics_port, metrics_host=metrics_host, max_pod_series=max_pod_series,
+                          max_frame_bytes=max_frame_bytes, max_queue_bytes=max_queue_bytes,
+                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines):
         raise click.UsageError("give at least one --source, --bind or --engine")
     sys.exit(run(cfg))
@@ -96,10 +106,12 @@ def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_for
 @click.option("--route-good-match", default=None, type=float, help="A good match holds at least this fraction of the best overlap (default 0.5).")
 @click.option("--route-stale", "route_stale_s", default=None, type=float, help="Engine load older than this many seconds is unknown (default 5).")
 @click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
+@click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
+@click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
 def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
-          route_stale_s, api_keys_file) -> None:
+          route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s) -> None:
     """Serve predictions and routing over HTTP."""
     from predictor.main import serve as run_server
 
@@ -115,6 +127,7 @@ def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, m
             route_waiting_weight=route_waiting_weight, route_overload_abs=route_overload_abs,
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
+            max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
         )
         check_serve_files(cfg)
     except ValueError as exc:

@@ -41,6 +41,9 @@ class ValkeyServer:
     requirepass: str = field(default="", repr=False)  # clients must AUTH; the URL then carries it
     tls_cert: Path | None = None  # with tls_key: TLS only (rediss://), this self-signed cert as the CA
     tls_key: Path | None = None
+    # DEBUG (SLEEP, ...) from loopback clients, for fault tests; valkey 7+ refuses it by default
+    debug_command: bool = False
+    extra_args: tuple[str, ...] = ()  # more valkey-server options (a cluster node's, for one)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -67,6 +70,9 @@ class ValkeyServer:
         ]
         if self.requirepass:
             args += ["--requirepass", self.requirepass]
+        if self.debug_command:
+            args += ["--enable-debug-command", "local"]
+        args += list(self.extra_args)
         if self.tls_cert and self.tls_key:
             args[args.index("--port") + 1] = "0"
             args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls_cert), "--tls-key-file",
@@ -102,17 +108,20 @@ class ValkeyServer:
         return ctx.wrap_socket(sock)
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        if kill:
-            self.proc.kill()
-        else:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()  # a restart starts a new process: its pipe is not left to the GC
 
     def restart(self) -> None:
         self.stop()

@@ -147,6 +147,7 @@ def _plan_stored(
             return
     tier = tier_of(ev.medium)
     fld = entry_field(pod_id, ev.medium, ev.group_idx)
+    parentless = ev.parent_block_hash is None  # see StoreBlock.parentless
     e = ev.block_size
     extras = ev.extra_keys or []
     aligned = not point.carry and e % block_size == 0
@@ -157,7 +158,7 @@ def _plan_stored(
         per = e // block_size
         for i, ek in enumerate(ev.block_hashes):
             own = tuple(keys[i * per : (i + 1) * per])
-            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0))
+            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0, parentless))
             state.put(model, ek, ChainPoint(own[-1] if own else point.request_key))
         plan.stored_blocks += len(ev.block_hashes)
         return
@@ -169,7 +170,7 @@ def _plan_stored(
                            parent=point.request_key,
                            extra_per_block=[mm] * (full // block_size) if mm else None)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
-        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0))
+        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless))
         state.put(model, ek, point)
         plan.stored_blocks += 1
 

@@ -14,14 +14,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
+from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError,
+                              ResponseError, TryAgainError)
 
 from ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from ingester.metrics import IngesterMetrics
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
-from shared.index import Index, MarkIncomplete
+from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
+from shared.index import ApplyResult, Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -55,9 +57,10 @@ class Ingester:
         # pod (topic) has one PUB and one replay socket per rank, each rank with its own seq.
         self.rank_sources: dict[tuple[str, int], Source] = {}
         self.stats = Stats()
-        self.metrics = IngesterMetrics()
+        self.metrics = IngesterMetrics(max_pod_series=cfg.max_pod_series)
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
+        self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
 
     # ---- lifecycle
 
@@ -70,8 +73,14 @@ class Ingester:
                 raise RuntimeError(f"{url}/kv_event_sources lists no KV-event publisher")
             log.info("discovered %d event source(s) from %s", len(found), url)
             sources += found
+        from ingester.subscriber import secure_sources
+
+        # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
+        # counted on the ingester made below (the callback runs only once its sockets exist).
+        sources = secure_sources(sources, cfg, on_refused=lambda key: ing.metrics.publishers_refused.inc())
         index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format)
-        return cls(cfg, index, sources)
+        ing = cls(cfg, index, sources)
+        return ing
 
     def start(self) -> None:
         self.subscriber = Subscriber(self.sources)
@@ -89,6 +98,7 @@ class Ingester:
     async def run(self) -> None:
         if self.subscriber is None:
             self.start()
+        await self.learn_feeds()
         await self.resume_known_pods()
         assert self.subscriber is not None
         try:
@@ -132,6 +142,27 @@ class Ingester:
                 for f in frames:
                     if f.batch is not None and f.seq is not None:
                         await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+
+    async def _remember_feed(self, src: Source, rank: int, pod: str, model: str) -> None:
+        """Persist which pod this source's replay socket serves (once per process and change)."""
+        if not src.replay or self._feeds.get((src.replay, rank)) == (pod, model):
+            return
+        self._feeds[(src.replay, rank)] = (pod, model)
+        try:
+            await self.index.remember_feed(src.replay, rank, pod, model)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            self._feeds.pop((src.replay, rank), None)  # written again with the next frame
+
+    async def learn_feeds(self) -> None:
+        """Routes for every pod a source of ours served before (persisted by ``_remember_feed``),
+        so ``resume_known_pods`` replays them at start, not when the engine next publishes."""
+        by_replay = {s.replay: s for s in self.sources if s.replay}
+        for replay, rank, pod, model in await self._valkey(self.index.feeds, list(by_replay)):
+            src = by_replay[replay]
+            self._feeds[(replay, rank)] = (pod, model)
+            route = self.routes.setdefault(pod, PodRoute(model=model, replay=replay, source=src.endpoint))
+            route.replay = route.replay or replay
+            self.rank_sources.setdefault((pod, rank), src)
 
     async def probe_restart(self, src: Source) -> None:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
@@ -206,37 +237,67 @@ class Ingester:
     async def _accept(self, src: Source, frames: list[bytes]) -> tuple[str, str, int, EventBatch, int] | None:
         """Decode one message and note its route: (pod, model, seq, batch, decode errors), or None."""
         decoded = decode_frames(frames)
-        for err in decoded.errors:
-            self.stats.inc("decode_errors")
-            self.metrics.decode_errors.inc()
+        errors, count = decoded.errors, decoded.error_count
+        if not errors and (decoded.topic is None or decoded.batch is None):
+            # Well-formed for a replay reply (no topic, or the end marker) but not for a SUB socket:
+            # dropped like any other undecodable message, and counted like one.
+            errors, count = [f"a {len(frames)}-frame message with no kv@<pod>@<model> topic or no batch"], 1
+        for err in errors:  # at most MAX_LISTED_ERRORS lines per message; the rest only counted
             log.warning("dropped from %s: %s", src.endpoint, err)
-        if decoded.errors:
-            await self._count_quietly("decode_errors", len(decoded.errors))
+        if count:
+            if decoded.more_errors:
+                log.warning("dropped from %s: %d more event(s) of the same message", src.endpoint, decoded.more_errors)
+            self.stats.inc("decode_errors", count)
+            self.metrics.decode_errors.inc(count)
+            await self._count_quietly("decode_errors", count)
         if decoded.topic is None or decoded.seq is None or decoded.batch is None:
             return None
         pod = decoded.topic.pod_id
+        if src.pods is not None and pod not in src.pods:
+            # Not a pod this socket may write for (its pods= allowlist): forged or misrouted. Refused before
+            # any route, state or key is touched; counted by socket, never by the (attacker-chosen) pod name.
+            self.stats.inc("frames_refused")
+            self.metrics.frames_refused.labels(src.endpoint).inc()
+            refused = self.stats.counts["frames_refused"]
+            if refused <= 10 or refused % 1000 == 0:
+                log.warning("refused from %s: pod %r is not in its pods= allowlist (%d frame(s) refused so far)",
+                            src.endpoint, pod[:80], refused)
+            await self._count_quietly("frames_refused", 1)
+            return None
         route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
         route.model = decoded.topic.model
         route.source = src.endpoint
         if src.replay and not route.replay:
             route.replay = src.replay
         self.rank_sources[(pod, decoded.batch.data_parallel_rank or 0)] = src
-        return pod, route.model, decoded.seq, decoded.batch, len(decoded.errors)
+        await self._remember_feed(src, decoded.batch.data_parallel_rank or 0, pod, route.model)
+        return pod, route.model, decoded.seq, decoded.batch, count
 
     async def _finish_run(self, run: list[tuple[str, str, int, EventBatch, int]], plans: list[Plan],
                           args: list[dict], sent: "asyncio.Future") -> None:
         try:
-            results = await sent
-        except (RedisError, OSError, asyncio.TimeoutError):
-            # Lost with the connection: send the run again (what did apply answers "dup").
-            results = await self._valkey(self.index.apply_batches, args)
+            try:
+                results = await sent
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                if not transient(exc):
+                    raise
+                # Lost with the connection: send the run again (what did apply answers "dup").
+                results = await self._valkey(self.index.apply_batches, args)
+        except ResponseError:
+            # One batch of the run was refused for good: each goes alone, so only that one fails.
+            for pod, model, seq, batch, errors in run:
+                await self.apply(pod, model, seq, batch, decode_errors=errors)
+            return
         for (pod, model, seq, batch, errors), plan, result in zip(run, plans, results):
             if result.status == "applied":
                 self.metrics.batches.labels(pod, "applied").inc()
-                await self._applied(pod, seq, batch, plan, "check")
+                await self._applied(pod, seq, batch, plan, "check", result)
             elif result.status == "dup":
                 self.metrics.batches.labels(pod, "dup").inc()
                 self.stats.inc("duplicates_skipped")
+            elif result.status == "corrupt":  # refused for good: sending it again would not change that
+                self.metrics.batches.labels(pod, "corrupt").inc()
+                await self._corrupt(pod, seq, result.detail)
             else:  # gap or restart, or behind one: the one-batch path re-checks (and counts), recovers
                 await self.apply(pod, model, seq, batch, decode_errors=errors)
 
@@ -268,8 +329,14 @@ class Ingester:
             self.stats.inc("plan_errors")
             return Plan(mutations=[MarkIncomplete(f"batch at seq {seq} could not be applied: {exc}")])
 
-    async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, mode: str) -> None:
+    async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, mode: str,
+                       result: ApplyResult | None = None) -> None:
         # The incomplete flag is the script's (MarkIncomplete set, AllBlocksCleared and reset cleared).
+        if result is not None and result.foreign_writes:
+            self.stats.inc("foreign_writes", result.foreign_writes)
+            self.metrics.foreign_writes.inc(result.foreign_writes)
+            log.error("%s seq %d: %d write(s) skipped, a key of a foreign type is in the way (%s); pod flagged incomplete",
+                      pod, seq, result.foreign_writes, result.detail)
         self.metrics.applied(pod, batch)
         self.stats.inc("batches_applied")
         self.stats.inc("blocks_stored", plan.stored_blocks)
@@ -281,75 +348,123 @@ class Ingester:
 
     async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
                     mode: str = "check", decode_errors: int = 0) -> str:
-        """Apply one batch; returns the final status. Retries Valkey errors until it is back."""
-        plan = await self._plan(pod, model, seq, batch, decode_errors)
+        """Apply one batch; returns the final status. Retries transient Valkey errors until it is
+        back; the recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS."""
         rank = batch.data_parallel_rank or 0
-        result = await self._valkey(
-            self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
-            engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
-        )
-        status = result.status
-        self.metrics.batches.labels(pod, status).inc()
-        if status == "applied":
-            await self._applied(pod, seq, batch, plan, mode)
-        elif status == "dup":
-            self.stats.inc("duplicates_skipped")
-        elif status == "restart":
-            log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its entries",
-                        pod, result.last_seq, seq)
-            self.stats.inc("engine_restarts")
-            self.state = ChainState()  # engine keys of the old process mean nothing now
-            if seq > 0:
-                # The new process published seq 0..seq-1 before this one and they never came here:
-                # clear the pod (unless another ingester moved on meanwhile), then take them as a gap
-                # from seq 0 (replayed, or the pod is flagged incomplete).
-                await self._valkey(self.index.reset_if_seq, pod, rank, result.last_seq)
-                return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, decode_errors=decode_errors)
-            return await self.apply(pod, model, seq, batch, allow_replay=allow_replay, mode="reset",
-                                    decode_errors=decode_errors)
-        elif status == "gap":
-            return await self._fill_gap(pod, model, seq, batch, result.last_seq, allow_replay, decode_errors)
-        return status
+        can_replay = allow_replay
+        for _ in range(MAX_STEPS):
+            plan = await self._plan(pod, model, seq, batch, decode_errors)
+            try:
+                result = await self._valkey(
+                    self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
+                    engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
+                )
+            except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
+                await self._failed(pod, seq, f"Valkey refused the batch: {exc}")
+                return "error"
+            self.metrics.batches.labels(pod, result.status).inc()
+            if result.status == "applied":
+                await self._applied(pod, seq, batch, plan, mode, result)
+            elif result.status == "dup":
+                self.stats.inc("duplicates_skipped")
+            elif result.status == "corrupt":
+                await self._corrupt(pod, seq, result.detail)
+            replay = self._replay_endpoint(pod, rank)
+            step = next_step(result.status, mode=mode, seq=seq, last_seq=result.last_seq,
+                             can_replay=can_replay and replay is not None, has_replay=replay is not None)
+            if isinstance(step, Done):
+                return step.status
+            if isinstance(step, Reset):
+                log.warning("%s: seq went back from %d to 0 with a newer timestamp: engine restarted, clearing its "
+                            "entries", pod, result.last_seq)
+                self.stats.inc("engine_restarts")
+                self.state = ChainState()  # engine keys of the old process mean nothing now
+                mode = "reset"
+            elif isinstance(step, ResetIfThenCheck):
+                log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
+                            "entries", pod, result.last_seq, seq)
+                self.stats.inc("engine_restarts")
+                self.state = ChainState()
+                await self._valkey(self.index.reset_if_seq, pod, rank, step.last_seq)
+                mode = "check"
+            elif isinstance(step, Replay):
+                can_replay = False
+                if await self._replay_gap(pod, model, seq, rank, step.start, replay):
+                    mode = "check"
+                    continue
+                reason = f"events {step.start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
+                await self._force(pod, reason)
+                mode = "force"
+            elif isinstance(step, Force):
+                self.stats.inc("gaps")
+                self.metrics.gaps.labels(pod).inc()
+                await self._force(pod, step.reason)
+                mode = "force"
+        await self._failed(pod, seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
+        return "error"
 
-    async def _fill_gap(self, pod: str, model: str, seq: int, batch: EventBatch, last: int, allow_replay: bool,
-                        decode_errors: int = 0) -> str:
-        start = last + 1
+    def _replay_endpoint(self, pod: str, rank: int) -> str | None:
+        owner = self.rank_sources.get((pod, rank))
+        if owner is not None and owner.replay:
+            return owner.replay
+        route = self.routes.get(pod)
+        return route.replay if route else None
+
+    async def _replay_gap(self, pod: str, model: str, seq: int, rank: int, start: int, replay: str) -> bool:
+        """Apply seqs ``start`` .. seq-1 from the replay socket; False if it does not hold them all."""
         self.stats.inc("gaps")
         self.metrics.gaps.labels(pod).inc()
-        route = self.routes.get(pod)
-        owner = self.rank_sources.get((pod, batch.data_parallel_rank or 0))
-        replay = owner.replay if owner is not None and owner.replay else (route.replay if route else None)
-        covered = False
-        if allow_replay and replay:
-            log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, last, seq, start)
-            frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
-            self.stats.inc("replays")
-            self.metrics.replays.labels(pod).inc()
-            await self._count_quietly("replays", 1, pod_id=pod)
-            wanted = [f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq]
-            by_seq = {f.seq: f for f in wanted}
-            covered = sorted(by_seq) == list(range(start, seq))
-            if covered:
-                for f in (by_seq[s] for s in range(start, seq)):
-                    await self.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
-                return await self.apply(pod, model, seq, batch, allow_replay=False, decode_errors=decode_errors)
-        reason = (f"events {start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
-                  if replay else f"events {start}..{seq - 1} were missed and no replay endpoint is known")
+        log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, start - 1, seq, start)
+        frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
+        self.stats.inc("replays")
+        self.metrics.replays.labels(pod).inc()
+        await self._count_quietly("replays", 1, pod_id=pod)
+        by_seq = {f.seq: f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq
+                  and (f.batch.data_parallel_rank or 0) == rank}
+        if sorted(by_seq) != list(range(start, seq)):
+            return False
+        for s in range(start, seq):
+            f = by_seq[s]
+            await self.apply(pod, model, s, f.batch, allow_replay=False, decode_errors=len(f.errors))
+        return True
+
+    async def _force(self, pod: str, reason: str) -> None:
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         self.stats.inc("gaps_unrecovered")
         self.metrics.gaps_unrecovered.labels(pod).inc()
         await self._valkey(self.index.mark_incomplete, pod, reason)
-        return await self.apply(pod, model, seq, batch, allow_replay=False, mode="force", decode_errors=decode_errors)
+
+    async def _corrupt(self, pod: str, seq: int, detail: str) -> None:
+        """A batch the script refused as corrupt (forged seq, foreign-typed pod key): counted, the pod
+        flagged, nothing else changed, so the next real batch applies as usual."""
+        log.error("%s seq %d: not applied: %s", pod, seq, detail)
+        self.stats.inc("corrupt_batches")
+        self.metrics.corrupt_batches.inc()
+        await self._count_quietly("corrupt_batches", 1)
+        try:
+            await self._valkey(self.index.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+        except ResponseError:
+            pass  # the pod's own key is unusable: the log line and the counter are what is left
+
+    async def _failed(self, pod: str, seq: int, why: str) -> None:
+        log.error("%s seq %d: %s", pod, seq, why[:300])
+        self.stats.inc("apply_errors")
+        self.metrics.apply_errors.inc()
+        await self._count_quietly("apply_errors", 1)
 
     # ---- Valkey with retries
 
     async def _valkey(self, fn, *args, **kwargs):
-        """Retry until Valkey answers: ZMQ keeps buffering meanwhile, and replay covers overflow."""
+        """Retry until Valkey answers: ZMQ keeps buffering meanwhile, and replay covers overflow.
+        An error reply that retrying cannot change (see ``transient``) is raised to the caller,
+        which gives up on that one batch, so a poisoned batch never stalls the other pods."""
         attempt = 0
         while True:
             try:
                 return await fn(*args, **kwargs)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                if not transient(exc):
+                    raise
                 self.stats.inc("valkey_errors")
                 self.metrics.valkey_errors.inc()
                 if attempt == 0 or attempt % 20 == 0:
@@ -364,6 +479,21 @@ class Ingester:
             await self.index.count(name, n, pod_id=pod_id)
         except (RedisError, OSError, asyncio.TimeoutError):
             self.stats.inc("valkey_errors")
+
+
+# Error replies that a later retry can succeed past: the server is loading, busy with a script,
+# out of memory for now, failing over, or the key moved to another shard.
+_TRANSIENT_REPLIES = ("LOADING", "BUSY", "OOM", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "NOREPLICAS",
+                      "MOVED", "ASK", "NOSCRIPT")
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth retrying: connection trouble and timeouts, and the error replies above."""
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError, ClusterDownError, AskError, TryAgainError, NoScriptError)):
+        return True  # redis-py strips the code from these messages
+    if isinstance(exc, ResponseError):
+        return str(exc).split(" ", 1)[0].upper() in _TRANSIENT_REPLIES
+    return True
 
 
 async def run_ingester(cfg: Config) -> None:

@@ -2,6 +2,8 @@
 
 All state (Valkey client, engine client, caches, counters) hangs off
 ``app.state.predictor``, created by ``create_app`` so each worker process owns its own.
+Request limits (media type, size, read time, pods filter, JSON depth) are enforced in
+predictor/body.py and predictor/request.py; the time to send headers in predictor/server.py.
 """
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from predictor.auth import ApiKeyAuth, load_api_keys
-from predictor.errors import BadRequest, BodyTooLarge, PredictorError
+from predictor.body import read_json_body
+from predictor.errors import PredictorError, RequestTimeout
 from predictor.openapi import openapi_document
 from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
+from predictor.stats import StatsQuery
 from shared.config import Config
 from shared.index import Index
 from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -42,27 +46,21 @@ def error_response(predictor: Predictor, exc: PredictorError) -> Response:
     predictor.counters.errors[exc.kind] += 1
     if exc.kind == "valkey":
         predictor.metrics.valkey_errors.inc()
-    return json_response({"error": exc.message}, exc.status)
+    response = json_response({"error": exc.message}, exc.status)
+    if isinstance(exc, RequestTimeout):
+        response.headers["connection"] = "close"  # the rest of a late body must not be read as a next request
+    return response
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) as soon as it is known to exceed ``limit``: by header, else while streaming."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise BadRequest(f"invalid Content-Length {declared!r}") from None
-        if size > limit:
-            raise BodyTooLarge(f"body of {size} bytes exceeds the limit of {limit} bytes (max_body_bytes)")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"body exceeds the limit of {limit} bytes (max_body_bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def client_gone(request: Request, endpoint: str) -> Response:
+    """A client that disconnected mid-body: its own doing, so counted as such, and one log line, no traceback."""
+    predictor: Predictor = request.app.state.predictor
+    predictor.counters.errors["client_disconnect"] += 1
+    predictor.metrics.client_disconnects.inc()
+    client = request.client
+    log.info("client %s disconnected before sending the whole %s request body",
+             f"{client.host}:{client.port}" if client else "?", endpoint)
+    return json_response({"error": "client disconnected"}, 400)  # nobody reads it: the connection is gone
 
 
 async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_tokens) -> Response:
@@ -70,17 +68,21 @@ async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_t
     body allows it, the full parser (which explains any error) otherwise; metrics either way."""
     predictor: Predictor = request.app.state.predictor
     started = time.perf_counter()
+    cfg = predictor.cfg
     try:
-        body = await read_body(request, predictor.cfg.max_body_bytes)
-        cfg = predictor.cfg
-        keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+        body = await read_json_body(request, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
+        keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size,
+                            max_pods=cfg.max_pods_filter)
         if keyed is not None:
             result = await keyed_fn(predictor, keyed)
         else:
-            result = await parsed_fn(predictor, parse_request(body, max_tokens=cfg.max_tokens))
+            result = await parsed_fn(predictor, parse_request(body, max_tokens=cfg.max_tokens,
+                                                              max_pods=cfg.max_pods_filter))
     except PredictorError as exc:
         predictor.metrics.request(endpoint, exc.kind, time.perf_counter() - started)
         return error_response(predictor, exc)
+    except ClientDisconnect:
+        return client_gone(request, endpoint)
     predictor.metrics.request(endpoint, "hit" if cached_tokens(result) else "miss", time.perf_counter() - started)
     return json_response(result)
 
@@ -116,9 +118,10 @@ async def health(request: Request) -> Response:
 
 
 async def stats(request: Request) -> Response:
+    """A summary and one page of pods (``pods_offset``, ``pods_limit``), or one pod (``pod``): predictor/stats.py."""
     predictor: Predictor = request.app.state.predictor
     try:
-        return json_response(await predictor.stats())
+        return json_response(await predictor.stats(StatsQuery.parse(request.query_params)))
     except PredictorError as exc:
         return error_response(predictor, exc)
 

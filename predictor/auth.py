@@ -21,8 +21,15 @@ _UNAUTHORIZED = b'{"error":"missing or invalid API key: send Authorization: Bear
 
 
 def load_api_keys(path: str = "", inline: Iterable[str] = ()) -> list[str]:
-    """Keys from a file (one per line, ``#`` comments and blank lines ignored) plus ``KVPF_API_KEYS``-style ones."""
+    """Keys from a file (one per line, ``#`` comments and blank lines ignored) plus ``KVPF_API_KEYS``-style ones.
+
+    A key list that is given but names no key (``KVPF_API_KEYS=" , "``) is an error, never "no auth".
+    """
+    inline = list(inline)
     keys = [k.strip() for k in inline if k.strip()]
+    if inline and not keys:
+        raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "
+                         "or unset it to serve without API keys")
     if path:
         p = Path(path)
         try:

@@ -2,8 +2,26 @@
 
 Raising one of these anywhere on the request path turns into a JSON
 ``{"error": message}`` response, so a bad input can never surface as a 500.
+Whatever a client sent is echoed back only through ``clip``: a 5 MB model name
+must not come back as a 5 MB error (nor land whole in a log line).
 """
 from __future__ import annotations
+
+ECHO_LIMIT = 256  # characters of any client input an error message may carry
+# A message is fixed text plus a few clipped inputs; this caps it even if an echo site forgot ``clip``.
+MESSAGE_LIMIT = 4 * ECHO_LIMIT
+
+
+def clip(text: object, limit: int = ECHO_LIMIT) -> str:
+    """``text`` (``str()`` of it) cut to ``limit`` characters, saying how long it was when cut.
+
+    Quote an input with ``clip(repr(value))``: the quotes show where it starts, and the cut
+    still applies to the whole of what is echoed.
+    """
+    s = text if isinstance(text, str) else str(text)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}... ({len(s)} characters, cut to {limit})"
 
 
 class PredictorError(Exception):
@@ -11,6 +29,7 @@ class PredictorError(Exception):
     kind: str = "internal"
 
     def __init__(self, message: str):
+        message = clip(message, MESSAGE_LIMIT)
         super().__init__(message)
         self.message = message
 
@@ -24,9 +43,28 @@ class UnknownModel(BadRequest):
     kind = "unknown_model"
 
 
+class NotFound(PredictorError):
+    status = 404
+    kind = "not_found"
+
+
+class RequestTimeout(PredictorError):
+    """The body did not arrive within request_read_timeout_s: the connection is closed after the answer."""
+
+    status = 408
+    kind = "request_timeout"
+
+
 class BodyTooLarge(PredictorError):
     status = 413
     kind = "body_too_large"
+
+
+class UnsupportedMediaType(PredictorError):
+    """A Content-Type that says the body is not JSON (form data, plain text): refused before reading it."""
+
+    status = 415
+    kind = "unsupported_media_type"
 
 
 class EngineRejected(BadRequest):

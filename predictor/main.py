@@ -3,7 +3,8 @@
 With ``workers > 1`` uvicorn starts fresh processes that import the app by name,
 so the Config travels to them as JSON in an environment variable and
 ``app_from_env`` rebuilds the app there; each worker gets its own Valkey and
-engine clients and caches. uvloop and httptools are used when importable.
+engine clients and caches. uvloop and httptools are used when importable, each HTTP
+protocol with a deadline on request headers (predictor/server.py).
 Their Prometheus metrics are summed across workers through a fresh multiprocess
 directory (shared/metrics.py), so any scrape sees the whole server.
 """
@@ -17,6 +18,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from predictor.app import create_app
+from predictor.server import protocol_factory
 from shared.config import Config
 from shared.logs import setup_logging
 from shared.metrics import remove_multiprocess_dir, use_multiprocess_dir
@@ -52,7 +54,7 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop" if _has("uvloop") else "asyncio",
-        "http": "httptools" if _has("httptools") else "h11",
+        "http": protocol_factory("httptools" if _has("httptools") else "h11", cfg.request_read_timeout_s),
         "lifespan": "on",
         "access_log": False,  # per-request log lines would cost more than a prediction
         "log_level": "info",

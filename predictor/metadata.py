@@ -4,7 +4,10 @@ A prediction needs each matched pod's engine block size and incomplete flag, and
 the set of models the index knows; both change rarely (a restart, a gap), so
 keeping them ~1 s saves a Valkey round trip on nearly every request while
 reflecting changes within about a second. Concurrent misses for the same pod
-share one fetch, so an expiry under load costs one round trip, not one per request.
+share one fetch, so an expiry under load costs one round trip, not one per request;
+the misses of one request are read together, pipelined (``Index.pod_infos``), so a
+prompt that thousands of pods hold costs a few round trips, not thousands of
+concurrent calls (which exhausted the connection pool: a 503).
 """
 from __future__ import annotations
 
@@ -53,9 +56,10 @@ class IndexMetadata:
         self._pod_models: dict[str, str] = {}
         self._models_at: float | None = None
         self._flight = _SingleFlight()
+        self._pod_tasks: dict[str, asyncio.Task] = {}  # pod -> the fetch that is reading it now
 
     async def pod_infos(self, pod_ids: Iterable[str]) -> dict[str, PodInfo]:
-        """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods concurrently)."""
+        """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods in one pipelined read)."""
         now = self.clock()
         out: dict[str, PodInfo] = {}
         stale: list[str] = []
@@ -66,9 +70,36 @@ class IndexMetadata:
             else:
                 stale.append(pod)
         if stale:
-            infos = await asyncio.gather(*(self._flight.run(("pod", p), lambda p=p: self._load_pod(p)) for p in stale))
-            out.update(zip(stale, infos))
+            out.update(await self._fetch_pods(stale))
         return out
+
+    async def _fetch_pods(self, pods: list[str]) -> dict[str, PodInfo]:
+        """Pods another request is already fetching are awaited; the rest are read in one pipelined fetch."""
+        tasks: dict[str, asyncio.Task] = {}
+        missing = []
+        for pod in pods:
+            task = self._pod_tasks.get(pod)
+            if task is None:
+                missing.append(pod)
+            else:
+                tasks[pod] = task
+        if missing:
+            task = asyncio.ensure_future(self._load_pods(missing))
+            for pod in missing:
+                self._pod_tasks[pod] = tasks[pod] = task
+            task.add_done_callback(lambda t, ps=tuple(missing): self._pods_done(ps, t))
+        out: dict[str, PodInfo] = {}
+        for task in dict.fromkeys(tasks.values()):
+            # shield: a waiter that gives up (timeout, disconnect) must not cancel the others' fetch
+            out.update(await asyncio.shield(task))
+        return {pod: out[pod] for pod in pods}
+
+    def _pods_done(self, pods: tuple[str, ...], task: asyncio.Task) -> None:
+        for pod in pods:
+            if self._pod_tasks.get(pod) is task:
+                del self._pod_tasks[pod]
+        if not task.cancelled():
+            task.exception()  # retrieved here so an abandoned failure is not logged as "never retrieved"
 
     async def known_models(self, wanted: str | None = None) -> frozenset[str]:
         """Models the index has pods for; re-read when older than ``ttl_s`` or when ``wanted`` is missing."""
@@ -83,13 +114,14 @@ class IndexMetadata:
         await self.known_models()
         return {p for p, m in self._pod_models.items() if m == model}
 
-    async def _load_pod(self, pod: str) -> PodInfo:
-        info = await self.index.pod_info(pod)
+    async def _load_pods(self, pods: list[str]) -> dict[str, PodInfo]:
+        infos = await self.index.pod_infos(pods)
         now = self.clock()
-        self._pods[pod] = (now + self.ttl_s, info)
+        for info in infos:
+            self._pods[info.pod_id] = (now + self.ttl_s, info)
         if len(self._pods) > 4096:  # pods come and go; never let departed ones pile up
             self._pods = {p: e for p, e in self._pods.items() if e[0] > now}
-        return info
+        return {info.pod_id: info for info in infos}
 
     async def _load_models(self) -> None:
         pods = await self.index.pod_ids()

@@ -3,7 +3,8 @@
 The request path only touches pre-resolved label children (a dict hit and an add,
 about a microsecond), never ``labels()`` formatting. Label values come from closed
 sets (endpoints, outcomes, reasons) or from configured models, so cardinality stays
-bounded whatever clients send.
+bounded whatever clients send; no metric here has a ``pod`` label, so the number of
+pods in the index (or in a request's ``pods`` filter) never adds a series.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class PredictorMetrics:
         self.routes = Counter("kvpf_route_decisions", "Route decisions by reason.", ["reason"], registry=r)
         self.unauthorized = Counter("kvpf_unauthorized_requests", "Requests refused for a missing or wrong API key.",
                                     registry=r)
+        self.client_disconnects = Counter("kvpf_predictor_client_disconnects", "Requests whose client went away "
+                                          "before its body had arrived (not a server error).", registry=r)
         self._children: dict[tuple, object] = {}
 
     def _child(self, metric, *labels: str):

@@ -15,6 +15,7 @@ import msgspec
 
 from predictor.route import RouteDecision
 from predictor.score import Prediction
+from predictor.stats import DEFAULT_PODS_LIMIT, MAX_PODS_LIMIT
 from shared.config import Config
 from shared.keys import MAX_TOKEN_ID
 
@@ -26,8 +27,9 @@ def _request_schema(cfg: Config) -> dict[str, Any]:
     common = {
         "model": {"type": "string", "minLength": 1, "description": "Model name as the engine serves it; the "
                   "adapter name for a LoRA adapter.", **({"examples": models} if models else {})},
-        "pods": {"type": "array", "items": {"type": "string"},
-                 "description": "Candidate pods; omitted: every pod. An empty list means none."},
+        "pods": {"type": "array", "items": {"type": "string"}, "maxItems": cfg.max_pods_filter,
+                 "description": "Candidate pods; omitted: every pod. An empty list means none. At most "
+                 "max_pods_filter entries."},
     }
     inputs = {
         "token_ids": {"type": "array", "minItems": 1, "maxItems": cfg.max_tokens,
@@ -48,12 +50,27 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"typ
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    what = {400: "Bad input: unknown model, missing or several inputs, bad token ids, too many tokens.",
+    what = {400: "Bad input: unknown model, missing or several inputs, bad token ids, too many tokens or pods, "
+                 "JSON nested too deeply.",
             401: "Missing or wrong API key (only when keys are configured).",
+            404: "No such pod in the index.",
+            408: "The body did not arrive within request_read_timeout; the connection is closed.",
             413: "Body larger than max_body_bytes.",
+            415: "A Content-Type that is not JSON (none at all is read as JSON).",
             503: "Valkey or the engine is unreachable or too slow (answered fast, never a hang)."}
     return {str(c): {"description": what[c], "content": {"application/json": {
         "schema": {"$ref": REF.format(name="Error")}}}} for c in codes}
+
+
+_STATS_PARAMETERS = [
+    {"name": "pods_offset", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0},
+     "description": "First pod of the page, in pod id order."},
+    {"name": "pods_limit", "in": "query",
+     "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PODS_LIMIT, "default": DEFAULT_PODS_LIMIT},
+     "description": "Pods per page."},
+    {"name": "pod", "in": "query", "schema": {"type": "string", "minLength": 1},
+     "description": "Only this pod (no summary); 404 if the index does not know it."},
+]
 
 
 def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
@@ -75,14 +92,18 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": REF.format(name="PredictRequest")}}}},
             "responses": {"200": {"description": "OK", "content": {"application/json": {
-                "schema": {"$ref": REF.format(name=response)}}}}, **_errors(400, 413, 503)},
+                "schema": {"$ref": REF.format(name=response)}}}}, **_errors(400, 408, 413, 415, 503)},
         }
         if auth:
             op["responses"].update(_errors(401))
         return op
 
-    def get_op(summary: str, content: dict[str, Any], codes: tuple[int, ...] = ()) -> dict[str, Any]:
-        op = {"summary": summary, "responses": {"200": {"description": "OK", "content": content}, **_errors(*codes)}}
+    def get_op(summary: str, content: dict[str, Any], codes: tuple[int, ...] = (),
+               parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        op: dict[str, Any] = {"summary": summary,
+                              "responses": {"200": {"description": "OK", "content": content}, **_errors(*codes)}}
+        if parameters:
+            op["parameters"] = parameters
         if auth:
             op["responses"].update(_errors(401))
         return op
@@ -104,7 +125,8 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
             "/health": {"get": {"summary": "Liveness and Valkey reachability", "security": [], "responses": {
                 "200": {"description": "OK", "content": any_json},
                 "503": {"description": "Valkey unreachable", "content": any_json}}}},
-            "/stats": {"get": get_op("Index, pods, tokenization sources, engine load", any_json, (503,))},
+            "/stats": {"get": get_op("Index summary, a page of pods (or one pod), tokenization sources, engine load",
+                                     any_json, (400, 404, 503), _STATS_PARAMETERS)},
             "/metrics": {"get": get_op("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},
             "/openapi.json": {"get": get_op("This document", any_json)},
         },

@@ -2,8 +2,9 @@
 
 msgspec checks types and token-id bounds in C while decoding, so a 4K-token
 request costs microseconds; what it cannot express (exactly one input, no empty
-input, the token limit) is checked right after. Every failure is a BadRequest
-whose message names the field at fault.
+input, the token and pods limits, how deep ``messages`` nests) is checked right after.
+Every failure is a BadRequest whose message names the field at fault and echoes at
+most ``ECHO_LIMIT`` characters of what was sent.
 """
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ from typing import Annotated, Any
 
 import msgspec
 
-from predictor.errors import BadRequest
+from predictor.errors import BadRequest, clip
+from shared.config import Config
 from shared.keys import MAX_TOKEN_ID, request_keys_json
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 INPUTS = ("token_ids", "prompt", "messages")
+# msgspec refuses JSON nested 1000 levels deep with a RecursionError; chat messages need a handful
+# (message -> content parts -> part), so anything deeper than this inside ``messages`` is refused
+# before a tokenizer or chat template has to walk it.
+MAX_MESSAGES_DEPTH = 32
+DEFAULT_MAX_PODS = Config.max_pods_filter
 
 
 class PredictRequest(msgspec.Struct):
@@ -40,7 +47,7 @@ _FIELD_HINTS = {
 _FIELD_AT = re.compile(r"at `\$\.(\w+)")
 
 
-def parse_request(body: bytes, *, max_tokens: int) -> PredictRequest:
+def parse_request(body: bytes, *, max_tokens: int, max_pods: int = DEFAULT_MAX_PODS) -> PredictRequest:
     if not body.strip():
         raise BadRequest("empty body: expected a JSON object with model and one of token_ids, prompt, messages")
     try:
@@ -48,7 +55,9 @@ def parse_request(body: bytes, *, max_tokens: int) -> PredictRequest:
     except msgspec.ValidationError as exc:
         raise BadRequest(_explain(str(exc))) from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"invalid JSON: {exc}") from None
+        raise BadRequest(f"invalid JSON: {clip(str(exc))}") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not req.model:
         raise BadRequest("missing model: give the model name as the engine serves it (the adapter name for LoRA)")
     given = [name for name in INPUTS if getattr(req, name) is not None]
@@ -62,8 +71,11 @@ def parse_request(body: bytes, *, max_tokens: int) -> PredictRequest:
         check_token_count(len(req.token_ids), max_tokens)
     elif req.prompt is not None and not req.prompt:
         raise BadRequest("prompt is empty")
-    elif req.messages is not None and not req.messages:
-        raise BadRequest("messages is empty")
+    elif req.messages is not None:
+        if not req.messages:
+            raise BadRequest("messages is empty")
+        check_depth(req.messages, MAX_MESSAGES_DEPTH, "messages")
+    check_pods(req.pods, max_pods)
     return req
 
 
@@ -89,16 +101,22 @@ class KeyedRequest(msgspec.Struct):
     pods: list[str] | None
 
 
-def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int) -> KeyedRequest | None:
+def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int,
+                max_pods: int = DEFAULT_MAX_PODS) -> KeyedRequest | None:
     """The fast path for a well-formed token_ids request: keys straight from the JSON text.
 
     Anything else (other inputs, any error, an empty or over-long prompt) is None, and the
     caller goes through ``parse_request``, which decides, and words every error, as before.
+    Only a refusal that would cost as much again to reach there is raised here: JSON nested too
+    deep, and a pods filter over the limit (no key is hashed for either).
     """
     try:
         shape = _keyed_decoder.decode(body)
     except msgspec.MsgspecError:
         return None
+    except RecursionError:
+        raise _too_deep() from None
+    check_pods(shape.pods, max_pods)
     if not shape.model or not shape.token_ids or shape.prompt or shape.messages:
         return None
     got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
@@ -112,11 +130,35 @@ def check_token_count(n: int, max_tokens: int) -> None:
         raise BadRequest(f"too many tokens: {n} > the limit of {max_tokens} (max_tokens)")
 
 
+def check_pods(pods: list[str] | None, max_pods: int) -> None:
+    """The filter is sent to Valkey whole, so its length is bounded like the prompt's."""
+    if pods is not None and len(pods) > max_pods:
+        raise BadRequest(f"too many pods in the pods filter: {len(pods)} > the limit of {max_pods} (max_pods_filter)")
+
+
+def check_depth(value: Any, limit: int, field: str) -> None:
+    """Refuse ``value`` if lists and objects nest more than ``limit`` levels; iterative, so any depth is safe."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise BadRequest(f"{field} nests more than {limit} levels of lists and objects")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest("invalid JSON: nested too deeply (1000 levels or more)")
+
+
 def _explain(msgspec_message: str) -> str:
     m = _FIELD_AT.search(msgspec_message)
     hint = _FIELD_HINTS.get(m.group(1)) if m else None
+    echo = clip(msgspec_message)
     if hint:
-        return f"{hint}: {msgspec_message}"
+        return f"{hint}: {echo}"
     if "Expected `object`" in msgspec_message and " - at " not in msgspec_message:
-        return f"the body must be a JSON object: {msgspec_message}"
-    return f"invalid request: {msgspec_message}"
+        return f"the body must be a JSON object: {echo}"
+    return f"invalid request: {echo}"

@@ -16,14 +16,14 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from predictor.errors import BadRequest, IndexUnavailable, UnknownModel
+from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
 from predictor.load import LoadMonitor
 from predictor.metadata import IndexMetadata
 from predictor.metrics import PredictorMetrics
 from predictor.request import KeyedRequest, PredictRequest, check_token_count
 from predictor.route import RouteDecision, RoutingPolicy, decide
 from predictor.score import Prediction, score
-from predictor.stats import ProcessCounters, build_stats
+from predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from predictor.tokenization import Tokenization
 from predictor.tokenize import EngineTokenizer
 from predictor.ttft import TtftModels
@@ -41,7 +41,7 @@ async def valkey_call(timeout_s: float, what: str) -> AsyncIterator[None]:
     except TimeoutError:
         raise IndexUnavailable(f"valkey did not answer {what} within {timeout_s}s") from None
     except (RedisError, OSError) as exc:
-        raise IndexUnavailable(f"valkey unavailable ({what}): {type(exc).__name__}: {exc}") from None
+        raise IndexUnavailable(f"valkey unavailable ({what}): {type(exc).__name__}: {clip(str(exc))}") from None
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Predictor:
         try:
             keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
         except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(clip(str(exc))) from None
         return model, keys, len(tokens)
 
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
@@ -177,12 +177,12 @@ class Predictor:
         if not known:
             configured = ", ".join(sorted(self.tokenizer.engine_urls)) or "none"
             raise UnknownModel(
-                f"unknown model {model!r}: no --engine-url for it (configured: {configured}) "
+                f"unknown model {clip(repr(model))}: no --engine-url for it (configured: {clip(configured)}) "
                 "and no pod in the index serves it"
             )
         if need_engine:
             raise BadRequest(
-                f"cannot tokenize for model {model!r}: no --engine-url or --tokenizer configured for it; "
+                f"cannot tokenize for model {clip(repr(model))}: no --engine-url or --tokenizer configured for it; "
                 "send token_ids instead"
             )
 
@@ -194,13 +194,25 @@ class Predictor:
             return False, exc.message
         return True, ""
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, query: StatsQuery | None = None) -> dict[str, Any]:
+        """Bounded whatever the number of pods: a summary and one page of pods, or one pod (predictor/stats.py)."""
+        query = query or StatsQuery()
+        summary = None
         async with valkey_call(self.valkey_deadline_s * 4, "stats"):
             key_count = await self.index.key_count()
-            pods = await self.index.pods()
+            pod_models = await self.index.pod_ids()
             index_counters = await self.index.counters()
+            if query.pod is not None:
+                if query.pod not in pod_models:
+                    raise NotFound(f"no pod {clip(repr(query.pod))} in the index")
+                page = [query.pod]
+            else:
+                page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
+                summary = await read_pods_summary(self.index, pod_models)
+            pods = await self.index.pod_infos(page)
         out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
+            summary=summary, query=query,
         )
         out["tokenization"] = self.tokenization.status()
         out["engine_load"] = self.load_stats()

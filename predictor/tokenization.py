@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from predictor.errors import BadRequest
+from predictor.errors import BadRequest, clip
 from predictor.local_tokenizer import LocalTokenizer, TemplateError
 from predictor.tokenize import EngineTokenizer
 from predictor.tokenizer_check import builtin_samples, check_parity
@@ -80,7 +80,7 @@ class Tokenization:
                 return m.local.encode(prompt=prompt, messages=messages), LOCAL
             return await asyncio.to_thread(m.local.encode, prompt=prompt, messages=messages), LOCAL
         except TemplateError as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(clip(str(exc))) from None
 
     async def run_checks(self) -> None:
         """Check every pending model once; an engine that cannot be asked leaves it pending."""

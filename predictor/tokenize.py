@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from predictor.errors import EngineRejected, EngineUnavailable
+from predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
 from predictor.request import TokenId
 
 
@@ -53,7 +53,8 @@ class EngineTokenizer:
         except (TimeoutError, httpx.TimeoutException):
             raise EngineUnavailable(f"engine {base} did not answer /tokenize within {self.timeout_s}s") from None
         except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"engine {base} unreachable for /tokenize: {type(exc).__name__}: {exc}") from None
+            raise EngineUnavailable(
+                f"engine {base} unreachable for /tokenize: {type(exc).__name__}: {clip(str(exc))}") from None
         if 400 <= resp.status_code < 500:
             raise EngineRejected(f"engine {base} rejected the input ({resp.status_code}): {_error_text(resp)}")
         if resp.status_code != 200:
@@ -61,14 +62,16 @@ class EngineTokenizer:
         try:
             return _reply_decoder.decode(resp.content).tokens
         except msgspec.DecodeError as exc:
-            raise EngineUnavailable(f"engine {base} /tokenize returned no usable token list: {exc}") from None
+            raise EngineUnavailable(
+                f"engine {base} /tokenize returned no usable token list: {clip(str(exc))}") from None
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
 
-def _error_text(resp: httpx.Response, limit: int = 300) -> str:
-    """The engine's error message if it sent one (OpenAI-style or FastAPI-style), else the raw body."""
+def _error_text(resp: httpx.Response, limit: int = ECHO_LIMIT) -> str:
+    """The engine's error message if it sent one (OpenAI-style or FastAPI-style), else the raw body; clipped,
+    as engines often quote the prompt back."""
     try:
         data = msgspec.json.decode(resp.content)
     except msgspec.DecodeError:
@@ -76,8 +79,8 @@ def _error_text(resp: httpx.Response, limit: int = 300) -> str:
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:limit]
+            return clip(str(err["message"]), limit)
         for key in ("message", "detail", "error"):
             if data.get(key):
-                return str(data[key])[:limit]
-    return resp.text[:limit] or "(empty body)"
+                return clip(str(data[key]), limit)
+    return clip(resp.text, limit) or "(empty body)"

@@ -24,6 +24,15 @@ class Config:
     binds: tuple[str, ...] = ()
     engines: tuple[str, ...] = ()
     replay_timeout_s: float = 2.0
+    # Hostile-input bounds (docs/operations.md, "Hostile publishers and memory"): ZMQ drops a connection
+    # whose frame is larger than max_frame_bytes before allocating it; a socket's queue holds
+    # max_queue_bytes of such frames.
+    max_frame_bytes: int = 32 * 1024 * 1024
+    max_queue_bytes: int = 256 * 1024 * 1024
+    # CURVE: the ingester's keypair (a zmq.auth *.key_secret, or the z85 secret key alone) and the
+    # publisher public keys a --bind socket admits (a directory of certificates, or one key per line).
+    curve_secret_key_file: str = field(default="", repr=False)  # a path, but repr stays free of "secret"
+    curve_allow: str = ""
     # Predictor
     host: str = "127.0.0.1"
     port: int = 8080
@@ -47,6 +56,12 @@ class Config:
     route_max_kv_usage: float = 0.95
     route_good_match: float = 0.5
     route_stale_s: float = 5.0
+    # Request limits (predictor): the pods filter's length, and the time to read a request's headers, then
+    # its body (a slow client must not hold a connection forever).
+    max_pods_filter: int = 1024
+    request_read_timeout_s: float = 10.0
+    # Distinct pod label values per Prometheus metric (both processes); later pods are summed under "_other".
+    max_pod_series: int = 256
     # API keys (Authorization: Bearer); none configured: no auth. Never logged or printed.
     api_keys_file: str = ""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -91,6 +106,18 @@ class Config:
             raise ValueError("route_tier_weights must not be negative")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a port number (0: off)")
+        if self.max_frame_bytes < 4096 or self.max_queue_bytes < self.max_frame_bytes:
+            raise ValueError("max_frame_bytes must be at least 4096, and max_queue_bytes at least max_frame_bytes")
+        if self.curve_allow and not self.curve_secret_key_file:
+            raise ValueError("--curve-allow needs --curve-secret-key-file (the ingester's own CURVE keypair)")
+        if self.max_pods_filter <= 0 or self.max_pod_series <= 0:
+            raise ValueError("max_pods_filter and max_pod_series must be positive")
+        if self.request_read_timeout_s <= 0:
+            raise ValueError("request_read_timeout_s must be positive")
+        if self.api_keys and not any(k.strip() for k in self.api_keys):
+            # a typo or an unset secret (KVPF_API_KEYS="${KEYS}") must not quietly switch auth off
+            raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "
+                             "or unset it to serve without API keys")
 
 
 def _parse_env(f: dataclasses.Field, raw: str) -> Any:
@@ -102,7 +129,9 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     if kind.startswith("bool"):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if kind.startswith("tuple"):
-        return tuple(x for x in (p.strip() for p in raw.split(",")) if x)
+        items = tuple(p.strip() for p in raw.split(","))
+        # api_keys keeps its blanks so validate() can refuse a KVPF_API_KEYS that names no key
+        return items if f.name == "api_keys" else tuple(x for x in items if x)
     if kind.startswith("dict"):
         items = [x for x in raw.split(",") if x.strip()]
         return _DICT_PARSERS.get(f.name, parse_model_urls)(items)

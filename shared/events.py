@@ -10,9 +10,15 @@ Frames are ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpac
 Block hashes are ints, or bytes in some builds (we take the last 8 bytes,
 big-endian, as llm-d and Dynamo do). Unknown fields are ignored and unknown tags
 are reported, so a newer engine degrades to counted errors, never to a crash.
+
+Frames can come from anyone who reaches a bound socket, so ``decode_frames`` raises
+nothing at all: whatever msgspec or our checks reject (deep nesting included) becomes
+a worded error, bounded in length because it is logged.
 """
 from __future__ import annotations
 
+import math
+import reprlib
 from typing import Annotated, Any
 
 import msgspec
@@ -70,10 +76,29 @@ class DecodedFrame(msgspec.Struct, frozen=True):
     seq: int | None
     batch: EventBatch | None
     errors: list[str]
+    more_errors: int = 0  # further dropped events beyond the first MAX_LISTED_ERRORS, counted, not worded
+
+    @property
+    def error_count(self) -> int:
+        return len(self.errors) + self.more_errors
 
 
 class DecodeError(ValueError):
     pass
+
+
+# Error texts quote what was received and are logged: long or deep values are abbreviated.
+_quote = reprlib.Repr()
+_quote.maxstring = _quote.maxother = 60
+_quote.maxlevel = 3
+MAX_ERROR_CHARS = 300
+# Worded errors kept per message: a 32 MiB frame of a million one-byte bad events must not become a
+# million strings (and log lines); the rest are only counted.
+MAX_LISTED_ERRORS = 16
+
+# How deep ``extra_keys`` (kept as decoded, type Any) may nest. vLLM 0.32 sends per block None or a
+# tuple of multimodal hashes, (hash, offset) pairs, a LoRA name or a cache salt: three levels.
+MAX_EXTRA_KEYS_DEPTH = 8
 
 
 _msgpack = msgspec.msgpack.Decoder()
@@ -87,18 +112,32 @@ _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCl
 
 
 def parse_topic(raw: bytes | str) -> Topic:
-    """``kv@<pod>@<model>``; the model may itself contain ``@`` (rare, but split only twice)."""
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    """``kv@<pod>@<model>``; the model may itself contain ``@`` (rare, but split only twice).
+
+    Strict UTF-8: replacing bad bytes would turn a garbled topic into a pod named "\ufffd",
+    and different garbage into the same pod.
+    """
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DecodeError(f"topic {_quote.repr(raw)} is not UTF-8") from None
+    else:
+        text = raw
     parts = text.split("@", 2)
     if len(parts) != 3 or not parts[1] or not parts[2]:
-        raise DecodeError(f"topic {text!r} is not kv@<pod>@<model>")
+        raise DecodeError(f"topic {_quote.repr(text)} is not kv@<pod>@<model>")
     return Topic(pod_id=parts[1], model=parts[2])
 
 
 def parse_seq(raw: bytes) -> int:
+    """8 bytes big-endian, signed: 0, 1, ... per engine process, and -1 only as the replay end marker."""
     if len(raw) != 8:
         raise DecodeError(f"sequence frame has {len(raw)} bytes, expected 8")
-    return int.from_bytes(raw, "big", signed=True)
+    seq = int.from_bytes(raw, "big", signed=True)
+    if seq < SEQ_END:
+        raise DecodeError(f"sequence number {seq} is negative")
+    return seq
 
 
 def block_hash_to_int(value: Any) -> int:
@@ -113,6 +152,24 @@ def block_hash_to_int(value: Any) -> int:
             raise DecodeError("empty bytes block hash")
         return int.from_bytes(raw[-8:], "big")
     raise DecodeError(f"block hash of type {type(value).__name__}")
+
+
+def _nesting_within(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists, tuples and maps at most ``limit`` deep; iterative, so a
+    hostile depth cannot exhaust the stack here."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, tuple, dict)))
+    return True
 
 
 def _as_hash_list(value: Any) -> list[int]:
@@ -153,12 +210,14 @@ def _build(tag: str, fields: dict[str, Any]) -> Event:
         raise DecodeError("token_ids is not a list of integers in [0, 2^32)")
     block_size = fields.get("block_size")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise DecodeError(f"block_size {block_size!r} is not a positive integer")
+        raise DecodeError(f"block_size {_quote.repr(block_size)} is not a positive integer")
     hashes = _as_hash_list(fields.get("block_hashes"))
     if len(tokens) < len(hashes) * block_size:
         raise DecodeError(f"{len(hashes)} blocks of {block_size} need {len(hashes) * block_size} tokens, got {len(tokens)}")
     parent = fields.get("parent_block_hash")
     extra = fields.get("extra_keys")
+    if isinstance(extra, list) and not _nesting_within(extra, MAX_EXTRA_KEYS_DEPTH):
+        raise DecodeError(f"extra_keys nest deeper than {MAX_EXTRA_KEYS_DEPTH} levels")
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if parent is None else block_hash_to_int(parent),
@@ -191,12 +250,12 @@ def decode_event(raw: Any) -> Event:
         if isinstance(tag, bytes):
             tag = tag.decode("utf-8", "replace")
         if tag not in _TYPES:
-            raise DecodeError(f"unknown event tag {tag!r}")
+            raise DecodeError(f"unknown event tag {_quote.repr(tag)}")
         return _build(tag, fields)
     except DecodeError:
         raise
-    except Exception as exc:  # a shape nobody anticipated: still a counted error
-        raise DecodeError(f"malformed event: {exc!r}") from None
+    except Exception as exc:  # a shape nobody anticipated (RecursionError included): still a counted error
+        raise DecodeError(f"malformed event: {type(exc).__name__}: {_quote.repr(str(exc))}") from None
 
 
 class _WireBatch(msgspec.Struct, array_like=True):
@@ -216,16 +275,23 @@ def _decode_fast(payload: bytes) -> EventBatch | None:
 
     None on any shape msgspec rejects (positional events, bytes hashes, an unknown tag, a
     2-element batch, ...) and on any event ``_build`` would drop, so errors are worded and
-    counted in one place; what it returns equals what the tolerant path would.
+    counted in one place; what it returns equals what the tolerant path would. msgspec counts
+    every nesting level against the interpreter's recursion limit (1000 by default, far inside
+    the C stack) and raises RecursionError past it, even inside a field it skips: that too is
+    None here, and the tolerant path turns it into a DecodeError.
     """
     try:
         wire = _fast_batch.decode(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except Exception:  # ValidationError, DecodeError, RecursionError, MemoryError: the slow path judges
+        return None
+    if not math.isfinite(wire.ts):
         return None
     events = wire.events
     for i, ev in enumerate(events):
         if type(ev) is BlockStored:
             if ev.block_size <= 0 or len(ev.token_ids) < len(ev.block_hashes) * ev.block_size:
+                return None
+            if ev.extra_keys and not _nesting_within(ev.extra_keys, MAX_EXTRA_KEYS_DEPTH):
                 return None
             if (ev.block_hashes and (min(ev.block_hashes) < 0 or max(ev.block_hashes) > _U64)) or (
                     ev.parent_block_hash is not None and not 0 <= ev.parent_block_hash <= _U64):
@@ -242,13 +308,21 @@ def decode_payload(payload: bytes) -> tuple[EventBatch, list[str]]:
 
     Raises DecodeError when the payload as a whole is unusable.
     """
+    batch, errors, more = _decode_payload(payload)
+    return batch, errors + ([f"{more} more event(s) dropped"] if more else [])
+
+
+def _decode_payload(payload: bytes) -> tuple[EventBatch, list[str], int]:
+    """The batch, the first MAX_LISTED_ERRORS reasons for dropped events, and how many more were dropped."""
     fast = _decode_fast(payload)
     if fast is not None:
-        return fast, []
+        return fast, [], 0
     try:
         raw = _msgpack.decode(payload)
+    except RecursionError:
+        raise DecodeError("payload nests deeper than the decoder's recursion limit") from None
     except Exception as exc:
-        raise DecodeError(f"payload is not msgpack: {exc}") from None
+        raise DecodeError(f"payload is not msgpack: {_quote.repr(str(exc))}") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
@@ -256,29 +330,48 @@ def decode_payload(payload: bytes) -> tuple[EventBatch, list[str]]:
         rank = raw[2] if len(raw) > 2 else None
     else:
         raise DecodeError("batch is neither [ts, events, dp_rank?] nor a map")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise DecodeError("batch timestamp is not a number")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        # the apply script compares timestamps to tell a restart from a duplicate: NaN or inf would lie
+        raise DecodeError("batch timestamp is not a finite number")
     if not isinstance(events, list):
         raise DecodeError("batch events is not a list")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         rank = None
     decoded: list[Event] = []
     errors: list[str] = []
+    more = 0
     for i, ev in enumerate(events):
         try:
             decoded.append(decode_event(ev))
         except DecodeError as exc:
-            errors.append(f"event {i}: {exc}")
-    return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors
+            if len(errors) < MAX_LISTED_ERRORS:
+                errors.append(f"event {i}: {exc}")
+            else:
+                more += 1
+    return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors, more
 
 
 def decode_frames(frames: list[bytes]) -> DecodedFrame:
-    """A PUB message (``[topic, seq, payload]``) or a replay reply, fully tolerant.
+    """A PUB message (``[topic, seq, payload]``) or a replay reply, fully tolerant: never raises.
 
     Replay replies come as ``["", topic, seq, payload]`` (vLLM 0.32) or
     ``["", seq, payload]`` (older); the leading empty delimiter is stripped by the
     caller or here.
     """
+    try:
+        decoded = _decode_frames(frames)
+    except Exception as exc:  # a bug or a shape no check anticipated: still one counted error, never a crash
+        return DecodedFrame(None, None, None, [f"undecodable message: {type(exc).__name__}: {_quote.repr(str(exc))}"])
+    if any(len(e) > MAX_ERROR_CHARS for e in decoded.errors):
+        decoded = msgspec.structs.replace(decoded, errors=[_clip(e) for e in decoded.errors])
+    return decoded
+
+
+def _clip(error: str) -> str:
+    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def _decode_frames(frames: list[bytes]) -> DecodedFrame:
     # Replay replies lead with the ROUTER's empty delimiter frame.
     if len(frames) == 4 and frames[0] == b"":
         frames = frames[1:]
@@ -292,6 +385,8 @@ def decode_frames(frames: list[bytes]) -> DecodedFrame:
             seq_raw, payload = frames[0], frames[1]
         else:
             return DecodedFrame(None, None, None, [f"message has {len(frames)} frames, expected 3"])
+        if not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
+            return DecodedFrame(None, None, None, ["message frames are not bytes"])
         seq = parse_seq(seq_raw)
         # The replay end marker carries an empty topic; every other message names its pod.
         if len(frames) == 3 and not (seq == SEQ_END and frames[0] == b""):
@@ -301,10 +396,10 @@ def decode_frames(frames: list[bytes]) -> DecodedFrame:
     if seq == SEQ_END or not payload:
         return DecodedFrame(topic, seq, None, [])
     try:
-        batch, errors = decode_payload(payload)
+        batch, errors, more = _decode_payload(payload)
     except DecodeError as exc:
         return DecodedFrame(topic, seq, None, [str(exc)])
-    return DecodedFrame(topic, seq, batch, errors)
+    return DecodedFrame(topic, seq, batch, errors, more)
 
 
 # ---- encoding: the simulator and tests publish exactly what vLLM 0.32 sends ----

@@ -11,7 +11,11 @@ from shared.events import EventBatch, encode_frames
 
 
 class EngineStub:
-    def __init__(self, pub_endpoint: str, replay_endpoint: str, topic: str, *, bind: bool = True, buffer: int = 10_000):
+    def __init__(self, pub_endpoint: str, replay_endpoint: str, topic: str, *, bind: bool = True, buffer: int = 10_000,
+                 replay_topic: bool = True):
+        # replay_topic=False answers replays as ``["", seq, payload]``, without the topic frame
+        # (SGLang, and vLLM before 0.2x): the ingester must know the pod some other way.
+        self.replay_topic = replay_topic
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -66,7 +70,7 @@ class EngineStub:
             with self._lock:
                 replies = [f for s, f in self.buffer if s >= first]
             for frames in replies:
-                self.router.send_multipart([ident, b"", *frames])
+                self.router.send_multipart([ident, b"", *(frames if self.replay_topic else frames[1:])])
             self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:

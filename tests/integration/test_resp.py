@@ -98,3 +98,156 @@ async def test_pipelined_scripts_fail_when_the_server_goes_quiet(valkey_server, 
         valkey_server.proc.send_signal(signal.SIGCONT)
     assert await conn.evalsha_many(sha.decode(), "return ARGV[1]", [["d"]]) == [b"d"]
     await conn.close()
+
+
+# ---------------------------------------------------------------- lost connections: what is resent
+
+
+class Proxy:
+    """Between a client and Valkey. ``fault`` applies to the next request the proxy reads:
+    "drop" closes the client's connection without forwarding it (Valkey never sees it), "run"
+    forwards it and closes the client's connection instead of passing the reply back (Valkey ran
+    it), "cut" passes back only the reply's first 3 bytes, then closes. ``sticky`` keeps the fault
+    for every later request too."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.fault: str | None = None
+        self.sticky = False
+        self.connections = 0
+        self.tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> "Proxy":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        armed: str | None = None
+
+        def close() -> None:
+            cw.close()
+            uw.close()
+
+        async def up() -> None:
+            nonlocal armed
+            while data := await cr.read(1 << 16):
+                fault = self.fault
+                if not self.sticky:
+                    self.fault = None
+                if fault == "drop":
+                    return close()
+                armed = fault
+                uw.write(data)
+                await uw.drain()
+            close()
+
+        async def down() -> None:
+            while data := await ur.read(1 << 16):
+                if armed in ("run", "cut"):
+                    if armed == "cut":
+                        cw.write(data[:3])
+                        await cw.drain()
+                    return close()
+                cw.write(data)
+                await cw.drain()
+            close()
+
+        try:
+            await asyncio.gather(up(), down(), return_exceptions=True)
+        except asyncio.CancelledError:
+            close()
+
+
+async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, valkey_url):
+    r = redis.Redis.from_url(valkey_url)
+    r.set("k", "v")
+    incr = "return redis.call('INCR', KEYS[1])"
+    sha = r.script_load(incr)
+    async with Proxy(valkey_server.port) as proxy:
+        conn = FastConnection.from_url(proxy.url, resend_scripts={sha})
+        assert await conn.execute("PING") == b"PONG"
+        for fault in ("drop", "run"):  # closed before or after Valkey ran it, nothing of the reply back
+            proxy.fault = fault
+            assert await conn.execute("GET", "k") == b"v"  # read-only: sent again on a fresh connection
+        proxy.fault = "drop"
+        with pytest.raises(RedisConnectionError):  # never seen by Valkey, but the client cannot know that
+            await conn.execute("INCR", "n")
+        proxy.fault = "run"
+        with pytest.raises(RedisConnectionError):
+            await conn.execute("INCR", "n")
+        assert r.get("n") == b"1"  # ran once, not twice
+        proxy.fault = "run"  # a script named as safe to run twice is resent
+        assert await conn.evalsha(sha, incr, [], ("s",)) == 2 and r.get("s") == b"2"
+        proxy.fault = "run"  # the unanswered commands of a run are written once more, in order
+        assert await conn.evalsha_many(sha, incr, [[], []], [("t",), ("u",)]) == [2, 2]
+        other = FastConnection.from_url(proxy.url)  # the same script, not named: not resent
+        assert await other.execute("PING") == b"PONG"
+        proxy.fault = "run"
+        with pytest.raises(RedisConnectionError):
+            await other.evalsha(sha, incr, [], ("w",))
+        assert r.get("w") == b"1"
+        proxy.fault = "cut"  # part of the reply came: not resent, even read-only
+        with pytest.raises(RedisConnectionError):
+            await conn.execute("GET", "k")
+        proxy.fault, proxy.sticky = "drop", True  # lost again on the fresh connection: the error
+        before = proxy.connections
+        with pytest.raises(RedisConnectionError):
+            await conn.execute("GET", "k")
+        assert proxy.connections - before == 2  # the first try's connection, then one more
+        await conn.close()
+        await other.close()
+    r.close()
+
+
+async def test_redis_client_resends_only_what_can_run_twice(valkey_server, valkey_url):
+    from shared.resp import redis_client, script_sha
+
+    r = redis.Redis.from_url(valkey_url)
+    r.set("k", "v")
+    read = "return redis.call('GET', KEYS[1])"
+    async with Proxy(valkey_server.port) as proxy:
+        client = redis_client(proxy.url, timeout_s=1.0, resend_scripts={script_sha(read)})
+        script = client.register_script(read)
+        assert await client.ping()
+        for fault in ("drop", "run"):
+            proxy.fault = fault
+            assert await client.get("k") == b"v"
+            proxy.fault = fault
+            assert await script(keys=["k"]) == b"v"  # EVALSHA of a named script
+            proxy.fault = fault
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.get("k").hgetall("h")
+                assert await pipe.execute() == [b"v", {}]
+        for fault in ("drop", "run"):
+            assert await client.ping()  # a connected connection first: the fault is for HINCRBY, not a handshake
+            proxy.fault = fault
+            with pytest.raises(RedisConnectionError):
+                await client.hincrby("h", "n", 1)
+        assert r.hget("h", "n") == b"1"  # ran once ("run"), never twice
+        await client.aclose()
+    r.close()
+
+
+async def test_redis_client_replaces_a_pooled_connection_the_server_closed(valkey_url):
+    """redis-py 8's pool skipped this check ("auto" maintenance notifications): after a restart
+    or CLIENT KILL, the next command on each pooled connection failed, even a write."""
+    from shared.resp import redis_client
+
+    client = redis_client(valkey_url, timeout_s=1.0)
+    assert await client.ping()
+    redis.Redis.from_url(valkey_url).client_kill_filter(_type="normal")
+    await asyncio.sleep(0.1)  # the loop reads the server's close
+    assert await client.hincrby("h", "n", 1) == 1
+    await client.aclose()

@@ -1,11 +1,13 @@
 import base64
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames, decode_payload, encode_frames,
+    MAX_ERROR_CHARS, MAX_LISTED_ERRORS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames,
+    decode_payload, encode_frames,
 )
 from tests.conftest import load_jsonl
 
@@ -121,3 +123,77 @@ def test_encoder_reproduces_vllm_032_bytes():
         raw = base64.b64decode(o["payload_b64"])
         f = decode_frames([o["topic"].encode(), o["seq"].to_bytes(8, "big"), raw])
         assert encode_payload(f.batch) == raw, o["seq"]
+
+
+# ---- hostile input: nothing raises, every failure is a bounded, counted error
+
+
+def _stored_with(key: str, raw_value: bytes) -> bytes:
+    """A vLLM 0.32 batch of one BlockStored map plus ``key`` set to the raw msgpack ``raw_value``."""
+    body = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)),
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    head = msgspec.msgpack.encode(body)
+    event = bytes([0x80 | (len(body) + 1)]) + head[1:] + msgspec.msgpack.encode(key) + raw_value
+    return b"\x93\xcb" + bytes(8) + b"\x91" + event + b"\x00"
+
+
+@pytest.mark.parametrize("depth", [999, 1000, 5000, 200_000])
+@pytest.mark.parametrize("where", ["extra_keys", "future_field"])
+def test_deep_nesting_is_a_decode_error_never_a_recursion_error(depth, where):
+    out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), _stored_with(where, b"\x91" * depth + b"\xc0")])
+    if where == "future_field" and out.batch is not None:  # under the recursion limit: skipped, as any unknown field
+        assert not out.errors and len(out.batch.events) == 1
+    else:
+        assert out.batch is None or not out.batch.events
+        assert out.errors and all(len(e) <= MAX_ERROR_CHARS for e in out.errors)
+
+
+def test_extra_keys_deeper_than_the_bound_drop_the_event():
+    ok = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), _stored_with("extra_keys", b"\x91\x92\xa2mm\x00")])
+    assert not ok.errors and ok.batch.events[0].extra_keys == [["mm", 0]]
+    deep = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), _stored_with("extra_keys", b"\x91" * 12 + b"\xc0")])
+    assert deep.batch is not None and not deep.batch.events and "nest deeper" in deep.errors[0]
+
+
+def test_a_non_utf8_topic_is_a_decode_error_not_a_pod():
+    payload = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}], 0])
+    for topic in (b"kv@\xff\xfe@tiny", b"kv@pod@\xc3", b"\x80kv@pod@tiny"):
+        out = decode_frames([topic, (1).to_bytes(8, "big"), payload])
+        assert out.topic is None and out.batch is None and "not UTF-8" in out.errors[0]
+    assert decode_frames([b"kv@caf\xc3\xa9@tiny", (1).to_bytes(8, "big"), payload]).topic.pod_id == "café"
+
+
+def test_negative_seqs_and_non_finite_timestamps_are_decode_errors():
+    payload = msgspec.msgpack.encode([1.0, [], 0])
+    assert "negative" in decode_frames([b"kv@p@m", (-2).to_bytes(8, "big", signed=True), payload]).errors[0]
+    assert decode_frames([b"", (-1).to_bytes(8, "big", signed=True), b""]).seq == -1  # the replay end marker
+    for ts in (float("nan"), float("inf"), float("-inf")):
+        out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), msgspec.msgpack.encode([ts, [], 0])])
+        assert out.batch is None and "finite" in out.errors[0]
+
+
+def test_errors_are_bounded_in_number_and_length():
+    many = msgspec.msgpack.encode([1.0, [None] * 100_000 + [{"type": "AllBlocksCleared"}], 0])
+    out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), many])
+    assert len(out.errors) == MAX_LISTED_ERRORS and out.error_count == 100_000 and len(out.batch.events) == 1
+    assert decode_payload(many)[1][-1] == f"{100_000 - MAX_LISTED_ERRORS} more event(s) dropped"
+    huge_tag = msgspec.msgpack.encode([1.0, [{"type": "x" * 1_000_000}], 0])
+    assert len(decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), huge_tag]).errors[0]) < 200
+    assert len(decode_frames([b"kv@" + b"p" * 1_000_000, (1).to_bytes(8, "big"), b""]).errors[0]) < 200
+
+
+@pytest.mark.parametrize("header", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
+                                    b"\xc6\xff\xff\xff\xff"])
+def test_size_claims_past_the_payload_are_errors_without_allocation(header):
+    for payload in (b"\x93\xcb" + bytes(8) + header, _stored_with("token_ids", header)):
+        out = decode_frames([b"kv@p@m", (1).to_bytes(8, "big"), payload])
+        assert out.errors and (out.batch is None or not out.batch.events)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 6))
+def test_fuzz_nested_and_framed_never_raise(frames, depth_exp):
+    nested = b"\x91" * (10 ** depth_exp) + b"\xc0"
+    for msg in (frames, [b"kv@p@m", (1).to_bytes(8, "big"), nested], [b""] + frames):
+        out = decode_frames(msg)
+        assert isinstance(out.errors, list) and all(len(e) <= MAX_ERROR_CHARS for e in out.errors)

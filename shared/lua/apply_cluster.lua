@@ -1,0 +1,76 @@
+-- Prelude of pod.lua on Valkey Cluster: the pod's keys share its slot, the shared keys are spread
+-- over every shard, and no script may span slots. So the effects on shared keys are collected,
+-- kept in the pod's outbox (same slot, same atomic step as the seq), and returned; the ingester
+-- runs them on their shards (idempotent commands, pipelined per shard), then deletes the outbox
+-- entry. An ingester killed in between leaves the entry; whoever applies the pod's next batch
+-- runs it first (again: idempotent), so nothing is lost and nothing is counted twice.
+--
+-- Order matters for one request key of one pod (set, then unset): so a batch whose pod has an
+-- outbox entry of ANOTHER writer is not applied while that entry is young (answer "busy": its
+-- writer is about to run it) and, once it is older than the takeover time, the answer is
+-- "pending": the caller runs the entry first. A writer's own entries are in flight in order.
+-- KEYS: pod meta, blocks, field ids, request-key refs, outbox. ARGV[9]: "<writer id>@<takeover ms>".
+local effects = {}
+local function foreign_summary() return 0, nil end
+local function emit_link(ek, member, rks)
+  effects[#effects + 1] = 'L'
+  effects[#effects + 1] = ek
+  effects[#effects + 1] = member
+  effects[#effects + 1] = #rks
+  for _, rk in ipairs(rks) do effects[#effects + 1] = rk end
+  return true
+end
+local function emit_unlink(ek, member)
+  effects[#effects + 1] = 'U'
+  effects[#effects + 1] = ek
+  effects[#effects + 1] = member
+end
+local function emit_set(rk, fld)
+  effects[#effects + 1] = 'H'
+  effects[#effects + 1] = rk
+  effects[#effects + 1] = fld
+end
+local function emit_unset(rk, fld)
+  effects[#effects + 1] = 'D'
+  effects[#effects + 1] = rk
+  effects[#effects + 1] = fld
+end
+local function own_types_ok()
+  for i = 1, 5 do
+    local t = redis.call('TYPE', KEYS[i])
+    t = type(t) == 'table' and t.ok or t
+    if t ~= 'none' and t ~= 'hash' then return KEYS[i] .. ' holds a ' .. t .. ', expected a hash' end
+  end
+  return nil
+end
+local outbox = KEYS[5]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Entries are "<n>|<writer>|<ms>" -> msgpack list of effects.
+do
+  local writer = ARGV[9]
+  local takeover = tonumber(string.match(writer, '@(%d+)$') or '2000')
+  local pending = redis.call('HKEYS', outbox)
+  if #pending > 0 then
+    local t = now_ms()
+    for _, f in ipairs(pending) do
+      local w, ms = string.match(f, '^%d+|(.*)|(%d+)$')
+      if w ~= writer then
+        if t - tonumber(ms or '0') < takeover then return {'busy', '-1', 0, f} end
+        return {'pending', '-1', 0, f}
+      end
+    end
+  end
+end
+local function finish(reply)
+  if #effects == 0 then return reply end
+  local n = redis.call('HINCRBY', KEYS[1], 'outbox_n', 1)
+  local f = n .. '|' .. ARGV[9] .. '|' .. now_ms()
+  local payload = cmsgpack.pack(effects)
+  redis.call('HSET', outbox, f, payload)
+  reply[#reply + 1] = f
+  reply[#reply + 1] = payload
+  return reply
+end

@@ -1,0 +1,298 @@
+-- The pod step of applying one engine batch: the seq check and every change to the pod's own keys,
+-- which share one hash tag ({<pod>}) and so one slot: atomic on a single node and on a cluster.
+-- Changes to shared keys (request keys, engine:<key> and its membership set) are handed to the
+-- emit_* functions of the prelude: apply_single.lua runs them here and now; apply_cluster.lua
+-- returns them (and keeps them in the pod's outbox) for the ingester to run on their own shards.
+-- Every shared-key effect is idempotent and commutes with other pods' effects, so running one again
+-- (a retry, a drain of the outbox after a crash) changes nothing, and no count lives on a shared key.
+--
+-- KEYS: pod meta, pod blocks, pod field ids, pod request-key refs (then the prelude's own).
+-- ARGV: pod, rank, seq, ts, mode, model, engine_block_size, now, writer (the ingester's id), then
+--       encode_mutations(...).
+-- mode: "check" applies only the next seq; "force" also applies past a gap (gap accepted);
+--       "reset" clears the pod first (engine restart), then applies; "import" applies without
+--       touching the pod's seq (index import); "reset_if" clears the pod if its seq is still
+--       ARGV[3] (an engine restart found by a probe). "force" and "reset" re-check here: a batch
+--       at or below the persisted seq is still "dup" (another ingester got there first), or
+--       "restart" for force; a reset that is no longer a restart is handled as "check".
+-- Answers {status, last_seq (decimal string), foreign writes, detail}; status in
+-- applied|dup|gap|restart|corrupt (the cluster prelude appends the effects).
+--
+-- Seqs are 64-bit engine values and Lua numbers are doubles, so seqs travel and are compared as
+-- decimal strings; a seq more than 2^32 past the persisted one (or past -1 when none is) is
+-- "corrupt": never applied, so a forged frame cannot move the seq and make the next real batch
+-- look like an engine restart.
+--
+-- kvpf:{<pod>}:blocks maps "<engine key>|<tier>[|<group>]" to "<field id>[*<copies>]:<rk>,<rk>..":
+-- the field the block was written with (ids from kvpf:{<pod>}:fields), how many physical copies
+-- the engine holds (vLLM 0.32 caches a fully cached prompt's recomputed last block as a second
+-- copy under the same hash and reports each copy's eviction), and its request keys, so an
+-- eviction needs no read of engine:<key> (on a cluster, another shard).
+-- kvpf:{<pod>}:rks maps "<request key>|<field id>" to how many of the pod's blocks link that
+-- request key with that field: two engine keys give one request key when they differ only in what
+-- llm-d's keys leave out, and evicting one must not drop the entry the other still backs.
+local meta, blocks, fkey, rkkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local pod, rank = ARGV[1], ARGV[2]
+local seq_s, ts, mode = ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local MAX_AHEAD = 4294967296
+
+local function canon(s)  -- a seq string as decimal without leading zeros, or nil
+  if type(s) ~= 'string' or not string.find(s, '^%d+$') then return nil end
+  s = string.gsub(s, '^0+', '')
+  if s == '' then return '0' end
+  return s
+end
+local function cmp(a, b)  -- -1, 0, 1 for canonical non-negative decimal strings
+  if #a ~= #b then return #a < #b and -1 or 1 end
+  if a == b then return 0 end
+  return a < b and -1 or 1
+end
+local function succ(s)  -- s + 1
+  local i = #s
+  while i > 0 and string.byte(s, i) == 57 do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #s) end
+  return string.sub(s, 1, i - 1) .. string.char(string.byte(s, i) + 1) .. string.rep('0', #s - i)
+end
+-- A block's reverse-index value -> field id, copies, request keys (a list of strings).
+local function parse_held(v)
+  local head, list = string.match(v, '^([^:]*):?(.*)$')
+  local id, n = string.match(head, '^(%d+)%*(%d+)$')
+  if not id then id, n = head, 1 end
+  local rks = {}
+  for rk in string.gmatch(list, '[^,]+') do rks[#rks + 1] = rk end
+  return id, tonumber(n), rks, list
+end
+
+local bad = own_types_ok()
+if bad then return {'corrupt', '-1', 0, bad} end
+
+local seq = canon(seq_s)
+local last_raw = redis.call('HGET', meta, 'seq:' .. rank)
+local last = last_raw and canon(last_raw)
+if last_raw and not last then
+  -- A seq we did not write (hand edit, foreign writer): the pod's entries cannot be trusted, so
+  -- it is flagged, and the seq counts as unknown: this batch is a gap from the start (replayed
+  -- or force-applied by the ingester), which writes a good seq again.
+  redis.call('HSET', meta, 'incomplete', 1,
+             'incomplete_reason', 'corrupt seq:' .. rank .. ' in the index: ' .. string.sub(last_raw, 1, 40))
+  redis.call('HINCRBY', meta, 'corrupt', 1)
+end
+local last_s = last or '-1'
+if seq == nil then return {'corrupt', last_s, 0, 'seq ' .. string.sub(seq_s, 1, 40) .. ' is not a non-negative integer'} end
+
+local byid, byfield, nids = nil, nil, 0
+local function field_ids()
+  if byid == nil then
+    byid, byfield, nids = {}, {}, 0
+    local all = redis.call('HGETALL', fkey)
+    for i = 1, #all, 2 do
+      byid[all[i]] = all[i + 1]
+      byfield[all[i + 1]] = all[i]
+      nids = nids + 1
+    end
+  end
+end
+-- Unlink one block of the pod from the shared keys (its request keys through the refs).
+local function drop_block(bk, id, rks)
+  field_ids()
+  local fld = byid[id] or id  -- a value that is not an id is a field itself
+  local ek = string.match(bk, '^([^|]*)')
+  for _, rk in ipairs(rks) do
+    local f = rk .. '|' .. id
+    if redis.call('HINCRBY', rkkey, f, -1) <= 0 then
+      redis.call('HDEL', rkkey, f)
+      emit_unset(rk, fld)
+    end
+  end
+  emit_unlink(ek, pod .. '|' .. string.sub(bk, #ek + 2))
+end
+-- Remove every entry of the pod (AllBlocksCleared, engine restart, index clear): O(pod's blocks).
+local function clear_pod()
+  field_ids()
+  local all = redis.call('HGETALL', rkkey)
+  for i = 1, #all, 2 do
+    local rk, id = string.match(all[i], '^(.*)|([^|]*)$')
+    if rk then emit_unset(rk, byid[id] or id) end
+  end
+  all = redis.call('HGETALL', blocks)
+  local n = 0
+  for i = 1, #all, 2 do
+    local ek = string.match(all[i], '^([^|]*)')
+    emit_unlink(ek, pod .. '|' .. string.sub(all[i], #ek + 2))
+    n = n + 1
+  end
+  redis.call('DEL', blocks, rkkey)
+  return n
+end
+
+if mode == 'clear' then  -- index clear: ARGV[3] is "0"
+  local n = clear_pod()
+  return finish({'applied', tostring(n), 0, ''})
+end
+if mode == 'reset_if' then
+  if last ~= seq then return finish({'dup', last_s, 0, ''}) end
+  clear_pod()
+  local fields = redis.call('HKEYS', meta)
+  for _, f in ipairs(fields) do
+    if string.sub(f, 1, 4) == 'seq:' or string.sub(f, 1, 3) == 'ts:' then redis.call('HDEL', meta, f) end
+  end
+  redis.call('HINCRBY', meta, 'restarts', 1)
+  redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- empty, as the new engine: exact
+  return finish({'applied', last_s, 0, ''})
+end
+
+-- What "check" answers: nil (the next seq: apply), or dup, restart, gap or corrupt.
+local verdict = nil
+if mode ~= 'import' then
+  if last then
+    local c = cmp(seq, last)
+    if c <= 0 then
+      local last_ts = tonumber(redis.call('HGET', meta, 'ts:' .. rank) or '0') or 0
+      if ts > last_ts then verdict = 'restart' else verdict = 'dup' end
+    elseif seq ~= succ(last) then
+      if tonumber(seq) - tonumber(last) > MAX_AHEAD then verdict = 'corrupt' else verdict = 'gap' end
+    end
+  elseif seq ~= '0' then
+    if #seq > 15 or tonumber(seq) >= MAX_AHEAD then verdict = 'corrupt' else verdict = 'gap' end
+  end
+end
+if verdict == 'corrupt' then
+  redis.call('HINCRBY', meta, 'corrupt', 1)
+  return {'corrupt', last_s, 0, 'seq ' .. seq .. ' is more than 2^32 past ' .. last_s}
+end
+if mode == 'check' and verdict then return {verdict, last_s, 0, ''} end
+-- force accepts a gap, never a batch at or below the persisted seq
+if mode == 'force' and (verdict == 'dup' or verdict == 'restart') then return {verdict, last_s, 0, ''} end
+if mode == 'reset' and verdict ~= 'restart' then
+  if verdict then return {verdict, last_s, 0, ''} end
+  mode = 'check'  -- another ingester already reset and this is its next seq: apply, keep its work
+end
+
+-- Every op is checked before the first write, so a malformed argument list changes nothing.
+local nf = tonumber(ARGV[10])
+do
+  local j = 11 + (nf or -1e9)
+  if nf == nil or nf < 0 or j - 1 > #ARGV then return {'corrupt', last_s, 0, 'malformed ops'} end
+  while j <= #ARGV do
+    local op = ARGV[j]
+    if op == 'S' or op == 'A' then
+      local fi, n = tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
+      if not fi or not n or fi < 1 or fi > nf or n < 0 or j + 4 + n > #ARGV then
+        return {'corrupt', last_s, 0, 'malformed store op'}
+      end
+      j = j + 5 + n
+    elseif op == 'R' then j = j + 3
+    elseif op == 'C' then j = j + 1
+    elseif op == 'I' then j = j + 2
+    else return {'corrupt', last_s, 0, 'unknown op ' .. string.sub(tostring(op), 1, 20)} end
+  end
+  if j ~= #ARGV + 1 then return {'corrupt', last_s, 0, 'truncated ops'} end
+end
+
+if mode == 'reset' then
+  clear_pod()
+  redis.call('HINCRBY', meta, 'restarts', 1)
+  redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- empty, as the new engine: exact
+end
+local stored, removed, cleared, reannounced = 0, 0, 0, 0
+local ids = {}  -- batch field index -> id
+local function id_of(fi)
+  local id = ids[fi]
+  if id then return id end
+  field_ids()
+  local fld = ARGV[10 + fi]
+  id = byfield[fld]
+  if id == nil then
+    nids = nids + 1
+    id = tostring(nids)
+    redis.call('HSET', fkey, id, fld)
+    byid[id], byfield[fld] = fld, id
+  end
+  ids[fi] = id
+  return id
+end
+local flags = {}
+local i = 11 + nf
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'S' or op == 'A' then
+    -- A: a store whose event had no parent. vLLM (0.32, kv_cache_report_mode "full") re-sends
+    -- BlockStored for the prefix-cache blocks a request reuses, always from block 0 with no
+    -- parent (block_pool.emit_cached_block_events); a real second copy of a held hash (the
+    -- recomputed last block of a fully cached prompt) comes from cache_full_blocks with its
+    -- parent. So a parentless store of a hash the pod already holds is a re-announcement.
+    local ek, slot, fi, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+    local bk = ek .. '|' .. slot
+    local held = redis.call('HGET', blocks, bk)
+    if held and op == 'A' then
+      reannounced = reannounced + 1
+    elseif held then  -- another physical copy of a held hash: count it
+      local id, copies, _, list = parse_held(held)
+      redis.call('HSET', blocks, bk, id .. '*' .. (copies + 1) .. ':' .. list)
+      stored = stored + 1
+    else
+      local rks = {}
+      for j = 1, n do rks[j] = ARGV[i + 4 + j] end
+      local fld = ARGV[10 + fi]
+      -- The engine key first: if it is foreign (single node: found now), its request keys could
+      -- never be found again on eviction, so the block is not indexed at all (the pod is flagged).
+      if emit_link(ek, pod .. '|' .. slot, rks) then
+        local id = id_of(fi)
+        redis.call('HSET', blocks, bk, id .. ':' .. table.concat(rks, ','))
+        for _, rk in ipairs(rks) do
+          if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then emit_set(rk, fld) end
+        end
+        stored = stored + 1
+      end
+    end
+    i = i + 5 + n
+  elseif op == 'R' then
+    local ek, slot = ARGV[i + 1], ARGV[i + 2]
+    local bk = ek .. '|' .. slot
+    local held = redis.call('HGET', blocks, bk)
+    if held then
+      local id, copies, rks, list = parse_held(held)
+      if copies > 1 then
+        redis.call('HSET', blocks, bk, id .. (copies > 2 and ('*' .. (copies - 1)) or '') .. ':' .. list)
+      else
+        redis.call('HDEL', blocks, bk)
+        drop_block(bk, id, rks)
+      end
+      removed = removed + 1
+    end
+    i = i + 3
+  elseif op == 'C' then
+    clear_pod()
+    redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- exact again from here
+    flags = {}
+    cleared = cleared + 1
+    i = i + 1
+  elseif op == 'I' then
+    flags[#flags + 1] = ARGV[i + 1]
+    i = i + 2
+  end
+end
+local nforeign, first_foreign = foreign_summary()
+if nforeign > 0 then
+  flags[#flags + 1] = nforeign .. ' write(s) hit a key of a foreign type (' .. first_foreign .. ')'
+  redis.call('HINCRBY', meta, 'foreign_keys', nforeign)
+end
+if #flags > 0 then
+  redis.call('HSET', meta, 'incomplete', 1, 'incomplete_reason', table.concat(flags, '; '))
+end
+if mode == 'import' then
+  redis.call('HSET', meta, 'model', ARGV[6])
+else
+  redis.call('HSET', meta, 'seq:' .. rank, seq, 'ts:' .. rank, ARGV[4], 'model', ARGV[6],
+             'last_event_time', ARGV[8])
+end
+if ARGV[7] ~= '' then redis.call('HSET', meta, 'engine_block_size', ARGV[7]) end
+if mode == 'force' and last and cmp(seq, succ(last)) > 0 then
+  redis.call('HINCRBY', meta, 'gaps_accepted', 1)
+end
+redis.call('HINCRBY', meta, 'batches', 1)
+if stored > 0 then redis.call('HINCRBY', meta, 'stored', stored) end
+if removed > 0 then redis.call('HINCRBY', meta, 'removed', removed) end
+if cleared > 0 then redis.call('HINCRBY', meta, 'cleared', cleared) end
+if reannounced > 0 then redis.call('HINCRBY', meta, 'reannounced', reannounced) end
+return finish({'applied', last_s, nforeign, first_foreign or ''})

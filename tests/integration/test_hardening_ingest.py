@@ -1,0 +1,224 @@
+"""Hardening findings of the write path, each reproduced with real processes (a real
+``kv-preflight ingest``, real ZMQ, real Valkey): resume before any frame, forged seqs, keys of a
+foreign type, and the two ways one request key is backed twice (copies, cache_salt)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import redis
+
+from cli.valkey_server import free_port
+from shared.events import BlockRemoved, BlockStored, EventBatch, encode_frames
+from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from tests.e2e.harness import spawn, stop
+from tests.integration.engine_stub import EngineStub
+from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq
+from tests.integration.truth import engine_truth, index_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+F0 = encode_entry(make_entry("pod-a", "GPU", 0))
+
+
+def stub(topic: str = "kv@pod-f@tiny", **kw) -> tuple[EngineStub, str]:
+    zport, rport = free_port(), free_port()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", topic, bind=True, **kw)
+    return engine, f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
+
+
+async def until(pred, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-replay", "replay-without-topic"])
+async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url, tmp_path, replay_topic):
+    """Finding 1: with --source (no topic known before the first frame) a restarted ingester
+    replayed nothing until the engine published again. The pod a replay socket serves is now
+    persisted, so the restart catches up at start, also when replies carry no topic (SGLang)."""
+    engine, source = stub(replay_topic=replay_topic)
+    wl = Workload(11)
+    ix = Index.from_url(valkey_url)
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", source], str(tmp_path / "ing1.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 30)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        stop(ing, kill=True)
+        await publish(engine, wl, 25)  # nobody listening; the engine then goes quiet
+        ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", source], str(tmp_path / "ing2.log"))
+        # No frame is published from here on: only the resume at start can close the gap.
+        await wait_for_seq(ix, "pod-f", engine.seq - 1, timeout=10.0)
+        assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
+        assert not (await ix.pod_info("pod-f")).incomplete
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_path):
+    """Finding 3: seq 2^63-1 overflowed Lua's doubles and made apply recurse without bound; the
+    process died and died again after a restart. Seqs are compared exactly; one more than 2^32
+    past the persisted seq is corrupt: refused, counted, the pod flagged, and the next real batch
+    applies as the next seq (no "restart" that would clear the pod)."""
+    engine, source = stub()
+    wl = Workload(12)
+    ix = Index.from_url(valkey_url)
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", source], str(tmp_path / "ing.log"))
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 10)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        forged = wl.next_batch()
+        wl.batches.pop()  # never applied: not part of the truth
+        for seq in (2**63 - 1, 2**62, 2**32 + 10_000, -5):
+            engine.send_raw(encode_frames("kv@pod-f@tiny", seq, forged))
+        await asyncio.sleep(0.5)
+        await publish(engine, wl, 10)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        assert ing.poll() is None, "the ingester died"
+        assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
+        info = await ix.pod_info("pod-f")
+        assert info.counters.get("restarts", 0) == 0
+        assert info.seqs == {"0": engine.seq - 1}
+        assert info.incomplete and "refused" in info.incomplete_reason
+        assert (await ix.counters()).get("corrupt_batches", 0) >= 3
+        assert "not applied" in (tmp_path / "ing.log").read_text()
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_path):
+    """Finding 5: a LIST at engine:<key> failed the batch script after partial writes; each retry
+    counted copies again, every other pod stalled, and after eviction the pod stayed listed. Now
+    the block behind the foreign key is not indexed (pod flagged, counted), the seq moves on,
+    other pods go on, and nothing is counted twice."""
+    a, src_a = stub("kv@pod-a@tiny")
+    b, src_b = stub("kv@pod-b@tiny")
+    sync = redis.Redis.from_url(valkey_url)
+    ix = Index.from_url(valkey_url)
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", src_a, "--source", src_b], str(tmp_path / "ing.log"))
+    rng = random.Random(5)
+    toks = [rng.randrange(1, 30000) for _ in range(64)]
+    try:
+        await asyncio.sleep(1.0)
+        sync.rpush("engine:123", "x")  # somebody else's LIST where our engine key goes
+        sync.set("engine:456", "y")
+        a.publish(EventBatch(time.time(), [BlockStored([123], None, toks[:32], 32, medium="GPU")], 0))
+        a.publish(EventBatch(time.time(), [BlockStored([789], None, toks[32:], 32, medium="GPU")], 0))
+        for k in range(5):
+            b.publish(EventBatch(time.time(), [BlockStored([1000 + k], None, toks[:32], 32, medium="GPU")], 0))
+        await wait_for_seq(ix, "pod-a", 1)
+        await wait_for_seq(ix, "pod-b", 4)
+        assert sync.hget("kvpf:blocks:pod-a", "123|gpu") is None
+        assert sync.hget("kvpf:blocks:pod-a", "789|gpu") == b"1"
+        assert sync.lrange("engine:123", 0, -1) == [b"x"]  # untouched
+        info = await ix.pod_info("pod-a")
+        assert info.incomplete and "foreign" in info.incomplete_reason and "engine:123" in info.incomplete_reason
+        assert (await ix.counters()).get("foreign_keys", 0) == 1
+        assert info.counters["batches"] == 2 and info.counters["stored"] == 1
+        # Eviction of the block that was never indexed changes nothing; the other goes cleanly.
+        a.publish(EventBatch(time.time(), [BlockRemoved([123, 789], medium="GPU")], 0))
+        await wait_for_seq(ix, "pod-a", 2)
+        assert sync.hlen("kvpf:blocks:pod-a") == 0
+        assert not sync.exists("engine:789")
+        assert ing.poll() is None
+    finally:
+        stop(ing)
+        a.close()
+        b.close()
+        sync.close()
+        await ix.close()
+
+
+async def test_foreign_request_key_is_a_counted_miss_on_read(ix):
+    """Finding 5, read path: a foreign-typed request key was "valkey unavailable"; it is a miss."""
+    await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[StoreBlock(11, "gpu", F0, (101, 102)), StoreBlock(12, "gpu", F0, (103,))])
+    await ix.client.delete("102")
+    await ix.client.rpush("102", "foreign")
+    for mode in ("script", "linear", "pipeline"):
+        before = ix.foreign_reads
+        matches = await ix.lookup([101, 102, 103], mode=mode)
+        assert [(m.pod_id, m.blocks) for m in matches] == [("pod-a", 1)], mode
+        assert ix.foreign_reads == before + 1, mode
+
+
+async def test_foreign_pod_key_refuses_the_batch_before_any_write(ix):
+    await ix.client.rpush("kvpf:blocks:pod-a", "x")
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                             mutations=[StoreBlock(11, "gpu", F0, (101,))])
+    assert r.status == "corrupt" and "kvpf:blocks:pod-a" in r.detail
+    assert not await ix.client.exists("101") and not await ix.client.exists("engine:11")
+
+
+async def test_non_integer_seq_in_state_flags_the_pod(ix):
+    """Finding 6: a non-integer seq in a pod's state gave a 500; it is corrupt state, pod flagged."""
+    await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[StoreBlock(11, "gpu", F0, (101,))])
+    await ix.client.hset("kvpf:pod:pod-a", "seq:0", "not-a-number")
+    info = await ix.pod_info("pod-a")
+    assert info.incomplete and "seq:0" in info.incomplete_reason
+    # The script treats it as unknown: the next batch is a gap from the start, never a crash.
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32, mutations=[])
+    assert r.status == "gap" and r.last_seq == -1
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32, mutations=[],
+                             mode="force")
+    assert r.status == "applied" and (await ix.pod_info("pod-a")).seqs == {"0": 1}
+
+
+async def test_seqs_compare_exactly_past_2_pow_53(ix):
+    """Doubles cannot tell 2^53 from 2^53+1; the script compares decimal strings."""
+    big = 2**53
+    await ix.client.hset("kvpf:pod:pod-a", mapping={"seq:0": str(big), "ts:0": "1.0"})
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=big + 1, ts=1.0, model="m", engine_block_size=32, mutations=[])
+    assert r.status == "applied" and r.last_seq == big
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=big + 1, ts=1.0, model="m", engine_block_size=32, mutations=[])
+    assert r.status == "dup" and r.last_seq == big + 1
+    assert (await ix.pod_info("pod-a")).seqs == {"0": big + 1}
+
+
+async def test_reannounced_block_is_not_a_second_copy(ix):
+    """Finding 9: vLLM re-sends BlockStored, parentless, for reused blocks under
+    kv_cache_report_mode "full"; a real second copy (recomputed last block) has a parent."""
+    async def apply(seq, muts):
+        return await ix.apply_batch(pod_id="pod-a", rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32,
+                                    mutations=muts)
+    first = [StoreBlock(11, "gpu", F0, (101,), parentless=True), StoreBlock(12, "gpu", F0, (102,), parentless=True)]
+    await apply(0, first)
+    await apply(1, first)  # the re-announcement: no copy counted
+    await apply(2, [StoreBlock(12, "gpu", F0, (102,))])  # a real copy of block 12 (it has a parent)
+    assert await ix.client.hget("kvpf:blocks:pod-a", "11|gpu") == b"1"
+    assert await ix.client.hget("kvpf:blocks:pod-a", "12|gpu") == b"1*2"
+    assert (await ix.pod_info("pod-a")).counters["reannounced"] == 2
+    await apply(3, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one eviction each
+    assert not await ix.client.exists("101")  # the only copy went
+    assert await ix.client.hkeys("102") == [F0.encode()]  # one copy of 12 is left
+
+
+async def test_cache_salt_two_engine_keys_one_request_key(ix):
+    """Finding 9: a salted and an unsalted prompt give two engine keys and the same request keys;
+    evicting one must not drop the entry the other still backs."""
+    async def apply(seq, muts):
+        await ix.apply_batch(pod_id="pod-a", rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32, mutations=muts)
+    await apply(0, [StoreBlock(11, "gpu", F0, (101, 102), parentless=True)])
+    await apply(1, [StoreBlock(91, "gpu", F0, (101, 102), parentless=True)])  # same tokens, salted hash
+    await apply(2, [RemoveBlock(11, "gpu")])
+    assert [m.blocks for m in await ix.lookup([101, 102], mode="linear")] == [2]
+    await apply(3, [RemoveBlock(91, "gpu")])
+    assert await ix.lookup([101, 102], mode="linear") == []
+    assert not await ix.client.exists("kvpf:rkref:pod-a", "engine:91", "101", "102")
+    # Known limit (docs/operations.md): engine:11 outlives its last holder here, because its request
+    # keys were still held (through 91) when 11 went. It maps to the right request keys, so it
+    # misleads nothing; the cluster layout's per-engine-key membership removes it.

@@ -1,0 +1,396 @@
+"""Hostile input against real `kv-preflight ingest` processes, over real ZMQ, into a real Valkey.
+
+One ingester process takes every group of bad frames below (hypothesis-generated where a space is
+large: random bytes, wrong types at every field, truncated real frames, huge arrays, deep nesting,
+non-UTF-8 topics, wrong frame counts and seq lengths, well-typed but absurd values, a frame over
+--max-frame-bytes). After each group a well-formed batch of a canary pod must be indexed, and at the
+end the process must be alive, with the bad frames counted and its peak memory bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cli.valkey_server import free_port
+from shared.events import BlockStored, EventBatch, encode_frames
+from shared.index import Index
+from tests.conftest import fixture_path
+from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.engine_stub import EngineStub
+from tests.prom import metric
+
+pytestmark = [pytest.mark.integration]
+
+MIB = 1024 * 1024
+FIXTURE = [json.loads(line) for line in fixture_path("vllm-0.32-live-frames.jsonl").read_text().splitlines() if line]
+REAL_FRAMES = [[o["topic"].encode(), o["seq"].to_bytes(8, "big"), base64.b64decode(o["payload_b64"])] for o in FIXTURE]
+VICTIM = b"kv@victim@tiny"
+FIELDS = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                          "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                          "kv_cache_spec_sliding_window", "type"],
+          "BlockRemoved": ["block_hashes", "medium", "group_idx", "type"]}
+SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 64 - 1), st.floats(), st.text(max_size=12),
+                 st.binary(max_size=12))
+any_value = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                         max_leaves=10)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def nested(depth: int, inner: bytes = b"\xc0") -> bytes:
+    """msgpack: ``depth`` one-element arrays around ``inner``, built without recursion."""
+    return b"\x91" * depth + inner
+
+
+def map_with(base: dict, key: str, raw_value: bytes) -> bytes:
+    """msgpack of ``base`` plus ``key`` whose value is the raw msgpack ``raw_value`` (a fixmap)."""
+    body = {k: v for k, v in base.items() if k != key}
+    head = msgspec.msgpack.encode(body)
+    assert head[0] & 0xF0 == 0x80 and len(body) < 15
+    return bytes([0x80 | (len(body) + 1)]) + head[1:] + msgspec.msgpack.encode(key) + raw_value
+
+
+def payload_of(*raw_events: bytes, ts: bytes | None = None) -> bytes:
+    return (b"\x93" + (ts or msgspec.msgpack.encode(time.time())) + bytes([0x90 | len(raw_events)])
+            + b"".join(raw_events) + b"\x00")
+
+
+def wire_events() -> list[dict]:
+    return [ev for fr in REAL_FRAMES for ev in msgspec.msgpack.decode(fr[2])[1]]
+
+
+def peak_rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+
+
+class Canary:
+    """A pod whose well-formed batches only this test sends: each one must get indexed."""
+
+    def __init__(self, pub: zmq.Socket, ix: Index, loop: asyncio.AbstractEventLoop, pod: str = "canary"):
+        self.pub, self.ix, self.loop, self.pod = pub, ix, loop, pod
+        self.seq = 0
+
+    def batch(self, seq: int) -> EventBatch:
+        tokens = [(seq * 16 + i) % 30_000 + 1 for i in range(16)]
+        return EventBatch(time.time(), [BlockStored([500_000 + seq], None, tokens, 16, medium="GPU", group_idx=0,
+                                                    extra_keys=[None])], 0)
+
+    def info(self):
+        return self.loop.run_until_complete(self.ix.pod_info(self.pod))
+
+    def counters(self) -> dict[str, int]:
+        return self.loop.run_until_complete(self.ix.counters())
+
+    def publish_and_wait(self, proc, timeout_s: float = 15.0) -> None:
+        """Publish the next batch until one is indexed (a frame sent while the publisher reconnects is
+        lost: the next seq is then a gap, which a --bind socket cannot replay, so it applies flagged)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seq = self.seq
+            self.seq += 1
+            self.pub.send_multipart(encode_frames(f"kv@{self.pod}@tiny", seq, self.batch(seq)))
+            resend = time.monotonic() + 1.0
+            while time.monotonic() < resend:
+                if self.info().seqs.get("0", -1) >= seq:
+                    return
+                assert proc.poll() is None, "the ingester died"
+                time.sleep(0.005)
+            assert time.monotonic() < deadline, f"canary batch never indexed: {self.info()}"
+
+
+@contextlib.contextmanager
+def ingester(valkey_url: str, tmp_path: Path, *args: str):
+    mport = free_port()
+    log = tmp_path / f"ingest-{mport}.log"
+    proc = spawn(["ingest", "--valkey-url", valkey_url, "--metrics-port", str(mport), *args], str(log))
+    try:
+        wait_http(f"http://127.0.0.1:{mport}/metrics")
+        yield proc, f"http://127.0.0.1:{mport}/metrics", log
+    finally:
+        stop(proc)
+
+
+def test_hostile_frames_are_counted_and_never_stop_one_ingester(valkey_url, tmp_path):
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 0)
+    loop = asyncio.new_event_loop()
+    ix = Index.from_url(valkey_url)
+    started = time.monotonic()
+    with ingester(valkey_url, tmp_path, "--bind", f"tcp://127.0.0.1:{port}") as (proc, metrics_url, log):
+        try:
+            pub.connect(f"tcp://127.0.0.1:{port}")
+            canary = Canary(pub, ix, loop)
+            canary.publish_and_wait(proc, timeout_s=30)  # also waits out ZMQ's slow joiner
+            sent_bad = 0  # frames every decoder must reject: the counter must grow by at least this
+
+            def send(frames_list: list[list[bytes]], certainly_bad: bool = False) -> None:
+                nonlocal sent_bad
+                before = canary.counters().get("decode_errors", 0)
+                for frames in frames_list:
+                    pub.send_multipart(frames)
+                canary.publish_and_wait(proc)  # same socket, in order: the group was handled before it
+                if certainly_bad:
+                    sent_bad += len(frames_list)
+                    assert canary.counters().get("decode_errors", 0) - before >= len(frames_list)
+
+            # Random frames, any count (0-frame messages cannot be sent, so at least one).
+            @SETTINGS
+            @given(st.lists(st.lists(st.binary(max_size=64), min_size=1, max_size=6), min_size=1, max_size=4))
+            def random_frames(group):
+                send(group)
+            random_frames()
+
+            # Random payload bytes under a plausible topic and seq.
+            @SETTINGS
+            @given(st.lists(st.binary(max_size=256), min_size=1, max_size=4), st.integers(0, 2 ** 20))
+            def random_payloads(payloads, seq):
+                send([[VICTIM, seq_bytes(seq), p] for p in payloads])
+            random_payloads()
+
+            # A wrong type at every field of every event kind, and of the batch itself.
+            events = wire_events()
+            templates = {kind: next(e for e in events if e["type"] == kind) for kind in FIELDS}
+            group = []
+            for kind, names in FIELDS.items():
+                for name in names:
+                    for wrong in ({"x": 1}, "text", -1.5, [[["deep"]]], None if name == "type" else b"\xff" * 9):
+                        ev = dict(templates[kind], **{name: wrong})
+                        group.append([VICTIM, seq_bytes(10), msgspec.msgpack.encode([time.time(), [ev], 0])])
+            for ts, evs, rank in (("now", [], 0), (1.0, {"a": 1}, 0), (1.0, [], "zero"), (None, None, None)):
+                group.append([VICTIM, seq_bytes(11), msgspec.msgpack.encode([ts, evs, rank])])
+            send(group)
+
+            @SETTINGS
+            @given(st.sampled_from(sorted(FIELDS)), st.data())
+            def wrong_types(kind, data):
+                name = data.draw(st.sampled_from(FIELDS[kind] + ["unknown_field"]))
+                value = data.draw(any_value)
+                ev = dict(templates[kind], **{name: value})
+                batch = data.draw(st.sampled_from(["ok", "ts", "rank", "extra"]))
+                wire = [time.time(), [ev], 0]
+                if batch == "ts":
+                    wire[0] = value
+                elif batch == "rank":
+                    wire[2] = value
+                elif batch == "extra":
+                    wire.append(value)
+                send([[VICTIM, seq_bytes(data.draw(st.integers(0, 2 ** 40))), msgspec.msgpack.encode(wire)]])
+            wrong_types()
+
+            # Truncations of the real vLLM 0.32 frames, in any of the three frames.
+            @SETTINGS
+            @given(st.sampled_from(range(len(REAL_FRAMES))), st.sampled_from([0, 1, 2]), st.data())
+            def truncated(i, which, data):
+                frames = list(REAL_FRAMES[i])
+                frames[which] = frames[which][:data.draw(st.integers(0, max(0, len(frames[which]) - 1)))]
+                frames[0] = VICTIM if which != 0 else frames[0]
+                send([frames])
+            truncated()
+
+            # Huge arrays: headers claiming 2^32-1 elements (no data behind them), and real large ones
+            # of a wrong element type, as events, hashes, tokens and the batch itself.
+            claims = [kind + b"\xff" * 4 for kind in (b"\xdd", b"\xdf", b"\xdb", b"\xc6")]  # array, map, str, bin
+            stored = templates["BlockStored"]
+            group = [[VICTIM, seq_bytes(20), b"\x93\xcb" + bytes(8) + c] for c in claims]
+            group += [[VICTIM, seq_bytes(21), payload_of(map_with(stored, f, c))] for f in ("block_hashes", "token_ids")
+                      for c in claims]
+            strings = dict(stored, block_hashes=["h"] * 500_000)
+            group.append([VICTIM, seq_bytes(22), msgspec.msgpack.encode([time.time(), [strings], 0])])
+            group.append([VICTIM, seq_bytes(23), msgspec.msgpack.encode([time.time(), [None] * 1_000_000, 0])])
+            send(group, certainly_bad=True)
+
+            # Deep nesting, in a kept field, a skipped field, the events and the batch.
+            @SETTINGS
+            @given(st.integers(900, 200_000), st.sampled_from(["extra_keys", "unknown", "events", "batch", "ts"]))
+            def deep(depth, where):
+                if where in ("extra_keys", "unknown"):
+                    payload = payload_of(map_with(stored, where, nested(depth)))
+                elif where == "events":
+                    payload = b"\x93\xcb" + bytes(8) + nested(depth) + b"\x00"
+                elif where == "ts":
+                    payload = payload_of(ts=nested(depth))
+                else:
+                    payload = nested(depth)
+                send([[VICTIM, seq_bytes(30), payload]], certainly_bad=where != "unknown" or depth >= 1000)
+            deep()
+
+            # Non-UTF-8 topics: a decode error each, never a pod named "\ufffd".
+            @SETTINGS
+            @given(st.binary(min_size=1, max_size=8).filter(lambda b: not _utf8(b)))
+            def non_utf8(junk):
+                send([[b"kv@" + junk + b"@tiny", seq_bytes(0), REAL_FRAMES[0][2]],
+                      [b"kv@pod@" + junk, seq_bytes(0), REAL_FRAMES[0][2]]], certainly_bad=True)
+            non_utf8()
+
+            # Wrong frame counts (a real frame's parts, too few or too many) and seq frames of wrong lengths.
+            @SETTINGS
+            @given(st.sampled_from([1, 2, 5, 6, 9]), st.binary(max_size=20).filter(lambda b: len(b) != 8))
+            def wrong_shapes(count, seq_raw):
+                real = [VICTIM, seq_bytes(40), REAL_FRAMES[1][2]]
+                send([(real * 3)[:count] if count != 2 else [VICTIM, REAL_FRAMES[1][2]],
+                      [VICTIM, seq_raw, REAL_FRAMES[1][2]]], certainly_bad=True)
+            wrong_shapes()
+
+            # Well-typed but absurd values: they decode, so they must apply (or be refused) without
+            # stalling the ingester.
+            @SETTINGS
+            @given(st.data())
+            def absurd(data):
+                ev = dict(stored,
+                          medium=data.draw(st.sampled_from(["GPU|cpu", "{\"x\":", "é\u2028", "", "a" * 300])),
+                          lora_name=data.draw(st.sampled_from([None, "", "a@b", "x" * 500, "\x00"])),
+                          group_idx=data.draw(st.sampled_from([None, 0, -1, 2 ** 63 - 1, 2 ** 64 - 1])),
+                          block_size=data.draw(st.sampled_from([1, 16, 2 ** 62])),
+                          parent_block_hash=data.draw(st.sampled_from([None, 0, 2 ** 64 - 1, -1])))
+                ts = data.draw(st.sampled_from([0.0, -1.0, 1e300, float("nan"), float("inf")]))
+                rank = data.draw(st.sampled_from([0, None, -7, 2 ** 63 - 1]))
+                seq = data.draw(st.sampled_from([0, 1, 2 ** 32 + 5, 2 ** 62, 2 ** 63 - 1]))
+                pod = data.draw(st.sampled_from([b"victim", b"v|x", b"v\"q", b"v:pod:x", b"\xc3\xa9"]))
+                send([[b"kv@" + pod + b"@tiny", seq_bytes(seq), msgspec.msgpack.encode([ts, [ev], rank])]])
+            absurd()
+
+            # A frame over --max-frame-bytes (40 MiB > 32 MiB): ZMQ drops the connection unread,
+            # the publisher reconnects, the canary goes on.
+            send([[VICTIM, seq_bytes(50), b"\x00" * (40 * MIB)]])
+
+            assert proc.poll() is None
+            counters = canary.counters()
+            assert counters.get("decode_errors", 0) >= sent_bad > 0
+            scraped = httpx.get(metrics_url, timeout=5).text
+            assert metric(scraped, "kvpf_ingest_decode_errors_total") == counters["decode_errors"]
+            assert peak_rss_mb(proc.pid) < 300, f"peak RSS {peak_rss_mb(proc.pid):.0f} MB"
+            assert not any("\ufffd" in p for p in loop.run_until_complete(ix.pod_ids()))
+            assert "Traceback" not in log.read_text()
+            assert time.monotonic() - started < 60
+        finally:
+            pub.close()
+            ctx.term()
+            loop.run_until_complete(ix.close())
+            loop.close()
+
+
+def test_deep_nesting_and_a_non_utf8_topic_are_decode_errors_not_a_crash_or_a_pod(valkey_url, tmp_path):
+    """The findings: an event nested 1,000+ levels deep made RecursionError escape the decoder and
+    killed the ingester; a non-UTF-8 topic became a pod named "\ufffd\ufffd"."""
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    loop = asyncio.new_event_loop()
+    ix = Index.from_url(valkey_url)
+    with ingester(valkey_url, tmp_path, "--bind", f"tcp://127.0.0.1:{port}") as (proc, metrics_url, log):
+        try:
+            pub.connect(f"tcp://127.0.0.1:{port}")
+            canary = Canary(pub, ix, loop)
+            canary.publish_and_wait(proc, timeout_s=30)
+            stored = next(e for e in wire_events() if e["type"] == "BlockStored")
+            pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "extra_keys", nested(5000)))])
+            pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "future_field", nested(5000)))])
+            pub.send_multipart([b"kv@\xff\xfe@tiny", seq_bytes(0), REAL_FRAMES[0][2]])
+            canary.publish_and_wait(proc)
+            assert proc.poll() is None
+            assert canary.counters().get("decode_errors") == 3
+            assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_decode_errors_total") == 3
+            assert set(loop.run_until_complete(ix.pod_ids())) == {"canary"}
+            text = log.read_text()
+            assert "is not UTF-8" in text and "recursion limit" in text and "Traceback" not in text
+        finally:
+            pub.close()
+            ctx.term()
+            loop.run_until_complete(ix.close())
+            loop.close()
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def big_stored_payload(n_tokens: int) -> bytes:
+    """A well-formed BlockStored of ``n_tokens`` tokens (5 bytes each on the wire, ~10x that decoded),
+    built straight as msgpack so the test itself never holds the list."""
+    head = {"type": "BlockStored", "block_hashes": [77], "parent_block_hash": None, "block_size": 16,
+            "lora_id": None, "medium": "GPU", "lora_name": None}
+    tokens = b"\xdd" + n_tokens.to_bytes(4, "big") + b"\xce\x00\x01\x00\x00" * n_tokens
+    return payload_of(map_with(head, "token_ids", tokens))
+
+
+def test_a_100mb_frame_is_a_flagged_gap_not_a_memory_spike(valkey_url, tmp_path):
+    """The finding: one 100 MB frame took the ingester to ~900 MB. Now ZMQ drops the connection before
+    allocating it (ZMQ_MAXMSGSIZE), the subscriber reconnects, and the replay that would send the
+    same frame again ends at the drop: the gap is flagged, never retried in a loop."""
+    zport, rport = free_port(), free_port()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", "kv@big@tiny")
+    loop = asyncio.new_event_loop()
+    ix = Index.from_url(valkey_url)
+    source = f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
+    try:
+        with ingester(valkey_url, tmp_path, "--source", source) as (proc, metrics_url, log):
+            def seq() -> int:
+                return loop.run_until_complete(ix.pod_info("big")).seqs.get("0", -1)
+
+            def good(i: int) -> EventBatch:
+                return EventBatch(time.time(), [BlockStored([1000 + i], None, [100 + i] * 16, 16, medium="GPU",
+                                                            group_idx=0, extra_keys=[None])], 0)
+
+            engine.publish(good(0))  # lost or not (slow joiner), the replay brings it
+            deadline = time.monotonic() + 20
+            while seq() < 0:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            before = peak_rss_mb(proc.pid)
+            payload = big_stored_payload(20_000_000)
+            assert len(payload) > 100 * 10 ** 6
+            with engine._lock:  # published and kept for replay, like any batch
+                big_seq = engine.seq
+                frames = [engine.topic.encode(), seq_bytes(big_seq), payload]
+                engine.buffer.append((big_seq, frames))
+                engine.seq += 1
+            engine.pub.send_multipart(frames)
+            del frames, payload
+            deadline = time.monotonic() + 30
+            while seq() < engine.seq - 1 or seq() <= big_seq:  # (c) the next well-formed batch is indexed
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                assert proc.poll() is None, log.read_text()[-3000:]  # (b) alive
+                engine.publish(good(engine.seq))
+                time.sleep(0.3)
+            info = loop.run_until_complete(ix.pod_info("big"))
+            assert info.blocks >= 2
+            assert peak_rss_mb(proc.pid) < 300, (before, peak_rss_mb(proc.pid))  # (a)
+            assert info.incomplete and str(big_seq) in info.incomplete_reason  # (d) flagged, with the reason
+            scraped = httpx.get(metrics_url, timeout=5).text
+            assert metric(scraped, "kvpf_ingest_gaps_unrecovered_total", pod="big") >= 1
+            time.sleep(1.0)  # no replay loop: the replay count stays where it is once the gap is flagged
+            replays = metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_replays_total", pod="big")
+            time.sleep(2.0)
+            assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_replays_total", pod="big") == replays
+            assert proc.poll() is None
+    finally:
+        engine.close()
+        loop.run_until_complete(ix.close())
+        loop.close()

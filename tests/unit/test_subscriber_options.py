@@ -1,0 +1,102 @@
+"""Socket options of the ingester: source specs (pods=, curve_server_key=), CURVE key files, limits."""
+from __future__ import annotations
+
+import pytest
+import zmq
+import zmq.auth
+
+from ingester.subscriber import (
+    Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
+)
+from shared.config import Config
+
+
+def test_pods_and_curve_server_key_options():
+    public, _ = zmq.curve_keypair()
+    src = parse_source(f"tcp://e:5557,replay=tcp://e:5558,pods=vllm-0@vllm-1,curve_server_key={public.decode()}")
+    assert src == Source("tcp://e:5557", replay="tcp://e:5558", pods=frozenset({"vllm-0", "vllm-1"}),
+                         curve_server_key=public)
+    assert parse_source("tcp://*:5557,pods=sim-0", bind=True).pods == frozenset({"sim-0"})
+    assert parse_source("tcp://e:5557").pods is None  # no option: every pod
+
+
+@pytest.mark.parametrize("spec, bind, message", [
+    ("tcp://e:1,pods=a@@b", False, "no empty name"),
+    ("tcp://e:1,pods=", False, "no empty name"),
+    ("tcp://e:1,curve_server_key=short", False, "z85"),
+    ("tcp://*:1,curve_server_key=" + "0" * 40, True, "for --source"),
+    ("tcp://e:1,pod=a", False, "is not replay="),
+    ("tcp://e:1,replay=http://x", False, "is not replay="),
+])
+def test_bad_source_options_are_refused(spec, bind, message):
+    with pytest.raises(ValueError, match=message):
+        parse_source(spec, bind=bind)
+
+
+def test_key_files_certificates_and_bare_z85(tmp_path):
+    public_file, secret_file = zmq.auth.create_certificates(tmp_path, "ingester")
+    public, secret = zmq.auth.load_certificate(secret_file)
+    assert load_keypair(secret_file) == (public, secret)
+    bare = tmp_path / "bare.secret"
+    bare.write_text(secret.decode() + "\n")
+    assert load_keypair(str(bare)) == (public, secret)
+    with pytest.raises(ValueError):
+        load_keypair(public_file)  # a public certificate holds no secret key
+
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    a_pub, _ = zmq.auth.create_certificates(allow, "engine-a")
+    b_pub, _ = zmq.auth.create_certificates(allow, "engine-b")
+    (allow / "README").write_text("not a key file, ignored")
+    a, b = zmq.auth.load_certificate(a_pub)[0], zmq.auth.load_certificate(b_pub)[0]
+    assert load_allowed_keys(str(allow)) == {a, b}
+    assert load_allowed_keys(a_pub) == {a}
+    listing = tmp_path / "keys.txt"
+    listing.write_text(f"# engines\n{a.decode()}  # engine-a\n\n{b.decode()}\n")
+    assert load_allowed_keys(str(listing)) == {a, b}
+    listing.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no public key"):
+        load_allowed_keys(str(listing))
+    with pytest.raises(ValueError, match="z85"):
+        z85_key("~" * 40, "k")  # "~" is not in the z85 alphabet
+    with pytest.raises(ValueError, match="z85"):
+        z85_key("a" * 39, "k")
+
+
+def test_secure_sources_applies_limits_and_refuses_open_curve(tmp_path):
+    _, secret_file = zmq.auth.create_certificates(tmp_path, "ingester")
+    pub_file, _ = zmq.auth.create_certificates(tmp_path, "engine")
+    bound, connecting = parse_source("tcp://*:1,pods=a", bind=True), parse_source("tcp://e:2")
+    cfg = Config(max_frame_bytes=1 << 20, max_queue_bytes=64 << 20, curve_secret_key_file=secret_file,
+                 curve_allow=pub_file)
+    out = secure_sources([bound, connecting], cfg)
+    assert all(s.limits == Limits(1 << 20, 64 << 20) and s.limits.rcvhwm == 64 for s in out)
+    assert out[0].curve is not None and out[0].curve.allowed == {zmq.auth.load_certificate(pub_file)[0]}
+    assert out[0].pods == {"a"} and out[1].curve is None  # the engine at e:2 is no CURVE server
+    with pytest.raises(ValueError, match="needs --curve-allow"):
+        secure_sources([bound], Config(curve_secret_key_file=secret_file))
+    with pytest.raises(ValueError, match="needs --curve-secret-key-file"):
+        secure_sources([bound], Config(curve_allow=pub_file))
+    # a CURVE engine reached without our own key file: an ephemeral client keypair
+    server_key = zmq.auth.load_certificate(pub_file)[0]
+    [client] = secure_sources([parse_source(f"tcp://e:2,curve_server_key={server_key.decode()}")], Config())
+    assert client.curve is not None and client.curve_server_key == server_key
+
+
+def test_limits_and_config():
+    assert Limits().max_frame_bytes == 32 << 20 and Limits().rcvhwm == 8
+    assert Limits(max_frame_bytes=1 << 30, max_queue_bytes=1 << 20).rcvhwm == 1
+    with pytest.raises(ValueError):
+        Config(max_frame_bytes=100).validate()
+    with pytest.raises(ValueError):
+        Config(max_frame_bytes=1 << 20, max_queue_bytes=1 << 10).validate()
+    with pytest.raises(ValueError, match="needs --curve-secret-key-file"):
+        Config(curve_allow="/keys").validate()
+
+
+def test_limits_from_env(monkeypatch):
+    monkeypatch.setenv("KVPF_MAX_FRAME_BYTES", str(1 << 20))
+    monkeypatch.setenv("KVPF_MAX_QUEUE_BYTES", str(16 << 20))
+    cfg = Config.load()
+    assert (cfg.max_frame_bytes, cfg.max_queue_bytes) == (1 << 20, 16 << 20)
+    assert Config.load(max_frame_bytes=2 << 20).max_frame_bytes == 2 << 20  # the flag wins
