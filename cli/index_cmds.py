@@ -11,7 +11,8 @@ import click
 import httpx
 
 from shared.config import Config
-from shared.index import Index, StoreBlock, parse_entry
+from shared.index import Index, LayoutError, StoreBlock, parse_entry
+from shared.migrate import migrate as migrate_layout
 
 
 def _run(coro):
@@ -19,6 +20,8 @@ def _run(coro):
         return asyncio.run(coro)
     except (OSError, ConnectionError) as exc:
         raise click.ClickException(f"cannot reach Valkey: {exc}") from None
+    except LayoutError as exc:
+        raise click.ClickException(str(exc)) from None
     except Exception as exc:  # redis errors and the like: one clear line, no traceback
         if exc.__class__.__module__.startswith("redis"):
             raise click.ClickException(f"Valkey error: {exc}") from None
@@ -37,7 +40,18 @@ def _index(valkey_url: str | None) -> Index:
     return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format)
 
 
-valkey_opt = click.option("--valkey-url", default=None, help="Valkey URL.  [env KVPF_VALKEY_URL]")
+async def _open(valkey_url: str | None) -> Index:
+    """The index, after checking it is of this kv-preflight's layout (else a clear error)."""
+    ix = _index(valkey_url)
+    try:
+        await ix.check_layout()
+    except BaseException:
+        await ix.close()
+        raise
+    return ix
+
+
+valkey_opt = click.option("--valkey-url", default=None, help="Valkey URL (any node of a cluster).  [env KVPF_VALKEY_URL]")
 json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -60,7 +74,7 @@ def _pod_row(p, now: float) -> dict[str, Any]:
 def stats(valkey_url, as_json) -> None:
     """Keys, memory, and per pod: blocks, seq, last event age, incomplete flags."""
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         try:
             now = time.time()
             return {"keys": await ix.key_count(), "used_memory_bytes": await ix.memory_usage(),
@@ -93,7 +107,7 @@ def _pods_table(pods: list[dict]) -> None:
 def pods(valkey_url, as_json) -> None:
     """The pods the index knows."""
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         try:
             now = time.time()
             return [_pod_row(p, now) for p in await ix.pods()]
@@ -137,7 +151,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         raise click.BadParameter(str(exc)) from None
 
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         try:
             return await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
         finally:
@@ -180,7 +194,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
 def clear(valkey_url, pod_id, forget, as_json) -> None:
     """Remove every entry of one pod, in time proportional to its blocks."""
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         try:
             return await ix.clear_pod(pod_id, forget=forget)
         finally:
@@ -197,7 +211,7 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
 def export_cmd(valkey_url, pod_ids, output) -> None:
     """Write pods' entries as JSON lines: one pod line, then one line per engine block."""
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         total = 0
         try:
             for pod_id in pod_ids or sorted(await ix.pod_ids()):
@@ -226,7 +240,7 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
 def import_cmd(valkey_url, source, as_json) -> None:
     """Load JSON lines written by ``index export``."""
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         counts: dict[str, int] = {}
         meta: dict[str, dict] = {}
         pending: dict[str, list[StoreBlock]] = {}
@@ -278,7 +292,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
     async def go():
-        ix = _index(valkey_url)
+        ix = await _open(valkey_url)
         report = []
         try:
             ing = Ingester(cfg, ix, [])
@@ -321,3 +335,25 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
 
 
 __all__ = ["index_group", "sys"]
+
+
+@index_group.command()
+@valkey_opt
+@json_opt
+def migrate(valkey_url, as_json) -> None:
+    """Move an index of layout 1 (kv-preflight 0.1) to layout 2, pod by pod.
+
+    Stop the old ingesters first (they write layout 1). Request keys and engine keys do not change,
+    so an llm-d scheduler on the same Valkey sees nothing happen. Safe to run again if interrupted.
+    """
+    async def go():
+        ix = _index(valkey_url)
+        try:
+            def progress(pod: str, blocks: int) -> None:
+                click.echo(f"  {pod}: {blocks} block(s) moved", err=True)
+            return await migrate_layout(ix.client, progress=progress)
+        finally:
+            await ix.close()
+
+    done = _run(go())
+    _emit(as_json, done, lambda d: click.echo(f"migrated {d['pods']} pod(s), {d['blocks']} block(s) to layout 2"))

@@ -49,7 +49,8 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 
 
 @cli.command()
-@click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password).  [env KVPF_VALKEY_URL]")
+@click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password); any node of a cluster.  [env KVPF_VALKEY_URL]")
+@click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a Valkey Cluster node (default auto: asked with INFO cluster).  [env KVPF_VALKEY_CLUSTER]")
 @click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85]. Repeatable.")
 @click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...]. Repeatable.")
 @click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
@@ -64,13 +65,14 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--max-queue-bytes", default=None, type=click.IntRange(min=4096), help="Bytes of frames one socket may queue, and one replay may return (default 256 MiB).")
 @click.option("--curve-secret-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="The ingester's CURVE keypair (zmq.auth *.key_secret, or the z85 secret key alone): --bind sockets become CURVE servers.")
 @click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
-def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
+def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
     try:
-        cfg = Config.load(valkey_url=valkey_url, sources=sources, binds=binds, engines=engines, hash_seed=hash_seed,
+        cfg = Config.load(valkey_url=valkey_url, valkey_cluster=valkey_cluster, sources=sources, binds=binds,
+                          engines=engines, hash_seed=hash_seed,
                           block_size=block_size, entry_format=entry_format, log_json=log_json,
                           metrics_port=metrics_port, metrics_host=metrics_host, max_pod_series=max_pod_series,
                           max_frame_bytes=max_frame_bytes, max_queue_bytes=max_queue_bytes,
@@ -83,7 +85,8 @@ def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_for
 
 
 @cli.command()
-@click.option("--valkey-url", default=None, help="Valkey URL.  [env KVPF_VALKEY_URL]")
+@click.option("--valkey-url", default=None, help="Valkey URL; any node of a cluster.  [env KVPF_VALKEY_URL]")
+@click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a Valkey Cluster node (default auto).  [env KVPF_VALKEY_CLUSTER]")
 @click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT, for tokenizing prompt/messages. Repeatable.")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
 @click.option("--port", default=None, type=int, help="Listen port (default 8080).")
@@ -91,7 +94,7 @@ def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_for
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
 @click.option("--max-tokens", default=None, type=click.IntRange(min=1), help="Largest prompt accepted, in tokens (default 262144).")
-@click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="script: one EVALSHA walks the chain; pipeline: HKEYS per key (Valkey Cluster).")
+@click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="Single node: script (one EVALSHA walks the chain) or pipeline (HKEYS per key). A cluster always pipelines, one request per shard.")
 @click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
 @click.option("--tokenizer", "tokenizers", multiple=True, help="MODEL=DIR: tokenize locally from DIR's tokenizer.json + tokenizer_config.json. Repeatable.")
 @click.option("--tokenizer-check/--no-tokenizer-check", default=None, help="Compare local tokenizers with the engine at start-up; fall back to the engine on a mismatch (default on).")
@@ -108,7 +111,7 @@ def ingest(valkey_url, sources, binds, engines, hash_seed, block_size, entry_for
 @click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
-def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
+def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s) -> None:
@@ -118,7 +121,7 @@ def serve(valkey_url, engine_urls, host, port, workers, hash_seed, block_size, m
     try:
         urls = parse_model_urls(engine_urls) if engine_urls else None
         cfg = Config.load(
-            valkey_url=valkey_url, engine_urls=urls, host=host, port=port, hash_seed=hash_seed,
+            valkey_url=valkey_url, valkey_cluster=valkey_cluster, engine_urls=urls, host=host, port=port, hash_seed=hash_seed,
             block_size=block_size, max_tokens=max_tokens, lookup=lookup, log_json=log_json,
             tokenizers=parse_tokenizer_dirs(tokenizers) if tokenizers else None, tokenizer_check=tokenizer_check,
             ttft_model=ttft_model, pod_metrics=parse_pod_urls(pod_metrics) if pod_metrics else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import httpx
 
+from cli.valkey_cluster import ValkeyCluster
 from cli.valkey_server import ValkeyServer, free_port
 
 
@@ -31,7 +32,7 @@ class Child:
 class Stack:
     data_dir: Path
     children: list[Child] = field(default_factory=list)
-    valkey: ValkeyServer | None = None
+    valkey: ValkeyServer | ValkeyCluster | None = None
 
     def spawn(self, name: str, args: list[str]) -> Child:
         log_dir = self.data_dir / "logs"
@@ -83,7 +84,8 @@ def step(i: int, n: int, text: str) -> None:
 @click.command("up")
 @click.option("--engine", "engines", multiple=True, help="A real engine's HTTP URL (discovered via /kv_event_sources). Repeatable; default: simulated engines.")
 @click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT used to tokenize prompts (default: the given or simulated engines).")
-@click.option("--valkey-url", default=None, help="Use this Valkey instead of starting one.")
+@click.option("--valkey-url", default=None, help="Use this Valkey (any node of a cluster) instead of starting one.")
+@click.option("--cluster", "cluster", is_flag=True, help="Start a local Valkey Cluster (3 masters + 3 replicas, AOF) instead of one node.")
 @click.option("--data-dir", default=".data", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Valkey data (AOF) and logs.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Predictor port.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="Predictor worker processes on that port.")
@@ -94,7 +96,7 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
 @click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
-def up(engines, engine_urls, valkey_url, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
+def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
        sim_blocks, demo, exit_after_demo) -> None:
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together."""
     stack = Stack(data_dir)
@@ -105,6 +107,13 @@ def up(engines, engine_urls, valkey_url, data_dir, port, workers, ingesters, sim
     try:
         if valkey_url:
             step(1, n, f"using Valkey at {valkey_url.split('@')[-1]}")
+        elif cluster:
+            step(1, n, f"starting a Valkey Cluster on loopback: 3 masters + 3 replicas (AOF in {data_dir / 'valkey-cluster'}) ...")
+            try:
+                stack.valkey = ValkeyCluster(data_dir / "valkey-cluster").start()
+            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+                raise click.ClickException(str(exc)) from None
+            valkey_url = stack.valkey.url
         else:
             step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
             try:

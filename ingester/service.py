@@ -23,10 +23,12 @@ from ingester.subscriber import Source, Subscriber, discover, fetch_replay, pars
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
 from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from shared.index import ApplyResult, Index, MarkIncomplete
+from shared.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
 
+# How often the loop does its chores (see Ingester.chores), whether frames arrive or not.
+CHORES_S = 1.0
 # Batches sent to Valkey in one round trip when several messages are already queued.
 PIPELINE_BATCHES = 64
 
@@ -78,7 +80,8 @@ class Ingester:
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
         # counted on the ingester made below (the callback runs only once its sockets exist).
         sources = secure_sources(sources, cfg, on_refused=lambda key: ing.metrics.publishers_refused.inc())
-        index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format)
+        index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                                        cluster=cfg.cluster_mode())
         ing = cls(cfg, index, sources)
         return ing
 
@@ -101,17 +104,27 @@ class Ingester:
         await self.learn_feeds()
         await self.resume_known_pods()
         assert self.subscriber is not None
+        recv: asyncio.Future | None = None
+        next_chores = time.monotonic() + CHORES_S
         try:
             while not self._stopping.is_set():
-                recv = asyncio.ensure_future(self.subscriber.receive())
+                if recv is None:
+                    recv = asyncio.ensure_future(self.subscriber.receive())
                 stop = asyncio.ensure_future(self._stopping.wait())
-                done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
+                done, _ = await asyncio.wait({recv, stop}, timeout=max(0.0, next_chores - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if self._stopping.is_set():
                     recv.cancel()
                     break
-                stop.cancel()
+                if time.monotonic() >= next_chores:
+                    await self.chores()
+                    next_chores = time.monotonic() + CHORES_S
+                if recv not in done:
+                    continue
+                received, recv = recv.result(), None
                 run: list[tuple[Source, list[bytes]]] = []
-                for src, frames in recv.result():
+                for src, frames in received:
                     if frames is None:  # a reconnect: handle what came before, then probe
                         await self.handle_messages(run)
                         run = []
@@ -122,15 +135,36 @@ class Ingester:
         finally:
             self.subscriber.close()
 
+    async def chores(self) -> None:
+        """Every second, traffic or not: stop if a layout-1 writer appears beside us, and run what a
+        writer killed between a batch's steps left in a pod's outbox (cluster), so a quiet engine's
+        last batch is not left half applied."""
+        try:
+            if await self.index.v1_writer_seen():
+                log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
+                          "layouts cannot share an index; stop it, then run `kv-preflight index migrate`")
+                self.stop()
+                return
+        except VALKEY_ERRORS:
+            return
+        if not self.index.cluster:
+            return
+        for pod in list(self.routes):
+            try:
+                if await self.index.drain_outbox(pod, stale_only=True):
+                    log.warning("%s: ran effects a stopped writer left in the outbox", pod)
+                    self.stats.inc("outbox_drains")
+            except VALKEY_ERRORS as exc:
+                log.warning("%s: outbox not drained now (%s)", pod, exc)
+
     async def resume_known_pods(self) -> None:
         """On start, replay from each known pod's persisted seq: closes the restart blind spot."""
         for pod, route in self.routes.items():
             if not route.replay:
                 continue
-            try:
-                info = await self._valkey(self.index.pod_info, pod)
-            except asyncio.CancelledError:
-                raise
+            # A writer killed between a batch's steps on a cluster left its effects in the outbox.
+            await self._valkey(self.index.drain_outbox, pod, stale_only=True)
+            info = await self._valkey(self.index.pod_info, pod)
             ranks = {r: s.replay for (p, r), s in self.rank_sources.items() if p == pod and s.replay}
             if ranks:  # each rank from its own replay socket, from its own seq
                 todo = [(info.seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
@@ -150,7 +184,7 @@ class Ingester:
         self._feeds[(src.replay, rank)] = (pod, model)
         try:
             await self.index.remember_feed(src.replay, rank, pod, model)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except VALKEY_ERRORS:
             self._feeds.pop((src.replay, rank), None)  # written again with the next frame
 
     async def learn_feeds(self) -> None:
@@ -278,7 +312,7 @@ class Ingester:
         try:
             try:
                 results = await sent
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            except VALKEY_ERRORS as exc:
                 if not transient(exc):
                     raise
                 # Lost with the connection: send the run again (what did apply answers "dup").
@@ -335,6 +369,7 @@ class Ingester:
         if result is not None and result.foreign_writes:
             self.stats.inc("foreign_writes", result.foreign_writes)
             self.metrics.foreign_writes.inc(result.foreign_writes)
+            await self._count_quietly("foreign_keys", result.foreign_writes)
             log.error("%s seq %d: %d write(s) skipped, a key of a foreign type is in the way (%s); pod flagged incomplete",
                       pod, seq, result.foreign_writes, result.detail)
         self.metrics.applied(pod, batch)
@@ -462,7 +497,7 @@ class Ingester:
         while True:
             try:
                 return await fn(*args, **kwargs)
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            except VALKEY_ERRORS as exc:
                 if not transient(exc):
                     raise
                 self.stats.inc("valkey_errors")
@@ -477,7 +512,7 @@ class Ingester:
     async def _count_quietly(self, name: str, n: int, pod_id: str | None = None) -> None:
         try:
             await self.index.count(name, n, pod_id=pod_id)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except VALKEY_ERRORS:
             self.stats.inc("valkey_errors")
 
 
@@ -507,7 +542,9 @@ async def run_ingester(cfg: Config) -> None:
         except NotImplementedError:  # pragma: no cover
             pass
     ing.start()
-    log.info("ingesting from %d source(s) into %s", len(ing.sources), cfg.valkey_url.split("@")[-1])
+    await ing._valkey(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
+    log.info("ingesting from %d source(s) into %s%s", len(ing.sources), cfg.valkey_url.split("@")[-1],
+             " (Valkey Cluster)" if ing.index.cluster else "")
     metrics_server = None
     if cfg.metrics_port:
         metrics_server = ing.metrics.serve(cfg.metrics_port, cfg.metrics_host)

@@ -30,7 +30,7 @@ from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
 from predictor.stats import StatsQuery
 from shared.config import Config
-from shared.index import Index
+from shared.index import VALKEY_ERRORS, Index
 from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("kvpf.predictor")
@@ -146,6 +146,11 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = []
+        try:
+            # An index of another layout version is refused before serving (kv-preflight index migrate).
+            await predictor.index.check_layout()
+        except VALKEY_ERRORS as exc:  # Valkey down: serve 503s now, the index is read when it is back
+            log.warning("index layout not checked now: %s", exc)
         if predictor.tokenization.pending():
             # before serving: a model whose local tokenizer disagrees with its engine must not be used
             await predictor.tokenization.run_checks()

@@ -24,6 +24,8 @@ class PredictorMetrics:
         self.tokenizations = Counter("kvpf_tokenizations", "Prompts and messages tokenized, by model and source "
                                      "(local tokenizer or the engine's /tokenize).", ["model", "source"], registry=r)
         self.valkey_errors = Counter("kvpf_valkey_errors", "Valkey calls that failed or timed out.", registry=r)
+        self.partial_answers = Counter("kvpf_partial_answers", "Predictions answered while a Valkey Cluster shard "
+                                       "did not answer (counts are lower bounds).", registry=r)
         self.routes = Counter("kvpf_route_decisions", "Route decisions by reason.", ["reason"], registry=r)
         self.unauthorized = Counter("kvpf_unauthorized_requests", "Requests refused for a missing or wrong API key.",
                                     registry=r)

@@ -42,6 +42,10 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     best_pod: str | None
     pod_affinities: list[PodAffinity]
     estimated_ttft_ms: float | None = None  # on the best pod (no pod: nothing cached)
+    # Valkey Cluster with a shard down (and no replica to take over): the counts are lower bounds,
+    # and this is the first request-key block (0-based) whose shard did not answer.
+    partial: bool = False
+    partial_from_block: int | None = None
 
 
 def engine_cached_tokens(blocks: int, canonical_block: int, engine_block: int | None, prompt_len: int) -> int:

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
+import msgspec
 
 from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
 from predictor.load import LoadMonitor
@@ -28,7 +28,7 @@ from predictor.tokenization import Tokenization
 from predictor.tokenize import EngineTokenizer
 from predictor.ttft import TtftModels
 from shared.config import Config
-from shared.index import Index
+from shared.index import VALKEY_ERRORS, Index
 from shared.keys import request_keys
 
 
@@ -40,7 +40,7 @@ async def valkey_call(timeout_s: float, what: str) -> AsyncIterator[None]:
             yield
     except TimeoutError:
         raise IndexUnavailable(f"valkey did not answer {what} within {timeout_s}s") from None
-    except (RedisError, OSError) as exc:
+    except VALKEY_ERRORS as exc:
         raise IndexUnavailable(f"valkey unavailable ({what}): {type(exc).__name__}: {clip(str(exc))}") from None
 
 
@@ -72,7 +72,8 @@ class Predictor:
         if cfg.pod_metrics or cfg.engine_urls:
             load = LoadMonitor.from_config(cfg.pod_metrics, cfg.engine_urls, cfg.metrics_interval_s)
         if index is None:
-            index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format)
+            index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                                   cluster=cfg.cluster_mode())
         return cls(
             cfg=cfg, index=index, tokenizer=engine,
             metadata=IndexMetadata(index), counters=ProcessCounters(), owns_index=owns,
@@ -117,17 +118,31 @@ class Predictor:
         matches: list[Any] = []
         engine_blocks: dict[str, int | None] = {}
         incomplete: set[str] = set()
+        unanswered = None
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
-                matches = await self.index.lookup(keys, pods, mode=self.cfg.lookup)
-                infos = await self.metadata.pod_infos(m.pod_id for m in matches)
+                found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
+                matches, unanswered = found.matches, found.unanswered_from
+                try:
+                    infos = await self.metadata.pod_infos(m.pod_id for m in matches)
+                except VALKEY_ERRORS:
+                    if unanswered is None:
+                        raise
+                    # A cluster shard is down and it holds a pod's metadata too: score with the
+                    # defaults (canonical blocks); the answer already says it is a lower bound.
+                    infos = {}
             engine_blocks = {p: i.engine_block_size for p, i in infos.items()}
             incomplete = {p for p, i in infos.items() if i.incomplete}
-        return score(
+        prediction = score(
             matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
             engine_blocks=engine_blocks, incomplete=incomplete, pods=pods, ttft=self.ttft.for_model(model),
         )
+        if unanswered is not None:
+            # A cluster shard did not answer: every count is a lower bound from that block on.
+            self.metrics.partial_answers.inc()
+            prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
+        return prediction
 
     # ---- routing
 

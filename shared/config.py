@@ -19,6 +19,8 @@ class Config:
     entry_format: str = "json"
     # Every Valkey call is bounded: an outage turns into a fast error, never a hang.
     valkey_timeout_s: float = 1.0
+    # "auto" asks the node named by valkey_url (INFO cluster); "yes"/"no" say it up front.
+    valkey_cluster: str = "auto"
     # Ingester
     sources: tuple[str, ...] = ()
     binds: tuple[str, ...] = ()
@@ -85,11 +87,17 @@ class Config:
         cfg.validate()
         return cfg
 
+    def cluster_mode(self) -> bool | None:
+        """What Index.from_url takes: None (ask the node), True or False."""
+        return {"auto": None, "yes": True, "no": False}[self.valkey_cluster]
+
     def validate(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.entry_format not in ("json", "v08"):
             raise ValueError(f"entry_format must be 'json' or 'v08', got {self.entry_format!r}")
+        if self.valkey_cluster not in ("auto", "yes", "no"):
+            raise ValueError(f"valkey_cluster must be auto, yes or no, got {self.valkey_cluster!r}")
         if self.lookup not in ("script", "pipeline"):
             raise ValueError(f"lookup must be 'script' or 'pipeline', got {self.lookup!r}")
         if self.max_tokens <= 0:

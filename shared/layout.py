@@ -1,67 +1,124 @@
 """Every Valkey key name, built in one place (llm-d's names for the keys llm-d shares).
 
-llm-d's (v0.9+ Redis index), byte-compatible so an llm-d scheduler reads the same index:
+Layout 2, the same on a single node and on Valkey Cluster (docs/architecture.md shows it and why).
 
-  <request key, decimal>     HASH  field = PodEntry (JSON in Go field order, or v0.8 ``pod@tier``), value ""
-  engine:<engine key>        ZSET  member = request key (decimal), score = position within the engine block
+llm-d's (v0.9+ Redis index), byte-compatible and with no hash tags, so they spread over every shard
+and an llm-d scheduler (or a cluster-aware llm-d reader) reads the same index:
 
-Ours, all HASHes under ``kvpf:`` because llm-d's Clear() runs HKEYS on every key that does not
-start with ``engine:``:
+  <request key, decimal>      HASH  field = PodEntry (JSON in Go field order, or v0.8 ``pod@tier``), value ""
+  engine:<engine key>         ZSET  member = request key (decimal), score = position within the engine block
 
-  kvpf:pods                  pod -> model (the registry of pods)
-  kvpf:pod:<pod>             model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
-                             incomplete, incomplete_reason, and the pod's counters
-  kvpf:blocks:<pod>          "<engine key>|<tier>[|<group>]" -> field id [*copies]: the per-pod
-                             reverse index that makes BlockRemoved and AllBlocksCleared cost
-                             O(pod's blocks)
-  kvpf:fields:<pod>          field id -> PodEntry field (a pod writes one or a few distinct fields)
-  kvpf:rkref:<pod>           "<request key>|<field>" -> extra engine blocks backing that entry
-                             (present only when two engine keys map to one request key)
-  kvpf:counters              fleet-wide counters (decode errors, replays, foreign keys, ...)
-  kvpf:feeds                 "<replay endpoint>|<dp rank>" -> "<pod>\t<model>": which pod a replay socket
-                             serves, so a restarted ingester resumes every pod before any frame arrives
+Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``engine:``), under
+``kvpf:``. Per-pod keys share the hash tag ``{<pod>}``, hence one slot,
+so the seq check and the pod's whole state change are one atomic script on a cluster too:
 
-The Lua scripts in ``lua/`` take our key names as KEYS from here; they derive request keys and
-``engine:<key>`` themselves (llm-d's fixed names).
+  kvpf:{<pod>}:meta           model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
+                              incomplete, incomplete_reason, outbox_n, and the pod's counters
+  kvpf:{<pod>}:blocks         "<engine key>|<tier>[|<group>]" -> "<field id>[*<copies>]:<rk>,<rk>..":
+                              the reverse index (evictions and clears cost O(pod's blocks) and read
+                              no shared key)
+  kvpf:{<pod>}:fields         field id -> PodEntry field (a pod writes one or a few distinct fields)
+  kvpf:{<pod>}:rks            "<request key>|<field id>" -> how many of the pod's blocks link it
+  kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> the shared-key effects of one batch,
+                              until they have run (shared/backends/cluster.py)
+  kvpf:{b<n>}:barrier         (cluster) t -> 1: written, then WAITed on, to learn that a shard's replica has
+                              our earlier writes (one such key per shard, in a slot that shard owns)
+  kvpf:{engine:<key>}:pods    "<pod>|<tier>[|<group>]" -> 1: who holds the engine key; in the same slot
+                              as engine:<key>, so creating and deleting it commute across pods
+
+Fleet-wide keys, which no per-batch atomic step touches:
+
+  kvpf:registry               pod -> model (every pod the index has seen)
+  kvpf:counters               fleet-wide counters (decode errors, replays, foreign keys, ...)
+  kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
+                              socket serves, so a restarted ingester resumes before any frame arrives
+  kvpf:layout                 version -> "2": checked at start; a process refuses any other
+
+Layout 1 (kv-preflight 0.1: ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
+``kvpf:fields:<pod>``) is moved by ``kv-preflight index migrate`` (shared/migrate.py); its names are
+kept here only for that and for spotting a layout-1 writer.
+
+The Lua scripts in ``lua/`` take our per-pod key names as KEYS from here; they derive request keys,
+``engine:<key>`` and its membership set themselves (``engine_members_key``'s pattern, in
+lua/apply_single.lua).
 """
 from __future__ import annotations
 
 ENGINE_PREFIX = "engine:"
 OUR_PREFIX = "kvpf:"
-PODS_KEY = OUR_PREFIX + "pods"
+LAYOUT_KEY = OUR_PREFIX + "layout"
+LAYOUT_VERSION = "2"
+PODS_KEY = OUR_PREFIX + "registry"
 COUNTERS_KEY = OUR_PREFIX + "counters"
 FEEDS_KEY = OUR_PREFIX + "feeds"
-
-
-def feed_field(replay_endpoint: str, rank: int) -> str:
-    return f"{replay_endpoint}|{rank}"
 
 
 def request_key_name(request_key: int) -> str:
     return str(request_key)
 
 
-def engine_key_name(engine_key: int) -> str:
+def engine_key_name(engine_key: int | str) -> str:
     return ENGINE_PREFIX + str(engine_key)
 
 
+def engine_members_key(engine_key: int | str) -> str:
+    return f"{OUR_PREFIX}{{{ENGINE_PREFIX}{engine_key}}}:pods"
+
+
+def _pod(pod_id: str, what: str) -> str:
+    return f"{OUR_PREFIX}{{{pod_id}}}:{what}"
+
+
 def pod_meta_key(pod_id: str) -> str:
-    return f"{OUR_PREFIX}pod:{pod_id}"
+    return _pod(pod_id, "meta")
 
 
 def pod_blocks_key(pod_id: str) -> str:
-    return f"{OUR_PREFIX}blocks:{pod_id}"
+    return _pod(pod_id, "blocks")
 
 
 def pod_fields_key(pod_id: str) -> str:
+    return _pod(pod_id, "fields")
+
+
+def pod_rks_key(pod_id: str) -> str:
+    return _pod(pod_id, "rks")
+
+
+def pod_outbox_key(pod_id: str) -> str:
+    return _pod(pod_id, "outbox")
+
+
+def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:
+    """KEYS of the apply script: meta, blocks, fields, request-key refs (and the outbox on a cluster)."""
+    keys = (pod_meta_key(pod_id), pod_blocks_key(pod_id), pod_fields_key(pod_id), pod_rks_key(pod_id))
+    return keys + (pod_outbox_key(pod_id),) if cluster else keys
+
+
+def pod_state_keys(pod_id: str) -> tuple[str, ...]:
+    """Every per-pod key (what ``index clear --forget`` deletes once the entries are gone)."""
+    return pod_keys(pod_id, cluster=True)
+
+
+def register_pod_args(pod_id: str, model: str) -> tuple[str, str, str]:
+    return PODS_KEY, pod_id, model
+
+
+def feed_field(replay_endpoint: str, rank: int) -> str:
+    return f"{replay_endpoint}|{rank}"
+
+
+# Layout 1, for `index migrate` and for spotting a layout-1 writer beside us.
+V1_PODS_KEY = OUR_PREFIX + "pods"
+
+
+def v1_pod_meta_key(pod_id: str) -> str:
+    return f"{OUR_PREFIX}pod:{pod_id}"
+
+
+def v1_pod_blocks_key(pod_id: str) -> str:
+    return f"{OUR_PREFIX}blocks:{pod_id}"
+
+
+def v1_pod_fields_key(pod_id: str) -> str:
     return f"{OUR_PREFIX}fields:{pod_id}"
-
-
-def pod_rkref_key(pod_id: str) -> str:
-    return f"{OUR_PREFIX}rkref:{pod_id}"
-
-
-def pod_keys(pod_id: str) -> tuple[str, str, str, str, str, str]:
-    """KEYS of the apply and clear scripts: meta, blocks, fields, rkref, the registry, counters."""
-    return (pod_meta_key(pod_id), pod_blocks_key(pod_id), pod_fields_key(pod_id), pod_rkref_key(pod_id),
-            PODS_KEY, COUNTERS_KEY)

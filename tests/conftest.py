@@ -56,3 +56,27 @@ def anyio_backend():
 def load_jsonl(name: str) -> list[dict]:
     with open(fixture_path(name)) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory):
+    """A real local Valkey Cluster: 3 masters + 3 replicas on loopback, 2 s node timeout."""
+    from cli.valkey_cluster import ValkeyCluster
+
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"), debug_command=True).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(valkey_cluster):
+    """The cluster's URL, every primary flushed (and every node back up, after a fault test)."""
+    for node in valkey_cluster.nodes:
+        if node.proc is None or node.proc.poll() is not None:
+            node.start()
+    valkey_cluster.wait_ok()
+    for node in valkey_cluster.masters_now():
+        r = redis.Redis(port=node.port)
+        r.flushall()
+        r.close()
+    return valkey_cluster.url

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling] [--json out.json]
+    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -31,6 +31,7 @@ from cli.bench.workload import event_stream, tokens
 from cli.valkey_server import ValkeyServer, free_port
 from predictor.score import engine_cached_tokens
 from shared.index import Index, StoreBlock
+from shared.layout import pod_fields_key, pod_meta_key
 from shared.keys import HAS_C_EXTENSION, request_keys, request_keys_reference
 
 MODEL = "bench-model"
@@ -164,9 +165,12 @@ def _digest(r: redis.Redis) -> tuple[int, int]:
         h = hashlib.blake2b(k + repr(sorted(v)).encode(), digest_size=8).digest()
         acc ^= int.from_bytes(h, "little")
         n += 1
-    for k in r.scan_iter(match="kvpf:pod:*"):
-        seqs = sorted((f, v) for f, v in r.hgetall(k).items() if f.startswith(b"seq:"))
-        acc ^= int.from_bytes(hashlib.blake2b(k + repr(seqs).encode(), digest_size=8).digest(), "little")
+    # Pod seqs, named by pod: ours are kvpf:{<pod>}:meta (layout 2), the seed's kvpf:seed-pod:<pod>.
+    for pattern, head, tail in (("kvpf:{*}:meta", b"kvpf:{", b"}:meta"), ("kvpf:seed-pod:*", b"kvpf:seed-pod:", b"")):
+        for k in r.scan_iter(match=pattern):
+            pod = k[len(head):len(k) - len(tail)]
+            seqs = sorted((f, v) for f, v in r.hgetall(k).items() if f.startswith(b"seq:"))
+            acc ^= int.from_bytes(hashlib.blake2b(pod + repr(seqs).encode(), digest_size=8).digest(), "little")
     return acc, n
 
 
@@ -195,6 +199,82 @@ def _used(r: redis.Redis) -> int:
             return int(info["used_memory"])
         time.sleep(0.01)
     return int(r.info("memory")["used_memory"])
+
+
+def _cluster_cpu(cluster) -> dict[int, float]:
+    """Valkey CPU seconds used so far, per master port."""
+    return {m.port: _valkey_cpu(redis.Redis(port=m.port)) for m in cluster.masters_now()}
+
+
+def bench_cluster(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
+    """The same ingestion stream and predictions on a local Valkey Cluster (3 masters + 3 replicas) and on
+    the single node, in one run: blocks/s, Valkey CPU per block on each shard and their balance, and
+    predict p50/p99 at 4K and 32K tokens. (This 2-core machine cannot show a scaling curve: per-shard
+    cost and balance are what predict one.)"""
+    from cli.valkey_cluster import ValkeyCluster
+
+    print("Valkey Cluster (3 masters + 3 replicas on this machine) beside the single node", flush=True)
+    stream = event_stream(pods=4, target_blocks=20_000 if quick else 60_000)
+    blocks = stream.stored_blocks + stream.removed_blocks
+    r = redis.Redis.from_url(vk.url)
+    r.flushall()
+    cpu0 = _valkey_cpu(r)
+    single_t, _ = asyncio.run(_ingest(vk.url, stream.frames))
+    single_cpu = _valkey_cpu(r) - cpu0
+    cluster = ValkeyCluster(tmp / "cluster", appendonly=False).start()
+    try:
+        c0 = _cluster_cpu(cluster)
+        cluster_t, _ = asyncio.run(_ingest(cluster.url, stream.frames))
+        c1 = _cluster_cpu(cluster)
+        per_shard = {p: (c1[p] - c0.get(p, 0.0)) / blocks * 1e6 for p in c1}
+        keys = {m.port: redis.Redis(port=m.port).dbsize() for m in cluster.masters_now()}
+        balance = max(keys.values()) / max(1, min(keys.values()))
+        res.add("ingestion on a cluster, in process (same stream, same run)",
+                f"{blocks / cluster_t:,.0f} blocks/s; Valkey CPU per block by shard: "
+                + ", ".join(f"{v:.1f} us" for v in per_shard.values()),
+                "measured (the single node beside it)", f"{blocks / single_t:,.0f} blocks/s single node, "
+                f"{single_cpu / blocks * 1e6:.1f} us Valkey CPU per block",
+                (blocks / cluster_t) / (blocks / single_t), None,
+                valkey_cpu_us_per_block_by_shard=per_shard, keys_by_shard=keys, key_balance_max_over_min=balance)
+        print(f"  keys per shard {list(keys.values())} (max/min {balance:.2f})", flush=True)
+        index = Index.from_url(cluster.url, timeout_s=30.0)
+
+        async def load() -> dict[str, PromptSet]:
+            out = {"len4k": await load_set(index, "c4k", n_prompts=32, length=4096, n_pods=4, seed=71),
+                   "len32k": await load_set(index, "c32k", n_prompts=8, length=32768, n_pods=4, seed=72)}
+            await index.close()
+            return out
+
+        sets = asyncio.run(load())
+        single_index = Index.from_url(vk.url, timeout_s=30.0)
+
+        async def load_single() -> None:
+            await load_set(single_index, "c4k", n_prompts=32, length=4096, n_pods=4, seed=71)
+            await load_set(single_index, "c32k", n_prompts=8, length=32768, n_pods=4, seed=72)
+            await single_index.close()
+
+        asyncio.run(load_single())
+        figures = {}
+        for which, url in (("single", vk.url), ("cluster", cluster.url)):
+            port = free_port()
+            srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port), "--workers", "2"],
+                         port, tmp / f"serve-{which}.log").ready()
+            try:
+                figures[which] = {
+                    "lat4k": run_load(port, sets["len4k"], tmp, requests=300 if quick else 1500, warmup=30),
+                    "lat32k": run_load(port, sets["len32k"], tmp, requests=60 if quick else 300, warmup=5),
+                }
+            finally:
+                srv.stop()
+        c, o = figures["cluster"], figures["single"]
+        for k, label in (("lat4k", "4K"), ("lat32k", "32K")):
+            res.add(f"POST /v1/cache/predict on a cluster, {label} tokens, 4 pods",
+                    f"p50 {fmt_us(c[k]['p50_us'])}, p99 {fmt_us(c[k]['p99_us'])}", "p50 <= 2x single node",
+                    f"single node p50 {fmt_us(o[k]['p50_us'])}, p99 {fmt_us(o[k]['p99_us'])}",
+                    o[k]["p50_us"] / c[k]["p50_us"], c[k]["p50_us"] <= 2 * o[k]["p50_us"],
+                    cluster_run=_strip(c[k]), single_run=_strip(o[k]))
+    finally:
+        cluster.stop()
 
 
 def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
@@ -289,17 +369,20 @@ def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
     the seed layout's by writing its reverse index (the whole PodEntry per block) beside ours."""
     total = _used(r) - mem0
     entries = _entries(r)
-    per_block_keys = [k for k in r.scan_iter(match="kvpf:*", count=5000)
-                      if k.startswith((b"kvpf:blocks:", b"kvpf:fields:"))]
+    # Ours per block: each pod's reverse index, field ids and request-key refs, and the engine keys'
+    # membership hashes (layout 2, shared/layout.py).
+    per_block_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000)
+                      if k.endswith((b"}:blocks", b"}:fields", b"}:rks", b"}:pods"))]
     before = _used(r)
     for k in per_block_keys:
-        if not k.startswith(b"kvpf:blocks:"):
+        if not k.endswith(b"}:blocks"):
             continue
-        pod = k[len(b"kvpf:blocks:"):]
-        ids = r.hgetall(b"kvpf:fields:" + pod)
+        pod = k[len(b"kvpf:{"):-len(b"}:blocks")].decode()
+        ids = r.hgetall(pod_fields_key(pod))
         items = list(r.hgetall(k).items())
         for i in range(0, len(items), 5000):
-            r.hset(b"kvpf:bench-seed-layout:" + pod, mapping={f: ids.get(v, v) for f, v in items[i:i + 5000]})
+            r.hset(b"kvpf:bench-seed-layout:" + pod.encode(),
+                   mapping={f: ids.get(v.split(b":", 1)[0].split(b"*", 1)[0], v) for f, v in items[i:i + 5000]})
     seed_ours = _used(r) - before
     for k in r.scan_iter(match="kvpf:bench-seed-layout:*"):
         r.delete(k)
@@ -345,7 +428,7 @@ def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: fl
         want = {pod: str(seq).encode() for pod, seq in stream.last_seq.items()}
         deadline = time.monotonic() + 120
         while True:
-            got = {pod: r.hget(f"kvpf:pod:{pod}", "seq:0") for pod in want}
+            got = {pod: r.hget(pod_meta_key(pod), "seq:0") for pod in want}
             if got == want:
                 break
             if time.monotonic() > deadline:
@@ -353,7 +436,7 @@ def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: fl
             time.sleep(0.002)
         elapsed = time.perf_counter() - t0
         cpu, vcpu = srv.cpu() - cpu0, _valkey_cpu(r) - vcpu0
-        incomplete = [p for p in want if r.hget(f"kvpf:pod:{p}", "incomplete") == b"1"]
+        incomplete = [p for p in want if r.hget(pod_meta_key(p), "incomplete") == b"1"]
     finally:
         pub.close()
         ctx.term()
@@ -538,7 +621,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kv-preflight bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests and blocks: a smoke run, figures are noisier")
-    ap.add_argument("--only", default="keys,ingest,http,scaling", help="comma list of: keys, ingest, http, scaling")
+    ap.add_argument("--only", default="keys,ingest,http,scaling,cluster",
+                    help="comma list of: keys, ingest, http, scaling, cluster")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure to this JSON file")
     a = ap.parse_args(argv)
     only = set(a.only.split(","))
@@ -564,6 +648,8 @@ def main(argv: list[str] | None = None) -> None:
                 bench_ingest_memory(res, vk, a.quick, tmp)
             if "http" in only or "scaling" in only:
                 bench_http(res, vk, a.quick, tmp, "scaling" in only)
+            if "cluster" in only:
+                bench_cluster(res, vk, a.quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

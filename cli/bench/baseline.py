@@ -96,8 +96,8 @@ end
 
 local pod, rank = ARGV[1], ARGV[2]
 local seq, ts, mode = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local meta = 'kvpf:pod:' .. pod
-local blocks = 'kvpf:blocks:' .. pod
+local meta = 'kvpf:seed-pod:' .. pod
+local blocks = 'kvpf:seed-blocks:' .. pod
 local last = redis.call('HGET', meta, 'seq:' .. rank)
 local last_n = -1
 if last then last_n = tonumber(last) end
@@ -167,7 +167,7 @@ redis.call('HINCRBY', meta, 'batches', 1)
 if stored > 0 then redis.call('HINCRBY', meta, 'stored', stored) end
 if removed > 0 then redis.call('HINCRBY', meta, 'removed', removed) end
 if cleared > 0 then redis.call('HINCRBY', meta, 'cleared', cleared) end
-redis.call('HSET', 'kvpf:pods', pod, ARGV[6])
+redis.call('HSET', 'kvpf:seed-pods', pod, ARGV[6])
 return {'applied', last_n}
 """
 

@@ -48,7 +48,9 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- Entries are "<n>|<writer>|<ms>" -> msgpack list of effects.
+-- Entries are "<n>|<writer>|<ms>" -> msgpack list of effects. own_pending: this writer's entries
+-- still there (not yet confirmed replicated); the caller acks a new entry only when there are none.
+local own_pending = 0
 do
   local writer = ARGV[9]
   local takeover = tonumber(string.match(writer, '@(%d+)$') or '2000')
@@ -61,6 +63,7 @@ do
         if t - tonumber(ms or '0') < takeover then return {'busy', '-1', 0, f} end
         return {'pending', '-1', 0, f}
       end
+      own_pending = own_pending + 1
     end
   end
 end
@@ -72,5 +75,6 @@ local function finish(reply)
   redis.call('HSET', outbox, f, payload)
   reply[#reply + 1] = f
   reply[#reply + 1] = payload
+  reply[#reply + 1] = own_pending
   return reply
 end

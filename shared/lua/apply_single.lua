@@ -20,19 +20,19 @@ local function members_key(ek) return 'kvpf:{engine:' .. ek .. '}:pods' end
 -- key goes with its last member). Membership first: an unlink that runs between the two still
 -- sees this pod, so it cannot delete the engine key under it.
 local function emit_link(ek, member, rks)
-  if shared_call('SADD', members_key(ek), member) == nil then return false end
+  if shared_call('HSET', members_key(ek), member, 1) == nil then return false end
   if #rks == 0 then return true end
   local za = {}
   for j, rk in ipairs(rks) do za[2 * j - 1], za[2 * j] = j - 1, rk end
   if shared_call('ZADD', 'engine:' .. ek, unpack(za)) == nil then
-    redis.pcall('SREM', members_key(ek), member)
+    redis.pcall('HDEL', members_key(ek), member)
     return false
   end
   return true
 end
 local function emit_unlink(ek, member)
   local mk = members_key(ek)
-  if shared_call('SREM', mk, member) ~= nil and redis.call('EXISTS', mk) == 0 then
+  if shared_call('HDEL', mk, member) ~= nil and redis.call('EXISTS', mk) == 0 then
     shared_call('DEL', 'engine:' .. ek)
   end
 end

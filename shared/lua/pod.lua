@@ -223,27 +223,28 @@ while i <= #ARGV do
     -- parent. So a parentless store of a hash the pod already holds is a re-announcement.
     local ek, slot, fi, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     local bk = ek .. '|' .. slot
-    local held = redis.call('HGET', blocks, bk)
-    if held and op == 'A' then
-      reannounced = reannounced + 1
-    elseif held then  -- another physical copy of a held hash: count it
-      local id, copies, _, list = parse_held(held)
-      redis.call('HSET', blocks, bk, id .. '*' .. (copies + 1) .. ':' .. list)
-      stored = stored + 1
-    else
-      local rks = {}
-      for j = 1, n do rks[j] = ARGV[i + 4 + j] end
+    local rks = {}
+    for j = 1, n do rks[j] = ARGV[i + 4 + j] end
+    local id = id_of(fi)
+    -- One call in the common case (a new block); a held one is read back.
+    if redis.call('HSETNX', blocks, bk, id .. ':' .. table.concat(rks, ',')) == 1 then
       local fld = ARGV[10 + fi]
-      -- The engine key first: if it is foreign (single node: found now), its request keys could
-      -- never be found again on eviction, so the block is not indexed at all (the pod is flagged).
+      -- If the engine key is foreign (single node: found now), its request keys could never be
+      -- found again on eviction, so the block is not indexed at all (the pod is flagged).
       if emit_link(ek, pod .. '|' .. slot, rks) then
-        local id = id_of(fi)
-        redis.call('HSET', blocks, bk, id .. ':' .. table.concat(rks, ','))
         for _, rk in ipairs(rks) do
           if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then emit_set(rk, fld) end
         end
         stored = stored + 1
+      else
+        redis.call('HDEL', blocks, bk)
       end
+    elseif op == 'A' then
+      reannounced = reannounced + 1
+    else  -- another physical copy of a held hash: count it
+      local hid, copies, _, list = parse_held(redis.call('HGET', blocks, bk))
+      redis.call('HSET', blocks, bk, hid .. '*' .. (copies + 1) .. ':' .. list)
+      stored = stored + 1
     end
     i = i + 5 + n
   elseif op == 'R' then

@@ -13,9 +13,9 @@ import httpx
 from cli.valkey_server import free_port
 
 
-def spawn(args: list[str], log_path: str) -> subprocess.Popen:
+def spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 

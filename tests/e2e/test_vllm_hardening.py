@@ -18,6 +18,7 @@ import redis
 
 from cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
 from cli.valkey_server import free_port
+from shared.layout import pod_meta_key
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack
 
@@ -66,7 +67,7 @@ def test_report_mode_full_is_not_a_copy_against_vllm(vllm, valkey_url):
             actual = send({"token_ids": probe})
             assert actual == 0, "the fillers did not evict the prompt as planned"
             assert predicted == actual, "a re-announced block was counted as a second copy and outlived its eviction"
-            meta = redis.Redis.from_url(valkey_url).hgetall(f"kvpf:pod:{pod}")
+            meta = redis.Redis.from_url(valkey_url).hgetall(pod_meta_key(pod))
             assert int(meta.get(b"reannounced", 0)) >= 3, "vLLM did not re-send the reused blocks"
 
         finally:

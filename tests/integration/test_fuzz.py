@@ -20,6 +20,7 @@ from cli.valkey_server import free_port
 from predictor.app import create_app
 from predictor.openapi import openapi_document
 from shared.config import Config
+from shared.layout import PODS_KEY
 from tests.integration.http_engine import HttpEngine
 from tests.tokenizer_files import write_tokenizer
 
@@ -38,7 +39,7 @@ DOCUMENT = openapi_document(Config(engine_urls={MODELS["engine"]: "http://engine
 def api_url(valkey_server, tmp_path_factory):
     r = redis.Redis.from_url(valkey_server.url)
     r.flushall()
-    r.hset("kvpf:pods", "index-pod", INDEX_MODEL)  # as an ingester leaves it
+    r.hset(PODS_KEY, "index-pod", INDEX_MODEL)  # as an ingester leaves it
     r.close()
     tok_dir = write_tokenizer(tmp_path_factory.mktemp("fuzz-tok"))
     engine = HttpEngine("fuzz-pod", [MODELS["engine"]], tokenize_fn=lambda body: [1, 2, 3] * 20, running=1).start()

@@ -13,6 +13,7 @@ import redis
 from cli.valkey_server import free_port
 from shared.events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from shared.layout import pod_blocks_key, pod_meta_key, pod_rks_key
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq
@@ -121,17 +122,18 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
             b.publish(EventBatch(time.time(), [BlockStored([1000 + k], None, toks[:32], 32, medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 1)
         await wait_for_seq(ix, "pod-b", 4)
-        assert sync.hget("kvpf:blocks:pod-a", "123|gpu") is None
-        assert sync.hget("kvpf:blocks:pod-a", "789|gpu") == b"1"
+        assert sync.hget(pod_blocks_key("pod-a"), "123|gpu") is None
+        assert sync.hget(pod_blocks_key("pod-a"), "789|gpu").startswith(b"1:")
         assert sync.lrange("engine:123", 0, -1) == [b"x"]  # untouched
         info = await ix.pod_info("pod-a")
         assert info.incomplete and "foreign" in info.incomplete_reason and "engine:123" in info.incomplete_reason
+        assert info.counters.get("foreign_keys", 0) == 1
         assert (await ix.counters()).get("foreign_keys", 0) == 1
         assert info.counters["batches"] == 2 and info.counters["stored"] == 1
         # Eviction of the block that was never indexed changes nothing; the other goes cleanly.
         a.publish(EventBatch(time.time(), [BlockRemoved([123, 789], medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 2)
-        assert sync.hlen("kvpf:blocks:pod-a") == 0
+        assert sync.hlen(pod_blocks_key("pod-a")) == 0
         assert not sync.exists("engine:789")
         assert ing.poll() is None
     finally:
@@ -156,10 +158,10 @@ async def test_foreign_request_key_is_a_counted_miss_on_read(ix):
 
 
 async def test_foreign_pod_key_refuses_the_batch_before_any_write(ix):
-    await ix.client.rpush("kvpf:blocks:pod-a", "x")
+    await ix.client.rpush(pod_blocks_key("pod-a"), "x")
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                              mutations=[StoreBlock(11, "gpu", F0, (101,))])
-    assert r.status == "corrupt" and "kvpf:blocks:pod-a" in r.detail
+    assert r.status == "corrupt" and pod_blocks_key("pod-a") in r.detail
     assert not await ix.client.exists("101") and not await ix.client.exists("engine:11")
 
 
@@ -167,7 +169,7 @@ async def test_non_integer_seq_in_state_flags_the_pod(ix):
     """Finding 6: a non-integer seq in a pod's state gave a 500; it is corrupt state, pod flagged."""
     await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                          mutations=[StoreBlock(11, "gpu", F0, (101,))])
-    await ix.client.hset("kvpf:pod:pod-a", "seq:0", "not-a-number")
+    await ix.client.hset(pod_meta_key("pod-a"), "seq:0", "not-a-number")
     info = await ix.pod_info("pod-a")
     assert info.incomplete and "seq:0" in info.incomplete_reason
     # The script treats it as unknown: the next batch is a gap from the start, never a crash.
@@ -181,7 +183,7 @@ async def test_non_integer_seq_in_state_flags_the_pod(ix):
 async def test_seqs_compare_exactly_past_2_pow_53(ix):
     """Doubles cannot tell 2^53 from 2^53+1; the script compares decimal strings."""
     big = 2**53
-    await ix.client.hset("kvpf:pod:pod-a", mapping={"seq:0": str(big), "ts:0": "1.0"})
+    await ix.client.hset(pod_meta_key("pod-a"), mapping={"seq:0": str(big), "ts:0": "1.0"})
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=big + 1, ts=1.0, model="m", engine_block_size=32, mutations=[])
     assert r.status == "applied" and r.last_seq == big
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=big + 1, ts=1.0, model="m", engine_block_size=32, mutations=[])
@@ -199,8 +201,8 @@ async def test_reannounced_block_is_not_a_second_copy(ix):
     await apply(0, first)
     await apply(1, first)  # the re-announcement: no copy counted
     await apply(2, [StoreBlock(12, "gpu", F0, (102,))])  # a real copy of block 12 (it has a parent)
-    assert await ix.client.hget("kvpf:blocks:pod-a", "11|gpu") == b"1"
-    assert await ix.client.hget("kvpf:blocks:pod-a", "12|gpu") == b"1*2"
+    assert await ix.client.hget(pod_blocks_key("pod-a"), "11|gpu") == b"1:101"
+    assert await ix.client.hget(pod_blocks_key("pod-a"), "12|gpu") == b"1*2:102"
     assert (await ix.pod_info("pod-a")).counters["reannounced"] == 2
     await apply(3, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one eviction each
     assert not await ix.client.exists("101")  # the only copy went
@@ -218,7 +220,5 @@ async def test_cache_salt_two_engine_keys_one_request_key(ix):
     assert [m.blocks for m in await ix.lookup([101, 102], mode="linear")] == [2]
     await apply(3, [RemoveBlock(91, "gpu")])
     assert await ix.lookup([101, 102], mode="linear") == []
-    assert not await ix.client.exists("kvpf:rkref:pod-a", "engine:91", "101", "102")
-    # Known limit (docs/operations.md): engine:11 outlives its last holder here, because its request
-    # keys were still held (through 91) when 11 went. It maps to the right request keys, so it
-    # misleads nothing; the cluster layout's per-engine-key membership removes it.
+    assert not await ix.client.exists(pod_rks_key("pod-a"), "engine:11", "engine:91", "101", "102")
+    assert await ix.client.hlen(pod_blocks_key("pod-a")) == 0

@@ -7,6 +7,7 @@ import redis
 from shared.index import (
     ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
+from shared.layout import pod_blocks_key, pod_meta_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -32,7 +33,7 @@ async def test_store_writes_llmd_layout(ix, valkey_url):
         if not key.startswith("engine:"):
             sync.hkeys(key)
             assert sync.type(key) == "hash", key
-    meta = sync.hgetall("kvpf:pod:pod-a")
+    meta = sync.hgetall(pod_meta_key("pod-a"))
     assert meta["seq:0"] == "0" and meta["engine_block_size"] == "32" and meta["model"] == "m"
 
 
@@ -70,7 +71,7 @@ async def test_clear_pod_is_per_pod(ix):
     assert await ix.client.hkeys("101") == [FB.encode()]
     assert await ix.client.exists("102") == 0 and await ix.client.exists("103") == 1
     assert await ix.clear_pod("pod-b", forget=True) == 1
-    assert await ix.client.exists("101", "kvpf:pod:pod-b") == 0
+    assert await ix.client.exists("101", pod_meta_key("pod-b")) == 0
     assert "pod-b" not in await ix.pod_ids()
 
 
@@ -123,7 +124,7 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     r = await apply(ix, 5, b5, mode="force")  # ingester Y, a moment later
     assert (r.status, r.last_seq) == ("dup", 6)
     assert (await ix.pod_info("pod-a")).seqs == {"0": 6}
-    assert await ix.client.hget("kvpf:blocks:pod-a", "11|gpu") == b"1"  # one copy, not two
+    assert await ix.client.hget(pod_blocks_key("pod-a"), "11|gpu") == b"1:101"  # one copy, not two
     assert (await apply(ix, 7, [RemoveBlock(11, "gpu")])).status == "applied"
     assert await ix.lookup([101]) == []
     # A forced batch from a restarted engine (seq back, newer ts) is still a restart.
@@ -137,7 +138,7 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "dup"  # Y
     assert (await ix.pod_info("pod-a")).seqs == {"0": 1}
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
-    assert await ix.client.hget("kvpf:blocks:pod-a", "12|gpu") == b"1"
+    assert await ix.client.hget(pod_blocks_key("pod-a"), "12|gpu") == b"1:102"
     # Y's reset of a seq X has not reached yet applies it as the next batch, without clearing.
     assert (await apply(ix, 2, [], ts=10_002.0, mode="reset")).status == "applied"
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}

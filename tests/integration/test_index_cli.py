@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from shared.layout import pod_blocks_key
 from tests.integration.sim import sim_engine
 
 pytestmark = pytest.mark.integration
@@ -110,6 +111,6 @@ def test_export_import_keeps_kv_cache_groups(valkey_url):
     run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-g")
     run("index", "import", "--valkey-url", valkey_url, input=exported)
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    assert sorted(r.hkeys("kvpf:blocks:pod-g")) == ["7|gpu", "7|gpu|1"]
+    assert sorted(r.hkeys(pod_blocks_key("pod-g"))) == ["7|gpu", "7|gpu|1"]
     asyncio.run(write(1, [RemoveBlock(7, "gpu", 0), RemoveBlock(7, "gpu", 1)]))
     assert not r.exists("70", "engine:7")

@@ -10,6 +10,7 @@ from shared.config import Config
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from shared.keys import request_keys
+from shared.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -44,7 +45,7 @@ def snapshot(url: str) -> dict:
         t = r.type(k)
         if t == "hash":
             v = r.hgetall(k)
-            if k.startswith("kvpf:pod:"):
+            if k.startswith("kvpf:{") and k.endswith("}:meta"):
                 v = {f: x for f, x in v.items() if f not in ("last_event_time",)}
             out[k] = v
         else:
@@ -103,18 +104,15 @@ async def test_reverse_index_stores_field_ids_and_reads_old_values(valkey_url):
     await apply(0, [StoreBlock(11, "gpu", f_gpu, (101, 102)), StoreBlock(11, "cpu", f_cpu, (101, 102)),
                     StoreBlock(12, "gpu", f_gpu, (103,))])
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    assert r.hgetall("kvpf:blocks:pod-a") == {"11|gpu": "1", "11|cpu": "2", "12|gpu": "1"}
-    assert r.hgetall("kvpf:fields:pod-a") == {"1": f_gpu, "2": f_cpu}
-    # A reverse-index value from before ids (the field itself) still removes what it names.
-    r.hset("kvpf:blocks:pod-a", "13|gpu", f_gpu)
-    r.hset("104", f_gpu, "")
-    r.zadd("engine:13", {"104": 0})
-    await apply(1, [RemoveBlock(11, "cpu"), RemoveBlock(13, "gpu")])
-    assert r.hkeys("101") == [f_gpu] and not r.exists("104", "engine:13")
+    assert r.hgetall(pod_blocks_key("pod-a")) == {"11|gpu": "1:101,102", "11|cpu": "2:101,102", "12|gpu": "1:103"}
+    assert r.hgetall(pod_fields_key("pod-a")) == {"1": f_gpu, "2": f_cpu}
+    assert r.hgetall(engine_members_key(11)) == {"pod-a|gpu": "1", "pod-a|cpu": "1"}
+    await apply(1, [RemoveBlock(11, "cpu")])
+    assert r.hkeys("101") == [f_gpu] and r.hgetall(engine_members_key(11)) == {"pod-a|gpu": "1"}
     exported = sorted([s async for s in ix.export_blocks("pod-a")], key=lambda s: s.engine_key)
     assert exported == [StoreBlock(11, "gpu", f_gpu, (101, 102)), StoreBlock(12, "gpu", f_gpu, (103,))]
     assert await ix.clear_pod("pod-a", forget=True) == 2
-    assert not r.exists("101", "103", "engine:11", "engine:12", "kvpf:blocks:pod-a", "kvpf:fields:pod-a")
+    assert not r.exists("101", "103", "engine:11", "engine:12", engine_members_key(11), *pod_state_keys("pod-a"))
     await ix.close()
 
 

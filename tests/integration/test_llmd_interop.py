@@ -19,6 +19,7 @@ from shared.config import Config
 from shared.events import decode_frames
 from shared.index import Index
 from shared.keys import request_keys
+from shared.layout import PODS_KEY
 from tests.conftest import load_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -100,7 +101,7 @@ async def test_predictor_reads_what_llmd_wrote(valkey_url, form):
             if i < 3:
                 r.hset(str(k), '{"PodIdentifier":"other-pod","DeviceTier":"cpu","Speculative":false}', "")
         r.hset(str(k), "spec-pod@gpu[speculative]", "")  # predicted, not confirmed: never counted
-    r.hset("kvpf:pods", mapping={"llmd-pod": "llmd-model"})
+    r.hset(PODS_KEY, mapping={"llmd-pod": "llmd-model"})
     r.close()
     app = create_app(Config(valkey_url=valkey_url))
     async with app.router.lifespan_context(app):

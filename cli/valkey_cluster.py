@@ -1,0 +1,159 @@
+"""Start and stop a private Valkey Cluster on loopback: real valkey-server processes in cluster
+mode (3 masters with one replica each by default), made a cluster with ``valkey-cli --cluster
+create``. Used by ``kv-preflight up --cluster``, the test suite and the benchmark.
+
+``cluster-require-full-coverage no`` keeps the shards that are up answering while one is down (an
+answer is then marked partial), and a short node timeout (2 s in tests) makes failover quick.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cli.valkey_server import ValkeyServer
+
+
+def cluster_port() -> int:
+    """A free port P with P + 10000 free too (the cluster bus). Both below Linux's ephemeral range
+    (32768-60999), so a node restarted on its port never meets a port the kernel handed out meanwhile."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(20000, 22768)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair (P, P + 10000) for a cluster node")
+
+
+def cli_binary() -> str:
+    for name in ("valkey-cli", "redis-cli"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise FileNotFoundError("valkey-cli (or redis-cli) is needed to form a cluster; run scripts/install-valkey")
+
+
+@dataclass
+class ValkeyCluster:
+    data_dir: Path
+    masters: int = 3
+    replicas: int = 1
+    node_timeout_ms: int = 2000
+    appendonly: bool = True
+    debug_command: bool = False
+    nodes: list[ValkeyServer] = field(default_factory=list, repr=False)
+
+    @property
+    def url(self) -> str:
+        """Any node's URL names the cluster; the first master's."""
+        return self.nodes[0].url.rsplit("/", 1)[0]
+
+    def _node(self, i: int, port: int) -> ValkeyServer:
+        d = self.data_dir.resolve() / f"node-{i}"
+        return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command, extra_args=(
+            "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+            "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
+            # a replica of a dead master takes over without waiting for an operator
+            "--cluster-replica-validity-factor", "0",
+            # a (re)joining replica syncs at once, from memory
+            "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0",
+        ))
+
+    def start(self, timeout_s: float = 30.0) -> "ValkeyCluster":
+        """Start the nodes; a data directory that already holds this cluster (cluster.json, each
+        node's nodes.conf and AOF) brings the same cluster back on the same ports."""
+        saved = self.data_dir.resolve() / "cluster.json"
+        if not self.nodes and saved.exists():
+            ports = json.loads(saved.read_text())["ports"]
+            self.nodes = [self._node(i, p) for i, p in enumerate(ports)]
+        if self.nodes:  # a restart: same ports, same nodes.conf
+            try:
+                for n in self.nodes:
+                    n.start()
+            except Exception:
+                self.stop()
+                raise
+            self.wait_ok(timeout_s)
+            return self
+        count = self.masters * (1 + self.replicas)
+        try:
+            for i in range(count):
+                self.nodes.append(self._node(i, cluster_port()).start())
+        except Exception:
+            self.stop()
+            raise
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        out = subprocess.run([cli_binary(), "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"valkey-cli --cluster create failed: {out.stdout[-1500:]} {out.stderr[-500:]}")
+        saved.write_text(json.dumps({"ports": [n.port for n in self.nodes]}))
+        self.wait_ok(timeout_s)
+        return self
+
+    def info(self, node: ValkeyServer, section: str = "cluster") -> str:
+        return subprocess.run([cli_binary(), "-p", str(node.port), "cluster", "info" if section == "cluster" else section],
+                              capture_output=True, text=True, timeout=10).stdout
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node says cluster_state:ok and every running replica is in sync."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+            if running and all("cluster_state:ok" in self.info(n) for n in running) and self._replicas_online(running):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the cluster did not reach cluster_state:ok with its replicas in sync in {timeout_s}s")
+
+    def _replicas_online(self, running: list[ValkeyServer]) -> bool:
+        for n in running:
+            info = subprocess.run([cli_binary(), "-p", str(n.port), "info", "replication"], capture_output=True,
+                                  text=True, timeout=10).stdout
+            if "role:slave" in info and "master_link_status:up" not in info:
+                return False
+            if "role:master" in info and ("state=wait_bgsave" in info or "state=send_bulk" in info):
+                return False
+        return True
+
+    def masters_now(self) -> list[ValkeyServer]:
+        """The nodes that are masters right now (after failovers, not the ones created as such)."""
+        out = []
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            role = subprocess.run([cli_binary(), "-p", str(n.port), "role"], capture_output=True, text=True,
+                                  timeout=10).stdout.split()
+            if role and role[0] == "master":
+                out.append(n)
+        return out
+
+    def node_at(self, port: int) -> ValkeyServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def replicas_of(self, master: ValkeyServer) -> list[ValkeyServer]:
+        """The nodes replicating ``master`` now (from CLUSTER NODES, as the master sees it)."""
+        out = subprocess.run([cli_binary(), "-p", str(master.port), "cluster", "nodes"], capture_output=True,
+                             text=True, timeout=10).stdout.splitlines()
+        ids = {line.split()[0]: line for line in out}
+        mine = next(line.split()[0] for line in out if "myself" in line.split()[2])
+        ports = [int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in ids.values()
+                 if line.split()[3] == mine]
+        return [n for n in self.nodes if n.port in ports]
+
+    def stop(self, kill: bool = False) -> None:
+        for n in self.nodes:
+            n.stop(kill=kill)
+
+
+__all__ = ["ValkeyCluster", "cli_binary", "cluster_port"]

@@ -1,0 +1,238 @@
+"""The index on a real local Valkey Cluster (3 masters + 3 replicas, loopback): the same layout and
+answers as a single node, exactly-once without cross-slot scripts (kill -9 between the steps of a
+batch), ingestion and prediction through real processes, and a master's failover."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import msgspec
+import pytest
+import redis
+
+from shared.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from shared.layout import pod_outbox_key
+from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.engine_stub import EngineStub
+from tests.integration.test_faults import Workload, publish
+from tests.integration.truth import engine_truth, index_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+def entry(pod: str, tier: str = "GPU") -> str:
+    return encode_entry(make_entry(pod, tier, 0))
+
+
+def random_batches(seed: int, pods=("pod-a", "pod-b", "pod-c"), n: int = 60) -> list[tuple[str, list]]:
+    """Stores (with copies, re-announcements, shared request keys), removals and clears."""
+    rng = random.Random(seed)
+    held: dict[str, list[int]] = {p: [] for p in pods}
+    out = []
+    for _ in range(n):
+        pod = rng.choice(pods)
+        muts: list = []
+        for _ in range(rng.randrange(1, 6)):
+            r = rng.random()
+            if r < 0.55 or not held[pod]:
+                ek = rng.randrange(1, 40)  # few engine keys: pods share them
+                base = ek * 10
+                rks = tuple(base + j for j in range(rng.choice([1, 2])))
+                if rng.random() < 0.15:  # a salted twin: another engine key, the same request keys
+                    ek += 1000
+                muts.append(StoreBlock(ek, rng.choice(["gpu", "gpu", "cpu"]), entry(pod, "GPU"), rks,
+                                       parentless=rng.random() < 0.3))
+                held[pod].append(ek)
+            elif r < 0.95:
+                ek = rng.choice(held[pod])
+                held[pod].remove(ek)
+                muts.append(RemoveBlock(ek, rng.choice(["gpu", "cpu"])))
+            else:
+                muts.append(ClearPod())
+                held[pod] = []
+        out.append((pod, muts))
+    return out
+
+
+def dump(client: redis.Redis | redis.RedisCluster) -> dict:
+    """Every key and value of the index (outbox bookkeeping and clocks left out)."""
+    nodes = client.get_primaries() if isinstance(client, redis.RedisCluster) else [None]
+    out = {}
+    for node in nodes:
+        keys = client.keys("*", target_nodes=node) if node else client.keys("*")
+        for k in keys:
+            k = k.decode()
+            if k.endswith(":barrier"):  # the cluster's replication barrier (shared/backends/cluster.py)
+                continue
+            t = client.type(k).decode()
+            if t == "hash":
+                v = {f.decode(): x.decode() for f, x in client.hgetall(k).items()
+                     if f not in (b"last_event_time", b"outbox_n")}
+                out[k] = v
+            elif t == "zset":
+                out[k] = client.zrange(k, 0, -1, withscores=True)
+    return out
+
+
+async def apply_all(ix: Index, batches) -> None:
+    seqs: dict[str, int] = {}
+    for pod, muts in batches:
+        seq = seqs.get(pod, -1) + 1
+        seqs[pod] = seq
+        r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32, mutations=muts)
+        assert r.status == "applied", r
+
+
+async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_url, cluster_url):
+    """One layout for both topologies: identical keys and values after the same batches, and the
+    cluster's lookup equals the single node's exact linear walk."""
+    batches = random_batches(1)
+    single, cluster = Index.from_url(valkey_url), Index.from_url(cluster_url)
+    assert not single.cluster and cluster.cluster
+    try:
+        await apply_all(single, batches)
+        await apply_all(cluster, batches)
+        one, many = dump(redis.Redis.from_url(valkey_url)), dump(redis.RedisCluster.from_url(cluster_url))
+        assert not [k for k in many if k.startswith("kvpf:{") and k.endswith(":outbox")], "outbox left behind"
+        assert many == one
+        rng = random.Random(2)
+        for _ in range(40):
+            chain = [rng.randrange(1, 40) * 10 + j for _ in range(1) for j in range(rng.randrange(1, 3))]
+            for pods in (None, ["pod-a"], ["pod-b", "nope"]):
+                want = sorted((m.pod_id, m.blocks, m.tier) for m in await single.lookup(chain, pods, mode="linear"))
+                got = sorted((m.pod_id, m.blocks, m.tier) for m in await cluster.lookup(chain, pods))
+                assert got == want
+        for pod in ("pod-a", "pod-b", "pod-c"):
+            a, b = await single.pod_info(pod), await cluster.pod_info(pod)
+            assert (a.seqs, a.blocks, a.counters) == (b.seqs, b.blocks, b.counters)
+        assert await cluster.pod_ids() == await single.pod_ids()
+    finally:
+        await single.close()
+        await cluster.close()
+
+
+async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
+    """Effects run twice (an entry drained after it had in fact run: a writer killed before its
+    ack) change nothing: every effect is idempotent and no count lives on a shared key."""
+    ix = Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        f = entry("pod-a")
+        muts = [StoreBlock(1, "gpu", f, (11, 12)), StoreBlock(1, "gpu", f, (11, 12)), StoreBlock(2, "gpu", f, (13,))]
+        assert (await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                     mutations=muts)).status == "applied"
+        before = dump(sync)
+        again = msgspec.msgpack.encode(["L", "1", "pod-a|gpu", 2, "11", "12", "H", "11", f, "H", "12", f,
+                                        "L", "2", "pod-a|gpu", 1, "13", "H", "13", f])
+        sync.hset(pod_outbox_key("pod-a"), "99|dead-writer@2000|0", again)
+        assert await ix.drain_outbox("pod-a") == 1
+        assert dump(sync) == before
+        # The removal's effects, run twice, likewise.
+        assert (await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
+                                     mutations=[RemoveBlock(1, "gpu"), RemoveBlock(1, "gpu")])).status == "applied"
+        after = dump(sync)
+        sync.hset(pod_outbox_key("pod-a"), "100|dead-writer@2000|0",
+                  msgspec.msgpack.encode(["D", "11", f, "D", "12", f, "U", "1", "pod-a|gpu"]))
+        await ix.drain_outbox("pod-a")
+        assert dump(sync) == after
+        assert "11" not in after and "engine:1" not in after and "13" in after
+    finally:
+        sync.close()
+        await ix.close()
+
+
+def cluster_engine(topic="kv@pod-c@tiny"):
+    from cli.valkey_server import free_port
+    zport, rport = free_port(), free_port()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", topic, bind=True)
+    return engine, f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
+
+
+async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    info = None
+    while time.monotonic() < deadline:
+        try:
+            info = await ix.pod_info(pod)
+            if info.seqs.get("0", -1) >= seq:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{pod} did not reach seq {seq}: {info}")
+
+
+async def assert_exact(ix: Index, engine: EngineStub, wl: Workload, pod: str = "pod-c", timeout: float = 20.0) -> None:
+    await wait_seq(ix, pod, engine.seq - 1)
+    deadline = time.monotonic() + timeout
+    while await ix.client.exists(pod_outbox_key(pod)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not await ix.client.exists(pod_outbox_key(pod)), "an outbox entry was left behind"
+    assert await index_state(ix, pod) == engine_truth(wl.batches)
+
+
+@pytest.mark.parametrize("point", ["pod_step", "effects"])
+async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point):
+    """An ingester killed right after a batch's pod step (effects not run) or after its effects
+    (outbox entry not deleted): the next ingester runs the entry, and the index ends exactly the
+    engine's, with every count once."""
+    engine, source = cluster_engine()
+    wl = Workload(31)
+    ix = Index.from_url(cluster_url)
+    args = ["ingest", "--valkey-url", cluster_url, "--source", source]
+    # The crash comes at the last batch, so its blocks are still held at the end (no eviction hides a
+    # lost effect), and the engine then goes quiet: only the outbox can finish that batch.
+    doomed = spawn(args, str(tmp_path / "doomed.log"), env={"KVPF_TEST_CRASH_AT": f"{point}:30"})
+    try:
+        await asyncio.sleep(1.0)
+        await publish(engine, wl, 30, pause=0.05)
+        deadline = time.monotonic() + 20
+        while doomed.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert doomed.returncode == 137, "the ingester did not stop at the crash point"
+        assert await ix.client.hlen(pod_outbox_key("pod-c")) >= 1, "the crash left no outbox entry"
+        survivor = spawn(args, str(tmp_path / "survivor.log"))
+        try:
+            await assert_exact(ix, engine, wl)  # the engine is quiet: the survivor's chores ran the entry
+            await publish(engine, wl, 10)
+            await assert_exact(ix, engine, wl)
+            info = await ix.pod_info("pod-c")
+            assert info.counters["batches"] == engine.seq  # every batch applied exactly once
+        finally:
+            stop(survivor)
+    finally:
+        stop(doomed)
+        engine.close()
+        await ix.close()
+
+
+async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
+    """Real ingester and predictor processes on a cluster, given any node's URL."""
+    engine, source = cluster_engine()
+    wl = Workload(32)
+    ix = Index.from_url(cluster_url)
+    from cli.valkey_server import free_port
+    port = free_port()
+    ing = spawn(["ingest", "--valkey-url", cluster_url, "--source", source], str(tmp_path / "ing.log"))
+    pred = spawn(["serve", "--valkey-url", cluster_url, "--port", str(port)], str(tmp_path / "pred.log"))
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+        await asyncio.sleep(0.5)
+        await publish(engine, wl, 40)
+        await assert_exact(ix, engine, wl)
+        # A prediction through the predictor equals the index's own answer.
+        blocks = [b async for b in ix.export_blocks("pod-c")]
+        chain = list(blocks[0].request_keys)
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/cache/predict", json={"model": "tiny", "token_ids": [1] * 16},
+                         timeout=10)
+        assert got.status_code == 200, got.text
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+        assert stats["summary"]["pods"] >= 1
+        assert [m.blocks for m in await ix.lookup(chain)] == [len(chain)]
+    finally:
+        stop(ing)
+        stop(pred)
+        engine.close()
+        await ix.close()

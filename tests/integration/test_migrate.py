@@ -1,0 +1,95 @@
+"""Layout 1 (kv-preflight 0.1) to layout 2: refused until migrated, `kv-preflight index migrate`
+moves it with llm-d's keys untouched, and a layout-1 writer appearing later stops our ingester."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from shared.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
+from shared.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
+from tests.e2e.harness import spawn, stop
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+F = encode_entry(make_entry("old-pod", "GPU", 0))
+
+
+def write_layout_1(r: redis.Redis) -> None:
+    """What kv-preflight 0.1 left: two blocks (one held twice), one field written before ids."""
+    r.hset(V1_PODS_KEY, "old-pod", "m")
+    r.hset("kvpf:pod:old-pod", mapping={"model": "m", "seq:0": "41", "ts:0": "5.0", "batches": "42",
+                                        "engine_block_size": "32"})
+    r.hset("kvpf:fields:old-pod", "1", F)
+    r.hset("kvpf:blocks:old-pod", mapping={"7|gpu": "1*2", "8|gpu": F})
+    for ek, rks in ((7, ["70", "71"]), (8, ["72", "73"])):
+        r.zadd(f"engine:{ek}", {rk: i for i, rk in enumerate(rks)})
+        for rk in rks:
+            r.hset(rk, F, "")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60)
+
+
+async def test_layout_1_is_refused_then_migrated(valkey_url):
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    write_layout_1(r)
+    llmd_before = {k: r.hkeys(k) for k in ("70", "71", "72", "73")} | {k: r.zrange(k, 0, -1) for k in ("engine:7", "engine:8")}
+    ix = Index.from_url(valkey_url)
+    try:
+        with pytest.raises(LayoutError, match="index migrate"):
+            await ix.check_layout()
+        refused = cli("index", "stats", "--valkey-url", valkey_url)
+        assert refused.returncode != 0 and "index migrate" in refused.stderr
+        done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"pods": 1, "blocks": 2}
+        assert await ix.check_layout() == "2"
+        # llm-d's keys did not move; ours are layout 2; layout 1's are gone.
+        assert {k: r.hkeys(k) for k in ("70", "71", "72", "73")} | {k: r.zrange(k, 0, -1) for k in ("engine:7", "engine:8")} == llmd_before
+        assert not r.exists(V1_PODS_KEY, "kvpf:pod:old-pod", "kvpf:blocks:old-pod", "kvpf:fields:old-pod")
+        assert r.hgetall(pod_blocks_key("old-pod")) == {"7|gpu": "1*2:70,71", "8|gpu": "1:72,73"}
+        assert r.hget(pod_rks_key("old-pod"), "72|1") == "1"
+        assert r.hgetall(engine_members_key(7)) == {"old-pod|gpu": "1"}
+        assert r.hget(PODS_KEY, "old-pod") == "m" and r.hget(LAYOUT_KEY, "version") == "2"
+        info = await ix.pod_info("old-pod")
+        assert info.seqs == {"0": 41} and info.counters["batches"] == 42 and info.blocks == 2
+        assert [m.blocks for m in await ix.lookup([70, 71, 72, 73], mode="linear")] == [4]
+        # The migrated pod goes on at its next seq: copies kept, evictions find their request keys.
+        for seq, muts in ((42, [RemoveBlock(7, "gpu")]), (43, [RemoveBlock(7, "gpu"), RemoveBlock(8, "gpu")])):
+            res = await ix.apply_batch(pod_id="old-pod", rank=0, seq=seq, ts=6.0, model="m", engine_block_size=32,
+                                       mutations=muts)
+            assert res.status == "applied"
+            if seq == 42:
+                assert r.hkeys("70") == [F]  # one of two copies evicted: still held
+        assert not r.exists("70", "71", "72", "73", "engine:7", "engine:8", engine_members_key(7))
+        again = cli("index", "migrate", "--valkey-url", valkey_url, "--json")  # idempotent
+        assert again.returncode == 0 and json.loads(again.stdout)["pods"] == 0
+    finally:
+        r.close()
+        await ix.close()
+
+
+async def test_ingester_stops_when_a_layout_1_writer_appears(valkey_url, tmp_path):
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", "tcp://127.0.0.1:1"], str(tmp_path / "ing.log"))
+    r = redis.Redis.from_url(valkey_url)
+    try:
+        deadline = time.monotonic() + 10
+        while not r.hget(LAYOUT_KEY, "version") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert ing.poll() is None
+        r.hset(V1_PODS_KEY, "someone", "m")  # a kv-preflight 0.1 ingester writes beside us
+        deadline = time.monotonic() + 10
+        while ing.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert ing.poll() is not None, "the ingester kept writing beside a layout-1 writer"
+        assert "layout 1" in (tmp_path / "ing.log").read_text()
+    finally:
+        stop(ing)
+        r.close()
