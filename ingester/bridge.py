@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shared.index import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
+from shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from shared.keys import request_keys, root_key
 
 

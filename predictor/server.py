@@ -40,6 +40,19 @@ class _HeaderDeadline:
     client: tuple[str, int] | None
     _header_timer: asyncio.TimerHandle | None
 
+    def __init__(self, *args: Any, read_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]  # the uvicorn protocol's
+        self.read_timeout_s = read_timeout_s
+        self._header_timer = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)  # type: ignore[misc]
+
     def _arm_header_deadline(self) -> None:
         if self._header_timer is None:
             self._header_timer = self.loop.call_later(self.read_timeout_s, self._header_deadline_passed)
@@ -64,15 +77,6 @@ class _HeaderDeadline:
 
 
 class BoundedH11Protocol(_HeaderDeadline, H11Protocol):
-    def __init__(self, *args: Any, read_timeout_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.read_timeout_s = read_timeout_s
-        self._header_timer = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_header_deadline()
-
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:  # bytes of a new request (or of its headers, still incomplete)
             self._arm_header_deadline()
@@ -80,24 +84,11 @@ class BoundedH11Protocol(_HeaderDeadline, H11Protocol):
         if self.conn.their_state is not h11.IDLE:  # h11 produced the Request: the headers are complete
             self._disarm_header_deadline()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_deadline()
-        super().connection_lost(exc)
-
 
 if importlib.util.find_spec("httptools") is not None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class BoundedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
-        def __init__(self, *args: Any, read_timeout_s: float, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.read_timeout_s = read_timeout_s
-            self._header_timer = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_deadline()
-
         def on_message_begin(self) -> None:  # the first byte of a request (httptools' callback)
             super().on_message_begin()
             self._arm_header_deadline()
@@ -105,10 +96,6 @@ if importlib.util.find_spec("httptools") is not None:
         def on_headers_complete(self) -> None:
             self._disarm_header_deadline()
             super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_deadline()
-            super().connection_lost(exc)
 else:  # pragma: no cover
     BoundedHttpToolsProtocol = None  # type: ignore[assignment,misc]
 

@@ -21,6 +21,7 @@ since the counts live only in the pod step, a retry never changes counts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
@@ -34,10 +35,16 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.layout import engine_key_name, engine_members_key, pod_outbox_key
+from shared import scripts
+from shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
+from shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
+from shared.keys import pack_keys
+from shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
 
 _unpack = msgspec.msgpack.Decoder()
+log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
 
 
@@ -76,36 +83,51 @@ def cluster_client(url: str, *, timeout_s: float) -> RedisCluster:
                                  retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2))
 
 
-def effect_commands(payload: bytes) -> list[tuple[str, tuple[Any, ...]]]:
-    """An outbox entry's effects as commands, in order (pure; see the module docstring).
-    ("UNLINK" stands for the one-slot unlink script.)"""
+def effect_list(payload: bytes) -> list[tuple[str, str, list[Any]]]:
+    """An outbox entry's effects, in order, as (op, the key that decides its shard, its flat
+    arguments as the effects script takes them) (pure; see the module docstring)."""
     items = _unpack.decode(payload)
-    out: list[tuple[str, tuple[Any, ...]]] = []
+    out: list[tuple[str, str, list[Any]]] = []
     i = 0
     while i < len(items):
         op = items[i]
         if op == "L":
-            ek, member, n = items[i + 1], items[i + 2], int(items[i + 3])
-            rks = items[i + 4:i + 4 + n]
-            out.append(("HSET", (engine_members_key(ek), member, 1)))
-            if rks:
-                pairs: list[Any] = []
-                for pos, rk in enumerate(rks):
-                    pairs += [pos, rk]
-                out.append(("ZADD", (engine_key_name(ek), *pairs)))
+            n = int(items[i + 3])
+            out.append((op, engine_members_key(items[i + 1]), items[i:i + 4 + n]))
             i += 4 + n
         elif op == "U":
-            out.append(("UNLINK", (items[i + 1], items[i + 2])))
+            out.append((op, engine_members_key(items[i + 1]), items[i:i + 3]))
             i += 3
-        elif op == "H":
-            out.append(("HSET", (items[i + 1], items[i + 2], "")))
-            i += 3
-        elif op == "D":
-            out.append(("HDEL", (items[i + 1], items[i + 2])))
+        elif op in ("H", "D"):
+            out.append((op, str(items[i + 1]), items[i:i + 3]))
             i += 3
         else:
             raise ValueError(f"unknown effect {op!r} in an outbox entry")
     return out
+
+
+def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]:
+    """One effect's flat arguments as plain commands ("UNLINK" stands for the one-slot unlink script)."""
+    op = flat[0]
+    if op == "L":
+        ek, member, n = flat[1], flat[2], int(flat[3])
+        out: list[tuple[str, tuple[Any, ...]]] = [("HSET", (engine_members_key(ek), member, 1))]
+        if n:
+            pairs: list[Any] = []
+            for pos, rk in enumerate(flat[4:4 + n]):
+                pairs += [pos, rk]
+            out.append(("ZADD", (engine_key_name(ek), *pairs)))
+        return out
+    if op == "U":
+        return [("UNLINK", (flat[1], flat[2]))]
+    if op == "H":
+        return [("HSET", (flat[1], flat[2], ""))]
+    return [("HDEL", (flat[1], flat[2]))]
+
+
+def effect_commands(payload: bytes) -> list[tuple[str, tuple[Any, ...]]]:
+    """An outbox entry's effects as plain commands, in order (pure)."""
+    return [c for _op, _key, flat in effect_list(payload) for c in effect_commands_of(flat)]
 
 
 class ReplicationBarrier:
@@ -195,14 +217,55 @@ class ClusterEffects:
         self.client = client
         self.writer = writer
         self._unlink = client.register_script(unlink_script)
+        self._effects = client.register_script(scripts.EFFECTS_SHARD)
         self.barrier = ReplicationBarrier(client)
 
     async def run(self, entries: Sequence[tuple[str, str, bytes]]) -> tuple[int, str, list[str]]:
-        """Run (pod, outbox field, payload) entries in order. Returns how many effects hit a key of a
-        foreign type (skipped: each effect stands alone), the first such error, and the keys touched."""
+        """Run (pod, outbox field, payload) entries in order: one script per shard with that shard's
+        effects (in order), the shards in parallel; effects whose key moved meanwhile go again through
+        the cluster's routing. Returns how many effects hit a key of a foreign type (skipped: each
+        effect stands alone), the first such error, and the keys touched."""
         if not entries:
             return 0, "", []
-        commands = [c for _pod, _field, payload in entries for c in effect_commands(payload)]
+        effects = [e for _pod, _field, payload in entries for e in effect_list(payload)]
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        moved: list[int] = []
+        for i, (_, key, _) in enumerate(effects):
+            try:
+                node = self.client.get_node_from_key(key)
+            except VALKEY_ERRORS:
+                moved.append(i)
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+
+        async def shard(node, idx: list[int]) -> tuple[int, str]:
+            args = [a for i in idx for a in effects[i][2]]
+            try:
+                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+            except NoScriptError:
+                await self.client.script_load(self._effects.script)
+                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+            moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
+            return int(reply[1]), text(reply[2])
+
+        foreign, first = 0, ""
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        for (_, idx), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, VALKEY_ERRORS):
+                    raise res
+                moved.extend(idx)  # that shard did not answer: through the routing, which may have news
+            else:
+                foreign += res[0]
+                first = first or res[1]
+        if moved:
+            f, fst = await self._run_routed([effects[i] for i in sorted(moved)])
+            foreign, first = foreign + f, first or fst
+        return foreign, first, [key for _, key, _ in effects]
+
+    async def _run_routed(self, effects: Sequence[tuple[str, str, list[Any]]]) -> tuple[int, str]:
+        """Effects as plain commands through the cluster's routing (MOVED/ASK followed), in order."""
+        commands = [c for _op, _key, flat in effects for c in effect_commands_of(flat)]
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for cmd, args in commands:
@@ -224,8 +287,7 @@ class ClusterEffects:
                 first = first or str(r)[:120]
             elif isinstance(r, Exception):
                 raise r
-        touched = [engine_members_key(a[0]) if cmd == "UNLINK" else str(a[0]) for cmd, a in commands]
-        return foreign, first, touched
+        return foreign, first
 
     async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: Iterable[str]) -> bool:
         """Delete the entries once every shard their effects touched has them on a replica; False
@@ -268,4 +330,206 @@ class ClusterEffects:
         await self.barrier.close()
 
 
-__all__ = ["ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "effect_commands", "probe_cluster", "writer_id"]
+class ClusterBackend:
+    """Valkey Cluster: the write path of the module docstring, and a lookup of one pipelined HKEYS
+    request per shard, the shards in parallel."""
+
+    cluster = True
+
+    def __init__(self, client: RedisCluster, *, writer: str | None = None, takeover_ms: int = TAKEOVER_MS):
+        self.client = client
+        self.writer = writer or writer_id()
+        self.takeover_ms = takeover_ms
+        self._apply = client.register_script(scripts.APPLY_CLUSTER)
+        self._lookup = client.register_script(scripts.LOOKUP_SHARD)
+        self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
+        self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
+        # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
+        # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
+        self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
+
+    def writer_arg(self) -> str:
+        return f"{self.writer}@{self.takeover_ms}"
+
+    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
+                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        return ready(await self._apply_all(pods, keys, args))
+
+    async def _apply_all(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
+                         args: Sequence[Sequence[Any]]) -> list[ApplyResult]:
+        """Pod steps (pipelined, each in its pod's slot), then the effects of the applied ones on their
+        shards, then the acks. A pod whose outbox holds another writer's entry is retried after that
+        entry ran ("pending": run it now) or its writer had time to ("busy")."""
+        results: list[ApplyResult | None] = [None] * len(pods)
+        todo = list(range(len(pods)))
+        deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
+        while todo:
+            replies = await evalsha_pipeline(self.client, self._apply, [keys[i] for i in todo], [args[i] for i in todo])
+            entries: list[tuple[str, str, bytes]] = []
+            ackable: list[tuple[str, str, bytes]] = []
+            held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
+            owners: list[int] = []
+            again: list[int] = []
+            drain: set[str] = set()
+            blocked: set[str] = set()
+            for i, r in zip(todo, replies):
+                status = text(r[0])
+                if pods[i] in blocked or status in ("busy", "pending"):
+                    blocked.add(pods[i])  # this pod's later batches wait too: order within a pod
+                    again.append(i)
+                    if status == "pending":
+                        drain.add(pods[i])
+                    continue
+                results[i] = apply_result(r[:4])
+                if len(r) > 4:
+                    entry = (pods[i], text(r[4]), r[5])
+                    entries.append(entry)
+                    owners.append(i)
+                    if int(r[6]) > 0 or pods[i] in held_back:
+                        held_back.add(pods[i])
+                    else:
+                        ackable.append(entry)
+            self._maybe_crash("pod_step", bool(entries))
+            if entries:
+                foreign, first, touched = await self.effects.run(entries)
+                self._maybe_crash("effects", True)
+                # Deleted only once replicated (else they run again after a failover); a pod's
+                # entries behind one of ours still there wait for the next drain, in order.
+                if not await self.effects.ack(ackable, touched):
+                    self.unreplicated += 1
+                if foreign:
+                    await self._flag_foreign(entries, foreign, first)
+                    for i in owners:
+                        res = results[i]
+                        assert res is not None
+                        results[i] = ApplyResult(res.status, res.last_seq, res.foreign_writes + foreign, first)
+            for pod in sorted(drain):
+                await self.effects.drain(pod)
+            if again:
+                if time.monotonic() > deadline:
+                    raise RedisConnectionError(f"pods {sorted(blocked)[:5]} stayed busy: another ingester's "
+                                               "outbox entries did not run")
+                if not drain:
+                    await asyncio.sleep(0.05)
+            todo = again
+        return [r for r in results if r is not None]
+
+    def _maybe_crash(self, point: str, happened: bool) -> None:
+        if self._crash_at is not None and happened and self._crash_at[0] == point:
+            self._crash_at[1] -= 1
+            if self._crash_at[1] <= 0:
+                log.error("KVPF_TEST_CRASH_AT: exiting after %s", point)
+                os._exit(137)
+
+    async def _flag_foreign(self, entries: Sequence[tuple[str, str, bytes]], n: int, first: str) -> None:
+        """Effects that hit a key of a foreign type stand alone (skipped); their pods are flagged."""
+        pipe = self.client.pipeline(transaction=False)
+        for pod in {e[0] for e in entries}:
+            pipe.hset(pod_meta_key(pod), mapping={"incomplete": 1, "incomplete_reason":
+                                                  f"{n} write(s) hit a key of a foreign type ({first})"})
+            pipe.hincrby(pod_meta_key(pod), "foreign_keys", n)
+        await pipe.execute()
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
+        return await self.effects.drain(pod_id, older_than_ms=self.takeover_ms if stale_only else 0)
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
+        """At most two rounds: one script per shard, the shards in parallel, each reading the chain's
+        keys it owns and answering per pod where it holds them (compact, parsed on the shard); then
+        plain HKEYS, through the cluster's routing, for keys that moved meanwhile. A shard that does
+        not answer (down with no replica to take over) leaves its keys unread, so each count is a lower
+        bound and the answer says from which key (``mode`` has no say here)."""
+        held: dict[str, dict[int, str]] = {}  # pod -> key index -> tier
+        unanswered: set[int] = set()
+        moved: list[int] = []
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(request_keys):
+            try:
+                node = self.client.get_node_from_key(request_key_name(k))
+            except VALKEY_ERRORS:
+                unanswered.add(i)  # its slot is served by no node now
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+
+        async def shard(node, idx: list[int]) -> int:
+            args = [len(idx), pack_keys([request_keys[i] for i in idx]), *(pods or ())]
+            try:
+                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+            except NoScriptError:
+                await self.client.script_load(self._lookup.script)
+                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+            foreign = int(reply[0])
+            moved.extend(idx[int(j) - 1] for j in text(reply[1]).split(",") if j)
+            for p in range(2, len(reply), 2):
+                at = held.setdefault(text(reply[p]), {})
+                for item in text(reply[p + 1]).split(","):
+                    j, _, tier = item.partition(":")
+                    at[idx[int(j) - 1]] = tier
+            return foreign
+
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        foreign = 0
+        for (_, idx), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, VALKEY_ERRORS):
+                    raise res
+                unanswered.update(idx)
+            else:
+                foreign += res
+        if moved:  # second round: keys whose slot moved since the map was read
+            wanted = set(pods) if pods else None
+            try:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for i in moved:
+                        pipe.hkeys(request_key_name(request_keys[i]))
+                    replies = await pipe.execute(raise_on_error=False)
+            except VALKEY_ERRORS:
+                replies = [RedisConnectionError("not answered")] * len(moved)
+            for i, r in zip(moved, replies):
+                if isinstance(r, Exception):
+                    unanswered.add(i)
+                    continue
+                for f in r:
+                    e = parse_entry(f)
+                    if e is None or e.Speculative or (wanted is not None and e.PodIdentifier not in wanted):
+                        continue
+                    at = held.setdefault(e.PodIdentifier, {})
+                    if i not in at or e.DeviceTier == "gpu":
+                        at[i] = e.DeviceTier
+        if unanswered and len(unanswered) == len(request_keys):
+            raise RedisConnectionError("no shard of the cluster answered the lookup")
+        return Lookup(prefixes(held), min(unanswered) if unanswered else None), foreign
+
+    async def key_count(self) -> int:
+        n = await self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+        return int(sum(n.values()) if isinstance(n, dict) else n)
+
+    async def memory_usage(self) -> int | None:
+        infos = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        if isinstance(infos, dict) and "used_memory" in infos:
+            return int(infos["used_memory"])
+        return sum(int(v.get("used_memory", 0)) for v in infos.values() if isinstance(v, dict))
+
+    async def close(self) -> None:
+        await self.effects.close()
+
+
+def prefixes(held: dict[str, dict[int, str]]) -> list[PodMatch]:
+    """Per pod, how many keys from the first it holds without a break, and its tier at the last of
+    them: the linear walk's answer, from where each pod was seen (pure)."""
+    out = []
+    for pod, at in held.items():
+        n = 0
+        while n in at:
+            n += 1
+        if n:
+            out.append(PodMatch(pod, n, at[n - 1]))
+    return out
+
+
+def _crash_point(spec: str) -> list | None:
+    point, _, n = spec.partition(":")
+    return [point, int(n or 1)] if point in ("pod_step", "effects") else None
+
+
+__all__ = ["ClusterBackend", "ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "effect_commands", "probe_cluster", "writer_id"]

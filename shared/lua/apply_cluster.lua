@@ -35,14 +35,6 @@ local function emit_unset(rk, fld)
   effects[#effects + 1] = rk
   effects[#effects + 1] = fld
 end
-local function own_types_ok()
-  for i = 1, 5 do
-    local t = redis.call('TYPE', KEYS[i])
-    t = type(t) == 'table' and t.ok or t
-    if t ~= 'none' and t ~= 'hash' then return KEYS[i] .. ' holds a ' .. t .. ', expected a hash' end
-  end
-  return nil
-end
 local outbox = KEYS[5]
 local function now_ms()
   local t = redis.call('TIME')

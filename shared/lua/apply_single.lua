@@ -38,12 +38,4 @@ local function emit_unlink(ek, member)
 end
 local function emit_set(rk, fld) shared_call('HSET', rk, fld, '') end
 local function emit_unset(rk, fld) shared_call('HDEL', rk, fld) end
-local function own_types_ok()
-  for i = 1, 4 do
-    local t = redis.call('TYPE', KEYS[i])
-    t = type(t) == 'table' and t.ok or t
-    if t ~= 'none' and t ~= 'hash' then return KEYS[i] .. ' holds a ' .. t .. ', expected a hash' end
-  end
-  return nil
-end
 local function finish(reply) return reply end

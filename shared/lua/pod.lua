@@ -63,6 +63,15 @@ local function parse_held(v)
   return id, tonumber(n), rks, list
 end
 
+-- Our own keys (every KEYS entry) must be what we write; anything else is refused before the first write.
+local function own_types_ok()
+  for i = 1, #KEYS do
+    local t = redis.call('TYPE', KEYS[i])
+    t = type(t) == 'table' and t.ok or t
+    if t ~= 'none' and t ~= 'hash' then return KEYS[i] .. ' holds a ' .. t .. ', expected a hash' end
+  end
+  return nil
+end
 local bad = own_types_ok()
 if bad then return {'corrupt', '-1', 0, bad} end
 

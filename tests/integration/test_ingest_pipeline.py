@@ -182,14 +182,14 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
     toks = list(range(100, 164))
     msgs = [encode_frames(make_topic("pod-a", "m"), 0, EventBatch(1.0, [stored([1], None, 100)], 0)),
             encode_frames(make_topic("pod-a", "m"), 1, EventBatch(2.0, [BlockStored([3], 999, toks, 32)], 0))]
-    await ing.index.client.script_load(ing.index._apply.script)
+    await ing.index.client.script_load(ing.index.backend._apply.script)
     real, dropped = ing.index.send_batches, []
 
     async def send_then_lose_the_replies(batches):
         sent = await real(batches)
         if not dropped:
             dropped.append(True)
-            proto = ing.index.fast._proto
+            proto = ing.index.backend.fast._proto
             proto.data_received = lambda data: None  # replies lost on the way back
             while (await ing.index.pod_info("pod-a")).seqs.get("0") != 1:
                 await asyncio.sleep(0.01)  # Valkey has run both scripts

@@ -26,7 +26,7 @@ async def test_concurrent_commands_share_one_connection(valkey_url):
 
 async def test_script_reloaded_after_flush_and_connection_after_restart(valkey_server, valkey_url):
     ix = Index.from_url(valkey_url)
-    assert ix.fast is not None
+    assert ix.backend.fast is not None
     fld = ix.entry_field("pod-a", "GPU", 0)
     await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=0.0, model="m", engine_block_size=16, mode="import",
                          mutations=[StoreBlock(1, "gpu", fld, (101, 102))])

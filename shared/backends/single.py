@@ -1,0 +1,68 @@
+"""A single Valkey node: a batch is one script (the pod step and its shared-key effects together,
+atomically); a lookup is one script that walks the chain. The lean connection (shared/resp.py) carries
+both hot paths when the URL allows it (redis://, unix://); redis-py everything else."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from shared import scripts
+from shared.backends.base import evalsha_pipeline, ready
+from shared.entries import ApplyResult, Lookup, apply_result, parse_lookup_reply
+from shared.keys import pack_keys
+from shared.resp import FastConnection
+
+
+class SingleNodeBackend:
+    cluster = False
+
+    def __init__(self, client, fast: FastConnection | None):
+        self.client = client
+        self.fast = fast
+        self._apply = client.register_script(scripts.APPLY_SINGLE)
+        self._lookup = client.register_script(scripts.LOOKUP)
+        self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
+
+    def writer_arg(self) -> str:
+        return ""
+
+    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
+                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        """Written now on the lean connection (the caller prepares the next batches meanwhile; later
+        commands run after these); without it (TLS) run before this returns."""
+        if self.fast is not None:
+            replies = await self.fast.evalsha_send(self._apply.sha, self._apply.script, list(args), list(keys))
+
+            async def results() -> list[ApplyResult]:
+                return [apply_result(r) for r in await replies]
+
+            return asyncio.ensure_future(results())
+        return ready([apply_result(r) for r in await evalsha_pipeline(self.client, self._apply, keys, args)])
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
+        """``script``: galloping search in one EVALSHA (a pod's blocks form a prefix of the chain);
+        ``linear``: the exact walk in one EVALSHA. (``pipeline`` is the Index's own.)"""
+        script = self._lookup_linear if mode == "linear" else self._lookup
+        args = [len(request_keys), pack_keys(request_keys), *(pods or ())]
+        if self.fast is not None:
+            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args))
+        else:
+            matches, foreign = parse_lookup_reply(await script(keys=[], args=args))
+        return Lookup(matches), foreign
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
+        return 0  # one script applies a whole batch: nothing is ever left half applied
+
+    async def key_count(self) -> int:
+        return int(await self.client.dbsize())
+
+    async def memory_usage(self) -> int | None:
+        return int((await self.client.info("memory")).get("used_memory", 0))
+
+    async def close(self) -> None:
+        if self.fast is not None:
+            await self.fast.close()
+
+
+__all__ = ["SingleNodeBackend"]

@@ -1,0 +1,22 @@
+"""The Lua scripts, read once from shared/lua/ (package data) and assembled: preludes first, since Lua
+has no include. apply = a prelude that says where shared-key effects go (apply_single.lua: run them
+now; apply_cluster.lua: keep them in the pod's outbox) + pod.lua, the pod step both share."""
+from __future__ import annotations
+
+from importlib import resources
+
+
+def lua(*names: str) -> str:
+    base = resources.files("shared") / "lua"
+    return "\n".join((base / f"{n}.lua").read_text() for n in names)
+
+
+APPLY_SINGLE = lua("apply_single", "pod")
+APPLY_CLUSTER = lua("apply_cluster", "pod")
+UNLINK_ENGINE = lua("unlink_engine")
+EFFECTS_SHARD = lua("effects_shard")
+LOOKUP = lua("parse_entry", "chain", "lookup")
+LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
+LOOKUP_SHARD = lua("parse_entry", "chain", "lookup_shard")
+
+__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_LINEAR", "LOOKUP_SHARD", "UNLINK_ENGINE", "lua"]
