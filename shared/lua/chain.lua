@@ -22,6 +22,18 @@ local function entry(f)
   end
   return e
 end
+-- The wanted pods among one key's fields: pod -> tier (gpu preferred, as the linear walk has it).
+local function pods_in(fields)
+  local present = {}
+  for _, f in ipairs(fields) do
+    local e = entry(f)
+    if e then
+      local pod, tier = e[1], e[2]
+      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
+    end
+  end
+  return present
+end
 local foreign = 0
 local function read(cmd, k, ...)
   local r = redis.pcall(cmd, k, ...)

@@ -4,14 +4,7 @@
 -- script against.
 local alive, counts, tiers = nil, {}, {}
 for i = 1, n do
-  local present = {}
-  for _, f in ipairs(read('HKEYS', key(i))) do
-    local e = entry(f)
-    if e then
-      local pod, tier = e[1], e[2]
-      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
-    end
-  end
+  local present = pods_in(read('HKEYS', key(i)))
   if alive == nil then
     alive = present
   else

@@ -17,15 +17,7 @@ for i = 1, n do
       foreign = foreign + 1
     end
   else
-    local present = {}
-    for _, f in ipairs(r) do
-      local e = entry(f)
-      if e then
-        local pod, tier = e[1], e[2]
-        if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
-      end
-    end
-    for pod, tier in pairs(present) do
+    for pod, tier in pairs(pods_in(r)) do
       local l = per_pod[pod]
       if l == nil then
         l = {}
