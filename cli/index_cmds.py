@@ -196,7 +196,11 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
     async def go():
         ix = await _open(valkey_url)
         try:
-            return await ix.clear_pod(pod_id, forget=forget)
+            n = await ix.clear_pod(pod_id, forget=forget)
+            if not forget:  # the engine still holds those blocks: say so until it resets
+                await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
+                                                 "the index no longer lists; exact again at its next reset")
+            return n
         finally:
             await ix.close()
 
@@ -216,7 +220,8 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
         try:
             for pod_id in pod_ids or sorted(await ix.pod_ids()):
                 info = await ix.pod_info(pod_id)
-                output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size}) + "\n")
+                output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
+                                         "seqs": info.seqs}) + "\n")
                 async for s in ix.export_blocks(pod_id):
                     row = {"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
                            "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
@@ -236,38 +241,33 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
 @index_group.command("import")
 @valkey_opt
 @click.option("-i", "--input", "source", type=click.File("r"), default="-", show_default=True)
+@click.option("--replace", is_flag=True, help="Clear a pod's entries before importing it (else a pod that has entries is refused).")
+@click.option("--exact", is_flag=True, help="Do not flag imported pods incomplete (only when the engines have not changed since the export).")
 @json_opt
-def import_cmd(valkey_url, source, as_json) -> None:
-    """Load JSON lines written by ``index export``."""
+def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
+    """Load JSON lines written by ``index export``: every record is checked first, a pod that already
+    has entries is refused (``--replace`` clears it first), the exported seqs are restored, and each
+    pod is flagged incomplete (its engine may have moved on since the export) until its next reset."""
+    rows = _read_export(source)
+
     async def go():
         ix = await _open(valkey_url)
         counts: dict[str, int] = {}
-        meta: dict[str, dict] = {}
-        pending: dict[str, list[StoreBlock]] = {}
         try:
-            async def flush(pod):
-                m = meta.get(pod, {})
-                await ix.import_blocks(pod, m.get("model", ""), m.get("engine_block_size"), pending.pop(pod, []))
-
-            for n, line in enumerate(source, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    pod = row["pod"]
-                    if "engine_key" not in row:
-                        meta[pod] = row
-                        continue
-                    pending.setdefault(pod, []).append(StoreBlock(int(row["engine_key"]), row["tier"], row["entry"],
-                                                                  tuple(int(k) for k in row["request_keys"]),
-                                                                  int(row.get("group") or 0)))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise click.ClickException(f"line {n}: not an export row ({exc})") from None
-                counts[pod] = counts.get(pod, 0) + 1
-                if len(pending[pod]) >= 500:
-                    await flush(pod)
-            for pod in list(pending):
-                await flush(pod)
+            for pod, (meta, blocks) in rows.items():
+                held = (await ix.pod_info(pod)).blocks
+                if held and not replace:
+                    raise click.ClickException(f"pod {pod} already has {held} block(s) in the index: importing over "
+                                               "them would count copies twice; --replace clears them first")
+                if held:
+                    await ix.clear_pod(pod)
+                for i in range(0, len(blocks), 500):
+                    await ix.import_blocks(pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
+                await ix.restore_seqs(pod, meta.get("seqs") or {})
+                if not exact:
+                    await ix.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
+                                                  "exact again at its next reset")
+                counts[pod] = len(blocks)
         finally:
             await ix.close()
         return counts
@@ -275,6 +275,39 @@ def import_cmd(valkey_url, source, as_json) -> None:
     counts = _run(go())
     _emit(as_json, {"imported_blocks": counts},
           lambda d: click.echo("imported " + (", ".join(f"{p}: {n}" for p, n in counts.items()) or "nothing")))
+
+
+def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
+    """Every line of an export, checked before anything is written: pod -> (its header, its blocks)."""
+    out: dict[str, tuple[dict, list[StoreBlock]]] = {}
+    for n, line in enumerate(source, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            pod = row["pod"]
+            if not isinstance(pod, str) or not pod:
+                raise ValueError("pod must be a non-empty string")
+            meta, blocks = out.setdefault(pod, ({}, []))
+            if "engine_key" not in row:
+                seqs = row.get("seqs") or {}
+                if not all(str(r).isdigit() and isinstance(v, int) and 0 <= v < 2**63 for r, v in seqs.items()):
+                    raise ValueError("seqs must map dp ranks to non-negative integers")
+                meta.update(row)
+                continue
+            entry = parse_entry(row["entry"])
+            if entry is None or entry.PodIdentifier != pod:
+                raise ValueError(f"entry {str(row['entry'])[:80]!r} is not a PodEntry of pod {pod!r}")
+            keys = tuple(int(k) for k in row["request_keys"])
+            ek = int(row["engine_key"])
+            if not (0 <= ek < 2**64) or not all(0 <= k < 2**64 for k in keys) or not keys:
+                raise ValueError("engine and request keys must be unsigned 64-bit integers, at least one request key")
+            if not isinstance(row["tier"], str) or not row["tier"]:
+                raise ValueError("tier must be a non-empty string")
+            blocks.append(StoreBlock(ek, row["tier"], row["entry"], keys, int(row.get("group") or 0)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.ClickException(f"line {n}: not an export row ({exc}); nothing was imported") from None
+    return out
 
 
 @index_group.command()

@@ -330,6 +330,11 @@ class Index:
             await self.client.hdel(PODS_KEY, pod_id)
         return result.last_seq
 
+    async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
+        """Set a pod's persisted seqs (index import): the next live batch is then judged against them."""
+        if seqs:
+            await self.client.hset(pod_meta_key(pod_id), mapping={f"seq:{r}": int(v) for r, v in seqs.items()})
+
     async def mark_incomplete(self, pod_id: str, reason: str) -> None:
         await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 1, "incomplete_reason": reason})
 

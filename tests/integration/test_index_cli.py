@@ -66,7 +66,7 @@ def test_rebuild_inspect_export_import_clear(valkey_url, engine):
 
     exported = run("index", "export", "--valkey-url", valkey_url)
     rows = [json.loads(line) for line in exported.splitlines() if line.startswith("{")]
-    assert rows[0] == {"pod": "sim-cli", "model": "sim", "engine_block_size": 16}
+    assert rows[0] == {"pod": "sim-cli", "model": "sim", "engine_block_size": 16, "seqs": pod["seq"]}
     assert len(rows) - 1 == pod["blocks"]
 
     cleared = json.loads(run("index", "clear", "--valkey-url", valkey_url, "--pod", "sim-cli", "--json"))
@@ -114,3 +114,56 @@ def test_export_import_keeps_kv_cache_groups(valkey_url):
     assert sorted(r.hkeys(pod_blocks_key("pod-g"))) == ["7|gpu", "7|gpu|1"]
     asyncio.run(write(1, [RemoveBlock(7, "gpu", 0), RemoveBlock(7, "gpu", 1)]))
     assert not r.exists("70", "engine:7")
+
+
+def test_import_cannot_corrupt(valkey_url):
+    """Importing twice (or over a live pod) doubled copy counts, and a bad entry was written as is:
+    now a pod with entries is refused unless --replace (which clears it first), every record is
+    checked before anything is written, seqs are restored, and the pod is flagged until its reset."""
+    import asyncio
+
+    import redis
+
+    from shared.index import Index, StoreBlock, encode_entry, make_entry
+    from shared.layout import pod_blocks_key
+
+    f = encode_entry(make_entry("pod-x", "GPU", 0))
+
+    async def write():
+        ix = Index.from_url(valkey_url)
+        try:
+            await ix.apply_batch(pod_id="pod-x", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
+                                 mutations=[StoreBlock(5, "gpu", f, (50,)), StoreBlock(6, "gpu", f, (60,))])
+            await ix.apply_batch(pod_id="pod-x", rank=0, seq=1, ts=2.0, model="m", engine_block_size=16,
+                                 mutations=[StoreBlock(6, "gpu", f, (60,))])  # a second copy of 6
+        finally:
+            await ix.close()
+
+    asyncio.run(write())
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    before = r.hgetall(pod_blocks_key("pod-x"))
+    assert before == {"5|gpu": "1:50", "6|gpu": "1*2:60"}
+    exported = run("index", "export", "--valkey-url", valkey_url)
+
+    refused = CliRunner().invoke(cli, ["index", "import", "--valkey-url", valkey_url], input=exported)
+    assert refused.exit_code != 0 and "already has 2 block(s)" in refused.output
+    assert r.hgetall(pod_blocks_key("pod-x")) == before
+
+    run("index", "import", "--valkey-url", valkey_url, "--replace", input=exported)
+    assert r.hgetall(pod_blocks_key("pod-x")) == before  # copies not doubled
+    pod = json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]
+    assert pod["seq"] == {"0": 1} and pod["incomplete"] and "imported" in pod["incomplete_reason"]
+
+    bad = exported.replace(f'"entry": {json.dumps(f)}', '"entry": "x"', 1)
+    assert bad != exported
+    run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-x", "--forget")
+    rejected = CliRunner().invoke(cli, ["index", "import", "--valkey-url", valkey_url], input=bad)
+    assert rejected.exit_code != 0 and "not a PodEntry" in rejected.output and "nothing was imported" in rejected.output
+    assert not r.exists(pod_blocks_key("pod-x"), "50", "60")
+
+    run("index", "import", "--valkey-url", valkey_url, "--exact", input=exported)
+    assert not json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]["incomplete"]
+    run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-x")
+    pod = json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]
+    assert pod["blocks"] == 0 and pod["incomplete"] and "cleared by hand" in pod["incomplete_reason"]
+    r.close()
