@@ -27,7 +27,7 @@ import zmq.utils.monitor
 from zmq.utils import z85
 
 from shared.config import Config
-from shared.events import SEQ_END, DecodedFrame, decode_frames
+from shared.events import SEQ_END, DecodedFrame, decode_frames, is_bind_endpoint
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -229,27 +229,54 @@ class _AllowList:
 _replay_sources: dict[str, Source] = {}
 
 
-def _reachable(endpoint: str, host: str) -> str:
-    """An engine's ``tcp://*:5557`` seen from here is ``tcp://<engine host>:5557``."""
-    return endpoint.replace("*", host, 1).replace("0.0.0.0", host, 1)
+def _host_part(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def reachable(endpoint: str, host: str) -> str:
+    """Where to connect to an endpoint the engine binds, from here: ``tcp://*:5557`` and
+    ``tcp://[::]:5557`` are ``tcp://<engine host>:5557`` (IPv6 hosts in brackets); ipc:// paths are
+    the same path (an engine on this host); an explicit host is kept."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    rest = endpoint[len("tcp://"):]
+    addr, _, port = rest.rpartition(":")
+    if addr in ("*", "[::]", "::", "[*]", "0.0.0.0", ""):
+        return f"tcp://{_host_part(host)}:{port}"
+    return endpoint
+
+
+def bind_for(endpoint: str) -> str:
+    """What to bind for an engine that connects to ``tcp://host:port``: ``tcp://*:port`` (``[::]`` for
+    an IPv6 host, so both families are accepted)."""
+    rest = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
+    addr, _, port = rest.rpartition(":")
+    return f"tcp://{'[::]' if addr.startswith('[') else '*'}:{port}"
 
 
 def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
-    """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank)."""
+    """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank), for every
+    endpoint form vLLM accepts: tcp with a host, ``*``, IPv6 (``[::]``), ipc (an engine on this host);
+    inproc endpoints cannot be reached from another process and are skipped with a warning."""
     host = urlsplit(engine_url).hostname or "127.0.0.1"
     out = []
     for rank, conf in sorted(body.items()):
         if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events", True):
             continue
         endpoint = conf.get("endpoint")
-        if not isinstance(endpoint, str):
+        if not isinstance(endpoint, str) or not endpoint:
+            continue
+        if endpoint.startswith("inproc://"):
+            log.warning("%s rank %s publishes on %s: not reachable from another process; skipped",
+                        engine_url, rank, endpoint)
             continue
         replay = conf.get("replay_endpoint")
-        engine_binds = "*" in endpoint or "0.0.0.0" in endpoint
+        replay = replay if isinstance(replay, str) and replay and not replay.startswith("inproc://") else None
+        binds = is_bind_endpoint(endpoint)
         out.append(Source(
-            endpoint=_reachable(endpoint, host) if engine_binds else endpoint.replace(urlsplit(endpoint).hostname or "", "*", 1),
-            bind=not engine_binds,
-            replay=_reachable(replay, host) if isinstance(replay, str) and replay else None,
+            endpoint=reachable(endpoint, host) if binds else bind_for(endpoint),
+            bind=not binds,
+            replay=reachable(replay, host) if replay else None,
             topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
             rank=int(rank) if str(rank).isdigit() else None,
         ))
@@ -296,6 +323,8 @@ class Subscriber:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             if src.replay:
                 _replay_sources[src.replay] = src
+            if "[" in src.endpoint:
+                sock.setsockopt(zmq.IPV6, 1)
             if src.bind:
                 sock.bind(src.endpoint)
             else:
@@ -436,6 +465,8 @@ async def fetch_replay(
     frames: list[DecodedFrame] = []
     received = 0
     try:
+        if "[" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
         await sock.send_multipart([b"", max(start_seq, 0).to_bytes(8, "big")])
         while True:

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from shared.events import Event, EventBatch
+from shared.events import Event, EventBatch, is_bind_endpoint
 from shared.events import encode_payload as encode_batch
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,6 @@ DEFAULT_HWM = 100_000
 
 def encode_payload(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
     return encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=data_parallel_rank))
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: wildcards and local transports bind, anything else connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class EventPublisher:

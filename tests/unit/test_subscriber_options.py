@@ -100,3 +100,25 @@ def test_limits_from_env(monkeypatch):
     cfg = Config.load()
     assert (cfg.max_frame_bytes, cfg.max_queue_bytes) == (1 << 20, 16 << 20)
     assert Config.load(max_frame_bytes=2 << 20).max_frame_bytes == 2 << 20  # the flag wins
+
+
+def test_discovery_maps_every_endpoint_form_vllm_accepts():
+    """vLLM 0.32 binds '*', '::' and ipc/inproc endpoints and connects to the rest; ipc:/// and
+    tcp://[::] used to come out as '*ipc:///...' and 'tcp://[*]:...' (Protocol not supported)."""
+    from ingester.subscriber import sources_from_kv_event_sources
+
+    def one(endpoint, replay="tcp://*:5558", url="http://vllm-0:8000"):
+        body = {"0": {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,
+                      "topic": "kv@p@m"}}
+        got = sources_from_kv_event_sources(url, body)
+        return [(s.endpoint, s.bind, s.replay) for s in got]
+
+    assert one("tcp://*:5557") == [("tcp://vllm-0:5557", False, "tcp://vllm-0:5558")]
+    assert one("tcp://[::]:5557", "tcp://[::]:5558") == [("tcp://vllm-0:5557", False, "tcp://vllm-0:5558")]
+    assert one("tcp://[::]:5557", url="http://[fd00::7]:8000") == [("tcp://[fd00::7]:5557", False, "tcp://[fd00::7]:5558")]
+    assert one("ipc:///tmp/kv.sock", "ipc:///tmp/replay.sock") == [("ipc:///tmp/kv.sock", False, "ipc:///tmp/replay.sock")]
+    assert one("tcp://10.0.0.5:5557") == [("tcp://*:5557", True, "tcp://vllm-0:5558")]  # the engine connects
+    # any "::" makes vLLM bind (even a full IPv6 address): connect to that address
+    assert one("tcp://[fd00::1]:5557") == [("tcp://[fd00::1]:5557", False, "tcp://vllm-0:5558")]
+    assert one("tcp://0.0.0.0:5557") == [("tcp://*:5557", True, "tcp://vllm-0:5558")]  # vLLM connects to 0.0.0.0
+    assert one("inproc://kv") == []  # not reachable from another process
