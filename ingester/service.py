@@ -14,15 +14,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import httpx
 from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError,
                               ResponseError, TryAgainError)
 
 from ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from ingester.metrics import IngesterMetrics
+from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
 from shared.events import DecodedFrame, EventBatch, decode_frames
-from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from shared.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
@@ -63,18 +64,20 @@ class Ingester:
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
+        self.pending_engines: dict[str, _Retry] = {}  # --engine URLs not discovered yet
 
     # ---- lifecycle
 
     @classmethod
     async def create(cls, cfg: Config, index: Index | None = None) -> "Ingester":
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
+        pending: list[str] = []
         for url in cfg.engines:
-            found = await discover(url)
-            if not found:
-                raise RuntimeError(f"{url}/kv_event_sources lists no KV-event publisher")
-            log.info("discovered %d event source(s) from %s", len(found), url)
-            sources += found
+            found = await _discover_logged(url)
+            if found is None:
+                pending.append(url)  # down (or not publishing yet): retried in the background, by URL
+            else:
+                sources += found
         from ingester.subscriber import secure_sources
 
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
@@ -83,11 +86,15 @@ class Ingester:
         index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
                                         cluster=cfg.cluster_mode())
         ing = cls(cfg, index, sources)
+        ing.pending_engines = {url: _Retry() for url in pending}
         return ing
 
     def start(self) -> None:
         self.subscriber = Subscriber(self.sources)
-        for src in self.sources:
+        self._route(self.sources)
+
+    def _route(self, sources: list[Source]) -> None:
+        for src in sources:
             if src.topic:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
@@ -135,10 +142,48 @@ class Ingester:
         finally:
             self.subscriber.close()
 
+    async def discover_pending(self) -> None:
+        """Engines that were down (or not publishing) when this ingester started, asked again with
+        backoff (0.5 s doubling to 30 s), each logged by URL; the others are ingested meanwhile."""
+        now = time.monotonic()
+        for url, retry in list(self.pending_engines.items()):
+            if now < retry.next_at:
+                continue
+            found = await _discover_logged(url, retry.attempts)
+            if found is None:
+                retry.backoff(now)
+                continue
+            del self.pending_engines[url]
+            from ingester.subscriber import secure_sources
+
+            found = secure_sources(found, self.cfg, on_refused=lambda key: self.metrics.publishers_refused.inc())
+            assert self.subscriber is not None
+            self.subscriber.add(found)
+            self._route(found)
+            for src in found:  # its buffered history, from seq 0 or the pod's persisted seq
+                await self.probe_new_source(src)
+
+    async def probe_new_source(self, src: Source) -> None:
+        """A source found after start: resume its pod from the replay buffer, as at start."""
+        if not src.topic or not src.replay:
+            return
+        parts = src.topic.split("@", 2)
+        if len(parts) != 3:
+            return
+        pod = parts[1]
+        info = await self._valkey(self.index.pod_info, pod)
+        last = info.seqs.get(str(src.rank or 0), -1)
+        frames, _ = await fetch_replay(src.replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+        for f in frames:
+            if f.batch is not None and f.seq is not None:
+                await self.apply(pod, parts[2], f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+
     async def chores(self) -> None:
-        """Every second, traffic or not: stop if a layout-1 writer appears beside us, and run what a
-        writer killed between a batch's steps left in a pod's outbox (cluster), so a quiet engine's
-        last batch is not left half applied."""
+        """Every second, traffic or not: retry engines that were down at start, stop if a layout-1
+        writer appears beside us, and run what a writer killed between a batch's steps left in a pod's
+        outbox (cluster), so a quiet engine's last batch is not left half applied."""
+        if self.pending_engines:
+            await self.discover_pending()
         try:
             if await self.index.v1_writer_seen():
                 log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
@@ -514,6 +559,33 @@ class Ingester:
             await self.index.count(name, n, pod_id=pod_id)
         except VALKEY_ERRORS:
             self.stats.inc("valkey_errors")
+
+
+@dataclass
+class _Retry:
+    attempts: int = 0
+    next_at: float = 0.0
+
+    def backoff(self, now: float) -> None:
+        self.attempts += 1
+        self.next_at = now + min(30.0, 0.5 * 2 ** min(self.attempts - 1, 6))
+
+
+async def _discover_logged(url: str, attempts: int = 0) -> list[Source] | None:
+    """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
+    try:
+        found = await discover(url)
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        if attempts < 3 or attempts % 20 == 0:
+            log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",
+                        url, type(exc).__name__, exc)
+        return None
+    if not found:
+        if attempts < 3 or attempts % 20 == 0:
+            log.warning("engine %s lists no KV-event publisher in /kv_event_sources; asking again later", url)
+        return None
+    log.info("discovered %d event source(s) from %s", len(found), url)
+    return found
 
 
 # Error replies that a later retry can succeed past: the server is loading, busy with a script,

@@ -290,6 +290,10 @@ async def discover(engine_url: str, timeout_s: float = 5.0) -> list[Source]:
         return sources_from_kv_event_sources(engine_url, resp.json())
 
 
+# A receive waits at most this long for a first message, so sockets added meanwhile are polled soon.
+POLL_MS = 500
+
+
 class Subscriber:
     """All SUB sockets of one ingester, read as one stream of (source, frames)."""
 
@@ -305,18 +309,29 @@ class Subscriber:
         # takes about ten times its wire size, and a receive is decoded whole.
         self.receive_bytes = max((s.limits.max_frame_bytes for s in sources), default=Config.max_frame_bytes)
         self.authenticator = None
-        servers = [s for s in sources if s.bind and s.curve is not None]
-        if servers:
-            # Started before any bind, so no handshake can happen without it (and ZAP_ENFORCE_DOMAIN
-            # refuses every key if it is ever gone).
-            from zmq.auth.asyncio import AsyncioAuthenticator
+        self.add(sources)
 
-            self.allow_list = _AllowList(frozenset().union(*(s.curve.allowed for s in servers)),
-                                         servers[0].curve.on_refused)
-            self.authenticator = AsyncioAuthenticator(self.ctx)
-            self.authenticator.start()
-            self.authenticator.configure_curve_callback(domain=ZAP_DOMAIN.decode(),
-                                                        credentials_provider=self.allow_list)
+    def _ensure_authenticator(self, sources: list[Source]) -> None:
+        servers = [s for s in sources if s.bind and s.curve is not None]
+        if not servers or self.authenticator is not None:
+            return
+        # Started before any bind, so no handshake can happen without it (and ZAP_ENFORCE_DOMAIN
+        # refuses every key if it is ever gone).
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        self.allow_list = _AllowList(frozenset().union(*(s.curve.allowed for s in servers)),
+                                     servers[0].curve.on_refused)
+        self.authenticator = AsyncioAuthenticator(self.ctx)
+        self.authenticator.start()
+        self.authenticator.configure_curve_callback(domain=ZAP_DOMAIN.decode(),
+                                                    credentials_provider=self.allow_list)
+
+    def add(self, sources: list[Source]) -> None:
+        """Open sockets for more sources (at start, and for engines discovered later)."""
+        self._ensure_authenticator(sources)
+        if self.sources is not sources:
+            self.sources.extend(sources)
+        self.receive_bytes = max((s.limits.max_frame_bytes for s in self.sources), default=Config.max_frame_bytes)
         for src in sources:
             sock = self.ctx.socket(zmq.SUB)
             _configure(sock, src, server=src.bind)
@@ -348,7 +363,10 @@ class Subscriber:
         out: list[tuple[Source, list[bytes] | None]] = []
         data = []
         while not out and not data:
-            for sock, _ in await self.poller.poll():
+            ready = await self.poller.poll(timeout=POLL_MS)
+            if not ready:
+                return out  # nothing for a while: the caller polls again (and sees sockets added since)
+            for sock, _ in ready:
                 if sock in self.monitors:
                     src = self.monitors[sock]
                     event = zmq.utils.monitor.parse_monitor_message(await sock.recv_multipart())["event"]
