@@ -27,7 +27,9 @@ MAX_MESSAGES_DEPTH = 32
 DEFAULT_MAX_PODS = Config.max_pods_filter
 
 
-class PredictRequest(msgspec.Struct):
+# Unknown fields are refused (400), not ignored: a "pod" meant as "pods" would otherwise drop the
+# filter silently (docs/api: the body's fields are exactly these).
+class PredictRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     token_ids: list[TokenId] | None = None
     prompt: str | None = None
@@ -53,6 +55,8 @@ def parse_request(body: bytes, *, max_tokens: int, max_pods: int = DEFAULT_MAX_P
     try:
         req = _decoder.decode(body)
     except msgspec.ValidationError as exc:
+        if _UNKNOWN.search(str(exc)):
+            _refuse_if_too_deep(body)  # an unknown field stops the decoder before it sees how deep it is
         raise BadRequest(_explain(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"invalid JSON: {clip(str(exc))}") from None
@@ -79,7 +83,7 @@ def parse_request(body: bytes, *, max_tokens: int, max_pods: int = DEFAULT_MAX_P
     return req
 
 
-class _KeyedShape(msgspec.Struct):
+class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
     """The common request, token_ids kept as raw JSON text for the C routine."""
 
     model: str | None = None
@@ -153,7 +157,25 @@ def _too_deep() -> BadRequest:
     return BadRequest("invalid JSON: nested too deeply (1000 levels or more)")
 
 
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def _refuse_if_too_deep(body: bytes) -> None:
+    try:
+        msgspec.json.decode(body)
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.MsgspecError:
+        pass
+
+
 def _explain(msgspec_message: str) -> str:
+    unknown = _UNKNOWN.search(msgspec_message)
+    if unknown:
+        name = unknown.group(1)
+        close = [f for f in ("model", "token_ids", "prompt", "messages", "pods") if f.rstrip("s") == name.rstrip("s")]
+        return (f"unknown field {clip(name)!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                + ": the body takes model, one of token_ids, prompt, messages, and optionally pods")
     m = _FIELD_AT.search(msgspec_message)
     hint = _FIELD_HINTS.get(m.group(1)) if m else None
     echo = clip(msgspec_message)

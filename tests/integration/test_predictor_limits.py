@@ -365,3 +365,27 @@ def test_a_client_leaving_mid_body_is_counted_as_such_not_as_an_internal_error(v
     lines = [line for line in log.splitlines() if "disconnected before sending the whole" in line]
     assert len(lines) == 2, log
     assert "Traceback" not in log and "internal error" not in log and "unexpected error" not in log, log
+
+
+@pytest.mark.anyio
+async def test_unknown_body_fields_are_refused_not_ignored(valkey_url):
+    """A predict body with "pod" instead of "pods" was accepted and the filter silently dropped."""
+    from httpx import ASGITransport
+
+    from predictor.app import create_app
+    from shared.config import Config
+
+    import redis
+
+    from shared.layout import PODS_KEY
+
+    redis.Redis.from_url(valkey_url).hset(PODS_KEY, "a", "m")  # a pod serving model m
+    app = create_app(Config(valkey_url=valkey_url))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=ASGITransport(app), base_url="http://t") as client:
+            for path in ("/v1/cache/predict", "/v1/cache/route"):
+                r = await client.post(path, json={"model": "m", "token_ids": [1] * 32, "pod": ["a"]})
+                assert r.status_code == 400, r.text
+                assert "unknown field 'pod'" in r.json()["error"] and "did you mean 'pods'" in r.json()["error"]
+            ok = await client.post("/v1/cache/predict", json={"model": "m", "token_ids": [1] * 32, "pods": ["a"]})
+            assert ok.status_code == 200, ok.text
