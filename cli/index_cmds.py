@@ -36,8 +36,12 @@ def _emit(as_json: bool, data: Any, human) -> None:
 
 
 def _index(valkey_url: str | None) -> Index:
-    cfg = Config.load(valkey_url=valkey_url)
-    return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format)
+    try:
+        cfg = Config.load(valkey_url=valkey_url)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format,
+                          cluster=cfg.cluster_mode())
 
 
 async def _open(valkey_url: str | None) -> Index:

@@ -15,7 +15,10 @@ from shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_w
 
 def _read_tokens(spec: str) -> list[int]:
     """A JSON list, or ``@file`` holding one."""
-    text = Path(spec[1:]).read_text() if spec.startswith("@") else spec
+    try:
+        text = Path(spec[1:]).read_text() if spec.startswith("@") else spec
+    except OSError as exc:
+        raise click.BadParameter(f"--tokens {spec}: cannot read {exc.filename or spec[1:]}: {exc.strerror}") from None
     try:
         tokens = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -96,6 +96,9 @@ class Config:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.entry_format not in ("json", "v08"):
             raise ValueError(f"entry_format must be 'json' or 'v08', got {self.entry_format!r}")
+        if not self.valkey_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"valkey_url {self.valkey_url.split('@')[-1]!r} needs a scheme: redis://HOST:PORT, "
+                             "rediss:// (TLS) or unix:///path")
         if self.valkey_cluster not in ("auto", "yes", "no"):
             raise ValueError(f"valkey_cluster must be auto, yes or no, got {self.valkey_cluster!r}")
         if self.lookup not in ("script", "pipeline"):

@@ -74,3 +74,20 @@ def test_calibrate_writes_and_merges_the_model_file(tmp_path):
     bad.write_text('{"prompt_tokens": 5}\n')
     res = CliRunner().invoke(cli, ["calibrate", "--input", str(bad)])
     assert res.exit_code == 1 and "bad.jsonl:1" in res.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["keys", "--model", "m", "--tokens", "@/nonexistent"], "cannot read /nonexistent"),
+    (["index", "inspect", "--valkey-url", "redis://127.0.0.1:1/0", "--model", "m", "--tokens", "@/nonexistent"],
+     "cannot read /nonexistent"),
+    (["index", "stats", "--valkey-url", "localhost:7800"], "needs a scheme"),
+])
+def test_bad_input_is_one_clear_line_not_a_traceback(args, says):
+    """Raw tracebacks from a missing @file and a URL with no scheme (Operator experience, finding 4)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr + out.stdout
+    assert says in out.stderr
