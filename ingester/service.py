@@ -93,14 +93,18 @@ class Ingester:
         self.subscriber = Subscriber(self.sources)
         self._route(self.sources)
 
-    def _route(self, sources: list[Source]) -> None:
+    def _route(self, sources: list[Source]) -> set[str]:
+        """Routes for sources whose topic is known (discovered); returns their pods."""
+        pods = set()
         for src in sources:
             if src.topic:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
                     self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
+                    pods.add(parts[1])
                     if src.rank is not None:
                         self.rank_sources[(parts[1], src.rank)] = src
+        return pods
 
     def stop(self) -> None:
         self._stopping.set()
@@ -159,24 +163,8 @@ class Ingester:
             found = secure_sources(found, self.cfg, on_refused=lambda key: self.metrics.publishers_refused.inc())
             assert self.subscriber is not None
             self.subscriber.add(found)
-            self._route(found)
-            for src in found:  # its buffered history, from seq 0 or the pod's persisted seq
-                await self.probe_new_source(src)
-
-    async def probe_new_source(self, src: Source) -> None:
-        """A source found after start: resume its pod from the replay buffer, as at start."""
-        if not src.topic or not src.replay:
-            return
-        parts = src.topic.split("@", 2)
-        if len(parts) != 3:
-            return
-        pod = parts[1]
-        info = await self._valkey(self.index.pod_info, pod)
-        last = info.seqs.get(str(src.rank or 0), -1)
-        frames, _ = await fetch_replay(src.replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
-        for f in frames:
-            if f.batch is not None and f.seq is not None:
-                await self.apply(pod, parts[2], f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+            # its buffered history, from seq 0 or the pod's persisted seq, as at start
+            await self.resume_known_pods(only=self._route(found))
 
     async def chores(self) -> None:
         """Every second, traffic or not: retry engines that were down at start, stop if a layout-1
@@ -202,10 +190,11 @@ class Ingester:
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)
 
-    async def resume_known_pods(self) -> None:
-        """On start, replay from each known pod's persisted seq: closes the restart blind spot."""
-        for pod, route in self.routes.items():
-            if not route.replay:
+    async def resume_known_pods(self, only: set[str] | None = None) -> None:
+        """On start (and for engines found later, ``only`` their pods), replay from each known pod's
+        persisted seq: closes the restart blind spot."""
+        for pod, route in list(self.routes.items()):
+            if not route.replay or (only is not None and pod not in only):
                 continue
             # A writer killed between a batch's steps on a cluster left its effects in the outbox.
             await self._valkey(self.index.drain_outbox, pod, stale_only=True)

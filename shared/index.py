@@ -36,7 +36,6 @@ from shared.layout import pod_keys as _pod_keys
 from shared.resp import FastConnection
 
 log = logging.getLogger("kvpf.index")
-_text = text
 
 
 @dataclass
@@ -66,7 +65,7 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
     if isinstance(blocks, Exception):
         problems.append(f"{pod_blocks_key(pod_id)}: {str(blocks)[:120]}")
         blocks = 0
-    meta = {_text(k): _text(v) for k, v in meta_raw.items()}
+    meta = {text(k): text(v) for k, v in meta_raw.items()}
 
     def num(name: str, value: str, kind: type = int) -> Any:
         try:
@@ -171,7 +170,7 @@ class Index:
                                   "`kv-preflight index migrate --valkey-url URL`")
             await self.client.hsetnx(LAYOUT_KEY, "version", LAYOUT_VERSION)
             found = await self.client.hget(LAYOUT_KEY, "version")
-        version = _text(found)
+        version = text(found)
         if version != LAYOUT_VERSION:
             raise LayoutError(f"this index has layout {version!r}; this kv-preflight reads and writes layout "
                               f"{LAYOUT_VERSION} only")
@@ -358,8 +357,8 @@ class Index:
             return []
         out = []
         for f, v in (await self.client.hgetall(FEEDS_KEY)).items():
-            endpoint, _, rank = _text(f).rpartition("|")
-            pod, _, model = _text(v).partition("\t")
+            endpoint, _, rank = text(f).rpartition("|")
+            pod, _, model = text(v).partition("\t")
             if endpoint in wanted and rank.isdigit() and pod:
                 out.append((endpoint, int(rank), pod, model))
         return sorted(out)

@@ -11,10 +11,10 @@ def lua(*names: str) -> str:
     return "\n".join((base / f"{n}.lua").read_text() for n in names)
 
 
-APPLY_SINGLE = lua("apply_single", "pod")
+APPLY_SINGLE = lua("links", "apply_single", "pod")
 APPLY_CLUSTER = lua("apply_cluster", "pod")
 UNLINK_ENGINE = lua("unlink_engine")
-EFFECTS_SHARD = lua("effects_shard")
+EFFECTS_SHARD = lua("links", "effects_shard")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 LOOKUP_SHARD = lua("parse_entry", "chain", "lookup_shard")

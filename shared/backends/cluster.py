@@ -127,11 +127,6 @@ def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]
     return [("HDEL", (flat[1], flat[2]))]
 
 
-def effect_commands(payload: bytes) -> list[tuple[str, tuple[Any, ...]]]:
-    """An outbox entry's effects as plain commands, in order (pure)."""
-    return [c for _op, _key, flat in effect_list(payload) for c in effect_commands_of(flat)]
-
-
 class ReplicationBarrier:
     """Whether the writes sent so far to some shards have reached a replica of each (WAIT).
 
@@ -168,7 +163,7 @@ class ReplicationBarrier:
             conn = aioredis.Redis(host=node.host, port=node.port, username=kw.get("username"),
                                   password=kw.get("password"), socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
                                   socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0,
-                                  ssl="SSL" in type(node).__name__ or "SSL" in getattr(node.connection_class, "__name__", ""))
+                                  ssl="SSL" in node.connection_class.__name__)
             self._conns[node.name] = conn
         return conn
 
@@ -549,4 +544,4 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterBackend", "ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "effect_commands", "probe_cluster", "writer_id"]
+__all__ = ["ClusterBackend", "ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "probe_cluster", "writer_id"]

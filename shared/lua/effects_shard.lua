@@ -1,4 +1,4 @@
--- Valkey Cluster: one shard's share of a run of effects (step 2 of a batch), in one call, sent with no
+-- (after links.lua) Valkey Cluster: one shard's share of a run of effects (step 2 of a batch), in one call, sent with no
 -- declared keys to the node that owns their keys. Every effect touches one slot and is idempotent;
 -- each runs alone (pcall), so one that fails changes nothing else. A key that moved away (resharding,
 -- failover) fails with "non local key": its effect is listed for the caller to send through the
@@ -26,21 +26,15 @@ local i, pos = 1, 0
 while i <= #ARGV do
   local op = ARGV[i]
   pos = pos + 1
+  local here = function(...) return call(pos, ...) end
   if op == 'L' then
-    local ek, member, n = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-    local mk = 'kvpf:{engine:' .. ek .. '}:pods'
-    if call(pos, 'HSET', mk, member, 1) ~= nil and n > 0 then
-      local za = {}
-      for j = 1, n do za[2 * j - 1], za[2 * j] = j - 1, ARGV[i + 3 + j] end
-      call(pos, 'ZADD', 'engine:' .. ek, unpack(za))
-    end
+    local n = tonumber(ARGV[i + 3])
+    local rks = {}
+    for j = 1, n do rks[j] = ARGV[i + 3 + j] end
+    link(here, ARGV[i + 1], ARGV[i + 2], rks)
     i = i + 4 + n
   elseif op == 'U' then
-    local ek, member = ARGV[i + 1], ARGV[i + 2]
-    local mk = 'kvpf:{engine:' .. ek .. '}:pods'
-    if call(pos, 'HDEL', mk, member) ~= nil and redis.call('EXISTS', mk) == 0 then
-      call(pos, 'DEL', 'engine:' .. ek)
-    end
+    unlink(here, ARGV[i + 1], ARGV[i + 2])
     i = i + 3
   elseif op == 'H' then
     call(pos, 'HSET', ARGV[i + 1], ARGV[i + 2], '')
