@@ -30,6 +30,8 @@ from shared.backends.single import SingleNodeBackend
 from shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
+from shared import fleet
+from shared.layout import (FLEET_KEY, INGESTERS_KEY, LOAD_KEY, SETTINGS_KEY)
 from shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
 from shared.layout import pod_keys as _pod_keys
@@ -445,6 +447,69 @@ class Index:
     async def counters(self) -> dict[str, int]:
         raw = await self.client.hgetall(COUNTERS_KEY)
         return {k.decode(): int(v) for k, v in raw.items()}
+
+    # ---- fleet membership (shared/fleet.py has the records, docs/fleet.md the rules)
+
+    async def now_ms(self) -> int:
+        """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
+        seconds, micros = await self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def fleet_view(self) -> fleet.FleetView:
+        """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
+        (on a cluster: one per shard holding them). Rows that do not decode are skipped."""
+        def fill(pipe) -> None:
+            pipe.time()
+            pipe.hgetall(FLEET_KEY)
+            pipe.hgetall(LOAD_KEY)
+            pipe.hgetall(INGESTERS_KEY)
+
+        now, pods, load, leases = _foreign_as_empty(await self._read_pipeline(fill))
+        seconds, micros = now
+        return fleet.FleetView(
+            now_ms=int(seconds) * 1000 + int(micros) // 1000,
+            pods={text(k): r for k, v in (pods or {}).items() if (r := fleet.decode_pod(v)) is not None},
+            load={text(k): r for k, v in (load or {}).items() if (r := fleet.decode_load(v)) is not None},
+            ingesters={text(k): r for k, v in (leases or {}).items()
+                       if (r := fleet.decode_lease(v)) is not None})
+
+    async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
+        if records:
+            await self.client.hset(FLEET_KEY, mapping={p: fleet.encode(r) for p, r in records.items()})
+
+    async def drop_pod_records(self, pod_ids: Iterable[str]) -> None:
+        pod_ids = list(pod_ids)
+        if pod_ids:
+            await self.client.hdel(FLEET_KEY, *pod_ids)
+            await self.client.hdel(LOAD_KEY, *pod_ids)
+
+    async def put_load(self, loads: dict[str, fleet.PodLoad]) -> None:
+        if loads:
+            await self.client.hset(LOAD_KEY, mapping={p: fleet.encode(r) for p, r in loads.items()})
+
+    async def put_lease(self, ingester_id: str, lease: fleet.IngesterLease) -> None:
+        await self.client.hset(INGESTERS_KEY, ingester_id, fleet.encode(lease))
+
+    async def drop_leases(self, ingester_ids: Iterable[str]) -> None:
+        ids = list(ingester_ids)
+        if ids:
+            await self.client.hdel(INGESTERS_KEY, *ids)
+
+    async def settings(self) -> fleet.IndexSettings | None:
+        """The index-wide settings, None before any writer has set them."""
+        raw = await self.client.hgetall(SETTINGS_KEY)
+        return fleet.IndexSettings.from_fields({text(k): text(v) for k, v in (raw or {}).items()})
+
+    async def claim_settings(self, ours: fleet.IndexSettings) -> fleet.IndexSettings:
+        """Set the settings if none are set (first writer wins, field by field); return what the index
+        holds, for the caller to compare with its own (``IndexSettings.disagreements``)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name, value in ours.as_fields().items():
+                pipe.hsetnx(SETTINGS_KEY, name, value)
+            await pipe.execute()
+        found = await self.settings()
+        assert found is not None
+        return found
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""

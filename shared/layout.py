@@ -34,6 +34,20 @@ Fleet-wide keys, which no per-batch atomic step touches:
                               socket serves, so a restarted ingester resumes before any frame arrives
   kvpf:layout                 version -> "2": checked at start; a process refuses any other
 
+Fleet membership (ingester/fleet.py writes them, the predictor reads them; times are Valkey ``TIME``
+in milliseconds, never a local clock, so hosts with skewed clocks agree):
+
+  kvpf:ingesters              ingester id -> JSON {"expires_ms", "started_ms", "host", "engines": [url..],
+                              "lag": {pod: seconds}}: the lease, renewed every second; a row whose
+                              expires_ms is past is dead (any ingester deletes it)
+  kvpf:fleet                  pod -> JSON PodRecord (shared/fleet.py): engine URL, models (base and LoRA
+                              names), block size, state live|unreachable|retired, since_ms, reason,
+                              owner: what a predictor needs to know the pod with no flag of its own
+  kvpf:load                   pod -> JSON {"running", "waiting", "kv_usage", "at_ms"}: engine load, scraped
+                              once per pod for the whole fleet by the pod's owning ingester
+  kvpf:settings               hash_seed, block_size, hash_algo, entry_format: the index-wide settings,
+                              set by the first writer (HSETNX); a process whose settings disagree refuses
+
 Layout 1 (kv-preflight 0.1: ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
 ``kvpf:fields:<pod>``) is moved by ``kv-preflight index migrate`` (shared/migrate.py); its names are
 kept here only for that and for spotting a layout-1 writer.
@@ -51,6 +65,10 @@ LAYOUT_VERSION = "2"
 PODS_KEY = OUR_PREFIX + "registry"
 COUNTERS_KEY = OUR_PREFIX + "counters"
 FEEDS_KEY = OUR_PREFIX + "feeds"
+INGESTERS_KEY = OUR_PREFIX + "ingesters"
+FLEET_KEY = OUR_PREFIX + "fleet"
+LOAD_KEY = OUR_PREFIX + "load"
+SETTINGS_KEY = OUR_PREFIX + "settings"
 
 
 def request_key_name(request_key: int) -> str:
