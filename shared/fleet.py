@@ -48,6 +48,22 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     lag_s: dict[str, float] = msgspec.field(default_factory=dict)  # pod -> seconds since its last event
 
 
+class RegisteredEngine(msgspec.Struct, omit_defaults=True):
+    """An engine added at run time (``kvpf:engines`` id -> JSON), ingested like a discovered one.
+
+    Either ``url`` (the engine's HTTP base URL; its ``/kv_event_sources`` gives sources and topic) or
+    ``source`` (a ZMQ PUB endpoint, with ``pod`` and ``model`` since its topic may say nothing)."""
+
+    url: str = ""
+    source: str = ""
+    replay: str = ""
+    pod: str = ""
+    model: str = ""
+    engine: str = "vllm"  # engine family (vllm, sglang, trtllm)
+    instance_id: int | None = None  # the id a remote-indexer client registered it under
+    registered_ms: int = 0
+
+
 class IndexSettings(msgspec.Struct, frozen=True):
     """Settings every writer and reader of one index must share (``kvpf:settings``)."""
 
@@ -80,7 +96,7 @@ _load_decoder = msgspec.json.Decoder(PodLoad)
 _lease_decoder = msgspec.json.Decoder(IngesterLease)
 
 
-def encode(record: PodRecord | PodLoad | IngesterLease) -> bytes:
+def encode(record: msgspec.Struct) -> bytes:
     return msgspec.json.encode(record)
 
 
@@ -95,6 +111,13 @@ def decode_pod(raw: bytes | str) -> PodRecord | None:
 def decode_load(raw: bytes | str) -> PodLoad | None:
     try:
         return _load_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def decode_registered(raw: bytes | str) -> RegisteredEngine | None:
+    try:
+        return msgspec.json.decode(raw, type=RegisteredEngine)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 

@@ -31,7 +31,7 @@ from shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkInc
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from shared import fleet
-from shared.layout import (FLEET_KEY, INGESTERS_KEY, LOAD_KEY, SETTINGS_KEY)
+from shared.layout import (FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
 from shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
 from shared.layout import pod_keys as _pod_keys
@@ -494,6 +494,16 @@ class Index:
         ids = list(ingester_ids)
         if ids:
             await self.client.hdel(INGESTERS_KEY, *ids)
+
+    async def registered_engines(self) -> dict[str, fleet.RegisteredEngine]:
+        raw = await self.client.hgetall(REGISTERED_KEY)
+        return {text(k): r for k, v in (raw or {}).items() if (r := fleet.decode_registered(v)) is not None}
+
+    async def register_engine(self, engine_id: str, engine: fleet.RegisteredEngine) -> None:
+        await self.client.hset(REGISTERED_KEY, engine_id, fleet.encode(engine))
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        return bool(await self.client.hdel(REGISTERED_KEY, engine_id))
 
     async def settings(self) -> fleet.IndexSettings | None:
         """The index-wide settings, None before any writer has set them."""

@@ -47,6 +47,9 @@ in milliseconds, never a local clock, so hosts with skewed clocks agree):
                               once per pod for the whole fleet by the pod's owning ingester
   kvpf:settings               hash_seed, block_size, hash_algo, entry_format: the index-wide settings,
                               set by the first writer (HSETNX); a process whose settings disagree refuses
+  kvpf:engines                engine id -> JSON RegisteredEngine (shared/fleet.py): engines added at run time
+                              (the remote-indexer API's /register); every ingester treats them as one
+                              more discovery source, like ``--engines-from file://``
 
 Layout 1 (kv-preflight 0.1: ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
 ``kvpf:fields:<pod>``) is moved by ``kv-preflight index migrate`` (shared/migrate.py); its names are
@@ -69,6 +72,7 @@ INGESTERS_KEY = OUR_PREFIX + "ingesters"
 FLEET_KEY = OUR_PREFIX + "fleet"
 LOAD_KEY = OUR_PREFIX + "load"
 SETTINGS_KEY = OUR_PREFIX + "settings"
+REGISTERED_KEY = OUR_PREFIX + "engines"
 
 
 def request_key_name(request_key: int) -> str:
