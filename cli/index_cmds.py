@@ -97,12 +97,33 @@ def _pods_table(pods: list[dict]) -> None:
     if not pods:
         click.echo("no pods in the index")
         return
-    click.echo(f"{'pod':<20} {'model':<24} {'E':>4} {'blocks':>8} {'seq':>10} {'age s':>8}  state")
+    click.echo(f"{'pod':<20} {'model':<24} {'E':>4} {'blocks':>8} {'seq':>10} {'age s':>8}  {'fleet':<26} index")
     for p in pods:
         seq = ",".join(f"{r}:{s}" for r, s in sorted(p["seq"].items())) or "-"
         state = "INCOMPLETE: " + p["incomplete_reason"] if p["incomplete"] else "ok"
         click.echo(f"{p['pod_id']:<20} {p['model']:<24} {p['engine_block_size'] or '-':>4} {p['blocks']:>8} "
-                   f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  {state}")
+                   f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  "
+                   f"{_fleet_cell(p.get('fleet')):<26} {state}")
+
+
+def _fleet_cell(fleet: dict | None) -> str:
+    """live / unreachable since T / retired T ago, from the pod's fleet record (none: not discovered)."""
+    if not fleet:
+        return "-"
+    if fleet["state"] == "live":
+        return "live"
+    return f"{fleet['state']} {fleet['for_s']:.0f} s"
+
+
+def _with_fleet(rows: list[dict], view) -> list[dict]:
+    """Pod rows with their fleet record: state, since when, why, engine, owning ingester."""
+    for row in rows:
+        rec = view.pods.get(row["pod_id"])
+        row["fleet"] = None if rec is None else {
+            "state": rec.state, "for_s": round(max(0, view.now_ms - rec.since_ms) / 1000, 1), "reason": rec.reason,
+            "engine_url": rec.engine_url, "models": rec.models, "owner": rec.owner,
+            "load_age_s": view.load_age_s(row["pod_id"])}
+    return rows
 
 
 @index_group.command()
@@ -114,11 +135,45 @@ def pods(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            return [_pod_row(p, now) for p in await ix.pods()]
+            return _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet_view())
         finally:
             await ix.close()
 
     _emit(as_json, _run(go()), _pods_table)
+
+
+@index_group.command()
+@valkey_opt
+@json_opt
+def ingesters(valkey_url, as_json) -> None:
+    """The ingesters sharing this index: lease, the engines each ingests, and how long since each pod's
+    last applied batch (docs/fleet.md)."""
+    async def go():
+        ix = await _open(valkey_url)
+        try:
+            view = await ix.fleet_view()
+        finally:
+            await ix.close()
+        return [{"ingester": i, "live": lease.expires_ms > view.now_ms, "host": lease.host,
+                 "up_s": round((view.now_ms - lease.started_ms) / 1000, 1) if lease.started_ms else None,
+                 "lease_left_s": round((lease.expires_ms - view.now_ms) / 1000, 1), "engines": lease.engines,
+                 "known_engines": len(lease.known), "lag_s": lease.lag_s}
+                for i, lease in sorted(view.ingesters.items())]
+
+    def human(rows):
+        if not rows:
+            click.echo("no ingester holds a lease on this index")
+            return
+        for r in rows:
+            click.echo(f"{r['ingester']}  {'live' if r['live'] else 'EXPIRED'}  up {r['up_s']} s  lease "
+                       f"{r['lease_left_s']} s  ingests {len(r['engines'])} of {r['known_engines']} known engine(s)")
+            for url in r["engines"]:
+                click.echo(f"    {url}")
+            if r["lag_s"]:
+                worst = sorted(r["lag_s"].items(), key=lambda kv: -kv[1])[:5]
+                click.echo("    since last batch: " + ", ".join(f"{p} {s} s" for p, s in worst))
+
+    _emit(as_json, _run(go()), human)
 
 
 @index_group.command()

@@ -68,8 +68,19 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--max-queue-bytes", default=None, type=click.IntRange(min=4096), help="Bytes of frames one socket may queue, and one replay may return (default 256 MiB).")
 @click.option("--curve-secret-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="The ingester's CURVE keypair (zmq.auth *.key_secret, or the z85 secret key alone): --bind sockets become CURVE servers.")
 @click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
+@click.option("--engines-from", "engines_from", multiple=True, help="Discover engines: dns://NAME:PORT (every A/AAAA record of NAME is an engine at http://ADDRESS:PORT, e.g. a Kubernetes headless Service) or file://PATH (JSON list of URLs or {\"url\", \"pod\"}, or URLs one a line); followed as it changes. Discovered engines are named by their address (HOST:PORT). Repeatable.")
+@click.option("--copies", default=None, type=click.IntRange(min=1), help="Ingesters per engine, among the live ones sharing this Valkey (default 2).")
+@click.option("--ingester-id", default=None, help="This ingester's name in the fleet (default HOST:PID:RANDOM).")
+@click.option("--lease-ttl", "lease_ttl_s", default=None, type=click.FloatRange(min=2), help="Seconds an ingester's lease lasts unrenewed; its engines are taken over after it (default 5).")
+@click.option("--membership-hold", "membership_hold_s", default=None, type=click.FloatRange(min=0), help="Seconds an engine must stay discovered (or gone) before it is ingested (or retired) (default 3).")
+@click.option("--retire-after", "retire_after_s", default=None, type=click.FloatRange(min=0), help="Seconds a pod may stay unreachable before it is retired: entries cleared, no longer offered (default 60).")
+@click.option("--retired-retention", "retired_retention_s", default=None, type=click.FloatRange(min=0), help="Seconds a retired pod's registry row is kept (default 3600).")
+@click.option("--health-failures", default=None, type=click.IntRange(min=1), help="Failed /health checks in a row that make a pod unreachable (default 3).")
+@click.option("--registered-engines/--no-registered-engines", default=None, help="Also ingest engines registered at run time through the remote-indexer API (default on).")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
-           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow) -> None:
+           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
+           engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s, retired_retention_s,
+           health_failures, registered_engines) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
@@ -79,11 +90,15 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           block_size=block_size, entry_format=entry_format, log_json=log_json,
                           metrics_port=metrics_port, metrics_host=metrics_host, max_pod_series=max_pod_series,
                           max_frame_bytes=max_frame_bytes, max_queue_bytes=max_queue_bytes,
-                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow)
+                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow,
+                          engines_from=engines_from, copies=copies, ingester_id=ingester_id, lease_ttl_s=lease_ttl_s,
+                          membership_hold_s=membership_hold_s, retire_after_s=retire_after_s,
+                          retired_retention_s=retired_retention_s, health_failures=health_failures,
+                          registered_engines=registered_engines)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if not (cfg.sources or cfg.binds or cfg.engines):
-        raise click.UsageError("give at least one --source, --bind or --engine")
+    if not (cfg.sources or cfg.binds or cfg.engines or cfg.engines_from or cfg.registered_engines):
+        raise click.UsageError("give at least one --source, --bind, --engine or --engines-from")
     sys.exit(run(cfg))
 
 

@@ -36,6 +36,10 @@ class IngesterMetrics:
                                            registry=r), pods)
         self.decode_errors = Counter("kvpf_ingest_decode_errors", "Frames or events that could not be decoded.",
                                      registry=r)
+        self.pod_conflicts = Counter("kvpf_ingest_pod_conflicts", "Engines refused because another live engine "
+                                     "already publishes their pod id.", registry=r)
+        self.pods_retired = Counter("kvpf_ingest_pods_retired", "Pods retired (left discovery, or unreachable "
+                                    "for --retire-after): entries cleared.", registry=r)
         self.gaps = PodLabelled(Counter("kvpf_ingest_gaps", "Seq gaps seen, by pod.", ["pod"], registry=r), pods)
         self.gaps_unrecovered = PodLabelled(Counter("kvpf_ingest_gaps_unrecovered", "Gaps the replay socket could "
                                                     "not fill (the pod is marked incomplete).", ["pod"], registry=r),

@@ -9,6 +9,7 @@ and an older duplicate (another ingester got there first) is skipped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -64,20 +65,19 @@ class Ingester:
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
-        self.pending_engines: dict[str, _Retry] = {}  # --engine URLs not discovered yet
+        self.engine_sources: dict[str, list[Source]] = {}  # engine URL -> its sources (ingester/fleet.py owns which)
+        self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
+        from ingester.fleet import FleetMember
+
+        self.fleet = FleetMember(self)
 
     # ---- lifecycle
 
     @classmethod
     async def create(cls, cfg: Config, index: Index | None = None) -> "Ingester":
+        # --engine and discovered engines are attached by the fleet membership (ingester/fleet.py), in
+        # the first chores round: those down are retried with backoff while the others are ingested.
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
-        pending: list[str] = []
-        for url in cfg.engines:
-            found = await _discover_logged(url)
-            if found is None:
-                pending.append(url)  # down (or not publishing yet): retried in the background, by URL
-            else:
-                sources += found
         from ingester.subscriber import secure_sources
 
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
@@ -85,9 +85,7 @@ class Ingester:
         sources = secure_sources(sources, cfg, on_refused=lambda key: ing.metrics.publishers_refused.inc())
         index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
                                         cluster=cfg.cluster_mode())
-        ing = cls(cfg, index, sources)
-        ing.pending_engines = {url: _Retry() for url in pending}
-        return ing
+        return (ing := cls(cfg, index, sources))
 
     def start(self) -> None:
         self.subscriber = Subscriber(self.sources)
@@ -100,10 +98,11 @@ class Ingester:
             if src.topic:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
-                    self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
-                    pods.add(parts[1])
+                    pod = src.pod or parts[1]
+                    self.routes[pod] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
+                    pods.add(pod)
                     if src.rank is not None:
-                        self.rank_sources[(parts[1], src.rank)] = src
+                        self.rank_sources[(pod, src.rank)] = src
         return pods
 
     def stop(self) -> None:
@@ -112,6 +111,8 @@ class Ingester:
     async def run(self) -> None:
         if self.subscriber is None:
             self.start()
+        if self.fleet.active:
+            await self._fleet_tick()  # attaches --engine and discovered engines (and resumes their pods)
         await self.learn_feeds()
         await self.resume_known_pods()
         assert self.subscriber is not None
@@ -133,6 +134,9 @@ class Ingester:
                     next_chores = time.monotonic() + CHORES_S
                 if recv not in done:
                     continue
+                if recv.cancelled():  # a socket it polled was closed (an engine let go): poll again
+                    recv = None
+                    continue
                 received, recv = recv.result(), None
                 run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in received:
@@ -145,33 +149,79 @@ class Ingester:
                 await self.handle_messages(run)
         finally:
             self.subscriber.close()
+            await self.fleet.close()
 
-    async def discover_pending(self) -> None:
-        """Engines that were down (or not publishing) when this ingester started, asked again with
-        backoff (0.5 s doubling to 30 s), each logged by URL; the others are ingested meanwhile."""
+    # ---- engines, as the fleet membership (ingester/fleet.py) gives and takes them
+
+    async def attach_engine(self, spec, found: list[Source]) -> set[str]:
+        """Subscribe to an engine's sources (``found``: from its /kv_event_sources, or the one source it
+        was registered with) and resume its pods from their persisted seqs; returns its pods (a source
+        with no topic learns its pod from its first frame, or from ``spec.pod``)."""
+        from ingester.subscriber import secure_sources
+
+        if spec.pod:  # named by its address (or a file's "pod"), not by its topic
+            found = [dataclasses.replace(src, pod=spec.pod) for src in found]
+        found = secure_sources(found, self.cfg, on_refused=lambda key: self.metrics.publishers_refused.inc())
+        assert self.subscriber is not None
+        self.subscriber.add(found)
+        self.engine_sources[spec.key] = found
+        pods = self._route(found)
+        if spec.pod and spec.model and spec.pod not in self.routes:  # a registered source: its route is known
+            self.routes[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint)
+            pods.add(spec.pod)
+        # its buffered history, from seq 0 or the pod's persisted seq, as at start
+        await self.resume_known_pods(only=pods)
+        return pods
+
+    def detach_engine(self, key: str) -> None:
+        found = self.engine_sources.pop(key, [])
+        if self.subscriber is not None and found:
+            self.subscriber.remove(found)
+        endpoints = {s.endpoint for s in found}
+        for pod, route in list(self.routes.items()):
+            if route.source in endpoints:
+                del self.routes[pod]
+        for key, src in list(self.rank_sources.items()):
+            if src.endpoint in endpoints:
+                del self.rank_sources[key]
+
+    async def rebuild_pod(self, pod: str) -> bool:
+        """Entries of a pod that was retired (cleared) and answers again: replayed from seq 0 if the
+        engine still buffers that far back; False (the pod stays flagged incomplete) otherwise."""
+        route = self.routes.get(pod)
+        if route is None or not route.replay:
+            return False
+        frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s)
+        seqs = sorted(f.seq for f in frames if f.seq is not None and f.batch is not None)
+        if not complete or not seqs or seqs[0] != 0 or seqs != list(range(len(seqs))):
+            return False
+        info = await self._valkey(self.index.pod_info, pod)
+        for rank, last in info.seqs.items():
+            await self._valkey(self.index.reset_if_seq, pod, int(rank), last)  # clears, seq back to none
+        self.state = ChainState()
+        for f in frames:
+            if f.batch is not None and f.seq is not None:
+                await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+        return True
+
+    def lag_s(self) -> dict[str, float]:
         now = time.monotonic()
-        for url, retry in list(self.pending_engines.items()):
-            if now < retry.next_at:
-                continue
-            found = await _discover_logged(url, retry.attempts)
-            if found is None:
-                retry.backoff(now)
-                continue
-            del self.pending_engines[url]
-            from ingester.subscriber import secure_sources
+        return {pod: round(now - t, 1) for pod, t in sorted(self.last_applied.items())[:256]}
 
-            found = secure_sources(found, self.cfg, on_refused=lambda key: self.metrics.publishers_refused.inc())
-            assert self.subscriber is not None
-            self.subscriber.add(found)
-            # its buffered history, from seq 0 or the pod's persisted seq, as at start
-            await self.resume_known_pods(only=self._route(found))
+    async def _fleet_tick(self) -> None:
+        try:
+            await self.fleet.tick()
+        except VALKEY_ERRORS as exc:
+            self.stats.inc("valkey_errors")
+            log.warning("fleet membership not updated now (%s); ingesting what this ingester has", exc)
 
     async def chores(self) -> None:
-        """Every second, traffic or not: retry engines that were down at start, stop if a layout-1
-        writer appears beside us, and run what a writer killed between a batch's steps left in a pod's
-        outbox (cluster), so a quiet engine's last batch is not left half applied."""
-        if self.pending_engines:
-            await self.discover_pending()
+        """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,
+        health, load, retirement), stop if a layout-1 writer appears beside us, and run what a writer
+        killed between a batch's steps left in a pod's outbox (cluster), so a quiet engine's last
+        batch is not left half applied."""
+        if self.fleet.active:
+            await self._fleet_tick()
         try:
             if await self.index.v1_writer_seen():
                 log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
@@ -320,7 +370,7 @@ class Ingester:
             await self._count_quietly("decode_errors", count)
         if decoded.topic is None or decoded.seq is None or decoded.batch is None:
             return None
-        pod = decoded.topic.pod_id
+        pod = src.pod or decoded.topic.pod_id
         if src.pods is not None and pod not in src.pods:
             # Not a pod this socket may write for (its pods= allowlist): forged or misrouted. Refused before
             # any route, state or key is touched; counted by socket, never by the (attacker-chosen) pod name.
@@ -407,6 +457,7 @@ class Ingester:
             log.error("%s seq %d: %d write(s) skipped, a key of a foreign type is in the way (%s); pod flagged incomplete",
                       pod, seq, result.foreign_writes, result.detail)
         self.metrics.applied(pod, batch)
+        self.last_applied[pod] = time.monotonic()
         self.stats.inc("batches_applied")
         self.stats.inc("blocks_stored", plan.stored_blocks)
         self.stats.inc("blocks_removed", plan.removed_blocks)
@@ -550,33 +601,6 @@ class Ingester:
             self.stats.inc("valkey_errors")
 
 
-@dataclass
-class _Retry:
-    attempts: int = 0
-    next_at: float = 0.0
-
-    def backoff(self, now: float) -> None:
-        self.attempts += 1
-        self.next_at = now + min(30.0, 0.5 * 2 ** min(self.attempts - 1, 6))
-
-
-async def _discover_logged(url: str, attempts: int = 0) -> list[Source] | None:
-    """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
-    try:
-        found = await discover(url)
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",
-                        url, type(exc).__name__, exc)
-        return None
-    if not found:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s lists no KV-event publisher in /kv_event_sources; asking again later", url)
-        return None
-    log.info("discovered %d event source(s) from %s", len(found), url)
-    return found
-
-
 # Error replies that a later retry can succeed past: the server is loading, busy with a script,
 # out of memory for now, failing over, or the key moved to another shard.
 _TRANSIENT_REPLIES = ("LOADING", "BUSY", "OOM", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "NOREPLICAS",
@@ -592,6 +616,25 @@ def transient(exc: BaseException) -> bool:
     return True
 
 
+class SettingsError(RuntimeError):
+    """This process's index-wide settings differ from those the index was written with."""
+
+
+async def check_settings(ing: Ingester) -> None:
+    """Claim the index-wide settings (first writer wins) and refuse to write under others: request keys
+    hashed with another seed or block size would never be found by anyone reading this index."""
+    from shared.fleet import IndexSettings
+
+    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size,
+                         entry_format=ing.cfg.entry_format)
+    found = await ing._valkey(ing.index.claim_settings, ours)
+    wrong = ours.disagreements(found)
+    if wrong:
+        raise SettingsError("this index was written with other settings (ours != the index's): " + "; ".join(wrong)
+                            + ". Give the index's values (--hash-seed, --block-size, --entry-format), or use "
+                            "another Valkey")
+
+
 async def run_ingester(cfg: Config) -> None:
     ing = await Ingester.create(cfg)
     loop = asyncio.get_running_loop()
@@ -604,6 +647,7 @@ async def run_ingester(cfg: Config) -> None:
             pass
     ing.start()
     await ing._valkey(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
+    await check_settings(ing)
     log.info("ingesting from %d source(s) into %s%s", len(ing.sources), cfg.valkey_url.split("@")[-1],
              " (Valkey Cluster)" if ing.index.cluster else "")
     metrics_server = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,12 +23,10 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
+from shared.engine_metrics import KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, parse_vllm_metrics  # noqa: F401
+
 log = logging.getLogger("kvpf.predictor")
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM before the v1 engine
 MODELS_EVERY = 10  # read /v1/models on every 10th scrape
 
 
@@ -39,33 +36,6 @@ class PodLoad:
     waiting: float
     kv_usage: float  # 0..1
     at: float  # monotonic time of the scrape
-
-
-def parse_vllm_metrics(text: str) -> tuple[float, float, float] | None:
-    """(running, waiting, kv usage) summed over the engine's DP ranks (kv usage: their mean); None if absent."""
-    sums = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0, KV_USAGE_OLD: 0.0}
-    counts = dict.fromkeys(sums, 0)
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = line.find("{")
-        if name_end < 0:
-            name_end = line.find(" ")
-        name = line[:name_end]
-        if name not in sums:
-            continue
-        try:
-            value = float(line.rsplit("}", 1)[-1].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if math.isfinite(value):
-            sums[name] += value
-            counts[name] += 1
-    if not counts[RUNNING] and not counts[WAITING]:
-        return None
-    usage_name = KV_USAGE if counts[KV_USAGE] else KV_USAGE_OLD
-    usage = sums[usage_name] / counts[usage_name] if counts[usage_name] else 0.0
-    return sums[RUNNING], sums[WAITING], min(max(usage, 0.0), 1.0)
 
 
 class _Models(msgspec.Struct):

@@ -26,6 +26,18 @@ class Config:
     binds: tuple[str, ...] = ()
     engines: tuple[str, ...] = ()
     replay_timeout_s: float = 2.0
+    # Fleet membership (docs/fleet.md): engines discovered by DNS or file, shared among ingesters by lease.
+    engines_from: tuple[str, ...] = ()
+    registered_engines: bool = True  # also ingest engines registered at run time (kvpf:engines)
+    copies: int = 2  # ingesters per engine (exactly-once by seq makes copies safe)
+    ingester_id: str = ""  # default: host:pid:random
+    lease_ttl_s: float = 5.0
+    membership_hold_s: float = 3.0  # a membership change counts once it has held this long
+    discovery_interval_s: float = 2.0
+    health_failures: int = 3  # failed /health checks in a row that make a pod unreachable
+    health_timeout_s: float = 2.0
+    retire_after_s: float = 60.0  # unreachable this long: retired (entries cleared)
+    retired_retention_s: float = 3600.0  # a retired pod's registry row is kept this long
     # Hostile-input bounds (docs/operations.md, "Hostile publishers and memory"): ZMQ drops a connection
     # whose frame is larger than max_frame_bytes before allocating it; a socket's queue holds
     # max_queue_bytes of such frames.
@@ -125,6 +137,18 @@ class Config:
             raise ValueError("max_pods_filter and max_pod_series must be positive")
         if self.request_read_timeout_s <= 0:
             raise ValueError("request_read_timeout_s must be positive")
+        if self.copies < 1 or self.health_failures < 1:
+            raise ValueError("copies and health_failures must be at least 1")
+        if min(self.lease_ttl_s, self.discovery_interval_s, self.health_timeout_s) <= 0 or self.membership_hold_s < 0:
+            raise ValueError("lease_ttl_s, discovery_interval_s and health_timeout_s must be positive, "
+                             "membership_hold_s not negative")
+        if self.lease_ttl_s < 2:
+            raise ValueError("lease_ttl_s must be at least 2 s (leases are renewed every second)")
+        if self.retire_after_s < 0 or self.retired_retention_s < 0:
+            raise ValueError("retire_after_s and retired_retention_s must not be negative")
+        for spec in self.engines_from:
+            if not spec.startswith(("dns://", "file://")):
+                raise ValueError(f"--engines-from {spec!r}: expected dns://NAME:PORT or file://PATH")
         if self.api_keys and not any(k.strip() for k in self.api_keys):
             # a typo or an unset secret (KVPF_API_KEYS="${KEYS}") must not quietly switch auth off
             raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "

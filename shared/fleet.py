@@ -46,6 +46,9 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     host: str = ""
     engines: list[str] = msgspec.field(default_factory=list)  # engine URLs this ingester owns
     lag_s: dict[str, float] = msgspec.field(default_factory=dict)  # pod -> seconds since its last event
+    # every engine this ingester knows of ({"url", "pod", "origin"}, ingester/membership.py EngineSpec):
+    # the union over live leases is what the fleet ingests, so ingesters need not share one config
+    known: list[dict] = msgspec.field(default_factory=list)
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

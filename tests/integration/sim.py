@@ -18,7 +18,9 @@ class SimEngine:
     log: str = ""
 
     def start(self) -> "SimEngine":
-        self.proc = spawn(["simulate", "--pod", self.pod, "--model", "sim", "--port", self.url.rsplit(":", 1)[1],
+        host = self.url.rsplit(":", 1)[0].split("//", 1)[1]
+        self.proc = spawn(["simulate", "--pod", self.pod, "--model", "sim", "--host", host,
+                           "--port", self.url.rsplit(":", 1)[1],
                            "--zmq", f"tcp://*:{self.zmq_port}", "--replay", f"tcp://*:{self.replay_port}",
                            "--block-size", "16", "--blocks", "64"], self.log)
         wait_http(self.url + "/v1/models")
@@ -28,5 +30,6 @@ class SimEngine:
         stop(self.proc, kill=kill)
 
 
-def sim_engine(pod: str, tmp_path) -> SimEngine:
-    return SimEngine(pod, f"http://127.0.0.1:{free_port()}", free_port(), free_port(), log=str(tmp_path / f"{pod}.log"))
+def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = None) -> SimEngine:
+    return SimEngine(pod, f"http://{host}:{port or free_port()}", free_port(), free_port(),
+                     log=str(tmp_path / f"{pod}.log"))

@@ -1,0 +1,308 @@
+"""Fleet membership with real processes: simulated engines (``kv-preflight simulate``), several real
+``kv-preflight ingest`` processes sharing them through leases in a real valkey-server, a real predictor.
+
+Engines are discovered from a file and from DNS (the hosts file: glibc reads it on every lookup, so a
+test can add and remove A records for a name of its own), split among ingesters by rendezvous hashing,
+taken over after a kill -9 within the lease TTL, and retired when they leave or stay unreachable."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import httpx
+import pytest
+
+from cli.accuracy import run_workload, shared_prefix_workload
+from cli.valkey_server import free_port
+from shared.index import Index
+from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.sim import sim_engine
+from tests.integration.test_fault_accuracy import blind, exact
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+FAST = ["--lease-ttl", "3", "--membership-hold", "1", "--health-failures", "2"]
+FAST_ENV = {"KVPF_DISCOVERY_INTERVAL_S": "0.5"}
+
+
+async def until(pred, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await pred()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def write_engines(path, engines) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump([{"url": e.url, "pod": e.pod} for e in engines], f)
+    os.replace(tmp, path)  # atomically, as a ConfigMap update is
+
+
+async def owners(ix: Index) -> dict[str, list[str]]:
+    """engine URL -> live ingesters ingesting it."""
+    view = await ix.fleet_view()
+    out: dict[str, list[str]] = {}
+    for ingester, lease in view.live_ingesters().items():
+        for url in lease.engines:
+            out.setdefault(url, []).append(ingester)
+    return out
+
+
+async def test_fleet_records_load_and_lease(valkey_url, tmp_path):
+    """One ingester with --engine: the pod's record (engine URL, models, block size, owner), its load
+    scraped into kvpf:load, and the ingester's lease, which `index ingesters` lists."""
+    engine = sim_engine("sim-rec", tmp_path).start()
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url, "--ingester-id", "ing-1"],
+                str(tmp_path / "ing.log"))
+    ix = Index.from_url(valkey_url)
+    try:
+        httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": list(range(40)), "max_tokens": 1},
+                   timeout=10).raise_for_status()
+
+        async def record():
+            rec = (await ix.fleet_view()).pods.get("sim-rec")
+            return rec if rec is not None and rec.block_size else None
+
+        rec = await until(record, "the pod's fleet record")
+        assert (rec.state, rec.engine_url, rec.models, rec.block_size, rec.owner) == \
+            ("live", engine.url, ["sim"], 16, "ing-1")
+        view = await until(lambda: _with_load(ix, "sim-rec"), "the pod's load")
+        assert view.load_age_s("sim-rec") < 5
+        out = spawn(["index", "ingesters", "--valkey-url", valkey_url, "--json"], str(tmp_path / "cli.log"))
+        assert out.wait(30) == 0
+        rows = json.loads(open(tmp_path / "cli.log").read())
+        assert [(r["ingester"], r["live"], r["engines"]) for r in rows] == [("ing-1", True, [engine.url])]
+        out = spawn(["index", "pods", "--valkey-url", valkey_url, "--json"], str(tmp_path / "pods.log"))
+        assert out.wait(30) == 0
+        rows = json.loads(open(tmp_path / "pods.log").read())
+        assert rows[0]["fleet"]["state"] == "live" and rows[0]["fleet"]["engine_url"] == engine.url
+        stop(ing)  # a clean stop gives the lease back at once
+        assert not (await ix.fleet_view()).ingesters
+    finally:
+        stop(ing)
+        engine.stop()
+        await ix.close()
+
+
+async def _with_load(ix: Index, pod: str):
+    view = await ix.fleet_view()
+    return view if pod in view.load else None
+
+
+async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(valkey_url, tmp_path):
+    engines = [sim_engine(f"sim-{i}", tmp_path).start() for i in range(8)]
+    listing = tmp_path / "engines.json"
+    write_engines(listing, engines)
+    args = ["ingest", "--valkey-url", valkey_url, "--engines-from", f"file://{listing}", "--copies", "1", *FAST]
+    ings = {name: spawn([*args, "--ingester-id", name], str(tmp_path / f"{name}.log"), env=FAST_ENV)
+            for name in ("ing-a", "ing-b", "ing-c")}
+    port = free_port()
+    pred = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--engine-url", f"sim={engines[0].url}"],
+                 str(tmp_path / "pred.log"))
+    predictor = f"http://127.0.0.1:{port}"
+    ix = Index.from_url(valkey_url)
+    urls = sorted(e.url for e in engines)
+    try:
+        wait_http(predictor + "/health")
+
+        async def split_once():
+            got = await owners(ix)
+            return got if sorted(got) == urls and all(len(o) == 1 for o in got.values()) \
+                and len({o[0] for o in got.values()}) == 3 else None
+
+        split = await until(split_once, "each engine ingested by exactly one of the 3 ingesters")
+        work = shared_prefix_workload(n=12, seed=5, block=16)
+        for e in engines:
+            exact(run_workload(e.url, predictor, "sim", work[:4]))
+
+        victim = split[engines[0].url][0]
+        orphans = [e for e in engines if split[e.url] == [victim]]
+        stop(ings[victim], kill=True)
+        for e in orphans:  # cached while nobody ingests them: found again only by replay
+            blind(e.url, work[4:8])
+
+        async def taken_over():
+            got = await owners(ix)
+            return got if all(got.get(e.url) and victim not in got[e.url] for e in orphans) else None
+
+        await until(taken_over, f"{victim}'s engines taken over", timeout=15)
+        for e in engines:
+            exact(run_workload(e.url, predictor, "sim", work[8:12]))
+
+        # Two engines leave the listing: retired (entries cleared, record kept with the reason).
+        gone, kept = engines[6:], engines[:6]
+        write_engines(listing, kept)
+
+        async def retired():
+            view = await ix.fleet_view()
+            states = {p: view.pods[p].state for p in (e.pod for e in gone) if p in view.pods}
+            return states if states == {e.pod: "retired" for e in gone} else None
+
+        await until(retired, "the departed engines' pods retired")
+        view = await ix.fleet_view()
+        for e in gone:
+            assert "left discovery" in view.pods[e.pod].reason
+            assert (await ix.pod_info(e.pod)).blocks == 0
+
+        async def let_go():
+            return sorted(await owners(ix)) == sorted(e.url for e in kept)
+
+        await until(let_go, "the departed engines let go")
+        # One comes back: ingested again, its pod live.
+        write_engines(listing, [*kept, gone[0]])
+
+        async def back():
+            rec = (await ix.fleet_view()).pods.get(gone[0].pod)
+            return rec if rec is not None and rec.state == "live" else None
+
+        await until(back, "the returning engine's pod live again")
+        exact(run_workload(gone[0].url, predictor, "sim", work[:4]))
+    finally:
+        for p in ings.values():
+            stop(p)
+        stop(pred)
+        for e in engines:
+            e.stop()
+        await ix.close()
+
+
+async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
+    engine = sim_engine("sim-down", tmp_path).start()
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url, *FAST, "--retire-after", "3"],
+                str(tmp_path / "ing.log"), env=FAST_ENV)
+    ix = Index.from_url(valkey_url)
+    try:
+        blind(engine.url, shared_prefix_workload(n=3, seed=2, block=16))
+
+        async def state(want):
+            rec = (await ix.fleet_view()).pods.get("sim-down")
+            return rec if rec is not None and rec.state == want else None
+
+        await until(lambda: state("live"), "live")
+        await until(lambda: _blocks(ix, "sim-down"), "entries")
+        engine.stop(kill=True)
+        rec = await until(lambda: state("unreachable"), "unreachable after 2 failed health checks")
+        assert "2 times" in rec.reason
+        rec = await until(lambda: state("retired"), "retired after --retire-after")
+        assert "unreachable for" in rec.reason
+        assert (await ix.pod_info("sim-down")).blocks == 0
+        engine.start()  # a new process: seq from 0, an empty cache
+        await until(lambda: state("live"), "live again")
+        blind(engine.url, shared_prefix_workload(n=2, seed=3, block=16))
+        await until(lambda: _blocks(ix, "sim-down"), "entries again")
+        assert not (await ix.pod_info("sim-down")).incomplete  # the restart reset it: exact again
+    finally:
+        stop(ing)
+        engine.stop()
+        await ix.close()
+
+
+async def _blocks(ix: Index, pod: str) -> int:
+    return (await ix.pod_info(pod)).blocks
+
+
+HOSTS = "/etc/hosts"
+
+
+@pytest.mark.skipif(not os.access(HOSTS, os.W_OK), reason="needs a writable /etc/hosts to publish DNS records")
+async def test_dns_discovery_names_pods_by_address(valkey_url, tmp_path):
+    """Two engines behind one DNS name (as a headless Service): both ingested, each pod named by its
+    address HOST:PORT although both publish the same topic; one record removed: its pod retired."""
+    name = f"kvpf-{uuid.uuid4().hex[:8]}.test"
+    port = free_port()
+    engines = [sim_engine("same-topic", tmp_path, host=f"127.0.0.{i}", port=port) for i in (2, 3)]
+    for i, e in enumerate(engines):
+        e.log = str(tmp_path / f"dns-{i}.log")
+        e.start()
+    original = open(HOSTS).read()
+
+    def publish(addresses):
+        lines = "".join(f"{a} {name}\n" for a in addresses)
+        with open(HOSTS, "w") as f:
+            f.write(original.rstrip("\n") + "\n" + lines)
+
+    publish(["127.0.0.2", "127.0.0.3"])
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engines-from", f"dns://{name}:{port}", *FAST],
+                str(tmp_path / "ing.log"), env=FAST_ENV)
+    ix = Index.from_url(valkey_url)
+    pods = [f"127.0.0.2:{port}", f"127.0.0.3:{port}"]
+    try:
+        async def both_live():
+            view = await ix.fleet_view()
+            return all(p in view.pods and view.pods[p].state == "live" for p in pods) or None
+
+        await until(both_live, "both engines' pods live, named by address")
+        blind(engines[0].url, shared_prefix_workload(n=2, seed=4, block=16))
+        await until(lambda: _blocks(ix, pods[0]), "entries of the first engine under its address")
+        assert await _blocks(ix, pods[1]) == 0 and "same-topic" not in await ix.pod_ids()
+        publish(["127.0.0.3"])
+
+        async def first_retired():
+            rec = (await ix.fleet_view()).pods.get(pods[0])
+            return rec if rec is not None and rec.state == "retired" else None
+
+        rec = await until(first_retired, "the removed address's pod retired")
+        assert "left discovery" in rec.reason and await _blocks(ix, pods[0]) == 0
+    finally:
+        with open(HOSTS, "w") as f:
+            f.write(original)
+        stop(ing)
+        for e in engines:
+            e.stop()
+        await ix.close()
+
+
+async def test_an_ingester_with_other_settings_refuses_to_write(valkey_url, tmp_path):
+    """Request keys hashed with another seed would never be found by this index's readers."""
+    ix = Index.from_url(valkey_url)
+    try:
+        first = spawn(["ingest", "--valkey-url", valkey_url, "--source", "tcp://127.0.0.1:1", "--hash-seed", "42"],
+                      str(tmp_path / "first.log"))
+        await until(lambda: ix.settings(), "the first writer's settings")
+        stop(first)
+        assert (await ix.settings()).hash_seed == "42"
+        other = spawn(["ingest", "--valkey-url", valkey_url, "--source", "tcp://127.0.0.1:1", "--block-size", "32",
+                       "--hash-seed", "42"], str(tmp_path / "other.log"))
+        assert other.wait(30) == 1
+        out = open(tmp_path / "other.log").read()
+        assert "other settings" in out and "block_size: 32 != 16" in out and "Traceback" not in out
+    finally:
+        await ix.close()
+
+
+async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
+    engine = sim_engine("sim-gone", tmp_path).start()
+    listing = tmp_path / "engines.json"
+    write_engines(listing, [engine])
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engines-from", f"file://{listing}", *FAST,
+                 "--retired-retention", "2"], str(tmp_path / "ing.log"), env=FAST_ENV)
+    ix = Index.from_url(valkey_url)
+    try:
+        blind(engine.url, shared_prefix_workload(n=2, seed=6, block=16))
+        await until(lambda: _blocks(ix, "sim-gone"), "entries")
+        write_engines(listing, [])
+
+        async def state():
+            rec = (await ix.fleet_view()).pods.get("sim-gone")
+            return rec.state if rec else "dropped"
+
+        await until(lambda: _is(state, "retired"), "retired")
+        assert "sim-gone" in await ix.pod_ids()  # kept, with the reason, during the retention
+        await until(lambda: _is(state, "dropped"), "dropped after the retention")
+        assert "sim-gone" not in await ix.pod_ids()
+    finally:
+        stop(ing)
+        engine.stop()
+        await ix.close()
+
+
+async def _is(fn, want) -> bool:
+    return await fn() == want
