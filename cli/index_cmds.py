@@ -13,6 +13,7 @@ import httpx
 from shared.config import Config
 from shared.index import Index, LayoutError, StoreBlock, parse_entry
 from shared.migrate import migrate as migrate_layout
+from shared.events import topic_or_none
 
 
 def _run(coro):
@@ -342,7 +343,11 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                     if not src.replay or not src.topic:
                         click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
                         continue
-                    _, pod, model = src.topic.split("@", 2)
+                    topic = topic_or_none(src.topic)
+                    if topic is None:
+                        click.echo(f"{url}: topic {src.topic!r} is not kv@POD@MODEL; skipped", err=True)
+                        continue
+                    pod, model = topic.pod_id, topic.model
                     if only_pods and pod not in only_pods:
                         continue
                     click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
+from shared.config import parse_lora_names
 
 
 def _read_tokens(spec: str) -> list[int]:
@@ -54,8 +55,8 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @cli.command()
 @click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password); any node of a cluster.  [env KVPF_VALKEY_URL]")
 @click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a Valkey Cluster node (default auto: asked with INFO cluster).  [env KVPF_VALKEY_CLUSTER]")
-@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85]. Repeatable.")
-@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...]. Repeatable.")
+@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85][,pod=P,model=M][,engine=vllm|sglang|trtllm]. pod= and model= name a publisher whose topic is empty or not kv@POD@MODEL. Repeatable.")
+@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...][,pod=P,model=M][,engine=...] (pod= only while one publisher connects). Repeatable.")
 @click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
@@ -68,8 +69,10 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--max-queue-bytes", default=None, type=click.IntRange(min=4096), help="Bytes of frames one socket may queue, and one replay may return (default 256 MiB).")
 @click.option("--curve-secret-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="The ingester's CURVE keypair (zmq.auth *.key_secret, or the z85 secret key alone): --bind sockets become CURVE servers.")
 @click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
+@click.option("--lora-name", "lora_names", multiple=True, help="ID=NAME: key blocks of the engine's LoRA id ID under adapter NAME (SGLang, TensorRT-LLM send only the id). Repeatable.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
-           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow) -> None:
+           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
+           lora_names) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
@@ -79,7 +82,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           block_size=block_size, entry_format=entry_format, log_json=log_json,
                           metrics_port=metrics_port, metrics_host=metrics_host, max_pod_series=max_pod_series,
                           max_frame_bytes=max_frame_bytes, max_queue_bytes=max_queue_bytes,
-                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow)
+                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow,
+                          lora_names=parse_lora_names(lora_names) if lora_names else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines):

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
+from shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
+from shared.events import topic_or_none
+
 log = logging.getLogger("kvpf.predictor")
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM before the v1 engine
+RUNNING = VLLM_LOAD.running  # the names live with the engine adapter (shared/engines/vllm.py)
+WAITING = VLLM_LOAD.waiting
+KV_USAGE, KV_USAGE_OLD = VLLM_LOAD.kv_usage  # the second: vLLM before the v1 engine
 MODELS_EVERY = 10  # read /v1/models on every 10th scrape
 
 
@@ -186,6 +188,7 @@ async def _discover_pod(client: httpx.AsyncClient, base_url: str) -> str | None:
         return None
     for _rank, conf in sorted(body.items()):
         topic = conf.get("topic") if isinstance(conf, dict) else None
-        if isinstance(topic, str) and topic.count("@") >= 2:
-            return topic.split("@", 2)[1]
+        parsed = topic_or_none(topic) if isinstance(topic, str) else None
+        if parsed is not None:
+            return parsed.pod_id
     return None
