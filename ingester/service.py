@@ -209,6 +209,7 @@ class Ingester:
                 log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
                 for f in frames:
                     if f.batch is not None and f.seq is not None:
+                        await self._placeholders(f)
                         await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
 
     async def _remember_feed(self, src: Source, rank: int, pod: str, model: str) -> None:
@@ -310,10 +311,7 @@ class Ingester:
             await self._count_quietly("frames_refused", 1)
             return None
         decoded = engine(src.engine).decode_frames(frames, topic=src.named_topic)
-        if decoded.skipped:  # placeholders name no block: counted, never an error, never a flag
-            self.stats.inc("placeholder_events", decoded.skipped)
-            self.metrics.placeholder_events.inc(decoded.skipped)
-            await self._count_quietly("placeholder_events", decoded.skipped)
+        await self._placeholders(decoded)
         errors, count = decoded.errors, decoded.error_count
         if not errors and (decoded.topic is None or decoded.batch is None):
             # Well-formed for a replay reply (no topic, or the end marker) but not for a SUB socket:
@@ -350,6 +348,14 @@ class Ingester:
         self.rank_sources[(pod, decoded.batch.data_parallel_rank or 0)] = src
         await self._remember_feed(src, decoded.batch.data_parallel_rank or 0, pod, route.model)
         return pod, route.model, decoded.seq, decoded.batch, count
+
+    async def _placeholders(self, decoded: DecodedFrame) -> None:
+        """Placeholder events name no block (vLLM's offloading connector, PR #51243): counted, never an
+        error, never a flag."""
+        if decoded.skipped:
+            self.stats.inc("placeholder_events", decoded.skipped)
+            self.metrics.placeholder_events.inc(decoded.skipped)
+            await self._count_quietly("placeholder_events", decoded.skipped)
 
     async def _finish_run(self, run: list[tuple[str, str, int, EventBatch, int]], plans: list[Plan],
                           args: list[dict], sent: "asyncio.Future") -> None:
@@ -504,6 +510,7 @@ class Ingester:
             return False
         for s in range(start, seq):
             f = by_seq[s]
+            await self._placeholders(f)
             await self.apply(pod, model, s, f.batch, allow_replay=False, decode_errors=len(f.errors))
         return True
 
