@@ -340,12 +340,9 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 except httpx.HTTPError as exc:
                     raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
                 for src in sources:
-                    if not src.replay or not src.topic:
-                        click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
-                        continue
-                    topic = topic_or_none(src.topic)
-                    if topic is None:
-                        click.echo(f"{url}: topic {src.topic!r} is not kv@POD@MODEL; skipped", err=True)
+                    topic = src.named_topic or topic_or_none(src.topic)  # SGLang: named by its server address
+                    if not src.replay or topic is None:
+                        click.echo(f"{url}: no replay endpoint, or no kv@POD@MODEL topic; skipped", err=True)
                         continue
                     pod, model = topic.pod_id, topic.model
                     if only_pods and pod not in only_pods:

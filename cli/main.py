@@ -108,7 +108,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--ttft-model", default=None, type=click.Path(exists=True, dir_okay=False), help="Prefill model JSON from `kv-preflight calibrate` (default: docs/ttft.md defaults).")
 @click.option("--pod-metrics", "pod_metrics", multiple=True, help="POD=http://HOST:PORT: scrape the engine's /metrics for routing. Repeatable; --engine-url engines are scraped too.")
 @click.option("--metrics-interval", "metrics_interval_s", default=None, type=click.FloatRange(min=0.05), help="Seconds between engine metric scrapes (default 1).")
-@click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8). Repeatable.")
+@click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8 cpu_pinned=0.8). Repeatable.")
 @click.option("--route-waiting-weight", default=None, type=float, help="Load = running + this x waiting (default 2).")
 @click.option("--route-overload-abs", default=None, type=float, help="Overloaded if load - least load >= this (default 4) ...")
 @click.option("--route-overload-rel", default=None, type=float, help="... and load >= this x least load (default 1.5).")
