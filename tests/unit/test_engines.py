@@ -193,3 +193,13 @@ def test_sglang_server_info_gives_sources_named_by_serving_address():
     (c,) = sources_from_sglang_server_info("http://10.0.0.5:30000", topic)
     assert c.bind and c.endpoint == "tcp://*:5557" and c.named_topic is None and c.topic == "kv@s-0@qwen"
     assert sources_from_sglang_server_info("http://h:1", {"page_size": 1}) == []  # events off
+
+
+def test_lora_names_come_from_the_flag_or_the_environment(monkeypatch):
+    from shared.config import Config, parse_lora_names
+
+    assert Config.load(lora_names=parse_lora_names(["7=sql-lora", "08=b"])).lora_names == {"7": "sql-lora", "8": "b"}
+    monkeypatch.setenv("KVPF_LORA_NAMES", "3=x,4=y")
+    assert Config.load().lora_names == {"3": "x", "4": "y"}
+    with pytest.raises(ValueError, match="numeric LoRA id"):
+        parse_lora_names(["sql=7"])
