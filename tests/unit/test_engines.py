@@ -6,6 +6,8 @@ import base64
 import json
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from ingester.bridge import ChainState, model_for, plan_batch
@@ -203,3 +205,27 @@ def test_lora_names_come_from_the_flag_or_the_environment(monkeypatch):
     assert Config.load().lora_names == {"3": "x", "4": "y"}
     with pytest.raises(ValueError, match="numeric LoRA id"):
         parse_lora_names(["sql=7"])
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=5) | st.binary(max_size=9),
+    lambda c: st.lists(c, max_size=6) | st.dictionaries(
+        st.sampled_from(["type", "block_hashes", "token_ids", "block_size", "parent_block_hash", "medium", "lora_id",
+                         "cache_salt", "metadata", "session_id"]) | st.text(max_size=3), c, max_size=6),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(ENGINES)), st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "x"]),
+       st.lists(_VALUES, max_size=8), _VALUES)
+def test_fuzz_every_engine_layout_never_raises(name, tag, positional, as_map):
+    """Arrays in each engine's field order, maps, pairs, metadata maps: a worded error at worst."""
+    events = [[tag, *positional], as_map if not isinstance(as_map, dict) else {"type": tag, **as_map}]
+    try:
+        payload = msgspec.msgpack.encode([1.0, events, None])
+    except (TypeError, OverflowError):
+        return
+    for topic in (None, Topic("p", "m")):
+        out = engine(name).decode_frames([b"", (1).to_bytes(8, "big"), payload], topic=topic)
+        assert isinstance(out.errors, list) and out.error_count + out.skipped + len(out.batch.events) == 2
