@@ -57,7 +57,7 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a Valkey Cluster node (default auto: asked with INFO cluster).  [env KVPF_VALKEY_CLUSTER]")
 @click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85][,pod=P,model=M][,engine=vllm|sglang|trtllm]. pod= and model= name a publisher whose topic is empty or not kv@POD@MODEL. Repeatable.")
 @click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...][,pod=P,model=M][,engine=...] (pod= only while one publisher connects). Repeatable.")
-@click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
+@click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources (vLLM) or /server_info (SGLang) gives PUB, replay and topic. Repeatable.")
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
 @click.option("--entry-format", default=None, type=click.Choice(["json", "v08"]), help="PodEntry form to write (default json, llm-d v0.9+).")

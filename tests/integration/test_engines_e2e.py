@@ -187,3 +187,56 @@ async def test_a_bound_socket_named_with_pod_is_trusted_only_while_one_publisher
         two.close(0)
         ctx.term()
         await ix.close()
+
+
+@pytest.mark.anyio
+async def test_an_sglang_url_is_discovered_from_server_info_and_replayed_before_it_publishes(
+        valkey_url, predictor, tmp_path):
+    """``ingest --engine URL`` on an SGLang server: /kv_event_sources is 404, /server_info gives the publisher
+    (kv_events_config), the page size and the served model; the pod is named by the serving address. Its
+    replay replies carry no topic, yet its history is read at start, before it publishes anything."""
+    import threading
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    header, payloads = _fixture("sglang-map-frames.jsonl")
+    zport, rport, hport = free_port(), free_port(), free_port()
+    info = {"page_size": header["page_size"], "served_model_name": header["model"], "dp_size": 1,
+            "kv_events_config": json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{zport}",
+                                            "replay_endpoint": f"tcp://*:{rport}"})}
+
+    async def server_info(request):
+        return JSONResponse(info)
+
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/server_info", server_info)]), host="127.0.0.1",
+                                           port=hport, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", "", bind=True, replay_topic=False)
+    for p in payloads:
+        engine.publish_payload(p, send=False)  # all of it only in the replay buffer
+    pod = f"127.0.0.1:{hport}"
+    mport = free_port()
+    proc = spawn(["ingest", "--valkey-url", valkey_url, "--engine", f"http://{pod}", "--metrics-port", str(mport),
+                  "--lora-name", "7=sql-lora"], str(tmp_path / "ingester.log"))
+    ix = Index.from_url(valkey_url)
+    try:
+        await _wait_seq(ix, pod, len(payloads) - 1, timeout_s=60)
+        assert "page size 64" in (tmp_path / "ingester.log").read_text()
+        assert not (await ix.pod_info(pod)).incomplete
+        with httpx.Client(base_url=predictor, timeout=10) as client:
+            for exp in header["expect"]:
+                if "lora" in exp:
+                    continue
+                answer = client.post("/v1/cache/predict", json={"model": header["model"], "token_ids": exp["tokens"],
+                                                                "pods": [pod]}).json()
+                assert answer["predicted_cached_tokens"] == exp["cached"] > 0 and answer["best_pod"] == pod, answer
+    finally:
+        stop(proc)
+        engine.close()
+        server.should_exit = True
+        thread.join(timeout=5)
+        await ix.close()
