@@ -1,4 +1,8 @@
-"""The vLLM KV-event wire schema, written once, and a decoder that never raises.
+"""The KV-event wire schema, written once, and a decoder that never raises.
+
+The structs below are the decoded events every engine's frames become; how an engine lays them out
+on the wire (tagged arrays and their field order, EAGLE pairs) is its ``WireLayout``, owned by its
+adapter in shared/engines/. vLLM's is the default here.
 
 Frames are ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpack
 ``[ts, events, data_parallel_rank?]``. Two event layouts exist in the wild:
@@ -107,8 +111,8 @@ MAX_EXTRA_KEYS_DEPTH = 8
 
 _msgpack = msgspec.msgpack.Decoder()
 
-_POSITIONAL_FIELDS = {
-    "BlockStored": BlockStored.__struct_fields__,
+_POSITIONAL_FIELDS = {  # vLLM's tagged arrays: its BlockStored fields in order (cache_salt is SGLang's)
+    "BlockStored": tuple(f for f in BlockStored.__struct_fields__ if f != "cache_salt"),
     "BlockRemoved": BlockRemoved.__struct_fields__,
     "AllBlocksCleared": (),
 }
