@@ -19,6 +19,7 @@ import httpx
 import zmq
 
 from shared.jsonl import read_json_lines
+from shared.events import topic_or_none
 
 
 class EventWatcher:
@@ -54,7 +55,8 @@ class EventWatcher:
                 return
             frames = self.sock.recv_multipart()
             if len(frames) == 3 and len(frames[1]) == 8:
-                pod = frames[0].decode(errors="replace").split("@")[1] if frames[0].count(b"@") >= 2 else ""
+                topic = topic_or_none(frames[0])
+                pod = topic.pod_id if topic is not None else ""
                 self.last_seq[pod] = int.from_bytes(frames[1], "big", signed=True)
 
     def close(self) -> None:
@@ -110,7 +112,7 @@ def _send(client: httpx.Client, engine_url: str, model: str, req: dict) -> tuple
 def pod_of(engine_url: str) -> str | None:
     try:
         body = httpx.get(engine_url.rstrip("/") + "/kv_event_sources", timeout=5).json()
-        return body[sorted(body)[0]]["topic"].split("@")[1]
+        return topic_or_none(body[sorted(body)[0]]["topic"]).pod_id
     except Exception:
         return None
 

@@ -13,6 +13,7 @@ import httpx
 from shared.config import Config
 from shared.index import Index, LayoutError, StoreBlock, parse_entry
 from shared.migrate import migrate as migrate_layout
+from shared.events import topic_or_none
 
 
 def _run(coro):
@@ -394,10 +395,11 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 except httpx.HTTPError as exc:
                     raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
                 for src in sources:
-                    if not src.replay or not src.topic:
-                        click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
+                    topic = src.named_topic or topic_or_none(src.topic)  # SGLang: named by its server address
+                    if not src.replay or topic is None:
+                        click.echo(f"{url}: no replay endpoint, or no kv@POD@MODEL topic; skipped", err=True)
                         continue
-                    _, pod, model = src.topic.split("@", 2)
+                    pod, model = topic.pod_id, topic.model
                     if only_pods and pod not in only_pods:
                         continue
                     click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)

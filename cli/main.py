@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
+from shared.config import parse_lora_names
 
 
 def _read_tokens(spec: str) -> list[int]:
@@ -54,9 +55,9 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @cli.command()
 @click.option("--valkey-url", default=None, help="Valkey URL (redis://, rediss://, with password); any node of a cluster.  [env KVPF_VALKEY_URL]")
 @click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a Valkey Cluster node (default auto: asked with INFO cluster).  [env KVPF_VALKEY_CLUSTER]")
-@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85]. Repeatable.")
-@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...]. Repeatable.")
-@click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources gives PUB, replay and topic. Repeatable.")
+@click.option("--source", "sources", multiple=True, help="Engine PUB endpoint to connect to: tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pods=POD@POD...][,curve_server_key=Z85][,pod=P,model=M][,engine=vllm|sglang|trtllm]. pod= and model= name a publisher whose topic is empty or not kv@POD@MODEL. Repeatable.")
+@click.option("--bind", "binds", multiple=True, help="Endpoint to bind for engines that connect: tcp://*:PORT[,pods=POD@POD...][,pod=P,model=M][,engine=...] (pod= only while one publisher connects). Repeatable.")
+@click.option("--engine", "engines", multiple=True, help="Engine HTTP URL; its /kv_event_sources (vLLM) or /server_info (SGLang) gives PUB, replay and topic. Repeatable.")
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
 @click.option("--entry-format", default=None, type=click.Choice(["json", "v08"]), help="PodEntry form to write (default json, llm-d v0.9+).")
@@ -77,10 +78,11 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--retired-retention", "retired_retention_s", default=None, type=click.FloatRange(min=0), help="Seconds a retired pod's registry row is kept (default 3600).")
 @click.option("--health-failures", default=None, type=click.IntRange(min=1), help="Failed /health checks in a row that make a pod unreachable (default 3).")
 @click.option("--registered-engines/--no-registered-engines", default=None, help="Also ingest engines registered at run time through the remote-indexer API (default on).")
+@click.option("--lora-name", "lora_names", multiple=True, help="ID=NAME: key blocks of the engine's LoRA id ID under adapter NAME (SGLang, TensorRT-LLM send only the id). Repeatable.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
-           engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s, retired_retention_s,
-           health_failures, registered_engines) -> None:
+           lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
+           retired_retention_s, health_failures, registered_engines) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
@@ -94,7 +96,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           engines_from=engines_from, copies=copies, ingester_id=ingester_id, lease_ttl_s=lease_ttl_s,
                           membership_hold_s=membership_hold_s, retire_after_s=retire_after_s,
                           retired_retention_s=retired_retention_s, health_failures=health_failures,
-                          registered_engines=registered_engines)
+                          registered_engines=registered_engines,
+                          lora_names=parse_lora_names(lora_names) if lora_names else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines or cfg.engines_from or cfg.registered_engines):
@@ -119,7 +122,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--ttft-model", default=None, type=click.Path(exists=True, dir_okay=False), help="Prefill model JSON from `kv-preflight calibrate` (default: docs/ttft.md defaults).")
 @click.option("--pod-metrics", "pod_metrics", multiple=True, help="POD=http://HOST:PORT: scrape the engine's /metrics for routing. Repeatable; --engine-url engines are scraped too.")
 @click.option("--metrics-interval", "metrics_interval_s", default=None, type=click.FloatRange(min=0.05), help="Seconds between engine metric scrapes (default 1).")
-@click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8). Repeatable.")
+@click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8 cpu_pinned=0.8). Repeatable.")
 @click.option("--route-waiting-weight", default=None, type=float, help="Load = running + this x waiting (default 2).")
 @click.option("--route-overload-abs", default=None, type=float, help="Overloaded if load - least load >= this (default 4) ...")
 @click.option("--route-overload-rel", default=None, type=float, help="... and load >= this x least load (default 1.5).")

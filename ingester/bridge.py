@@ -16,7 +16,7 @@ by another ingester process cannot be keyed; that is counted as an orphan.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,19 +71,27 @@ class Plan:
     clears: int = 0
 
 
-def model_for(event: BlockStored, topic_model: str) -> str:
-    """llm-d keys LoRA blocks by adapter name, as the engine does."""
-    return event.lora_name or topic_model
+def model_for(event: BlockStored, topic_model: str, lora_names: Mapping[str, str] | None = None) -> str:
+    """llm-d keys LoRA blocks by adapter name, as the engine does. Engines that send only a LoRA id
+    (SGLang, TensorRT-LLM) are mapped by ``--lora-name ID=NAME``; an id nobody named is keyed under
+    ``<model>:lora_id=<id>``, which no request asks for: never a false hit on the base model."""
+    if event.lora_name:
+        return event.lora_name
+    if event.lora_id is None:
+        return topic_model
+    name = (lora_names or {}).get(str(event.lora_id))
+    return name or f"{topic_model}:lora_id={event.lora_id}"
 
 
-def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState) -> list[tuple[str, int]]:
+def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState,
+                       lora_names: Mapping[str, str] | None = None) -> list[tuple[str, int]]:
     """(model, engine key) of parents that neither this batch nor the local state knows."""
     seen: set[int] = set()
     missing: list[tuple[str, int]] = []
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             p = ev.parent_block_hash
-            model = model_for(ev, topic_model)
+            model = model_for(ev, topic_model, lora_names)
             if p is not None and p not in seen and state.get(model, p) is None:
                 missing.append((model, p))
             seen.update(ev.block_hashes)
@@ -114,6 +122,7 @@ def plan_batch(
     hash_seed: str,
     block_size: int,
     entry_field: Callable[[str, str | None, int | None], str],
+    lora_names: Mapping[str, str] | None = None,
 ) -> Plan:
     """Mutations for one batch, in event order. ``state`` must already hold every parent
     that can be resolved (see ``unresolved_parents``); it is updated with new chain points."""
@@ -121,7 +130,8 @@ def plan_batch(
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
-            _plan_stored(ev, plan, pod_id, topic_model, state, hash_seed, block_size, entry_field)
+            _plan_stored(ev, plan, pod_id, model_for(ev, topic_model, lora_names), state, hash_seed, block_size,
+                         entry_field)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
             plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
@@ -133,10 +143,9 @@ def plan_batch(
 
 
 def _plan_stored(
-    ev: BlockStored, plan: Plan, pod_id: str, topic_model: str, state: ChainState,
+    ev: BlockStored, plan: Plan, pod_id: str, model: str, state: ChainState,
     hash_seed: str, block_size: int, entry_field: Callable[[str, str | None, int | None], str],
 ) -> None:
-    model = model_for(ev, topic_model)
     if ev.parent_block_hash is None:
         point = ChainPoint(root_key(model, hash_seed))
     else:

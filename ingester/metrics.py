@@ -57,6 +57,9 @@ class IngesterMetrics:
                                        "flagged.", registry=r)
         self.foreign_writes = Counter("kvpf_ingest_foreign_writes", "Writes skipped because a key of a foreign type "
                                       "was in the way; the pod is flagged.", registry=r)
+        self.placeholder_events = Counter("kvpf_ingest_placeholder_events", "Events skipped because they name no "
+                                          "block to index (vLLM offloading placeholders: no tokens, block_size 0); "
+                                          "never a decode error.", registry=r)
         self.apply_errors = Counter("kvpf_ingest_apply_errors", "Batches Valkey refused with a non-transient error "
                                     "(not retried; other pods go on).", registry=r)
         self.lag = Histogram("kvpf_ingest_lag_seconds", "Now minus the batch timestamp when a batch is applied.",

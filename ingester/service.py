@@ -24,7 +24,8 @@ from ingester.metrics import IngesterMetrics
 from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
 from shared.config import Config
-from shared.events import DecodedFrame, EventBatch, decode_frames
+from shared.engines import engine
+from shared.events import DecodedFrame, EventBatch, topic_or_none
 from shared.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
@@ -95,14 +96,13 @@ class Ingester:
         """Routes for sources whose topic is known (discovered); returns their pods."""
         pods = set()
         for src in sources:
-            if src.topic:
-                parts = src.topic.split("@", 2)
-                if len(parts) == 3:
-                    pod = src.pod or parts[1]
-                    self.routes[pod] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
-                    pods.add(pod)
-                    if src.rank is not None:
-                        self.rank_sources[(pod, src.rank)] = src
+            topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
+            if topic is not None:
+                pod = src.pod or topic.pod_id  # a discovered engine named by its address keeps its topic's model
+                self.routes[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint)
+                pods.add(pod)
+                if src.rank is not None:
+                    self.rank_sources[(pod, src.rank)] = src
         return pods
 
     def stop(self) -> None:
@@ -259,6 +259,7 @@ class Ingester:
                 log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
                 for f in frames:
                     if f.batch is not None and f.seq is not None:
+                        await self._placeholders(f)
                         await self.apply(pod, route.model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
 
     async def _remember_feed(self, src: Source, rank: int, pod: str, model: str) -> None:
@@ -354,12 +355,19 @@ class Ingester:
 
     async def _accept(self, src: Source, frames: list[bytes]) -> tuple[str, str, int, EventBatch, int] | None:
         """Decode one message and note its route: (pod, model, seq, batch, decode errors), or None."""
-        decoded = decode_frames(frames)
+        if self.subscriber is not None and self.subscriber.crowded(src):
+            self.stats.inc("frames_refused")  # logged by the subscriber when the second publisher came
+            self.metrics.frames_refused.labels(src.endpoint).inc()
+            await self._count_quietly("frames_refused", 1)
+            return None
+        decoded = engine(src.engine).decode_frames(frames, topic=src.named_topic)
+        await self._placeholders(decoded)
         errors, count = decoded.errors, decoded.error_count
         if not errors and (decoded.topic is None or decoded.batch is None):
             # Well-formed for a replay reply (no topic, or the end marker) but not for a SUB socket:
             # dropped like any other undecodable message, and counted like one.
-            errors, count = [f"a {len(frames)}-frame message with no kv@<pod>@<model> topic or no batch"], 1
+            errors, count = [f"a {len(frames)}-frame message with no kv@<pod>@<model> topic or no batch (a publisher "
+                             "with an empty topic is named on its source: ...,pod=POD,model=MODEL)"], 1
         for err in errors:  # at most MAX_LISTED_ERRORS lines per message; the rest only counted
             log.warning("dropped from %s: %s", src.endpoint, err)
         if count:
@@ -390,6 +398,14 @@ class Ingester:
         self.rank_sources[(pod, decoded.batch.data_parallel_rank or 0)] = src
         await self._remember_feed(src, decoded.batch.data_parallel_rank or 0, pod, route.model)
         return pod, route.model, decoded.seq, decoded.batch, count
+
+    async def _placeholders(self, decoded: DecodedFrame) -> None:
+        """Placeholder events name no block (vLLM's offloading connector, PR #51243): counted, never an
+        error, never a flag."""
+        if decoded.skipped:
+            self.stats.inc("placeholder_events", decoded.skipped)
+            self.metrics.placeholder_events.inc(decoded.skipped)
+            await self._count_quietly("placeholder_events", decoded.skipped)
 
     async def _finish_run(self, run: list[tuple[str, str, int, EventBatch, int]], plans: list[Plan],
                           args: list[dict], sent: "asyncio.Future") -> None:
@@ -433,14 +449,14 @@ class Ingester:
         return plan
 
     async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
-        missing = unresolved_parents(batch, model, self.state)
+        missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
         if missing:
             resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
-                block_size=self.cfg.block_size, entry_field=self.index.entry_field,
+                block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -545,6 +561,7 @@ class Ingester:
             return False
         for s in range(start, seq):
             f = by_seq[s]
+            await self._placeholders(f)
             await self.apply(pod, model, s, f.batch, allow_replay=False, decode_errors=len(f.errors))
         return True
 

@@ -27,7 +27,8 @@ import zmq.utils.monitor
 from zmq.utils import z85
 
 from shared.config import Config
-from shared.events import SEQ_END, DecodedFrame, decode_frames, is_bind_endpoint
+from shared.engines import ENGINES, engine, sglang
+from shared.events import SEQ_END, DecodedFrame, Topic, is_bind_endpoint, topic_or_none
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -78,18 +79,28 @@ class Source:
     curve_server_key: bytes | None = None  # curve_server_key= : the engine's public key (connecting sockets)
     limits: Limits = Limits()
     curve: Curve | None = None  # ours: a bound socket is a CURVE server; a connecting one uses it as client keys
-    pod: str | None = None  # index its frames under this pod id, whatever the topic says (discovered engines)
+    engine: str = "vllm"  # engine= : the adapter that decodes its frames (shared/engines/)
+    pod: str | None = None  # pod= and model= : the publisher's topic is empty or foreign; these name it
+    model: str | None = None
+
+    @property
+    def named_topic(self) -> Topic | None:
+        """The pod and model the command line gave this source, standing for its topic frame."""
+        return Topic(self.pod, self.model) if self.pod and self.model else None
 
 
 def parse_source(spec: str, *, bind: bool = False) -> Source:
-    """``ENDPOINT[,replay=ENDPOINT][,pods=POD@POD...][,curve_server_key=Z85]``."""
+    """``ENDPOINT[,replay=ENDPOINT][,pods=POD@POD...][,curve_server_key=Z85][,pod=P,model=M][,engine=E]``."""
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if not parts or not parts[0].startswith(_SCHEMES):
         raise ValueError(f"source {spec!r} must start with tcp://, ipc:// or inproc://")
     replay, pods, server_key = None, None, None
+    named: dict[str, str] = {}
     for opt in parts[1:]:
         key, sep, value = opt.partition("=")
-        if key == "replay" and sep and value.startswith(_SCHEMES):
+        if key in ("pod", "model", "engine") and sep and value.strip():
+            named[key] = value.strip()
+        elif key == "replay" and sep and value.startswith(_SCHEMES):
             replay = value
         elif key == "pods" and sep:
             names = [p.strip() for p in value.split(POD_LIST_SEPARATOR)]
@@ -102,9 +113,18 @@ def parse_source(spec: str, *, bind: bool = False) -> Source:
                                  "socket is a server itself: --curve-secret-key-file and --curve-allow")
             server_key = z85_key(value, "curve_server_key")
         else:
-            raise ValueError(f"source option {opt!r} is not replay=tcp://HOST:PORT, pods=POD{POD_LIST_SEPARATOR}POD... "
-                             "or curve_server_key=Z85")
-    return Source(endpoint=parts[0], bind=bind, replay=replay, pods=pods, curve_server_key=server_key)
+            raise ValueError(f"source option {opt!r} is not replay=tcp://HOST:PORT, pods=POD{POD_LIST_SEPARATOR}POD..., "
+                             f"curve_server_key=Z85, pod=POD, model=MODEL or engine={'|'.join(sorted(ENGINES))}")
+    name = engine(named.get("engine")).name  # ValueError naming the engines for an unknown one
+    pod, model = named.get("pod"), named.get("model")
+    if (pod is None) != (model is None):
+        raise ValueError(f"source {parts[0]}: pod= and model= go together (they stand for the topic kv@POD@MODEL)")
+    if pod is not None and POD_LIST_SEPARATOR in pod:
+        raise ValueError(f"source {parts[0]}: pod={pod!r} may not contain {POD_LIST_SEPARATOR!r}")
+    if pod is not None and pods is not None:
+        raise ValueError(f"source {parts[0]}: pod= names the one pod of this socket; pods= would be redundant")
+    return Source(endpoint=parts[0], bind=bind, replay=replay, pods=pods, curve_server_key=server_key,
+                  engine=name, pod=pod, model=model)
 
 
 # ---- CURVE keys (z85 text, as zmq.auth.create_certificates writes them)
@@ -284,9 +304,58 @@ def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
     return out
 
 
+def sources_from_sglang_server_info(engine_url: str, body: dict) -> list[Source]:
+    """Sources from SGLang's ``GET /server_info`` (its server args): ``kv_events_config`` gives the PUB and
+    replay endpoints and the topic, each data-parallel rank publishing on ``port + rank`` (SGLang's
+    ``offset_endpoint_port``); ``page_size`` is its block size. SGLang's topic is empty by default, so the
+    pod is named by the serving address (``HOST:PORT`` of ``engine_url``) and the model by the served name."""
+    conf = sglang.kv_events_config_of(body)
+    if conf is None or conf.get("publisher", "null") != "zmq":
+        return []
+    parts = urlsplit(engine_url)
+    host = parts.hostname or "127.0.0.1"
+    endpoint, replay = conf.get("endpoint") or "tcp://*:5557", conf.get("replay_endpoint") or None
+    topic = conf.get("topic") if isinstance(conf.get("topic"), str) else ""
+    named = None
+    if topic_or_none(topic) is None:
+        model = body.get("served_model_name") or body.get("model_path")
+        named = (f"{_host_part(host)}:{parts.port or 80}", model if isinstance(model, str) and model else "default")
+    ranks = body.get("dp_size") if body.get("enable_dp_attention") else 1
+    ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
+    log.info("SGLang engine %s: page size %s (its KV-event block size), %d rank(s)", engine_url,
+             sglang.page_size_of(body), ranks)
+    out = []
+    for rank in range(ranks):
+        pub, rep = _offset(endpoint, rank), _offset(replay, rank) if replay else None
+        if pub is None or pub.startswith("inproc://"):
+            log.warning("%s rank %d publishes on %s: not reachable from another process; skipped", engine_url, rank, pub)
+            continue
+        binds = is_bind_endpoint(pub) or "0.0.0.0" in pub  # newer SGLang binds 0.0.0.0 too
+        out.append(Source(endpoint=reachable(pub, host) if binds else bind_for(pub), bind=not binds,
+                          replay=reachable(rep, host) if rep and not rep.startswith("inproc://") else None,
+                          topic=topic or None, rank=rank, engine="sglang",
+                          pod=named[0] if named else None, model=named[1] if named else None))
+    return out
+
+
+def _offset(endpoint: str, rank: int) -> str | None:
+    """SGLang's per-rank endpoint: tcp port + rank, inproc/ipc name + ``_dp<rank>``; None if unreadable."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{rank}"
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}" if port.isdigit() else None
+
+
 async def discover(engine_url: str, timeout_s: float = 5.0) -> list[Source]:
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         resp = await client.get(engine_url.rstrip("/") + "/kv_event_sources")
+        if resp.status_code == 404:  # not vLLM: an SGLang server lists its publishers in /server_info
+            info = await client.get(engine_url.rstrip("/") + "/server_info")
+            body = info.json() if info.status_code == 200 else None
+            if sglang.page_size_of(body) is not None:
+                return sources_from_sglang_server_info(engine_url, body)
         resp.raise_for_status()
         return sources_from_kv_event_sources(engine_url, resp.json())
 
@@ -305,6 +374,7 @@ class Subscriber:
         self.poller = zmq.asyncio.Poller()
         self.monitors: dict[zmq.asyncio.Socket, Source] = {}
         self._drops: dict[int, int] = {}  # source index -> drops (connecting: since its last good handshake)
+        self._peers: dict[int, int] = {}  # bound source with pod= -> publishers connected now
         self._reconnects: dict[int, asyncio.TimerHandle] = {}
         # One receive takes at most this many bytes (and at least one message): decoded, a batch
         # takes about ten times its wire size, and a receive is decoded whole.
@@ -350,8 +420,10 @@ class Subscriber:
             # Connecting: every (re)connection is reported once its handshake is done, so an engine that
             # restarted behind the same endpoint can be probed before it publishes anything; drops and
             # failed handshakes too (see _dropped). Bound: drops only, logged (the publisher reconnects).
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED if src.bind else
-                                          zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+            # A bound socket named with pod= counts its publishers too: its frames carry no pod of their own,
+            # so it is only trusted while exactly one publisher is connected (see ``crowded``).
+            mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if src.pod else 0)) if src.bind
+                                          else zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
             self.monitors[mon] = src
             self.poller.register(mon, zmq.POLLIN)
             log.info("subscribed", extra={"endpoint": src.endpoint, "mode": "bind" if src.bind else "connect",
@@ -374,6 +446,8 @@ class Subscriber:
                     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                         self._drops.pop(self.sources.index(src), None)
                         out.append((src, None))
+                    elif event == zmq.EVENT_ACCEPTED:
+                        self._accepted(src)
                     elif event == zmq.EVENT_DISCONNECTED:
                         self._dropped(src)
                     elif self._drops.get(self.sources.index(src), 0) < 3:  # then the drop follows
@@ -403,9 +477,24 @@ class Subscriber:
                     break
         return out
 
+    def crowded(self, src: Source) -> bool:
+        """A bound socket named with pod= while more than one publisher is connected to it: whose frame is
+        whose cannot be told, so its frames are refused until only one is left."""
+        return bool(src.bind and src.pod and self._peers.get(self.sources.index(src), 0) > 1)
+
+    def _accepted(self, src: Source) -> None:
+        i = self.sources.index(src)
+        peers = self._peers[i] = self._peers.get(i, 0) + 1
+        if peers > 1:
+            log.error("%s: %d publishers connected to a socket named pod=%s: its frames are refused until only one "
+                      "is left (give each publisher its own --bind, or let them publish kv@POD@MODEL topics)",
+                      src.endpoint, peers, src.pod)
+
     def _dropped(self, src: Source) -> None:
         i = self.sources.index(src)
         drops = self._drops[i] = self._drops.get(i, 0) + 1
+        if i in self._peers:
+            self._peers[i] = max(0, self._peers[i] - 1)
         if src.bind:
             if drops <= 10 or drops % 1000 == 0:
                 log.warning("%s: a publisher's connection dropped (a frame over --max-frame-bytes %d, a refused "
@@ -440,32 +529,6 @@ class Subscriber:
         except zmq.ZMQError:
             pass  # already gone
         sock.connect(endpoint)
-
-    def remove(self, sources: list[Source]) -> None:
-        """Close the sockets of these sources (an engine that left, or that another ingester now owns).
-        Positions are kept (indexes key the drop counts and reconnect timers): the slot holds a closed
-        socket no longer polled, and a placeholder source that equals no real one."""
-        for src in sources:
-            for i, have in enumerate(self.sources):
-                if have is not src:
-                    continue
-                handle = self._reconnects.pop(i, None)
-                if handle is not None:
-                    handle.cancel()
-                sock = self.sockets[i]
-                for mon, owner in list(self.monitors.items()):
-                    if owner is src:
-                        self.poller.unregister(mon)
-                        mon.close(linger=0)
-                        del self.monitors[mon]
-                if not sock.closed:
-                    self.poller.unregister(sock)
-                    sock.close(linger=0)
-                if src.replay and _replay_sources.get(src.replay) is src:
-                    del _replay_sources[src.replay]
-                self.sources[i] = Source(endpoint=f"removed://{i}")
-                self._drops.pop(i, None)
-                log.info("unsubscribed", extra={"endpoint": src.endpoint})
 
     def close(self) -> None:
         for handle in self._reconnects.values():
@@ -528,7 +591,7 @@ async def fetch_replay(
                 log.warning("replay from %s ended after %d batch(es): over --max-queue-bytes %d",
                             endpoint, len(frames), src.limits.max_queue_bytes)
                 return frames, False
-            decoded = decode_frames(message)
+            decoded = engine(src.engine).decode_frames(message, topic=src.named_topic)
             if decoded.seq == SEQ_END:
                 return frames, True
             frames.append(decoded)

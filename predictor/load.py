@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from shared.engine_metrics import KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, parse_vllm_metrics  # noqa: F401
+from shared.engine_metrics import parse_vllm_metrics  # noqa: F401 (predictor.load.parse_vllm_metrics, as before)
+from shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
+from shared.events import topic_or_none
 
 log = logging.getLogger("kvpf.predictor")
 
@@ -127,7 +129,7 @@ class LoadMonitor:
             resp.raise_for_status()
             parsed = parse_vllm_metrics(resp.text)
             if parsed is None:
-                raise ValueError(f"{t.metrics_url} has no {RUNNING} / {WAITING}")
+                raise ValueError(f"{t.metrics_url} has no {VLLM_LOAD.running} / {VLLM_LOAD.waiting}")
             self.loads[t.pod_id] = PodLoad(*parsed, at=self.clock())
             if with_models:
                 r = await client.get(t.base_url + "/v1/models")
@@ -156,6 +158,7 @@ async def _discover_pod(client: httpx.AsyncClient, base_url: str) -> str | None:
         return None
     for _rank, conf in sorted(body.items()):
         topic = conf.get("topic") if isinstance(conf, dict) else None
-        if isinstance(topic, str) and topic.count("@") >= 2:
-            return topic.split("@", 2)[1]
+        parsed = topic_or_none(topic) if isinstance(topic, str) else None
+        if parsed is not None:
+            return parsed.pod_id
     return None

@@ -17,6 +17,7 @@ import msgspec
 
 from predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
 from predictor.request import TokenId
+from shared.engines.vllm import ENGINE as VLLM
 
 
 class _TokenizeReply(msgspec.Struct):
@@ -45,7 +46,7 @@ class EngineTokenizer:
 
     async def tokenize(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> list[int]:
         base = self.engine_urls[model]
-        url = f"{base}/tokenize"
+        url = f"{base}{VLLM.tokenize_path}"  # the engine adapter's endpoint (shared/engines/vllm.py)
         body = _encoder.encode(tokenize_body(model, prompt=prompt, messages=messages))
         try:
             async with asyncio.timeout(self.timeout_s):

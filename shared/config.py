@@ -63,7 +63,8 @@ class Config:
     # Routing (docs/routing.md): engine metrics to scrape, pod -> http://host:port, plus the --engine-url engines.
     pod_metrics: dict[str, str] = field(default_factory=dict)
     metrics_interval_s: float = 1.0
-    route_tier_weights: dict[str, float] = field(default_factory=lambda: {"gpu": 1.0, "cpu": 0.8})
+    route_tier_weights: dict[str, float] = field(
+        default_factory=lambda: {"gpu": 1.0, "cpu": 0.8, "cpu_pinned": 0.8})  # cpu_pinned: SGLang's host tier
     route_waiting_weight: float = 2.0
     route_overload_abs: float = 4.0
     route_overload_rel: float = 1.5
@@ -82,6 +83,9 @@ class Config:
     # Ingester: Prometheus /metrics port (0: none).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Ingester: engine LoRA ids -> adapter names (``--lora-name ID=NAME``), for engines whose events carry
+    # only the id (SGLang, TensorRT-LLM); blocks are keyed by adapter name, as llm-d's scheduler asks.
+    lora_names: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -221,5 +225,14 @@ def parse_tier_weights(items: Any) -> dict[str, float]:
     return out
 
 
+def parse_lora_names(items: Any) -> dict[str, str]:
+    """``ID=NAME`` pairs (``3=sql-lora``), as given to ``ingest --lora-name``."""
+    out = parse_pairs(items, "--lora-name", "NAME")
+    for lora_id in out:
+        if not lora_id.isdigit():
+            raise ValueError(f"--lora-name expects ID=NAME with a numeric LoRA id, got {lora_id}={out[lora_id]}")
+    return {str(int(k)): v for k, v in out.items()}
+
+
 _DICT_PARSERS = {"tokenizers": parse_tokenizer_dirs, "pod_metrics": parse_pod_urls,
-                 "route_tier_weights": parse_tier_weights}
+                 "route_tier_weights": parse_tier_weights, "lora_names": parse_lora_names}

@@ -1,4 +1,8 @@
-"""The vLLM KV-event wire schema, written once, and a decoder that never raises.
+"""The KV-event wire schema, written once, and a decoder that never raises.
+
+The structs below are the decoded events every engine's frames become; how an engine lays them out
+on the wire (tagged arrays and their field order, EAGLE pairs) is its ``WireLayout``, owned by its
+adapter in shared/engines/. vLLM's is the default here.
 
 Frames are ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpack
 ``[ts, events, data_parallel_rank?]``. Two event layouts exist in the wild:
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -43,6 +49,7 @@ class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStore
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None  # SGLang (PR #37482 map field; before it a trailing metadata map)
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag_field="type", tag="BlockRemoved"):
@@ -77,6 +84,7 @@ class DecodedFrame(msgspec.Struct, frozen=True):
     batch: EventBatch | None
     errors: list[str]
     more_errors: int = 0  # further dropped events beyond the first MAX_LISTED_ERRORS, counted, not worded
+    skipped: int = 0  # events that describe no indexable block (vLLM placeholders): counted, not errors
 
     @property
     def error_count(self) -> int:
@@ -103,11 +111,34 @@ MAX_EXTRA_KEYS_DEPTH = 8
 
 _msgpack = msgspec.msgpack.Decoder()
 
-_POSITIONAL_FIELDS = {
-    "BlockStored": BlockStored.__struct_fields__,
+_POSITIONAL_FIELDS = {  # vLLM's tagged arrays: its BlockStored fields in order (cache_salt is SGLang's)
+    "BlockStored": tuple(f for f in BlockStored.__struct_fields__ if f != "cache_salt"),
     "BlockRemoved": BlockRemoved.__struct_fields__,
     "AllBlocksCleared": (),
 }
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """How one engine family lays its events out on the wire (shared/engines/ has one per family).
+
+    ``positional`` names the fields of a tagged-array event, in order, per tag (None: that engine
+    never sends arrays, so one is an error); ``pair_tokens`` accepts SGLang's EAGLE bigram pages,
+    where each ``token_ids`` element is a ``[t_i, t_i+1]`` pair and the block's token is ``t_i``.
+    """
+
+    name: str
+    positional: Mapping[str, tuple[str, ...]] | None = None
+    pair_tokens: bool = False
+
+
+VLLM_LAYOUT = WireLayout("vllm", positional=_POSITIONAL_FIELDS)
+
+
+class Placeholder(Exception):
+    """Not an error: an event that names no tokens (vLLM's offloading placeholders, PR #51243)."""
+
+
 _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
 
 
@@ -135,6 +166,16 @@ def parse_topic(raw: bytes | str) -> Topic:
     if len(parts) != 3 or not parts[1] or not parts[2]:
         raise DecodeError(f"topic {_quote.repr(text)} is not kv@<pod>@<model>")
     return Topic(pod_id=parts[1], model=parts[2])
+
+
+def topic_or_none(raw: bytes | str | None) -> Topic | None:
+    """``parse_topic`` for callers that only ask (discovery, tools): None for an empty or foreign topic."""
+    if not raw:
+        return None
+    try:
+        return parse_topic(raw)
+    except DecodeError:
+        return None
 
 
 def parse_seq(raw: bytes) -> int:
@@ -201,7 +242,28 @@ def _str_or_none(name: str, value: Any) -> str | None:
     raise DecodeError(f"{name} is not a string")
 
 
-def _build(tag: str, fields: dict[str, Any]) -> Event:
+def _tokens(value: Any, layout: WireLayout) -> list[int]:
+    """A block's token ids, checked; SGLang's EAGLE pages hold ``[t_i, t_i+1]`` pairs (its radix tree keys
+    bigrams under speculative decoding, mem_cache/utils.py ``convert_to_bigram_key``): the token is ``t_i``."""
+    if layout.pair_tokens and isinstance(value, list) and value and isinstance(value[0], (list, tuple)):
+        value = [p[0] if isinstance(p, (list, tuple)) and len(p) == 2 else p for p in value]
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 0xFFFFFFFF for t in value
+    ):
+        raise DecodeError("token_ids is not a list of integers in [0, 2^32)")
+    return value
+
+
+def _salt(fields: dict[str, Any]) -> str | None:
+    """SGLang's cache salt: a map field since PR #37482, a trailing ``{"cache_salt": ...}`` before it (#30827)."""
+    salt = fields.get("cache_salt")
+    metadata = fields.get("metadata")
+    if salt is None and isinstance(metadata, dict):
+        salt = metadata.get("cache_salt")
+    return _str_or_none("cache_salt", salt)
+
+
+def _build(tag: str, fields: dict[str, Any], layout: WireLayout = VLLM_LAYOUT) -> Event:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "BlockRemoved":
@@ -210,12 +272,12 @@ def _build(tag: str, fields: dict[str, Any]) -> Event:
             medium=_str_or_none("medium", fields.get("medium")),
             group_idx=_int_or_none("group_idx", fields.get("group_idx")),
         )
-    tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 0xFFFFFFFF for t in tokens
-    ):
-        raise DecodeError("token_ids is not a list of integers in [0, 2^32)")
     block_size = fields.get("block_size")
+    if block_size == 0 and fields.get("token_ids") == []:
+        # vLLM's offloading connector (PR #51243) announces Mamba/SSM and unresolved chunks with one
+        # offload-key hash, no tokens and block_size 0: nothing to key, and not a defect of the stream.
+        raise Placeholder()
+    tokens = _tokens(fields.get("token_ids"), layout)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise DecodeError(f"block_size {_quote.repr(block_size)} is not a positive integer")
     hashes = _as_hash_list(fields.get("block_hashes"))
@@ -239,18 +301,22 @@ def _build(tag: str, fields: dict[str, Any]) -> Event:
         kv_cache_spec_sliding_window=_int_or_none(
             "kv_cache_spec_sliding_window", fields.get("kv_cache_spec_sliding_window")
         ),
+        cache_salt=_salt(fields),
     )
 
 
-def decode_event(raw: Any) -> Event:
-    """One event in either layout. Raises DecodeError (never anything else) on a bad one."""
+def decode_event(raw: Any, layout: WireLayout = VLLM_LAYOUT) -> Event:
+    """One event in either layout. Raises DecodeError (never anything else) on a bad one, and
+    Placeholder on an event that names no block to index."""
     try:
         if isinstance(raw, dict):
             tag = raw.get("type")
             fields = raw
         elif isinstance(raw, list) and raw:
+            if layout.positional is None:
+                raise DecodeError(f"a tagged-array event, which {layout.name} does not send")
             tag = raw[0]
-            names = _POSITIONAL_FIELDS.get(tag) if isinstance(tag, str) else None
+            names = layout.positional.get(tag) if isinstance(tag, str) else None
             fields = dict(zip(names, raw[1:])) if names is not None else {}
         else:
             raise DecodeError(f"event is a {type(raw).__name__}, not a map or tagged array")
@@ -258,8 +324,8 @@ def decode_event(raw: Any) -> Event:
             tag = tag.decode("utf-8", "replace")
         if tag not in _TYPES:
             raise DecodeError(f"unknown event tag {_quote.repr(tag)}")
-        return _build(tag, fields)
-    except DecodeError:
+        return _build(tag, fields, layout)
+    except (DecodeError, Placeholder):
         raise
     except Exception as exc:  # a shape nobody anticipated (RecursionError included): still a counted error
         raise DecodeError(f"malformed event: {type(exc).__name__}: {_quote.repr(str(exc))}") from None
@@ -315,15 +381,16 @@ def decode_payload(payload: bytes) -> tuple[EventBatch, list[str]]:
 
     Raises DecodeError when the payload as a whole is unusable.
     """
-    batch, errors, more = _decode_payload(payload)
+    batch, errors, more, _ = _decode_payload(payload)
     return batch, errors + ([f"{more} more event(s) dropped"] if more else [])
 
 
-def _decode_payload(payload: bytes) -> tuple[EventBatch, list[str], int]:
-    """The batch, the first MAX_LISTED_ERRORS reasons for dropped events, and how many more were dropped."""
+def _decode_payload(payload: bytes, layout: WireLayout = VLLM_LAYOUT) -> tuple[EventBatch, list[str], int, int]:
+    """The batch, the first MAX_LISTED_ERRORS reasons for dropped events, how many more were dropped,
+    and how many placeholders were skipped."""
     fast = _decode_fast(payload)
     if fast is not None:
-        return fast, [], 0
+        return fast, [], 0, 0
     try:
         raw = _msgpack.decode(payload)
     except RecursionError:
@@ -346,27 +413,30 @@ def _decode_payload(payload: bytes) -> tuple[EventBatch, list[str], int]:
         rank = None
     decoded: list[Event] = []
     errors: list[str] = []
-    more = 0
+    more = skipped = 0
     for i, ev in enumerate(events):
         try:
-            decoded.append(decode_event(ev))
+            decoded.append(decode_event(ev, layout))
+        except Placeholder:
+            skipped += 1
         except DecodeError as exc:
             if len(errors) < MAX_LISTED_ERRORS:
                 errors.append(f"event {i}: {exc}")
             else:
                 more += 1
-    return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors, more
+    return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors, more, skipped
 
 
-def decode_frames(frames: list[bytes]) -> DecodedFrame:
+def decode_frames(frames: list[bytes], *, layout: WireLayout = VLLM_LAYOUT, topic: Topic | None = None) -> DecodedFrame:
     """A PUB message (``[topic, seq, payload]``) or a replay reply, fully tolerant: never raises.
 
-    Replay replies come as ``["", topic, seq, payload]`` (vLLM 0.32) or
-    ``["", seq, payload]`` (older); the leading empty delimiter is stripped by the
-    caller or here.
+    Replay replies come as ``["", topic, seq, payload]`` (vLLM 0.32, TensorRT-LLM) or
+    ``["", seq, payload]`` (SGLang, older vLLM); the leading empty delimiter is stripped by the
+    caller or here. ``topic``, when the source names its pod and model (``--source ...,pod=,model=``),
+    stands for whatever topic frame came: publishers default to an empty one.
     """
     try:
-        decoded = _decode_frames(frames)
+        decoded = _decode_frames(frames, layout, topic)
     except Exception as exc:  # a bug or a shape no check anticipated: still one counted error, never a crash
         return DecodedFrame(None, None, None, [f"undecodable message: {type(exc).__name__}: {_quote.repr(str(exc))}"])
     if any(len(e) > MAX_ERROR_CHARS for e in decoded.errors):
@@ -378,7 +448,7 @@ def _clip(error: str) -> str:
     return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS - 3] + "..."
 
 
-def _decode_frames(frames: list[bytes]) -> DecodedFrame:
+def _decode_frames(frames: list[bytes], layout: WireLayout = VLLM_LAYOUT, fixed: Topic | None = None) -> DecodedFrame:
     # Replay replies lead with the ROUTER's empty delimiter frame.
     if len(frames) == 4 and frames[0] == b"":
         frames = frames[1:]
@@ -395,18 +465,22 @@ def _decode_frames(frames: list[bytes]) -> DecodedFrame:
         if not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
             return DecodedFrame(None, None, None, ["message frames are not bytes"])
         seq = parse_seq(seq_raw)
-        # The replay end marker carries an empty topic; every other message names its pod.
-        if len(frames) == 3 and not (seq == SEQ_END and frames[0] == b""):
-            topic = parse_topic(frames[0])
+        if seq != SEQ_END:
+            # A source that names its pod ignores the topic frame; otherwise the replay end marker and
+            # a topic-less replay reply carry an empty one, and every other message names its pod.
+            if fixed is not None:
+                topic = fixed
+            elif len(frames) == 3 and frames[0] != b"":
+                topic = parse_topic(frames[0])
     except DecodeError as exc:
         return DecodedFrame(topic, None, None, [str(exc)])
     if seq == SEQ_END or not payload:
         return DecodedFrame(topic, seq, None, [])
     try:
-        batch, errors, more = _decode_payload(payload)
+        batch, errors, more, skipped = _decode_payload(payload, layout)
     except DecodeError as exc:
         return DecodedFrame(topic, seq, None, [str(exc)])
-    return DecodedFrame(topic, seq, batch, errors, more)
+    return DecodedFrame(topic, seq, batch, errors, more, skipped)
 
 
 # ---- encoding: the simulator and tests publish exactly what vLLM 0.32 sends ----
@@ -416,7 +490,8 @@ _encoder = msgspec.msgpack.Encoder()
 
 # vLLM 0.32's event structs are ``omit_defaults``: fields whose default is None are left out
 # while unset; lora_id, medium and lora_name have no default there and are always sent.
-_OMITTED_WHEN_NONE = frozenset({"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"})
+_OMITTED_WHEN_NONE = frozenset({"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                                "cache_salt"})
 
 
 def event_to_wire(event: Event) -> dict[str, Any]:

@@ -42,6 +42,17 @@ class EngineStub:
             self.pub.send_multipart(frames)
         return seq
 
+    def publish_payload(self, payload: bytes, *, send: bool = True) -> int:
+        """Publish an already encoded batch (another engine's layout, from a fixture) as the next seq."""
+        with self._lock:
+            seq = self.seq
+            frames = [self.topic.encode(), seq.to_bytes(8, "big", signed=True), payload]
+            self.buffer.append((seq, frames))
+            self.seq += 1
+        if send:
+            self.pub.send_multipart(frames)
+        return seq
+
     def reopen_pub(self, endpoint: str) -> None:
         """Drop and re-bind the PUB socket, as a network blip looks to subscribers: same process,
         same seq and replay buffer."""

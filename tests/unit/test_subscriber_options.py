@@ -9,6 +9,7 @@ from ingester.subscriber import (
     Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
 )
 from shared.config import Config
+from shared.events import Topic
 
 
 def test_pods_and_curve_server_key_options():
@@ -20,12 +21,27 @@ def test_pods_and_curve_server_key_options():
     assert parse_source("tcp://e:5557").pods is None  # no option: every pod
 
 
+def test_pod_model_and_engine_options_name_a_publisher_without_a_topic():
+    src = parse_source("tcp://e:5557,replay=tcp://e:5558,pod=sgl-0,model=m@v1,engine=sglang")
+    assert (src.engine, src.pod, src.model, src.replay) == ("sglang", "sgl-0", "m@v1", "tcp://e:5558")
+    assert src.named_topic == Topic("sgl-0", "m@v1")
+    bound = parse_source("tcp://*:5557,pod=trt-0,model=m,engine=trtllm", bind=True)
+    assert bound.bind and bound.named_topic == Topic("trt-0", "m") and bound.engine == "trtllm"
+    plain = parse_source("tcp://e:5557")
+    assert plain.engine == "vllm" and plain.named_topic is None
+
+
 @pytest.mark.parametrize("spec, bind, message", [
     ("tcp://e:1,pods=a@@b", False, "no empty name"),
     ("tcp://e:1,pods=", False, "no empty name"),
     ("tcp://e:1,curve_server_key=short", False, "z85"),
     ("tcp://*:1,curve_server_key=" + "0" * 40, True, "for --source"),
-    ("tcp://e:1,pod=a", False, "is not replay="),
+    ("tcp://e:1,pod=a", False, "pod= and model= go together"),  # pod= is an option since issue #13; alone, refused
+    ("tcp://e:1,model=m", False, "pod= and model= go together"),
+    ("tcp://e:1,pod=a@b,model=m", False, "may not contain"),
+    ("tcp://e:1,pod=a,model=m,pods=a", False, "redundant"),
+    ("tcp://e:1,engine=tgi", False, "not one of sglang, trtllm, vllm"),
+    ("tcp://e:1,podz=a", False, "is not replay="),
     ("tcp://e:1,replay=http://x", False, "is not replay="),
 ])
 def test_bad_source_options_are_refused(spec, bind, message):
