@@ -530,6 +530,33 @@ class Subscriber:
             pass  # already gone
         sock.connect(endpoint)
 
+    def remove(self, sources: list[Source]) -> None:
+        """Close the sockets of these sources (an engine that left, or that another ingester now owns).
+        Positions are kept (indexes key the drop counts and reconnect timers): the slot holds a closed
+        socket no longer polled, and a placeholder source that equals no real one."""
+        for src in sources:
+            for i, have in enumerate(self.sources):
+                if have is not src:
+                    continue
+                handle = self._reconnects.pop(i, None)
+                if handle is not None:
+                    handle.cancel()
+                sock = self.sockets[i]
+                for mon, owner in list(self.monitors.items()):
+                    if owner is src:
+                        self.poller.unregister(mon)
+                        mon.close(linger=0)
+                        del self.monitors[mon]
+                if not sock.closed:
+                    self.poller.unregister(sock)
+                    sock.close(linger=0)
+                if src.replay and _replay_sources.get(src.replay) is src:
+                    del _replay_sources[src.replay]
+                self.sources[i] = Source(endpoint=f"removed://{i}")
+                self._drops.pop(i, None)
+                self._peers.pop(i, None)
+                log.info("unsubscribed", extra={"endpoint": src.endpoint})
+
     def close(self) -> None:
         for handle in self._reconnects.values():
             handle.cancel()
