@@ -114,10 +114,13 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
+@click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
+@click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
-          route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s) -> None:
+          route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
+          register_allow=()) -> None:
     """Serve predictions and routing over HTTP."""
     from predictor.main import serve as run_server
 
@@ -134,6 +137,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
+            dynamo_port=dynamo_port, register_allow=register_allow,
         )
         check_serve_files(cfg)
     except ValueError as exc:
@@ -151,6 +155,10 @@ def check_serve_files(cfg: Config) -> None:
         LocalTokenizer.load(directory, name=model)
     TtftModels.load(cfg.ttft_model)
     load_api_keys(cfg.api_keys_file, cfg.api_keys)
+    if cfg.register_allow:
+        from predictor.dynamo_wire import parse_allow
+
+        parse_allow(cfg.register_allow)
 
 
 def main() -> None:  # pragma: no cover

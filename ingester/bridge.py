@@ -105,6 +105,32 @@ def _mm_hashes(extra: Any) -> list[Any] | None:
     return out or None
 
 
+def cache_salt_of(extra: Any, lora_name: str | None) -> str | None:
+    """The cache salt in the extra keys of a prompt's first engine block, as vLLM 0.32 publishes them:
+    ``(lora name?, (mm id, offset)..., salt?, prompt-embeds digest?)`` (kv_cache_utils
+    ``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): the bare string after the LoRA name."""
+    if not extra or not isinstance(extra, (list, tuple)):
+        return None
+    bare = [x for x in extra if isinstance(x, str)]
+    if lora_name and bare and extra[0] == lora_name:
+        bare = bare[1:]
+    return bare[-1] if bare else None
+
+
+def _salt_first_block_only(per_block: list[Any], extra: Any, lora_name: str | None) -> list[Any]:
+    """The salt keys the prompt's first canonical block only, as llm-d-router's request side folds it
+    (preciseprefixcache ``foldCacheSalt``) and kv-preflight's predictor does (shared/keys.py
+    ``salted_request_keys``); multimodal identifiers stay on every canonical block of their engine block."""
+    salt = cache_salt_of(extra, lora_name)
+    if salt is None:
+        return per_block
+    rest = list(per_block[0])
+    rest.reverse()
+    rest.remove(salt)  # its last occurrence: the salt follows every other extra key of the block
+    rest.reverse()
+    return [rest + [salt]] + [rest or None] * (len(per_block) - 1)
+
+
 def plan_batch(
     batch: EventBatch,
     *,
@@ -166,9 +192,11 @@ def _plan_stored(
         pending = point.carry + tuple(ev.token_ids[i * e : (i + 1) * e])
         full = len(pending) // block_size * block_size
         mm = _mm_hashes(extras[i]) if i < len(extras) else None
+        per_block = [mm] * (full // block_size) if mm else None
+        if i == 0 and parentless and per_block:
+            per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name)
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
-                           parent=point.request_key,
-                           extra_per_block=[mm] * (full // block_size) if mm else None)
+                           parent=point.request_key, extra_per_block=per_block)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
         plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless))
         state.put(model, ek, point)

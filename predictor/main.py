@@ -63,9 +63,40 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
     }
 
 
+def run_dynamo_api(raw_config: str) -> None:
+    """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo_api.py)."""
+    from predictor.dynamo_api import create_dynamo_app
+
+    cfg = decode_config(raw_config)
+    setup_logging(cfg.log_json)
+    options = uvicorn_options(cfg, 1) | {"port": cfg.dynamo_port}
+    uvicorn.run(create_dynamo_app(cfg), **options)
+
+
+def start_dynamo_api(cfg: Config):
+    """A child process for the Dynamo API, whatever ``--workers`` is: its port is independent of the
+    predictor's, and a daemon child ends with this process."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=run_dynamo_api, args=(encode_config(cfg),),
+                                                        name="kvpf-dynamo-api", daemon=True)
+    proc.start()
+    return proc
+
+
 def serve(cfg: Config, workers: int = 1) -> None:
     setup_logging(cfg.log_json)
     options = uvicorn_options(cfg, workers)
+    dynamo = start_dynamo_api(cfg) if cfg.dynamo_port else None
+    try:
+        _serve(cfg, workers, options)
+    finally:
+        if dynamo is not None:
+            dynamo.terminate()
+            dynamo.join(5)
+
+
+def _serve(cfg: Config, workers: int, options: dict) -> None:
     if workers > 1:
         os.environ[CONFIG_ENV] = encode_config(cfg)
         metrics_dir = use_multiprocess_dir()  # before any worker imports prometheus_client

@@ -29,7 +29,7 @@ from predictor.tokenize import EngineTokenizer
 from predictor.ttft import TtftModels
 from shared.config import Config
 from shared.index import VALKEY_ERRORS, Index
-from shared.keys import request_keys
+from shared.keys import salted_request_keys
 
 
 @asynccontextmanager
@@ -104,7 +104,8 @@ class Predictor:
                 raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
             check_token_count(len(tokens), self.cfg.max_tokens)
         try:
-            keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
+            keys = salted_request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
+                                       cache_salt=req.cache_salt)
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
         return model, keys, len(tokens)

@@ -70,6 +70,10 @@ class Config:
     # Ingester: Prometheus /metrics port (0: none).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Remote-indexer API (predictor/dynamo_api.py): NVIDIA Dynamo's standalone KV indexer routes on this
+    # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
+    dynamo_port: int = 0
+    register_allow: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -125,6 +129,8 @@ class Config:
             raise ValueError("max_pods_filter and max_pod_series must be positive")
         if self.request_read_timeout_s <= 0:
             raise ValueError("request_read_timeout_s must be positive")
+        if not 0 <= self.dynamo_port <= 65535:
+            raise ValueError("dynamo_port must be a port number (0: off)")
         if self.api_keys and not any(k.strip() for k in self.api_keys):
             # a typo or an unset secret (KVPF_API_KEYS="${KEYS}") must not quietly switch auth off
             raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "

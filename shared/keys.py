@@ -145,3 +145,29 @@ def request_keys(
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
     return request_keys_reference(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=prev)
+
+
+def salted_request_keys(
+    tokens: Sequence[int],
+    *,
+    model: str,
+    hash_seed: str = "",
+    block_size: int = 16,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """Keys of a prompt sent with vLLM's ``cache_salt``: the salt taints the first block only.
+
+    vLLM 0.32 adds the salt to the extra keys of the block starting at token 0 (kv_cache_utils
+    ``generate_block_hash_extra_keys``) and publishes it there as a bare string; llm-d-router folds it
+    into that block's extra features after any multimodal hashes (preciseprefixcache ``foldCacheSalt``),
+    so block 0's extra is ``[{"Hash": salt}]`` and every later key differs through the chain.
+    """
+    if not cache_salt:
+        return request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size)
+    if len(tokens) < block_size:
+        _check_tokens(tokens)
+        return []
+    first = request_keys_reference(tokens[:block_size], model=model, hash_seed=hash_seed, block_size=block_size,
+                                   extra_per_block=[[cache_salt]])
+    return first + request_keys(tokens[block_size:], model=model, hash_seed=hash_seed, block_size=block_size,
+                                parent=first[0])
