@@ -40,12 +40,21 @@ def cli() -> None:
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Canonical tokens per request key.")
 @click.option("--parent", default=None, type=int, help="Continue the chain from this request key instead of the model root.")
 @click.option("--tokens", "tokens_spec", required=True, help="JSON list of token ids, or @file.")
-def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str) -> None:
+@click.option("--hash-algo", default="fnv64a", show_default=True, type=click.Choice(["fnv64a", "xxh64"]), help="llm-d's request-key hash: fnv64a (cbor-fnv, its default) or xxh64 (llm-d-router hashAlgorithm: xxh64).")
+@click.option("--cache-salt", default=None, help="vLLM cache_salt of the prompt: keys its first block as the engine does.")
+def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str, hash_algo: str = "fnv64a",
+         cache_salt: str | None = None) -> None:
     """Print llm-d request keys for TOKENS as a JSON list of decimal strings."""
-    from shared.keys import request_keys
+    from shared.keys import request_keys, salted_request_keys
 
     try:
-        out = request_keys(_read_tokens(tokens_spec), model=model, hash_seed=hash_seed, block_size=block_size, parent=parent)
+        tokens = _read_tokens(tokens_spec)
+        if cache_salt and parent is None:
+            out = salted_request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size,
+                                      cache_salt=cache_salt, hash_algo=hash_algo)
+        else:
+            out = request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=parent,
+                               hash_algo=hash_algo)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     click.echo(json.dumps([str(k) for k in out]))
@@ -68,8 +77,12 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--max-queue-bytes", default=None, type=click.IntRange(min=4096), help="Bytes of frames one socket may queue, and one replay may return (default 256 MiB).")
 @click.option("--curve-secret-key-file", default=None, type=click.Path(exists=True, dir_okay=False), help="The ingester's CURVE keypair (zmq.auth *.key_secret, or the z85 secret key alone): --bind sockets become CURVE servers.")
 @click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
+@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
+@click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does.")
+@click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
-           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow) -> None:
+           metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
+           hash_algo=None, pod_id=None, target_ports=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
@@ -79,7 +92,9 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           block_size=block_size, entry_format=entry_format, log_json=log_json,
                           metrics_port=metrics_port, metrics_host=metrics_host, max_pod_series=max_pod_series,
                           max_frame_bytes=max_frame_bytes, max_queue_bytes=max_queue_bytes,
-                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow)
+                          curve_secret_key_file=curve_secret_key_file, curve_allow=curve_allow, hash_algo=hash_algo,
+                          pod_id=pod_id,
+                          target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines):
@@ -115,12 +130,13 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
+@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
-          register_allow=()) -> None:
+          register_allow=(), hash_algo=None) -> None:
     """Serve predictions and routing over HTTP."""
     from predictor.main import serve as run_server
 
@@ -137,7 +153,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
-            dynamo_port=dynamo_port, register_allow=register_allow,
+            dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
         )
         check_serve_files(cfg)
     except ValueError as exc:

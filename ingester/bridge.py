@@ -24,7 +24,7 @@ import msgspec
 
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
-from shared.keys import request_keys, root_key
+from shared.keys import chain_root, request_keys
 
 
 class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make
@@ -140,6 +140,7 @@ def plan_batch(
     hash_seed: str,
     block_size: int,
     entry_field: Callable[[str, str | None, int | None], str],
+    hash_algo: str = "fnv64a",
 ) -> Plan:
     """Mutations for one batch, in event order. ``state`` must already hold every parent
     that can be resolved (see ``unresolved_parents``); it is updated with new chain points."""
@@ -147,7 +148,7 @@ def plan_batch(
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
-            _plan_stored(ev, plan, pod_id, topic_model, state, hash_seed, block_size, entry_field)
+            _plan_stored(ev, plan, pod_id, topic_model, state, hash_seed, block_size, entry_field, hash_algo)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
             plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
@@ -161,10 +162,11 @@ def plan_batch(
 def _plan_stored(
     ev: BlockStored, plan: Plan, pod_id: str, topic_model: str, state: ChainState,
     hash_seed: str, block_size: int, entry_field: Callable[[str, str | None, int | None], str],
+    hash_algo: str = "fnv64a",
 ) -> None:
     model = model_for(ev, topic_model)
     if ev.parent_block_hash is None:
-        point = ChainPoint(root_key(model, hash_seed))
+        point = ChainPoint(chain_root(model, hash_seed, hash_algo))
     else:
         point = state.get(model, ev.parent_block_hash)
         if point is None or (not point.carry_known and ev.block_size % block_size):
@@ -177,7 +179,7 @@ def _plan_stored(
     e = ev.block_size
     extras = ev.extra_keys or []
     aligned = not point.carry and e % block_size == 0
-    if aligned and not any(_mm_hashes(x) for x in extras):
+    if aligned and hash_algo == "fnv64a" and not any(_mm_hashes(x) for x in extras):
         # Fast path: one C call keys the whole event.
         keys = request_keys(ev.token_ids[: len(ev.block_hashes) * e], model=model, hash_seed=hash_seed,
                             block_size=block_size, parent=point.request_key)
@@ -196,7 +198,7 @@ def _plan_stored(
         if i == 0 and parentless and per_block:
             per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name)
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
-                           parent=point.request_key, extra_per_block=per_block)
+                           parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
         plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless))
         state.put(model, ek, point)

@@ -65,6 +65,8 @@ class Ingester:
         self._stopping = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
         self.pending_engines: dict[str, _Retry] = {}  # --engine URLs not discovered yet
+        self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
+        self._aliases_due: set[tuple[str, str]] = set()
 
     # ---- lifecycle
 
@@ -73,7 +75,7 @@ class Ingester:
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
         pending: list[str] = []
         for url in cfg.engines:
-            found = await _discover_logged(url)
+            found = await _discover_logged(url, target_ports=_ports(cfg))
             if found is None:
                 pending.append(url)  # down (or not publishing yet): retried in the background, by URL
             else:
@@ -100,11 +102,32 @@ class Ingester:
             if src.topic:
                 parts = src.topic.split("@", 2)
                 if len(parts) == 3:
-                    self.routes[parts[1]] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
-                    pods.add(parts[1])
+                    pod = self.pod_name(src, parts[1])
+                    self.routes[pod] = PodRoute(model=parts[2], replay=src.replay, source=src.endpoint)
+                    pods.add(pod)
                     if src.rank is not None:
-                        self.rank_sources[(parts[1], src.rank)] = src
+                        self.rank_sources[(pod, src.rank)] = src
         return pods
+
+    def pod_name(self, src: Source, topic_pod: str) -> str:
+        """The pod id written into the index: the topic's, or with ``--pod-id endpoint`` the rank's
+        serving address as llm-d-router v0.10 names it (ingester/subscriber.py ``serving_address``)."""
+        if self.cfg.pod_id == "endpoint" and src.serving:
+            if (topic_pod, src.serving) not in self._aliased:
+                self._aliases_due.add((topic_pod, src.serving))
+            return src.serving
+        return topic_pod
+
+    async def _write_aliases(self) -> None:
+        """Both names of each renamed pod, for pods filters that use either (once per pair and process)."""
+        if not self._aliases_due:
+            return
+        due, self._aliases_due = self._aliases_due, set()
+        try:
+            await self.index.add_aliases(due)
+            self._aliased |= due
+        except VALKEY_ERRORS:
+            self._aliases_due |= due  # again with the next message
 
     def stop(self) -> None:
         self._stopping.set()
@@ -153,7 +176,7 @@ class Ingester:
         for url, retry in list(self.pending_engines.items()):
             if now < retry.next_at:
                 continue
-            found = await _discover_logged(url, retry.attempts)
+            found = await _discover_logged(url, retry.attempts, target_ports=_ports(self.cfg))
             if found is None:
                 retry.backoff(now)
                 continue
@@ -332,6 +355,8 @@ class Ingester:
                             src.endpoint, pod[:80], refused)
             await self._count_quietly("frames_refused", 1)
             return None
+        pod = self.pod_name(src, pod)
+        await self._write_aliases()
         route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
         route.model = decoded.topic.model
         route.source = src.endpoint
@@ -390,7 +415,7 @@ class Ingester:
         try:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
-                block_size=self.cfg.block_size, entry_field=self.index.entry_field,
+                block_size=self.cfg.block_size, entry_field=self.index.entry_field, hash_algo=self.cfg.hash_algo,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -560,10 +585,14 @@ class _Retry:
         self.next_at = now + min(30.0, 0.5 * 2 ** min(self.attempts - 1, 6))
 
 
-async def _discover_logged(url: str, attempts: int = 0) -> list[Source] | None:
+def _ports(cfg: Config) -> tuple[int, ...]:
+    return tuple(int(p) for p in cfg.target_ports)
+
+
+async def _discover_logged(url: str, attempts: int = 0, target_ports: tuple[int, ...] = ()) -> list[Source] | None:
     """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
     try:
-        found = await discover(url)
+        found = await discover(url, target_ports=target_ports)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         if attempts < 3 or attempts % 20 == 0:
             log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",

@@ -201,7 +201,7 @@ class DynamoApi:
         try:
             keys = salted_request_keys(req.token_ids, model=req.lora_name or req.model_name,
                                        hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
-                                       cache_salt=req.cache_salt)
+                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
         except ValueError as exc:
             return 422, {"error": str(exc)[:300]}
         prefixes: dict[str, tuple[int, int, int]] = {}

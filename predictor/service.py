@@ -87,7 +87,7 @@ class Predictor:
 
     async def predict(self, req: PredictRequest) -> Prediction:
         model, keys, n_tokens = await self._request_keys(req)
-        return await self._predict_keys(model, keys, n_tokens, req.pods)
+        return await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
 
     async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int]:
         """(model, request keys, prompt length) of a parsed request, tokenizing prompt/messages first."""
@@ -105,7 +105,7 @@ class Predictor:
             check_token_count(len(tokens), self.cfg.max_tokens)
         try:
             keys = salted_request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
-                                       cache_salt=req.cache_salt)
+                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
         return model, keys, len(tokens)
@@ -113,7 +113,7 @@ class Predictor:
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
-        return await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -145,15 +145,26 @@ class Predictor:
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         return prediction
 
+    async def expand_pods(self, pods: list[str] | None) -> list[str] | None:
+        """A pods filter with each pod's other names added: with ``ingest --pod-id endpoint`` a pod is
+        indexed as "<ip>:<port>" and may be named by its topic name too, or the other way round."""
+        if not pods:
+            return pods
+        async with valkey_call(self.valkey_deadline_s, "pod aliases"):
+            aliases = await self.index.aliases_of(pods)
+        if not aliases:
+            return pods
+        return list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
+
     # ---- routing
 
     async def route(self, req: PredictRequest) -> RouteDecision:
         model, keys, n_tokens = await self._request_keys(req)
-        return await self._route_keys(model, keys, n_tokens, req.pods)
+        return await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
-        return await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
