@@ -63,14 +63,29 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
     }
 
 
-def run_dynamo_api(raw_config: str) -> None:
+def run_dynamo_api(raw_config: str, parent_pid: int) -> None:
     """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo_api.py)."""
     from predictor.dynamo_api import create_dynamo_app
 
+    _exit_with_parent(parent_pid)
     cfg = decode_config(raw_config)
     setup_logging(cfg.log_json)
     options = uvicorn_options(cfg, 1) | {"port": cfg.dynamo_port}
     uvicorn.run(create_dynamo_app(cfg), **options)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """uvicorn re-raises the SIGTERM it handled once the server is down, so the parent may die before its
+    ``finally`` stops this child: the child watches for that itself and leaves no process behind."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def start_dynamo_api(cfg: Config):
@@ -78,7 +93,7 @@ def start_dynamo_api(cfg: Config):
     predictor's, and a daemon child ends with this process."""
     import multiprocessing
 
-    proc = multiprocessing.get_context("spawn").Process(target=run_dynamo_api, args=(encode_config(cfg),),
+    proc = multiprocessing.get_context("spawn").Process(target=run_dynamo_api, args=(encode_config(cfg), os.getpid()),
                                                         name="kvpf-dynamo-api", daemon=True)
     proc.start()
     return proc

@@ -203,3 +203,40 @@ async def test_cache_salt_keys_like_vllm_on_query_predict_and_route(ix, valkey_u
         assert p["predicted_cached_tokens"] == 0
         r = await c.post("/v1/cache/predict", json=body | {"cache_salt": 7})
         assert r.status_code == 400 and "cache_salt must be a string" in r.json()["error"]
+
+
+def test_serve_dynamo_port_runs_and_stops_with_the_server(valkey_url, tmp_path):
+    """The real CLI: the Dynamo API answers on its own port beside the predictor and ends with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cli.valkey_server import free_port
+    from tests.e2e.harness import spawn, wait_http
+
+    port, dport = free_port(), free_port()
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport),
+                  "--workers", "2"], str(tmp_path / "serve.log"))
+    try:
+        wait_http(f"http://127.0.0.1:{dport}/health")
+        wait_http(f"http://127.0.0.1:{port}/health")
+        r = httpx.post(f"http://127.0.0.1:{dport}/register", json=REGISTER_1, timeout=5)
+        assert r.status_code == 201
+        assert httpx.get(f"http://127.0.0.1:{dport}/workers", timeout=5).json()[0]["instance_id"] == 1
+    finally:
+        proc.terminate()  # the server alone, as a supervisor stops it: the API's process must follow
+        proc.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{dport}/health", timeout=1)
+        except httpx.HTTPError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the Dynamo API process outlived the server")
+    bad = subprocess.run([sys.executable, "-m", "cli", "serve", "--valkey-url", valkey_url, "--dynamo-port", "1",
+                          "--register-allow", "not a host!"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--register-allow" in bad.stderr
