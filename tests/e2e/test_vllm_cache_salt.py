@@ -31,7 +31,7 @@ def test_salted_prompts_predicted_exactly(vllm, valkey_url):
     rng = random.Random(11)
     doc = [rng.randrange(100, 8000) for _ in range(200)]
     dynamo_port = free_port()
-    with kvpf_stack(valkey_url, ["--engine", vllm.url], ["--dynamo-port", str(dynamo_port)], "e2e-salt") as stack:
+    with kvpf_stack(valkey_url, ["--engine", vllm.url], ["--engine-url", f"tiny={vllm.url}", "--dynamo-port", str(dynamo_port)], "e2e-salt") as stack:
         wait_http(f"http://127.0.0.1:{dynamo_port}/health")
         watcher = EventWatcher.for_engine(vllm.url)
         rows = []
