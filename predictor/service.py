@@ -32,6 +32,9 @@ from shared.index import VALKEY_ERRORS, Index
 from shared.keys import salted_request_keys
 
 
+ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
+
+
 @asynccontextmanager
 async def valkey_call(timeout_s: float, what: str) -> AsyncIterator[None]:
     """Bound a Valkey step and turn any of its failures into IndexUnavailable."""
@@ -57,6 +60,8 @@ class Predictor:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
     metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
+    _aliases: dict[str, list[str]] = field(default_factory=dict)  # kvpf:aliases, cached ALIASES_TTL_S
+    _aliases_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -150,8 +155,12 @@ class Predictor:
         indexed as "<ip>:<port>" and may be named by its topic name too, or the other way round."""
         if not pods:
             return pods
-        async with valkey_call(self.valkey_deadline_s, "pod aliases"):
-            aliases = await self.index.aliases_of(pods)
+        now = time.monotonic()
+        if now - self._aliases_at > ALIASES_TTL_S:  # read at most once a second, not per request
+            async with valkey_call(self.valkey_deadline_s, "pod aliases"):
+                self._aliases = await self.index.aliases()
+            self._aliases_at = now
+        aliases = self._aliases
         if not aliases:
             return pods
         return list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))

@@ -80,7 +80,7 @@ class Config:
     # v0.10's "<pod IP>:<target port of the rank>", router PR #2233); target_ports: the InferencePool's
     # targetPorts, rank r -> target_ports[r] (empty: the engine URL's port + r). docs/llm-d.md.
     pod_id: str = "topic"
-    target_ports: tuple[int, ...] = ()
+    target_ports: tuple[str, ...] = ()  # decimal port numbers (strings, as env and flags give them)
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":

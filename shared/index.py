@@ -536,12 +536,9 @@ class Index:
                 merged[name] |= set(text(old).split("\t"))
         await self.client.hset(ALIASES_KEY, mapping={n: "\t".join(sorted(v)) for n, v in merged.items()})
 
-    async def aliases_of(self, names: Sequence[str]) -> dict[str, list[str]]:
-        """The other names of each of ``names`` (none: absent), one HMGET."""
-        if not names:
-            return {}
-        found = await self.client.hmget(ALIASES_KEY, list(names))
-        return {n: text(v).split("\t") for n, v in zip(names, found) if v}
+    async def aliases(self) -> dict[str, list[str]]:
+        """Every recorded alias (a few per pod, written once per pod and ingester)."""
+        return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""
