@@ -72,7 +72,9 @@ class OverlapSummary(msgspec.Struct):
 
 class ScoreResponse(msgspec.Struct):
     scores: dict[str, dict[str, int]]  # instance -> dp rank -> device-tier tokens
-    frequencies: list[int]  # block i -> how many (instance, rank) hold it on the device tier
+    # block i -> how many (instance, rank) hold it on the device tier (Dynamo's positional indexer counts
+    # workers; its radix trees count recent queries, a history this index does not keep: docs/dynamo.md)
+    frequencies: list[int]
     instances: dict[str, OverlapSummary]
 
 

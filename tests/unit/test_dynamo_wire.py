@@ -1,7 +1,8 @@
 """Dynamo's standalone-indexer shapes (predictor/dynamo_wire.py), checked against Dynamo's own fixtures.
 
 Sources: ai-dynamo/dynamo lib/kv-router/src/services/overlap.rs @ 5ea3d18eaab82a2b7d2e8ffae5814aaa05ee67df
-(test ``builds_cumulative_multi_rank_mooncake_summary``) and services/indexer/mod.rs endpoint validation
+(test ``builds_cumulative_multi_rank_mooncake_summary``) and services/indexer/mod.rs
+@ 0c496f291872a0bb02d5e9b6838db8ccabf418cf endpoint validation
 (accepted ``tcp://*:5558``, ``tcp://127.0.0.1:0``, ``inproc://listener``, ``ipc:///tmp/dynamo.sock``;
 rejected ``tcp://host``, ``tcp://:5558``, ``udp://host:5558``, ``not-an-endpoint``).
 """
