@@ -102,3 +102,35 @@ async def test_entry_fields_llm_d_does_not_know_yet_are_read(ix, valkey_url):
             assert p["pod_affinities"][0] | {"estimated_ttft_ms": 0} == {
                 "pod_id": "10.0.0.1:8003", "cached_blocks": 3, "cached_tokens": 48, "device_tier": "cpu",
                 "estimated_ttft_ms": 0}, lookup
+
+
+async def test_two_ranks_of_one_topic_as_llm_d_routers_fixture(ix, valkey_url):
+    """llm-d-router's own fixture (pkg/kvevents/zmq_subscriber_test.go at ebab687927f5331c1b39defcb579a07951bce56c):
+    two subscribers with source endpoints 10.0.0.1:8000 and 10.0.0.1:8003 both receive topic
+    kv@10.0.0.1:8000@TestModel, and the index ends with a PodEntry for each endpoint. Read back by an
+    llm-d-style reader (tests/integration/test_llmd_interop.py), keys in xxh64 as a router with
+    hashAlgorithm xxh64 computes them."""
+    import redis
+
+    from tests.integration.test_llmd_interop import llmd_lookup
+
+    cfg = Config(valkey_url=valkey_url, pod_id="endpoint", hash_algo="xxh64")
+    srcs = [Source(f"tcp://127.0.0.1:{p}", topic="kv@10.0.0.1:8000@TestModel", rank=r, serving=f"10.0.0.1:{s}")
+            for r, (p, s) in enumerate([(1, 8000), (2, 8003)])]
+    ing = Ingester(cfg, ix, srcs)
+    tokens = list(range(1, 33))
+    for src in srcs:
+        ev = BlockStored(block_hashes=[100, 101], parent_block_hash=None, token_ids=tokens, block_size=16,
+                         lora_id=None, medium="GPU", lora_name=None)
+        await ing.handle_frames(src, encode_frames("kv@10.0.0.1:8000@TestModel", 0,
+                                                   EventBatch(ts=time.time(), events=[ev], data_parallel_rank=0)))
+    r = redis.Redis.from_url(valkey_url)
+    try:
+        found = llmd_lookup(r, request_keys(tokens, model="TestModel", hash_algo="xxh64"))
+    finally:
+        r.close()
+    assert len(found) == 2
+    for entries in found.values():
+        assert sorted(e["PodIdentifier"] for e in entries) == ["10.0.0.1:8000", "10.0.0.1:8003"]
+        assert all(e == {"PodIdentifier": e["PodIdentifier"], "DeviceTier": "gpu", "Speculative": False,
+                         "HasGroup": False, "GroupIdx": 0} for e in entries)
