@@ -208,7 +208,10 @@ class DynamoApi:
         engine_blocks: dict[str, int | None] = {}
         if keys:
             async with valkey_call(self.deadline_s, "query"):
-                fields = await self.index.fields_per_key(keys)
+                # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
+                # are the keys' fields read to split it by tier (nothing at all on a miss).
+                depth = max((m.blocks for m in await self.index.lookup(keys, list(worker_of))), default=0)
+                fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
                 infos = await self.index.pod_infos(sorted(prefixes))
             engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
