@@ -41,12 +41,21 @@ def cli() -> None:
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Canonical tokens per request key.")
 @click.option("--parent", default=None, type=int, help="Continue the chain from this request key instead of the model root.")
 @click.option("--tokens", "tokens_spec", required=True, help="JSON list of token ids, or @file.")
-def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str) -> None:
+@click.option("--hash-algo", default="fnv64a", show_default=True, type=click.Choice(["fnv64a", "xxh64"]), help="llm-d's request-key hash: fnv64a (cbor-fnv, its default) or xxh64 (llm-d-router hashAlgorithm: xxh64).")
+@click.option("--cache-salt", default=None, help="vLLM cache_salt of the prompt: keys its first block as the engine does.")
+def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str, hash_algo: str = "fnv64a",
+         cache_salt: str | None = None) -> None:
     """Print llm-d request keys for TOKENS as a JSON list of decimal strings."""
-    from shared.keys import request_keys
+    from shared.keys import request_keys, salted_request_keys
 
     try:
-        out = request_keys(_read_tokens(tokens_spec), model=model, hash_seed=hash_seed, block_size=block_size, parent=parent)
+        tokens = _read_tokens(tokens_spec)
+        if cache_salt and parent is None:
+            out = salted_request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size,
+                                      cache_salt=cache_salt, hash_algo=hash_algo)
+        else:
+            out = request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=parent,
+                               hash_algo=hash_algo)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     click.echo(json.dumps([str(k) for k in out]))
@@ -79,10 +88,14 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--health-failures", default=None, type=click.IntRange(min=1), help="Failed /health checks in a row that make a pod unreachable (default 3).")
 @click.option("--registered-engines/--no-registered-engines", default=None, help="Also ingest engines registered at run time through the remote-indexer API (default on).")
 @click.option("--lora-name", "lora_names", multiple=True, help="ID=NAME: key blocks of the engine's LoRA id ID under adapter NAME (SGLang, TensorRT-LLM send only the id). Repeatable.")
+@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
+@click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does.")
+@click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
-           retired_retention_s, health_failures, registered_engines) -> None:
+           retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
+           target_ports=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from ingester.main import run
 
@@ -97,7 +110,9 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           membership_hold_s=membership_hold_s, retire_after_s=retire_after_s,
                           retired_retention_s=retired_retention_s, health_failures=health_failures,
                           registered_engines=registered_engines,
-                          lora_names=parse_lora_names(lora_names) if lora_names else None)
+                          lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
+                          pod_id=pod_id,
+                          target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines or cfg.engines_from or cfg.registered_engines):
@@ -132,10 +147,14 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
+@click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
+@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
+@click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
-          route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s) -> None:
+          route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
+          register_allow=(), hash_algo=None) -> None:
     """Serve predictions and routing over HTTP."""
     from predictor.main import serve as run_server
 
@@ -152,6 +171,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
+            dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
         )
         check_serve_files(cfg)
     except ValueError as exc:
@@ -169,6 +189,10 @@ def check_serve_files(cfg: Config) -> None:
         LocalTokenizer.load(directory, name=model)
     TtftModels.load(cfg.ttft_model)
     load_api_keys(cfg.api_keys_file, cfg.api_keys)
+    if cfg.register_allow:
+        from predictor.dynamo_wire import parse_allow
+
+        parse_allow(cfg.register_allow)
 
 
 def main() -> None:  # pragma: no cover

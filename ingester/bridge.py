@@ -24,7 +24,7 @@ import msgspec
 
 from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
-from shared.keys import request_keys, root_key
+from shared.keys import chain_root, request_keys
 
 
 class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make
@@ -113,6 +113,32 @@ def _mm_hashes(extra: Any) -> list[Any] | None:
     return out or None
 
 
+def cache_salt_of(extra: Any, lora_name: str | None) -> str | None:
+    """The cache salt in the extra keys of a prompt's first engine block, as vLLM 0.32 publishes them:
+    ``(lora name?, (mm id, offset)..., salt?, prompt-embeds digest?)`` (kv_cache_utils
+    ``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): the bare string after the LoRA name."""
+    if not extra or not isinstance(extra, (list, tuple)):
+        return None
+    bare = [x for x in extra if isinstance(x, str)]
+    if lora_name and bare and extra[0] == lora_name:
+        bare = bare[1:]
+    return bare[-1] if bare else None
+
+
+def _salt_first_block_only(per_block: list[Any], extra: Any, lora_name: str | None) -> list[Any]:
+    """The salt keys the prompt's first canonical block only, as llm-d-router's request side folds it
+    (preciseprefixcache ``foldCacheSalt``) and kv-preflight's predictor does (shared/keys.py
+    ``salted_request_keys``); multimodal identifiers stay on every canonical block of their engine block."""
+    salt = cache_salt_of(extra, lora_name)
+    if salt is None:
+        return per_block
+    rest = list(per_block[0])
+    rest.reverse()
+    rest.remove(salt)  # its last occurrence: the salt follows every other extra key of the block
+    rest.reverse()
+    return [rest + [salt]] + [rest or None] * (len(per_block) - 1)
+
+
 def plan_batch(
     batch: EventBatch,
     *,
@@ -123,6 +149,7 @@ def plan_batch(
     block_size: int,
     entry_field: Callable[[str, str | None, int | None], str],
     lora_names: Mapping[str, str] | None = None,
+    hash_algo: str = "fnv64a",
 ) -> Plan:
     """Mutations for one batch, in event order. ``state`` must already hold every parent
     that can be resolved (see ``unresolved_parents``); it is updated with new chain points."""
@@ -131,7 +158,7 @@ def plan_batch(
         if isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
             _plan_stored(ev, plan, pod_id, model_for(ev, topic_model, lora_names), state, hash_seed, block_size,
-                         entry_field)
+                         entry_field, hash_algo)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
             plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
@@ -145,9 +172,10 @@ def plan_batch(
 def _plan_stored(
     ev: BlockStored, plan: Plan, pod_id: str, model: str, state: ChainState,
     hash_seed: str, block_size: int, entry_field: Callable[[str, str | None, int | None], str],
+    hash_algo: str = "fnv64a",
 ) -> None:
     if ev.parent_block_hash is None:
-        point = ChainPoint(root_key(model, hash_seed))
+        point = ChainPoint(chain_root(model, hash_seed, hash_algo))
     else:
         point = state.get(model, ev.parent_block_hash)
         if point is None or (not point.carry_known and ev.block_size % block_size):
@@ -160,7 +188,7 @@ def _plan_stored(
     e = ev.block_size
     extras = ev.extra_keys or []
     aligned = not point.carry and e % block_size == 0
-    if aligned and not any(_mm_hashes(x) for x in extras):
+    if aligned and hash_algo == "fnv64a" and not any(_mm_hashes(x) for x in extras):
         # Fast path: one C call keys the whole event.
         keys = request_keys(ev.token_ids[: len(ev.block_hashes) * e], model=model, hash_seed=hash_seed,
                             block_size=block_size, parent=point.request_key)
@@ -175,9 +203,11 @@ def _plan_stored(
         pending = point.carry + tuple(ev.token_ids[i * e : (i + 1) * e])
         full = len(pending) // block_size * block_size
         mm = _mm_hashes(extras[i]) if i < len(extras) else None
+        per_block = [mm] * (full // block_size) if mm else None
+        if i == 0 and parentless and per_block:
+            per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name)
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
-                           parent=point.request_key,
-                           extra_per_block=[mm] * (full // block_size) if mm else None)
+                           parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
         plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless))
         state.put(model, ek, point)

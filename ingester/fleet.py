@@ -193,7 +193,8 @@ class FleetMember:
         if spec.url:
             task = self.fetches.get(spec.url)
             if task is None:  # ask now, attach in a later round (the loop goes on meanwhile)
-                self.fetches[spec.url] = asyncio.ensure_future(discover_logged(spec.url, retry.attempts))
+                self.fetches[spec.url] = asyncio.ensure_future(discover_logged(
+                    spec.url, retry.attempts, tuple(int(p) for p in self.cfg.target_ports)))
                 return
             if not task.done():
                 return
@@ -360,10 +361,10 @@ class FleetMember:
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)
 
 
-async def discover_logged(url: str, attempts: int = 0) -> list[Source] | None:
+async def discover_logged(url: str, attempts: int = 0, target_ports: tuple[int, ...] = ()) -> list[Source] | None:
     """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
     try:
-        found = await discover(url)
+        found = await discover(url, target_ports=target_ports)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         if attempts < 3 or attempts % 20 == 0:
             log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",

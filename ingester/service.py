@@ -71,6 +71,8 @@ class Ingester:
         from ingester.fleet import FleetMember
 
         self.fleet = FleetMember(self)
+        self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
+        self._aliases_due: set[tuple[str, str]] = set()
 
     # ---- lifecycle
 
@@ -98,12 +100,32 @@ class Ingester:
         for src in sources:
             topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
             if topic is not None:
-                pod = src.pod or topic.pod_id  # a discovered engine named by its address keeps its topic's model
+                pod = src.pod or self.pod_name(src, topic.pod_id)  # a discovered engine named by its address keeps its topic's model
                 self.routes[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint)
                 pods.add(pod)
                 if src.rank is not None:
                     self.rank_sources[(pod, src.rank)] = src
         return pods
+
+    def pod_name(self, src: Source, topic_pod: str) -> str:
+        """The pod id written into the index: the topic's, or with ``--pod-id endpoint`` the rank's
+        serving address as llm-d-router v0.10 names it (ingester/subscriber.py ``serving_address``)."""
+        if self.cfg.pod_id == "endpoint" and src.serving:
+            if (topic_pod, src.serving) not in self._aliased:
+                self._aliases_due.add((topic_pod, src.serving))
+            return src.serving
+        return topic_pod
+
+    async def _write_aliases(self) -> None:
+        """Both names of each renamed pod, for pods filters that use either (once per pair and process)."""
+        if not self._aliases_due:
+            return
+        due, self._aliases_due = self._aliases_due, set()
+        try:
+            await self.index.add_aliases(due)
+            self._aliased |= due
+        except VALKEY_ERRORS:
+            self._aliases_due |= due  # again with the next message
 
     def stop(self) -> None:
         self._stopping.set()
@@ -390,6 +412,8 @@ class Ingester:
                             src.endpoint, pod[:80], refused)
             await self._count_quietly("frames_refused", 1)
             return None
+        pod = self.pod_name(src, pod)
+        await self._write_aliases()
         route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
         route.model = decoded.topic.model
         route.source = src.endpoint
@@ -457,6 +481,7 @@ class Ingester:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
+                hash_algo=self.cfg.hash_algo,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -642,7 +667,7 @@ async def check_settings(ing: Ingester) -> None:
     hashed with another seed or block size would never be found by anyone reading this index."""
     from shared.fleet import IndexSettings
 
-    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size,
+    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
                          entry_format=ing.cfg.entry_format)
     found = await ing._valkey(ing.index.claim_settings, ours)
     wrong = ours.disagreements(found)

@@ -13,7 +13,9 @@ carry a ``pods=`` allowlist (enforced where frames are accepted, ingester/servic
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,6 +89,7 @@ class Source:
     def named_topic(self) -> Topic | None:
         """The pod and model the command line gave this source, standing for its topic frame."""
         return Topic(self.pod, self.model) if self.pod and self.model else None
+    serving: str | None = None  # the rank's serving address "<ip>:<port>", llm-d-router's pod id (--pod-id endpoint)
 
 
 def parse_source(spec: str, *, bind: bool = False) -> Source:
@@ -275,7 +278,29 @@ def bind_for(endpoint: str) -> str:
     return f"tcp://{'[::]' if addr.startswith('[') else '*'}:{port}"
 
 
-def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
+def serving_address(engine_url: str, rank: int, target_ports: tuple[int, ...] = ()) -> str:
+    """The pod identifier llm-d-router (>= v0.10, PR #2233) writes for a rank: ``<pod IP>:<the
+    InferencePool's target port of that rank>`` (preciseprefixcache/extractor.go ``sourceEndpoint``, with
+    datastore.go ``Address: pod.Status.PodIP, Port: TargetPorts[rank]``), formatted ``%s:%s`` (an IPv6
+    address has no brackets). The IP is the engine URL's host, resolved if it is a name; the port
+    ``target_ports[rank]`` (``ingest --target-ports``), else the URL's port plus the rank."""
+    parts = urlsplit(engine_url)
+    host = parts.hostname or "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            log.warning("%s: cannot resolve %s to the pod IP llm-d names the pod by; using the name", engine_url, host)
+    if rank < len(target_ports):
+        port = target_ports[rank]
+    else:
+        port = (parts.port or (443 if parts.scheme == "https" else 80)) + rank
+    return f"{host}:{port}"
+
+
+def sources_from_kv_event_sources(engine_url: str, body: dict, target_ports: tuple[int, ...] = ()) -> list[Source]:
     """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank), for every
     endpoint form vLLM accepts: tcp with a host, ``*``, IPv6 (``[::]``), ipc (an engine on this host);
     inproc endpoints cannot be reached from another process and are skipped with a warning."""
@@ -300,6 +325,7 @@ def sources_from_kv_event_sources(engine_url: str, body: dict) -> list[Source]:
             replay=reachable(replay, host) if replay else None,
             topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
             rank=int(rank) if str(rank).isdigit() else None,
+            serving=serving_address(engine_url, int(rank) if str(rank).isdigit() else 0, target_ports),
         ))
     return out
 
@@ -348,7 +374,7 @@ def _offset(endpoint: str, rank: int) -> str | None:
     return f"{head}:{int(port) + rank}" if port.isdigit() else None
 
 
-async def discover(engine_url: str, timeout_s: float = 5.0) -> list[Source]:
+async def discover(engine_url: str, timeout_s: float = 5.0, target_ports: tuple[int, ...] = ()) -> list[Source]:
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         resp = await client.get(engine_url.rstrip("/") + "/kv_event_sources")
         if resp.status_code == 404:  # not vLLM: an SGLang server lists its publishers in /server_info
@@ -357,7 +383,7 @@ async def discover(engine_url: str, timeout_s: float = 5.0) -> list[Source]:
             if sglang.page_size_of(body) is not None:
                 return sources_from_sglang_server_info(engine_url, body)
         resp.raise_for_status()
-        return sources_from_kv_event_sources(engine_url, resp.json())
+        return sources_from_kv_event_sources(engine_url, resp.json(), target_ports)
 
 
 # A receive waits at most this long for a first message, so sockets added meanwhile are polled soon.

@@ -72,7 +72,7 @@ async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_t
     try:
         body = await read_json_body(request, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
         keyed = parse_keyed(body, max_tokens=cfg.max_tokens, hash_seed=cfg.hash_seed, block_size=cfg.block_size,
-                            max_pods=cfg.max_pods_filter)
+                            max_pods=cfg.max_pods_filter) if cfg.hash_algo == "fnv64a" else None  # C: FNV only
         if keyed is not None:
             result = await keyed_fn(predictor, keyed)
         else:

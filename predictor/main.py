@@ -63,9 +63,55 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
     }
 
 
+def run_dynamo_api(raw_config: str, parent_pid: int) -> None:
+    """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo_api.py)."""
+    from predictor.dynamo_api import create_dynamo_app
+
+    _exit_with_parent(parent_pid)
+    cfg = decode_config(raw_config)
+    setup_logging(cfg.log_json)
+    options = uvicorn_options(cfg, 1) | {"port": cfg.dynamo_port}
+    uvicorn.run(create_dynamo_app(cfg), **options)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """uvicorn re-raises the SIGTERM it handled once the server is down, so the parent may die before its
+    ``finally`` stops this child: the child watches for that itself and leaves no process behind."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def start_dynamo_api(cfg: Config):
+    """A child process for the Dynamo API, whatever ``--workers`` is: its port is independent of the
+    predictor's, and a daemon child ends with this process."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=run_dynamo_api, args=(encode_config(cfg), os.getpid()),
+                                                        name="kvpf-dynamo-api", daemon=True)
+    proc.start()
+    return proc
+
+
 def serve(cfg: Config, workers: int = 1) -> None:
     setup_logging(cfg.log_json)
     options = uvicorn_options(cfg, workers)
+    dynamo = start_dynamo_api(cfg) if cfg.dynamo_port else None
+    try:
+        _serve(cfg, workers, options)
+    finally:
+        if dynamo is not None:
+            dynamo.terminate()
+            dynamo.join(5)
+
+
+def _serve(cfg: Config, workers: int, options: dict) -> None:
     if workers > 1:
         os.environ[CONFIG_ENV] = encode_config(cfg)
         metrics_dir = use_multiprocess_dir()  # before any worker imports prometheus_client

@@ -30,6 +30,8 @@ def _request_schema(cfg: Config) -> dict[str, Any]:
         "pods": {"type": "array", "items": {"type": "string"}, "maxItems": cfg.max_pods_filter,
                  "description": "Candidate pods; omitted: every pod. An empty list means none. At most "
                  "max_pods_filter entries."},
+        "cache_salt": {"type": ["string", "null"], "description": "vLLM's cache_salt of the request: the prompt "
+                       "is keyed as the engine keys a salted prompt (salt on the first block)."},
     }
     inputs = {
         "token_ids": {"type": "array", "minItems": 1, "maxItems": cfg.max_tokens,

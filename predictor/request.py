@@ -35,6 +35,7 @@ class PredictRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     pods: list[str] | None = None  # candidate pods; None = every pod
+    cache_salt: str | None = None  # vLLM's per-request salt: keys block 0 as the engine does (shared/keys.py)
 
 
 _decoder = msgspec.json.Decoder(PredictRequest)
@@ -45,6 +46,7 @@ _FIELD_HINTS = {
     "model": "model must be a string",
     "prompt": "prompt must be a string",
     "messages": "messages must be a list of chat message objects",
+    "cache_salt": "cache_salt must be a string",
 }
 _FIELD_AT = re.compile(r"at `\$\.(\w+)")
 
@@ -91,6 +93,7 @@ class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
     prompt: msgspec.Raw = msgspec.Raw()
     messages: msgspec.Raw = msgspec.Raw()
     pods: list[str] | None = None
+    cache_salt: msgspec.Raw = msgspec.Raw()
 
 
 _keyed_decoder = msgspec.json.Decoder(_KeyedShape)
@@ -121,7 +124,7 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     except RecursionError:
         raise _too_deep() from None
     check_pods(shape.pods, max_pods)
-    if not shape.model or not shape.token_ids or shape.prompt or shape.messages:
+    if not shape.model or not shape.token_ids or shape.prompt or shape.messages or shape.cache_salt:
         return None
     got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
     if got is None or not 0 < got[1] <= max_tokens:
@@ -173,9 +176,10 @@ def _explain(msgspec_message: str) -> str:
     unknown = _UNKNOWN.search(msgspec_message)
     if unknown:
         name = unknown.group(1)
-        close = [f for f in ("model", "token_ids", "prompt", "messages", "pods") if f.rstrip("s") == name.rstrip("s")]
+        close = [f for f in ("model", "token_ids", "prompt", "messages", "pods", "cache_salt")
+                 if f.rstrip("s") == name.rstrip("s")]
         return (f"unknown field {clip(name)!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                + ": the body takes model, one of token_ids, prompt, messages, and optionally pods")
+                + ": the body takes model, one of token_ids, prompt, messages, and optionally pods and cache_salt")
     m = _FIELD_AT.search(msgspec_message)
     hint = _FIELD_HINTS.get(m.group(1)) if m else None
     echo = clip(msgspec_message)

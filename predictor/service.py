@@ -29,7 +29,10 @@ from predictor.tokenize import EngineTokenizer
 from predictor.ttft import TtftModels
 from shared.config import Config
 from shared.index import VALKEY_ERRORS, Index
-from shared.keys import request_keys
+from shared.keys import salted_request_keys
+
+
+ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
 
 
 @asynccontextmanager
@@ -57,6 +60,8 @@ class Predictor:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
     metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
+    _aliases: dict[str, list[str]] = field(default_factory=dict)  # kvpf:aliases, cached ALIASES_TTL_S
+    _aliases_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -87,7 +92,7 @@ class Predictor:
 
     async def predict(self, req: PredictRequest) -> Prediction:
         model, keys, n_tokens = await self._request_keys(req)
-        return await self._predict_keys(model, keys, n_tokens, req.pods)
+        return await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
 
     async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int]:
         """(model, request keys, prompt length) of a parsed request, tokenizing prompt/messages first."""
@@ -104,7 +109,8 @@ class Predictor:
                 raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
             check_token_count(len(tokens), self.cfg.max_tokens)
         try:
-            keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
+            keys = salted_request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
+                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
         return model, keys, len(tokens)
@@ -112,7 +118,7 @@ class Predictor:
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
-        return await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -144,15 +150,30 @@ class Predictor:
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         return prediction
 
+    async def expand_pods(self, pods: list[str] | None) -> list[str] | None:
+        """A pods filter with each pod's other names added: with ``ingest --pod-id endpoint`` a pod is
+        indexed as "<ip>:<port>" and may be named by its topic name too, or the other way round."""
+        if not pods:
+            return pods
+        now = time.monotonic()
+        if now - self._aliases_at > ALIASES_TTL_S:  # read at most once a second, not per request
+            async with valkey_call(self.valkey_deadline_s, "pod aliases"):
+                self._aliases = await self.index.aliases()
+            self._aliases_at = now
+        aliases = self._aliases
+        if not aliases:
+            return pods
+        return list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
+
     # ---- routing
 
     async def route(self, req: PredictRequest) -> RouteDecision:
         model, keys, n_tokens = await self._request_keys(req)
-        return await self._route_keys(model, keys, n_tokens, req.pods)
+        return await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
-        return await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)

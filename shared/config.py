@@ -15,6 +15,8 @@ class Config:
     # Request keys: must equal the llm-d scheduler's settings for a shared index.
     hash_seed: str = ""
     block_size: int = 16
+    # "fnv64a" (llm-d's default cbor-fnv chain) or "xxh64" (llm-d-router's opt-in hashAlgorithm, shared/xxh64.py).
+    hash_algo: str = "fnv64a"
     # Which PodEntry form writers emit: "json" (llm-d v0.9+) or "v08" (pod@tier).
     entry_format: str = "json"
     # Every Valkey call is bounded: an outage turns into a fast error, never a hang.
@@ -86,6 +88,15 @@ class Config:
     # Ingester: engine LoRA ids -> adapter names (``--lora-name ID=NAME``), for engines whose events carry
     # only the id (SGLang, TensorRT-LLM); blocks are keyed by adapter name, as llm-d's scheduler asks.
     lora_names: dict[str, str] = field(default_factory=dict)
+    # Remote-indexer API (predictor/dynamo_api.py): NVIDIA Dynamo's standalone KV indexer routes on this
+    # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
+    dynamo_port: int = 0
+    register_allow: tuple[str, ...] = ()
+    # Ingester: the pod id written into the index: "topic" (the topic's kv@<pod>@model) or "endpoint" (llm-d
+    # v0.10's "<pod IP>:<target port of the rank>", router PR #2233); target_ports: the InferencePool's
+    # targetPorts, rank r -> target_ports[r] (empty: the engine URL's port + r). docs/llm-d.md.
+    pod_id: str = "topic"
+    target_ports: tuple[str, ...] = ()  # decimal port numbers (strings, as env and flags give them)
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -110,6 +121,8 @@ class Config:
     def validate(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.hash_algo not in ("fnv64a", "xxh64"):
+            raise ValueError(f"hash_algo must be 'fnv64a' or 'xxh64', got {self.hash_algo!r}")
         if self.entry_format not in ("json", "v08"):
             raise ValueError(f"entry_format must be 'json' or 'v08', got {self.entry_format!r}")
         if not self.valkey_url.startswith(("redis://", "rediss://", "unix://")):
@@ -153,6 +166,12 @@ class Config:
         for spec in self.engines_from:
             if not spec.startswith(("dns://", "file://")):
                 raise ValueError(f"--engines-from {spec!r}: expected dns://NAME:PORT or file://PATH")
+        if self.pod_id not in ("topic", "endpoint"):
+            raise ValueError(f"pod_id must be 'topic' or 'endpoint', got {self.pod_id!r}")
+        if not all(str(p).isdigit() and 0 < int(p) <= 65535 for p in self.target_ports):
+            raise ValueError(f"target_ports must be port numbers, got {','.join(map(str, self.target_ports))}")
+        if not 0 <= self.dynamo_port <= 65535:
+            raise ValueError("dynamo_port must be a port number (0: off)")
         if self.api_keys and not any(k.strip() for k in self.api_keys):
             # a typo or an unset secret (KVPF_API_KEYS="${KEYS}") must not quietly switch auth off
             raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "

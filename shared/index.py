@@ -31,7 +31,7 @@ from shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkInc
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from shared import fleet
-from shared.layout import (FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
+from shared.layout import (ALIASES_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
 from shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
 from shared.layout import pod_keys as _pod_keys
@@ -520,6 +520,25 @@ class Index:
         found = await self.settings()
         assert found is not None
         return found
+
+    async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Record that each (name, other) pair names one pod both ways (``--pod-id endpoint``)."""
+        merged: dict[str, set[str]] = {}
+        for a, b in pairs:
+            merged.setdefault(a, set()).add(b)
+            merged.setdefault(b, set()).add(a)
+        if not merged:
+            return
+        names = sorted(merged)
+        found = await self.client.hmget(ALIASES_KEY, names)
+        for name, old in zip(names, found):
+            if old:
+                merged[name] |= set(text(old).split("\t"))
+        await self.client.hset(ALIASES_KEY, mapping={n: "\t".join(sorted(v)) for n, v in merged.items()})
+
+    async def aliases(self) -> dict[str, list[str]]:
+        """Every recorded alias (a few per pod, written once per pod and ingester)."""
+        return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""

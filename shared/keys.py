@@ -28,6 +28,9 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_TOKEN_ID = 0xFFFFFFFF  # llm-d hashes tokens as []uint32
 
 HAS_C_EXTENSION = _chain is not None
+# Request-key hash algorithms llm-d-router offers (tokenProcessorConfig.hashAlgorithm "cbor-fnv", the
+# default, and "xxh64" since router PR #2237, shared/xxh64.py); our names are these.
+HASH_ALGOS = ("fnv64a", "xxh64")
 
 
 def fnv64a(data: bytes) -> int:
@@ -124,15 +127,22 @@ def request_keys(
     block_size: int = 16,
     parent: int | None = None,
     extra_per_block: Sequence[Any] | None = None,
+    hash_algo: str = "fnv64a",
 ) -> list[int]:
     """Keys for every full block of ``tokens``; a partial trailing block gets none.
 
     ``parent`` continues an existing chain (the engine-event bridge uses it);
     ``extra_per_block[i]`` lists the multimodal hashes overlapping block ``i``.
     Raises ValueError on a token id outside uint32, as llm-d cannot hash it.
+    ``hash_algo`` "xxh64" keys as llm-d-router's opt-in XXH64 chain (shared/xxh64.py).
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    if hash_algo == "xxh64":
+        from shared import xxh64
+
+        return xxh64.request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=parent,
+                                  extra_per_block=extra_per_block)
     prev = root_key(model, hash_seed) if parent is None else parent
     if extra_per_block and any(extra_per_block):
         return request_keys_reference(
@@ -145,3 +155,39 @@ def request_keys(
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
     return request_keys_reference(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=prev)
+
+
+def salted_request_keys(
+    tokens: Sequence[int],
+    *,
+    model: str,
+    hash_seed: str = "",
+    block_size: int = 16,
+    cache_salt: str | None = None,
+    hash_algo: str = "fnv64a",
+) -> list[int]:
+    """Keys of a prompt sent with vLLM's ``cache_salt``: the salt taints the first block only.
+
+    vLLM 0.32 adds the salt to the extra keys of the block starting at token 0 (kv_cache_utils
+    ``generate_block_hash_extra_keys``) and publishes it there as a bare string; llm-d-router folds it
+    into that block's extra features after any multimodal hashes (preciseprefixcache ``foldCacheSalt``),
+    so block 0's extra is ``[{"Hash": salt}]`` and every later key differs through the chain.
+    """
+    if not cache_salt:
+        return request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, hash_algo=hash_algo)
+    if len(tokens) < block_size:
+        _check_tokens(tokens)
+        return []
+    first = request_keys(tokens[:block_size], model=model, hash_seed=hash_seed, block_size=block_size,
+                         extra_per_block=[[cache_salt]], hash_algo=hash_algo)
+    return first + request_keys(tokens[block_size:], model=model, hash_seed=hash_seed, block_size=block_size,
+                                parent=first[0], hash_algo=hash_algo)
+
+
+def chain_root(model: str, hash_seed: str = "", hash_algo: str = "fnv64a") -> int:
+    """The chain root of ``model`` under either algorithm."""
+    if hash_algo == "xxh64":
+        from shared import xxh64
+
+        return xxh64.root_key(model, hash_seed)
+    return root_key(model, hash_seed)

@@ -73,6 +73,9 @@ FLEET_KEY = OUR_PREFIX + "fleet"
 LOAD_KEY = OUR_PREFIX + "load"
 SETTINGS_KEY = OUR_PREFIX + "settings"
 REGISTERED_KEY = OUR_PREFIX + "engines"
+# --pod-id endpoint: a pod's other name -> the names it is indexed under ("\t"-separated), both ways
+# (topic pod -> "<ip>:<port>" per rank, and back), so a pods filter may use either (docs/llm-d.md).
+ALIASES_KEY = OUR_PREFIX + "aliases"
 
 
 def request_key_name(request_key: int) -> str:

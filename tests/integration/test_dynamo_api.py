@@ -1,0 +1,242 @@
+"""The remote-indexer API (``serve --dynamo-port``, predictor/dynamo_api.py) against a real valkey-server.
+
+The index is filled the way an ingester fills it: vLLM-shaped BlockStored events planned by the
+ingester's bridge (ingester/bridge.py) and applied with Index.apply_batch. Expected answers are
+Dynamo's documented ones: docs/components/router/standalone-indexer.md (the /query example, as the
+docs for v1.4.0 to v1.6.2 and dev show it) and the status codes and error texts of
+lib/kv-router/src/services/indexer/server.rs @ 47022ee4c6f1a997794ed038af8582a5e5df347e and
+registry.rs @ 317eb30e8639550dbc7692723387a6dc2ae97ef5.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from ingester.bridge import ChainState, plan_batch
+from predictor.app import create_app
+from predictor.dynamo_api import create_dynamo_app
+from predictor.dynamo_wire import stable_instance_id
+from shared.config import Config
+from shared.events import BlockStored, EventBatch
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+MODEL = "llama-3-8b"
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dynamo")
+
+
+async def ingest(ix, pod: str, events: list, seq: int, model: str = MODEL, state: ChainState | None = None) -> None:
+    """One batch through the ingester's bridge into the index, as an ingester applies it."""
+    batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+    plan = plan_batch(batch, pod_id=pod, topic_model=model, state=state if state is not None else ChainState(), hash_seed="",
+                      block_size=16, entry_field=ix.entry_field)
+    result = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=batch.ts, model=model,
+                                  engine_block_size=plan.engine_block_size, mutations=plan.mutations)
+    assert result.status == "applied" and not plan.orphans
+
+
+def stored(hashes, parent, tokens, *, medium="GPU", extra_keys=None):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16, lora_id=None,
+                       medium=medium, lora_name=None, extra_keys=extra_keys)
+
+
+REGISTER_1 = {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5557", "model_name": MODEL, "block_size": 16}
+REGISTER_2 = {"instance_id": 2, "endpoint": "tcp://127.0.0.1:5558", "model_name": MODEL, "block_size": 16,
+              "dp_rank": 1}
+
+
+async def test_query_answers_dynamos_documented_example(ix, valkey_url):
+    """Worker 1 holds two blocks on the GPU and a third in host memory; worker 2 (dp rank 1) nothing:
+    exactly the example of Dynamo's standalone-indexer docs."""
+    cfg = Config(valkey_url=valkey_url)
+    async with client(create_dynamo_app(cfg, ix)) as c:
+        assert (await c.post("/register", json=REGISTER_1)).status_code == 201
+        r = await c.post("/register", json=REGISTER_2)
+        assert (r.status_code, r.json()) == (201, {"status": "ok"})
+        tokens = list(range(100, 164))  # four blocks of 16
+        state = ChainState()
+        await ingest(ix, "dynamo-1", [stored([11, 12], None, tokens[:32])], 0, state=state)
+        await ingest(ix, "dynamo-1", [stored([13], 12, tokens[32:48], medium="CPU")], 1, state=state)
+        r = await c.post("/query", json={"token_ids": tokens, "model_name": MODEL})
+        assert r.status_code == 200
+        assert r.json() == {
+            "scores": {"1": {"0": 32}, "2": {"1": 0}},
+            "frequencies": [1, 1],
+            "instances": {
+                "1": {"longest_matched": 48, "gpu": 32, "dp": {"0": 32}, "cpu": 48, "disk": 48},
+                "2": {"longest_matched": 0, "gpu": 0, "dp": {"1": 0}, "cpu": 0, "disk": 0},
+            },
+        }
+        # Dynamo ignores tenant_id; an unknown routing group or model has no indexer
+        r = await c.post("/query", json={"token_ids": tokens, "model_name": MODEL, "tenant_id": "x"})
+        assert r.json()["instances"]["1"]["gpu"] == 32
+        r = await c.post("/query", json={"token_ids": tokens, "model_name": MODEL, "routing_group": "acme"})
+        assert (r.status_code, r.json()) == (404, {"error": f"no indexer for model={MODEL} routing_group=acme"})
+        r = await c.post("/query", json={"token_ids": tokens, "model_name": "other"})
+        assert r.status_code == 404
+        assert (await c.post("/query", json={"model_name": MODEL})).status_code == 422
+        assert (await c.post("/query", content=b"{not json")).status_code == 400
+
+
+async def test_register_and_unregister_write_the_run_time_engines(ix, valkey_url):
+    cfg = Config(valkey_url=valkey_url)
+    async with client(create_dynamo_app(cfg, ix)) as c:
+        body = REGISTER_1 | {"replay_endpoint": "tcp://127.0.0.1:5560", "routing_group": "acme"}
+        assert (await c.post("/register", json=body)).status_code == 201
+        engines = await ix.registered_engines()
+        rec = engines["dynamo:1:0"]
+        assert (rec.source, rec.replay, rec.pod, rec.model, rec.instance_id, rec.block_size, rec.dp_rank,
+                rec.routing_group) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5560", "dynamo-1", MODEL, 1, 16, 0,
+                                       "acme")
+        r = await c.post("/register", json=body)
+        assert (r.status_code, r.json()) == (409, {"error": "instance 1 dp_rank 0 already registered"})
+        r = await c.post("/register", json=REGISTER_1 | {"dp_rank": 1})
+        assert (r.status_code, r.json()) == (409, {"error": f"instance 1 is already registered for model={MODEL} "
+                                                            "routing_group=acme"})
+        r = await c.post("/register", json=REGISTER_2 | {"instance_id": 3, "block_size": 32, "routing_group": "acme"})
+        assert (r.status_code, r.json()) == (409, {"error": f"block_size mismatch for model={MODEL} routing_group=acme: "
+                                                            "existing=16, requested=32"})
+        assert (await c.post("/register", json=body | {"dp_rank": 1, "endpoint": "tcp://127.0.0.1:5558"})).status_code == 201
+
+        workers = (await c.get("/workers")).json()
+        assert workers == [{"instance_id": 1, "source": "zmq", "status": "pending", "model_name": MODEL,
+                            "routing_group": "acme", "block_size": 16,
+                            "endpoints": {"0": "tcp://127.0.0.1:5557", "1": "tcp://127.0.0.1:5558"},
+                            "listeners": {"0": {"endpoint": "tcp://127.0.0.1:5557", "status": "pending"},
+                                          "1": {"endpoint": "tcp://127.0.0.1:5558", "status": "pending"}}}]
+        await ingest(ix, "dynamo-1", [stored([11], None, list(range(16)))], 0)
+        workers = (await c.get("/workers?routing_group=acme")).json()
+        assert workers[0]["listeners"]["0"]["status"] == "active" and workers[0]["status"] == "pending"
+        assert (await c.get("/workers?model_name=nonexistent")).json() == []
+
+        r = await c.post("/unregister", json={"instance_id": 1, "model_name": "other"})
+        assert (r.status_code, r.json()) == (404, {"error": f"instance 1 is registered for model={MODEL} "
+                                                            "routing_group=acme"})
+        r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL, "routing_group": "acme",
+                                              "dp_rank": 1})
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        assert set(await ix.registered_engines()) == {"dynamo:1:0"}
+        assert (await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})).status_code == 200
+        assert await ix.registered_engines() == {}
+        assert "dynamo-1" not in await ix.pod_ids()  # its entries went with it, as Dynamo drops a worker's blocks
+        r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})
+        assert (r.status_code, r.json()) == (404, {"error": "instance 1 not found"})
+
+
+async def test_register_checks_endpoints_and_the_allow_list(ix, valkey_url):
+    async with client(create_dynamo_app(Config(valkey_url=valkey_url), ix)) as c:
+        for bad in ("tcp://host", "tcp://:5558", "udp://host:5558", "not-an-endpoint"):
+            r = await c.post("/register", json=REGISTER_1 | {"endpoint": bad})
+            assert r.status_code == 400 and "invalid endpoint" in r.json()["error"], bad
+        r = await c.post("/register", json=REGISTER_1 | {"replay_endpoint": "tcp://host"})
+        assert r.status_code == 400 and r.json()["error"].startswith("invalid replay endpoint")
+        for refused in ("tcp://10.0.0.7:5557", "tcp://*:5557", "inproc://listener"):
+            r = await c.post("/register", json=REGISTER_1 | {"endpoint": refused})
+            assert r.status_code == 403, refused
+        assert (await c.post("/register", json={"instance_id": 1})).status_code == 422
+        assert (await c.post("/register", content=b"[")).status_code == 400
+        assert await ix.registered_engines() == {}
+    cfg = Config(valkey_url=valkey_url, register_allow=("10.0.0.0/8", "engine-0"))
+    async with client(create_dynamo_app(cfg, ix)) as c:
+        assert (await c.post("/register", json=REGISTER_1 | {"endpoint": "tcp://10.0.0.7:5557"})).status_code == 201
+        assert (await c.post("/register", json=REGISTER_2 | {"endpoint": "tcp://engine-0:5557"})).status_code == 201
+        assert (await c.post("/register", json=REGISTER_2 | {"instance_id": 5,
+                                                              "endpoint": "tcp://127.0.0.1:5557"})).status_code == 403
+
+
+async def test_register_needs_an_api_key_when_keys_are_set(ix, valkey_url):
+    cfg = Config(valkey_url=valkey_url, api_keys=("k1",))
+    async with client(create_dynamo_app(cfg, ix)) as c:
+        assert (await c.post("/register", json=REGISTER_1)).status_code == 401
+        assert (await c.post("/register", json=REGISTER_1, headers={"authorization": "Bearer no"})).status_code == 401
+        assert await ix.registered_engines() == {}
+        r = await c.post("/register", json=REGISTER_1, headers={"authorization": "Bearer k1"})
+        assert r.status_code == 201
+        assert (await c.get("/health")).status_code == 200
+
+
+async def test_pods_nobody_registered_answer_under_a_stable_id(ix, valkey_url):
+    tokens = list(range(7, 7 + 48))
+    await ingest(ix, "vllm-0", [stored([21, 22, 23], None, tokens)], 0)
+    async with client(create_dynamo_app(Config(valkey_url=valkey_url), ix)) as c:
+        sid = stable_instance_id("vllm-0")
+        r = await c.post("/query", json={"token_ids": tokens + [1, 2], "model_name": MODEL})
+        assert r.json() == {"scores": {str(sid): {"0": 48}}, "frequencies": [1, 1, 1],
+                            "instances": {str(sid): {"longest_matched": 48, "gpu": 48, "dp": {"0": 48},
+                                                     "cpu": 48, "disk": 48}}}
+        workers = (await c.get("/workers")).json()
+        assert workers == [{"instance_id": sid, "source": "zmq", "status": "active", "model_name": MODEL,
+                            "routing_group": "default", "block_size": 16, "endpoints": {}, "listeners": {}}]
+        for path, method in (("/query_by_hash", "post"), ("/dump", "get")):
+            r = await getattr(c, method)(path, **({"json": {"block_hashes": [1], "model_name": MODEL}}
+                                                  if method == "post" else {}))
+            assert r.status_code == 501 and "not implemented" in r.json()["error"]
+
+
+async def test_cache_salt_keys_like_vllm_on_query_predict_and_route(ix, valkey_url):
+    """vLLM 0.32 publishes a salted prompt's first block with extra_keys ("<salt>",) (kv_cache_utils
+    to_event_extra_keys); engine blocks of 32 tokens, request keys of 16, as on vLLM CPU."""
+    tokens = list(range(300, 300 + 96))
+    ev = BlockStored(block_hashes=[31, 32, 33], parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
+                     medium="GPU", lora_name=None, extra_keys=[("tenant-a",), None, None])
+    await ingest(ix, "vllm-0", [ev], 0)
+    sid = str(stable_instance_id("vllm-0"))
+    cfg = Config(valkey_url=valkey_url)
+    async with client(create_dynamo_app(cfg, ix)) as c:
+        salted = (await c.post("/query", json={"token_ids": tokens, "model_name": MODEL, "cache_salt": "tenant-a"})).json()
+        assert salted["instances"][sid]["gpu"] == 96
+        for other in ({}, {"cache_salt": "tenant-b"}):
+            got = (await c.post("/query", json={"token_ids": tokens, "model_name": MODEL} | other)).json()
+            assert got["instances"] == {}
+    async with client(create_app(cfg, ix)) as c:
+        body = {"model": MODEL, "token_ids": tokens + [5], "cache_salt": "tenant-a"}
+        p = (await c.post("/v1/cache/predict", json=body)).json()
+        assert (p["best_pod"], p["predicted_cached_tokens"]) == ("vllm-0", 96)
+        r = (await c.post("/v1/cache/route", json=body)).json()
+        assert (r["pod_id"], r["cached_tokens"]) == ("vllm-0", 96)
+        p = (await c.post("/v1/cache/predict", json=body | {"cache_salt": None})).json()
+        assert p["predicted_cached_tokens"] == 0
+        r = await c.post("/v1/cache/predict", json=body | {"cache_salt": 7})
+        assert r.status_code == 400 and "cache_salt must be a string" in r.json()["error"]
+
+
+def test_serve_dynamo_port_runs_and_stops_with_the_server(valkey_url, tmp_path):
+    """The real CLI: the Dynamo API answers on its own port beside the predictor and ends with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from cli.valkey_server import free_port
+    from tests.e2e.harness import spawn, wait_http
+
+    port, dport = free_port(), free_port()
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport),
+                  "--workers", "2"], str(tmp_path / "serve.log"))
+    try:
+        wait_http(f"http://127.0.0.1:{dport}/health")
+        wait_http(f"http://127.0.0.1:{port}/health")
+        r = httpx.post(f"http://127.0.0.1:{dport}/register", json=REGISTER_1, timeout=5)
+        assert r.status_code == 201
+        assert httpx.get(f"http://127.0.0.1:{dport}/workers", timeout=5).json()[0]["instance_id"] == 1
+    finally:
+        proc.terminate()  # the server alone, as a supervisor stops it: the API's process must follow
+        proc.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{dport}/health", timeout=1)
+        except httpx.HTTPError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the Dynamo API process outlived the server")
+    bad = subprocess.run([sys.executable, "-m", "cli", "serve", "--valkey-url", valkey_url, "--dynamo-port", "1",
+                          "--register-allow", "not a host!"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--register-allow" in bad.stderr
