@@ -65,19 +65,29 @@ def pod_specs(objs: list[dict]):
 def test_every_object_is_valid_against_the_kubernetes_schemas(rendered, version):
     overlay, objs = rendered
     assert objs
+    errors = []
     for obj in objs:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']} invalid for {version}: {exc.message} "
-                        f"at {'.'.join(map(str, exc.path))}")
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {exc.message[:300]} "
+                          f"at {'.'.join(map(str, exc.path))}")
+    assert not errors, f"{overlay}, Kubernetes {version}:\n" + "\n".join(errors)
 
 
-def test_the_validator_rejects_a_bad_object():
-    """The check above can fail: an unknown field and a wrong type are caught."""
+@pytest.mark.parametrize("container", [{"name": "c", "image": "i", "imag": "i"},   # a misspelt field
+                                       {"name": "c", "image": "i", "ports": [{"containerPort": "80"}]}],  # a wrong type
+                         ids=["unknown-field", "wrong-type"])
+def test_the_validator_rejects_a_bad_object(container):
+    """The check above can fail."""
     bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
-           "spec": {"replicas": "two", "selector": {"matchLabels": {"a": "b"}},
-                    "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c", "imag": "i"}]}}}}
+           "spec": {"selector": {"matchLabels": {"a": "b"}},
+                    "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [container]}}}}
+    good = {**container}
+    good.pop("imag", None)
+    good.pop("ports", None)
+    kubernetes_validate.validate({**bad, "spec": {**bad["spec"], "template": {**bad["spec"]["template"],
+                                 "spec": {"containers": [good]}}}}, K8S_VERSIONS[0], strict=True)
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
 
