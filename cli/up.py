@@ -199,6 +199,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
 SERVE_OPTIONS = [
     click.Option(["--tokenizer", "tokenizers"], multiple=True, help="MODEL=DIR: the predictor tokenizes locally from DIR (as serve --tokenizer). Repeatable."),
     click.Option(["--tokenizer-check/--no-tokenizer-check"], default=None, help="As serve: compare local tokenizers with the engine at start-up."),
+    click.Option(["--ttft-model"], default=None, type=click.Path(exists=True, dir_okay=False), help="As serve: prefill model JSON from `kv-preflight calibrate`, used by routing."),
     click.Option(["--pod-metrics", "pod_metrics"], multiple=True, help="POD=http://HOST:PORT: engine /metrics scraped for routing (as serve). Repeatable."),
     click.Option(["--metrics-interval", "metrics_interval_s"], default=None, type=click.FloatRange(min=0.05), help="As serve: seconds between engine metric scrapes."),
     click.Option(["--route-tier-weight", "tier_weights"], multiple=True, help="TIER=WEIGHT, as serve. Repeatable."),

@@ -84,16 +84,26 @@ class Project:
         self.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout=180, check=False)
         assert self.containers() == [], f"containers of {self.name} left behind"
 
-    def demo(self, engine: str) -> dict[str, int]:
-        """``kv-preflight demo`` from inside the stack's network: predictions through the load balancer,
-        each compared with the cached tokens the engine then reports; exit 1 on any mismatch."""
-        out = self.compose("run", "--rm", "--no-deps", "engine-a", "demo", "--engine-url", f"http://{engine}:8000",
-                           "--predictor-url", "http://lb:8080", "--model", MODEL, timeout=180, check=False)
-        m = re.search(r"(\d+)/(\d+) predictions exact; (\d+) requests hit the cache", out.stdout)
-        assert m, f"demo against {engine} printed no summary (exit {out.returncode}):\n{out.stdout}\n{out.stderr[-3000:]}"
-        exact, total, hits = map(int, m.groups())
-        assert out.returncode == 0 and exact == total, f"predictions through the load balancer differ:\n{out.stdout}"
-        return {"exact": exact, "requests": total, "hits": hits}
+    def demo(self, *engines: str) -> dict[str, dict[str, int]]:
+        """``kv-preflight demo`` against each engine, from inside the stack's network (one container for all):
+        predictions through the load balancer, each compared with the cached tokens the engine then
+        reports; a demo exits 1 on any mismatch."""
+        script = "rc=0; " + " ".join(
+            f"kv-preflight demo --engine-url http://{e}:8000 --predictor-url http://lb:8080 --model {MODEL} || rc=1;"
+            for e in engines) + " exit $rc"
+        out = self.compose("run", "--rm", "--no-deps", "--entrypoint", "sh", "engine-a", "-c", script,
+                           timeout=300, check=False)
+        results = {}
+        for block in out.stdout.split("demo: shared-prefix workload against http://")[1:]:
+            engine = block.split(":", 1)[0]
+            m = re.search(r"(\d+)/(\d+) predictions exact; (\d+) requests hit the cache", block)
+            assert m, f"demo against {engine} printed no summary:\n{out.stdout}\n{out.stderr[-3000:]}"
+            exact, total, hits = map(int, m.groups())
+            results[engine] = {"exact": exact, "requests": total, "hits": hits}
+        assert list(results) == list(engines), f"demos did not all run:\n{out.stdout}\n{out.stderr[-3000:]}"
+        assert out.returncode == 0 and all(r["exact"] == r["requests"] for r in results.values()), \
+            f"predictions through the load balancer differ from the engines' cached tokens:\n{out.stdout}"
+        return results
 
 
 def wait_healthy(url: str, timeout_s: float = 90) -> None:
@@ -124,12 +134,14 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
                                                           KVPF_TOKENIZER_DIR=str(tokenizers)))
     lb = f"http://127.0.0.1:{port}"
     try:
-        project.compose("up", "--build", "--detach", "--wait", "--wait-timeout", "300", timeout=900)
+        up = project.compose("up", "--build", "--detach", "--wait", "--wait-timeout", "300", timeout=900)
+        built = set(re.findall(r"\[([\w-]+) internal\] load build definition", up.stdout + up.stderr))
+        assert built == {"engine-a"}, f"one build per up --build, by engine-a; built by {built}"
         wait_healthy(lb + "/health")
         tokenization = httpx.get(lb + "/stats", timeout=5).json()["tokenization"]
         assert tokenization[MODEL]["source"] == "local", tokenization
 
-        first = {e: project.demo(e) for e in ENGINES}
+        first = project.demo(*ENGINES)
         assert all(r["hits"] > 0 for r in first.values()), first  # a workload that never hits checks nothing
 
         project.compose("kill", "ingester-1")
@@ -137,7 +149,7 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
         wait_healthy(lb + "/health")
         # The same prompts again: every one is now cached on its engine, so an index lost with Valkey's restart,
         # or left behind with the killed ingester, shows as a prediction below the engine's cached tokens.
-        again = {e: project.demo(e) for e in ENGINES}
+        again = project.demo(*ENGINES)
         assert all(r["hits"] == r["requests"] for r in again.values()), again
     finally:
         project.down()
@@ -151,8 +163,8 @@ def test_cluster_profile_predicts_exactly(docker):
     try:
         project.compose("up", "--build", "--detach", "--wait", "--wait-timeout", "300", timeout=900)
         wait_healthy(lb + "/health")
-        result = project.demo("engine-a")
-        assert result["hits"] > 0, result
+        result = project.demo(*ENGINES)
+        assert all(r["hits"] > 0 for r in result.values()), result
         # The index really is on the cluster, spread over its masters (llm-d's request keys have no hash tag).
         keys_per_master = []
         for n in range(1, 7):

@@ -15,7 +15,7 @@ def serve_option(name: str) -> click.Option:
 
 def test_every_routing_and_tokenizer_option_of_serve_is_an_option_of_up():
     wanted = {p.name for p in serve.params if p.name.startswith(("route_", "tier_weights", "tokenizer", "pod_metrics",
-                                                                   "metrics_interval"))}
+                                                                   "metrics_interval", "ttft_model"))}
     assert wanted and wanted <= {p.name for p in up.params}
 
 
@@ -32,8 +32,10 @@ def parse(command: click.Command, args: list[str]) -> dict:
     return command.make_context(command.name, list(args), parent=ctx).params  # click consumes the list
 
 
-def test_given_options_reach_serve_as_given():
-    given = ["--tokenizer", "m=/tok/m", "--tokenizer", "n=/tok/n", "--no-tokenizer-check", "--pod-metrics",
+def test_given_options_reach_serve_as_given(tmp_path):
+    ttft = tmp_path / "ttft.json"
+    ttft.write_text("{}")
+    given = ["--ttft-model", str(ttft), "--tokenizer", "m=/tok/m", "--tokenizer", "n=/tok/n", "--no-tokenizer-check", "--pod-metrics",
              "p=http://h:1", "--metrics-interval", "0.5", "--route-tier-weight", "gpu=1", "--route-tier-weight",
              "cpu=0.5", "--route-waiting-weight", "3", "--route-overload-abs", "5", "--route-overload-rel", "2",
              "--route-max-kv-usage", "0.9", "--route-good-match", "0.7", "--route-stale", "7"]
