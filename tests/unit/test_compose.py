@@ -116,8 +116,6 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
     for name, svc in stack["services"].items():
         if name == "valkey-cluster-init":  # one-shot: the others wait for it to complete
             continue
-        if name == "vllm-gpu":
-            continue  # vLLM's own image, started only with a GPU (profile gpu)
         test = svc.get("healthcheck", {}).get("test")
         assert test, f"{name} has no healthcheck"
         text = " ".join(test)
@@ -130,6 +128,8 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
             assert f"http://127.0.0.1:{port}/" in text, f"{name}: health asked on a port it does not serve"
         elif svc["image"].startswith("valkey/"):
             assert test == ["CMD", "valkey-cli", "ping"]
+        elif svc["image"].startswith("vllm/"):
+            assert test[:2] == ["CMD", "python3"] and "http://127.0.0.1:8000/health" in text
     nginx = (COMPOSE / "nginx.conf").read_text()
     pid = re.search(r"^pid\s+(\S+);", nginx, re.M).group(1)
     assert pid in " ".join(stack["services"]["lb"]["healthcheck"]["test"])
