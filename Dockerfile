@@ -14,6 +14,7 @@ FROM python:3.11-slim
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && python -c "from shared.keys import HAS_C_EXTENSION; assert HAS_C_EXTENSION"
-USER nobody
+# numeric, so Kubernetes can check runAsNonRoot (a user name cannot be checked without the image's passwd)
+USER 65534:65534
 ENTRYPOINT ["kv-preflight"]
 CMD ["--help"]

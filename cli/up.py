@@ -97,7 +97,7 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
 def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
-       sim_blocks, demo, exit_after_demo) -> None:
+       sim_blocks, demo, exit_after_demo, **serve_options) -> None:
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together."""
     stack = Stack(data_dir)
     n = 5
@@ -151,6 +151,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         serve = ["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", str(workers)]
         for u in urls:
             serve += ["--engine-url", u]
+        serve += serve_args(serve_options)
         stack.spawn("predictor", serve)
         predictor = f"http://127.0.0.1:{port}"
         wait_http(predictor + "/health", stack, "predictor")
@@ -191,6 +192,40 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         click.echo("stopped.")
         if rc:
             sys.exit(rc)
+
+
+# The predictor's routing and tokenizer options, under serve's own names, handed to the predictor as given
+# (tests/unit/test_up_options.py checks that each matches serve's option).
+SERVE_OPTIONS = [
+    click.Option(["--tokenizer", "tokenizers"], multiple=True, help="MODEL=DIR: the predictor tokenizes locally from DIR (as serve --tokenizer). Repeatable."),
+    click.Option(["--tokenizer-check/--no-tokenizer-check"], default=None, help="As serve: compare local tokenizers with the engine at start-up."),
+    click.Option(["--ttft-model"], default=None, type=click.Path(exists=True, dir_okay=False), help="As serve: prefill model JSON from `kv-preflight calibrate`, used by routing."),
+    click.Option(["--pod-metrics", "pod_metrics"], multiple=True, help="POD=http://HOST:PORT: engine /metrics scraped for routing (as serve). Repeatable."),
+    click.Option(["--metrics-interval", "metrics_interval_s"], default=None, type=click.FloatRange(min=0.05), help="As serve: seconds between engine metric scrapes."),
+    click.Option(["--route-tier-weight", "tier_weights"], multiple=True, help="TIER=WEIGHT, as serve. Repeatable."),
+    click.Option(["--route-waiting-weight"], default=None, type=float, help="As serve."),
+    click.Option(["--route-overload-abs"], default=None, type=float, help="As serve."),
+    click.Option(["--route-overload-rel"], default=None, type=float, help="As serve."),
+    click.Option(["--route-max-kv-usage"], default=None, type=float, help="As serve."),
+    click.Option(["--route-good-match"], default=None, type=float, help="As serve."),
+    click.Option(["--route-stale", "route_stale_s"], default=None, type=float, help="As serve."),
+]
+up.params.extend(SERVE_OPTIONS)
+
+
+def serve_args(values: dict) -> list[str]:
+    """The given SERVE_OPTIONS as serve's command-line arguments; options not given are left out."""
+    out: list[str] = []
+    for opt in SERVE_OPTIONS:
+        value = values.get(opt.name)
+        if value is None or value == ():
+            continue
+        if opt.is_flag:
+            out.append(opt.opts[0] if value else opt.secondary_opts[0])
+        else:
+            for v in value if opt.multiple else (value,):
+                out += [opt.opts[0], str(v)]
+    return out
 
 
 def _served_models(engine_url: str) -> list[str]:

@@ -15,9 +15,16 @@ from cli.main import cli
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 
 
+def with_defaults(text: str) -> str:
+    """Compose's interpolation with an empty environment: ``${VAR:-default}`` is its default, ``$$`` a ``$``."""
+    text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), text)
+    assert not re.search(r"\$\{?\w", text.replace("$$", "")), "a variable without a default"
+    return text.replace("$$", "$")
+
+
 @pytest.fixture(scope="module")
 def stack():
-    return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    return yaml.safe_load(with_defaults((COMPOSE / "docker-compose.yml").read_text()))
 
 
 def parse_cli(args: list[str]) -> tuple[str, dict]:
@@ -93,3 +100,75 @@ def test_gpu_profile_configures_vllm_events(stack):
     assert '"endpoint":"tcp://*:5557"' in cfg and '"replay_endpoint":"tcp://*:5558"' in cfg
     cmd, params = parse_cli(stack["services"]["ingester-gpu"]["command"])
     assert cmd == "ingest" and params["engines"] == ("http://vllm-gpu:8000",)
+
+
+def test_the_image_is_built_once_and_reused(stack):
+    builders = [n for n, s in stack["services"].items() if "build" in s]
+    assert builders == ["engine-a"], builders
+    image = stack["services"]["engine-a"]["image"]
+    for name, svc in kvpf_services(stack).items():
+        assert svc["image"] == image
+        if name != "engine-a":
+            assert svc.get("pull_policy") == "never", f"{name} would look for the local image in a registry"
+
+
+def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
+    for name, svc in stack["services"].items():
+        if name == "valkey-cluster-init":  # one-shot: the others wait for it to complete
+            continue
+        test = svc.get("healthcheck", {}).get("test")
+        assert test, f"{name} has no healthcheck"
+        text = " ".join(test)
+        assert "curl" not in text and "wget" not in text, f"{name}: the images have no curl or wget"
+        if svc.get("image") == "kv-preflight:local":
+            assert test[:2] == ["CMD", "python"], name
+            cmd, params = parse_cli(svc["command"])
+            port = {"simulate": params.get("port"), "serve": params.get("port"),
+                    "ingest": params.get("metrics_port")}[cmd]
+            assert f"http://127.0.0.1:{port}/" in text, f"{name}: health asked on a port it does not serve"
+        elif svc["image"].startswith("valkey/"):
+            assert test == ["CMD", "valkey-cli", "ping"]
+        elif svc["image"].startswith("vllm/"):
+            assert test[:2] == ["CMD", "python3"] and "http://127.0.0.1:8000/health" in text
+    nginx = (COMPOSE / "nginx.conf").read_text()
+    pid = re.search(r"^pid\s+(\S+);", nginx, re.M).group(1)
+    assert pid in " ".join(stack["services"]["lb"]["healthcheck"]["test"])
+
+
+def test_host_port_env_file_and_tokenizer_mount_are_configurable():
+    raw = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    assert raw["services"]["lb"]["ports"] == ["${KVPF_LB_PORT:-8080}:8080"]
+    assert raw["x-kvpf"]["env_file"] == [{"path": "${KVPF_ENV_FILE:-kvpf.env}", "required": False}]
+    for name in ("predictor-1", "predictor-2"):
+        assert raw["services"][name]["volumes"] == ["${KVPF_TOKENIZER_DIR:-./tokenizers}:/tokenizers:ro"]
+    assert (COMPOSE / "tokenizers").is_dir(), "the default mount exists, so Docker does not create it as root"
+    example = (COMPOSE / "kvpf.env.example").read_text()
+    from shared.config import ENV_PREFIX, Config
+    import dataclasses
+    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Config)}
+    named = set(re.findall(r"^# (KVPF_\w+)=", example, re.M))
+    assert named and named <= fields, named - fields
+
+
+def test_cluster_profile(stack):
+    nodes = {n: s for n, s in stack["services"].items() if re.fullmatch(r"valkey-c\d", n)}
+    assert len(nodes) == 6
+    for name, svc in nodes.items():
+        assert svc["profiles"] == ["cluster"]
+        cmd = svc["command"]
+        for flag, value in (("--cluster-enabled", "yes"), ("--appendonly", "yes"),
+                            ("--cluster-require-full-coverage", "no")):
+            assert cmd[cmd.index(flag) + 1] == value, name
+        assert svc["volumes"] == [f"{name}:/data"]
+    init = stack["services"]["valkey-cluster-init"]
+    assert set(init["depends_on"]) == set(nodes)
+    assert "--cluster-replicas 1" in init["command"][0]
+    env = dict(line.split("=", 1) for line in (COMPOSE / "cluster.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert env["COMPOSE_PROFILES"] == "cluster"
+    assert urlsplit(env["KVPF_VALKEY_URL"]).hostname in nodes
+    for name, svc in kvpf_services(stack).items():
+        cmd, _ = parse_cli(svc["command"])
+        if cmd in ("ingest", "serve"):
+            dep = svc["depends_on"]["valkey-cluster-init"]
+            assert dep == {"condition": "service_completed_successfully", "required": False}, name

@@ -1,0 +1,99 @@
+"""The wheel as a user gets it: built from the source tree and installed into a clean venv (the
+dependencies from the package index, as ``pip install`` would), then used from outside the source
+tree: its top-level names, its entry point, and its package data (the Lua scripts) are all there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the wheel puts in site-packages beside its dist-info. The one place to change when the packages
+# move under one namespace (issue 14, item 1): then {"kv_preflight"}.
+TOP_LEVEL = frozenset({"cli", "shared", "ingester", "predictor", "simulator"})
+SOURCE_FOLDERS = ("cli", "shared", "ingester", "predictor", "simulator")
+
+
+def wheel_path(source: str) -> str:
+    """Where a file of the source tree lands in the wheel: as it is, or under the one namespace package."""
+    if source.split("/", 1)[0] in TOP_LEVEL:
+        return source
+    (namespace,) = TOP_LEVEL
+    return f"{namespace}/{source}"
+
+
+def package_data() -> list[str]:
+    """Every tracked file of the packages that is neither Python nor C source: it must ship."""
+    out = subprocess.run(["git", "ls-files", *SOURCE_FOLDERS], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = [f for f in out.stdout.split() if not f.endswith((".py", ".c"))]
+    assert any(f.endswith(".lua") for f in files), "the Lua scripts are package data"
+    return files
+
+
+def clean_env() -> dict[str, str]:
+    """No PYTHONPATH (the tests put the source tree on it) and no venv of the caller's."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("wheel")
+    env_dir = tmp / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    run = dict(capture_output=True, text=True, env=clean_env(), cwd=tmp, timeout=900)
+    built = subprocess.run([str(py), "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(ROOT)], **run)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp / "dist").glob("kv_preflight-*.whl")
+    done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)], **run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return wheel, env_dir
+
+
+def test_wheel_top_level_names(installed):
+    wheel, _ = installed
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        top_level_txt = [z.read(n).decode() for n in names if n.endswith(".dist-info/top_level.txt")]
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith((".dist-info", ".data"))}
+    assert tops == TOP_LEVEL
+    for text in top_level_txt:  # what pip and importlib.metadata report
+        assert set(text.split()) == TOP_LEVEL
+
+
+def test_wheel_holds_the_package_data(installed):
+    wheel, env_dir = installed
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    missing = [f for f in package_data() if wheel_path(f) not in names]
+    assert not missing, f"not in the wheel: {missing}"
+    # and they load from the installed package, outside the source tree
+    module = wheel_path("shared/scripts.py")[:-3].replace("/", ".")
+    probe = (f"import importlib, json; m = importlib.import_module({module!r}); "
+             "print(json.dumps([m.__file__, len(m.APPLY_SINGLE)]))")
+    out = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], capture_output=True, text=True,
+                         env=clean_env(), cwd=env_dir, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, size = json.loads(out.stdout)
+    assert path.startswith(str(env_dir)) and size > 0
+
+
+def test_entry_point_runs_from_the_clean_venv(installed):
+    wheel, env_dir = installed
+    with zipfile.ZipFile(wheel) as z:
+        entry_points = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))
+    assert "[console_scripts]" in entry_points and "kv-preflight = " in entry_points
+    exe = env_dir / "bin" / "kv-preflight"
+    version = subprocess.run([str(exe), "--version"], capture_output=True, text=True, env=clean_env(),
+                             cwd=env_dir, timeout=120)
+    assert version.returncode == 0 and "0." in version.stdout, version
+    keys = subprocess.run([str(exe), "keys", "--model", "m", "--tokens", json.dumps(list(range(32)))],
+                          capture_output=True, text=True, env=clean_env(), cwd=env_dir, timeout=120)
+    assert keys.returncode == 0 and len(json.loads(keys.stdout)) == 2, keys
+
