@@ -184,14 +184,11 @@ def test_commands_are_real_cli_invocations_and_options_are_known(rendered, monke
     for k, v in config.items():  # the ConfigMap loads as every process loads it
         monkeypatch.setenv(k, v)
     assert Config.load().valkey_url == config["KVPF_VALKEY_URL"]
-    ingest_has_dns = "engines_from" in _command(["ingest", "--engine", "http://x:1"])[1]
     seen = set()
     for o, t in pod_specs(objs):
         for c in t["spec"]["containers"]:
             if not c["image"].startswith("kv-preflight"):
                 continue
-            if c["args"][0] == "ingest" and not ingest_has_dns:
-                continue  # checked below once the option exists
             name, params = _command(c["args"])
             seen.add(name)
             if name == "serve":
@@ -199,6 +196,4 @@ def test_commands_are_real_cli_invocations_and_options_are_known(rendered, monke
             if name == "ingest":
                 assert params["engines_from"] and params["metrics_host"] == "0.0.0.0"
     assert "serve" in seen
-    if not ingest_has_dns:
-        pytest.xfail("ingest --engines-from (DNS discovery) lands with the fleet-membership work")
     assert "ingest" in seen
