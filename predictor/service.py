@@ -20,6 +20,7 @@ from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownMode
 from predictor.load import LoadMonitor
 from predictor.metadata import IndexMetadata
 from predictor.metrics import PredictorMetrics
+from predictor.prompt_warnings import PromptWarnings
 from predictor.request import KeyedRequest, PredictRequest, check_token_count
 from predictor.route import RouteDecision, RoutingPolicy, decide
 from predictor.score import Prediction, score
@@ -57,10 +58,13 @@ class Predictor:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
     metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
+    warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
             self.tokenization = Tokenization(self.tokenizer, {})
+        if self.warnings is None:
+            self.warnings = PromptWarnings(self.tokenization)
 
     @classmethod
     def create(cls, cfg: Config, index: Index | None = None) -> "Predictor":
@@ -86,11 +90,15 @@ class Predictor:
         return 2 * self.cfg.valkey_timeout_s
 
     async def predict(self, req: PredictRequest) -> Prediction:
-        model, keys, n_tokens = await self._request_keys(req)
-        return await self._predict_keys(model, keys, n_tokens, req.pods)
+        model, keys, n_tokens, head = await self._request_keys(req)
+        prediction = await self._predict_keys(model, keys, n_tokens, req.pods)
+        return msgspec.structs.replace(prediction, warnings=self._warn(req, model, head))
 
-    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int]:
-        """(model, request keys, prompt length) of a parsed request, tokenizing prompt/messages first."""
+    def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
+        return self.warnings.check(model, head, chat=req.prompt is None)
+
+    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int, list[int]]:
+        """(model, request keys, prompt length, first two tokens) of a parsed request, tokenizing prompt/messages first."""
         model = req.model
         assert model  # parse_request guarantees it
         if req.token_ids is not None:
@@ -107,12 +115,13 @@ class Predictor:
             keys = request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size)
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
-        return model, keys, len(tokens)
+        return model, keys, len(tokens), tokens[:2]
 
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
-        return await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
+        prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return msgspec.structs.replace(prediction, warnings=self.warnings.check(req.model, req.head))
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -147,12 +156,14 @@ class Predictor:
     # ---- routing
 
     async def route(self, req: PredictRequest) -> RouteDecision:
-        model, keys, n_tokens = await self._request_keys(req)
-        return await self._route_keys(model, keys, n_tokens, req.pods)
+        model, keys, n_tokens, head = await self._request_keys(req)
+        decision = await self._route_keys(model, keys, n_tokens, req.pods)
+        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head))
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
-        return await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
+        decision = await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
+        return msgspec.structs.replace(decision, warnings=self.warnings.check(req.model, req.head))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
