@@ -27,6 +27,8 @@ from predictor.score import Prediction, score
 from predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from predictor.tokenization import Tokenization
 from predictor.tokenize import EngineTokenizer
+from predictor.traffic import Traffic
+from predictor.fleet_diagnosis import stats_view as diagnosis_view
 from predictor.ttft import TtftModels
 from shared.config import Config
 from shared.index import VALKEY_ERRORS, Index
@@ -59,6 +61,7 @@ class Predictor:
     load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
     metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
     warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
+    traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -147,6 +150,7 @@ class Predictor:
             matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
             engine_blocks=engine_blocks, incomplete=incomplete, pods=pods, ttft=self.ttft.for_model(model),
         )
+        self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
@@ -236,12 +240,15 @@ class Predictor:
                 page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
                 summary = await read_pods_summary(self.index, pod_models)
             pods = await self.index.pod_infos(page)
+            diagnosis = diagnosis_view(*await self.index.fleet_diagnosis())
         out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
             summary=summary, query=query,
         )
         out["tokenization"] = self.tokenization.status()
         out["engine_load"] = self.load_stats()
+        out["traffic"] = self.traffic.as_dict()
+        out["fleet_diagnosis"] = diagnosis  # the last `kv-preflight diagnose fleet`, with its age
         return out
 
     def load_stats(self) -> dict[str, Any]:

@@ -73,6 +73,8 @@ FLEET_KEY = OUR_PREFIX + "fleet"
 LOAD_KEY = OUR_PREFIX + "load"
 SETTINGS_KEY = OUR_PREFIX + "settings"
 REGISTERED_KEY = OUR_PREFIX + "engines"
+# kvpf:diagnosis  HASH summary -> the last `kv-preflight diagnose fleet` summary (JSON, bounded), at_ms -> when
+DIAGNOSIS_KEY = OUR_PREFIX + "diagnosis"
 
 
 def request_key_name(request_key: int) -> str:
