@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from predictor.explain import bos_findings
 from predictor.findings import TEMPLATE_DRIFT, Finding
 from predictor.local_tokenizer import LocalTokenizer
+from predictor.request import KeyedRequest
 from predictor.tokenization import Tokenization
 
 # strftime_now is the Hugging Face template global for "today"; Llama 3.x templates render date_string.
@@ -56,6 +57,13 @@ class PromptWarnings:
         for model, m in self.tokenization.models.items():
             if m.local is not None:
                 self.hints[model] = hints_from_local(m.local)
+
+    def check_keyed(self, req: KeyedRequest) -> list[Finding]:
+        """The fast path's check: the first ids are read from the raw JSON only for a model with hints
+        (every model with a local tokenizer has them), so other models pay two dict misses."""
+        if req.model not in self.hints:
+            return []
+        return self.check(req.model, req.head)
 
     def check(self, model: str, head: tuple[int, ...] | list[int], *, chat: bool = True) -> list[Finding]:
         """Warnings for a request of ``model`` whose tokens start with ``head`` (two ids are enough)."""

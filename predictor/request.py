@@ -103,7 +103,12 @@ class KeyedRequest(msgspec.Struct):
     keys: list[int]
     n_tokens: int
     pods: list[str] | None
-    head: tuple[int, ...] = ()  # the first two token ids, for the BOS warnings (predictor/prompt_warnings.py)
+    raw_token_ids: msgspec.Raw = msgspec.Raw()  # the JSON list, unparsed: a reference, not a copy
+
+    @property
+    def head(self) -> tuple[int, ...]:
+        """The first two token ids, for the BOS warnings (predictor/prompt_warnings.py); parsed only when asked."""
+        return leading_token_ids(self.raw_token_ids)
 
 
 def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int,
@@ -128,7 +133,7 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     if got is None or not 0 < got[1] <= max_tokens:
         return None
     return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods,
-                        head=leading_token_ids(shape.token_ids))
+                        raw_token_ids=shape.token_ids)
 
 
 _HEAD = re.compile(rb"\s*\[\s*(\d+)(?:\s*,\s*(\d+))?")

@@ -124,7 +124,7 @@ class Predictor:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
         prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, req.pods)
-        return msgspec.structs.replace(prediction, warnings=self.warnings.check(req.model, req.head))
+        return msgspec.structs.replace(prediction, warnings=self.warnings.check_keyed(req))
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -167,7 +167,7 @@ class Predictor:
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
         decision = await self._route_keys(req.model, req.keys, req.n_tokens, req.pods)
-        return msgspec.structs.replace(decision, warnings=self.warnings.check(req.model, req.head))
+        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
