@@ -154,7 +154,10 @@ async def read_engines(urls: dict[str, str], client: httpx.AsyncClient) -> tuple
     return out, errors
 
 
-async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api_key: str | None) -> dict | None:
+async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api_key: str | None,
+                       warn=None) -> dict | None:
+    """The predictor's traffic totals; None (with a warning) when it cannot be read: the engines' numbers
+    still stand, only p and the families are then unknown."""
     if not predictor_url:
         return None
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -163,7 +166,10 @@ async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api
         resp.raise_for_status()
         return resp.json().get("traffic")
     except (httpx.HTTPError, ValueError) as exc:
-        raise ValueError(f"cannot read the predictor's /stats at {predictor_url}: {exc}") from None
+        if warn:
+            warn(f"warning: cannot read the predictor's /stats at {predictor_url} ({type(exc).__name__}: {exc}): "
+                 "p and the prefix families are unknown")
+        return None
 
 
 async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dict[str, str],
@@ -201,12 +207,12 @@ async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str
             before_t = None
             if window_s > 0:
                 before_e, _ = await read_engines(urls, client)
-                before_t = await read_traffic(predictor_url, client, api_key)
+                before_t = await read_traffic(predictor_url, client, api_key, progress)
                 if progress:
                     progress(f"sampling for {window_s:g}s ...")
                 await asyncio.sleep(window_s)
             after_e, errors = await read_engines(urls, client)
-            after_t = await read_traffic(predictor_url, client, api_key)
+            after_t = await read_traffic(predictor_url, client, api_key, progress)
         pods = {p.pod_id: (p.model, p.blocks) for p in await index.pods()}
         keys = [int(f["first_key"]) for f in (after_t or {}).get("families", [])]
         holders: dict[str, list[str]] = {}
