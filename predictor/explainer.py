@@ -17,7 +17,7 @@ import httpx
 import msgspec
 
 from predictor import explain as rules
-from predictor.errors import BadRequest, EngineRejected, EngineUnavailable, PredictorError, clip
+from predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
 from predictor.explain import Explanation, Finding, PodChain
 from predictor.prompt_warnings import hints_from_probe
 from predictor.request import PredictRequest, check_token_count, parse_request
@@ -239,5 +239,3 @@ def _json(resp: httpx.Response) -> dict[str, Any]:
         raise ValueError("not an object")
     return data
 
-
-__all__ = ["explain", "parse_explain", "PredictorError"]
