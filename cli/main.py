@@ -204,6 +204,8 @@ from cli.calibrate import calibrate  # noqa: E402
 from cli.index_cmds import index_group  # noqa: E402
 from cli.tokenizer_cmds import tokenizer_group  # noqa: E402
 from cli.up import up  # noqa: E402
+from cli.diagnose import diagnose_group  # noqa: E402
+from cli.explain_cmd import explain  # noqa: E402
 
 cli.add_command(index_group)
 cli.add_command(tokenizer_group)
@@ -211,6 +213,8 @@ cli.add_command(calibrate)
 cli.add_command(up)
 cli.add_command(demo)
 cli.add_command(accuracy)
+cli.add_command(explain)
+cli.add_command(diagnose_group)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})

@@ -173,6 +173,10 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             from cli.demo import print_demo
 
             ok = print_demo(engine_list[0], predictor, served_model)
+            if len(engine_list) > 1:  # round robin vs /route, and one explained miss (cli/affinity_demo.py)
+                from cli.affinity_demo import print_affinity_demo
+
+                print_affinity_demo(engine_list, predictor, served_model)
             if exit_after_demo:
                 rc = 0 if ok else 1
                 return

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from predictor.auth import ApiKeyAuth, load_api_keys
 from predictor.body import read_json_body
 from predictor.errors import PredictorError, RequestTimeout
+from predictor.explainer import explain as explain_request, parse_explain
 from predictor.openapi import openapi_document
 from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
@@ -100,6 +101,25 @@ async def route(request: Request) -> Response:
     return await _answer(request, "route", Predictor.route_keyed, Predictor.route, lambda d: d.cached_tokens)
 
 
+async def explain(request: Request) -> Response:
+    """Why this prompt would (not) hit, optionally against the earlier ``compare`` one (predictor/explainer.py)."""
+    predictor: Predictor = request.app.state.predictor
+    started = time.perf_counter()
+    cfg = predictor.cfg
+    try:
+        body = await read_json_body(request, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
+        req, other = parse_explain(body, max_tokens=cfg.max_tokens, max_pods=cfg.max_pods_filter)
+        result = await explain_request(predictor, req, other)
+    except PredictorError as exc:
+        predictor.metrics.request("explain", exc.kind, time.perf_counter() - started)
+        return error_response(predictor, exc)
+    except ClientDisconnect:
+        return client_gone(request, "explain")
+    predictor.metrics.request("explain", "hit" if result.predicted_cached_tokens else "miss",
+                              time.perf_counter() - started)
+    return json_response(result)
+
+
 async def metrics(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
     return Response(predictor.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
@@ -173,6 +193,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         routes=[
             Route("/v1/cache/predict", predict, methods=["POST"]),
             Route("/v1/cache/route", route, methods=["POST"]),
+            Route("/v1/cache/explain", explain, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

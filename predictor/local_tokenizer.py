@@ -113,6 +113,7 @@ class LocalTokenizer:
     chat_template: jinja2.Template | None
     special_tokens: dict[str, str]
     content_as_parts: bool = False
+    template_source: str | None = None  # kept for predictor/prompt_warnings.py (does it inject the date?)
 
     @classmethod
     def load(cls, directory: str | Path, name: str = "") -> "LocalTokenizer":
@@ -142,6 +143,7 @@ class LocalTokenizer:
         return cls(
             name=name or d.name, directory=str(d), tokenizer=tokenizer, chat_template=template,
             special_tokens=special, content_as_parts=bool(source and _ITERATES_CONTENT.search(source)),
+            template_source=source,
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from predictor.explain import Explanation
 from predictor.route import RouteDecision
 from predictor.score import Prediction
 from predictor.stats import DEFAULT_PODS_LIMIT, MAX_PODS_LIMIT
@@ -48,6 +49,18 @@ def _request_schema(cfg: Config) -> dict[str, Any]:
     ]}
 
 
+def _explain_request_schema(cfg: Config) -> dict[str, Any]:
+    """The predict body plus ``compare``: a second prompt in one of the same three forms."""
+    predict = _request_schema(cfg)
+    forms = [v["properties"] for v in predict["oneOf"]]
+    inputs = {name: props[name] for props, name in zip(forms, ("token_ids", "prompt", "messages"))}
+    compare = {"description": "The earlier request this one was expected to hit (same model); the answer's "
+               "divergence says where and why they part.", "oneOf": [
+                   {"type": "object", "required": [name], "additionalProperties": False, "properties": {name: schema}}
+                   for name, schema in inputs.items()]}
+    return {"oneOf": [{**v, "properties": {**v["properties"], "compare": compare}} for v in predict["oneOf"]]}
+
+
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
@@ -76,8 +89,10 @@ _STATS_PARAMETERS = [
 
 
 def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
-    _, components = msgspec.json.schema_components([Prediction, RouteDecision], ref_template=REF)
+    _, components = msgspec.json.schema_components([Prediction, RouteDecision, Explanation],
+                                                    ref_template=REF)
     components["PredictRequest"] = _request_schema(cfg)
+    components["ExplainRequest"] = _explain_request_schema(cfg)
     components["ChatMessage"] = {
         "type": "object", "required": ["role", "content"],
         "properties": {"role": {"type": "string"}, "content": {"anyOf": [
@@ -88,11 +103,11 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
     }
     components["Error"] = _ERROR
 
-    def body_op(summary: str, response: str, description: str) -> dict[str, Any]:
+    def body_op(summary: str, response: str, description: str, request: str = "PredictRequest") -> dict[str, Any]:
         op: dict[str, Any] = {
             "summary": summary, "description": description,
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": REF.format(name="PredictRequest")}}}},
+                "schema": {"$ref": REF.format(name=request)}}}},
             "responses": {"200": {"description": "OK", "content": {"application/json": {
                 "schema": {"$ref": REF.format(name=response)}}}}, **_errors(400, 408, 413, 415, 503)},
         }
@@ -124,6 +139,12 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
                 "Choose a pod", "RouteDecision",
                 "The pod to send the request to: the best cache overlap unless that pod is overloaded, then "
                 "the least loaded among the good matches (docs/routing.md).")},
+            "/v1/cache/explain": {"post": body_op(
+                "Explain a hit or a miss", "Explanation",
+                "The prediction plus, per pod, where its cached chain stops and the tokens the engine's rules "
+                "drop; findings (duplicate or missing BOS, whitespace, template drift, rolling context, another "
+                "model's root...); with compare, where and why the two prompts part (docs/explain.md).",
+                request="ExplainRequest")},
             "/health": {"get": {"summary": "Liveness and Valkey reachability", "security": [], "responses": {
                 "200": {"description": "OK", "content": any_json},
                 "503": {"description": "Valkey unreachable", "content": any_json}}}},

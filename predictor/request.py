@@ -106,6 +106,12 @@ class KeyedRequest(msgspec.Struct):
     keys: list[int]
     n_tokens: int
     pods: list[str] | None
+    raw_token_ids: msgspec.Raw = msgspec.Raw()  # the JSON list, unparsed: a reference, not a copy
+
+    @property
+    def head(self) -> tuple[int, ...]:
+        """The first two token ids, for the BOS warnings (predictor/prompt_warnings.py); parsed only when asked."""
+        return leading_token_ids(self.raw_token_ids)
 
 
 def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int,
@@ -129,7 +135,20 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
     if got is None or not 0 < got[1] <= max_tokens:
         return None
-    return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods)
+    return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods,
+                        raw_token_ids=shape.token_ids)
+
+
+_HEAD = re.compile(rb"\s*\[\s*(\d+)(?:\s*,\s*(\d+))?")
+
+
+def leading_token_ids(raw: msgspec.Raw | bytes) -> tuple[int, ...]:
+    """The first two ids of a JSON token list already validated by the C routine (one short regex, no decode)."""
+    m = _HEAD.match(raw)  # type: ignore[call-overload]  # Raw is a buffer; match stops after two ids
+    if m is None:
+        return ()
+    first, second = m.groups()
+    return (int(first),) if second is None else (int(first), int(second))
 
 
 def check_token_count(n: int, max_tokens: int) -> None:

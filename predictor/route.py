@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from predictor.findings import Finding
 from predictor.load import PodLoad
 from predictor.score import Prediction
 from predictor.ttft import PrefillModel
@@ -73,6 +74,7 @@ class RouteDecision(msgspec.Struct, frozen=True):
     estimated_ttft_ms: float
     best_overlap_pod: str | None
     candidates: list[RouteCandidate]
+    warnings: list[Finding] = msgspec.field(default_factory=list)  # predictor/prompt_warnings.py
 
 
 def rendezvous(affinity_key: int, pod_id: str) -> int:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import msgspec
 
+from predictor.findings import Finding
 from predictor.ttft import PrefillModel
 
 
@@ -46,6 +47,9 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     # and this is the first request-key block (0-based) whose shard did not answer.
     partial: bool = False
     partial_from_block: int | None = None
+    # Cache-breaking problems seen without a lookup (predictor/prompt_warnings.py): the predictor always
+    # sets a list, so answers always carry it (None is only the default of structs built elsewhere).
+    warnings: list[Finding] | None = None
 
 
 def engine_cached_tokens(blocks: int, canonical_block: int, engine_block: int | None, prompt_len: int) -> int:

@@ -20,12 +20,15 @@ from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownMode
 from predictor.load import LoadMonitor
 from predictor.metadata import IndexMetadata
 from predictor.metrics import PredictorMetrics
+from predictor.prompt_warnings import PromptWarnings
 from predictor.request import KeyedRequest, PredictRequest, check_token_count
 from predictor.route import RouteDecision, RoutingPolicy, decide
 from predictor.score import Prediction, score
 from predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from predictor.tokenization import Tokenization
 from predictor.tokenize import EngineTokenizer
+from predictor.traffic import Traffic
+from predictor.fleet_diagnosis import stats_view as diagnosis_view
 from predictor.ttft import TtftModels
 from shared.config import Config
 from shared.index import VALKEY_ERRORS, Index
@@ -62,10 +65,14 @@ class Predictor:
     metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
     _aliases: dict[str, list[str]] = field(default_factory=dict)  # kvpf:aliases, cached ALIASES_TTL_S
     _aliases_at: float = float("-inf")
+    warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
+    traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
             self.tokenization = Tokenization(self.tokenizer, {})
+        if self.warnings is None:
+            self.warnings = PromptWarnings(self.tokenization)
 
     @classmethod
     def create(cls, cfg: Config, index: Index | None = None) -> "Predictor":
@@ -91,11 +98,15 @@ class Predictor:
         return 2 * self.cfg.valkey_timeout_s
 
     async def predict(self, req: PredictRequest) -> Prediction:
-        model, keys, n_tokens = await self._request_keys(req)
-        return await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        model, keys, n_tokens, head = await self._request_keys(req)
+        prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(prediction, warnings=self._warn(req, model, head))
 
-    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int]:
-        """(model, request keys, prompt length) of a parsed request, tokenizing prompt/messages first."""
+    def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
+        return self.warnings.check(model, head, chat=req.prompt is None)
+
+    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int, list[int]]:
+        """(model, request keys, prompt length, first two tokens) of a parsed request, tokenizing prompt/messages first."""
         model = req.model
         assert model  # parse_request guarantees it
         if req.token_ids is not None:
@@ -113,12 +124,13 @@ class Predictor:
                                        cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
-        return model, keys, len(tokens)
+        return model, keys, len(tokens), tokens[:2]
 
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
-        return await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(prediction, warnings=self.warnings.check_keyed(req))
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -144,6 +156,7 @@ class Predictor:
             matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
             engine_blocks=engine_blocks, incomplete=incomplete, pods=pods, ttft=self.ttft.for_model(model),
         )
+        self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
@@ -168,12 +181,14 @@ class Predictor:
     # ---- routing
 
     async def route(self, req: PredictRequest) -> RouteDecision:
-        model, keys, n_tokens = await self._request_keys(req)
-        return await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        model, keys, n_tokens, head = await self._request_keys(req)
+        decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head))
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
-        return await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
@@ -246,12 +261,15 @@ class Predictor:
                 page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
                 summary = await read_pods_summary(self.index, pod_models)
             pods = await self.index.pod_infos(page)
+            diagnosis = diagnosis_view(*await self.index.fleet_diagnosis())
         out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
             summary=summary, query=query,
         )
         out["tokenization"] = self.tokenization.status()
         out["engine_load"] = self.load_stats()
+        out["traffic"] = self.traffic.as_dict()
+        out["fleet_diagnosis"] = diagnosis  # the last `kv-preflight diagnose fleet`, with its age
         return out
 
     def load_stats(self) -> dict[str, Any]:

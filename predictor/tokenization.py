@@ -36,6 +36,7 @@ class ModelTokenization:
     source: str  # LOCAL or ENGINE
     check: str  # passed | failed | pending | unchecked | disabled
     detail: str = ""
+    causes: tuple[str, ...] = ()  # kinds of the check's divergences (predictor/explain.py), for warnings
 
     def as_dict(self) -> dict[str, Any]:
         out = {"source": self.source, "check": self.check, "detail": self.detail}
@@ -96,6 +97,7 @@ class Tokenization:
                 log.info("tokenizer check for %s passed: %s; tokenizing locally", m.model, report.summary())
             else:
                 m.check, m.source, m.detail = "failed", ENGINE, report.summary()
+                m.causes = tuple(report.causes())
                 log.warning("tokenizer check for %s failed, falling back to the engine's /tokenize: %s",
                             m.model, report.summary())
 

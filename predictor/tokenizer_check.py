@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from predictor.errors import EngineRejected, EngineUnavailable
+from predictor.explain import Cause, classify, first_divergence
 from predictor.local_tokenizer import LocalTokenizer, TemplateError
 from shared.jsonl import read_json_lines
 
@@ -82,39 +83,15 @@ def load_samples(path: Path) -> list[Sample]:
 # ---------------------------------------------------------------- pure comparison
 
 
-def first_divergence(local: Sequence[int], engine: Sequence[int]) -> int | None:
-    """The first index where the two differ (a length difference counts), or None when equal."""
-    for i, (a, b) in enumerate(zip(local, engine)):
-        if a != b:
-            return i
-    return None if len(local) == len(engine) else min(len(local), len(engine))
-
-
 def diagnose(local: Sequence[int], engine: Sequence[int], position: int, sample: Sample, bos_id: int | None) -> str:
     """A best guess at why, from the shape of the difference; the decoded tokens say the rest."""
-    if bos_id is not None:
-        lead_l = sum(1 for _ in _leading(local, bos_id))
-        lead_e = sum(1 for _ in _leading(engine, bos_id))
-        if lead_l != lead_e and position <= max(lead_l, lead_e):
-            if max(lead_l, lead_e) >= 2:
-                return f"duplicate BOS: local starts with {lead_l} BOS, engine with {lead_e}"
-            return f"BOS added on one side only: local starts with {lead_l} BOS, engine with {lead_e}"
-    shorter = min(len(local), len(engine))
-    if sample.text != sample.text.rstrip() and position >= shorter - 3:
-        return "trailing whitespace tokenized differently"
-    if position >= shorter:
-        longer = "local" if len(local) > len(engine) else "engine"
-        return f"{longer} has {abs(len(local) - len(engine))} extra token(s) at the end (EOS or generation prompt?)"
-    if sample.messages is not None:
-        return "chat template drift (the rendered text differs, or a different template is in use)"
-    return "tokenizer drift (vocabulary, normalizer or pre-tokenizer differ)"
+    return cause_of(local, engine, position, sample, bos_id).detail
 
 
-def _leading(tokens: Sequence[int], token: int):
-    for t in tokens:
-        if t != token:
-            return
-        yield t
+def cause_of(local: Sequence[int], engine: Sequence[int], position: int, sample: Sample, bos_id: int | None) -> Cause:
+    """predictor/explain.py's classifier, told both sides come from one input (so no content change, no window)."""
+    return classify(local, engine, position, bos_id=bos_id, labels=("local", "engine"), same_input=True,
+                    chat=sample.messages is not None, ours_text=sample.text, theirs_text=sample.text)
 
 
 @dataclass
@@ -126,6 +103,7 @@ class SampleResult:
     local_token: str | None = None
     engine_token: str | None = None
     hint: str = ""
+    cause: str = ""  # the hint's kind (predictor/explain.py FINDING_KINDS)
     error: str = ""  # one side refused the input and the other did not
 
     @property
@@ -138,7 +116,7 @@ class SampleResult:
                                "engine_tokens": None if self.engine is None else len(self.engine)}
         if self.position is not None:
             out.update(position=self.position, local_token=self.local_token, engine_token=self.engine_token,
-                       hint=self.hint)
+                       hint=self.hint, cause=self.cause)
         if self.error:
             out["error"] = self.error
         return out
@@ -163,8 +141,8 @@ def compare(local_tok: LocalTokenizer, sample: Sample, local: list[int] | None, 
 
     bos = local_tok.special_tokens.get("bos_token")
     bos_id = local_tok.tokenizer.token_to_id(bos) if bos else None
-    return SampleResult(sample, local, engine, pos, show(local), show(engine),
-                        diagnose(local, engine, pos, sample, bos_id))
+    cause = cause_of(local, engine, pos, sample, bos_id)
+    return SampleResult(sample, local, engine, pos, show(local), show(engine), cause.detail, cause.kind)
 
 
 @dataclass
@@ -180,6 +158,10 @@ class ParityReport:
     @property
     def failures(self) -> list[SampleResult]:
         return [r for r in self.results if not r.ok]
+
+    def causes(self) -> list[str]:
+        """The distinct causes of the divergent samples, first seen first."""
+        return list(dict.fromkeys(r.cause for r in self.failures if r.cause))
 
     def summary(self) -> str:
         if self.error:

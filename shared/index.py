@@ -31,7 +31,7 @@ from shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkInc
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from shared import fleet
-from shared.layout import (ALIASES_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
+from shared.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
 from shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
 from shared.layout import pod_keys as _pod_keys
@@ -539,6 +539,26 @@ class Index:
     async def aliases(self) -> dict[str, list[str]]:
         """Every recorded alias (a few per pod, written once per pod and ingester)."""
         return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
+
+    # ---- the last fleet diagnosis (kv-preflight diagnose fleet writes it, /stats serves it)
+
+    async def put_fleet_diagnosis(self, summary: bytes) -> int:
+        """Store the summary stamped with Valkey's time; returns that time (ms)."""
+        now = await self.now_ms()
+        await self.client.hset(DIAGNOSIS_KEY, mapping={"summary": summary, "at_ms": str(now)})
+        return now
+
+    async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]:
+        """(summary or None, when it was stored, Valkey's time now), in one round trip."""
+        def fill(pipe) -> None:
+            pipe.time()
+            pipe.hgetall(DIAGNOSIS_KEY)
+
+        now, fields = _foreign_as_empty(await self._read_pipeline(fill))
+        fields = {text(k): v for k, v in (fields or {}).items()}
+        seconds, micros = now
+        at = fields.get("at_ms")
+        return fields.get("summary"), int(at) if at else 0, int(seconds) * 1000 + int(micros) // 1000
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""

@@ -51,6 +51,8 @@ in milliseconds, never a local clock, so hosts with skewed clocks agree):
                               (the remote-indexer API's /register); every ingester treats them as one
                               more discovery source, like ``--engines-from file://``
 
+  kvpf:diagnosis              summary -> the last ``kv-preflight diagnose fleet`` summary (JSON, bounded),
+                              at_ms -> its Valkey time; ``/stats`` serves it with its age
 Layout 1 (kv-preflight 0.1: ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
 ``kvpf:fields:<pod>``) is moved by ``kv-preflight index migrate`` (shared/migrate.py); its names are
 kept here only for that and for spotting a layout-1 writer.
@@ -76,6 +78,7 @@ REGISTERED_KEY = OUR_PREFIX + "engines"
 # --pod-id endpoint: a pod's other name -> the names it is indexed under ("\t"-separated), both ways
 # (topic pod -> "<ip>:<port>" per rank, and back), so a pods filter may use either (docs/llm-d.md).
 ALIASES_KEY = OUR_PREFIX + "aliases"
+DIAGNOSIS_KEY = OUR_PREFIX + "diagnosis"
 
 
 def request_key_name(request_key: int) -> str:

@@ -207,6 +207,18 @@ class SimulatorApp:
         return JSONResponse({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids,
                              "token_strs": None})
 
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: ``{"model", "tokens"}`` -> ``{"prompt": text}`` (kv-preflight explain uses it)."""
+        try:
+            body = await _json_body(request)
+            self._check_model(body)
+            ids = _token_list(body.get("tokens"))
+            if ids is None:
+                raise ApiError("tokens must be a list of token ids", param="tokens")
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
+
     async def kv_event_sources(self, request: Request) -> Response:
         return JSONResponse(self.runner.publisher.sources())
 
@@ -248,6 +260,7 @@ class SimulatorApp:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
                 Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),

@@ -621,8 +621,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kv-preflight bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests and blocks: a smoke run, figures are noisier")
-    ap.add_argument("--only", default="keys,ingest,http,scaling,cluster",
-                    help="comma list of: keys, ingest, http, scaling, cluster")
+    ap.add_argument("--only", default="keys,ingest,http,scaling,cluster,warnings",
+                    help="comma list of: keys, ingest, http, scaling, cluster, warnings")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure to this JSON file")
     a = ap.parse_args(argv)
     only = set(a.only.split(","))
@@ -650,6 +650,9 @@ def main(argv: list[str] | None = None) -> None:
                 bench_http(res, vk, a.quick, tmp, "scaling" in only)
             if "cluster" in only:
                 bench_cluster(res, vk, a.quick, tmp)
+            if "warnings" in only:
+                from cli.bench.warnings import bench_warnings
+                bench_warnings(res, a.quick, timeit)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

@@ -193,6 +193,7 @@ async def test_predicts_longest_prefix_per_pod(client, writer):
              "estimated_ttft_ms": ttft(100, 32)},
         ],
         "estimated_ttft_ms": ttft(100, 64),
+        "warnings": [],
     }
 
 
