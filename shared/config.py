@@ -77,7 +77,8 @@ class Config:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             env = os.environ.get(ENV_PREFIX + f.name.upper())
-            if env is not None:
+            # empty means unset (KVPF_X="" from a template); KVPF_API_KEYS keeps it, validate() refuses it
+            if env is not None and (env.strip() or f.name == "api_keys"):
                 values[f.name] = _parse_env(f, env)
         for name, value in overrides.items():
             if value is None or (isinstance(value, (tuple, list, dict)) and not value and name in values):
