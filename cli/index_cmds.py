@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from shared.migrate import migrate as migrate_layout
 def _run(coro):
     try:
         return asyncio.run(coro)
+    except BrokenPipeError:
+        _reader_left()
     except (OSError, ConnectionError) as exc:
         raise click.ClickException(f"cannot reach Valkey: {exc}") from None
     except LayoutError as exc:
@@ -28,6 +31,26 @@ def _run(coro):
         raise
 
 
+def _reader_left() -> None:
+    """The reader of our stdout went away (``index export | head -2``): stop quietly, as ``cat`` does.
+    stdout now points at /dev/null so the interpreter's last flush cannot complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (tests' CliRunner)
+        pass
+    sys.exit(0)
+
+
+def _unknown_pods(asked, known) -> None:
+    """``--pod nope`` is an error naming it, not an empty success."""
+    missing = sorted(set(asked) - set(known))
+    if missing:
+        names = ", ".join(sorted(known)[:10]) + (" ..." if len(known) > 10 else "")
+        raise click.ClickException(f"unknown pod{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+                                   f"the index knows {names or 'no pod'}")
+
+
 def _emit(as_json: bool, data: Any, human) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -35,13 +58,25 @@ def _emit(as_json: bool, data: Any, human) -> None:
         human(data)
 
 
-def _index(valkey_url: str | None) -> Index:
+def _config(**flags) -> Config:
+    """Config.load with a bad value (flag or KVPF_*) as one clear line."""
     try:
-        cfg = Config.load(valkey_url=valkey_url)
+        return Config.load(**flags)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format,
-                          cluster=cfg.cluster_mode())
+
+
+def _index(valkey_url: str | None) -> Index:
+    from shared.backends.cluster import probe_cluster
+
+    cfg = _config(valkey_url=valkey_url)
+    timeout_s = max(cfg.valkey_timeout_s, 5.0)
+    cluster = cfg.cluster_mode()
+    if cluster is None:
+        # asked here: a node that does not answer is taken for a single node without the service's warning,
+        # and the first command then fails with the real cause (refused, auth) as the one error line
+        cluster = bool(probe_cluster(cfg.valkey_url, timeout_s))
+    return Index.from_url(cfg.valkey_url, timeout_s=timeout_s, entry_format=cfg.entry_format, cluster=cluster)
 
 
 async def _open(valkey_url: str | None) -> Index:
@@ -148,7 +183,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
             raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
     else:
         tokens = _read_tokens(tokens_spec)
-    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
+    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
     try:
         keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
     except ValueError as exc:
@@ -200,6 +235,7 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
     async def go():
         ix = await _open(valkey_url)
         try:
+            _unknown_pods([pod_id], await ix.pod_ids())
             n = await ix.clear_pod(pod_id, forget=forget)
             if not forget:  # the engine still holds those blocks: say so until it resets
                 await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
@@ -222,7 +258,9 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
         ix = await _open(valkey_url)
         total = 0
         try:
-            for pod_id in pod_ids or sorted(await ix.pod_ids()):
+            known = await ix.pod_ids()
+            _unknown_pods(pod_ids, known)
+            for pod_id in pod_ids or sorted(known):
                 info = await ix.pod_info(pod_id)
                 output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
                                          "seqs": info.seqs}) + "\n")
@@ -326,39 +364,45 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     from ingester.service import Ingester
     from ingester.subscriber import discover, fetch_replay
 
-    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
+    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
     async def go():
         ix = await _open(valkey_url)
         report = []
         try:
             ing = Ingester(cfg, ix, [])
+            found = []  # every engine is asked first: a --pod no engine publishes wipes nothing
             for url in engines:
                 try:
-                    sources = await discover(url)
+                    found += [(url, src) for src in await discover(url)]
                 except httpx.HTTPError as exc:
                     raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
-                for src in sources:
-                    if not src.replay or not src.topic:
-                        click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
-                        continue
-                    _, pod, model = src.topic.split("@", 2)
-                    if only_pods and pod not in only_pods:
-                        continue
-                    click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
-                    frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
-                    frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
-                    await ix.clear_pod(pod, forget=True)
-                    for i, f in enumerate(frames, 1):
-                        await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
-                        if i % 1000 == 0:
-                            click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
-                    info = await ix.pod_info(pod)
-                    first = frames[0].seq if frames else None
-                    report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
-                                   "last_seq": frames[-1].seq if frames else None,
-                                   "covers_full_history": first == 0 and complete,
-                                   "blocks": info.blocks, "incomplete": info.incomplete})
+            published = {src.topic.split("@", 2)[1] for _, src in found if src.topic and src.topic.count("@") >= 2}
+            missing = sorted(set(only_pods) - published)
+            if missing:
+                raise click.ClickException(f"unknown pod{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+                                           f"the engines publish {', '.join(sorted(published)) or 'no pod'}")
+            for url, src in found:
+                if not src.replay or not src.topic:
+                    click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
+                    continue
+                _, pod, model = src.topic.split("@", 2)
+                if only_pods and pod not in only_pods:
+                    continue
+                click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
+                frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
+                frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
+                await ix.clear_pod(pod, forget=True)
+                for i, f in enumerate(frames, 1):
+                    await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+                    if i % 1000 == 0:
+                        click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
+                info = await ix.pod_info(pod)
+                first = frames[0].seq if frames else None
+                report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
+                               "last_seq": frames[-1].seq if frames else None,
+                               "covers_full_history": first == 0 and complete,
+                               "blocks": info.blocks, "incomplete": info.incomplete})
         finally:
             await ix.close()
         return report

@@ -100,6 +100,9 @@ class Config:
         if not self.valkey_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"valkey_url {self.valkey_url.split('@')[-1]!r} needs a scheme: redis://HOST:PORT, "
                              "rediss:// (TLS) or unix:///path")
+        for url in self.engines:  # else the ingester retries a URL that can never work, forever
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--engine expects http://HOST:PORT, got {url!r}")
         if self.valkey_cluster not in ("auto", "yes", "no"):
             raise ValueError(f"valkey_cluster must be auto, yes or no, got {self.valkey_cluster!r}")
         if self.lookup not in ("script", "pipeline"):
