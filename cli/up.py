@@ -74,7 +74,8 @@ class Stack:
 def last_error(log: Path) -> str:
     """The line of a child's log that says why it stopped: its last error line, else its last line."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"error|exception|refused|denied|in use", ln, re.I)]
+    # case-sensitive: "INFO uvicorn.error: Application shutdown complete" is not the reason
+    errors = [ln for ln in lines if re.search(r"\bERROR\b|\bError\b|\[Errno|Exception|refused|denied|in use", ln)]
     return (errors or lines or ["(its log is empty)"])[-1]
 
 
