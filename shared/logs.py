@@ -34,3 +34,5 @@ def setup_logging(json_lines: bool = False, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # httpx logs every request at INFO: one line per engine per scrape or health check, every second
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
