@@ -100,11 +100,11 @@ def index_group() -> None:
 
 
 def _pod_row(p, now: float) -> dict[str, Any]:
-    return {
-        "pod_id": p.pod_id, "model": p.model, "engine_block_size": p.engine_block_size, "blocks": p.blocks,
-        "seq": p.seqs, "last_event_age_s": None if p.last_event_time is None else round(now - p.last_event_time, 3),
-        "incomplete": p.incomplete, "incomplete_reason": p.incomplete_reason, "counters": p.counters,
-    }
+    """A pod as GET /stats shows it (predictor.stats.pod_stats: one naming for both), plus ``seq``, the
+    name this command used before (same value as ``last_seq``), kept for scripts that read it."""
+    from predictor.stats import pod_stats
+
+    return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items()))}
 
 
 @index_group.command()
@@ -116,8 +116,11 @@ def stats(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            return {"keys": await ix.key_count(), "used_memory_bytes": await ix.memory_usage(),
-                    "pods": [_pod_row(p, now) for p in await ix.pods()], "counters": await ix.counters()}
+            keys, counters = await ix.key_count(), await ix.counters()
+            # /stats's names (index_keys, index_counters); keys and counters are the old aliases
+            return {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(),
+                    "pods": [_pod_row(p, now) for p in await ix.pods()], "index_counters": counters,
+                    "keys": keys, "counters": counters}
         finally:
             await ix.close()
 
