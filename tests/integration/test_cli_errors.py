@@ -230,7 +230,7 @@ def _refused_by_click(args: list[str]) -> bool:
     return False
 
 
-def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch):
+def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch, tmp_path):
     for name in [k for k in os.environ if k.startswith("KVPF_")]:
         monkeypatch.delenv(name)
     if bad_args[0] not in DAEMONS or _refused_by_click(bad_args):
@@ -244,7 +244,7 @@ def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch):
         return
     env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, "-m", "cli", *bad_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+                            text=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL, cwd=tmp_path)
     try:
         stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
