@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -19,8 +18,8 @@ from shared.migrate import migrate as migrate_layout
 def _run(coro):
     try:
         return asyncio.run(coro)
-    except BrokenPipeError:
-        _reader_left()
+    except BrokenPipeError:  # the reader left (`index export | head -2`): click stops quietly, as for any command
+        raise
     except (OSError, ConnectionError) as exc:
         raise click.ClickException(f"cannot reach Valkey: {exc}") from None
     except LayoutError as exc:
@@ -29,17 +28,6 @@ def _run(coro):
         if exc.__class__.__module__.startswith("redis"):
             raise click.ClickException(f"Valkey error: {exc}") from None
         raise
-
-
-def _reader_left() -> None:
-    """The reader of our stdout went away (``index export | head -2``): stop quietly, as ``cat`` does.
-    stdout now points at /dev/null so the interpreter's last flush cannot complain either."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (tests' CliRunner)
-        pass
-    sys.exit(0)
 
 
 def _unknown_pods(asked, known) -> None:

@@ -23,6 +23,9 @@ from shared.config import Config, parse_model_urls
 from cli.valkey_server import ValkeyServer, free_port
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass
 class Child:
     name: str
@@ -186,9 +189,10 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                     engine_urls=parse_model_urls(engine_urls) if engine_urls else None)
     except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
         raise click.UsageError(str(exc)) from None
-    original, original_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
     try:
         if valkey_url:
             step(1, n, f"using Valkey at {valkey_url.split('@')[-1]}")
@@ -272,10 +276,11 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     except KeyboardInterrupt:
         click.echo("\nstopping ...")
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
-        signal.signal(signal.SIGTERM, original)
-        signal.signal(signal.SIGINT, original_int)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
         click.echo("stopped.")
         if rc:
             sys.exit(rc)
@@ -284,8 +289,8 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
 def _interrupt(*_) -> None:
     """Ctrl-C or SIGTERM: stop, once. Further signals are ignored from here, so a repeated Ctrl-C
     cannot interrupt the stop half-way (a traceback, children left running)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
