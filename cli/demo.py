@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import click
-
 import httpx
 
 from cli.accuracy import Outcome, WorkloadError, load_workload, run_workload, shared_prefix_workload, summarize

@@ -30,13 +30,13 @@ def _run(coro):
         raise
 
 
-def _unknown_pods(asked, known) -> None:
+def _unknown_pods(asked, known, where: str = "the index knows") -> None:
     """``--pod nope`` is an error naming it, not an empty success."""
     missing = sorted(set(asked) - set(known))
     if missing:
         names = ", ".join(sorted(known)[:10]) + (" ..." if len(known) > 10 else "")
         raise click.ClickException(f"unknown pod{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
-                                   f"the index knows {names or 'no pod'}")
+                                   f"{where} {names or 'no pod'}")
 
 
 def _emit(as_json: bool, data: Any, human) -> None:
@@ -369,10 +369,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 except httpx.HTTPError as exc:
                     raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
             published = {src.topic.split("@", 2)[1] for _, src in found if src.topic and src.topic.count("@") >= 2}
-            missing = sorted(set(only_pods) - published)
-            if missing:
-                raise click.ClickException(f"unknown pod{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
-                                           f"the engines publish {', '.join(sorted(published)) or 'no pod'}")
+            _unknown_pods(only_pods, published, "the engines publish")
             for url, src in found:
                 if not src.replay or not src.topic:
                     click.echo(f"{url}: no replay endpoint or topic; skipped", err=True)
