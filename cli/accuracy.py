@@ -96,6 +96,21 @@ class Outcome:
         return self.predicted == self.actual
 
 
+class WorkloadError(Exception):
+    """An engine or the predictor refused a request of the workload; the message is theirs, in one line."""
+
+
+def answer_message(r: httpx.Response) -> str:
+    """The error message of an HTTP answer (vLLM: {"error": {"message"}}, Starlette: {"detail"}), one line."""
+    try:
+        body = r.json()
+        err = body.get("error", body) if isinstance(body, dict) else body
+        text = (err.get("message") or err.get("detail") or err.get("error")) if isinstance(err, dict) else err
+    except ValueError:
+        text = r.text
+    return " ".join(str(text or r.reason_phrase).split())[:500]
+
+
 def _send(client: httpx.Client, engine_url: str, model: str, req: dict) -> tuple[int, int]:
     if "messages" in req:
         body, path = {"model": model, "messages": req["messages"], "max_tokens": 1}, "/v1/chat/completions"
@@ -104,7 +119,8 @@ def _send(client: httpx.Client, engine_url: str, model: str, req: dict) -> tuple
     # Passed to the engine as given: vLLM's per-request extras (e.g. kv_cache_report_mode) and cache_salt.
     body.update({k: req[k] for k in ("vllm_xargs", "cache_salt") if k in req})
     r = client.post(engine_url.rstrip("/") + path, json=body, timeout=120)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise WorkloadError(f"the engine answered {r.status_code}: {answer_message(r)}")
     usage = r.json()["usage"]
     return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
@@ -132,7 +148,7 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
                     body["pods"] = [pod]
                 p = client.post(predictor_url.rstrip("/") + "/v1/cache/predict", json=body, timeout=30)
                 if p.status_code != 200:
-                    raise RuntimeError(f"request {i}: predictor answered {p.status_code}: {p.text}")
+                    raise WorkloadError(f"request {i}: the predictor answered {p.status_code}: {answer_message(p)}")
                 pred = p.json()
                 n, actual = _send(client, engine_url, model, req)
                 res = Outcome(i, n, pred["predicted_cached_tokens"], actual, pred.get("best_pod"))

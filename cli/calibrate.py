@@ -27,9 +27,14 @@ def calibrate(input_path: Path, model: str | None, output: Path | None, quadrati
         fits = fit_by_model(data, model, quadratic=quadratic, robust=robust)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    if model is not None and (other := sum(o.model not in (None, model) for o in data)):
+        click.echo(f"{len(data)} observations read; {other} of other models ignored (--model {model})")
     for name, fit in fits.items():
         m = fit.model
-        click.echo(f"{name}: {fit.n} observations, terms {'+'.join(fit.terms)}")
+        # "35 observations" for a 40-row file read as 5 lost rows: say what was read and what was left out
+        left_out = f", {fit.outliers} slow outlier(s) left out (--no-robust keeps them)" if fit.outliers else ""
+        click.echo(f"{name}: {fit.n + fit.outliers} observations{left_out}, fitted on {fit.n}; "
+                   f"terms {'+'.join(fit.terms)}")
         click.echo(f"  overhead_ms            {m.overhead_ms:.3f}")
         click.echo(f"  prefill_tokens_per_s   {m.prefill_tokens_per_s:.1f}")
         click.echo(f"  attention_ms_per_mpair {m.attention_ms_per_mpair:.4f}")

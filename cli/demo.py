@@ -5,8 +5,25 @@ import json
 from pathlib import Path
 
 import click
+import httpx
 
-from cli.accuracy import Outcome, load_workload, run_workload, shared_prefix_workload, summarize
+from cli.accuracy import Outcome, WorkloadError, load_workload, run_workload, shared_prefix_workload, summarize
+
+
+def _run_workload(*args, **kwargs) -> list[Outcome]:
+    """run_workload, with a refused request or an unreachable engine/predictor as one clear line."""
+    try:
+        return run_workload(*args, **kwargs)
+    except WorkloadError as exc:
+        raise click.ClickException(str(exc)) from None
+    except httpx.HTTPError as exc:
+        try:
+            where = str(exc.request.url)
+        except RuntimeError:  # no request attached
+            where = "the engine or the predictor"
+        raise click.ClickException(f"cannot reach {where}: {exc or type(exc).__name__}") from None
+    except TimeoutError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _row(r: Outcome) -> None:
@@ -17,7 +34,7 @@ def _row(r: Outcome) -> None:
 def print_demo(engine_url: str, predictor_url: str, model: str, requests: list[dict] | None = None) -> bool:
     click.echo(f"demo: shared-prefix workload against {engine_url}, predicting just before each request\n")
     click.echo(f"  {'#':>3} {'prompt':>8} {'predicted':>10} {'actual':>8}  {'best pod':<12}")
-    results = run_workload(engine_url, predictor_url, model, requests or shared_prefix_workload(), on_result=_row)
+    results = _run_workload(engine_url, predictor_url, model, requests or shared_prefix_workload(), on_result=_row)
     s = summarize(results)
     click.echo(f"\n  {s['exact']}/{s['requests']} predictions exact; {s['requests_with_hits']} requests hit the cache\n")
     return s["exact"] == s["requests"]
@@ -47,10 +64,10 @@ def accuracy(engine_url, predictor_url, model, workload_path, as_json) -> None:
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     if as_json:
-        results = run_workload(engine_url, predictor_url, model, reqs)
+        results = _run_workload(engine_url, predictor_url, model, reqs)
         click.echo(json.dumps({"summary": summarize(results), "requests": [r.__dict__ for r in results]}, indent=2))
         return
     click.echo(f"  {'#':>3} {'prompt':>8} {'predicted':>10} {'actual':>8}  {'best pod':<12}")
-    s = summarize(run_workload(engine_url, predictor_url, model, reqs, on_result=_row))
+    s = summarize(_run_workload(engine_url, predictor_url, model, reqs, on_result=_row))
     click.echo(f"\n  exact: {s['exact']}/{s['requests']} ({s['exact_rate']:.1%}); mean |error| "
                f"{s['mean_abs_error_tokens']} tokens, max {s['max_abs_error_tokens']}")

@@ -19,6 +19,8 @@ from shared.events import topic_or_none
 def _run(coro):
     try:
         return asyncio.run(coro)
+    except BrokenPipeError:  # the reader left (`index export | head -2`): click stops quietly, as for any command
+        raise
     except (OSError, ConnectionError) as exc:
         raise click.ClickException(f"cannot reach Valkey: {exc}") from None
     except LayoutError as exc:
@@ -29,6 +31,15 @@ def _run(coro):
         raise
 
 
+def _unknown_pods(asked, known, where: str = "the index knows") -> None:
+    """``--pod nope`` is an error naming it, not an empty success."""
+    missing = sorted(set(asked) - set(known))
+    if missing:
+        names = ", ".join(sorted(known)[:10]) + (" ..." if len(known) > 10 else "")
+        raise click.ClickException(f"unknown pod{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+                                   f"{where} {names or 'no pod'}")
+
+
 def _emit(as_json: bool, data: Any, human) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -36,13 +47,25 @@ def _emit(as_json: bool, data: Any, human) -> None:
         human(data)
 
 
-def _index(valkey_url: str | None) -> Index:
+def _config(**flags) -> Config:
+    """Config.load with a bad value (flag or KVPF_*) as one clear line."""
     try:
-        cfg = Config.load(valkey_url=valkey_url)
+        return Config.load(**flags)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    return Index.from_url(cfg.valkey_url, timeout_s=max(cfg.valkey_timeout_s, 5.0), entry_format=cfg.entry_format,
-                          cluster=cfg.cluster_mode())
+
+
+def _index(valkey_url: str | None) -> Index:
+    from shared.backends.cluster import probe_cluster
+
+    cfg = _config(valkey_url=valkey_url)
+    timeout_s = max(cfg.valkey_timeout_s, 5.0)
+    cluster = cfg.cluster_mode()
+    if cluster is None:
+        # asked here: a node that does not answer is taken for a single node without the service's warning,
+        # and the first command then fails with the real cause (refused, auth) as the one error line
+        cluster = bool(probe_cluster(cfg.valkey_url, timeout_s))
+    return Index.from_url(cfg.valkey_url, timeout_s=timeout_s, entry_format=cfg.entry_format, cluster=cluster)
 
 
 async def _open(valkey_url: str | None) -> Index:
@@ -66,11 +89,11 @@ def index_group() -> None:
 
 
 def _pod_row(p, now: float) -> dict[str, Any]:
-    return {
-        "pod_id": p.pod_id, "model": p.model, "engine_block_size": p.engine_block_size, "blocks": p.blocks,
-        "seq": p.seqs, "last_event_age_s": None if p.last_event_time is None else round(now - p.last_event_time, 3),
-        "incomplete": p.incomplete, "incomplete_reason": p.incomplete_reason, "counters": p.counters,
-    }
+    """A pod as GET /stats shows it (predictor.stats.pod_stats: one naming for both), plus ``seq``, the
+    name this command used before (same value as ``last_seq``), kept for scripts that read it."""
+    from predictor.stats import pod_stats
+
+    return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items()))}
 
 
 @index_group.command()
@@ -82,8 +105,11 @@ def stats(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            return {"keys": await ix.key_count(), "used_memory_bytes": await ix.memory_usage(),
-                    "pods": [_pod_row(p, now) for p in await ix.pods()], "counters": await ix.counters()}
+            keys, counters = await ix.key_count(), await ix.counters()
+            # /stats's names (index_keys, index_counters); keys and counters are the old aliases
+            return {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(),
+                    "pods": [_pod_row(p, now) for p in await ix.pods()], "index_counters": counters,
+                    "keys": keys, "counters": counters}
         finally:
             await ix.close()
 
@@ -204,7 +230,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
             raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
     else:
         tokens = _read_tokens(tokens_spec)
-    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
+    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
     try:
         keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
     except ValueError as exc:
@@ -256,6 +282,7 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
     async def go():
         ix = await _open(valkey_url)
         try:
+            _unknown_pods([pod_id], await ix.pod_ids())
             n = await ix.clear_pod(pod_id, forget=forget)
             if not forget:  # the engine still holds those blocks: say so until it resets
                 await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
@@ -278,7 +305,9 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
         ix = await _open(valkey_url)
         total = 0
         try:
-            for pod_id in pod_ids or sorted(await ix.pod_ids()):
+            known = await ix.pod_ids()
+            _unknown_pods(pod_ids, known)
+            for pod_id in pod_ids or sorted(known):
                 info = await ix.pod_info(pod_id)
                 output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
                                          "seqs": info.seqs}) + "\n")
@@ -382,40 +411,46 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     from ingester.service import Ingester
     from ingester.subscriber import discover, fetch_replay
 
-    cfg = Config.load(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
+    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
     async def go():
         ix = await _open(valkey_url)
         report = []
         try:
             ing = Ingester(cfg, ix, [])
+            found = []  # every engine is asked first: a --pod no engine publishes wipes nothing
             for url in engines:
                 try:
-                    sources = await discover(url)
+                    found += [(url, src) for src in await discover(url)]
                 except httpx.HTTPError as exc:
                     raise click.ClickException(f"{url}/kv_event_sources: {exc}") from None
-                for src in sources:
-                    topic = src.named_topic or topic_or_none(src.topic)  # SGLang: named by its server address
-                    if not src.replay or topic is None:
-                        click.echo(f"{url}: no replay endpoint, or no kv@POD@MODEL topic; skipped", err=True)
-                        continue
-                    pod, model = topic.pod_id, topic.model
-                    if only_pods and pod not in only_pods:
-                        continue
-                    click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
-                    frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
-                    frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
-                    await ix.clear_pod(pod, forget=True)
-                    for i, f in enumerate(frames, 1):
-                        await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
-                        if i % 1000 == 0:
-                            click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
-                    info = await ix.pod_info(pod)
-                    first = frames[0].seq if frames else None
-                    report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
-                                   "last_seq": frames[-1].seq if frames else None,
-                                   "covers_full_history": first == 0 and complete,
-                                   "blocks": info.blocks, "incomplete": info.incomplete})
+            def topic_of(src):
+                return src.named_topic or topic_or_none(src.topic)  # SGLang: named by its server address
+
+            _unknown_pods(only_pods, {t.pod_id for _, src in found if (t := topic_of(src)) is not None},
+                          "the engines publish")
+            for url, src in found:
+                topic = topic_of(src)
+                if not src.replay or topic is None:
+                    click.echo(f"{url}: no replay endpoint, or no kv@POD@MODEL topic; skipped", err=True)
+                    continue
+                pod, model = topic.pod_id, topic.model
+                if only_pods and pod not in only_pods:
+                    continue
+                click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
+                frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
+                frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
+                await ix.clear_pod(pod, forget=True)
+                for i, f in enumerate(frames, 1):
+                    await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+                    if i % 1000 == 0:
+                        click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
+                info = await ix.pod_info(pod)
+                first = frames[0].seq if frames else None
+                report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
+                               "last_seq": frames[-1].seq if frames else None,
+                               "covers_full_history": first == 0 and complete,
+                               "blocks": info.blocks, "incomplete": info.incomplete})
         finally:
             await ix.close()
         return report

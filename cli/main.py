@@ -251,3 +251,8 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     run(cfg)
+
+
+from cli.env import apply_env  # noqa: E402
+
+apply_env(cli)  # last: every command above is defined; each option reads KVPF_<NAME> (cli/env.py)

@@ -14,10 +14,11 @@ from predictor.tokenizer_check import ParityReport, Sample, builtin_samples, che
 
 
 def model_root(engine_url: str, model: str, timeout_s: float = 5.0) -> str | None:
-    """The engine's local model directory from ``/v1/models`` (vLLM's ``root``), when this host can read it."""
+    """The engine's local model directory from ``/v1/models`` (vLLM's ``root``), when this host can read it.
+    An engine that cannot be reached raises httpx.HTTPError: that, not the directory, is the problem to report."""
     try:
         data = httpx.get(engine_url.rstrip("/") + "/v1/models", timeout=timeout_s).json().get("data", [])
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (ValueError, AttributeError):
         return None
     for m in data:
         if isinstance(m, dict) and m.get("id") == model:
@@ -70,7 +71,14 @@ def check(model, engine_url, tokenizer_dir, samples_path, no_builtin, timeout, a
 
     Exit status: 0 identical, 1 some sample differs, 2 the engine could not be asked.
     """
-    directory = tokenizer_dir or model_root(engine_url, model)
+    if not engine_url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"--engine-url {engine_url!r} needs a scheme: http://HOST:PORT")
+    try:
+        directory = tokenizer_dir or model_root(engine_url, model)
+    except httpx.HTTPError as exc:
+        click.echo(f"Error: the engine at {engine_url} is unreachable ({exc or type(exc).__name__}); "
+                   "it is the reference, start it or fix --engine-url", err=True)
+        raise SystemExit(2) from None
     if not directory:
         raise click.UsageError(f"--tokenizer-dir not given and the engine's root for {model!r} is not a local "
                                "directory with tokenizer.json")

@@ -7,6 +7,7 @@ its log under .data/logs, so what runs here is what runs in production.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,11 @@ import click
 import httpx
 
 from cli.valkey_cluster import ValkeyCluster
+from shared.config import Config, parse_model_urls
 from cli.valkey_server import ValkeyServer, free_port
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -33,22 +38,30 @@ class Stack:
     data_dir: Path
     children: list[Child] = field(default_factory=list)
     valkey: ValkeyServer | ValkeyCluster | None = None
+    stopping: bool = False
 
     def spawn(self, name: str, args: list[str]) -> Child:
         log_dir = self.data_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"{name}.log"
         fh = open(log, "a")
+        # A session of its own: Ctrl-C reaches `up` alone, which stops the children in order. Sharing the
+        # terminal's process group, they exited on the same SIGINT, and up took one for a crash.
         proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=True)
         child = Child(name, proc, log)
         self.children.append(child)
         return child
 
     def check(self) -> Child | None:
+        """A child that exited on its own; None once we are stopping them (their exits are ours)."""
+        if self.stopping:
+            return None
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop(self) -> None:
+        self.stopping = True
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -61,19 +74,88 @@ class Stack:
             self.valkey.stop()
 
 
-def wait_http(url: str, stack: Stack, what: str, timeout_s: float = 60) -> None:
+def last_error(log: Path) -> str:
+    """The line of a child's log that says why it stopped: its last error line, else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    # case-sensitive: "INFO uvicorn.error: Application shutdown complete" is not the reason
+    errors = [ln for ln in lines if re.search(r"\bERROR\b|\bError\b|\[Errno|Exception|refused|denied|in use", ln)]
+    return (errors or lines or ["(its log is empty)"])[-1]
+
+
+def exited(child: Child) -> str:
+    return f"{child.name} exited ({child.proc.returncode}): {last_error(child.log)}  (log: {child.log})"
+
+
+def descendants(pid: int) -> set[int]:
+    """pid and every process below it, from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for p, ppid in parents.items():
+            if ppid in tree and p not in tree:
+                tree.add(p)
+                grew = True
+    return tree
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether ``pid`` or a process below it holds the socket listening on ``port``: the server that
+    answers is the child we started, not whatever already had the port. None where /proc cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    if not Path("/proc/net/tcp").exists():
+        return None
+    for p in descendants(pid):
+        try:
+            fds = list(Path(f"/proc/{p}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+def wait_http(url: str, stack: Stack, what: str, child: Child | None = None, timeout_s: float = 60) -> None:
+    """Until ``url`` answers 200 from ``child`` (when given): a server already on that port answering in
+    its place is not readiness; the child then exits with its own error, which is what we show."""
+    port = httpx.URL(url).port
     deadline = time.monotonic() + timeout_s
+    foreign = False
     while time.monotonic() < deadline:
         dead = stack.check()
         if dead:
-            raise click.ClickException(f"{dead.name} exited ({dead.proc.returncode}); last log lines:\n"
-                                       + "\n".join(dead.log.read_text().splitlines()[-15:]))
+            raise click.ClickException(exited(dead))
         try:
             if httpx.get(url, timeout=1).status_code == 200:
-                return
+                if child is None or port is None or listens_on(child.proc.pid, port) is not False:
+                    return
+                foreign = True
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+    if foreign:
+        raise click.ClickException(f"another server answers at {url}, not the {what} up started (its log: "
+                                   f"{child.log}); choose a free port")
     raise click.ClickException(f"{what} did not become ready at {url} within {timeout_s}s")
 
 
@@ -102,8 +184,15 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     stack = Stack(data_dir)
     n = 5
     rc = 0
-    original = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        Config.load(valkey_url=valkey_url, engines=engines,
+                    engine_urls=parse_model_urls(engine_urls) if engine_urls else None)
+    except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
+        raise click.UsageError(str(exc)) from None
+    # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
     try:
         if valkey_url:
             step(1, n, f"using Valkey at {valkey_url.split('@')[-1]}")
@@ -127,14 +216,15 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
         else:
             step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
+            sims = []
             for i in range(sim_engines):
                 http, zp, rp = free_port(), free_port(), free_port()
-                stack.spawn(f"engine-sim-{i}", ["simulate", "--pod", f"sim-{i}", "--model", model, "--port", str(http),
-                                                "--zmq", f"tcp://*:{zp}", "--replay", f"tcp://*:{rp}",
-                                                "--block-size", str(sim_block_size), "--blocks", str(sim_blocks)])
+                sims.append(stack.spawn(f"engine-sim-{i}", [
+                    "simulate", "--pod", f"sim-{i}", "--model", model, "--port", str(http), "--zmq", f"tcp://*:{zp}",
+                    "--replay", f"tcp://*:{rp}", "--block-size", str(sim_block_size), "--blocks", str(sim_blocks)]))
                 engine_list.append(f"http://127.0.0.1:{http}")
-            for url in engine_list:
-                wait_http(url + "/v1/models", stack, "simulated engine")
+            for url, sim in zip(engine_list, sims):
+                wait_http(url + "/v1/models", stack, "simulated engine", sim)
             for url in engine_list:
                 click.echo(f"      engine: {url}")
         step(3, n, f"starting {ingesters} ingester(s) ...")
@@ -152,9 +242,9 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         for u in urls:
             serve += ["--engine-url", u]
         serve += serve_args(serve_options)
-        stack.spawn("predictor", serve)
+        predictor_child = stack.spawn("predictor", serve)
         predictor = f"http://127.0.0.1:{port}"
-        wait_http(predictor + "/health", stack, "predictor")
+        wait_http(predictor + "/health", stack, "predictor", predictor_child)
         served_model = urls[0].split("=", 1)[0]
         step(5, n, click.style("ready", fg="green"))
         click.echo(f"""
@@ -184,15 +274,18 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         while True:
             dead = stack.check()
             if dead:
-                click.echo(f"{dead.name} exited ({dead.proc.returncode}); see {dead.log}. Stopping.", err=True)
+                click.echo(f"Error: {exited(dead)}. Stopping.", err=True)
                 rc = 1
                 return
             time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo("\nstopping ...")
     finally:
+        for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
-        signal.signal(signal.SIGTERM, original)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
         click.echo("stopped.")
         if rc:
             sys.exit(rc)
@@ -230,6 +323,14 @@ def serve_args(values: dict) -> list[str]:
             for v in value if opt.multiple else (value,):
                 out += [opt.opts[0], str(v)]
     return out
+
+
+def _interrupt(*_) -> None:
+    """Ctrl-C or SIGTERM: stop, once. Further signals are ignored from here, so a repeated Ctrl-C
+    cannot interrupt the stop half-way (a traceback, children left running)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _served_models(engine_url: str) -> list[str]:

@@ -166,16 +166,23 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = []
+        # Start-up: one line per dependency with its state, also when it is down (engines: predictor/load.py).
+        where = cfg.valkey_url.split("@")[-1]
         try:
             # An index of another layout version is refused before serving (kv-preflight index migrate).
-            await predictor.index.check_layout()
+            version = await predictor.index.check_layout()
+            log.info("start-up: Valkey %s: up, index layout %s", where, version)
         except VALKEY_ERRORS as exc:  # Valkey down: serve 503s now, the index is read when it is back
-            log.warning("index layout not checked now: %s", exc)
+            log.warning("start-up: Valkey %s: unreachable (%s); predictions answer 503 until it is back, "
+                        "index layout not checked yet", where, exc)
         if predictor.tokenization.pending():
             # before serving: a model whose local tokenizer disagrees with its engine must not be used
             await predictor.tokenization.run_checks()
             if predictor.tokenization.pending():
                 tasks.append(asyncio.create_task(predictor.tokenization.keep_checking()))
+        for model, tok in predictor.tokenization.status().items():
+            log.info("start-up: tokenizer for %s: %s (check %s)%s", model, tok["source"], tok["check"],
+                     f": {tok['detail']}" if tok.get("detail") else "")
         if predictor.load is not None:
             tasks.append(asyncio.create_task(predictor.load.run()))
         try:

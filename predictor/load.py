@@ -74,6 +74,7 @@ class LoadMonitor:
     failures: dict[str, str] = field(default_factory=dict)  # pod -> last scrape error, while failing
     scrapes: int = 0
     scrape_errors: int = 0
+    up: dict[str, bool] = field(default_factory=dict)  # engine URL -> answered its last scrape (for the log)
 
     @classmethod
     def from_config(cls, pod_metrics: Mapping[str, str], engine_urls: Mapping[str, str],
@@ -122,8 +123,9 @@ class LoadMonitor:
             if t.pod_id is None:
                 t.pod_id = await _discover_pod(client, t.base_url)
                 if t.pod_id is None:
+                    self._log_state(t, False, "unreachable (its /kv_event_sources does not answer); asked again "
+                                              "every scrape")
                     return
-                log.info("load: engine %s is pod %s", t.base_url, t.pod_id)
                 with_models = True
             resp = await client.get(t.metrics_url)
             resp.raise_for_status()
@@ -136,15 +138,26 @@ class LoadMonitor:
                 if r.status_code == 200:
                     names = {str(m.get("id")) for m in _models_decoder.decode(r.content).data if m.get("id")}
                     self.served[t.pod_id] = frozenset(names)
-            if self.failures.pop(t.pod_id, None) is not None:
-                log.info("load: %s answers again", t.pod_id)
+            self.failures.pop(t.pod_id, None)
+            self._log_state(t, True, f"up, pod {t.pod_id}; running {parsed[0]:g}, waiting {parsed[1]:g}, "
+                                     f"kv usage {parsed[2]:.0%}")
         except (httpx.HTTPError, ValueError, msgspec.DecodeError) as exc:
             self.scrape_errors += 1
             if t.pod_id is not None:
-                if t.pod_id not in self.failures:
-                    log.warning("load: cannot scrape %s (%s): %s", t.pod_id, t.metrics_url, exc)
+                self._log_state(t, False, f"pod {t.pod_id}: cannot scrape {t.metrics_url}: "
+                                          f"{exc or type(exc).__name__}")
                 self.failures[t.pod_id] = f"{type(exc).__name__}: {exc}"
                 self.loads.pop(t.pod_id, None)
+
+    def _log_state(self, t: Target, up: bool, detail: str) -> None:
+        """One line per engine at start-up (its first scrape, also when it is down), then one per change:
+        a scrape every second must not write a line every second."""
+        was = self.up.get(t.base_url)
+        self.up[t.base_url] = up
+        if was is None:
+            (log.info if up else log.warning)("start-up: engine %s: %s", t.base_url, detail)
+        elif was != up:
+            (log.info if up else log.warning)("engine %s: %s", t.base_url, "answers again, " + detail if up else detail)
 
 
 async def _discover_pod(client: httpx.AsyncClient, base_url: str) -> str | None:

@@ -104,7 +104,8 @@ class Config:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             env = os.environ.get(ENV_PREFIX + f.name.upper())
-            if env is not None:
+            # empty means unset (KVPF_X="" from a template); KVPF_API_KEYS keeps it, validate() refuses it
+            if env is not None and (env.strip() or f.name == "api_keys"):
                 values[f.name] = _parse_env(f, env)
         for name, value in overrides.items():
             if value is None or (isinstance(value, (tuple, list, dict)) and not value and name in values):
@@ -128,6 +129,9 @@ class Config:
         if not self.valkey_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"valkey_url {self.valkey_url.split('@')[-1]!r} needs a scheme: redis://HOST:PORT, "
                              "rediss:// (TLS) or unix:///path")
+        for url in self.engines:  # else the ingester retries a URL that can never work, forever
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--engine expects http://HOST:PORT, got {url!r}")
         if self.valkey_cluster not in ("auto", "yes", "no"):
             raise ValueError(f"valkey_cluster must be auto, yes or no, got {self.valkey_cluster!r}")
         if self.lookup not in ("script", "pipeline"):

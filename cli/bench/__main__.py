@@ -617,15 +617,31 @@ def _strip(d: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> None:
+ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "warnings")
+
+
+def parser() -> argparse.ArgumentParser:
+    """bench's options; each also reads KVPF_<NAME>, as every CLI option does (cli/env.py)."""
+    from cli.env import env_default
+
     ap = argparse.ArgumentParser(prog="kv-preflight bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer requests and blocks: a smoke run, figures are noisier")
-    ap.add_argument("--only", default="keys,ingest,http,scaling,cluster,warnings",
-                    help="comma list of: keys, ingest, http, scaling, cluster, warnings")
-    ap.add_argument("--json", dest="json_out", default=None, help="write every figure to this JSON file")
+    ap.add_argument("--quick", action="store_true", default=env_default("--quick", "") not in ("", "0", "false", "no", "off"),
+                    help="fewer requests and blocks: a smoke run, figures are noisier  [env KVPF_QUICK]")
+    ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,warnings"),
+                    help=f"comma list of: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone)  [env KVPF_ONLY]")
+    ap.add_argument("--json", dest="json_out", default=env_default("--json", None),
+                    help="write every figure to this JSON file  [env KVPF_JSON]")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     a = ap.parse_args(argv)
-    only = set(a.only.split(","))
+    only = {name.strip() for name in a.only.split(",") if name.strip()}
+    unknown = sorted(only - set(ROWS))
+    if unknown or not only:
+        ap.error(f"--only {a.only!r}: unknown {', '.join(unknown) or 'empty list'}; valid names: {', '.join(ROWS)}")
     t0 = time.perf_counter()
     m = machine()
     print(f"kv-preflight bench on {m['cpu']}, {m['nproc']} cores, load average {m['loadavg_start'][0]:.2f}", flush=True)

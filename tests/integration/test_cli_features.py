@@ -91,3 +91,49 @@ def test_bad_input_is_one_clear_line_not_a_traceback(args, says):
     assert out.returncode != 0
     assert "Traceback" not in out.stderr + out.stdout
     assert says in out.stderr
+
+
+def test_calibrate_says_how_many_rows_were_left_out_and_why(tmp_path):
+    """A 40-row file printed "35 observations" without saying 5 were dropped (Operator experience, 8)."""
+    rows = [{"prompt_tokens": 100 + 37 * i, "cached_tokens": 0, "ttft_ms": 5 + 0.01 * (100 + 37 * i)} for i in range(35)]
+    rows += [{"prompt_tokens": 200 + 50 * i, "cached_tokens": 0, "ttft_ms": 900.0 + i} for i in range(5)]  # queued
+    data = tmp_path / "obs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = CliRunner().invoke(cli, ["calibrate", "--input", str(data)])
+    assert res.exit_code == 0, res.output
+    assert "*: 40 observations, 5 slow outlier(s) left out (--no-robust keeps them), fitted on 35" in res.output
+    kept = CliRunner().invoke(cli, ["calibrate", "--input", str(data), "--no-robust"])
+    assert "*: 40 observations, fitted on 40" in kept.output
+
+
+def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
+    """`/stats` said index_keys and last_seq where `index stats --json` said keys and seq (finding 8)."""
+    import asyncio
+    import time
+
+    from predictor.stats import build_stats
+    from shared.index import Index, StoreBlock, encode_entry, make_entry
+
+    async def write():
+        ix = Index.from_url(valkey_url)
+        try:
+            await ix.apply_batch(pod_id="pod-n", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
+                                 mutations=[StoreBlock(5, "gpu", encode_entry(make_entry("pod-n", "GPU", 0)), (50,))])
+            return await ix.pod_infos(["pod-n"])
+        finally:
+            await ix.close()
+
+    pods = asyncio.run(write())
+    res = CliRunner().invoke(cli, ["index", "stats", "--valkey-url", valkey_url, "--json"])
+    cli_stats = json.loads(res.stdout)
+    http_stats = build_stats(key_count=1, pods=pods, index_counters={}, process=_process(), now=time.time())
+    assert {"index_keys", "pods", "index_counters"} <= set(cli_stats) & set(http_stats)
+    assert set(http_stats["pods"][0]) <= set(cli_stats["pods"][0])
+    assert cli_stats["pods"][0]["last_seq"] == {"0": 0} == cli_stats["pods"][0]["seq"]  # old name kept
+    assert cli_stats["keys"] == cli_stats["index_keys"]
+
+
+def _process():
+    from predictor.stats import ProcessCounters
+
+    return ProcessCounters()

@@ -1,0 +1,117 @@
+"""Every command in README.md's code blocks, run against a live stack (Operator experience, finding 8).
+
+The README's first command starts the stack (`kv-preflight up --demo`, what `scripts/up --demo` runs
+after its set-up, on free ports through KVPF_PORT and KVPF_DATA_DIR); every curl and command is then run
+as printed, with localhost:8080 pointed at that stack. A command that cannot run here is in SKIPPED with
+the reason; a command that is in neither table fails the test, so a new README command is run or
+explicitly skipped, never silently unchecked. The curls `up` prints are run too ("a curl that works as
+printed").
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.valkey_server import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+
+# Fenced blocks that hold no shell commands, by their first line.
+NOT_SHELL = {
+    " write path                                              read path": "the architecture diagram",
+}
+# Commands that start the stack the others run against.
+STACK = "scripts/up --demo"
+# Commands run against the stack as printed (localhost:8080 pointed at it): how each one's answer is checked.
+RUN = {
+    "curl -s localhost:8080/v1/cache/predict -H 'content-type: application/json' -d '{\"model\": \"sim-model\", "
+    "\"token_ids\": [101, 2023, 2003, 1037, 2146, 3291, 2005, 1996, 2434, 1012]}'": "prediction",
+    "curl -s localhost:8080/v1/cache/predict -H 'content-type: application/json' -d '{\"model\": \"sim-model\", "
+    "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"pods\": [\"sim-0\"]}'": "prediction",
+}
+SKIPPED = {
+    "scripts/test": "runs the whole test suite, this test included",
+    "kv-preflight tokenizer check --model tiny --engine-url http://127.0.0.1:8100 --samples "
+    "examples/tokenizer-samples.jsonl": "needs a real vLLM serving `tiny` on :8100 (tests/e2e/test_vllm_features.py)",
+    "kv-preflight accuracy --engine-url $VLLM --predictor-url $PREDICTOR --model tiny --workload "
+    "examples/workload.jsonl": "needs a real vLLM serving `tiny` (tests/e2e/test_vllm_features.py runs it)",
+    "vllm serve MODEL --enable-prefix-caching --enable-prompt-tokens-details --kv-events-config "
+    "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":"
+    "\"tcp://*:5558\",\"topic\":\"kv@POD@MODEL\"}'": "a real vLLM; the e2e tests start one through KVPF_VLLM_UP",
+    "kv-preflight ingest --valkey-url redis://valkey:6379/0 --engine http://POD:8000":
+        "a deployment's host names (valkey, POD); `up` runs the same ingest against its engines",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Each shell command of each fenced block (continuation lines joined); in a transcript, the $ lines."""
+    out = []
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        lines = body.splitlines()
+        if lang == "json" or not lines or lines[0] in NOT_SHELL:
+            continue
+        joined = re.sub(r"\\\n\s*", "", body).splitlines()
+        if any(line.startswith("$ ") for line in joined):
+            joined = [line[2:] for line in joined if line.startswith("$ ")]
+        out += [" ".join(line.split()) for line in joined if line.strip()]
+    return out
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason():
+    cmds = readme_commands(README.read_text())
+    unclassified = [c for c in cmds if c != STACK and c not in RUN and c not in SKIPPED]
+    assert not unclassified, f"README commands neither run nor skipped by tests/integration/test_readme.py: {unclassified}"
+    stale = [c for c in [*RUN, *SKIPPED] if c not in cmds]
+    assert not stale, f"no longer in README.md: {stale}"
+    assert STACK in cmds
+
+
+def _check_prediction(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert "error" not in body and isinstance(body["predicted_cached_tokens"], int), body
+
+
+def test_readme_commands_run_against_a_live_stack(tmp_path):
+    port = free_port()
+    env = dict(os.environ, KVPF_PORT=str(port), KVPF_DATA_DIR=str(tmp_path / ".data"), KVPF_WORKERS="1")
+    log = tmp_path / "up.out"
+    # STACK as scripts/up runs it after `scripts/setup` (which installs .venv and valkey-server)
+    args = [sys.executable, "-m", "cli", "up", *STACK.split()[1:]]
+    with open(log, "w") as fh:
+        up = subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops everything" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        printed = log.read_text()
+        assert "12/12 predictions exact" in printed and f"127.0.0.1:{port}" in printed
+        for cmd, check in RUN.items():
+            out = subprocess.run(["bash", "-c", cmd.replace("localhost:8080", f"127.0.0.1:{port}")],
+                                 capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert check == "prediction"
+            _check_prediction(out)
+        # "prints the URLs and a curl that works as printed"
+        shown = re.findall(r"^\s+(curl .*?)(?=^\s+curl |^\s+\(|\Z)", printed.split("try:", 1)[1], re.S | re.M)
+        assert len(shown) == 2, printed
+        for cmd in shown:
+            out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and "error" not in json.loads(out.stdout), out.stdout + out.stderr
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(timeout=120) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    assert log.read_text().rstrip().endswith("stopped."), log.read_text()

@@ -1,0 +1,53 @@
+"""Statements in README.md and docs/ that the code can check (Operator experience, finding 8)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+
+
+def test_bench_only_names_in_the_readme_are_the_valid_ones():
+    from cli.bench.__main__ import ROWS
+
+    line = next(ln for ln in README.splitlines() if "kv-preflight bench [" in ln)
+    assert re.search(r"--only ([a-z,]+)", line).group(1).split(",") == list(ROWS)
+
+
+def test_connecting_vllm_enables_prompt_tokens_details():
+    """Without it vLLM returns no cached_tokens, and accuracy/demo read every request as a miss."""
+    block = README.split("## Connecting vLLM", 1)[1].split("```")[1]
+    assert "vllm serve" in block and "--enable-prompt-tokens-details" in block
+
+
+def test_json_is_promised_only_where_it_exists():
+    from cli.env import walk
+    from cli.main import cli
+
+    no_json = sorted(" ".join(p) for p, cmd in walk(cli) if p[0] == "index"
+                     and not any("--json" in getattr(o, "opts", ()) for o in cmd.params))
+    assert no_json == ["index export"]
+    row = next(ln for ln in README.splitlines() if ln.startswith("| `kv-preflight index stats"))
+    assert "`--json` for scripts on all but `export`" in row
+
+
+def test_benchmarks_md_says_up_and_compose_set_the_listpack_value():
+    from cli.valkey_server import ValkeyServer  # noqa: F401  (the args are built in its start())
+
+    assert '"--hash-max-listpack-value", "128"' in (REPO / "cli" / "valkey_server.py").read_text()
+    assert '"--hash-max-listpack-value", "128"' in (REPO / "compose" / "docker-compose.yml").read_text()
+    text = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
+    assert "nor the compose stack sets it" not in text
+    assert "`kv-preflight up` (cli/valkey_server.py, cli/valkey_cluster.py) and the compose stack" in text
+
+
+def test_the_e2e_launcher_contract_and_the_model_are_documented():
+    ops = (REPO / "docs" / "operations.md").read_text()
+    assert "## End-to-end tests against a real vLLM" in ops and "KVPF_VLLM_UP" in ops
+    for arg in ("--pod", "--port", "--zmq-port", "--replay-port", "--blocks", "--log", "--bind-events", "READY <http-url>"):
+        assert arg in ops
+    conftest = (REPO / "tests" / "e2e" / "conftest.py").read_text()
+    for arg in ("--pod", "--port", "--zmq-port", "--replay-port", "--blocks", "--log", "--bind-events", "READY "):
+        assert f'"{arg}' in conftest  # the contract is what the tests call
+    assert "2-layer Llama" in README and "KVPF_VLLM_UP" in README
