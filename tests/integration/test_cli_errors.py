@@ -130,7 +130,8 @@ def test_accuracy_shows_the_engines_400_in_one_line(valkey_url, tmp_path):
 # ---- every command, bad input
 
 # Options whose value is free text: no value is wrong in itself.
-FREE_TEXT = {"--model", "--pod", "--hash-seed", "--host", "--metrics-host", "--prompt"}
+FREE_TEXT = {"--model", "--pod", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
+             "--cache-salt", "--ingester-id", "--api-key"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
 DAEMONS = {"ingest", "serve", "up", "simulate"}
 # Where a generic bad value does not apply: (command, flag, case) -> why
@@ -162,14 +163,24 @@ def _bad_values(cmd_name: str, opt: click.Option, tmp_path) -> list[tuple[str, s
     if flag == "--valkey-url":
         cases = [("no-scheme", "localhost:1")]
         return cases + ([] if cmd_name in DAEMONS else [("unreachable", DEAD_VALKEY)])
-    if flag == "--tokens":
+    if flag in ("--tokens", "--compare-tokens"):
         return [("missing-file", "@/nonexistent"), ("not-json", "[1,"), ("not-a-list", "{}")]
+    if flag in ("--messages", "--compare-messages"):
+        return [("not-json", "[1,")]
+    if flag == "--url":
+        return [("no-scheme", "localhost:1"), ("unreachable", "http://127.0.0.1:9")]
+    if flag == "--engines-from":
+        return [("bad-scheme", "bogus://x")]
+    if flag == "--target-ports":
+        return [("not-ports", "abc")]
+    if flag == "--register-allow":
+        return [("not-a-host-or-cidr", "10.0.0.0/99")]
     if flag in ("--engine-url", "--predictor-url", "--engine", "--pod-metrics"):
         cases = [("no-scheme", "localhost:1" if "=" not in _good(cmd_name, opt) else "m=localhost:1")]
         return cases + ([] if cmd_name in DAEMONS else [("unreachable", _good(cmd_name, opt))])
     if flag in ("--source", "--bind", "--zmq", "--replay"):
         return [("bad-endpoint", "nonsense")]
-    if flag in ("--tokenizer", "--route-tier-weight"):
+    if flag in ("--tokenizer", "--route-tier-weight", "--lora-name"):
         return [("bad-pair", "no-equals-sign")]
     if flag in FREE_TEXT:
         return []
