@@ -190,7 +190,6 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
         raise click.UsageError(str(exc)) from None
     # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
     try:
@@ -284,8 +283,8 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the stop short
             signal.signal(sig, signal.SIG_IGN)
         stack.stop()
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+        # The handlers stay ignored until the process exits: a Ctrl-C pressed just after the stop (a
+        # terminal sends one per key press) would otherwise end it with a KeyboardInterrupt traceback.
         click.echo("stopped.")
         if rc:
             sys.exit(rc)

@@ -355,9 +355,13 @@ class FleetMember:
         """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
         else it stays flagged incomplete until its next cache reset (an engine restart resets it too)."""
         rebuilt = await self.ing.rebuild_pod(pod)
-        log.warning("pod %s is back after retirement: %s", pod,
-                    "rebuilt from the engine's replay buffer" if rebuilt else
-                    "its replay buffer no longer reaches its first event; flagged incomplete until its next reset")
+        if rebuilt:
+            how = "rebuilt from the engine's replay buffer"
+        elif (await self.index.pod_info(pod)).incomplete:
+            how = "its replay buffer no longer reaches its first event; flagged incomplete until its next reset"
+        else:
+            how = "its engine restarted meanwhile: its entries start empty, exact"
+        log.warning("pod %s is back after retirement: %s", pod, how)
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)
 
 

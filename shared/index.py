@@ -458,20 +458,30 @@ class Index:
     async def fleet_view(self) -> fleet.FleetView:
         """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
         (on a cluster: one per shard holding them). Rows that do not decode are skipped."""
-        def fill(pipe) -> None:
-            pipe.time()
-            pipe.hgetall(FLEET_KEY)
-            pipe.hgetall(LOAD_KEY)
-            pipe.hgetall(INGESTERS_KEY)
-
-        now, pods, load, leases = _foreign_as_empty(await self._read_pipeline(fill))
-        seconds, micros = now
+        now, pods, load, leases = await self._timed_read(FLEET_KEY, LOAD_KEY, INGESTERS_KEY)
         return fleet.FleetView(
-            now_ms=int(seconds) * 1000 + int(micros) // 1000,
+            now_ms=now,
             pods={text(k): r for k, v in (pods or {}).items() if (r := fleet.decode_pod(v)) is not None},
             load={text(k): r for k, v in (load or {}).items() if (r := fleet.decode_load(v)) is not None},
             ingesters={text(k): r for k, v in (leases or {}).items()
                        if (r := fleet.decode_lease(v)) is not None})
+
+    async def _timed_read(self, *hashes: str) -> list[Any]:
+        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
+        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
+        def fill(pipe) -> None:
+            if not self.cluster:
+                pipe.time()
+            for h in hashes:
+                pipe.hgetall(h)
+
+        if self.cluster:
+            now, *rest = [await self.client.time(), *await self._read_pipeline(fill)]
+        else:
+            now, *rest = await self._read_pipeline(fill)
+        rest = _foreign_as_empty(rest)
+        seconds, micros = now
+        return [int(seconds) * 1000 + int(micros) // 1000, *rest]
 
     async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
         if records:
@@ -550,15 +560,10 @@ class Index:
 
     async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]:
         """(summary or None, when it was stored, Valkey's time now), in one round trip."""
-        def fill(pipe) -> None:
-            pipe.time()
-            pipe.hgetall(DIAGNOSIS_KEY)
-
-        now, fields = _foreign_as_empty(await self._read_pipeline(fill))
+        now, fields = await self._timed_read(DIAGNOSIS_KEY)
         fields = {text(k): v for k, v in (fields or {}).items()}
-        seconds, micros = now
         at = fields.get("at_ms")
-        return fields.get("summary"), int(at) if at else 0, int(seconds) * 1000 + int(micros) // 1000
+        return fields.get("summary"), int(at) if at else 0, now
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""
