@@ -171,7 +171,7 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--data-dir", default=".data", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Valkey data (AOF) and logs.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Predictor port.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="Predictor worker processes on that port.")
-@click.option("--ingesters", default=1, show_default=True, type=click.IntRange(min=1), help="Ingester processes (active-active).")
+@click.option("--ingesters", default=2, show_default=True, type=click.IntRange(min=1), help="Ingester processes sharing the engines by lease, each engine ingested by two of them (docs/fleet.md).")
 @click.option("--sim-engines", default=2, show_default=True, type=click.IntRange(min=1), help="Simulated engines when no --engine is given.")
 @click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
 @click.option("--sim-block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Engine block size of the simulated engines.")
@@ -228,7 +228,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                 click.echo(f"      engine: {url}")
         step(3, n, f"starting {ingesters} ingester(s) ...")
         for i in range(ingesters):
-            args = ["ingest", "--valkey-url", valkey_url]
+            args = ["ingest", "--valkey-url", valkey_url, "--ingester-id", f"up-ingester-{i}"]
             for url in engine_list:
                 args += ["--engine", url]
             stack.spawn(f"ingester-{i}", args)
