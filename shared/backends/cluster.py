@@ -45,14 +45,18 @@ from shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
 from shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
 from shared.keys import pack_keys
 from shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
+from shared.resp import FastConnection, script_sha
 
 _unpack = msgspec.msgpack.Decoder()
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
 # A shard walks its keys exactly (every field read, as the linear walk) while that reads at most this
-# many fields, then bisects (shared/lua/lookup.lua): exact on any layout for small fleets, and the
-# bisection's pods x log2(keys) reads, not pods x keys, for a prefix a whole fleet holds.
-EXACT_BUDGET = 2048
+# many fields, then bisects (shared/lua/lookup.lua). 0: bisect from the shard's first key, as the single
+# node does. Measured (docs/benchmarks.md): an exact walk of up to 512 fields cost the 32K-token predict
+# p50 10.5 ms against 6.1 ms, for an exactness the bisection lacks only while a batch is half applied
+# (its effects on some shards, not yet on others), where either answer lies between the index before and
+# after that batch. ``mode="linear"`` walks exactly.
+EXACT_BUDGET = 0
 
 
 def writer_id() -> str:
@@ -344,6 +348,8 @@ class ClusterBackend:
         self.takeover_ms = takeover_ms
         self._apply = client.register_script(scripts.APPLY_CLUSTER)
         self._lookup = client.register_script(scripts.LOOKUP)
+        self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
+        self._map_read_at = 0.0
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
@@ -460,11 +466,20 @@ class ClusterBackend:
 
         async def shard(node, idx: list[int]) -> tuple[int, bool, dict[str, tuple[int, str]]]:
             args = [len(idx), pack_keys([request_keys[i] for i in idx]), budget, *(pods or ())]
-            try:
-                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
-            except NoScriptError:
-                await self.client.script_load(self._lookup.script)
-                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+            fast = self._fast_for(node)
+            if fast is not None:
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        reply = await fast.evalsha(self._lookup.sha, self._lookup.script, args)
+                except (*VALKEY_ERRORS, TimeoutError):
+                    await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
+                    raise
+            else:
+                try:
+                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+                except NoScriptError:
+                    await self.client.script_load(self._lookup.script)
+                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
             held = {text(reply[p]): (int(reply[p + 1]), text(reply[p + 2])) for p in range(2, len(reply), 3)}
             return int(reply[0]), bool(reply[1]), held
 
@@ -494,6 +509,28 @@ class ClusterBackend:
                        else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
                        for m in matches]
         return Lookup(matches, min(unanswered) if unanswered else None), foreign
+
+    def _fast_for(self, node) -> FastConnection | None:
+        """The lean connection (shared/resp.py) to a primary, for the lookup round: redis-py's cluster
+        client spends tens of µs of Python per command, and a prediction sends one per shard. None over
+        TLS (the lean connection speaks plain TCP), where redis-py carries it."""
+        if node.name not in self._fast:
+            kw = node.connection_kwargs
+            tls = "SSL" in node.connection_class.__name__
+            self._fast[node.name] = None if tls else FastConnection(
+                host=node.host, port=node.port, username=kw.get("username"), password=kw.get("password"),
+                timeout_s=kw.get("socket_timeout") or 1.0, resend_scripts={script_sha(self._lookup.script)})
+        return self._fast[node.name]
+
+    async def _reread_map(self) -> None:
+        """Learn the slot map again (at most twice a second) after a primary failed to answer."""
+        if time.monotonic() - self._map_read_at < 0.5:
+            return
+        self._map_read_at = time.monotonic()
+        try:
+            await self.client.nodes_manager.initialize()
+        except VALKEY_ERRORS:
+            pass  # no node answers now; the next failure tries again
 
     async def _read_routed(self, request_keys: Sequence[int], positions: list[int], pods: Sequence[str] | None,
                            unanswered: set[int]) -> dict[int, dict[str, str]]:
@@ -535,6 +572,10 @@ class ClusterBackend:
 
     async def close(self) -> None:
         await self.effects.close()
+        for fast in self._fast.values():
+            if fast is not None:
+                await fast.close()
+        self._fast.clear()
 
 
 def node_for(client: RedisCluster, key: str):

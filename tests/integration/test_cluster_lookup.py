@@ -78,3 +78,42 @@ async def test_linear_mode_on_a_cluster_is_exact_on_any_layout(valkey_url, clust
               for k in chain}
     write((valkey_url, cluster_url), layout)
     await compare((valkey_url, cluster_url), chain, None, mode="linear")
+
+
+def move_slot(cluster, slot: int) -> None:
+    """Move one slot to another master by hand (what `valkey-cli --cluster reshard` does per slot), so a
+    client that read the slot map before still sends that slot's keys to the old owner."""
+    ports = [m.port for m in cluster.masters_now()]
+    nodes = {p: redis.Redis(port=p) for p in ports}
+    ids = {p: nodes[p].execute_command("CLUSTER", "MYID").decode() for p in ports}
+    src = next(int(primary[1]) for start, end, primary, *_ in nodes[ports[0]].execute_command("CLUSTER", "SLOTS")
+               if start <= slot <= end)
+    dst = next(p for p in ports if p != src)
+    nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+    nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+    for key in nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, key, 0, 5000)
+    for node in nodes.values():
+        node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        node.close()
+
+
+async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(valkey_url, valkey_cluster, cluster_url):
+    """The lean per-shard connection does not follow MOVED: the script reports keys that are not local
+    any more, and those shards' keys are read through the cluster's routing (which follows it)."""
+    rng = random.Random(9)
+    chain = [rng.randrange(1, 2**63) for _ in range(30)]
+    pods = [f"pod-{i}" for i in range(6)]
+    layout = {k: [encode_entry(make_entry(p, "GPU", 0)) for j, p in enumerate(pods) if i < 5 * (j + 1)]
+              for i, k in enumerate(chain)}
+    write((valkey_url, cluster_url), layout)
+    single, ix = Index.from_url(valkey_url), Index.from_url(cluster_url)
+    try:
+        want = sorted((m.pod_id, m.blocks, m.tier) for m in await single.lookup(chain, mode="linear"))
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want  # the map is read
+        move_slot(valkey_cluster, redis.RedisCluster.from_url(cluster_url).keyslot(str(chain[3])))
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+    finally:
+        await single.close()
+        await ix.close()
