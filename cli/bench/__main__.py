@@ -321,8 +321,8 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
             for n in counts:
                 before = _clients(ports)
                 port = free_port()
-                srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port), "--workers", "2"],
-                             port, tmp / f"serve-fleet-{which}-{n}.log").ready()
+                srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port),
+                              "--workers", "2"], port, tmp / f"serve-fleet-{which}-{n}.log").ready()
                 try:
                     u0, c0 = _evalsha_usec(ports)
                     cpu0 = sum(_valkey_cpu(redis.Redis(port=p)) for p in ports)
@@ -350,7 +350,8 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
                         f"({thr_note})",
                         "p50 <= 5 ms, p99 <= 15 ms", "", None,
                         lat["p50_us"] <= 5000 and lat["p99_us"] <= 15000,
-                        pods=n, topology=which, valkey_ms_per_lookup=per_lookup_ms, valkey_cpu_ms_per_prediction=cpu_ms, evalsha_calls=c1 - c0,
+                        pods=n, topology=which, valkey_ms_per_lookup=per_lookup_ms,
+                        valkey_cpu_ms_per_prediction=cpu_ms, evalsha_calls=c1 - c0,
                         connections_c1=conns_c1, connections_c32=conns_c32, run=_strip(lat), thr_run=_strip(thr))
     finally:
         cluster.stop()
