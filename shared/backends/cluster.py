@@ -647,4 +647,5 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterBackend", "ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "merge_shards", "probe_cluster", "writer_id"]
+__all__ = ["ClusterBackend", "ClusterEffects", "EXACT_BUDGET", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client",
+           "merge_shards", "probe_cluster", "writer_id"]
