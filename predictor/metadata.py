@@ -59,22 +59,41 @@ class IndexMetadata:
         self._pod_tasks: dict[str, asyncio.Task] = {}  # pod -> the fetch that is reading it now
 
     async def pod_infos(self, pod_ids: Iterable[str]) -> dict[str, PodInfo]:
-        """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods in one pipelined read)."""
+        """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods in one pipelined read).
+
+        An entry past half its ``ttl_s`` is answered from the cache and read again behind the request,
+        so under steady traffic entries are renewed before they expire: a prompt a thousand pods hold
+        would otherwise wait, once a second, for a thousand pods' metadata (tens of ms, the p99 of such
+        prompts). A change still shows within ``ttl_s`` (plus one read): an expired entry is read first."""
         now = self.clock()
         out: dict[str, PodInfo] = {}
         stale: list[str] = []
+        behind: list[str] = []
         for pod in pod_ids:
             hit = self._pods.get(pod)
             if hit is not None and hit[0] > now:
                 out[pod] = hit[1]
+                if hit[0] - now < self.ttl_s / 2:
+                    behind.append(pod)
             else:
                 stale.append(pod)
+        if behind:
+            self._start_fetch(behind)  # errors are retrieved in _pods_done; the entry expires as before
         if stale:
             out.update(await self._fetch_pods(stale))
         return out
 
     async def _fetch_pods(self, pods: list[str]) -> dict[str, PodInfo]:
         """Pods another request is already fetching are awaited; the rest are read in one pipelined fetch."""
+        tasks = self._start_fetch(pods)
+        out: dict[str, PodInfo] = {}
+        for task in dict.fromkeys(tasks.values()):
+            # shield: a waiter that gives up (timeout, disconnect) must not cancel the others' fetch
+            out.update(await asyncio.shield(task))
+        return {pod: out[pod] for pod in pods}
+
+    def _start_fetch(self, pods: list[str]) -> dict[str, asyncio.Task]:
+        """The fetch reading each pod: one already running, or one new pipelined fetch for the rest."""
         tasks: dict[str, asyncio.Task] = {}
         missing = []
         for pod in pods:
@@ -88,11 +107,7 @@ class IndexMetadata:
             for pod in missing:
                 self._pod_tasks[pod] = tasks[pod] = task
             task.add_done_callback(lambda t, ps=tuple(missing): self._pods_done(ps, t))
-        out: dict[str, PodInfo] = {}
-        for task in dict.fromkeys(tasks.values()):
-            # shield: a waiter that gives up (timeout, disconnect) must not cancel the others' fetch
-            out.update(await asyncio.shield(task))
-        return {pod: out[pod] for pod in pods}
+        return tasks
 
     def _pods_done(self, pods: tuple[str, ...], task: asyncio.Task) -> None:
         for pod in pods:

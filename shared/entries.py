@@ -196,10 +196,11 @@ def longest_prefix(fields_per_key: Sequence[Sequence[str | bytes]], pods: Iterab
     return [PodMatch(p, n, tiers[p]) for p, n in counts.items()]
 
 
-def parse_lookup_reply(flat: Sequence[Any]) -> tuple[list[PodMatch], int]:
-    """The scripts' reply: the number of foreign-typed keys read (as misses), then pod triples."""
+def parse_lookup_reply(flat: Sequence[Any], head: int = 1) -> tuple[list[PodMatch], int]:
+    """The scripts' reply: the number of foreign-typed keys read (as misses), ``head - 1`` more
+    items (lookup.lua's moved flag), then pod triples."""
     out = []
-    for i in range(1, len(flat), 3):
+    for i in range(head, len(flat), 3):
         pod, n, tier = flat[i], flat[i + 1], flat[i + 2]
         out.append(PodMatch(pod.decode() if isinstance(pod, bytes) else pod, int(n),
                             tier.decode() if isinstance(tier, bytes) else tier))

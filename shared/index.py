@@ -67,7 +67,10 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
     if isinstance(blocks, Exception):
         problems.append(f"{pod_blocks_key(pod_id)}: {str(blocks)[:120]}")
         blocks = 0
-    meta = {text(k): text(v) for k, v in meta_raw.items()}
+    try:  # both clients answer bytes; decoded in one pass (a thousand pods' metadata is read at once)
+        meta = {k.decode(): v.decode("utf-8", "replace") for k, v in meta_raw.items()}
+    except AttributeError:
+        meta = {text(k): text(v) for k, v in meta_raw.items()}
 
     def num(name: str, value: str, kind: type = int) -> Any:
         try:
@@ -76,7 +79,7 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
             problems.append(f"{name} is {value[:40]!r}, not a number")
             return None
 
-    seqs = {k[4:]: v for k, raw in meta.items() if k.startswith("seq:") and (v := num(k, raw)) is not None}
+    seqs = {k[4:]: v for k, raw in meta.items() if k[:4] == "seq:" and (v := num(k, raw)) is not None}
     counters = {k: v for k in _POD_COUNTERS if k in meta and (v := num(k, meta[k])) is not None}
     ebs = num("engine_block_size", meta["engine_block_size"]) if meta.get("engine_block_size") else None
     let = num("last_event_time", meta["last_event_time"], float) if meta.get("last_event_time") else None
@@ -423,7 +426,18 @@ class Index:
                     pipe.hgetall(pod_meta_key(p))
                     pipe.hlen(pod_blocks_key(p))
 
-            replies = await self._read_pipeline(fill)
+            fast = getattr(self.backend, "fast", None)
+            if fast is not None:
+                # The lean connection: a thousand pods' metadata (a prompt the whole fleet holds) cost
+                # ~70 ms of redis-py's per-command Python; here a few ms.
+                commands = [c for p in part for c in (("HGETALL", pod_meta_key(p)), ("HLEN", pod_blocks_key(p)))]
+                replies = await fast.pipeline(commands)
+                for j in range(0, len(replies), 2):
+                    r = replies[j]
+                    if isinstance(r, list):
+                        replies[j] = dict(zip(r[::2], r[1::2]))
+            else:
+                replies = await self._read_pipeline(fill)
             for j, p in enumerate(part):
                 out.append(pod_info_from(p, replies[2 * j], replies[2 * j + 1]))
         return out

@@ -354,6 +354,17 @@ class FastConnection:
 
         return asyncio.ensure_future(replies())
 
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Several commands written at once, their replies in order; an error reply comes back in
+        place as a ResponseError (as redis-py's ``execute(raise_on_error=False)``). Sent once more from
+        the first unanswered one after a lost connection when every command can run twice."""
+        if not commands:
+            return []
+        raws = [pack(*c) for c in commands]
+        resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
+        out = await self._run_replies(raws, await self._write_run(raws), resend=resend)
+        return [ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r for r in out]
+
     async def _write_run(self, raws: list[bytes]) -> tuple[_Protocol, list[asyncio.Future], float]:
         proto = await self._conn()
         futs = [asyncio.get_running_loop().create_future() for _ in raws]

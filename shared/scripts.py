@@ -17,6 +17,5 @@ UNLINK_ENGINE = lua("unlink_engine")
 EFFECTS_SHARD = lua("links", "effects_shard")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
-LOOKUP_SHARD = lua("parse_entry", "chain", "lookup_shard")
 
-__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_LINEAR", "LOOKUP_SHARD", "UNLINK_ENGINE", "lua"]
+__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_LINEAR", "UNLINK_ENGINE", "lua"]

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster] [--json out.json]
+    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -273,6 +273,86 @@ def bench_cluster(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> Non
                     f"single node p50 {fmt_us(o[k]['p50_us'])}, p99 {fmt_us(o[k]['p99_us'])}",
                     o[k]["p50_us"] / c[k]["p50_us"], c[k]["p50_us"] <= 2 * o[k]["p50_us"],
                     cluster_run=_strip(c[k]), single_run=_strip(o[k]))
+    finally:
+        cluster.stop()
+
+
+def _evalsha_usec(ports: list[int]) -> tuple[float, int]:
+    """EVALSHA time (µs) and calls so far, summed over these Valkey ports (INFO commandstats)."""
+    usec, calls = 0.0, 0
+    for port in ports:
+        st = redis.Redis(port=port).info("commandstats").get("cmdstat_evalsha", {})
+        usec += float(st.get("usec", 0))
+        calls += int(st.get("calls", 0))
+    return usec, calls
+
+
+def _clients(ports: list[int]) -> int:
+    return sum(int(redis.Redis(port=p).info("clients")["connected_clients"]) - 1 for p in ports)
+
+
+def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
+    """A prefix the whole fleet holds (a common system prompt): one 4K-token prompt held by 250 and by
+    1,000 pods, each at its own length, on the single node and on a local cluster. Predict p50/p99 at
+    concurrency 1, Valkey CPU per prediction (summed over shards; EVALSHA time from INFO commandstats too) and
+    the connections one `serve --workers 2` holds open (at concurrency 1 and 32)."""
+    from cli.valkey_cluster import ValkeyCluster
+
+    print("fleet-wide prefix: 4K tokens held by 250 and 1,000 pods at different lengths", flush=True)
+    counts = (250, 1000)
+    cluster = ValkeyCluster(tmp / "fleet-cluster", appendonly=False).start()
+    try:
+        targets = {"single": (vk.url, [vk.port]), "cluster": (cluster.url, [m.port for m in cluster.masters_now()])}
+        for which, (url, ports) in targets.items():
+            for port in ports:
+                redis.Redis(port=port).flushall()
+
+            async def load(url=url) -> dict[int, PromptSet]:
+                index = Index.from_url(url, timeout_s=30.0)
+                try:
+                    return {n: await load_set(index, f"fleet{n}", n_prompts=2, length=4096, n_pods=n, seed=90 + n)
+                            for n in counts}
+                finally:
+                    await index.close()
+
+            t = time.perf_counter()
+            sets = asyncio.run(load())
+            print(f"  {which}: loaded {'+'.join(map(str, counts))} pods ({time.perf_counter() - t:.0f}s)", flush=True)
+            for n in counts:
+                before = _clients(ports)
+                port = free_port()
+                srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port),
+                              "--workers", "2"], port, tmp / f"serve-fleet-{which}-{n}.log").ready()
+                try:
+                    u0, c0 = _evalsha_usec(ports)
+                    cpu0 = sum(_valkey_cpu(redis.Redis(port=p)) for p in ports)
+                    lat = run_load(port, sets[n], tmp, requests=40 if quick else 200, warmup=10)
+                    cpu1 = sum(_valkey_cpu(redis.Redis(port=p)) for p in ports)
+                    u1, c1 = _evalsha_usec(ports)
+                    conns_c1 = _clients(ports) - before
+                    try:
+                        thr = run_load(port, sets[n], tmp, concurrency=32, duration_s=2.0 if quick else 4.0, warmup=32)
+                        thr_note = f"{thr['rps']:,.0f} predictions/s"
+                    except RuntimeError as exc:  # answers past the Valkey deadline (503): say so, go on
+                        thr = {"error": str(exc)[:300]}
+                        thr_note = "some answers 503 at concurrency 32: " + str(exc).split(";")[0][-40:]
+                    conns_c32 = _clients(ports) - before
+                finally:
+                    srv.stop()
+                # warm-up requests included. CPU, not EVALSHA's wall time: three masters on two cores
+                # contend, which inflates the time a script takes but not the CPU it uses.
+                per_lookup_ms = (u1 - u0) / max(1, lat["requests"] + 10) / 1000
+                cpu_ms = (cpu1 - cpu0) / max(1, lat["requests"] + 10) * 1000
+                res.add(f"fleet-wide prefix, {which}, 4K tokens, {n:,} pods at different lengths",
+                        f"p50 {fmt_us(lat['p50_us'])}, p99 {fmt_us(lat['p99_us'])}; Valkey CPU {cpu_ms:.1f} ms per "
+                        f"prediction (EVALSHA {per_lookup_ms:.1f} ms); {conns_c1} connections at concurrency 1, "
+                        f"{conns_c32} at 32 "
+                        f"({thr_note})",
+                        "p50 <= 5 ms, p99 <= 15 ms", "", None,
+                        lat["p50_us"] <= 5000 and lat["p99_us"] <= 15000,
+                        pods=n, topology=which, valkey_ms_per_lookup=per_lookup_ms,
+                        valkey_cpu_ms_per_prediction=cpu_ms, evalsha_calls=c1 - c0,
+                        connections_c1=conns_c1, connections_c32=conns_c32, run=_strip(lat), thr_run=_strip(thr))
     finally:
         cluster.stop()
 
@@ -617,7 +697,7 @@ def _strip(d: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 
-ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "warnings")
+ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "warnings")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -628,7 +708,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", default=env_default("--quick", "") not in ("", "0", "false", "no", "off"),
                     help="fewer requests and blocks: a smoke run, figures are noisier  [env KVPF_QUICK]")
-    ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,warnings"),
+    ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,fleet,warnings"),
                     help=f"comma list of: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone)  [env KVPF_ONLY]")
     ap.add_argument("--json", dest="json_out", default=env_default("--json", None),
                     help="write every figure to this JSON file  [env KVPF_JSON]")
@@ -669,6 +749,8 @@ def main(argv: list[str] | None = None) -> None:
             if "warnings" in only:
                 from cli.bench.warnings import bench_warnings
                 bench_warnings(res, a.quick, timeit)
+            if "fleet" in only:
+                bench_fleet(res, vk, a.quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

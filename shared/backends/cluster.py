@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_left
 import os
 import socket
 import time
@@ -44,10 +45,18 @@ from shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
 from shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
 from shared.keys import pack_keys
 from shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
+from shared.resp import FastConnection, script_sha
 
 _unpack = msgspec.msgpack.Decoder()
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
+# A shard walks its keys exactly (every field read, as the linear walk) while that reads at most this
+# many fields, then bisects (shared/lua/lookup.lua). 0: bisect from the shard's first key, as the single
+# node does. Measured (docs/benchmarks.md): an exact walk of up to 512 fields cost the 32K-token predict
+# p50 10.5 ms against 6.1 ms, for an exactness the bisection lacks only while a batch is half applied
+# (its effects on some shards, not yet on others), where either answer lies between the index before and
+# after that batch. ``mode="linear"`` walks exactly.
+EXACT_BUDGET = 0
 
 
 def writer_id() -> str:
@@ -338,7 +347,9 @@ class ClusterBackend:
         self.writer = writer or writer_id()
         self.takeover_ms = takeover_ms
         self._apply = client.register_script(scripts.APPLY_CLUSTER)
-        self._lookup = client.register_script(scripts.LOOKUP_SHARD)
+        self._lookup = client.register_script(scripts.LOOKUP)
+        self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
+        self._map_read_at = 0.0
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
@@ -431,14 +442,19 @@ class ClusterBackend:
         return await self.effects.drain(pod_id, older_than_ms=self.takeover_ms if stale_only else 0)
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """At most two rounds: one script per shard, the shards in parallel, each reading the chain's
-        keys it owns and answering per pod where it holds them (compact, parsed on the shard); then
-        plain HKEYS, through the cluster's routing, for keys that moved meanwhile. A shard that does
-        not answer (down with no replica to take over) leaves its keys unread, so each count is a lower
-        bound and the answer says from which key (``mode`` has no say here)."""
-        held: dict[str, dict[int, str]] = {}  # pod -> key index -> tier
+        """One round: the lookup script (shared/lua/lookup.lua) on every shard, the shards in parallel,
+        each on the chain's keys it owns, in chain order; it answers per pod how many of those it holds
+        from the first, and ``merge_shards`` takes each pod's prefix to the first key any shard lacks
+        it on. Each shard walks exactly while that reads at most ``EXACT_BUDGET`` fields, then bisects
+        (``mode`` "linear": always exactly). A second round only when a key moved meanwhile (resharding,
+        failover: that shard's keys are read whole through the cluster's routing) or, on a layout that
+        is not a prefix per pod (a batch half applied), to read a pod's tier at its last key. A shard that
+        does not answer (down with no replica to take over) leaves its keys unread, so each count is a
+        lower bound and the answer says from which key."""
+        budget = 1 << 62 if mode == "linear" else EXACT_BUDGET
+        if not self.client.nodes_manager.slots_cache:
+            await self.client.initialize()  # a new client learns the slot map on its first command
         unanswered: set[int] = set()
-        moved: list[int] = []
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for i, k in enumerate(request_keys):
             try:
@@ -448,54 +464,101 @@ class ClusterBackend:
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
 
-        async def shard(node, idx: list[int]) -> int:
-            args = [len(idx), pack_keys([request_keys[i] for i in idx]), *(pods or ())]
-            try:
-                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
-            except NoScriptError:
-                await self.client.script_load(self._lookup.script)
-                reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
-            foreign = int(reply[0])
-            moved.extend(idx[int(j) - 1] for j in text(reply[1]).split(",") if j)
-            for p in range(2, len(reply), 2):
-                at = held.setdefault(text(reply[p]), {})
-                for item in text(reply[p + 1]).split(","):
-                    j, _, tier = item.partition(":")
-                    at[idx[int(j) - 1]] = tier
-            return foreign
+        async def shard(node, idx: list[int]) -> tuple[int, bool, dict[str, tuple[int, str]]]:
+            args = [len(idx), pack_keys([request_keys[i] for i in idx]), budget, *(pods or ())]
+            fast = self._fast_for(node)
+            if fast is not None:
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        reply = await fast.evalsha(self._lookup.sha, self._lookup.script, args)
+                except (*VALKEY_ERRORS, TimeoutError):
+                    await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
+                    raise
+            else:
+                try:
+                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+                except NoScriptError:
+                    await self.client.script_load(self._lookup.script)
+                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+            held = {text(reply[p]): (int(reply[p + 1]), text(reply[p + 2])) for p in range(2, len(reply), 3)}
+            return int(reply[0]), bool(reply[1]), held
 
-        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        shards: list[tuple[list[int], dict[str, tuple[int, str]]]] = []
+        reread: list[int] = []
         foreign = 0
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
         for (_, idx), res in zip(by_node.values(), results):
             if isinstance(res, BaseException):
                 if not isinstance(res, VALKEY_ERRORS):
                     raise res
                 unanswered.update(idx)
+            elif res[1]:
+                reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+                foreign += res[0]
             else:
-                foreign += res
-        if moved:  # second round: keys whose slot moved since the map was read
-            wanted = set(pods) if pods else None
-            try:
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for i in moved:
-                        pipe.hkeys(request_key_name(request_keys[i]))
-                    replies = await pipe.execute(raise_on_error=False)
-            except VALKEY_ERRORS:
-                replies = [RedisConnectionError("not answered")] * len(moved)
-            for i, r in zip(moved, replies):
-                if isinstance(r, Exception):
-                    unanswered.add(i)
-                    continue
-                for f in r:
-                    e = parse_entry(f)
-                    if e is None or e.Speculative or (wanted is not None and e.PodIdentifier not in wanted):
-                        continue
-                    at = held.setdefault(e.PodIdentifier, {})
-                    if i not in at or e.DeviceTier == "gpu":
-                        at[i] = e.DeviceTier
+                shards.append((idx, res[2]))
+                foreign += res[0]
+        read = await self._read_routed(request_keys, sorted(reread), pods, unanswered) if reread else {}
         if unanswered and len(unanswered) == len(request_keys):
             raise RedisConnectionError("no shard of the cluster answered the lookup")
-        return Lookup(prefixes(held), min(unanswered) if unanswered else None), foreign
+        cut = min(unanswered) if unanswered else len(request_keys)
+        matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
+        if tiers_wanted:  # a layout that is not a prefix per pod: the tier at each such pod's last key
+            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), pods, set())
+            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
+                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
+                       for m in matches]
+        return Lookup(matches, min(unanswered) if unanswered else None), foreign
+
+    def _fast_for(self, node) -> FastConnection | None:
+        """The lean connection (shared/resp.py) to a primary, for the lookup round: redis-py's cluster
+        client spends tens of µs of Python per command, and a prediction sends one per shard. None over
+        TLS (the lean connection speaks plain TCP), where redis-py carries it."""
+        if node.name not in self._fast:
+            kw = node.connection_kwargs
+            tls = "SSL" in node.connection_class.__name__
+            self._fast[node.name] = None if tls else FastConnection(
+                host=node.host, port=node.port, username=kw.get("username"), password=kw.get("password"),
+                timeout_s=kw.get("socket_timeout") or 1.0, resend_scripts={script_sha(self._lookup.script)})
+        return self._fast[node.name]
+
+    async def _reread_map(self) -> None:
+        """Learn the slot map again (at most twice a second) after a primary failed to answer."""
+        if time.monotonic() - self._map_read_at < 0.5:
+            return
+        self._map_read_at = time.monotonic()
+        try:
+            await self.client.nodes_manager.initialize()
+        except VALKEY_ERRORS:
+            pass  # no node answers now; the next failure tries again
+
+    async def _read_routed(self, request_keys: Sequence[int], positions: list[int], pods: Sequence[str] | None,
+                           unanswered: set[int]) -> dict[int, dict[str, str]]:
+        """Keys read whole (HKEYS) through the cluster's routing (MOVED/ASK followed): position -> pod -> tier
+        (gpu preferred). Keys not answered go to ``unanswered``."""
+        wanted = set(pods) if pods else None
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in positions:
+                    pipe.hkeys(request_key_name(request_keys[i]))
+                replies = await pipe.execute(raise_on_error=False)
+        except VALKEY_ERRORS:
+            replies = [RedisConnectionError("not answered")] * len(positions)
+        out: dict[int, dict[str, str]] = {}
+        for i, r in zip(positions, replies):
+            if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
+                r = []  # a key of a foreign type is a miss
+            if isinstance(r, Exception):
+                unanswered.add(i)
+                continue
+            at = out.setdefault(i, {})
+            for f in r:
+                e = parse_entry(f)
+                if e is None or e.Speculative or (wanted is not None and e.PodIdentifier not in wanted):
+                    continue
+                if e.PodIdentifier not in at or e.DeviceTier == "gpu":
+                    at[e.PodIdentifier] = e.DeviceTier
+        return out
 
     async def key_count(self) -> int:
         n = await self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
@@ -509,6 +572,10 @@ class ClusterBackend:
 
     async def close(self) -> None:
         await self.effects.close()
+        for fast in self._fast.values():
+            if fast is not None:
+                await fast.close()
+        self._fast.clear()
 
 
 def node_for(client: RedisCluster, key: str):
@@ -526,17 +593,53 @@ def node_for(client: RedisCluster, key: str):
     return holders[0]
 
 
-def prefixes(held: dict[str, dict[int, str]]) -> list[PodMatch]:
-    """Per pod, how many keys from the first it holds without a break, and its tier at the last of
-    them: the linear walk's answer, from where each pod was seen (pure)."""
-    out = []
-    for pod, at in held.items():
-        n = 0
-        while n in at:
-            n += 1
-        if n:
-            out.append(PodMatch(pod, n, at[n - 1]))
-    return out
+def merge_shards(n: int, shards: Sequence[tuple[list[int], dict[str, tuple[int, str]]]],
+                 read: dict[int, dict[str, str]], cut: int) -> tuple[list[PodMatch], set[tuple[str, int]]]:
+    """Per pod, its prefix of an ``n``-key chain from the shards' answers (pure).
+
+    ``shards``: per shard, the chain positions of its keys (ascending) and, per pod, how many of them it
+    holds from the first and its tier at the last of those; ``read``: keys read whole (position -> pod
+    -> tier); ``cut``: the first position nobody answered for. A pod's prefix ends at the first position
+    where some source lacks it: a shard at the key after its count (at its first key if the shard does
+    not name the pod), a key read whole that does not list it, or ``cut``. Its tier is that of the
+    source holding its last key; when that source's count runs past it (only if a pod's keys are not a
+    prefix, e.g. a batch half applied) the pair (pod, position) is returned, to be read whole.
+    """
+    pods: set[str] = set()
+    for _, held in shards:
+        pods.update(held)
+    for at in read.values():
+        pods.update(at)
+    missing = sorted(read)
+    out: list[PodMatch] = []
+    tiers_wanted: set[tuple[str, int]] = set()
+    for pod in pods:
+        end = cut
+        for idx, held in shards:
+            c = held.get(pod, (0, ""))[0]
+            if c < len(idx) and idx[c] < end:
+                end = idx[c]
+        for i in missing:
+            if i >= end:
+                break
+            if pod not in read[i]:
+                end = i
+                break
+        if end <= 0:
+            continue
+        last = end - 1
+        tier = read.get(last, {}).get(pod)
+        if tier is None:
+            for idx, held in shards:
+                c, t = held.get(pod, (0, ""))
+                j = bisect_left(idx, last, 0, c)
+                if j < c and idx[j] == last:  # this shard owns `last`
+                    tier = t
+                    if j != c - 1:  # and holds the pod past it: not a prefix, its tier there is unknown
+                        tiers_wanted.add((pod, last))
+                    break
+        out.append(PodMatch(pod, end, tier or "gpu"))
+    return out, tiers_wanted
 
 
 def _crash_point(spec: str) -> list | None:
@@ -544,4 +647,5 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterBackend", "ClusterEffects", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client", "probe_cluster", "writer_id"]
+__all__ = ["ClusterBackend", "ClusterEffects", "EXACT_BUDGET", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client",
+           "merge_shards", "probe_cluster", "writer_id"]

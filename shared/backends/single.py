@@ -44,11 +44,13 @@ class SingleNodeBackend:
         """``script``: galloping search in one EVALSHA (a pod's blocks form a prefix of the chain);
         ``linear``: the exact walk in one EVALSHA. (``pipeline`` is the Index's own.)"""
         script = self._lookup_linear if mode == "linear" else self._lookup
-        args = [len(request_keys), pack_keys(request_keys), *(pods or ())]
+        head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
+        # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
+        args = [len(request_keys), pack_keys(request_keys), 0, *(pods or ())]
         if self.fast is not None:
-            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args))
+            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), head)
         else:
-            matches, foreign = parse_lookup_reply(await script(keys=[], args=args))
+            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), head)
         return Lookup(matches), foreign
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:

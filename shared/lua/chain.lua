@@ -1,13 +1,17 @@
--- Shared by both lookup scripts (after parse_entry.lua): their arguments, key i of the chain,
--- each distinct field parsed once into {pod, tier}, or false (speculative, unparseable, or
--- filtered out), and reads that treat a key of a foreign type as empty (a miss), counted in
--- `foreign` and returned first in the reply, never an error.
+-- Shared by both lookup scripts (after parse_entry.lua): their arguments (n, the chain packed by
+-- shared.keys.pack_keys, the exact-walk budget, then the pods filter), key i of the chain, each
+-- distinct field parsed once into {pod, tier}, or false (speculative, unparseable, or filtered
+-- out), and reads that treat a key of a foreign type as empty (a miss), counted in `foreign` and
+-- returned first in the reply, never an error. On a cluster node, a key that moved away
+-- (resharding, failover: "non local key") reads as empty too and sets `moved`, for the caller to
+-- read this call's keys through the cluster's routing instead.
 local n = tonumber(ARGV[1])
 local chain = ARGV[2]
+local budget = tonumber(ARGV[3]) or 0
 local filter = nil
-if #ARGV > 2 then
+if #ARGV > 3 then
   filter = {}
-  for i = 3, #ARGV do filter[ARGV[i]] = true end
+  for i = 4, #ARGV do filter[ARGV[i]] = true end
 end
 local function key(i)
   return string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
@@ -35,10 +39,16 @@ local function pods_in(fields)
   return present
 end
 local foreign = 0
+local moved = false
 local function read(cmd, k, ...)
   local r = redis.pcall(cmd, k, ...)
   if type(r) == 'table' and r.err then
-    foreign = foreign + 1
+    if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
+       string.find(r.err, 'ASK', 1, true) then
+      moved = true
+    else
+      foreign = foreign + 1
+    end
     if cmd == 'HLEN' then return 0 end
     return {}
   end

@@ -4,6 +4,9 @@
 local function parse(f)
   if string.sub(f, 1, 1) == '{' then
     if string.find(f, '"Speculative":true', 1, true) then return nil end
+    -- llm-d's own encoding (Go field order, no escapes): one match, the common case by far
+    local pod, tier = string.match(f, '^{"PodIdentifier":"([^"\\]*)","DeviceTier":"([^"\\]*)"')
+    if pod then return pod, tier end
     local pod = string.match(f, '"PodIdentifier":"(.-)"')
     if pod and string.find(pod, '\\', 1, true) then
       local ok, obj = pcall(cjson.decode, f)

@@ -251,3 +251,19 @@ async def test_redis_client_replaces_a_pooled_connection_the_server_closed(valke
     await asyncio.sleep(0.1)  # the loop reads the server's close
     assert await client.hincrby("h", "n", 1) == 1
     await client.aclose()
+
+
+async def test_a_pipeline_answers_in_order_with_errors_in_place(valkey_url):
+    conn = FastConnection.from_url(valkey_url)
+    sync = redis.Redis.from_url(valkey_url)
+    sync.hset("h", mapping={"a": "1"})
+    sync.rpush("l", "x")
+    try:
+        out = await conn.pipeline([("HGETALL", "h"), ("HLEN", "l"), ("HLEN", "h"), ("HGETALL", "none")])
+        assert out[0] == [b"a", b"1"] and out[2] == 1 and out[3] == []
+        assert isinstance(out[1], ResponseError) and str(out[1]).startswith("WRONGTYPE")
+        assert await conn.execute("PING") == b"PONG"  # the stream is still in step
+        assert await conn.pipeline([]) == []
+    finally:
+        sync.close()
+        await conn.close()

@@ -1,0 +1,119 @@
+"""The cluster's lookup (shared/lua/lookup.lua on every shard, merged by merge_shards) against the single
+node's exact linear walk: past the exact-walk budget (a prefix a whole fleet holds, where each shard
+bisects) on prefix layouts with tiers and fields that come and go, and in mode "linear" on layouts that
+are not prefixes at all."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import redis
+
+from shared.backends.cluster import EXACT_BUDGET
+from shared.index import Index, encode_entry, make_entry
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+def write(urls: tuple[str, str], layout: dict[int, list[str]]) -> None:
+    """The same request-key hashes on the single node and on the cluster."""
+    one, many = redis.Redis.from_url(urls[0]), redis.RedisCluster.from_url(urls[1])
+    try:
+        for client in (one, many):
+            pipe = client.pipeline(transaction=False)
+            for key, fields in layout.items():
+                if fields:
+                    pipe.hset(str(key), mapping={f: "" for f in fields})
+            pipe.execute()
+    finally:
+        one.close()
+        many.close()
+
+
+async def compare(urls: tuple[str, str], chain: list[int], pods, mode: str = "script") -> None:
+    single, cluster = Index.from_url(urls[0]), Index.from_url(urls[1])
+    try:
+        want = sorted((m.pod_id, m.blocks, m.tier) for m in await single.lookup(chain, pods, mode="linear"))
+        got = sorted((m.pod_id, m.blocks, m.tier) for m in await cluster.lookup(chain, pods, mode=mode))
+        assert got == want
+    finally:
+        await single.close()
+        await cluster.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_a_fleet_wide_prefix_is_bisected_on_each_shard_and_equals_the_linear_walk(valkey_url, cluster_url, seed):
+    rng = random.Random(seed)
+    n = rng.choice([200, 300])
+    chain = [rng.randrange(1, 2**63) for _ in range(n)]
+    pods = [f"pod-{i}" for i in range(rng.choice([120, 200]))]
+    layout: dict[int, list[str]] = {k: [] for k in chain}
+    for pod in pods:
+        forms = [encode_entry(make_entry(pod, "GPU", 0)), encode_entry(make_entry(pod, "CPU", 0)), f"{pod}@gpu"]
+        # mostly one field per pod (the fleet case); some pods switch fields along the chain
+        mixed = rng.random() < 0.2
+        for k in chain[:rng.randint(0, n)]:
+            layout[k] += rng.sample(forms, k=rng.randint(1, 2)) if mixed else forms[:1]
+    # a pod known at key 1 by one field only, holding its last keys by another (its cpu copy, say): the
+    # bisection misses it there, and only the check where it seems to stop finds it
+    late = pods[0]
+    gpu, cpu = encode_entry(make_entry(late, "GPU", 0)), encode_entry(make_entry(late, "CPU", 0))
+    for j, k in enumerate(chain[:n - 3]):
+        layout[k] = [f for f in layout[k] if f not in (gpu, cpu)] + [gpu if j < n - 8 else cpu]
+    for k in rng.sample(chain, k=5):
+        layout[k].append(f"spec{rng.randrange(3)}@gpu[speculative]")
+    assert sum(map(len, layout.values())) > 3 * EXACT_BUDGET  # every shard goes past its exact walk
+    write((valkey_url, cluster_url), layout)
+    await compare((valkey_url, cluster_url), chain, None)
+    await compare((valkey_url, cluster_url), chain, rng.sample(pods, k=7) + ["nope"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_linear_mode_on_a_cluster_is_exact_on_any_layout(valkey_url, cluster_url, seed):
+    """Keys held with gaps (a batch half applied): no prefix per pod, so only an exact walk agrees."""
+    rng = random.Random(100 + seed)
+    chain = [rng.randrange(1, 2**63) for _ in range(rng.choice([40, 200]))]
+    pods = [f"pod-{i}" for i in range(40)]
+    layout = {k: [encode_entry(make_entry(p, rng.choice(["GPU", "CPU"]), 0)) for p in pods if rng.random() < 0.9]
+              for k in chain}
+    write((valkey_url, cluster_url), layout)
+    await compare((valkey_url, cluster_url), chain, None, mode="linear")
+
+
+def move_slot(cluster, slot: int) -> None:
+    """Move one slot to another master by hand (what `valkey-cli --cluster reshard` does per slot), so a
+    client that read the slot map before still sends that slot's keys to the old owner."""
+    ports = [m.port for m in cluster.masters_now()]
+    nodes = {p: redis.Redis(port=p) for p in ports}
+    ids = {p: nodes[p].execute_command("CLUSTER", "MYID").decode() for p in ports}
+    src = next(int(primary[1]) for start, end, primary, *_ in nodes[ports[0]].execute_command("CLUSTER", "SLOTS")
+               if start <= slot <= end)
+    dst = next(p for p in ports if p != src)
+    nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+    nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+    for key in nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        nodes[src].execute_command("MIGRATE", "127.0.0.1", dst, key, 0, 5000)
+    for node in nodes.values():
+        node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        node.close()
+
+
+async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(valkey_url, valkey_cluster, cluster_url):
+    """The lean per-shard connection does not follow MOVED: the script reports keys that are not local
+    any more, and those shards' keys are read through the cluster's routing (which follows it)."""
+    rng = random.Random(9)
+    chain = [rng.randrange(1, 2**63) for _ in range(30)]
+    pods = [f"pod-{i}" for i in range(6)]
+    layout = {k: [encode_entry(make_entry(p, "GPU", 0)) for j, p in enumerate(pods) if i < 5 * (j + 1)]
+              for i, k in enumerate(chain)}
+    write((valkey_url, cluster_url), layout)
+    single, ix = Index.from_url(valkey_url), Index.from_url(cluster_url)
+    try:
+        want = sorted((m.pod_id, m.blocks, m.tier) for m in await single.lookup(chain, mode="linear"))
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want  # the map is read
+        move_slot(valkey_cluster, redis.RedisCluster.from_url(cluster_url).keyslot(str(chain[3])))
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+    finally:
+        await single.close()
+        await ix.close()

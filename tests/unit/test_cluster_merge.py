@@ -1,0 +1,58 @@
+"""merge_shards: a pod's prefix from the shards' per-shard answers (shared/backends/cluster.py)."""
+from __future__ import annotations
+
+import random
+
+from shared.backends.cluster import merge_shards
+
+
+def linear(n: int, present: list[dict[str, str]], cut: int) -> dict[str, tuple[int, str]]:
+    """The linear walk over per-key presence (pod -> tier), stopping at ``cut``."""
+    out = {}
+    for pod in set().union(*present) if present else ():
+        c = 0
+        while c < min(n, cut) and pod in present[c]:
+            c += 1
+        if c:
+            out[pod] = (c, present[c - 1][pod])
+    return out
+
+
+def shard_answer(idx: list[int], present: list[dict[str, str]]) -> dict[str, tuple[int, str]]:
+    """What a shard's exact walk answers for its keys ``idx``."""
+    out = {}
+    for pod in set().union(*(present[i] for i in idx)):
+        c = 0
+        while c < len(idx) and pod in present[idx[c]]:
+            c += 1
+        if c:
+            out[pod] = (c, present[idx[c - 1]][pod])
+    return out
+
+
+def test_random_layouts_merge_to_the_linear_walk():
+    rng = random.Random(7)
+    for _ in range(400):
+        n = rng.randrange(1, 30)
+        pods = [f"p{i}" for i in range(rng.randrange(1, 6))]
+        present = [{p: rng.choice(["gpu", "cpu"]) for p in pods if rng.random() < 0.8} for _ in range(n)]
+        owner = [rng.randrange(3) for _ in range(n)]
+        shards = [[i for i in range(n) if owner[i] == s] for s in range(3)]
+        read_whole = {i for i in range(n) if rng.random() < 0.1}
+        cut = n if rng.random() < 0.7 else rng.randrange(n + 1)
+        answers = [(idx, shard_answer(idx, present)) for idx in shards if idx and not set(idx) & read_whole]
+        answers += [(idx, {}) for idx in shards if not idx]
+        read = {i: present[i] for idx in shards if set(idx) & read_whole for i in idx}
+        got, wanted = merge_shards(n, answers, read, cut)
+        # tiers the merge cannot know (a shard holding the pod past its last key) it asks for; answer them
+        got = {m.pod_id: (m.blocks, present[m.blocks - 1][m.pod_id] if (m.pod_id, m.blocks - 1) in wanted else m.tier)
+               for m in got}
+        assert got == linear(n, present, cut)
+
+
+def test_a_prefix_layout_needs_no_second_read():
+    present = [{"a": "gpu", "b": "cpu"}, {"a": "gpu", "b": "cpu"}, {"a": "cpu"}, {"a": "gpu"}]
+    shards = [[0, 2], [1, 3]]
+    got, wanted = merge_shards(4, [(idx, shard_answer(idx, present)) for idx in shards], {}, 4)
+    assert sorted((m.pod_id, m.blocks, m.tier) for m in got) == [("a", 4, "gpu"), ("b", 2, "cpu")]
+    assert not wanted
