@@ -138,6 +138,14 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         check_serve_files(cfg)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    import asyncio
+
+    from predictor.settings import SettingsMismatch, check_settings
+
+    try:  # hash seed, block size, entry format given explicitly must match the index's (predictor/settings.py)
+        asyncio.run(check_settings(cfg))
+    except SettingsMismatch as exc:
+        raise click.ClickException(str(exc)) from None
     run_server(cfg, workers=workers)
 
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -104,11 +104,13 @@ class LoadMonitor:
     scrape_errors: int = 0
 
     @classmethod
-    def from_config(cls, pod_metrics: Mapping[str, str], engine_urls: Mapping[str, str],
+    def from_config(cls, pod_metrics: Mapping[str, str], engine_urls: Mapping[str, str | Sequence[str]],
                     interval_s: float) -> "LoadMonitor":
         targets = [make_target(pod, url) for pod, url in pod_metrics.items()]
         known = {t.base_url for t in targets}
-        for url in dict.fromkeys(engine_urls.values()):
+        # every engine of every model (``--engine-url m=A --engine-url m=B``: both are scraped)
+        urls = [u for us in engine_urls.values() for u in ((us,) if isinstance(us, str) else us)]
+        for url in dict.fromkeys(urls):
             if url.rstrip("/") not in known:
                 targets.append(make_target(None, url))
         return cls(targets, interval_s=interval_s, timeout_s=min(0.8 * interval_s, 2.0))

@@ -38,7 +38,9 @@ class Config:
     # Predictor
     host: str = "127.0.0.1"
     port: int = 8080
-    engine_urls: dict[str, str] = field(default_factory=dict)
+    # model -> engine base URLs serving it (``--engine-url m=A --engine-url m=B``: both; tokenization
+    # fails over between them). A plain string per model is taken as a list of one.
+    engine_urls: dict[str, tuple[str, ...]] = field(default_factory=dict)
     max_tokens: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
     engine_timeout_s: float = 5.0
@@ -70,6 +72,14 @@ class Config:
     # Ingester: Prometheus /metrics port (0: none).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Which fields were given explicitly (flag or env) rather than defaulted, set by ``load``: a predictor
+    # adopts the index's hash_seed / block_size / entry_format unless it was given its own (predictor/settings.py).
+    given: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if any(isinstance(u, str) for u in self.engine_urls.values()):
+            object.__setattr__(self, "engine_urls", {m: (u,) if isinstance(u, str) else tuple(u)
+                                                     for m, u in self.engine_urls.items()})
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -77,12 +87,13 @@ class Config:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             env = os.environ.get(ENV_PREFIX + f.name.upper())
-            if env is not None:
+            if env is not None and f.name != "given":
                 values[f.name] = _parse_env(f, env)
         for name, value in overrides.items():
             if value is None or (isinstance(value, (tuple, list, dict)) and not value and name in values):
                 continue
             values[name] = tuple(value) if isinstance(value, list) else value
+        values["given"] = tuple(sorted(values))
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -149,14 +160,16 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return raw
 
 
-def parse_model_urls(items: Any) -> dict[str, str]:
-    """``MODEL=http://host:port`` pairs, as given to ``--engine-url``."""
-    out: dict[str, str] = {}
+def parse_model_urls(items: Any) -> dict[str, tuple[str, ...]]:
+    """``MODEL=http://host:port`` pairs, as given to ``--engine-url``; a model given twice has both URLs."""
+    out: dict[str, tuple[str, ...]] = {}
     for item in items:
         model, sep, url = item.strip().partition("=")
         if not sep or not model or not url.startswith(("http://", "https://")):
             raise ValueError(f"--engine-url expects MODEL=http://HOST:PORT, got {item!r}")
-        out[model] = url.rstrip("/")
+        url = url.rstrip("/")
+        if url not in out.get(model, ()):
+            out[model] = out.get(model, ()) + (url,)
     return out
 
 
