@@ -14,10 +14,10 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    (new requests there would evict or queue), or when its load exceeds the *reference*
    by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
    balance thresholds, so small absolute numbers never trigger it). The reference is the
-   mean load of the *other* candidates, overlap or not, each unknown one counted as the
-   mean of the other known ones, or as idle when no other pod's load is known: a lone
-   pod with known load is judged against the thresholds alone, so it can be called
-   overloaded (before, it never could, and everything went to it).
+   fleet's mean load over every candidate, overlap or not, this pod included; each pod
+   of unknown load counts as the mean of the known ones other than this pod, or as idle
+   when there are none: a lone pod with known load is judged against idle peers, so it
+   can be called overloaded (before, it never could, and everything went to it).
 4. The best-overlap pod wins unless overloaded. Then the least loaded of the *good
    matches* (not overloaded, overlap >= ``good_match`` x the best's) wins; with no
    good match, the least loaded pod at all. With no overlap anywhere, the least
@@ -110,11 +110,11 @@ def decide(
         return 0.0 if s is None else s
 
     def reference(pod: str) -> float:
-        """The mean load of the other candidates; unknown ones count as the other known ones' mean, or 0."""
-        others = [p for p in pods if p != pod]
-        known = [scores[p] for p in others if p in scores]
+        """The fleet's mean load, this pod included; each unknown one counts as the mean of the known
+        ones other than this pod, or as idle when there are none (this pod's load says nothing of theirs)."""
+        known = [scores[p] for p in pods if p in scores and p != pod]
         fill = sum(known) / len(known) if known else 0.0
-        return sum(scores.get(p, fill) for p in others) / len(others)
+        return sum(scores.get(p, fill) for p in pods) / len(pods)
 
     refs = {p: reference(p) for p in scores} if len(pods) > 1 else {}
 
@@ -191,4 +191,4 @@ def decide(
 def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float) -> str:
     if c.kv_usage is not None and c.kv_usage >= policy.max_kv_usage:
         return f"KV usage {c.kv_usage:.0%} >= {policy.max_kv_usage:.0%}"
-    return f"load {c.load:g} vs the other pods' mean {reference:g}"
+    return f"load {c.load:g} vs the fleet's mean {reference:g}"

@@ -55,7 +55,7 @@ class Config:
     metrics_interval_s: float = 1.0
     route_tier_weights: dict[str, float] = field(default_factory=lambda: {"gpu": 1.0, "cpu": 0.8})
     route_waiting_weight: float = 2.0
-    route_overload_abs: float = 4.0
+    route_overload_abs: float = 6.0  # vs the fleet mean incl. the pod (docs/routing.md: why 6, measured)
     route_overload_rel: float = 1.5
     route_max_kv_usage: float = 0.95
     route_good_match: float = 0.5

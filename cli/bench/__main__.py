@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster] [--json out.json]
+    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,route] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests and blocks: a smoke run, figures are noisier")
     ap.add_argument("--only", default="keys,ingest,http,scaling,cluster",
-                    help="comma list of: keys, ingest, http, scaling, cluster")
+                    help="comma list of: keys, ingest, http, scaling, cluster, route")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure to this JSON file")
     a = ap.parse_args(argv)
     only = set(a.only.split(","))
@@ -650,6 +650,10 @@ def main(argv: list[str] | None = None) -> None:
                 bench_http(res, vk, a.quick, tmp, "scaling" in only)
             if "cluster" in only:
                 bench_cluster(res, vk, a.quick, tmp)
+            if "route" in only:
+                from cli.bench.route import bench_route
+
+                bench_route(res, vk, a.quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

@@ -104,11 +104,11 @@ def test_a_lone_pod_with_known_load_can_be_overloaded():
     """Issue #10: with only one pod scraped, the old rule never called it overloaded (it had no peer with
     known load) and sent everything there. Its peers' load is unknown, so it is judged against the thresholds."""
     p = prediction(512, ("a", 320, "gpu"))
-    loads = {"a": load(6), "b": None, "c": None, "d": None}
+    loads = {"a": load(10), "b": None, "c": None, "d": None}
     d = decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT, affinity_key=3)
     assert next(c for c in d.candidates if c.pod_id == "a").overloaded
     assert d.pod_id in {"b", "c", "d"} and d.reason == "least_loaded"
-    assert "vs the other pods' mean 0" in d.detail
+    assert "vs the fleet's mean 2.5" in d.detail  # (10 + 0 + 0 + 0) / 4
     # below the thresholds it keeps its cache hits
     assert decide(p, ["a", "b", "c", "d"], {"a": load(3)}, policy=POLICY, ttft=TTFT).pod_id == "a"
 
@@ -133,8 +133,8 @@ def test_overload_is_judged_against_the_mean_not_the_idlest_pod():
     p = prediction(512, ("a", 320, "gpu"), ("b", 64, "gpu"))
     loads = {"a": load(6), "b": load(6), "c": load(6), "d": load(0)}
     d = decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT)
-    assert (d.pod_id, d.reason) == ("a", "best_overlap")  # 6 vs mean 4: not overloaded
-    loads["a"] = load(12)  # 12 vs mean 4
+    assert (d.pod_id, d.reason) == ("a", "best_overlap")  # 6 vs mean 4.5: not overloaded
+    loads["a"] = load(14)  # 14 vs mean 6.5
     assert decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT).reason == "least_loaded"
 
 
