@@ -160,8 +160,8 @@ def decide(
         )
 
     if not cands:
-        return decision(None, "no_candidates", "no pod is known to serve this model (no index entries, fleet records, metrics "
-                        "targets or engine model lists name it)", None)
+        return decision(None, "no_candidates", "no pod is known to serve this model (no index entries, fleet "
+                        "records, metrics targets or engine model lists name it)", None)
     top = cands[0].weighted_overlap
     best = least_loaded([c for c in cands if c.weighted_overlap == top])
     if top <= 0:

@@ -206,9 +206,10 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
     try:
         for e in engines:
             zmq, replay = free_port(), free_port()
-            e.server = Server([python(), "-m", "cli", "simulate", "--pod", e.pod, "--model", MODEL, "--port", str(e.port),
-                               "--zmq", f"tcp://*:{zmq}", "--replay", f"tcp://*:{replay}", "--block-size", "16",
-                               "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS)], e.port, tmp / f"{e.pod}.log")
+            e.server = Server([python(), "-m", "cli", "simulate", "--pod", e.pod, "--model", MODEL,
+                               "--port", str(e.port), "--zmq", f"tcp://*:{zmq}", "--replay", f"tcp://*:{replay}",
+                               "--block-size", "16", "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS)],
+                              e.port, tmp / f"{e.pod}.log")
             servers.append(e.server)
         for s in servers:
             s.ready()
