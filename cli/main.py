@@ -139,8 +139,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--metrics-interval", "metrics_interval_s", default=None, type=click.FloatRange(min=0.05), help="Seconds between engine metric scrapes (default 1).")
 @click.option("--route-tier-weight", "tier_weights", multiple=True, help="TIER=WEIGHT for cached blocks on that tier (default gpu=1.0 cpu=0.8 cpu_pinned=0.8). Repeatable.")
 @click.option("--route-waiting-weight", default=None, type=float, help="Load = running + this x waiting (default 2).")
-@click.option("--route-overload-abs", default=None, type=float, help="Overloaded if load - least load >= this (default 4) ...")
-@click.option("--route-overload-rel", default=None, type=float, help="... and load >= this x least load (default 1.5).")
+@click.option("--route-overload-abs", default=None, type=float, help="Overloaded if load - the fleet's mean load >= this (default 6) ...")
+@click.option("--route-overload-rel", default=None, type=float, help="... and load >= this x the fleet's mean load (default 1.5).")
 @click.option("--route-max-kv-usage", default=None, type=float, help="Overloaded at or above this KV usage, 0-1 (default 0.95).")
 @click.option("--route-good-match", default=None, type=float, help="A good match holds at least this fraction of the best overlap (default 0.5).")
 @click.option("--route-stale", "route_stale_s", default=None, type=float, help="Engine load older than this many seconds is unknown (default 5).")
@@ -176,6 +176,14 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         check_serve_files(cfg)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    import asyncio
+
+    from predictor.settings import SettingsMismatch, check_settings
+
+    try:  # hash seed, block size, entry format given explicitly must match the index's (predictor/settings.py)
+        asyncio.run(check_settings(cfg))
+    except SettingsMismatch as exc:
+        raise click.ClickException(str(exc)) from None
     run_server(cfg, workers=workers)
 
 

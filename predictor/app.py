@@ -29,6 +29,7 @@ from predictor.explainer import explain as explain_request, parse_explain
 from predictor.openapi import openapi_document
 from predictor.request import parse_keyed, parse_request
 from predictor.service import Predictor
+from predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
 from predictor.stats import StatsQuery
 from shared.config import Config
 from shared.index import VALKEY_ERRORS, Index
@@ -175,6 +176,19 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         except VALKEY_ERRORS as exc:  # Valkey down: serve 503s now, the index is read when it is back
             log.warning("start-up: Valkey %s: unreachable (%s); predictions answer 503 until it is back, "
                         "index layout not checked yet", where, exc)
+        # Hash seed, block size, entry format: the index's unless given explicitly (predictor/settings.py).
+        found = await read_index_settings(predictor.index, predictor.valkey_deadline_s)
+        cfg_now, adopted, problems = reconcile(predictor.cfg, found)
+        if problems:
+            log.error("%s", refusal(problems))
+            raise SettingsMismatch(refusal(problems))
+        if adopted:
+            log.info("adopted the index's settings: %s", ", ".join(adopted))
+            predictor.cfg = cfg_now
+            predictor.index.entry_format = cfg_now.entry_format
+        if predictor.fleet is not None:
+            await predictor.fleet.read_once()  # routes and tokenization know the fleet from the first request
+            tasks.append(asyncio.create_task(predictor.fleet.run()))
         if predictor.tokenization.pending():
             # before serving: a model whose local tokenizer disagrees with its engine must not be used
             await predictor.tokenization.run_checks()

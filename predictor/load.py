@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -77,11 +77,13 @@ class LoadMonitor:
     up: dict[str, bool] = field(default_factory=dict)  # engine URL -> answered its last scrape (for the log)
 
     @classmethod
-    def from_config(cls, pod_metrics: Mapping[str, str], engine_urls: Mapping[str, str],
+    def from_config(cls, pod_metrics: Mapping[str, str], engine_urls: Mapping[str, str | Sequence[str]],
                     interval_s: float) -> "LoadMonitor":
         targets = [make_target(pod, url) for pod, url in pod_metrics.items()]
         known = {t.base_url for t in targets}
-        for url in dict.fromkeys(engine_urls.values()):
+        # every engine of every model (``--engine-url m=A --engine-url m=B``: both are scraped)
+        urls = [u for us in engine_urls.values() for u in ((us,) if isinstance(us, str) else us)]
+        for url in dict.fromkeys(urls):
             if url.rstrip("/") not in known:
                 targets.append(make_target(None, url))
         return cls(targets, interval_s=interval_s, timeout_s=min(0.8 * interval_s, 2.0))

@@ -129,6 +129,11 @@ class IndexMetadata:
         await self.known_models()
         return {p for p, m in self._pod_models.items() if m == model}
 
+    async def all_pods(self) -> frozenset[str]:
+        """Every pod the index's registry lists, as fresh as ``known_models``."""
+        await self.known_models()
+        return frozenset(self._pod_models)
+
     async def _load_pods(self, pods: list[str]) -> dict[str, PodInfo]:
         infos = await self.index.pod_infos(pods)
         now = self.clock()

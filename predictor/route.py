@@ -6,16 +6,23 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
 
 1. Each candidate's overlap is its predicted cached tokens times the weight of the
    tier they sit on (gpu 1.0, cpu 0.8: CPU-offloaded blocks must be copied back).
-2. Its load is ``running + waiting_weight * waiting`` from the engine's metrics.
-   A pod is overloaded when its load exceeds the least loaded candidate's by at
-   least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
-   balance thresholds, so small absolute numbers never trigger it), or when its KV
-   usage is at least ``max_kv_usage`` (new requests there would evict or queue).
-3. The best-overlap pod wins unless overloaded. Then the least loaded of the *good
+2. Its load is ``running + waiting_weight * waiting`` from the engine's metrics. A pod
+   whose load is not known (no fresh metrics) is assumed as loaded as the mean of the
+   candidates whose load is known: unknown is neither idle nor busy, so such pods neither
+   sort last (which sent everything to the few scraped pods) nor first.
+3. A pod with known load is overloaded when its KV usage is at least ``max_kv_usage``
+   (new requests there would evict or queue), or when its load exceeds the *reference*
+   by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
+   balance thresholds, so small absolute numbers never trigger it). The reference is the
+   fleet's mean load over every candidate, overlap or not, this pod included; each pod
+   of unknown load counts as the mean of the known ones other than this pod, or as idle
+   when there are none: a lone pod with known load is judged against idle peers, so it
+   can be called overloaded (before, it never could, and everything went to it).
+4. The best-overlap pod wins unless overloaded. Then the least loaded of the *good
    matches* (not overloaded, overlap >= ``good_match`` x the best's) wins; with no
    good match, the least loaded pod at all. With no overlap anywhere, the least
-   loaded pod; ties, and pods without load data, fall to a rendezvous hash of the
-   prompt's first block, so one prefix keeps going to one pod and builds a cache there.
+   loaded pod; ties (pods without load data tie at the mean) fall to a rendezvous hash
+   of the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     overloaded: bool = False
     device_tier: str | None = None
     load: float | None = None  # running + waiting_weight * waiting; None: no fresh metrics
+    assumed_load: float | None = None  # no fresh metrics: the load assumed (the known candidates' mean)
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
@@ -96,7 +104,21 @@ def decide(
     by_pod = {a.pod_id: a for a in prediction.pod_affinities}
     pods = sorted(set(candidates))
     scores = {p: policy.load_score(ld) for p in pods if (ld := loads.get(p)) is not None}
-    min_load = min(scores.values(), default=0.0)
+    known_mean = sum(scores.values()) / len(scores) if scores else None
+
+    def effective(pod: str) -> float:
+        """Known load, else the known candidates' mean (0 when none is known: all tie)."""
+        s = scores.get(pod, known_mean)
+        return 0.0 if s is None else s
+
+    def reference(pod: str) -> float:
+        """The fleet's mean load, this pod included; each unknown one counts as the mean of the known
+        ones other than this pod, or as idle when there are none (this pod's load says nothing of theirs)."""
+        known = [scores[p] for p in pods if p in scores and p != pod]
+        fill = sum(known) / len(known) if known else 0.0
+        return sum(scores.get(p, fill) for p in pods) / len(pods)
+
+    refs = {p: reference(p) for p in scores} if len(pods) > 1 else {}
 
     def overloaded(pod: str) -> bool:
         ld = loads.get(pod)
@@ -104,8 +126,10 @@ def decide(
             return False
         if ld.kv_usage >= policy.max_kv_usage:
             return True
-        s = scores[pod]
-        return len(scores) > 1 and s - min_load >= policy.overload_abs and s >= policy.overload_rel * max(min_load, 1.0)
+        if pod not in refs:
+            return False
+        s, ref = scores[pod], refs[pod]
+        return s - ref >= policy.overload_abs and s >= policy.overload_rel * max(ref, 1.0)
 
     cands = []
     for pod in pods:
@@ -117,14 +141,16 @@ def decide(
             weighted_overlap=round(cached * policy.tier_weight(a.device_tier), 3) if a else 0.0,
             estimated_ttft_ms=ttft.estimate_ms(n, cached), overloaded=overloaded(pod),
             device_tier=a.device_tier if a else None,
-            load=scores.get(pod), running=ld.running if ld else None, waiting=ld.waiting if ld else None,
+            load=scores.get(pod),
+            assumed_load=round(known_mean, 3) if ld is None and known_mean is not None else None,
+            running=ld.running if ld else None, waiting=ld.waiting if ld else None,
             kv_usage=round(ld.kv_usage, 4) if ld else None,
         ))
     cands.sort(key=lambda c: (-c.weighted_overlap, c.pod_id))
 
     def least_loaded(pool: list[RouteCandidate]) -> RouteCandidate:
-        # known load first, then lower load, then more overlap, then the prefix's rendezvous order
-        return min(pool, key=lambda c: (c.load is None, c.load or 0.0, -c.weighted_overlap,
+        # lower (known or assumed) load, then more overlap, then the prefix's rendezvous order
+        return min(pool, key=lambda c: (effective(c.pod_id), -c.weighted_overlap,
                                         -rendezvous(affinity_key, c.pod_id)))
 
     def decision(chosen: RouteCandidate | None, reason: str, detail: str, best: RouteCandidate | None) -> RouteDecision:
@@ -136,19 +162,19 @@ def decide(
         )
 
     if not cands:
-        return decision(None, "no_candidates", "no pod is known to serve this model (no index entries, metrics "
-                        "targets or engine model lists name it)", None)
+        return decision(None, "no_candidates", "no pod is known to serve this model (no index entries, fleet "
+                        "records, metrics targets or engine model lists name it)", None)
     top = cands[0].weighted_overlap
     best = least_loaded([c for c in cands if c.weighted_overlap == top])
     if top <= 0:
         pool = [c for c in cands if not c.overloaded] or cands
         chosen = least_loaded(pool)
-        how = "least loaded" if chosen.load is not None else "no load data, spread by prefix hash"
+        how = "least loaded" if scores else "no load data, spread by prefix hash"
         return decision(chosen, "no_overlap", f"no pod holds a prefix of this prompt: {how}", None)
     if not best.overloaded:
         return decision(best, "best_overlap", f"{best.pod_id} holds the most of this prompt "
                         f"({best.cached_tokens} tokens) and is not overloaded", best)
-    why = _overload_reason(best, policy, min_load)
+    why = _overload_reason(best, policy, refs.get(best.pod_id, 0.0))
     good = [c for c in cands if not c.overloaded and c.weighted_overlap > 0
             and c.weighted_overlap >= policy.good_match * best.weighted_overlap]
     if good:
@@ -164,7 +190,7 @@ def decide(
     return decision(best, "all_overloaded", "every candidate is overloaded: the best overlap saves the most work", best)
 
 
-def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, min_load: float) -> str:
+def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float) -> str:
     if c.kv_usage is not None and c.kv_usage >= policy.max_kv_usage:
         return f"KV usage {c.kv_usage:.0%} >= {policy.max_kv_usage:.0%}"
-    return f"load {c.load:g} vs least loaded {min_load:g}"
+    return f"load {c.load:g} vs the fleet's mean {reference:g}"

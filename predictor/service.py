@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
-from predictor.load import LoadMonitor
+from predictor.fleet import FleetWatcher
+from predictor.load import LoadMonitor, PodLoad
 from predictor.metadata import IndexMetadata
 from predictor.metrics import PredictorMetrics
 from predictor.prompt_warnings import PromptWarnings
@@ -67,6 +68,7 @@ class Predictor:
     _aliases_at: float = float("-inf")
     warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
     traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
+    fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -77,19 +79,21 @@ class Predictor:
     @classmethod
     def create(cls, cfg: Config, index: Index | None = None) -> "Predictor":
         owns = index is None
-        engine = EngineTokenizer(cfg.engine_urls, cfg.engine_timeout_s)
+        if index is None:
+            index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                                   cluster=cfg.cluster_mode())
+        # the fleet records give every pod's engine: tokenization goes there for a model with no --engine-url
+        fleet = FleetWatcher(index, interval_s=min(cfg.metrics_interval_s, 1.0), timeout_s=2 * cfg.valkey_timeout_s)
+        engine = EngineTokenizer(cfg.engine_urls, cfg.engine_timeout_s, discovered=fleet.engines_of)
         tokenization = Tokenization.load(engine, cfg.tokenizers, check=cfg.tokenizer_check)
         ttft = TtftModels.load(cfg.ttft_model)
         load = None
         if cfg.pod_metrics or cfg.engine_urls:
             load = LoadMonitor.from_config(cfg.pod_metrics, cfg.engine_urls, cfg.metrics_interval_s)
-        if index is None:
-            index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
-                                   cluster=cfg.cluster_mode())
         return cls(
             cfg=cfg, index=index, tokenizer=engine,
             metadata=IndexMetadata(index), counters=ProcessCounters(), owns_index=owns,
-            tokenization=tokenization, ttft=ttft, policy=routing_policy(cfg), load=load,
+            tokenization=tokenization, ttft=ttft, policy=routing_policy(cfg), load=load, fleet=fleet,
         )
 
     @property
@@ -137,11 +141,16 @@ class Predictor:
         engine_blocks: dict[str, int | None] = {}
         incomplete: set[str] = set()
         unanswered = None
+        retired = self.fleet.retired() if self.fleet else frozenset()
+        if pods is not None and retired:
+            pods = [p for p in pods if p not in retired]  # a retired pod is never offered
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
                 found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
                 matches, unanswered = found.matches, found.unanswered_from
+                if retired:
+                    matches = [m for m in matches if m.pod_id not in retired]
                 try:
                     infos = await self.metadata.pod_infos(m.pod_id for m in matches)
                 except VALKEY_ERRORS:
@@ -191,9 +200,11 @@ class Predictor:
         return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
+        if pods is not None:
+            await self._check_pods_filter(pods)
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
         candidates = await self._route_candidates(model, prediction, pods)
-        loads = {p: self.load.snapshot(p, self.policy.stale_s) for p in candidates} if self.load else {}
+        loads = {p: self._load_of(p) for p in candidates}
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens)
         self.metrics.route(decision.reason)
@@ -207,11 +218,16 @@ class Predictor:
         lists it in ``/v1/models``. A pod whose model list is known and lacks the model is dropped, and
         so is a pod whose metrics stopped answering, while another candidate is left.
         """
+        fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
         if pods is not None:
-            return set(pods)
+            return set(pods) - fleet_out
         out = {a.pod_id for a in prediction.pod_affinities}
         async with valkey_call(self.valkey_deadline_s, "pods of model"):
             out |= await self.metadata.pods_of(model)
+        if self.fleet is not None:
+            # every pod whose record lists the model; unreachable and retired pods are never routed to
+            out |= self.fleet.serving(model)
+            out = {p for p in out if (ms := self.fleet.models_of(p)) is None or model in ms} - fleet_out
         if self.load is not None:
             out |= self.load.serving(model) or set()
             out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
@@ -219,12 +235,44 @@ class Predictor:
             out = reachable or out
         return out
 
+    def _load_of(self, pod: str) -> PodLoad | None:
+        """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
+        own = self.load.snapshot(pod, self.policy.stale_s) if self.load else None
+        if own is None and self.fleet is not None:
+            return self.fleet.load(pod, self.policy.stale_s)
+        return own
+
+    async def _check_pods_filter(self, pods: list[str]) -> None:
+        """A route must name a pod that exists: one the index, the fleet records or --pod-metrics know,
+        and not retired (issue #15: ``"pods": ["nope"]`` answered ``pod_id: "nope"``)."""
+        retired = self.fleet.retired() if self.fleet else frozenset()
+        known: set[str] = set(self.fleet.known()) if self.fleet else set()
+        if self.load is not None:
+            known |= {t.pod_id for t in self.load.targets if t.pod_id}
+        wanted = set(pods)
+        if wanted - known - retired:
+            async with valkey_call(self.valkey_deadline_s, "known pods"):
+                known |= await self.metadata.all_pods()
+        gone = sorted(wanted & retired)
+        unknown = sorted(wanted - known - retired)
+        if gone or unknown:
+            parts = []
+            if unknown:
+                parts.append("unknown pods (not in the index, the fleet records or --pod-metrics): "
+                             + ", ".join(repr(p) for p in unknown[:10]) + (" ..." if len(unknown) > 10 else ""))
+            if gone:
+                parts.append("retired pods: " + ", ".join(repr(p) for p in gone[:10])
+                             + (" ..." if len(gone) > 10 else ""))
+            raise BadRequest(clip("the pods filter names " + "; ".join(parts)))
+
     async def _check_model(self, model: str, *, need_engine: bool) -> None:
         """Known = has an engine URL or a local tokenizer, or pods in the index serve it; prompts need a tokenizer."""
         if self.tokenization.can_tokenize(model):
             return
         async with valkey_call(self.valkey_deadline_s, "model check"):
             known = model in await self.metadata.known_models(model)
+        if not known and self.fleet is not None:
+            known = bool(self.fleet.serving(model))
         if not known:
             configured = ", ".join(sorted(self.tokenizer.engine_urls)) or "none"
             raise UnknownModel(
@@ -233,8 +281,8 @@ class Predictor:
             )
         if need_engine:
             raise BadRequest(
-                f"cannot tokenize for model {clip(repr(model))}: no --engine-url or --tokenizer configured for it; "
-                "send token_ids instead"
+                f"cannot tokenize for model {clip(repr(model))}: no --engine-url or --tokenizer configured for it "
+                "and no live pod's fleet record gives an engine URL for it; send token_ids instead"
             )
 
     async def healthy(self) -> tuple[bool, str]:
@@ -270,6 +318,8 @@ class Predictor:
         out["engine_load"] = self.load_stats()
         out["traffic"] = self.traffic.as_dict()
         out["fleet_diagnosis"] = diagnosis  # the last `kv-preflight diagnose fleet`, with its age
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.status(self.policy.stale_s)
         return out
 
     def load_stats(self) -> dict[str, Any]:

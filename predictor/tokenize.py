@@ -9,7 +9,8 @@ becomes EngineUnavailable (503), never a hang.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -18,6 +19,8 @@ import msgspec
 from predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
 from predictor.request import TokenId
 from shared.engines.vllm import ENGINE as VLLM
+
+log = logging.getLogger("kvpf.predictor")
 
 
 class _TokenizeReply(msgspec.Struct):
@@ -36,18 +39,58 @@ def tokenize_body(model: str, *, prompt: str | None = None, messages: list[Any] 
 
 
 class EngineTokenizer:
-    def __init__(self, engine_urls: Mapping[str, str], timeout_s: float, client: httpx.AsyncClient | None = None):
-        self.engine_urls = dict(engine_urls)
+    """``/tokenize`` on an engine of the model: the configured ones (``--engine-url``, several per model
+    allowed), else the engines the fleet records list for it (``discovered``). An engine that is down or
+    fails (timeout, connection error, 5xx) is skipped for the next; the one that answered is tried first
+    next time, so a dead engine costs one failed attempt per switch, not one per request. A 4xx is the
+    input's fault and is returned at once: another engine of the model would reject it too."""
+
+    def __init__(self, engine_urls: Mapping[str, str | Sequence[str]], timeout_s: float,
+                 client: httpx.AsyncClient | None = None,
+                 discovered: Callable[[str], Sequence[str]] | None = None):
+        self.engine_urls = {m: (u,) if isinstance(u, str) else tuple(u) for m, u in engine_urls.items()}
         self.timeout_s = timeout_s
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self.discovered = discovered
+        self.failovers = 0
+        self._last_good: dict[str, str] = {}  # model -> URL that answered last
+
+    def urls_for(self, model: str) -> tuple[str, ...]:
+        if model in self.engine_urls:
+            return self.engine_urls[model]
+        return tuple(self.discovered(model)) if self.discovered is not None else ()
 
     def has_engine(self, model: str) -> bool:
-        return model in self.engine_urls
+        return bool(self.urls_for(model))
 
     async def tokenize(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> list[int]:
-        base = self.engine_urls[model]
-        url = f"{base}{VLLM.tokenize_path}"  # the engine adapter's endpoint (shared/engines/vllm.py)
+        urls = list(self.urls_for(model))
+        if not urls:
+            raise EngineUnavailable(f"no engine is known to serve {clip(repr(model))} for /tokenize")
+        good = self._last_good.get(model)
+        if good in urls:
+            urls.remove(good)
+            urls.insert(0, good)
         body = _encoder.encode(tokenize_body(model, prompt=prompt, messages=messages))
+        failure: EngineUnavailable | None = None
+        for i, base in enumerate(urls):
+            try:
+                tokens = await self._tokenize_at(base, body)
+            except EngineUnavailable as exc:
+                failure = exc
+                if i + 1 < len(urls):
+                    self.failovers += 1
+                    log.warning("tokenize: %s failed for %s, trying %s: %s", base, model, urls[i + 1], exc.message)
+                continue
+            self._last_good[model] = base
+            return tokens
+        assert failure is not None
+        if len(urls) > 1:
+            raise EngineUnavailable(f"all {len(urls)} engines of {clip(repr(model))} failed; last: {failure.message}")
+        raise failure
+
+    async def _tokenize_at(self, base: str, body: bytes) -> list[int]:
+        url = f"{base}{VLLM.tokenize_path}"  # the engine adapter's endpoint (shared/engines/vllm.py)
         try:
             async with asyncio.timeout(self.timeout_s):
                 resp = await self.client.post(url, content=body, headers={"content-type": "application/json"})

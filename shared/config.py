@@ -52,7 +52,9 @@ class Config:
     # Predictor
     host: str = "127.0.0.1"
     port: int = 8080
-    engine_urls: dict[str, str] = field(default_factory=dict)
+    # model -> engine base URLs serving it (``--engine-url m=A --engine-url m=B``: both; tokenization
+    # fails over between them). A plain string per model is taken as a list of one.
+    engine_urls: dict[str, tuple[str, ...]] = field(default_factory=dict)
     max_tokens: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
     engine_timeout_s: float = 5.0
@@ -68,7 +70,7 @@ class Config:
     route_tier_weights: dict[str, float] = field(
         default_factory=lambda: {"gpu": 1.0, "cpu": 0.8, "cpu_pinned": 0.8})  # cpu_pinned: SGLang's host tier
     route_waiting_weight: float = 2.0
-    route_overload_abs: float = 4.0
+    route_overload_abs: float = 6.0  # vs the fleet mean incl. the pod (docs/routing.md: why 6, measured)
     route_overload_rel: float = 1.5
     route_max_kv_usage: float = 0.95
     route_good_match: float = 0.5
@@ -97,6 +99,14 @@ class Config:
     # targetPorts, rank r -> target_ports[r] (empty: the engine URL's port + r). docs/llm-d.md.
     pod_id: str = "topic"
     target_ports: tuple[str, ...] = ()  # decimal port numbers (strings, as env and flags give them)
+    # Which fields were given explicitly (flag or env) rather than defaulted, set by ``load``: a predictor
+    # adopts the index's hash_seed / block_size / entry_format unless it was given its own (predictor/settings.py).
+    given: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if any(isinstance(u, str) for u in self.engine_urls.values()):
+            object.__setattr__(self, "engine_urls", {m: (u,) if isinstance(u, str) else tuple(u)
+                                                     for m, u in self.engine_urls.items()})
 
     @classmethod
     def load(cls, **overrides: Any) -> "Config":
@@ -105,12 +115,13 @@ class Config:
         for f in dataclasses.fields(cls):
             env = os.environ.get(ENV_PREFIX + f.name.upper())
             # empty means unset (KVPF_X="" from a template); KVPF_API_KEYS keeps it, validate() refuses it
-            if env is not None and (env.strip() or f.name == "api_keys"):
+            if env is not None and f.name != "given" and (env.strip() or f.name == "api_keys"):
                 values[f.name] = _parse_env(f, env)
         for name, value in overrides.items():
             if value is None or (isinstance(value, (tuple, list, dict)) and not value and name in values):
                 continue
             values[name] = tuple(value) if isinstance(value, list) else value
+        values["given"] = tuple(sorted(values))
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -200,14 +211,16 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return raw
 
 
-def parse_model_urls(items: Any) -> dict[str, str]:
-    """``MODEL=http://host:port`` pairs, as given to ``--engine-url``."""
-    out: dict[str, str] = {}
+def parse_model_urls(items: Any) -> dict[str, tuple[str, ...]]:
+    """``MODEL=http://host:port`` pairs, as given to ``--engine-url``; a model given twice has both URLs."""
+    out: dict[str, tuple[str, ...]] = {}
     for item in items:
         model, sep, url = item.strip().partition("=")
         if not sep or not model or not url.startswith(("http://", "https://")):
             raise ValueError(f"--engine-url expects MODEL=http://HOST:PORT, got {item!r}")
-        out[model] = url.rstrip("/")
+        url = url.rstrip("/")
+        if url not in out.get(model, ()):
+            out[model] = out.get(model, ()) + (url,)
     return out
 
 

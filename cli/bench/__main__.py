@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet] [--json out.json]
+    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -697,7 +697,7 @@ def _strip(d: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 
-ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "warnings")
+ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "route", "warnings")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -751,6 +751,10 @@ def main(argv: list[str] | None = None) -> None:
                 bench_warnings(res, a.quick, timeit)
             if "fleet" in only:
                 bench_fleet(res, vk, a.quick, tmp)
+            if "route" in only:
+                from cli.bench.route import bench_route
+
+                bench_route(res, vk, a.quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

@@ -100,6 +100,44 @@ def test_unknown_load_is_not_overloaded_but_known_load_is_preferred():
     assert d.pod_id == "c"
 
 
+def test_a_lone_pod_with_known_load_can_be_overloaded():
+    """Issue #10: with only one pod scraped, the old rule never called it overloaded (it had no peer with
+    known load) and sent everything there. Its peers' load is unknown, so it is judged against the thresholds."""
+    p = prediction(512, ("a", 320, "gpu"))
+    loads = {"a": load(10), "b": None, "c": None, "d": None}
+    d = decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT, affinity_key=3)
+    assert next(c for c in d.candidates if c.pod_id == "a").overloaded
+    assert d.pod_id in {"b", "c", "d"} and d.reason == "least_loaded"
+    assert "vs the fleet's mean 2.5" in d.detail  # (10 + 0 + 0 + 0) / 4
+    # below the thresholds it keeps its cache hits
+    assert decide(p, ["a", "b", "c", "d"], {"a": load(3)}, policy=POLICY, ttft=TTFT).pod_id == "a"
+
+
+def test_unknown_load_does_not_sort_last():
+    """Pods with unknown load are assumed as loaded as the known ones' mean, so prompts with no overlap
+    spread over every pod rather than all going to the one pod that is scraped."""
+    p = prediction(100)
+    chosen = [decide(p, ["a", "b", "c", "d"], {"a": load(0)}, policy=POLICY, ttft=TTFT, affinity_key=k).pod_id
+              for k in range(80)]
+    assert set(chosen) == {"a", "b", "c", "d"}
+    assert max(chosen.count(x) for x in "abcd") < 40
+    d = decide(p, ["a", "b"], {"a": load(4)}, policy=POLICY, ttft=TTFT)
+    assert next(c for c in d.candidates if c.pod_id == "b").assumed_load == 4
+    # known lower than the mean still wins
+    d = decide(p, ["a", "b", "c"], {"a": load(1), "b": load(5)}, policy=POLICY, ttft=TTFT)
+    assert d.pod_id == "a"
+
+
+def test_overload_is_judged_against_the_mean_not_the_idlest_pod():
+    """One idle pod must not make every busy pod overloaded (that herds onto the idle one until the next scrape)."""
+    p = prediction(512, ("a", 320, "gpu"), ("b", 64, "gpu"))
+    loads = {"a": load(6), "b": load(6), "c": load(6), "d": load(0)}
+    d = decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT)
+    assert (d.pod_id, d.reason) == ("a", "best_overlap")  # 6 vs mean 4.5: not overloaded
+    loads["a"] = load(14)  # 14 vs mean 6.5
+    assert decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT).reason == "least_loaded"
+
+
 # ---------------------------------------------------------------- metrics parsing
 
 

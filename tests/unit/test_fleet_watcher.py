@@ -1,0 +1,54 @@
+"""What the predictor reads from the fleet records (predictor/fleet.py), on a fixed view and a fake clock."""
+from __future__ import annotations
+
+from predictor.fleet import FleetWatcher
+from shared.fleet import FleetView, PodLoad, PodRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def watcher() -> tuple[FleetWatcher, Clock]:
+    clock = Clock()
+    w = FleetWatcher(index=None, clock=clock)  # type: ignore[arg-type]  # never read here
+    w.set_view(FleetView(now_ms=50_000, ingesters={}, pods={
+        "a": PodRecord(engine_url="http://a:1/", models=["llama", "sql"]),
+        "b": PodRecord(state="unreachable", engine_url="http://b:1", models=["llama"]),
+        "c": PodRecord(state="retired", engine_url="http://c:1", models=["llama"]),
+        "d": PodRecord(engine_url="http://d:1"),  # models not known yet
+    }, load={"a": PodLoad(running=2, waiting=1, kv_usage=1.5, at_ms=48_000),
+             "b": PodLoad(running=0, waiting=0, kv_usage=0.0, at_ms=10_000)}))
+    return w, clock
+
+
+def test_states_models_and_engines():
+    w, _ = watcher()
+    assert w.known() == {"a", "b", "d"} and w.retired() == {"c"} and w.unreachable() == {"b"}
+    assert w.serving("llama") == {"a", "b"} and w.serving("sql") == {"a"}
+    assert w.models_of("d") is None and w.models_of("a") == {"llama", "sql"}
+    # tokenization goes to live pods' engines only
+    assert w.engines_of("llama") == ["http://a:1"] and w.engines_of("other") == []
+
+
+def test_load_age_is_valkey_time_plus_local_time_since_the_read():
+    w, clock = watcher()
+    ld = w.load("a", stale_s=5)
+    assert (ld.running, ld.waiting, ld.kv_usage) == (2, 1, 1.0)  # usage clipped to 0..1
+    assert clock() - ld.at == 2.0  # 50_000 - 48_000 ms on Valkey's clock
+    clock.t += 2.5
+    assert w.load("a", stale_s=5) is not None
+    clock.t += 1.0  # 5.5 s old now
+    assert w.load("a", stale_s=5) is None
+    assert w.load("b", stale_s=5) is None and w.load("zzz", stale_s=5) is None
+    assert w.status(5)["pods"]["a"]["load_age_s"] == 5.5
+
+
+def test_no_view_yet_knows_nothing():
+    w = FleetWatcher(index=None)  # type: ignore[arg-type]
+    assert w.known() == w.retired() == w.unreachable() == frozenset()
+    assert w.engines_of("m") == [] and w.load("a", 5) is None and w.serving("m") == frozenset()
