@@ -237,13 +237,17 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             models = _served_models(engine_list[0]) or [model]
             urls = [f"{m}={engine_list[0]}" for m in models]
         step(4, n, f"starting the predictor on 127.0.0.1:{port} with {workers} worker(s) ...")
+        # The predictor is given the Valkey URL alone: the ingesters' fleet records tell it every pod, its
+        # engine (for /tokenize) and its load (docs/fleet.md). --engine-url, when given, overrides.
         serve = ["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", str(workers)]
-        for u in urls:
+        for u in engine_urls:
             serve += ["--engine-url", u]
         serve += serve_args(serve_options)
         predictor_child = stack.spawn("predictor", serve)
         predictor = f"http://127.0.0.1:{port}"
         wait_http(predictor + "/health", stack, "predictor", predictor_child)
+        if not engine_urls:
+            _wait_fleet(valkey_url, engine_list, stack)
         served_model = urls[0].split("=", 1)[0]
         step(5, n, click.style("ready", fg="green"))
         click.echo(f"""
@@ -330,6 +334,38 @@ def _interrupt(*_) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float = 30.0) -> None:
+    """Until every engine has a live fleet record with its models (the ingesters write them within a few
+    seconds), so the first request already finds its model; then one more second for the predictor's read."""
+    import asyncio
+
+    from shared.index import Index
+
+    async def ready() -> bool:
+        ix = Index.from_url(valkey_url)
+        try:
+            view = await ix.fleet_view()
+        finally:
+            await ix.close()
+        urls = {r.engine_url for r in view.pods.values() if r.state == "live" and r.models}
+        return set(engine_list) <= urls
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = stack.check()
+        if dead:
+            raise click.ClickException(exited(dead))
+        try:
+            if asyncio.run(ready()):
+                time.sleep(1.2)
+                return
+        except Exception:  # Valkey busy or not answering yet: asked again
+            pass
+        time.sleep(0.3)
+    raise click.ClickException(f"the ingesters did not report every engine within {timeout_s:.0f}s (logs: "
+                               f"{stack.data_dir / 'logs'})")
 
 
 def _served_models(engine_url: str) -> list[str]:
