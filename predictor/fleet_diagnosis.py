@@ -11,11 +11,12 @@ uses the totals since the counters started.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+
+from shared.engine_metrics import sum_series
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -30,22 +31,8 @@ class EngineCounters(msgspec.Struct, frozen=True):
 
 def parse_prefix_counters(text: str) -> EngineCounters | None:
     """The engine's prefix-cache counters summed over its label sets (DP ranks); None if it exposes none."""
-    sums = {QUERIES: 0.0, HITS: 0.0}
-    seen = False
-    for line in text.splitlines():
-        if not line.startswith("vllm:prefix_cache_"):
-            continue
-        end = line.find("{")
-        name = line[:end if end >= 0 else line.find(" ")]
-        if name not in sums:
-            continue
-        try:
-            value = float(line.rsplit("}", 1)[-1].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if math.isfinite(value):
-            sums[name] += value
-            seen = True
+    sums, counts = sum_series(text, {QUERIES, HITS}, "vllm:prefix_cache_")
+    seen = bool(counts[QUERIES] or counts[HITS])
     return EngineCounters(sums[QUERIES], sums[HITS]) if seen else None
 
 

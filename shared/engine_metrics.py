@@ -14,13 +14,13 @@ from shared.engines.base import LoadMetrics
 from shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
 
 
-def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | None:
-    """(running, waiting, kv usage) summed over the engine's DP ranks (kv usage: their mean, from the first
-    of ``names.kv_usage`` present); None if the engine exports neither running nor waiting."""
-    sums = dict.fromkeys((names.running, names.waiting, *names.kv_usage), 0.0)
-    counts = dict.fromkeys(sums, 0)
+def sum_series(text: str, names: set[str] | frozenset[str], prefix: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Each named series summed over its label sets (an engine's DP ranks), and how many samples each had.
+    Lines not starting with ``prefix`` are skipped unread; a sample that is not a finite number is ignored."""
+    sums = dict.fromkeys(names, 0.0)
+    counts = dict.fromkeys(names, 0)
     for line in text.splitlines():
-        if not line.startswith(names.prefix):
+        if not line.startswith(prefix):
             continue
         name_end = line.find("{")
         if name_end < 0:
@@ -35,6 +35,13 @@ def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | No
         if math.isfinite(value):
             sums[name] += value
             counts[name] += 1
+    return sums, counts
+
+
+def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | None:
+    """(running, waiting, kv usage) summed over the engine's DP ranks (kv usage: their mean, from the first
+    of ``names.kv_usage`` present); None if the engine exports neither running nor waiting."""
+    sums, counts = sum_series(text, {names.running, names.waiting, *names.kv_usage}, names.prefix)
     if not counts[names.running] and not counts[names.waiting]:
         return None
     usage = next((sums[n] / counts[n] for n in names.kv_usage if counts[n]), 0.0)
