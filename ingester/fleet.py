@@ -25,7 +25,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
@@ -35,7 +35,8 @@ from ingester.engines_from import EnginesFrom, observe, parse_engines_from
 from ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check, expired_retired,
                                  rendezvous_owners, retired)
 from ingester.subscriber import Source, discover
-from shared.engine_metrics import parse_vllm_metrics
+from shared.engine_metrics import parse_load
+from shared.engines import engine
 from shared.fleet import IngesterLease, PodLoad, PodRecord
 from shared.index import VALKEY_ERRORS
 
@@ -56,7 +57,7 @@ def default_ingester_id() -> str:
 class _Attached:
     spec: EngineSpec
     pods: set[str]
-    sources: list = field(default_factory=list)
+    family: str = "vllm"  # its engine adapter (shared/engines/): which /metrics series say its load
 
 
 @dataclass
@@ -216,7 +217,7 @@ class FleetMember:
             self._conflict(retry, now)
             return
         del self.retries[spec.key]
-        self.attached[spec.key] = _Attached(spec=spec, pods=pods)
+        self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else "vllm")
         log.info("engine %s: ingesting pod(s) %s (owners: %s)", spec.key, sorted(pods) or "named by its frames",
                  ", ".join(rendezvous_owners(spec.key, self.live, self.cfg.copies)))
 
@@ -258,10 +259,10 @@ class FleetMember:
         task = self.probes.get(url)
         if task is None or not task.done():
             if task is None:
-                self.probes[url] = asyncio.ensure_future(self._probe(url, self.ticks % MODELS_EVERY == 1
-                                                                     or any(p not in self.records for p in att.pods)))
+                self.probes[url] = asyncio.ensure_future(self._probe(
+                    url, att.family, self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods)))
             return
-        self.probes[url] = asyncio.ensure_future(self._probe(url, self.ticks % MODELS_EVERY == 1))
+        self.probes[url] = asyncio.ensure_future(self._probe(url, att.family, self.ticks % MODELS_EVERY == 1))
         if task.cancelled() or task.exception():
             return
         ok, detail, load, models = task.result()
@@ -289,7 +290,7 @@ class FleetMember:
             if load is not None and record.state == "live":
                 await self.index.put_load({pod: PodLoad(*load, at_ms=now_ms)})
 
-    async def _probe(self, url: str, with_models: bool):
+    async def _probe(self, url: str, family: str, with_models: bool):
         """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
         healthy; load and models are read only from a healthy engine."""
         try:
@@ -299,8 +300,9 @@ class FleetMember:
         except (httpx.HTTPError, OSError) as exc:
             return False, f"{type(exc).__name__}: {exc}"[:200], None, None
         try:
-            resp = await self.http.get(url + "/metrics")
-            load = parse_vllm_metrics(resp.text) if resp.status_code == 200 else None
+            names = engine(family).load_metrics  # None: the engine exports no Prometheus load series
+            resp = await self.http.get(url + "/metrics") if names else None
+            load = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
         except (httpx.HTTPError, OSError):
             load = None
         return True, "", load, (await self._models(url) if with_models else None)
