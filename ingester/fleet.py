@@ -36,6 +36,7 @@ from ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, 
                                  rendezvous_owners, retired)
 from ingester.subscriber import Source, discover
 from shared.engine_metrics import parse_load
+from shared.events import topic_or_none
 from shared.engines import engine
 from shared.fleet import IngesterLease, PodLoad, PodRecord
 from shared.index import VALKEY_ERRORS
@@ -206,6 +207,7 @@ class FleetMember:
                 return
         else:  # registered by its ZMQ source
             found = [Source(endpoint=spec.source, replay=spec.replay or None)]
+        await self._take_over_moved(spec, found, records, fleet_known)
         pods = await self.ing.attach_engine(spec, found)
         conflict = [p for p in pods for a in self.attached.values() if p in a.pods]
         conflict += [p for p in pods if (r := records.get(p)) is not None and r.state != "retired"
@@ -220,6 +222,26 @@ class FleetMember:
         self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else "vllm")
         log.info("engine %s: ingesting pod(s) %s (owners: %s)", spec.key, sorted(pods) or "named by its frames",
                  ", ".join(rendezvous_owners(spec.key, self.live, self.cfg.copies)))
+
+    async def _take_over_moved(self, spec: EngineSpec, found: list[Source], records: dict[str, PodRecord],
+                               fleet_known: dict[str, EngineSpec]) -> None:
+        """A pod id last served by an engine that has left, now published by this one (a restarted stack
+        naming its engines as before): its old entries go, and its record names the new engine, before the
+        first event is applied, so retiring the old engine's record cannot clear the new one's entries."""
+        now_ms = await self.index.now_ms()
+        for src in found:
+            topic = src.named_topic or topic_or_none(src.topic)
+            pod = spec.pod or (topic.pod_id if topic else "")
+            rec = records.get(pod)
+            if not pod or rec is None or not rec.engine_url or rec.engine_url == spec.url \
+                    or rec.engine_url in fleet_known:
+                continue
+            new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
+            if await self.index.replace_pod_record(pod, rec, new) or rec.state == "retired":
+                cleared = await self.index.clear_pod(pod)
+                await self.index.put_pod_records({pod: new})
+                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
+                            spec.url, rec.engine_url, cleared)
 
     def _conflict(self, retry: _Retry, now: float) -> None:
         self.ing.stats.inc("pod_conflicts")
@@ -340,10 +362,12 @@ class FleetMember:
         for pod, rec in sorted(view.pods.items()):
             if rendezvous_owners(pod, self.live, 1)[0] != self.me:
                 continue
-            if rec.state != "retired" and rec.engine_url and rec.engine_url not in fleet_urls:
+            if rec.state != "retired" and rec.engine_url and rec.engine_url not in fleet_urls \
+                    and not any(pod in a.pods for a in self.attached.values()):
                 record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
-                await self._retire(pod, record)
-                await self.index.put_pod_records({pod: record})
+                # only if nobody changed the record meanwhile (a new engine taking over the pod id)
+                if await self.index.replace_pod_record(pod, rec, record):
+                    await self._retire(pod, record)
         gone = expired_retired(
             {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me},
             now_ms, int(self.cfg.retired_retention_s * 1000))

@@ -109,6 +109,15 @@ def _foreign_as_empty(replies: list[Any]) -> list[Any]:
     return replies
 
 
+# Compare-and-set of one field of a hash (ARGV[2] "" stands for an absent field).
+_CAS_SCRIPT = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if (cur or '') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
 class LayoutError(RuntimeError):
     """The index was written in another layout version (see shared/layout.py and ``index migrate``)."""
 
@@ -500,6 +509,14 @@ class Index:
     async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
         if records:
             await self.client.hset(FLEET_KEY, mapping={p: fleet.encode(r) for p, r in records.items()})
+
+    async def replace_pod_record(self, pod_id: str, expected: fleet.PodRecord | None, record: fleet.PodRecord) -> bool:
+        """Write ``record`` only if the pod's record is still ``expected`` (None: absent): two ingesters
+        acting on one pod at once (one retiring it, one attaching a new engine under its id) cannot both
+        win. One small script: compare and set in one step."""
+        found = await self.client.eval(_CAS_SCRIPT, 1, FLEET_KEY, pod_id,
+                                       fleet.encode(expected) if expected is not None else "", fleet.encode(record))
+        return bool(int(found))
 
     async def drop_pod_records(self, pod_ids: Iterable[str]) -> None:
         pod_ids = list(pod_ids)
