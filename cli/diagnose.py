@@ -58,7 +58,8 @@ def read_turns(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-async def tokenize_turns(rows: list[dict[str, Any]], tokenizers: dict[str, str], engine_urls: dict[str, str],
+async def tokenize_turns(rows: list[dict[str, Any]], tokenizers: dict[str, str],
+                         engine_urls: dict[str, tuple[str, ...]],
                          timeout_s: float) -> list[Any]:
     from predictor.errors import PredictorError
     from predictor.session_diagnosis import TurnRecord
@@ -172,14 +173,14 @@ async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api
         return None
 
 
-async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dict[str, str],
+async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dict[str, tuple[str, ...]],
                        client: httpx.AsyncClient) -> dict[str, str]:
     """Pod -> engine URL: the fleet registry's (kvpf:fleet) where it has one, else --pod-metrics, else the
     --engine-url engines, whose pod id their /kv_event_sources topic gives."""
     from predictor.load import _discover_pod
 
     urls = {pod: url for pod, url in pod_metrics.items()}
-    for url in dict.fromkeys(engine_urls.values()):
+    for url in dict.fromkeys(u for urls_of_model in engine_urls.values() for u in urls_of_model):
         if url.rstrip("/") in {u.rstrip("/") for u in urls.values()}:
             continue
         pod = await _discover_pod(client, url.rstrip("/"))
@@ -193,7 +194,7 @@ async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dic
 
 
 async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str | None, api_key: str | None,
-                    pod_metrics: dict[str, str], engine_urls: dict[str, str], window_s: float,
+                    pod_metrics: dict[str, str], engine_urls: dict[str, tuple[str, ...]], window_s: float,
                     progress=None) -> Any:
     from predictor.fleet_diagnosis import bounded, diagnose_fleet
     from shared.entries import parse_entry

@@ -214,9 +214,10 @@ async def _decode(p: Predictor, model: str, slices: list[list[int]]) -> tuple[di
     if m is not None and m.local is not None:
         tok = m.local.tokenizer
         return {tuple(s): tok.decode(s, skip_special_tokens=False) for s in slices}, "local"
-    base = p.tokenizer.engine_urls.get(model)
-    if base is None:
+    urls = p.tokenizer.urls_for(model)  # --engine-url engines of the model, else the fleet's
+    if not urls:
         return {}, None
+    base = urls[0]
     out: dict[tuple[int, ...], str] = {}
     try:
         async with asyncio.timeout(p.tokenizer.timeout_s * 2):

@@ -191,13 +191,17 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
             dropped.append(True)
             proto = ing.index.backend.fast._proto
             proto.data_received = lambda data: None  # replies lost on the way back
-            while (await ing.index.pod_info("pod-a")).seqs.get("0") != 1:
+            while (await observer.pod_info("pod-a")).seqs.get("0") != 1:
                 await asyncio.sleep(0.01)  # Valkey has run both scripts
             proto.transport.close()
         return sent
 
+    # Watched on a connection of its own: the ingester's lean one is the one made to lose its replies (its
+    # metadata reads go over it too).
+    observer = Index.from_url(valkey_url)
     ing.index.send_batches = send_then_lose_the_replies
     await ing.handle_messages([(SRC, m) for m in msgs])
+    await observer.close()
     assert ing.stats.counts["duplicates_skipped"] == 2
     info = await ing.index.pod_info("pod-a")
     assert info.incomplete and "unknown parent" in info.incomplete_reason
