@@ -1,3 +1,3 @@
-from cli.main import cli
+from kv_preflight.cli.main import cli
 
 cli()

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 import zmq
 
-from shared.jsonl import read_json_lines
-from shared.events import topic_or_none
+from kv_preflight.shared.jsonl import read_json_lines
+from kv_preflight.shared.events import topic_or_none
 
 
 class EventWatcher:

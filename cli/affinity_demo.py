@@ -14,8 +14,8 @@ import random
 import click
 import httpx
 
-from cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
-from cli.explain_cmd import render
+from kv_preflight.cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
+from kv_preflight.cli.explain_cmd import render
 
 
 WORDS = ("cache", "prefix", "block", "token", "engine", "router", "pod", "model", "prompt", "layer", "query",

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import httpx
 
-from cli.accuracy import Outcome, WorkloadError, load_workload, run_workload, shared_prefix_workload, summarize
+from kv_preflight.cli.accuracy import Outcome, WorkloadError, load_workload, run_workload, shared_prefix_workload, summarize
 
 
 def _run_workload(*args, **kwargs) -> list[Outcome]:

@@ -18,7 +18,7 @@ import click
 import httpx
 import msgspec
 
-from shared.config import parse_model_urls, parse_pod_urls, parse_tokenizer_dirs
+from kv_preflight.shared.config import parse_model_urls, parse_pod_urls, parse_tokenizer_dirs
 
 
 @click.group("diagnose")
@@ -31,7 +31,7 @@ def diagnose_group() -> None:
 
 def read_turns(path: Path) -> list[dict[str, Any]]:
     """The log's records, checked: ``{"session", "turn", "model", "messages" | "token_ids"}`` per line."""
-    from shared.jsonl import read_json_lines
+    from kv_preflight.shared.jsonl import read_json_lines
 
     out = []
     try:
@@ -61,10 +61,10 @@ def read_turns(path: Path) -> list[dict[str, Any]]:
 async def tokenize_turns(rows: list[dict[str, Any]], tokenizers: dict[str, str],
                          engine_urls: dict[str, tuple[str, ...]],
                          timeout_s: float) -> list[Any]:
-    from predictor.errors import PredictorError
-    from predictor.session_diagnosis import TurnRecord
-    from predictor.tokenization import Tokenization
-    from predictor.tokenize import EngineTokenizer
+    from kv_preflight.predictor.errors import PredictorError
+    from kv_preflight.predictor.session_diagnosis import TurnRecord
+    from kv_preflight.predictor.tokenization import Tokenization
+    from kv_preflight.predictor.tokenize import EngineTokenizer
 
     engine = EngineTokenizer(engine_urls, timeout_s)
     tok = Tokenization.load(engine, tokenizers, check=False)
@@ -112,8 +112,8 @@ def render_sessions(reports: list[Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
 def sessions(file: Path, tokenizers, engine_urls, block_size, timeout, as_json) -> None:
     """Per session in FILE.jsonl: shared prefix per turn, where a sliding window cuts, what to change."""
-    from predictor.local_tokenizer import TokenizerLoadError
-    from predictor.session_diagnosis import diagnose_sessions
+    from kv_preflight.predictor.local_tokenizer import TokenizerLoadError
+    from kv_preflight.predictor.session_diagnosis import diagnose_sessions
 
     try:
         rows = read_turns(file)
@@ -133,7 +133,7 @@ def sessions(file: Path, tokenizers, engine_urls, block_size, timeout, as_json) 
 
 async def read_engines(urls: dict[str, str], client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, str]]:
     """Each pod's prefix-cache counters from ``<url>/metrics``; errors by pod."""
-    from predictor.fleet_diagnosis import parse_prefix_counters
+    from kv_preflight.predictor.fleet_diagnosis import parse_prefix_counters
 
     out: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -177,7 +177,7 @@ async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dic
                        client: httpx.AsyncClient) -> dict[str, str]:
     """Pod -> engine URL: the fleet registry's (kvpf:fleet) where it has one, else --pod-metrics, else the
     --engine-url engines, whose pod id their /kv_event_sources topic gives."""
-    from predictor.load import _discover_pod
+    from kv_preflight.predictor.load import _discover_pod
 
     urls = {pod: url for pod, url in pod_metrics.items()}
     for url in dict.fromkeys(u for urls_of_model in engine_urls.values() for u in urls_of_model):
@@ -196,9 +196,9 @@ async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dic
 async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str | None, api_key: str | None,
                     pod_metrics: dict[str, str], engine_urls: dict[str, tuple[str, ...]], window_s: float,
                     progress=None) -> Any:
-    from predictor.fleet_diagnosis import bounded, diagnose_fleet
-    from shared.entries import parse_entry
-    from shared.index import Index
+    from kv_preflight.predictor.fleet_diagnosis import bounded, diagnose_fleet
+    from kv_preflight.shared.entries import parse_entry
+    from kv_preflight.shared.index import Index
 
     index = Index.from_url(valkey_url, timeout_s=5.0, cluster=cluster)
     try:
@@ -308,8 +308,8 @@ def fleet(valkey_url, valkey_cluster, predictor_url, api_key, engine_urls, pod_m
     """Per-pod hit rates, prefix families and their duplication, observed hit rate vs the round-robin bound."""
     import os
 
-    from shared.config import Config
-    from shared.index import VALKEY_ERRORS
+    from kv_preflight.shared.config import Config
+    from kv_preflight.shared.index import VALKEY_ERRORS
 
     try:
         cfg = Config.load(valkey_url=valkey_url, valkey_cluster=valkey_cluster)

@@ -17,7 +17,7 @@ import os
 
 import click
 
-from shared.config import ENV_PREFIX, Config
+from kv_preflight.shared.config import ENV_PREFIX, Config
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
 

@@ -10,10 +10,10 @@ from typing import Any
 import click
 import httpx
 
-from shared.config import Config
-from shared.index import Index, LayoutError, StoreBlock, parse_entry
-from shared.migrate import migrate as migrate_layout
-from shared.events import topic_or_none
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import Index, LayoutError, StoreBlock, parse_entry
+from kv_preflight.shared.migrate import migrate as migrate_layout
+from kv_preflight.shared.events import topic_or_none
 
 
 def _run(coro):
@@ -56,7 +56,7 @@ def _config(**flags) -> Config:
 
 
 def _index(valkey_url: str | None) -> Index:
-    from shared.backends.cluster import probe_cluster
+    from kv_preflight.shared.backends.cluster import probe_cluster
 
     cfg = _config(valkey_url=valkey_url)
     timeout_s = max(cfg.valkey_timeout_s, 5.0)
@@ -89,9 +89,9 @@ def index_group() -> None:
 
 
 def _pod_row(p, now: float) -> dict[str, Any]:
-    """A pod as GET /stats shows it (predictor.stats.pod_stats: one naming for both), plus ``seq``, the
+    """A pod as GET /stats shows it (kv_preflight.predictor.stats.pod_stats: one naming for both), plus ``seq``, the
     name this command used before (same value as ``last_seq``), kept for scripts that read it."""
-    from predictor.stats import pod_stats
+    from kv_preflight.predictor.stats import pod_stats
 
     return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items()))}
 
@@ -214,8 +214,8 @@ def ingesters(valkey_url, as_json) -> None:
 @json_opt
 def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, as_json) -> None:
     """Per block of a prompt: its key, which pods and tiers hold it, where each pod's chain breaks."""
-    from cli.main import _read_tokens
-    from shared.keys import request_keys
+    from kv_preflight.cli.main import _read_tokens
+    from kv_preflight.shared.keys import request_keys
 
     if (tokens_spec is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens or --prompt")
@@ -408,8 +408,8 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
 @json_opt
 def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> None:
     """Wipe pods and re-ingest them from the engines' replay buffers, from seq 0."""
-    from ingester.service import Ingester
-    from ingester.subscriber import discover, fetch_replay
+    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.subscriber import discover, fetch_replay
 
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 

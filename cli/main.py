@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
-from shared.config import parse_lora_names
+from kv_preflight.shared.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
+from kv_preflight.shared.config import parse_lora_names
+from kv_preflight.shared.keys import HAS_C_EXTENSION
 
 
 def _read_tokens(spec: str) -> list[int]:
@@ -29,8 +30,12 @@ def _read_tokens(spec: str) -> list[int]:
     return tokens
 
 
+# --version says whether setup.py built the C block-key routine (no compiler at install: the pure-Python path).
+VERSION_MESSAGE = "%(prog)s, version %(version)s, C block-key routine: " + (
+    "built" if HAS_C_EXTENSION else "not built (pure-Python fallback)")
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kv-preflight")
+@click.version_option(package_name="kv-preflight", message=VERSION_MESSAGE)
 def cli() -> None:
     """Predict prefix-cache hits of LLM engines from their KV-cache events."""
 
@@ -46,7 +51,7 @@ def cli() -> None:
 def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str, hash_algo: str = "fnv64a",
          cache_salt: str | None = None) -> None:
     """Print llm-d request keys for TOKENS as a JSON list of decimal strings."""
-    from shared.keys import request_keys, salted_request_keys
+    from kv_preflight.shared.keys import request_keys, salted_request_keys
 
     try:
         tokens = _read_tokens(tokens_spec)
@@ -97,7 +102,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
            target_ports=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
-    from ingester.main import run
+    from kv_preflight.ingester.main import run
 
     try:
         cfg = Config.load(valkey_url=valkey_url, valkey_cluster=valkey_cluster, sources=sources, binds=binds,
@@ -156,7 +161,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
           register_allow=(), hash_algo=None) -> None:
     """Serve predictions and routing over HTTP."""
-    from predictor.main import serve as run_server
+    from kv_preflight.predictor.main import serve as run_server
 
     try:
         urls = parse_model_urls(engine_urls) if engine_urls else None
@@ -178,7 +183,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         raise click.BadParameter(str(exc)) from None
     import asyncio
 
-    from predictor.settings import SettingsMismatch, check_settings
+    from kv_preflight.predictor.settings import SettingsMismatch, check_settings
 
     try:  # hash seed, block size, entry format given explicitly must match the index's (predictor/settings.py)
         asyncio.run(check_settings(cfg))
@@ -189,16 +194,16 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
 
 def check_serve_files(cfg: Config) -> None:
     """Fail at the command line, not in every worker: tokenizer dirs, TTFT model, API keys."""
-    from predictor.auth import load_api_keys
-    from predictor.local_tokenizer import LocalTokenizer
-    from predictor.ttft import TtftModels
+    from kv_preflight.predictor.auth import load_api_keys
+    from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+    from kv_preflight.predictor.ttft import TtftModels
 
     for model, directory in cfg.tokenizers.items():
         LocalTokenizer.load(directory, name=model)
     TtftModels.load(cfg.ttft_model)
     load_api_keys(cfg.api_keys_file, cfg.api_keys)
     if cfg.register_allow:
-        from predictor.dynamo_wire import parse_allow
+        from kv_preflight.predictor.dynamo_wire import parse_allow
 
         parse_allow(cfg.register_allow)
 
@@ -207,13 +212,13 @@ def main() -> None:  # pragma: no cover
     cli()
 
 
-from cli.demo import accuracy, demo  # noqa: E402
-from cli.calibrate import calibrate  # noqa: E402
-from cli.index_cmds import index_group  # noqa: E402
-from cli.tokenizer_cmds import tokenizer_group  # noqa: E402
-from cli.up import up  # noqa: E402
-from cli.diagnose import diagnose_group  # noqa: E402
-from cli.explain_cmd import explain  # noqa: E402
+from kv_preflight.cli.demo import accuracy, demo  # noqa: E402
+from kv_preflight.cli.calibrate import calibrate  # noqa: E402
+from kv_preflight.cli.index_cmds import index_group  # noqa: E402
+from kv_preflight.cli.tokenizer_cmds import tokenizer_group  # noqa: E402
+from kv_preflight.cli.up import up  # noqa: E402
+from kv_preflight.cli.diagnose import diagnose_group  # noqa: E402
+from kv_preflight.cli.explain_cmd import explain  # noqa: E402
 
 cli.add_command(index_group)
 cli.add_command(tokenizer_group)
@@ -229,7 +234,7 @@ cli.add_command(diagnose_group)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args: tuple[str, ...]) -> None:
     """Benchmark every hot path against a straightforward baseline (bench --help: options)."""
-    from cli.bench.__main__ import main as run_bench
+    from kv_preflight.cli.bench.__main__ import main as run_bench
 
     run_bench(list(args))
 
@@ -247,8 +252,8 @@ def bench(args: tuple[str, ...]) -> None:
 @click.option("--step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Wall time per engine step.")
 def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, blocks, max_model_len, step_ms) -> None:
     """Run a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's."""
-    from simulator.config import SimulatorConfig
-    from simulator.main import run
+    from kv_preflight.simulator.config import SimulatorConfig
+    from kv_preflight.simulator.main import run
 
     cfg = SimulatorConfig(pod=pod, model=model, host=host, port=port, zmq_endpoint=zmq_endpoint,
                           replay_endpoint=None if replay_endpoint.lower() == "none" else replay_endpoint,
@@ -261,6 +266,6 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
     run(cfg)
 
 
-from cli.env import apply_env  # noqa: E402
+from kv_preflight.cli.env import apply_env  # noqa: E402
 
 apply_env(cli)  # last: every command above is defined; each option reads KVPF_<NAME> (cli/env.py)

@@ -18,9 +18,9 @@ from pathlib import Path
 import click
 import httpx
 
-from cli.valkey_cluster import ValkeyCluster
-from shared.config import Config, parse_model_urls
-from cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.cli.valkey_cluster import ValkeyCluster
+from kv_preflight.shared.config import Config, parse_model_urls
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -47,7 +47,7 @@ class Stack:
         fh = open(log, "a")
         # A session of its own: Ctrl-C reaches `up` alone, which stops the children in order. Sharing the
         # terminal's process group, they exited on the same SIGINT, and up took one for a crash.
-        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=fh, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                                 start_new_session=True)
         child = Child(name, proc, log)
@@ -263,11 +263,11 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     (run the first again: the prediction now counts the blocks the engine cached)
 """)
         if demo:
-            from cli.demo import print_demo
+            from kv_preflight.cli.demo import print_demo
 
             ok = print_demo(engine_list[0], predictor, served_model)
             if len(engine_list) > 1:  # round robin vs /route, and one explained miss (cli/affinity_demo.py)
-                from cli.affinity_demo import print_affinity_demo
+                from kv_preflight.cli.affinity_demo import print_affinity_demo
 
                 print_affinity_demo(engine_list, predictor, served_model)
             if exit_after_demo:
@@ -341,7 +341,7 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
     seconds), so the first request already finds its model; then one more second for the predictor's read."""
     import asyncio
 
-    from shared.index import Index
+    from kv_preflight.shared.index import Index
 
     async def ready() -> bool:
         ix = Index.from_url(valkey_url)

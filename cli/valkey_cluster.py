@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli.valkey_server import ValkeyServer
+from kv_preflight.cli.valkey_server import ValkeyServer
 
 
 def cluster_port() -> int:

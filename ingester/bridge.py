@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
-from shared.keys import chain_root, request_keys
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
+from kv_preflight.shared.keys import chain_root, request_keys
 
 
 class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make

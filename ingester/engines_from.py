@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ingester.membership import EngineSpec, address_pod_id
+from kv_preflight.ingester.membership import EngineSpec, address_pod_id
 
 log = logging.getLogger("kvpf.ingester")
 

@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING
 import httpx
 import msgspec
 
-from ingester.engines_from import EnginesFrom, observe, parse_engines_from
-from ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check, expired_retired,
+from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
+from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check, expired_retired,
                                  rendezvous_owners, retired)
-from ingester.subscriber import Source, discover
-from shared.engine_metrics import parse_load
-from shared.events import topic_or_none
-from shared.engines import engine
-from shared.fleet import IngesterLease, PodLoad, PodRecord
-from shared.index import VALKEY_ERRORS
+from kv_preflight.ingester.subscriber import Source, discover
+from kv_preflight.shared.engine_metrics import parse_load
+from kv_preflight.shared.events import topic_or_none
+from kv_preflight.shared.engines import engine
+from kv_preflight.shared.fleet import IngesterLease, PodLoad, PodRecord
+from kv_preflight.shared.index import VALKEY_ERRORS
 
 if TYPE_CHECKING:
-    from ingester.service import Ingester
+    from kv_preflight.ingester.service import Ingester
 
 log = logging.getLogger("kvpf.ingester")
 

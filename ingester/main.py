@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shared.config import Config
-from shared.logs import setup_logging
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.logs import setup_logging
 
 
 def run(cfg: Config) -> int:
     setup_logging(cfg.log_json)
-    from ingester.service import run_ingester
+    from kv_preflight.ingester.service import run_ingester
 
     try:
         import uvloop

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from shared.fleet import PodRecord
+from kv_preflight.shared.fleet import PodRecord
 
 
 class EngineSpec(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -15,9 +15,9 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from shared.config import Config
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shared.metrics import PodLabelled, PodSeries, exposition
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.shared.metrics import PodLabelled, PodSeries, exposition
 
 EVENT_TYPES = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -19,14 +19,14 @@ import httpx
 from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError,
                               ResponseError, TryAgainError)
 
-from ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
-from ingester.metrics import IngesterMetrics
-from ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
-from shared.config import Config
-from shared.engines import engine
-from shared.events import DecodedFrame, EventBatch, topic_or_none
-from shared.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
+from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
+from kv_preflight.ingester.metrics import IngesterMetrics
+from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
+from kv_preflight.ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.engines import engine
+from kv_preflight.shared.events import DecodedFrame, EventBatch, topic_or_none
+from kv_preflight.shared.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -68,7 +68,7 @@ class Ingester:
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
         self.engine_sources: dict[str, list[Source]] = {}  # engine URL -> its sources (ingester/fleet.py owns which)
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
-        from ingester.fleet import FleetMember
+        from kv_preflight.ingester.fleet import FleetMember
 
         self.fleet = FleetMember(self)
         self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
@@ -81,7 +81,7 @@ class Ingester:
         # --engine and discovered engines are attached by the fleet membership (ingester/fleet.py), in
         # the first chores round: those down are retried with backoff while the others are ingested.
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
-        from ingester.subscriber import secure_sources
+        from kv_preflight.ingester.subscriber import secure_sources
 
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
         # counted on the ingester made below (the callback runs only once its sockets exist).
@@ -179,7 +179,7 @@ class Ingester:
         """Subscribe to an engine's sources (``found``: from its /kv_event_sources, or the one source it
         was registered with) and resume its pods from their persisted seqs; returns its pods (a source
         with no topic learns its pod from its first frame, or from ``spec.pod``)."""
-        from ingester.subscriber import secure_sources
+        from kv_preflight.ingester.subscriber import secure_sources
 
         if spec.pod:  # named by its address (or a file's "pod"), not by its topic
             found = [dataclasses.replace(src, pod=spec.pod) for src in found]
@@ -665,7 +665,7 @@ class SettingsError(RuntimeError):
 async def check_settings(ing: Ingester) -> None:
     """Claim the index-wide settings (first writer wins) and refuse to write under others: request keys
     hashed with another seed or block size would never be found by anyone reading this index."""
-    from shared.fleet import IndexSettings
+    from kv_preflight.shared.fleet import IndexSettings
 
     ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
                          entry_format=ing.cfg.entry_format)

@@ -28,9 +28,9 @@ import zmq.auth
 import zmq.utils.monitor
 from zmq.utils import z85
 
-from shared.config import Config
-from shared.engines import ENGINES, engine, sglang
-from shared.events import SEQ_END, DecodedFrame, Topic, is_bind_endpoint, topic_or_none
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.engines import ENGINES, engine, sglang
+from kv_preflight.shared.events import SEQ_END, DecodedFrame, Topic, is_bind_endpoint, topic_or_none
 
 log = logging.getLogger("kvpf.ingester")
 

@@ -22,18 +22,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from predictor.auth import ApiKeyAuth, load_api_keys
-from predictor.body import read_json_body
-from predictor.errors import PredictorError, RequestTimeout
-from predictor.explainer import explain as explain_request, parse_explain
-from predictor.openapi import openapi_document
-from predictor.request import parse_keyed, parse_request
-from predictor.service import Predictor
-from predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
-from predictor.stats import StatsQuery
-from shared.config import Config
-from shared.index import VALKEY_ERRORS, Index
-from shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.body import read_json_body
+from kv_preflight.predictor.errors import PredictorError, RequestTimeout
+from kv_preflight.predictor.explainer import explain as explain_request, parse_explain
+from kv_preflight.predictor.openapi import openapi_document
+from kv_preflight.predictor.request import parse_keyed, parse_request
+from kv_preflight.predictor.service import Predictor
+from kv_preflight.predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
+from kv_preflight.predictor.stats import StatsQuery
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import VALKEY_ERRORS, Index
+from kv_preflight.shared.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("kvpf.predictor")
 

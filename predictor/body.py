@@ -13,7 +13,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from predictor.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
+from kv_preflight.predictor.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
 
 
 def is_json_media_type(content_type: str | None) -> bool:

@@ -22,17 +22,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from predictor.auth import ApiKeyAuth, load_api_keys
-from predictor.body import read_json_body
-from predictor.dynamo_wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
+from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.body import read_json_body
+from kv_preflight.predictor.dynamo_wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
                                    RegisterRequest, UnregisterRequest, WorkerInfo, ListenerInfo, build_score_response,
                                    check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
-from predictor.errors import PredictorError
-from predictor.service import valkey_call
-from shared import fleet
-from shared.config import Config
-from shared.index import VALKEY_ERRORS, Index
-from shared.keys import salted_request_keys
+from kv_preflight.predictor.errors import PredictorError
+from kv_preflight.predictor.service import valkey_call
+from kv_preflight.shared import fleet
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import VALKEY_ERRORS, Index
+from kv_preflight.shared.keys import salted_request_keys
 
 log = logging.getLogger("kvpf.dynamo")
 

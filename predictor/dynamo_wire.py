@@ -17,8 +17,8 @@ from typing import Annotated
 
 import msgspec
 
-from shared.entries import parse_entry
-from shared.keys import MAX_TOKEN_ID, fnv64a
+from kv_preflight.shared.entries import parse_entry
+from kv_preflight.shared.keys import MAX_TOKEN_ID, fnv64a
 
 DEFAULT_ROUTING_GROUP = "default"  # Dynamo's default_routing_group()
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]

@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from predictor.score import Prediction
+from kv_preflight.predictor.score import Prediction
 
-from predictor.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, FINDING_KINDS, MISSING_BOS,  # noqa: F401
+from kv_preflight.predictor.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, FINDING_KINDS, MISSING_BOS,  # noqa: F401
                                 OTHER_MODEL, ROLLING_CONTEXT, TEMPLATE_DRIFT, TOKENIZER_DRIFT, UNICODE, WHITESPACE,
                                 Finding)
 

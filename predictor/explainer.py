@@ -16,14 +16,14 @@ from typing import Any
 import httpx
 import msgspec
 
-from predictor import explain as rules
-from predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
-from predictor.explain import Explanation, Finding, PodChain
-from predictor.prompt_warnings import hints_from_probe
-from predictor.request import PredictRequest, check_token_count, parse_request
-from predictor.score import score
-from predictor.service import Predictor, valkey_call
-from shared.keys import request_keys
+from kv_preflight.predictor import explain as rules
+from kv_preflight.predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.explain import Explanation, Finding, PodChain
+from kv_preflight.predictor.prompt_warnings import hints_from_probe
+from kv_preflight.predictor.request import PredictRequest, check_token_count, parse_request
+from kv_preflight.predictor.score import score
+from kv_preflight.predictor.service import Predictor, valkey_call
+from kv_preflight.shared.keys import request_keys
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
 MAX_POD_CHAINS = 64  # pods listed in ``pods``; the rest are counted in pods_truncated

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from predictor.load import PodLoad
-from shared.fleet import FleetView
-from shared.index import VALKEY_ERRORS, Index
+from kv_preflight.predictor.load import PodLoad
+from kv_preflight.shared.fleet import FleetView
+from kv_preflight.shared.index import VALKEY_ERRORS, Index
 
 log = logging.getLogger("kvpf.predictor")
 

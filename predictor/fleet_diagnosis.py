@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from shared.engine_metrics import sum_series
+from kv_preflight.shared.engine_metrics import sum_series
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"

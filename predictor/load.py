@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from shared.engine_metrics import parse_vllm_metrics  # noqa: F401 (predictor.load.parse_vllm_metrics, as before)
-from shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
-from shared.events import topic_or_none
+from kv_preflight.shared.engine_metrics import parse_vllm_metrics  # noqa: F401 (kv_preflight.predictor.load.parse_vllm_metrics, as before)
+from kv_preflight.shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
+from kv_preflight.shared.events import topic_or_none
 
 log = logging.getLogger("kvpf.predictor")
 

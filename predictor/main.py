@@ -17,14 +17,14 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 
-from predictor.app import create_app
-from predictor.server import protocol_factory
-from shared.config import Config
-from shared.logs import setup_logging
-from shared.metrics import remove_multiprocess_dir, use_multiprocess_dir
+from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.server import protocol_factory
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.logs import setup_logging
+from kv_preflight.shared.metrics import remove_multiprocess_dir, use_multiprocess_dir
 
 CONFIG_ENV = "KVPF_SERVE_CONFIG_JSON"
-APP_FACTORY = "predictor.main:app_from_env"
+APP_FACTORY = "kv_preflight.predictor.main:app_from_env"
 
 
 def encode_config(cfg: Config) -> str:
@@ -65,7 +65,7 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
 
 def run_dynamo_api(raw_config: str, parent_pid: int) -> None:
     """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo_api.py)."""
-    from predictor.dynamo_api import create_dynamo_app
+    from kv_preflight.predictor.dynamo_api import create_dynamo_app
 
     _exit_with_parent(parent_pid)
     cfg = decode_config(raw_config)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from shared.index import Index, PodInfo
+from kv_preflight.shared.index import Index, PodInfo
 
 DEFAULT_TTL_S = 1.0
 # A model missing from the cached set is re-checked at most this often, so a

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from shared.metrics import LATENCY_BUCKETS, exposition
+from kv_preflight.shared.metrics import LATENCY_BUCKETS, exposition
 
 
 class PredictorMetrics:

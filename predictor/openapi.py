@@ -13,12 +13,12 @@ from typing import Any
 
 import msgspec
 
-from predictor.explain import Explanation
-from predictor.route import RouteDecision
-from predictor.score import Prediction
-from predictor.stats import DEFAULT_PODS_LIMIT, MAX_PODS_LIMIT
-from shared.config import Config
-from shared.keys import MAX_TOKEN_ID
+from kv_preflight.predictor.explain import Explanation
+from kv_preflight.predictor.route import RouteDecision
+from kv_preflight.predictor.score import Prediction
+from kv_preflight.predictor.stats import DEFAULT_PODS_LIMIT, MAX_PODS_LIMIT
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.keys import MAX_TOKEN_ID
 
 REF = "#/components/schemas/{name}"
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from predictor.explain import bos_findings
-from predictor.findings import TEMPLATE_DRIFT, Finding
-from predictor.local_tokenizer import LocalTokenizer
-from predictor.request import KeyedRequest
-from predictor.tokenization import Tokenization
+from kv_preflight.predictor.explain import bos_findings
+from kv_preflight.predictor.findings import TEMPLATE_DRIFT, Finding
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.request import KeyedRequest
+from kv_preflight.predictor.tokenization import Tokenization
 
 # strftime_now is the Hugging Face template global for "today"; Llama 3.x templates render date_string.
 _DATED_TEMPLATE = re.compile(r"strftime_now|date_string|current_date")

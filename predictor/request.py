@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from predictor.errors import BadRequest, clip
-from shared.config import Config
-from shared.keys import MAX_TOKEN_ID, request_keys_json
+from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.keys import MAX_TOKEN_ID, request_keys_json
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from predictor.findings import Finding
-from predictor.load import PodLoad
-from predictor.score import Prediction
-from predictor.ttft import PrefillModel
-from shared.config import Config
+from kv_preflight.predictor.findings import Finding
+from kv_preflight.predictor.load import PodLoad
+from kv_preflight.predictor.score import Prediction
+from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.shared.config import Config
 
 _DEFAULTS = Config()  # the documented defaults live in one place: shared/config.py
 

@@ -13,12 +13,12 @@ from typing import Protocol
 
 import msgspec
 
-from predictor.findings import Finding
-from predictor.ttft import PrefillModel
+from kv_preflight.predictor.findings import Finding
+from kv_preflight.predictor.ttft import PrefillModel
 
 
 class Match(Protocol):
-    """What scoring needs of a lookup result (``shared.index.PodMatch`` fits)."""
+    """What scoring needs of a lookup result (``kv_preflight.shared.index.PodMatch`` fits)."""
 
     pod_id: str
     blocks: int

@@ -16,24 +16,24 @@ from typing import Any
 
 import msgspec
 
-from predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
-from predictor.fleet import FleetWatcher
-from predictor.load import LoadMonitor, PodLoad
-from predictor.metadata import IndexMetadata
-from predictor.metrics import PredictorMetrics
-from predictor.prompt_warnings import PromptWarnings
-from predictor.request import KeyedRequest, PredictRequest, check_token_count
-from predictor.route import RouteDecision, RoutingPolicy, decide
-from predictor.score import Prediction, score
-from predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
-from predictor.tokenization import Tokenization
-from predictor.tokenize import EngineTokenizer
-from predictor.traffic import Traffic
-from predictor.fleet_diagnosis import stats_view as diagnosis_view
-from predictor.ttft import TtftModels
-from shared.config import Config
-from shared.index import VALKEY_ERRORS, Index
-from shared.keys import salted_request_keys
+from kv_preflight.predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
+from kv_preflight.predictor.fleet import FleetWatcher
+from kv_preflight.predictor.load import LoadMonitor, PodLoad
+from kv_preflight.predictor.metadata import IndexMetadata
+from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.prompt_warnings import PromptWarnings
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_token_count
+from kv_preflight.predictor.route import RouteDecision, RoutingPolicy, decide
+from kv_preflight.predictor.score import Prediction, score
+from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
+from kv_preflight.predictor.tokenization import Tokenization
+from kv_preflight.predictor.tokenize import EngineTokenizer
+from kv_preflight.predictor.traffic import Traffic
+from kv_preflight.predictor.fleet_diagnosis import stats_view as diagnosis_view
+from kv_preflight.predictor.ttft import TtftModels
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import VALKEY_ERRORS, Index
+from kv_preflight.shared.keys import salted_request_keys
 
 
 ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second

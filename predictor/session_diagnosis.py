@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from predictor.explain import first_divergence, rolling_cut
+from kv_preflight.predictor.explain import first_divergence, rolling_cut
 
 
 class TurnRecord(msgspec.Struct, frozen=True):

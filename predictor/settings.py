@@ -12,9 +12,9 @@ import asyncio
 import dataclasses
 import logging
 
-from shared.config import Config
-from shared.fleet import IndexSettings
-from shared.index import VALKEY_ERRORS, Index
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.fleet import IndexSettings
+from kv_preflight.shared.index import VALKEY_ERRORS, Index
 
 log = logging.getLogger("kvpf.predictor")
 

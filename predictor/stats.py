@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from predictor.errors import BadRequest, clip
-from shared.index import Index, PodInfo, pod_blocks_key, pod_meta_key
+from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.shared.index import Index, PodInfo, pod_blocks_key, pod_meta_key
+from kv_preflight.shared.keys import HAS_C_EXTENSION
 
 EVENT_COUNTERS = ("batches", "stored", "removed", "cleared")
 DEFAULT_PODS_LIMIT = 100
@@ -117,6 +118,7 @@ def build_stats(
     out["pods"] = [pod_stats(p, now) for p in pods]
     out["index_counters"] = index_counters
     out["process"] = process.as_dict()
+    out["c_extension"] = HAS_C_EXTENSION  # the C block-key routine is in (setup.py builds it where a compiler is)
     return out
 
 

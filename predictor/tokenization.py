@@ -3,7 +3,7 @@
 A model given ``--tokenizer MODEL=DIR`` is tokenized in-process, but only while the
 local tokenizer is known not to disagree with the engine: at start-up (and, if the
 engine cannot be asked yet, every ``RECHECK_S`` until it can) the samples of
-``predictor.tokenizer_check`` go through both. A model whose check fails falls back to
+``kv_preflight.predictor.tokenizer_check`` go through both. A model whose check fails falls back to
 the engine's ``/tokenize``, and ``/stats`` says which source each model uses and why.
 Without an engine URL the local tokenizer is used unchecked (the operator's call).
 """
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from predictor.errors import BadRequest, clip
-from predictor.local_tokenizer import LocalTokenizer, TemplateError
-from predictor.tokenize import EngineTokenizer
-from predictor.tokenizer_check import builtin_samples, check_parity
+from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TemplateError
+from kv_preflight.predictor.tokenize import EngineTokenizer
+from kv_preflight.predictor.tokenizer_check import builtin_samples, check_parity
 
 log = logging.getLogger("kvpf.predictor")
 

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import msgspec
 
-from predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
-from predictor.request import TokenId
-from shared.engines.vllm import ENGINE as VLLM
+from kv_preflight.predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.request import TokenId
+from kv_preflight.shared.engines.vllm import ENGINE as VLLM
 
 log = logging.getLogger("kvpf.predictor")
 

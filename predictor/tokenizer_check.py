@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from predictor.errors import EngineRejected, EngineUnavailable
-from predictor.explain import Cause, classify, first_divergence
-from predictor.local_tokenizer import LocalTokenizer, TemplateError
-from shared.jsonl import read_json_lines
+from kv_preflight.predictor.errors import EngineRejected, EngineUnavailable
+from kv_preflight.predictor.explain import Cause, classify, first_divergence
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TemplateError
+from kv_preflight.shared.jsonl import read_json_lines
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from shared.engines.base import LoadMetrics
-from shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
+from kv_preflight.shared.engines.base import LoadMetrics
+from kv_preflight.shared.engines.vllm import LOAD_METRICS as VLLM_LOAD
 
 
 def sum_series(text: str, names: set[str] | frozenset[str], prefix: str) -> tuple[dict[str, float], dict[str, int]]:

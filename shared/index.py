@@ -23,19 +23,19 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from shared import scripts
-from shared.backends.base import VALKEY_ERRORS, IndexBackend
-from shared.backends.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
-from shared.backends.single import SingleNodeBackend
-from shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
+from kv_preflight.shared import scripts
+from kv_preflight.shared.backends.base import VALKEY_ERRORS, IndexBackend
+from kv_preflight.shared.backends.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
+from kv_preflight.shared.backends.single import SingleNodeBackend
+from kv_preflight.shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
-from shared import fleet
-from shared.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
-from shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
+from kv_preflight.shared import fleet
+from kv_preflight.shared.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
+from kv_preflight.shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
-from shared.layout import pod_keys as _pod_keys
-from shared.resp import FastConnection
+from kv_preflight.shared.layout import pod_keys as _pod_keys
+from kv_preflight.shared.resp import FastConnection
 
 log = logging.getLogger("kvpf.index")
 
@@ -144,7 +144,7 @@ class Index:
                  cluster: bool | None = None, takeover_ms: int = TAKEOVER_MS) -> "Index":
         """``cluster``: None asks the node (``INFO cluster``); a node that does not answer is taken
         for a single node, with a warning (``--valkey-cluster yes`` says so up front)."""
-        from shared import resp  # (belongs with the module's imports; kept here to touch only this method)
+        from kv_preflight.shared import resp  # (belongs with the module's imports; kept here to touch only this method)
 
         if cluster is None:
             cluster = probe_cluster(url, timeout_s)

@@ -18,7 +18,7 @@ from typing import Any
 import cbor2
 
 try:  # built by setup.py when a C compiler is present
-    from shared import _chain
+    from kv_preflight.shared import _chain
 except ImportError:  # pragma: no cover - exercised when the extension is absent
     _chain = None
 
@@ -139,7 +139,7 @@ def request_keys(
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     if hash_algo == "xxh64":
-        from shared import xxh64
+        from kv_preflight.shared import xxh64
 
         return xxh64.request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=parent,
                                   extra_per_block=extra_per_block)
@@ -187,7 +187,7 @@ def salted_request_keys(
 def chain_root(model: str, hash_seed: str = "", hash_algo: str = "fnv64a") -> int:
     """The chain root of ``model`` under either algorithm."""
     if hash_algo == "xxh64":
-        from shared import xxh64
+        from kv_preflight.shared import xxh64
 
         return xxh64.root_key(model, hash_seed)
     return root_key(model, hash_seed)

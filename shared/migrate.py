@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, V1_PODS_KEY, engine_key_name, engine_members_key,
+from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, V1_PODS_KEY, engine_key_name, engine_members_key,
                            pod_blocks_key, pod_fields_key, pod_meta_key, pod_rks_key, register_pod_args,
                            v1_pod_blocks_key, v1_pod_fields_key, v1_pod_meta_key)
 

@@ -60,7 +60,7 @@ except ImportError:  # pragma: no cover
 
 
 try:
-    from shared._chain import pack_command as _pack_c
+    from kv_preflight.shared._chain import pack_command as _pack_c
 except ImportError:  # pragma: no cover - no compiler at install time
     _pack_c = None
 

@@ -7,7 +7,7 @@ from importlib import resources
 
 
 def lua(*names: str) -> str:
-    base = resources.files("shared") / "lua"
+    base = resources.files("kv_preflight.shared") / "lua"
     return "\n".join((base / f"{n}.lua").read_text() for n in names)
 
 

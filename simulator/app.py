@@ -18,10 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from simulator import tokenizer
-from simulator.config import SimulatorConfig
-from simulator.engine import Generation
-from simulator.runner import EngineRunner
+from kv_preflight.simulator import tokenizer
+from kv_preflight.simulator.config import SimulatorConfig
+from kv_preflight.simulator.engine import Generation
+from kv_preflight.simulator.runner import EngineRunner
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 FINGERPRINT = "vllm-0.32.0-kv-preflight-simulator"

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 MEDIUM_GPU = "GPU"  # vLLM 0.32 tags device-resident blocks so
 GROUP_IDX = 0  # one KV-cache group: a plain full-attention decoder

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.events import make_topic
+from kv_preflight.shared.events import make_topic
 
 
 @dataclass(frozen=True)

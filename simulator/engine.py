@@ -13,8 +13,8 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from shared.events import Event
-from simulator.cache import PrefixCache, RequestBlocks
+from kv_preflight.shared.events import Event
+from kv_preflight.simulator.cache import PrefixCache, RequestBlocks
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from simulator.app import SimulatorApp
-from simulator.cache import PrefixCache
-from simulator.config import SimulatorConfig
-from simulator.publisher import EventPublisher
-from simulator.runner import EngineRunner
-from simulator.tokenizer import OUTPUT_ALPHABET
+from kv_preflight.simulator.app import SimulatorApp
+from kv_preflight.simulator.cache import PrefixCache
+from kv_preflight.simulator.config import SimulatorConfig
+from kv_preflight.simulator.publisher import EventPublisher
+from kv_preflight.simulator.runner import EngineRunner
+from kv_preflight.simulator.tokenizer import OUTPUT_ALPHABET
 
 log = logging.getLogger("kv_preflight.simulator")
 

@@ -7,7 +7,7 @@
   ``["", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``,
   then ``["", "", -1, ""]``. The buffer keeps the last ``buffer_steps`` batches.
 * Payload: msgpack ``[ts, [event maps], data_parallel_rank]``, encoded by
-  ``shared.events`` (the one wire schema; unset optional fields left out as vLLM does).
+  ``kv_preflight.shared.events`` (the one wire schema; unset optional fields left out as vLLM does).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from shared.events import Event, EventBatch, is_bind_endpoint
-from shared.events import encode_payload as encode_batch
+from kv_preflight.shared.events import Event, EventBatch, is_bind_endpoint
+from kv_preflight.shared.events import encode_payload as encode_batch
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.cache import PrefixCache
-from simulator.engine import Generation, run_request
-from simulator.publisher import EventPublisher
+from kv_preflight.simulator.cache import PrefixCache
+from kv_preflight.simulator.engine import Generation, run_request
+from kv_preflight.simulator.publisher import EventPublisher
 
 
 @dataclass

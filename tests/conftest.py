@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cli.valkey_server import ValkeyServer
+from kv_preflight.cli.valkey_server import ValkeyServer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(os.environ.get("KVPF_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -41,7 +41,7 @@ def valkey_url(valkey_server):
 @pytest.fixture
 async def ix(valkey_url):
     """An Index on the flushed test Valkey."""
-    from shared.index import Index
+    from kv_preflight.shared.index import Index
 
     index = Index.from_url(valkey_url)
     yield index
@@ -61,7 +61,7 @@ def load_jsonl(name: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def valkey_cluster(tmp_path_factory):
     """A real local Valkey Cluster: 3 masters + 3 replicas on loopback, 2 s node timeout."""
-    from cli.valkey_cluster import ValkeyCluster
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
     cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"), debug_command=True).start()
     yield cluster

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -25,14 +25,14 @@ from typing import Any
 
 import redis
 
-from cli.bench import loadgen
-from cli.bench.procs import Server, python
-from cli.bench.workload import event_stream, tokens
-from cli.valkey_server import ValkeyServer, free_port
-from predictor.score import engine_cached_tokens
-from shared.index import Index, StoreBlock
-from shared.layout import pod_fields_key, pod_meta_key
-from shared.keys import HAS_C_EXTENSION, request_keys, request_keys_reference
+from kv_preflight.cli.bench import loadgen
+from kv_preflight.cli.bench.procs import Server, python
+from kv_preflight.cli.bench.workload import event_stream, tokens
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.predictor.score import engine_cached_tokens
+from kv_preflight.shared.index import Index, StoreBlock
+from kv_preflight.shared.layout import pod_fields_key, pod_meta_key
+from kv_preflight.shared.keys import HAS_C_EXTENSION, request_keys, request_keys_reference
 
 MODEL = "bench-model"
 C = 16  # canonical block
@@ -131,9 +131,9 @@ def bench_keys(res: Results, quick: bool) -> None:
 async def _ingest(url: str, frames: list, chunk: int = 512) -> tuple[float, dict]:
     """Ours, in process: the ingester's message handler fed ``chunk`` queued messages at a time,
     as its receive loop is when the socket has a backlog (a replay, a burst)."""
-    from ingester.service import Ingester
-    from ingester.subscriber import Source
-    from shared.config import Config
+    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.subscriber import Source
+    from kv_preflight.shared.config import Config
 
     index = Index.from_url(url, timeout_s=10.0)
     ing = Ingester(Config(valkey_url=url), index, [])
@@ -175,7 +175,7 @@ def _digest(r: redis.Redis) -> tuple[int, int]:
 
 
 def _blocks_in(frames) -> int:
-    from shared.events import BlockRemoved, BlockStored, decode_frames
+    from kv_preflight.shared.events import BlockRemoved, BlockStored, decode_frames
 
     n = 0
     for _, fr in frames:
@@ -211,7 +211,7 @@ def bench_cluster(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> Non
     the single node, in one run: blocks/s, Valkey CPU per block on each shard and their balance, and
     predict p50/p99 at 4K and 32K tokens. (This 2-core machine cannot show a scaling curve: per-shard
     cost and balance are what predict one.)"""
-    from cli.valkey_cluster import ValkeyCluster
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
     print("Valkey Cluster (3 masters + 3 replicas on this machine) beside the single node", flush=True)
     stream = event_stream(pods=4, target_blocks=20_000 if quick else 60_000)
@@ -257,7 +257,7 @@ def bench_cluster(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> Non
         figures = {}
         for which, url in (("single", vk.url), ("cluster", cluster.url)):
             port = free_port()
-            srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port), "--workers", "2"],
+            srv = Server([python(), "-m", "kv_preflight", "serve", "--valkey-url", url, "--port", str(port), "--workers", "2"],
                          port, tmp / f"serve-{which}.log").ready()
             try:
                 figures[which] = {
@@ -296,7 +296,7 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
     1,000 pods, each at its own length, on the single node and on a local cluster. Predict p50/p99 at
     concurrency 1, Valkey CPU per prediction (summed over shards; EVALSHA time from INFO commandstats too) and
     the connections one `serve --workers 2` holds open (at concurrency 1 and 32)."""
-    from cli.valkey_cluster import ValkeyCluster
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
     print("fleet-wide prefix: 4K tokens held by 250 and 1,000 pods at different lengths", flush=True)
     counts = (250, 1000)
@@ -321,7 +321,7 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
             for n in counts:
                 before = _clients(ports)
                 port = free_port()
-                srv = Server([python(), "-m", "cli", "serve", "--valkey-url", url, "--port", str(port),
+                srv = Server([python(), "-m", "kv_preflight", "serve", "--valkey-url", url, "--port", str(port),
                               "--workers", "2"], port, tmp / f"serve-fleet-{which}-{n}.log").ready()
                 try:
                     u0, c0 = _evalsha_usec(ports)
@@ -358,7 +358,7 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
 
 
 def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
-    from cli.bench.baseline import seed_ingest
+    from kv_preflight.cli.bench.baseline import seed_ingest
 
     print("ingestion (vLLM 0.32 batches, 4 pods, engine block 32) and memory", flush=True)
     target = 30_000 if quick else 120_000
@@ -486,7 +486,7 @@ def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: fl
     r.flushall()
     port = free_port()
     log = tmp / "ingest.log"
-    srv = Server([python(), "-m", "cli", "ingest", "--valkey-url", vk.url, "--bind", f"tcp://127.0.0.1:{port}"],
+    srv = Server([python(), "-m", "kv_preflight", "ingest", "--valkey-url", vk.url, "--bind", f"tcp://127.0.0.1:{port}"],
                  0, log)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -579,7 +579,7 @@ def run_load(port: int, ps: PromptSet, tmp: Path, *, concurrency: int = 1, reque
             "requests": requests, "duration_s": duration_s, "warmup_requests": warmup}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    out = subprocess.run([python(), "-m", "cli.bench.loadgen", str(spec_path)], capture_output=True, text=True)
+    out = subprocess.run([python(), "-m", "kv_preflight.cli.bench.loadgen", str(spec_path)], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
     result = json.loads(out.stdout)
@@ -625,9 +625,9 @@ def bench_http(res: Results, vk: ValkeyServer, quick: bool, tmp: Path, do_scalin
     for which in ("ours", "baseline"):
         port = free_port()
         if which == "ours":
-            args = [python(), "-m", "cli", "serve", "--valkey-url", vk.url, "--port", str(port), "--workers", "2"]
+            args = [python(), "-m", "kv_preflight", "serve", "--valkey-url", vk.url, "--port", str(port), "--workers", "2"]
         else:
-            args = [python(), "-m", "cli.bench.baseline", "--valkey-url", vk.url, "--port", str(port), "--workers", "2"]
+            args = [python(), "-m", "kv_preflight.cli.bench.baseline", "--valkey-url", vk.url, "--port", str(port), "--workers", "2"]
         srv = Server(args, port, tmp / f"{which}.log").ready()
         try:
             f = figures[which]
@@ -702,7 +702,7 @@ ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "rout
 
 def parser() -> argparse.ArgumentParser:
     """bench's options; each also reads KVPF_<NAME>, as every CLI option does (cli/env.py)."""
-    from cli.env import env_default
+    from kv_preflight.cli.env import env_default
 
     ap = argparse.ArgumentParser(prog="kv-preflight bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -747,12 +747,12 @@ def main(argv: list[str] | None = None) -> None:
             if "cluster" in only:
                 bench_cluster(res, vk, a.quick, tmp)
             if "warnings" in only:
-                from cli.bench.warnings import bench_warnings
+                from kv_preflight.cli.bench.warnings import bench_warnings
                 bench_warnings(res, a.quick, timeit)
             if "fleet" in only:
                 bench_fleet(res, vk, a.quick, tmp)
             if "route" in only:
-                from cli.bench.route import bench_route
+                from kv_preflight.cli.bench.route import bench_route
 
                 bench_route(res, vk, a.quick, tmp)
         finally:

@@ -3,7 +3,7 @@
 Predictor (a server, same HTTP stack as ``kv-preflight serve``):
 
 Per request: stdlib ``json`` parses the body, request keys come from the pure-Python
-reference (cbor2 + FNV per block, ``shared.keys.request_keys_reference``), one
+reference (cbor2 + FNV per block, ``kv_preflight.shared.keys.request_keys_reference``), one
 pipelined ``HKEYS`` per block (``Index.fields_per_key``, llm-d's own Lookup) fetches
 the fields, and ``longest_prefix`` + ``score`` run in Python. Pod metadata comes from
 the same ~1 s cache the real predictor uses, so the ratio isolates the hot path.
@@ -11,7 +11,7 @@ It runs under uvicorn exactly as ``kv-preflight serve`` does (uvloop, httptools,
 
 Ingestion (``seed_ingest``): the seed's decoder, keys, apply script and one round trip per batch.
 
-    python -m cli.bench.baseline --valkey-url URL --port P --workers 2
+    python -m kv_preflight.cli.bench.baseline --valkey-url URL --port P --workers 2
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from predictor.metadata import IndexMetadata
-from predictor.score import score
-from shared.index import Index, longest_prefix
-from shared.keys import request_keys_reference
+from kv_preflight.predictor.metadata import IndexMetadata
+from kv_preflight.predictor.score import score
+from kv_preflight.shared.index import Index, longest_prefix
+from kv_preflight.shared.keys import request_keys_reference
 
 BLOCK = 16
 
@@ -66,7 +66,7 @@ def main() -> None:
     import os
 
     os.environ["KVPF_BENCH_VALKEY_URL"] = a.valkey_url
-    uvicorn.run("cli.bench.baseline:app_from_env", factory=True, host="127.0.0.1", port=a.port, workers=a.workers,
+    uvicorn.run("kv_preflight.cli.bench.baseline:app_from_env", factory=True, host="127.0.0.1", port=a.port, workers=a.workers,
                 loop="uvloop", http="httptools", access_log=False, log_level="warning", lifespan="off")
 
 
@@ -179,11 +179,11 @@ async def seed_ingest(url: str, frames: list) -> tuple[float, dict]:
 
     import redis.asyncio as aioredis
 
-    from ingester import bridge
-    from ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
-    from shared import events
-    from shared.index import RemoveBlock, StoreBlock, encode_entry, engine_key_name, make_entry
-    from shared.keys import request_keys_reference
+    from kv_preflight.ingester import bridge
+    from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+    from kv_preflight.shared import events
+    from kv_preflight.shared.index import RemoveBlock, StoreBlock, encode_entry, engine_key_name, make_entry
+    from kv_preflight.shared.keys import request_keys_reference
 
     client = aioredis.from_url(url, socket_timeout=10.0)
     script = client.register_script(SEED_APPLY)

@@ -6,7 +6,7 @@ predictor's core budget. It reads a spec (JSON) from argv[1], the request bodies
 from a length-prefixed file, and prints one JSON object with latencies (us),
 throughput, status counts, its own CPU time, and the first response per body.
 
-    python -m cli.bench.loadgen spec.json
+    python -m kv_preflight.cli.bench.loadgen spec.json
 """
 from __future__ import annotations
 

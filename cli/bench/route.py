@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 
-from cli.bench.procs import Server, python
-from cli.valkey_server import ValkeyServer, free_port
-from predictor.load import parse_vllm_metrics
-from shared.fleet import PodLoad, PodRecord
-from shared.index import Index
+from kv_preflight.cli.bench.procs import Server, python
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.predictor.load import parse_vllm_metrics
+from kv_preflight.shared.fleet import PodLoad, PodRecord
+from kv_preflight.shared.index import Index
 
 MODEL = "bench-route"
 PODS = 4
@@ -206,20 +206,20 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
     try:
         for e in engines:
             zmq, replay = free_port(), free_port()
-            e.server = Server([python(), "-m", "cli", "simulate", "--pod", e.pod, "--model", MODEL,
+            e.server = Server([python(), "-m", "kv_preflight", "simulate", "--pod", e.pod, "--model", MODEL,
                                "--port", str(e.port), "--zmq", f"tcp://*:{zmq}", "--replay", f"tcp://*:{replay}",
                                "--block-size", "16", "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS)],
                               e.port, tmp / f"{e.pod}.log")
             servers.append(e.server)
         for s in servers:
             s.ready()
-        ing_args = [python(), "-m", "cli", "ingest", "--valkey-url", vk.url]
+        ing_args = [python(), "-m", "kv_preflight", "ingest", "--valkey-url", vk.url]
         for e in engines:
             ing_args += ["--engine", e.url]
         ingester = Server(ing_args, 0, tmp / "route-ingester.log")
         servers.append(ingester)
         port = free_port()
-        predictor = Server([python(), "-m", "cli", "serve", "--valkey-url", vk.url, "--port", str(port)], port,
+        predictor = Server([python(), "-m", "kv_preflight", "serve", "--valkey-url", vk.url, "--port", str(port)], port,
                            tmp / "route-predictor.log").ready()
         servers.append(predictor)
         purl = f"http://127.0.0.1:{port}"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import msgspec
 
-from predictor.prompt_warnings import ModelHints, PromptWarnings
-from predictor.request import KeyedRequest
-from predictor.score import PodAffinity, Prediction
-from predictor.tokenization import Tokenization
-from predictor.tokenize import EngineTokenizer
-from predictor.traffic import Traffic
-from shared.keys import request_keys
+from kv_preflight.predictor.prompt_warnings import ModelHints, PromptWarnings
+from kv_preflight.predictor.request import KeyedRequest
+from kv_preflight.predictor.score import PodAffinity, Prediction
+from kv_preflight.predictor.tokenization import Tokenization
+from kv_preflight.predictor.tokenize import EngineTokenizer
+from kv_preflight.predictor.traffic import Traffic
+from kv_preflight.shared.keys import request_keys
 
 
 def bench_warnings(res, quick: bool, timeit) -> None:

@@ -15,7 +15,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.events import BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
+from kv_preflight.shared.events import BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 
 ENGINE_BLOCK = 32
 VOCAB = 151_000

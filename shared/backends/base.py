@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from shared.entries import ApplyResult, Lookup
+from kv_preflight.shared.entries import ApplyResult, Lookup
 
 # What a Valkey call can raise when Valkey (a node, a shard) is unreachable or answers an error:
 # redis-py's cluster client raises RedisClusterException (not a RedisError) when it has no node.

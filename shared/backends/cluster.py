@@ -40,12 +40,12 @@ from redis.exceptions import AskError, ClusterDownError, NoScriptError, Response
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import SlotNotCoveredError
 
-from shared import scripts
-from shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
-from shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
-from shared.keys import pack_keys
-from shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
-from shared.resp import FastConnection, script_sha
+from kv_preflight.shared import scripts
+from kv_preflight.shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
+from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
+from kv_preflight.shared.keys import pack_keys
+from kv_preflight.shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
+from kv_preflight.shared.resp import FastConnection, script_sha
 
 _unpack = msgspec.msgpack.Decoder()
 log = logging.getLogger("kvpf.index")

@@ -7,11 +7,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from shared import scripts
-from shared.backends.base import evalsha_pipeline, ready
-from shared.entries import ApplyResult, Lookup, apply_result, parse_lookup_reply
-from shared.keys import pack_keys
-from shared.resp import FastConnection
+from kv_preflight.shared import scripts
+from kv_preflight.shared.backends.base import evalsha_pipeline, ready
+from kv_preflight.shared.entries import ApplyResult, Lookup, apply_result, parse_lookup_reply
+from kv_preflight.shared.keys import pack_keys
+from kv_preflight.shared.resp import FastConnection
 
 
 class SingleNodeBackend:

@@ -4,8 +4,8 @@
 """
 from __future__ import annotations
 
-from shared.engines import sglang, trtllm, vllm
-from shared.engines.base import Engine, LoadMetrics
+from kv_preflight.shared.engines import sglang, trtllm, vllm
+from kv_preflight.shared.engines.base import Engine, LoadMetrics
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (vllm.ENGINE, sglang.ENGINE, trtllm.ENGINE)}
 DEFAULT = vllm.ENGINE.name

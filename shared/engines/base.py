@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.events import DecodedFrame, Topic, WireLayout, decode_frames
+from kv_preflight.shared.events import DecodedFrame, Topic, WireLayout, decode_frames
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.engines.base import Engine, LoadMetrics
-from shared.events import WireLayout
+from kv_preflight.shared.engines.base import Engine, LoadMetrics
+from kv_preflight.shared.events import WireLayout
 
 _ARRAY_FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "metadata"),

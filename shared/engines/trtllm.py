@@ -13,8 +13,8 @@ Events are tagged maps, vLLM-compatible (``KVCacheWireEvent``), in a positional 
 """
 from __future__ import annotations
 
-from shared.engines.base import Engine
-from shared.events import WireLayout
+from kv_preflight.shared.engines.base import Engine
+from kv_preflight.shared.events import WireLayout
 
 LAYOUT = WireLayout("trtllm", positional=None)
 

@@ -9,8 +9,8 @@ Publishers are listed at ``GET /kv_event_sources`` (one entry per data-parallel 
 """
 from __future__ import annotations
 
-from shared.engines.base import Engine, LoadMetrics
-from shared.events import VLLM_LAYOUT
+from kv_preflight.shared.engines.base import Engine, LoadMetrics
+from kv_preflight.shared.events import VLLM_LAYOUT
 
 LOAD_METRICS = LoadMetrics(
     running="vllm:num_requests_running",

@@ -1,5 +1,5 @@
 -- Shared by both lookup scripts (after parse_entry.lua): their arguments (n, the chain packed by
--- shared.keys.pack_keys, the exact-walk budget, then the pods filter), key i of the chain, each
+-- kv_preflight.shared.keys.pack_keys, the exact-walk budget, then the pods filter), key i of the chain, each
 -- distinct field parsed once into {pod, tier}, or false (speculative, unparseable, or filtered
 -- out), and reads that treat a key of a foreign type as empty (a miss), counted in `foreign` and
 -- returned first in the reply, never an error. On a cluster node, a key that moved away

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import httpx
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 
 
 def spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
 

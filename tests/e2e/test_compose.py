@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 from tests.tokenizer_files import write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def test_image_runs_as_a_non_root_user(image):
 
 
 def test_image_has_no_compiler_and_has_the_c_routine(image):
-    probe = ("import shutil, sysconfig; from shared.keys import HAS_C_EXTENSION; "
+    probe = ("import shutil, sysconfig; from kv_preflight.shared.keys import HAS_C_EXTENSION; "
              "cc = (sysconfig.get_config_var('CC') or 'cc').split()[0]; "
              "print(HAS_C_EXTENSION, [c for c in (cc, 'cc', 'gcc', 'clang', 'tcc', 'c99') if shutil.which(c)])")
     out = run_in_image(image, "python", "-c", probe)

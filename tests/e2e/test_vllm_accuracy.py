@@ -7,9 +7,9 @@ import random
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.conftest import start_vllm
-from cli.accuracy import run_workload, summarize
+from kv_preflight.cli.accuracy import run_workload, summarize
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e

@@ -12,8 +12,8 @@ import random
 import httpx
 import pytest
 
-from cli.accuracy import EventWatcher, _send, wait_caught_up
-from cli.valkey_server import free_port
+from kv_preflight.cli.accuracy import EventWatcher, _send, wait_caught_up
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack, wait_http
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cli.accuracy import run_workload, summarize
-from cli.valkey_server import free_port
+from kv_preflight.cli.accuracy import run_workload, summarize
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_accuracy import workload

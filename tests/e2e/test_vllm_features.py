@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
-from predictor.ttft import TtftModels
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.ttft import TtftModels
 from tests.e2e.conftest import launcher, start_vllm
 from tests.e2e.harness import kvpf_stack, wait_http
 from tests.prom import metric
@@ -32,7 +32,7 @@ def tiny_model_dir() -> Path:
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_calibrate_fits_ttft_measured_on_the_engine(vllm, tmp_path):
     assert "tiny" in models.models
     # the served estimate uses it: serve --ttft-model
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--valkey-url", f"redis://127.0.0.1:{free_port()}/0",
+    proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", f"redis://127.0.0.1:{free_port()}/0",
                              "--port", str(port), "--ttft-model", str(model_file), "--tokenizer",
                              f"tiny={tiny_model_dir()}", "--no-tokenizer-check"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

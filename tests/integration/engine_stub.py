@@ -7,7 +7,7 @@ from collections import deque
 
 import zmq
 
-from shared.events import EventBatch, encode_frames
+from kv_preflight.shared.events import EventBatch, encode_frames
 
 
 class EngineStub:

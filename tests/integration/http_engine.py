@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.harness import spawn, stop, wait_http
 
 

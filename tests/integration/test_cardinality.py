@@ -10,13 +10,13 @@ import httpx
 import pytest
 import zmq
 
-from cli.valkey_server import free_port
-from predictor.app import create_app
-from shared.config import Config
-from shared.events import encode_frames
-from shared.index import StoreBlock
-from shared.keys import request_keys
-from shared.metrics import OTHER_POD
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.app import create_app
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import encode_frames
+from kv_preflight.shared.index import StoreBlock
+from kv_preflight.shared.keys import request_keys
+from kv_preflight.shared.metrics import OTHER_POD
 from tests.e2e.harness import stop, wait_http
 from tests.integration.test_ingester import batch, stored
 from tests.integration.test_metrics_procs import spawn

@@ -15,9 +15,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cli.env import walk
-from cli.main import cli
-from cli.valkey_server import free_port
+from kv_preflight.cli.env import walk
+from kv_preflight.cli.main import cli
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
 
@@ -28,7 +28,7 @@ DEAD_VALKEY = f"redis://127.0.0.1:{free_port()}/0"
 
 
 def kvpf(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -48,7 +48,7 @@ def assert_one_clear_line(out: subprocess.CompletedProcess, says: str | None = N
 
 
 async def _fill(valkey_url: str, pod: str, blocks: int) -> None:
-    from shared.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
 
     entry = encode_entry(make_entry(pod, "GPU", 0))
     ix = Index.from_url(valkey_url)
@@ -64,7 +64,7 @@ async def _fill(valkey_url: str, pod: str, blocks: int) -> None:
 def test_export_into_a_closed_pipe_exits_quietly(valkey_url):
     """`index export | head -2` printed "cannot reach Valkey: Broken pipe"."""
     asyncio.run(_fill(valkey_url, "pod-pipe", 4000))  # ~600 KB: far more than a pipe buffers
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "index", "export", "--valkey-url", valkey_url],
+    proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "index", "export", "--valkey-url", valkey_url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = [proc.stdout.readline(), proc.stdout.readline()]
     proc.stdout.close()  # what head does after its two lines
@@ -255,7 +255,7 @@ def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch, t
         assert_one_clear_line(subprocess.CompletedProcess(bad_args, res.exit_code, res.stdout, res.stderr))
         return
     env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *bad_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *bad_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL, cwd=tmp_path)
     try:
         stdout, stderr = proc.communicate(timeout=60)

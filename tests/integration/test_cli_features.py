@@ -7,10 +7,10 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from cli.valkey_server import free_port
-from predictor.local_tokenizer import LocalTokenizer
-from predictor.ttft import PrefillModel, TtftModels
+from kv_preflight.cli.main import cli
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.ttft import PrefillModel, TtftModels
 from tests.integration.http_engine import HttpEngine
 from tests.tokenizer_files import write_tokenizer
 
@@ -87,7 +87,7 @@ def test_bad_input_is_one_clear_line_not_a_traceback(args, says):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr + out.stdout
     assert says in out.stderr
@@ -111,8 +111,8 @@ def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
     import asyncio
     import time
 
-    from predictor.stats import build_stats
-    from shared.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.predictor.stats import build_stats
+    from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
 
     async def write():
         ix = Index.from_url(valkey_url)
@@ -134,6 +134,6 @@ def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
 
 
 def _process():
-    from predictor.stats import ProcessCounters
+    from kv_preflight.predictor.stats import ProcessCounters
 
     return ProcessCounters()

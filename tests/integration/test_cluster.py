@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import redis
 
-from shared.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from shared.layout import pod_outbox_key
+from kv_preflight.shared.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.layout import pod_outbox_key
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -144,7 +144,7 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
 
 
 def cluster_engine(topic="kv@pod-c@tiny"):
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
     zport, rport = free_port(), free_port()
     engine = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", topic, bind=True)
     return engine, f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
@@ -213,7 +213,7 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
     engine, source = cluster_engine()
     wl = Workload(32)
     ix = Index.from_url(cluster_url)
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
     port = free_port()
     ing = spawn(["ingest", "--valkey-url", cluster_url, "--source", source], str(tmp_path / "ing.log"))
     pred = spawn(["serve", "--valkey-url", cluster_url, "--port", str(port)], str(tmp_path / "pred.log"))

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import redis
 
-from cli.valkey_server import free_port
-from shared.index import Index
-from shared.layout import pod_outbox_key
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.shared.index import Index
+from kv_preflight.shared.layout import pod_outbox_key
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.test_cluster import assert_exact, cluster_engine, wait_seq
 from tests.integration.test_faults import Workload, publish
@@ -119,13 +119,13 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
 async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluster, cluster_url):
     """A shard with its master and replica both gone: the lookup still answers from the other
     shards, says where the first unanswered block is, and its counts are lower bounds."""
-    from shared.index import StoreBlock, encode_entry, make_entry
+    from kv_preflight.shared.index import StoreBlock, encode_entry, make_entry
 
     from httpx import ASGITransport
 
-    from predictor.app import create_app
-    from shared.config import Config
-    from shared.keys import request_keys
+    from kv_preflight.predictor.app import create_app
+    from kv_preflight.shared.config import Config
+    from kv_preflight.shared.keys import request_keys
 
     ix = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
@@ -175,7 +175,7 @@ async def test_reshard_while_ingesting_and_predicting(valkey_cluster, cluster_ur
     are applied and predictions served: no error reaches a client, nothing is lost."""
     import subprocess
 
-    from cli.valkey_cluster import cli_binary
+    from kv_preflight.cli.valkey_cluster import cli_binary
 
     engine, source = cluster_engine()
     wl = Workload(43)

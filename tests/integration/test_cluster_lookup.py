@@ -9,8 +9,8 @@ import random
 import pytest
 import redis
 
-from shared.backends.cluster import EXACT_BUDGET
-from shared.index import Index, encode_entry, make_entry
+from kv_preflight.shared.backends.cluster import EXACT_BUDGET
+from kv_preflight.shared.index import Index, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

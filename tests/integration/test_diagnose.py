@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from predictor.local_tokenizer import LocalTokenizer
-from shared.index import Index
-from shared.keys import request_keys
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.shared.index import Index
+from kv_preflight.shared.keys import request_keys
 from tests.e2e.harness import kvpf_stack
 from tests.integration.sim import sim_engine
 from tests.tokenizer_files import write_tokenizer
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_diagnose_sessions_finds_the_window_and_the_turn(tmp_path):

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from shared.index import Index
+from kv_preflight.shared.index import Index
 from tests.e2e.harness import spawn, stop
 from tests.integration.sim import sim_engine
 

@@ -14,12 +14,12 @@ import time
 import httpx
 import pytest
 
-from ingester.bridge import ChainState, plan_batch
-from predictor.app import create_app
-from predictor.dynamo_api import create_dynamo_app
-from predictor.dynamo_wire import stable_instance_id
-from shared.config import Config
-from shared.events import BlockStored, EventBatch
+from kv_preflight.ingester.bridge import ChainState, plan_batch
+from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.dynamo_api import create_dynamo_app
+from kv_preflight.predictor.dynamo_wire import stable_instance_id
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import BlockStored, EventBatch
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -212,7 +212,7 @@ def test_serve_dynamo_port_runs_and_stops_with_the_server(valkey_url, tmp_path):
     import subprocess
     import sys
 
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
     from tests.e2e.harness import spawn, wait_http
 
     port, dport = free_port(), free_port()
@@ -237,6 +237,6 @@ def test_serve_dynamo_port_runs_and_stops_with_the_server(valkey_url, tmp_path):
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the Dynamo API process outlived the server")
-    bad = subprocess.run([sys.executable, "-m", "cli", "serve", "--valkey-url", valkey_url, "--dynamo-port", "1",
+    bad = subprocess.run([sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", valkey_url, "--dynamo-port", "1",
                           "--register-allow", "not a host!"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--register-allow" in bad.stderr

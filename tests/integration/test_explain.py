@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from predictor.app import create_app
-from predictor.local_tokenizer import LocalTokenizer
-from shared.config import Config
+from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.shared.config import Config
 from tests.integration.http_engine import HttpEngine
 from tests.integration.sim import sim_engine
 from tests.integration.test_predictor import IndexWriter

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from cli.accuracy import run_workload, shared_prefix_workload, summarize
-from cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload, summarize
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
 

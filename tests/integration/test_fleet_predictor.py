@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
-from shared.fleet import IndexSettings, PodLoad, PodRecord
-from shared.index import StoreBlock
-from shared.keys import request_keys
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.shared.fleet import IndexSettings, PodLoad, PodRecord
+from kv_preflight.shared.index import StoreBlock
+from kv_preflight.shared.keys import request_keys
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
 

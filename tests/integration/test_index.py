@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from shared.index import (
+from kv_preflight.shared.index import (
     ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
-from shared.layout import pod_blocks_key, pod_meta_key
+from kv_preflight.shared.layout import pod_blocks_key, pod_meta_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from ingester.service import Ingester
-from ingester.subscriber import Source
-from shared.config import Config
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
-from shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from shared.keys import request_keys
-from shared.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
+from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.subscriber import Source
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
+from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.keys import request_keys
+from kv_preflight.shared.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -66,7 +66,7 @@ async def ingest(url: str, messages, *, pipelined: bool):
 
 @pytest.mark.parametrize("case", ["clean", "gap", "restart", "dup"])
 async def test_pipelined_equals_one_by_one(valkey_url, case, monkeypatch):
-    import ingester.service as service
+    import kv_preflight.ingester.service as service
 
     monkeypatch.setattr(service, "PIPELINE_BATCHES", 4)  # several runs in flight
     a = stream("pod-a", range(12))

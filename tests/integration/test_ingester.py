@@ -7,13 +7,13 @@ import time
 import pytest
 import zmq
 
-from cli.valkey_server import free_port
-from ingester.service import Ingester
-from ingester.subscriber import Source, fetch_replay
-from shared.config import Config
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shared.index import Index
-from shared.keys import request_keys
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.subscriber import Source, fetch_replay
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.shared.index import Index
+from kv_preflight.shared.keys import request_keys
 from tests.integration.engine_stub import EngineStub
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -247,7 +247,7 @@ async def test_engine_restart_is_noticed_on_reconnect_before_it_publishes(valkey
 async def test_partly_bad_batch_applies_the_rest_and_flags_the_pod(valkey_url, ix):
     import msgspec
 
-    from shared.events import event_to_wire
+    from kv_preflight.shared.events import event_to_wire
 
     h = Harness(valkey_url)
     try:
@@ -304,7 +304,7 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
 
 
 def test_discovered_sources_know_their_data_parallel_rank():
-    from ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
 
     conf = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv@pod-a@tiny"}
     body = {"0": {**conf, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
@@ -392,7 +392,7 @@ async def test_reconnect_to_an_engine_whose_buffer_moved_on_is_not_a_restart(val
 
 
 async def test_a_busy_engine_does_not_starve_a_quiet_one():
-    from ingester.subscriber import Subscriber
+    from kv_preflight.ingester.subscriber import Subscriber
 
     busy, quiet = free_port(), free_port()
     engines = [EngineStub(f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{free_port()}", f"kv@{n}@tiny")

@@ -13,13 +13,13 @@ import httpx
 import pytest
 import redis
 
-from ingester.service import Ingester
-from predictor.app import create_app
-from shared.config import Config
-from shared.events import decode_frames
-from shared.index import Index
-from shared.keys import request_keys
-from shared.layout import PODS_KEY
+from kv_preflight.ingester.service import Ingester
+from kv_preflight.predictor.app import create_app
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import decode_frames
+from kv_preflight.shared.index import Index
+from kv_preflight.shared.keys import request_keys
+from kv_preflight.shared.layout import PODS_KEY
 from tests.conftest import load_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

@@ -6,7 +6,7 @@ import random
 import pytest
 import redis
 
-from shared.index import Index, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
-from shared.events import AllBlocksCleared, BlockRemoved
-from shared.index import Index
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved
+from kv_preflight.shared.index import Index
 from tests.e2e.harness import stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_ingester import Harness, batch, stored
@@ -55,7 +55,7 @@ async def test_ingester_metrics_count_events_gaps_and_lag(valkey_url):
 
 
 def spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import redis
 
-from shared.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
-from shared.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
+from kv_preflight.shared.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
+from kv_preflight.shared.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
 from tests.e2e.harness import spawn, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -34,7 +34,7 @@ def write_layout_1(r: redis.Redis) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=60)
 
 
 async def test_layout_1_is_refused_then_migrated(valkey_url):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the wheel puts in site-packages beside its dist-info. The one place to change when the packages
-# move under one namespace (issue 14, item 1): then {"kv_preflight"}.
-TOP_LEVEL = frozenset({"cli", "shared", "ingester", "predictor", "simulator"})
+# What the wheel puts in site-packages beside its dist-info: the one namespace (issue 14, item 1); the source
+# folders below install as kv_preflight.<folder>.
+TOP_LEVEL = frozenset({"kv_preflight"})
 SOURCE_FOLDERS = ("cli", "shared", "ingester", "predictor", "simulator")
 
 
@@ -93,6 +93,16 @@ def test_entry_point_runs_from_the_clean_venv(installed):
     version = subprocess.run([str(exe), "--version"], capture_output=True, text=True, env=clean_env(),
                              cwd=env_dir, timeout=120)
     assert version.returncode == 0 and "0." in version.stdout, version
+    # it says whether the C block-key routine is in, as the installed package has it; python -m is the same command
+    has_c = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                            "from kv_preflight.shared.keys import HAS_C_EXTENSION as c; print(c)"],
+                           capture_output=True, text=True, env=clean_env(), cwd=env_dir, timeout=120)
+    assert has_c.returncode == 0, has_c.stderr[-2000:]
+    said = "C block-key routine: built" if has_c.stdout.strip() == "True" else "C block-key routine: not built"
+    assert said in version.stdout, version.stdout
+    as_module = subprocess.run([str(env_dir / "bin" / "python"), "-m", "kv_preflight", "--version"], capture_output=True,
+                               text=True, env=clean_env(), cwd=env_dir, timeout=120)
+    assert as_module.returncode == 0 and said in as_module.stdout, as_module
     keys = subprocess.run([str(exe), "keys", "--model", "m", "--tokens", json.dumps(list(range(32)))],
                           capture_output=True, text=True, env=clean_env(), cwd=env_dir, timeout=120)
     assert keys.returncode == 0 and len(json.loads(keys.stdout)) == 2, keys

@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from cli.valkey_server import free_port
-from predictor.app import create_app
-from shared.config import Config
-from shared.index import Index, StoreBlock
-from predictor.ttft import PrefillModel
-from shared.keys import MAX_TOKEN_ID, request_keys
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.app import create_app
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import Index, StoreBlock
+from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.shared.keys import HAS_C_EXTENSION, MAX_TOKEN_ID, request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -498,6 +498,7 @@ async def test_stats(client, writer, ix):
     assert (pods["pod-b"]["incomplete"], pods["pod-b"]["incomplete_reason"]) == (True, "gap 3..7")
     assert doc["index_counters"] == {"decode_errors": 2}
     assert doc["process"]["predictions"] == 1
+    assert doc["c_extension"] is HAS_C_EXTENSION  # whether the C block-key routine is in
     assert doc["process"]["errors"] == {"bad_request": 1, "unknown_model": 1}
 
 
@@ -540,7 +541,7 @@ async def test_serve_under_uvicorn(valkey_url, writer, workers):
     await writer.store("pod-a", prompt)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--valkey-url", valkey_url,
+        [sys.executable, "-c", "from kv_preflight.cli.main import main; main()", "serve", "--valkey-url", valkey_url,
          "--port", str(port), "--workers", str(workers)],
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )

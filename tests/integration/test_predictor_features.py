@@ -11,13 +11,13 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
-from predictor.app import create_app
-from predictor.local_tokenizer import LocalTokenizer
-from predictor.ttft import PrefillModel
-from shared.config import Config
-from shared.index import Index
-from shared.keys import request_keys
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.index import Index
+from kv_preflight.shared.keys import request_keys
 from tests.integration.http_engine import HttpEngine
 from tests.prom import metric
 from tests.integration.test_predictor import IndexWriter
@@ -339,7 +339,7 @@ async def test_openapi_document_describes_the_real_api(valkey_url, tok_dir):
 
 @pytest.fixture(scope="module")
 def password_valkey(tmp_path_factory):
-    from cli.valkey_server import ValkeyServer
+    from kv_preflight.cli.valkey_server import ValkeyServer
 
     server = ValkeyServer(tmp_path_factory.mktemp("vk-pw"), requirepass="p@ss:w/rd", appendonly=False).start()
     yield server
@@ -371,7 +371,7 @@ async def test_tls_valkey(tmp_path):
     import shutil
     import subprocess
 
-    from cli.valkey_server import ValkeyServer
+    from kv_preflight.cli.valkey_server import ValkeyServer
 
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a test certificate")

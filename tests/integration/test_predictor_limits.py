@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from cli.valkey_server import free_port
-from predictor.app import create_app
-from predictor.errors import ECHO_LIMIT
-from predictor.server import protocol_factory
-from shared.config import Config
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.errors import ECHO_LIMIT
+from kv_preflight.predictor.server import protocol_factory
+from kv_preflight.shared.config import Config
 from tests.e2e.harness import stop, wait_http
 from tests.integration.test_predictor import MODEL, PREDICT, IndexWriter, tokens_of
 from tests.prom import metric
@@ -317,7 +317,7 @@ def test_a_slow_body_is_a_408_and_the_connection_closes(valkey_url, http):
 
 def spawn_serve(valkey_url: str, port: int, log_path, *extra: str) -> subprocess.Popen:
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "cli", "serve", "--valkey-url", valkey_url, "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", valkey_url, "--port", str(port),
                              *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -374,12 +374,12 @@ async def test_unknown_body_fields_are_refused_not_ignored(valkey_url):
     """A predict body with "pod" instead of "pods" was accepted and the filter silently dropped."""
     from httpx import ASGITransport
 
-    from predictor.app import create_app
-    from shared.config import Config
+    from kv_preflight.predictor.app import create_app
+    from kv_preflight.shared.config import Config
 
     import redis
 
-    from shared.layout import PODS_KEY
+    from kv_preflight.shared.layout import PODS_KEY
 
     redis.Redis.from_url(valkey_url).hset(PODS_KEY, "a", "m")  # a pod serving model m
     app = create_app(Config(valkey_url=valkey_url))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.harness import spawn, stop
 from tests.integration.sim import sim_engine
 

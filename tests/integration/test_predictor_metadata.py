@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from predictor.metadata import IndexMetadata
-from shared.index import StoreBlock, encode_entry, make_entry
+from kv_preflight.predictor.metadata import IndexMetadata
+from kv_preflight.shared.index import StoreBlock, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ def test_readme_commands_run_against_a_live_stack(tmp_path):
     env = dict(os.environ, KVPF_PORT=str(port), KVPF_DATA_DIR=str(tmp_path / ".data"), KVPF_WORKERS="1")
     log = tmp_path / "up.out"
     # STACK as scripts/up runs it after `scripts/setup` (which installs .venv and valkey-server)
-    args = [sys.executable, "-m", "cli", "up", *STACK.split()[1:]]
+    args = [sys.executable, "-m", "kv_preflight", "up", *STACK.split()[1:]]
     with open(log, "w") as fh:
         up = subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:

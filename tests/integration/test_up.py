@@ -11,9 +11,9 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
     import subprocess
     import sys
 
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
 
-    out = subprocess.run([sys.executable, "-m", "cli", "up", "--data-dir", ".data", "--port", str(free_port()),
+    out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
                           "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "predictions exact" in out.stdout and "MISMATCH" not in out.stdout
@@ -27,10 +27,10 @@ def test_up_on_a_local_valkey_cluster(tmp_path):
     import subprocess
     import sys
 
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
 
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "cli", "up", "--cluster", "--data-dir", ".data", "--port",
+        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data", "--port",
                               str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=240)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -67,7 +67,7 @@ def test_up_refuses_a_port_another_server_answers_on(tmp_path):
 
     import httpx
 
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
 
     port = free_port()
     foreign = subprocess.Popen([sys.executable, "-c", FOREIGN_SERVER, str(port)])
@@ -78,7 +78,7 @@ def test_up_refuses_a_port_another_server_answers_on(tmp_path):
                 break
             except httpx.HTTPError:
                 time.sleep(0.05)
-        out = subprocess.run([sys.executable, "-m", "cli", "up", "--data-dir", str(tmp_path / ".data"), "--port", str(port),
+        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"), "--port", str(port),
                               "--sim-engines", "1", "--workers", "1", "--demo", "--exit-after-demo"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=180)
     finally:
@@ -103,11 +103,11 @@ def test_ctrl_c_is_not_reported_as_a_crash(tmp_path, signals):
     import sys
     import time
 
-    from cli.valkey_server import free_port
+    from kv_preflight.cli.valkey_server import free_port
 
     log = tmp_path / "up.out"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--data-dir", str(tmp_path / ".data"),
+        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"),
                                  "--port", str(free_port()), "--sim-engines", "1", "--workers", "1"],
                                 cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:

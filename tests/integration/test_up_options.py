@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port
 from tests.tokenizer_files import write_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_up_hands_routing_and_tokenizer_options_to_the_predictor(tmp_path):
     tok = write_tokenizer(tmp_path / "tok")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "up", "--data-dir", ".data", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(port),
                              "--sim-engines", "1", "--tokenizer", f"sim-model={tok}", "--no-tokenizer-check",
                              "--route-good-match", "0.7", "--route-tier-weight", "cpu=0.5"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -30,12 +30,12 @@ import httpx
 import pytest
 import redis
 
-from cli.accuracy import run_workload, shared_prefix_workload, summarize
-from cli.valkey_server import ValkeyServer, free_port
-from ingester.subscriber import fetch_replay
-from predictor.metadata import DEFAULT_TTL_S as METADATA_TTL_S
-from shared.events import EventBatch
-from shared.index import Index
+from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload, summarize
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.ingester.subscriber import fetch_replay
+from kv_preflight.predictor.metadata import DEFAULT_TTL_S as METADATA_TTL_S
+from kv_preflight.shared.events import EventBatch
+from kv_preflight.shared.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import SimEngine, sim_engine
 from tests.integration.truth import engine_truth, index_state

@@ -1,10 +1,10 @@
 """The engine-key -> request-key bridge, for every engine/canonical block ratio."""
 import pytest
 
-from ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shared.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
-from shared.keys import request_keys
+from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.shared.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.keys import request_keys
 
 TOKENS = list(range(1000, 1128))  # 128 tokens
 

@@ -2,9 +2,9 @@
 ``(lora name?, (mm id, offset)..., "<salt>", embeds digest?)``), keyed like llm-d-router's request side."""
 from __future__ import annotations
 
-from ingester.bridge import ChainState, cache_salt_of, plan_batch
-from shared.events import BlockStored, EventBatch
-from shared.keys import request_keys, salted_request_keys
+from kv_preflight.ingester.bridge import ChainState, cache_salt_of, plan_batch
+from kv_preflight.shared.events import BlockStored, EventBatch
+from kv_preflight.shared.keys import request_keys, salted_request_keys
 
 
 def test_cache_salt_of_vllm_extra_keys():

@@ -9,8 +9,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cli.env import env_names, walk
-from cli.main import cli
+from kv_preflight.cli.env import env_names, walk
+from kv_preflight.cli.main import cli
 
 COMMANDS = list(walk(cli))
 
@@ -67,7 +67,7 @@ def test_every_option_reads_its_env_var(path, cmd, alias, tmp_path, monkeypatch)
     if alias and not expected:
         pytest.skip("no option of this command has a second name")
     if path == ("bench",):  # argparse behind a pass-through command: its parser, built now, reads the env
-        from cli.bench.__main__ import parser
+        from kv_preflight.cli.bench.__main__ import parser
 
         assert not expected
         for action in parser()._actions:
@@ -108,7 +108,7 @@ def test_simulate_honours_blocks_from_env(monkeypatch):
 
 def test_an_empty_env_var_is_unset(monkeypatch):
     """KVPF_ROUTE_STALE_S="" (a template's unset value) crashed Config parsing with a float error."""
-    from shared.config import Config
+    from kv_preflight.shared.config import Config
 
     for name in ("KVPF_ROUTE_STALE_S", "KVPF_BLOCK_SIZE", "KVPF_LOG_JSON", "KVPF_ENGINES", "KVPF_VALKEY_URL"):
         monkeypatch.setenv(name, "")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from shared.backends.cluster import merge_shards
+from kv_preflight.shared.backends.cluster import merge_shards
 
 
 def linear(n: int, present: list[dict[str, str]], cut: int) -> dict[str, tuple[int, str]]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from predictor.auth import load_api_keys
-from shared.config import Config
+from kv_preflight.predictor.auth import load_api_keys
+from kv_preflight.shared.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_a_config_built_by_hand_is_refused_where_the_keys_are_loaded():
 @pytest.mark.parametrize("command", [["serve"], ["ingest", "--source", "tcp://127.0.0.1:1"]])
 def test_the_cli_exits_non_zero_saying_why(command):
     env = dict(os.environ, KVPF_API_KEYS=" , ")
-    proc = subprocess.run([sys.executable, "-m", "cli", *command, "--valkey-url", "redis://127.0.0.1:1/0"],
+    proc = subprocess.run([sys.executable, "-m", "kv_preflight", *command, "--valkey-url", "redis://127.0.0.1:1/0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "KVPF_API_KEYS is set but names no key" in proc.stderr, proc.stderr

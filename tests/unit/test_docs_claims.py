@@ -9,7 +9,7 @@ README = (REPO / "README.md").read_text()
 
 
 def test_bench_only_names_in_the_readme_are_the_valid_ones():
-    from cli.bench.__main__ import ROWS
+    from kv_preflight.cli.bench.__main__ import ROWS
 
     line = next(ln for ln in README.splitlines() if "kv-preflight bench [" in ln)
     assert re.search(r"--only ([a-z,]+)", line).group(1).split(",") == list(ROWS)
@@ -22,8 +22,8 @@ def test_connecting_vllm_enables_prompt_tokens_details():
 
 
 def test_json_is_promised_only_where_it_exists():
-    from cli.env import walk
-    from cli.main import cli
+    from kv_preflight.cli.env import walk
+    from kv_preflight.cli.main import cli
 
     no_json = sorted(" ".join(p) for p, cmd in walk(cli) if p[0] == "index"
                      and not any("--json" in getattr(o, "opts", ()) for o in cmd.params))
@@ -33,7 +33,7 @@ def test_json_is_promised_only_where_it_exists():
 
 
 def test_benchmarks_md_says_up_and_compose_set_the_listpack_value():
-    from cli.valkey_server import ValkeyServer  # noqa: F401  (the args are built in its start())
+    from kv_preflight.cli.valkey_server import ValkeyServer  # noqa: F401  (the args are built in its start())
 
     assert '"--hash-max-listpack-value", "128"' in (REPO / "cli" / "valkey_server.py").read_text()
     assert '"--hash-max-listpack-value", "128"' in (REPO / "compose" / "docker-compose.yml").read_text()

@@ -1,11 +1,11 @@
 """The pure rules behind explain, warnings and the diagnoses: the classifier, per-pod losses, sessions, fleet."""
 from __future__ import annotations
 
-from predictor import explain as rules
-from predictor.fleet_diagnosis import EngineCounters, diagnose_fleet, parse_prefix_counters
-from predictor.prompt_warnings import hints_from_probe
-from predictor.session_diagnosis import TurnRecord, diagnose_sessions
-from predictor.traffic import MAX_FAMILIES, Traffic
+from kv_preflight.predictor import explain as rules
+from kv_preflight.predictor.fleet_diagnosis import EngineCounters, diagnose_fleet, parse_prefix_counters
+from kv_preflight.predictor.prompt_warnings import hints_from_probe
+from kv_preflight.predictor.session_diagnosis import TurnRecord, diagnose_sessions
+from kv_preflight.predictor.traffic import MAX_FAMILIES, Traffic
 from tests.conftest import fixture_path
 
 BOS = 1

@@ -1,8 +1,8 @@
 """What the predictor reads from the fleet records (predictor/fleet.py), on a fixed view and a fake clock."""
 from __future__ import annotations
 
-from predictor.fleet import FleetWatcher
-from shared.fleet import FleetView, PodLoad, PodRecord
+from kv_preflight.predictor.fleet import FleetWatcher
+from kv_preflight.shared.fleet import FleetView, PodLoad, PodRecord
 
 
 class Clock:

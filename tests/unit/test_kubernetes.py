@@ -19,8 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cli.main import cli
-from shared.config import ENV_PREFIX, Config
+from kv_preflight.cli.main import cli
+from kv_preflight.shared.config import ENV_PREFIX, Config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("single", "cluster")

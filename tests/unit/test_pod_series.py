@@ -7,9 +7,9 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from ingester.metrics import IngesterMetrics
-from shared.events import BlockStored, EventBatch
-from shared.metrics import OTHER_POD, PodLabelled, PodSeries
+from kv_preflight.ingester.metrics import IngesterMetrics
+from kv_preflight.shared.events import BlockStored, EventBatch
+from kv_preflight.shared.metrics import OTHER_POD, PodLabelled, PodSeries
 from tests.prom import metric
 
 

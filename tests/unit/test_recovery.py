@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, ResponseError, TimeoutError
 
-from ingester.recovery import Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from ingester.service import transient
+from kv_preflight.ingester.recovery import Done, Force, Replay, Reset, ResetIfThenCheck, next_step
+from kv_preflight.ingester.service import transient
 
 
 def step(status, mode="check", seq=5, last=2, can_replay=True, has_replay=True):
@@ -33,7 +33,7 @@ def test_every_chain_of_steps_is_short():
     """Whatever the script answers, a batch settles within a handful of steps (no recursion, no loop)."""
     import itertools
 
-    from ingester.recovery import MAX_STEPS
+    from kv_preflight.ingester.recovery import MAX_STEPS
     for answers in itertools.product(("gap", "restart", "applied"), repeat=4):
         mode, can_replay, steps = "check", True, 0
         for status in answers:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from predictor.load import PodLoad, make_target, parse_vllm_metrics
-from predictor.route import RoutingPolicy, decide, rendezvous
-from predictor.score import PodAffinity, Prediction
-from predictor.ttft import PrefillModel
+from kv_preflight.predictor.load import PodLoad, make_target, parse_vllm_metrics
+from kv_preflight.predictor.route import RoutingPolicy, decide, rendezvous
+from kv_preflight.predictor.score import PodAffinity, Prediction
+from kv_preflight.predictor.ttft import PrefillModel
 from tests.conftest import fixture_path
 
 POLICY = RoutingPolicy()

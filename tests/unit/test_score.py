@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from predictor.score import PodAffinity, engine_cached_tokens, score
-from shared.index import PodMatch
+from kv_preflight.predictor.score import PodAffinity, engine_cached_tokens, score
+from kv_preflight.shared.index import PodMatch
 
 C = 16
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.events import AllBlocksCleared, BlockRemoved, BlockStored
-from simulator import tokenizer
-from simulator.cache import PoolExhausted, PrefixCache, chain_hash, extend_block_hashes
-from simulator.engine import Generation, run_request
+from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_preflight.simulator import tokenizer
+from kv_preflight.simulator.cache import PoolExhausted, PrefixCache, chain_hash, extend_block_hashes
+from kv_preflight.simulator.engine import Generation, run_request
 
 BS = 4
 

@@ -5,11 +5,11 @@ import pytest
 import zmq
 import zmq.auth
 
-from ingester.subscriber import (
+from kv_preflight.ingester.subscriber import (
     Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
 )
-from shared.config import Config
-from shared.events import Topic
+from kv_preflight.shared.config import Config
+from kv_preflight.shared.events import Topic
 
 
 def test_pods_and_curve_server_key_options():
@@ -121,7 +121,7 @@ def test_limits_from_env(monkeypatch):
 def test_discovery_maps_every_endpoint_form_vllm_accepts():
     """vLLM 0.32 binds '*', '::' and ipc/inproc endpoints and connects to the rest; ipc:/// and
     tcp://[::] used to come out as '*ipc:///...' and 'tcp://[*]:...' (Protocol not supported)."""
-    from ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
 
     def one(endpoint, replay="tcp://*:5558", url="http://vllm-0:8000"):
         body = {"0": {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 import pytest
 
-from cli.main import cli, serve
-from cli.up import SERVE_OPTIONS, serve_args, up
+from kv_preflight.cli.main import cli, serve
+from kv_preflight.cli.up import SERVE_OPTIONS, serve_args, up
 
 
 def serve_option(name: str) -> click.Option:

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from shared import xxh64
-from shared.keys import request_keys, salted_request_keys
+from kv_preflight.shared import xxh64
+from kv_preflight.shared.keys import request_keys, salted_request_keys
 from tests.conftest import fixture_path
 
 CASES = json.loads(fixture_path("llmd-xxh64-request-keys.json").read_text())["cases"]
