@@ -418,7 +418,10 @@ class Index:
         return replies
 
     async def pod_ids(self) -> dict[str, str]:
-        raw = await self.client.hgetall(PODS_KEY)
+        try:
+            raw = await self.client.hgetall(PODS_KEY)
+        except AttributeError as exc:  # redis-py's cluster client, on a node whose connection died under it
+            raise RedisConnectionError(f"connection lost reading the registry: {exc}") from None
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def pod_info(self, pod_id: str) -> PodInfo:

@@ -126,12 +126,19 @@ async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluste
     from kv_preflight.predictor.app import create_app
     from kv_preflight.shared.config import Config
     from kv_preflight.shared.keys import request_keys
+    from kv_preflight.shared.layout import PODS_KEY
 
     ix = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
-        tokens = [(7 * i) % 30000 + 1 for i in range(40 * 16)]
-        chain = request_keys(tokens, model="m", block_size=16)
+        # The shard going down is the one holding the registry too (kvpf:registry, read to know the model):
+        # a prompt whose 11th key lands there, so the answer must not depend on the registry being readable.
+        registry_port = sync.get_node_from_key(PODS_KEY).port
+        for base in range(1, 500):
+            tokens = [(7 * i + base) % 30000 + 1 for i in range(40 * 16)]
+            chain = request_keys(tokens, model="m", block_size=16)
+            if sync.get_node_from_key(str(chain[10])).port == registry_port:
+                break
         f = encode_entry(make_entry("pod-p", "GPU", 0))
         await ix.apply_batch(pod_id="pod-p", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
                              mutations=[StoreBlock(5000 + i, "gpu", f, (rk,)) for i, rk in enumerate(chain)])
