@@ -116,18 +116,22 @@ class FleetMember:
     async def tick(self) -> None:
         self.ticks += 1
         now = time.monotonic()
-        now_ms = await self.index.now_ms()
-        self.started_ms = self.started_ms or now_ms
-        if now >= self.next_discovery:
-            await self._discover(now)
-            self.next_discovery = now + self.cfg.discovery_interval_s
-        known = {s.key: s for s in self.static}
-        known.update({s.key: s for s in self.discovered.current if s.key not in known})
-        await self.index.put_lease(self.me, IngesterLease(
-            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
-            host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
-            known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
-        view = await self.index.fleet_view()
+        # The round's reads and its lease are bounded as a whole (a call that never answers must not stall
+        # the ingester's loop, nor keep its lease from being renewed next round); what follows them
+        # (attaching engines, replays) has bounds of its own.
+        async with asyncio.timeout(max(2.0, self.cfg.lease_ttl_s / 2)):
+            now_ms = await self.index.now_ms()
+            self.started_ms = self.started_ms or now_ms
+            if now >= self.next_discovery:
+                await self._discover(now)
+                self.next_discovery = now + self.cfg.discovery_interval_s
+            known = {s.key: s for s in self.static}
+            known.update({s.key: s for s in self.discovered.current if s.key not in known})
+            await self.index.put_lease(self.me, IngesterLease(
+                expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
+                host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
+                known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
+            view = await self.index.fleet_view()
         live = view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()

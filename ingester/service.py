@@ -233,9 +233,10 @@ class Ingester:
     async def _fleet_tick(self) -> None:
         try:
             await self.fleet.tick()
-        except VALKEY_ERRORS as exc:
+        except VALKEY_ERRORS as exc:  # TimeoutError too: a round's reads that did not answer in time
             self.stats.inc("valkey_errors")
-            log.warning("fleet membership not updated now (%s); ingesting what this ingester has", exc)
+            log.warning("fleet membership not updated now (%s); ingesting what this ingester has",
+                        exc or type(exc).__name__)
 
     async def chores(self) -> None:
         """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,
