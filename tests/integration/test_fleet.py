@@ -164,6 +164,12 @@ async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(val
             return rec if rec is not None and rec.state == "live" else None
 
         await until(back, "the returning engine's pod live again")
+
+        async def predictor_sees_it():  # the predictor reads the fleet records about every second
+            stats = httpx.get(predictor + "/stats", timeout=5).json()
+            return (stats.get("fleet") or {}).get("pods", {}).get(gone[0].pod, {}).get("state") == "live"
+
+        await until(predictor_sees_it, "the predictor to see the returning pod live")
         exact(run_workload(gone[0].url, predictor, "sim", work[:4]))
     finally:
         for p in ings.values():
