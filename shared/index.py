@@ -118,6 +118,12 @@ return 1
 """
 
 
+def _ms(time_reply: Any) -> int:
+    """A ``TIME`` reply (seconds, microseconds) in milliseconds."""
+    seconds, micros = time_reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 class LayoutError(RuntimeError):
     """The index was written in another layout version (see shared/layout.py and ``index migrate``)."""
 
@@ -478,8 +484,7 @@ class Index:
 
     async def now_ms(self) -> int:
         """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
-        seconds, micros = await self.client.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+        return _ms(await self.client.time())
 
     async def fleet_view(self) -> fleet.FleetView:
         """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
@@ -505,9 +510,7 @@ class Index:
             now, *rest = [await self.client.time(), *await self._read_pipeline(fill)]
         else:
             now, *rest = await self._read_pipeline(fill)
-        rest = _foreign_as_empty(rest)
-        seconds, micros = now
-        return [int(seconds) * 1000 + int(micros) // 1000, *rest]
+        return [_ms(now), *_foreign_as_empty(rest)]
 
     async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
         if records:
