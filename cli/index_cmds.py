@@ -470,19 +470,21 @@ __all__ = ["index_group", "sys"]
 @valkey_opt
 @json_opt
 def migrate(valkey_url, as_json) -> None:
-    """Move an index of layout 1 (kv-preflight 0.1) to layout 2, pod by pod.
+    """Move an index of layout 1 (kv-preflight 0.1) or 2 to layout 3, pod by pod.
 
-    Stop the old ingesters first (they write layout 1). Request keys and engine keys do not change,
-    so an llm-d scheduler on the same Valkey sees nothing happen. Safe to run again if interrupted.
+    Layout 3 adds the presence bitmaps the lookup reads (one per request key and tier). Stop the old
+    ingesters first (they write the old layout). Request keys and engine keys do not change, so an
+    llm-d scheduler on the same Valkey sees nothing happen. Safe to run again if interrupted.
     """
     async def go():
         ix = _index(valkey_url)
         try:
-            def progress(pod: str, blocks: int) -> None:
-                click.echo(f"  {pod}: {blocks} block(s) moved", err=True)
+            def progress(pod: str, n: int) -> None:
+                click.echo(f"  {pod}: {n} done", err=True)
             return await migrate_layout(ix.client, progress=progress)
         finally:
             await ix.close()
 
     done = _run(go())
-    _emit(as_json, done, lambda d: click.echo(f"migrated {d['pods']} pod(s), {d['blocks']} block(s) to layout 2"))
+    _emit(as_json, done, lambda d: click.echo(f"migrated {d['pods']} layout-1 pod(s), {d['blocks']} block(s); "
+                                                    f"bitmaps for {d['keys']} request key(s): layout 3"))

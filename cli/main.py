@@ -135,7 +135,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--hash-seed", default=None, help="llm-d hash seed (default \"\").")
 @click.option("--block-size", default=None, type=click.IntRange(min=1), help="Canonical request-key block size (default 16).")
 @click.option("--max-tokens", default=None, type=click.IntRange(min=1), help="Largest prompt accepted, in tokens (default 262144).")
-@click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="Single node: script (one EVALSHA walks the chain) or pipeline (HKEYS per key). A cluster always pipelines, one request per shard.")
+@click.option("--lookup", default=None, type=click.Choice(["script", "pipeline"]), help="Single node: script (one EVALSHA reads the chain's pod bitmaps) or pipeline (llm-d's own HKEYS per key). A cluster always reads the bitmaps, one request per shard.")
 @click.option("--log-json", is_flag=True, default=None, help="Structured JSON logs.")
 @click.option("--tokenizer", "tokenizers", multiple=True, help="MODEL=DIR: tokenize locally from DIR's tokenizer.json + tokenizer_config.json. Repeatable.")
 @click.option("--tokenizer-check/--no-tokenizer-check", default=None, help="Compare local tokenizers with the engine at start-up; fall back to the engine on a mismatch (default on).")

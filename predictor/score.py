@@ -82,16 +82,26 @@ def score(
     engine_blocks = engine_blocks or {}
     wanted = set(pods) if pods is not None else None
     affinities = []
+    # A fleet-wide prefix gives 1,000 pods but few distinct (length, engine block) pairs: each computed once.
+    estimates: dict[int, float] = {}
+    reused: dict[tuple[int, int | None], int] = {}
     for m in matches:
         if wanted is not None and m.pod_id not in wanted:
             continue
-        tokens = engine_cached_tokens(m.blocks, canonical_block, engine_blocks.get(m.pod_id), prompt_len)
+        at = (m.blocks, engine_blocks.get(m.pod_id))
+        tokens = reused.get(at)
+        if tokens is None:
+            tokens = reused[at] = engine_cached_tokens(m.blocks, canonical_block, at[1], prompt_len)
         if tokens <= 0:
             continue
+        est = None
+        if ttft:
+            est = estimates.get(tokens)
+            if est is None:
+                est = estimates[tokens] = ttft.estimate_ms(prompt_len, tokens)
         affinities.append(PodAffinity(
             pod_id=m.pod_id, cached_blocks=m.blocks, cached_tokens=tokens, device_tier=m.tier,
-            estimated_ttft_ms=ttft.estimate_ms(prompt_len, tokens) if ttft else None,
-            incomplete=m.pod_id in incomplete,
+            estimated_ttft_ms=est, incomplete=m.pod_id in incomplete,
         ))
     affinities.sort(key=lambda a: (-a.cached_tokens, a.pod_id))
     best = affinities[0] if affinities else None

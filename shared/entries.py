@@ -29,6 +29,16 @@ _entry_json = msgspec.json.Encoder()
 _entry_decoder = msgspec.json.Decoder(PodEntry)
 
 
+def better_tier(tier: str, current: str | None) -> bool:
+    """Whether ``tier`` names a pod's tier at a key better than ``current``: a pod with entries on
+    several tiers there counts on gpu, else on the first by name (every lookup mode agrees)."""
+    if current is None:
+        return True
+    if current == DEFAULT_TIER:
+        return False
+    return tier == DEFAULT_TIER or tier < current
+
+
 def tier_of(medium: str | None) -> str:
     return medium.lower() if medium else DEFAULT_TIER
 
@@ -164,8 +174,9 @@ class Lookup:
         return self.unanswered_from is not None
 
 
-@dataclass(frozen=True)
-class PodMatch:
+class PodMatch(msgspec.Struct, frozen=True):
+    """A pod's prefix of a chain (a Struct: a lookup makes one per pod, 1,000 on a fleet-wide prefix)."""
+
     pod_id: str
     blocks: int  # consecutive request-key blocks from the start of the chain
     tier: str
@@ -185,7 +196,7 @@ def longest_prefix(fields_per_key: Sequence[Sequence[str | bytes]], pods: Iterab
                 continue
             if wanted is not None and entry.PodIdentifier not in wanted:
                 continue
-            if entry.PodIdentifier not in present or entry.DeviceTier == DEFAULT_TIER:
+            if better_tier(entry.DeviceTier, present.get(entry.PodIdentifier)):
                 present[entry.PodIdentifier] = entry.DeviceTier
         alive = present if alive is None else {p: t for p, t in present.items() if p in alive}
         if not alive:
@@ -210,7 +221,7 @@ def parse_lookup_reply(flat: Sequence[Any], head: int = 1) -> tuple[list[PodMatc
 
 
 __all__ = [
-    "DEFAULT_TIER", "ApplyResult", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
+    "DEFAULT_TIER", "ApplyResult", "better_tier", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
     "RemoveBlock", "StoreBlock", "apply_args", "apply_result", "block_slot", "encode_entry", "encode_mutations",
     "longest_prefix", "make_entry", "parse_entry", "parse_lookup_reply", "text", "tier_of",
 ]

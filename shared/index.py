@@ -1,6 +1,6 @@
 """The index: the one interface every process reads and writes the Valkey index through.
 
-Key names come from shared/layout.py (layout 2, documented there, the same on a single node and on
+Key names come from shared/layout.py (layout 3, documented there, the same on a single node and on
 Valkey Cluster); what travels (PodEntry fields, mutations, replies) is in shared/entries.py; the Lua
 scripts in shared/lua/. What differs between the topologies, the write path and the lookup, is a
 backend (shared/backends/): a single node applies a batch with one script, a cluster with a pod step,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +35,14 @@ from kv_preflight.shared import fleet
 from kv_preflight.shared.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
 from kv_preflight.shared.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
+from kv_preflight.shared.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY
 from kv_preflight.shared.layout import pod_keys as _pod_keys
+
 from kv_preflight.shared.resp import FastConnection
 
 log = logging.getLogger("kvpf.index")
+
+NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
 
 
 @dataclass
@@ -144,6 +149,12 @@ class Index:
         self.cluster = self.backend.cluster
         self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
         self._registered: dict[str, str] = {}  # pod -> model this Index has put in the registry
+        self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
+        self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
+        self._names_at = -1e9
+        self._names_lock = asyncio.Lock()
+        self._names_epoch = ""  # the numbering's epoch those names were read under (shared/lua/nums.lua)
+        self._nums_script = client.register_script(scripts.NUMS)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json",
@@ -163,7 +174,7 @@ class Index:
         # Scripts resent once after a lost connection, being safe to run twice (shared/resp.py): the
         # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
         # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
-        lookups = {resp.script_sha(scripts.LOOKUP), resp.script_sha(scripts.LOOKUP_LINEAR)}
+        lookups = {resp.script_sha(s) for s in (scripts.LOOKUP, scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
         client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
         fast = FastConnection.from_url(url, timeout_s=timeout_s,
                                        resend_scripts=lookups | {resp.script_sha(scripts.APPLY_SINGLE)})
@@ -191,6 +202,9 @@ class Index:
             await self.client.hsetnx(LAYOUT_KEY, "version", LAYOUT_VERSION)
             found = await self.client.hget(LAYOUT_KEY, "version")
         version = text(found)
+        if version == "2":
+            raise LayoutError("this index has layout 2 (no presence bitmaps yet): stop its ingesters and run "
+                              "`kv-preflight index migrate --valkey-url URL` (it adds them; llm-d's keys do not change)")
         if version != LAYOUT_VERSION:
             raise LayoutError(f"this index has layout {version!r}; this kv-preflight reads and writes layout "
                               f"{LAYOUT_VERSION} only")
@@ -232,18 +246,63 @@ class Index:
         the returned future, so the caller can prepare the next batches while Valkey runs these.
         Commands written later on this Index run after these (one connection). Without the
         lean connection (TLS, cluster) the batches run before this returns."""
-        writer = self.backend.writer_arg()
-        args = [apply_args(b["pod_id"], b["rank"], b["seq"], b["ts"], b["model"], b["engine_block_size"],
-                           b["mutations"], b.get("mode", "check"), writer) for b in batches]
-        keys = [_pod_keys(b["pod_id"], cluster=self.cluster) for b in batches]
-        sent = await self.backend.send([b["pod_id"] for b in batches], keys, args)
+        unnumbered = sorted({b["pod_id"] for b in batches} - self._numbered)
+        if unnumbered:
+            await self.ensure_numbers(unnumbered)
+        sent = await self._send(batches)
 
         async def registered() -> list[ApplyResult]:
             results = await sent
+            lost = {b["pod_id"] for b, r in zip(batches, results) if r.status == "nonum"}
+            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again, sent again
+                self._numbered -= lost
+                await self.ensure_numbers(sorted(lost))
+                again = [i for i, b in enumerate(batches) if b["pod_id"] in lost]
+                redone = await (await self._send([batches[i] for i in again]))
+                results = list(results)
+                for i, r in zip(again, redone):
+                    if r.status == "nonum":
+                        raise RedisConnectionError(f"pod {batches[i]['pod_id']} lost its number twice in a row")
+                    results[i] = r
             await self._register_new(batches, results)
             return results
 
         return asyncio.ensure_future(registered())
+
+    async def _send(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        writer = self.backend.writer_arg()
+        args = [apply_args(b["pod_id"], b["rank"], b["seq"], b["ts"], b["model"], b["engine_block_size"],
+                           b["mutations"], b.get("mode", "check"), writer) for b in batches]
+        keys = [_pod_keys(b["pod_id"], cluster=self.cluster) for b in batches]
+        return await self.backend.send([b["pod_id"] for b in batches], keys, args)
+
+    async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
+        """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none, and
+        kept in its meta, where the apply script reads it (one slot on a cluster). Idempotent."""
+        nums = [int(n) for n in await self._nums_script(keys=list(NUMS_KEYS),
+                                                         args=["give", NUM_REUSE_MS, *pod_ids])]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for pod, n in zip(pod_ids, nums):
+                pipe.hset(pod_meta_key(pod), "num", n)
+            await pipe.execute()
+        self._numbered.update(pod_ids)
+        return dict(zip(pod_ids, nums))
+
+    async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
+        """Pod number -> pod, read again when older than NAMES_TTL_S (a freed number is reused only
+        NUM_REUSE_MS later, long after every reader has dropped its old name)."""
+        if refresh or time.monotonic() - self._names_at > NAMES_TTL_S:
+            asked = time.monotonic()
+            async with self._names_lock:  # one read for every lookup waiting (one connection, not one each)
+                if self._names_at < asked:
+                    async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
+                        pipe.hgetall(NUMS_BYID_KEY)
+                        pipe.hget(NUMS_NEXT_KEY, "epoch")
+                        raw, epoch = await pipe.execute()
+                    self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
+                    self._names_epoch = text(epoch) if epoch else ""
+                    self._names_at = time.monotonic()
+        return self._names
 
     async def _register_new(self, batches: Sequence[dict[str, Any]], results: Sequence[ApplyResult]) -> None:
         """Pods applied for the first time by this Index (or with a new model) go into the fleet
@@ -347,6 +406,9 @@ class Index:
         if forget:
             await self.client.delete(*pod_state_keys(pod_id))
             await self.client.hdel(PODS_KEY, pod_id)
+            # its bits are all clear now (the clear above ran its effects): the number may serve another pod
+            await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
+            self._numbered.discard(pod_id)
         return result.last_seq
 
     async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
@@ -392,17 +454,51 @@ class Index:
                               mode: str = "script") -> Lookup:
         """Per pod, how many leading blocks of the chain it holds. One round trip in every mode.
 
-        Single node: ``script`` gallops in one EVALSHA (a pod's blocks form a prefix of the chain),
-        ``linear`` walks exactly in one EVALSHA, ``pipeline`` sends pipelined HKEYS (llm-d's own
-        Lookup) and walks in Python. A cluster always pipelines, one request per shard, in parallel.
+        ``script`` (the default) reads the chain keys' pod bitmaps in one EVALSHA per shard and walks
+        them exactly (shared/presence.py); ``linear`` walks llm-d's entries exactly (the reference);
+        ``gallop`` bisects llm-d's entries (layout 2's lookup, for the benchmark); ``pipeline`` (single
+        node) sends llm-d's own pipelined HKEYS and walks in Python.
         """
         if not request_keys:
             return Lookup([])
+        if mode in ("script", "bits"):
+            return await self._lookup_bits(request_keys, pods)
         if mode == "pipeline" and not self.cluster:
             return Lookup(longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods))
         found, foreign = await self.backend.lookup(request_keys, pods, mode)
         self.foreign_reads += foreign
         return found
+
+    async def _lookup_bits(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:
+        try:
+            await self.pod_names()  # at most one read per NAMES_TTL_S, before any lookup needs it
+        except VALKEY_ERRORS:
+            # The numbering's shard is down (a cluster with no replica to take over): the names last read
+            # serve (numbers change only when pods are forgotten); with none yet, the entries name the pods.
+            if not self._names:
+                return await self._lookup_entries(request_keys, pods)
+        found, foreign = await self.backend.lookup_bits(request_keys, self._names_for)
+        self.foreign_reads += foreign
+        if found is None:  # key 1 holds entries someone else wrote: llm-d's entries decide
+            return await self._lookup_entries(request_keys, pods)
+        if pods is not None:
+            asked = set(pods)
+            found = Lookup([m for m in found.matches if m.pod_id in asked], found.unanswered_from)
+        return found
+
+    async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:
+        found, foreign = await self.backend.lookup(request_keys, pods, "linear")
+        self.foreign_reads += foreign
+        return found
+
+    async def _names_for(self, nums: Iterable[int], epoch: str = "") -> dict[int, str]:
+        names = self._names
+        if (epoch and epoch != self._names_epoch) or any(n not in names for n in nums):
+            try:
+                names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
+            except VALKEY_ERRORS:
+                pass  # its bits are ignored until the names can be read
+        return names
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""

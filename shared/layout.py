@@ -1,6 +1,6 @@
 """Every Valkey key name, built in one place (llm-d's names for the keys llm-d shares).
 
-Layout 2, the same on a single node and on Valkey Cluster (docs/architecture.md shows it and why).
+Layout 3, the same on a single node and on Valkey Cluster (docs/architecture.md shows it and why).
 
 llm-d's (v0.9+ Redis index), byte-compatible and with no hash tags, so they spread over every shard
 and an llm-d scheduler (or a cluster-aware llm-d reader) reads the same index:
@@ -25,14 +25,29 @@ so the seq check and the pod's whole state change are one atomic script on a clu
                               our earlier writes (one such key per shard, in a slot that shard owns)
   kvpf:{engine:<key>}:pods    "<pod>|<tier>[|<group>]" -> 1: who holds the engine key; in the same slot
                               as engine:<key>, so creating and deleting it commute across pods
+  kvpf:{<request key>}:bits   tier -> a bitmap of the pods holding the request key on that tier (bit n,
+                              byte n // 8, value 1 << n % 8, for the pod numbered n; trailing zero bytes
+                              trimmed): in the request key's slot, written with it. The lookup reads
+                              these instead of llm-d's entries, so its cost is O(keys x pods / 8 bytes)
+                              of plain reads rather than a probe per pod per key (layout 3; see
+                              docs/architecture.md "Fleet-wide prefixes")
+  kvpf:{<pod>}:rks also holds "<request key>|~<tier>" -> how many of the pod's field ids link the
+                              request key on that tier: its bit is set when this leaves 0, cleared when
+                              it returns there
 
 Fleet-wide keys, which no per-batch atomic step touches:
 
   kvpf:registry               pod -> model (every pod the index has seen)
+  kvpf:{nums}:byname          pod -> its number (the bit it owns in every bitmap); numbers are dense
+  kvpf:{nums}:byid            number -> pod (what a lookup names the bits by)
+  kvpf:{nums}:free            number -> Valkey ms it was freed (a forgotten pod's): reused, lowest first,
+                              once free for NUM_REUSE_MS, so bitmaps stay as short as the fleet
+  kvpf:{nums}:next            next -> the next number never given
   kvpf:counters               fleet-wide counters (decode errors, replays, foreign keys, ...)
   kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
                               socket serves, so a restarted ingester resumes before any frame arrives
-  kvpf:layout                 version -> "2": checked at start; a process refuses any other
+  kvpf:layout                 version -> "3": checked at start; a process refuses any other (``index
+                              migrate`` moves layouts 1 and 2)
 
 Fleet membership (ingester/fleet.py writes them, the predictor reads them; times are Valkey ``TIME``
 in milliseconds, never a local clock, so hosts with skewed clocks agree):
@@ -66,7 +81,7 @@ from __future__ import annotations
 ENGINE_PREFIX = "engine:"
 OUR_PREFIX = "kvpf:"
 LAYOUT_KEY = OUR_PREFIX + "layout"
-LAYOUT_VERSION = "2"
+LAYOUT_VERSION = "3"
 PODS_KEY = OUR_PREFIX + "registry"
 COUNTERS_KEY = OUR_PREFIX + "counters"
 FEEDS_KEY = OUR_PREFIX + "feeds"
@@ -87,6 +102,18 @@ def request_key_name(request_key: int) -> str:
 
 def engine_key_name(engine_key: int | str) -> str:
     return ENGINE_PREFIX + str(engine_key)
+
+
+def request_bits_key(request_key: int | str) -> str:
+    return f"{OUR_PREFIX}{{{request_key}}}:bits"
+
+
+NUMS_BYNAME_KEY = OUR_PREFIX + "{nums}:byname"
+NUMS_BYID_KEY = OUR_PREFIX + "{nums}:byid"
+NUMS_FREE_KEY = OUR_PREFIX + "{nums}:free"
+NUMS_NEXT_KEY = OUR_PREFIX + "{nums}:next"
+NUMS_KEYS = (NUMS_BYNAME_KEY, NUMS_BYID_KEY, NUMS_FREE_KEY, NUMS_NEXT_KEY)
+NUM_REUSE_MS = 60_000  # a freed number waits this long: a predictor's cached number -> pod map has expired
 
 
 def engine_members_key(engine_key: int | str) -> str:

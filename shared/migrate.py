@@ -1,4 +1,10 @@
-"""``kv-preflight index migrate``: an index of layout 1 (kv-preflight 0.1) to layout 2.
+"""``kv-preflight index migrate``: an index of layout 1 (kv-preflight 0.1) or 2 to layout 3.
+
+Layout 2 to 3 adds the presence bitmaps (``kvpf:{<rk>}:bits``, shared/layout.py) the lookup reads:
+every pod gets its number, its per-tier link counts (``<rk>|~<tier>`` in its refs) and its bits,
+rebuilt from its own refs and fields; then every request key's count of our entries ("#n") is set
+from its fields. Each step writes absolute values (a bit set, a count HSET), so an interrupted migrate
+is simply run again. Request keys and ``engine:`` keys are not touched.
 
 Layout 1 kept each pod's state under ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>`` (field id and
 copies per block) and ``kvpf:fields:<pod>``, and found a block's request keys by reading
@@ -17,7 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, V1_PODS_KEY, engine_key_name, engine_members_key,
+from redis.exceptions import NoScriptError
+
+from kv_preflight.shared import scripts
+from kv_preflight.shared.entries import parse_entry
+from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, NUM_REUSE_MS, NUMS_KEYS, PODS_KEY, V1_PODS_KEY,
+                                        request_bits_key, engine_key_name, engine_members_key,
                            pod_blocks_key, pod_fields_key, pod_meta_key, pod_rks_key, register_pod_args,
                            v1_pod_blocks_key, v1_pod_fields_key, v1_pod_meta_key)
 
@@ -34,8 +45,87 @@ def v2_block(held: str, rks: list[str]) -> tuple[str, str]:
 
 
 async def migrate(client, *, chunk: int = 500, progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
-    """Move every layout-1 pod to layout 2; returns counts. ``client`` is a redis-py asyncio
+    """Move an index of layout 1 or 2 to layout 3; returns counts. ``client`` is a redis-py asyncio
     client (single node or cluster)."""
+    done = await _v1_to_v2(client, chunk=chunk, progress=progress)
+    done["keys"] = await add_bits(client, chunk=chunk, progress=progress)
+    await client.hset(LAYOUT_KEY, "version", LAYOUT_VERSION)
+    return done
+
+
+async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], None] | None = None) -> int:
+    """Layout 2 -> 3: numbers, tier counts and bits per pod, then each request key's count of our
+    entries. Returns the request keys counted."""
+    nums = client.register_script(scripts.NUMS)
+    bit = client.register_script(scripts.BIT_EFFECT)
+    pods = sorted(_text(k) for k in await client.hkeys(PODS_KEY))
+    ours: set[str] = set(pods)
+    for pod in pods:
+        (num,) = [int(n) for n in await nums(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, pod])]
+        await client.hset(pod_meta_key(pod), "num", num)
+        tier_of = {}
+        for fid, fld in (await client.hgetall(pod_fields_key(pod))).items():
+            e = parse_entry(fld)
+            tier_of[_text(fid)] = e.DeviceTier if e is not None and not e.Speculative and e.PodIdentifier == pod else None
+        links: dict[tuple[str, str], int] = {}
+        async for f, v in client.hscan_iter(pod_rks_key(pod), count=chunk):
+            rk, _, fid = _text(f).rpartition("|")
+            tier = tier_of.get(fid)
+            if rk and not fid.startswith("~") and tier and int(v) > 0:
+                links[(rk, tier)] = links.get((rk, tier), 0) + 1
+        items = sorted(links.items())
+        for s in range(0, len(items), chunk):
+            pipe = client.pipeline(transaction=False)
+            for (rk, tier), n in items[s:s + chunk]:
+                pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
+                pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, "bit", rk, tier, num, 1)
+            try:
+                await pipe.execute()
+            except NoScriptError:
+                await client.script_load(bit.script)
+                pipe = client.pipeline(transaction=False)
+                for (rk, tier), n in items[s:s + chunk]:
+                    pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
+                    pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, "bit", rk, tier, num, 1)
+                await pipe.execute()
+        if progress:
+            progress(pod, len(items))
+    counted = 0
+    batch: list[str] = []
+
+    async def count(keys: list[str]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hkeys(k)
+        fields = await pipe.execute(raise_on_error=False)
+        pipe = client.pipeline(transaction=False)
+        for k, fl in zip(keys, fields):
+            if isinstance(fl, Exception):
+                continue  # a key of a foreign type: not ours
+            n = sum(1 for f in fl if (e := parse_entry(f)) is not None and e.PodIdentifier in ours)
+            if n:
+                pipe.hset(request_bits_key(k), "#n", n)
+            else:
+                pipe.hdel(request_bits_key(k), "#n")
+        await pipe.execute()
+
+    async for key in client.scan_iter(count=chunk):
+        k = _text(key)
+        if k.isdigit():  # llm-d's request keys are decimal; every other key has a prefix
+            batch.append(k)
+            if len(batch) >= chunk:
+                await count(batch)
+                counted += len(batch)
+                batch = []
+                if progress:
+                    progress("request keys", counted)
+    if batch:
+        await count(batch)
+        counted += len(batch)
+    return counted
+
+
+async def _v1_to_v2(client, *, chunk: int, progress: Callable[[str, int], None] | None) -> dict[str, int]:
     pods = {_text(k): _text(v) for k, v in (await client.hgetall(V1_PODS_KEY)).items()}
     done = {"pods": 0, "blocks": 0}
     for pod, model in sorted(pods.items()):
@@ -84,8 +174,7 @@ async def migrate(client, *, chunk: int = 500, progress: Callable[[str, int], No
         await client.delete(v1_pod_meta_key(pod), v1_pod_fields_key(pod), v1_pod_blocks_key(pod))
         await client.hdel(V1_PODS_KEY, pod)
         done["pods"] += 1
-    await client.hset(LAYOUT_KEY, "version", LAYOUT_VERSION)
     return done
 
 
-__all__ = ["migrate", "v2_block"]
+__all__ = ["add_bits", "migrate", "v2_block"]

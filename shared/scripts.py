@@ -11,11 +11,15 @@ def lua(*names: str) -> str:
     return "\n".join((base / f"{n}.lua").read_text() for n in names)
 
 
-APPLY_SINGLE = lua("links", "apply_single", "pod")
-APPLY_CLUSTER = lua("apply_cluster", "pod")
+APPLY_SINGLE = lua("parse_entry", "links", "bits", "apply_single", "pod")
+APPLY_CLUSTER = lua("parse_entry", "apply_cluster", "pod")
 UNLINK_ENGINE = lua("unlink_engine")
-EFFECTS_SHARD = lua("links", "effects_shard")
+EFFECTS_SHARD = lua("links", "bits", "effects_shard")
+BIT_EFFECT = lua("bits", "bit_effect")
+NUMS = lua("nums")
+LOOKUP_BITS = lua("lookup_bits")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 
-__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_LINEAR", "UNLINK_ENGINE", "lua"]
+__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "BIT_EFFECT", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "NUMS",
+           "UNLINK_ENGINE", "lua"]

@@ -424,7 +424,7 @@ def _entries(r: redis.Redis) -> int:
 
 
 def _agreement(res: Results, vk: ValkeyServer, prompts: list[list[int]]) -> None:
-    """The galloping lookup against the exact walk, on the index the event stream left (evictions and all)."""
+    """The default lookup (pod bitmaps) against the exact walk, on the index the event stream left (evictions and all)."""
     async def run() -> tuple[int, int, int]:
         ix = Index.from_url(vk.url, timeout_s=10.0)
         same = hits = 0
@@ -438,10 +438,10 @@ def _agreement(res: Results, vk: ValkeyServer, prompts: list[list[int]]) -> None
         return same, hits, len(prompts)
 
     same, hits, n = asyncio.run(run())
-    res.extra["lookup_agreement"] = {"prompts": n, "with_hits": hits, "galloping_equals_linear": same}
+    res.extra["lookup_agreement"] = {"prompts": n, "with_hits": hits, "bitmaps_equal_linear": same}
     if same != n:
-        res.failed_checks.append(f"galloping lookup differed from the exact walk on {n - same} prompts")
-    print(f"  galloping lookup == exact walk on {same}/{n} served prompts ({hits} with cached blocks)", flush=True)
+        res.failed_checks.append(f"the bitmap lookup differed from the exact walk on {n - same} prompts")
+    print(f"  bitmap lookup == exact walk on {same}/{n} served prompts ({hits} with cached blocks)", flush=True)
 
 
 def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
@@ -449,10 +449,10 @@ def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
     the seed layout's by writing its reverse index (the whole PodEntry per block) beside ours."""
     total = _used(r) - mem0
     entries = _entries(r)
-    # Ours per block: each pod's reverse index, field ids and request-key refs, and the engine keys'
-    # membership hashes (layout 2, shared/layout.py).
+    # Ours per block: each pod's reverse index, field ids and request-key refs, the engine keys'
+    # membership hashes and the request keys' pod bitmaps (layout 3, shared/layout.py).
     per_block_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000)
-                      if k.endswith((b"}:blocks", b"}:fields", b"}:rks", b"}:pods"))]
+                      if k.endswith((b"}:blocks", b"}:fields", b"}:rks", b"}:pods", b"}:bits"))]
     before = _used(r)
     for k in per_block_keys:
         if not k.endswith(b"}:blocks"):

@@ -42,9 +42,11 @@ from redis.exceptions import SlotNotCoveredError
 
 from kv_preflight.shared import scripts
 from kv_preflight.shared.backends.base import VALKEY_ERRORS, evalsha_pipeline, ready
-from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_entry, text
+from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, better_tier, parse_entry, text
 from kv_preflight.shared.keys import pack_keys
-from kv_preflight.shared.layout import engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_key_name
+from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
+                                        request_key_name)
+from kv_preflight.shared.presence import BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
 from kv_preflight.shared.resp import FastConnection, script_sha
 
 _unpack = msgspec.msgpack.Decoder()
@@ -112,13 +114,16 @@ def effect_list(payload: bytes) -> list[tuple[str, str, list[Any]]]:
         elif op in ("H", "D"):
             out.append((op, str(items[i + 1]), items[i:i + 3]))
             i += 3
+        elif op in ("P", "Q"):
+            out.append((op, request_bits_key(items[i + 1]), items[i:i + 4]))
+            i += 4
         else:
             raise ValueError(f"unknown effect {op!r} in an outbox entry")
     return out
 
 
 def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]:
-    """One effect's flat arguments as plain commands ("UNLINK" stands for the one-slot unlink script)."""
+    """One effect's flat arguments as plain commands ("UNLINK" and "SLOT" stand for one-slot scripts)."""
     op = flat[0]
     if op == "L":
         ek, member, n = flat[1], flat[2], int(flat[3])
@@ -131,9 +136,9 @@ def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]
         return out
     if op == "U":
         return [("UNLINK", (flat[1], flat[2]))]
-    if op == "H":
-        return [("HSET", (flat[1], flat[2], ""))]
-    return [("HDEL", (flat[1], flat[2]))]
+    if op in ("P", "Q"):  # the one-slot script (shared/lua/bit_effect.lua)
+        return [("SLOT", (flat[1], "bit", flat[1], flat[2], flat[3], 1 if op == "P" else 0))]
+    return [("SLOT", (flat[1], "entry", flat[1], flat[2], 1 if op == "H" else 0))]  # H, D: entry and its count
 
 
 class ReplicationBarrier:
@@ -224,6 +229,7 @@ class ClusterEffects:
         self.writer = writer
         self._unlink = client.register_script(unlink_script)
         self._effects = client.register_script(scripts.EFFECTS_SHARD)
+        self._bit = client.register_script(scripts.BIT_EFFECT)
         self.barrier = ReplicationBarrier(client)
 
     async def run(self, entries: Sequence[tuple[str, str, bytes]]) -> tuple[int, str, list[str]]:
@@ -279,11 +285,15 @@ class ClusterEffects:
                     ek, member = args
                     pipe.execute_command("EVALSHA", self._unlink.sha, 2, engine_members_key(ek), engine_key_name(ek),
                                          member)
+                elif cmd == "SLOT":
+                    rk, *rest = args
+                    pipe.execute_command("EVALSHA", self._bit.sha, 2, request_bits_key(rk), rk, *rest)
                 else:
                     pipe.execute_command(cmd, *args)
             replies = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 await self.client.script_load(self._unlink.script)  # every primary; all effects are idempotent
+                await self.client.script_load(self._bit.script)
                 continue
             break
         foreign, first = 0, ""
@@ -348,6 +358,7 @@ class ClusterBackend:
         self.takeover_ms = takeover_ms
         self._apply = client.register_script(scripts.APPLY_CLUSTER)
         self._lookup = client.register_script(scripts.LOOKUP)
+        self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
@@ -510,6 +521,122 @@ class ClusterBackend:
                        for m in matches]
         return Lookup(matches, min(unanswered) if unanswered else None), foreign
 
+    async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
+        """The default lookup in one round: lookup_bits.lua on every shard over the keys it owns, the
+        shards in parallel; each answers per pod how many of its keys the pod holds from its first (its
+        bitmaps walked here, or bisected there), and ``merge_shards`` ends each pod's prefix at the first
+        key any shard lacks it on. A second round only for a shard whose key moved meanwhile (its keys
+        read through the cluster's routing) or to read a pod's tier at its last key on a layout that is not
+        a prefix per pod. A shard that does not answer cuts every prefix at its first key (counts are
+        then lower bounds, never silently short). None when a shard's first key holds entries that are
+        not ours (walk llm-d's entries then)."""
+        if not self.client.nodes_manager.slots_cache:
+            await self.client.initialize()  # a new client learns the slot map on its first command
+        unanswered: set[int] = set()
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(request_keys):
+            try:
+                node = node_for(self.client, request_key_name(k))
+            except VALKEY_ERRORS:
+                unanswered.add(i)  # its slot is served by no node now
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+
+        async def shard(node, idx: list[int]) -> BitsReply:
+            args = [len(idx), pack_keys([request_keys[i] for i in idx])]
+            fast = self._fast_for(node)
+            if fast is not None:
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        return parse_bits_reply(await fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args))
+                except (*VALKEY_ERRORS, TimeoutError):
+                    await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
+                    raise
+            try:
+                reply = await self.client.execute_command("EVALSHA", self._lookup_bits.sha, 0, *args, target_nodes=node)
+            except NoScriptError:
+                await self.client.script_load(self._lookup_bits.script)
+                reply = await self.client.execute_command("EVALSHA", self._lookup_bits.sha, 0, *args, target_nodes=node)
+            return parse_bits_reply(reply)
+
+        replies: list[tuple[list[int], BitsReply]] = []
+        reread: list[int] = []
+        foreign = 0
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        for (_, idx), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, VALKEY_ERRORS):
+                    raise res
+                unanswered.update(idx)
+                continue
+            foreign += res.foreign
+            if res.moved:
+                reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+            elif res.kind == 2:
+                return None, foreign
+            else:
+                replies.append((idx, res))
+        wanted = set()
+        epoch = next((res.epoch for _, res in replies if res.epoch), "")
+        for _, res in replies:
+            wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
+            wanted.update(num for num, _, _ in res.counts)
+        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
+        for bits in read_bits.values():
+            wanted.update(numbers_in(bits))
+        known = await names(wanted, epoch) if wanted else {}
+        shards: list[tuple[list[int], dict[str, tuple[int, str]]]] = []
+        for idx, res in replies:
+            if res.kind == 0:
+                held = {m.pod_id: (m.blocks, m.tier) for m in prefix_from_bits(res.reads, known)}
+            else:
+                held = {known[num]: (c, t) for num, c, t in res.counts if num in known}
+            shards.append((idx, held))
+        read = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in read_bits.items()}
+        read.update(read_entries)
+        if unanswered and len(unanswered) == len(request_keys):
+            raise RedisConnectionError("no shard of the cluster answered the lookup")
+        cut = min(unanswered) if unanswered else len(request_keys)
+        matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
+        if tiers_wanted:  # a layout that is not a prefix per pod: the tier at each such pod's last key
+            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), None, set())
+            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
+                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
+                       for m in matches]
+        return Lookup(matches, min(unanswered) if unanswered else None), foreign
+
+    async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: set[int]
+                         ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]]]:
+        """Keys read one by one through the cluster's routing (MOVED/ASK followed): position -> its
+        bitmaps where its fields are exactly ours, else position -> pod -> tier from its entries (a key
+        of a foreign type: a miss). Keys not answered go to ``unanswered``."""
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in positions:
+                    pipe.hgetall(request_bits_key(request_keys[i]))
+                    pipe.hkeys(request_key_name(request_keys[i]))
+                replies = await pipe.execute(raise_on_error=False)
+        except VALKEY_ERRORS:
+            replies = [RedisConnectionError("not answered")] * (2 * len(positions))
+        bits_at: dict[int, dict[str, bytes]] = {}
+        entries_at: dict[int, dict[str, str]] = {}
+        for j, i in enumerate(positions):
+            bits, entries = replies[2 * j:2 * j + 2]
+            wrong = [r for r in (bits, entries) if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE")]
+            if any(isinstance(r, Exception) and r not in wrong for r in (bits, entries)):
+                unanswered.add(i)
+            elif wrong:  # a key of a foreign type: a miss
+                entries_at[i] = {}
+            elif len(entries) == int(bits.get(b"#n", 0) or 0):
+                bits_at[i] = bits_of([x for kv in bits.items() for x in kv])
+            else:  # not exactly ours: the entries decide
+                at = entries_at[i] = {}
+                for f in entries:
+                    e = parse_entry(f)
+                    if e is not None and not e.Speculative and better_tier(e.DeviceTier, at.get(e.PodIdentifier)):
+                        at[e.PodIdentifier] = e.DeviceTier
+        return bits_at, entries_at
+
     def _fast_for(self, node) -> FastConnection | None:
         """The lean connection (shared/resp.py) to a primary, for the lookup round: redis-py's cluster
         client spends tens of µs of Python per command, and a prediction sends one per shard. None over
@@ -519,7 +646,8 @@ class ClusterBackend:
             tls = "SSL" in node.connection_class.__name__
             self._fast[node.name] = None if tls else FastConnection(
                 host=node.host, port=node.port, username=kw.get("username"), password=kw.get("password"),
-                timeout_s=kw.get("socket_timeout") or 1.0, resend_scripts={script_sha(self._lookup.script)})
+                timeout_s=kw.get("socket_timeout") or 1.0,
+                resend_scripts={script_sha(self._lookup.script), script_sha(self._lookup_bits.script)})
         return self._fast[node.name]
 
     async def _reread_map(self) -> None:
@@ -556,7 +684,7 @@ class ClusterBackend:
                 e = parse_entry(f)
                 if e is None or e.Speculative or (wanted is not None and e.PodIdentifier not in wanted):
                     continue
-                if e.PodIdentifier not in at or e.DeviceTier == "gpu":
+                if better_tier(e.DeviceTier, at.get(e.PodIdentifier)):
                     at[e.PodIdentifier] = e.DeviceTier
         return out
 

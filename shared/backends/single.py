@@ -9,8 +9,9 @@ from typing import Any
 
 from kv_preflight.shared import scripts
 from kv_preflight.shared.backends.base import evalsha_pipeline, ready
-from kv_preflight.shared.entries import ApplyResult, Lookup, apply_result, parse_lookup_reply
+from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
 from kv_preflight.shared.keys import pack_keys
+from kv_preflight.shared.presence import NamesFor, numbers_in, parse_bits_reply, prefix_from_bits
 from kv_preflight.shared.resp import FastConnection
 
 
@@ -23,6 +24,7 @@ class SingleNodeBackend:
         self._apply = client.register_script(scripts.APPLY_SINGLE)
         self._lookup = client.register_script(scripts.LOOKUP)
         self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
+        self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
 
     def writer_arg(self) -> str:
         return ""
@@ -41,8 +43,9 @@ class SingleNodeBackend:
         return ready([apply_result(r) for r in await evalsha_pipeline(self.client, self._apply, keys, args)])
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """``script``: galloping search in one EVALSHA (a pod's blocks form a prefix of the chain);
-        ``linear``: the exact walk in one EVALSHA. (``pipeline`` is the Index's own.)"""
+        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
+        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison. (The
+        default reads the bitmaps: ``read_bits``; ``pipeline`` is the Index's own.)"""
         script = self._lookup_linear if mode == "linear" else self._lookup
         head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
         # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
@@ -52,6 +55,24 @@ class SingleNodeBackend:
         else:
             matches, foreign = parse_lookup_reply(await script(keys=[], args=args), head)
         return Lookup(matches), foreign
+
+    async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
+        """The default lookup: lookup_bits.lua in one EVALSHA (the keys' pod bitmaps, walked here or
+        bisected there); None when key 1 holds entries that are not ours (walk llm-d's entries then)."""
+        args = [len(request_keys), pack_keys(request_keys)]
+        if self.fast is not None:
+            reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
+        else:
+            reply = await self._lookup_bits(keys=[], args=args)
+        r = parse_bits_reply(reply)
+        if r.kind == 2:
+            return None, r.foreign
+        if r.kind == 0:
+            per_key = r.reads
+            known = await names(numbers_in(per_key[0]) if per_key else [], r.epoch)
+            return Lookup(prefix_from_bits(per_key, known)), r.foreign
+        known = await names([num for num, _, _ in r.counts], r.epoch)
+        return Lookup([PodMatch(known[num], held, tier) for num, held, tier in r.counts if num in known]), r.foreign
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return 0  # one script applies a whole batch: nothing is ever left half applied

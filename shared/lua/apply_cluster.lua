@@ -30,6 +30,12 @@ local function emit_set(rk, fld)
   effects[#effects + 1] = rk
   effects[#effects + 1] = fld
 end
+local function emit_bit(rk, tier, num, on)
+  effects[#effects + 1] = on and 'P' or 'Q'
+  effects[#effects + 1] = rk
+  effects[#effects + 1] = tier
+  effects[#effects + 1] = num
+end
 local function emit_unset(rk, fld)
   effects[#effects + 1] = 'D'
   effects[#effects + 1] = rk

@@ -15,9 +15,10 @@ local function shared_call(cmd, key, ...)
   return r
 end
 local function foreign_summary() return foreign.n, foreign.first end
--- (after links.lua)
+-- (after links.lua and bits.lua)
 local function emit_link(ek, member, rks) return link(shared_call, ek, member, rks) end
 local function emit_unlink(ek, member) unlink(shared_call, ek, member) end
-local function emit_set(rk, fld) shared_call('HSET', rk, fld, '') end
-local function emit_unset(rk, fld) shared_call('HDEL', rk, fld) end
+local function emit_set(rk, fld) put_entry(shared_call, rk, fld, true) end
+local function emit_bit(rk, tier, num, on) put_bit(shared_call, rk, tier, num, on) end
+local function emit_unset(rk, fld) put_entry(shared_call, rk, fld, false) end
 local function finish(reply) return reply end

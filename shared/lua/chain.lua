@@ -26,6 +26,12 @@ local function entry(f)
   end
   return e
 end
+-- A pod's tier at a key where it has several: gpu, else the first by name (entries.better_tier).
+local function better(t, cur)
+  if cur == nil then return true end
+  if cur == 'gpu' then return false end
+  return t == 'gpu' or t < cur
+end
 -- The wanted pods among one key's fields: pod -> tier (gpu preferred, as the linear walk has it).
 local function pods_in(fields)
   local present = {}
@@ -33,7 +39,7 @@ local function pods_in(fields)
     local e = entry(f)
     if e then
       local pod, tier = e[1], e[2]
-      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
+      if better(tier, present[pod]) then present[pod] = tier end
     end
   end
   return present

@@ -1,11 +1,12 @@
--- (after links.lua) Valkey Cluster: one shard's share of a run of effects (step 2 of a batch), in one call, sent with no
+-- (after links.lua and bits.lua) Valkey Cluster: one shard's share of a run of effects (step 2 of a batch), in one call, sent with no
 -- declared keys to the node that owns their keys. Every effect touches one slot and is idempotent;
 -- each runs alone (pcall), so one that fails changes nothing else. A key that moved away (resharding,
 -- failover) fails with "non local key": its effect is listed for the caller to send through the
 -- cluster's routing. ARGV: the effects, flat, in order:
 --   L <engine key> <member> <n> <rk>..   membership HSET, then ZADD of the engine block's request keys
 --   U <engine key> <member>              membership HDEL; the engine key goes with its last member
---   H <rk> <field>                       HSET field ""      D <rk> <field>   HDEL field
+--   H <rk> <field>                       HSET field ""      D <rk> <field>   HDEL field (both counted: bits.lua)
+--   P <rk> <tier> <n>                    set pod n's bit in kvpf:{<rk>}:bits (tier)   Q ...: clear it
 -- Returns {moved effect positions "i,j,..", foreign-typed writes, the first such error}.
 local moved, foreign, first = {}, 0, ''
 local function call(pos, ...)
@@ -36,12 +37,12 @@ while i <= #ARGV do
   elseif op == 'U' then
     unlink(here, ARGV[i + 1], ARGV[i + 2])
     i = i + 3
-  elseif op == 'H' then
-    call(pos, 'HSET', ARGV[i + 1], ARGV[i + 2], '')
+  elseif op == 'H' or op == 'D' then
+    put_entry(here, ARGV[i + 1], ARGV[i + 2], op == 'H')
     i = i + 3
-  else  -- 'D'
-    call(pos, 'HDEL', ARGV[i + 1], ARGV[i + 2])
-    i = i + 3
+  else  -- 'P' or 'Q'
+    put_bit(here, ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), op == 'P')
+    i = i + 4
   end
 end
 -- an effect listed twice (both commands of an L moved) is sent once

@@ -47,7 +47,7 @@ local function at(i)
     local e = entry(f)
     if e then
       local pod, tier = e[1], e[2]
-      if present[pod] == nil or tier == 'gpu' then present[pod] = tier end
+      if better(tier, present[pod]) then present[pod] = tier end
       local ks = kset[pod]
       if ks == nil then
         ks = {}
@@ -85,7 +85,7 @@ local function probe(i, group)
       if r[j] then
         local p = parsed[fl[s + j - 1]]
         local pod, tier = p[1], p[2]
-        if hits[pod] == nil or tier == 'gpu' then hits[pod] = tier end
+        if better(tier, hits[pod]) then hits[pod] = tier end
       end
     end
   end

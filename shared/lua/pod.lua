@@ -31,6 +31,10 @@
 -- kvpf:{<pod>}:rks maps "<request key>|<field id>" to how many of the pod's blocks link that
 -- request key with that field: two engine keys give one request key when they differ only in what
 -- llm-d's keys leave out, and evicting one must not drop the entry the other still backs.
+-- It also maps "<request key>|~<tier>" to how many of those field ids are on that tier: the pod's bit
+-- in the request key's presence bitmap (bits.lua) is set when it leaves 0 and cleared when it comes
+-- back, so the bitmaps say exactly what the entries say. The pod's bit number is meta's "num" (given by
+-- the fleet-wide numbering, shared/index.py); without one the script answers "nonum" before any write.
 local meta, blocks, fkey, rkkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local pod, rank = ARGV[1], ARGV[2]
 local seq_s, ts, mode = ARGV[3], tonumber(ARGV[4]), ARGV[5]
@@ -74,6 +78,8 @@ local function own_types_ok()
 end
 local bad = own_types_ok()
 if bad then return {'corrupt', '-1', 0, bad} end
+local num = tonumber(redis.call('HGET', meta, 'num'))
+if num == nil and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, ''} end
 
 local seq = canon(seq_s)
 local last_raw = redis.call('HGET', meta, 'seq:' .. rank)
@@ -101,18 +107,46 @@ local function field_ids()
     end
   end
 end
+-- The tier a field (an llm-d entry) names, as the lookup reads it (parse_entry.lua); nil when the
+-- lookup would not count it for this pod (speculative, unparseable, another pod's name): no bit then.
+local tiers = {}
+local function tier_of(fld)
+  local t = tiers[fld]
+  if t == nil then
+    local p, tier = parse(fld)
+    t = (p == pod and tier) or false
+    tiers[fld] = t
+  end
+  return t or nil
+end
+-- One more (or one fewer) of the pod's blocks links request key rk with field id `id`: its entry
+-- and its bit follow the first link and the last unlink.
+local function link_rk(rk, id, fld, tier)
+  if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then
+    emit_set(rk, fld)
+    if tier and redis.call('HINCRBY', rkkey, rk .. '|~' .. tier, 1) == 1 then emit_bit(rk, tier, num, true) end
+  end
+end
+local function unlink_rk(rk, id, fld, tier)
+  local f = rk .. '|' .. id
+  if redis.call('HINCRBY', rkkey, f, -1) <= 0 then
+    redis.call('HDEL', rkkey, f)
+    emit_unset(rk, fld)
+    if not tier then return end
+    local a = rk .. '|~' .. tier
+    if redis.call('HINCRBY', rkkey, a, -1) <= 0 then
+      redis.call('HDEL', rkkey, a)
+      if num then emit_bit(rk, tier, num, false) end
+    end
+  end
+end
 -- Unlink one block of the pod from the shared keys (its request keys through the refs).
 local function drop_block(bk, id, rks)
   field_ids()
   local fld = byid[id] or id  -- a value that is not an id is a field itself
   local ek = string.match(bk, '^([^|]*)')
-  for _, rk in ipairs(rks) do
-    local f = rk .. '|' .. id
-    if redis.call('HINCRBY', rkkey, f, -1) <= 0 then
-      redis.call('HDEL', rkkey, f)
-      emit_unset(rk, fld)
-    end
-  end
+  local tier = tier_of(fld)
+  for _, rk in ipairs(rks) do unlink_rk(rk, id, fld, tier) end
   emit_unlink(ek, pod .. '|' .. string.sub(bk, #ek + 2))
 end
 -- Remove every entry of the pod (AllBlocksCleared, engine restart, index clear): O(pod's blocks).
@@ -121,7 +155,11 @@ local function clear_pod()
   local all = redis.call('HGETALL', rkkey)
   for i = 1, #all, 2 do
     local rk, id = string.match(all[i], '^(.*)|([^|]*)$')
-    if rk then emit_unset(rk, byid[id] or id) end
+    if rk and string.sub(id, 1, 1) == '~' then
+      if num then emit_bit(rk, string.sub(id, 2), num, false) end
+    elseif rk then
+      emit_unset(rk, byid[id] or id)
+    end
   end
   all = redis.call('HGETALL', blocks)
   local n = 0
@@ -241,9 +279,8 @@ while i <= #ARGV do
       -- If the engine key is foreign (single node: found now), its request keys could never be
       -- found again on eviction, so the block is not indexed at all (the pod is flagged).
       if emit_link(ek, pod .. '|' .. slot, rks) then
-        for _, rk in ipairs(rks) do
-          if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then emit_set(rk, fld) end
-        end
+        local tier = tier_of(fld)
+        for _, rk in ipairs(rks) do link_rk(rk, id, fld, tier) end
         stored = stored + 1
       else
         redis.call('HDEL', blocks, bk)

@@ -46,6 +46,6 @@ def test_quick_bench_rows_and_checks(tmp_path):
     ingest = next(r for r in doc["rows"] if r["row"].startswith("ingestion, in process"))
     assert ingest["equal_content"] is True  # the seed path and ours leave the same llm-d keys
     agree = doc["lookup_agreement"]
-    assert agree["galloping_equals_linear"] == agree["prompts"] > 0
+    assert agree["bitmaps_equal_linear"] == agree["prompts"] > 0
     zmq_row = next(r for r in doc["rows"] if r["row"].startswith("ingestion over ZMQ"))
     assert zmq_row["pods_incomplete"] == []

@@ -57,7 +57,7 @@ def random_batches(seed: int, pods=("pod-a", "pod-b", "pod-c"), n: int = 60) -> 
 
 
 def dump(client: redis.Redis | redis.RedisCluster) -> dict:
-    """Every key and value of the index (outbox bookkeeping and clocks left out)."""
+    """Every key and value of the index (outbox bookkeeping, clocks and the numbering's epoch left out)."""
     nodes = client.get_primaries() if isinstance(client, redis.RedisCluster) else [None]
     out = {}
     for node in nodes:
@@ -68,8 +68,8 @@ def dump(client: redis.Redis | redis.RedisCluster) -> dict:
                 continue
             t = client.type(k).decode()
             if t == "hash":
-                v = {f.decode(): x.decode() for f, x in client.hgetall(k).items()
-                     if f not in (b"last_event_time", b"outbox_n")}
+                v = {f.decode(): x.decode("utf-8", "backslashreplace") for f, x in client.hgetall(k).items()
+                     if f not in (b"last_event_time", b"outbox_n", b"epoch")}
                 out[k] = v
             elif t == "zset":
                 out[k] = client.zrange(k, 0, -1, withscores=True)

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from kv_preflight.shared.backends.cluster import EXACT_BUDGET
-from kv_preflight.shared.index import Index, encode_entry, make_entry
+from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -116,4 +116,79 @@ async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(val
         assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
     finally:
         await single.close()
+        await ix.close()
+
+
+async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
+    """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its effects not run."""
+    from kv_preflight.shared.backends.base import evalsha_pipeline
+    from kv_preflight.shared.entries import apply_args, text
+    from kv_preflight.shared.layout import pod_keys
+
+    args = apply_args(pod, 0, seq, 1.0, "m", 16, muts, "check", ix.backend.writer_arg())
+    (reply,) = await evalsha_pipeline(ix.client, ix.backend._apply, [pod_keys(pod, cluster=True)], [args])
+    assert text(reply[0]) == "applied" and len(reply) > 4, reply
+    return text(reply[4]), reply[5]
+
+
+async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random) -> None:
+    """Step 2 on a random subset of the shards only: the batch is half applied, as when its writer is
+    killed while the shards' runs are on their way."""
+    from kv_preflight.shared.backends.cluster import effect_list, node_for
+
+    effects = effect_list(payload)
+    nodes = sorted({node_for(ix.client, key).name for _, key, _ in effects})
+    chosen = set(rng.sample(nodes, k=rng.randrange(0, len(nodes) + 1)))
+    script = ix.backend.effects._effects
+    for name in chosen:
+        node = ix.client.get_node(node_name=name)
+        args = [a for _, key, flat in effects if node_for(ix.client, key).name == name for a in flat]
+        await script.registered_client.script_load(script.script)
+        await ix.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_bitmaps_equal_the_linear_walk_with_tiers_and_half_applied_batches(cluster_url, seed):
+    """Written by our own apply path (so the bitmaps are what is read): pods at different lengths on
+    two tiers, stores and tail evictions, and every batch first left half applied (its effects run on
+    some shards only, so a pod's keys have gaps across shards, each shard's own keys still a prefix),
+    then finished by a drain. The default lookup equals the exact linear walk over llm-d's entries at
+    every step, whether a shard bisects (few pods at its first key) or walks every key (many)."""
+    rng = random.Random(700 + seed)
+    chain = [rng.randrange(1, 2**63) for _ in range(48)]
+    pods = [f"half{seed}-{i}" for i in range(10)]  # names no other test on this cluster uses
+    ix = Index.from_url(cluster_url)
+    try:
+        await ix.ensure_numbers(pods)
+        seqs = {p: -1 for p in pods}
+        held: dict[str, set[int]] = {p: set() for p in pods}
+        for _ in range(30):
+            pod = rng.choice(pods)
+            muts: list = []
+            if rng.random() < 0.6 or not held[pod]:
+                for i in range(rng.randrange(1, len(chain) + 1)):
+                    if i not in held[pod]:
+                        tier = rng.choice(["gpu", "gpu", "cpu"])
+                        muts.append(StoreBlock(10_000 + i, tier, encode_entry(make_entry(pod, tier.upper(), 0)),
+                                               (chain[i],)))
+                        held[pod].add(i)
+            else:  # evicted from the tail, as an engine does (the head of a chain outlives its tail)
+                keep = rng.randrange(0, len(held[pod]))
+                for i in sorted(held[pod], reverse=True)[:len(held[pod]) - keep]:
+                    muts.append(RemoveBlock(10_000 + i, "gpu"))
+                    muts.append(RemoveBlock(10_000 + i, "cpu"))
+                    held[pod].discard(i)
+            if not muts:  # it held all of that already
+                continue
+            seqs[pod] += 1
+            _, payload = await pod_step(ix, pod, seqs[pod], muts)
+            await run_on_some_shards(ix, payload, rng)
+            for mode_pods in (None, rng.sample(pods, k=3)):
+                want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode_pods, mode="linear"))
+                assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode_pods)) == want
+            await ix.drain_outbox(pod)
+            want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode="linear"))
+            assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+        assert any(m.blocks for m in await ix.lookup(chain))  # the walk saw some prefixes at all
+    finally:
         await ix.close()

@@ -143,3 +143,21 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     assert (await apply(ix, 2, [], ts=10_002.0, mode="reset")).status == "applied"
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
     assert (await ix.pod_info("pod-a")).counters["restarts"] == 1
+
+
+async def test_a_reader_never_names_pods_from_a_flushed_numbering(ix, valkey_url):
+    """Pod numbers restart at 0 when the index is flushed under a running predictor: the lookup sees the
+    numbering's new epoch and reads the names again, rather than name pod-b's bit after pod-a."""
+    from kv_preflight.shared.index import Index
+
+    reader = Index.from_url(valkey_url)
+    try:
+        await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101, 102))])
+        assert [m.pod_id for m in await reader.lookup([101, 102])] == ["pod-a"]  # names now cached
+        await ix.client.flushall()
+        writer = Index.from_url(valkey_url)
+        await apply(writer, 0, [StoreBlock(11, "gpu", FB, (101, 102))], pod="pod-b")  # number 0 again
+        await writer.close()
+        assert [(m.pod_id, m.blocks) for m in await reader.lookup([101, 102])] == [("pod-b", 2)]
+    finally:
+        await reader.close()

@@ -1,4 +1,5 @@
-"""The galloping lookup script against the exact walks (linear script, pipelined HKEYS)."""
+"""The default lookup (pod bitmaps, or entries read whole where others wrote them) against the exact
+walks over llm-d's entries (linear script, pipelined HKEYS)."""
 from __future__ import annotations
 
 import random
@@ -84,4 +85,30 @@ async def test_fields_that_come_and_go_agree_in_every_mode(ix, valkey_url, seed)
     assert got["script"] == got["linear"] == got["pipeline"]
     wanted = rng.sample(pods, k=max(1, len(pods) // 3))
     got = await all_modes(ix, chain, wanted)
+    assert got["script"] == got["linear"] == got["pipeline"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_written_layouts_with_gaps_agree_in_every_mode_when_many_pods_hold_the_chain(ix, seed):
+    """Written by our apply path (so the default lookup reads its bitmaps), then blocks evicted from the
+    middle of chains: no prefix per pod any more. With pods x log2(keys) >= keys (a prefix many pods
+    hold) the script returns every key's bitmaps and the walk is exact on any layout."""
+    from kv_preflight.shared.index import RemoveBlock
+
+    rng = random.Random(300 + seed)
+    n_keys, n_pods = rng.choice([(5, 3), (40, 12), (200, 40), (256, 1000 // 20)])
+    chain = [rng.randrange(1, 2**64) for _ in range(n_keys)]
+    pods = [f"pod-{i}" for i in range(n_pods)]
+    for pod in pods:
+        await hold(ix, pod, chain, len(chain) if pod == pods[0] else rng.randint(1, len(chain)),
+                   medium=rng.choice(["GPU", "CPU"]))
+        if pod == pods[0]:
+            continue  # one pod holds it all: every pod is still at key 1 when the script decides
+        gone = rng.sample(range(len(chain)), k=rng.randrange(0, max(1, len(chain) // 4)))
+        await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=0.0, model="m", engine_block_size=16, mode="import",
+                             mutations=[RemoveBlock(10_000 + chain[i], t) for i in gone for t in ("gpu", "cpu")])
+    got = await all_modes(ix, chain)
+    assert got["script"] == got["linear"] == got["pipeline"]
+    assert any(b for b, _ in got["linear"].values())
+    got = await all_modes(ix, chain, rng.sample(pods, k=2) + ["nope"])
     assert got["script"] == got["linear"] == got["pipeline"]

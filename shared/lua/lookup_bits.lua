@@ -1,0 +1,162 @@
+-- The lookup (layout 3): per pod, how many leading keys of the chain it holds, from the keys' pod
+-- bitmaps (kvpf:{<rk>}:bits, tier -> bitmap of pod numbers: bits.lua). A single node runs it on the
+-- whole chain; each shard of a Valkey Cluster on the keys it owns, in chain order (same arguments).
+--
+-- Every key read is checked against its llm-d hash: of a foreign type, it is a miss (counted); with
+-- fields that are not exactly ours (its HLEN differs from our count "#n": an llm-d indexer on the same
+-- Valkey wrote or deleted entries), the answer is "whole", and the caller walks llm-d's entries instead.
+-- The pods holding key 1 decide how:
+--   * pods x log2(keys) >= keys (a prefix many pods hold): every key's bitmaps are returned, to the first
+--     key nobody holds, and the caller ANDs them (shared/presence.py): exact on any layout, a plain read
+--     of keys x pods / 8 bytes;
+--   * else (few pods, a long chain): every pod is bisected here at once through its bit in the bitmaps
+--     of the keys probed (pods sharing an interval share the read of its middle key), about
+--     pods x log2(keys) bit tests and at most that many keys read: equal to the walk whenever each pod's
+--     keys form a prefix of the chain (the engine reuses a block only after every block before it and
+--     evicts a chain's tail first; writers change whole engine blocks), as the linear mode checks.
+-- A key of a foreign type reads as empty (a miss), counted; a key that moved away (cluster: resharding,
+-- failover) reads as empty and sets `moved`, for the caller to read this call's keys through the
+-- cluster's routing instead. ARGV: n, the chain packed by kv_preflight.shared.keys.pack_keys.
+-- Reply: {foreign keys read, 1 if a key had moved away else 0, kind, the numbering's epoch ("" where
+-- {nums} is not on this node), ...}:
+--   kind 0: then per key read, its bitmap hash flat {tier, bitmap, ..., "#n", count};
+--   kind 1: then per pod: number, keys held, tier at the last;   kind 2: "whole" (nothing more).
+-- (A key of a foreign type at key 1: kind 1 with no pod.)
+local epoch = redis.pcall('HGET', 'kvpf:{nums}:next', 'epoch')
+if type(epoch) ~= 'string' then epoch = '' end
+local n = tonumber(ARGV[1])
+local chain = ARGV[2]
+local foreign, moved = 0, 0
+local function key(i)
+  return string.match(string.sub(chain, i * 20 - 19, i * 20), '%d+')
+end
+local function read(cmd, k)
+  local r = redis.pcall(cmd, k)
+  if type(r) == 'table' and r.err then
+    if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
+       string.find(r.err, 'ASK', 1, true) then
+      moved = 1
+    else
+      foreign = foreign + 1
+    end
+    return nil
+  end
+  return r
+end
+local flats = {}  -- key index -> its bitmap hash, flat
+local tiers = {}  -- key index -> tier -> bitmap
+local whole = false  -- a key read holds entries that are not exactly ours
+-- A key's bitmaps. Its llm-d hash is checked too: of a foreign type, it is a miss (counted); with more or
+-- fewer fields than our count "#n" (an llm-d indexer on the same Valkey wrote or deleted entries), the
+-- bitmaps do not say everything, and the caller walks llm-d's entries instead.
+local function at(i)
+  local b = tiers[i]
+  if b == nil then
+    local k = key(i)
+    local flat = read('HGETALL', 'kvpf:{' .. k .. '}:bits') or {}
+    local ours = 0
+    b = {}
+    for j = 1, #flat, 2 do
+      if flat[j] == '#n' then ours = tonumber(flat[j + 1]) or 0 else b[flat[j]] = flat[j + 1] end
+    end
+    local len = read('HLEN', k)
+    if len == nil then
+      flat, b = {}, {}
+    elseif len ~= ours then
+      whole = true
+    end
+    flats[i], tiers[i] = flat, b
+  end
+  return b
+end
+-- A pod's tier at a key (gpu, else the first by name: entries.better_tier), or nil if it lacks it.
+local function tier_of(b, num)
+  local byte, m = math.floor(num / 8) + 1, 2 ^ (num % 8)
+  local best = nil
+  for t, s in pairs(b) do
+    if byte <= #s and bit.band(string.byte(s, byte), m) ~= 0 then
+      if best == nil or t == 'gpu' or (best ~= 'gpu' and t < best) then best = t end
+    end
+  end
+  return best
+end
+
+local b1 = at(1)
+if moved == 1 then return {foreign, 1, 1, epoch} end
+if whole then return {foreign, 0, 2, epoch} end
+-- The pods at key 1 (every pod that can match), by number.
+local pods, seen = {}, {}
+for _, s in pairs(b1) do
+  for byte = 1, #s do
+    local v = string.byte(s, byte)
+    if v ~= 0 then
+      for k = 0, 7 do
+        if bit.band(v, 2 ^ k) ~= 0 then
+          local num = (byte - 1) * 8 + k
+          if not seen[num] then
+            seen[num] = true
+            pods[#pods + 1] = num
+          end
+        end
+      end
+    end
+  end
+end
+if #pods == 0 then return {foreign, 0, 1, epoch} end
+local rounds = 1
+while 2 ^ rounds < n do rounds = rounds + 1 end
+if #pods * rounds >= n then
+  -- Many pods: every key's bitmaps, to the first key nobody holds; the caller walks them exactly.
+  local out = {foreign, 0, 0, epoch, flats[1]}
+  for i = 2, n do
+    at(i)
+    if whole then return {foreign, moved, 2, epoch} end
+    out[#out + 1] = flats[i]
+    if #flats[i] == 0 and moved == 0 then break end
+  end
+  out[1], out[2] = foreign, moved
+  return out
+end
+-- Few pods: bisect them all at once. Pods sharing an interval sit side by side in `order` (a segment
+-- {first, last, held, missing}); a probe splits its segment in place, misses first.
+local lo, tier = {}, {}
+local order = {}
+for j, num in ipairs(pods) do
+  order[j] = num
+  lo[num], tier[num] = 1, tier_of(b1, num)
+end
+local segs = {}
+if n > 1 then segs[1] = {1, #order, 1, n + 1} end
+while #segs > 0 do
+  local nxt = {}
+  for _, sg in ipairs(segs) do
+    local s, e, l, h = sg[1], sg[2], sg[3], sg[4]
+    local mid = math.floor((l + h) / 2)
+    local b = at(mid)
+    local miss, hit = {}, {}
+    for j = s, e do
+      local num = order[j]
+      local t = tier_of(b, num)
+      if t then
+        lo[num], tier[num] = mid, t
+        hit[#hit + 1] = num
+      else
+        miss[#miss + 1] = num
+      end
+    end
+    local j = s
+    for _, num in ipairs(miss) do order[j] = num; j = j + 1 end
+    for _, num in ipairs(hit) do order[j] = num; j = j + 1 end
+    if #miss > 0 and mid - l > 1 then nxt[#nxt + 1] = {s, s + #miss - 1, l, mid} end
+    if #hit > 0 and h - mid > 1 then nxt[#nxt + 1] = {s + #miss, e, mid, h} end
+  end
+  segs = nxt
+end
+if whole then return {foreign, moved, 2, epoch} end
+local out = {foreign, moved, 1, epoch}
+for _, num in ipairs(pods) do
+  out[#out + 1] = num
+  out[#out + 1] = lo[num]
+  out[#out + 1] = tier[num] or 'gpu'
+end
+return out

@@ -1,0 +1,158 @@
+"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure; layout 3).
+
+Each request key has, per tier, a bitmap of the pods holding it (``kvpf:{<rk>}:bits``, written with
+the key's entries: shared/lua/bits.lua). lookup_bits.lua answers in one of two ways (``BitsReply``):
+where many pods hold the chain's first key, every key's bitmaps, which ``prefix_from_bits`` walks here
+exactly as the linear walk over llm-d's entries does (``entries.longest_prefix``: the keys a pod holds
+from the first, up to the first it lacks, its tier at the last one gpu first): a running AND of integers,
+so a fleet-wide prefix held by 1,000 pods costs 125 bytes a key to read and a few integer operations a
+key to walk, rather than a probe per pod and key; where few pods do, per pod its count, bisected there."""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch
+
+TierBits = Mapping[str, bytes]  # tier -> bitmap, one request key's
+# Pod numbers -> pods, for the numbers given under a numbering's epoch ("": not known); the callee reads
+# its map again if a number is unknown or the epoch is not the one its names were read under.
+NamesFor = Callable[[Iterable[int], str], Awaitable[Mapping[int, str]]]
+
+
+OUR_COUNT = "#n"  # the field of a bitmap hash counting our entries on the request key (bits.lua)
+
+
+def bits_of(flat: Sequence[bytes | str]) -> dict[str, bytes]:
+    """One key's bitmap hash (HGETALL: tier, bitmap, ..., "#n", count) as tier -> bitmap."""
+    out = {}
+    for i in range(0, len(flat) - 1, 2):
+        name = flat[i].decode() if isinstance(flat[i], bytes) else flat[i]
+        if name != OUR_COUNT:
+            out[name] = flat[i + 1]
+    return out
+
+
+@dataclass(frozen=True)
+class BitsReply:
+    """lookup_bits.lua's reply: ``kind`` 0, every key's bitmaps (``reads``, from the first key, to the
+    first key nobody holds); 1, per pod (number, keys held from the first, tier) (``counts``); 2, a key
+    read holds entries that are not ours: walk llm-d's entries instead. ``epoch``: the pod numbering's
+    (empty where its slot is on another node), so names read under an earlier numbering are read again."""
+
+    foreign: int
+    moved: bool
+    kind: int
+    epoch: str
+    reads: list[dict[str, bytes]]
+    counts: list[tuple[int, int, str]]
+
+
+def _str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
+    foreign, moved, kind, epoch = int(reply[0]), bool(int(reply[1])), int(reply[2]), _str(reply[3])
+    if kind == 0:
+        return BitsReply(foreign, moved, 0, epoch, [bits_of(flat) for flat in reply[4:]], [])
+    counts = [(int(reply[i]), int(reply[i + 1]), _str(reply[i + 2])) for i in range(4, len(reply) - 2, 3)]
+    return BitsReply(foreign, moved, kind, epoch, [], counts)
+
+
+def numbers_in(bits: Mapping[str, bytes | int]) -> list[int]:
+    """Every pod number with a bit in one key's bitmaps."""
+    mask = 0
+    for b in bits.values():
+        mask |= as_int(b)
+    return numbers(mask)
+
+
+def as_int(bitmap: bytes | int) -> int:
+    return bitmap if isinstance(bitmap, int) else int.from_bytes(bitmap, "little")
+
+
+_BYTE_BITS = [tuple(b for b in range(8) if v >> b & 1) for v in range(256)]
+
+
+def numbers(mask: int) -> list[int]:
+    """The set bits of ``mask``, lowest first (many: a byte at a time; a 1,000-bit mask is 125 bytes)."""
+    out: list[int] = []
+    if mask <= 0:
+        return out
+    if mask.bit_count() < 16:  # a few pods (a key where some stop): one step per pod
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    for at, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) // 8, "little")):
+        if byte:
+            base = 8 * at
+            out.extend(base + b for b in _BYTE_BITS[byte])
+    return out
+
+
+def _tiers_at(bits: Mapping[str, int], stopped: int) -> dict[str, int]:
+    """The stopped pods by their tier at the key they last held: gpu where they hold it there, else the
+    first other tier by name (entries.better_tier's rule)."""
+    if len(bits) == 1:
+        ((tier, b),) = bits.items()
+        return {tier: stopped & b}
+    out: dict[str, int] = {}
+    left = stopped
+    for tier in sorted(bits, key=lambda t: (t != DEFAULT_TIER, t)):
+        here = left & bits[tier]
+        if here:
+            out[tier] = here
+            left &= ~here
+    return out
+
+
+def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names: Mapping[int, str],
+                     wanted: Mapping[int, str] | None = None, cut: int | None = None) -> list[PodMatch]:
+    """Per pod, how many leading keys of the chain it holds, from each key's bitmaps in chain order.
+
+    ``per_key``: position -> tier -> bitmap (None or empty: nobody holds it; positions past the end
+    count as empty too); ``names``: pod number -> pod; ``wanted``: the same, only the pods asked for
+    (None: every pod); ``cut``: the first position that was not read (a shard down), where every
+    prefix stops (counts are then lower bounds). Bits of numbers with no name are ignored.
+    """
+    end = len(per_key) if cut is None else min(cut, len(per_key))
+    alive = -1  # every pod, until key 1 says which
+    if wanted is not None:
+        alive = 0
+        for n in wanted:
+            alive |= 1 << n
+    last_bits: dict[str, int] = {}
+    out: list[PodMatch] = []
+
+    def emit(mask: int, held: int) -> None:
+        for tier, part in _tiers_at(last_bits, mask).items():
+            for n in numbers(part):
+                pod = names.get(n)
+                if pod is not None:
+                    out.append(PodMatch(pod, held, tier))
+
+    for i in range(end):
+        tiers = per_key[i] or {}
+        bits = {t: as_int(b) for t, b in tiers.items()}
+        present = 0
+        for b in bits.values():
+            present |= b
+        if i > 0:
+            stopped = alive & ~present
+            if stopped:
+                emit(stopped, i)
+        alive &= present
+        if not alive:
+            return out
+        last_bits = bits
+    if end > 0:
+        emit(alive, end)
+    return out
+
+
+__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "numbers", "numbers_in",
+           "parse_bits_reply", "prefix_from_bits"]

@@ -1,0 +1,78 @@
+"""The bitmap walk (shared/presence.py) against the pure linear walk over llm-d's entries
+(entries.longest_prefix), on random layouts: gaps, tiers, pods filters, unnamed numbers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv_preflight.shared.entries import encode_entry, longest_prefix, make_entry
+from kv_preflight.shared.presence import numbers, parse_bits_reply, prefix_from_bits
+
+
+def bitmap(nums: set[int]) -> bytes:
+    """Bit n: byte n // 8, value 1 << n % 8 (what shared/lua/bits.lua writes), trailing zeros trimmed."""
+    out = bytearray((max(nums) // 8 + 1) if nums else 0)
+    for n in nums:
+        out[n // 8] |= 1 << n % 8
+    return bytes(out)
+
+
+def layout(rng: random.Random):
+    """Per key: pod -> tiers held; pod names and numbers (sparse, as after forgotten pods)."""
+    pods = [f"pod-{i}" for i in range(rng.choice([1, 3, 20, 200]))]
+    nums = dict(zip(pods, rng.sample(range(3 * len(pods) + 5), k=len(pods))))
+    keys = rng.choice([1, 2, 9, 64])
+    held: list[dict[str, set[str]]] = [{} for _ in range(keys)]
+    for pod in pods:
+        end = rng.randint(0, keys)
+        for i in range(end):
+            if rng.random() < 0.93:  # gaps
+                held[i][pod] = set(rng.sample(["gpu", "cpu", "disk"], k=rng.choice([1, 1, 1, 2])))
+    return pods, nums, held
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_bitmaps_walk_as_the_entries_do(seed):
+    rng = random.Random(seed)
+    pods, nums, held = layout(rng)
+    names = {n: p for p, n in nums.items()}
+    fields = [[encode_entry(make_entry(p, t.upper(), 0)) for p, ts in at.items() for t in ts] for at in held]
+    per_key = []
+    for at in held:
+        tiers: dict[str, set[int]] = {}
+        for p, ts in at.items():
+            for t in ts:
+                tiers.setdefault(t, set()).add(nums[p])
+        per_key.append({t: bitmap(ns) for t, ns in tiers.items()})
+    want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields))
+    assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names)) == want
+    asked = rng.sample(pods, k=max(1, len(pods) // 3))
+    want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields, asked))
+    wanted = {n: p for n, p in names.items() if p in asked}
+    assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names, wanted)) == want
+
+
+def test_a_cut_makes_every_prefix_a_lower_bound():
+    names = {0: "a", 9: "b"}
+    per_key = [{"gpu": bitmap({0, 9})}] * 5
+    assert sorted((m.pod_id, m.blocks) for m in prefix_from_bits(per_key, names, cut=2)) == [("a", 2), ("b", 2)]
+    assert prefix_from_bits(per_key, names, cut=0) == []
+
+
+def test_unnamed_numbers_never_count():
+    per_key = [{"gpu": bitmap({0, 5})}, {"gpu": bitmap({0, 5})}]
+    assert [(m.pod_id, m.blocks) for m in prefix_from_bits(per_key, {0: "a"})] == [("a", 2)]
+
+
+def test_the_scripts_two_answers_parse():
+    walked = parse_bits_reply([2, 0, 0, b"e1", [b"gpu", b"\x01", b"#n", b"1"], []])
+    assert (walked.foreign, walked.moved, walked.kind, walked.epoch, walked.reads) == (
+        2, False, 0, "e1", [{"gpu": b"\x01"}, {}])
+    bisected = parse_bits_reply([0, 1, 1, b"", 7, 40, b"cpu", 9, 3, b"gpu"])
+    assert bisected.moved and bisected.counts == [(7, 40, "cpu"), (9, 3, "gpu")] and bisected.epoch == ""
+    assert parse_bits_reply([0, 0, 2, b""]).kind == 2
+
+
+def test_numbers_are_the_set_bits():
+    assert numbers(0) == [] and numbers(0b101001) == [0, 3, 5] and numbers(1 << 999) == [999]
