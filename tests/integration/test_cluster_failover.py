@@ -43,7 +43,8 @@ class Prober(threading.Thread):
         with httpx.Client(timeout=3) as client:
             while not self.stop_flag.is_set():
                 try:
-                    code = client.post(self.url, json={"model": self.model, "token_ids": list(range(1, 65))}).status_code
+                    body = {"model": self.model, "token_ids": list(range(1, 65))}
+                    code = client.post(self.url, json=body).status_code
                 except httpx.HTTPError:
                     code = 0
                 self.answers.append(code)
