@@ -244,7 +244,7 @@ async def test_reshard_while_ingesting_and_predicting(valkey_cluster, cluster_ur
     prober = Prober(f"http://127.0.0.1:{port}/v1/cache/predict")
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
-        await asyncio.sleep(0.5)
+        await engine.subscribed()
         await publish(engine, wl, 20)
         await assert_exact(ix, engine, wl)
         prober.start()
