@@ -43,22 +43,27 @@ class EngineStub:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only a topic's first
         return sock
 
+    def count_subscriptions(self) -> int:
+        """The subscriptions that have reached the publisher so far (each subscriber's, and each
+        reconnection's: a subscriber subscribes again when it reconnects)."""
+        while True:
+            try:
+                msg = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.subscriptions
+            if msg[:1] == b"\x01":  # \x00 is an unsubscription (a subscriber gone)
+                self.subscriptions += 1
+
     async def subscribed(self, total: int = 1, timeout_s: float = 30.0) -> None:
         """Until ``total`` subscriptions have reached the publisher since the stub started (an ingester
         restarted, or a second one, subscribes again: wait for 2): from then on every frame published
         reaches that subscriber. Called from the thread that publishes (a ZMQ socket is not thread-safe)."""
         deadline = time.monotonic() + timeout_s
-        while self.subscriptions < total:
-            try:
-                msg = self.pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{self.subscriptions} of {total} subscription(s) reached the engine stub "
-                                         f"in {timeout_s}s: the ingester is not listening (see its log)") from None
-                await asyncio.sleep(0.01)
-                continue
-            if msg[:1] == b"\x01":  # \x00 is an unsubscription (a subscriber gone)
-                self.subscriptions += 1
+        while self.count_subscriptions() < total:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.subscriptions} of {total} subscription(s) reached the engine stub "
+                                     f"in {timeout_s}s: the ingester is not listening (see its log)")
+            await asyncio.sleep(0.01)
 
     def publish(self, batch: EventBatch, *, send: bool = True) -> int:
         """Publish the next batch; ``send=False`` buffers it for replay only (a frame lost on the wire)."""
