@@ -42,6 +42,21 @@ def wait_http(url: str, timeout_s: float = 30) -> None:
     raise TimeoutError(f"{url} did not answer in {timeout_s}s")
 
 
+def wait_log(path: str, text: str, proc: subprocess.Popen | None = None, timeout_s: float = 30) -> str:
+    """Until a process's log (as ``spawn`` writes it) holds ``text``: a step the process itself reports,
+    rather than a fixed sleep that an overloaded machine outlasts. Fails at once if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(path, errors="replace") as f:
+            got = f.read()
+        if text in got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}) before logging {text!r}: {got[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} did not log {text!r} in {timeout_s}s")
+
+
 @dataclass
 class Stack:
     predictor_url: str

@@ -1,6 +1,12 @@
-"""A publisher that speaks vLLM 0.32's KV-event protocol (PUB + replay ROUTER), driven by the test."""
+"""A publisher that speaks vLLM 0.32's KV-event protocol (PUB + replay ROUTER), driven by the test.
+
+Its PUB is an XPUB, which sends exactly as a PUB does and also hands the test each subscription that
+reaches it: ``subscribed`` is how a test knows an ingester it started is listening. A PUB drops what it
+sends before a subscriber's subscription has arrived, and none of the ingester's own signals (its log,
+its /metrics) can say that: its SUB connects and subscribes in the background after it has logged."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -17,8 +23,8 @@ class EngineStub:
         # (SGLang, and vLLM before 0.2x): the ingester must know the pod some other way.
         self.replay_topic = replay_topic
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
+        self.subscriptions = 0  # subscriptions that reached the publisher, over the stub's life (see subscribed)
+        self.pub = self._xpub()
         (self.pub.bind if bind else self.pub.connect)(pub_endpoint)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -30,6 +36,34 @@ class EngineStub:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
+
+    def _xpub(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only a topic's first
+        return sock
+
+    def count_subscriptions(self) -> int:
+        """The subscriptions that have reached the publisher so far (each subscriber's, and each
+        reconnection's: a subscriber subscribes again when it reconnects)."""
+        while True:
+            try:
+                msg = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.subscriptions
+            if msg[:1] == b"\x01":  # \x00 is an unsubscription (a subscriber gone)
+                self.subscriptions += 1
+
+    async def subscribed(self, total: int = 1, timeout_s: float = 30.0) -> None:
+        """Until ``total`` subscriptions have reached the publisher since the stub started (an ingester
+        restarted, or a second one, subscribes again: wait for 2): from then on every frame published
+        reaches that subscriber. Called from the thread that publishes (a ZMQ socket is not thread-safe)."""
+        deadline = time.monotonic() + timeout_s
+        while self.count_subscriptions() < total:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.subscriptions} of {total} subscription(s) reached the engine stub "
+                                     f"in {timeout_s}s: the ingester is not listening (see its log)")
+            await asyncio.sleep(0.01)
 
     def publish(self, batch: EventBatch, *, send: bool = True) -> int:
         """Publish the next batch; ``send=False`` buffers it for replay only (a frame lost on the wire)."""
@@ -57,8 +91,7 @@ class EngineStub:
         """Drop and re-bind the PUB socket, as a network blip looks to subscribers: same process,
         same seq and replay buffer."""
         self.pub.close(0)
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub = self._xpub()
         for _ in range(100):  # the old socket's port is released asynchronously
             try:
                 self.pub.bind(endpoint)

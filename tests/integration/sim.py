@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import zmq
+
 from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.shared.events import EventBatch, decode_frames
 from tests.e2e.harness import spawn, stop, wait_http
 
 
@@ -16,20 +19,43 @@ class SimEngine:
     replay_port: int
     proc: object = None
     log: str = ""
+    blocks: int = 64  # the engine's KV blocks (one is vLLM's reserved null block)
 
     def start(self) -> "SimEngine":
         host = self.url.rsplit(":", 1)[0].split("//", 1)[1]
         self.proc = spawn(["simulate", "--pod", self.pod, "--model", "sim", "--host", host,
                            "--port", self.url.rsplit(":", 1)[1],
                            "--zmq", f"tcp://*:{self.zmq_port}", "--replay", f"tcp://*:{self.replay_port}",
-                           "--block-size", "16", "--blocks", "64"], self.log)
+                           "--block-size", "16", "--blocks", str(self.blocks)], self.log)
         wait_http(self.url + "/v1/models")
         return self
 
     def stop(self, kill: bool = False) -> None:
         stop(self.proc, kill=kill)
 
+    def published(self) -> list[EventBatch]:
+        """Every batch the engine has published so far, in seq order, read back from its replay socket
+        (it buffers 10,000): the engine's own account of its cache, to compare the index with."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.replay_port}")
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            out = []
+            while sock.poll(10_000):
+                frames = sock.recv_multipart()  # ["", topic, seq, payload]; the end is seq -1
+                if frames[2] == b"\xff" * 8:
+                    return out
+                got = decode_frames(frames[1:])
+                assert not got.errors and got.seq == len(out), (got.seq, len(out), got.errors)
+                out.append(got.batch)
+            raise TimeoutError(f"{self.pod}'s replay socket did not finish its answer")
+        finally:
+            sock.close(0)
+            ctx.term()
 
-def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = None) -> SimEngine:
+
+def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = None, blocks: int = 64) -> SimEngine:
     return SimEngine(pod, f"http://{host}:{port or free_port()}", free_port(), free_port(),
-                     log=str(tmp_path / f"{pod}.log"))
+                     log=str(tmp_path / f"{pod}.log"), blocks=blocks)

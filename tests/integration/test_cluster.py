@@ -186,7 +186,7 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point):
     # lost effect), and the engine then goes quiet: only the outbox can finish that batch.
     doomed = spawn(args, str(tmp_path / "doomed.log"), env={"KVPF_TEST_CRASH_AT": f"{point}:30"})
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 30, pause=0.05)
         deadline = time.monotonic() + 20
         while doomed.poll() is None and time.monotonic() < deadline:
@@ -219,7 +219,7 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
     pred = spawn(["serve", "--valkey-url", cluster_url, "--port", str(port)], str(tmp_path / "pred.log"))
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
-        await asyncio.sleep(0.5)
+        await engine.subscribed()
         await publish(engine, wl, 40)
         await assert_exact(ix, engine, wl)
         # A prediction through the predictor equals the index's own answer.

@@ -1,11 +1,14 @@
 """A master killed (kill -9) under live ingestion and prediction on a real local Valkey Cluster
 (2 s node timeout): the replica is promoted, ingester and predictor carry on without a restart,
 predictions answer again within node-timeout + 5 s, and writes the old master took with it (its
-replica held back, so they really were lost) are found in the outbox and written again."""
+replica held back, so they really were lost) are found in the outbox and written again. The engine
+is the simulator (``kv-preflight simulate``, a real process publishing vLLM's KV events), so after
+the failover every prediction is checked against the cached tokens the engine itself reports."""
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import threading
 import time
@@ -14,12 +17,17 @@ import httpx
 import pytest
 import redis
 
+from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.shared.index import Index
+from kv_preflight.shared.keys import request_keys
 from kv_preflight.shared.layout import pod_outbox_key
 from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.sim import SimEngine, sim_engine
 from tests.integration.test_cluster import assert_exact, cluster_engine, wait_seq
+from tests.integration.test_fault_accuracy import blind, exact
 from tests.integration.test_faults import Workload, publish
+from tests.integration.truth import engine_truth, index_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -27,15 +35,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 class Prober(threading.Thread):
     """Predictions in a loop; remembers when the last non-200 answer came."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, model: str = "tiny"):
         super().__init__(daemon=True)
-        self.url, self.stop_flag, self.last_bad, self.answers = url, threading.Event(), 0.0, []
+        self.url, self.model, self.stop_flag, self.last_bad, self.answers = url, model, threading.Event(), 0.0, []
 
     def run(self) -> None:
         with httpx.Client(timeout=3) as client:
             while not self.stop_flag.is_set():
                 try:
-                    code = client.post(self.url, json={"model": "tiny", "token_ids": list(range(1, 65))}).status_code
+                    body = {"model": self.model, "token_ids": list(range(1, 65))}
+                    code = client.post(self.url, json=body).status_code
                 except httpx.HTTPError:
                     code = 0
                 self.answers.append(code)
@@ -44,35 +53,64 @@ class Prober(threading.Thread):
                 time.sleep(0.05)
 
 
+def fresh_prompts(seed: int, n: int) -> list[dict]:
+    """Prompts sharing nothing with each other: 3 to 5 whole blocks of 16 tokens (then a partial one), so each
+    stores request keys the index has never held, spread over every shard."""
+    rng = random.Random(seed)
+    return [{"token_ids": [rng.randrange(10, 8000) for _ in range(16 * rng.randrange(3, 6) + 5)]} for _ in range(n)]
+
+
+async def wait_applied(ix: Index, engine: SimEngine) -> None:
+    """Until the index has applied every batch the engine has published."""
+    await wait_seq(ix, engine.pod, len(engine.published()) - 1)
+
+
+async def assert_index_is_the_engines(ix: Index, engine: SimEngine, timeout: float = 20.0) -> None:
+    """The index holds exactly the blocks the engine's published batches leave cached, every request key of
+    each listing the pod, and no outbox entry is left."""
+    batches = engine.published()
+    await wait_seq(ix, engine.pod, len(batches) - 1)
+    deadline = time.monotonic() + timeout
+    while await ix.client.exists(pod_outbox_key(engine.pod)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not await ix.client.exists(pod_outbox_key(engine.pod)), "an outbox entry was left behind"
+    assert await index_state(ix, engine.pod) == engine_truth(batches)
+
+
 async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
-    engine, source = cluster_engine()
-    wl = Workload(41)
+    # 512 blocks: nothing is evicted, so the prompts whose keys the old master lost are still cached at
+    # the end, and predicting them exactly needs those keys written again.
+    engine = sim_engine("sim-fail", tmp_path, blocks=512).start()
     ix = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
     port = free_port()
-    ing = spawn(["ingest", "--valkey-url", cluster_url, "--source", source], str(tmp_path / "ing.log"))
-    pred = spawn(["serve", "--valkey-url", cluster_url, "--port", str(port)], str(tmp_path / "pred.log"))
-    prober = Prober(f"http://127.0.0.1:{port}/v1/cache/predict")
+    predictor = f"http://127.0.0.1:{port}"
+    ing = spawn(["ingest", "--valkey-url", cluster_url, "--engine", engine.url], str(tmp_path / "ing.log"))
+    pred = spawn(["serve", "--valkey-url", cluster_url, "--port", str(port), "--engine-url", f"sim={engine.url}"],
+                 str(tmp_path / "pred.log"))
+    prober = Prober(f"{predictor}/v1/cache/predict", model="sim")
+    warm = shared_prefix_workload(n=8, seed=13, block=16)
+    held, during, after, new = (fresh_prompts(seed, n) for seed, n in ((1, 8), (2, 3), (3, 3), (4, 4)))
     held_replica = None
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
-        await asyncio.sleep(0.5)
-        await publish(engine, wl, 20)
-        await assert_exact(ix, engine, wl)
+        wait_http(f"{predictor}/health")
+        exact(run_workload(engine.url, predictor, "sim", warm))
+        await assert_index_is_the_engines(ix, engine)
         prober.start()
 
         # The master of a request key the next batches write, and its replica, held back (SIGSTOP).
         before = set(sync.keys("*"))
         masters = {n.port: n for n in valkey_cluster.masters_now()}
-        pod_master = sync.get_node_from_key(pod_outbox_key("pod-c")).port
+        pod_master = sync.get_node_from_key(pod_outbox_key(engine.pod)).port
         victim = next(n for p, n in masters.items() if p != pod_master)
         held_replica = valkey_cluster.replicas_of(victim)[0]
         # Stopped, then cut off: what the master writes from here on never reaches the replica (a
         # stopped process cannot reconnect), as when a replica lags behind a master that then dies.
         os.kill(held_replica.proc.pid, signal.SIGSTOP)
         redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
-        await publish(engine, wl, 8, pause=0.05)
-        await wait_seq(ix, "pod-c", engine.seq - 1)
+        first = run_workload(engine.url, predictor, "sim", held)  # new prompts: no hits, and none predicted
+        assert [(r.predicted, r.actual) for r in first] == [(0, 0)] * len(held)
+        await wait_applied(ix, engine)
         fresh = [k for k in set(sync.keys("*")) - before
                  if sync.get_node_from_key(k).port == victim.port and k.decode().isdigit()]
         assert fresh, "no new request key landed on the chosen master"
@@ -82,6 +120,7 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
         killed_at = time.monotonic()
         victim.stop(kill=True)
         os.kill(held_replica.proc.pid, signal.SIGCONT)
+        blind(engine.url, during)  # the engine goes on caching and publishing while the master is down
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if held_replica.port in {n.port for n in valkey_cluster.masters_now()}:
@@ -94,10 +133,22 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
         assert lost, "the held-back replica had every write: nothing was lost, so nothing is tested"
 
         os.kill(ing.pid, signal.SIGCONT)
-        await publish(engine, wl, 5)
-        await assert_exact(ix, engine, wl)  # repaired: every key the engine's blocks need is back
+        blind(engine.url, after)  # and after the promotion
+        # Repaired: every key the engine's blocks need is back, and predictions equal the engine's own
+        # cached tokens, for the prompts whose keys were lost as for those sent during and after.
+        await assert_index_is_the_engines(ix, engine)
+        results = run_workload(engine.url, predictor, "sim", held + during + after + new)
+        exact(results)
+        lost_ids = {int(k) for k in lost}
+        needed = [(r.actual, 16 * (i + 1)) for r, p in zip(results, held)
+                  for i, k in enumerate(request_keys(p["token_ids"], model="sim", block_size=16)) if k in lost_ids]
+        assert needed and all(actual >= upto for actual, upto in needed), (
+            f"a lost key no longer sits in a cached prefix, so its repair is not tested: {needed}")
+        await assert_index_is_the_engines(ix, engine)
         assert ing.poll() is None and pred.poll() is None, "a process exited"
-        time.sleep(1.0)
+        seen = len(prober.answers)
+        while len(prober.answers) < seen + 10 and prober.is_alive():  # answers after the repair, too
+            await asyncio.sleep(0.05)
         prober.stop_flag.set()
         prober.join(timeout=5)
         assert prober.answers and prober.answers[-1] == 200
@@ -111,7 +162,7 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
             os.kill(ing.pid, signal.SIGCONT)
         stop(ing)
         stop(pred)
-        engine.close()
+        engine.stop()
         sync.close()
         await ix.close()
 
@@ -193,7 +244,7 @@ async def test_reshard_while_ingesting_and_predicting(valkey_cluster, cluster_ur
     prober = Prober(f"http://127.0.0.1:{port}/v1/cache/predict")
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
-        await asyncio.sleep(0.5)
+        await engine.subscribed()
         await publish(engine, wl, 20)
         await assert_exact(ix, engine, wl)
         prober.start()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kv_preflight.shared.index import Index
-from tests.e2e.harness import spawn, stop
+from tests.e2e.harness import spawn, stop, wait_log
 from tests.integration.sim import sim_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -39,7 +39,8 @@ async def test_an_engine_down_at_start_is_picked_up_later(valkey_url, tmp_path):
     ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", up.url, "--engine", down.url],
                 str(tmp_path / "ing.log"))
     try:
-        await asyncio.sleep(1.5)
+        # Alive after it found the late engine unreachable (the process says so), not merely after a while.
+        wait_log(str(tmp_path / "ing.log"), "retrying in the background", ing)
         assert ing.poll() is None, (tmp_path / "ing.log").read_text()[-2000:]
         complete(up.url, list(range(100, 164)))
         assert await blocks_of(ix, "sim-up") > 0

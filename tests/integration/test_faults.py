@@ -87,12 +87,12 @@ async def test_kill_9_ingester_mid_stream_and_restart(own_valkey, tmp_path):
     ix = Index.from_url(own_valkey.url)
     ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing1.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 60)
         stop(ing, kill=True)  # SIGKILL: no cleanup, whatever was in flight is lost
         await publish(engine, wl, 60)  # nobody is listening
         ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing2.log"))
-        await asyncio.sleep(1.0)
+        await engine.subscribed(2)  # the second ingester's subscription
         await publish(engine, wl, 20)
         await assert_exact(ix, wl, engine)
     finally:
@@ -107,7 +107,7 @@ async def test_valkey_restart_with_aof(own_valkey, tmp_path):
     ix = Index.from_url(own_valkey.url)
     ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 50)
         await wait_for_seq(ix, "pod-f", engine.seq - 1)
         own_valkey.stop()  # graceful: AOF flushed
@@ -131,7 +131,7 @@ async def test_valkey_lost_writes_are_recovered_by_replay(own_valkey, tmp_path):
     ix = Index.from_url(own_valkey.url)
     ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "ing.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 40)
         await wait_for_seq(ix, "pod-f", engine.seq - 1)
         own_valkey.stop(kill=True)
@@ -151,7 +151,7 @@ async def test_two_ingester_processes_one_engine(own_valkey, tmp_path):
     a = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "a.log"))
     b = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], str(tmp_path / "b.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed(2)  # both ingesters
         await publish(engine, wl, 80)
         stop(a, kill=True)  # one dies; the other carries on alone
         await publish(engine, wl, 40)

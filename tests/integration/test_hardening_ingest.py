@@ -50,7 +50,7 @@ async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url
     ix = Index.from_url(valkey_url)
     ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", source], str(tmp_path / "ing1.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 30)
         await wait_for_seq(ix, "pod-f", engine.seq - 1)
         stop(ing, kill=True)
@@ -76,7 +76,7 @@ async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_p
     ix = Index.from_url(valkey_url)
     ing = spawn(["ingest", "--valkey-url", valkey_url, "--source", source], str(tmp_path / "ing.log"))
     try:
-        await asyncio.sleep(1.0)
+        await engine.subscribed()
         await publish(engine, wl, 10)
         await wait_for_seq(ix, "pod-f", engine.seq - 1)
         forged = wl.next_batch()
@@ -113,7 +113,8 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
     rng = random.Random(5)
     toks = [rng.randrange(1, 30000) for _ in range(64)]
     try:
-        await asyncio.sleep(1.0)
+        await a.subscribed()
+        await b.subscribed()
         sync.rpush("engine:123", "x")  # somebody else's LIST where our engine key goes
         sync.set("engine:456", "y")
         a.publish(EventBatch(time.time(), [BlockStored([123], None, toks[:32], 32, medium="GPU")], 0))

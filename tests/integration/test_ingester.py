@@ -51,10 +51,12 @@ class Harness:
     async def start_ingester(self) -> Ingester:
         cfg = Config(valkey_url=self.valkey_url, replay_timeout_s=1.0)
         ing = Ingester(cfg, Index.from_url(self.valkey_url), [self.source])
+        before = self.engine.count_subscriptions() if self.engine is not None else 0
         ing.start()
         task = asyncio.create_task(ing.run())
         self.ingesters.append((ing, task))
-        await asyncio.sleep(0.3)  # ZMQ slow joiner: frames sent before the subscription lands are lost
+        if self.engine is not None:  # ZMQ slow joiner: frames sent before the subscription lands are lost
+            await self.engine.subscribed(before + 1)
         return ing
 
     async def stop_ingester(self, ing: Ingester):
@@ -94,7 +96,7 @@ async def test_stream_store_remove_clear(valkey_url, ix, bind_side):
         await h.start_ingester()
         if bind_side == "ingester":
             h.start_engine_connecting()
-            await asyncio.sleep(0.3)
+            await h.engine.subscribed()
         h.engine.publish(batch(stored([1, 2], None, 0)))
         h.engine.publish(batch(stored([3], 2, 2)))
         await h.wait_seq(ix, 1)
