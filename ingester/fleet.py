@@ -32,8 +32,8 @@ import httpx
 import msgspec
 
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
-from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check, expired_retired,
-                                 rendezvous_owners, retired)
+from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                              balanced_owners, expired_retired, rendezvous_owners, retired)
 from kv_preflight.ingester.subscriber import Source, discover
 from kv_preflight.shared.engine_metrics import parse_load
 from kv_preflight.shared.events import topic_or_none
@@ -48,6 +48,7 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
+SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
 
 
 def default_ingester_id() -> str:
@@ -93,8 +94,11 @@ class FleetMember:
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
         self.written_at: dict[str, float] = {}
         self.ticks = 0
+        self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
+        self.owners: dict[str, list[str]] = {}  # engine key -> its owners this round, primary first
+        self.share: tuple[int, int, int] = (-1, -1, -1)  # (engines here, engines known, live ingesters) last logged
         self.http = httpx.AsyncClient(timeout=cfg.health_timeout_s)
 
     @property
@@ -115,7 +119,25 @@ class FleetMember:
 
     async def tick(self) -> None:
         self.ticks += 1
-        now = time.monotonic()
+        self._steps = []
+        started = time.monotonic()
+        try:
+            await self._round(started)
+        finally:
+            took = time.monotonic() - started
+            marks = self._steps + [("end", started + took)]
+            steps = ", ".join(f"{name} {end - at:.2f} s" for (name, at), (_, end) in zip(marks, marks[1:]))
+            # a slow round says where its time went (the watchdog, ingester/watchdog.py, covers one that never ends)
+            log.log(logging.INFO if took > SLOW_ROUND_S else logging.DEBUG, "membership round %d took %.2f s: %s",
+                    self.ticks, took, steps or "nothing")
+
+    def _step(self, name: str) -> None:
+        self._steps.append((name, time.monotonic()))
+        self.ing.progress.mark(f"membership round {self.ticks}: {name}")
+        log.debug("membership round %d: %s", self.ticks, name)
+
+    async def _round(self, now: float) -> None:
+        self._step("reading Valkey's time")
         # The round's reads and its lease are bounded as a whole (a call that never answers must not stall
         # the ingester's loop, nor keep its lease from being renewed next round); what follows them
         # (attaching engines, replays) has bounds of its own.
@@ -123,20 +145,24 @@ class FleetMember:
             now_ms = await self.index.now_ms()
             self.started_ms = self.started_ms or now_ms
             if now >= self.next_discovery:
+                self._step("discovery")
                 await self._discover(now)
                 self.next_discovery = now + self.cfg.discovery_interval_s
             known = {s.key: s for s in self.static}
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
+            self._step("renewing the lease")
             await self.index.put_lease(self.me, IngesterLease(
                 expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
                 host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
                 known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
+            self._step("reading the fleet")
             view = await self.index.fleet_view()
         live = view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
                 if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]
         if dead:
+            self._step("dropping expired leases")
             await self.index.drop_leases(dead)
         fleet_known = dict(known)
         for lease in live.values():
@@ -149,16 +175,26 @@ class FleetMember:
                     fleet_known.setdefault(spec.key, spec)
         if self.ticks == 1 and set(live) - {self.me}:
             return  # others are about: take a share once they have seen our lease too (no start-up churn)
-        mine = {k: s for k, s in fleet_known.items() if self.me in rendezvous_owners(k, self.live, self.cfg.copies)}
+        self.owners = balanced_owners(fleet_known, self.live, self.cfg.copies)
+        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k]}
+        share = (len(mine), len(fleet_known), len(self.live))
+        if share != self.share:  # an ingester given no engine is idle, not stuck: say which
+            self.share = share
+            log.info("share: %d of %d engine(s) ingested here, %d live ingester(s), --copies %d", *share,
+                     self.cfg.copies)
         for key in sorted(set(self.attached) - set(mine)):
+            self._step(f"letting go of {key}")
             await self._detach(key, "owned by other ingesters now" if key in fleet_known else "left discovery")
         for key, spec in sorted(mine.items()):
             if key not in self.attached:
+                self._step(f"attaching {key}")
                 await self._attach(spec, view.pods, fleet_known, now)
         for key, att in sorted(self.attached.items()):
-            if att.spec.url and rendezvous_owners(key, self.live, 1)[0] == self.me:
+            if att.spec.url and self.owners.get(key, [""])[0] == self.me:
+                self._step(f"watching {key}")
                 await self._watch(att, view, now_ms)
         if self.discovered.started or not self.sources:
+            self._step("retiring departed pods")
             await self._retire_departed(view, set(fleet_known), now_ms)
 
     async def _discover(self, now: float) -> None:
@@ -225,7 +261,7 @@ class FleetMember:
         del self.retries[spec.key]
         self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else "vllm")
         log.info("engine %s: ingesting pod(s) %s (owners: %s)", spec.key, sorted(pods) or "named by its frames",
-                 ", ".join(rendezvous_owners(spec.key, self.live, self.cfg.copies)))
+                 ", ".join(self.owners.get(spec.key, [])))
 
     async def _take_over_moved(self, spec: EngineSpec, found: list[Source], records: dict[str, PodRecord],
                                fleet_known: dict[str, EngineSpec]) -> None:

@@ -4,10 +4,14 @@ Ingesters coordinate through Valkey alone (ingester/fleet.py does the I/O): each
 the others' leases, and applies the rules below to the same inputs, so they agree on who ingests what
 without a coordinator of our own.
 
-* Ownership is rendezvous (highest-random-weight) hashing of (ingester, engine): every ingester ranks
-  the live ingesters per engine the same way, the top ``copies`` ingest it, and an ingester joining or
-  leaving moves only the engines it ranks first or is ranked out of. Copies are safe because a batch
-  applies exactly once whoever sends it (the seq check in shared/lua/pod.lua).
+* Ownership is rendezvous (highest-random-weight) hashing of (ingester, engine) with bounded loads
+  (``balanced_owners``): every ingester ranks the live ingesters per engine the same way, and each engine
+  goes to the first ``copies`` of its ranking that still have room, so every live ingester holds
+  floor or ceil of engines x copies / ingesters. Plain rendezvous hashing is even only on average: with
+  8 engines and 3 ingesters it left one ingester with no engine at all in 11% of fleets (one ingester
+  idle, the others doing its share). An ingester joining or leaving still moves about its share, plus
+  the few engines whose first choice filled up. Copies are safe because a batch applies exactly once
+  whoever sends it (the seq check in shared/lua/pod.lua).
 * A membership change (an engine appearing in or vanishing from DNS or a file) takes effect only once
   it has held for ``hold_s``: one bad DNS answer does not retire a pod and re-ingest it a second later.
 * A pod is unreachable after ``failures_needed`` failed health checks in a row (ZMQ silence proves
@@ -59,8 +63,51 @@ def _weight(member: str, item: str) -> bytes:
 
 
 def rendezvous_owners(item: str, members: Iterable[str], copies: int) -> list[str]:
-    """The ``copies`` members that own ``item``, best first (the first is its primary owner)."""
+    """The ``copies`` members that rank first for ``item``, best first (plain rendezvous hashing: what one
+    item alone would get; ``balanced_owners`` splits a whole set of items)."""
     return sorted(members, key=lambda m: (_weight(m, item), m), reverse=True)[:max(1, copies)]
+
+
+def balanced_owners(items: Iterable[str], members: Iterable[str], copies: int) -> dict[str, list[str]]:
+    """Each item's ``copies`` owners, best first (the first is its primary owner): rendezvous hashing with
+    bounded loads. The copies are dealt one round at a time, items in sorted order: in round k each item
+    goes to its best-ranked member that does not hold it yet and holds fewer than its quota, the quota
+    being ``floor(items x k / members)``, or one more for as many members as the division leaves over.
+    Late items may find room only in members that already hold them; a last pass evens those out. So
+    every member ends with floor or ceil of items x copies / members, and the same inputs give the same
+    answer in every ingester, whatever order they come in."""
+    names = sorted(set(members))
+    keys = sorted(set(items))
+    if not names:
+        return {k: [] for k in keys}
+    want = min(max(1, copies), len(names))
+    rankings = {k: rendezvous_owners(k, names, len(names)) for k in keys}
+    owners: dict[str, list[str]] = {k: [] for k in keys}
+    load = dict.fromkeys(names, 0)
+    for round_ in range(1, want + 1):
+        base, extra = divmod(len(keys) * round_, len(names))
+        extra -= sum(1 for n in load.values() if n > base)  # holding one over already
+        for key in keys:
+            free = [m for m in rankings[key] if m not in owners[key]]
+            pick = next((m for m in free if load[m] < base or (load[m] == base and extra > 0)), free[0])
+            if load[pick] >= base:
+                extra -= 1
+            owners[key].append(pick)
+            load[pick] += 1
+    # Late items can find room only in members that already hold them: even out by moving, from the most
+    # loaded member to the least, the item the latter ranks best among those it does not hold (there is
+    # always one: the fuller member holds more items). Each move narrows the spread, so this ends.
+    while True:
+        most = max(names, key=lambda m: (load[m], m))
+        least = min(names, key=lambda m: (load[m], m))
+        if load[most] - load[least] <= 1:
+            break
+        key = min((k for k in keys if most in owners[k] and least not in owners[k]),
+                  key=lambda k: (rankings[k].index(least), k))
+        owners[key][owners[key].index(most)] = least
+        load[most] -= 1
+        load[least] += 1
+    return {k: sorted(o, key=rankings[k].index) for k, o in owners.items()}
 
 
 @dataclass

@@ -62,6 +62,8 @@ class IngesterMetrics:
                                           "never a decode error.", registry=r)
         self.apply_errors = Counter("kvpf_ingest_apply_errors", "Batches Valkey refused with a non-transient error "
                                     "(not retried; other pods go on).", registry=r)
+        self.loop_stalls = Counter("kvpf_ingest_loop_stalls", "Times the ingester's loop made no progress for "
+                                   "5 s (each logged once with the stack of what it awaited).", registry=r)
         self.lag = Histogram("kvpf_ingest_lag_seconds", "Now minus the batch timestamp when a batch is applied.",
                              buckets=LAG_BUCKETS, registry=r)
         self.last_lag = PodLabelled(Gauge("kvpf_ingest_last_lag_seconds", "Lag of the last batch applied, by pod "

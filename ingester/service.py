@@ -23,6 +23,7 @@ from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_stat
 from kv_preflight.ingester.metrics import IngesterMetrics
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from kv_preflight.ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
+from kv_preflight.ingester.watchdog import Progress, Watchdog
 from kv_preflight.shared.config import Config
 from kv_preflight.shared.engines import engine
 from kv_preflight.shared.events import DecodedFrame, EventBatch, topic_or_none
@@ -63,6 +64,7 @@ class Ingester:
         self.rank_sources: dict[tuple[str, int], Source] = {}
         self.stats = Stats()
         self.metrics = IngesterMetrics(max_pod_series=cfg.max_pod_series)
+        self.progress = Progress()  # the last step the loop reached (ingester/watchdog.py reports stalls)
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
@@ -130,18 +132,34 @@ class Ingester:
     def stop(self) -> None:
         self._stopping.set()
 
+    def _stalled(self) -> None:
+        self.stats.inc("loop_stalls")
+        self.metrics.loop_stalls.inc()
+
     async def run(self) -> None:
         if self.subscriber is None:
             self.start()
+        me = asyncio.current_task()
+        assert me is not None
+        watchdog = Watchdog(self.progress, me, self._stalled).start()
+        try:
+            await self._run()
+        finally:
+            watchdog.stop()
+
+    async def _run(self) -> None:
         if self.fleet.active:
             await self._fleet_tick()  # attaches --engine and discovered engines (and resumes their pods)
+        self.progress.mark("learning feeds")
         await self.learn_feeds()
+        self.progress.mark("resuming known pods")
         await self.resume_known_pods()
         assert self.subscriber is not None
         recv: asyncio.Future | None = None
         next_chores = time.monotonic() + CHORES_S
         try:
             while not self._stopping.is_set():
+                self.progress.mark("waiting for frames")
                 if recv is None:
                     recv = asyncio.ensure_future(self.subscriber.receive())
                 stop = asyncio.ensure_future(self._stopping.wait())
@@ -152,6 +170,7 @@ class Ingester:
                     recv.cancel()
                     break
                 if time.monotonic() >= next_chores:
+                    self.progress.mark("chores")
                     await self.chores()
                     next_chores = time.monotonic() + CHORES_S
                 if recv not in done:
@@ -160,6 +179,7 @@ class Ingester:
                     recv = None
                     continue
                 received, recv = recv.result(), None
+                self.progress.mark(f"applying {len(received)} message(s)")
                 run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in received:
                     if frames is None:  # a reconnect: handle what came before, then probe

@@ -6,8 +6,8 @@ import collections
 import pytest
 
 from kv_preflight.ingester.engines_from import parse_engine_list, parse_engines_from
-from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check, expired_retired,
-                                 rendezvous_owners)
+from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                              balanced_owners, expired_retired, rendezvous_owners)
 from kv_preflight.shared.fleet import PodRecord
 
 ENGINES = [f"http://10.0.0.{i}:8000" for i in range(200)]
@@ -41,6 +41,50 @@ def test_removing_an_ingester_moves_only_its_engines():
 def test_copies_never_exceed_the_members():
     assert rendezvous_owners("x", ["a"], 2) == ["a"]
     assert len(rendezvous_owners("x", ["a", "b", "c"], 2)) == 2
+
+
+def _loads(owners: dict[str, list[str]]) -> collections.Counter:
+    return collections.Counter(m for o in owners.values() for m in o)
+
+
+def test_plain_rendezvous_can_leave_an_ingester_idle_balanced_never_does():
+    """Issue 10's "stalled" ingester: 8 engines on random ports, 3 ingesters, --copies 1. Plain rendezvous
+    hashing gave one ingester no engine in ~11% of fleets; the bounded split gives each 2 or 3."""
+    members = ["ing-a", "ing-b", "ing-c"]
+    fleets = [[f"http://127.0.0.1:{30000 + (7919 * f + 104729 * i) % 30000}" for i in range(8)] for f in range(300)]
+    idle = [urls for urls in fleets if len({rendezvous_owners(u, members, 1)[0] for u in urls}) < 3]
+    assert len(idle) > 10  # the old split: about 1 fleet in 9
+    for urls in fleets:
+        assert sorted(_loads(balanced_owners(urls, members, 1)).values()) == [2, 3, 3]
+
+
+@pytest.mark.parametrize("copies", [1, 2, 3])
+@pytest.mark.parametrize("n_engines,n_members", [(0, 2), (1, 3), (2, 3), (4, 3), (8, 3), (13, 5), (200, 4)])
+def test_balanced_split_is_floor_or_ceil_and_the_same_for_everyone(n_engines, n_members, copies):
+    engines = ENGINES[:n_engines]
+    members = [f"ing-{i}" for i in range(n_members)]
+    owners = balanced_owners(engines, members, copies)
+    want = min(copies, n_members)
+    assert sorted(owners) == sorted(engines)
+    assert all(len(o) == want == len(set(o)) for o in owners.values())
+    loads = [_loads(owners)[m] for m in members]
+    assert max(loads) - min(loads) <= 1 and sum(loads) == n_engines * want
+    assert owners == balanced_owners(list(reversed(engines)), list(reversed(members)), copies)  # order-free
+    for e, o in owners.items():  # best first: the primary is the best-ranked of its owners
+        ranking = rendezvous_owners(e, members, n_members)
+        assert o == sorted(o, key=ranking.index)
+
+
+def test_balanced_split_moves_about_a_share_when_an_ingester_joins_or_leaves():
+    before = balanced_owners(ENGINES, ["a", "b", "c"], 1)
+    after = balanced_owners(ENGINES, ["a", "b", "c", "d"], 1)
+    moved = [e for e in ENGINES if before[e] != after[e]]
+    assert sum(o == ["d"] for o in after.values()) == 50
+    assert 50 <= len(moved) <= 70  # the newcomer's 50, and a few whose first choice filled up
+    gone = balanced_owners(ENGINES, ["a", "c"], 1)
+    held_by_b = [e for e in ENGINES if before[e] == ["b"]]
+    changed = [e for e in ENGINES if before[e] != gone[e]]
+    assert set(held_by_b) <= set(changed) and len(changed) <= len(held_by_b) + 10
 
 
 def test_a_change_counts_only_once_it_held():
