@@ -78,7 +78,7 @@ async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], N
             pipe = client.pipeline(transaction=False)
             for (rk, tier), n in items[s:s + chunk]:
                 pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
-                pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, "bit", rk, tier, num, 1)
+                pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
             try:
                 await pipe.execute()
             except NoScriptError:
@@ -86,7 +86,7 @@ async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], N
                 pipe = client.pipeline(transaction=False)
                 for (rk, tier), n in items[s:s + chunk]:
                     pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
-                    pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, "bit", rk, tier, num, 1)
+                    pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
                 await pipe.execute()
         if progress:
             progress(pod, len(items))

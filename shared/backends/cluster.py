@@ -117,6 +117,9 @@ def effect_list(payload: bytes) -> list[tuple[str, str, list[Any]]]:
         elif op in ("P", "Q"):
             out.append((op, request_bits_key(items[i + 1]), items[i:i + 4]))
             i += 4
+        elif op in ("J", "K"):
+            out.append((op, str(items[i + 1]), items[i:i + 5]))
+            i += 5
         else:
             raise ValueError(f"unknown effect {op!r} in an outbox entry")
     return out
@@ -136,9 +139,12 @@ def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]
         return out
     if op == "U":
         return [("UNLINK", (flat[1], flat[2]))]
-    if op in ("P", "Q"):  # the one-slot script (shared/lua/bit_effect.lua)
-        return [("SLOT", (flat[1], "bit", flat[1], flat[2], flat[3], 1 if op == "P" else 0))]
-    return [("SLOT", (flat[1], "entry", flat[1], flat[2], 1 if op == "H" else 0))]  # H, D: entry and its count
+    # the one-slot script (shared/lua/bit_effect.lua): request key, field, on, tier, number
+    if op in ("P", "Q"):
+        return [("SLOT", (flat[1], "", 1 if op == "P" else 0, flat[2], flat[3]))]
+    if op in ("J", "K"):
+        return [("SLOT", (flat[1], flat[2], 1 if op == "J" else 0, flat[3], flat[4]))]
+    return [("SLOT", (flat[1], flat[2], 1 if op == "H" else 0, "", 0))]  # H, D: the entry and its count
 
 
 class ReplicationBarrier:
@@ -286,8 +292,7 @@ class ClusterEffects:
                     pipe.execute_command("EVALSHA", self._unlink.sha, 2, engine_members_key(ek), engine_key_name(ek),
                                          member)
                 elif cmd == "SLOT":
-                    rk, *rest = args
-                    pipe.execute_command("EVALSHA", self._bit.sha, 2, request_bits_key(rk), rk, *rest)
+                    pipe.execute_command("EVALSHA", self._bit.sha, 2, request_bits_key(args[0]), args[0], *args)
                 else:
                     pipe.execute_command(cmd, *args)
             replies = await pipe.execute(raise_on_error=False)

@@ -25,21 +25,20 @@ local function emit_unlink(ek, member)
   effects[#effects + 1] = ek
   effects[#effects + 1] = member
 end
-local function emit_set(rk, fld)
-  effects[#effects + 1] = 'H'
+-- An entry written (H) or deleted (D), with the pod's bit on `tier` set (J) or cleared (K) beside it;
+-- a bit alone cleared (Q: a clear's per-tier link counts). shared/lua/effects_shard.lua runs them.
+local function emit_entry(rk, fld, on, tier, num)
+  local op
+  if fld == nil then op = 'Q'
+  elseif tier == nil then op = on and 'H' or 'D'
+  else op = on and 'J' or 'K' end
+  effects[#effects + 1] = op
   effects[#effects + 1] = rk
-  effects[#effects + 1] = fld
-end
-local function emit_bit(rk, tier, num, on)
-  effects[#effects + 1] = on and 'P' or 'Q'
-  effects[#effects + 1] = rk
-  effects[#effects + 1] = tier
-  effects[#effects + 1] = num
-end
-local function emit_unset(rk, fld)
-  effects[#effects + 1] = 'D'
-  effects[#effects + 1] = rk
-  effects[#effects + 1] = fld
+  if fld ~= nil then effects[#effects + 1] = fld end
+  if tier ~= nil then
+    effects[#effects + 1] = tier
+    effects[#effects + 1] = num
+  end
 end
 local outbox = KEYS[5]
 local function now_ms()

@@ -18,7 +18,6 @@ local function foreign_summary() return foreign.n, foreign.first end
 -- (after links.lua and bits.lua)
 local function emit_link(ek, member, rks) return link(shared_call, ek, member, rks) end
 local function emit_unlink(ek, member) unlink(shared_call, ek, member) end
-local function emit_set(rk, fld) put_entry(shared_call, rk, fld, true) end
-local function emit_bit(rk, tier, num, on) put_bit(shared_call, rk, tier, num, on) end
-local function emit_unset(rk, fld) put_entry(shared_call, rk, fld, false) end
+-- an entry written (on) or deleted, and (tier given) the pod's bit there set or cleared with it
+local function emit_entry(rk, fld, on, tier, num) put_entry(shared_call, rk, fld, on, tier, num) end
 local function finish(reply) return reply end

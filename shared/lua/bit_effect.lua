@@ -1,6 +1,6 @@
 -- (after bits.lua) Valkey Cluster: one effect on a request key's slot sent through the cluster's routing
 -- (its key moved while a shard's run was on its way). KEYS: kvpf:{<rk>}:bits, <rk>.
--- ARGV: "bit", request key, tier, number, 1|0; or "entry", request key, field, 1|0.
+-- ARGV: request key, field ("" for none), 1|0, tier ("" for none), number.
 local failed = nil
 local function call(...)
   local r = redis.pcall(...)
@@ -10,10 +10,9 @@ local function call(...)
   end
   return r
 end
-if ARGV[1] == 'bit' then
-  put_bit(call, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5] == '1')
-else
-  put_entry(call, ARGV[2], ARGV[3], ARGV[4] == '1')
-end
+local fld, tier = ARGV[2], ARGV[4]
+if fld == '' then fld = nil end
+if tier == '' then tier = nil end
+put_entry(call, ARGV[1], fld, ARGV[3] == '1', tier, tonumber(ARGV[5]))
 if failed then return redis.error_reply(failed) end
 return 1

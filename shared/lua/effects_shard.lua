@@ -6,7 +6,8 @@
 --   L <engine key> <member> <n> <rk>..   membership HSET, then ZADD of the engine block's request keys
 --   U <engine key> <member>              membership HDEL; the engine key goes with its last member
 --   H <rk> <field>                       HSET field ""      D <rk> <field>   HDEL field (both counted: bits.lua)
---   P <rk> <tier> <n>                    set pod n's bit in kvpf:{<rk>}:bits (tier)   Q ...: clear it
+--   J <rk> <field> <tier> <n>            H, and pod n's bit on <tier> set    K ...: D, and the bit cleared
+--   P <rk> <tier> <n>                    pod n's bit alone, set              Q ...: cleared
 -- Returns {moved effect positions "i,j,..", foreign-typed writes, the first such error}.
 local moved, foreign, first = {}, 0, ''
 local function call(pos, ...)
@@ -40,8 +41,11 @@ while i <= #ARGV do
   elseif op == 'H' or op == 'D' then
     put_entry(here, ARGV[i + 1], ARGV[i + 2], op == 'H')
     i = i + 3
-  else  -- 'P' or 'Q'
-    put_bit(here, ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), op == 'P')
+  elseif op == 'J' or op == 'K' then
+    put_entry(here, ARGV[i + 1], ARGV[i + 2], op == 'J', ARGV[i + 3], tonumber(ARGV[i + 4]))
+    i = i + 5
+  else  -- 'P' or 'Q': a bit alone
+    put_entry(here, ARGV[i + 1], nil, op == 'P', ARGV[i + 2], tonumber(ARGV[i + 3]))
     i = i + 4
   end
 end

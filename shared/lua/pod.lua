@@ -1,7 +1,7 @@
 -- The pod step of applying one engine batch: the seq check and every change to the pod's own keys,
 -- which share one hash tag ({<pod>}) and so one slot: atomic on a single node and on a cluster.
--- Changes to shared keys (request keys, engine:<key> and its membership set) are handed to the
--- emit_* functions of the prelude: apply_single.lua runs them here and now; apply_cluster.lua
+-- Changes to shared keys (request keys and their bitmaps, engine:<key> and its membership set) are
+-- handed to the emit_* functions of the prelude: apply_single.lua runs them here and now; apply_cluster.lua
 -- returns them (and keeps them in the pod's outbox) for the ingester to run on their own shards.
 -- Every shared-key effect is idempotent and commutes with other pods' effects, so running one again
 -- (a retry, a drain of the outbox after a crash) changes nothing, and no count lives on a shared key.
@@ -123,21 +123,23 @@ end
 -- and its bit follow the first link and the last unlink.
 local function link_rk(rk, id, fld, tier)
   if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then
-    emit_set(rk, fld)
-    if tier and redis.call('HINCRBY', rkkey, rk .. '|~' .. tier, 1) == 1 then emit_bit(rk, tier, num, true) end
+    local flip = tier and redis.call('HINCRBY', rkkey, rk .. '|~' .. tier, 1) == 1
+    emit_entry(rk, fld, true, flip and tier or nil, num)
   end
 end
 local function unlink_rk(rk, id, fld, tier)
   local f = rk .. '|' .. id
   if redis.call('HINCRBY', rkkey, f, -1) <= 0 then
     redis.call('HDEL', rkkey, f)
-    emit_unset(rk, fld)
-    if not tier then return end
-    local a = rk .. '|~' .. tier
-    if redis.call('HINCRBY', rkkey, a, -1) <= 0 then
-      redis.call('HDEL', rkkey, a)
-      if num then emit_bit(rk, tier, num, false) end
+    local flip = false
+    if tier then
+      local a = rk .. '|~' .. tier
+      if redis.call('HINCRBY', rkkey, a, -1) <= 0 then
+        redis.call('HDEL', rkkey, a)
+        flip = num ~= nil
+      end
     end
+    emit_entry(rk, fld, false, flip and tier or nil, num)
   end
 end
 -- Unlink one block of the pod from the shared keys (its request keys through the refs).
@@ -156,9 +158,9 @@ local function clear_pod()
   for i = 1, #all, 2 do
     local rk, id = string.match(all[i], '^(.*)|([^|]*)$')
     if rk and string.sub(id, 1, 1) == '~' then
-      if num then emit_bit(rk, string.sub(id, 2), num, false) end
+      if num then emit_entry(rk, nil, false, string.sub(id, 2), num) end
     elseif rk then
-      emit_unset(rk, byid[id] or id)
+      emit_entry(rk, byid[id] or id, false, nil, num)
     end
   end
   all = redis.call('HGETALL', blocks)
