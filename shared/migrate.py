@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from kv_preflight.shared import scripts
 from kv_preflight.shared.entries import parse_entry
 from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, NUM_REUSE_MS, NUMS_KEYS, PODS_KEY, V1_PODS_KEY,
@@ -58,6 +56,7 @@ async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], N
     entries. Returns the request keys counted."""
     nums = client.register_script(scripts.NUMS)
     bit = client.register_script(scripts.BIT_EFFECT)
+    await client.script_load(bit.script)  # on every primary of a cluster
     pods = sorted(_text(k) for k in await client.hkeys(PODS_KEY))
     ours: set[str] = set(pods)
     for pod in pods:
@@ -78,16 +77,9 @@ async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], N
             pipe = client.pipeline(transaction=False)
             for (rk, tier), n in items[s:s + chunk]:
                 pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
-                pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
-            try:
-                await pipe.execute()
-            except NoScriptError:
-                await client.script_load(bit.script)
-                pipe = client.pipeline(transaction=False)
-                for (rk, tier), n in items[s:s + chunk]:
-                    pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
-                    pipe.evalsha(bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
-                await pipe.execute()
+                # (EVALSHA through execute_command: redis-py's cluster pipeline routes it by its first key)
+                pipe.execute_command("EVALSHA", bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
+            await pipe.execute()
         if progress:
             progress(pod, len(items))
     counted = 0

@@ -118,7 +118,7 @@ def by_name(r: redis.Redis) -> dict:
     return out
 
 
-def strip_to_layout_2(r: redis.Redis) -> None:
+def strip_to_layout_2(r: redis.Redis, *, version: bool = True) -> None:
     """What layout 2 had: no bitmaps, no numbers, no per-tier link counts."""
     for k in list(r.scan_iter("kvpf:{*")):
         if k.endswith(b":bits") or k.startswith(b"kvpf:{nums}"):
@@ -129,7 +129,8 @@ def strip_to_layout_2(r: redis.Redis) -> None:
                     r.hdel(k, f)
         elif k.endswith(b":meta"):
             r.hdel(k, "num")
-    r.hset(LAYOUT_KEY, "version", "2")
+    if version:
+        r.hset(LAYOUT_KEY, "version", "2")
 
 
 async def test_layout_2_is_refused_then_migrated_to_the_same_keys(valkey_url):
@@ -158,4 +159,35 @@ async def test_layout_2_is_refused_then_migrated_to_the_same_keys(valkey_url):
             assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
     finally:
         r.close()
+        await ix.close()
+
+
+async def test_layout_2_on_a_cluster_is_migrated_to_the_same_bitmaps(cluster_url):
+    """The same on Valkey Cluster, where the keys to rebuild sit on every shard (the command runs through
+    redis-py's cluster client: pipelines routed per key, one SCAN per primary)."""
+    from tests.integration.test_cluster import apply_all, random_batches
+
+    ix = Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        await apply_all(ix, random_batches(3))
+        chains = [[k * 10 + j for j in range(3)] for k in range(1, 400)]
+        want = [sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(c, mode="linear")) for c in chains]
+        bits = sorted(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES))
+        assert bits
+        for node in sync.get_primaries():
+            strip_to_layout_2(redis.Redis(host=node.host, port=node.port), version=False)
+        sync.hset(LAYOUT_KEY, "version", "2")
+        assert not list(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES))
+        done = cli("index", "migrate", "--valkey-url", cluster_url, "--json")
+        assert done.returncode == 0, done.stderr
+        assert sorted(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES)) == bits
+        fresh = Index.from_url(cluster_url)
+        try:
+            assert await fresh.check_layout() == "3"
+            assert [sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(c)) for c in chains] == want
+        finally:
+            await fresh.close()
+    finally:
+        sync.close()
         await ix.close()
