@@ -468,63 +468,26 @@ class ClusterBackend:
         does not answer (down with no replica to take over) leaves its keys unread, so each count is a
         lower bound and the answer says from which key."""
         budget = 1 << 62 if mode == "linear" else EXACT_BUDGET
-        if not self.client.nodes_manager.slots_cache:
-            await self.client.initialize()  # a new client learns the slot map on its first command
-        unanswered: set[int] = set()
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for i, k in enumerate(request_keys):
-            try:
-                node = node_for(self.client, request_key_name(k))
-            except VALKEY_ERRORS:
-                unanswered.add(i)  # its slot is served by no node now
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
+        by_node, unanswered = await self._keys_by_node(request_keys)
 
         async def shard(node, idx: list[int]) -> tuple[int, bool, dict[str, tuple[int, str]]]:
             args = [len(idx), pack_keys([request_keys[i] for i in idx]), budget, *(pods or ())]
-            fast = self._fast_for(node)
-            if fast is not None:
-                try:
-                    async with asyncio.timeout(fast.timeout_s):
-                        reply = await fast.evalsha(self._lookup.sha, self._lookup.script, args)
-                except (*VALKEY_ERRORS, TimeoutError):
-                    await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
-                    raise
-            else:
-                try:
-                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
-                except NoScriptError:
-                    await self.client.script_load(self._lookup.script)
-                    reply = await self.client.execute_command("EVALSHA", self._lookup.sha, 0, *args, target_nodes=node)
+            reply = await self._on_shard(node, self._lookup, args)
             held = {text(reply[p]): (int(reply[p + 1]), text(reply[p + 2])) for p in range(2, len(reply), 3)}
             return int(reply[0]), bool(reply[1]), held
 
         shards: list[tuple[list[int], dict[str, tuple[int, str]]]] = []
         reread: list[int] = []
         foreign = 0
-        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
-        for (_, idx), res in zip(by_node.values(), results):
-            if isinstance(res, BaseException):
-                if not isinstance(res, VALKEY_ERRORS):
-                    raise res
-                unanswered.update(idx)
-            elif res[1]:
+        for idx, res in await self._each_shard(by_node, shard, unanswered):
+            if res[1]:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
                 foreign += res[0]
             else:
                 shards.append((idx, res[2]))
                 foreign += res[0]
         read = await self._read_routed(request_keys, sorted(reread), pods, unanswered) if reread else {}
-        if unanswered and len(unanswered) == len(request_keys):
-            raise RedisConnectionError("no shard of the cluster answered the lookup")
-        cut = min(unanswered) if unanswered else len(request_keys)
-        matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
-        if tiers_wanted:  # a layout that is not a prefix per pod: the tier at each such pod's last key
-            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), pods, set())
-            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
-                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
-                       for m in matches]
-        return Lookup(matches, min(unanswered) if unanswered else None), foreign
+        return await self._merged(request_keys, shards, read, unanswered, pods), foreign
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         """The default lookup in one round: lookup_bits.lua on every shard over the keys it owns, the
@@ -535,45 +498,16 @@ class ClusterBackend:
         a prefix per pod. A shard that does not answer cuts every prefix at its first key (counts are
         then lower bounds, never silently short). None when a shard's first key holds entries that are
         not ours (walk llm-d's entries then)."""
-        if not self.client.nodes_manager.slots_cache:
-            await self.client.initialize()  # a new client learns the slot map on its first command
-        unanswered: set[int] = set()
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for i, k in enumerate(request_keys):
-            try:
-                node = node_for(self.client, request_key_name(k))
-            except VALKEY_ERRORS:
-                unanswered.add(i)  # its slot is served by no node now
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
+        by_node, unanswered = await self._keys_by_node(request_keys)
 
         async def shard(node, idx: list[int]) -> BitsReply:
             args = [len(idx), pack_keys([request_keys[i] for i in idx])]
-            fast = self._fast_for(node)
-            if fast is not None:
-                try:
-                    async with asyncio.timeout(fast.timeout_s):
-                        return parse_bits_reply(await fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args))
-                except (*VALKEY_ERRORS, TimeoutError):
-                    await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
-                    raise
-            try:
-                reply = await self.client.execute_command("EVALSHA", self._lookup_bits.sha, 0, *args, target_nodes=node)
-            except NoScriptError:
-                await self.client.script_load(self._lookup_bits.script)
-                reply = await self.client.execute_command("EVALSHA", self._lookup_bits.sha, 0, *args, target_nodes=node)
-            return parse_bits_reply(reply)
+            return parse_bits_reply(await self._on_shard(node, self._lookup_bits, args))
 
         replies: list[tuple[list[int], BitsReply]] = []
         reread: list[int] = []
         foreign = 0
-        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
-        for (_, idx), res in zip(by_node.values(), results):
-            if isinstance(res, BaseException):
-                if not isinstance(res, VALKEY_ERRORS):
-                    raise res
-                unanswered.update(idx)
-                continue
+        for idx, res in await self._each_shard(by_node, shard, unanswered):
             foreign += res.foreign
             if res.moved:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
@@ -599,16 +533,7 @@ class ClusterBackend:
             shards.append((idx, held))
         read = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in read_bits.items()}
         read.update(read_entries)
-        if unanswered and len(unanswered) == len(request_keys):
-            raise RedisConnectionError("no shard of the cluster answered the lookup")
-        cut = min(unanswered) if unanswered else len(request_keys)
-        matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
-        if tiers_wanted:  # a layout that is not a prefix per pod: the tier at each such pod's last key
-            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), None, set())
-            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
-                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
-                       for m in matches]
-        return Lookup(matches, min(unanswered) if unanswered else None), foreign
+        return await self._merged(request_keys, shards, read, unanswered, None), foreign
 
     async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: set[int]
                          ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]]]:
@@ -641,6 +566,69 @@ class ClusterBackend:
                     if e is not None and not e.Speculative and better_tier(e.DeviceTier, at.get(e.PodIdentifier)):
                         at[e.PodIdentifier] = e.DeviceTier
         return bits_at, entries_at
+
+    async def _merged(self, request_keys: Sequence[int], shards: list[tuple[list[int], dict[str, tuple[int, str]]]],
+                      read: dict[int, dict[str, str]], unanswered: set[int], pods: Sequence[str] | None) -> Lookup:
+        """The shards' answers merged (``merge_shards``), cut at the first key no shard answered for; on a
+        layout that is not a prefix per pod, a second read for the tier at such a pod's last key."""
+        if unanswered and len(unanswered) == len(request_keys):
+            raise RedisConnectionError("no shard of the cluster answered the lookup")
+        cut = min(unanswered) if unanswered else len(request_keys)
+        matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
+        if tiers_wanted:
+            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), pods, set())
+            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
+                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
+                       for m in matches]
+        return Lookup(matches, min(unanswered) if unanswered else None)
+
+    @staticmethod
+    async def _each_shard(by_node: dict[str, tuple[Any, list[int]]], shard, unanswered: set[int]) -> list[tuple[list[int], Any]]:
+        """``shard(node, positions)`` on every primary at once; the positions of a shard that did not
+        answer go to ``unanswered`` (any other error is raised)."""
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        out = []
+        for (_, idx), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, VALKEY_ERRORS):
+                    raise res
+                unanswered.update(idx)
+            else:
+                out.append((idx, res))
+        return out
+
+    async def _keys_by_node(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]], set[int]]:
+        """The chain's positions per primary, from the slot map (positions whose slot no node serves now
+        are returned apart: unanswered)."""
+        if not self.client.nodes_manager.slots_cache:
+            await self.client.initialize()  # a new client learns the slot map on its first command
+        unanswered: set[int] = set()
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(request_keys):
+            try:
+                node = node_for(self.client, request_key_name(k))
+            except VALKEY_ERRORS:
+                unanswered.add(i)  # its slot is served by no node now
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        return by_node, unanswered
+
+    async def _on_shard(self, node, script, args: list[Any]) -> Any:
+        """A read-only script on one primary, with no declared keys: on its lean connection, else through
+        redis-py (loading the script if the node does not know it)."""
+        fast = self._fast_for(node)
+        if fast is not None:
+            try:
+                async with asyncio.timeout(fast.timeout_s):
+                    return await fast.evalsha(script.sha, script.script, args)
+            except (*VALKEY_ERRORS, TimeoutError):
+                await self._reread_map()  # a master gone (failover): redis-py's map is not told otherwise
+                raise
+        try:
+            return await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
+        except NoScriptError:
+            await self.client.script_load(script.script)
+            return await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 
     def _fast_for(self, node) -> FastConnection | None:
         """The lean connection (shared/resp.py) to a primary, for the lookup round: redis-py's cluster
