@@ -111,8 +111,14 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
         first = run_workload(engine.url, predictor, "sim", held)  # new prompts: no hits, and none predicted
         assert [(r.predicted, r.actual) for r in first] == [(0, 0)] * len(held)
         await wait_applied(ix, engine)
-        fresh = [k for k in set(sync.keys("*")) - before
-                 if sync.get_node_from_key(k).port == victim.port and k.decode().isdigit()]
+        # The seq moves in a batch's pod step, before its effects reach the shards: wait for those.
+        deadline = time.monotonic() + 10
+        while True:
+            fresh = [k for k in set(sync.keys("*")) - before
+                     if sync.get_node_from_key(k).port == victim.port and k.decode().isdigit()]
+            if fresh or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
         assert fresh, "no new request key landed on the chosen master"
 
         # Freeze the ingester so nothing is repaired before the loss is shown; kill the master.

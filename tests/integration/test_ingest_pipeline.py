@@ -39,7 +39,7 @@ def stream(pod: str, seqs, *, ts0: float = 1000.0, base: int = 0):
 
 
 def snapshot(url: str) -> dict:
-    r = redis.Redis.from_url(url, decode_responses=True)
+    r = redis.Redis.from_url(url, decode_responses=True, encoding_errors="backslashreplace")  # bitmaps are bytes
     out = {}
     for k in r.scan_iter():
         t = r.type(k)
@@ -47,6 +47,8 @@ def snapshot(url: str) -> dict:
             v = r.hgetall(k)
             if k.startswith("kvpf:{") and k.endswith("}:meta"):
                 v = {f: x for f, x in v.items() if f not in ("last_event_time",)}
+            if k == "kvpf:{nums}:next":
+                v = {f: x for f, x in v.items() if f != "epoch"}  # when the numbering began
             out[k] = v
         else:
             out[k] = r.zrange(k, 0, -1, withscores=True)
