@@ -129,6 +129,19 @@ def _ms(time_reply: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
+    """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
+    (shared/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
+    cluster). Idempotent. ``client``: redis-py, single node or cluster."""
+    script = client.register_script(scripts.NUMS)
+    nums = [int(n) for n in await script(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, *pod_ids])]
+    async with client.pipeline(transaction=False) as pipe:
+        for pod, n in zip(pod_ids, nums):
+            pipe.hset(pod_meta_key(pod), "num", n)
+        await pipe.execute()
+    return dict(zip(pod_ids, nums))
+
+
 class LayoutError(RuntimeError):
     """The index was written in another layout version (see shared/layout.py and ``index migrate``)."""
 
@@ -277,16 +290,10 @@ class Index:
         return await self.backend.send([b["pod_id"] for b in batches], keys, args)
 
     async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
-        """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none, and
-        kept in its meta, where the apply script reads it (one slot on a cluster). Idempotent."""
-        nums = [int(n) for n in await self._nums_script(keys=list(NUMS_KEYS),
-                                                         args=["give", NUM_REUSE_MS, *pod_ids])]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for pod, n in zip(pod_ids, nums):
-                pipe.hset(pod_meta_key(pod), "num", n)
-            await pipe.execute()
+        """``give_numbers``, remembered: this Index does not ask again for these pods."""
+        nums = await give_numbers(self.client, pod_ids)
         self._numbered.update(pod_ids)
-        return dict(zip(pod_ids, nums))
+        return nums
 
     async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
         """Pod number -> pod, read again when older than NAMES_TTL_S (a freed number is reused only
@@ -704,7 +711,7 @@ class Index:
 
 
 __all__ = [
-    "VALKEY_ERRORS", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

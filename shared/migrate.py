@@ -25,7 +25,9 @@ from typing import Any
 
 from kv_preflight.shared import scripts
 from kv_preflight.shared.entries import parse_entry
-from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, NUM_REUSE_MS, NUMS_KEYS, PODS_KEY, V1_PODS_KEY,
+from kv_preflight.shared.index import give_numbers
+from kv_preflight.shared.presence import OUR_COUNT
+from kv_preflight.shared.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY,
                                         request_bits_key, engine_key_name, engine_members_key,
                            pod_blocks_key, pod_fields_key, pod_meta_key, pod_rks_key, register_pod_args,
                            v1_pod_blocks_key, v1_pod_fields_key, v1_pod_meta_key)
@@ -54,14 +56,12 @@ async def migrate(client, *, chunk: int = 500, progress: Callable[[str, int], No
 async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], None] | None = None) -> int:
     """Layout 2 -> 3: numbers, tier counts and bits per pod, then each request key's count of our
     entries. Returns the request keys counted."""
-    nums = client.register_script(scripts.NUMS)
     bit = client.register_script(scripts.BIT_EFFECT)
     await client.script_load(bit.script)  # on every primary of a cluster
     pods = sorted(_text(k) for k in await client.hkeys(PODS_KEY))
     ours: set[str] = set(pods)
     for pod in pods:
-        (num,) = [int(n) for n in await nums(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, pod])]
-        await client.hset(pod_meta_key(pod), "num", num)
+        num = (await give_numbers(client, [pod]))[pod]
         tier_of = {}
         for fid, fld in (await client.hgetall(pod_fields_key(pod))).items():
             e = parse_entry(fld)
@@ -96,9 +96,9 @@ async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], N
                 continue  # a key of a foreign type: not ours
             n = sum(1 for f in fl if (e := parse_entry(f)) is not None and e.PodIdentifier in ours)
             if n:
-                pipe.hset(request_bits_key(k), "#n", n)
+                pipe.hset(request_bits_key(k), OUR_COUNT, n)
             else:
-                pipe.hdel(request_bits_key(k), "#n")
+                pipe.hdel(request_bits_key(k), OUR_COUNT)
         await pipe.execute()
 
     async for key in client.scan_iter(count=chunk):

@@ -46,7 +46,7 @@ from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_res
 from kv_preflight.shared.keys import pack_keys
 from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
                                         request_key_name)
-from kv_preflight.shared.presence import BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
+from kv_preflight.shared.presence import OUR_COUNT, BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
 from kv_preflight.shared.resp import FastConnection, script_sha
 
 _unpack = msgspec.msgpack.Decoder()
@@ -557,7 +557,7 @@ class ClusterBackend:
                 unanswered.add(i)
             elif wrong:  # a key of a foreign type: a miss
                 entries_at[i] = {}
-            elif len(entries) == int(bits.get(b"#n", 0) or 0):
+            elif len(entries) == int(bits.get(OUR_COUNT.encode(), 0) or 0):
                 bits_at[i] = bits_of([x for kv in bits.items() for x in kv])
             else:  # not exactly ours: the entries decide
                 at = entries_at[i] = {}

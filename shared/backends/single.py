@@ -45,7 +45,7 @@ class SingleNodeBackend:
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
         """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
         search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison. (The
-        default reads the bitmaps: ``read_bits``; ``pipeline`` is the Index's own.)"""
+        default reads the bitmaps: ``lookup_bits``; ``pipeline`` is the Index's own.)"""
         script = self._lookup_linear if mode == "linear" else self._lookup
         head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
         # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
