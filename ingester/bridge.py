@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_preflight.shared.entries import ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
+from kv_preflight.shared.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from kv_preflight.shared.keys import chain_root, request_keys
 
 
@@ -185,6 +185,8 @@ def _plan_stored(
     tier = tier_of(ev.medium)
     fld = entry_field(pod_id, ev.medium, ev.group_idx)
     parentless = ev.parent_block_hash is None  # see StoreBlock.parentless
+    # StoreBlock.parent: the request key the block's first key chains from (the chain root is none)
+    parent = CHAIN_ROOT if parentless else point.request_key
     e = ev.block_size
     extras = ev.extra_keys or []
     aligned = not point.carry and e % block_size == 0
@@ -195,7 +197,8 @@ def _plan_stored(
         per = e // block_size
         for i, ek in enumerate(ev.block_hashes):
             own = tuple(keys[i * per : (i + 1) * per])
-            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0, parentless))
+            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0, parentless,
+                                             parent if i == 0 else keys[i * per - 1]))
             state.put(model, ek, ChainPoint(own[-1] if own else point.request_key))
         plan.stored_blocks += len(ev.block_hashes)
         return
@@ -209,7 +212,9 @@ def _plan_stored(
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
                            parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
-        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless))
+        plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless, parent))
+        if own:
+            parent = own[-1]
         state.put(model, ek, point)
         plan.stored_blocks += 1
 

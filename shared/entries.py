@@ -88,6 +88,13 @@ class StoreBlock(msgspec.Struct, frozen=True):
     # The event had no parent: a store of a hash the pod already holds is then vLLM's
     # re-announcement of a reused block (kv_cache_report_mode "full"), not a second copy.
     parentless: bool = False
+    # The request key before request_keys[0] in its chain (request_keys[j]'s is request_keys[j-1]):
+    # CHAIN_ROOT when the block starts a chain (its parent is the chain root, not a request key);
+    # None when not known (index import): the pod's orphan count is then unknown (pod.lua).
+    parent: int | None = None
+
+
+CHAIN_ROOT = -1  # StoreBlock.parent of a block that starts its chain
 
 
 class RemoveBlock(msgspec.Struct, frozen=True):
@@ -117,8 +124,9 @@ Mutation = StoreBlock | RemoveBlock | ClearPod | MarkIncomplete
 
 def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
     """Flat script arguments: ``nf field..`` (the batch's distinct PodEntry fields, each sent
-    once), then ops ``S ek tier fi n rk..`` (fi: 1-based into the fields; ``A`` instead of ``S``
-    for a parentless store) / ``R ek tier`` / ``C`` / ``I reason``."""
+    once), then ops ``S ek tier fi n rk.. parent`` (fi: 1-based into the fields; ``A`` instead of
+    ``S`` for a parentless store; parent: the request key before rk 1, "" for the chain root, "?"
+    when not known) / ``R ek tier`` / ``C`` / ``I reason``."""
     fields: dict[str, int] = {}
     ops: list[str | int] = []
     for m in mutations:
@@ -126,8 +134,9 @@ def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
             fi = fields.get(m.entry_field)
             if fi is None:
                 fi = fields[m.entry_field] = len(fields) + 1
+            parent = "?" if m.parent is None else "" if m.parent == CHAIN_ROOT else m.parent
             ops += ["A" if m.parentless else "S", m.engine_key, block_slot(m.tier, m.group), fi, len(m.request_keys),
-                    *m.request_keys]
+                    *m.request_keys, parent]
         elif isinstance(m, RemoveBlock):
             ops += ["R", m.engine_key, block_slot(m.tier, m.group)]
         elif isinstance(m, MarkIncomplete):
@@ -221,7 +230,7 @@ def parse_lookup_reply(flat: Sequence[Any], head: int = 1) -> tuple[list[PodMatc
 
 
 __all__ = [
-    "DEFAULT_TIER", "ApplyResult", "better_tier", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
+    "CHAIN_ROOT", "DEFAULT_TIER", "ApplyResult", "better_tier", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
     "RemoveBlock", "StoreBlock", "apply_args", "apply_result", "block_slot", "encode_entry", "encode_mutations",
     "longest_prefix", "make_entry", "parse_entry", "parse_lookup_reply", "text", "tier_of",
 ]

@@ -193,6 +193,12 @@ class Index:
                                        resend_scripts=lookups | {resp.script_sha(scripts.APPLY_SINGLE)})
         return cls(client, entry_format, fast)
 
+    @property
+    def gap_walks(self) -> int:
+        """Pods the default lookup walked key by key instead of bisecting (orphan keys, or their count
+        unknown: shared/lua/lookup_bits.lua): a counter for /metrics."""
+        return getattr(self.backend, "gap_walks", 0)
+
     async def close(self) -> None:
         await self.backend.close()
         await self.client.aclose()

@@ -39,7 +39,8 @@ class BitsReply:
     """lookup_bits.lua's reply: ``kind`` 0, every key's bitmaps (``reads``, from the first key, to the
     first key nobody holds); 1, per pod (number, keys held from the first, tier) (``counts``); 2, a key
     read holds entries that are not ours: walk llm-d's entries instead. ``epoch``: the pod numbering's
-    (empty where its slot is on another node), so names read under an earlier numbering are read again."""
+    (empty where its slot is on another node), so names read under an earlier numbering are read again.
+    ``walked``: pods walked key by key rather than bisected (their orphan count not known to be 0)."""
 
     foreign: int
     moved: bool
@@ -47,6 +48,7 @@ class BitsReply:
     epoch: str
     reads: list[dict[str, bytes]]
     counts: list[tuple[int, int, str]]
+    walked: int = 0
 
 
 def _str(v: bytes | str) -> str:
@@ -55,10 +57,11 @@ def _str(v: bytes | str) -> str:
 
 def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
     foreign, moved, kind, epoch = int(reply[0]), bool(int(reply[1])), int(reply[2]), _str(reply[3])
+    walked = int(reply[4])
     if kind == 0:
-        return BitsReply(foreign, moved, 0, epoch, [bits_of(flat) for flat in reply[4:]], [])
-    counts = [(int(reply[i]), int(reply[i + 1]), _str(reply[i + 2])) for i in range(4, len(reply) - 2, 3)]
-    return BitsReply(foreign, moved, kind, epoch, [], counts)
+        return BitsReply(foreign, moved, 0, epoch, [bits_of(flat) for flat in reply[5:]], [])
+    counts = [(int(reply[i]), int(reply[i + 1]), _str(reply[i + 2])) for i in range(5, len(reply) - 2, 3)]
+    return BitsReply(foreign, moved, kind, epoch, [], counts, walked)
 
 
 def numbers_in(bits: Mapping[str, bytes | int]) -> list[int]:

@@ -368,6 +368,7 @@ class ClusterBackend:
         self._map_read_at = 0.0
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
+        self.gap_walks = 0  # pods a lookup walked key by key rather than bisected (orphan keys, a pending gap)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
         self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
@@ -490,24 +491,30 @@ class ClusterBackend:
         return await self._merged(request_keys, shards, read, unanswered, pods), foreign
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
-        """The default lookup in one round: lookup_bits.lua on every shard over the keys it owns, the
-        shards in parallel; each answers per pod how many of its keys the pod holds from its first (its
-        bitmaps walked here, or bisected there), and ``merge_shards`` ends each pod's prefix at the first
-        key any shard lacks it on. A second round only for a shard whose key moved meanwhile (its keys
-        read through the cluster's routing) or to read a pod's tier at its last key on a layout that is not
-        a prefix per pod. A shard that does not answer cuts every prefix at its first key (counts are
-        then lower bounds, never silently short). None when a shard's first key holds entries that are
-        not ours (walk llm-d's entries then)."""
+        """The default lookup: lookup_bits.lua on every shard over the keys it owns, the shards in parallel;
+        each answers per pod how many of its keys the pod holds from its first (its bitmaps walked here, or
+        bisected there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
+
+        A bisected pod's count is exact only when its keys are closed under "parent" (pod meta
+        "orphan_keys" is 0, shared/lua/pod.lua) at every version a shard may show (no outbox entry left
+        from a step taken while they were not: "gap_entry"). That is read in a second round, on the pods'
+        own shards (one pipelined request per shard, beside the reread of moved keys), and only when some
+        shard bisected; a third round walks the other pods key by key on the shards that bisected them.
+        The reread: a shard whose key moved meanwhile has its keys read whole through the cluster's
+        routing. A shard that does not answer cuts every prefix at its first key (counts are then lower
+        bounds, never silently short). None when a shard's first key holds entries that are not ours (walk
+        llm-d's entries then)."""
         by_node, unanswered = await self._keys_by_node(request_keys)
 
-        async def shard(node, idx: list[int]) -> BitsReply:
-            args = [len(idx), pack_keys([request_keys[i] for i in idx])]
-            return parse_bits_reply(await self._on_shard(node, self._lookup_bits, args))
+        async def shard(node, idx: list[int], how: str = "") -> tuple[Any, BitsReply]:
+            args = [len(idx), pack_keys([request_keys[i] for i in idx]), how]
+            return node, parse_bits_reply(await self._on_shard(node, self._lookup_bits, args))
 
         replies: list[tuple[list[int], BitsReply]] = []
+        bisected: list[tuple[Any, list[int], BitsReply]] = []
         reread: list[int] = []
         foreign = 0
-        for idx, res in await self._each_shard(by_node, shard, unanswered):
+        for idx, (node, res) in await self._each_shard(by_node, shard, unanswered):
             foreign += res.foreign
             if res.moved:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
@@ -515,15 +522,50 @@ class ClusterBackend:
                 return None, foreign
             else:
                 replies.append((idx, res))
+                if res.kind == 1 and res.counts:
+                    bisected.append((node, idx, res))
         wanted = set()
         epoch = next((res.epoch for _, res in replies if res.epoch), "")
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
             wanted.update(num for num, _, _ in res.counts)
-        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
-        for bits in read_bits.values():
-            wanted.update(numbers_in(bits))
         known = await names(wanted, epoch) if wanted else {}
+        bisected_pods = {known[num] for _, _, res in bisected for num, _, _ in res.counts if num in known}
+        (read_bits, read_entries), gapped = await asyncio.gather(
+            self._read_keys(request_keys, sorted(reread), unanswered) if reread else _nothing(({}, {})),
+            self.pods_with_gaps(bisected_pods) if bisected_pods else _nothing(set()))
+        if read_bits:
+            more = set()
+            for bits in read_bits.values():
+                more.update(numbers_in(bits))
+            if more - set(known):
+                known = await names(more | set(known), epoch)
+        if gapped:  # walk those pods, on the shards that bisected them
+            numbers_of = {name: num for num, name in known.items()}
+            again = []
+            for node, idx, res in bisected:
+                walk = sorted(numbers_of[p] for p in gapped if any(known.get(num) == p for num, _, _ in res.counts))
+                if walk:
+                    again.append((node, idx, "w:" + ",".join(map(str, walk))))
+            done = await asyncio.gather(*(shard(node, idx, how) for node, idx, how in again), return_exceptions=True)
+            redone = {id(idx): res for (_, idx, _), res in zip(again, done)}
+            kept = []
+            for idx, res in replies:
+                r = redone.get(id(idx))
+                if r is None:
+                    kept.append((idx, res))
+                elif isinstance(r, BaseException):
+                    if not isinstance(r, VALKEY_ERRORS):
+                        raise r
+                    unanswered.update(idx)  # not answered now: cut there (a lower bound, said so)
+                elif r[1].kind == 2:
+                    return None, foreign
+                elif r[1].moved:
+                    unanswered.update(idx)  # moved between the rounds (resharding): cut there, said so
+                else:
+                    self.gap_walks += r[1].walked
+                    kept.append((idx, r[1]))
+            replies = kept
         shards: list[tuple[list[int], dict[str, tuple[int, str]]]] = []
         for idx, res in replies:
             if res.kind == 0:
@@ -534,6 +576,43 @@ class ClusterBackend:
         read = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in read_bits.items()}
         read.update(read_entries)
         return await self._merged(request_keys, shards, read, unanswered, None), foreign
+
+    async def pods_with_gaps(self, pods: Iterable[str]) -> set[str]:
+        """The pods a lookup must not bisect: their orphan count is not 0 or not known, or an outbox entry
+        made while it was not ("gap_entry") is still there (its effects may not have reached every shard,
+        which then shows that version). One pipelined read per shard holding their meta, in parallel; a
+        pod whose shard does not answer (or moved meanwhile) is one too: never a guess."""
+        out: set[str] = set()
+        by_node: dict[str, tuple[Any, list[str]]] = {}
+        for pod in pods:
+            try:
+                node = node_for(self.client, pod_meta_key(pod))
+            except VALKEY_ERRORS:
+                out.add(pod)
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(pod)
+
+        async def one(node, part: list[str]) -> list[Any]:
+            commands = [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry"),
+                                                   ("HKEYS", pod_outbox_key(p)))]
+            fast = self._fast_for(node)
+            if fast is not None:
+                async with asyncio.timeout(fast.timeout_s):
+                    return await fast.pipeline(commands)
+            return [await self.client.execute_command(*c, target_nodes=node) for c in commands]
+
+        results = await asyncio.gather(*(one(n, part) for n, part in by_node.values()), return_exceptions=True)
+        for (_, part), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, (*VALKEY_ERRORS, TimeoutError)):
+                    raise res
+                out.update(part)
+                continue
+            for j, pod in enumerate(part):
+                meta, outbox = res[2 * j], res[2 * j + 1]
+                if isinstance(meta, Exception) or isinstance(outbox, Exception) or not pod_bisectable(meta, outbox):
+                    out.add(pod)
+        return out
 
     async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: set[int]
                          ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]]]:
@@ -714,6 +793,24 @@ def node_for(client: RedisCluster, key: str):
     return holders[0]
 
 
+def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
+    """Whether a lookup may bisect a pod, from its meta ``HMGET orphan_keys gap_entry`` and its outbox's
+    fields (pure): its keys are closed under "parent" now (orphan count known and 0), and no outbox entry
+    is left from a step taken while they were not (entries are numbered in order; "gap_entry" is the
+    last such one), so every version of the pod a shard may show is closed too."""
+    count, gap_entry = (text(v) if v is not None else None for v in meta)
+    if count != "0":
+        return False
+    if not gap_entry:
+        return True
+    last = int(gap_entry)
+    return all(int(text(f).split("|", 1)[0]) > last for f in outbox)
+
+
+async def _nothing(value: Any) -> Any:
+    return value
+
+
 def merge_shards(n: int, shards: Sequence[tuple[list[int], dict[str, tuple[int, str]]]],
                  read: dict[int, dict[str, str]], cut: int) -> tuple[list[PodMatch], set[tuple[str, int]]]:
     """Per pod, its prefix of an ``n``-key chain from the shards' answers (pure).
@@ -769,4 +866,4 @@ def _crash_point(spec: str) -> list | None:
 
 
 __all__ = ["ClusterBackend", "ClusterEffects", "EXACT_BUDGET", "ReplicationBarrier", "TAKEOVER_MS", "cluster_client",
-           "merge_shards", "probe_cluster", "writer_id"]
+           "merge_shards", "pod_bisectable", "probe_cluster", "writer_id"]

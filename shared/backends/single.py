@@ -25,6 +25,8 @@ class SingleNodeBackend:
         self._lookup = client.register_script(scripts.LOOKUP)
         self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
+        # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
+        self.gap_walks = 0
 
     def writer_arg(self) -> str:
         return ""
@@ -58,13 +60,15 @@ class SingleNodeBackend:
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         """The default lookup: lookup_bits.lua in one EVALSHA (the keys' pod bitmaps, walked here or
-        bisected there); None when key 1 holds entries that are not ours (walk llm-d's entries then)."""
-        args = [len(request_keys), pack_keys(request_keys)]
+        bisected there, each pod's orphan count read there too: "local"); None when key 1 holds entries
+        that are not ours (walk llm-d's entries then)."""
+        args = [len(request_keys), pack_keys(request_keys), "local"]
         if self.fast is not None:
             reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
         else:
             reply = await self._lookup_bits(keys=[], args=args)
         r = parse_bits_reply(reply)
+        self.gap_walks += r.walked
         if r.kind == 2:
             return None, r.foreign
         if r.kind == 0:

@@ -64,9 +64,14 @@ do
     end
   end
 end
+-- pod.lua sets gaps_unsafe when the pod's keys had a gap (orphan keys, or their count unknown) before or
+-- after this step: while this entry's effects travel, a shard may show either version, so the lookup
+-- must not bisect the pod until the entry is gone. meta "gap_entry" names the last such entry.
+local gaps_unsafe = false
 local function finish(reply)
   if #effects == 0 then return reply end
   local n = redis.call('HINCRBY', KEYS[1], 'outbox_n', 1)
+  if gaps_unsafe then redis.call('HSET', KEYS[1], 'gap_entry', n) end
   local f = n .. '|' .. ARGV[9] .. '|' .. now_ms()
   local payload = cmsgpack.pack(effects)
   redis.call('HSET', outbox, f, payload)

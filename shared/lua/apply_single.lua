@@ -20,4 +20,5 @@ local function emit_link(ek, member, rks) return link(shared_call, ek, member, r
 local function emit_unlink(ek, member) unlink(shared_call, ek, member) end
 -- an entry written (on) or deleted, and (tier given) the pod's bit there set or cleared with it
 local function emit_entry(rk, fld, on, tier, num) put_entry(shared_call, rk, fld, on, tier, num) end
+local gaps_unsafe = false  -- (pod.lua sets it; one script applies everything here: nothing travels)
 local function finish(reply) return reply end

@@ -13,12 +13,18 @@
 --     of the keys probed (pods sharing an interval share the read of its middle key), about
 --     pods x log2(keys) bit tests and at most that many keys read: equal to the walk whenever each pod's
 --     keys form a prefix of the chain (the engine reuses a block only after every block before it and
---     evicts a chain's tail first; writers change whole engine blocks), as the linear mode checks.
+--     evicts a chain's tail first; writers change whole engine blocks). A pod is bisected only when that
+--     is known: its orphan count (pod meta "orphan_keys", shared/lua/pod.lua) is 0. Any other pod is
+--     walked key by key to the first key it lacks (the linear walk, over the bitmaps), so the answer
+--     equals the linear mode's on any layout.
+--     ARGV[3] says who knows the counts: "local" (a single node: the pods' meta is read here, named through
+--     kvpf:{nums}:byid); "" (a cluster shard: every pod bisected, the caller reads the pods' meta on their
+--     own shards); "w:<n>,<n>.." (a cluster shard, again: these pods are walked, the others bisected).
 -- A key of a foreign type reads as empty (a miss), counted; a key that moved away (cluster: resharding,
 -- failover) reads as empty and sets `moved`, for the caller to read this call's keys through the
--- cluster's routing instead. ARGV: n, the chain packed by kv_preflight.shared.keys.pack_keys.
+-- cluster's routing instead. ARGV: n, the chain packed by kv_preflight.shared.keys.pack_keys, how (above).
 -- Reply: {foreign keys read, 1 if a key had moved away else 0, kind, the numbering's epoch ("" where
--- {nums} is not on this node), ...}:
+-- {nums} is not on this node), pods walked rather than bisected, ...}:
 --   kind 0: then per key read, its bitmap hash flat {tier, bitmap, ..., "#n", count};
 --   kind 1: then per pod: number, keys held, tier at the last;   kind 2: "whole" (nothing more).
 -- (A key of a foreign type at key 1: kind 1 with no pod.)
@@ -82,8 +88,8 @@ local function tier_of(b, num)
 end
 
 local b1 = at(1)
-if moved == 1 then return {foreign, 1, 1, epoch} end
-if whole then return {foreign, 0, 2, epoch} end
+if moved == 1 then return {foreign, 1, 1, epoch, 0} end
+if whole then return {foreign, 0, 2, epoch, 0} end
 -- The pods at key 1 (every pod that can match), by number.
 local pods, seen = {}, {}
 for _, s in pairs(b1) do
@@ -102,31 +108,54 @@ for _, s in pairs(b1) do
     end
   end
 end
-if #pods == 0 then return {foreign, 0, 1, epoch} end
+if #pods == 0 then return {foreign, 0, 1, epoch, 0} end
 local rounds = 1
 while 2 ^ rounds < n do rounds = rounds + 1 end
 if #pods * rounds >= n then
   -- Many pods: every key's bitmaps, to the first key nobody holds; the caller walks them exactly.
-  local out = {foreign, 0, 0, epoch, flats[1]}
+  local out = {foreign, 0, 0, epoch, 0, flats[1]}
   for i = 2, n do
     at(i)
-    if whole then return {foreign, moved, 2, epoch} end
+    if whole then return {foreign, moved, 2, epoch, 0} end
     out[#out + 1] = flats[i]
     if #flats[i] == 0 and moved == 0 then break end
   end
   out[1], out[2] = foreign, moved
   return out
 end
--- Few pods: bisect them all at once. Pods sharing an interval sit side by side in `order` (a segment
--- {first, last, held, missing}); a probe splits its segment in place, misses first.
+-- Few pods. Those whose keys are not known to be closed under "parent" (see above) are walked.
+local walk, walked = {}, 0
+local how = ARGV[3] or ''
+if how == 'local' then
+  for _, num in ipairs(pods) do
+    local name = redis.pcall('HGET', 'kvpf:{nums}:byid', tostring(num))
+    local count = type(name) == 'string' and redis.pcall('HGET', 'kvpf:{' .. name .. '}:meta', 'orphan_keys')
+    if count ~= '0' then walk[num] = true end  -- orphan keys, or their count unknown (or unreadable)
+  end
+elseif string.sub(how, 1, 2) == 'w:' then
+  for d in string.gmatch(string.sub(how, 3), '%d+') do walk[tonumber(d)] = true end
+end
 local lo, tier = {}, {}
 local order = {}
-for j, num in ipairs(pods) do
-  order[j] = num
+for _, num in ipairs(pods) do
   lo[num], tier[num] = 1, tier_of(b1, num)
+  if walk[num] then
+    local i = 1
+    while i < n do
+      local t = tier_of(at(i + 1), num)
+      if t == nil then break end
+      i, tier[num] = i + 1, t
+    end
+    lo[num] = i
+    walked = walked + 1
+  else
+    order[#order + 1] = num
+  end
 end
+-- The others are bisected all at once. Pods sharing an interval sit side by side in `order` (a segment
+-- {first, last, held, missing}); a probe splits its segment in place, misses first.
 local segs = {}
-if n > 1 then segs[1] = {1, #order, 1, n + 1} end
+if n > 1 and #order > 0 then segs[1] = {1, #order, 1, n + 1} end
 while #segs > 0 do
   local nxt = {}
   for _, sg in ipairs(segs) do
@@ -152,8 +181,8 @@ while #segs > 0 do
   end
   segs = nxt
 end
-if whole then return {foreign, moved, 2, epoch} end
-local out = {foreign, moved, 1, epoch}
+if whole then return {foreign, moved, 2, epoch, 0} end
+local out = {foreign, moved, 1, epoch, walked}
 for _, num in ipairs(pods) do
   out[#out + 1] = num
   out[#out + 1] = lo[num]

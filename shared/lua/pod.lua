@@ -35,6 +35,15 @@
 -- in the request key's presence bitmap (bits.lua) is set when it leaves 0 and cleared when it comes
 -- back, so the bitmaps say exactly what the entries say. The pod's bit number is meta's "num" (given by
 -- the fleet-wide numbering, shared/index.py); without one the script answers "nonum" before any write.
+--
+-- Orphan keys (what lets the lookup bisect this pod, lookup_bits.lua): meta "orphan_keys" counts the
+-- request keys the pod holds (a bit on any tier) whose parent (the key before it in its chain) it does
+-- not hold; 0 means the pod's keys are closed under "parent", so every chain's keys it holds are a prefix
+-- of that chain. Kept in the refs: "<rk>|^" -> its parent ("" for a chain's first key), present while the
+-- pod holds rk; "<rk>|>" -> how many held keys name rk as their parent. A store whose parent is not known
+-- ("?": index import) makes the count unknown (the field deleted), as is a pod that held keys before the
+-- count existed (index migrate, an older writer): the lookup then walks that pod, never guesses. A clear
+-- (AllBlocksCleared, engine restart, index clear) makes it known again (0).
 local meta, blocks, fkey, rkkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local pod, rank = ARGV[1], ARGV[2]
 local seq_s, ts, mode = ARGV[3], tonumber(ARGV[4]), ARGV[5]
@@ -78,8 +87,13 @@ local function own_types_ok()
 end
 local bad = own_types_ok()
 if bad then return {'corrupt', '-1', 0, bad} end
-local num = tonumber(redis.call('HGET', meta, 'num'))
+local head = redis.call('HMGET', meta, 'num', 'orphan_keys')
+local num = tonumber(head[1])
 if num == nil and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, ''} end
+-- The orphan count at the start (nil: unknown); a pod holding no key yet has none (0).
+local orphans = tonumber(head[2])
+if orphans == nil and redis.call('EXISTS', rkkey) == 0 then orphans = 0 end
+local orphans_known_at_start = orphans  -- (with the end's: may shards show a gap? apply_cluster.lua)
 
 local seq = canon(seq_s)
 local last_raw = redis.call('HGET', meta, 'seq:' .. rank)
@@ -119,11 +133,53 @@ local function tier_of(fld)
   end
   return t or nil
 end
+-- The orphan count (header): rk became held (its parent: "" for a chain's first key, "?" unknown) ...
+local function now_held(rk, parent)
+  if orphans == nil then return end
+  if parent == '?' then orphans = nil; return end
+  redis.call('HSET', rkkey, rk .. '|^', parent)
+  if parent ~= '' then
+    if redis.call('HEXISTS', rkkey, parent .. '|^') == 0 then orphans = orphans + 1 end
+    redis.call('HINCRBY', rkkey, parent .. '|>', 1)
+  end
+  orphans = orphans - (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
+end
+-- ... or is no longer held.
+local function not_held(rk)
+  if orphans == nil then return end
+  local parent = redis.call('HGET', rkkey, rk .. '|^')
+  if not parent then orphans = nil; return end  -- state we did not keep: unknown from here
+  redis.call('HDEL', rkkey, rk .. '|^')
+  orphans = orphans + (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
+  if parent ~= '' then
+    if redis.call('HEXISTS', rkkey, parent .. '|^') == 0 then orphans = orphans - 1 end
+    if redis.call('HINCRBY', rkkey, parent .. '|>', -1) <= 0 then redis.call('HDEL', rkkey, parent .. '|>') end
+  end
+end
+-- The pod's other tiers (a key is held while any tier holds it).
+local other_tiers = nil
+local function held_elsewhere(rk, tier)
+  if other_tiers == nil then
+    field_ids()
+    other_tiers = {}
+    local seen = {}
+    for _, fld in pairs(byid) do
+      local t = tier_of(fld)
+      if t and not seen[t] then seen[t] = true; other_tiers[#other_tiers + 1] = t end
+    end
+  end
+  for _, t in ipairs(other_tiers) do
+    if t ~= tier and redis.call('HEXISTS', rkkey, rk .. '|~' .. t) == 1 then return true end
+  end
+  return false
+end
 -- One more (or one fewer) of the pod's blocks links request key rk with field id `id`: its entry
--- and its bit follow the first link and the last unlink.
-local function link_rk(rk, id, fld, tier)
+-- and its bit follow the first link and the last unlink; the orphan count, the key's first tier and
+-- its last (parent: the request key before rk in its chain, as now_held takes it).
+local function link_rk(rk, id, fld, tier, parent)
   if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then
     local flip = tier and redis.call('HINCRBY', rkkey, rk .. '|~' .. tier, 1) == 1
+    if flip and orphans ~= nil and not held_elsewhere(rk, tier) then now_held(rk, parent) end
     emit_entry(rk, fld, true, flip and tier or nil, num)
   end
 end
@@ -137,6 +193,7 @@ local function unlink_rk(rk, id, fld, tier)
       if redis.call('HINCRBY', rkkey, a, -1) <= 0 then
         redis.call('HDEL', rkkey, a)
         flip = num ~= nil
+        if orphans ~= nil and not held_elsewhere(rk, tier) then not_held(rk) end
       end
     end
     emit_entry(rk, fld, false, flip and tier or nil, num)
@@ -157,8 +214,10 @@ local function clear_pod()
   local all = redis.call('HGETALL', rkkey)
   for i = 1, #all, 2 do
     local rk, id = string.match(all[i], '^(.*)|([^|]*)$')
-    if rk and string.sub(id, 1, 1) == '~' then
+    local c = rk and string.sub(id, 1, 1)
+    if c == '~' then
       if num then emit_entry(rk, nil, false, string.sub(id, 2), num) end
+    elseif c == '^' or c == '>' then  -- the orphan count's (above): gone with the refs
     elseif rk then
       emit_entry(rk, byid[id] or id, false, nil, num)
     end
@@ -171,12 +230,25 @@ local function clear_pod()
     n = n + 1
   end
   redis.call('DEL', blocks, rkkey)
+  orphans = 0  -- nothing held: known again
+  redis.call('HSET', meta, 'orphan_keys', 0)
   return n
+end
+-- Before every answer of a step that applied: the orphan count written (or deleted: unknown), and
+-- whether the shards may show a layout with a gap while this step's effects travel (apply_cluster.lua).
+local function done(reply)
+  if orphans == nil then
+    redis.call('HDEL', meta, 'orphan_keys')
+  else
+    redis.call('HSET', meta, 'orphan_keys', orphans)
+  end
+  gaps_unsafe = orphans_known_at_start == nil or orphans_known_at_start > 0 or orphans == nil or orphans > 0
+  return finish(reply)
 end
 
 if mode == 'clear' then  -- index clear: ARGV[3] is "0"
   local n = clear_pod()
-  return finish({'applied', tostring(n), 0, ''})
+  return done({'applied', tostring(n), 0, ''})
 end
 if mode == 'reset_if' then
   if last ~= seq then return finish({'dup', last_s, 0, ''}) end
@@ -187,7 +259,7 @@ if mode == 'reset_if' then
   end
   redis.call('HINCRBY', meta, 'restarts', 1)
   redis.call('HSET', meta, 'incomplete', 0, 'incomplete_reason', '')  -- empty, as the new engine: exact
-  return finish({'applied', last_s, 0, ''})
+  return done({'applied', last_s, 0, ''})
 end
 
 -- What "check" answers: nil (the next seq: apply), or dup, restart, gap or corrupt.
@@ -226,10 +298,10 @@ do
     local op = ARGV[j]
     if op == 'S' or op == 'A' then
       local fi, n = tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
-      if not fi or not n or fi < 1 or fi > nf or n < 0 or j + 4 + n > #ARGV then
+      if not fi or not n or fi < 1 or fi > nf or n < 0 or j + 5 + n > #ARGV then
         return {'corrupt', last_s, 0, 'malformed store op'}
       end
-      j = j + 5 + n
+      j = j + 6 + n
     elseif op == 'R' then j = j + 3
     elseif op == 'C' then j = j + 1
     elseif op == 'I' then j = j + 2
@@ -256,6 +328,7 @@ local function id_of(fi)
     id = tostring(nids)
     redis.call('HSET', fkey, id, fld)
     byid[id], byfield[fld] = fld, id
+    other_tiers = nil  -- it may name a tier the pod had not used
   end
   ids[fi] = id
   return id
@@ -274,6 +347,8 @@ while i <= #ARGV do
     local bk = ek .. '|' .. slot
     local rks = {}
     for j = 1, n do rks[j] = ARGV[i + 4 + j] end
+    local parent = ARGV[i + 5 + n]  -- of rks[1] ("" the chain root, "?" unknown); rks[j]'s is rks[j - 1]
+    if parent == '?' then orphans = nil end  -- written without its chain: the count is unknown
     local id = id_of(fi)
     -- One call in the common case (a new block); a held one is read back.
     if redis.call('HSETNX', blocks, bk, id .. ':' .. table.concat(rks, ',')) == 1 then
@@ -282,7 +357,7 @@ while i <= #ARGV do
       -- found again on eviction, so the block is not indexed at all (the pod is flagged).
       if emit_link(ek, pod .. '|' .. slot, rks) then
         local tier = tier_of(fld)
-        for _, rk in ipairs(rks) do link_rk(rk, id, fld, tier) end
+        for j, rk in ipairs(rks) do link_rk(rk, id, fld, tier, j == 1 and parent or rks[j - 1]) end
         stored = stored + 1
       else
         redis.call('HDEL', blocks, bk)
@@ -294,7 +369,7 @@ while i <= #ARGV do
       redis.call('HSET', blocks, bk, hid .. '*' .. (copies + 1) .. ':' .. list)
       stored = stored + 1
     end
-    i = i + 5 + n
+    i = i + 6 + n
   elseif op == 'R' then
     local ek, slot = ARGV[i + 1], ARGV[i + 2]
     local bk = ek .. '|' .. slot
@@ -344,4 +419,4 @@ if stored > 0 then redis.call('HINCRBY', meta, 'stored', stored) end
 if removed > 0 then redis.call('HINCRBY', meta, 'removed', removed) end
 if cleared > 0 then redis.call('HINCRBY', meta, 'cleared', cleared) end
 if reannounced > 0 then redis.call('HINCRBY', meta, 'reannounced', reannounced) end
-return finish({'applied', last_s, nforeign, first_foreign or ''})
+return done({'applied', last_s, nforeign, first_foreign or ''})

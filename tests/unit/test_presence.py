@@ -66,12 +66,13 @@ def test_unnamed_numbers_never_count():
 
 
 def test_the_scripts_two_answers_parse():
-    walked = parse_bits_reply([2, 0, 0, b"e1", [b"gpu", b"\x01", b"#n", b"1"], []])
+    walked = parse_bits_reply([2, 0, 0, b"e1", 0, [b"gpu", b"\x01", b"#n", b"1"], []])
     assert (walked.foreign, walked.moved, walked.kind, walked.epoch, walked.reads) == (
         2, False, 0, "e1", [{"gpu": b"\x01"}, {}])
-    bisected = parse_bits_reply([0, 1, 1, b"", 7, 40, b"cpu", 9, 3, b"gpu"])
+    bisected = parse_bits_reply([0, 1, 1, b"", 1, 7, 40, b"cpu", 9, 3, b"gpu"])
     assert bisected.moved and bisected.counts == [(7, 40, "cpu"), (9, 3, "gpu")] and bisected.epoch == ""
-    assert parse_bits_reply([0, 0, 2, b""]).kind == 2
+    assert bisected.walked == 1  # pods walked key by key (orphan keys), not bisected
+    assert parse_bits_reply([0, 0, 2, b"", 0]).kind == 2
 
 
 def test_numbers_are_the_set_bits():

@@ -1,0 +1,193 @@
+"""The default lookup against the exact linear walk on layouts WITH gaps (issue 9, item 4): a pod holds a
+request key but not the key before it (an out-of-order eviction, a hybrid model's sliding-window group
+dropping early blocks, a store that arrives before its parent's). Written through our own apply path,
+so the bitmaps and the pods' orphan counts (shared/lua/pod.lua) are what the lookup reads: few pods on
+long chains, so the script bisects whoever it may (kind 1) and walks the rest. A Python model of each
+pod's held keys checks the orphan count itself after every batch; on a cluster every batch is first
+left half applied (its effects on some shards only), the lookup compared there too, then drained."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv_preflight.shared.entries import CHAIN_ROOT, ClearPod
+from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.layout import pod_meta_key
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+TIERS = ("gpu", "gpu", "cpu")
+
+
+class World:
+    """Two chains sharing their first blocks (a common prefix, so a key has two children), engine blocks
+    of two request keys, and per pod a model of what it holds: (engine key, tier, group) -> its keys."""
+
+    def __init__(self, rng: random.Random, n_blocks: int, tag: int):
+        self.rng = rng
+        main = [rng.randrange(1, 2**63) for _ in range(2 * n_blocks)]
+        shared = rng.randrange(1, n_blocks // 2)
+        branch = main[:2 * shared] + [rng.randrange(1, 2**63) for _ in range(2 * (n_blocks - shared))]
+        self.chains = [main, branch]
+        self.blocks: list[tuple[int, tuple[int, int], int]] = []  # (engine key, its keys, parent)
+        seen = set()
+        for c, chain in enumerate(self.chains):
+            for i in range(n_blocks):
+                ek = tag * 1_000_000 + (i if i < shared or c == 0 else 100_000 + i)
+                if ek not in seen:
+                    seen.add(ek)
+                    self.blocks.append((ek, (chain[2 * i], chain[2 * i + 1]), CHAIN_ROOT if i == 0 else chain[2 * i - 1]))
+        sets = [set(chain) for chain in self.chains]
+        self.of_chain = [[b for b in self.blocks if b[1][0] in keys] for keys in sets]
+        self.held: dict[str, dict[tuple[int, str, int], tuple[int, int]]] = {}
+        self.known: dict[str, bool] = {}
+        self.parent = {rk: (b[2] if j == 0 else b[1][0]) for b in self.blocks for j, rk in enumerate(b[1])}
+
+    def orphans(self, pod: str) -> int:
+        keys = {rk for rks in self.held[pod].values() for rk in rks}
+        return sum(1 for rk in keys if self.parent[rk] != CHAIN_ROOT and self.parent[rk] not in keys)
+
+    def batch(self, pod: str) -> list:
+        """A random batch: stores of a run of blocks from anywhere (gaps), removals from the middle, whole
+        prefixes (closing gaps), a hybrid model's second group, now and then a clear or a store whose
+        parent is not known (index import: the count is unknown until the next clear)."""
+        rng, held = self.rng, self.held.setdefault(pod, {})
+        self.known.setdefault(pod, True)
+        fld = {t: encode_entry(make_entry(pod, t.upper(), 0)) for t in ("gpu", "cpu")}
+        roll = rng.random()
+        chain = rng.choice(self.of_chain)
+        if roll < 0.05 and held:
+            held.clear()
+            self.known[pod] = True
+            return [ClearPod()]
+        if roll < 0.45:
+            start = 0 if rng.random() < 0.4 else rng.randrange(len(chain))
+            end = rng.randrange(start + 1, len(chain) + 1)
+            tier, group = rng.choice(TIERS), (1 if rng.random() < 0.15 else 0)
+            unknown = rng.random() < 0.04
+            out = []
+            for ek, rks, parent in chain[start:end]:
+                if (ek, tier, group) in held:
+                    continue
+                held[(ek, tier, group)] = rks
+                f = encode_entry(make_entry(pod, tier.upper(), group)) if group else fld[tier]
+                out.append(StoreBlock(ek, tier, f, rks, group, parent=None if unknown else parent))
+            if unknown and out:
+                self.known[pod] = False
+            return out
+        # removals: from the middle (a gap), or the tail (as an engine does)
+        if not held:
+            return []
+        mine = sorted(held)
+        if rng.random() < 0.6:
+            gone = rng.sample(mine, k=rng.randint(1, max(1, len(mine) // 5)))
+        else:
+            gone = mine[-rng.randint(1, len(mine)):]
+        for b in gone:
+            del held[b]
+        return [RemoveBlock(ek, tier, group) for ek, tier, group in gone]
+
+
+async def agree(ix: Index, world: World, pods: list[str], rng: random.Random) -> int:
+    """The default lookup equals the linear walk on both chains, for every pod and for some; returns the
+    longest prefix seen (so a test can tell it read something)."""
+    longest = 0
+    for chain in world.chains:
+        for asked in (None, rng.sample(pods, k=min(2, len(pods))) + ["nope"]):
+            want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, asked, mode="linear"))
+            got = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, asked))
+            assert got == want
+            longest = max([longest, *(b for _, b, _ in want)])
+    return longest
+
+
+async def orphan_counts_agree(ix: Index, world: World, pods: list[str]) -> None:
+    for pod in pods:
+        if pod not in world.held or not await ix.client.hexists(pod_meta_key(pod), "batches"):
+            continue  # no batch applied yet
+        found = await ix.client.hget(pod_meta_key(pod), "orphan_keys")
+        if world.known[pod]:
+            assert found is not None and int(found) == world.orphans(pod), pod
+        else:
+            assert found is None, pod  # unknown until the pod's next clear: the lookup walks it
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_gapped_layouts_read_as_the_linear_walk_on_a_single_node(ix, seed):
+    rng = random.Random(4200 + seed)
+    world = World(rng, rng.choice([100, 300]), seed + 1)
+    pods = [f"gap-{i}" for i in range(rng.choice([1, 2, 4]))]
+    seqs = {p: -1 for p in pods}
+    gapped = longest = 0
+    for _ in range(40):
+        pod = rng.choice(pods)
+        muts = world.batch(pod)
+        if not muts:
+            continue
+        seqs[pod] += 1
+        r = await ix.apply_batch(pod_id=pod, rank=0, seq=seqs[pod], ts=1.0, model="m", engine_block_size=32,
+                                 mutations=muts)
+        assert r.status == "applied"
+        before = ix.gap_walks
+        longest = max(longest, await agree(ix, world, pods, rng))
+        await orphan_counts_agree(ix, world, pods)
+        if all(world.known[p] and world.orphans(p) == 0 for p in world.held):
+            assert ix.gap_walks == before  # closed pods are bisected, never walked
+        gapped += any(world.orphans(p) for p in world.held)
+    assert gapped and ix.gap_walks  # layouts with gaps were read, by the few-pods lookup (kind 1)
+    assert longest > 1
+
+
+async def test_a_pod_written_before_the_count_existed_is_walked_until_its_next_clear(ix):
+    """State with no orphan count (index migrate, an older writer, index import) reads as unknown: walked,
+    so exact even with a gap; a clear makes the count known (0) again."""
+    rng = random.Random(7)
+    world = World(rng, 200, 9)
+    pod = "old-pod"
+    fld = encode_entry(make_entry(pod, "GPU", 0))
+    chain = world.of_chain[0]
+    # imported without parents, with a gap: blocks 0..99 but not 10
+    stores = [StoreBlock(ek, "gpu", fld, rks) for i, (ek, rks, _) in enumerate(chain[:100]) if i != 10]
+    await ix.import_blocks(pod, "m", 32, stores)
+    assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") is None
+    walks = ix.gap_walks
+    assert [(m.blocks) for m in await ix.lookup(world.chains[0])] == [20]
+    assert ix.gap_walks == walks + 1
+    await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32, mutations=[ClearPod()])
+    assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"0"
+    await ix.apply_batch(pod_id=pod, rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in chain[:50]])
+    assert [(m.blocks) for m in await ix.lookup(world.chains[0])] == [100]
+    assert ix.gap_walks == walks + 1  # bisected again
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_applied_batches(cluster_url, seed):
+    from tests.integration.test_cluster_lookup import pod_step, run_on_some_shards
+
+    rng = random.Random(4300 + seed)
+    world = World(rng, 150, 20 + seed)
+    pods = [f"gapc{seed}-{i}" for i in range(rng.choice([2, 3]))]  # names no other test on this cluster uses
+    ix = Index.from_url(cluster_url)
+    try:
+        await ix.ensure_numbers(pods)
+        seqs = {p: -1 for p in pods}
+        gapped = longest = 0
+        for _ in range(25):
+            pod = rng.choice(pods)
+            muts = world.batch(pod)
+            if not muts:
+                continue
+            seqs[pod] += 1
+            _, payload = await pod_step(ix, pod, seqs[pod], muts)
+            await run_on_some_shards(ix, payload, rng)
+            await agree(ix, world, pods, rng)  # half applied: no pod bisected unless every version is closed
+            await ix.drain_outbox(pod)
+            longest = max(longest, await agree(ix, world, pods, rng))
+            await orphan_counts_agree(ix, world, pods)
+            gapped += any(world.orphans(p) for p in world.held)
+        assert gapped and ix.gap_walks  # layouts with gaps were read, by the few-pods lookup (kind 1)
+        assert longest > 1
+    finally:
+        await ix.close()
