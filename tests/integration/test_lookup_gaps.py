@@ -191,3 +191,49 @@ async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_app
         assert longest > 1
     finally:
         await ix.close()
+
+
+async def test_a_gap_closed_by_a_batch_still_on_its_way_is_not_bisected_on_a_cluster(cluster_url):
+    """The pod step counts 0 orphan keys as soon as the gap is filled, before the filling store reaches
+    every shard: a shard still behind shows the gap. The pod is walked until that outbox entry is gone."""
+    from kv_preflight.shared.backends.cluster import effect_list, node_for
+    from tests.integration.test_cluster_lookup import pod_step
+
+    rng = random.Random(77)
+    world = World(rng, 150, 40)
+    chain, blocks = world.chains[0], world.of_chain[0]
+    pod = "gapfill-0"
+    fld = encode_entry(make_entry(pod, "GPU", 0))
+    ix = Index.from_url(cluster_url)
+    try:
+        await ix.ensure_numbers([pod])
+
+        async def step(seq: int, muts: list, skip: str | None = None) -> None:
+            _, payload = await pod_step(ix, pod, seq, muts)
+            if skip is None:
+                await ix.drain_outbox(pod)
+                return
+            script = ix.backend.effects._effects
+            await script.registered_client.script_load(script.script)
+            effects = effect_list(payload)
+            for name in {node_for(ix.client, key).name for _, key, _ in effects} - {skip}:
+                args = [a for _, key, flat in effects if node_for(ix.client, key).name == name for a in flat]
+                await ix.client.execute_command("EVALSHA", script.sha, 0, *args,
+                                                target_nodes=ix.client.get_node(node_name=name))
+
+        await step(0, [StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks])
+        await step(1, [RemoveBlock(blocks[40][0], "gpu")])
+        assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"1"
+        # the gap filled again, its request keys' shard for chain[81] left behind
+        behind = node_for(ix.client, str(chain[81])).name
+        await step(2, [StoreBlock(blocks[40][0], "gpu", fld, blocks[40][1], parent=blocks[40][2])], skip=behind)
+        assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"0"
+        want = [(m.pod_id, m.blocks) for m in await ix.lookup(chain, mode="linear")]
+        assert want == [(pod, 81)]
+        assert [(m.pod_id, m.blocks) for m in await ix.lookup(chain)] == want
+        await ix.drain_outbox(pod)
+        walks = ix.gap_walks
+        assert [(m.pod_id, m.blocks) for m in await ix.lookup(chain)] == [(pod, 300)]
+        assert ix.gap_walks == walks  # the entry gone, every shard shows a closed pod: bisected again
+    finally:
+        await ix.close()
