@@ -31,6 +31,7 @@ from kv_preflight.cli.bench.workload import event_stream, tokens
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.predictor.score import engine_cached_tokens
 from kv_preflight.shared.index import Index, StoreBlock
+from kv_preflight.shared.entries import CHAIN_ROOT
 from kv_preflight.shared.layout import pod_fields_key, pod_meta_key
 from kv_preflight.shared.keys import HAS_C_EXTENSION, request_keys, request_keys_reference
 
@@ -559,7 +560,8 @@ async def load_set(index: Index, name: str, *, n_prompts: int, length: int, n_po
             nb = max(1, int(round(n_engine * f)))
             held[pod] = nb * (E // C)
             fld = index.entry_field(pod, "GPU", 0)
-            stores = [StoreBlock(keys[2 * j + 1] ^ 0x5EED, "gpu", fld, (keys[2 * j], keys[2 * j + 1])) for j in range(nb)]
+            stores = [StoreBlock(keys[2 * j + 1] ^ 0x5EED, "gpu", fld, (keys[2 * j], keys[2 * j + 1]),
+                                 parent=keys[2 * j - 1] if j else CHAIN_ROOT) for j in range(nb)]
             for s in range(0, len(stores), 512):
                 await index.apply_batch(pod_id=pod, rank=0, seq=0, ts=0.0, model=MODEL, engine_block_size=E,
                                         mutations=stores[s:s + 512], mode="import")
