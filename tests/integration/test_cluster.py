@@ -69,7 +69,7 @@ def dump(client: redis.Redis | redis.RedisCluster) -> dict:
             t = client.type(k).decode()
             if t == "hash":
                 v = {f.decode(): x.decode("utf-8", "backslashreplace") for f, x in client.hgetall(k).items()
-                     if f not in (b"last_event_time", b"outbox_n", b"epoch")}
+                     if f not in (b"last_event_time", b"outbox_n", b"gap_entry", b"epoch")}
                 out[k] = v
             elif t == "zset":
                 out[k] = client.zrange(k, 0, -1, withscores=True)
