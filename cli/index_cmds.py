@@ -12,6 +12,7 @@ import httpx
 
 from kv_preflight.shared.config import Config
 from kv_preflight.shared.index import Index, LayoutError, StoreBlock, parse_entry
+from kv_preflight.shared.entries import CHAIN_ROOT
 from kv_preflight.shared.migrate import migrate as migrate_layout
 from kv_preflight.shared.events import topic_or_none
 
@@ -316,6 +317,8 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
                            "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
                     if s.group:
                         row["group"] = s.group
+                    if s.parent is not None:  # the request key before the first ("" the chain root)
+                        row["parent"] = "" if s.parent == CHAIN_ROOT else str(s.parent)
                     output.write(json.dumps(row) + "\n")
                     total += 1
                     if total % 10_000 == 0:
@@ -393,7 +396,11 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
                 raise ValueError("engine and request keys must be unsigned 64-bit integers, at least one request key")
             if not isinstance(row["tier"], str) or not row["tier"]:
                 raise ValueError("tier must be a non-empty string")
-            blocks.append(StoreBlock(ek, row["tier"], row["entry"], keys, int(row.get("group") or 0)))
+            parent = row.get("parent")  # absent (an older export): the pod's orphan count is unknown
+            if parent is not None and not (isinstance(parent, str) and (parent == "" or (parent.isdigit() and int(parent) < 2**64))):
+                raise ValueError('parent must be a request key, or "" for the chain root')
+            blocks.append(StoreBlock(ek, row["tier"], row["entry"], keys, int(row.get("group") or 0),
+                                     parent=None if parent is None else int(parent) if parent else CHAIN_ROOT))
         except (ValueError, KeyError, TypeError) as exc:
             raise click.ClickException(f"line {n}: not an export row ({exc}); nothing was imported") from None
     return out

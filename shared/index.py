@@ -28,7 +28,7 @@ from kv_preflight.shared import scripts
 from kv_preflight.shared.backends.base import VALKEY_ERRORS, IndexBackend
 from kv_preflight.shared.backends.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
 from kv_preflight.shared.backends.single import SingleNodeBackend
-from kv_preflight.shared.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
+from kv_preflight.shared.entries import (CHAIN_ROOT, DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.shared import fleet
@@ -389,10 +389,12 @@ class Index:
             for bk, held in chunk.items():
                 ek, _, slot = bk.decode().partition("|")
                 tier, _, group = slot.partition("|")
-                head, _, rks = held.partition(b":")
+                head, _, rest = held.partition(b":")
+                rks, caret, parent = rest.partition(b"^")  # the parent, where the block kept it (pod.lua)
                 fld, star, n = head.partition(b"*")
                 block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(),
-                                   tuple(int(k) for k in rks.split(b",") if k), int(group) if group.isdigit() else 0)
+                                   tuple(int(k) for k in rks.split(b",") if k), int(group) if group.isdigit() else 0,
+                                   parent=(int(parent) if parent else CHAIN_ROOT) if caret else None)
                 for _ in range(int(n) if star and n.isdigit() else 1):  # one per physical copy
                     yield block
             if cursor == 0:

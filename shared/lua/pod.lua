@@ -23,7 +23,7 @@
 -- "corrupt": never applied, so a forged frame cannot move the seq and make the next real batch
 -- look like an engine restart.
 --
--- kvpf:{<pod>}:blocks maps "<engine key>|<tier>[|<group>]" to "<field id>[*<copies>]:<rk>,<rk>..":
+-- kvpf:{<pod>}:blocks maps "<engine key>|<tier>[|<group>]" to "<field id>[*<copies>]:<rk>,<rk>..[^<parent>]":
 -- the field the block was written with (ids from kvpf:{<pod>}:fields), how many physical copies
 -- the engine holds (vLLM 0.32 caches a fully cached prompt's recomputed last block as a second
 -- copy under the same hash and reports each copy's eviction), and its request keys, so an
@@ -39,11 +39,13 @@
 -- Orphan keys (what lets the lookup bisect this pod, lookup_bits.lua): meta "orphan_keys" counts the
 -- request keys the pod holds (a bit on any tier) whose parent (the key before it in its chain) it does
 -- not hold; 0 means the pod's keys are closed under "parent", so every chain's keys it holds are a prefix
--- of that chain. Kept in the refs: "<rk>|^" -> its parent ("" for a chain's first key), present while the
--- pod holds rk; "<rk>|>" -> how many held keys name rk as their parent. A store whose parent is not known
--- ("?": index import) makes the count unknown (the field deleted), as is a pod that held keys before the
--- count existed (index migrate, an older writer): the lookup then walks that pod, never guesses. A clear
--- (AllBlocksCleared, engine restart, index clear) makes it known again (0).
+-- of that chain. A key is held while any tier holds it ("<rk>|~<tier>" above). Kept: each block's value ends
+-- in "^<parent>", the request key before its first ("" for a chain's first block: rks[j]'s is rks[j - 1]),
+-- read back when the block is evicted; and in the refs "<rk>|>" -> how many held keys name rk as their
+-- parent. A store whose parent is not known ("?": index import of an older export) makes the count unknown
+-- (the field deleted), as is a pod that held keys before the count existed (index migrate, an older writer):
+-- the lookup then walks that pod, never guesses. A clear (AllBlocksCleared, engine restart, index clear)
+-- makes it known again (0).
 local meta, blocks, fkey, rkkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local pod, rank = ARGV[1], ARGV[2]
 local seq_s, ts, mode = ARGV[3], tonumber(ARGV[4]), ARGV[5]
@@ -66,14 +68,17 @@ local function succ(s)  -- s + 1
   if i == 0 then return '1' .. string.rep('0', #s) end
   return string.sub(s, 1, i - 1) .. string.char(string.byte(s, i) + 1) .. string.rep('0', #s - i)
 end
--- A block's reverse-index value -> field id, copies, request keys (a list of strings).
+-- A block's reverse-index value -> field id, copies, request keys (a list of strings), the rest of the
+-- value after ':' (kept as is when the copies change), and the parent of its first request key ("" the
+-- chain root; nil when not written: a block stored without it, or before the orphan count existed).
 local function parse_held(v)
   local head, list = string.match(v, '^([^:]*):?(.*)$')
   local id, n = string.match(head, '^(%d+)%*(%d+)$')
   if not id then id, n = head, 1 end
+  local keys, parent = string.match(list, '^([^^]*)%^(.*)$')
   local rks = {}
-  for rk in string.gmatch(list, '[^,]+') do rks[#rks + 1] = rk end
-  return id, tonumber(n), rks, list
+  for rk in string.gmatch(keys or list, '[^,]+') do rks[#rks + 1] = rk end
+  return id, tonumber(n), rks, list, parent
 end
 
 -- Our own keys (every KEYS entry) must be what we write; anything else is refused before the first write.
@@ -133,57 +138,74 @@ local function tier_of(fld)
   end
   return t or nil
 end
--- The orphan count (header): rk became held (its parent: "" for a chain's first key, "?" unknown) ...
-local function now_held(rk, parent)
-  if orphans == nil then return end
-  if parent == '?' then orphans = nil; return end
-  redis.call('HSET', rkkey, rk .. '|^', parent)
-  if parent ~= '' then
-    if redis.call('HEXISTS', rkkey, parent .. '|^') == 0 then orphans = orphans + 1 end
-    redis.call('HINCRBY', rkkey, parent .. '|>', 1)
-  end
-  orphans = orphans - (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
-end
--- ... or is no longer held.
-local function not_held(rk)
-  if orphans == nil then return end
-  local parent = redis.call('HGET', rkkey, rk .. '|^')
-  if not parent then orphans = nil; return end  -- state we did not keep: unknown from here
-  redis.call('HDEL', rkkey, rk .. '|^')
-  orphans = orphans + (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
-  if parent ~= '' then
-    if redis.call('HEXISTS', rkkey, parent .. '|^') == 0 then orphans = orphans - 1 end
-    if redis.call('HINCRBY', rkkey, parent .. '|>', -1) <= 0 then redis.call('HDEL', rkkey, parent .. '|>') end
-  end
-end
--- The pod's other tiers (a key is held while any tier holds it).
-local other_tiers = nil
-local function held_elsewhere(rk, tier)
-  if other_tiers == nil then
+-- The pod's tiers (a key is held while any tier holds it: the lookup counts a pod on any tier).
+local pod_tiers = nil
+local function tiers_of_pod()
+  if pod_tiers == nil then
     field_ids()
-    other_tiers = {}
+    pod_tiers = {}
     local seen = {}
     for _, fld in pairs(byid) do
       local t = tier_of(fld)
-      if t and not seen[t] then seen[t] = true; other_tiers[#other_tiers + 1] = t end
+      if t and not seen[t] then seen[t] = true; pod_tiers[#pod_tiers + 1] = t end
     end
   end
-  for _, t in ipairs(other_tiers) do
-    if t ~= tier and redis.call('HEXISTS', rkkey, rk .. '|~' .. t) == 1 then return true end
+  return pod_tiers
+end
+-- HMGET of rk's fields `extra` (a list), then whether key x is held on any tier but `except`.
+local function read_with_held(rk, extra, x, except)
+  local fields, n = {}, 0
+  for _, f in ipairs(extra) do n = n + 1; fields[n] = rk .. f end
+  local first = n
+  for _, t in ipairs(tiers_of_pod()) do
+    if t ~= except then n = n + 1; fields[n] = x .. '|~' .. t end
   end
-  return false
+  if n == 0 then return {}, false end
+  local r = redis.call('HMGET', rkkey, unpack(fields))
+  local held = false
+  for i = first + 1, n do if r[i] then held = true end end
+  return r, held
+end
+local function held_elsewhere(rk, tier)
+  local _, held = read_with_held(rk, {}, rk, tier)
+  return held
+end
+-- The orphan count (header): rk became held (its parent: "" for a chain's first key, "?" unknown; parent_held:
+-- the caller knows it is, having just linked it on this tier) ...
+local function now_held(rk, parent, parent_held)
+  if orphans == nil then return end
+  if parent == '?' or parent == nil then orphans = nil; return end
+  if parent == '' or parent_held then
+    orphans = orphans - (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
+  else
+    local r, held = read_with_held(rk, {'|>'}, parent, nil)
+    orphans = orphans - (tonumber(r[1]) or 0) + (held and 0 or 1)
+  end
+  if parent ~= '' then redis.call('HINCRBY', rkkey, parent .. '|>', 1) end
+end
+-- ... or is no longer held (its parent from the block dropped: nil when that block did not say).
+local function not_held(rk, parent)
+  if orphans == nil then return end
+  if parent == nil then orphans = nil; return end
+  if parent == '' then
+    orphans = orphans + (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
+    return
+  end
+  local r, held = read_with_held(rk, {'|>'}, parent, nil)
+  orphans = orphans + (tonumber(r[1]) or 0) - (held and 0 or 1)
+  if redis.call('HINCRBY', rkkey, parent .. '|>', -1) <= 0 then redis.call('HDEL', rkkey, parent .. '|>') end
 end
 -- One more (or one fewer) of the pod's blocks links request key rk with field id `id`: its entry
 -- and its bit follow the first link and the last unlink; the orphan count, the key's first tier and
 -- its last (parent: the request key before rk in its chain, as now_held takes it).
-local function link_rk(rk, id, fld, tier, parent)
+local function link_rk(rk, id, fld, tier, parent, parent_held)
   if redis.call('HINCRBY', rkkey, rk .. '|' .. id, 1) == 1 then
     local flip = tier and redis.call('HINCRBY', rkkey, rk .. '|~' .. tier, 1) == 1
-    if flip and orphans ~= nil and not held_elsewhere(rk, tier) then now_held(rk, parent) end
+    if flip and orphans ~= nil and not held_elsewhere(rk, tier) then now_held(rk, parent, parent_held) end
     emit_entry(rk, fld, true, flip and tier or nil, num)
   end
 end
-local function unlink_rk(rk, id, fld, tier)
+local function unlink_rk(rk, id, fld, tier, parent)
   local f = rk .. '|' .. id
   if redis.call('HINCRBY', rkkey, f, -1) <= 0 then
     redis.call('HDEL', rkkey, f)
@@ -193,19 +215,20 @@ local function unlink_rk(rk, id, fld, tier)
       if redis.call('HINCRBY', rkkey, a, -1) <= 0 then
         redis.call('HDEL', rkkey, a)
         flip = num ~= nil
-        if orphans ~= nil and not held_elsewhere(rk, tier) then not_held(rk) end
+        if orphans ~= nil and not held_elsewhere(rk, tier) then not_held(rk, parent) end
       end
     end
     emit_entry(rk, fld, false, flip and tier or nil, num)
   end
 end
--- Unlink one block of the pod from the shared keys (its request keys through the refs).
-local function drop_block(bk, id, rks)
+-- Unlink one block of the pod from the shared keys (its request keys through the refs; parent: its first
+-- key's, nil when the block did not keep it).
+local function drop_block(bk, id, rks, parent)
   field_ids()
   local fld = byid[id] or id  -- a value that is not an id is a field itself
   local ek = string.match(bk, '^([^|]*)')
   local tier = tier_of(fld)
-  for _, rk in ipairs(rks) do unlink_rk(rk, id, fld, tier) end
+  for j, rk in ipairs(rks) do unlink_rk(rk, id, fld, tier, j == 1 and parent or rks[j - 1]) end
   emit_unlink(ek, pod .. '|' .. string.sub(bk, #ek + 2))
 end
 -- Remove every entry of the pod (AllBlocksCleared, engine restart, index clear): O(pod's blocks).
@@ -217,7 +240,7 @@ local function clear_pod()
     local c = rk and string.sub(id, 1, 1)
     if c == '~' then
       if num then emit_entry(rk, nil, false, string.sub(id, 2), num) end
-    elseif c == '^' or c == '>' then  -- the orphan count's (above): gone with the refs
+    elseif c == '>' then  -- the orphan count's (above): gone with the refs
     elseif rk then
       emit_entry(rk, byid[id] or id, false, nil, num)
     end
@@ -328,7 +351,7 @@ local function id_of(fi)
     id = tostring(nids)
     redis.call('HSET', fkey, id, fld)
     byid[id], byfield[fld] = fld, id
-    other_tiers = nil  -- it may name a tier the pod had not used
+    pod_tiers = nil  -- it may name a tier the pod had not used
   end
   ids[fi] = id
   return id
@@ -351,13 +374,15 @@ while i <= #ARGV do
     if parent == '?' then orphans = nil end  -- written without its chain: the count is unknown
     local id = id_of(fi)
     -- One call in the common case (a new block); a held one is read back.
-    if redis.call('HSETNX', blocks, bk, id .. ':' .. table.concat(rks, ',')) == 1 then
+    local value = id .. ':' .. table.concat(rks, ',')
+    if parent ~= '?' then value = value .. '^' .. parent end  -- kept for its eviction (the orphan count)
+    if redis.call('HSETNX', blocks, bk, value) == 1 then
       local fld = ARGV[10 + fi]
       -- If the engine key is foreign (single node: found now), its request keys could never be
       -- found again on eviction, so the block is not indexed at all (the pod is flagged).
       if emit_link(ek, pod .. '|' .. slot, rks) then
         local tier = tier_of(fld)
-        for j, rk in ipairs(rks) do link_rk(rk, id, fld, tier, j == 1 and parent or rks[j - 1]) end
+        for j, rk in ipairs(rks) do link_rk(rk, id, fld, tier, j == 1 and parent or rks[j - 1], j > 1) end
         stored = stored + 1
       else
         redis.call('HDEL', blocks, bk)
@@ -375,12 +400,12 @@ while i <= #ARGV do
     local bk = ek .. '|' .. slot
     local held = redis.call('HGET', blocks, bk)
     if held then
-      local id, copies, rks, list = parse_held(held)
+      local id, copies, rks, list, parent = parse_held(held)
       if copies > 1 then
         redis.call('HSET', blocks, bk, id .. (copies > 2 and ('*' .. (copies - 1)) or '') .. ':' .. list)
       else
         redis.call('HDEL', blocks, bk)
-        drop_block(bk, id, rks)
+        drop_block(bk, id, rks, parent)
       end
       removed = removed + 1
     end

@@ -237,3 +237,26 @@ async def test_a_gap_closed_by_a_batch_still_on_its_way_is_not_bisected_on_a_clu
         assert ix.gap_walks == walks  # the entry gone, every shard shows a closed pod: bisected again
     finally:
         await ix.close()
+
+
+async def test_an_export_keeps_the_parents_so_an_import_keeps_the_count_known(ix):
+    rng = random.Random(8)
+    world = World(rng, 120, 11)
+    pod = "exp-pod"
+    fld = encode_entry(make_entry(pod, "GPU", 0))
+    blocks = world.of_chain[0]
+    await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks[:60]]
+                         + [RemoveBlock(blocks[30][0], "gpu")])
+    assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"1"
+    exported = [b async for b in ix.export_blocks(pod)]
+    assert {b.parent for b in exported} >= {CHAIN_ROOT, blocks[59][2]}
+    await ix.clear_pod(pod, forget=True)
+    await ix.import_blocks(pod, "m", 32, exported)
+    assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"1"  # known: the gap at block 30
+    assert [m.blocks for m in await ix.lookup(world.chains[0])] == [60]
+    await ix.import_blocks(pod, "m", 32, [StoreBlock(blocks[30][0], "gpu", fld, blocks[30][1], parent=blocks[30][2])])
+    assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"0"
+    walks = ix.gap_walks
+    assert [m.blocks for m in await ix.lookup(world.chains[0])] == [120]
+    assert ix.gap_walks == walks
