@@ -9,6 +9,7 @@ from kv_preflight.ingester.subscriber import Source
 from kv_preflight.shared.config import Config
 from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.entries import CHAIN_ROOT
 from kv_preflight.shared.keys import request_keys
 from kv_preflight.shared.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
 
@@ -137,7 +138,9 @@ async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
     await ing.handle_frames(SRC, msgs[0])
     f0, f1 = encode_entry(make_entry("pod-h", "GPU", 0)), encode_entry(make_entry("pod-h", "GPU", 1))
     exported = sorted([b async for b in ing.index.export_blocks("pod-h")], key=lambda b: b.group)
-    assert exported == [StoreBlock(41, "gpu", f0, tuple(keys), 0), StoreBlock(41, "gpu", f1, tuple(keys), 1)]
+    # (the parent of each block's first key comes back too: a chain's first block starts at the root)
+    assert exported == [StoreBlock(41, "gpu", f0, tuple(keys), 0, parent=CHAIN_ROOT),
+                        StoreBlock(41, "gpu", f1, tuple(keys), 1, parent=CHAIN_ROOT)]
     await ing.handle_frames(SRC, msgs[1])
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
     assert r.hkeys(str(keys[0])) == [f0]  # group 0 still holds it
