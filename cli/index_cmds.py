@@ -94,7 +94,7 @@ def _pod_row(p, now: float) -> dict[str, Any]:
     name this command used before (same value as ``last_seq``), kept for scripts that read it."""
     from kv_preflight.predictor.stats import pod_stats
 
-    return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items()))}
+    return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items())), "orphan_keys": p.orphan_keys}
 
 
 @index_group.command()
@@ -129,6 +129,8 @@ def _pods_table(pods: list[dict]) -> None:
     for p in pods:
         seq = ",".join(f"{r}:{s}" for r, s in sorted(p["seq"].items())) or "-"
         state = "INCOMPLETE: " + p["incomplete_reason"] if p["incomplete"] else "ok"
+        if p.get("orphan_keys") != 0:  # the lookup walks this pod rather than bisecting it
+            state += f" (orphan keys: {'unknown' if p.get('orphan_keys') is None else p['orphan_keys']})"
         click.echo(f"{p['pod_id']:<20} {p['model']:<24} {p['engine_block_size'] or '-':>4} {p['blocks']:>8} "
                    f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  "
                    f"{_fleet_cell(p.get('fleet')):<26} {state}")

@@ -56,6 +56,9 @@ class PodInfo:
     incomplete_reason: str
     blocks: int
     counters: dict[str, int] = field(default_factory=dict)
+    # held request keys whose parent the pod does not hold (shared/lua/pod.lua); None: not known (the
+    # lookup walks the pod rather than bisecting it until its next clear)
+    orphan_keys: int | None = None
 
 
 _POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts", "gaps_accepted", "replays",
@@ -101,6 +104,7 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
         incomplete_reason=reason,
         blocks=int(blocks),
         counters=counters,
+        orphan_keys=num("orphan_keys", meta["orphan_keys"]) if meta.get("orphan_keys") else None,
     )
 
 

@@ -260,3 +260,29 @@ async def test_an_export_keeps_the_parents_so_an_import_keeps_the_count_known(ix
     walks = ix.gap_walks
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [120]
     assert ix.gap_walks == walks
+
+
+async def test_index_stats_shows_each_pods_orphan_keys(ix, valkey_url):
+    import asyncio
+    import json
+
+    from click.testing import CliRunner
+
+    from kv_preflight.cli.main import cli
+
+    world = World(random.Random(3), 40, 12)
+    blocks = world.of_chain[0]
+    for pod, gone in (("st-closed", []), ("st-gap", [RemoveBlock(blocks[5][0], "gpu")])):
+        fld = encode_entry(make_entry(pod, "GPU", 0))
+        await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                             mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks] + gone)
+    await ix.import_blocks("st-old", "m", 32, [StoreBlock(blocks[0][0], "gpu", encode_entry(make_entry("st-old", "GPU", 0)),
+                                                          blocks[0][1])])
+    def run(*args: str) -> str:  # the CLI runs its own event loop: in a thread
+        return CliRunner().invoke(cli, ["index", "stats", "--valkey-url", valkey_url, *args], catch_exceptions=False).output
+
+    out = await asyncio.to_thread(run, "--json")
+    rows = {p["pod_id"]: p["orphan_keys"] for p in json.loads(out)["pods"]}
+    assert rows == {"st-closed": 0, "st-gap": 1, "st-old": None}
+    table = await asyncio.to_thread(run)
+    assert "(orphan keys: 1)" in table and "(orphan keys: unknown)" in table
