@@ -366,6 +366,10 @@ class ClusterBackend:
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
+        # first request key of a chain -> the pods a shard bisected on it last time: their meta is read beside
+        # the shards' round when the chain comes again (a prompt's prefix is looked up many times), so the
+        # check that they may be bisected costs no round of its own (bounded, oldest dropped first)
+        self._bisected_at: dict[int, frozenset[str]] = {}
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         self.gap_walks = 0  # pods a lookup walked key by key rather than bisected (orphan keys, a pending gap)
@@ -505,6 +509,8 @@ class ClusterBackend:
         bounds, never silently short). None when a shard's first key holds entries that are not ours (walk
         llm-d's entries then)."""
         by_node, unanswered = await self._keys_by_node(request_keys)
+        guess = self._bisected_at.get(request_keys[0])
+        early = asyncio.ensure_future(self.pods_with_gaps(guess)) if guess else None
 
         async def shard(node, idx: list[int], how: str = "") -> tuple[Any, BitsReply]:
             args = [len(idx), pack_keys([request_keys[i] for i in idx]), how]
@@ -514,11 +520,19 @@ class ClusterBackend:
         bisected: list[tuple[Any, list[int], BitsReply]] = []
         reread: list[int] = []
         foreign = 0
-        for idx, (node, res) in await self._each_shard(by_node, shard, unanswered):
+        try:
+            answered = await self._each_shard(by_node, shard, unanswered)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        for idx, (node, res) in answered:
             foreign += res.foreign
             if res.moved:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
             elif res.kind == 2:
+                if early is not None:
+                    early.cancel()
                 return None, foreign
             else:
                 replies.append((idx, res))
@@ -531,9 +545,16 @@ class ClusterBackend:
             wanted.update(num for num, _, _ in res.counts)
         known = await names(wanted, epoch) if wanted else {}
         bisected_pods = {known[num] for _, _, res in bisected for num, _, _ in res.counts if num in known}
+        prefetched: set[str] = await early if early is not None else set()
+        unread = bisected_pods - (guess or frozenset())
         (read_bits, read_entries), gapped = await asyncio.gather(
             self._read_keys(request_keys, sorted(reread), unanswered) if reread else _nothing(({}, {})),
-            self.pods_with_gaps(bisected_pods) if bisected_pods else _nothing(set()))
+            self.pods_with_gaps(unread) if unread else _nothing(set()))
+        gapped |= prefetched & bisected_pods
+        if bisected_pods and self._bisected_at.get(request_keys[0]) != bisected_pods:
+            if len(self._bisected_at) >= 4096:
+                del self._bisected_at[next(iter(self._bisected_at))]
+            self._bisected_at[request_keys[0]] = frozenset(bisected_pods)
         if read_bits:
             more = set()
             for bits in read_bits.values():
