@@ -501,8 +501,9 @@ class ClusterBackend:
 
         A bisected pod's count is exact only when its keys are closed under "parent" (pod meta
         "orphan_keys" is 0, shared/lua/pod.lua) at every version a shard may show (no outbox entry left
-        from a step taken while they were not: "gap_entry"). That is read in a second round, on the pods'
-        own shards (one pipelined request per shard, beside the reread of moved keys), and only when some
+        from a step taken while they were not: "gap_entry"). That is read on the pods' own shards (one
+        pipelined request per shard): beside the first round for the pods bisected when this chain's first
+        key was last looked up, else in a second round (beside the reread of moved keys), and only when some
         shard bisected; a third round walks the other pods key by key on the shards that bisected them.
         The reread: a shard whose key moved meanwhile has its keys read whole through the cluster's
         routing. A shard that does not answer cuts every prefix at its first key (counts are then lower

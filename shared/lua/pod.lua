@@ -175,11 +175,14 @@ end
 local function now_held(rk, parent, parent_held)
   if orphans == nil then return end
   if parent == '?' or parent == nil then orphans = nil; return end
+  -- rk's held children: none while the count is 0 (each would be an orphan, its parent rk not held), so
+  -- the common case (a closed pod growing a chain) reads nothing for them.
+  local kids = orphans > 0 and {'|>'} or {}
   if parent == '' or parent_held then
-    orphans = orphans - (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
+    if orphans > 0 then orphans = orphans - (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0) end
   else
-    local r, held = read_with_held(rk, {'|>'}, parent, nil)
-    orphans = orphans - (tonumber(r[1]) or 0) + (held and 0 or 1)
+    local r, held = read_with_held(rk, kids, parent, nil)
+    orphans = orphans - (#kids > 0 and tonumber(r[1]) or 0) + (held and 0 or 1)
   end
   if parent ~= '' then redis.call('HINCRBY', rkkey, parent .. '|>', 1) end
 end
