@@ -104,7 +104,8 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
         incomplete_reason=reason,
         blocks=int(blocks),
         counters=counters,
-        orphan_keys=num("orphan_keys", meta["orphan_keys"]) if meta.get("orphan_keys") else None,
+        orphan_keys=(num("orphan_keys", meta["orphan_keys"])
+                     if meta.get("orphan_keys") and meta.get("orphan_at") == meta.get("batches", "0") else None),
     )
 
 

@@ -615,7 +615,8 @@ class ClusterBackend:
             by_node.setdefault(node.name, (node, []))[1].append(pod)
 
         async def one(node, part: list[str]) -> list[Any]:
-            commands = [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry"),
+            commands = [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry", "orphan_at",
+                                                   "batches"),
                                                    ("HKEYS", pod_outbox_key(p)))]
             fast = self._fast_for(node)
             if fast is not None:
@@ -816,12 +817,13 @@ def node_for(client: RedisCluster, key: str):
 
 
 def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
-    """Whether a lookup may bisect a pod, from its meta ``HMGET orphan_keys gap_entry`` and its outbox's
-    fields (pure): its keys are closed under "parent" now (orphan count known and 0), and no outbox entry
-    is left from a step taken while they were not (entries are numbered in order; "gap_entry" is the
-    last such one), so every version of the pod a shard may show is closed too."""
-    count, gap_entry = (text(v) if v is not None else None for v in meta)
-    if count != "0":
+    """Whether a lookup may bisect a pod, from its meta ``HMGET orphan_keys gap_entry orphan_at batches`` and
+    its outbox's fields (pure): its keys are closed under "parent" now (orphan count known and 0, written at
+    the pod's last batch: a writer of an earlier build keeps no count), and no outbox entry is left from a
+    step taken while they were not (entries are numbered in order; "gap_entry" is the last such one), so
+    every version of the pod a shard may show is closed too."""
+    count, gap_entry, at, batches = (text(v) if v is not None else None for v in meta)
+    if count != "0" or at != (batches or "0"):
         return False
     if not gap_entry:
         return True

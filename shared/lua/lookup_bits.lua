@@ -129,8 +129,10 @@ local how = ARGV[3] or ''
 if how == 'local' then
   for _, num in ipairs(pods) do
     local name = redis.pcall('HGET', 'kvpf:{nums}:byid', tostring(num))
-    local count = type(name) == 'string' and redis.pcall('HGET', 'kvpf:{' .. name .. '}:meta', 'orphan_keys')
-    if count ~= '0' then walk[num] = true end  -- orphan keys, or their count unknown (or unreadable)
+    local m = type(name) == 'string' and redis.pcall('HMGET', 'kvpf:{' .. name .. '}:meta', 'orphan_keys',
+                                                       'orphan_at', 'batches')
+    -- bisected only with no orphan key, counted at the pod's last batch (pod.lua); else walked
+    if type(m) ~= 'table' or m.err or m[1] ~= '0' or m[2] ~= (m[3] or '0') then walk[num] = true end
   end
 elseif string.sub(how, 1, 2) == 'w:' then
   for d in string.gmatch(string.sub(how, 3), '%d+') do walk[tonumber(d)] = true end

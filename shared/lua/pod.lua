@@ -92,11 +92,14 @@ local function own_types_ok()
 end
 local bad = own_types_ok()
 if bad then return {'corrupt', '-1', 0, bad} end
-local head = redis.call('HMGET', meta, 'num', 'orphan_keys')
+local head = redis.call('HMGET', meta, 'num', 'orphan_keys', 'orphan_at', 'batches')
 local num = tonumber(head[1])
 if num == nil and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, ''} end
--- The orphan count at the start (nil: unknown); a pod holding no key yet has none (0).
+-- The orphan count at the start (nil: unknown); a pod holding no key yet has none (0). "orphan_at" is the
+-- pod's batch count when the count was written: a writer of an earlier build (a rolling upgrade) applies
+-- batches without keeping the count, so a count that is not this batch count's is unknown, never trusted.
 local orphans = tonumber(head[2])
+if orphans ~= nil and head[3] ~= (head[4] or '0') then orphans = nil end
 if orphans == nil and redis.call('EXISTS', rkkey) == 0 then orphans = 0 end
 local orphans_known_at_start = orphans  -- (with the end's: may shards show a gap? apply_cluster.lua)
 
@@ -152,10 +155,12 @@ local function tiers_of_pod()
   end
   return pod_tiers
 end
--- HMGET of rk's fields `extra` (a list), then whether key x is held on any tier but `except`.
-local function read_with_held(rk, extra, x, except)
+-- HMGET of rk's fields `extra` (a list) and the field `also` (if given), then whether key x is held on any
+-- tier but `except`.
+local function read_with_held(rk, extra, x, except, also)
   local fields, n = {}, 0
   for _, f in ipairs(extra) do n = n + 1; fields[n] = rk .. f end
+  if also then n = n + 1; fields[n] = also end
   local first = n
   for _, t in ipairs(tiers_of_pod()) do
     if t ~= except then n = n + 1; fields[n] = x .. '|~' .. t end
@@ -194,9 +199,13 @@ local function not_held(rk, parent)
     orphans = orphans + (tonumber(redis.call('HGET', rkkey, rk .. '|>')) or 0)
     return
   end
-  local r, held = read_with_held(rk, {'|>'}, parent, nil)
+  local r, held = read_with_held(rk, {'|>'}, parent, nil, parent .. '|>')
   orphans = orphans + (tonumber(r[1]) or 0) - (held and 0 or 1)
-  if redis.call('HINCRBY', rkkey, parent .. '|>', -1) <= 0 then redis.call('HDEL', rkkey, parent .. '|>') end
+  if (tonumber(r[2]) or 0) <= 1 then  -- (one command either way: the usual eviction, a chain's tail)
+    redis.call('HDEL', rkkey, parent .. '|>')
+  else
+    redis.call('HINCRBY', rkkey, parent .. '|>', -1)
+  end
 end
 -- One more (or one fewer) of the pod's blocks links request key rk with field id `id`: its entry
 -- and its bit follow the first link and the last unlink; the orphan count, the key's first tier and
@@ -264,9 +273,9 @@ end
 -- whether the shards may show a layout with a gap while this step's effects travel (apply_cluster.lua).
 local function done(reply)
   if orphans == nil then
-    redis.call('HDEL', meta, 'orphan_keys')
+    redis.call('HDEL', meta, 'orphan_keys', 'orphan_at')
   else
-    redis.call('HSET', meta, 'orphan_keys', orphans)
+    redis.call('HSET', meta, 'orphan_keys', orphans, 'orphan_at', redis.call('HGET', meta, 'batches') or '0')
   end
   gaps_unsafe = orphans_known_at_start == nil or orphans_known_at_start > 0 or orphans == nil or orphans > 0
   return finish(reply)

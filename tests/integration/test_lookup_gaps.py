@@ -286,3 +286,28 @@ async def test_index_stats_shows_each_pods_orphan_keys(ix, valkey_url):
     assert rows == {"st-closed": 0, "st-gap": 1, "st-old": None}
     table = await asyncio.to_thread(run)
     assert "(orphan keys: 1)" in table and "(orphan keys: unknown)" in table
+
+
+async def test_a_writer_of_an_earlier_build_makes_the_count_unknown(ix):
+    """During a rolling upgrade an ingester of an earlier build applies batches without keeping the count
+    (its batches still count in meta "batches"): the count is not trusted from there, the pod is walked,
+    and a later batch of ours keeps it unknown until the pod's next clear."""
+    world = World(random.Random(5), 150, 13)
+    pod = "rolling-pod"
+    fld = encode_entry(make_entry(pod, "GPU", 0))
+    blocks = world.of_chain[0]
+    await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks])
+    walks = ix.gap_walks
+    assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks
+    # the earlier build's batch: a block from the middle evicted, no count kept (what its script did)
+    sync = ix.client
+    await sync.hincrby(pod_meta_key(pod), "batches", 1)
+    assert (await ix.pod_info(pod)).orphan_keys is None
+    assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks + 1
+    await ix.apply_batch(pod_id=pod, rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
+                         mutations=[RemoveBlock(blocks[100][0], "gpu")])
+    assert (await ix.pod_info(pod)).orphan_keys is None
+    assert [m.blocks for m in await ix.lookup(world.chains[0])] == [200]
+    await ix.apply_batch(pod_id=pod, rank=0, seq=2, ts=1.0, model="m", engine_block_size=32, mutations=[ClearPod()])
+    assert (await ix.pod_info(pod)).orphan_keys == 0
