@@ -62,6 +62,33 @@ _POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts
                  "reannounced", "foreign_keys", "corrupt")
 
 
+@dataclass(frozen=True)
+class ScoringInfo:
+    """What scoring needs of a pod (its engine block size, whether its index may miss blocks): the
+    predictor reads this for every pod a prompt matches, so it is two fields of the pod's meta, not
+    all of it (a prompt a thousand pods hold re-reads a thousand pods' worth every second)."""
+
+    pod_id: str
+    engine_block_size: int | None
+    incomplete: bool
+
+
+def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
+    """A pod's ScoringInfo from ``HMGET meta engine_block_size incomplete``. State we did not write (a
+    key of another type, a block size that is not a number) makes the pod incomplete, never an error."""
+    if isinstance(reply, Exception):
+        return ScoringInfo(pod_id, None, True)
+    raw_ebs, raw_inc = reply
+    ebs = None
+    bad = False
+    if raw_ebs:
+        try:
+            ebs = int(raw_ebs)
+        except ValueError:
+            bad = True
+    return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"))
+
+
 def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
     """A pod's metadata from HGETALL and HLEN replies. State we did not write (a non-integer seq,
     a key of another type) makes the pod incomplete with the reason, never an exception."""
@@ -563,6 +590,24 @@ class Index:
                 out.append(pod_info_from(p, replies[2 * j], replies[2 * j + 1]))
         return out
 
+    async def scoring_infos(self, pod_ids: Sequence[str], chunk: int = 1000) -> list[ScoringInfo]:
+        """Several pods' ScoringInfo, pipelined ``chunk`` pods per round trip: one HMGET each."""
+        out: list[ScoringInfo] = []
+        fields = ("engine_block_size", "incomplete")
+        fast = getattr(self.backend, "fast", None)
+        for i in range(0, len(pod_ids), chunk):
+            part = pod_ids[i:i + chunk]
+            if fast is not None:
+                replies = await fast.pipeline([("HMGET", pod_meta_key(p), *fields) for p in part])
+            else:
+                def fill(pipe, part=part) -> None:
+                    for p in part:
+                        pipe.hmget(pod_meta_key(p), fields)
+
+                replies = await self._read_pipeline(fill)
+            out.extend(scoring_info_from(p, r) for p, r in zip(part, replies))
+        return out
+
     async def _read_pipeline(self, fill) -> list[Any]:
         """A pipeline of reads, sent once more on a fresh connection if the connection dropped under it
         (a Valkey restart, CLIENT KILL): reads are safe to repeat. Error replies come back in place."""
@@ -711,7 +756,7 @@ class Index:
 
 
 __all__ = [
-    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "ScoringInfo", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -127,20 +127,29 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
             alive |= 1 << n
     last_bits: dict[str, int] = {}
     out: list[PodMatch] = []
+    add = out.append
+    name_of = names.get
 
     def emit(mask: int, held: int) -> None:
         for tier, part in _tiers_at(last_bits, mask).items():
             for n in numbers(part):
-                pod = names.get(n)
+                pod = name_of(n)
                 if pod is not None:
-                    out.append(PodMatch(pod, held, tier))
+                    add(PodMatch(pod, held, tier))
 
     for i in range(end):
-        tiers = per_key[i] or {}
-        bits = {t: as_int(b) for t, b in tiers.items()}
-        present = 0
-        for b in bits.values():
-            present |= b
+        tiers = per_key[i]
+        if not tiers:
+            bits, present = {}, 0
+        elif len(tiers) == 1:  # one tier (the common case): no per-tier loop
+            ((tier, raw),) = tiers.items()
+            present = raw if isinstance(raw, int) else int.from_bytes(raw, "little")
+            bits = {tier: present}
+        else:
+            bits = {t: as_int(b) for t, b in tiers.items()}
+            present = 0
+            for b in bits.values():
+                present |= b
         if i > 0:
             stopped = alive & ~present
             if stopped:

@@ -27,7 +27,6 @@ import os
 import socket
 import time
 import uuid
-from binascii import crc_hqx
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -48,6 +47,7 @@ from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod
                                         request_key_name)
 from kv_preflight.shared.presence import OUR_COUNT, BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
 from kv_preflight.shared.resp import FastConnection, script_sha
+from kv_preflight.shared.slots import key_slot, slot_groups, slot_table
 
 _unpack = msgspec.msgpack.Decoder()
 log = logging.getLogger("kvpf.index")
@@ -366,6 +366,7 @@ class ClusterBackend:
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
+        self._table: tuple[Any, bytes, list[Any]] | None = None  # (the slot map it was built from, table, primaries)
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
@@ -482,6 +483,7 @@ class ClusterBackend:
         for idx, res in await self._each_shard(by_node, shard, unanswered):
             if res[1]:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+                self._table = None
                 foreign += res[0]
             else:
                 shards.append((idx, res[2]))
@@ -511,6 +513,7 @@ class ClusterBackend:
             foreign += res.foreign
             if res.moved:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+                self._table = None
             elif res.kind == 2:
                 return None, foreign
             else:
@@ -599,19 +602,26 @@ class ClusterBackend:
 
     async def _keys_by_node(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]], set[int]]:
         """The chain's positions per primary, from the slot map (positions whose slot no node serves now
-        are returned apart: unanswered)."""
+        are returned apart: unanswered). Slots are computed in C through a slot -> primary table built
+        once per slot map (shared/slots.py)."""
         if not self.client.nodes_manager.slots_cache:
             await self.client.initialize()  # a new client learns the slot map on its first command
-        unanswered: set[int] = set()
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for i, k in enumerate(request_keys):
-            try:
-                node = node_for(self.client, request_key_name(k))
-            except VALKEY_ERRORS:
-                unanswered.add(i)  # its slot is served by no node now
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
-        return by_node, unanswered
+        table, nodes = self._slot_table()
+        groups = slot_groups(request_keys, table, len(nodes))
+        by_node = {node.name: (node, idx) for node, idx in zip(nodes, groups) if idx}
+        return by_node, set(groups[-1])
+
+    def _slot_table(self) -> tuple[bytes, list[Any]]:
+        """(slot -> primary index, primaries) for the client's current slot map: rebuilt when redis-py
+        replaces the map (it learns it again) or when a lookup found a key moved (redis-py may have
+        patched one slot in place after a MOVED)."""
+        cache = self.client.nodes_manager.slots_cache
+        if self._table is None or self._table[0] is not cache:
+            primaries = {slot: holders[0] for slot, holders in cache.items() if holders}
+            table, names = slot_table({slot: node.name for slot, node in primaries.items()})
+            by_name = {node.name: node for node in primaries.values()}
+            self._table = (cache, table, [by_name[n] for n in names])
+        return self._table[1], self._table[2]
 
     async def _on_shard(self, node, script, args: list[Any]) -> Any:
         """A read-only script on one primary, with no declared keys: on its lean connection, else through
@@ -703,12 +713,7 @@ def node_for(client: RedisCluster, key: str):
     """The primary that owns a key, from the client's slot map. redis-py's get_node_from_key costs
     ~10 µs of Python per key (a lookup has hundreds); CRC16 from binascii costs well under one.
     SlotNotCoveredError (a RedisClusterException) when no node serves the slot."""
-    start = key.find("{")
-    if start != -1:
-        end = key.find("}", start + 1)
-        if end > start + 1:
-            key = key[start + 1:end]
-    holders = client.nodes_manager.slots_cache.get(crc_hqx(key.encode(), 0) % 16384)
+    holders = client.nodes_manager.slots_cache.get(key_slot(key))
     if not holders:
         raise SlotNotCoveredError(f"no node serves the slot of {key!r}")
     return holders[0]
