@@ -27,7 +27,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -230,9 +230,11 @@ class ReplicationBarrier:
 class ClusterEffects:
     """Runs outbox entries on their shards (step 2) and deletes them once replicated (step 3)."""
 
-    def __init__(self, client: RedisCluster, unlink_script: str, *, writer: str = ""):
+    def __init__(self, client: RedisCluster, unlink_script: str, *, writer: str = "",
+                 fast_for: Callable[[Any], FastConnection | None] | None = None):
         self.client = client
         self.writer = writer
+        self.fast_for = fast_for  # a primary's lean connection (None: redis-py carries the effects)
         self._unlink = client.register_script(unlink_script)
         self._effects = client.register_script(scripts.EFFECTS_SHARD)
         self._bit = client.register_script(scripts.BIT_EFFECT)
@@ -258,11 +260,19 @@ class ClusterEffects:
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             args = [a for i in idx for a in effects[i][2]]
-            try:
-                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
-            except NoScriptError:
-                await self.client.script_load(self._effects.script)
-                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+            fast = self.fast_for(node) if self.fast_for is not None else None
+            if fast is not None:  # packed in C: redis-py's Python packing was most of a cluster batch's time
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        reply = await fast.evalsha(self._effects.sha, self._effects.script, args)
+                except TimeoutError:
+                    raise RedisConnectionError(f"{node.name} did not answer the effects in time") from None
+            else:
+                try:
+                    reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+                except NoScriptError:
+                    await self.client.script_load(self._effects.script)
+                    reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
             moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
             return int(reply[1]), text(reply[2])
 
@@ -367,7 +377,7 @@ class ClusterBackend:
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
         self._table: tuple[Any, bytes, list[Any]] | None = None  # (the slot map it was built from, table, primaries)
-        self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
+        self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg(), fast_for=self._fast_for)
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
@@ -389,7 +399,7 @@ class ClusterBackend:
         todo = list(range(len(pods)))
         deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
         while todo:
-            replies = await evalsha_pipeline(self.client, self._apply, [keys[i] for i in todo], [args[i] for i in todo])
+            replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
@@ -438,6 +448,57 @@ class ClusterBackend:
                     await asyncio.sleep(0.05)
             todo = again
         return [r for r in results if r is not None]
+
+    async def _pod_steps(self, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
+        """The pod steps, pipelined per primary on its lean connection (packed in C), primaries in
+        parallel; a step the primary refused as not its slot's (MOVED/ASK/TRYAGAIN during resharding or a
+        failover), and every step of a primary that did not answer, goes again through redis-py's routing,
+        in order. Running one again is safe: the seq check answers "dup" for a batch already applied, and
+        a pod's later batches fail on the same slot as its earlier ones, so order within a pod holds."""
+        if not self.client.nodes_manager.slots_cache:
+            await self.client.initialize()
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        routed: list[int] = []
+        for i, k in enumerate(keys):
+            try:
+                node = node_for(self.client, k[0])
+            except VALKEY_ERRORS:
+                routed.append(i)
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        out: list[Any] = [None] * len(keys)
+
+        async def on_node(node, idx: list[int]) -> None:
+            fast = self._fast_for(node)
+            if fast is None:
+                routed.extend(idx)
+                return
+            commands = [("EVALSHA", self._apply.sha, len(keys[i]), *keys[i], *args[i]) for i in idx]
+            try:
+                async with asyncio.timeout(fast.timeout_s):
+                    replies = await fast.pipeline(commands)
+                    if any(isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT") for r in replies):
+                        await fast.execute("SCRIPT", "LOAD", self._apply.script)  # none ran: all again
+                        replies = await fast.pipeline(commands)
+            except (*VALKEY_ERRORS, TimeoutError):
+                await self._reread_map()
+                routed.extend(idx)  # the seq check makes a step that did run answer "dup" when sent again
+                return
+            for i, r in zip(idx, replies):
+                if isinstance(r, ResponseError) and str(r).split(" ", 1)[0] in _REDIRECTS:
+                    routed.append(i)
+                elif isinstance(r, Exception):
+                    raise r
+                else:
+                    out[i] = r
+
+        await asyncio.gather(*(on_node(n, idx) for n, idx in by_node.values()))
+        if routed:
+            routed.sort()
+            for i, r in zip(routed, await evalsha_pipeline(self.client, self._apply, [keys[i] for i in routed],
+                                                            [args[i] for i in routed])):
+                out[i] = r
+        return out
 
     def _maybe_crash(self, point: str, happened: bool) -> None:
         if self._crash_at is not None and happened and self._crash_at[0] == point:
@@ -707,6 +768,10 @@ class ClusterBackend:
             if fast is not None:
                 await fast.close()
         self._fast.clear()
+
+
+# Error replies that say a command reached a primary that does not (or not yet) serve its slot.
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
 
 
 def node_for(client: RedisCluster, key: str):
