@@ -554,9 +554,9 @@ class ClusterBackend:
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         """The default lookup in one round: lookup_bits.lua on every shard over the keys it owns, the
-        shards in parallel; each answers per pod how many of its keys the pod holds from its first (its
-        bitmaps walked here, or bisected there), and ``merge_shards`` ends each pod's prefix at the first
-        key any shard lacks it on. A second round only for a shard whose key moved meanwhile (its keys
+        shards in parallel; each sends its keys' bitmaps (put back in chain order and walked here once) or,
+        where few pods hold its first key, per pod how many of its keys the pod holds from its first
+        (bisected there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on. A second round only for a shard whose key moved meanwhile (its keys
         read through the cluster's routing) or to read a pod's tier at its last key on a layout that is not
         a prefix per pod. A shard that does not answer cuts every prefix at its first key (counts are
         then lower bounds, never silently short). None when a shard's first key holds entries that are
@@ -579,12 +579,30 @@ class ClusterBackend:
                 return None, foreign
             else:
                 replies.append((idx, res))
-        wanted = set()
         epoch = next((res.epoch for _, res in replies if res.epoch), "")
+        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
+        if all(res.kind == 0 for _, res in replies) and not read_entries:
+            # Every shard sent its keys' bitmaps (a prefix many pods hold): put them back in chain order and
+            # walk once, as a single node does, rather than walking each shard's keys and merging per pod
+            # (three walks of a thousand pods). A key a shard did not send lies past the first key nobody
+            # holds on that shard, where every prefix has ended, so it reads as empty. Only the pods at the
+            # chain's first key can match: their names are the ones read.
+            per_key: list[dict[str, bytes] | None] = [None] * len(request_keys)
+            for idx, res in replies:
+                for i, bits in zip(idx, res.reads):
+                    per_key[i] = bits
+            for i, bits in read_bits.items():
+                per_key[i] = bits
+            if unanswered and len(unanswered) == len(request_keys):
+                raise RedisConnectionError("no shard of the cluster answered the lookup")
+            cut = min(unanswered) if unanswered else None
+            first = numbers_in(per_key[0]) if per_key[0] and cut != 0 else []
+            known = await names(first, epoch) if first else {}
+            return Lookup(prefix_from_bits(per_key, known, cut=cut), cut), foreign
+        wanted = set()
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
             wanted.update(num for num, _, _ in res.counts)
-        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
         for bits in read_bits.values():
             wanted.update(numbers_in(bits))
         known = await names(wanted, epoch) if wanted else {}
