@@ -11,6 +11,7 @@ process starts, and every wait below has a deadline.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -78,7 +79,8 @@ class Stack:
                 c.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 c.proc.kill()
-                c.proc.wait(timeout=10)  # gone when up says "stopped." (SIGKILL: a bound it never meets)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # gone before up says "stopped."
+                    c.proc.wait(timeout=10)
         if self.valkey:
             self.valkey.stop()
 

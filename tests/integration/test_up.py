@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.up_procs import MARK, reaped
+from tests.integration.up_procs import MARK, reaped, still_running
 
 pytestmark = pytest.mark.integration
 
@@ -19,6 +19,7 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
         out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
                               "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
                              env=env)
+        assert not still_running(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "predictions exact" in out.stdout and "MISMATCH" not in out.stdout
     assert (tmp_path / ".data" / "valkey" / "appendonlydir").exists()
@@ -43,7 +44,7 @@ def test_up_on_a_local_valkey_cluster(tmp_path):
             assert (tmp_path / ".data" / "valkey-cluster" / "cluster.json").exists()
             assert (tmp_path / ".data" / "valkey-cluster" / "node-0" / "appendonlydir").exists()
         left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-        assert not left, f"processes left running: {left}"
+        assert not left and not still_running(tmp_path), f"processes left running: {left}"
 
 
 FOREIGN_SERVER = """
@@ -95,7 +96,7 @@ def test_up_refuses_a_port_another_server_answers_on(tmp_path):
         assert "ready" not in out.stdout and "predictions exact" not in out.stdout, text
         assert "predictor exited" in out.stderr and "address already in use" in out.stderr.lower(), text
         assert "Traceback" not in text and "stopped." in out.stdout
-        assert not _left_running(tmp_path)
+        assert not _left_running(tmp_path) and not still_running(tmp_path)
 
 
 @pytest.mark.parametrize("signals", [1, 5])
@@ -133,7 +134,7 @@ def test_ctrl_c_is_not_reported_as_a_crash(tmp_path, signals):
         assert "exited (" not in text and "Stopping." not in text, text
         assert "Traceback" not in text and text.rstrip().endswith("stopped."), text
         assert rc == 0, text
-        assert not _left_running(tmp_path)
+        assert not _left_running(tmp_path) and not still_running(tmp_path)
 
 
 def _identity(pid: int) -> tuple[int, int, str] | None:

@@ -49,6 +49,15 @@ def stack_pids(where: Path) -> list[int]:
     return found
 
 
+def still_running(where: Path, within_s: float = 10.0) -> list[int]:
+    """The stack's processes still running after up to ``within_s`` (a process that exits on its pipe's end,
+    such as multiprocessing's resource tracker, may outlive its parent by a moment)."""
+    deadline = time.monotonic() + within_s
+    while (left := stack_pids(where)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def reap(where: Path, grace_s: float = 10.0) -> list[int]:
     """SIGTERM every process of the stack (Valkey writes its AOF out), then SIGKILL what is left after
     ``grace_s``; returns the pids that were found running."""
