@@ -3,11 +3,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.placement import PrefixPlacements
 from kv_preflight.predictor.route import RoutingPolicy, decide
 from kv_preflight.predictor.score import Prediction
+from kv_preflight.predictor.service import prefix_placements
 from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.shared.config import Config
 
 PODS = ["a", "b", "c", "d"]
 
@@ -121,3 +125,15 @@ def test_concurrent_first_requests_of_a_new_prefix_stay_together():
     assert len(place_new_prefixes(None, [42] * 4, dict(loads), busier=True)) == 4  # the old rule: sprayed
     where = place_new_prefixes(memory(Clock()), [42] * 4 + [7] * 4, dict(loads), busier=True)
     assert sorted(where.values()) == [4, 4]
+
+
+def test_config_flags_env_and_off(monkeypatch):
+    monkeypatch.setenv("KVPF_ROUTE_PLACEMENT_WINDOW_S", "30")
+    cfg = Config.load(route_pending_s=2.0)
+    assert (cfg.route_placement_window_s, cfg.route_pending_s) == (30.0, 2.0)
+    m = prefix_placements(cfg)
+    assert m is not None and (m.window_s, m.pending_s) == (30.0, 2.0)
+    assert prefix_placements(Config.load(route_placement_window_s=0)) is None  # off: new prefixes by load only
+    for bad in ({"route_placement_window_s": -1}, {"route_pending_s": -0.5}):
+        with pytest.raises(ValueError):
+            Config.load(**bad)
