@@ -335,6 +335,8 @@ SERVE_OPTIONS = [
     click.Option(["--route-max-kv-usage"], default=None, type=float, help="As serve."),
     click.Option(["--route-good-match"], default=None, type=float, help="As serve."),
     click.Option(["--route-stale", "route_stale_s"], default=None, type=float, help="As serve."),
+    click.Option(["--route-placement-window", "route_placement_window_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
+    click.Option(["--route-pending", "route_pending_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
 ]
 up.params.extend(SERVE_OPTIONS)
 
