@@ -15,6 +15,11 @@ from typing import Any
 
 from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch
 
+try:
+    from kv_preflight.shared import _chain
+except ImportError:  # no compiler at install: the walk below does it all
+    _chain = None
+
 TierBits = Mapping[str, bytes]  # tier -> bitmap, one request key's
 # Pod numbers -> pods, for the numbers given under a numbering's epoch ("": not known); the callee reads
 # its map again if a number is unknown or the epoch is not the one its names were read under.
@@ -120,6 +125,13 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
     prefix stops (counts are then lower bounds). Bits of numbers with no name are ignored.
     """
     end = len(per_key) if cut is None else min(cut, len(per_key))
+    if _chain is not None and wanted is None:
+        one = _one_tier(per_key, end)
+        if one is not None:  # the common case, in C: the per-pod part of a prefix a whole fleet holds
+            maps, tier_at = one
+            name_of = names.get
+            return [PodMatch(pod, held, tier_at[held - 1])
+                    for num, held in _chain.prefix_counts(maps, end) if (pod := name_of(num)) is not None]
     alive = -1  # every pod, until key 1 says which
     if wanted is not None:
         alive = 0
@@ -161,6 +173,28 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
     if end > 0:
         emit(alive, end)
     return out
+
+
+def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
+              ) -> tuple[list[bytes | None], list[str]] | None:
+    """Each key's one bitmap and its tier, where every key up to ``end`` has at most one tier given as
+    bytes (else None: the general walk)."""
+    maps: list[bytes | None] = []
+    tiers: list[str] = []
+    for i in range(end):
+        bits = per_key[i]
+        if not bits:
+            maps.append(None)
+            tiers.append(DEFAULT_TIER)
+        elif len(bits) == 1:
+            ((tier, raw),) = bits.items()
+            if not isinstance(raw, bytes):
+                return None
+            maps.append(raw)
+            tiers.append(tier)
+        else:
+            return None
+    return maps, tiers
 
 
 __all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "numbers", "numbers_in",
