@@ -194,6 +194,7 @@ class Index:
         self._names_at = -1e9
         self._names_lock = asyncio.Lock()
         self._names_epoch = ""  # the numbering's epoch those names were read under (shared/lua/nums.lua)
+        self._names_mask = 0  # bit n set: number n is in self._names
         self._nums_script = client.register_script(scripts.NUMS)
 
     @classmethod
@@ -334,6 +335,7 @@ class Index:
                         pipe.hget(NUMS_NEXT_KEY, "epoch")
                         raw, epoch = await pipe.execute()
                     self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
+                    self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
                     self._names_epoch = text(epoch) if epoch else ""
                     self._names_at = time.monotonic()
         return self._names
@@ -525,9 +527,15 @@ class Index:
         self.foreign_reads += foreign
         return found
 
-    async def _names_for(self, nums: Iterable[int], epoch: str = "") -> dict[int, str]:
+    async def _names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
+        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
+        (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
         names = self._names
-        if (epoch and epoch != self._names_epoch) or any(n not in names for n in nums):
+        if isinstance(nums, int):
+            unknown = bool(nums & ~self._names_mask)
+        else:
+            unknown = any(n not in names for n in nums)
+        if (epoch and epoch != self._names_epoch) or unknown:
             try:
                 names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
             except VALKEY_ERRORS:

@@ -23,17 +23,31 @@ except ImportError:  # no compiler at install: the walk below does it all
 TierBits = Mapping[str, bytes]  # tier -> bitmap, one request key's
 # Pod numbers -> pods, for the numbers given under a numbering's epoch ("": not known); the callee reads
 # its map again if a number is unknown or the epoch is not the one its names were read under.
-NamesFor = Callable[[Iterable[int], str], Awaitable[Mapping[int, str]]]
+# (the numbers as an iterable, or as one bitmap: an int).
+NamesFor = Callable[[Iterable[int] | int, str], Awaitable[Mapping[int, str]]]
 
 
 OUR_COUNT = "#n"  # the field of a bitmap hash counting our entries on the request key (bits.lua)
 
 
+_TIER_NAMES = {b"gpu": "gpu", b"cpu": "cpu", b"disk": "disk"}  # decoded once, not once per key
+_OUR_COUNT_B = OUR_COUNT.encode()
+
+
+def _name(raw: bytes | str) -> str:
+    return raw if isinstance(raw, str) else _TIER_NAMES.get(raw) or raw.decode()
+
+
 def bits_of(flat: Sequence[bytes | str]) -> dict[str, bytes]:
     """One key's bitmap hash (HGETALL: tier, bitmap, ..., "#n", count) as tier -> bitmap."""
+    if len(flat) == 4:  # one tier and our count, in either order (the common case)
+        if flat[2] in (_OUR_COUNT_B, OUR_COUNT):
+            return {_name(flat[0]): flat[1]}
+        if flat[0] in (_OUR_COUNT_B, OUR_COUNT):
+            return {_name(flat[2]): flat[3]}
     out = {}
     for i in range(0, len(flat) - 1, 2):
-        name = flat[i].decode() if isinstance(flat[i], bytes) else flat[i]
+        name = _name(flat[i])
         if name != OUR_COUNT:
             out[name] = flat[i + 1]
     return out
@@ -68,10 +82,15 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
 
 def numbers_in(bits: Mapping[str, bytes | int]) -> list[int]:
     """Every pod number with a bit in one key's bitmaps."""
+    return numbers(mask_of(bits))
+
+
+def mask_of(bits: Mapping[str, bytes | int]) -> int:
+    """One key's bitmaps, every tier's ORed, as an int."""
     mask = 0
     for b in bits.values():
         mask |= as_int(b)
-    return numbers(mask)
+    return mask
 
 
 def as_int(bitmap: bytes | int) -> int:
@@ -197,5 +216,5 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "numbers", "numbers_in",
+__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "mask_of", "numbers", "numbers_in",
            "parse_bits_reply", "prefix_from_bits"]

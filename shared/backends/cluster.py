@@ -45,7 +45,8 @@ from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_res
 from kv_preflight.shared.keys import pack_keys
 from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
                                         request_key_name)
-from kv_preflight.shared.presence import OUR_COUNT, BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
+from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, bits_of, mask_of, numbers_in, parse_bits_reply,
+                                         prefix_from_bits)
 from kv_preflight.shared.resp import FastConnection, script_sha
 from kv_preflight.shared.slots import key_slot, slot_groups, slot_table
 
@@ -596,7 +597,7 @@ class ClusterBackend:
             if unanswered and len(unanswered) == len(request_keys):
                 raise RedisConnectionError("no shard of the cluster answered the lookup")
             cut = min(unanswered) if unanswered else None
-            first = numbers_in(per_key[0]) if per_key[0] and cut != 0 else []
+            first = mask_of(per_key[0]) if per_key[0] and cut != 0 else 0
             known = await names(first, epoch) if first else {}
             return Lookup(prefix_from_bits(per_key, known, cut=cut), cut), foreign
         wanted = set()
