@@ -149,6 +149,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--route-max-kv-usage", default=None, type=float, help="Overloaded at or above this KV usage, 0-1 (default 0.95).")
 @click.option("--route-good-match", default=None, type=float, help="A good match holds at least this fraction of the best overlap (default 0.5).")
 @click.option("--route-stale", "route_stale_s", default=None, type=float, help="Engine load older than this many seconds is unknown (default 5).")
+@click.option("--route-placement-window", "route_placement_window_s", default=None, type=click.FloatRange(min=0), help="A new prefix goes to the pod with the fewest blocks of prefixes routed there within this many seconds (default 60; 0: by load only).")
+@click.option("--route-pending", "route_pending_s", default=None, type=click.FloatRange(min=0), help="A new prefix placed less than this many seconds ago, not indexed yet, goes to the same pod again (default 5).")
 @click.option("--api-keys-file", default=None, type=click.Path(dir_okay=False), help="Require Authorization: Bearer with one of these keys (one per line). Also KVPF_API_KEYS=k1,k2.")
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
@@ -159,7 +161,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
-          register_allow=(), hash_algo=None) -> None:
+          register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None) -> None:
     """Serve predictions and routing over HTTP."""
     from kv_preflight.predictor.main import serve as run_server
 
@@ -177,6 +179,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
             dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
+            route_placement_window_s=route_placement_window_s, route_pending_s=route_pending_s,
         )
         check_serve_files(cfg)
     except ValueError as exc:

@@ -3,9 +3,16 @@
 Starts a private valkey-server on loopback (AOF under ./.data), simulated engines unless real
 ones are given, ingesters, and the predictor. Each child is a real ``kv-preflight`` process with
 its log under .data/logs, so what runs here is what runs in production.
+
+Every child, Valkey included, ends when ``up`` dies, whatever kills it: on Linux the kernel sends it
+SIGTERM (PR_SET_PDEATHSIG, armed between fork and exec; shared/parent_death.py says why that and not a
+watcher); elsewhere a SIGKILLed ``up`` leaves them running. The data directory is checked before any
+process starts, and every wait below has a deadline.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import signal
@@ -19,6 +26,7 @@ import click
 import httpx
 
 from kv_preflight.cli.valkey_cluster import ValkeyCluster
+from kv_preflight.shared import parent_death
 from kv_preflight.shared.config import Config, parse_model_urls
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 
@@ -46,10 +54,11 @@ class Stack:
         log = log_dir / f"{name}.log"
         fh = open(log, "a")
         # A session of its own: Ctrl-C reaches `up` alone, which stops the children in order. Sharing the
-        # terminal's process group, they exited on the same SIGINT, and up took one for a crash.
+        # terminal's process group, they exited on the same SIGINT, and up took one for a crash. Being out of
+        # that group, nothing else would end them if `up` died: the kernel sends them SIGTERM then (Linux).
         proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=parent_death.preexec())
         child = Child(name, proc, log)
         self.children.append(child)
         return child
@@ -70,8 +79,21 @@ class Stack:
                 c.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 c.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # gone before up says "stopped."
+                    c.proc.wait(timeout=10)
         if self.valkey:
             self.valkey.stop()
+
+
+def prepare_data_dir(data_dir: Path) -> None:
+    """The data directory and its logs/, made or refused in one line before any process starts: a path
+    below a file, or one that cannot be written, failed only once Valkey was up (a traceback)."""
+    try:
+        (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if not os.access(data_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as exc:
+        raise click.BadParameter(f"{data_dir}: {exc.strerror or exc}", param_hint="'--data-dir'") from None
 
 
 def last_error(log: Path) -> str:
@@ -189,6 +211,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                     engine_urls=parse_model_urls(engine_urls) if engine_urls else None)
     except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
         raise click.UsageError(str(exc)) from None
+    prepare_data_dir(data_dir)
     # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
     for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
@@ -198,15 +221,18 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         elif cluster:
             step(1, n, f"starting a Valkey Cluster on loopback: 3 masters + 3 replicas (AOF in {data_dir / 'valkey-cluster'}) ...")
             try:
-                stack.valkey = ValkeyCluster(data_dir / "valkey-cluster").start()
-            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+                # the stack holds it before it starts: nodes up when the cluster fails to form are stopped too
+                stack.valkey = ValkeyCluster(data_dir / "valkey-cluster", tied_to_parent=True)
+                stack.valkey.start()
+            except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
                 raise click.ClickException(str(exc)) from None
             valkey_url = stack.valkey.url
         else:
             step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
             try:
-                stack.valkey = ValkeyServer(data_dir / "valkey", appendonly=True).start()
-            except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+                stack.valkey = ValkeyServer(data_dir / "valkey", appendonly=True, tied_to_parent=True)
+                stack.valkey.start()
+            except (OSError, RuntimeError, TimeoutError) as exc:
                 raise click.ClickException(str(exc)) from None
             valkey_url = stack.valkey.url
             click.echo(f"      valkey: {valkey_url}")
@@ -309,6 +335,8 @@ SERVE_OPTIONS = [
     click.Option(["--route-max-kv-usage"], default=None, type=float, help="As serve."),
     click.Option(["--route-good-match"], default=None, type=float, help="As serve."),
     click.Option(["--route-stale", "route_stale_s"], default=None, type=float, help="As serve."),
+    click.Option(["--route-placement-window", "route_placement_window_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
+    click.Option(["--route-pending", "route_pending_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
 ]
 up.params.extend(SERVE_OPTIONS)
 
@@ -357,8 +385,8 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
         dead = stack.check()
         if dead:
             raise click.ClickException(exited(dead))
-        try:
-            if asyncio.run(ready()):
+        try:  # each look bounded too: a Valkey that accepts and never answers must not hold up here
+            if asyncio.run(asyncio.wait_for(ready(), timeout=max(0.5, deadline - time.monotonic()))):
                 time.sleep(1.2)
                 return
         except Exception:  # Valkey busy or not answering yet: asked again

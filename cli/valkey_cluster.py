@@ -51,6 +51,7 @@ class ValkeyCluster:
     node_timeout_ms: int = 2000
     appendonly: bool = True
     debug_command: bool = False
+    tied_to_parent: bool = False  # every node, as ValkeyServer's (`up --cluster`)
     nodes: list[ValkeyServer] = field(default_factory=list, repr=False)
 
     @property
@@ -60,7 +61,8 @@ class ValkeyCluster:
 
     def _node(self, i: int, port: int) -> ValkeyServer:
         d = self.data_dir.resolve() / f"node-{i}"
-        return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command, extra_args=(
+        return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command,
+                            tied_to_parent=self.tied_to_parent, extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
             # a replica of a dead master takes over without waiting for an operator

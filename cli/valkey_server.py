@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from kv_preflight.shared import parent_death
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,6 +46,10 @@ class ValkeyServer:
     # DEBUG (SLEEP, ...) from loopback clients, for fault tests; valkey 7+ refuses it by default
     debug_command: bool = False
     extra_args: tuple[str, ...] = ()  # more valkey-server options (a cluster node's, for one)
+    # `up`'s Valkey: a session of its own, so a terminal's Ctrl-C reaches `up` alone, which stops Valkey
+    # after its clients; and SIGTERM (a clean shutdown, AOF written out) when its starter dies, even by
+    # SIGKILL (Linux, shared/parent_death.py)
+    tied_to_parent: bool = False
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -77,7 +83,9 @@ class ValkeyServer:
             args[args.index("--port") + 1] = "0"
             args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls_cert), "--tls-key-file",
                      str(self.tls_key), "--tls-ca-cert-file", str(self.tls_cert), "--tls-auth-clients", "no"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=self.tied_to_parent,
+                                     preexec_fn=parent_death.preexec() if self.tied_to_parent else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 
 from kv_preflight.predictor.app import create_app
 from kv_preflight.predictor.server import protocol_factory
+from kv_preflight.shared import parent_death
 from kv_preflight.shared.config import Config
 from kv_preflight.shared.logs import setup_logging
 from kv_preflight.shared.metrics import remove_multiprocess_dir, use_multiprocess_dir
@@ -39,6 +40,11 @@ def decode_config(raw: str) -> Config:
 
 def app_from_env() -> Starlette:
     """uvicorn factory for worker processes: the parent's exact Config, else the ``KVPF_*`` env."""
+    import multiprocessing
+
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None:  # a worker ends with `serve`, even one killed by SIGKILL (shared/parent_death.py)
+        parent_death.end_with_parent(supervisor.pid)
     raw = os.environ.get(CONFIG_ENV)
     cfg = decode_config(raw) if raw else Config.load()
     setup_logging(cfg.log_json)  # a fresh worker process has no handlers yet

@@ -8,17 +8,26 @@ share one fetch, so an expiry under load costs one round trip, not one per reque
 the misses of one request are read together, pipelined (``Index.pod_infos``), so a
 prompt that thousands of pods hold costs a few round trips, not thousands of
 concurrent calls (which exhausted the connection pool: a 503).
+
+Only what scoring needs is read (``Index.scoring_infos``: two fields of each pod's meta), and each
+pod is renewed at its own point of its ``ttl_s`` (a fraction fixed by its id): pods first read
+together are renewed in small groups spread over the interval, not as one read of a thousand pods
+that stalls the requests behind it once a second (that lump was the p99 of a fleet-wide prefix).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from kv_preflight.shared.index import Index, PodInfo
+from kv_preflight.shared.index import Index, ScoringInfo
 
 DEFAULT_TTL_S = 1.0
+# A pod is renewed behind the requests once this fraction of its ttl has passed, a fraction
+# between these two fixed by its id (so pods read together are renewed apart).
+RENEW_FROM, RENEW_SPREAD = 0.35, 0.3
 # A model missing from the cached set is re-checked at most this often, so a
 # flood of requests for an unknown model cannot turn into a flood of HGETALLs.
 MODEL_MISS_RECHECK_S = 0.1
@@ -51,46 +60,61 @@ class IndexMetadata:
         self.index = index
         self.ttl_s = ttl_s
         self.clock = clock
-        self._pods: dict[str, tuple[float, PodInfo]] = {}
+        self._pods: dict[str, tuple[float, float, ScoringInfo]] = {}  # pod -> (renew at, expires at, info)
         self._models: frozenset[str] = frozenset()
         self._pod_models: dict[str, str] = {}
         self._models_at: float | None = None
         self._flight = _SingleFlight()
         self._pod_tasks: dict[str, asyncio.Task] = {}  # pod -> the fetch that is reading it now
+        self._renewing: asyncio.Task | None = None  # the renewal behind the requests, if one is running
 
-    async def pod_infos(self, pod_ids: Iterable[str]) -> dict[str, PodInfo]:
+    async def pod_infos(self, pod_ids: Iterable[str]) -> dict[str, ScoringInfo]:
         """Info for each pod: cached while younger than ``ttl_s``, else fetched (stale pods in one pipelined read).
 
-        An entry past half its ``ttl_s`` is answered from the cache and read again behind the request,
-        so under steady traffic entries are renewed before they expire: a prompt a thousand pods hold
-        would otherwise wait, once a second, for a thousand pods' metadata (tens of ms, the p99 of such
-        prompts). A change still shows within ``ttl_s`` (plus one read): an expired entry is read first."""
+        An entry past its renewal point (35-65 % of ``ttl_s``, by pod) is answered from the cache and read
+        again behind the request, so under steady traffic entries are renewed before they expire: a prompt
+        a thousand pods hold would otherwise wait, once a second, for a thousand pods' metadata (tens of
+        ms, the p99 of such prompts). A change still shows within ``ttl_s`` (plus one read): an expired
+        entry is read first."""
         now = self.clock()
-        out: dict[str, PodInfo] = {}
+        out: dict[str, ScoringInfo] = {}
         stale: list[str] = []
         behind: list[str] = []
+        pods = self._pods
         for pod in pod_ids:
-            hit = self._pods.get(pod)
-            if hit is not None and hit[0] > now:
-                out[pod] = hit[1]
-                if hit[0] - now < self.ttl_s / 2:
+            hit = pods.get(pod)
+            if hit is not None and hit[1] > now:
+                out[pod] = hit[2]
+                if hit[0] <= now:
                     behind.append(pod)
             else:
                 stale.append(pod)
-        if behind:
-            self._start_fetch(behind)  # errors are retrieved in _pods_done; the entry expires as before
+        if behind and self._renewing is None:
+            # One renewal in flight at a time: under load many requests would each start one (and each
+            # take connections on every shard); the pods left due are renewed by the next request after it.
+            task = self._renewing = asyncio.ensure_future(self._renew(behind))
+            task.add_done_callback(self._renewed)
         if stale:
             out.update(await self._fetch_pods(stale))
         return out
 
-    async def _fetch_pods(self, pods: list[str]) -> dict[str, PodInfo]:
+    async def _fetch_pods(self, pods: list[str]) -> dict[str, ScoringInfo]:
         """Pods another request is already fetching are awaited; the rest are read in one pipelined fetch."""
         tasks = self._start_fetch(pods)
-        out: dict[str, PodInfo] = {}
+        out: dict[str, ScoringInfo] = {}
         for task in dict.fromkeys(tasks.values()):
             # shield: a waiter that gives up (timeout, disconnect) must not cancel the others' fetch
             out.update(await asyncio.shield(task))
         return {pod: out[pod] for pod in pods}
+
+    async def _renew(self, pods: list[str]) -> None:
+        for task in dict.fromkeys(self._start_fetch(pods).values()):
+            await asyncio.shield(task)
+
+    def _renewed(self, task: asyncio.Task) -> None:
+        self._renewing = None
+        if not task.cancelled():
+            task.exception()  # errors are retrieved here; the entries expire as before and are read then
 
     def _start_fetch(self, pods: list[str]) -> dict[str, asyncio.Task]:
         """The fetch reading each pod: one already running, or one new pipelined fetch for the rest."""
@@ -134,13 +158,15 @@ class IndexMetadata:
         await self.known_models()
         return frozenset(self._pod_models)
 
-    async def _load_pods(self, pods: list[str]) -> dict[str, PodInfo]:
-        infos = await self.index.pod_infos(pods)
+    async def _load_pods(self, pods: list[str]) -> dict[str, ScoringInfo]:
+        infos = await self.index.scoring_infos(pods)
         now = self.clock()
+        ttl = self.ttl_s
         for info in infos:
-            self._pods[info.pod_id] = (now + self.ttl_s, info)
+            share = zlib.crc32(info.pod_id.encode()) / 0xFFFFFFFF
+            self._pods[info.pod_id] = (now + ttl * (RENEW_FROM + RENEW_SPREAD * share), now + ttl, info)
         if len(self._pods) > 4096:  # pods come and go; never let departed ones pile up
-            self._pods = {p: e for p, e in self._pods.items() if e[0] > now}
+            self._pods = {p: e for p, e in self._pods.items() if e[1] > now}
         return {info.pod_id: info for info in infos}
 
     async def _load_models(self) -> None:

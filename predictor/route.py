@@ -20,9 +20,14 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    can be called overloaded (before, it never could, and everything went to it).
 4. The best-overlap pod wins unless overloaded. Then the least loaded of the *good
    matches* (not overloaded, overlap >= ``good_match`` x the best's) wins; with no
-   good match, the least loaded pod at all. With no overlap anywhere, the least
-   loaded pod; ties (pods without load data tie at the mean) fall to a rendezvous hash
-   of the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
+   good match, the least loaded pod at all.
+5. With no overlap anywhere the prompt's prefix is new, and where it goes it stays (later
+   requests follow the cache), so it is placed by cache room, not by this second's load: a
+   prefix still *pending* (placed on a pod moments ago, not indexed yet) goes there again;
+   else the non-overloaded pod with the fewest blocks of other recent prefixes homed on it
+   (``footprints``, predictor/placement.py), then the least loaded, then a rendezvous hash of
+   the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
+   Without footprints (none known yet) that is the least loaded pod, as before.
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    recent_prefix_blocks: int | None = None  # blocks of other recent prefixes homed here (placement hint)
 
 
 class RouteDecision(msgspec.Struct, frozen=True):
@@ -99,6 +105,8 @@ def decide(
     policy: RoutingPolicy,
     ttft: PrefillModel,
     affinity_key: int = 0,
+    footprints: Mapping[str, int] | None = None,
+    pending: str | None = None,
 ) -> RouteDecision:
     n = prediction.total_prompt_tokens
     by_pod = {a.pod_id: a for a in prediction.pod_affinities}
@@ -145,6 +153,7 @@ def decide(
             assumed_load=round(known_mean, 3) if ld is None and known_mean is not None else None,
             running=ld.running if ld else None, waiting=ld.waiting if ld else None,
             kv_usage=round(ld.kv_usage, 4) if ld else None,
+            recent_prefix_blocks=footprints.get(pod) if footprints else None,
         ))
     cands.sort(key=lambda c: (-c.weighted_overlap, c.pod_id))
 
@@ -168,8 +177,18 @@ def decide(
     best = least_loaded([c for c in cands if c.weighted_overlap == top])
     if top <= 0:
         pool = [c for c in cands if not c.overloaded] or cands
-        chosen = least_loaded(pool)
-        how = "least loaded" if scores else "no load data, spread by prefix hash"
+        held = next((c for c in pool if c.pod_id == pending), None)
+        if held is not None:
+            return decision(held, "no_overlap", f"no pod holds a prefix of this prompt yet; it was just placed on "
+                            f"{held.pod_id} (pending: not indexed yet), so it goes there again", None)
+        room = footprints or {}
+        chosen = min(pool, key=lambda c: (room.get(c.pod_id, 0), effective(c.pod_id),
+                                          -rendezvous(affinity_key, c.pod_id)))
+        if any(room.get(c.pod_id, 0) for c in pool):
+            how = f"the pod with the fewest blocks of other recent prefixes ({room.get(chosen.pod_id, 0)})"
+            how += ", then least loaded" if scores else ", then by prefix hash"
+        else:
+            how = "least loaded" if scores else "no load data, spread by prefix hash"
         return decision(chosen, "no_overlap", f"no pod holds a prefix of this prompt: {how}", None)
     if not best.overloaded:
         return decision(best, "best_overlap", f"{best.pod_id} holds the most of this prompt "

@@ -25,7 +25,7 @@ class Match(Protocol):
     tier: str
 
 
-class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True):
+class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  # scalars only: see PodMatch
     pod_id: str
     cached_blocks: int  # canonical blocks matched, before engine-block rounding
     cached_tokens: int  # what the engine would actually reuse

@@ -21,6 +21,7 @@ from kv_preflight.predictor.fleet import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.placement import PlacementHint, PrefixPlacements
 from kv_preflight.predictor.prompt_warnings import PromptWarnings
 from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_token_count
 from kv_preflight.predictor.route import RouteDecision, RoutingPolicy, decide
@@ -69,6 +70,7 @@ class Predictor:
     warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
     traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
+    placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -94,6 +96,7 @@ class Predictor:
             cfg=cfg, index=index, tokenizer=engine,
             metadata=IndexMetadata(index), counters=ProcessCounters(), owns_index=owns,
             tokenization=tokenization, ttft=ttft, policy=routing_policy(cfg), load=load, fleet=fleet,
+            placements=prefix_placements(cfg),
         )
 
     @property
@@ -205,10 +208,25 @@ class Predictor:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
         candidates = await self._route_candidates(model, prediction, pods)
         loads = {p: self._load_of(p) for p in candidates}
+        # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
+        hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
-                          affinity_key=keys[0] if keys else n_tokens)
+                          affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
+                          pending=hint.pending)
+        if self.placements is not None and keys and decision.pod_id is not None:
+            self._note_placement(keys[0], len(keys), prediction, decision)
         self.metrics.route(decision.reason)
         return decision
+
+    def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
+        """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""
+        assert self.placements is not None and decision.pod_id is not None
+        if decision.best_overlap_pod is None:
+            self.placements.placed(prefix, decision.pod_id, blocks)
+            return
+        best = next((a for a in prediction.pod_affinities if a.pod_id == decision.best_overlap_pod), None)
+        if best is not None:
+            self.placements.seen(prefix, best.pod_id, best.cached_blocks)
 
     async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
         """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.
@@ -350,6 +368,12 @@ class Predictor:
         await self.tokenizer.aclose()
         if self.owns_index:
             await self.index.close()
+
+
+def prefix_placements(cfg: Config) -> PrefixPlacements | None:
+    if cfg.route_placement_window_s <= 0:
+        return None
+    return PrefixPlacements(window_s=cfg.route_placement_window_s, pending_s=cfg.route_pending_s)
 
 
 def routing_policy(cfg: Config) -> RoutingPolicy:

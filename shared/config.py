@@ -75,6 +75,11 @@ class Config:
     route_max_kv_usage: float = 0.95
     route_good_match: float = 0.5
     route_stale_s: float = 5.0
+    # New prefixes placed by cache room (docs/routing.md, predictor/placement.py): a prefix not routed for
+    # this long no longer counts on its pod (0: no placement memory, new prefixes by load only), and one
+    # placed less than route_pending_s ago that the index does not show yet goes to the same pod again.
+    route_placement_window_s: float = 60.0
+    route_pending_s: float = 5.0
     # Request limits (predictor): the pods filter's length, and the time to read a request's headers, then
     # its body (a slow client must not hold a connection forever).
     max_pods_filter: int = 1024
@@ -159,6 +164,8 @@ class Config:
             raise ValueError("route_good_match must be in [0, 1]")
         if any(w < 0 for w in self.route_tier_weights.values()):
             raise ValueError("route_tier_weights must not be negative")
+        if self.route_placement_window_s < 0 or self.route_pending_s < 0:
+            raise ValueError("route_placement_window_s and route_pending_s must be >= 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a port number (0: off)")
         if self.max_frame_bytes < 4096 or self.max_queue_bytes < self.max_frame_bytes:

@@ -183,8 +183,10 @@ class Lookup:
         return self.unanswered_from is not None
 
 
-class PodMatch(msgspec.Struct, frozen=True):
-    """A pod's prefix of a chain (a Struct: a lookup makes one per pod, 1,000 on a fleet-wide prefix)."""
+class PodMatch(msgspec.Struct, frozen=True, gc=False):
+    """A pod's prefix of a chain (a Struct: a lookup makes one per pod, 1,000 on a fleet-wide prefix;
+    untracked by the garbage collector, as it holds only a str and ints: a thousand tracked objects per
+    prediction set off a collection every request or two, the largest share of a prediction's time)."""
 
     pod_id: str
     blocks: int  # consecutive request-key blocks from the start of the chain

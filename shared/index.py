@@ -65,6 +65,33 @@ _POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts
                  "reannounced", "foreign_keys", "corrupt")
 
 
+@dataclass(frozen=True)
+class ScoringInfo:
+    """What scoring needs of a pod (its engine block size, whether its index may miss blocks): the
+    predictor reads this for every pod a prompt matches, so it is two fields of the pod's meta, not
+    all of it (a prompt a thousand pods hold re-reads a thousand pods' worth every second)."""
+
+    pod_id: str
+    engine_block_size: int | None
+    incomplete: bool
+
+
+def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
+    """A pod's ScoringInfo from ``HMGET meta engine_block_size incomplete``. State we did not write (a
+    key of another type, a block size that is not a number) makes the pod incomplete, never an error."""
+    if isinstance(reply, Exception):
+        return ScoringInfo(pod_id, None, True)
+    raw_ebs, raw_inc = reply
+    ebs = None
+    bad = False
+    if raw_ebs:
+        try:
+            ebs = int(raw_ebs)
+        except ValueError:
+            bad = True
+    return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"))
+
+
 def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
     """A pod's metadata from HGETALL and HLEN replies. State we did not write (a non-integer seq,
     a key of another type) makes the pod incomplete with the reason, never an exception."""
@@ -172,6 +199,7 @@ class Index:
         self._names_at = -1e9
         self._names_lock = asyncio.Lock()
         self._names_epoch = ""  # the numbering's epoch those names were read under (shared/lua/nums.lua)
+        self._names_mask = 0  # bit n set: number n is in self._names
         self._nums_script = client.register_script(scripts.NUMS)
 
     @classmethod
@@ -318,6 +346,7 @@ class Index:
                         pipe.hget(NUMS_NEXT_KEY, "epoch")
                         raw, epoch = await pipe.execute()
                     self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
+                    self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
                     self._names_epoch = text(epoch) if epoch else ""
                     self._names_at = time.monotonic()
         return self._names
@@ -511,9 +540,15 @@ class Index:
         self.foreign_reads += foreign
         return found
 
-    async def _names_for(self, nums: Iterable[int], epoch: str = "") -> dict[int, str]:
+    async def _names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
+        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
+        (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
         names = self._names
-        if (epoch and epoch != self._names_epoch) or any(n not in names for n in nums):
+        if isinstance(nums, int):
+            unknown = bool(nums & ~self._names_mask)
+        else:
+            unknown = any(n not in names for n in nums)
+        if (epoch and epoch != self._names_epoch) or unknown:
             try:
                 names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
             except VALKEY_ERRORS:
@@ -574,6 +609,24 @@ class Index:
                 replies = await self._read_pipeline(fill)
             for j, p in enumerate(part):
                 out.append(pod_info_from(p, replies[2 * j], replies[2 * j + 1]))
+        return out
+
+    async def scoring_infos(self, pod_ids: Sequence[str], chunk: int = 1000) -> list[ScoringInfo]:
+        """Several pods' ScoringInfo, pipelined ``chunk`` pods per round trip: one HMGET each."""
+        out: list[ScoringInfo] = []
+        fields = ("engine_block_size", "incomplete")
+        fast = getattr(self.backend, "fast", None)
+        for i in range(0, len(pod_ids), chunk):
+            part = pod_ids[i:i + chunk]
+            if fast is not None:
+                replies = await fast.pipeline([("HMGET", pod_meta_key(p), *fields) for p in part])
+            else:
+                def fill(pipe, part=part) -> None:
+                    for p in part:
+                        pipe.hmget(pod_meta_key(p), fields)
+
+                replies = await self._read_pipeline(fill)
+            out.extend(scoring_info_from(p, r) for p, r in zip(part, replies))
         return out
 
     async def _read_pipeline(self, fill) -> list[Any]:
@@ -724,7 +777,7 @@ class Index:
 
 
 __all__ = [
-    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "RedisError",
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "ScoringInfo", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -15,20 +15,39 @@ from typing import Any
 
 from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch
 
+try:
+    from kv_preflight.shared import _chain
+except ImportError:  # no compiler at install: the walk below does it all
+    _chain = None
+
 TierBits = Mapping[str, bytes]  # tier -> bitmap, one request key's
 # Pod numbers -> pods, for the numbers given under a numbering's epoch ("": not known); the callee reads
 # its map again if a number is unknown or the epoch is not the one its names were read under.
-NamesFor = Callable[[Iterable[int], str], Awaitable[Mapping[int, str]]]
+# (the numbers as an iterable, or as one bitmap: an int).
+NamesFor = Callable[[Iterable[int] | int, str], Awaitable[Mapping[int, str]]]
 
 
 OUR_COUNT = "#n"  # the field of a bitmap hash counting our entries on the request key (bits.lua)
 
 
+_TIER_NAMES = {b"gpu": "gpu", b"cpu": "cpu", b"disk": "disk"}  # decoded once, not once per key
+_OUR_COUNT_B = OUR_COUNT.encode()
+
+
+def _name(raw: bytes | str) -> str:
+    return raw if isinstance(raw, str) else _TIER_NAMES.get(raw) or raw.decode()
+
+
 def bits_of(flat: Sequence[bytes | str]) -> dict[str, bytes]:
     """One key's bitmap hash (HGETALL: tier, bitmap, ..., "#n", count) as tier -> bitmap."""
+    if len(flat) == 4:  # one tier and our count, in either order (the common case)
+        if flat[2] in (_OUR_COUNT_B, OUR_COUNT):
+            return {_name(flat[0]): flat[1]}
+        if flat[0] in (_OUR_COUNT_B, OUR_COUNT):
+            return {_name(flat[2]): flat[3]}
     out = {}
     for i in range(0, len(flat) - 1, 2):
-        name = flat[i].decode() if isinstance(flat[i], bytes) else flat[i]
+        name = _name(flat[i])
         if name != OUR_COUNT:
             out[name] = flat[i + 1]
     return out
@@ -66,10 +85,15 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
 
 def numbers_in(bits: Mapping[str, bytes | int]) -> list[int]:
     """Every pod number with a bit in one key's bitmaps."""
+    return numbers(mask_of(bits))
+
+
+def mask_of(bits: Mapping[str, bytes | int]) -> int:
+    """One key's bitmaps, every tier's ORed, as an int."""
     mask = 0
     for b in bits.values():
         mask |= as_int(b)
-    return numbers(mask)
+    return mask
 
 
 def as_int(bitmap: bytes | int) -> int:
@@ -123,6 +147,13 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
     prefix stops (counts are then lower bounds). Bits of numbers with no name are ignored.
     """
     end = len(per_key) if cut is None else min(cut, len(per_key))
+    if _chain is not None and wanted is None:
+        one = _one_tier(per_key, end)
+        if one is not None:  # the common case, in C: the per-pod part of a prefix a whole fleet holds
+            maps, tier_at = one
+            name_of = names.get
+            return [PodMatch(pod, held, tier_at[held - 1])
+                    for num, held in _chain.prefix_counts(maps, end) if (pod := name_of(num)) is not None]
     alive = -1  # every pod, until key 1 says which
     if wanted is not None:
         alive = 0
@@ -130,20 +161,29 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
             alive |= 1 << n
     last_bits: dict[str, int] = {}
     out: list[PodMatch] = []
+    add = out.append
+    name_of = names.get
 
     def emit(mask: int, held: int) -> None:
         for tier, part in _tiers_at(last_bits, mask).items():
             for n in numbers(part):
-                pod = names.get(n)
+                pod = name_of(n)
                 if pod is not None:
-                    out.append(PodMatch(pod, held, tier))
+                    add(PodMatch(pod, held, tier))
 
     for i in range(end):
-        tiers = per_key[i] or {}
-        bits = {t: as_int(b) for t, b in tiers.items()}
-        present = 0
-        for b in bits.values():
-            present |= b
+        tiers = per_key[i]
+        if not tiers:
+            bits, present = {}, 0
+        elif len(tiers) == 1:  # one tier (the common case): no per-tier loop
+            ((tier, raw),) = tiers.items()
+            present = raw if isinstance(raw, int) else int.from_bytes(raw, "little")
+            bits = {tier: present}
+        else:
+            bits = {t: as_int(b) for t, b in tiers.items()}
+            present = 0
+            for b in bits.values():
+                present |= b
         if i > 0:
             stopped = alive & ~present
             if stopped:
@@ -157,5 +197,27 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
     return out
 
 
-__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "numbers", "numbers_in",
+def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
+              ) -> tuple[list[bytes | None], list[str]] | None:
+    """Each key's one bitmap and its tier, where every key up to ``end`` has at most one tier given as
+    bytes (else None: the general walk)."""
+    maps: list[bytes | None] = []
+    tiers: list[str] = []
+    for i in range(end):
+        bits = per_key[i]
+        if not bits:
+            maps.append(None)
+            tiers.append(DEFAULT_TIER)
+        elif len(bits) == 1:
+            ((tier, raw),) = bits.items()
+            if not isinstance(raw, bytes):
+                return None
+            maps.append(raw)
+            tiers.append(tier)
+        else:
+            return None
+    return maps, tiers
+
+
+__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "mask_of", "numbers", "numbers_in",
            "parse_bits_reply", "prefix_from_bits"]

@@ -27,8 +27,7 @@ import os
 import socket
 import time
 import uuid
-from binascii import crc_hqx
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,8 +45,10 @@ from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_res
 from kv_preflight.shared.keys import pack_keys
 from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
                                         request_key_name)
-from kv_preflight.shared.presence import OUR_COUNT, BitsReply, NamesFor, bits_of, numbers_in, parse_bits_reply, prefix_from_bits
+from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, bits_of, mask_of, numbers_in, parse_bits_reply,
+                                         prefix_from_bits)
 from kv_preflight.shared.resp import FastConnection, script_sha
+from kv_preflight.shared.slots import key_slot, slot_groups, slot_table
 
 _unpack = msgspec.msgpack.Decoder()
 log = logging.getLogger("kvpf.index")
@@ -214,7 +215,7 @@ class ReplicationBarrier:
     async def confirm(self, keys: Iterable[str]) -> bool:
         nodes = {}
         for k in keys:
-            node = self.client.get_node_from_key(k)
+            node = node_for(self.client, k)  # redis-py's get_node_from_key: ~10 µs of Python a key
             nodes[node.name] = node
         if not nodes:
             return True
@@ -230,9 +231,11 @@ class ReplicationBarrier:
 class ClusterEffects:
     """Runs outbox entries on their shards (step 2) and deletes them once replicated (step 3)."""
 
-    def __init__(self, client: RedisCluster, unlink_script: str, *, writer: str = ""):
+    def __init__(self, client: RedisCluster, unlink_script: str, *, writer: str = "",
+                 fast_for: Callable[[Any], FastConnection | None] | None = None):
         self.client = client
         self.writer = writer
+        self.fast_for = fast_for  # a primary's lean connection (None: redis-py carries the effects)
         self._unlink = client.register_script(unlink_script)
         self._effects = client.register_script(scripts.EFFECTS_SHARD)
         self._bit = client.register_script(scripts.BIT_EFFECT)
@@ -258,11 +261,19 @@ class ClusterEffects:
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             args = [a for i in idx for a in effects[i][2]]
-            try:
-                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
-            except NoScriptError:
-                await self.client.script_load(self._effects.script)
-                reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+            fast = self.fast_for(node) if self.fast_for is not None else None
+            if fast is not None:  # packed in C: redis-py's Python packing was most of a cluster batch's time
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        reply = await fast.evalsha(self._effects.sha, self._effects.script, args)
+                except TimeoutError:
+                    raise RedisConnectionError(f"{node.name} did not answer the effects in time") from None
+            else:
+                try:
+                    reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
+                except NoScriptError:
+                    await self.client.script_load(self._effects.script)
+                    reply = await self.client.execute_command("EVALSHA", self._effects.sha, 0, *args, target_nodes=node)
             moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
             return int(reply[1]), text(reply[2])
 
@@ -366,11 +377,12 @@ class ClusterBackend:
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
+        self._table: tuple[Any, bytes, list[Any]] | None = None  # (the slot map it was built from, table, primaries)
         # first request key of a chain -> the pods a shard bisected on it last time: their meta is read beside
         # the shards' round when the chain comes again (a prompt's prefix is looked up many times), so the
         # check that they may be bisected costs no round of its own (bounded, oldest dropped first)
         self._bisected_at: dict[int, frozenset[str]] = {}
-        self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg())
+        self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg(), fast_for=self._fast_for)
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         self.gap_walks = 0  # pods a lookup walked key by key rather than bisected (orphan keys, a pending gap)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
@@ -393,7 +405,7 @@ class ClusterBackend:
         todo = list(range(len(pods)))
         deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
         while todo:
-            replies = await evalsha_pipeline(self.client, self._apply, [keys[i] for i in todo], [args[i] for i in todo])
+            replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
@@ -443,6 +455,57 @@ class ClusterBackend:
             todo = again
         return [r for r in results if r is not None]
 
+    async def _pod_steps(self, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
+        """The pod steps, pipelined per primary on its lean connection (packed in C), primaries in
+        parallel; a step the primary refused as not its slot's (MOVED/ASK/TRYAGAIN during resharding or a
+        failover), and every step of a primary that did not answer, goes again through redis-py's routing,
+        in order. Running one again is safe: the seq check answers "dup" for a batch already applied, and
+        a pod's later batches fail on the same slot as its earlier ones, so order within a pod holds."""
+        if not self.client.nodes_manager.slots_cache:
+            await self.client.initialize()
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        routed: list[int] = []
+        for i, k in enumerate(keys):
+            try:
+                node = node_for(self.client, k[0])
+            except VALKEY_ERRORS:
+                routed.append(i)
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        out: list[Any] = [None] * len(keys)
+
+        async def on_node(node, idx: list[int]) -> None:
+            fast = self._fast_for(node)
+            if fast is None:
+                routed.extend(idx)
+                return
+            commands = [("EVALSHA", self._apply.sha, len(keys[i]), *keys[i], *args[i]) for i in idx]
+            try:
+                async with asyncio.timeout(fast.timeout_s):
+                    replies = await fast.pipeline(commands)
+                    if any(isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT") for r in replies):
+                        await fast.execute("SCRIPT", "LOAD", self._apply.script)  # none ran: all again
+                        replies = await fast.pipeline(commands)
+            except (*VALKEY_ERRORS, TimeoutError):
+                await self._reread_map()
+                routed.extend(idx)  # the seq check makes a step that did run answer "dup" when sent again
+                return
+            for i, r in zip(idx, replies):
+                if isinstance(r, ResponseError) and str(r).split(" ", 1)[0] in _REDIRECTS:
+                    routed.append(i)
+                elif isinstance(r, Exception):
+                    raise r
+                else:
+                    out[i] = r
+
+        await asyncio.gather(*(on_node(n, idx) for n, idx in by_node.values()))
+        if routed:
+            routed.sort()
+            for i, r in zip(routed, await evalsha_pipeline(self.client, self._apply, [keys[i] for i in routed],
+                                                            [args[i] for i in routed])):
+                out[i] = r
+        return out
+
     def _maybe_crash(self, point: str, happened: bool) -> None:
         if self._crash_at is not None and happened and self._crash_at[0] == point:
             self._crash_at[1] -= 1
@@ -487,6 +550,7 @@ class ClusterBackend:
         for idx, res in await self._each_shard(by_node, shard, unanswered):
             if res[1]:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+                self._table = None
                 foreign += res[0]
             else:
                 shards.append((idx, res[2]))
@@ -496,8 +560,9 @@ class ClusterBackend:
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         """The default lookup: lookup_bits.lua on every shard over the keys it owns, the shards in parallel;
-        each answers per pod how many of its keys the pod holds from its first (its bitmaps walked here, or
-        bisected there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
+        each sends its keys' bitmaps (put back in chain order and walked here once, when every shard did) or,
+        where few pods hold its first key, per pod how many of its keys the pod holds from its first (bisected
+        there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
 
         A bisected pod's count is exact only when its keys are closed under "parent" (pod meta
         "orphan_keys" is 0, shared/lua/pod.lua) at every version a shard may show (no outbox entry left
@@ -531,6 +596,7 @@ class ClusterBackend:
             foreign += res.foreign
             if res.moved:
                 reread.extend(idx)  # a key moved since the map was read: all its keys, through the routing
+                self._table = None
             elif res.kind == 2:
                 if early is not None:
                     early.cancel()
@@ -539,29 +605,44 @@ class ClusterBackend:
                 replies.append((idx, res))
                 if res.kind == 1 and res.counts:
                     bisected.append((node, idx, res))
-        wanted = set()
         epoch = next((res.epoch for _, res in replies if res.epoch), "")
+        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
+        if all(res.kind == 0 for _, res in replies) and not read_entries:
+            # Every shard sent its keys' bitmaps (a prefix many pods hold): put them back in chain order and
+            # walk once, as a single node does, rather than walking each shard's keys and merging per pod
+            # (three walks of a thousand pods). A key a shard did not send lies past the first key nobody
+            # holds on that shard, where every prefix has ended, so it reads as empty. Only the pods at the
+            # chain's first key can match: their names are the ones read.
+            per_key: list[dict[str, bytes] | None] = [None] * len(request_keys)
+            for idx, res in replies:
+                for i, bits in zip(idx, res.reads):
+                    per_key[i] = bits
+            for i, bits in read_bits.items():
+                per_key[i] = bits
+            if unanswered and len(unanswered) == len(request_keys):
+                raise RedisConnectionError("no shard of the cluster answered the lookup")
+            cut = min(unanswered) if unanswered else None
+            first = mask_of(per_key[0]) if per_key[0] and cut != 0 else 0
+            known = await names(first, epoch) if first else {}
+            if early is not None:
+                early.cancel()  # nothing was bisected: no pod's state matters
+            return Lookup(prefix_from_bits(per_key, known, cut=cut), cut), foreign
+        wanted = set()
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
             wanted.update(num for num, _, _ in res.counts)
+        for bits in read_bits.values():
+            wanted.update(numbers_in(bits))
         known = await names(wanted, epoch) if wanted else {}
         bisected_pods = {known[num] for _, _, res in bisected for num, _, _ in res.counts if num in known}
         prefetched: set[str] = await early if early is not None else set()
         unread = bisected_pods - (guess or frozenset())
-        (read_bits, read_entries), gapped = await asyncio.gather(
-            self._read_keys(request_keys, sorted(reread), unanswered) if reread else _nothing(({}, {})),
-            self.pods_with_gaps(unread) if unread else _nothing(set()))
+        gapped = await self.pods_with_gaps(unread) if unread else set()
         gapped |= prefetched & bisected_pods
         if bisected_pods and self._bisected_at.get(request_keys[0]) != bisected_pods:
             if len(self._bisected_at) >= 4096:
                 del self._bisected_at[next(iter(self._bisected_at))]
             self._bisected_at[request_keys[0]] = frozenset(bisected_pods)
-        if read_bits:
-            more = set()
-            for bits in read_bits.values():
-                more.update(numbers_in(bits))
-            if more - set(known):
-                known = await names(more | set(known), epoch)
         if gapped:  # walk those pods, on the shards that bisected them
             numbers_of = {name: num for num, name in known.items()}
             again = []
@@ -701,19 +782,26 @@ class ClusterBackend:
 
     async def _keys_by_node(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]], set[int]]:
         """The chain's positions per primary, from the slot map (positions whose slot no node serves now
-        are returned apart: unanswered)."""
+        are returned apart: unanswered). Slots are computed in C through a slot -> primary table built
+        once per slot map (shared/slots.py)."""
         if not self.client.nodes_manager.slots_cache:
             await self.client.initialize()  # a new client learns the slot map on its first command
-        unanswered: set[int] = set()
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for i, k in enumerate(request_keys):
-            try:
-                node = node_for(self.client, request_key_name(k))
-            except VALKEY_ERRORS:
-                unanswered.add(i)  # its slot is served by no node now
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
-        return by_node, unanswered
+        table, nodes = self._slot_table()
+        groups = slot_groups(request_keys, table, len(nodes))
+        by_node = {node.name: (node, idx) for node, idx in zip(nodes, groups) if idx}
+        return by_node, set(groups[-1])
+
+    def _slot_table(self) -> tuple[bytes, list[Any]]:
+        """(slot -> primary index, primaries) for the client's current slot map: rebuilt when redis-py
+        replaces the map (it learns it again) or when a lookup found a key moved (redis-py may have
+        patched one slot in place after a MOVED)."""
+        cache = self.client.nodes_manager.slots_cache
+        if self._table is None or self._table[0] is not cache:
+            primaries = {slot: holders[0] for slot, holders in cache.items() if holders}
+            table, names = slot_table({slot: node.name for slot, node in primaries.items()})
+            by_name = {node.name: node for node in primaries.values()}
+            self._table = (cache, table, [by_name[n] for n in names])
+        return self._table[1], self._table[2]
 
     async def _on_shard(self, node, script, args: list[Any]) -> Any:
         """A read-only script on one primary, with no declared keys: on its lean connection, else through
@@ -801,16 +889,15 @@ class ClusterBackend:
         self._fast.clear()
 
 
+# Error replies that say a command reached a primary that does not (or not yet) serve its slot.
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
+
+
 def node_for(client: RedisCluster, key: str):
     """The primary that owns a key, from the client's slot map. redis-py's get_node_from_key costs
     ~10 µs of Python per key (a lookup has hundreds); CRC16 from binascii costs well under one.
     SlotNotCoveredError (a RedisClusterException) when no node serves the slot."""
-    start = key.find("{")
-    if start != -1:
-        end = key.find("}", start + 1)
-        if end > start + 1:
-            key = key[start + 1:end]
-    holders = client.nodes_manager.slots_cache.get(crc_hqx(key.encode(), 0) % 16384)
+    holders = client.nodes_manager.slots_cache.get(key_slot(key))
     if not holders:
         raise SlotNotCoveredError(f"no node serves the slot of {key!r}")
     return holders[0]

@@ -11,7 +11,7 @@ from kv_preflight.shared import scripts
 from kv_preflight.shared.backends.base import evalsha_pipeline, ready
 from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
 from kv_preflight.shared.keys import pack_keys
-from kv_preflight.shared.presence import NamesFor, numbers_in, parse_bits_reply, prefix_from_bits
+from kv_preflight.shared.presence import NamesFor, mask_of, parse_bits_reply, prefix_from_bits
 from kv_preflight.shared.resp import FastConnection
 
 
@@ -73,7 +73,7 @@ class SingleNodeBackend:
             return None, r.foreign
         if r.kind == 0:
             per_key = r.reads
-            known = await names(numbers_in(per_key[0]) if per_key else [], r.epoch)
+            known = await names(mask_of(per_key[0]) if per_key else 0, r.epoch)
             return Lookup(prefix_from_bits(per_key, known)), r.foreign
         known = await names([num for num, _, _ in r.counts], r.epoch)
         return Lookup([PodMatch(known[num], held, tier) for num, held, tier in r.counts if num in known]), r.foreign

@@ -9,13 +9,16 @@ import sys
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
+from tests.integration.up_procs import reaped
 
 pytestmark = pytest.mark.integration
 
 
 def test_up_demo_compares_round_robin_with_route_and_explains_a_miss(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
-                          "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    with reaped(tmp_path) as env:
+        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
+                              "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                             env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     rr = float(re.search(r"round robin: +([\d.]+)%", out.stdout).group(1))
     routed = float(re.search(r"/v1/cache/route: +([\d.]+)%", out.stdout).group(1))

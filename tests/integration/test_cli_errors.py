@@ -20,6 +20,7 @@ from kv_preflight.cli.main import cli
 from kv_preflight.cli.valkey_server import free_port
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
+from tests.integration.up_procs import reaped, stack_pids
 
 pytestmark = pytest.mark.integration
 
@@ -127,6 +128,22 @@ def test_accuracy_shows_the_engines_400_in_one_line(valkey_url, tmp_path):
         engine.stop()
 
 
+@pytest.mark.parametrize("data_dir", ["a-file", "a-file/data", "logs-a-file"])
+def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, data_dir):
+    """`up --data-dir` on a file, below a file, or where logs/ is a file: one error line and nothing started.
+    Below a file, up printed its first step and failed with a traceback; with logs/ a file, it did so once
+    valkey-server was up."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "logs-a-file").mkdir()
+    (tmp_path / "logs-a-file" / "logs").write_text("")
+    with reaped(tmp_path) as env:
+        out = kvpf("up", "--data-dir", str(tmp_path / data_dir), "--port", str(free_port()), env=env, cwd=tmp_path)
+        assert not stack_pids(tmp_path)
+    assert_one_clear_line(out, "--data-dir")
+    assert "[1/5]" not in out.stdout, out.stdout  # refused before the first step
+    assert not (tmp_path / "logs-a-file" / "valkey").exists()
+
+
 # ---- every command, bad input
 
 # Options whose value is free text: no value is wrong in itself.
@@ -141,7 +158,21 @@ NOT_BAD = {
 }
 
 
-def _bad_values(cmd_name: str, opt: click.Option, tmp_path) -> list[tuple[str, str]]:
+# The cases are made while collecting, before pytest empties --basetemp for the tests' own tmp_path: a file
+# made then was gone when its test ran. `up --data-dir <that file>` then got a free path and started a whole
+# stack, killed at 60 s with its children left running. Values name the test's files under TMP instead;
+# the test makes them (_make_files) in its tmp_path.
+TMP = "{tmp}"
+
+
+def _make_files(tmp_path) -> None:
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "workload.jsonl").write_text('{"token_ids": [1, 2, 3]}\n')
+    (tmp_path / "obs.jsonl").write_text("".join(json.dumps({"prompt_tokens": 100 * i, "cached_tokens": 0, "ttft_ms": 10 + i})
+                                                + "\n" for i in range(1, 6)))
+
+
+def _bad_values(cmd_name: str, opt: click.Option) -> list[tuple[str, str]]:
     """(case, value) pairs that are wrong for ``opt``."""
     flag = next((o for o in opt.opts if o.startswith("--")), opt.opts[0])
     t = opt.type
@@ -156,9 +187,8 @@ def _bad_values(cmd_name: str, opt: click.Option, tmp_path) -> list[tuple[str, s
         return [("bad-path", "/nonexistent/kvpf.file")] if "r" in t.mode else [("bad-path", "/nonexistent/dir/x")]
     if isinstance(t, click.Path):
         if not t.exists:
-            blocker = tmp_path / "a-file"
-            blocker.write_text("")
-            return [("bad-path", str(blocker / "x") if t.file_okay else str(blocker))]
+            blocker = f"{TMP}/a-file"
+            return [("bad-path", f"{blocker}/x" if t.file_okay else blocker)]
         return [("bad-path", "/nonexistent/kvpf")]
     if flag == "--valkey-url":
         cases = [("no-scheme", "localhost:1")]
@@ -195,14 +225,8 @@ def _good(cmd_name: str, opt: click.Option) -> str:
             "--pod-metrics": "p=" + DEAD_HTTP}.get(flag, "m")
 
 
-def _cases(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad-input")
-    workload = tmp / "workload.jsonl"
-    workload.write_text('{"token_ids": [1, 2, 3]}\n')
-    observations = tmp / "obs.jsonl"
-    observations.write_text("".join(json.dumps({"prompt_tokens": 100 * i, "cached_tokens": 0, "ttft_ms": 10 + i})
-                                    + "\n" for i in range(1, 6)))
-    good_files = {"--workload": str(workload), "--input": str(observations)}
+def _cases():
+    good_files = {"--workload": f"{TMP}/workload.jsonl", "--input": f"{TMP}/obs.jsonl"}
     out = []
     for path, cmd in walk(cli):
         name = " ".join(path)
@@ -216,7 +240,7 @@ def _cases(tmp_path_factory):
                 base += [o.opts[-1], good_files.get(o.opts[-1]) or _good(name, o)]
         out.append((name, [*path, *base, "--no-such-option"], "unknown option"))
         for o in opts:
-            for case, value in _bad_values(name, o, tmp):
+            for case, value in _bad_values(name, o):
                 flag = next((f for f in o.opts if f.startswith("--")), o.opts[0])
                 if (name, flag, case) in NOT_BAD:
                     continue
@@ -227,9 +251,7 @@ def _cases(tmp_path_factory):
 
 def pytest_generate_tests(metafunc):
     if "bad_args" in metafunc.fixturenames:
-        from _pytest.tmpdir import TempPathFactory
-
-        cases = _cases(TempPathFactory.from_config(metafunc.config, _ispytest=True))
+        cases = _cases()
         metafunc.parametrize("bad_args", [c[1] for c in cases], ids=[f"{c[0]} {c[2]}" for c in cases])
 
 
@@ -245,6 +267,8 @@ def _refused_by_click(args: list[str]) -> bool:
 def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch, tmp_path):
     for name in [k for k in os.environ if k.startswith("KVPF_")]:
         monkeypatch.delenv(name)
+    _make_files(tmp_path)
+    bad_args = [a.replace(TMP, str(tmp_path)) for a in bad_args]
     if bad_args[0] not in DAEMONS or _refused_by_click(bad_args):
         # in this process (fast); an exception that escapes click is the traceback a user would see
         res = CliRunner().invoke(cli, bad_args)
@@ -254,13 +278,14 @@ def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch, t
             raise AssertionError("Traceback:\n" + "".join(traceback.format_exception(res.exception)))
         assert_one_clear_line(subprocess.CompletedProcess(bad_args, res.exit_code, res.stdout, res.stderr))
         return
-    env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *bad_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True, stdin=subprocess.DEVNULL, cwd=tmp_path)
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"{' '.join(bad_args)}: still running after 60 s, bad input accepted")
+    with reaped(tmp_path) as env:  # a daemon that took the input ends here with whatever it started
+        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *bad_args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                                stdin=subprocess.DEVNULL, cwd=tmp_path)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise AssertionError(f"{' '.join(bad_args)}: still running after 60 s, bad input accepted")
     assert_one_clear_line(subprocess.CompletedProcess(bad_args, proc.returncode, stdout, stderr))

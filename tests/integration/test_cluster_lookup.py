@@ -11,6 +11,7 @@ import redis
 
 from kv_preflight.shared.backends.cluster import EXACT_BUDGET
 from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.shared.slots import key_slot
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -191,4 +192,26 @@ async def test_bitmaps_equal_the_linear_walk_with_tiers_and_half_applied_batches
             assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
         assert any(m.blocks for m in await ix.lookup(chain))  # the walk saw some prefixes at all
     finally:
+        await ix.close()
+
+
+async def test_each_key_is_sent_to_the_primary_serving_its_slot(cluster_url):
+    """The lookup groups a chain's keys by shard through a slot table (shared/slots.py, in C). A wrong
+    grouping would still answer right (the shard's script reports keys it does not own and the caller
+    reads them through the routing) but with a second round for every prediction: compare with redis-py's
+    own routing and with CLUSTER KEYSLOT instead."""
+    rng = random.Random(7)
+    chain = [rng.randrange(0, 2**64) for _ in range(2000)]
+    ix = Index.from_url(cluster_url)
+    ref = redis.RedisCluster.from_url(cluster_url)
+    try:
+        by_node, unanswered = await ix.backend._keys_by_node(chain)
+        assert not unanswered
+        assert sorted(i for _, idx in by_node.values() for i in idx) == list(range(len(chain)))
+        for name, (_, idx) in by_node.items():
+            for i in idx[::50]:
+                assert ref.get_node_from_key(str(chain[i])).name == name
+                assert key_slot(str(chain[i])) == int(ref.cluster_keyslot(str(chain[i])))  # Valkey's own
+    finally:
+        ref.close()
         await ix.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import httpx
@@ -234,3 +235,35 @@ async def test_settings_are_adopted_or_a_disagreement_refused(valkey_url, ix, se
     p = s.post("/v1/cache/predict", {"model": MODEL, "token_ids": prompt}).json()
     assert p["best_pod"] == "pod-a" and p["predicted_cached_tokens"] >= 32, p
     assert "adopted the index's settings: hash_seed='fleet-seed'" in s.log.read_text()
+
+
+async def test_new_prefixes_are_placed_by_room_and_a_pending_one_follows_its_first_request(valkey_url, ix, sims,
+                                                                                           serve):
+    """A real ``serve --valkey-url`` over four pods: prefixes nobody holds fill the pods evenly (by the blocks of
+    other recent prefixes placed on each, docs/routing.md), and a new prefix's next request, before the index
+    shows it, goes where its first one went even once that pod reads busier than the rest."""
+    engines = sims("pod-a", "pod-b", "pod-c", "pod-d")
+    pods = [e.pod for e in engines]
+    await ix.put_pod_records({e.pod: record(e) for e in engines})
+
+    async def loads(busy: str | None = None) -> None:
+        now = await ix.now_ms()
+        await ix.put_load({p: PodLoad(running=3 if p == busy else 0, waiting=0, kv_usage=0.1, at_ms=now) for p in pods})
+
+    await loads()
+    s = serve("--route-pending", "60").ready()  # pending for 60 s: the wait below for a load scrape is not timed
+    await asyncio.to_thread(until, lambda: all(c.get("load") == 0 for c in s.route(token_ids=[1] * 40).json()
+                                               ["candidates"]) and len(s.route(token_ids=[1] * 40).json()
+                                                                       ["candidates"]) == 4, "every pod's load")
+    # eight new prefixes (64 tokens each), one at a time, loads equal: two per pod
+    placed = [s.route(token_ids=list(range(k * 1000, k * 1000 + 64))).json() for k in range(10, 18)]
+    assert {d["reason"] for d in placed} == {"no_overlap"}
+    assert sorted(Counter(d["pod_id"] for d in placed).values()) == [2, 2, 2, 2]
+    # a new prefix's first request; then its pod reads busier (3 running, the others idle: not overloaded)
+    first = s.route(token_ids=list(range(90_000, 90_064))).json()
+    await loads(busy=first["pod_id"])
+    probe = list(range(80_000, 80_064))
+    await asyncio.to_thread(until, lambda: candidates(s.route(token_ids=probe).json())[first["pod_id"]]["load"] == 3,
+                            "the busier load read")
+    again = s.route(token_ids=list(range(90_000, 90_064))).json()  # nothing stored: the index does not show it
+    assert (again["pod_id"], again["reason"]) == (first["pod_id"], "no_overlap") and "pending" in again["detail"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
+from tests.integration.up_procs import reaped
 
 pytestmark = pytest.mark.integration
 
@@ -85,33 +86,34 @@ def _check_prediction(out: subprocess.CompletedProcess) -> None:
 
 def test_readme_commands_run_against_a_live_stack(tmp_path):
     port = free_port()
-    env = dict(os.environ, KVPF_PORT=str(port), KVPF_DATA_DIR=str(tmp_path / ".data"), KVPF_WORKERS="1")
-    log = tmp_path / "up.out"
-    # STACK as scripts/up runs it after `scripts/setup` (which installs .venv and valkey-server)
-    args = [sys.executable, "-m", "kv_preflight", "up", *STACK.split()[1:]]
-    with open(log, "w") as fh:
-        up = subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while "Ctrl-C stops everything" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        printed = log.read_text()
-        assert "12/12 predictions exact" in printed and f"127.0.0.1:{port}" in printed
-        for cmd, check in RUN.items():
-            out = subprocess.run(["bash", "-c", cmd.replace("localhost:8080", f"127.0.0.1:{port}")],
-                                 capture_output=True, text=True, timeout=60, cwd=REPO)
-            assert check == "prediction"
-            _check_prediction(out)
-        # "prints the URLs and a curl that works as printed"
-        shown = re.findall(r"^\s+(curl .*?)(?=^\s+curl |^\s+\(|\Z)", printed.split("try:", 1)[1], re.S | re.M)
-        assert len(shown) == 2, printed
-        for cmd in shown:
-            out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0 and "error" not in json.loads(out.stdout), out.stdout + out.stderr
-        os.killpg(up.pid, signal.SIGINT)
-        assert up.wait(timeout=120) == 0
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-    assert log.read_text().rstrip().endswith("stopped."), log.read_text()
+    with reaped(tmp_path) as marked:  # the stack, even if a step fails half-way (cwd: the repo)
+        env = dict(marked, KVPF_PORT=str(port), KVPF_DATA_DIR=str(tmp_path / ".data"), KVPF_WORKERS="1")
+        log = tmp_path / "up.out"
+        # STACK as scripts/up runs it after `scripts/setup` (which installs .venv and valkey-server)
+        args = [sys.executable, "-m", "kv_preflight", "up", *STACK.split()[1:]]
+        with open(log, "w") as fh:
+            up = subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while "Ctrl-C stops everything" not in log.read_text():
+                assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            printed = log.read_text()
+            assert "12/12 predictions exact" in printed and f"127.0.0.1:{port}" in printed
+            for cmd, check in RUN.items():
+                out = subprocess.run(["bash", "-c", cmd.replace("localhost:8080", f"127.0.0.1:{port}")],
+                                     capture_output=True, text=True, timeout=60, cwd=REPO)
+                assert check == "prediction"
+                _check_prediction(out)
+            # "prints the URLs and a curl that works as printed"
+            shown = re.findall(r"^\s+(curl .*?)(?=^\s+curl |^\s+\(|\Z)", printed.split("try:", 1)[1], re.S | re.M)
+            assert len(shown) == 2, printed
+            for cmd in shown:
+                out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0 and "error" not in json.loads(out.stdout), out.stdout + out.stderr
+            os.killpg(up.pid, signal.SIGINT)
+            assert up.wait(timeout=120) == 0
+        finally:
+            if up.poll() is None:
+                os.killpg(up.pid, signal.SIGKILL)
+        assert log.read_text().rstrip().endswith("stopped."), log.read_text()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.up_procs import MARK, reaped, still_running
+
 pytestmark = pytest.mark.integration
 
 
@@ -13,8 +15,11 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
 
     from kv_preflight.cli.valkey_server import free_port
 
-    out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
-                          "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    with reaped(tmp_path) as env:
+        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", ".data", "--port", str(free_port()),
+                              "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                             env=env)
+        assert not still_running(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "predictions exact" in out.stdout and "MISMATCH" not in out.stdout
     assert (tmp_path / ".data" / "valkey" / "appendonlydir").exists()
@@ -29,16 +34,17 @@ def test_up_on_a_local_valkey_cluster(tmp_path):
 
     from kv_preflight.cli.valkey_server import free_port
 
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data", "--port",
-                              str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=240)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "12/12 predictions exact" in out.stdout and "Valkey Cluster" in out.stdout
-        assert (tmp_path / ".data" / "valkey-cluster" / "cluster.json").exists()
-        assert (tmp_path / ".data" / "valkey-cluster" / "node-0" / "appendonlydir").exists()
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left running: {left}"
+    with reaped(tmp_path) as env:
+        for _ in range(2):
+            out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data", "--port",
+                                  str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=240, env=env)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "12/12 predictions exact" in out.stdout and "Valkey Cluster" in out.stdout
+            assert (tmp_path / ".data" / "valkey-cluster" / "cluster.json").exists()
+            assert (tmp_path / ".data" / "valkey-cluster" / "node-0" / "appendonlydir").exists()
+        left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+        assert not left and not still_running(tmp_path), f"processes left running: {left}"
 
 
 FOREIGN_SERVER = """
@@ -71,25 +77,26 @@ def test_up_refuses_a_port_another_server_answers_on(tmp_path):
 
     port = free_port()
     foreign = subprocess.Popen([sys.executable, "-c", FOREIGN_SERVER, str(port)])
-    try:
-        for _ in range(200):
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"), "--port", str(port),
-                              "--sim-engines", "1", "--workers", "1", "--demo", "--exit-after-demo"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    finally:
-        foreign.kill()
-        foreign.wait()
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
-    assert "ready" not in out.stdout and "predictions exact" not in out.stdout, text
-    assert "predictor exited" in out.stderr and "address already in use" in out.stderr.lower(), text
-    assert "Traceback" not in text and "stopped." in out.stdout
-    assert not _left_running(tmp_path)
+    with reaped(tmp_path) as env:
+        try:
+            for _ in range(200):
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"), "--port",
+                                  str(port), "--sim-engines", "1", "--workers", "1", "--demo", "--exit-after-demo"],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+        finally:
+            foreign.kill()
+            foreign.wait()
+        text = out.stdout + out.stderr
+        assert out.returncode != 0, text
+        assert "ready" not in out.stdout and "predictions exact" not in out.stdout, text
+        assert "predictor exited" in out.stderr and "address already in use" in out.stderr.lower(), text
+        assert "Traceback" not in text and "stopped." in out.stdout
+        assert not _left_running(tmp_path) and not still_running(tmp_path)
 
 
 @pytest.mark.parametrize("signals", [1, 5])
@@ -106,24 +113,126 @@ def test_ctrl_c_is_not_reported_as_a_crash(tmp_path, signals):
     from kv_preflight.cli.valkey_server import free_port
 
     log = tmp_path / "up.out"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"),
-                                 "--port", str(free_port()), "--sim-engines", "1", "--workers", "1"],
-                                cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    with reaped(tmp_path) as env:
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"),
+                                     "--port", str(free_port()), "--sim-engines", "1", "--workers", "1"],
+                                    cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while "Ctrl-C stops everything" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None, log.read_text()
+            for _ in range(signals):
+                os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(0.05)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        text = log.read_text()
+        assert "exited (" not in text and "Stopping." not in text, text
+        assert "Traceback" not in text and text.rstrip().endswith("stopped."), text
+        assert rc == 0, text
+        assert not _left_running(tmp_path) and not still_running(tmp_path)
+
+
+def _identity(pid: int) -> tuple[int, int, str] | None:
+    """(parent, start time, command line) of a live process; None once it has ended (a zombie has). The start
+    time tells a process from a later one that was given its pid."""
+    from pathlib import Path
+
     try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C stops everything" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[19]), cmdline
+
+
+def test_every_process_up_started_ends_when_up_is_killed(tmp_path):
+    """An `up` killed with SIGKILL (or crashing) left its whole stack running with parent 1, for hours
+    (Operator experience): each child sits in a session of its own, so nothing ended them. Now every process
+    below `up` ends when it dies: the simulator, the ingester, the predictor, the predictor's uvicorn workers
+    (grandchildren) and valkey-server, which shuts down cleanly, its AOF written out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kv_preflight.cli.up import descendants
+    from kv_preflight.cli.valkey_server import free_port
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("children end with up through Linux's PR_SET_PDEATHSIG only (README: kv-preflight up)")
+    log = tmp_path / "up.out"
+    with reaped(tmp_path) as env:
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"),
+                                     "--port", str(free_port()), "--sim-engines", "1", "--ingesters", "1", "--workers", "2"],
+                                    cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while "Ctrl-C stops everything" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None and "Ctrl-C stops everything" in log.read_text(), log.read_text()
+            tree = {p: _identity(p) for p in descendants(proc.pid) - {proc.pid}}
+            tree = {p: who for p, who in tree.items() if who is not None}
+            serve = [p for p, who in tree.items() if " kv_preflight serve " in who[2]]
+            workers = [p for p, who in tree.items() if who[0] in serve]
+            valkey = [p for p, who in tree.items() if "valkey-server" in who[2] or "redis-server" in who[2]]
+            assert len(serve) == 1 and len(workers) >= 2 and len(valkey) == 1, tree
+            assert any(" simulate " in who[2] for who in tree.values()) and any(" ingest " in who[2] for who in tree.values())
+            os.kill(proc.pid, signal.SIGKILL)  # up alone, as the OOM killer or `kill -9 PID` would
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 60
+        left = dict(tree)
+        while left and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert proc.poll() is None, log.read_text()
-        for _ in range(signals):
-            os.killpg(proc.pid, signal.SIGINT)
-            time.sleep(0.05)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert "exited (" not in text and "Stopping." not in text, text
-    assert "Traceback" not in text and text.rstrip().endswith("stopped."), text
-    assert rc == 0, text
-    assert not _left_running(tmp_path)
+            left = {p: who for p, who in left.items() if (_identity(p) or (0,))[1:] == who[1:]}  # parent 1 by now
+        assert not left, "still running after up was killed: " + "; ".join(f"{p}: {who[2]}" for p, who in left.items())
+        valkey_log = (tmp_path / ".data" / "valkey" / "valkey.log").read_text()
+        assert "ready to exit" in valkey_log, valkey_log[-2000:]  # a clean shutdown: SIGTERM, not SIGKILL
+
+
+def test_serve_workers_end_when_serve_is_killed(valkey_url, tmp_path):
+    """`serve --workers N`'s uvicorn workers are `up`'s grandchildren: a SIGKILLed serve left them running
+    (uvicorn stops them only from its own shutdown). Each worker now ends with the serve that started it."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from kv_preflight.cli.up import descendants
+    from kv_preflight.cli.valkey_server import free_port
+    from tests.e2e.harness import spawn, wait_http
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("workers end with serve through Linux's PR_SET_PDEATHSIG only")
+    port = free_port()
+    with reaped(tmp_path) as env:
+        serve = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", "2", "--engine-url",
+                       "m=http://127.0.0.1:9", "--no-tokenizer-check"], str(tmp_path / "serve.log"),
+                      env={MARK: env[MARK]})
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=120)
+            workers = {p: _identity(p) for p in descendants(serve.pid) - {serve.pid}}
+            workers = {p: who for p, who in workers.items() if who is not None and "spawn_main" in who[2]}
+            assert len(workers) == 2, workers
+            os.kill(serve.pid, signal.SIGKILL)
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+            serve.wait()
+        deadline = time.monotonic() + 60
+        left = dict(workers)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = {p: who for p, who in left.items() if (_identity(p) or (0,))[1:] == who[1:]}
+        assert not left, f"workers still running after serve was killed: {sorted(left)}"

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kv_preflight.shared.entries import encode_entry, longest_prefix, make_entry
+from kv_preflight.shared import presence
 from kv_preflight.shared.presence import numbers, parse_bits_reply, prefix_from_bits
 
 
@@ -51,6 +52,33 @@ def test_bitmaps_walk_as_the_entries_do(seed):
     want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields, asked))
     wanted = {n: p for n, p in names.items() if p in asked}
     assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names, wanted)) == want
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
+    """Keys with one tier each (the common case) take the C walk (_chain.prefix_counts): it must equal the
+    entries' walk too, with gaps, pods that stop anywhere, a key nobody holds, sparse and wide numbers."""
+    rng = random.Random(1000 + seed)
+    n_pods = rng.choice([1, 2, 9, 300, 1000])
+    pods = [f"pod-{i}" for i in range(n_pods)]
+    nums = dict(zip(pods, rng.sample(range(n_pods + rng.choice([0, 7, 5000])), k=n_pods)))
+    names = {n: p for p, n in nums.items()}
+    keys = rng.choice([1, 2, 17, 256])
+    tier_at = [rng.choice(["gpu", "gpu", "cpu"]) for _ in range(keys)]
+    held: list[set[str]] = [set() for _ in range(keys)]
+    for pod in pods:
+        for i in range(rng.randint(0, keys)):
+            if rng.random() < 0.97:
+                held[i].add(pod)
+    per_key = [{tier_at[i]: bitmap({nums[p] for p in at})} if at else {} for i, at in enumerate(held)]
+    assert presence._one_tier(per_key, keys) is not None or presence._chain is None
+    fields = [[encode_entry(make_entry(p, tier_at[i].upper(), 0)) for p in at] for i, at in enumerate(held)]
+    want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields))
+    assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names)) == want
+    cut = rng.randint(0, keys)
+    want = sorted((m.pod_id, min(m.blocks, cut), m.tier) for m in longest_prefix(fields[:cut]))
+    got = sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names, cut=cut))
+    assert got == want
 
 
 def test_a_cut_makes_every_prefix_a_lower_bound():

@@ -138,6 +138,43 @@ def test_overload_is_judged_against_the_mean_not_the_idlest_pod():
     assert decide(p, ["a", "b", "c", "d"], loads, policy=POLICY, ttft=TTFT).reason == "least_loaded"
 
 
+def test_a_new_prefix_goes_where_other_prefixes_take_the_least_room():
+    """Where a prefix nobody holds lands, it stays: it is placed by the blocks of other recent prefixes homed
+    on each pod (predictor/placement.py), before this second's load; an overloaded pod is never chosen."""
+    p = prediction(192)
+    loads = {"a": load(0), "b": load(3), "c": load(0)}
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 36, "b": 24, "c": 36})
+    assert (d.pod_id, d.reason) == ("b", "no_overlap")
+    assert "fewest blocks of other recent prefixes (24)" in d.detail
+    assert {c.pod_id: c.recent_prefix_blocks for c in d.candidates} == {"a": 36, "b": 24, "c": 36}
+    # equal room: the least loaded, then the prefix's rendezvous order (as without footprints)
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 24, "b": 24, "c": 36})
+    assert d.pod_id == "a"
+    # the roomiest pod is overloaded (15 vs the mean 5): the next roomiest
+    loads = {"a": load(0), "b": load(15), "c": load(0)}
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 36, "b": 0, "c": 24})
+    assert d.pod_id == "c"
+    # footprints only place new prefixes: a held prefix follows its cache
+    held = prediction(192, ("a", 176, "gpu"))
+    d = decide(held, ["a", "b", "c"], {}, policy=POLICY, ttft=TTFT, footprints={"a": 99, "b": 0, "c": 0})
+    assert (d.pod_id, d.reason) == ("a", "best_overlap")
+
+
+def test_a_pending_prefix_follows_its_first_request_unless_that_pod_is_overloaded():
+    p = prediction(192)
+    loads = {"a": load(0), "b": load(0), "c": load(0)}
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 40, "b": 0, "c": 0},
+               pending="a")
+    assert (d.pod_id, d.reason) == ("a", "no_overlap") and "pending" in d.detail
+    loads["a"] = load(15)
+    d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 40, "b": 0, "c": 0},
+               pending="a")
+    assert d.pod_id in {"b", "c"} and "pending" not in d.detail
+    # a pending pod that is not a candidate (filtered out, retired) is ignored
+    d = decide(p, ["b", "c"], {}, policy=POLICY, ttft=TTFT, footprints={"b": 12, "c": 0}, pending="a")
+    assert d.pod_id == "c"
+
+
 # ---------------------------------------------------------------- metrics parsing
 
 
