@@ -191,14 +191,23 @@ def test_every_process_up_started_ends_when_up_is_killed(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        deadline = time.monotonic() + 60
-        left = dict(tree)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = {p: who for p, who in left.items() if (_identity(p) or (0,))[1:] == who[1:]}  # parent 1 by now
+        left = _still_running(tree)
         assert not left, "still running after up was killed: " + "; ".join(f"{p}: {who[2]}" for p, who in left.items())
         valkey_log = (tmp_path / ".data" / "valkey" / "valkey.log").read_text()
         assert "ready to exit" in valkey_log, valkey_log[-2000:]  # a clean shutdown: SIGTERM, not SIGKILL
+
+
+def _still_running(procs: dict, timeout_s: float = 60.0) -> dict:
+    """The processes of ``procs`` (pid -> identity) still running after up to ``timeout_s``: a pid counts as
+    the same process while its identity (start time, command; not its parent, 1 once orphaned) is unchanged."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    left = dict(procs)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = {p: who for p, who in left.items() if (_identity(p) or (0,))[1:] == who[1:]}
+    return left
 
 
 def test_serve_workers_end_when_serve_is_killed(valkey_url, tmp_path):
@@ -230,9 +239,5 @@ def test_serve_workers_end_when_serve_is_killed(valkey_url, tmp_path):
             if serve.poll() is None:
                 serve.kill()
             serve.wait()
-        deadline = time.monotonic() + 60
-        left = dict(workers)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = {p: who for p, who in left.items() if (_identity(p) or (0,))[1:] == who[1:]}
+        left = _still_running(workers)
         assert not left, f"workers still running after serve was killed: {sorted(left)}"
