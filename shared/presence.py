@@ -78,7 +78,14 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
     foreign, moved, kind, epoch = int(reply[0]), bool(int(reply[1])), int(reply[2]), _str(reply[3])
     walked = int(reply[4])
     if kind == 0:
-        return BitsReply(foreign, moved, 0, epoch, [bits_of(flat) for flat in reply[5:]], [])
+        reads = []
+        for i in range(5, len(reply) - 1, 2):
+            name, bits = reply[i], reply[i + 1]
+            if isinstance(name, list):  # several tiers: the key's flat hash
+                reads.append(bits_of(name))
+            else:
+                reads.append({_name(name): bits} if name else {})
+        return BitsReply(foreign, moved, 0, epoch, reads, [])
     counts = [(int(reply[i]), int(reply[i + 1]), _str(reply[i + 2])) for i in range(5, len(reply) - 2, 3)]
     return BitsReply(foreign, moved, kind, epoch, [], counts, walked)
 

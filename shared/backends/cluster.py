@@ -590,7 +590,7 @@ class ClusterBackend:
             answered = await self._each_shard(by_node, shard, unanswered)
         except BaseException:
             if early is not None:
-                early.cancel()
+                _abandon(early)
             raise
         for idx, (node, res) in answered:
             foreign += res.foreign
@@ -599,7 +599,7 @@ class ClusterBackend:
                 self._table = None
             elif res.kind == 2:
                 if early is not None:
-                    early.cancel()
+                    _abandon(early)
                 return None, foreign
             else:
                 replies.append((idx, res))
@@ -625,7 +625,7 @@ class ClusterBackend:
             first = mask_of(per_key[0]) if per_key[0] and cut != 0 else 0
             known = await names(first, epoch) if first else {}
             if early is not None:
-                early.cancel()  # nothing was bisected: no pod's state matters
+                _abandon(early)  # nothing was bisected: no pod's state matters
             return Lookup(prefix_from_bits(per_key, known, cut=cut), cut), foreign
         wanted = set()
         for _, res in replies:
@@ -918,8 +918,11 @@ def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
     return all(int(text(f).split("|", 1)[0]) > last for f in outbox)
 
 
-async def _nothing(value: Any) -> Any:
-    return value
+def _abandon(task: "asyncio.Future[Any]") -> None:
+    """Let a read nobody needs any more finish on its own, its outcome retrieved when it does. Cancelling it
+    would leave its replies' futures on the lean connection to fail unretrieved when it closes (seen as
+    "connection to valkey dropped: closed by the client" in an event loop's exception handler)."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def merge_shards(n: int, shards: Sequence[tuple[list[int], dict[str, tuple[int, str]]]],

@@ -25,7 +25,8 @@
 -- cluster's routing instead. ARGV: n, the chain packed by kv_preflight.shared.keys.pack_keys, how (above).
 -- Reply: {foreign keys read, 1 if a key had moved away else 0, kind, the numbering's epoch ("" where
 -- {nums} is not on this node), pods walked rather than bisected, ...}:
---   kind 0: then per key read, its bitmap hash flat {tier, bitmap, ..., "#n", count};
+--   kind 0: then per key read, two elements: its tier and bitmap (one tier), its bitmap hash flat and ""
+--           (several: {tier, bitmap, ..., "#n", count}), or "" and "" (nobody);
 --   kind 1: then per pod: number, keys held, tier at the last;   kind 2: "whole" (nothing more).
 -- (A key of a foreign type at key 1: kind 1 with no pod.)
 local epoch = redis.pcall('HGET', 'kvpf:{nums}:next', 'epoch')
@@ -113,11 +114,24 @@ local rounds = 1
 while 2 ^ rounds < n do rounds = rounds + 1 end
 if #pods * rounds >= n then
   -- Many pods: every key's bitmaps, to the first key nobody holds; the caller walks them exactly.
-  local out = {foreign, 0, 0, epoch, 0, flats[1]}
+  -- Each key as two strings where it has one tier (its name, its bitmap; "#n" is not sent): a reply of
+  -- flat strings costs Valkey a fraction of one nested table per key (1.3 -> 0.6 ms for 256 keys).
+  -- A key with several tiers sends its flat hash and "", a key nobody holds "" and "".
+  local out = {foreign, 0, 0, epoch, 0}
+  local function put(flat)
+    local name, bits, tiers = '', '', 0
+    for j = 1, #flat, 2 do
+      if flat[j] ~= '#n' then name, bits, tiers = flat[j], flat[j + 1], tiers + 1 end
+    end
+    if tiers > 1 then name, bits = flat, '' end
+    out[#out + 1] = name
+    out[#out + 1] = bits
+  end
+  put(flats[1])
   for i = 2, n do
     at(i)
     if whole then return {foreign, moved, 2, epoch, 0} end
-    out[#out + 1] = flats[i]
+    put(flats[i])
     if #flats[i] == 0 and moved == 0 then break end
   end
   out[1], out[2] = foreign, moved

@@ -94,9 +94,11 @@ def test_unnamed_numbers_never_count():
 
 
 def test_the_scripts_two_answers_parse():
-    walked = parse_bits_reply([2, 0, 0, b"e1", 0, [b"gpu", b"\x01", b"#n", b"1"], []])
+    # kind 0: two elements a key: one tier's name and bitmap; several tiers' flat hash and ""; nobody "" and ""
+    walked = parse_bits_reply([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"cpu", b"\x02", b"#n", b"2"],
+                               b"", b"", b""])
     assert (walked.foreign, walked.moved, walked.kind, walked.epoch, walked.reads) == (
-        2, False, 0, "e1", [{"gpu": b"\x01"}, {}])
+        2, False, 0, "e1", [{"gpu": b"\x01"}, {"gpu": b"\x01", "cpu": b"\x02"}, {}])
     bisected = parse_bits_reply([0, 1, 1, b"", 1, 7, 40, b"cpu", 9, 3, b"gpu"])
     assert bisected.moved and bisected.counts == [(7, 40, "cpu"), (9, 3, "gpu")] and bisected.epoch == ""
     assert bisected.walked == 1  # pods walked key by key (orphan keys), not bisected
