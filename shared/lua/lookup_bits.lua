@@ -91,7 +91,12 @@ end
 local b1 = at(1)
 if moved == 1 then return {foreign, 1, 1, epoch, 0} end
 if whole then return {foreign, 0, 2, epoch, 0} end
--- The pods at key 1 (every pod that can match), by number.
+-- The pods at key 1 (every pod that can match), by number. Only as many as decide the way: once there are
+-- enough for the many-pods answer (pods x rounds >= keys), the rest are not listed (a fleet-wide prefix
+-- has a thousand, and listing them was a loop of a thousand bit tests on every shard).
+local rounds = 1
+while 2 ^ rounds < n do rounds = rounds + 1 end
+local enough = math.ceil(n / rounds)
 local pods, seen = {}, {}
 for _, s in pairs(b1) do
   for byte = 1, #s do
@@ -107,15 +112,15 @@ for _, s in pairs(b1) do
         end
       end
     end
+    if #pods >= enough then break end
   end
+  if #pods >= enough then break end
 end
 if #pods == 0 then return {foreign, 0, 1, epoch, 0} end
-local rounds = 1
-while 2 ^ rounds < n do rounds = rounds + 1 end
 if #pods * rounds >= n then
   -- Many pods: every key's bitmaps, to the first key nobody holds; the caller walks them exactly.
-  -- Each key as two strings where it has one tier (its name, its bitmap; "#n" is not sent): a reply of
-  -- flat strings costs Valkey a fraction of one nested table per key (1.3 -> 0.6 ms for 256 keys).
+  -- Each key as two strings where it has one tier (its name, its bitmap; "#n" is not sent): Valkey turns
+  -- flat strings into a reply for less than a nested table per key (-15 % of this script at 1,000 pods).
   -- A key with several tiers sends its flat hash and "", a key nobody holds "" and "".
   local out = {foreign, 0, 0, epoch, 0}
   local function put(flat)
