@@ -249,15 +249,7 @@ class ClusterEffects:
         if not entries:
             return 0, "", []
         effects = [e for _pod, _field, payload in entries for e in effect_list(payload)]
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        moved: list[int] = []
-        for i, (_, key, _) in enumerate(effects):
-            try:
-                node = node_for(self.client, key)
-            except VALKEY_ERRORS:
-                moved.append(i)
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
+        by_node, moved = by_primary(self.client, (key for _, key, _ in effects))
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             args = [a for i in idx for a in effects[i][2]]
@@ -463,15 +455,7 @@ class ClusterBackend:
         a pod's later batches fail on the same slot as its earlier ones, so order within a pod holds."""
         if not self.client.nodes_manager.slots_cache:
             await self.client.initialize()
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        routed: list[int] = []
-        for i, k in enumerate(keys):
-            try:
-                node = node_for(self.client, k[0])
-            except VALKEY_ERRORS:
-                routed.append(i)
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(i)
+        by_node, routed = by_primary(self.client, (k[0] for k in keys))  # a pod's keys share its slot
         out: list[Any] = [None] * len(keys)
 
         async def on_node(node, idx: list[int]) -> None:
@@ -685,15 +669,10 @@ class ClusterBackend:
         made while it was not ("gap_entry") is still there (its effects may not have reached every shard,
         which then shows that version). One pipelined read per shard holding their meta, in parallel; a
         pod whose shard does not answer (or moved meanwhile) is one too: never a guess."""
-        out: set[str] = set()
-        by_node: dict[str, tuple[Any, list[str]]] = {}
-        for pod in pods:
-            try:
-                node = node_for(self.client, pod_meta_key(pod))
-            except VALKEY_ERRORS:
-                out.add(pod)
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(pod)
+        pods = list(pods)
+        groups, unserved = by_primary(self.client, (pod_meta_key(p) for p in pods))
+        out: set[str] = {pods[i] for i in unserved}
+        by_node = {name: (node, [pods[i] for i in idx]) for name, (node, idx) in groups.items()}
 
         async def one(node, part: list[str]) -> list[Any]:
             commands = [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry", "orphan_at",
@@ -901,6 +880,21 @@ def node_for(client: RedisCluster, key: str):
     if not holders:
         raise SlotNotCoveredError(f"no node serves the slot of {key!r}")
     return holders[0]
+
+
+def by_primary(client: RedisCluster, keys: Iterable[str]) -> tuple[dict[str, tuple[Any, list[int]]], list[int]]:
+    """Positions of ``keys`` grouped by the primary serving each (primary name -> (node, positions), in
+    order), and the positions whose slot no primary serves now."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    unserved: list[int] = []
+    for i, key in enumerate(keys):
+        try:
+            node = node_for(client, key)
+        except VALKEY_ERRORS:
+            unserved.append(i)
+            continue
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    return groups, unserved
 
 
 def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
