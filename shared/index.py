@@ -589,45 +589,38 @@ class Index:
         out: list[PodInfo] = []
         for i in range(0, len(pod_ids), chunk):
             part = pod_ids[i:i + chunk]
-
-            def fill(pipe, part=part) -> None:
-                for p in part:
-                    pipe.hgetall(pod_meta_key(p))
-                    pipe.hlen(pod_blocks_key(p))
-
-            fast = getattr(self.backend, "fast", None)
-            if fast is not None:
-                # The lean connection: a thousand pods' metadata (a prompt the whole fleet holds) cost
-                # ~70 ms of redis-py's per-command Python; here a few ms.
-                commands = [c for p in part for c in (("HGETALL", pod_meta_key(p)), ("HLEN", pod_blocks_key(p)))]
-                replies = await fast.pipeline(commands)
-                for j in range(0, len(replies), 2):
-                    r = replies[j]
-                    if isinstance(r, list):
-                        replies[j] = dict(zip(r[::2], r[1::2]))
-            else:
-                replies = await self._read_pipeline(fill)
+            replies = await self._read_commands(
+                [c for p in part for c in (("HGETALL", pod_meta_key(p)), ("HLEN", pod_blocks_key(p)))])
             for j, p in enumerate(part):
-                out.append(pod_info_from(p, replies[2 * j], replies[2 * j + 1]))
+                meta = replies[2 * j]
+                if isinstance(meta, list):  # the lean connection answers HGETALL flat
+                    meta = dict(zip(meta[::2], meta[1::2]))
+                out.append(pod_info_from(p, meta, replies[2 * j + 1]))
         return out
 
     async def scoring_infos(self, pod_ids: Sequence[str], chunk: int = 1000) -> list[ScoringInfo]:
         """Several pods' ScoringInfo, pipelined ``chunk`` pods per round trip: one HMGET each."""
         out: list[ScoringInfo] = []
-        fields = ("engine_block_size", "incomplete")
-        fast = getattr(self.backend, "fast", None)
         for i in range(0, len(pod_ids), chunk):
             part = pod_ids[i:i + chunk]
-            if fast is not None:
-                replies = await fast.pipeline([("HMGET", pod_meta_key(p), *fields) for p in part])
-            else:
-                def fill(pipe, part=part) -> None:
-                    for p in part:
-                        pipe.hmget(pod_meta_key(p), fields)
-
-                replies = await self._read_pipeline(fill)
+            replies = await self._read_commands([("HMGET", pod_meta_key(p), "engine_block_size", "incomplete")
+                                                 for p in part])
             out.extend(scoring_info_from(p, r) for p, r in zip(part, replies))
         return out
+
+    async def _read_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Read-only commands pipelined, error replies in place: on the lean connection where there is one
+        (a thousand pods' metadata cost ~70 ms of redis-py's per-command Python; there a few ms), else
+        through redis-py (``_read_pipeline``)."""
+        fast = getattr(self.backend, "fast", None)
+        if fast is not None:
+            return await fast.pipeline(commands)
+
+        def fill(pipe) -> None:
+            for c in commands:
+                pipe.execute_command(*c)
+
+        return await self._read_pipeline(fill)
 
     async def _read_pipeline(self, fill) -> list[Any]:
         """A pipeline of reads, sent once more on a fresh connection if the connection dropped under it
