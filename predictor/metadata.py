@@ -80,9 +80,9 @@ class IndexMetadata:
         out: dict[str, ScoringInfo] = {}
         stale: list[str] = []
         behind: list[str] = []
-        pods = self._pods
+        cached = self._pods.get
         for pod in pod_ids:
-            hit = pods.get(pod)
+            hit = cached(pod)
             if hit is not None and hit[1] > now:
                 out[pod] = hit[2]
                 if hit[0] <= now:

@@ -33,7 +33,7 @@ from kv_preflight.predictor.traffic import Traffic
 from kv_preflight.predictor.fleet_diagnosis import stats_view as diagnosis_view
 from kv_preflight.predictor.ttft import TtftModels
 from kv_preflight.shared.config import Config
-from kv_preflight.shared.index import VALKEY_ERRORS, Index
+from kv_preflight.shared.index import VALKEY_ERRORS, Index, ScoringInfo
 from kv_preflight.shared.keys import salted_request_keys
 
 
@@ -141,8 +141,7 @@ class Predictor:
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
-        engine_blocks: dict[str, int | None] = {}
-        incomplete: set[str] = set()
+        infos: dict[str, ScoringInfo] = {}
         unanswered = None
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
@@ -162,12 +161,8 @@ class Predictor:
                     # A cluster shard is down and it holds a pod's metadata too: score with the
                     # defaults (canonical blocks); the answer already says it is a lower bound.
                     infos = {}
-            engine_blocks = {p: i.engine_block_size for p, i in infos.items()}
-            incomplete = {p for p, i in infos.items() if i.incomplete}
-        prediction = score(
-            matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size,
-            engine_blocks=engine_blocks, incomplete=incomplete, pods=pods, ttft=self.ttft.for_model(model),
-        )
+        prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
+                           pods=pods, ttft=self.ttft.for_model(model))
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.

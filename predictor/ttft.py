@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -46,6 +46,22 @@ class PrefillModel:
         if self.attention_ms_per_mpair:
             ms += self.attention_ms_per_mpair * (n * n - k * k) / 2e6
         return round(ms, 2)
+
+    def estimates_for(self, prompt_tokens: int) -> Callable[[int], float]:
+        """``estimate_ms`` for one prompt length, as a function of the cached tokens: the same arithmetic
+        (so the same floats), its constants bound once. Scoring a prompt a thousand pods hold at a few
+        hundred lengths calls it per length, where the method's lookups were most of its cost."""
+        n = max(prompt_tokens, 0)
+        overhead, rate, attention, nn = self.overhead_ms, self.prefill_tokens_per_s, self.attention_ms_per_mpair, n * n
+
+        def at(cached_tokens: int) -> float:
+            k = cached_tokens if 0 <= cached_tokens <= n else min(max(cached_tokens, 0), n)
+            ms = overhead + (n - k) * 1000.0 / rate
+            if attention:
+                ms += attention * (nn - k * k) / 2e6
+            return round(ms, 2)
+
+        return at
 
 
 @dataclass(frozen=True)

@@ -369,21 +369,54 @@ fail:
     return NULL;
 }
 
-/* prefix_counts(bitmaps: sequence[bytes | None], end: int) -> list[tuple[int, int]]: per pod number, how
- * many leading keys of a chain it holds, from each key's pod bitmap (bit n of a bitmap = byte n / 8, value
- * 1 << n % 8; None or b"": nobody). Pods are those of bitmaps[0]; each is emitted once, at the key where it
- * stops (or at ``end``), in key order and, within a key, by number: shared/presence.py's walk for chains
- * whose keys have one tier each, the per-pod part of a prediction at a prefix a whole fleet holds. */
-static PyObject *prefix_counts(PyObject *self, PyObject *args) {
-    PyObject *maps_obj;
-    Py_ssize_t end;
-    if (!PyArg_ParseTuple(args, "On", &maps_obj, &end)) return NULL;
+/* What the walk below emits per pod: a pair (number, keys held), or with ``names`` a match built by
+ * ``make(name, held, tiers[held - 1])`` for a number ``names`` knows (others are left out). */
+typedef struct {
+    PyObject *out;
+    PyObject *names;  /* dict int -> str, or NULL: pairs */
+    PyObject **tiers;
+    Py_ssize_t n_tiers;
+    PyObject *make;
+} prefix_emit;
+
+static int emit_prefix(prefix_emit *e, Py_ssize_t num, Py_ssize_t held) {
+    PyObject *item;
+    if (e->names == NULL) {
+        item = Py_BuildValue("(nn)", num, held);
+    } else {
+        PyObject *key = PyLong_FromSsize_t(num);
+        if (key == NULL) return -1;
+        PyObject *name = PyDict_GetItemWithError(e->names, key);  /* borrowed */
+        Py_DECREF(key);
+        if (name == NULL) return PyErr_Occurred() ? -1 : 0;
+        if (held < 1 || held > e->n_tiers) {
+            PyErr_SetString(PyExc_ValueError, "a tier for every key walked is needed");
+            return -1;
+        }
+        PyObject *count = PyLong_FromSsize_t(held);
+        if (count == NULL) return -1;
+        PyObject *call_args[3] = {name, count, e->tiers[held - 1]};
+        item = PyObject_Vectorcall(e->make, call_args, 3, NULL);
+        Py_DECREF(count);
+    }
+    if (item == NULL) return -1;
+    int rc = PyList_Append(e->out, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* The walk: per pod number, how many leading keys of a chain it holds, from each key's pod bitmap (bit n
+ * of a bitmap = byte n / 8, value 1 << n % 8; None or b"": nobody). Pods are those of bitmaps[0]; each is
+ * emitted once, at the key where it stops (or at ``end``), in key order and, within a key, by number:
+ * shared/presence.py's walk for chains whose keys have one tier each, the per-pod part of a prediction
+ * at a prefix a whole fleet holds. */
+static PyObject *walk_prefixes(PyObject *maps_obj, Py_ssize_t end, prefix_emit *e) {
     PyObject *seq = PySequence_Fast(maps_obj, "bitmaps must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     if (end > n) end = n;
-    PyObject *out = PyList_New(0);
+    PyObject *out = e->out = PyList_New(0);
     uint8_t *alive = NULL;
     if (out == NULL || end <= 0) goto done;
     for (Py_ssize_t i = 0; i < end; i++) {
@@ -408,11 +441,7 @@ static PyObject *prefix_counts(PyObject *self, PyObject *args) {
             uint8_t keep = (uint8_t)(a & (j < plen ? present[j] : 0));
             uint8_t stopped = (uint8_t)(a & ~keep);
             for (int b = 0; stopped; b++, stopped >>= 1) {
-                if (stopped & 1) {
-                    PyObject *pair = Py_BuildValue("(nn)", 8 * j + b, i);
-                    if (pair == NULL || PyList_Append(out, pair) < 0) { Py_XDECREF(pair); goto fail; }
-                    Py_DECREF(pair);
-                }
+                if ((stopped & 1) && emit_prefix(e, 8 * j + b, i) < 0) goto fail;
             }
             alive[j] = keep;
             if (!keep) live--;
@@ -420,11 +449,7 @@ static PyObject *prefix_counts(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t j = 0; j < width && live; j++) {
         for (int b = 0; b < 8; b++) {
-            if (alive[j] >> b & 1) {
-                PyObject *pair = Py_BuildValue("(nn)", 8 * j + b, end);
-                if (pair == NULL || PyList_Append(out, pair) < 0) { Py_XDECREF(pair); goto fail; }
-                Py_DECREF(pair);
-            }
+            if ((alive[j] >> b & 1) && emit_prefix(e, 8 * j + b, end) < 0) goto fail;
         }
     }
 done:
@@ -436,6 +461,34 @@ fail:
     Py_XDECREF(out);
     Py_DECREF(seq);
     return NULL;
+}
+
+/* prefix_counts(bitmaps: sequence[bytes | None], end: int) -> list[tuple[int, int]]: the walk's pairs. */
+static PyObject *prefix_counts(PyObject *self, PyObject *args) {
+    PyObject *maps_obj;
+    Py_ssize_t end;
+    if (!PyArg_ParseTuple(args, "On", &maps_obj, &end)) return NULL;
+    prefix_emit e = {NULL, NULL, NULL, 0, NULL};
+    return walk_prefixes(maps_obj, end, &e);
+}
+
+/* prefix_matches(bitmaps, end, names: dict[int, str], tiers: sequence[str], make) -> list: the walk's pods
+ * as ``make(name, held, tiers[held - 1])``, numbers without a name left out: the per-pod objects of a
+ * fleet-wide prefix built here rather than from a thousand pairs in Python. */
+static PyObject *prefix_matches(PyObject *self, PyObject *args) {
+    PyObject *maps_obj, *names, *tiers_obj, *make;
+    Py_ssize_t end;
+    if (!PyArg_ParseTuple(args, "OnO!OO", &maps_obj, &end, &PyDict_Type, &names, &tiers_obj, &make)) return NULL;
+    if (!PyCallable_Check(make)) {
+        PyErr_SetString(PyExc_TypeError, "make must be callable");
+        return NULL;
+    }
+    PyObject *tiers = PySequence_Fast(tiers_obj, "tiers must be a sequence");
+    if (tiers == NULL) return NULL;
+    prefix_emit e = {NULL, names, PySequence_Fast_ITEMS(tiers), PySequence_Fast_GET_SIZE(tiers), make};
+    PyObject *out = walk_prefixes(maps_obj, end, &e);
+    Py_DECREF(tiers);
+    return out;
 }
 
 /* pack_command(args: list | tuple) -> bytes: one RESP array of bulk strings (a Valkey command).
@@ -532,6 +585,8 @@ static PyMethodDef methods[] = {
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {"prefix_counts", prefix_counts, METH_VARARGS,
      "Per pod number, how many leading keys of a chain it holds, from one pod bitmap per key."},
+    {"prefix_matches", prefix_matches, METH_VARARGS,
+     "prefix_counts' pods as make(name, held, tiers[held - 1]), numbers without a name left out."},
     {"slot_groups", slot_groups, METH_VARARGS,
      "Positions of request keys grouped by the shard serving each key's cluster slot (a slot -> shard table)."},
     {NULL, NULL, 0, NULL},

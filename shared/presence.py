@@ -144,6 +144,31 @@ def _tiers_at(bits: Mapping[str, int], stopped: int) -> dict[str, int]:
     return out
 
 
+def _as_dict(names: Mapping[int, str]) -> dict[int, str]:
+    return names if type(names) is dict else dict(names)
+
+
+def one_tier_reads(reply: Sequence[Any]) -> tuple[list[bytes | str], list[bytes]] | None:
+    """A many-pods reply (kind 0) whose every key has at most one tier, as two lists straight from the
+    reply: each key's tier name ("" where nobody holds it) and its bitmap (b""); None for any other reply.
+    The single node's fleet-wide prefix reads these without a dict per key (``prefix_of_one_tier``)."""
+    if _chain is None or len(reply) < 6 or int(reply[2]) != 0:
+        return None
+    tiers = reply[5::2]
+    if list in map(type, tiers):  # a key with several tiers sent its flat hash
+        return None
+    maps = reply[6::2]
+    if len(maps) != len(tiers) or not all(type(b) is bytes for b in maps):
+        return None
+    return tiers, maps
+
+
+def prefix_of_one_tier(tiers: Sequence[bytes | str], maps: Sequence[bytes], names: Mapping[int, str]) -> list[PodMatch]:
+    """``prefix_from_bits`` over ``one_tier_reads``'s lists (every pod, nothing cut), the walk in C."""
+    tier_at = [_name(t) if t else DEFAULT_TIER for t in tiers]
+    return _chain.prefix_matches(maps, len(maps), _as_dict(names), tier_at, PodMatch)
+
+
 def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names: Mapping[int, str],
                      wanted: Mapping[int, str] | None = None, cut: int | None = None) -> list[PodMatch]:
     """Per pod, how many leading keys of the chain it holds, from each key's bitmaps in chain order.
@@ -158,9 +183,7 @@ def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names:
         one = _one_tier(per_key, end)
         if one is not None:  # the common case, in C: the per-pod part of a prefix a whole fleet holds
             maps, tier_at = one
-            name_of = names.get
-            return [PodMatch(pod, held, tier_at[held - 1])
-                    for num, held in _chain.prefix_counts(maps, end) if (pod := name_of(num)) is not None]
+            return _chain.prefix_matches(maps, end, _as_dict(names), tier_at, PodMatch)
     alive = -1  # every pod, until key 1 says which
     if wanted is not None:
         alive = 0
@@ -227,4 +250,4 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
 
 
 __all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "mask_of", "numbers", "numbers_in",
-           "parse_bits_reply", "prefix_from_bits"]
+           "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier"]

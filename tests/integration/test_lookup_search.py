@@ -112,3 +112,29 @@ async def test_written_layouts_with_gaps_agree_in_every_mode_when_many_pods_hold
     assert any(b for b, _ in got["linear"].values())
     got = await all_modes(ix, chain, rng.sample(pods, k=2) + ["nope"])
     assert got["script"] == got["linear"] == got["pipeline"]
+
+
+async def test_many_pods_and_another_writer_past_the_first_key(ix, valkey_url):
+    """A prefix many pods hold (the script sends every key's bitmaps), where another writer (an llm-d
+    indexer on the same Valkey) deleted one of our entries past key 1, so the bitmaps there say more than
+    llm-d's hash, and, on a second chain, made a key past key 1 a string: the lookup walks the entries
+    where they disagree, and reads the string as a miss, counted."""
+    sync = redis.Redis.from_url(valkey_url)
+    chain = list(range(501, 541))
+    pods = [f"pod-{i}" for i in range(12)]  # 12 pods x log2(40 keys) >= 40: every key's bitmaps are sent
+    for i, pod in enumerate(pods):
+        await hold(ix, pod, chain, 40 - i)
+    sync.hdel(str(chain[6]), encode_entry(make_entry("pod-3", "GPU", 0)))
+    got = await all_modes(ix, chain)
+    assert got["script"] == got["linear"] == got["pipeline"]
+    assert got["linear"]["pod-3"] == (6, "gpu") and got["linear"]["pod-0"] == (40, "gpu")
+
+    other = list(range(601, 641))
+    for i, pod in enumerate(pods):
+        await hold(ix, pod, other, 40 - i)
+    sync.delete(str(other[11]))
+    sync.set(str(other[11]), "not a hash")
+    before = ix.foreign_reads
+    got = {m.pod_id: m.blocks for m in await ix.lookup(other)}
+    assert got == {pod: 11 for pod in pods}
+    assert ix.foreign_reads == before + 1

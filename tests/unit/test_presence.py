@@ -75,6 +75,15 @@ def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
     fields = [[encode_entry(make_entry(p, tier_at[i].upper(), 0)) for p in at] for i, at in enumerate(held)]
     want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields))
     assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names)) == want
+    # the single node's path: the script's reply read as two lists, to the first key nobody holds
+    reply: list = [0, 0, 0, b"e", 0]
+    for i, bits in enumerate(per_key):
+        reply += [tier_at[i].encode(), bits[tier_at[i]]] if bits else [b"", b""]
+        if not bits and i > 0:
+            break
+    if held[0] and presence._chain is not None:
+        tiers, maps = presence.one_tier_reads(reply)
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in presence.prefix_of_one_tier(tiers, maps, names)) == want
     cut = rng.randint(0, keys)
     want = sorted((m.pod_id, min(m.blocks, cut), m.tier) for m in longest_prefix(fields[:cut]))
     got = sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names, cut=cut))
@@ -103,7 +112,25 @@ def test_the_scripts_two_answers_parse():
     assert bisected.moved and bisected.counts == [(7, 40, "cpu"), (9, 3, "gpu")] and bisected.epoch == ""
     assert bisected.walked == 1  # pods walked key by key (orphan keys), not bisected
     assert parse_bits_reply([0, 0, 2, b"", 0]).kind == 2
+    # only a kind-0 reply whose every key has one tier (or none) is read as two lists
+    assert presence.one_tier_reads([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"#n", b"1"], b""]) is None
+    assert presence.one_tier_reads([0, 1, 1, b"", 1, 7, 40, b"cpu"]) is None
+    if presence._chain is not None:
+        assert presence.one_tier_reads([0, 0, 0, b"", 0, b"gpu", b"\x03", b"", b""]) == ([b"gpu", b""], [b"\x03", b""])
 
 
 def test_numbers_are_the_set_bits():
     assert numbers(0) == [] and numbers(0b101001) == [0, 3, 5] and numbers(1 << 999) == [999]
+
+
+def test_the_c_walk_refuses_what_it_cannot_name():
+    if presence._chain is None:
+        pytest.skip("no C extension")
+    from kv_preflight.shared.entries import PodMatch
+
+    with pytest.raises(ValueError):  # a pod held through key 2 needs a tier at key 2
+        presence._chain.prefix_matches([b"\x01", b"\x01"], 2, {0: "a"}, ["gpu"], PodMatch)
+    with pytest.raises(TypeError):
+        presence._chain.prefix_matches([b"\x01", "x"], 2, {0: "a"}, ["gpu", "gpu"], PodMatch)
+    assert presence._chain.prefix_matches([b"\x03", b"\x01"], 2, {1: "b"}, ["gpu", "cpu"], PodMatch) == [
+        PodMatch("b", 1, "gpu")]  # number 0 has no name: left out

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.predictor.score import PodAffinity, engine_cached_tokens, score
-from kv_preflight.shared.index import PodMatch
+from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.shared.index import PodMatch, ScoringInfo
 
 C = 16
 
@@ -127,3 +128,34 @@ def test_incomplete_flag_and_json_shape():
             {"pod_id": "pod-b", "cached_blocks": 2, "cached_tokens": 32, "device_tier": "cpu", "incomplete": True},
         ],
     }
+
+
+@given(st.lists(st.tuples(st.integers(-300, 3), st.sampled_from([None, 0, 16, 32, 256]), st.booleans()),
+                max_size=60),
+       st.integers(0, 5000), st.booleans(), st.sampled_from([16, 32]))
+@settings(max_examples=200, deadline=None)
+def test_scoring_equals_its_definition_pod_by_pod(pods, prompt_len, with_ttft, canonical):
+    """The scorer's inline common case (canonical blocks) and its caches give what the definition gives:
+    ``engine_cached_tokens`` and ``estimate_ms`` per pod, pods reusing nothing left out, most tokens
+    first, ties by pod id. Lengths run up to a few blocks past the prompt's, where the last-token rule
+    cuts."""
+    ttft = PrefillModel(overhead_ms=3, prefill_tokens_per_s=777, attention_ms_per_mpair=0.3) if with_ttft else None
+    matches = [PodMatch(f"p{i:03d}", max(0, prompt_len // canonical + d), "cpu" if i % 3 else "gpu")
+               for i, (d, _, _) in enumerate(pods)]
+    engine_blocks = {f"p{i:03d}": e for i, (_, e, _) in enumerate(pods) if i % 4}  # some pods have no info
+    incomplete = {f"p{i:03d}" for i, (_, _, inc) in enumerate(pods) if inc}
+    got = score(matches, prompt_len=prompt_len, canonical_block=canonical, engine_blocks=engine_blocks,
+                incomplete=incomplete, ttft=ttft)
+    want = []
+    for m in matches:
+        tokens = engine_cached_tokens(m.blocks, canonical, engine_blocks.get(m.pod_id), prompt_len)
+        if tokens > 0:
+            want.append(PodAffinity(m.pod_id, m.blocks, tokens, m.tier,
+                                    ttft.estimate_ms(prompt_len, tokens) if ttft else None, m.pod_id in incomplete))
+    want.sort(key=lambda a: (-a.cached_tokens, a.pod_id))
+    assert got.pod_affinities == want
+    # the same from the pods' metadata (what the predictor passes), a pod without metadata as before
+    infos = {pod: ScoringInfo(pod, e, pod in incomplete) for pod, e in engine_blocks.items()}
+    alone = {pod for pod in incomplete if pod not in infos}
+    assert score(matches, prompt_len=prompt_len, canonical_block=canonical, infos=infos, incomplete=alone,
+                 ttft=ttft) == got

@@ -134,3 +134,10 @@ def test_parse_observations():
     for bad in ('{"prompt_tokens": 10}', '{"prompt_tokens": 10, "cached_tokens": 20, "ttft_ms": 1}', "nope"):
         with pytest.raises(ValueError, match="input:1"):
             parse_observations([bad])
+
+
+@given(st.floats(0, 100), st.floats(1, 1e6), st.floats(0, 50), st.integers(-5, 70_000), st.integers(-100, 80_000))
+@settings(max_examples=300, deadline=None)
+def test_estimates_for_one_prompt_are_estimate_ms_to_the_bit(overhead, tps, attn, prompt, cached):
+    model = PrefillModel(overhead_ms=overhead, prefill_tokens_per_s=tps, attention_ms_per_mpair=attn)
+    assert model.estimates_for(prompt)(cached) == model.estimate_ms(prompt, cached)
