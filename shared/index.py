@@ -615,6 +615,8 @@ class Index:
         fast = getattr(self.backend, "fast", None)
         if fast is not None:
             return await fast.pipeline(commands)
+        if isinstance(self.backend, ClusterBackend):
+            return await self.backend.read_commands(commands)  # per primary, on its lean connection
 
         def fill(pipe) -> None:
             for c in commands:
