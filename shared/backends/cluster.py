@@ -377,9 +377,10 @@ class ClusterBackend:
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg(), fast_for=self._fast_for)
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         self.gap_walks = 0  # pods a lookup walked key by key rather than bisected (orphan keys, a pending gap)
-        # default lookups whose merge wanted a tier not read beside the walk (a 4th round: only after a shard
-        # failed to answer the walk, which moves the cut; a test checks it stays 0 otherwise)
-        self.late_tier_reads = 0
+        # default lookups that read after the walk (a 4th round): a tier the merge wanted and no round had read
+        # (a shard failed the walk, which moves the cut), or the keys of a shard whose walk found a key moved
+        # (resharding); tests check it stays 0 otherwise
+        self.late_reads = 0
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
         self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
@@ -569,9 +570,11 @@ class ClusterBackend:
 
         The pod names (``names``) are a cache: a number not known yet reads ``kvpf:{nums}:byid`` once per
         process. A shard that does not answer cuts every prefix at its first key (counts are then lower
-        bounds, never silently short); should one fail the walk, the cut moves and the merge may want one
-        more tier read (correct, counted in ``late_tier_reads``). None when a shard's first key holds
-        entries that are not ours (walk llm-d's entries then)."""
+        bounds, never silently short). Two events during a resharding or a failover cost a 4th round,
+        counted in ``late_reads``: a shard failing the walk (the cut moves, and the merge may want a tier no
+        round read) and a walk finding a key moved that round 1 did not read (its shard's keys are then
+        read through the routing). None when a shard's first key holds entries that are not ours (walk
+        llm-d's entries then)."""
         by_node, unanswered = await self._keys_by_node(request_keys)
         guess = self._bisected_at.get(request_keys[0])
         early = asyncio.ensure_future(self.pods_with_gaps(guess)) if guess else None
@@ -650,10 +653,21 @@ class ClusterBackend:
                     _abandon(task)
             raise
         gapped |= prefetched & bisected_pods
-        if read_bits:
-            more = {num for bits in read_bits.values() for num in numbers_in(bits)} - set(known)
+        number_of: dict[str, int] = {}
+
+        async def as_read(bits_at: dict[int, dict[str, bytes]], entries_at: dict[int, dict[str, str]]
+                          ) -> dict[int, dict[str, str]]:
+            """Keys read whole, as position -> pod -> tier (a number not named yet: the names read again)."""
+            nonlocal known
+            more = {num for bits in bits_at.values() for num in numbers_in(bits)} - set(known)
             if more:
                 known = await names(wanted | more, epoch)
+                number_of.clear()
+            out = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in bits_at.items()}
+            out.update(entries_at)
+            return out
+
+        read = await as_read(read_bits, read_entries)
         if bisected_pods and self._bisected_at.get(request_keys[0]) != bisected_pods:
             if len(self._bisected_at) >= 4096:
                 del self._bisected_at[next(iter(self._bisected_at))]
@@ -665,13 +679,10 @@ class ClusterBackend:
             else:
                 held = {known[num]: (c, t) for num, c, t in res.counts if num in known}
             shards.append((idx, held))
-        read = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in read_bits.items()}
-        read.update(read_entries)
         # A pod's tier at a key before its last on some shard: from that shard's bitmaps where it sent them,
         # else from the key read whole in round 3 (pairs settled with None keep the shard's tier).
         with_bits = [(idx, res.reads) for idx, res in replies if res.kind == 0]
         tiers_read: dict[int, dict[str, str]] = {}
-        number_of: dict[str, int] = {}
 
         def known_tiers(pairs: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
             out: dict[tuple[str, int], str | None] = {}
@@ -697,9 +708,10 @@ class ClusterBackend:
         for i in to_read:
             tiers_read[i] = {}  # settled by the read, whatever it finds (a key not answered: the shard's tier)
         tier_read = asyncio.ensure_future(self._read_routed(request_keys, to_read, None, set())) if to_read else None
+        moved: list[int] = []
         try:
             if gapped:  # Round 3: walk those pods, on the shards that bisected them
-                await self._walk(shard, bisected, gapped, known, shards, with_bits, unanswered)
+                moved = await self._walk(shard, bisected, gapped, known, shards, with_bits, unanswered)
             if tier_read is not None:
                 tiers_read.update(await tier_read)
         except _NotOurs:
@@ -710,16 +722,21 @@ class ClusterBackend:
             if tier_read is not None:
                 _abandon(tier_read)
             raise
+        if moved:  # a key moved that round 1 did not reach (a bisection reads few keys): that shard's keys read
+            self.late_reads += 1  # through the routing, as after round 1 (a 4th round, while resharding only)
+            self._table = None
+            read.update(await as_read(*await self._read_keys(request_keys, moved, unanswered)))
         return await self._merged(request_keys, shards, read, unanswered, None, known_tiers), foreign
 
     async def _walk(self, shard, bisected: Sequence[tuple[Any, list[int], BitsReply]], gapped: set[str],
                     known: Mapping[int, str], shards: list[tuple[list[int], dict[str, tuple[int, str | TierRuns]]]],
-                    with_bits: list[tuple[list[int], list[dict[str, bytes]]]], unanswered: set[int]) -> None:
+                    with_bits: list[tuple[list[int], list[dict[str, bytes]]]], unanswered: set[int]) -> list[int]:
         """The gapped pods walked key by key on the shards that bisected them (``shard(node, positions,
         how)``), each shard's answer for them put in ``shards`` in place of its bisection (as tier runs, so
         their tier at any key they hold there is known); the other pods keep their counts from round 1. A
-        shard that does not answer (or whose key moved meanwhile) leaves its keys in ``unanswered``;
-        _NotOurs when one's first key now holds entries that are not ours."""
+        shard that does not answer leaves its keys in ``unanswered``; one whose walk found a key moved away
+        is dropped, its positions returned (to be read through the routing); _NotOurs when one's first key
+        now holds entries that are not ours."""
         again = []
         for node, idx, res in bisected:
             walk = {num for num, _, _ in res.counts if known.get(num) in gapped}
@@ -729,6 +746,7 @@ class ClusterBackend:
                                       for node, idx, walk in again), return_exceptions=True)
         at = {id(idx): k for k, (idx, _) in enumerate(shards)}
         dropped = set()
+        moved: list[int] = []
         for (_, idx, walk), r in zip(again, done):
             k = at[id(idx)]
             if isinstance(r, BaseException):
@@ -741,7 +759,7 @@ class ClusterBackend:
             if res.kind == 2:
                 raise _NotOurs()
             if res.moved:
-                unanswered.update(idx)  # moved between the rounds (resharding): cut there, said so
+                moved.extend(idx)
                 dropped.add(k)
             elif res.kind == 0:  # many pods at its first key by now: its bitmaps, as in round 1
                 shards[k] = (idx, {m.pod_id: (m.blocks, m.tier) for m in prefix_from_bits(res.reads, known)})
@@ -755,6 +773,7 @@ class ClusterBackend:
                         held[known[num]] = (c, res.runs.get(num) or ((t, c),))
                 shards[k] = (idx, held)
         shards[:] = [s for k, s in enumerate(shards) if k not in dropped]
+        return sorted(moved)
 
     async def pods_with_gaps(self, pods: Iterable[str]) -> set[str]:
         """The pods a lookup must not bisect: their orphan count is not 0 or not known, or an outbox entry
@@ -829,7 +848,7 @@ class ClusterBackend:
         """The shards' answers merged (``merge_shards``), cut at the first key no shard answered for; on a
         layout that is not a prefix per pod, the tier at such a pod's last key: from ``known`` (pod, position)
         -> tier (None: keep the shard's) where it has them, else read (by the default lookup only should a
-        shard have failed its walk: counted in ``late_tier_reads``)."""
+        shard have failed its walk: counted in ``late_reads``)."""
         if unanswered and len(unanswered) == len(request_keys):
             raise RedisConnectionError("no shard of the cluster answered the lookup")
         cut = min(unanswered) if unanswered else len(request_keys)
@@ -839,7 +858,7 @@ class ClusterBackend:
             rest = {pair for pair in tiers_wanted if pair not in tiers}
             if rest:
                 if known is not None:
-                    self.late_tier_reads += 1
+                    self.late_reads += 1
                 at = await self._read_routed(request_keys, sorted({i for _, i in rest}), pods, set())
                 tiers.update(((pod, i), at.get(i, {}).get(pod)) for pod, i in rest)
             matches = [m if not tiers.get((m.pod_id, m.blocks - 1))

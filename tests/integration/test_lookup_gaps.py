@@ -196,7 +196,7 @@ async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_app
             gapped += any(world.orphans(p) for p in world.held)
         assert gapped and ix.gap_walks  # layouts with gaps were read, by the few-pods lookup (kind 1)
         assert longest > 1
-        assert ix.backend.late_tier_reads == 0  # every tier the merge wanted was known or read beside the walk
+        assert ix.backend.late_reads == 0  # every tier the merge wanted was known or read beside the walk
     finally:
         await ix.close()
 
