@@ -722,8 +722,10 @@ class ClusterBackend:
             if tier_read is not None:
                 _abandon(tier_read)
             raise
-        if moved:  # a key moved that round 1 did not reach (a bisection reads few keys): that shard's keys read
-            self.late_reads += 1  # through the routing, as after round 1 (a 4th round, while resharding only)
+        if moved:
+            # The walk reached a key that moved away and round 1 did not (a bisection reads few keys): that
+            # shard's keys read through the routing, as after round 1 (a 4th round, while resharding only).
+            self.late_reads += 1
             self._table = None
             read.update(await as_read(*await self._read_keys(request_keys, moved, unanswered)))
         return await self._merged(request_keys, shards, read, unanswered, None, known_tiers), foreign
@@ -769,7 +771,7 @@ class ClusterBackend:
                 walked = {known[num] for num in walk}
                 held = {pod: v for pod, v in shards[k][1].items() if pod not in walked}
                 for num, c, t in res.counts:
-                    if num in walk:  # one tier all along: a single run
+                    if num in walk:  # no runs sent: one tier all along, a single run
                         held[known[num]] = (c, res.runs.get(num) or ((t, c),))
                 shards[k] = (idx, held)
         shards[:] = [s for k, s in enumerate(shards) if k not in dropped]
