@@ -700,6 +700,8 @@ class ClusterBackend:
                         break
             return out
 
+        if not gapped:  # every count is final: the merge reads the tiers it needs (round 2 or 3)
+            return await self._merged(request_keys, shards, read, unanswered, None, known_tiers), foreign
         # The bisected pods' counts are final now: the tiers their merge needs are read beside the walk.
         cut = min(unanswered) if unanswered else len(request_keys)
         _, tiers_wanted = merge_shards(len(request_keys), shards, read, cut, skip=gapped)
@@ -708,10 +710,8 @@ class ClusterBackend:
         for i in to_read:
             tiers_read[i] = {}  # settled by the read, whatever it finds (a key not answered: the shard's tier)
         tier_read = asyncio.ensure_future(self._read_routed(request_keys, to_read, None, set())) if to_read else None
-        moved: list[int] = []
-        try:
-            if gapped:  # Round 3: walk those pods, on the shards that bisected them
-                moved = await self._walk(shard, bisected, gapped, known, shards, with_bits, unanswered)
+        try:  # Round 3: walk those pods, on the shards that bisected them
+            moved = await self._walk(shard, bisected, gapped, known, shards, with_bits, unanswered)
             if tier_read is not None:
                 tiers_read.update(await tier_read)
         except _NotOurs:
@@ -728,7 +728,7 @@ class ClusterBackend:
             self.late_reads += 1
             self._table = None
             read.update(await as_read(*await self._read_keys(request_keys, moved, unanswered)))
-        return await self._merged(request_keys, shards, read, unanswered, None, known_tiers), foreign
+        return await self._merged(request_keys, shards, read, unanswered, None, known_tiers, late=True), foreign
 
     async def _walk(self, shard, bisected: Sequence[tuple[Any, list[int], BitsReply]], gapped: set[str],
                     known: Mapping[int, str], shards: list[tuple[list[int], dict[str, tuple[int, str | TierRuns]]]],
@@ -845,12 +845,12 @@ class ClusterBackend:
     async def _merged(self, request_keys: Sequence[int],
                       shards: Sequence[tuple[list[int], Mapping[str, tuple[int, str | TierRuns]]]],
                       read: dict[int, dict[str, str]], unanswered: set[int], pods: Sequence[str] | None,
-                      known: Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], str | None]] | None = None
-                      ) -> Lookup:
+                      known: Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], str | None]] | None = None,
+                      late: bool = False) -> Lookup:
         """The shards' answers merged (``merge_shards``), cut at the first key no shard answered for; on a
         layout that is not a prefix per pod, the tier at such a pod's last key: from ``known`` (pod, position)
-        -> tier (None: keep the shard's) where it has them, else read (by the default lookup only should a
-        shard have failed its walk: counted in ``late_reads``)."""
+        -> tier (None: keep the shard's) where it has them, else read (``late``: that read is a 4th round,
+        counted in ``late_reads``)."""
         if unanswered and len(unanswered) == len(request_keys):
             raise RedisConnectionError("no shard of the cluster answered the lookup")
         cut = min(unanswered) if unanswered else len(request_keys)
@@ -859,7 +859,7 @@ class ClusterBackend:
             tiers = dict(known(tiers_wanted)) if known is not None else {}
             rest = {pair for pair in tiers_wanted if pair not in tiers}
             if rest:
-                if known is not None:
+                if late:
                     self.late_reads += 1
                 at = await self._read_routed(request_keys, sorted({i for _, i in rest}), pods, set())
                 tiers.update(((pod, i), at.get(i, {}).get(pod)) for pod, i in rest)
