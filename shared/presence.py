@@ -10,10 +10,10 @@ key to walk, rather than a probe per pod and key; where few pods do, per pod its
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch
+from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch, better_tier
 
 try:
     from kv_preflight.shared import _chain
@@ -21,6 +21,8 @@ except ImportError:  # no compiler at install: the walk below does it all
     _chain = None
 
 TierBits = Mapping[str, bytes]  # tier -> bitmap, one request key's
+# A pod's tier along the keys a shard walked it on, where it changes: (tier, keys held through it) per run
+TierRuns = tuple[tuple[str, int], ...]
 # Pod numbers -> pods, for the numbers given under a numbering's epoch ("": not known); the callee reads
 # its map again if a number is unknown or the epoch is not the one its names were read under.
 # (the numbers as an iterable, or as one bitmap: an int).
@@ -59,7 +61,9 @@ class BitsReply:
     first key nobody holds); 1, per pod (number, keys held from the first, tier) (``counts``); 2, a key
     read holds entries that are not ours: walk llm-d's entries instead. ``epoch``: the pod numbering's
     (empty where its slot is on another node), so names read under an earlier numbering are read again.
-    ``walked``: pods walked key by key rather than bisected (their orphan count not known to be 0)."""
+    ``walked``: pods walked key by key rather than bisected (their orphan count not known to be 0).
+    ``runs``: a cluster shard's walk ("w:"), per walked pod whose tier changes along its keys there, its
+    tier runs (``counts`` then gives its tier at the last key)."""
 
     foreign: int
     moved: bool
@@ -68,6 +72,7 @@ class BitsReply:
     reads: list[dict[str, bytes]]
     counts: list[tuple[int, int, str]]
     walked: int = 0
+    runs: dict[int, TierRuns] = field(default_factory=dict)
 
 
 def _str(v: bytes | str) -> str:
@@ -86,8 +91,33 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
             else:
                 reads.append({_name(name): bits} if name else {})
         return BitsReply(foreign, moved, 0, epoch, reads, [])
-    counts = [(int(reply[i]), int(reply[i + 1]), _str(reply[i + 2])) for i in range(5, len(reply) - 2, 3)]
-    return BitsReply(foreign, moved, kind, epoch, [], counts, walked)
+    counts = []
+    runs: dict[int, TierRuns] = {}
+    for i in range(5, len(reply) - 2, 3):
+        num, held, tier = int(reply[i]), int(reply[i + 1]), reply[i + 2]
+        if isinstance(tier, list):  # a walked pod's runs: tier, keys held through it, ...
+            runs[num] = tuple((_name(tier[j]), int(tier[j + 1])) for j in range(0, len(tier) - 1, 2))
+            tier = runs[num][-1][0]
+        counts.append((num, held, _name(tier)))
+    return BitsReply(foreign, moved, kind, epoch, [], counts, walked, runs)
+
+
+def tier_in_runs(runs: TierRuns, j: int) -> str:
+    """A pod's tier at the ``j``-th key (from 0) a shard holds it on, from its runs there."""
+    for tier, through in runs:
+        if j < through:
+            return tier
+    return runs[-1][0]
+
+
+def tier_in(bits: Mapping[str, bytes | int], num: int) -> str | None:
+    """Pod ``num``'s tier at one key from its bitmaps (gpu where it holds it there, else the first other
+    tier by name: entries.better_tier's rule), None where it does not hold it."""
+    best = None
+    for tier, bitmap in bits.items():
+        if as_int(bitmap) >> num & 1 and better_tier(tier, best):
+            best = tier
+    return best
 
 
 def numbers_in(bits: Mapping[str, bytes | int]) -> list[int]:
@@ -249,5 +279,6 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "as_int", "bits_of", "mask_of", "numbers", "numbers_in",
-           "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier"]
+__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
+           "numbers_in", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
+           "tier_in_runs"]

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,8 +45,8 @@ from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_res
 from kv_preflight.shared.keys import pack_keys
 from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
                                         request_key_name)
-from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, bits_of, mask_of, numbers_in, parse_bits_reply,
-                                         prefix_from_bits)
+from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, TierRuns, bits_of, mask_of, numbers_in,
+                                         parse_bits_reply, prefix_from_bits, tier_in, tier_in_runs)
 from kv_preflight.shared.resp import FastConnection, script_sha
 from kv_preflight.shared.slots import key_slot, slot_groups, slot_table
 
@@ -377,6 +377,10 @@ class ClusterBackend:
         self.effects = ClusterEffects(client, scripts.UNLINK_ENGINE, writer=self.writer_arg(), fast_for=self._fast_for)
         self.unreplicated = 0  # runs whose effects a replica had not confirmed in time (kept in the outbox)
         self.gap_walks = 0  # pods a lookup walked key by key rather than bisected (orphan keys, a pending gap)
+        # default lookups that read after the walk (a 4th round): a tier the merge wanted and no round had read
+        # (a shard failed the walk, which moves the cut), or the keys of a shard whose walk found a key moved
+        # (resharding); tests check it stays 0 otherwise
+        self.late_reads = 0
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
         self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
@@ -548,15 +552,28 @@ class ClusterBackend:
         where few pods hold its first key, per pod how many of its keys the pod holds from its first (bisected
         there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
 
-        A bisected pod's count is exact only when its keys are closed under "parent" (pod meta
-        "orphan_keys" is 0, shared/lua/pod.lua) at every version a shard may show (no outbox entry left
-        from a step taken while they were not: "gap_entry"). That is read on the pods' own shards (one
-        pipelined request per shard): beside the first round for the pods bisected when this chain's first
-        key was last looked up, else in a second round (beside the reread of moved keys), and only when some
-        shard bisected; a third round walks the other pods key by key on the shards that bisected them.
-        The reread: a shard whose key moved meanwhile has its keys read whole through the cluster's
-        routing. A shard that does not answer cuts every prefix at its first key (counts are then lower
-        bounds, never silently short). None when a shard's first key holds entries that are not ours (walk
+        A bisected pod's count is exact only when its keys are closed under "parent" (pod meta "orphan_keys"
+        is 0, shared/lua/pod.lua) at every version a shard may show (no outbox entry left from a step taken
+        while they were not: "gap_entry"); the other pods are walked key by key. At most 3 sequential
+        rounds, each one pipelined request per shard, the shards in parallel (issue 9 item 4):
+
+        1. the script on every shard; beside it, the meta of the pods bisected when this chain's first key
+           was last looked up (a prompt's prefix is looked up many times), on the pods' own shards;
+        2. only when a shard bisected a pod whose meta round 1 did not read: that meta; beside it, the
+           keys of a shard whose key moved meanwhile (resharding, failover), read through the routing;
+        3. the pods that may not be bisected, walked on the shards that bisected them (each sends a
+           walked pod's tier runs where its tier changes along its keys); beside the walk, the tiers the
+           merge needs for the other pods, read whole: on a layout that is not a prefix per pod (a batch
+           half applied) a pod's count on one shard can run past the key where another shard cut its
+           prefix, and its tier at that key is not in the answer. A shard that sent its keys' bitmaps
+           needs no read for that, and a walked pod's runs give its tier at any key it holds.
+
+        The pod names (``names``) are a cache: a number not known yet reads ``kvpf:{nums}:byid`` once per
+        process. A shard that does not answer cuts every prefix at its first key (counts are then lower
+        bounds, never silently short). Two events during a resharding or a failover cost a 4th round,
+        counted in ``late_reads``: a shard failing the walk (the cut moves, and the merge may want a tier no
+        round read) and a walk finding a key moved that round 1 did not read (its shard's keys are then
+        read through the routing). None when a shard's first key holds entries that are not ours (walk
         llm-d's entries then)."""
         by_node, unanswered = await self._keys_by_node(request_keys)
         guess = self._bisected_at.get(request_keys[0])
@@ -590,7 +607,11 @@ class ClusterBackend:
                 if res.kind == 1 and res.counts:
                     bisected.append((node, idx, res))
         epoch = next((res.epoch for _, res in replies if res.epoch), "")
-        read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered) if reread else ({}, {})
+        read_bits: dict[int, dict[str, bytes]] = {}
+        read_entries: dict[int, dict[str, str]] = {}
+        if reread and not bisected:  # no pod's meta to read: the reread is round 2 alone
+            read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered)
+            reread = []
         if all(res.kind == 0 for _, res in replies) and not read_entries:
             # Every shard sent its keys' bitmaps (a prefix many pods hold): put them back in chain order and
             # walk once, as a single node does, rather than walking each shard's keys and merging per pod
@@ -615,54 +636,146 @@ class ClusterBackend:
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
             wanted.update(num for num, _, _ in res.counts)
-        for bits in read_bits.values():
-            wanted.update(numbers_in(bits))
         known = await names(wanted, epoch) if wanted else {}
         bisected_pods = {known[num] for _, _, res in bisected for num, _, _ in res.counts if num in known}
-        prefetched: set[str] = await early if early is not None else set()
         unread = bisected_pods - (guess or frozenset())
-        gapped = await self.pods_with_gaps(unread) if unread else set()
+        # Round 2: the meta of the bisected pods round 1 did not read, beside the moved keys' reread.
+        gaps = asyncio.ensure_future(self.pods_with_gaps(unread)) if unread else None
+        rereading = asyncio.ensure_future(self._read_keys(request_keys, sorted(reread), unanswered)) if reread else None
+        try:
+            prefetched: set[str] = await early if early is not None else set()
+            gapped = await gaps if gaps is not None else set()
+            if rereading is not None:
+                read_bits, read_entries = await rereading
+        except BaseException:
+            for task in (early, gaps, rereading):
+                if task is not None:
+                    _abandon(task)
+            raise
         gapped |= prefetched & bisected_pods
+        number_of: dict[str, int] = {}
+
+        async def as_read(bits_at: dict[int, dict[str, bytes]], entries_at: dict[int, dict[str, str]]
+                          ) -> dict[int, dict[str, str]]:
+            """Keys read whole, as position -> pod -> tier (a number not named yet: the names read again)."""
+            nonlocal known
+            more = {num for bits in bits_at.values() for num in numbers_in(bits)} - set(known)
+            if more:
+                known = await names(wanted | more, epoch)
+                number_of.clear()
+            out = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in bits_at.items()}
+            out.update(entries_at)
+            return out
+
+        read = await as_read(read_bits, read_entries)
         if bisected_pods and self._bisected_at.get(request_keys[0]) != bisected_pods:
             if len(self._bisected_at) >= 4096:
                 del self._bisected_at[next(iter(self._bisected_at))]
             self._bisected_at[request_keys[0]] = frozenset(bisected_pods)
-        if gapped:  # walk those pods, on the shards that bisected them
-            numbers_of = {name: num for num, name in known.items()}
-            again = []
-            for node, idx, res in bisected:
-                walk = sorted(numbers_of[p] for p in gapped if any(known.get(num) == p for num, _, _ in res.counts))
-                if walk:
-                    again.append((node, idx, "w:" + ",".join(map(str, walk))))
-            done = await asyncio.gather(*(shard(node, idx, how) for node, idx, how in again), return_exceptions=True)
-            redone = {id(idx): res for (_, idx, _), res in zip(again, done)}
-            kept = []
-            for idx, res in replies:
-                r = redone.get(id(idx))
-                if r is None:
-                    kept.append((idx, res))
-                elif isinstance(r, BaseException):
-                    if not isinstance(r, VALKEY_ERRORS):
-                        raise r
-                    unanswered.update(idx)  # not answered now: cut there (a lower bound, said so)
-                elif r[1].kind == 2:
-                    return None, foreign
-                elif r[1].moved:
-                    unanswered.update(idx)  # moved between the rounds (resharding): cut there, said so
-                else:
-                    self.gap_walks += r[1].walked
-                    kept.append((idx, r[1]))
-            replies = kept
-        shards: list[tuple[list[int], dict[str, tuple[int, str]]]] = []
+        shards: list[tuple[list[int], dict[str, tuple[int, str | TierRuns]]]] = []
         for idx, res in replies:
             if res.kind == 0:
                 held = {m.pod_id: (m.blocks, m.tier) for m in prefix_from_bits(res.reads, known)}
             else:
                 held = {known[num]: (c, t) for num, c, t in res.counts if num in known}
             shards.append((idx, held))
-        read = {i: {m.pod_id: m.tier for m in prefix_from_bits([bits], known)} for i, bits in read_bits.items()}
-        read.update(read_entries)
-        return await self._merged(request_keys, shards, read, unanswered, None), foreign
+        # A pod's tier at a key before its last on some shard: from that shard's bitmaps where it sent them,
+        # else from the key read whole in round 3 (pairs settled with None keep the shard's tier).
+        with_bits = [(idx, res.reads) for idx, res in replies if res.kind == 0]
+        tiers_read: dict[int, dict[str, str]] = {}
+
+        def known_tiers(pairs: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str | None]:
+            out: dict[tuple[str, int], str | None] = {}
+            for pod, i in pairs:
+                if i in tiers_read:
+                    out[(pod, i)] = tiers_read[i].get(pod)
+                    continue
+                for idx, reads in with_bits:
+                    j = bisect_left(idx, i)
+                    if j < len(idx) and idx[j] == i:
+                        if not number_of:
+                            number_of.update((name, num) for num, name in known.items())
+                        num = number_of.get(pod)
+                        out[(pod, i)] = tier_in(reads[j], num) if j < len(reads) and num is not None else None
+                        break
+            return out
+
+        if not gapped:  # every count is final: the merge reads the tiers it needs (round 2 or 3)
+            return await self._merged(request_keys, shards, read, unanswered, None, known_tiers), foreign
+        # The bisected pods' counts are final now: the tiers their merge needs are read beside the walk.
+        cut = min(unanswered) if unanswered else len(request_keys)
+        _, tiers_wanted = merge_shards(len(request_keys), shards, read, cut, skip=gapped)
+        settled = known_tiers(tiers_wanted)
+        to_read = sorted({i for pod, i in tiers_wanted if (pod, i) not in settled})
+        for i in to_read:
+            tiers_read[i] = {}  # settled by the read, whatever it finds (a key not answered: the shard's tier)
+        tier_read = asyncio.ensure_future(self._read_routed(request_keys, to_read, None, set())) if to_read else None
+        try:  # Round 3: walk those pods, on the shards that bisected them
+            moved = await self._walk(shard, bisected, gapped, known, shards, with_bits, unanswered)
+            if tier_read is not None:
+                tiers_read.update(await tier_read)
+        except _NotOurs:
+            if tier_read is not None:
+                _abandon(tier_read)
+            return None, foreign
+        except BaseException:
+            if tier_read is not None:
+                _abandon(tier_read)
+            raise
+        if moved:
+            # The walk reached a key that moved away and round 1 did not (a bisection reads few keys): that
+            # shard's keys read through the routing, as after round 1 (a 4th round, while resharding only).
+            self.late_reads += 1
+            self._table = None
+            read.update(await as_read(*await self._read_keys(request_keys, moved, unanswered)))
+        return await self._merged(request_keys, shards, read, unanswered, None, known_tiers, late=True), foreign
+
+    async def _walk(self, shard, bisected: Sequence[tuple[Any, list[int], BitsReply]], gapped: set[str],
+                    known: Mapping[int, str], shards: list[tuple[list[int], dict[str, tuple[int, str | TierRuns]]]],
+                    with_bits: list[tuple[list[int], list[dict[str, bytes]]]], unanswered: set[int]) -> list[int]:
+        """The gapped pods walked key by key on the shards that bisected them (``shard(node, positions,
+        how)``), each shard's answer for them put in ``shards`` in place of its bisection (as tier runs, so
+        their tier at any key they hold there is known); the other pods keep their counts from round 1. A
+        shard that does not answer leaves its keys in ``unanswered``; one whose walk found a key moved away
+        is dropped, its positions returned (to be read through the routing); _NotOurs when one's first key
+        now holds entries that are not ours."""
+        again = []
+        for node, idx, res in bisected:
+            walk = {num for num, _, _ in res.counts if known.get(num) in gapped}
+            if walk:
+                again.append((node, idx, walk))
+        done = await asyncio.gather(*(shard(node, idx, "w:" + ",".join(map(str, sorted(walk))))
+                                      for node, idx, walk in again), return_exceptions=True)
+        at = {id(idx): k for k, (idx, _) in enumerate(shards)}
+        dropped = set()
+        moved: list[int] = []
+        for (_, idx, walk), r in zip(again, done):
+            k = at[id(idx)]
+            if isinstance(r, BaseException):
+                if not isinstance(r, VALKEY_ERRORS):
+                    raise r
+                unanswered.update(idx)  # not answered now: cut there (a lower bound, said so)
+                dropped.add(k)
+                continue
+            res = r[1]
+            if res.kind == 2:
+                raise _NotOurs()
+            if res.moved:
+                moved.extend(idx)
+                dropped.add(k)
+            elif res.kind == 0:  # many pods at its first key by now: its bitmaps, as in round 1
+                shards[k] = (idx, {m.pod_id: (m.blocks, m.tier) for m in prefix_from_bits(res.reads, known)})
+                with_bits.append((idx, res.reads))
+            else:
+                self.gap_walks += res.walked
+                walked = {known[num] for num in walk}
+                held = {pod: v for pod, v in shards[k][1].items() if pod not in walked}
+                for num, c, t in res.counts:
+                    if num in walk:  # no runs sent: one tier all along, a single run
+                        held[known[num]] = (c, res.runs.get(num) or ((t, c),))
+                shards[k] = (idx, held)
+        shards[:] = [s for k, s in enumerate(shards) if k not in dropped]
+        return sorted(moved)
 
     async def pods_with_gaps(self, pods: Iterable[str]) -> set[str]:
         """The pods a lookup must not bisect: their orphan count is not 0 or not known, or an outbox entry
@@ -769,19 +882,29 @@ class ClusterBackend:
                         at[e.PodIdentifier] = e.DeviceTier
         return bits_at, entries_at
 
-    async def _merged(self, request_keys: Sequence[int], shards: list[tuple[list[int], dict[str, tuple[int, str]]]],
-                      read: dict[int, dict[str, str]], unanswered: set[int], pods: Sequence[str] | None) -> Lookup:
+    async def _merged(self, request_keys: Sequence[int],
+                      shards: Sequence[tuple[list[int], Mapping[str, tuple[int, str | TierRuns]]]],
+                      read: dict[int, dict[str, str]], unanswered: set[int], pods: Sequence[str] | None,
+                      known: Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], str | None]] | None = None,
+                      late: bool = False) -> Lookup:
         """The shards' answers merged (``merge_shards``), cut at the first key no shard answered for; on a
-        layout that is not a prefix per pod, a second read for the tier at such a pod's last key."""
+        layout that is not a prefix per pod, the tier at such a pod's last key: from ``known`` (pod, position)
+        -> tier (None: keep the shard's) where it has them, else read (``late``: that read is a 4th round,
+        counted in ``late_reads``)."""
         if unanswered and len(unanswered) == len(request_keys):
             raise RedisConnectionError("no shard of the cluster answered the lookup")
         cut = min(unanswered) if unanswered else len(request_keys)
         matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
         if tiers_wanted:
-            at = await self._read_routed(request_keys, sorted({i for _, i in tiers_wanted}), pods, set())
-            matches = [m if (m.pod_id, m.blocks - 1) not in tiers_wanted
-                       else PodMatch(m.pod_id, m.blocks, at.get(m.blocks - 1, {}).get(m.pod_id, m.tier))
-                       for m in matches]
+            tiers = dict(known(tiers_wanted)) if known is not None else {}
+            rest = {pair for pair in tiers_wanted if pair not in tiers}
+            if rest:
+                if late:
+                    self.late_reads += 1
+                at = await self._read_routed(request_keys, sorted({i for _, i in rest}), pods, set())
+                tiers.update(((pod, i), at.get(i, {}).get(pod)) for pod, i in rest)
+            matches = [m if not tiers.get((m.pod_id, m.blocks - 1))
+                       else PodMatch(m.pod_id, m.blocks, tiers[(m.pod_id, m.blocks - 1)]) for m in matches]
         return Lookup(matches, min(unanswered) if unanswered else None)
 
     @staticmethod
@@ -955,6 +1078,10 @@ def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
     return all(int(text(f).split("|", 1)[0]) > last for f in outbox)
 
 
+class _NotOurs(Exception):
+    """A shard's first key holds entries that are not ours (lookup_bits.lua's "whole"): walk llm-d's."""
+
+
 def _abandon(task: "asyncio.Future[Any]") -> None:
     """Let a read nobody needs any more finish on its own, its outcome retrieved when it does. Cancelling it
     would leave its replies' futures on the lean connection to fail unretrieved when it closes (seen as
@@ -962,23 +1089,26 @@ def _abandon(task: "asyncio.Future[Any]") -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def merge_shards(n: int, shards: Sequence[tuple[list[int], dict[str, tuple[int, str]]]],
-                 read: dict[int, dict[str, str]], cut: int) -> tuple[list[PodMatch], set[tuple[str, int]]]:
+def merge_shards(n: int, shards: Sequence[tuple[list[int], Mapping[str, tuple[int, str | TierRuns]]]],
+                 read: dict[int, dict[str, str]], cut: int, skip: Container[str] = ()
+                 ) -> tuple[list[PodMatch], set[tuple[str, int]]]:
     """Per pod, its prefix of an ``n``-key chain from the shards' answers (pure).
 
     ``shards``: per shard, the chain positions of its keys (ascending) and, per pod, how many of them it
-    holds from the first and its tier at the last of those; ``read``: keys read whole (position -> pod
-    -> tier); ``cut``: the first position nobody answered for. A pod's prefix ends at the first position
-    where some source lacks it: a shard at the key after its count (at its first key if the shard does
-    not name the pod), a key read whole that does not list it, or ``cut``. Its tier is that of the
-    source holding its last key; when that source's count runs past it (only if a pod's keys are not a
-    prefix, e.g. a batch half applied) the pair (pod, position) is returned, to be read whole.
+    holds from the first and its tier at the last of those, or its tier runs along them (a walked pod:
+    ``TierRuns``); ``read``: keys read whole (position -> pod -> tier); ``cut``: the first position
+    nobody answered for; ``skip``: pods left out. A pod's prefix ends at the first position where some
+    source lacks it: a shard at the key after its count (at its first key if the shard does not name the
+    pod), a key read whole that does not list it, or ``cut``. Its tier is that of the source holding its
+    last key; when that source is a shard whose count runs past it with no runs (only if a pod's keys
+    are not a prefix, e.g. a batch half applied) the pair (pod, position) is returned, to be read whole.
     """
     pods: set[str] = set()
     for _, held in shards:
         pods.update(held)
     for at in read.values():
         pods.update(at)
+    pods.difference_update(skip)
     missing = sorted(read)
     out: list[PodMatch] = []
     tiers_wanted: set[tuple[str, int]] = set()
@@ -1003,9 +1133,12 @@ def merge_shards(n: int, shards: Sequence[tuple[list[int], dict[str, tuple[int, 
                 c, t = held.get(pod, (0, ""))
                 j = bisect_left(idx, last, 0, c)
                 if j < c and idx[j] == last:  # this shard owns `last`
-                    tier = t
-                    if j != c - 1:  # and holds the pod past it: not a prefix, its tier there is unknown
-                        tiers_wanted.add((pod, last))
+                    if not isinstance(t, str):  # a walked pod's runs: its tier at every key it holds here
+                        tier = tier_in_runs(t, j)
+                    else:
+                        tier = t
+                        if j != c - 1:  # and holds the pod past it: not a prefix, its tier there is unknown
+                            tiers_wanted.add((pod, last))
                     break
         out.append(PodMatch(pod, end, tier or "gpu"))
     return out, tiers_wanted

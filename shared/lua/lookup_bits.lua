@@ -27,7 +27,9 @@
 -- {nums} is not on this node), pods walked rather than bisected, ...}:
 --   kind 0: then per key read, two elements: its tier and bitmap (one tier), its bitmap hash flat and ""
 --           (several: {tier, bitmap, ..., "#n", count}), or "" and "" (nobody);
---   kind 1: then per pod: number, keys held, tier at the last;   kind 2: "whole" (nothing more).
+--   kind 1: then per pod: number, keys held, tier at the last (a pod walked with "w:" whose tier changes
+--           along its keys here: its runs instead, {tier, keys held through it, tier, ..., keys held});
+--   kind 2: "whole" (nothing more).
 -- (A key of a foreign type at key 1: kind 1 with no pod.)
 local epoch = redis.pcall('HGET', 'kvpf:{nums}:next', 'epoch')
 if type(epoch) ~= 'string' then epoch = '' end
@@ -174,16 +176,24 @@ elseif string.sub(how, 1, 2) == 'w:' then
 end
 local lo, tier = {}, {}
 local order = {}
+-- A cluster shard walking a pod sends its tier runs where its tier changes along the keys walked
+-- ({tier, keys held through it, tier, ...}): the caller may need its tier at a key before its last here
+-- (where another shard cut its prefix), and this way knows it without reading that key again.
+local runs = {}
+local with_runs = string.sub(how, 1, 2) == 'w:'
 for _, num in ipairs(pods) do
   lo[num], tier[num] = 1, tier_of(b1, num)
   if walk[num] then
     local i = 1
+    local r = {tier[num]}
     while i < n do
       local t = tier_of(at(i + 1), num)
       if t == nil then break end
+      if t ~= tier[num] then r[#r + 1] = i; r[#r + 1] = t end
       i, tier[num] = i + 1, t
     end
     lo[num] = i
+    if with_runs and #r > 1 then r[#r + 1] = i; runs[num] = r end
     walked = walked + 1
   else
     order[#order + 1] = num
@@ -223,6 +233,6 @@ local out = {foreign, moved, 1, epoch, walked}
 for _, num in ipairs(pods) do
   out[#out + 1] = num
   out[#out + 1] = lo[num]
-  out[#out + 1] = tier[num] or 'gpu'
+  out[#out + 1] = runs[num] or tier[num] or 'gpu'
 end
 return out

@@ -4,6 +4,7 @@ bisects) on prefix layouts with tiers and fields that come and go, and in mode "
 are not prefixes at all."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -14,6 +15,44 @@ from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_ent
 from kv_preflight.shared.slots import key_slot
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+class Rounds:
+    """The sequential depth of a cluster lookup's Valkey I/O, without timings: each I/O entry point of the
+    backend takes a tick from one counter when it starts and another when it ends; the depth is the longest
+    chain of calls each starting after the one before it ended (issue 9 item 4: at most 3 rounds). The pod
+    names (``Index._names_for``) are a cache read once per new pod per process: not counted."""
+
+    ENTRY_POINTS = ("_on_shard", "pods_with_gaps", "_read_routed", "_read_keys")
+
+    def __init__(self, backend):
+        self.ticks = itertools.count()
+        self.calls: list[tuple[int, int, str]] = []
+        for name in self.ENTRY_POINTS:
+            setattr(backend, name, self._timed(name, getattr(backend, name)))
+
+    def _timed(self, name: str, fn):
+        async def timed(*args, **kwargs):
+            start = next(self.ticks)
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self.calls.append((start, next(self.ticks), name))
+        return timed
+
+    def depth(self) -> int:
+        """The longest chain of calls, each started after the previous one ended."""
+        chain: list[int] = []
+        calls = sorted(self.calls)
+        for j, (start, _, _) in enumerate(calls):
+            chain.append(1 + max((chain[i] for i in range(j) if calls[i][1] < start), default=0))
+        return max(chain, default=0)
+
+    async def of(self, lookup) -> tuple[object, int]:
+        """A lookup's result and its depth."""
+        self.calls.clear()
+        found = await lookup
+        return found, self.depth()
 
 
 def write(urls: tuple[str, str], layout: dict[int, list[str]]) -> None:
@@ -159,6 +198,7 @@ async def test_bitmaps_equal_the_linear_walk_with_tiers_and_half_applied_batches
     chain = [rng.randrange(1, 2**63) for _ in range(48)]
     pods = [f"half{seed}-{i}" for i in range(10)]  # names no other test on this cluster uses
     ix = Index.from_url(cluster_url)
+    rounds = Rounds(ix.backend)
     try:
         await ix.ensure_numbers(pods)
         seqs = {p: -1 for p in pods}
@@ -186,11 +226,16 @@ async def test_bitmaps_equal_the_linear_walk_with_tiers_and_half_applied_batches
             await run_on_some_shards(ix, payload, rng)
             for mode_pods in (None, rng.sample(pods, k=3)):
                 want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode_pods, mode="linear"))
-                assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode_pods)) == want
+                found, depth = await rounds.of(ix.lookup(chain, mode_pods))
+                assert sorted((m.pod_id, m.blocks, m.tier) for m in found) == want
+                assert depth <= 3, rounds.calls  # issue 9 item 4: at most 3 sequential rounds
             await ix.drain_outbox(pod)
             want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode="linear"))
-            assert sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain)) == want
+            found, depth = await rounds.of(ix.lookup(chain))
+            assert sorted((m.pod_id, m.blocks, m.tier) for m in found) == want
+            assert depth <= 3, rounds.calls
         assert any(m.blocks for m in await ix.lookup(chain))  # the walk saw some prefixes at all
+        assert ix.backend.late_reads == 0  # every tier the merge wanted was known or read beside the walk
     finally:
         await ix.close()
 
@@ -214,4 +259,86 @@ async def test_each_key_is_sent_to_the_primary_serving_its_slot(cluster_url):
                 assert key_slot(str(chain[i])) == int(ref.cluster_keyslot(str(chain[i])))  # Valkey's own
     finally:
         ref.close()
+        await ix.close()
+
+
+async def test_the_worst_case_takes_three_rounds(valkey_cluster, cluster_url):
+    """A chain looked up for the first time (so no pod's meta is prefetched beside the first round): a pod
+    with a gap (its meta read in round 2, then walked on the shards in round 3, its tier changing along the
+    keys they walk) and a closed pod whose last batch is half applied (bisected; on the shard holding its
+    last key it holds keys past that one on another tier, so its tier there must be read). Both answers
+    equal the linear walk's in at most 3 sequential rounds; the chain again, its pods' meta read beside
+    the shards, in 2; and in 3 still when a slot has moved too (its shard's keys read beside round 2). A
+    slot moved under a key that only the walk reads (a bisection reads few keys) costs a 4th round, counted."""
+    from kv_preflight.shared.backends.cluster import effect_list, node_for
+    from kv_preflight.shared.entries import CHAIN_ROOT
+
+    rng = random.Random(31)
+    chain = [rng.randrange(1, 2**63) for _ in range(120)]
+    gap, half = "worst-gap", "worst-half"
+    ix = Index.from_url(cluster_url)
+    try:
+        await ix.ensure_numbers([gap, half])
+        owner = [node_for(ix.client, str(k)).name for k in chain]
+        q = next(i for i in range(30, 50) if owner[i - 1] != owner[i])  # the gap's block; its key before elsewhere
+        k = next(i for i in range(80, 100) if owner[i - 1] != owner[i])  # where the half-applied batch starts
+
+        def stores(pod: str, lo: int, hi: int, tier_of) -> list:
+            return [StoreBlock(50_000 + i, tier_of(i), encode_entry(make_entry(pod, tier_of(i).upper(), 0)),
+                               (chain[i],), parent=CHAIN_ROOT if i == 0 else chain[i - 1]) for i in range(lo, hi)]
+
+        async def batch(pod: str, seq: int, muts: list, skip: str = "") -> None:
+            _, payload = await pod_step(ix, pod, seq, muts)
+            if not skip:
+                await ix.drain_outbox(pod)
+                return
+            effects = effect_list(payload)
+            script = ix.backend.effects._effects
+            await script.registered_client.script_load(script.script)
+            for name in sorted({node_for(ix.client, key).name for _, key, _ in effects} - {skip}):
+                args = [a for _, key, flat in effects if node_for(ix.client, key).name == name for a in flat]
+                await ix.client.execute_command("EVALSHA", script.sha, 0, *args,
+                                                target_nodes=ix.client.get_node(node_name=name))
+
+        await batch(gap, 0, stores(gap, 0, len(chain), lambda i: "gpu" if i < 60 else "cpu"))
+        await batch(gap, 1, [RemoveBlock(50_000 + q, "gpu")])  # a gap: key q+1's parent gone (orphan count 1)
+        await batch(half, 0, stores(half, 0, k, lambda i: "gpu"))
+        await batch(half, 1, stores(half, k, len(chain), lambda i: "cpu"), skip=owner[k])  # not on k's shard
+
+        fresh = Index.from_url(cluster_url)  # nothing prefetched: a chain it never looked up
+        try:
+            rounds = Rounds(fresh.backend)
+            want = sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(chain, mode="linear"))
+            assert want == [(gap, q, "gpu"), (half, k, "gpu")]
+            walks = fresh.gap_walks
+            for depth_at_most in (3, 2):  # the second time, the pods' meta is read beside the first round
+                found, depth = await rounds.of(fresh.lookup(chain))
+                assert sorted((m.pod_id, m.blocks, m.tier) for m in found) == want
+                assert depth <= depth_at_most, rounds.calls
+            assert fresh.gap_walks > walks  # the gapped pod was walked, not bisected
+            assert fresh.backend.late_reads == 0  # every tier needed was read beside the walk
+        finally:
+            await fresh.close()
+        for seen_in_round_1 in (True, False):
+            stale = Index.from_url(cluster_url)  # it learns the slot map, then a slot moves
+            try:
+                rounds = Rounds(stale.backend)
+                await stale.lookup(chain[60:])
+                owner = [node_for(stale.client, str(key)).name for key in chain]
+                if seen_in_round_1:  # a shard's first key: every shard reads its own
+                    moved = 0
+                else:  # the 5th key of a shard holding the gapped pod past the gap's key: only the walk reads it
+                    moved = [i for i in range(len(chain)) if owner[i] == owner[q - 1]][4]
+                move_slot(valkey_cluster, key_slot(str(chain[moved])))
+                found, depth = await rounds.of(stale.lookup(chain))
+                assert sorted((m.pod_id, m.blocks, m.tier) for m in found) == want
+                assert "_read_keys" in {name for _, _, name in rounds.calls}  # the moved slot's shard, read whole
+                if seen_in_round_1:
+                    assert depth <= 3, rounds.calls
+                    assert stale.backend.late_reads == 0
+                else:
+                    assert stale.backend.late_reads == 1
+            finally:
+                await stale.close()
+    finally:
         await ix.close()

@@ -89,14 +89,20 @@ class World:
         return [RemoveBlock(ek, tier, group) for ek, tier, group in gone]
 
 
-async def agree(ix: Index, world: World, pods: list[str], rng: random.Random) -> int:
+async def agree(ix: Index, world: World, pods: list[str], rng: random.Random, rounds=None) -> int:
     """The default lookup equals the linear walk on both chains, for every pod and for some; returns the
-    longest prefix seen (so a test can tell it read something)."""
+    longest prefix seen (so a test can tell it read something). With ``rounds`` (a cluster's: Rounds in
+    test_cluster_lookup.py), each default lookup takes at most 3 sequential rounds too."""
     longest = 0
     for chain in world.chains:
         for asked in (None, rng.sample(pods, k=min(2, len(pods))) + ["nope"]):
             want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, asked, mode="linear"))
-            got = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, asked))
+            if rounds is None:
+                found = await ix.lookup(chain, asked)
+            else:
+                found, depth = await rounds.of(ix.lookup(chain, asked))
+                assert depth <= 3, rounds.calls  # issue 9 item 4
+            got = sorted((m.pod_id, m.blocks, m.tier) for m in found)
             assert got == want
             longest = max([longest, *(b for _, b, _ in want)])
     return longest
@@ -164,12 +170,13 @@ async def test_a_pod_written_before_the_count_existed_is_walked_until_its_next_c
 
 @pytest.mark.parametrize("seed", range(3))
 async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_applied_batches(cluster_url, seed):
-    from tests.integration.test_cluster_lookup import pod_step, run_on_some_shards
+    from tests.integration.test_cluster_lookup import Rounds, pod_step, run_on_some_shards
 
     rng = random.Random(4300 + seed)
     world = World(rng, 150, 20 + seed)
     pods = [f"gapc{seed}-{i}" for i in range(rng.choice([2, 3]))]  # names no other test on this cluster uses
     ix = Index.from_url(cluster_url)
+    rounds = Rounds(ix.backend)
     try:
         await ix.ensure_numbers(pods)
         seqs = {p: -1 for p in pods}
@@ -182,13 +189,14 @@ async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_app
             seqs[pod] += 1
             _, payload = await pod_step(ix, pod, seqs[pod], muts)
             await run_on_some_shards(ix, payload, rng)
-            await agree(ix, world, pods, rng)  # half applied: no pod bisected unless every version is closed
+            await agree(ix, world, pods, rng, rounds)  # half applied: no pod bisected unless every version is closed
             await ix.drain_outbox(pod)
-            longest = max(longest, await agree(ix, world, pods, rng))
+            longest = max(longest, await agree(ix, world, pods, rng, rounds))
             await orphan_counts_agree(ix, world, pods)
             gapped += any(world.orphans(p) for p in world.held)
         assert gapped and ix.gap_walks  # layouts with gaps were read, by the few-pods lookup (kind 1)
         assert longest > 1
+        assert ix.backend.late_reads == 0  # every tier the merge wanted was known or read beside the walk
     finally:
         await ix.close()
 

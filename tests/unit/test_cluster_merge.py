@@ -56,3 +56,45 @@ def test_a_prefix_layout_needs_no_second_read():
     got, wanted = merge_shards(4, [(idx, shard_answer(idx, present)) for idx in shards], {}, 4)
     assert sorted((m.pod_id, m.blocks, m.tier) for m in got) == [("a", 4, "gpu"), ("b", 2, "cpu")]
     assert not wanted
+
+
+def shard_runs(idx: list[int], present: list[dict[str, str]]) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
+    """What a shard's walk ("w:") answers for its keys ``idx``: per pod its count and tier runs."""
+    out = {}
+    for pod, (c, _) in shard_answer(idx, present).items():
+        runs: list[tuple[str, int]] = []
+        for j in range(c):
+            tier = present[idx[j]][pod]
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, j + 1)
+            else:
+                runs.append((tier, j + 1))
+        out[pod] = (c, tuple(runs))
+    return out
+
+
+def test_walked_pods_tier_runs_need_no_read():
+    """A shard that walked a pod sends its tier runs: the merge finds its tier at any key it holds there,
+    so it asks only for pods some shard bisected (a plain count and the tier at its last key)."""
+    rng = random.Random(11)
+    asked = 0
+    for _ in range(400):
+        n = rng.randrange(1, 30)
+        pods = [f"p{i}" for i in range(rng.randrange(1, 6))]
+        present = [{p: rng.choice(["gpu", "cpu"]) for p in pods if rng.random() < 0.8} for _ in range(n)]
+        owner = [rng.randrange(3) for _ in range(n)]
+        shards = [[i for i in range(n) if owner[i] == s] for s in range(3)]
+        walked = {p for p in pods if rng.random() < 0.5}
+        answers = []
+        for idx in shards:
+            plain, runs = shard_answer(idx, present), shard_runs(idx, present)
+            answers.append((idx, {p: runs[p] if p in walked else plain[p] for p in plain}))
+        got, wanted = merge_shards(n, answers, {}, n)
+        assert not {pod for pod, _ in wanted} & walked
+        asked += len(wanted)
+        got = {m.pod_id: (m.blocks, present[m.blocks - 1][m.pod_id] if (m.pod_id, m.blocks - 1) in wanted else m.tier)
+               for m in got}
+        assert got == linear(n, present, n)
+        skipped, _ = merge_shards(n, answers, {}, n, skip=walked)
+        assert {m.pod_id for m in skipped} == set(got) - walked
+    assert asked  # the bisected pods did need reads: the runs are what spares the walked ones

@@ -8,7 +8,7 @@ import pytest
 
 from kv_preflight.shared.entries import encode_entry, longest_prefix, make_entry
 from kv_preflight.shared import presence
-from kv_preflight.shared.presence import numbers, parse_bits_reply, prefix_from_bits
+from kv_preflight.shared.presence import numbers, parse_bits_reply, prefix_from_bits, tier_in, tier_in_runs
 
 
 def bitmap(nums: set[int]) -> bytes:
@@ -117,6 +117,19 @@ def test_the_scripts_two_answers_parse():
     assert presence.one_tier_reads([0, 1, 1, b"", 1, 7, 40, b"cpu"]) is None
     if presence._chain is not None:
         assert presence.one_tier_reads([0, 0, 0, b"", 0, b"gpu", b"\x03", b"", b""]) == ([b"gpu", b""], [b"\x03", b""])
+
+
+def test_a_walked_pods_tier_runs_parse():
+    """A cluster shard's walk ("w:") sends a walked pod's tier runs where its tier changes along its keys."""
+    r = parse_bits_reply([0, 0, 1, b"", 2, 7, 40, [b"gpu", 10, b"cpu", 40], 9, 3, b"gpu"])
+    assert r.counts == [(7, 40, "cpu"), (9, 3, "gpu")]  # the tier at the last key, as for any pod
+    assert r.runs == {7: (("gpu", 10), ("cpu", 40))}
+    assert [tier_in_runs(r.runs[7], j) for j in (0, 9, 10, 39)] == ["gpu", "gpu", "cpu", "cpu"]
+
+
+def test_a_pods_tier_at_one_key_from_its_bitmaps():
+    bits = {"cpu": bitmap({0, 1}), "gpu": bitmap({1, 2}), "disk": bitmap({0, 3})}
+    assert [tier_in(bits, num) for num in range(5)] == ["cpu", "gpu", "gpu", "disk", None]
 
 
 def test_numbers_are_the_set_bits():
