@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kv_preflight.shared.entries import DEFAULT_TIER, PodMatch, better_tier
@@ -63,16 +64,27 @@ class BitsReply:
     (empty where its slot is on another node), so names read under an earlier numbering are read again.
     ``walked``: pods walked key by key rather than bisected (their orphan count not known to be 0).
     ``runs``: a cluster shard's walk ("w:"), per walked pod whose tier changes along its keys there, its
-    tier runs (``counts`` then gives its tier at the last key)."""
+    tier runs (``counts`` then gives its tier at the last key). ``flat``: kind 0 where every key has one
+    tier or none, each key's tier name and bitmap as two lists straight from the reply (``one_tier_reads``);
+    ``reads`` is then built only when asked for (a fleet-wide prefix walks ``flat`` in C)."""
 
     foreign: int
     moved: bool
     kind: int
     epoch: str
-    reads: list[dict[str, bytes]]
     counts: list[tuple[int, int, str]]
     walked: int = 0
     runs: dict[int, TierRuns] = field(default_factory=dict)
+    flat: tuple[list[bytes | str], list[bytes]] | None = None
+    parsed: list[dict[str, bytes]] | None = None  # kind 0 with a key of several tiers: ``reads``
+
+    @cached_property
+    def reads(self) -> list[dict[str, bytes]]:
+        if self.parsed is not None:
+            return self.parsed
+        if self.flat is not None:
+            return [{_name(t): b} if t else {} for t, b in zip(*self.flat)]
+        return []
 
 
 def _str(v: bytes | str) -> str:
@@ -83,6 +95,9 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
     foreign, moved, kind, epoch = int(reply[0]), bool(int(reply[1])), int(reply[2]), _str(reply[3])
     walked = int(reply[4])
     if kind == 0:
+        flat = one_tier_reads(reply)
+        if flat is not None:
+            return BitsReply(foreign, moved, 0, epoch, [], flat=flat)
         reads = []
         for i in range(5, len(reply) - 1, 2):
             name, bits = reply[i], reply[i + 1]
@@ -90,7 +105,7 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
                 reads.append(bits_of(name))
             else:
                 reads.append({_name(name): bits} if name else {})
-        return BitsReply(foreign, moved, 0, epoch, reads, [])
+        return BitsReply(foreign, moved, 0, epoch, [], parsed=reads)
     counts = []
     runs: dict[int, TierRuns] = {}
     for i in range(5, len(reply) - 2, 3):
@@ -99,7 +114,7 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
             runs[num] = tuple((_name(tier[j]), int(tier[j + 1])) for j in range(0, len(tier) - 1, 2))
             tier = runs[num][-1][0]
         counts.append((num, held, _name(tier)))
-    return BitsReply(foreign, moved, kind, epoch, [], counts, walked, runs)
+    return BitsReply(foreign, moved, kind, epoch, counts, walked, runs)
 
 
 def tier_in_runs(runs: TierRuns, j: int) -> str:
@@ -193,10 +208,26 @@ def one_tier_reads(reply: Sequence[Any]) -> tuple[list[bytes | str], list[bytes]
     return tiers, maps
 
 
-def prefix_of_one_tier(tiers: Sequence[bytes | str], maps: Sequence[bytes], names: Mapping[int, str]) -> list[PodMatch]:
-    """``prefix_from_bits`` over ``one_tier_reads``'s lists (every pod, nothing cut), the walk in C."""
-    tier_at = [_name(t) if t else DEFAULT_TIER for t in tiers]
-    return _chain.prefix_matches(maps, len(maps), _as_dict(names), tier_at, PodMatch)
+def prefix_of_one_tier(tiers: Sequence[bytes | str], maps: Sequence[bytes], names: Mapping[int, str],
+                       cut: int | None = None) -> list[PodMatch]:
+    """``prefix_from_bits`` over ``one_tier_reads``'s lists (every pod), the walk in C; ``cut`` as there."""
+    end = len(maps) if cut is None else min(cut, len(maps))
+    tier_at = [_name(t) if t else DEFAULT_TIER for t in tiers[:end]]
+    return _chain.prefix_matches(maps, end, _as_dict(names), tier_at, PodMatch)
+
+
+def chain_of_one_tier(n: int, parts: Iterable[tuple[Sequence[int], tuple[Sequence[bytes | str], Sequence[bytes]]]]
+                      ) -> tuple[list[bytes | str], list[bytes]]:
+    """Cluster shards' ``flat`` answers (their chain positions, their keys' tier names and bitmaps) put
+    back in chain order as the two lists of an ``n``-key chain; a key no shard sent reads as held by
+    nobody (it lies past the first key nobody holds on its shard, where every prefix has ended)."""
+    tiers: list[bytes | str] = [b""] * n
+    maps: list[bytes] = [b""] * n
+    for idx, (names, bitmaps) in parts:
+        for i, name, bits in zip(idx, names, bitmaps):
+            tiers[i] = name
+            maps[i] = bits
+    return tiers, maps
 
 
 def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names: Mapping[int, str],
@@ -280,5 +311,5 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
 
 
 __all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
-           "numbers_in", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
+           "numbers_in", "chain_of_one_tier", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
            "tier_in_runs"]

@@ -45,8 +45,9 @@ from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_res
 from kv_preflight.shared.keys import pack_keys
 from kv_preflight.shared.layout import (engine_key_name, engine_members_key, pod_meta_key, pod_outbox_key, request_bits_key,
                                         request_key_name)
-from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, TierRuns, bits_of, mask_of, numbers_in,
-                                         parse_bits_reply, prefix_from_bits, tier_in, tier_in_runs)
+from kv_preflight.shared.presence import (OUR_COUNT, BitsReply, NamesFor, TierRuns, bits_of, chain_of_one_tier, mask_of,
+                                         numbers_in, parse_bits_reply, prefix_from_bits, prefix_of_one_tier, tier_in,
+                                         tier_in_runs)
 from kv_preflight.shared.resp import FastConnection, script_sha
 from kv_preflight.shared.slots import key_slot, slot_groups, slot_table
 
@@ -618,6 +619,16 @@ class ClusterBackend:
             # (three walks of a thousand pods). A key a shard did not send lies past the first key nobody
             # holds on that shard, where every prefix has ended, so it reads as empty. Only the pods at the
             # chain's first key can match: their names are the ones read.
+            if not read_bits and all(res.flat is not None for _, res in replies):  # one tier a key: in C
+                if unanswered and len(unanswered) == len(request_keys):
+                    raise RedisConnectionError("no shard of the cluster answered the lookup")
+                tiers, maps = chain_of_one_tier(len(request_keys), ((idx, res.flat) for idx, res in replies))
+                cut = min(unanswered) if unanswered else None
+                first = int.from_bytes(maps[0], "little") if cut != 0 else 0
+                known = await names(first, epoch) if first else {}
+                if early is not None:
+                    _abandon(early)  # nothing was bisected: no pod's state matters
+                return Lookup(prefix_of_one_tier(tiers, maps, known, cut), cut), foreign
             per_key: list[dict[str, bytes] | None] = [None] * len(request_keys)
             for idx, res in replies:
                 for i, bits in zip(idx, res.reads):

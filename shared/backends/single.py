@@ -9,10 +9,9 @@ from typing import Any
 
 from kv_preflight.shared import scripts
 from kv_preflight.shared.backends.base import evalsha_pipeline, ready
-from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply, text
+from kv_preflight.shared.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
 from kv_preflight.shared.keys import pack_keys
-from kv_preflight.shared.presence import (NamesFor, mask_of, one_tier_reads, parse_bits_reply, prefix_from_bits,
-                                            prefix_of_one_tier)
+from kv_preflight.shared.presence import NamesFor, mask_of, parse_bits_reply, prefix_from_bits, prefix_of_one_tier
 from kv_preflight.shared.resp import FastConnection
 
 
@@ -68,12 +67,11 @@ class SingleNodeBackend:
             reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
         else:
             reply = await self._lookup_bits(keys=[], args=args)
-        flat = one_tier_reads(reply)
-        if flat is not None:  # a prefix many pods hold, one tier per key: walked in C, no dict per key
-            tiers, maps = flat
-            known = await names(int.from_bytes(maps[0], "little"), text(reply[3]))
-            return Lookup(prefix_of_one_tier(tiers, maps, known)), int(reply[0])
         r = parse_bits_reply(reply)
+        if r.flat is not None:  # a prefix many pods hold, one tier per key: walked in C, no dict per key
+            tiers, maps = r.flat
+            known = await names(int.from_bytes(maps[0], "little"), r.epoch)
+            return Lookup(prefix_of_one_tier(tiers, maps, known)), r.foreign
         self.gap_walks += r.walked
         if r.kind == 2:
             return None, r.foreign

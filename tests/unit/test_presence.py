@@ -84,6 +84,24 @@ def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
     if held[0] and presence._chain is not None:
         tiers, maps = presence.one_tier_reads(reply)
         assert sorted((m.pod_id, m.blocks, m.tier) for m in presence.prefix_of_one_tier(tiers, maps, names)) == want
+        # a cluster's: the keys dealt to three shards, each sending its own keys to its first one nobody holds
+        owner = [rng.randrange(3) for _ in range(keys)]
+        parts = []
+        for shard in range(3):
+            idx = [i for i in range(keys) if owner[i] == shard]
+            sent = []
+            for j, i in enumerate(idx):
+                sent.append(i)
+                if not per_key[i] and j > 0:
+                    break
+            flat = ([tier_at[i].encode() if per_key[i] else b"" for i in sent],
+                    [per_key[i][tier_at[i]] if per_key[i] else b"" for i in sent])
+            parts.append((sent, flat))
+        tiers, maps = presence.chain_of_one_tier(keys, parts)
+        assert sorted((m.pod_id, m.blocks, m.tier) for m in presence.prefix_of_one_tier(tiers, maps, names)) == want
+        cut = rng.randint(0, keys)
+        got = sorted((m.pod_id, m.blocks, m.tier) for m in presence.prefix_of_one_tier(tiers, maps, names, cut))
+        assert got == sorted((m.pod_id, min(m.blocks, cut), m.tier) for m in longest_prefix(fields[:cut]))
     cut = rng.randint(0, keys)
     want = sorted((m.pod_id, min(m.blocks, cut), m.tier) for m in longest_prefix(fields[:cut]))
     got = sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names, cut=cut))
