@@ -581,7 +581,7 @@ class ClusterBackend:
         early = asyncio.ensure_future(self.pods_with_gaps(guess)) if guess else None
 
         async def shard(node, idx: list[int], how: str = "") -> tuple[Any, BitsReply]:
-            args = [len(idx), pack_keys([request_keys[i] for i in idx]), how]
+            args = [len(idx), how, *(request_keys[i] for i in idx)]
             return node, parse_bits_reply(await self._on_shard(node, self._lookup_bits, args))
 
         replies: list[tuple[list[int], BitsReply]] = []

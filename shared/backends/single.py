@@ -62,7 +62,7 @@ class SingleNodeBackend:
         """The default lookup: lookup_bits.lua in one EVALSHA (the keys' pod bitmaps, walked here or
         bisected there, each pod's orphan count read there too: "local"); None when key 1 holds entries
         that are not ours (walk llm-d's entries then)."""
-        args = [len(request_keys), pack_keys(request_keys), "local"]
+        args = [len(request_keys), "local", *request_keys]
         if self.fast is not None:
             reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
         else:
