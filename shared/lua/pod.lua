@@ -45,7 +45,8 @@
 -- parent. A store whose parent is not known ("?": index import of an older export) makes the count unknown
 -- (the field deleted), as is a pod that held keys before the count existed (index migrate, an older writer):
 -- the lookup then walks that pod, never guesses. A clear (AllBlocksCleared, engine restart, index clear)
--- makes it known again (0).
+-- makes it known again (0), as does a step that finds the refs empty (every key evicted, no "|>" left:
+-- the "|>" refs are kept only while the count is known, so a key held when it went unknown leaves its own).
 local meta, blocks, fkey, rkkey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local pod, rank = ARGV[1], ARGV[2]
 local seq_s, ts, mode = ARGV[3], tonumber(ARGV[4]), ARGV[5]
@@ -95,7 +96,8 @@ if bad then return {'corrupt', '-1', 0, bad} end
 local head = redis.call('HMGET', meta, 'num', 'orphan_keys', 'orphan_at', 'batches')
 local num = tonumber(head[1])
 if num == nil and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, ''} end
--- The orphan count at the start (nil: unknown); a pod holding no key yet has none (0). "orphan_at" is the
+-- The orphan count at the start (nil: unknown); a pod whose refs are empty (no key held, no "|>" left from
+-- before the count went unknown) has none (0), whatever it held before. "orphan_at" is the
 -- pod's batch count when the count was written: a writer of an earlier build (a rolling upgrade) applies
 -- batches without keeping the count, so a count that is not this batch count's is unknown, never trusted.
 local orphans = tonumber(head[2])
