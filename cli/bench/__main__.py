@@ -61,6 +61,17 @@ def machine() -> dict[str, Any]:
     }
 
 
+def cpu_probe() -> float:
+    """Milliseconds for a fixed pure-Python loop (median of 5): this VM's speed moves every figure by up
+    to 2x from one minute to the next, so each run records it at its start and end, to compare runs."""
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[2] * 1000
+
+
 def timeit(fn, *, min_time: float = 0.3, repeat: int = 5) -> float:
     """Median seconds per call over ``repeat`` rounds of at least ``min_time`` each."""
     fn()
@@ -726,7 +737,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--only {a.only!r}: unknown {', '.join(unknown) or 'empty list'}; valid names: {', '.join(ROWS)}")
     t0 = time.perf_counter()
     m = machine()
-    print(f"kv-preflight bench on {m['cpu']}, {m['nproc']} cores, load average {m['loadavg_start'][0]:.2f}", flush=True)
+    m["cpu_probe_ms_start"] = cpu_probe()
+    print(f"kv-preflight bench on {m['cpu']}, {m['nproc']} cores, load average {m['loadavg_start'][0]:.2f}, "
+          f"CPU probe {m['cpu_probe_ms_start']:.1f} ms (a fixed Python loop: lower is a faster moment)", flush=True)
     res = Results()
     with tempfile.TemporaryDirectory(prefix="kvpf-bench-") as d:
         tmp = Path(d)
@@ -760,11 +773,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()
+    m["cpu_probe_ms_end"] = cpu_probe()
     m["seconds"] = time.perf_counter() - t0
     print()
     print(res.table())
-    print(f"\n{m['seconds']:.0f}s; load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f} "
-          "(other work on this machine skews every figure)")
+    print(f"\n{m['seconds']:.0f}s; load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f}; "
+          f"CPU probe {m['cpu_probe_ms_start']:.1f} -> {m['cpu_probe_ms_end']:.1f} ms "
+          "(other work on this machine, and its speed of the moment, skew every figure)")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra,
                                                 "failed_checks": res.failed_checks}, indent=1, default=str))
