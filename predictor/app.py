@@ -65,6 +65,13 @@ def client_gone(request: Request, endpoint: str) -> Response:
     return json_response({"error": "client disconnected"}, 400)  # nobody reads it: the connection is gone
 
 
+def _observe(predictor: Predictor, endpoint: str, outcome: str, started: float) -> None:
+    """A request's latency and outcome, and what its lookups added to the index's counters."""
+    predictor.metrics.request(endpoint, outcome, time.perf_counter() - started)
+    index = predictor.index
+    predictor.metrics.index_counts(index.gap_walks, index.foreign_reads, index.late_reads)
+
+
 async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_tokens) -> Response:
     """Shared by predict and route: the token_ids fast path (one C pass over the raw JSON) when the
     body allows it, the full parser (which explains any error) otherwise; metrics either way."""
@@ -81,11 +88,11 @@ async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_t
             result = await parsed_fn(predictor, parse_request(body, max_tokens=cfg.max_tokens,
                                                               max_pods=cfg.max_pods_filter))
     except PredictorError as exc:
-        predictor.metrics.request(endpoint, exc.kind, time.perf_counter() - started)
+        _observe(predictor, endpoint, exc.kind, started)
         return error_response(predictor, exc)
     except ClientDisconnect:
         return client_gone(request, endpoint)
-    predictor.metrics.request(endpoint, "hit" if cached_tokens(result) else "miss", time.perf_counter() - started)
+    _observe(predictor, endpoint, "hit" if cached_tokens(result) else "miss", started)
     return json_response(result)
 
 
@@ -112,12 +119,11 @@ async def explain(request: Request) -> Response:
         req, other = parse_explain(body, max_tokens=cfg.max_tokens, max_pods=cfg.max_pods_filter)
         result = await explain_request(predictor, req, other)
     except PredictorError as exc:
-        predictor.metrics.request("explain", exc.kind, time.perf_counter() - started)
+        _observe(predictor, "explain", exc.kind, started)
         return error_response(predictor, exc)
     except ClientDisconnect:
         return client_gone(request, "explain")
-    predictor.metrics.request("explain", "hit" if result.predicted_cached_tokens else "miss",
-                              time.perf_counter() - started)
+    _observe(predictor, "explain", "hit" if result.predicted_cached_tokens else "miss", started)
     return json_response(result)
 
 

@@ -31,6 +31,13 @@ class PredictorMetrics:
                                     registry=r)
         self.client_disconnects = Counter("kvpf_predictor_client_disconnects", "Requests whose client went away "
                                           "before its body had arrived (not a server error).", registry=r)
+        self.gap_walks = Counter("kvpf_lookup_gap_walks", "Pods the default lookup walked key by key instead of "
+                                 "bisecting (orphan keys, or a count not known: docs/architecture.md).", registry=r)
+        self.foreign_keys = Counter("kvpf_lookup_foreign_keys", "Request keys of a foreign type (not a hash) a lookup "
+                                    "read as misses.", registry=r)
+        self.late_reads = Counter("kvpf_lookup_late_reads", "Cluster lookups that took a 4th round (a key moved or a "
+                                  "shard failed mid-lookup: resharding, failover).", registry=r)
+        self._index_seen = (0, 0, 0)
         self._children: dict[tuple, object] = {}
 
     def _child(self, metric, *labels: str):
@@ -43,6 +50,16 @@ class PredictorMetrics:
     def request(self, endpoint: str, outcome: str, seconds: float) -> None:
         self._child(self.latency, endpoint).observe(seconds)
         self._child(self.outcomes, endpoint, outcome).inc()
+
+    def index_counts(self, gap_walks: int, foreign_keys: int, late_reads: int) -> None:
+        """The index's own lookup counters (``Index.gap_walks`` ...), added as they grew since the last call:
+        counters kept in Prometheus' multiprocess files, so ``serve --workers N`` sums its workers'."""
+        now = (gap_walks, foreign_keys, late_reads)
+        if now != self._index_seen:
+            for metric, was, is_ in zip((self.gap_walks, self.foreign_keys, self.late_reads), self._index_seen, now):
+                if is_ > was:
+                    metric.inc(is_ - was)
+            self._index_seen = now
 
     def tokenized(self, model: str, source: str) -> None:
         self._child(self.tokenizations, model, source).inc()

@@ -232,6 +232,11 @@ class Index:
         unknown: shared/lua/lookup_bits.lua): a counter for /metrics."""
         return getattr(self.backend, "gap_walks", 0)
 
+    @property
+    def late_reads(self) -> int:
+        """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
+        return getattr(self.backend, "late_reads", 0)
+
     async def close(self) -> None:
         await self.backend.close()
         await self.client.aclose()
