@@ -30,14 +30,20 @@ def shard_answer(idx: list[int], present: list[dict[str, str]]) -> dict[str, tup
     return out
 
 
+def random_layout(rng: random.Random) -> tuple[int, list[str], list[dict[str, str]], list[list[int]]]:
+    """A chain of up to 29 keys, up to 5 pods each holding a key with probability 0.8 on a random tier,
+    the keys dealt to 3 shards: (keys, pods, per key pod -> tier, per shard its positions)."""
+    n = rng.randrange(1, 30)
+    pods = [f"p{i}" for i in range(rng.randrange(1, 6))]
+    present = [{p: rng.choice(["gpu", "cpu"]) for p in pods if rng.random() < 0.8} for _ in range(n)]
+    owner = [rng.randrange(3) for _ in range(n)]
+    return n, pods, present, [[i for i in range(n) if owner[i] == s] for s in range(3)]
+
+
 def test_random_layouts_merge_to_the_linear_walk():
     rng = random.Random(7)
     for _ in range(400):
-        n = rng.randrange(1, 30)
-        pods = [f"p{i}" for i in range(rng.randrange(1, 6))]
-        present = [{p: rng.choice(["gpu", "cpu"]) for p in pods if rng.random() < 0.8} for _ in range(n)]
-        owner = [rng.randrange(3) for _ in range(n)]
-        shards = [[i for i in range(n) if owner[i] == s] for s in range(3)]
+        n, pods, present, shards = random_layout(rng)
         read_whole = {i for i in range(n) if rng.random() < 0.1}
         cut = n if rng.random() < 0.7 else rng.randrange(n + 1)
         answers = [(idx, shard_answer(idx, present)) for idx in shards if idx and not set(idx) & read_whole]
@@ -79,11 +85,7 @@ def test_walked_pods_tier_runs_need_no_read():
     rng = random.Random(11)
     asked = 0
     for _ in range(400):
-        n = rng.randrange(1, 30)
-        pods = [f"p{i}" for i in range(rng.randrange(1, 6))]
-        present = [{p: rng.choice(["gpu", "cpu"]) for p in pods if rng.random() < 0.8} for _ in range(n)]
-        owner = [rng.randrange(3) for _ in range(n)]
-        shards = [[i for i in range(n) if owner[i] == s] for s in range(3)]
+        n, pods, present, shards = random_layout(rng)
         walked = {p for p in pods if rng.random() < 0.5}
         answers = []
         for idx in shards:
