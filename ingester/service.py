@@ -67,6 +67,9 @@ class Ingester:
         self.progress = Progress()  # the last step the loop reached (ingester/watchdog.py reports stalls)
         self.subscriber: Subscriber | None = None
         self._stopping = asyncio.Event()
+        # set once start-up is over (engines attached, feeds learned, known pods resumed from their replay
+        # sockets): from then on a batch reaches this ingester by its SUB socket only
+        self.started = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
         self.engine_sources: dict[str, list[Source]] = {}  # engine URL -> its sources (ingester/fleet.py owns which)
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
@@ -154,6 +157,7 @@ class Ingester:
         await self.learn_feeds()
         self.progress.mark("resuming known pods")
         await self.resume_known_pods()
+        self.started.set()
         assert self.subscriber is not None
         recv: asyncio.Future | None = None
         next_chores = time.monotonic() + CHORES_S

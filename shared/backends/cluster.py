@@ -383,7 +383,8 @@ class ClusterBackend:
         # (resharding); tests check it stays 0 otherwise
         self.late_reads = 0
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
-        # "effects:N" ends the process (exit 137, as kill -9 would) right after the N-th such step.
+        # "effects:N" ends the process (exit 137, as kill -9 would) right after the step that holds the
+        # N-th batch.
         self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
 
     def writer_arg(self) -> str:
@@ -427,10 +428,10 @@ class ClusterBackend:
                         held_back.add(pods[i])
                     else:
                         ackable.append(entry)
-            self._maybe_crash("pod_step", bool(entries))
+            self._maybe_crash("pod_step", len(entries))
             if entries:
                 foreign, first, touched = await self.effects.run(entries)
-                self._maybe_crash("effects", True)
+                self._maybe_crash("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
                 if not await self.effects.ack(ackable, touched):
@@ -495,9 +496,11 @@ class ClusterBackend:
                 out[i] = r
         return out
 
-    def _maybe_crash(self, point: str, happened: bool) -> None:
-        if self._crash_at is not None and happened and self._crash_at[0] == point:
-            self._crash_at[1] -= 1
+    def _maybe_crash(self, point: str, batches: int) -> None:
+        """Counts batches, not calls: under load the ingester sends several batches in one call, and a
+        count of calls would then never reach N (the crash tests' ingester ran on to the end)."""
+        if self._crash_at is not None and batches and self._crash_at[0] == point:
+            self._crash_at[1] -= batches
             if self._crash_at[1] <= 0:
                 log.error("KVPF_TEST_CRASH_AT: exiting after %s", point)
                 os._exit(137)

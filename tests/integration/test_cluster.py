@@ -173,11 +173,13 @@ async def assert_exact(ix: Index, engine: EngineStub, wl: Workload, pod: str = "
     assert await index_state(ix, pod) == engine_truth(wl.batches)
 
 
+@pytest.mark.parametrize("pause", [0.05, 0], ids=["paced", "burst"])
 @pytest.mark.parametrize("point", ["pod_step", "effects"])
-async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point):
+async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, pause):
     """An ingester killed right after a batch's pod step (effects not run) or after its effects
     (outbox entry not deleted): the next ingester runs the entry, and the index ends exactly the
-    engine's, with every count once."""
+    engine's, with every count once. Paced, each batch goes alone; in a burst the ingester sends several
+    in one pipelined step, and the crash lands among them (all of them in the outbox at once)."""
     engine, source = cluster_engine()
     wl = Workload(31)
     ix = Index.from_url(cluster_url)
@@ -187,7 +189,7 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point):
     doomed = spawn(args, str(tmp_path / "doomed.log"), env={"KVPF_TEST_CRASH_AT": f"{point}:30"})
     try:
         await engine.subscribed()
-        await publish(engine, wl, 30, pause=0.05)
+        await publish(engine, wl, 30, pause=pause)
         deadline = time.monotonic() + 20
         while doomed.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

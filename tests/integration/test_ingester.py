@@ -57,6 +57,13 @@ class Harness:
         self.ingesters.append((ing, task))
         if self.engine is not None:  # ZMQ slow joiner: frames sent before the subscription lands are lost
             await self.engine.subscribed(before + 1)
+        # Past its start-up (feeds learned, known pods resumed from the replay socket): a loaded machine can
+        # run that resume after this returns, and it would then see the batches published next a second time
+        # (each one "dup" once more, rightly counted), so the tests' counts would depend on the scheduler.
+        started = asyncio.ensure_future(ing.started.wait())
+        await asyncio.wait([task, started], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        assert ing.started.is_set(), f"the ingester did not finish starting: {ing.progress.step}"
         return ing
 
     async def stop_ingester(self, ing: Ingester):
