@@ -17,6 +17,11 @@ import msgspec
 from kv_preflight.predictor.findings import Finding
 from kv_preflight.predictor.ttft import PrefillModel
 
+try:  # the per-pod loop in C (shared/_chain.c); the Python loop below is the reference and the fallback
+    from kv_preflight.shared._chain import affinities as _c_affinities
+except ImportError:  # pragma: no cover - a source checkout without the extension built
+    _c_affinities = None
+
 
 class Match(Protocol):
     """What scoring needs of a lookup result (``kv_preflight.shared.index.PodMatch`` fits)."""
@@ -94,15 +99,29 @@ def score(
     when given, says a pod's engine block size and incompleteness instead (a pod it lacks: the two above),
     so a caller holding the metadata builds no per-pod maps for this.
     """
+    wanted = set(pods) if pods is not None else None
+    estimate = ttft.estimates_for(prompt_len) if ttft else None
+    if _c_affinities is not None and not engine_blocks and not incomplete and canonical_block > 0:
+        affinities = _c_affinities(matches if isinstance(matches, (list, tuple)) else list(matches), prompt_len,
+                                   canonical_block, (infos if isinstance(infos, dict) else dict(infos)) if infos else None,
+                                   wanted, estimate, PodAffinity)
+    else:
+        affinities = _affinities(matches, prompt_len, canonical_block, engine_blocks, incomplete, wanted, estimate,
+                                 infos)
+    return ranked(affinities, prompt_len, canonical_block, ttft)
+
+
+def _affinities(matches: Iterable[Match], prompt_len: int, canonical_block: int,
+                engine_blocks: Mapping[str, int | None] | None, incomplete: Collection[str],
+                wanted: set[str] | None, estimate, infos: Mapping[str, PodInfo] | None) -> list[PodAffinity]:
+    """The per-pod loop, unsorted: the reference for ``_chain.affinities`` (tests hold the two equal)."""
     eb_of = (engine_blocks or {}).get
     info_of = infos.get if infos else None
-    wanted = set(pods) if pods is not None else None
     affinities: list[PodAffinity] = []
     add = affinities.append
     # A fleet-wide prefix gives 1,000 pods: engine_cached_tokens inline, its last-token cap computed once
     # per engine block size, each distinct estimate once (a function call per pod was a third of the
     # prediction's Python time there).
-    estimate = ttft.estimates_for(prompt_len) if ttft else None
     estimates: dict[int, float | None] = {}
     caps: dict[int, int] = {}  # engine block size -> the most it reuses of this prompt (the last token recomputed)
     for m in matches:
@@ -129,6 +148,12 @@ def score(
         if est is None and estimate is not None:
             est = estimates[tokens] = estimate(tokens)
         add(PodAffinity(pod, blocks, tokens, m.tier, est, partial))
+    return affinities
+
+
+def ranked(affinities: list[PodAffinity], prompt_len: int, canonical_block: int,
+           ttft: PrefillModel | None) -> Prediction:
+    """The prediction from the pods' affinities: best first, ties by pod id."""
     # by tokens (most first), ties by pod id: two passes with C keys (sorting is stable, reverse too),
     # half the time of one pass with a tuple per pod
     affinities.sort(key=_POD_ID)

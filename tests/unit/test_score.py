@@ -159,3 +159,42 @@ def test_scoring_equals_its_definition_pod_by_pod(pods, prompt_len, with_ttft, c
     alone = {pod for pod in incomplete if pod not in infos}
     assert score(matches, prompt_len=prompt_len, canonical_block=canonical, infos=infos, incomplete=alone,
                  ttft=ttft) == got
+
+
+@given(st.lists(st.tuples(st.integers(-3, 400), st.sampled_from([None, -1, 0, 16, 32, 48, 256]), st.booleans(),
+                          st.integers(0, 3)), max_size=80),
+       st.integers(0, 6000), st.booleans(), st.sampled_from([1, 16, 32]), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_the_c_loop_equals_the_python_loop(pods, prompt_len, with_ttft, canonical, filtered):
+    """``_chain.affinities`` (what the predictor runs: metadata per pod, no other maps) gives the Python
+    loop's affinities, in the same order: pods with and without metadata, a pods filter, counts past the
+    prompt and below zero, engine block sizes missing, zero or negative."""
+    from kv_preflight.predictor import score as scoring
+
+    assert scoring._c_affinities is not None, "the C extension is built by scripts/setup"
+    ttft = PrefillModel(overhead_ms=3, prefill_tokens_per_s=777, attention_ms_per_mpair=0.3) if with_ttft else None
+    estimate = ttft.estimates_for(prompt_len) if ttft else None
+    matches = [PodMatch(f"p{i:03d}", b, ("gpu", "cpu", "disk", "gpu")[t]) for i, (b, _, _, t) in enumerate(pods)]
+    infos = {f"p{i:03d}": ScoringInfo(f"p{i:03d}", e, inc) for i, (_, e, inc, _) in enumerate(pods) if i % 5}
+    wanted = {f"p{i:03d}" for i in range(0, len(pods), 2)} if filtered else None
+    got = scoring._c_affinities(matches, prompt_len, canonical, infos or None, wanted, estimate, PodAffinity)
+    want = scoring._affinities(matches, prompt_len, canonical, None, (), wanted, estimate, infos)
+    assert got == want
+    assert [type(a.incomplete) for a in got] == [bool] * len(got)
+
+
+def test_the_c_loop_refuses_what_it_cannot_read():
+    from kv_preflight.predictor import score as scoring
+
+    with pytest.raises(AttributeError):
+        scoring._c_affinities([object()], 100, 16, None, None, None, PodAffinity)
+    with pytest.raises(TypeError):
+        scoring._c_affinities([PodMatch("a", "2", "gpu")], 100, 16, None, None, None, PodAffinity)
+    with pytest.raises(TypeError):
+        scoring._c_affinities([], 100, 16, ["not", "a", "dict"], None, None, PodAffinity)
+    with pytest.raises(ValueError):
+        scoring._c_affinities([], 100, 0, None, None, None, PodAffinity)
+    with pytest.raises(ZeroDivisionError):  # an estimate's own error comes through
+        scoring._c_affinities([PodMatch("a", 2, "gpu")], 100, 16, None, None, lambda t: 1 / 0, PodAffinity)
+    huge = scoring._c_affinities([PodMatch("a", 2**62, "gpu")], 100, 16, None, None, None, PodAffinity)
+    assert [a.cached_tokens for a in huge] == [96]  # the whole cap, not an overflow
