@@ -492,6 +492,19 @@ static PyObject *prefix_matches(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The attribute names affinities() reads, interned once at import (PyInit__chain). */
+static PyObject *s_pod, *s_blocks, *s_tier, *s_ebs, *s_incomplete;
+
+/* An int as a long long, clamped where it does not fit (a pod's meta may hold any number: scored as the
+ * Python loop scores it, never an error for the whole prediction); -1 with an error for a non-int. */
+static int as_clamped(PyObject *o, long long *out) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = overflow > 0 ? LLONG_MAX : overflow < 0 ? LLONG_MIN : v;
+    return 0;
+}
+
 /* affinities(matches, prompt_len, canonical_block, infos: dict | None, wanted: set | None, estimate, make)
  * -> list: predictor/score.py's per-pod loop (see there for the rules), the pods unsorted. Each match's
  * ``pod_id``, ``blocks`` and ``tier``, each info's ``engine_block_size`` and ``incomplete`` are read by
@@ -515,21 +528,15 @@ static PyObject *affinities(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "canonical_block must be positive");
         return NULL;
     }
-    static PyObject *s_pod, *s_blocks, *s_tier, *s_ebs, *s_incomplete;
-    if (s_pod == NULL) {
-        s_pod = PyUnicode_InternFromString("pod_id");
-        s_blocks = PyUnicode_InternFromString("blocks");
-        s_tier = PyUnicode_InternFromString("tier");
-        s_ebs = PyUnicode_InternFromString("engine_block_size");
-        s_incomplete = PyUnicode_InternFromString("incomplete");
-        if (!s_pod || !s_blocks || !s_tier || !s_ebs || !s_incomplete) return NULL;
-    }
-    PyObject *seq = PySequence_Fast(matches_obj, "matches must be a sequence");
+    /* A tuple (a list is copied): the callbacks below (estimate, make, attribute reads) cannot resize it
+     * under the loop, and each item stays alive while it is read. */
+    PyObject *seq = PySequence_Tuple(matches_obj);
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     PyObject *out = PyList_New(0), *estimates = PyDict_New();
     PyObject *pod = NULL, *blocks = NULL, *tier = NULL, *ebs = NULL, *partial = NULL, *tokens_obj = NULL;
+    PyObject *info = NULL;
     if (out == NULL || estimates == NULL) goto fail;
     long long cap_e = 0, cap = 0;  /* the last engine block size seen and its last-token cap */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -541,19 +548,20 @@ static PyObject *affinities(PyObject *self, PyObject *args) {
             if (!in) { Py_CLEAR(pod); continue; }
         }
         if ((blocks = PyObject_GetAttr(m, s_blocks)) == NULL) goto fail;
-        long long b = PyLong_AsLongLong(blocks);
-        if (b == -1 && PyErr_Occurred()) goto fail;
-        long long e = 0;
-        PyObject *info = infos == Py_None ? NULL : PyDict_GetItemWithError(infos, pod);  /* borrowed */
-        if (info == NULL && PyErr_Occurred()) goto fail;
+        long long b, e = 0;
+        if (as_clamped(blocks, &b) < 0) goto fail;
+        if (infos != Py_None) {
+            info = PyDict_GetItemWithError(infos, pod);
+            if (info == NULL && PyErr_Occurred()) goto fail;
+            if (info == Py_None) info = NULL;  /* as no metadata, like the Python loop */
+            Py_XINCREF(info);  /* owned: reading its attributes may run code that changes infos */
+        }
         if (info != NULL) {
             if ((ebs = PyObject_GetAttr(info, s_ebs)) == NULL) goto fail;
-            if (ebs != Py_None) {
-                e = PyLong_AsLongLong(ebs);
-                if (e == -1 && PyErr_Occurred()) goto fail;
-            }
+            if (ebs != Py_None && as_clamped(ebs, &e) < 0) goto fail;
             Py_CLEAR(ebs);
             if ((partial = PyObject_GetAttr(info, s_incomplete)) == NULL) goto fail;
+            Py_CLEAR(info);
         } else {
             partial = Py_NewRef(Py_False);
         }
@@ -597,7 +605,7 @@ static PyObject *affinities(PyObject *self, PyObject *args) {
     return out;
 fail:
     Py_XDECREF(pod); Py_XDECREF(blocks); Py_XDECREF(tokens_obj); Py_XDECREF(tier); Py_XDECREF(ebs);
-    Py_XDECREF(partial);
+    Py_XDECREF(partial); Py_XDECREF(info);
     Py_XDECREF(out);
     Py_XDECREF(estimates);
     Py_DECREF(seq);
@@ -711,5 +719,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chain", NULL, -1, m
 
 PyMODINIT_FUNC PyInit__chain(void) {
     crc16_init();
+    if (s_pod == NULL) {
+        s_pod = PyUnicode_InternFromString("pod_id");
+        s_blocks = PyUnicode_InternFromString("blocks");
+        s_tier = PyUnicode_InternFromString("tier");
+        s_ebs = PyUnicode_InternFromString("engine_block_size");
+        s_incomplete = PyUnicode_InternFromString("incomplete");
+        if (!s_pod || !s_blocks || !s_tier || !s_ebs || !s_incomplete) {
+            Py_CLEAR(s_pod); Py_CLEAR(s_blocks); Py_CLEAR(s_tier); Py_CLEAR(s_ebs); Py_CLEAR(s_incomplete);
+            return NULL;
+        }
+    }
     return PyModule_Create(&module);
 }

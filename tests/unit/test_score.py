@@ -198,3 +198,36 @@ def test_the_c_loop_refuses_what_it_cannot_read():
         scoring._c_affinities([PodMatch("a", 2, "gpu")], 100, 16, None, None, lambda t: 1 / 0, PodAffinity)
     huge = scoring._c_affinities([PodMatch("a", 2**62, "gpu")], 100, 16, None, None, None, PodAffinity)
     assert [a.cached_tokens for a in huge] == [96]  # the whole cap, not an overflow
+
+
+def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
+    """A pod's meta may hold any number (scoring_info_from reads what is there): one pod's engine block size
+    past 64 bits drops that pod, as in the Python loop, instead of failing the prediction; metadata of None
+    reads as none."""
+    from kv_preflight.predictor import score as scoring
+    from kv_preflight.shared.index import scoring_info_from
+
+    matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"), PodMatch("d", 2**70, "cpu")]
+    infos = {"a": scoring_info_from("a", [b"99999999999999999999", b"0"]), "b": None,
+             "c": ScoringInfo("c", -(2**70), True)}
+    got = scoring._c_affinities(matches, 1000, 16, infos, None, None, PodAffinity)
+    assert got == scoring._affinities(matches, 1000, 16, None, (), None, None, infos)
+    assert [(a.pod_id, a.cached_tokens, a.incomplete) for a in got] == [("b", 160, False), ("c", 160, True),
+                                                                        ("d", 992, False)]
+
+
+def test_the_c_loop_survives_callbacks_that_change_its_inputs():
+    """``make`` and the estimate run Python code: emptying the matches list or the metadata under the loop
+    must not make it read freed memory (it scores the list it was given, as a snapshot)."""
+    from kv_preflight.predictor import score as scoring
+
+    matches = [PodMatch(f"p{i}", 4, "gpu") for i in range(2000)]
+    infos = {f"p{i}": ScoringInfo(f"p{i}", 16, False) for i in range(2000)}
+
+    def make(*args):
+        matches.clear()
+        infos.clear()
+        return PodAffinity(*args)
+
+    got = scoring._c_affinities(matches, 1000, 16, infos, None, lambda t: float(t), make)
+    assert len(got) == 2000 and {a.cached_tokens for a in got} == {64}
