@@ -102,9 +102,9 @@ def score(
     wanted = set(pods) if pods is not None else None
     estimate = ttft.estimates_for(prompt_len) if ttft else None
     if _c_affinities is not None and not engine_blocks and not incomplete and canonical_block > 0:
-        affinities = _c_affinities(matches if isinstance(matches, (list, tuple)) else list(matches), prompt_len,
-                                   canonical_block, (infos if isinstance(infos, dict) else dict(infos)) if infos else None,
-                                   wanted, estimate, PodAffinity)
+        # the predictor's case (metadata only): the same loop in C (1,000 pods: 290 us against 420 us)
+        info_map = (infos if isinstance(infos, dict) else dict(infos)) if infos else None
+        affinities = _c_affinities(matches, prompt_len, canonical_block, info_map, wanted, estimate, PodAffinity)
     else:
         affinities = _affinities(matches, prompt_len, canonical_block, engine_blocks, incomplete, wanted, estimate,
                                  infos)

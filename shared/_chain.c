@@ -510,7 +510,7 @@ static int as_clamped(PyObject *o, long long *out) {
  * ``pod_id``, ``blocks`` and ``tier``, each info's ``engine_block_size`` and ``incomplete`` are read by
  * name; ``estimate(tokens)`` is called once per distinct token count (None: no estimate); an item is
  * ``make(pod_id, blocks, tokens, tier, estimate, incomplete)``. A prompt a whole fleet holds scores a
- * thousand pods per prediction: ~0.6 us each in Python, a quarter of that here. */
+ * thousand pods per prediction: 0.42 ms in Python, 0.29 ms here (0.12 ms of which the estimate calls). */
 static PyObject *affinities(PyObject *self, PyObject *args) {
     PyObject *matches_obj, *infos, *wanted, *estimate, *make;
     long long prompt_len, canonical;

@@ -207,7 +207,8 @@ def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
     from kv_preflight.predictor import score as scoring
     from kv_preflight.shared.index import scoring_info_from
 
-    matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"), PodMatch("d", 2**70, "cpu")]
+    matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"),
+               PodMatch("d", 2**70, "cpu")]
     infos = {"a": scoring_info_from("a", [b"99999999999999999999", b"0"]), "b": None,
              "c": ScoringInfo("c", -(2**70), True)}
     got = scoring._c_affinities(matches, 1000, 16, infos, None, None, PodAffinity)
