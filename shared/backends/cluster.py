@@ -149,6 +149,21 @@ def effect_commands_of(flat: Sequence[Any]) -> list[tuple[str, tuple[Any, ...]]]
     return [("SLOT", (flat[1], flat[2], 1 if op == "H" else 0, "", 0))]  # H, D: the entry and its count
 
 
+TOPOLOGY_TTL_S = 5.0  # how long the barrier trusts a node's table of replicas
+
+
+def live_replicas(cluster_nodes: str) -> int:
+    """How many replicas of the node that answered (its line says "myself") are not marked failed, from
+    the text of CLUSTER NODES. A replica suspected down ("fail?") still counts: it may be back any moment,
+    and a write it has not acknowledged is not confirmed."""
+    rows = [line.split() for line in cluster_nodes.splitlines() if line.strip()]
+    me = next((r[0] for r in rows if len(r) > 2 and "myself" in r[2].split(",")), None)
+    if me is None:
+        return 0
+    return sum(1 for r in rows if len(r) > 3 and r[3] == me and "fail" not in r[2].split(",")
+               and {"slave", "replica"} & set(r[2].split(",")))
+
+
 class ReplicationBarrier:
     """Whether the writes sent so far to some shards have reached a replica of each (WAIT).
 
@@ -164,6 +179,7 @@ class ReplicationBarrier:
         self.timeout_ms = timeout_ms
         self._conns: dict[str, Any] = {}
         self._keys: dict[str, str] = {}
+        self._replicas: dict[str, tuple[float, bool]] = {}  # node -> (read at, has a replica to wait for)
 
     def _barrier_key(self, node) -> str:
         """A key of ours (a HASH, like every key of ours) in a slot this node owns."""
@@ -189,15 +205,32 @@ class ReplicationBarrier:
             self._conns[node.name] = conn
         return conn
 
-    def _has_replicas(self, key: str) -> bool:
-        """Whether the cluster's topology gives this key's shard a replica (a shard without one has
-        nothing to wait for; one whose replica is only disconnected now must wait)."""
-        holders = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key)) or []
-        return len(holders) > 1
+    async def _has_replicas(self, node, key: str) -> bool:
+        """Whether the shard has a replica to wait for, from the node's own table (CLUSTER NODES, read
+        again every ``TOPOLOGY_TTL_S``): a shard without one has nothing to wait for; one whose replica is
+        only disconnected now (not yet failed) must wait. Not from the slot map: CLUSTER SLOTS leaves out
+        a replica that has received nothing yet (offset 0), so a client that learned the map before a new
+        cluster's first write would never wait at all. The slot map still counts if the table cannot be
+        read."""
+        now = time.monotonic()
+        hit = self._replicas.get(node.name)
+        if hit is not None and now - hit[0] < TOPOLOGY_TTL_S:
+            return hit[1]
+        try:
+            # two words: "CLUSTER NODES" as one would get redis-py's parsed dict, this the node's text
+            table = await self._conn(node).execute_command("CLUSTER", "NODES")
+        except VALKEY_ERRORS:
+            table = None
+        if not isinstance(table, (bytes, str)):
+            holders = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key)) or []
+            return len(holders) > 1
+        has = live_replicas(table.decode() if isinstance(table, bytes) else table) > 0
+        self._replicas[node.name] = (now, has)
+        return has
 
     async def _one(self, node) -> bool:
         key = self._barrier_key(node)
-        if not self._has_replicas(key):
+        if not await self._has_replicas(node, key):
             return True
         try:
             async with self._conn(node).pipeline(transaction=False) as pipe:
