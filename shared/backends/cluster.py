@@ -206,12 +206,16 @@ class ReplicationBarrier:
         return conn
 
     async def _has_replicas(self, node, key: str) -> bool:
-        """Whether the shard has a replica to wait for, from the node's own table (CLUSTER NODES, read
-        again every ``TOPOLOGY_TTL_S``): a shard without one has nothing to wait for; one whose replica is
-        only disconnected now (not yet failed) must wait. Not from the slot map: CLUSTER SLOTS leaves out
-        a replica that has received nothing yet (offset 0), so a client that learned the map before a new
-        cluster's first write would never wait at all. The slot map still counts if the table cannot be
-        read."""
+        """Whether the shard has a replica to wait for (a shard without one has nothing to wait for; one
+        whose replica is only disconnected now must wait): the slot map lists one, or the node's own table
+        does (CLUSTER NODES, read again every ``TOPOLOGY_TTL_S``, replicas not marked failed). The table
+        is needed because CLUSTER SLOTS leaves out a replica that has received nothing yet (offset 0): a
+        client that learned the map before a new cluster's first write would never wait at all. The map
+        is kept because it goes on listing a replica that failed since it was read, so the writes of a
+        replica's outage stay in the outbox (as the failover repair needs) until the map is read again."""
+        holders = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key)) or []
+        if len(holders) > 1:
+            return True
         now = time.monotonic()
         hit = self._replicas.get(node.name)
         if hit is not None and now - hit[0] < TOPOLOGY_TTL_S:
@@ -220,10 +224,9 @@ class ReplicationBarrier:
             # two words: "CLUSTER NODES" as one would get redis-py's parsed dict, this the node's text
             table = await self._conn(node).execute_command("CLUSTER", "NODES")
         except VALKEY_ERRORS:
-            table = None
+            return False  # as the slot map says; read again next time
         if not isinstance(table, (bytes, str)):
-            holders = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key)) or []
-            return len(holders) > 1
+            return False
         has = live_replicas(table.decode() if isinstance(table, bytes) else table) > 0
         self._replicas[node.name] = (now, has)
         return has
