@@ -85,6 +85,11 @@ async def apply_all(ix: Index, batches) -> None:
         assert r.status == "applied", r
 
 
+def outbox_keys(client: redis.RedisCluster) -> list[str]:
+    """Every pod outbox key on the cluster's primaries."""
+    return [k.decode() for node in client.get_primaries() for k in client.keys("kvpf:{*}:outbox", target_nodes=node)]
+
+
 async def drain_until_empty(ix: Index, client: redis.RedisCluster, timeout: float = 20.0) -> None:
     """What an ingester's chores do after its batches: run the pods' outbox entries again until each is
     confirmed on a replica. A batch's entry is deleted only once WAIT confirms it, and under load WAIT may
@@ -92,8 +97,7 @@ async def drain_until_empty(ix: Index, client: redis.RedisCluster, timeout: floa
     drain it itself (each run is idempotent)."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [k.decode() for node in client.get_primaries()
-                for k in client.keys("kvpf:{*}:outbox", target_nodes=node)]
+        left = outbox_keys(client)
         if not left or time.monotonic() > deadline:
             break
         for key in left:
