@@ -49,3 +49,13 @@ def test_quick_bench_rows_and_checks(tmp_path):
     assert agree["bitmaps_equal_linear"] == agree["prompts"] > 0
     zmq_row = next(r for r in doc["rows"] if r["row"].startswith("ingestion over ZMQ"))
     assert zmq_row["pods_incomplete"] == []
+
+
+def test_prediction_parts_run():
+    """cli/bench/parts.py (docs/benchmarks.md cites it) runs against its own Valkey and reports every part."""
+    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench.parts", "--pods", "20", "--repeat", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for part in ("lookup", "of which Valkey's script", "per-pod loop, C", "per-pod loop, Python", "whole prediction"):
+        assert part in run.stdout, run.stdout
+    assert "pods answered" in run.stdout and " 20\n" in run.stdout, run.stdout
