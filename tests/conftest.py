@@ -41,7 +41,7 @@ def valkey_url(valkey_server):
 @pytest.fixture
 async def ix(valkey_url):
     """An Index on the flushed test Valkey."""
-    from kv_preflight.shared.index import Index
+    from kv_preflight.index.index import Index
 
     index = Index.from_url(valkey_url)
     yield index

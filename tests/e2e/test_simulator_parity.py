@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame, decode_frames
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame, decode_frames
 from tests.e2e.conftest import launcher, start_vllm
 from tests.e2e.harness import spawn, stop, wait_http
 

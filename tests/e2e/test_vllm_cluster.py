@@ -12,7 +12,7 @@ import redis
 
 from kv_preflight.cli.accuracy import run_workload, summarize
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.layout import pod_outbox_key
+from kv_preflight.index.layout import pod_outbox_key
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_accuracy import workload

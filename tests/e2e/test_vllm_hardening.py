@@ -18,7 +18,7 @@ import redis
 
 from kv_preflight.cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.layout import pod_meta_key
+from kv_preflight.index.layout import pod_meta_key
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack
 

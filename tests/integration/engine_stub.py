@@ -13,7 +13,7 @@ from collections import deque
 
 import zmq
 
-from kv_preflight.shared.events import EventBatch, encode_frames
+from kv_preflight.events import EventBatch, encode_frames
 
 
 class EngineStub:

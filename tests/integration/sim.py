@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import EventBatch, decode_frames
+from kv_preflight.events import EventBatch, decode_frames
 from tests.e2e.harness import spawn, stop, wait_http
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kv_preflight.cli.bench import loadgen
 from kv_preflight.cli.bench.workload import event_stream
-from kv_preflight.shared.events import decode_frames
+from kv_preflight.events import decode_frames
 
 pytestmark = pytest.mark.integration
 

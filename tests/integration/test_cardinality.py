@@ -12,11 +12,11 @@ import zmq
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.app import create_app
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import encode_frames
-from kv_preflight.shared.index import StoreBlock
-from kv_preflight.shared.keys import request_keys
-from kv_preflight.shared.metrics import OTHER_POD
+from kv_preflight.config import Config
+from kv_preflight.events import encode_frames
+from kv_preflight.index.index import StoreBlock
+from kv_preflight.keys.chain import request_keys
+from kv_preflight.metrics import OTHER_POD
 from tests.e2e.harness import stop, wait_http
 from tests.integration.test_ingester import batch, stored
 from tests.integration.test_metrics_procs import spawn

@@ -49,7 +49,7 @@ def assert_one_clear_line(out: subprocess.CompletedProcess, says: str | None = N
 
 
 async def _fill(valkey_url: str, pod: str, blocks: int) -> None:
-    from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
 
     entry = encode_entry(make_entry(pod, "GPU", 0))
     ix = Index.from_url(valkey_url)

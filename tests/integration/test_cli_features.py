@@ -112,7 +112,7 @@ def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
     import time
 
     from kv_preflight.predictor.stats import build_stats
-    from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
 
     async def write():
         ix = Index.from_url(valkey_url)

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import redis
 
-from kv_preflight.shared.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.layout import pod_outbox_key
+from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.layout import pod_outbox_key
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -64,7 +64,7 @@ def dump(client: redis.Redis | redis.RedisCluster) -> dict:
         keys = client.keys("*", target_nodes=node) if node else client.keys("*")
         for k in keys:
             k = k.decode()
-            if k.endswith(":barrier"):  # the cluster's replication barrier (shared/backends/cluster.py)
+            if k.endswith(":barrier"):  # the cluster's replication barrier (kv_preflight/index/cluster.py)
                 continue
             t = client.type(k).decode()
             if t == "hash":

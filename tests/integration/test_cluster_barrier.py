@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from kv_preflight.cli.valkey_cluster import ValkeyCluster
-from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.layout import pod_outbox_key
+from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.layout import pod_outbox_key
 from tests.integration.test_cluster import drain_until_empty, outbox_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

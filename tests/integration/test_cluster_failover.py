@@ -19,9 +19,9 @@ import redis
 
 from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
-from kv_preflight.shared.layout import pod_outbox_key
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
+from kv_preflight.index.layout import pod_outbox_key
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import SimEngine, sim_engine
 from tests.integration.test_cluster import assert_exact, cluster_engine, wait_seq
@@ -178,14 +178,14 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
 async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluster, cluster_url):
     """A shard with its master and replica both gone: the lookup still answers from the other
     shards, says where the first unanswered block is, and its counts are lower bounds."""
-    from kv_preflight.shared.index import StoreBlock, encode_entry, make_entry
+    from kv_preflight.index.index import StoreBlock, encode_entry, make_entry
 
     from httpx import ASGITransport
 
     from kv_preflight.predictor.app import create_app
-    from kv_preflight.shared.config import Config
-    from kv_preflight.shared.keys import request_keys
-    from kv_preflight.shared.layout import PODS_KEY
+    from kv_preflight.config import Config
+    from kv_preflight.keys.chain import request_keys
+    from kv_preflight.index.layout import PODS_KEY
 
     ix = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)

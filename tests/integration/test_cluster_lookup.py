@@ -1,4 +1,4 @@
-"""The cluster's lookup (shared/lua/lookup.lua on every shard, merged by merge_shards) against the single
+"""The cluster's lookup (kv_preflight/index/lua/lookup.lua on every shard, merged by merge_shards) against the single
 node's exact linear walk: past the exact-walk budget (a prefix a whole fleet holds, where each shard
 bisects) on prefix layouts with tiers and fields that come and go, and in mode "linear" on layouts that
 are not prefixes at all."""
@@ -10,9 +10,9 @@ import random
 import pytest
 import redis
 
-from kv_preflight.shared.backends.cluster import EXACT_BUDGET
-from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.slots import key_slot
+from kv_preflight.index.cluster import EXACT_BUDGET
+from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.slots import key_slot
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -161,9 +161,9 @@ async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(val
 
 async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
     """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its effects not run."""
-    from kv_preflight.shared.backends.base import evalsha_pipeline
-    from kv_preflight.shared.entries import apply_args, text
-    from kv_preflight.shared.layout import pod_keys
+    from kv_preflight.index.backend import evalsha_pipeline
+    from kv_preflight.index.entries import apply_args, text
+    from kv_preflight.index.layout import pod_keys
 
     args = apply_args(pod, 0, seq, 1.0, "m", 16, muts, "check", ix.backend.writer_arg())
     (reply,) = await evalsha_pipeline(ix.client, ix.backend._apply, [pod_keys(pod, cluster=True)], [args])
@@ -174,7 +174,7 @@ async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, byte
 async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random) -> None:
     """Step 2 on a random subset of the shards only: the batch is half applied, as when its writer is
     killed while the shards' runs are on their way."""
-    from kv_preflight.shared.backends.cluster import effect_list, node_for
+    from kv_preflight.index.cluster import effect_list, node_for
 
     effects = effect_list(payload)
     nodes = sorted({node_for(ix.client, key).name for _, key, _ in effects})
@@ -241,7 +241,7 @@ async def test_bitmaps_equal_the_linear_walk_with_tiers_and_half_applied_batches
 
 
 async def test_each_key_is_sent_to_the_primary_serving_its_slot(cluster_url):
-    """The lookup groups a chain's keys by shard through a slot table (shared/slots.py, in C). A wrong
+    """The lookup groups a chain's keys by shard through a slot table (kv_preflight/index/slots.py, in C). A wrong
     grouping would still answer right (the shard's script reports keys it does not own and the caller
     reads them through the routing) but with a second round for every prediction: compare with redis-py's
     own routing and with CLUSTER KEYSLOT instead."""
@@ -270,8 +270,8 @@ async def test_the_worst_case_takes_three_rounds(valkey_cluster, cluster_url):
     equal the linear walk's in at most 3 sequential rounds; the chain again, its pods' meta read beside
     the shards, in 2; and in 3 still when a slot has moved too (its shard's keys read beside round 2). A
     slot moved under a key that only the walk reads (a bisection reads few keys) costs a 4th round, counted."""
-    from kv_preflight.shared.backends.cluster import effect_list, node_for
-    from kv_preflight.shared.entries import CHAIN_ROOT
+    from kv_preflight.index.cluster import effect_list, node_for
+    from kv_preflight.index.entries import CHAIN_ROOT
 
     rng = random.Random(31)
     chain = [rng.randrange(1, 2**63) for _ in range(120)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kv_preflight.shared.index import Index, ScoringInfo
-from kv_preflight.shared.layout import pod_meta_key
+from kv_preflight.index.index import Index, ScoringInfo
+from kv_preflight.index.layout import pod_meta_key
 from tests.integration.test_cluster_lookup import move_slot
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

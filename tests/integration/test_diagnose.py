@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import kvpf_stack
 from tests.integration.sim import sim_engine
 from tests.tokenizer_files import write_tokenizer

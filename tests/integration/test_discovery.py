@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from kv_preflight.shared.index import Index
+from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_log
 from tests.integration.sim import sim_engine
 

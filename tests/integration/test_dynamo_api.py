@@ -18,8 +18,8 @@ from kv_preflight.ingester.bridge import ChainState, plan_batch
 from kv_preflight.predictor.app import create_app
 from kv_preflight.predictor.dynamo_api import create_dynamo_app
 from kv_preflight.predictor.dynamo_wire import stable_instance_id
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import BlockStored, EventBatch
+from kv_preflight.config import Config
+from kv_preflight.events import BlockStored, EventBatch
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

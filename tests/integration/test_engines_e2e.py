@@ -17,10 +17,10 @@ import msgspec
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.engines import ENGINES
+from kv_preflight.engines import ENGINES
 from kv_preflight.predictor.score import engine_cached_tokens
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
 from tests.conftest import fixture_path
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub

@@ -11,7 +11,7 @@ import pytest
 
 from kv_preflight.predictor.app import create_app
 from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-from kv_preflight.shared.config import Config
+from kv_preflight.config import Config
 from tests.integration.http_engine import HttpEngine
 from tests.integration.sim import sim_engine
 from tests.integration.test_predictor import IndexWriter

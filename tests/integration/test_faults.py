@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
-from kv_preflight.shared.events import BlockRemoved, BlockStored, EventBatch
-from kv_preflight.shared.index import Index
+from kv_preflight.events import BlockRemoved, BlockStored, EventBatch
+from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.truth import engine_truth, index_state

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.fleet import IndexSettings, PodLoad, PodRecord
-from kv_preflight.shared.index import StoreBlock
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.fleet.records import IndexSettings, PodLoad, PodRecord
+from kv_preflight.index.index import StoreBlock
+from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
 

@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import BlockRemoved, BlockStored, EventBatch, encode_frames
-from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.layout import pod_blocks_key, pod_meta_key, pod_rks_key
+from kv_preflight.events import BlockRemoved, BlockStored, EventBatch, encode_frames
+from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.layout import pod_blocks_key, pod_meta_key, pod_rks_key
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import BlockStored, EventBatch, encode_frames
-from kv_preflight.shared.index import Index
+from kv_preflight.events import BlockStored, EventBatch, encode_frames
+from kv_preflight.index.index import Index
 from tests.conftest import fixture_path
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kv_preflight.shared.index import (
+from kv_preflight.index.index import (
     ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
-from kv_preflight.shared.layout import pod_blocks_key, pod_meta_key
+from kv_preflight.index.layout import pod_blocks_key, pod_meta_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -148,7 +148,7 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
 async def test_a_reader_never_names_pods_from_a_flushed_numbering(ix, valkey_url):
     """Pod numbers restart at 0 when the index is flushed under a running predictor: the lookup sees the
     numbering's new epoch and reads the names again, rather than name pod-b's bit after pod-a."""
-    from kv_preflight.shared.index import Index
+    from kv_preflight.index.index import Index
 
     reader = Index.from_url(valkey_url)
     try:

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from kv_preflight.cli.main import cli
-from kv_preflight.shared.layout import pod_blocks_key
+from kv_preflight.index.layout import pod_blocks_key
 from tests.integration.sim import sim_engine
 
 pytestmark = pytest.mark.integration
@@ -94,7 +94,7 @@ def test_export_import_keeps_kv_cache_groups(valkey_url):
 
     import redis
 
-    from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+    from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 
     f0, f1 = encode_entry(make_entry("pod-g", "GPU", 0)), encode_entry(make_entry("pod-g", "GPU", 1))
 
@@ -124,8 +124,8 @@ def test_import_cannot_corrupt(valkey_url):
 
     import redis
 
-    from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
-    from kv_preflight.shared.layout import pod_blocks_key
+    from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.index.layout import pod_blocks_key
 
     f = encode_entry(make_entry("pod-x", "GPU", 0))
 

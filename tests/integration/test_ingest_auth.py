@@ -13,8 +13,8 @@ import zmq
 import zmq.auth
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import BlockStored, EventBatch, encode_frames
-from kv_preflight.shared.index import Index
+from kv_preflight.events import BlockStored, EventBatch, encode_frames
+from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.prom import metric
 

@@ -6,12 +6,12 @@ import redis
 
 from kv_preflight.ingester.service import Ingester
 from kv_preflight.ingester.subscriber import Source
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
-from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.entries import CHAIN_ROOT
-from kv_preflight.shared.keys import request_keys
-from kv_preflight.shared.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
+from kv_preflight.config import Config
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
+from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.entries import CHAIN_ROOT
+from kv_preflight.keys.chain import request_keys
+from kv_preflight.index.layout import engine_members_key, pod_blocks_key, pod_fields_key, pod_state_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -10,10 +10,10 @@ import zmq
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.ingester.service import Ingester
 from kv_preflight.ingester.subscriber import Source, fetch_replay
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.config import Config
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
 from tests.integration.engine_stub import EngineStub
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -256,7 +256,7 @@ async def test_engine_restart_is_noticed_on_reconnect_before_it_publishes(valkey
 async def test_partly_bad_batch_applies_the_rest_and_flags_the_pod(valkey_url, ix):
     import msgspec
 
-    from kv_preflight.shared.events import event_to_wire
+    from kv_preflight.events import event_to_wire
 
     h = Harness(valkey_url)
     try:

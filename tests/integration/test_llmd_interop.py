@@ -2,7 +2,7 @@
 
 ``llmd_lookup`` below follows llm-d-kv-cache's RedisIndex.Lookup (v0.9): one pipelined HKEYS per
 request key, each field decoded as a PodEntry, stopping at the first key with no pods. It is
-written from that behaviour, independently of shared/index.py.
+written from that behaviour, independently of kv_preflight/index/index.py.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import redis
 
 from kv_preflight.ingester.service import Ingester
 from kv_preflight.predictor.app import create_app
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import decode_frames
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
-from kv_preflight.shared.layout import PODS_KEY
+from kv_preflight.config import Config
+from kv_preflight.events import decode_frames
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
+from kv_preflight.index.layout import PODS_KEY
 from tests.conftest import load_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

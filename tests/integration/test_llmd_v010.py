@@ -15,10 +15,10 @@ import pytest
 from kv_preflight.ingester.service import Ingester
 from kv_preflight.ingester.subscriber import Source, serving_address, sources_from_kv_event_sources
 from kv_preflight.predictor.app import create_app
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.entries import parse_entry
-from kv_preflight.shared.events import BlockStored, EventBatch, encode_frames, make_topic
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.config import Config
+from kv_preflight.index.entries import parse_entry
+from kv_preflight.events import BlockStored, EventBatch, encode_frames, make_topic
+from kv_preflight.keys.chain import request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

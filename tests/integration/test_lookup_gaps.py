@@ -1,7 +1,7 @@
 """The default lookup against the exact linear walk on layouts WITH gaps (issue 9, item 4): a pod holds a
 request key but not the key before it (an out-of-order eviction, a hybrid model's sliding-window group
 dropping early blocks, a store that arrives before its parent's). Written through our own apply path,
-so the bitmaps and the pods' orphan counts (shared/lua/pod.lua) are what the lookup reads: few pods on
+so the bitmaps and the pods' orphan counts (kv_preflight/index/lua/pod.lua) are what the lookup reads: few pods on
 long chains, so the script bisects whoever it may (kind 1) and walks the rest. A Python model of each
 pod's held keys checks the orphan count itself after every batch; on a cluster every batch is first
 left half applied (its effects on some shards only), the lookup compared there too, then drained."""
@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from kv_preflight.shared.entries import CHAIN_ROOT, ClearPod
-from kv_preflight.shared.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.layout import pod_meta_key
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod
+from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.layout import pod_meta_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -252,7 +252,7 @@ async def test_gapped_layouts_read_as_the_linear_walk_on_a_cluster_with_half_app
 async def test_a_gap_closed_by_a_batch_still_on_its_way_is_not_bisected_on_a_cluster(cluster_url):
     """The pod step counts 0 orphan keys as soon as the gap is filled, before the filling store reaches
     every shard: a shard still behind shows the gap. The pod is walked until that outbox entry is gone."""
-    from kv_preflight.shared.backends.cluster import effect_list, node_for
+    from kv_preflight.index.cluster import effect_list, node_for
     from tests.integration.test_cluster_lookup import pod_step
 
     rng = random.Random(77)

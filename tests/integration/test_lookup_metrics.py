@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from kv_preflight.predictor.app import create_app
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.entries import CHAIN_ROOT
-from kv_preflight.shared.index import RemoveBlock, StoreBlock
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.config import Config
+from kv_preflight.index.entries import CHAIN_ROOT
+from kv_preflight.index.index import RemoveBlock, StoreBlock
+from kv_preflight.keys.chain import request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import redis
 
-from kv_preflight.shared.index import Index, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -93,7 +93,7 @@ async def test_written_layouts_with_gaps_agree_in_every_mode_when_many_pods_hold
     """Written by our apply path (so the default lookup reads its bitmaps), then blocks evicted from the
     middle of chains: no prefix per pod any more. With pods x log2(keys) >= keys (a prefix many pods
     hold) the script returns every key's bitmaps and the walk is exact on any layout."""
-    from kv_preflight.shared.index import RemoveBlock
+    from kv_preflight.index.index import RemoveBlock
 
     rng = random.Random(300 + seed)
     n_keys, n_pods = rng.choice([(5, 3), (40, 12), (200, 40), (256, 1000 // 20)])

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved
-from kv_preflight.shared.index import Index
+from kv_preflight.events import AllBlocksCleared, BlockRemoved
+from kv_preflight.index.index import Index
 from tests.e2e.harness import stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_ingester import Harness, batch, stored

@@ -11,8 +11,8 @@ import time
 import pytest
 import redis
 
-from kv_preflight.shared.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
-from kv_preflight.shared.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
+from kv_preflight.index.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
 from tests.e2e.harness import spawn, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -100,8 +100,8 @@ def by_name(r: redis.Redis) -> dict:
     """The index's keys with pod numbers replaced by pod names (migrate numbers pods in its own order)."""
     from tests.integration.test_cluster import dump
 
-    from kv_preflight.shared.layout import NUMS_BYID_KEY
-    from kv_preflight.shared.presence import as_int, numbers
+    from kv_preflight.index.layout import NUMS_BYID_KEY
+    from kv_preflight.index.presence import as_int, numbers
 
     names = {int(k): v.decode() for k, v in r.hgetall(NUMS_BYID_KEY).items()}
     out = {}

@@ -14,18 +14,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the wheel puts in site-packages beside its dist-info: the one namespace (issue 14, item 1); the source
-# folders below install as kv_preflight.<folder>.
+# What the wheel puts in site-packages beside its dist-info: the one package, whose folder is its import path.
 TOP_LEVEL = frozenset({"kv_preflight"})
-SOURCE_FOLDERS = ("cli", "shared", "ingester", "predictor", "simulator")
+SOURCE_FOLDERS = ("kv_preflight",)
 
 
 def wheel_path(source: str) -> str:
-    """Where a file of the source tree lands in the wheel: as it is, or under the one namespace package."""
-    if source.split("/", 1)[0] in TOP_LEVEL:
-        return source
-    (namespace,) = TOP_LEVEL
-    return f"{namespace}/{source}"
+    """Where a file of the source tree lands in the wheel: at the same path (a plain package, no mapping)."""
+    return source
 
 
 def package_data() -> list[str]:
@@ -74,7 +70,7 @@ def test_wheel_holds_the_package_data(installed):
     missing = [f for f in package_data() if wheel_path(f) not in names]
     assert not missing, f"not in the wheel: {missing}"
     # and they load from the installed package, outside the source tree
-    module = wheel_path("shared/scripts.py")[:-3].replace("/", ".")
+    module = wheel_path("kv_preflight/index/scripts.py")[:-3].replace("/", ".")
     probe = (f"import importlib, json; m = importlib.import_module({module!r}); "
              "print(json.dumps([m.__file__, len(m.APPLY_SINGLE)]))")
     out = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], capture_output=True, text=True,
@@ -95,7 +91,7 @@ def test_entry_point_runs_from_the_clean_venv(installed):
     assert version.returncode == 0 and "0." in version.stdout, version
     # it says whether the C block-key routine is in, as the installed package has it; python -m is the same command
     has_c = subprocess.run([str(env_dir / "bin" / "python"), "-c",
-                            "from kv_preflight.shared.keys import HAS_C_EXTENSION as c; print(c)"],
+                            "from kv_preflight.keys.chain import HAS_C_EXTENSION as c; print(c)"],
                            capture_output=True, text=True, env=clean_env(), cwd=env_dir, timeout=120)
     assert has_c.returncode == 0, has_c.stderr[-2000:]
     said = "C block-key routine: built" if has_c.stdout.strip() == "True" else "C block-key routine: not built"

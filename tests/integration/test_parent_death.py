@@ -1,4 +1,4 @@
-"""shared/parent_death.py with real processes: a child started through ``preexec`` ends when its starter is
+"""kv_preflight/parent_death.py with real processes: a child started through ``preexec`` ends when its starter is
 killed with SIGKILL, and a process that arms ``end_with_parent`` after its parent already died ends too."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration,
 # A starter that runs ``sleep`` as its child, as `up` runs its children, prints the child's pid and waits.
 STARTER = """
 import subprocess, sys, time
-from kv_preflight.shared import parent_death
+from kv_preflight import parent_death
 child = subprocess.Popen(["sleep", "120"], start_new_session=True, preexec_fn=parent_death.preexec())
 print(child.pid, flush=True)
 time.sleep(120)
@@ -29,7 +29,7 @@ import os, sys, time
 parent = int(sys.argv[1])
 while os.getppid() == parent:  # until the starter is gone
     time.sleep(0.01)
-from kv_preflight.shared import parent_death
+from kv_preflight import parent_death
 assert parent_death.end_with_parent(parent)
 time.sleep(120)
 ''', str(__import__("os").getpid())], start_new_session=True)

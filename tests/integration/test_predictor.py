@@ -22,10 +22,10 @@ from starlette.routing import Route
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.app import create_app
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.index import Index, StoreBlock
+from kv_preflight.config import Config
+from kv_preflight.index.index import Index, StoreBlock
 from kv_preflight.predictor.ttft import PrefillModel
-from kv_preflight.shared.keys import HAS_C_EXTENSION, MAX_TOKEN_ID, request_keys
+from kv_preflight.keys.chain import HAS_C_EXTENSION, MAX_TOKEN_ID, request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

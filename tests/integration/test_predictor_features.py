@@ -15,9 +15,9 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.app import create_app
 from kv_preflight.predictor.local_tokenizer import LocalTokenizer
 from kv_preflight.predictor.ttft import PrefillModel
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.index import Index
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.config import Config
+from kv_preflight.index.index import Index
+from kv_preflight.keys.chain import request_keys
 from tests.integration.http_engine import HttpEngine
 from tests.prom import metric
 from tests.integration.test_predictor import IndexWriter

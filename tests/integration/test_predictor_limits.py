@@ -23,7 +23,7 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.app import create_app
 from kv_preflight.predictor.errors import ECHO_LIMIT
 from kv_preflight.predictor.server import protocol_factory
-from kv_preflight.shared.config import Config
+from kv_preflight.config import Config
 from tests.e2e.harness import stop, wait_http
 from tests.integration.test_predictor import MODEL, PREDICT, IndexWriter, tokens_of
 from tests.prom import metric
@@ -375,11 +375,11 @@ async def test_unknown_body_fields_are_refused_not_ignored(valkey_url):
     from httpx import ASGITransport
 
     from kv_preflight.predictor.app import create_app
-    from kv_preflight.shared.config import Config
+    from kv_preflight.config import Config
 
     import redis
 
-    from kv_preflight.shared.layout import PODS_KEY
+    from kv_preflight.index.layout import PODS_KEY
 
     redis.Redis.from_url(valkey_url).hset(PODS_KEY, "a", "m")  # a pod serving model m
     app = create_app(Config(valkey_url=valkey_url))

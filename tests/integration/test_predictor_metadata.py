@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from kv_preflight.predictor.metadata import IndexMetadata
-from kv_preflight.shared.index import StoreBlock, encode_entry, make_entry
+from kv_preflight.index.index import StoreBlock, encode_entry, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -8,8 +8,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from kv_preflight.shared.index import Index, StoreBlock
-from kv_preflight.shared.resp import FastConnection
+from kv_preflight.index.index import Index, StoreBlock
+from kv_preflight.index.resp import FastConnection
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -212,7 +212,7 @@ async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, va
 
 
 async def test_redis_client_resends_only_what_can_run_twice(valkey_server, valkey_url):
-    from kv_preflight.shared.resp import redis_client, script_sha
+    from kv_preflight.index.resp import redis_client, script_sha
 
     r = redis.Redis.from_url(valkey_url)
     r.set("k", "v")
@@ -243,7 +243,7 @@ async def test_redis_client_resends_only_what_can_run_twice(valkey_server, valke
 async def test_redis_client_replaces_a_pooled_connection_the_server_closed(valkey_url):
     """redis-py 8's pool skipped this check ("auto" maintenance notifications): after a restart
     or CLIENT KILL, the next command on each pooled connection failed, even a write."""
-    from kv_preflight.shared.resp import redis_client
+    from kv_preflight.index.resp import redis_client
 
     client = redis_client(valkey_url, timeout_s=1.0)
     assert await client.ping()

@@ -1,6 +1,6 @@
 """``kv-preflight simulate`` as a process: its ZMQ frames, replay socket and HTTP surface.
 
-Every frame must decode with ``kv_preflight.shared.events.decode_frames`` and look like the
+Every frame must decode with ``kv_preflight.events.decode_frames`` and look like the
 vLLM 0.32 frames in tests/fixtures byte for byte where content allows.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.shared.events import AllBlocksCleared, BlockStored, decode_frames
+from kv_preflight.events import AllBlocksCleared, BlockStored, decode_frames
 from kv_preflight.simulator.publisher import encode_payload
 from tests.conftest import fixture_path, load_jsonl
 from tests.e2e.harness import spawn, stop, wait_http

@@ -6,7 +6,7 @@ For each fault (SIGTERM restart, kill -9 and start, ``DEBUG SLEEP 2``, ``CLIENT 
 20 times):
 * once Valkey answers PING again, every prediction answers 200. A connection the server closed is
   replaced before a command is written on it, and a command lost on one before its reply is resent
-  once on a fresh one when it can run twice (shared/resp.py). Before, redis-py's pool handed out
+  once on a fresh one when it can run twice (kv_preflight/index/resp.py). Before, redis-py's pool handed out
   connections the old server had closed (1 or 2 of the first predictions after a restart answered
   503 "Connection closed by server"), and commands in flight at a CLIENT KILL failed;
 * neither the ingester nor the predictor (nor one of its workers) exited;
@@ -34,8 +34,8 @@ from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload, summ
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.ingester.subscriber import fetch_replay
 from kv_preflight.predictor.metadata import DEFAULT_TTL_S as METADATA_TTL_S
-from kv_preflight.shared.events import EventBatch
-from kv_preflight.shared.index import Index
+from kv_preflight.events import EventBatch
+from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import SimEngine, sim_engine
 from tests.integration.truth import engine_truth, index_state

@@ -1,8 +1,8 @@
 """What the index must hold: the engine's stored-minus-removed blocks, replayed from its event stream."""
 from __future__ import annotations
 
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_preflight.shared.index import Index, tier_of
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.index.index import Index, tier_of
 
 
 def engine_truth(batches: list[EventBatch]) -> set[tuple[int, str]]:

@@ -2,9 +2,9 @@
 import pytest
 
 from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_preflight.shared.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.index.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.keys.chain import request_keys
 
 TOKENS = list(range(1000, 1128))  # 128 tokens
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kv_preflight.ingester.bridge import ChainState, cache_salt_of, plan_batch
-from kv_preflight.shared.events import BlockStored, EventBatch
-from kv_preflight.shared.keys import request_keys, salted_request_keys
+from kv_preflight.events import BlockStored, EventBatch
+from kv_preflight.keys.chain import request_keys, salted_request_keys
 
 
 def test_cache_salt_of_vllm_extra_keys():

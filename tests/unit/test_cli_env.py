@@ -108,7 +108,7 @@ def test_simulate_honours_blocks_from_env(monkeypatch):
 
 def test_an_empty_env_var_is_unset(monkeypatch):
     """KVPF_ROUTE_STALE_S="" (a template's unset value) crashed Config parsing with a float error."""
-    from kv_preflight.shared.config import Config
+    from kv_preflight.config import Config
 
     for name in ("KVPF_ROUTE_STALE_S", "KVPF_BLOCK_SIZE", "KVPF_LOG_JSON", "KVPF_ENGINES", "KVPF_VALKEY_URL"):
         monkeypatch.setenv(name, "")

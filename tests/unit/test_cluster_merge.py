@@ -1,9 +1,9 @@
-"""merge_shards: a pod's prefix from the shards' per-shard answers (shared/backends/cluster.py)."""
+"""merge_shards: a pod's prefix from the shards' per-shard answers (kv_preflight/index/cluster.py)."""
 from __future__ import annotations
 
 import random
 
-from kv_preflight.shared.backends.cluster import merge_shards
+from kv_preflight.index.cluster import merge_shards
 
 
 def linear(n: int, present: list[dict[str, str]], cut: int) -> dict[str, tuple[int, str]]:

@@ -143,7 +143,7 @@ def test_host_port_env_file_and_tokenizer_mount_are_configurable():
         assert raw["services"][name]["volumes"] == ["${KVPF_TOKENIZER_DIR:-./tokenizers}:/tokenizers:ro"]
     assert (COMPOSE / "tokenizers").is_dir(), "the default mount exists, so Docker does not create it as root"
     example = (COMPOSE / "kvpf.env.example").read_text()
-    from kv_preflight.shared.config import ENV_PREFIX, Config
+    from kv_preflight.config import ENV_PREFIX, Config
     import dataclasses
     fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Config)}
     named = set(re.findall(r"^# (KVPF_\w+)=", example, re.M))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_preflight.shared.config import Config, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
+from kv_preflight.config import Config, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
 
 
 def test_env_dicts_and_keys(monkeypatch):

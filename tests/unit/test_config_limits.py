@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kv_preflight.predictor.auth import load_api_keys
-from kv_preflight.shared.config import Config
+from kv_preflight.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,7 @@ def test_json_is_promised_only_where_it_exists():
 def test_benchmarks_md_says_up_and_compose_set_the_listpack_value():
     from kv_preflight.cli.valkey_server import ValkeyServer  # noqa: F401  (the args are built in its start())
 
-    assert '"--hash-max-listpack-value", "128"' in (REPO / "cli" / "valkey_server.py").read_text()
+    assert '"--hash-max-listpack-value", "128"' in (REPO / "kv_preflight" / "cli" / "valkey_server.py").read_text()
     assert '"--hash-max-listpack-value", "128"' in (REPO / "compose" / "docker-compose.yml").read_text()
     text = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
     assert "nor the compose stack sets it" not in text

@@ -13,7 +13,7 @@ import pytest
 
 from kv_preflight.predictor.dynamo_wire import (EndpointError, EndpointRefused, build_score_response, check_endpoint,
                                    endpoint_host, stable_instance_id, tier_prefixes)
-from kv_preflight.shared.entries import PodEntry, encode_entry
+from kv_preflight.index.entries import PodEntry, encode_entry
 
 
 def test_cumulative_multi_rank_summary_is_dynamos():

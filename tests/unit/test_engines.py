@@ -1,4 +1,4 @@
-"""Engine adapters (shared/engines/): every engine's fixtures decode to the events they encode, and the
+"""Engine adapters (kv_preflight/engines/): every engine's fixtures decode to the events they encode, and the
 bridge keys them as llm-d's request keys, whatever the engine's block size."""
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 
 from kv_preflight.ingester.bridge import ChainState, model_for, plan_batch
 from kv_preflight.ingester.subscriber import sources_from_sglang_server_info
-from kv_preflight.shared.engines import ENGINES, engine
-from kv_preflight.shared.engines.trtllm import wire_hash
-from kv_preflight.shared.entries import RemoveBlock, StoreBlock
-from kv_preflight.shared.events import (
+from kv_preflight.engines import ENGINES, engine
+from kv_preflight.engines.trtllm import wire_hash
+from kv_preflight.index.entries import RemoveBlock, StoreBlock
+from kv_preflight.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, decode_frames, topic_or_none,
 )
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.keys.chain import request_keys
 from tests.conftest import fixture_path
 
 ENGINE_FIXTURES = ["sglang-array-frames.jsonl", "sglang-map-frames.jsonl", "sglang-map-page24-eagle-frames.jsonl",
@@ -198,7 +198,7 @@ def test_sglang_server_info_gives_sources_named_by_serving_address():
 
 
 def test_lora_names_come_from_the_flag_or_the_environment(monkeypatch):
-    from kv_preflight.shared.config import Config, parse_lora_names
+    from kv_preflight.config import Config, parse_lora_names
 
     assert Config.load(lora_names=parse_lora_names(["7=sql-lora", "08=b"])).lora_names == {"7": "sql-lora", "8": "b"}
     monkeypatch.setenv("KVPF_LORA_NAMES", "3=x,4=y")

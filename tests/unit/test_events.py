@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.shared.events import (
+from kv_preflight.events import (
     MAX_ERROR_CHARS, MAX_LISTED_ERRORS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames,
     decode_payload, encode_frames,
 )
@@ -117,7 +117,7 @@ def test_fuzz_structured_payloads_never_raise(obj):
 
 def test_encoder_reproduces_vllm_032_bytes():
     """The one wire schema encodes exactly what vLLM 0.32 sent, so the simulator cannot drift."""
-    from kv_preflight.shared.events import encode_payload
+    from kv_preflight.events import encode_payload
 
     for o in load_jsonl("vllm-0.32-live-frames.jsonl"):
         raw = base64.b64decode(o["payload_b64"])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kv_preflight.predictor.fleet import FleetWatcher
-from kv_preflight.shared.fleet import FleetView, PodLoad, PodRecord
+from kv_preflight.fleet.records import FleetView, PodLoad, PodRecord
 
 
 class Clock:

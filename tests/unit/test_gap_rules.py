@@ -1,6 +1,6 @@
-"""When a cluster lookup may bisect a pod (shared/backends/cluster.py pod_bisectable): its orphan count
+"""When a cluster lookup may bisect a pod (kv_preflight/index/cluster.py pod_bisectable): its orphan count
 known and 0, and no outbox entry left from a step taken while the pod had a gap."""
-from kv_preflight.shared.backends.cluster import pod_bisectable
+from kv_preflight.index.cluster import pod_bisectable
 
 
 def test_a_closed_pod_with_nothing_pending_is_bisected():

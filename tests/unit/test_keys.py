@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.shared import keys
+from kv_preflight.keys import chain as keys
 from tests.conftest import fixture_path
 
 VECTORS = json.loads(fixture_path("llmd-request-keys.json").read_text())

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.shared import keys
+from kv_preflight.keys import chain as keys
 
 
 @settings(max_examples=100, deadline=None)
@@ -38,7 +38,7 @@ def test_pack_keys_is_fixed_width_decimal(ks):
 
 
 def test_pack_command_equals_the_python_packer():
-    from kv_preflight.shared.resp import _pack_c, _pack_py
+    from kv_preflight.index.resp import _pack_c, _pack_py
 
     assert _pack_c is not None
     args = ("EVALSHA", "abc", 0, b"xy", 2**64 - 1, -5, "\u00e9", 1.5, bytearray(b"q"), memoryview(b"mv"), "")

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kv_preflight.cli.main import cli
-from kv_preflight.shared.config import ENV_PREFIX, Config
+from kv_preflight.config import ENV_PREFIX, Config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("single", "cluster")

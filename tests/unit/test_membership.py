@@ -8,7 +8,7 @@ import pytest
 from kv_preflight.ingester.engines_from import parse_engine_list, parse_engines_from
 from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
                                               balanced_owners, expired_retired, rendezvous_owners)
-from kv_preflight.shared.fleet import PodRecord
+from kv_preflight.fleet.records import PodRecord
 
 ENGINES = [f"http://10.0.0.{i}:8000" for i in range(200)]
 

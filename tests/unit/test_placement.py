@@ -11,7 +11,7 @@ from kv_preflight.predictor.route import RoutingPolicy, decide
 from kv_preflight.predictor.score import Prediction
 from kv_preflight.predictor.service import prefix_placements
 from kv_preflight.predictor.ttft import PrefillModel
-from kv_preflight.shared.config import Config
+from kv_preflight.config import Config
 
 PODS = ["a", "b", "c", "d"]
 

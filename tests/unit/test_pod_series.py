@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kv_preflight.ingester.metrics import IngesterMetrics
-from kv_preflight.shared.events import BlockStored, EventBatch
-from kv_preflight.shared.metrics import OTHER_POD, PodLabelled, PodSeries
+from kv_preflight.events import BlockStored, EventBatch
+from kv_preflight.metrics import OTHER_POD, PodLabelled, PodSeries
 from tests.prom import metric
 
 

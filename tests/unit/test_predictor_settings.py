@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kv_preflight.predictor.settings import reconcile, refusal
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.fleet import IndexSettings
+from kv_preflight.config import Config
+from kv_preflight.fleet.records import IndexSettings
 
 INDEX = IndexSettings(hash_seed="42", block_size=32, entry_format="v08")
 
@@ -45,7 +45,7 @@ def test_another_hash_algorithm_is_refused():
 
 @pytest.mark.parametrize("given", [["m=http://a:1", "m=http://b:2", "n=http://c:3"]])
 def test_engine_url_keeps_every_url_of_a_model(given, monkeypatch):
-    from kv_preflight.shared.config import parse_model_urls
+    from kv_preflight.config import parse_model_urls
 
     assert parse_model_urls(given) == {"m": ("http://a:1", "http://b:2"), "n": ("http://c:3",)}
     monkeypatch.setenv("KVPF_ENGINE_URLS", ",".join(given))

@@ -1,4 +1,4 @@
-"""The bitmap walk (shared/presence.py) against the pure linear walk over llm-d's entries
+"""The bitmap walk (kv_preflight/index/presence.py) against the pure linear walk over llm-d's entries
 (entries.longest_prefix), on random layouts: gaps, tiers, pods filters, unnamed numbers."""
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from kv_preflight.shared.entries import encode_entry, longest_prefix, make_entry
-from kv_preflight.shared import presence
-from kv_preflight.shared.presence import numbers, parse_bits_reply, prefix_from_bits, tier_in, tier_in_runs
+from kv_preflight.index.entries import encode_entry, longest_prefix, make_entry
+from kv_preflight.index import presence
+from kv_preflight.index.presence import numbers, parse_bits_reply, prefix_from_bits, tier_in, tier_in_runs
 
 
 def bitmap(nums: set[int]) -> bytes:
-    """Bit n: byte n // 8, value 1 << n % 8 (what shared/lua/bits.lua writes), trailing zeros trimmed."""
+    """Bit n: byte n // 8, value 1 << n % 8 (what kv_preflight/index/lua/bits.lua writes), trailing zeros trimmed."""
     out = bytearray((max(nums) // 8 + 1) if nums else 0)
     for n in nums:
         out[n // 8] |= 1 << n % 8
@@ -56,7 +56,7 @@ def test_bitmaps_walk_as_the_entries_do(seed):
 
 @pytest.mark.parametrize("seed", range(200))
 def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
-    """Keys with one tier each (the common case) take the C walk (_chain.prefix_counts): it must equal the
+    """Keys with one tier each (the common case) take the C walk (_speedups.prefix_counts): it must equal the
     entries' walk too, with gaps, pods that stop anywhere, a key nobody holds, sparse and wide numbers."""
     rng = random.Random(1000 + seed)
     n_pods = rng.choice([1, 2, 9, 300, 1000])
@@ -71,7 +71,7 @@ def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
             if rng.random() < 0.97:
                 held[i].add(pod)
     per_key = [{tier_at[i]: bitmap({nums[p] for p in at})} if at else {} for i, at in enumerate(held)]
-    assert presence._one_tier(per_key, keys) is not None or presence._chain is None
+    assert presence._one_tier(per_key, keys) is not None or presence._speedups is None
     fields = [[encode_entry(make_entry(p, tier_at[i].upper(), 0)) for p in at] for i, at in enumerate(held)]
     want = sorted((m.pod_id, m.blocks, m.tier) for m in longest_prefix(fields))
     assert sorted((m.pod_id, m.blocks, m.tier) for m in prefix_from_bits(per_key, names)) == want
@@ -81,7 +81,7 @@ def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
         reply += [tier_at[i].encode(), bits[tier_at[i]]] if bits else [b"", b""]
         if not bits and i > 0:
             break
-    if held[0] and presence._chain is not None:
+    if held[0] and presence._speedups is not None:
         tiers, maps = presence.one_tier_reads(reply)
         assert sorted((m.pod_id, m.blocks, m.tier) for m in presence.prefix_of_one_tier(tiers, maps, names)) == want
         # a cluster's: the keys dealt to three shards, each sending its own keys to its first one nobody holds
@@ -133,7 +133,7 @@ def test_the_scripts_two_answers_parse():
     # only a kind-0 reply whose every key has one tier (or none) is read as two lists
     assert presence.one_tier_reads([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"#n", b"1"], b""]) is None
     assert presence.one_tier_reads([0, 1, 1, b"", 1, 7, 40, b"cpu"]) is None
-    if presence._chain is not None:
+    if presence._speedups is not None:
         assert presence.one_tier_reads([0, 0, 0, b"", 0, b"gpu", b"\x03", b"", b""]) == ([b"gpu", b""], [b"\x03", b""])
 
 
@@ -155,13 +155,13 @@ def test_numbers_are_the_set_bits():
 
 
 def test_the_c_walk_refuses_what_it_cannot_name():
-    if presence._chain is None:
+    if presence._speedups is None:
         pytest.skip("no C extension")
-    from kv_preflight.shared.entries import PodMatch
+    from kv_preflight.index.entries import PodMatch
 
     with pytest.raises(ValueError):  # a pod held through key 2 needs a tier at key 2
-        presence._chain.prefix_matches([b"\x01", b"\x01"], 2, {0: "a"}, ["gpu"], PodMatch)
+        presence._speedups.prefix_matches([b"\x01", b"\x01"], 2, {0: "a"}, ["gpu"], PodMatch)
     with pytest.raises(TypeError):
-        presence._chain.prefix_matches([b"\x01", "x"], 2, {0: "a"}, ["gpu", "gpu"], PodMatch)
-    assert presence._chain.prefix_matches([b"\x03", b"\x01"], 2, {1: "b"}, ["gpu", "cpu"], PodMatch) == [
+        presence._speedups.prefix_matches([b"\x01", "x"], 2, {0: "a"}, ["gpu", "gpu"], PodMatch)
+    assert presence._speedups.prefix_matches([b"\x03", b"\x01"], 2, {1: "b"}, ["gpu", "cpu"], PodMatch) == [
         PodMatch("b", 1, "gpu")]  # number 0 has no name: left out

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kv_preflight.predictor.errors import BadRequest
 from kv_preflight.predictor.request import parse_keyed, parse_request
-from kv_preflight.shared.keys import request_keys
+from kv_preflight.keys.chain import request_keys
 
 KW = dict(max_tokens=1000, hash_seed="s", block_size=16)
 

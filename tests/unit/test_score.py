@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kv_preflight.predictor.score import PodAffinity, engine_cached_tokens, score
 from kv_preflight.predictor.ttft import PrefillModel
-from kv_preflight.shared.index import PodMatch, ScoringInfo
+from kv_preflight.index.index import PodMatch, ScoringInfo
 
 C = 16
 
@@ -166,7 +166,7 @@ def test_scoring_equals_its_definition_pod_by_pod(pods, prompt_len, with_ttft, c
        st.integers(0, 6000), st.booleans(), st.sampled_from([1, 16, 32]), st.booleans())
 @settings(max_examples=300, deadline=None)
 def test_the_c_loop_equals_the_python_loop(pods, prompt_len, with_ttft, canonical, filtered):
-    """``_chain.affinities`` (what the predictor runs: metadata per pod, no other maps) gives the Python
+    """``_speedups.affinities`` (what the predictor runs: metadata per pod, no other maps) gives the Python
     loop's affinities, in the same order: pods with and without metadata, a pods filter, counts past the
     prompt and below zero, engine block sizes missing, zero or negative."""
     from kv_preflight.predictor import score as scoring
@@ -205,7 +205,7 @@ def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
     past 64 bits drops that pod, as in the Python loop, instead of failing the prediction; metadata of None
     reads as none."""
     from kv_preflight.predictor import score as scoring
-    from kv_preflight.shared.index import scoring_info_from
+    from kv_preflight.index.index import scoring_info_from
 
     matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"),
                PodMatch("d", 2**70, "cpu")]

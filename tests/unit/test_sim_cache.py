@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.shared.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kv_preflight.simulator import tokenizer
 from kv_preflight.simulator.cache import PoolExhausted, PrefixCache, chain_hash, extend_block_hashes
 from kv_preflight.simulator.engine import Generation, run_request

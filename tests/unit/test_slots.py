@@ -1,4 +1,4 @@
-"""Cluster slots of request keys (shared/slots.py): the C grouping equals the Python reference, and both
+"""Cluster slots of request keys (kv_preflight/index/slots.py): the C grouping equals the Python reference, and both
 equal Valkey's own CRC16 slot (CLUSTER KEYSLOT values from Valkey's documentation)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kv_preflight.shared import slots
-from kv_preflight.shared.slots import SLOTS, UNSERVED, key_slot, slot_groups, slot_groups_reference, slot_table
+from kv_preflight.index import slots
+from kv_preflight.index.slots import SLOTS, UNSERVED, key_slot, slot_groups, slot_groups_reference, slot_table
 
 
 def test_key_slot_matches_valkeys_documented_values():
@@ -41,9 +41,9 @@ def test_groups_equal_the_reference_and_keep_chain_order(shards):
 
 
 def test_the_c_routine_refuses_bad_arguments():
-    if slots._chain is None:
+    if slots._speedups is None:
         pytest.skip("the C extension is not built")
     with pytest.raises(ValueError):
-        slots._chain.slot_groups([1], b"\0" * 10, 2)
+        slots._speedups.slot_groups([1], b"\0" * 10, 2)
     with pytest.raises(OverflowError):
-        slots._chain.slot_groups([-1], b"\0" * SLOTS, 2)
+        slots._speedups.slot_groups([-1], b"\0" * SLOTS, 2)

@@ -8,8 +8,8 @@ import zmq.auth
 from kv_preflight.ingester.subscriber import (
     Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
 )
-from kv_preflight.shared.config import Config
-from kv_preflight.shared.events import Topic
+from kv_preflight.config import Config
+from kv_preflight.events import Topic
 
 
 def test_pods_and_curve_server_key_options():

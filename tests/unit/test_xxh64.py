@@ -1,4 +1,4 @@
-"""llm-d-router's xxh64 request keys (shared/xxh64.py) against vectors from an independent implementation.
+"""llm-d-router's xxh64 request keys (kv_preflight/keys/xxh64.py) against vectors from an independent implementation.
 
 tests/fixtures/llmd-xxh64-request-keys.json was computed with the ``xxhash`` Python package (its
 streaming XXH64, fed in the write order of llm-d-router's ``hashXXH64``, commit c027acfc6e33ed38a4a87a07fd13a28f3a10196f);
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from kv_preflight.shared import xxh64
-from kv_preflight.shared.keys import request_keys, salted_request_keys
+from kv_preflight.keys import xxh64
+from kv_preflight.keys.chain import request_keys, salted_request_keys
 from tests.conftest import fixture_path
 
 CASES = json.loads(fixture_path("llmd-xxh64-request-keys.json").read_text())["cases"]

@@ -1,0 +1,403 @@
+"""``kv-preflight up``: the whole local stack in one command, stopped cleanly by Ctrl-C.
+
+Starts a private valkey-server on loopback (AOF under ./.data), simulated engines unless real
+ones are given, ingesters, and the predictor. Each child is a real ``kv-preflight`` process with
+its log under .data/logs, so what runs here is what runs in production.
+
+Every child, Valkey included, ends when ``up`` dies, whatever kills it: on Linux the kernel sends it
+SIGTERM (PR_SET_PDEATHSIG, armed between fork and exec; kv_preflight/parent_death.py says why that and not a
+watcher); elsewhere a SIGKILLed ``up`` leaves them running. The data directory is checked before any
+process starts, and every wait below has a deadline.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import httpx
+
+from kv_preflight.cli.valkey_cluster import ValkeyCluster
+from kv_preflight import parent_death
+from kv_preflight.config import Config, parse_model_urls
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    children: list[Child] = field(default_factory=list)
+    valkey: ValkeyServer | ValkeyCluster | None = None
+    stopping: bool = False
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        log_dir = self.data_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"{name}.log"
+        fh = open(log, "a")
+        # A session of its own: Ctrl-C reaches `up` alone, which stops the children in order. Sharing the
+        # terminal's process group, they exited on the same SIGINT, and up took one for a crash. Being out of
+        # that group, nothing else would end them if `up` died: the kernel sends them SIGTERM then (Linux).
+        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=True, preexec_fn=parent_death.preexec())
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def check(self) -> Child | None:
+        """A child that exited on its own; None once we are stopping them (their exits are ours)."""
+        if self.stopping:
+            return None
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # gone before up says "stopped."
+                    c.proc.wait(timeout=10)
+        if self.valkey:
+            self.valkey.stop()
+
+
+def prepare_data_dir(data_dir: Path) -> None:
+    """The data directory and its logs/, made or refused in one line before any process starts: a path
+    below a file, or one that cannot be written, failed only once Valkey was up (a traceback)."""
+    try:
+        (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if not os.access(data_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as exc:
+        raise click.BadParameter(f"{data_dir}: {exc.strerror or exc}", param_hint="'--data-dir'") from None
+
+
+def last_error(log: Path) -> str:
+    """The line of a child's log that says why it stopped: its last error line, else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    # case-sensitive: "INFO uvicorn.error: Application shutdown complete" is not the reason
+    errors = [ln for ln in lines if re.search(r"\bERROR\b|\bError\b|\[Errno|Exception|refused|denied|in use", ln)]
+    return (errors or lines or ["(its log is empty)"])[-1]
+
+
+def exited(child: Child) -> str:
+    return f"{child.name} exited ({child.proc.returncode}): {last_error(child.log)}  (log: {child.log})"
+
+
+def descendants(pid: int) -> set[int]:
+    """pid and every process below it, from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for p, ppid in parents.items():
+            if ppid in tree and p not in tree:
+                tree.add(p)
+                grew = True
+    return tree
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether ``pid`` or a process below it holds the socket listening on ``port``: the server that
+    answers is the child we started, not whatever already had the port. None where /proc cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    if not Path("/proc/net/tcp").exists():
+        return None
+    for p in descendants(pid):
+        try:
+            fds = list(Path(f"/proc/{p}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+def wait_http(url: str, stack: Stack, what: str, child: Child | None = None, timeout_s: float = 60) -> None:
+    """Until ``url`` answers 200 from ``child`` (when given): a server already on that port answering in
+    its place is not readiness; the child then exits with its own error, which is what we show."""
+    port = httpx.URL(url).port
+    deadline = time.monotonic() + timeout_s
+    foreign = False
+    while time.monotonic() < deadline:
+        dead = stack.check()
+        if dead:
+            raise click.ClickException(exited(dead))
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                if child is None or port is None or listens_on(child.proc.pid, port) is not False:
+                    return
+                foreign = True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    if foreign:
+        raise click.ClickException(f"another server answers at {url}, not the {what} up started (its log: "
+                                   f"{child.log}); choose a free port")
+    raise click.ClickException(f"{what} did not become ready at {url} within {timeout_s}s")
+
+
+def step(i: int, n: int, text: str) -> None:
+    click.echo(click.style(f"[{i}/{n}] ", fg="cyan") + text)
+
+
+@click.command("up")
+@click.option("--engine", "engines", multiple=True, help="A real engine's HTTP URL (discovered via /kv_event_sources). Repeatable; default: simulated engines.")
+@click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT used to tokenize prompts (default: the given or simulated engines).")
+@click.option("--valkey-url", default=None, help="Use this Valkey (any node of a cluster) instead of starting one.")
+@click.option("--cluster", "cluster", is_flag=True, help="Start a local Valkey Cluster (3 masters + 3 replicas, AOF) instead of one node.")
+@click.option("--data-dir", default=".data", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Valkey data (AOF) and logs.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Predictor port.")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="Predictor worker processes on that port.")
+@click.option("--ingesters", default=2, show_default=True, type=click.IntRange(min=1), help="Ingester processes sharing the engines by lease, each engine ingested by two of them (docs/fleet.md).")
+@click.option("--sim-engines", default=2, show_default=True, type=click.IntRange(min=1), help="Simulated engines when no --engine is given.")
+@click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
+@click.option("--sim-block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Engine block size of the simulated engines.")
+@click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
+@click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
+@click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
+def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
+       sim_blocks, demo, exit_after_demo, **serve_options) -> None:
+    """Run Valkey, engines (simulated unless given), ingesters and the predictor together."""
+    stack = Stack(data_dir)
+    n = 5
+    rc = 0
+    try:
+        Config.load(valkey_url=valkey_url, engines=engines,
+                    engine_urls=parse_model_urls(engine_urls) if engine_urls else None)
+    except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
+        raise click.UsageError(str(exc)) from None
+    prepare_data_dir(data_dir)
+    # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
+    try:
+        if valkey_url:
+            step(1, n, f"using Valkey at {valkey_url.split('@')[-1]}")
+        elif cluster:
+            step(1, n, f"starting a Valkey Cluster on loopback: 3 masters + 3 replicas (AOF in {data_dir / 'valkey-cluster'}) ...")
+            try:
+                # the stack holds it before it starts: nodes up when the cluster fails to form are stopped too
+                stack.valkey = ValkeyCluster(data_dir / "valkey-cluster", tied_to_parent=True)
+                stack.valkey.start()
+            except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+                raise click.ClickException(str(exc)) from None
+            valkey_url = stack.valkey.url
+        else:
+            step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
+            try:
+                stack.valkey = ValkeyServer(data_dir / "valkey", appendonly=True, tied_to_parent=True)
+                stack.valkey.start()
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                raise click.ClickException(str(exc)) from None
+            valkey_url = stack.valkey.url
+            click.echo(f"      valkey: {valkey_url}")
+        engine_list = list(engines)
+        if engine_list:
+            step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
+        else:
+            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
+            sims = []
+            for i in range(sim_engines):
+                http, zp, rp = free_port(), free_port(), free_port()
+                sims.append(stack.spawn(f"engine-sim-{i}", [
+                    "simulate", "--pod", f"sim-{i}", "--model", model, "--port", str(http), "--zmq", f"tcp://*:{zp}",
+                    "--replay", f"tcp://*:{rp}", "--block-size", str(sim_block_size), "--blocks", str(sim_blocks)]))
+                engine_list.append(f"http://127.0.0.1:{http}")
+            for url, sim in zip(engine_list, sims):
+                wait_http(url + "/v1/models", stack, "simulated engine", sim)
+            for url in engine_list:
+                click.echo(f"      engine: {url}")
+        step(3, n, f"starting {ingesters} ingester(s) ...")
+        for i in range(ingesters):
+            args = ["ingest", "--valkey-url", valkey_url, "--ingester-id", f"up-ingester-{i}"]
+            for url in engine_list:
+                args += ["--engine", url]
+            stack.spawn(f"ingester-{i}", args)
+        urls = list(engine_urls)
+        if not urls:
+            models = _served_models(engine_list[0]) or [model]
+            urls = [f"{m}={engine_list[0]}" for m in models]
+        step(4, n, f"starting the predictor on 127.0.0.1:{port} with {workers} worker(s) ...")
+        # The predictor is given the Valkey URL alone: the ingesters' fleet records tell it every pod, its
+        # engine (for /tokenize) and its load (docs/fleet.md). --engine-url, when given, overrides.
+        serve = ["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", str(workers)]
+        for u in engine_urls:
+            serve += ["--engine-url", u]
+        serve += serve_args(serve_options)
+        predictor_child = stack.spawn("predictor", serve)
+        predictor = f"http://127.0.0.1:{port}"
+        wait_http(predictor + "/health", stack, "predictor", predictor_child)
+        if not engine_urls:
+            _wait_fleet(valkey_url, engine_list, stack)
+        served_model = urls[0].split("=", 1)[0]
+        step(5, n, click.style("ready", fg="green"))
+        click.echo(f"""
+  predictor  {predictor}   (GET /health, GET /stats, POST /v1/cache/predict)
+  engines    {' '.join(engine_list)}
+  logs       {data_dir / 'logs'}/
+
+  try:
+    curl -s {predictor}/v1/cache/predict -H 'content-type: application/json' \\
+      -d '{{"model": "{served_model}", "prompt": "You are a helpful assistant. Summarize the following report."}}'
+    curl -s {engine_list[0]}/v1/completions -H 'content-type: application/json' \\
+      -d '{{"model": "{served_model}", "prompt": "You are a helpful assistant. Summarize the following report.", "max_tokens": 1}}'
+    (run the first again: the prediction now counts the blocks the engine cached)
+""")
+        if demo:
+            from kv_preflight.cli.demo import print_demo
+
+            ok = print_demo(engine_list[0], predictor, served_model)
+            if len(engine_list) > 1:  # round robin vs /route, and one explained miss (cli/affinity_demo.py)
+                from kv_preflight.cli.affinity_demo import print_affinity_demo
+
+                print_affinity_demo(engine_list, predictor, served_model)
+            if exit_after_demo:
+                rc = 0 if ok else 1
+                return
+        click.echo("Ctrl-C stops everything.")
+        while True:
+            dead = stack.check()
+            if dead:
+                click.echo(f"Error: {exited(dead)}. Stopping.", err=True)
+                rc = 1
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        click.echo("\nstopping ...")
+    finally:
+        for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        stack.stop()
+        # The handlers stay ignored until the process exits: a Ctrl-C pressed just after the stop (a
+        # terminal sends one per key press) would otherwise end it with a KeyboardInterrupt traceback.
+        click.echo("stopped.")
+        if rc:
+            sys.exit(rc)
+
+
+# The predictor's routing and tokenizer options, under serve's own names, handed to the predictor as given
+# (tests/unit/test_up_options.py checks that each matches serve's option).
+SERVE_OPTIONS = [
+    click.Option(["--tokenizer", "tokenizers"], multiple=True, help="MODEL=DIR: the predictor tokenizes locally from DIR (as serve --tokenizer). Repeatable."),
+    click.Option(["--tokenizer-check/--no-tokenizer-check"], default=None, help="As serve: compare local tokenizers with the engine at start-up."),
+    click.Option(["--ttft-model"], default=None, type=click.Path(exists=True, dir_okay=False), help="As serve: prefill model JSON from `kv-preflight calibrate`, used by routing."),
+    click.Option(["--pod-metrics", "pod_metrics"], multiple=True, help="POD=http://HOST:PORT: engine /metrics scraped for routing (as serve). Repeatable."),
+    click.Option(["--metrics-interval", "metrics_interval_s"], default=None, type=click.FloatRange(min=0.05), help="As serve: seconds between engine metric scrapes."),
+    click.Option(["--route-tier-weight", "tier_weights"], multiple=True, help="TIER=WEIGHT, as serve. Repeatable."),
+    click.Option(["--route-waiting-weight"], default=None, type=float, help="As serve."),
+    click.Option(["--route-overload-abs"], default=None, type=float, help="As serve."),
+    click.Option(["--route-overload-rel"], default=None, type=float, help="As serve."),
+    click.Option(["--route-max-kv-usage"], default=None, type=float, help="As serve."),
+    click.Option(["--route-good-match"], default=None, type=float, help="As serve."),
+    click.Option(["--route-stale", "route_stale_s"], default=None, type=float, help="As serve."),
+    click.Option(["--route-placement-window", "route_placement_window_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
+    click.Option(["--route-pending", "route_pending_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
+]
+up.params.extend(SERVE_OPTIONS)
+
+
+def serve_args(values: dict) -> list[str]:
+    """The given SERVE_OPTIONS as serve's command-line arguments; options not given are left out."""
+    out: list[str] = []
+    for opt in SERVE_OPTIONS:
+        value = values.get(opt.name)
+        if value is None or value == ():
+            continue
+        if opt.is_flag:
+            out.append(opt.opts[0] if value else opt.secondary_opts[0])
+        else:
+            for v in value if opt.multiple else (value,):
+                out += [opt.opts[0], str(v)]
+    return out
+
+
+def _interrupt(*_) -> None:
+    """Ctrl-C or SIGTERM: stop, once. Further signals are ignored from here, so a repeated Ctrl-C
+    cannot interrupt the stop half-way (a traceback, children left running)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float = 30.0) -> None:
+    """Until every engine has a live fleet record with its models (the ingesters write them within a few
+    seconds), so the first request already finds its model; then one more second for the predictor's read."""
+    import asyncio
+
+    from kv_preflight.index.index import Index
+
+    async def ready() -> bool:
+        ix = Index.from_url(valkey_url)
+        try:
+            view = await ix.fleet_view()
+        finally:
+            await ix.close()
+        urls = {r.engine_url for r in view.pods.values() if r.state == "live" and r.models}
+        return set(engine_list) <= urls
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = stack.check()
+        if dead:
+            raise click.ClickException(exited(dead))
+        try:  # each look bounded too: a Valkey that accepts and never answers must not hold up here
+            if asyncio.run(asyncio.wait_for(ready(), timeout=max(0.5, deadline - time.monotonic()))):
+                time.sleep(1.2)
+                return
+        except Exception:  # Valkey busy or not answering yet: asked again
+            pass
+        time.sleep(0.3)
+    raise click.ClickException(f"the ingesters did not report every engine within {timeout_s:.0f}s (logs: "
+                               f"{stack.data_dir / 'logs'})")
+
+
+def _served_models(engine_url: str) -> list[str]:
+    try:
+        return [m["id"] for m in httpx.get(engine_url + "/v1/models", timeout=5).json()["data"]]
+    except Exception:
+        return []

@@ -1,0 +1,52 @@
+"""Engine load from an engine's Prometheus ``/metrics`` text: pure parsing, shared by the ingester
+(which scrapes each pod it owns once for the whole fleet, ingester/fleet.py) and the predictor
+(which scrapes its ``--pod-metrics`` overrides, predictor/load.py).
+
+Which series to read is the engine adapter's (kv_preflight/engines/: ``LoadMetrics``). vLLM exports what
+routing needs (0.32): requests running, requests waiting, and the fraction of KV blocks held by
+running requests (``vllm:kv_cache_usage_perc``; cached-but-free blocks do not count).
+"""
+from __future__ import annotations
+
+import math
+
+from kv_preflight.engines.base import LoadMetrics
+from kv_preflight.engines.vllm import LOAD_METRICS as VLLM_LOAD
+
+
+def sum_series(text: str, names: set[str] | frozenset[str], prefix: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Each named series summed over its label sets (an engine's DP ranks), and how many samples each had.
+    Lines not starting with ``prefix`` are skipped unread; a sample that is not a finite number is ignored."""
+    sums = dict.fromkeys(names, 0.0)
+    counts = dict.fromkeys(names, 0)
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        name_end = line.find("{")
+        if name_end < 0:
+            name_end = line.find(" ")
+        name = line[:name_end]
+        if name not in sums:
+            continue
+        try:
+            value = float(line.rsplit("}", 1)[-1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if math.isfinite(value):
+            sums[name] += value
+            counts[name] += 1
+    return sums, counts
+
+
+def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | None:
+    """(running, waiting, kv usage) summed over the engine's DP ranks (kv usage: their mean, from the first
+    of ``names.kv_usage`` present); None if the engine exports neither running nor waiting."""
+    sums, counts = sum_series(text, {names.running, names.waiting, *names.kv_usage}, names.prefix)
+    if not counts[names.running] and not counts[names.waiting]:
+        return None
+    usage = next((sums[n] / counts[n] for n in names.kv_usage if counts[n]), 0.0)
+    return sums[names.running], sums[names.waiting], min(max(usage, 0.0), 1.0)
+
+
+def parse_vllm_metrics(text: str) -> tuple[float, float, float] | None:
+    return parse_load(text, VLLM_LOAD)

@@ -1,0 +1,36 @@
+"""TensorRT-LLM's streaming ZMQ publisher (TensorRT-LLM PR #17023; tensorrt_llm/_torch/pyexecutor/kv_cache_events.py).
+
+Events are tagged maps, vLLM-compatible (``KVCacheWireEvent``), in a positional batch
+``[ts, events, data_parallel_rank]``; it never sends tagged arrays. Rules this adapter keeps:
+* The block hash is the first 8 bytes, big-endian, of the block's SHA-256 radix key, sent as a signed
+  int64 (``_kv_event_wire_hash_from_radix_key``); read as the same 64 bits unsigned, like every hash.
+* 32 tokens per block by default (``tokens_per_block``); only full blocks are announced.
+* Consecutive stores are merged into one ``BlockStored`` (``block_hashes`` several, ``token_ids`` their
+  concatenation): the bridge keys each block from its slice.
+* Multimodal blocks carry string tokens and ``mm_keys`` (13599e98): not keyed, counted as decode errors.
+* The PUB socket always binds; the default topic is empty (name pod and model on the source); replay
+  replies carry the topic frame, as vLLM 0.32's do. No HTTP endpoint lists the publishers.
+"""
+from __future__ import annotations
+
+from kv_preflight.engines.base import Engine
+from kv_preflight.events import WireLayout
+
+LAYOUT = WireLayout("trtllm", positional=None)
+
+ENGINE = Engine(
+    name="trtllm",
+    layout=LAYOUT,
+    replay_topic=True,
+    default_block_size=32,
+    discovery_path=None,
+    load_metrics=None,  # trtllm-serve's /metrics is JSON iteration stats, not Prometheus series
+    tokenize_path=None,
+    since="PR #17023 (streaming publisher, 2026-08)",
+)
+
+
+def wire_hash(block_key: bytes) -> int:
+    """TensorRT-LLM's event hash of a radix block key: its first 8 bytes big-endian, as a signed int64."""
+    value = int.from_bytes(block_key[:8], "big")
+    return value - (1 << 64) if value >= 1 << 63 else value

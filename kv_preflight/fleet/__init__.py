@@ -1,0 +1,1 @@
+"""Fleet records every process shares: pods, engines, leases, load and the index-wide settings."""

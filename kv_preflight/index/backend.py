@@ -1,0 +1,70 @@
+"""What a backend is (the one interface kv_preflight/index/index.py calls for what differs between a single
+Valkey node and a Valkey Cluster), and the pieces both use."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from kv_preflight.index.entries import ApplyResult, Lookup
+
+# What a Valkey call can raise when Valkey (a node, a shard) is unreachable or answers an error:
+# redis-py's cluster client raises RedisClusterException (not a RedisError) when it has no node.
+VALKEY_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+
+
+class IndexBackend(Protocol):
+    """A topology: how a batch is applied, how a chain is looked up, and its housekeeping."""
+
+    cluster: bool
+
+    def writer_arg(self) -> str:
+        """The apply script's writer argument ("" on a single node)."""
+
+    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
+                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        """Apply batches (their script KEYS and ARGV, in order); the results come from the future."""
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
+        """Per pod, its prefix of the chain; and how many foreign-typed keys were read as misses."""
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
+        """Finish what a stopped writer left half applied (nothing to do on a single node)."""
+
+    async def key_count(self) -> int: ...
+
+    async def memory_usage(self) -> int | None: ...
+
+    async def close(self) -> None: ...
+
+
+async def evalsha_pipeline(client, script, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
+    """One EVALSHA per (keys, args), pipelined (a cluster client groups them by node); the script is
+    loaded (on every primary) if a server did not know it."""
+    for attempt in range(2):
+        async with client.pipeline(transaction=False) as pipe:
+            for k, a in zip(keys, args):
+                pipe.execute_command("EVALSHA", script.sha, len(k), *k, *a)
+            try:
+                out = await pipe.execute(raise_on_error=False)
+            except NoScriptError:
+                out = [NoScriptError("NOSCRIPT")]
+        if attempt == 0 and any(isinstance(r, NoScriptError) for r in out):
+            await client.script_load(script.script)
+            continue
+        for r in out:
+            if isinstance(r, Exception):
+                raise r
+        return out
+    raise AssertionError("unreachable")
+
+
+def ready(value: Any) -> "asyncio.Future[Any]":
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    done.set_result(value)
+    return done
+
+
+__all__ = ["VALKEY_ERRORS", "IndexBackend", "evalsha_pipeline", "ready"]

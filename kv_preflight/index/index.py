@@ -1,0 +1,783 @@
+"""The index: the one interface every process reads and writes the Valkey index through.
+
+Key names come from kv_preflight/index/layout.py (layout 3, documented there, the same on a single node and on
+Valkey Cluster); what travels (PodEntry fields, mutations, replies) is in kv_preflight/index/entries.py; the Lua
+scripts in kv_preflight/index/lua/. What differs between the topologies, the write path and the lookup, is a
+backend (kv_preflight/index/): a single node applies a batch with one script, a cluster with a pod step,
+its effects and an ack. Either way a batch is applied after a seq check against the persisted seq of
+(pod, dp rank), atomic with the pod's whole state change, so several ingesters on one engine converge
+on exactly one application of every batch (see docs/operations.md). A key of a foreign type never
+fails a batch half way: writes to keys we do not own stand alone (the pod is flagged, a counter
+counts), and our own keys are checked before the first write.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend
+from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
+from kv_preflight.index.single import SingleNodeBackend
+from kv_preflight.index.entries import (CHAIN_ROOT, DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
+                            RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
+                            longest_prefix, make_entry, parse_entry, text, tier_of)
+from kv_preflight.fleet import records as fleet
+from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
+from kv_preflight.index.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
+                           feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
+from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY
+from kv_preflight.index.layout import pod_keys as _pod_keys
+
+from kv_preflight.index.resp import FastConnection
+
+log = logging.getLogger("kvpf.index")
+
+NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
+
+
+@dataclass
+class PodInfo:
+    pod_id: str
+    model: str
+    engine_block_size: int | None
+    seqs: dict[str, int]
+    last_event_time: float | None
+    incomplete: bool
+    incomplete_reason: str
+    blocks: int
+    counters: dict[str, int] = field(default_factory=dict)
+    # held request keys whose parent the pod does not hold (kv_preflight/index/lua/pod.lua); None: not known (the
+    # lookup walks the pod rather than bisecting it until its next clear)
+    orphan_keys: int | None = None
+
+
+_POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts", "gaps_accepted", "replays",
+                 "reannounced", "foreign_keys", "corrupt")
+
+
+@dataclass(frozen=True)
+class ScoringInfo:
+    """What scoring needs of a pod (its engine block size, whether its index may miss blocks): the
+    predictor reads this for every pod a prompt matches, so it is two fields of the pod's meta, not
+    all of it (a prompt a thousand pods hold re-reads a thousand pods' worth every second)."""
+
+    pod_id: str
+    engine_block_size: int | None
+    incomplete: bool
+
+
+def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
+    """A pod's ScoringInfo from ``HMGET meta engine_block_size incomplete``. State we did not write (a
+    key of another type, a block size that is not a number) makes the pod incomplete, never an error."""
+    if isinstance(reply, Exception):
+        return ScoringInfo(pod_id, None, True)
+    raw_ebs, raw_inc = reply
+    ebs = None
+    bad = False
+    if raw_ebs:
+        try:
+            ebs = int(raw_ebs)
+        except ValueError:
+            bad = True
+    return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"))
+
+
+def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
+    """A pod's metadata from HGETALL and HLEN replies. State we did not write (a non-integer seq,
+    a key of another type) makes the pod incomplete with the reason, never an exception."""
+    problems: list[str] = []
+    if isinstance(meta_raw, Exception):
+        problems.append(f"{pod_meta_key(pod_id)}: {str(meta_raw)[:120]}")
+        meta_raw = {}
+    if isinstance(blocks, Exception):
+        problems.append(f"{pod_blocks_key(pod_id)}: {str(blocks)[:120]}")
+        blocks = 0
+    try:  # both clients answer bytes; decoded in one pass (a thousand pods' metadata is read at once)
+        meta = {k.decode(): v.decode("utf-8", "replace") for k, v in meta_raw.items()}
+    except AttributeError:
+        meta = {text(k): text(v) for k, v in meta_raw.items()}
+
+    def num(name: str, value: str, kind: type = int) -> Any:
+        try:
+            return kind(value)
+        except ValueError:
+            problems.append(f"{name} is {value[:40]!r}, not a number")
+            return None
+
+    seqs = {k[4:]: v for k, raw in meta.items() if k[:4] == "seq:" and (v := num(k, raw)) is not None}
+    counters = {k: v for k in _POD_COUNTERS if k in meta and (v := num(k, meta[k])) is not None}
+    ebs = num("engine_block_size", meta["engine_block_size"]) if meta.get("engine_block_size") else None
+    let = num("last_event_time", meta["last_event_time"], float) if meta.get("last_event_time") else None
+    reason = meta.get("incomplete_reason", "")
+    if problems:
+        reason = "; ".join(filter(None, [reason, "corrupt pod state: " + "; ".join(problems)]))
+    return PodInfo(
+        pod_id=pod_id,
+        model=meta.get("model", ""),
+        engine_block_size=ebs,
+        seqs=seqs,
+        last_event_time=let,
+        incomplete=meta.get("incomplete") == "1" or bool(problems),
+        incomplete_reason=reason,
+        blocks=int(blocks),
+        counters=counters,
+        orphan_keys=(num("orphan_keys", meta["orphan_keys"])
+                     if meta.get("orphan_keys") and meta.get("orphan_at") == meta.get("batches", "0") else None),
+    )
+
+
+def _foreign_as_empty(replies: list[Any]) -> list[Any]:
+    """Pipeline replies with a key of a foreign type (WRONGTYPE) read as empty; other errors raise."""
+    for i, r in enumerate(replies):
+        if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
+            replies[i] = []
+        elif isinstance(r, Exception):
+            raise r
+    return replies
+
+
+# Compare-and-set of one field of a hash (ARGV[2] "" stands for an absent field).
+_CAS_SCRIPT = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if (cur or '') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
+def _ms(time_reply: Any) -> int:
+    """A ``TIME`` reply (seconds, microseconds) in milliseconds."""
+    seconds, micros = time_reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
+    """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
+    (kv_preflight/index/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
+    cluster). Idempotent. ``client``: redis-py, single node or cluster."""
+    script = client.register_script(scripts.NUMS)
+    nums = [int(n) for n in await script(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, *pod_ids])]
+    async with client.pipeline(transaction=False) as pipe:
+        for pod, n in zip(pod_ids, nums):
+            pipe.hset(pod_meta_key(pod), "num", n)
+        await pipe.execute()
+    return dict(zip(pod_ids, nums))
+
+
+class LayoutError(RuntimeError):
+    """The index was written in another layout version (see kv_preflight/index/layout.py and ``index migrate``)."""
+
+
+class Index:
+    """Async access to the index, on a single node or a Valkey Cluster (``from_url`` tells which).
+
+    Every call is bounded by the client's socket timeout. ``self.backend`` does what differs between
+    the topologies (applying batches, looking up chains); everything else is the same commands on
+    either client (redis-py's cluster client routes each key to its shard).
+    """
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, entry_format: str = "json",
+                 fast: FastConnection | None = None, *, backend: IndexBackend | None = None):
+        self.client = client
+        self.entry_format = entry_format
+        self.backend: IndexBackend = backend or SingleNodeBackend(client, fast)
+        self.cluster = self.backend.cluster
+        self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
+        self._registered: dict[str, str] = {}  # pod -> model this Index has put in the registry
+        self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
+        self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
+        self._names_at = -1e9
+        self._names_lock = asyncio.Lock()
+        self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
+        self._names_mask = 0  # bit n set: number n is in self._names
+        self._nums_script = client.register_script(scripts.NUMS)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json",
+                 cluster: bool | None = None, takeover_ms: int = TAKEOVER_MS) -> "Index":
+        """``cluster``: None asks the node (``INFO cluster``); a node that does not answer is taken
+        for a single node, with a warning (``--valkey-cluster yes`` says so up front)."""
+        from kv_preflight.index import resp  # (belongs with the module's imports; kept here to touch only this method)
+
+        if cluster is None:
+            cluster = probe_cluster(url, timeout_s)
+            if cluster is None:
+                log.warning("%s did not answer; taking it for a single node (--valkey-cluster yes if it is a "
+                            "cluster)", url.split("@")[-1])
+        if cluster:
+            client = cluster_client(url, timeout_s=timeout_s)
+            return cls(client, entry_format, backend=ClusterBackend(client, takeover_ms=takeover_ms))
+        # Scripts resent once after a lost connection, being safe to run twice (kv_preflight/index/resp.py): the
+        # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
+        # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
+        lookups = {resp.script_sha(s) for s in (scripts.LOOKUP, scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
+        client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
+        fast = FastConnection.from_url(url, timeout_s=timeout_s,
+                                       resend_scripts=lookups | {resp.script_sha(scripts.APPLY_SINGLE)})
+        return cls(client, entry_format, fast)
+
+    @property
+    def gap_walks(self) -> int:
+        """Pods the default lookup walked key by key instead of bisecting (orphan keys, or their count
+        unknown: kv_preflight/index/lua/lookup_bits.lua): a counter for /metrics."""
+        return getattr(self.backend, "gap_walks", 0)
+
+    @property
+    def late_reads(self) -> int:
+        """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
+        return getattr(self.backend, "late_reads", 0)
+
+    async def close(self) -> None:
+        await self.backend.close()
+        await self.client.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    def entry_field(self, pod_id: str, medium: str | None, group_idx: int | None) -> str:
+        return encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
+
+    # ---- layout version
+
+    async def check_layout(self) -> str:
+        """The layout version, set to ours on an empty index; ``LayoutError`` for any other."""
+        found = await self.client.hget(LAYOUT_KEY, "version")
+        if found is None:
+            if await self.v1_writer_seen():
+                raise LayoutError("this index has layout 1 (kv-preflight 0.1): stop its ingesters and run "
+                                  "`kv-preflight index migrate --valkey-url URL`")
+            await self.client.hsetnx(LAYOUT_KEY, "version", LAYOUT_VERSION)
+            found = await self.client.hget(LAYOUT_KEY, "version")
+        version = text(found)
+        if version == "2":
+            raise LayoutError("this index has layout 2 (no presence bitmaps yet): stop its ingesters and run "
+                              "`kv-preflight index migrate --valkey-url URL` (it adds them; llm-d's keys do not change)")
+        if version != LAYOUT_VERSION:
+            raise LayoutError(f"this index has layout {version!r}; this kv-preflight reads and writes layout "
+                              f"{LAYOUT_VERSION} only")
+        return version
+
+    async def v1_writer_seen(self) -> bool:
+        """Whether a layout-1 writer (kv-preflight 0.1) has written here (its registry exists)."""
+        return bool(await self.client.exists(V1_PODS_KEY))
+
+    # ---- write path
+
+    async def apply_batch(
+        self,
+        *,
+        pod_id: str,
+        rank: int,
+        seq: int,
+        ts: float,
+        model: str,
+        engine_block_size: int | None,
+        mutations: Sequence[Mutation],
+        mode: str = "check",
+    ) -> ApplyResult:
+        return (await self.apply_batches([dict(pod_id=pod_id, rank=rank, seq=seq, ts=ts, model=model,
+                                                engine_block_size=engine_block_size, mutations=mutations,
+                                                mode=mode)]))[0]
+
+    async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
+        """Several ``apply_batch`` calls (same keyword arguments each) in one round trip, in order.
+
+        Each still runs its own seq check, so the results are what one-by-one calls would give
+        when every batch applies; a batch behind one that did not (gap, restart) gets "gap" or
+        "restart" itself and the caller re-applies it after recovering.
+        """
+        return await (await self.send_batches(batches))
+
+    async def send_batches(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        """``apply_batches`` in two steps: the commands are written now, the results come from
+        the returned future, so the caller can prepare the next batches while Valkey runs these.
+        Commands written later on this Index run after these (one connection). Without the
+        lean connection (TLS, cluster) the batches run before this returns."""
+        unnumbered = sorted({b["pod_id"] for b in batches} - self._numbered)
+        if unnumbered:
+            await self.ensure_numbers(unnumbered)
+        sent = await self._send(batches)
+
+        async def registered() -> list[ApplyResult]:
+            results = await sent
+            lost = {b["pod_id"] for b, r in zip(batches, results) if r.status == "nonum"}
+            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again, sent again
+                self._numbered -= lost
+                await self.ensure_numbers(sorted(lost))
+                again = [i for i, b in enumerate(batches) if b["pod_id"] in lost]
+                redone = await (await self._send([batches[i] for i in again]))
+                results = list(results)
+                for i, r in zip(again, redone):
+                    if r.status == "nonum":
+                        raise RedisConnectionError(f"pod {batches[i]['pod_id']} lost its number twice in a row")
+                    results[i] = r
+            await self._register_new(batches, results)
+            return results
+
+        return asyncio.ensure_future(registered())
+
+    async def _send(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        writer = self.backend.writer_arg()
+        args = [apply_args(b["pod_id"], b["rank"], b["seq"], b["ts"], b["model"], b["engine_block_size"],
+                           b["mutations"], b.get("mode", "check"), writer) for b in batches]
+        keys = [_pod_keys(b["pod_id"], cluster=self.cluster) for b in batches]
+        return await self.backend.send([b["pod_id"] for b in batches], keys, args)
+
+    async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
+        """``give_numbers``, remembered: this Index does not ask again for these pods."""
+        nums = await give_numbers(self.client, pod_ids)
+        self._numbered.update(pod_ids)
+        return nums
+
+    async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
+        """Pod number -> pod, read again when older than NAMES_TTL_S (a freed number is reused only
+        NUM_REUSE_MS later, long after every reader has dropped its old name)."""
+        if refresh or time.monotonic() - self._names_at > NAMES_TTL_S:
+            asked = time.monotonic()
+            async with self._names_lock:  # one read for every lookup waiting (one connection, not one each)
+                if self._names_at < asked:
+                    async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
+                        pipe.hgetall(NUMS_BYID_KEY)
+                        pipe.hget(NUMS_NEXT_KEY, "epoch")
+                        raw, epoch = await pipe.execute()
+                    self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
+                    self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
+                    self._names_epoch = text(epoch) if epoch else ""
+                    self._names_at = time.monotonic()
+        return self._names
+
+    async def _register_new(self, batches: Sequence[dict[str, Any]], results: Sequence[ApplyResult]) -> None:
+        """Pods applied for the first time by this Index (or with a new model) go into the fleet
+        registry: a separate write, since no per-batch step may touch a fleet-wide key on a cluster."""
+        new = {b["pod_id"]: b["model"] for b, r in zip(batches, results)
+               if r.status == "applied" and b["model"] and self._registered.get(b["pod_id"]) != b["model"]}
+        if new:
+            await self.client.hset(PODS_KEY, mapping=new)
+            self._registered.update(new)
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:
+        """Run what a stopped writer left in a pod's outbox (cluster; nothing to do on one node);
+        ``stale_only``: only entries older than the takeover time (their writer is gone)."""
+        return await self.backend.drain_outbox(pod_id, stale_only=stale_only)
+
+    async def resolve_engine_keys(self, engine_keys: Iterable[int], pod_id: str | None = None) -> dict[int, int]:
+        """Engine key -> its last request key (the one a child block chains from), one round trip.
+
+        Engines of different models with the same hash seed give the same tokens the same engine
+        key (vLLM's block hash has no model in it), so ``engine:<key>`` can hold several models'
+        request keys at the last position. Then the one ``pod_id`` holds wins (a child's parent is
+        in its own pod's cache); if that does not single one out, the key stays unresolved (an
+        orphan) rather than chaining from another model's key.
+        """
+        eks = list(dict.fromkeys(engine_keys))
+        if not eks:
+            return {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for ek in eks:
+                pipe.zrevrange(engine_key_name(ek), 0, 1, withscores=True)
+            replies = _foreign_as_empty(await pipe.execute(raise_on_error=False))
+        out: dict[int, int] = {}
+        tied: list[tuple[int, float]] = []
+        for ek, r in zip(eks, replies):
+            if len(r) == 1 or (len(r) > 1 and r[0][1] != r[1][1]):
+                out[ek] = int(r[0][0])
+            elif r:
+                tied.append((ek, r[0][1]))
+        if tied and pod_id is not None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for ek, top in tied:
+                    pipe.zrangebyscore(engine_key_name(ek), top, top)
+                candidates = _foreign_as_empty(await pipe.execute(raise_on_error=False))
+            async with self.client.pipeline(transaction=False) as pipe:
+                for rks in candidates:
+                    for rk in rks:
+                        pipe.hkeys(rk)
+                fields = iter(_foreign_as_empty(await pipe.execute(raise_on_error=False)))
+            for (ek, _), rks in zip(tied, candidates):
+                mine = []
+                for rk in rks:
+                    entries = (parse_entry(f) for f in next(fields))
+                    if any(e is not None and e.PodIdentifier == pod_id for e in entries):
+                        mine.append(int(rk))
+                if len(mine) == 1:
+                    out[ek] = mine[0]
+        return out
+
+    async def import_blocks(self, pod_id: str, model: str, engine_block_size: int | None,
+                            stores: Sequence[StoreBlock]) -> None:
+        """Write exported entries back; the pod's seq is left alone (the next live batch decides)."""
+        await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model=model,
+                               engine_block_size=engine_block_size, mutations=stores, mode="import")
+
+    async def export_blocks(self, pod_id: str, batch: int = 1000):
+        """Yield every StoreBlock a pod holds, read with HSCAN so a large pod never blocks Valkey."""
+        ids = {k: v.decode() for k, v in (await self.client.hgetall(pod_fields_key(pod_id))).items()}
+        cursor = 0
+        while True:
+            cursor, chunk = await self.client.hscan(pod_blocks_key(pod_id), cursor, count=batch)
+            for bk, held in chunk.items():
+                ek, _, slot = bk.decode().partition("|")
+                tier, _, group = slot.partition("|")
+                head, _, rest = held.partition(b":")
+                rks, caret, parent = rest.partition(b"^")  # the parent, where the block kept it (pod.lua)
+                fld, star, n = head.partition(b"*")
+                block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(),
+                                   tuple(int(k) for k in rks.split(b",") if k), int(group) if group.isdigit() else 0,
+                                   parent=(int(parent) if parent else CHAIN_ROOT) if caret else None)
+                for _ in range(int(n) if star and n.isdigit() else 1):  # one per physical copy
+                    yield block
+            if cursor == 0:
+                return
+
+    async def memory_usage(self) -> int | None:
+        """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""
+        try:
+            return await self.backend.memory_usage()
+        except (RedisError, ValueError, TypeError):
+            return None
+
+    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
+        """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
+        result = await self.apply_batch(pod_id=pod_id, rank=rank, seq=expected_last, ts=0.0, model="",
+                                        engine_block_size=None, mutations=(), mode="reset_if")
+        return result.status == "applied"
+
+    async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
+        """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""
+        await self.drain_outbox(pod_id)
+        result = await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model="", engine_block_size=None,
+                                        mutations=(), mode="clear")
+        if forget:
+            await self.client.delete(*pod_state_keys(pod_id))
+            await self.client.hdel(PODS_KEY, pod_id)
+            # its bits are all clear now (the clear above ran its effects): the number may serve another pod
+            await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
+            self._numbered.discard(pod_id)
+        return result.last_seq
+
+    async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
+        """Set a pod's persisted seqs (index import): the next live batch is then judged against them."""
+        if seqs:
+            await self.client.hset(pod_meta_key(pod_id), mapping={f"seq:{r}": int(v) for r, v in seqs.items()})
+
+    async def mark_incomplete(self, pod_id: str, reason: str) -> None:
+        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 1, "incomplete_reason": reason})
+
+    async def mark_complete(self, pod_id: str) -> None:
+        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 0, "incomplete_reason": ""})
+
+    async def count(self, name: str, n: int = 1, *, pod_id: str | None = None) -> None:
+        key = pod_meta_key(pod_id) if pod_id else COUNTERS_KEY
+        await self.client.hincrby(key, name, n)
+
+    async def remember_feed(self, replay_endpoint: str, rank: int, pod_id: str, model: str) -> None:
+        """Note that ``replay_endpoint`` (rank ``rank``) serves ``pod_id``; see ``feeds``."""
+        await self.client.hset(FEEDS_KEY, feed_field(replay_endpoint, rank), f"{pod_id}\t{model}")
+
+    async def feeds(self, replay_endpoints: Iterable[str]) -> list[tuple[str, int, str, str]]:
+        """(replay endpoint, rank, pod, model) remembered for these endpoints: what a restarted
+        ingester resumes at start, before any frame names a pod (SGLang's replay replies carry
+        no topic, so the pod cannot be learned from them)."""
+        wanted = set(replay_endpoints)
+        if not wanted:
+            return []
+        out = []
+        for f, v in (await self.client.hgetall(FEEDS_KEY)).items():
+            endpoint, _, rank = text(f).rpartition("|")
+            pod, _, model = text(v).partition("\t")
+            if endpoint in wanted and rank.isdigit() and pod:
+                out.append((endpoint, int(rank), pod, model))
+        return sorted(out)
+
+    # ---- read path
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *, mode: str = "script") -> list[PodMatch]:
+        return (await self.lookup_detailed(request_keys, pods, mode=mode)).matches
+
+    async def lookup_detailed(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *,
+                              mode: str = "script") -> Lookup:
+        """Per pod, how many leading blocks of the chain it holds. One round trip in every mode.
+
+        ``script`` (the default) reads the chain keys' pod bitmaps in one EVALSHA per shard and walks
+        them exactly (kv_preflight/index/presence.py); ``linear`` walks llm-d's entries exactly (the reference);
+        ``gallop`` bisects llm-d's entries (layout 2's lookup, for the benchmark); ``pipeline`` (single
+        node) sends llm-d's own pipelined HKEYS and walks in Python.
+        """
+        if not request_keys:
+            return Lookup([])
+        if mode in ("script", "bits"):
+            return await self._lookup_bits(request_keys, pods)
+        if mode == "pipeline" and not self.cluster:
+            return Lookup(longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods))
+        found, foreign = await self.backend.lookup(request_keys, pods, mode)
+        self.foreign_reads += foreign
+        return found
+
+    async def _lookup_bits(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:
+        try:
+            await self.pod_names()  # at most one read per NAMES_TTL_S, before any lookup needs it
+        except VALKEY_ERRORS:
+            # The numbering's shard is down (a cluster with no replica to take over): the names last read
+            # serve (numbers change only when pods are forgotten); with none yet, the entries name the pods.
+            if not self._names:
+                return await self._lookup_entries(request_keys, pods)
+        found, foreign = await self.backend.lookup_bits(request_keys, self._names_for)
+        self.foreign_reads += foreign
+        if found is None:  # key 1 holds entries someone else wrote: llm-d's entries decide
+            return await self._lookup_entries(request_keys, pods)
+        if pods is not None:
+            asked = set(pods)
+            found = Lookup([m for m in found.matches if m.pod_id in asked], found.unanswered_from)
+        return found
+
+    async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:
+        found, foreign = await self.backend.lookup(request_keys, pods, "linear")
+        self.foreign_reads += foreign
+        return found
+
+    async def _names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
+        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
+        (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
+        names = self._names
+        if isinstance(nums, int):
+            unknown = bool(nums & ~self._names_mask)
+        else:
+            unknown = any(n not in names for n in nums)
+        if (epoch and epoch != self._names_epoch) or unknown:
+            try:
+                names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
+            except VALKEY_ERRORS:
+                pass  # its bits are ignored until the names can be read
+        return names
+
+    async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
+        """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""
+        def fill(pipe) -> None:
+            for k in request_keys:
+                pipe.hkeys(request_key_name(k))
+
+        replies = await self._read_pipeline(fill)
+        for i, r in enumerate(replies):
+            if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):  # a miss, counted
+                self.foreign_reads += 1
+                replies[i] = []
+            elif isinstance(r, Exception):
+                raise r
+        if stop_at_gap:
+            for i, r in enumerate(replies):
+                if not r:
+                    return replies[:i]
+        return replies
+
+    async def pod_ids(self) -> dict[str, str]:
+        try:
+            raw = await self.client.hgetall(PODS_KEY)
+        except AttributeError as exc:  # redis-py's cluster client, on a node whose connection died under it
+            raise RedisConnectionError(f"connection lost reading the registry: {exc}") from None
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def pod_info(self, pod_id: str) -> PodInfo:
+        return (await self.pod_infos([pod_id]))[0]
+
+    async def pod_infos(self, pod_ids: Sequence[str], chunk: int = 500) -> list[PodInfo]:
+        """Several pods' metadata, pipelined ``chunk`` pods per round trip (bounded replies)."""
+        out: list[PodInfo] = []
+        for i in range(0, len(pod_ids), chunk):
+            part = pod_ids[i:i + chunk]
+            replies = await self._read_commands(
+                [c for p in part for c in (("HGETALL", pod_meta_key(p)), ("HLEN", pod_blocks_key(p)))])
+            for j, p in enumerate(part):
+                meta = replies[2 * j]
+                if isinstance(meta, list):  # the lean connection answers HGETALL flat
+                    meta = dict(zip(meta[::2], meta[1::2]))
+                out.append(pod_info_from(p, meta, replies[2 * j + 1]))
+        return out
+
+    async def scoring_infos(self, pod_ids: Sequence[str], chunk: int = 1000) -> list[ScoringInfo]:
+        """Several pods' ScoringInfo, pipelined ``chunk`` pods per round trip: one HMGET each."""
+        out: list[ScoringInfo] = []
+        for i in range(0, len(pod_ids), chunk):
+            part = pod_ids[i:i + chunk]
+            replies = await self._read_commands([("HMGET", pod_meta_key(p), "engine_block_size", "incomplete")
+                                                 for p in part])
+            out.extend(scoring_info_from(p, r) for p, r in zip(part, replies))
+        return out
+
+    async def _read_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Read-only commands pipelined, error replies in place: on the lean connection where there is one
+        (a thousand pods' metadata cost ~70 ms of redis-py's per-command Python; there a few ms), else
+        through redis-py (``_read_pipeline``)."""
+        fast = getattr(self.backend, "fast", None)
+        if fast is not None:
+            return await fast.pipeline(commands)
+        if isinstance(self.backend, ClusterBackend):
+            return await self.backend.read_commands(commands)  # per primary, on its lean connection
+
+        def fill(pipe) -> None:
+            for c in commands:
+                pipe.execute_command(*c)
+
+        return await self._read_pipeline(fill)
+
+    async def _read_pipeline(self, fill) -> list[Any]:
+        """A pipeline of reads, sent once more on a fresh connection if the connection dropped under it
+        (a Valkey restart, CLIENT KILL): reads are safe to repeat. Error replies come back in place."""
+        for attempt in (0, 1):
+            try:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    fill(pipe)
+                    return await pipe.execute(raise_on_error=False)
+            except (RedisConnectionError, ConnectionError, OSError):
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def pods(self) -> list[PodInfo]:
+        return await self.pod_infos(sorted(await self.pod_ids()))
+
+    async def counters(self) -> dict[str, int]:
+        raw = await self.client.hgetall(COUNTERS_KEY)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    # ---- fleet membership (kv_preflight/fleet/records.py has the records, docs/fleet.md the rules)
+
+    async def now_ms(self) -> int:
+        """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
+        return _ms(await self.client.time())
+
+    async def fleet_view(self) -> fleet.FleetView:
+        """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
+        (on a cluster: one per shard holding them). Rows that do not decode are skipped."""
+        now, pods, load, leases = await self._timed_read(FLEET_KEY, LOAD_KEY, INGESTERS_KEY)
+        return fleet.FleetView(
+            now_ms=now,
+            pods={text(k): r for k, v in (pods or {}).items() if (r := fleet.decode_pod(v)) is not None},
+            load={text(k): r for k, v in (load or {}).items() if (r := fleet.decode_load(v)) is not None},
+            ingesters={text(k): r for k, v in (leases or {}).items()
+                       if (r := fleet.decode_lease(v)) is not None})
+
+    async def _timed_read(self, *hashes: str) -> list[Any]:
+        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
+        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
+        def fill(pipe) -> None:
+            if not self.cluster:
+                pipe.time()
+            for h in hashes:
+                pipe.hgetall(h)
+
+        if self.cluster:
+            now, *rest = [await self.client.time(), *await self._read_pipeline(fill)]
+        else:
+            now, *rest = await self._read_pipeline(fill)
+        return [_ms(now), *_foreign_as_empty(rest)]
+
+    async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
+        if records:
+            await self.client.hset(FLEET_KEY, mapping={p: fleet.encode(r) for p, r in records.items()})
+
+    async def replace_pod_record(self, pod_id: str, expected: fleet.PodRecord | None, record: fleet.PodRecord) -> bool:
+        """Write ``record`` only if the pod's record is still ``expected`` (None: absent): two ingesters
+        acting on one pod at once (one retiring it, one attaching a new engine under its id) cannot both
+        win. One small script: compare and set in one step."""
+        found = await self.client.eval(_CAS_SCRIPT, 1, FLEET_KEY, pod_id,
+                                       fleet.encode(expected) if expected is not None else "", fleet.encode(record))
+        return bool(int(found))
+
+    async def drop_pod_records(self, pod_ids: Iterable[str]) -> None:
+        pod_ids = list(pod_ids)
+        if pod_ids:
+            await self.client.hdel(FLEET_KEY, *pod_ids)
+            await self.client.hdel(LOAD_KEY, *pod_ids)
+
+    async def put_load(self, loads: dict[str, fleet.PodLoad]) -> None:
+        if loads:
+            await self.client.hset(LOAD_KEY, mapping={p: fleet.encode(r) for p, r in loads.items()})
+
+    async def put_lease(self, ingester_id: str, lease: fleet.IngesterLease) -> None:
+        await self.client.hset(INGESTERS_KEY, ingester_id, fleet.encode(lease))
+
+    async def drop_leases(self, ingester_ids: Iterable[str]) -> None:
+        ids = list(ingester_ids)
+        if ids:
+            await self.client.hdel(INGESTERS_KEY, *ids)
+
+    async def registered_engines(self) -> dict[str, fleet.RegisteredEngine]:
+        raw = await self.client.hgetall(REGISTERED_KEY)
+        return {text(k): r for k, v in (raw or {}).items() if (r := fleet.decode_registered(v)) is not None}
+
+    async def register_engine(self, engine_id: str, engine: fleet.RegisteredEngine) -> None:
+        await self.client.hset(REGISTERED_KEY, engine_id, fleet.encode(engine))
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        return bool(await self.client.hdel(REGISTERED_KEY, engine_id))
+
+    async def settings(self) -> fleet.IndexSettings | None:
+        """The index-wide settings, None before any writer has set them."""
+        raw = await self.client.hgetall(SETTINGS_KEY)
+        return fleet.IndexSettings.from_fields({text(k): text(v) for k, v in (raw or {}).items()})
+
+    async def claim_settings(self, ours: fleet.IndexSettings) -> fleet.IndexSettings:
+        """Set the settings if none are set (first writer wins, field by field); return what the index
+        holds, for the caller to compare with its own (``IndexSettings.disagreements``)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name, value in ours.as_fields().items():
+                pipe.hsetnx(SETTINGS_KEY, name, value)
+            await pipe.execute()
+        found = await self.settings()
+        assert found is not None
+        return found
+
+    async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Record that each (name, other) pair names one pod both ways (``--pod-id endpoint``)."""
+        merged: dict[str, set[str]] = {}
+        for a, b in pairs:
+            merged.setdefault(a, set()).add(b)
+            merged.setdefault(b, set()).add(a)
+        if not merged:
+            return
+        names = sorted(merged)
+        found = await self.client.hmget(ALIASES_KEY, names)
+        for name, old in zip(names, found):
+            if old:
+                merged[name] |= set(text(old).split("\t"))
+        await self.client.hset(ALIASES_KEY, mapping={n: "\t".join(sorted(v)) for n, v in merged.items()})
+
+    async def aliases(self) -> dict[str, list[str]]:
+        """Every recorded alias (a few per pod, written once per pod and ingester)."""
+        return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
+
+    # ---- the last fleet diagnosis (kv-preflight diagnose fleet writes it, /stats serves it)
+
+    async def put_fleet_diagnosis(self, summary: bytes) -> int:
+        """Store the summary stamped with Valkey's time; returns that time (ms)."""
+        now = await self.now_ms()
+        await self.client.hset(DIAGNOSIS_KEY, mapping={"summary": summary, "at_ms": str(now)})
+        return now
+
+    async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]:
+        """(summary or None, when it was stored, Valkey's time now), in one round trip."""
+        now, fields = await self._timed_read(DIAGNOSIS_KEY)
+        fields = {text(k): v for k, v in (fields or {}).items()}
+        at = fields.get("at_ms")
+        return fields.get("summary"), int(at) if at else 0, now
+
+    async def key_count(self) -> int:
+        """Keys in the index (summed over a cluster's primaries)."""
+        return await self.backend.key_count()
+
+
+__all__ = [
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "ScoringInfo", "RedisError",
+    "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
+    "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
+]

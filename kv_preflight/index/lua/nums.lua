@@ -1,0 +1,51 @@
+-- The fleet-wide pod numbering (one slot, {nums}): a pod's number is the bit it owns in every
+-- request key's presence bitmap (bits.lua). KEYS: byname, byid, free, next (kv_preflight/index/layout.py).
+-- ARGV[1] "give": numbers for the pods ARGV[3..] (an existing one, else the lowest number freed at
+-- least ARGV[2] ms ago, else a new one); answers them in order.
+-- ARGV[1] "free": the numbers of the pods ARGV[3..] are freed (a forgotten pod's bits are all clear).
+local byname, byid, free, nextk = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+if ARGV[1] == 'free' then
+  for i = 3, #ARGV do
+    local n = redis.call('HGET', byname, ARGV[i])
+    if n then
+      redis.call('HDEL', byname, ARGV[i])
+      if redis.call('HGET', byid, n) == ARGV[i] then redis.call('HDEL', byid, n) end
+      redis.call('HSET', free, n, now)
+      out[#out + 1] = n
+    end
+  end
+  return out
+end
+-- The numbering's epoch: set once, when the numbering is created, so a reader holding names of an
+-- earlier numbering (the index flushed under it: numbers restart at 0) sees it and reads them again.
+redis.call('HSETNX', nextk, 'epoch', t[1] .. '.' .. t[2])
+local reuse = tonumber(ARGV[2])
+local spare = nil  -- reusable numbers, highest first (taken from the end)
+for i = 3, #ARGV do
+  local pod = ARGV[i]
+  local n = redis.call('HGET', byname, pod)
+  if not n then
+    if spare == nil then
+      spare = {}
+      local all = redis.call('HGETALL', free)
+      for j = 1, #all, 2 do
+        if now - tonumber(all[j + 1]) >= reuse then spare[#spare + 1] = tonumber(all[j]) end
+      end
+      table.sort(spare, function(a, b) return a > b end)
+    end
+    if #spare > 0 then
+      n = tostring(spare[#spare])
+      spare[#spare] = nil
+      redis.call('HDEL', free, n)
+    else
+      n = tostring(redis.call('HINCRBY', nextk, 'next', 1) - 1)
+    end
+    redis.call('HSET', byname, pod, n)
+    redis.call('HSET', byid, n, pod)
+  end
+  out[#out + 1] = n
+end
+return out

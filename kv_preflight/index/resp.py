@@ -1,0 +1,490 @@
+"""A lean pipelined Valkey connection for the two hot paths: the predictor's lookup (one EVALSHA
+per prediction) and the ingester's batch scripts (runs of EVALSHAs written at once).
+
+redis-py spends ~70 us of Python per command (connection pool, health checks, per-argument
+encoding, timeouts); a prediction sends exactly one command, so that was most of its Valkey
+cost. Here one connection per process carries every in-flight command: commands are written
+as they come (no pool, no lock on the hot path), packed in C (_speedups.pack_command), and
+replies, parsed by hiredis, resolve the waiting futures in order. Everything else keeps using
+redis-py.
+
+Failures surface as redis-py's exceptions (ConnectionError, ResponseError), so callers treat
+both clients alike. A lost connection fails what was in flight and the next command
+reconnects; so does a server that went quiet (nothing back for timeout_s: for the ingester's
+runs here, for a single command when its caller gives up); a script the server forgot
+(restart, SCRIPT FLUSH) is loaded again. Plain
+``redis://`` and ``unix://`` URLs only: ``from_url`` returns None for anything else (TLS), and
+the caller stays on redis-py.
+
+Lost connections: what is sent again, once, on a fresh connection. A Valkey restart, kill -9 or
+``CLIENT KILL`` closes every connection, and a client notices only when it next uses one: the
+command that notices would fail although Valkey is back (1 or 2 of 12 predictions answered 503
+after a restart). Both clients, this one and redis-py as ``redis_client`` configures it, send such
+a command once more before returning an error, only when that cannot run it twice to harm:
+
+* the connection was found closed by the server before the command was written: nothing was
+  sent, so any command goes on a fresh connection;
+* the server closed or reset the connection while the command waited for its reply, none of
+  that reply had arrived, and the command can run twice (``can_run_twice``): read-only commands
+  (``READ_ONLY``), ``SCRIPT LOAD``/``EXISTS``, and the scripts named in ``resend_scripts``: the
+  index's lookups (read-only) and, on the lean connection, the ingester's apply batches, whose
+  seq check answers "dup" to a batch it already applied.
+
+Anything else (HINCRBY, an unchecked script, a reply cut half way, a second loss) surfaces as
+ConnectionError: Valkey may have run it, and only the caller knows whether to try again. A
+server gone quiet (nothing back within timeout_s, so we drop the connection) is not a loss
+either: what was sent may still run, so nothing is resent.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import hiredis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+try:  # redis-py 6.2+; older releases have no maintenance notifications to turn off
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # pragma: no cover
+    MaintNotificationsConfig = None
+
+
+try:
+    from kv_preflight._speedups import pack_command as _pack_c
+except ImportError:  # pragma: no cover - no compiler at install time
+    _pack_c = None
+
+
+def pack(*args: Any) -> bytes:
+    """One command in RESP: bytes, str and int arguments (C when built, else Python)."""
+    if _pack_c is not None:
+        return _pack_c(args)
+    return _pack_py(args)
+
+
+# Commands that change nothing: running one twice answers the same as once.
+READ_ONLY = frozenset({
+    "PING", "ECHO", "TIME", "DBSIZE", "INFO", "SCAN", "EXISTS", "TYPE", "TTL", "PTTL", "GET", "MGET", "STRLEN",
+    "HGET", "HMGET", "HGETALL", "HKEYS", "HVALS", "HLEN", "HEXISTS", "HSCAN", "ZRANGE", "ZREVRANGE",
+    "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "SMEMBERS", "SISMEMBER", "SCARD", "LRANGE", "LLEN",
+    "EVALSHA_RO", "EVAL_RO",
+})
+
+
+def _text(arg: Any) -> str:
+    if isinstance(arg, (bytes, bytearray, memoryview)):
+        return bytes(arg).decode("latin-1")
+    return str(arg)
+
+
+def can_run_twice(args: Sequence[Any], scripts: Collection[str] = ()) -> bool:
+    """Whether a command may be sent again after its connection was lost (module docstring):
+    read-only, SCRIPT LOAD/EXISTS, or EVALSHA of one of ``scripts`` (SHA1s)."""
+    words = _text(args[0]).split()  # redis-py passes "SCRIPT LOAD" as one argument
+    if not words:
+        return False
+    name = words[0].upper()
+    if name not in ("EVALSHA", "SCRIPT"):
+        return name in READ_ONLY
+    sub = words[1] if len(words) > 1 else _text(args[1]) if len(args) > 1 else ""
+    if name == "SCRIPT":
+        return sub.upper() in ("LOAD", "EXISTS")
+    return sub.lower() in scripts
+
+
+def script_sha(script: str) -> str:
+    """The SHA1 that names a script in Valkey (as redis-py's ``register_script`` computes it)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+class ConnectionLost(RedisConnectionError):
+    """The server closed or reset the connection before this command's reply was read."""
+
+    def __init__(self, message: str, *, reply_started: bool = False):
+        super().__init__(message)
+        self.reply_started = reply_started  # part of the reply had come: the command ran
+
+
+def _pack_py(args: Any) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        if isinstance(a, str):
+            a = a.encode()
+        elif isinstance(a, int):
+            a = b"%d" % a
+        elif not isinstance(a, (bytes, bytearray, memoryview)):
+            a = str(a).encode()
+        out.append(b"$%d\r\n" % len(a))
+        out.append(a)
+        out.append(b"\r\n")
+    return b"".join(out)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader()
+        self.pending: deque[asyncio.Future] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.last_rx = time.monotonic()
+        self.dropped: str | None = None  # why we closed it ourselves (None: the server did, if anyone)
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = time.monotonic()
+        self.reader.feed(data)
+        pending = self.pending
+        while True:
+            try:
+                reply = self.reader.gets()
+            except hiredis.ProtocolError as exc:
+                self._fail(RedisConnectionError(f"protocol error from valkey: {exc}"))
+                self.drop("protocol error")
+                return
+            if reply is False:
+                return
+            if not pending:  # a reply nobody waits for: the stream is out of step
+                self._fail(RedisConnectionError("unexpected reply from valkey"))
+                self.drop("unexpected reply")
+                return
+            fut = pending.popleft()
+            if not fut.done():
+                fut.set_result(reply)
+
+    @property
+    def open(self) -> bool:
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def drop(self, why: str) -> None:
+        """Close from our side: what is in flight fails as a plain ConnectionError (never resent:
+        the server may still run it)."""
+        if self.dropped is None:
+            self.dropped = why
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.dropped is not None:
+            self._fail(RedisConnectionError(f"connection to valkey dropped: {self.dropped}"))
+            return
+        # The server closed or reset it. Bytes in the reader are the start of the first pending
+        # reply (that command ran); the others received nothing. (A hiredis before has_data cannot
+        # tell: counted as nothing, harmless for what is resent, which can all run twice.)
+        message = f"connection to valkey lost: {exc or 'closed by server'}"
+        started = getattr(self.reader, "has_data", lambda: False)()
+        self.closed = True
+        while self.pending:
+            fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionLost(message, reply_started=started))
+            started = False
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = True
+        while self.pending:
+            fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+class FastConnection:
+    def __init__(self, *, host: str | None = None, port: int = 6379, path: str | None = None, db: int = 0,
+                 username: str | None = None, password: str | None = None, timeout_s: float = 1.0,
+                 resend_scripts: Iterable[str] = ()):
+        self.host, self.port, self.path, self.db = host, port, path, db
+        self.username, self.password = username, password
+        self.timeout_s = timeout_s
+        self.resend_scripts = frozenset(resend_scripts)  # SHA1s of scripts that can run twice
+        self._proto: _Protocol | None = None
+        self._connecting: asyncio.Future | None = None
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 1.0, resend_scripts: Iterable[str] = ()) -> "FastConnection | None":
+        if not url.startswith(("redis://", "unix://")):
+            return None
+        kw = parse_url(url)
+        return cls(host=kw.get("host"), port=int(kw.get("port") or 6379), path=kw.get("path"), db=int(kw.get("db") or 0),
+                   username=kw.get("username"), password=kw.get("password"), timeout_s=timeout_s,
+                   resend_scripts=resend_scripts)
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.timeout_s):
+            try:
+                if self.path:
+                    _, proto = await loop.create_unix_connection(_Protocol, self.path)
+                else:
+                    _, proto = await loop.create_connection(_Protocol, self.host, self.port)
+            except OSError as exc:
+                raise RedisConnectionError(f"cannot connect to valkey: {exc}") from None
+            sock = proto.transport.get_extra_info("socket") if proto.transport else None
+            if sock is not None and not self.path:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            setup = []
+            if self.password:
+                setup.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+            if self.db:
+                setup.append(("SELECT", self.db))
+            for cmd in setup:
+                reply = await self._send(proto, pack(*cmd))
+                if isinstance(reply, hiredis.ReplyError):
+                    proto.transport.close()
+                    raise RedisConnectionError(f"valkey refused {cmd[0]}: {reply}")
+        return proto
+
+    async def _conn(self) -> _Protocol:
+        """An open connection; the caller writes on it before awaiting anything."""
+        for _ in range(2):
+            proto = self._proto
+            # Closed by the server (seen by the loop before this write) or by us (a caller gave up
+            # on a quiet server; lost a loop turn later): nothing is written on it, a fresh one is opened.
+            if proto is not None and proto.open:
+                return proto
+            if self._connecting is None:  # one connect at a time; concurrent callers share it
+                self._connecting = asyncio.ensure_future(self._open())
+            try:
+                proto = await asyncio.shield(self._connecting)
+            finally:
+                if self._connecting is not None and self._connecting.done():
+                    self._connecting = None
+            self._proto = proto
+            if proto.open:
+                return proto
+            # Closed again before this waiter resumed (CLIENT KILL right after the connect). Writing
+            # anyway raised under uvloop ("the handler is closed": the ingester exited) and was lost
+            # silently under asyncio (the command waited for its deadline).
+        raise RedisConnectionError("connection to valkey closed as soon as it was opened")
+
+    @staticmethod
+    async def _send(proto: _Protocol, raw: bytes) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        proto.pending.append(fut)
+        assert proto.transport is not None
+        proto.transport.write(raw)
+        return await fut
+
+    async def execute(self, *args: Any) -> Any:
+        """One command; a server error reply raises ResponseError (NoScriptError for NOSCRIPT).
+
+        Lost with its connection before any of its reply came, it is sent once more on a fresh
+        connection if it can run twice (module docstring)."""
+        raw = pack(*args)
+        try:
+            reply = await self._roundtrip(raw)
+        except ConnectionLost as exc:
+            if exc.reply_started or not can_run_twice(args, self.resend_scripts):
+                raise
+            reply = await self._roundtrip(raw)
+        if isinstance(reply, hiredis.ReplyError):
+            msg = str(reply)
+            raise (NoScriptError if msg.startswith("NOSCRIPT") else ResponseError)(msg)
+        return reply
+
+    async def _roundtrip(self, raw: bytes) -> Any:
+        proto = await self._conn()
+        sent = time.monotonic()
+        try:
+            return await self._send(proto, raw)
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline). If the server has gone quiet (nothing received
+            # for timeout_s since this command went out), drop the connection so the next command
+            # does not queue behind a stalled stream. A connection that was merely idle before
+            # is not quiet: the other commands in flight on it must not fail for this one.
+            now = time.monotonic()
+            if proto.last_rx < sent and now - sent > self.timeout_s:
+                proto.drop(f"nothing received for {self.timeout_s}s")
+            raise
+
+    async def evalsha(self, sha: str, script: str, args: list[Any], keys: tuple[str, ...] = ()) -> Any:
+        """EVALSHA (with ``keys`` as KEYS); loads the script once if the server does not know it."""
+        try:
+            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.execute("SCRIPT", "LOAD", script)
+            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
+
+    async def evalsha_many(self, sha: str, script: str, arg_lists: list[list[Any]],
+                           key_lists: list[tuple[str, ...]] | None = None) -> list[Any]:
+        """Several EVALSHAs written at once, replies in order; a server error reply raises."""
+        return await (await self.evalsha_send(sha, script, arg_lists, key_lists))
+
+    async def evalsha_send(self, sha: str, script: str, arg_lists: list[list[Any]],
+                           key_lists: list[tuple[str, ...]] | None = None) -> "asyncio.Future[list[Any]]":
+        """Write several EVALSHAs now; the returned future gives their replies, in order.
+
+        If the server did not know the script, it is loaded and the commands that failed on
+        that are sent again, in order (those that ran are not repeated). A server error
+        reply raises ResponseError from the future. If the server closed the connection before
+        answering, the unanswered commands are written once more, in order, on a fresh
+        connection when ``sha`` is one of ``resend_scripts`` (module docstring).
+        """
+        loop = asyncio.get_running_loop()
+        if not arg_lists:
+            done = loop.create_future()
+            done.set_result([])
+            return done
+        kl = key_lists or [()] * len(arg_lists)
+        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        written = await self._write_run(raws)
+
+        async def replies() -> list[Any]:
+            out = await self._run_replies(raws, written, resend=sha in self.resend_scripts)
+            missing = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError) and str(r).startswith("NOSCRIPT")]
+            if missing:
+                await self.execute("SCRIPT", "LOAD", script)
+                again = await self.evalsha_many(sha, script, [arg_lists[i] for i in missing], [kl[i] for i in missing])
+                for i, r in zip(missing, again):
+                    out[i] = r
+            for r in out:
+                if isinstance(r, hiredis.ReplyError):
+                    raise ResponseError(str(r))
+            return out
+
+        return asyncio.ensure_future(replies())
+
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Several commands written at once, their replies in order; an error reply comes back in
+        place as a ResponseError (as redis-py's ``execute(raise_on_error=False)``). Sent once more from
+        the first unanswered one after a lost connection when every command can run twice."""
+        if not commands:
+            return []
+        raws = [pack(*c) for c in commands]
+        resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
+        out = await self._run_replies(raws, await self._write_run(raws), resend=resend)
+        return [ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r for r in out]
+
+    async def _write_run(self, raws: list[bytes]) -> tuple[_Protocol, list[asyncio.Future], float]:
+        proto = await self._conn()
+        futs = [asyncio.get_running_loop().create_future() for _ in raws]
+        proto.pending.extend(futs)
+        assert proto.transport is not None
+        proto.transport.write(b"".join(raws))
+        return proto, futs, time.monotonic()
+
+    async def _run_replies(self, raws: list[bytes], written: tuple[_Protocol, list[asyncio.Future], float],
+                           resend: bool) -> list[Any]:
+        proto, futs, sent = written
+        out: list[Any] = []
+        for i, fut in enumerate(futs):
+            try:
+                out.append(await self._reply(proto, fut, sent))
+            except RedisConnectionError as exc:
+                for later in futs[i + 1:]:  # failed with the connection; retrieved so none is logged
+                    if later.done() and not later.cancelled():
+                        later.exception()
+                if not (resend and isinstance(exc, ConnectionLost) and not exc.reply_started):
+                    raise
+                # Once more from the first unanswered one. Runs written after this one wait for the
+                # same reconnect, in order, so they are written after it; had one gone first, its
+                # batches would answer "gap", which the ingester recovers from.
+                return out + await self._run_replies(raws[i:], await self._write_run(raws[i:]), resend=False)
+        return out
+
+    async def _reply(self, proto: _Protocol, fut: asyncio.Future, sent: float) -> Any:
+        """The reply, or ConnectionError once the server has gone quiet: nothing received for
+        timeout_s since the command was sent (a paused or partitioned server never closes the
+        connection; without this an ingester run would wait as long as TCP does)."""
+        while True:
+            if fut.done():
+                return fut.result()
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            except TimeoutError:
+                if fut.done():
+                    continue
+                if time.monotonic() - max(proto.last_rx, sent) > self.timeout_s:
+                    # fails every pending future; the next command reconnects
+                    proto.drop(f"nothing received for {self.timeout_s}s")
+
+    async def close(self) -> None:
+        proto, self._proto = self._proto, None
+        if proto is not None:
+            proto.drop("closed by the client")
+
+
+# ---------------------------------------------------------------- redis-py, with the same rule
+
+
+class ResendableConnectionError(RedisConnectionError):
+    """Lost with the connection before the reply of commands that can run twice: the one error
+    ``redis_client``'s Retry retries (once, on a fresh connection)."""
+
+
+class _ResendGuard:
+    """Mixed into redis-py's connection class (TCP, TLS or unix) by ``redis_client``: notes
+    whether what is written can run twice, writes on a fresh connection when the server already
+    closed this one, and turns a loss before the first reply into ResendableConnectionError."""
+
+    resend_scripts: frozenset[str] = frozenset()
+    _packed_twice = False  # the command(s) packed last can run twice
+    _written_twice = False  # the command(s) written last can run twice
+    _replies_read = 0  # replies read since that write
+
+    def pack_command(self, *args: Any) -> Any:
+        self._packed_twice = can_run_twice(args, self.resend_scripts)
+        return super().pack_command(*args)
+
+    def pack_commands(self, commands: Iterable[Any]) -> Any:
+        commands = [tuple(c) for c in commands]
+        packed = super().pack_commands(commands)
+        self._packed_twice = all(can_run_twice(c, self.resend_scripts) for c in commands)
+        return packed
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        twice = self._packed_twice  # read before a reconnect's handshake packs its own commands
+        reader = getattr(self, "_reader", None)
+        if self.is_connected and reader is not None and reader.at_eof():
+            await self.disconnect(nowait=True)  # the server closed it before this write
+        if not self.is_connected:
+            await self.connect()  # outside the try: Valkey down is an error, not a resend
+        try:
+            await super().send_packed_command(command, check_health)
+        except RedisConnectionError as exc:
+            if type(exc) is RedisConnectionError and twice:
+                raise ResendableConnectionError(str(exc)) from exc
+            raise
+        self._written_twice, self._replies_read = twice, 0
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            response = await super().read_response(*args, **kwargs)
+        except RedisConnectionError as exc:
+            # EOF or reset (exactly ConnectionError: not LOADING, AUTH or pool errors), no reply yet
+            if type(exc) is RedisConnectionError and self._written_twice and self._replies_read == 0:
+                raise ResendableConnectionError(str(exc)) from exc
+            raise
+        self._replies_read += 1
+        return response
+
+
+def redis_client(url: str, *, timeout_s: float, resend_scripts: Iterable[str] = ()) -> aioredis.Redis:
+    """A redis-py client with the resend rule of the module docstring; reads bounded by timeout_s.
+
+    redis-py 8 leaves maintenance notifications on "auto", and its pool then skips the check that
+    replaces a pooled connection the server has closed: after a Valkey restart the next command
+    on each such connection failed with "Connection closed by server". A private Valkey sends no
+    such notifications, so they are off, which brings that check back.
+    """
+    kwargs: dict[str, Any] = {}
+    if MaintNotificationsConfig is not None:
+        kwargs["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    pool = aioredis.ConnectionPool.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0,
+        retry=Retry(NoBackoff(), 1, supported_errors=(ResendableConnectionError,)), **kwargs,
+    )
+    base = pool.connection_class
+    pool.connection_class = type(f"Resending{base.__name__}", (_ResendGuard, base),
+                                 {"resend_scripts": frozenset(resend_scripts)})
+    return aioredis.Redis.from_pool(pool)

@@ -1,0 +1,99 @@
+"""A single Valkey node: a batch is one script (the pod step and its shared-key effects together,
+atomically); a lookup is one script that walks the chain. The lean connection (kv_preflight/index/resp.py) carries
+both hot paths when the URL allows it (redis://, unix://); redis-py everything else."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import evalsha_pipeline, ready
+from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
+from kv_preflight.keys.chain import pack_keys
+from kv_preflight.index.presence import NamesFor, mask_of, parse_bits_reply, prefix_from_bits, prefix_of_one_tier
+from kv_preflight.index.resp import FastConnection
+
+
+class SingleNodeBackend:
+    cluster = False
+
+    def __init__(self, client, fast: FastConnection | None):
+        self.client = client
+        self.fast = fast
+        self._apply = client.register_script(scripts.APPLY_SINGLE)
+        self._lookup = client.register_script(scripts.LOOKUP)
+        self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
+        self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
+        # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
+        self.gap_walks = 0
+
+    def writer_arg(self) -> str:
+        return ""
+
+    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
+                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
+        """Written now on the lean connection (the caller prepares the next batches meanwhile; later
+        commands run after these); without it (TLS) run before this returns."""
+        if self.fast is not None:
+            replies = await self.fast.evalsha_send(self._apply.sha, self._apply.script, list(args), list(keys))
+
+            async def results() -> list[ApplyResult]:
+                return [apply_result(r) for r in await replies]
+
+            return asyncio.ensure_future(results())
+        return ready([apply_result(r) for r in await evalsha_pipeline(self.client, self._apply, keys, args)])
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
+        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
+        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison. (The
+        default reads the bitmaps: ``lookup_bits``; ``pipeline`` is the Index's own.)"""
+        script = self._lookup_linear if mode == "linear" else self._lookup
+        head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
+        # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
+        args = [len(request_keys), pack_keys(request_keys), 0, *(pods or ())]
+        if self.fast is not None:
+            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), head)
+        else:
+            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), head)
+        return Lookup(matches), foreign
+
+    async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
+        """The default lookup: lookup_bits.lua in one EVALSHA (the keys' pod bitmaps, walked here or
+        bisected there, each pod's orphan count read there too: "local"); None when key 1 holds entries
+        that are not ours (walk llm-d's entries then)."""
+        args = [len(request_keys), "local", *request_keys]
+        if self.fast is not None:
+            reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
+        else:
+            reply = await self._lookup_bits(keys=[], args=args)
+        r = parse_bits_reply(reply)
+        if r.flat is not None:  # a prefix many pods hold, one tier per key: walked in C, no dict per key
+            tiers, maps = r.flat
+            known = await names(int.from_bytes(maps[0], "little"), r.epoch)
+            return Lookup(prefix_of_one_tier(tiers, maps, known)), r.foreign
+        self.gap_walks += r.walked
+        if r.kind == 2:
+            return None, r.foreign
+        if r.kind == 0:
+            per_key = r.reads
+            known = await names(mask_of(per_key[0]) if per_key else 0, r.epoch)
+            return Lookup(prefix_from_bits(per_key, known)), r.foreign
+        known = await names([num for num, _, _ in r.counts], r.epoch)
+        return Lookup([PodMatch(known[num], held, tier) for num, held, tier in r.counts if num in known]), r.foreign
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
+        return 0  # one script applies a whole batch: nothing is ever left half applied
+
+    async def key_count(self) -> int:
+        return int(await self.client.dbsize())
+
+    async def memory_usage(self) -> int | None:
+        return int((await self.client.info("memory")).get("used_memory", 0))
+
+    async def close(self) -> None:
+        if self.fast is not None:
+            await self.fast.close()
+
+
+__all__ = ["SingleNodeBackend"]

@@ -1,0 +1,448 @@
+"""An ingester's part in the fleet: its lease, the engines it owns, their health, load and records.
+
+Every second (``FleetMember.tick``, from the ingester's chores) an ingester:
+
+1. reads its engine sources (``--engine``, ``--engines-from``, engines registered at run time in
+   ``kvpf:engines``), each change held ``--membership-hold`` seconds before it counts;
+2. renews its lease in ``kvpf:ingesters`` on Valkey's clock, listing the engines it knows, and reads
+   everyone's: the live ingesters and the union of the engines they know;
+3. ingests exactly the engines that rendezvous hashing gives it (``--copies`` ingesters per engine),
+   letting go of the others; an engine it takes over resumes from the pod's persisted seq by replay;
+4. for the engines it is the primary owner of: checks their health, scrapes their load into
+   ``kvpf:load``, and keeps their pods' records in ``kvpf:fleet`` (engine URL, models, block size,
+   state), which is what lets ``serve --valkey-url URL`` alone know the fleet;
+5. retires pods whose engine left every ingester's view, or stayed unreachable ``--retire-after``
+   seconds: their entries cleared, their record kept (state, reason, time) for
+   ``--retired-retention`` seconds, then dropped.
+
+The rules are pure functions in ingester/membership.py; this module does their I/O.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+import msgspec
+
+from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
+from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                              balanced_owners, expired_retired, rendezvous_owners, retired)
+from kv_preflight.ingester.subscriber import Source, discover
+from kv_preflight.engines.load_metrics import parse_load
+from kv_preflight.events import topic_or_none
+from kv_preflight.engines import engine
+from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
+from kv_preflight.index.index import VALKEY_ERRORS
+
+if TYPE_CHECKING:
+    from kv_preflight.ingester.service import Ingester
+
+log = logging.getLogger("kvpf.ingester")
+
+MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
+RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
+SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
+
+
+def default_ingester_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class _Attached:
+    spec: EngineSpec
+    pods: set[str]
+    family: str = "vllm"  # its engine adapter (kv_preflight/engines/): which /metrics series say its load
+
+
+@dataclass
+class _Retry:
+    attempts: int = 0
+    next_at: float = 0.0
+
+    def backoff(self, now: float) -> None:
+        self.attempts += 1
+        self.next_at = now + min(30.0, 0.5 * 2 ** min(self.attempts - 1, 6))
+
+
+class FleetMember:
+    def __init__(self, ingester: "Ingester") -> None:
+        cfg = ingester.cfg
+        self.ing = ingester
+        self.index = ingester.index
+        self.cfg = cfg
+        self.me = cfg.ingester_id or default_ingester_id()
+        self.static = [EngineSpec(url=u.rstrip("/")) for u in cfg.engines]
+        self.sources: list[EnginesFrom] = [parse_engines_from(s) for s in cfg.engines_from]
+        self.observed: dict[str, list[EngineSpec]] = {}  # source spec -> its last answer
+        self.discovered = Debounced(cfg.membership_hold_s)
+        self.next_discovery = 0.0
+        self.attached: dict[str, _Attached] = {}  # engine key (URL, or source endpoint) -> what we subscribed
+        self.retries: dict[str, _Retry] = {}
+        # HTTP runs in the background, so a slow or dead engine never holds up the ingest loop: the round
+        # starts a fetch and uses its answer in a later round.
+        self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
+        self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
+        self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
+        self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
+        self.written_at: dict[str, float] = {}
+        self.ticks = 0
+        self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
+        self.started_ms = 0
+        self.live: list[str] = [self.me]
+        self.owners: dict[str, list[str]] = {}  # engine key -> its owners this round, primary first
+        self.share: tuple[int, int, int] = (-1, -1, -1)  # (engines here, engines known, live ingesters) last logged
+        self.http = httpx.AsyncClient(timeout=cfg.health_timeout_s)
+
+    @property
+    def active(self) -> bool:
+        """Whether this ingester takes part in membership (it has engines to share, or may get some)."""
+        return bool(self.static or self.sources or self.cfg.registered_engines)
+
+    async def close(self) -> None:
+        for task in [*self.fetches.values(), *self.probes.values()]:
+            task.cancel()
+        await self.http.aclose()
+        try:
+            await self.index.drop_leases([self.me])  # the others take over now, not a TTL later
+        except VALKEY_ERRORS:
+            pass
+
+    # ---- one round
+
+    async def tick(self) -> None:
+        self.ticks += 1
+        self._steps = []
+        started = time.monotonic()
+        try:
+            await self._round(started)
+        finally:
+            took = time.monotonic() - started
+            marks = self._steps + [("end", started + took)]
+            steps = ", ".join(f"{name} {end - at:.2f} s" for (name, at), (_, end) in zip(marks, marks[1:]))
+            # a slow round says where its time went (the watchdog, ingester/watchdog.py, covers one that never ends)
+            log.log(logging.INFO if took > SLOW_ROUND_S else logging.DEBUG, "membership round %d took %.2f s: %s",
+                    self.ticks, took, steps or "nothing")
+
+    def _step(self, name: str) -> None:
+        self._steps.append((name, time.monotonic()))
+        self.ing.progress.mark(f"membership round {self.ticks}: {name}")
+        log.debug("membership round %d: %s", self.ticks, name)
+
+    async def _round(self, now: float) -> None:
+        self._step("reading Valkey's time")
+        # The round's reads and its lease are bounded as a whole (a call that never answers must not stall
+        # the ingester's loop, nor keep its lease from being renewed next round); what follows them
+        # (attaching engines, replays) has bounds of its own.
+        async with asyncio.timeout(max(2.0, self.cfg.lease_ttl_s / 2)):
+            now_ms = await self.index.now_ms()
+            self.started_ms = self.started_ms or now_ms
+            if now >= self.next_discovery:
+                self._step("discovery")
+                await self._discover(now)
+                self.next_discovery = now + self.cfg.discovery_interval_s
+            known = {s.key: s for s in self.static}
+            known.update({s.key: s for s in self.discovered.current if s.key not in known})
+            self._step("renewing the lease")
+            await self.index.put_lease(self.me, IngesterLease(
+                expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
+                host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
+                known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
+            self._step("reading the fleet")
+            view = await self.index.fleet_view()
+        live = view.live_ingesters()
+        self.live = sorted(set(live) | {self.me})
+        dead = [i for i, lease in view.ingesters.items()
+                if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]
+        if dead:
+            self._step("dropping expired leases")
+            await self.index.drop_leases(dead)
+        fleet_known = dict(known)
+        for lease in live.values():
+            for raw in lease.known:
+                try:
+                    spec = msgspec.convert(raw, EngineSpec)
+                except msgspec.ValidationError:
+                    continue
+                if spec.key:
+                    fleet_known.setdefault(spec.key, spec)
+        if self.ticks == 1 and set(live) - {self.me}:
+            return  # others are about: take a share once they have seen our lease too (no start-up churn)
+        self.owners = balanced_owners(fleet_known, self.live, self.cfg.copies)
+        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k]}
+        share = (len(mine), len(fleet_known), len(self.live))
+        if share != self.share:  # an ingester given no engine is idle, not stuck: say which
+            self.share = share
+            log.info("share: %d of %d engine(s) ingested here, %d live ingester(s), --copies %d", *share,
+                     self.cfg.copies)
+        for key in sorted(set(self.attached) - set(mine)):
+            self._step(f"letting go of {key}")
+            await self._detach(key, "owned by other ingesters now" if key in fleet_known else "left discovery")
+        for key, spec in sorted(mine.items()):
+            if key not in self.attached:
+                self._step(f"attaching {key}")
+                await self._attach(spec, view.pods, fleet_known, now)
+        for key, att in sorted(self.attached.items()):
+            if att.spec.url and self.owners.get(key, [""])[0] == self.me:
+                self._step(f"watching {key}")
+                await self._watch(att, view, now_ms)
+        if self.discovered.started or not self.sources:
+            self._step("retiring departed pods")
+            await self._retire_departed(view, set(fleet_known), now_ms)
+
+    async def _discover(self, now: float) -> None:
+        for src in self.sources:
+            found = await observe(src)
+            if found is not None:
+                self.observed[src.spec] = found
+        if self.cfg.registered_engines:
+            try:
+                self.observed["registered"] = [
+                    EngineSpec(url=reg.url.rstrip("/"), pod=reg.pod or (address_pod_id(reg.url) if reg.url else ""),
+                               origin="registered", source=reg.source, replay=reg.replay, model=reg.model)
+                    for reg in (await self.index.registered_engines()).values() if reg.url or reg.source]
+            except VALKEY_ERRORS as exc:
+                log.warning("engines: registered engines not read now (%s)", exc)
+        seen = {s for specs in self.observed.values() for s in specs}
+        before = self.discovered.current
+        after = self.discovered.observe(seen, now)
+        for s in sorted(after - before, key=lambda s: s.key):
+            log.info("engine %s joined (%s, pod %s)", s.key, s.origin, s.pod or "from its topic")
+        for s in sorted(before - after, key=lambda s: s.key):
+            log.info("engine %s left %s", s.key, s.origin)
+
+    # ---- owning engines
+
+    async def _attach(self, spec: EngineSpec, records: dict[str, PodRecord], fleet_known: dict[str, EngineSpec],
+                      now: float) -> None:
+        retry = self.retries.setdefault(spec.key, _Retry())
+        if now < retry.next_at:
+            return
+        claimed = self._claimed_elsewhere(spec, records, fleet_known)
+        if claimed:
+            if retry.attempts < 3 or retry.attempts % 20 == 0:
+                log.error("engine %s: pod id %r is already claimed by %s; refused (give each engine its own pod: "
+                          "a \"pod\" in the engines file, or its own topic)", spec.key, spec.pod, claimed)
+            self._conflict(retry, now)
+            return
+        if spec.url:
+            task = self.fetches.get(spec.url)
+            if task is None:  # ask now, attach in a later round (the loop goes on meanwhile)
+                self.fetches[spec.url] = asyncio.ensure_future(discover_logged(
+                    spec.url, retry.attempts, tuple(int(p) for p in self.cfg.target_ports)))
+                return
+            if not task.done():
+                return
+            del self.fetches[spec.url]
+            found = None if task.cancelled() or task.exception() else task.result()
+            if found is None:
+                retry.backoff(now)
+                return
+        else:  # registered by its ZMQ source
+            found = [Source(endpoint=spec.source, replay=spec.replay or None)]
+        await self._take_over_moved(spec, found, records, fleet_known)
+        pods = await self.ing.attach_engine(spec, found)
+        conflict = [p for p in pods for a in self.attached.values() if p in a.pods]
+        conflict += [p for p in pods if (r := records.get(p)) is not None and r.state != "retired"
+                     and r.engine_url and r.engine_url != spec.url and r.engine_url in fleet_known]
+        if conflict:
+            log.error("engine %s: pod(s) %s already published by another live engine; refused (two sources "
+                      "writing one pod would corrupt it)", spec.key, sorted(set(conflict)))
+            self.ing.detach_engine(spec.key)
+            self._conflict(retry, now)
+            return
+        del self.retries[spec.key]
+        self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else "vllm")
+        log.info("engine %s: ingesting pod(s) %s (owners: %s)", spec.key, sorted(pods) or "named by its frames",
+                 ", ".join(self.owners.get(spec.key, [])))
+
+    async def _take_over_moved(self, spec: EngineSpec, found: list[Source], records: dict[str, PodRecord],
+                               fleet_known: dict[str, EngineSpec]) -> None:
+        """A pod id last served by an engine that has left, now published by this one (a restarted stack
+        naming its engines as before): its old entries go, and its record names the new engine, before the
+        first event is applied, so retiring the old engine's record cannot clear the new one's entries."""
+        now_ms = await self.index.now_ms()
+        for src in found:
+            topic = src.named_topic or topic_or_none(src.topic)
+            pod = spec.pod or (topic.pod_id if topic else "")
+            rec = records.get(pod)
+            if not pod or rec is None or not rec.engine_url or rec.engine_url == spec.url \
+                    or rec.engine_url in fleet_known:
+                continue
+            new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
+            if await self.index.replace_pod_record(pod, rec, new) or rec.state == "retired":
+                cleared = await self.index.clear_pod(pod)
+                await self.index.put_pod_records({pod: new})
+                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
+                            spec.url, rec.engine_url, cleared)
+
+    def _conflict(self, retry: _Retry, now: float) -> None:
+        self.ing.stats.inc("pod_conflicts")
+        self.ing.metrics.pod_conflicts.inc()
+        retry.backoff(now)
+
+    def _claimed_elsewhere(self, spec: EngineSpec, records: dict[str, PodRecord],
+                           fleet_known: dict[str, EngineSpec]) -> str:
+        """Another live engine whose pod id is this engine's: two sources writing one pod would corrupt it."""
+        if not spec.pod:
+            return ""
+        for key, other in fleet_known.items():
+            if key != spec.key and other.pod == spec.pod:
+                return key
+        rec = records.get(spec.pod)
+        if rec is not None and rec.state != "retired" and rec.engine_url and rec.engine_url != spec.url \
+                and rec.engine_url in fleet_known:
+            return rec.engine_url
+        return ""
+
+    async def _detach(self, key: str, why: str) -> None:
+        att = self.attached.pop(key)
+        self.ing.detach_engine(key)
+        task = self.probes.pop(key, None)
+        if task is not None:
+            task.cancel()
+        for pod in att.pods:
+            self.health.pop(pod, None)
+            self.records.pop(pod, None)
+        log.info("engine %s: no longer ingested here (%s)", key, why)
+
+    # ---- the primary owner's duties
+
+    async def _watch(self, att: _Attached, view, now_ms: int) -> None:
+        """Use the last finished probe of the engine (health, load, models) and start the next one."""
+        url = att.spec.url
+        task = self.probes.get(url)
+        if task is None or not task.done():
+            if task is None:
+                self.probes[url] = asyncio.ensure_future(self._probe(
+                    url, att.family, self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods)))
+            return
+        self.probes[url] = asyncio.ensure_future(self._probe(url, att.family, self.ticks % MODELS_EVERY == 1))
+        if task.cancelled() or task.exception():
+            return
+        ok, detail, load, models = task.result()
+        for pod in sorted(att.pods):
+            current = view.pods.get(pod) or self.records.get(pod) or PodRecord(since_ms=now_ms)
+            was_retired = current.state == "retired"
+            record, self.health[pod] = after_check(
+                current, self.health.get(pod, Health()), ok, now_ms, failures_needed=self.cfg.health_failures,
+                retire_after_ms=int(self.cfg.retire_after_s * 1000), detail=detail)
+            if was_retired and ok:
+                record = await self._returned(pod, record, now_ms)
+            record = msgspec.structs.replace(record, engine_url=url, owner=self.me)
+            if models:
+                record = msgspec.structs.replace(record, models=models)
+            if self.ticks % MODELS_EVERY == 1 or not record.block_size:
+                try:
+                    info = await self.index.pod_info(pod)
+                    if info.engine_block_size:
+                        record = msgspec.structs.replace(record, block_size=info.engine_block_size)
+                except VALKEY_ERRORS:
+                    pass
+            if record.state == "retired" and current.state != "retired":
+                await self._retire(pod, record)
+            await self._write(pod, record)
+            if load is not None and record.state == "live":
+                await self.index.put_load({pod: PodLoad(*load, at_ms=now_ms)})
+
+    async def _probe(self, url: str, family: str, with_models: bool):
+        """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
+        healthy; load and models are read only from a healthy engine."""
+        try:
+            resp = await self.http.get(url + "/health")
+            if resp.status_code != 200:
+                return False, f"/health answered {resp.status_code}", None, None
+        except (httpx.HTTPError, OSError) as exc:
+            return False, f"{type(exc).__name__}: {exc}"[:200], None, None
+        try:
+            names = engine(family).load_metrics  # None: the engine exports no Prometheus load series
+            resp = await self.http.get(url + "/metrics") if names else None
+            load = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
+        except (httpx.HTTPError, OSError):
+            load = None
+        return True, "", load, (await self._models(url) if with_models else None)
+
+    async def _models(self, url: str) -> list[str] | None:
+        """Base model first, then the LoRA adapters (vLLM lists an adapter with its base as ``parent``)."""
+        try:
+            resp = await self.http.get(url + "/v1/models")
+            data = resp.json().get("data", []) if resp.status_code == 200 else []
+        except (httpx.HTTPError, OSError, ValueError, AttributeError):
+            return None
+        cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []
+        bases = [m["id"] for m in cards if not m.get("parent")]
+        return bases + [m["id"] for m in cards if m["id"] not in bases] or None
+
+    async def _write(self, pod: str, record: PodRecord) -> None:
+        now = time.monotonic()
+        if self.records.get(pod) == record and now - self.written_at.get(pod, 0.0) < RECORD_REFRESH_S:
+            return
+        await self.index.put_pod_records({pod: record})
+        self.records[pod] = record
+        self.written_at[pod] = now
+
+    # ---- retiring and returning
+
+    async def _retire(self, pod: str, record: PodRecord) -> None:
+        """Entries cleared in O(the pod's blocks); flagged so a return without a full replay stays honest."""
+        cleared = await self.index.clear_pod(pod)
+        await self.index.mark_incomplete(pod, f"retired: {record.reason}"[:300])
+        self.ing.stats.inc("pods_retired")
+        self.ing.metrics.pods_retired.inc()
+        log.warning("pod %s retired (%s): %d entries cleared", pod, record.reason, cleared)
+
+    async def _retire_departed(self, view, fleet_urls: set[str], now_ms: int) -> None:
+        for pod, rec in sorted(view.pods.items()):
+            if rendezvous_owners(pod, self.live, 1)[0] != self.me:
+                continue
+            if rec.state != "retired" and rec.engine_url and rec.engine_url not in fleet_urls \
+                    and not any(pod in a.pods for a in self.attached.values()):
+                record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
+                # only if nobody changed the record meanwhile (a new engine taking over the pod id)
+                if await self.index.replace_pod_record(pod, rec, record):
+                    await self._retire(pod, record)
+        gone = expired_retired(
+            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me},
+            now_ms, int(self.cfg.retired_retention_s * 1000))
+        if gone:
+            for pod in gone:  # its metadata and registry row too: names of departed pods do not pile up
+                await self.index.clear_pod(pod, forget=True)
+            await self.index.drop_pod_records(gone)
+            log.info("retired pod(s) %s dropped from the registry after %.0f s", gone, self.cfg.retired_retention_s)
+
+    async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:
+        """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
+        else it stays flagged incomplete until its next cache reset (an engine restart resets it too)."""
+        rebuilt = await self.ing.rebuild_pod(pod)
+        if rebuilt:
+            how = "rebuilt from the engine's replay buffer"
+        elif (await self.index.pod_info(pod)).incomplete:
+            how = "its replay buffer no longer reaches its first event; flagged incomplete until its next reset"
+        else:
+            how = "its engine restarted meanwhile: its entries start empty, exact"
+        log.warning("pod %s is back after retirement: %s", pod, how)
+        return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)
+
+
+async def discover_logged(url: str, attempts: int = 0, target_ports: tuple[int, ...] = ()) -> list[Source] | None:
+    """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
+    try:
+        found = await discover(url, target_ports=target_ports)
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        if attempts < 3 or attempts % 20 == 0:
+            log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",
+                        url, type(exc).__name__, exc)
+        return None
+    if not found:
+        if attempts < 3 or attempts % 20 == 0:
+            log.warning("engine %s lists no KV-event publisher in /kv_event_sources; asking again later", url)
+        return None
+    log.info("discovered %d event source(s) from %s", len(found), url)
+    return found

@@ -1,0 +1,28 @@
+"""``kv-preflight ingest`` entry point."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kv_preflight.config import Config
+from kv_preflight.logs import setup_logging
+
+
+def run(cfg: Config) -> int:
+    setup_logging(cfg.log_json)
+    from kv_preflight.ingester.service import run_ingester
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        asyncio.run(run_ingester(cfg))
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc)
+        return 1
+    return 0

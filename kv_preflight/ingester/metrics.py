@@ -1,0 +1,86 @@
+"""The ingester's Prometheus metrics, served on ``ingest --metrics-port``.
+
+What an operator needs to trust the index: events applied (by type and pod),
+batches by result, decode errors, gaps and replays, and lag (now minus the engine's
+batch timestamp when the batch is applied; it includes clock skew between hosts).
+Every per-pod metric goes through one ``PodSeries`` (kv_preflight/metrics.py): at most
+``max_pod_series`` pods get series of their own, the rest are summed under
+``pod="_other"`` and ``kvpf_ingest_pods_folded`` says how many that is, so a fleet of
+thousands of pods cannot turn a scrape into megabytes.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kv_preflight.config import Config
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_preflight.metrics import PodLabelled, PodSeries, exposition
+
+EVENT_TYPES = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class IngesterMetrics:
+    def __init__(self, max_pod_series: int = Config.max_pod_series) -> None:
+        self.registry = r = CollectorRegistry()
+        self.pods_folded = Gauge("kvpf_ingest_pods_folded", "Pods whose series are summed under pod=\"_other\" "
+                                 "because more than --max-pod-series pods are being ingested.", registry=r)
+        self.pod_series = pods = PodSeries(max_pod_series, on_fold=self.pods_folded.set)
+        self.events = PodLabelled(Counter("kvpf_ingest_events", "KV events applied to the index, by type and pod.",
+                                          ["type", "pod"], registry=r), pods, pod_at=1)
+        self.batches = PodLabelled(Counter("kvpf_ingest_batches", "Event batches by result: applied, dup (another "
+                                           "ingester applied it), restart (engine restarted), gap.", ["pod", "result"],
+                                           registry=r), pods)
+        self.decode_errors = Counter("kvpf_ingest_decode_errors", "Frames or events that could not be decoded.",
+                                     registry=r)
+        self.pod_conflicts = Counter("kvpf_ingest_pod_conflicts", "Engines refused because another live engine "
+                                     "already publishes their pod id.", registry=r)
+        self.pods_retired = Counter("kvpf_ingest_pods_retired", "Pods retired (left discovery, or unreachable "
+                                    "for --retire-after): entries cleared.", registry=r)
+        self.gaps = PodLabelled(Counter("kvpf_ingest_gaps", "Seq gaps seen, by pod.", ["pod"], registry=r), pods)
+        self.gaps_unrecovered = PodLabelled(Counter("kvpf_ingest_gaps_unrecovered", "Gaps the replay socket could "
+                                                    "not fill (the pod is marked incomplete).", ["pod"], registry=r),
+                                            pods)
+        self.replays = PodLabelled(Counter("kvpf_ingest_replays", "Replay requests sent to engines, by pod.", ["pod"],
+                                           registry=r), pods)
+        self.valkey_errors = Counter("kvpf_ingest_valkey_errors", "Valkey calls that failed (retried).", registry=r)
+        # Labelled by socket endpoint (from the config), never by the refused pod: a forger picks those.
+        self.frames_refused = Counter("kvpf_ingest_frames_refused", "Frames dropped unwritten because their pod is "
+                                      "not in the socket's pods= allowlist, by socket.", ["endpoint"], registry=r)
+        self.publishers_refused = Counter("kvpf_ingest_publishers_refused", "Connections to a --bind socket refused "
+                                          "because the publisher's CURVE key is not in --curve-allow.", registry=r)
+        self.corrupt_batches = Counter("kvpf_ingest_corrupt_batches", "Batches refused as corrupt (a seq more than "
+                                       "2^32 past the persisted one, a pod key of a foreign type); the pod is "
+                                       "flagged.", registry=r)
+        self.foreign_writes = Counter("kvpf_ingest_foreign_writes", "Writes skipped because a key of a foreign type "
+                                      "was in the way; the pod is flagged.", registry=r)
+        self.placeholder_events = Counter("kvpf_ingest_placeholder_events", "Events skipped because they name no "
+                                          "block to index (vLLM offloading placeholders: no tokens, block_size 0); "
+                                          "never a decode error.", registry=r)
+        self.apply_errors = Counter("kvpf_ingest_apply_errors", "Batches Valkey refused with a non-transient error "
+                                    "(not retried; other pods go on).", registry=r)
+        self.loop_stalls = Counter("kvpf_ingest_loop_stalls", "Times the ingester's loop made no progress for "
+                                   "5 s (each logged once with the stack of what it awaited).", registry=r)
+        self.lag = Histogram("kvpf_ingest_lag_seconds", "Now minus the batch timestamp when a batch is applied.",
+                             buckets=LAG_BUCKETS, registry=r)
+        self.last_lag = PodLabelled(Gauge("kvpf_ingest_last_lag_seconds", "Lag of the last batch applied, by pod "
+                                          "(for pod=\"_other\": of the last folded pod's).", ["pod"], registry=r), pods)
+
+    def applied(self, pod: str, batch: EventBatch, now: float | None = None) -> None:
+        tally = Tally(EVENT_TYPES.get(type(e), "other") for e in batch.events)
+        for kind, n in tally.items():
+            self.events.labels(kind, pod).inc(n)
+        lag = (time.time() if now is None else now) - batch.ts
+        self.lag.observe(max(lag, 0.0))
+        self.last_lag.labels(pod).set(lag)
+
+    def exposition(self) -> bytes:
+        return exposition(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """A small HTTP server thread answering GET /metrics; returns the server (``shutdown()`` stops it)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server

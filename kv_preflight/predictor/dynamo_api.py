@@ -1,0 +1,303 @@
+"""A remote-indexer API on its own port (``serve --dynamo-port``): NVIDIA Dynamo's standalone KV indexer routes.
+
+A router that speaks to Dynamo's ``python -m dynamo.indexer`` (Mooncake KV Indexer RFC) can use the
+kv-preflight index instead: ``/query`` answers from the same Valkey index the predictor reads, and
+``/register`` / ``/unregister`` add and remove engine sources at run time by writing ``kvpf:engines``
+(kv_preflight/fleet/records.py ``RegisteredEngine``), which every ingester treats as a discovery source. Shapes,
+status codes and error texts are Dynamo's (predictor/dynamo_wire.py cites the source); what differs
+is in docs/dynamo.md. ``/query_by_hash`` and ``/dump`` need Dynamo's own per-block XXH3 hashes and
+event log, which this index does not keep: they answer 501.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.body import read_json_body
+from kv_preflight.predictor.dynamo_wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
+                                   RegisterRequest, UnregisterRequest, WorkerInfo, ListenerInfo, build_score_response,
+                                   check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
+from kv_preflight.predictor.errors import PredictorError
+from kv_preflight.predictor.service import valkey_call
+from kv_preflight.fleet import records as fleet
+from kv_preflight.config import Config
+from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.keys.chain import salted_request_keys
+
+log = logging.getLogger("kvpf.dynamo")
+
+QUERY_BODY_LIMIT = 8 * 1024 * 1024  # Dynamo's QUERY_REQUEST_BODY_LIMIT_BYTES
+OTHER_BODY_LIMIT = 64 * 1024
+_encoder = msgspec.json.Encoder()
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(data), status_code=status, media_type="application/json")
+
+
+def _error(message: str, status: int) -> Response:
+    return _json({"error": message}, status)
+
+
+class Unanswerable(Exception):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+async def _decode(request: Request, kind: type, limit: int, cfg: Config) -> Any:
+    """The body as ``kind``: 400 for text that is not JSON, 422 for JSON of the wrong shape (what axum's
+    ``Json`` extractor answers), 413 over the limit."""
+    try:
+        body = await read_json_body(request, limit=limit, timeout_s=cfg.request_read_timeout_s)
+    except PredictorError as exc:
+        raise Unanswerable(exc.message, exc.status) from None
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        try:  # msgspec checks the shape while it parses: text that is not JSON at all is still a 400
+            msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError) as syntax:
+            raise Unanswerable(f"Failed to parse the request body as JSON: {str(syntax)[:300]}", 400) from None
+        raise Unanswerable(f"Failed to deserialize the JSON body into the target type: {str(exc)[:300]}", 422) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise Unanswerable(f"Failed to parse the request body as JSON: {str(exc)[:300]}", 400) from None
+
+
+class DynamoApi:
+    """The routes' logic over one Index; every Valkey step bounded like the predictor's."""
+
+    def __init__(self, cfg: Config, index: Index):
+        self.cfg = cfg
+        self.index = index
+
+    @property
+    def deadline_s(self) -> float:
+        return 4 * self.cfg.valkey_timeout_s
+
+    async def registrations(self) -> dict[str, fleet.RegisteredEngine]:
+        """This API's registrations (``dynamo:`` ids) among the run-time engines."""
+        async with valkey_call(self.deadline_s, "registered engines"):
+            found = await self.index.registered_engines()
+        return {k: r for k, r in found.items() if k.startswith("dynamo:") and r.instance_id is not None}
+
+    # ---- /register
+
+    async def register(self, req: RegisterRequest) -> tuple[int, dict[str, str]]:
+        for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
+            try:
+                check_endpoint(endpoint, self.cfg.register_allow)
+            except EndpointError as exc:
+                msg = str(exc)
+                if endpoint == req.replay_endpoint and endpoint != req.endpoint:
+                    msg = msg.replace("invalid endpoint", "invalid replay endpoint", 1)
+                return 400, {"error": msg}
+            except EndpointRefused as exc:
+                return 403, {"error": f"endpoint refused: {exc}"}
+        rank = req.dp_rank or 0
+        regs = await self.registrations()
+        mine = [r for r in regs.values() if r.instance_id == req.instance_id]
+        for r in mine:
+            if (r.model, r.routing_group) != (req.model_name, req.routing_group):
+                return 409, {"error": f"instance {req.instance_id} is already registered for model={r.model} "
+                                      f"routing_group={r.routing_group}"}
+            if r.dp_rank == rank:
+                return 409, {"error": f"instance {req.instance_id} dp_rank {rank} already registered"}
+        for r in regs.values():
+            if (r.model, r.routing_group) == (req.model_name, req.routing_group) and r.block_size != req.block_size:
+                return 409, {"error": f"block_size mismatch for model={req.model_name} routing_group="
+                                      f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
+        async with valkey_call(self.deadline_s, "register"):
+            now = await self.index.now_ms()
+            await self.index.register_engine(registration_id(req.instance_id, rank), fleet.RegisteredEngine(
+                source=req.endpoint, replay=req.replay_endpoint or "", pod=registered_pod(req.instance_id, rank),
+                model=req.model_name, engine="vllm", instance_id=req.instance_id, registered_ms=now,
+                block_size=req.block_size, dp_rank=rank, routing_group=req.routing_group))
+        log.info("registered instance %d dp_rank %d (%s, %s) at %s", req.instance_id, rank, req.model_name,
+                 req.routing_group, req.endpoint)
+        return 201, {"status": "ok"}
+
+    # ---- /unregister
+
+    async def unregister(self, req: UnregisterRequest) -> tuple[int, dict[str, str]]:
+        regs = await self.registrations()
+        mine = {k: r for k, r in regs.items() if r.instance_id == req.instance_id}
+        if not mine:
+            return 404, {"error": f"instance {req.instance_id} not found"}
+        first = next(iter(mine.values()))
+        if first.model != req.model_name or (req.routing_group is not None and first.routing_group != req.routing_group):
+            return 404, {"error": f"instance {req.instance_id} is registered for model={first.model} "
+                                  f"routing_group={first.routing_group}"}
+        if req.routing_group is not None and req.dp_rank is not None:
+            mine = {k: r for k, r in mine.items() if r.dp_rank == req.dp_rank}
+            if not mine:
+                return 404, {"error": f"instance {req.instance_id} dp_rank {req.dp_rank} not found"}
+        async with valkey_call(self.deadline_s, "unregister"):
+            for engine_id, r in mine.items():
+                await self.index.unregister_engine(engine_id)
+                # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here.
+                await self.index.clear_pod(r.pod, forget=True)
+        log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
+        return 200, {"status": "ok"}
+
+    # ---- /workers
+
+    async def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerInfo]:
+        regs = await self.registrations()
+        async with valkey_call(self.deadline_s, "workers"):
+            pods = await self.index.pod_ids()  # pod -> model, for pods that have sent events
+            view = await self.index.fleet_view()
+            registered_pods = {r.pod for r in regs.values()}
+            infos = {i.pod_id: i for i in await self.index.pod_infos(sorted(set(pods) - registered_pods))}
+        out: dict[int, WorkerInfo] = {}
+        for r in sorted(regs.values(), key=lambda r: (r.instance_id, r.dp_rank)):
+            status = _status(r.pod, pods, view)
+            w = out.get(r.instance_id)  # type: ignore[arg-type]
+            if w is None:
+                w = out[r.instance_id] = WorkerInfo(  # type: ignore[index]
+                    instance_id=r.instance_id, source="zmq", status=status, model_name=r.model,  # type: ignore[arg-type]
+                    routing_group=r.routing_group or DEFAULT_ROUTING_GROUP, block_size=r.block_size,
+                    endpoints={}, listeners={})
+            w.endpoints[str(r.dp_rank)] = r.source
+            w.listeners[str(r.dp_rank)] = ListenerInfo(endpoint=r.source, status=status)
+            w.status = _aggregate([x.status for x in w.listeners.values()])
+        for pod in sorted(set(pods) - registered_pods):
+            info = infos.get(pod)
+            out.setdefault(stable_instance_id(pod), WorkerInfo(
+                instance_id=stable_instance_id(pod), source="zmq", status=_status(pod, pods, view),
+                model_name=pods[pod], routing_group=DEFAULT_ROUTING_GROUP,
+                block_size=(info.engine_block_size or 0) if info else 0, endpoints={}, listeners={}))
+        return [w for w in out.values()
+                if (model_name is None or w.model_name == model_name)
+                and (routing_group is None or w.routing_group == routing_group)]
+
+    # ---- /query
+
+    async def query(self, req: QueryRequest) -> tuple[int, Any]:
+        regs = await self.registrations()
+        async with valkey_call(self.deadline_s, "pods"):
+            pods = await self.index.pod_ids()
+        part = [r for r in regs.values() if (r.model, r.routing_group) == (req.model_name, req.routing_group)]
+        worker_of = {r.pod: (r.instance_id, r.dp_rank) for r in part}
+        registered_pods = {r.pod for r in regs.values()}
+        if req.routing_group == DEFAULT_ROUTING_GROUP:
+            # Pods nobody registered (ingested from --engine, --source, discovery) form the default group.
+            for pod, model in pods.items():
+                if model == req.model_name and pod not in registered_pods:
+                    worker_of[pod] = (stable_instance_id(pod), 0)
+        if not worker_of:
+            return 404, {"error": f"no indexer for model={req.model_name} routing_group={req.routing_group}"}
+        block_sizes = {r.block_size for r in part if r.block_size}
+        try:
+            keys = salted_request_keys(req.token_ids, model=req.lora_name or req.model_name,
+                                       hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
+                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
+        except ValueError as exc:
+            return 422, {"error": str(exc)[:300]}
+        prefixes: dict[str, tuple[int, int, int]] = {}
+        engine_blocks: dict[str, int | None] = {}
+        if keys:
+            async with valkey_call(self.deadline_s, "query"):
+                # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
+                # are the keys' fields read to split it by tier (nothing at all on a miss).
+                depth = max((m.blocks for m in await self.index.lookup(keys, list(worker_of))), default=0)
+                fields = await self.index.fields_per_key(keys[:depth]) if depth else []
+                prefixes = tier_prefixes(fields, worker_of)
+                infos = await self.index.pod_infos(sorted(prefixes))
+            engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
+            if not block_sizes:
+                block_sizes = {b for b in engine_blocks.values() if b}
+        unit = block_sizes.pop() if len(block_sizes) == 1 else self.cfg.block_size
+        answer = build_score_response(
+            prefixes, canonical_block=self.cfg.block_size, engine_blocks=engine_blocks, worker_of=worker_of,
+            expected=[(r.instance_id, r.dp_rank) for r in part], block_size=unit)  # type: ignore[misc]
+        return 200, answer
+
+
+def _status(pod: str, pods: Mapping[str, str], view: fleet.FleetView) -> str:
+    """Dynamo's listener status: pending until the pod's first batch is in the index, failed while the
+    fleet finds it unreachable, active otherwise."""
+    record = view.pods.get(pod)
+    if record is not None and record.state == "unreachable":
+        return "failed"
+    return "active" if pod in pods else "pending"
+
+
+def _aggregate(statuses: list[str]) -> str:
+    """Dynamo's ListenerStatus::aggregate: failed > pending > active > paused."""
+    for s in ("failed", "pending", "active"):
+        if s in statuses:
+            return s
+    return "paused"
+
+
+def create_dynamo_app(cfg: Config, index: Index | None = None) -> Starlette:
+    """The ASGI app of the remote-indexer port; ``index`` for callers that own one (tests)."""
+    keys = load_api_keys(cfg.api_keys_file, cfg.api_keys)
+    owns = index is None
+    if index is None:
+        index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                               cluster=cfg.cluster_mode())
+    api = DynamoApi(cfg, index)
+
+    def route(kind: type | None, method: str, limit: int = OTHER_BODY_LIMIT):
+        async def handler(request: Request) -> Response:
+            try:
+                if kind is None:
+                    args = (request.query_params.get("model_name"), request.query_params.get("routing_group"))
+                    return _json(await api.workers(*args))
+                status, body = await getattr(api, method)(await _decode(request, kind, limit, cfg))
+                return _json(body, status)
+            except Unanswerable as exc:
+                return _error(exc.message, exc.status)
+            except PredictorError as exc:  # Valkey unreachable or slow: Dynamo's indexer failure is a 500
+                return _error(exc.message, 500 if exc.status == 503 else exc.status)
+            except VALKEY_ERRORS as exc:
+                return _error(f"index unavailable: {type(exc).__name__}", 500)
+            except ClientDisconnect:
+                return _error("client disconnected", 400)
+        return handler
+
+    async def not_implemented(request: Request) -> Response:
+        return _error(f"{request.url.path} is not implemented by kv-preflight: it answers from llm-d request keys and "
+                      "keeps neither Dynamo's per-block XXH3 hashes nor its event log; use /query with token_ids", 501)
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)  # Dynamo's handle_health: a bare 200
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _error(str(exc.detail), exc.status_code)
+
+    async def lifespan_close(app: Starlette):
+        yield
+        if owns:
+            await index.close()
+
+    from contextlib import asynccontextmanager
+
+    middleware = [Middleware(ApiKeyAuth, keys=keys)] if keys else []
+    return Starlette(
+        routes=[
+            Route("/register", route(RegisterRequest, "register"), methods=["POST"]),
+            Route("/unregister", route(UnregisterRequest, "unregister"), methods=["POST"]),
+            Route("/workers", route(None, "workers"), methods=["GET"]),
+            Route("/query", route(QueryRequest, "query", QUERY_BODY_LIMIT), methods=["POST"]),
+            Route("/query_by_hash", not_implemented, methods=["POST"]),
+            Route("/dump", not_implemented, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        middleware=middleware,
+        exception_handlers={HTTPException: http_error},
+        lifespan=asynccontextmanager(lifespan_close),
+    )

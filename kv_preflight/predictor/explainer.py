@@ -1,0 +1,242 @@
+"""``POST /v1/cache/explain``: the I/O around predictor/explain.py's pure rules.
+
+The body is /predict's plus an optional ``compare`` (a second prompt in any input form, the earlier
+request the user expected to hit), validated by the same parser with the same limits. Gathered here:
+the tokens of both (given, local tokenizer, or the engine), one lookup under the request's model and
+one under each other model the fleet knows (bounded by MAX_OTHER_MODELS: the "same tokens under
+another root" finding), the pods' engine block sizes, and decoded text around a divergence (the local
+tokenizer, else the engine's ``/detokenize``). Not a hot path: it may ask the engine a few times.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+from kv_preflight.predictor import explain as rules
+from kv_preflight.predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.explain import Explanation, Finding, PodChain
+from kv_preflight.predictor.prompt_warnings import hints_from_probe
+from kv_preflight.predictor.request import PredictRequest, check_token_count, parse_request
+from kv_preflight.predictor.score import score
+from kv_preflight.predictor.service import Predictor, valkey_call
+from kv_preflight.keys.chain import request_keys
+
+MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
+MAX_POD_CHAINS = 64  # pods listed in ``pods``; the rest are counted in pods_truncated
+MAX_DECODE_TOKENS = 65_536  # whole prompts decoded for the whitespace and Unicode rules up to this length
+
+
+def parse_explain(body: bytes, *, max_tokens: int, max_pods: int) -> tuple[PredictRequest, PredictRequest | None]:
+    """The predict body (parsed by predict's own parser, so the same errors and limits) and the ``compare`` input."""
+    try:
+        obj = msgspec.json.decode(body)
+    except RecursionError:
+        raise BadRequest("invalid JSON: nested too deeply (1000 levels or more)") from None
+    except msgspec.DecodeError:
+        obj = None  # parse_request words the error
+    if not (isinstance(obj, dict) and "compare" in obj):
+        return parse_request(body, max_tokens=max_tokens, max_pods=max_pods), None
+    compare = obj.pop("compare")
+    req = parse_request(msgspec.json.encode(obj), max_tokens=max_tokens, max_pods=max_pods)
+    if compare is None:
+        return req, None
+    if not isinstance(compare, dict):
+        raise BadRequest("compare must be an object holding one of token_ids, prompt, messages")
+    extra = [k for k in compare if k not in ("token_ids", "prompt", "messages")]
+    if extra:
+        raise BadRequest(f"compare: unknown field {clip(extra[0])!r}: compare takes one of token_ids, prompt, "
+                         "messages (its model and pods are the request's)")
+    try:
+        other = parse_request(msgspec.json.encode({"model": req.model, **compare}), max_tokens=max_tokens,
+                              max_pods=max_pods)
+    except BadRequest as exc:
+        raise BadRequest(f"compare: {exc.message}") from None
+    return req, other
+
+
+async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | None) -> Explanation:
+    model = req.model
+    assert model
+    tokens, source = await _tokens(p, req)
+    keys = _keys(p, tokens, model)
+    cfg = p.cfg
+    async with valkey_call(p.valkey_deadline_s * 4, "explain lookups"):
+        found = await p.index.lookup_detailed(keys, req.pods, mode=cfg.lookup) if req.pods != [] else None
+        roots = sorted(_other_models(p, await p.metadata.known_models()) - {model})[:MAX_OTHER_MODELS]
+        elsewhere = []
+        for root in roots:
+            got = await p.index.lookup_detailed(_keys(p, tokens, root), req.pods, mode=cfg.lookup)
+            elsewhere.extend((root, m) for m in got.matches)
+        serving = sorted(await p.metadata.pods_of(model))
+        matches = found.matches if found else []
+        infos = await p.metadata.pod_infos({m.pod_id for m in matches} | {m.pod_id for _, m in elsewhere}
+                                           | set(serving[:MAX_POD_CHAINS]))
+    engine_blocks = {pod: i.engine_block_size for pod, i in infos.items()}
+    prediction = score(matches, prompt_len=len(tokens), canonical_block=cfg.block_size, engine_blocks=engine_blocks,
+                       incomplete={pod for pod, i in infos.items() if i.incomplete}, pods=req.pods,
+                       ttft=p.ttft.for_model(model))
+    if found is not None and found.partial:
+        prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=found.unanswered_from)
+
+    def chain(root: str, pod: str, blocks: int, tier: str | None) -> PodChain:
+        return rules.pod_chain(pod, root, blocks, canonical_block=cfg.block_size, engine_block=engine_blocks.get(pod),
+                               prompt_len=len(tokens), tier=tier)
+
+    chains = [chain(model, m.pod_id, m.blocks, m.tier) for m in matches]
+    held = {m.pod_id for m in matches}
+    chains += [chain(model, pod, 0, None) for pod in serving if pod not in held
+               and (req.pods is None or pod in req.pods)]
+    chains.sort(key=lambda c: (-c.stop_block, c.pod_id))
+    other_chains = [chain(root, m.pod_id, m.blocks, m.tier) for root, m in elsewhere]
+
+    await _learn_bos(p, model)
+    warnings = p.warnings.check(model, tokens[:2], chat=req.prompt is None)
+    findings: list[Finding] = list(warnings)
+    text = _input_text(req)
+    if text is not None:
+        findings += rules.text_findings(text, len(tokens))
+    findings += rules.other_model_findings(chains + other_chains, model)
+
+    decoded_by = None
+    divergence = None
+    if other is not None:
+        theirs, _ = await _tokens(p, other)
+        if not rules.continues(tokens, theirs):
+            divergence, decoded_by = await _divergence(p, model, req, other, tokens, theirs)
+            if not any(f.kind == divergence.cause for f in findings):
+                findings.append(Finding(divergence.cause, divergence.token_index, divergence.detail))
+    return Explanation(**msgspec.structs.asdict(prediction) | {"warnings": warnings},
+                       model=model, pods=chains[:MAX_POD_CHAINS], pods_truncated=len(chains) > MAX_POD_CHAINS,
+                       findings=findings, divergence=divergence, decoded_by=decoded_by)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def _tokens(p: Predictor, req: PredictRequest) -> tuple[list[int], str]:
+    model = req.model
+    assert model
+    if req.token_ids is not None:
+        await p._check_model(model, need_engine=False)
+        return list(req.token_ids), "given"
+    await p._check_model(model, need_engine=True)
+    tokens, source = await p.tokenization.tokenize(model, prompt=req.prompt, messages=req.messages)
+    if not tokens:
+        raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
+    check_token_count(len(tokens), p.cfg.max_tokens)
+    return tokens, source
+
+
+def _keys(p: Predictor, tokens: Sequence[int], model: str) -> list[int]:
+    try:
+        return request_keys(tokens, model=model, hash_seed=p.cfg.hash_seed, block_size=p.cfg.block_size)
+    except ValueError as exc:
+        raise BadRequest(clip(str(exc))) from None
+
+
+def _other_models(p: Predictor, known: frozenset[str]) -> set[str]:
+    """Every model name the predictor has heard of: the index's, the configured engines' and tokenizers', and
+    what the scraped engines list in /v1/models (LoRA adapters included)."""
+    out = set(known) | set(p.tokenizer.engine_urls) | set(p.tokenization.models)
+    if p.load is not None:
+        for served in p.load.served.values():
+            out |= set(served)
+    return out
+
+
+def _input_text(req: PredictRequest) -> str | None:
+    if req.prompt is not None:
+        return req.prompt
+    if req.messages:
+        last = req.messages[-1].get("content")
+        return last if isinstance(last, str) else None
+    return None
+
+
+def _comparable_text(req: PredictRequest) -> str | None:
+    """The input as text, when both sides of a comparison can be compared as text without decoding."""
+    if req.prompt is not None:
+        return req.prompt
+    if req.messages is not None:
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in req.messages)
+    return None
+
+
+async def _learn_bos(p: Predictor, model: str) -> None:
+    """For a model with no local tokenizer, ask its engine once what its BOS is (two one-character prompts)."""
+    if model in p.warnings.hints or not p.tokenizer.has_engine(model):
+        return
+    try:
+        a = await p.tokenizer.tokenize(model, prompt="a")
+        b = await p.tokenizer.tokenize(model, prompt="b")
+    except (EngineRejected, EngineUnavailable):
+        return
+    p.warnings.hints[model] = hints_from_probe(a, b)
+
+
+async def _divergence(p: Predictor, model: str, req: PredictRequest, other: PredictRequest, ours: list[int],
+                      theirs: list[int]) -> tuple[rules.Divergence, str | None]:
+    position = rules.first_divergence(ours, theirs)
+    assert position is not None
+    hints = p.warnings.hints.get(model)
+    slices = [*rules.context_slices(ours, position), *rules.context_slices(theirs, position)]
+    same_form = (req.prompt is None) == (other.prompt is None) and (req.messages is None) == (other.messages is None)
+    texts = (_comparable_text(req), _comparable_text(other)) if same_form else (None, None)
+    if texts[0] is None and len(ours) <= MAX_DECODE_TOKENS and len(theirs) <= MAX_DECODE_TOKENS:
+        slices += [ours, theirs]
+    decoded, decoded_by = await _decode(p, model, slices)
+
+    def decode(ts: Sequence[int]) -> str:
+        return decoded.get(tuple(ts), rules.ids_text(ts))
+
+    if texts[0] is None and decoded_by is not None:
+        texts = (decode(ours), decode(theirs))
+    chat = req.messages is not None or other.messages is not None
+    cause = rules.classify(ours, theirs, position, bos_id=hints.bos_id if hints else None,
+                           labels=("this prompt", "the comparison"),
+                           same_input=same_form and req.token_ids is None
+                           and (req.prompt, req.messages) == (other.prompt, other.messages),
+                           chat=chat, ours_text=texts[0], theirs_text=texts[1],
+                           rendered_vs_given=chat and not same_form)
+    return rules.Divergence(
+        token_index=position, block_index=position // p.cfg.block_size, cause=cause.kind, detail=cause.detail,
+        ours=rules.divergence_side(ours, position, decode), theirs=rules.divergence_side(theirs, position, decode),
+        ours_tokens=len(ours), theirs_tokens=len(theirs), tokens_cut=cause.tokens_cut), decoded_by
+
+
+async def _decode(p: Predictor, model: str, slices: list[list[int]]) -> tuple[dict[tuple[int, ...], str], str | None]:
+    """Each slice decoded by the local tokenizer, else the engine's /detokenize; ({}, None) when neither can."""
+    m = p.tokenization.models.get(model)
+    if m is not None and m.local is not None:
+        tok = m.local.tokenizer
+        return {tuple(s): tok.decode(s, skip_special_tokens=False) for s in slices}, "local"
+    urls = p.tokenizer.urls_for(model)  # --engine-url engines of the model, else the fleet's
+    if not urls:
+        return {}, None
+    base = urls[0]
+    out: dict[tuple[int, ...], str] = {}
+    try:
+        async with asyncio.timeout(p.tokenizer.timeout_s * 2):
+            for s in slices:
+                if not s or tuple(s) in out:
+                    continue
+                resp = await p.tokenizer.client.post(f"{base}/detokenize", json={"model": model, "tokens": s})
+                if resp.status_code != 200:
+                    return {}, None
+                out[tuple(s)] = str(_json(resp).get("prompt", ""))
+    except (TimeoutError, httpx.HTTPError, ValueError):
+        return {}, None
+    out[()] = ""
+    return out, "engine"
+
+
+def _json(resp: httpx.Response) -> dict[str, Any]:
+    data = msgspec.json.decode(resp.content)
+    if not isinstance(data, dict):
+        raise ValueError("not an object")
+    return data
+

@@ -1,0 +1,379 @@
+"""The prediction path, from a validated request to a Prediction, with its I/O bounded.
+
+Per request: tokens (given, or from the engine), request keys (C, in-process), one
+Valkey round trip for every pod's consecutive prefix, pod metadata from a ~1 s
+cache, then pure scoring. Every Valkey call runs under a deadline, and any Valkey
+failure becomes IndexUnavailable (503) rather than a hang or a 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kv_preflight.predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
+from kv_preflight.predictor.fleet import FleetWatcher
+from kv_preflight.predictor.load import LoadMonitor, PodLoad
+from kv_preflight.predictor.metadata import IndexMetadata
+from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.placement import PlacementHint, PrefixPlacements
+from kv_preflight.predictor.prompt_warnings import PromptWarnings
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_token_count
+from kv_preflight.predictor.route import RouteDecision, RoutingPolicy, decide
+from kv_preflight.predictor.score import Prediction, score
+from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
+from kv_preflight.predictor.tokenization import Tokenization
+from kv_preflight.predictor.tokenize import EngineTokenizer
+from kv_preflight.predictor.traffic import Traffic
+from kv_preflight.predictor.fleet_diagnosis import stats_view as diagnosis_view
+from kv_preflight.predictor.ttft import TtftModels
+from kv_preflight.config import Config
+from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
+from kv_preflight.keys.chain import salted_request_keys
+
+
+ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
+
+
+@asynccontextmanager
+async def valkey_call(timeout_s: float, what: str) -> AsyncIterator[None]:
+    """Bound a Valkey step and turn any of its failures into IndexUnavailable."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError:
+        raise IndexUnavailable(f"valkey did not answer {what} within {timeout_s}s") from None
+    except VALKEY_ERRORS as exc:
+        raise IndexUnavailable(f"valkey unavailable ({what}): {type(exc).__name__}: {clip(str(exc))}") from None
+
+
+@dataclass
+class Predictor:
+    cfg: Config
+    index: Index
+    tokenizer: EngineTokenizer
+    metadata: IndexMetadata
+    counters: ProcessCounters
+    owns_index: bool = True
+    tokenization: Tokenization = None  # type: ignore[assignment]  # set in __post_init__ when not given
+    ttft: TtftModels = field(default_factory=TtftModels)
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    load: LoadMonitor | None = None  # engine metrics for routing; None: no engine to scrape
+    metrics: PredictorMetrics = field(default_factory=PredictorMetrics)
+    _aliases: dict[str, list[str]] = field(default_factory=dict)  # kvpf:aliases, cached ALIASES_TTL_S
+    _aliases_at: float = float("-inf")
+    warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
+    traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
+    fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
+    placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
+
+    def __post_init__(self) -> None:
+        if self.tokenization is None:
+            self.tokenization = Tokenization(self.tokenizer, {})
+        if self.warnings is None:
+            self.warnings = PromptWarnings(self.tokenization)
+
+    @classmethod
+    def create(cls, cfg: Config, index: Index | None = None) -> "Predictor":
+        owns = index is None
+        if index is None:
+            index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                                   cluster=cfg.cluster_mode())
+        # the fleet records give every pod's engine: tokenization goes there for a model with no --engine-url
+        fleet = FleetWatcher(index, interval_s=min(cfg.metrics_interval_s, 1.0), timeout_s=2 * cfg.valkey_timeout_s)
+        engine = EngineTokenizer(cfg.engine_urls, cfg.engine_timeout_s, discovered=fleet.engines_of)
+        tokenization = Tokenization.load(engine, cfg.tokenizers, check=cfg.tokenizer_check)
+        ttft = TtftModels.load(cfg.ttft_model)
+        load = None
+        if cfg.pod_metrics or cfg.engine_urls:
+            load = LoadMonitor.from_config(cfg.pod_metrics, cfg.engine_urls, cfg.metrics_interval_s)
+        return cls(
+            cfg=cfg, index=index, tokenizer=engine,
+            metadata=IndexMetadata(index), counters=ProcessCounters(), owns_index=owns,
+            tokenization=tokenization, ttft=ttft, policy=routing_policy(cfg), load=load, fleet=fleet,
+            placements=prefix_placements(cfg),
+        )
+
+    @property
+    def valkey_deadline_s(self) -> float:
+        # socket timeouts bound each read; this bounds the whole step (connect + script + reply)
+        return 2 * self.cfg.valkey_timeout_s
+
+    async def predict(self, req: PredictRequest) -> Prediction:
+        model, keys, n_tokens, head = await self._request_keys(req)
+        prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(prediction, warnings=self._warn(req, model, head))
+
+    def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
+        return self.warnings.check(model, head, chat=req.prompt is None)
+
+    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int, list[int]]:
+        """(model, request keys, prompt length, first two tokens) of a parsed request, tokenizing prompt/messages first."""
+        model = req.model
+        assert model  # parse_request guarantees it
+        if req.token_ids is not None:
+            await self._check_model(model, need_engine=False)
+            tokens = req.token_ids
+        else:
+            await self._check_model(model, need_engine=True)
+            tokens, source = await self.tokenization.tokenize(model, prompt=req.prompt, messages=req.messages)
+            self.metrics.tokenized(model, source)
+            if not tokens:
+                raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
+            check_token_count(len(tokens), self.cfg.max_tokens)
+        try:
+            keys = salted_request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
+                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
+        except ValueError as exc:
+            raise BadRequest(clip(str(exc))) from None
+        return model, keys, len(tokens), tokens[:2]
+
+    async def predict_keyed(self, req: KeyedRequest) -> Prediction:
+        """A token_ids request whose keys the request parser already computed (the fast path)."""
+        await self._check_model(req.model, need_engine=False)
+        prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(prediction, warnings=self.warnings.check_keyed(req))
+
+    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
+        matches: list[Any] = []
+        infos: dict[str, ScoringInfo] = {}
+        unanswered = None
+        retired = self.fleet.retired() if self.fleet else frozenset()
+        if pods is not None and retired:
+            pods = [p for p in pods if p not in retired]  # a retired pod is never offered
+        # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
+        if keys and (pods is None or pods):
+            async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
+                found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
+                matches, unanswered = found.matches, found.unanswered_from
+                if retired:
+                    matches = [m for m in matches if m.pod_id not in retired]
+                try:
+                    infos = await self.metadata.pod_infos(m.pod_id for m in matches)
+                except VALKEY_ERRORS:
+                    if unanswered is None:
+                        raise
+                    # A cluster shard is down and it holds a pod's metadata too: score with the
+                    # defaults (canonical blocks); the answer already says it is a lower bound.
+                    infos = {}
+        prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
+                           pods=pods, ttft=self.ttft.for_model(model))
+        self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
+        if unanswered is not None:
+            # A cluster shard did not answer: every count is a lower bound from that block on.
+            self.metrics.partial_answers.inc()
+            prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
+        return prediction
+
+    async def expand_pods(self, pods: list[str] | None) -> list[str] | None:
+        """A pods filter with each pod's other names added: with ``ingest --pod-id endpoint`` a pod is
+        indexed as "<ip>:<port>" and may be named by its topic name too, or the other way round."""
+        if not pods:
+            return pods
+        now = time.monotonic()
+        if now - self._aliases_at > ALIASES_TTL_S:  # read at most once a second, not per request
+            async with valkey_call(self.valkey_deadline_s, "pod aliases"):
+                self._aliases = await self.index.aliases()
+            self._aliases_at = now
+        aliases = self._aliases
+        if not aliases:
+            return pods
+        return list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
+
+    # ---- routing
+
+    async def route(self, req: PredictRequest) -> RouteDecision:
+        model, keys, n_tokens, head = await self._request_keys(req)
+        decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head))
+
+    async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
+        await self._check_model(req.model, need_engine=False)
+        decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
+        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
+
+    async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
+        if pods is not None:
+            await self._check_pods_filter(pods)
+        prediction = await self._predict_keys(model, keys, n_tokens, pods)
+        candidates = await self._route_candidates(model, prediction, pods)
+        loads = {p: self._load_of(p) for p in candidates}
+        # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
+        hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
+        decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
+                          affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
+                          pending=hint.pending)
+        if self.placements is not None and keys and decision.pod_id is not None:
+            self._note_placement(keys[0], len(keys), prediction, decision)
+        self.metrics.route(decision.reason)
+        return decision
+
+    def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
+        """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""
+        assert self.placements is not None and decision.pod_id is not None
+        if decision.best_overlap_pod is None:
+            self.placements.placed(prefix, decision.pod_id, blocks)
+            return
+        best = next((a for a in prediction.pod_affinities if a.pod_id == decision.best_overlap_pod), None)
+        if best is not None:
+            self.placements.seen(prefix, best.pod_id, best.cached_blocks)
+
+    async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
+        """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.
+
+        Known: holds blocks of this prompt under this model's keys (a LoRA adapter's keys carry its
+        name, so base-model blocks never count for an adapter), is in the index under this model, or
+        lists it in ``/v1/models``. A pod whose model list is known and lacks the model is dropped, and
+        so is a pod whose metrics stopped answering, while another candidate is left.
+        """
+        fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
+        if pods is not None:
+            return set(pods) - fleet_out
+        out = {a.pod_id for a in prediction.pod_affinities}
+        async with valkey_call(self.valkey_deadline_s, "pods of model"):
+            out |= await self.metadata.pods_of(model)
+        if self.fleet is not None:
+            # every pod whose record lists the model; unreachable and retired pods are never routed to
+            out |= self.fleet.serving(model)
+            out = {p for p in out if (ms := self.fleet.models_of(p)) is None or model in ms} - fleet_out
+        if self.load is not None:
+            out |= self.load.serving(model) or set()
+            out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
+            reachable = out - self.load.unreachable()
+            out = reachable or out
+        return out
+
+    def _load_of(self, pod: str) -> PodLoad | None:
+        """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
+        own = self.load.snapshot(pod, self.policy.stale_s) if self.load else None
+        if own is None and self.fleet is not None:
+            return self.fleet.load(pod, self.policy.stale_s)
+        return own
+
+    async def _check_pods_filter(self, pods: list[str]) -> None:
+        """A route must name a pod that exists: one the index, the fleet records or --pod-metrics know,
+        and not retired (issue #15: ``"pods": ["nope"]`` answered ``pod_id: "nope"``)."""
+        retired = self.fleet.retired() if self.fleet else frozenset()
+        known: set[str] = set(self.fleet.known()) if self.fleet else set()
+        if self.load is not None:
+            known |= {t.pod_id for t in self.load.targets if t.pod_id}
+        wanted = set(pods)
+        if wanted - known - retired:
+            async with valkey_call(self.valkey_deadline_s, "known pods"):
+                known |= await self.metadata.all_pods()
+        gone = sorted(wanted & retired)
+        unknown = sorted(wanted - known - retired)
+        if gone or unknown:
+            parts = []
+            if unknown:
+                parts.append("unknown pods (not in the index, the fleet records or --pod-metrics): "
+                             + ", ".join(repr(p) for p in unknown[:10]) + (" ..." if len(unknown) > 10 else ""))
+            if gone:
+                parts.append("retired pods: " + ", ".join(repr(p) for p in gone[:10])
+                             + (" ..." if len(gone) > 10 else ""))
+            raise BadRequest(clip("the pods filter names " + "; ".join(parts)))
+
+    async def _check_model(self, model: str, *, need_engine: bool) -> None:
+        """Known = has an engine URL or a local tokenizer, or pods in the index serve it; prompts need a tokenizer."""
+        if self.tokenization.can_tokenize(model):
+            return
+        try:
+            async with valkey_call(self.valkey_deadline_s, "model check"):
+                known = model in await self.metadata.known_models(model)
+        except IndexUnavailable:
+            if not self.index.cluster:
+                raise
+            # On a cluster the registry's shard may be the one that is down while the others answer: the
+            # model goes unchecked, and the lookup says how far it could read ("partial"), never a 5xx.
+            known = True
+        if not known and self.fleet is not None:
+            known = bool(self.fleet.serving(model))
+        if not known:
+            configured = ", ".join(sorted(self.tokenizer.engine_urls)) or "none"
+            raise UnknownModel(
+                f"unknown model {clip(repr(model))}: no --engine-url for it (configured: {clip(configured)}) "
+                "and no pod in the index serves it"
+            )
+        if need_engine:
+            raise BadRequest(
+                f"cannot tokenize for model {clip(repr(model))}: no --engine-url or --tokenizer configured for it "
+                "and no live pod's fleet record gives an engine URL for it; send token_ids instead"
+            )
+
+    async def healthy(self) -> tuple[bool, str]:
+        try:
+            async with valkey_call(self.valkey_deadline_s, "PING"):
+                await self.index.ping()
+        except IndexUnavailable as exc:
+            return False, exc.message
+        return True, ""
+
+    async def stats(self, query: StatsQuery | None = None) -> dict[str, Any]:
+        """Bounded whatever the number of pods: a summary and one page of pods, or one pod (predictor/stats.py)."""
+        query = query or StatsQuery()
+        summary = None
+        async with valkey_call(self.valkey_deadline_s * 4, "stats"):
+            key_count = await self.index.key_count()
+            pod_models = await self.index.pod_ids()
+            index_counters = await self.index.counters()
+            if query.pod is not None:
+                if query.pod not in pod_models:
+                    raise NotFound(f"no pod {clip(repr(query.pod))} in the index")
+                page = [query.pod]
+            else:
+                page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
+                summary = await read_pods_summary(self.index, pod_models)
+            pods = await self.index.pod_infos(page)
+            diagnosis = diagnosis_view(*await self.index.fleet_diagnosis())
+        out = build_stats(
+            key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
+            summary=summary, query=query,
+        )
+        out["tokenization"] = self.tokenization.status()
+        out["engine_load"] = self.load_stats()
+        out["traffic"] = self.traffic.as_dict()
+        out["fleet_diagnosis"] = diagnosis  # the last `kv-preflight diagnose fleet`, with its age
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.status(self.policy.stale_s)
+        return out
+
+    def load_stats(self) -> dict[str, Any]:
+        if self.load is None:
+            return {}
+        now = self.load.clock()
+        out: dict[str, Any] = {}
+        for t in self.load.targets:
+            pod = t.pod_id or f"(undiscovered) {t.base_url}"
+            ld = self.load.loads.get(t.pod_id) if t.pod_id else None
+            out[pod] = {
+                "metrics_url": t.metrics_url,
+                "running": ld.running if ld else None, "waiting": ld.waiting if ld else None,
+                "kv_usage": ld.kv_usage if ld else None, "age_s": round(now - ld.at, 3) if ld else None,
+                "models": sorted(self.load.served.get(t.pod_id, ())) if t.pod_id else [],
+                "error": self.load.failures.get(t.pod_id) if t.pod_id else "pod id not discovered yet",
+            }
+        return out
+
+    async def aclose(self) -> None:
+        await self.tokenizer.aclose()
+        if self.owns_index:
+            await self.index.close()
+
+
+def prefix_placements(cfg: Config) -> PrefixPlacements | None:
+    if cfg.route_placement_window_s <= 0:
+        return None
+    return PrefixPlacements(window_s=cfg.route_placement_window_s, pending_s=cfg.route_pending_s)
+
+
+def routing_policy(cfg: Config) -> RoutingPolicy:
+    return RoutingPolicy(
+        tier_weights=dict(cfg.route_tier_weights), waiting_weight=cfg.route_waiting_weight,
+        overload_abs=cfg.route_overload_abs, overload_rel=cfg.route_overload_rel,
+        max_kv_usage=cfg.route_max_kv_usage, good_match=cfg.route_good_match, stale_s=cfg.route_stale_s,
+    )

@@ -1,0 +1,130 @@
+"""Tokenize prompts and chat messages with the engine that serves the model.
+
+The engine's own ``POST /tokenize`` applies exactly the tokenizer and chat
+template it will use for the real request, so the tokens (and thus the block
+keys) match what it caches; a local tokenizer could drift from it silently.
+Every call is bounded by ``timeout_s`` overall: an engine that is down or slow
+becomes EngineUnavailable (503), never a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+from kv_preflight.predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.request import TokenId
+from kv_preflight.engines.vllm import ENGINE as VLLM
+
+log = logging.getLogger("kvpf.predictor")
+
+
+class _TokenizeReply(msgspec.Struct):
+    tokens: list[TokenId]
+
+
+_reply_decoder = msgspec.json.Decoder(_TokenizeReply)
+_encoder = msgspec.json.Encoder()
+
+
+def tokenize_body(model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> dict[str, Any]:
+    """The vLLM /tokenize request: completion form for a prompt, chat form (with generation prompt) for messages."""
+    if messages is not None:
+        return {"model": model, "messages": messages, "add_generation_prompt": True}
+    return {"model": model, "prompt": prompt}
+
+
+class EngineTokenizer:
+    """``/tokenize`` on an engine of the model: the configured ones (``--engine-url``, several per model
+    allowed), else the engines the fleet records list for it (``discovered``). An engine that is down or
+    fails (timeout, connection error, 5xx) is skipped for the next; the one that answered is tried first
+    next time, so a dead engine costs one failed attempt per switch, not one per request. A 4xx is the
+    input's fault and is returned at once: another engine of the model would reject it too."""
+
+    def __init__(self, engine_urls: Mapping[str, str | Sequence[str]], timeout_s: float,
+                 client: httpx.AsyncClient | None = None,
+                 discovered: Callable[[str], Sequence[str]] | None = None):
+        self.engine_urls = {m: (u,) if isinstance(u, str) else tuple(u) for m, u in engine_urls.items()}
+        self.timeout_s = timeout_s
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self.discovered = discovered
+        self.failovers = 0
+        self._last_good: dict[str, str] = {}  # model -> URL that answered last
+
+    def urls_for(self, model: str) -> tuple[str, ...]:
+        if model in self.engine_urls:
+            return self.engine_urls[model]
+        return tuple(self.discovered(model)) if self.discovered is not None else ()
+
+    def has_engine(self, model: str) -> bool:
+        return bool(self.urls_for(model))
+
+    async def tokenize(self, model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> list[int]:
+        urls = list(self.urls_for(model))
+        if not urls:
+            raise EngineUnavailable(f"no engine is known to serve {clip(repr(model))} for /tokenize")
+        good = self._last_good.get(model)
+        if good in urls:
+            urls.remove(good)
+            urls.insert(0, good)
+        body = _encoder.encode(tokenize_body(model, prompt=prompt, messages=messages))
+        failure: EngineUnavailable | None = None
+        for i, base in enumerate(urls):
+            try:
+                tokens = await self._tokenize_at(base, body)
+            except EngineUnavailable as exc:
+                failure = exc
+                if i + 1 < len(urls):
+                    self.failovers += 1
+                    log.warning("tokenize: %s failed for %s, trying %s: %s", base, model, urls[i + 1], exc.message)
+                continue
+            self._last_good[model] = base
+            return tokens
+        assert failure is not None
+        if len(urls) > 1:
+            raise EngineUnavailable(f"all {len(urls)} engines of {clip(repr(model))} failed; last: {failure.message}")
+        raise failure
+
+    async def _tokenize_at(self, base: str, body: bytes) -> list[int]:
+        url = f"{base}{VLLM.tokenize_path}"  # the engine adapter's endpoint (kv_preflight/engines/vllm.py)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self.client.post(url, content=body, headers={"content-type": "application/json"})
+        except (TimeoutError, httpx.TimeoutException):
+            raise EngineUnavailable(f"engine {base} did not answer /tokenize within {self.timeout_s}s") from None
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(
+                f"engine {base} unreachable for /tokenize: {type(exc).__name__}: {clip(str(exc))}") from None
+        if 400 <= resp.status_code < 500:
+            raise EngineRejected(f"engine {base} rejected the input ({resp.status_code}): {_error_text(resp)}")
+        if resp.status_code != 200:
+            raise EngineUnavailable(f"engine {base} /tokenize failed ({resp.status_code}): {_error_text(resp)}")
+        try:
+            return _reply_decoder.decode(resp.content).tokens
+        except msgspec.DecodeError as exc:
+            raise EngineUnavailable(
+                f"engine {base} /tokenize returned no usable token list: {clip(str(exc))}") from None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _error_text(resp: httpx.Response, limit: int = ECHO_LIMIT) -> str:
+    """The engine's error message if it sent one (OpenAI-style or FastAPI-style), else the raw body; clipped,
+    as engines often quote the prompt back."""
+    try:
+        data = msgspec.json.decode(resp.content)
+    except msgspec.DecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return clip(str(err["message"]), limit)
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                return clip(str(data[key]), limit)
+    return clip(resp.text, limit) or "(empty body)"

@@ -1,0 +1,44 @@
+"""The simulator's one typed config, filled by ``kv-preflight simulate`` or by tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_preflight.events import make_topic
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    pod: str
+    model: str
+    port: int = 8000
+    host: str = "127.0.0.1"
+    # vLLM's --kv-events-config endpoint: binds when it holds "*", connects otherwise.
+    zmq_endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = "tcp://*:5558"
+    block_size: int = 16
+    # vLLM's --num-gpu-blocks-override: includes the reserved null block.
+    num_blocks: int = 256
+    max_model_len: int = 512
+    buffer_steps: int = 10_000
+    # Wall time per engine step, so running/waiting and mid-request resets can be observed.
+    step_delay_s: float = 0.0
+
+    @property
+    def topic(self) -> str:
+        return make_topic(self.pod, self.model)
+
+    def validate(self) -> None:
+        if not self.pod or "@" in self.pod:
+            raise ValueError("pod must be non-empty and contain no '@' (the topic is kv@pod@model)")
+        if not self.model:
+            raise ValueError("model must be non-empty")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks < 2:
+            raise ValueError("blocks must be at least 2 (vLLM reserves one null block)")
+        if self.max_model_len <= 1:
+            raise ValueError("max_model_len must be at least 2")
+        if self.buffer_steps <= 0:
+            raise ValueError("buffer_steps must be positive")
+        if self.step_delay_s < 0:
+            raise ValueError("step delay must not be negative")

@@ -1,2 +1,0 @@
-"""Index backends: what differs between a single Valkey node and a Valkey Cluster (the write path
-and the lookup); shared/index.py is the one interface both sit behind."""
