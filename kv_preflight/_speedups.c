@@ -506,7 +506,7 @@ static int as_clamped(PyObject *o, long long *out) {
 }
 
 /* affinities(matches, prompt_len, canonical_block, infos: dict | None, wanted: set | None, estimate, make)
- * -> list: predictor/score.py's per-pod loop (see there for the rules), the pods unsorted. Each match's
+ * -> list: predictor/scoring/score.py's per-pod loop (see there for the rules), the pods unsorted. Each match's
  * ``pod_id``, ``blocks`` and ``tier``, each info's ``engine_block_size`` and ``incomplete`` are read by
  * name; ``estimate(tokens)`` is called once per distinct token count (None: no estimate); an item is
  * ``make(pod_id, blocks, tokens, tier, estimate, incomplete)``. A prompt a whole fleet holds scores a
@@ -709,7 +709,7 @@ static PyMethodDef methods[] = {
     {"prefix_matches", prefix_matches, METH_VARARGS,
      "prefix_counts' pods as make(name, held, tiers[held - 1]), numbers without a name left out."},
     {"affinities", affinities, METH_VARARGS,
-     "predictor/score.py's per-pod loop: make(pod, blocks, tokens, tier, estimate, incomplete) per scoring pod."},
+     "predictor/scoring/score.py's per-pod loop: make(pod, blocks, tokens, tier, estimate, incomplete) per scoring pod."},
     {"slot_groups", slot_groups, METH_VARARGS,
      "Positions of request keys grouped by the shard serving each key's cluster slot (a slot -> shard table)."},
     {NULL, NULL, 0, NULL},

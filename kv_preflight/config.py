@@ -75,7 +75,7 @@ class Config:
     route_max_kv_usage: float = 0.95
     route_good_match: float = 0.5
     route_stale_s: float = 5.0
-    # New prefixes placed by cache room (docs/routing.md, predictor/placement.py): a prefix not routed for
+    # New prefixes placed by cache room (docs/routing.md, predictor/scoring/placement.py): a prefix not routed for
     # this long no longer counts on its pod (0: no placement memory, new prefixes by load only), and one
     # placed less than route_pending_s ago that the index does not show yet goes to the same pod again.
     route_placement_window_s: float = 60.0
@@ -95,7 +95,7 @@ class Config:
     # Ingester: engine LoRA ids -> adapter names (``--lora-name ID=NAME``), for engines whose events carry
     # only the id (SGLang, TensorRT-LLM); blocks are keyed by adapter name, as llm-d's scheduler asks.
     lora_names: dict[str, str] = field(default_factory=dict)
-    # Remote-indexer API (predictor/dynamo_api.py): NVIDIA Dynamo's standalone KV indexer routes on this
+    # Remote-indexer API (predictor/dynamo/api.py): NVIDIA Dynamo's standalone KV indexer routes on this
     # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
     dynamo_port: int = 0
     register_allow: tuple[str, ...] = ()

@@ -4,7 +4,7 @@
 terminal's Ctrl-C reaches ``up`` alone, which stops them in order). When ``up`` itself was killed with
 SIGKILL, or crashed, nothing stopped them: a whole stack was found running hours later with parent 1.
 
-Why the kernel's ``PR_SET_PDEATHSIG`` rather than a parent-watch in each child (as predictor/main.py's
+Why the kernel's ``PR_SET_PDEATHSIG`` rather than a parent-watch in each child (as predictor/serve.py's
 Dynamo child polls ``getppid``) or a guardian process:
 - the kernel sends the signal: no code of ours has to run in the child, so it also covers valkey-server,
   which is not ours, and a child whose loop is stuck;
@@ -17,7 +17,7 @@ Its rules, and how they are met here:
 - it survives ``execve``, except of a set-user-ID or set-group-ID program (or one with file
   capabilities): python and valkey-server are neither;
 - a child's own children do not inherit it: each generation arms its own (``serve --workers N``'s uvicorn
-  workers do, predictor/main.py);
+  workers do, predictor/serve.py);
 - the signal is SIGTERM, so each child runs its ordinary shutdown: Valkey writes out its AOF and exits
   cleanly, the Python processes close their connections. What is lost is the order: all get it at once,
   where ``up``'s own stop ends Valkey after its clients;

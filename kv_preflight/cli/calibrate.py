@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kv_preflight.predictor.ttft import fit_by_model, merge_into, parse_observations
+from kv_preflight.predictor.scoring.ttft import fit_by_model, merge_into, parse_observations
 
 
 @click.command("calibrate")

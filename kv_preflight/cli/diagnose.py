@@ -1,10 +1,10 @@
 """``kv-preflight diagnose sessions|fleet``: why a workload or a fleet misses the prefix cache.
 
 ``sessions`` reads a JSON-lines log of conversation turns, tokenizes them as the predictor does (a
-local tokenizer, else the engine's ``/tokenize``) and reports per session (predictor/session_diagnosis.py).
+local tokenizer, else the engine's ``/tokenize``) and reports per session (predictor/diagnosis/sessions.py).
 ``fleet`` reads the index, the engines' prefix-cache counters and the predictor's traffic totals, twice
 ``--window`` seconds apart, and weighs the observed hit rate against affinity and round robin
-(predictor/fleet_diagnosis.py); the summary is stored in Valkey for ``/stats``, ``--html`` writes a page.
+(predictor/diagnosis/fleet.py); the summary is stored in Valkey for ``/stats``, ``--html`` writes a page.
 The analyses are pure; this module does the reading and the printing. Errors are one line, exit 1.
 """
 from __future__ import annotations
@@ -61,10 +61,10 @@ def read_turns(path: Path) -> list[dict[str, Any]]:
 async def tokenize_turns(rows: list[dict[str, Any]], tokenizers: dict[str, str],
                          engine_urls: dict[str, tuple[str, ...]],
                          timeout_s: float) -> list[Any]:
-    from kv_preflight.predictor.errors import PredictorError
-    from kv_preflight.predictor.session_diagnosis import TurnRecord
-    from kv_preflight.predictor.tokenization import Tokenization
-    from kv_preflight.predictor.tokenize import EngineTokenizer
+    from kv_preflight.predictor.http.errors import PredictorError
+    from kv_preflight.predictor.diagnosis.sessions import TurnRecord
+    from kv_preflight.predictor.tokens.source import Tokenization
+    from kv_preflight.predictor.tokens.engine import EngineTokenizer
 
     engine = EngineTokenizer(engine_urls, timeout_s)
     tok = Tokenization.load(engine, tokenizers, check=False)
@@ -112,8 +112,8 @@ def render_sessions(reports: list[Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
 def sessions(file: Path, tokenizers, engine_urls, block_size, timeout, as_json) -> None:
     """Per session in FILE.jsonl: shared prefix per turn, where a sliding window cuts, what to change."""
-    from kv_preflight.predictor.local_tokenizer import TokenizerLoadError
-    from kv_preflight.predictor.session_diagnosis import diagnose_sessions
+    from kv_preflight.predictor.tokens.local import TokenizerLoadError
+    from kv_preflight.predictor.diagnosis.sessions import diagnose_sessions
 
     try:
         rows = read_turns(file)
@@ -133,7 +133,7 @@ def sessions(file: Path, tokenizers, engine_urls, block_size, timeout, as_json) 
 
 async def read_engines(urls: dict[str, str], client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, str]]:
     """Each pod's prefix-cache counters from ``<url>/metrics``; errors by pod."""
-    from kv_preflight.predictor.fleet_diagnosis import parse_prefix_counters
+    from kv_preflight.predictor.diagnosis.fleet import parse_prefix_counters
 
     out: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -196,7 +196,7 @@ async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dic
 async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str | None, api_key: str | None,
                     pod_metrics: dict[str, str], engine_urls: dict[str, tuple[str, ...]], window_s: float,
                     progress=None) -> Any:
-    from kv_preflight.predictor.fleet_diagnosis import bounded, diagnose_fleet
+    from kv_preflight.predictor.diagnosis.fleet import bounded, diagnose_fleet
     from kv_preflight.index.entries import parse_entry
     from kv_preflight.index.index import Index
 

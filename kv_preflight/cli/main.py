@@ -163,7 +163,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
           register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None) -> None:
     """Serve predictions and routing over HTTP."""
-    from kv_preflight.predictor.main import serve as run_server
+    from kv_preflight.predictor.serve import serve as run_server
 
     try:
         urls = parse_model_urls(engine_urls) if engine_urls else None
@@ -197,16 +197,16 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
 
 def check_serve_files(cfg: Config) -> None:
     """Fail at the command line, not in every worker: tokenizer dirs, TTFT model, API keys."""
-    from kv_preflight.predictor.auth import load_api_keys
-    from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-    from kv_preflight.predictor.ttft import TtftModels
+    from kv_preflight.predictor.http.auth import load_api_keys
+    from kv_preflight.predictor.tokens.local import LocalTokenizer
+    from kv_preflight.predictor.scoring.ttft import TtftModels
 
     for model, directory in cfg.tokenizers.items():
         LocalTokenizer.load(directory, name=model)
     TtftModels.load(cfg.ttft_model)
     load_api_keys(cfg.api_keys_file, cfg.api_keys)
     if cfg.register_allow:
-        from kv_preflight.predictor.dynamo_wire import parse_allow
+        from kv_preflight.predictor.dynamo.wire import parse_allow
 
         parse_allow(cfg.register_allow)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 import httpx
 
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TokenizerLoadError
-from kv_preflight.predictor.tokenize import EngineTokenizer
-from kv_preflight.predictor.tokenizer_check import ParityReport, Sample, builtin_samples, check_parity, load_samples
+from kv_preflight.predictor.tokens.local import LocalTokenizer, TokenizerLoadError
+from kv_preflight.predictor.tokens.engine import EngineTokenizer
+from kv_preflight.predictor.tokens.parity import ParityReport, Sample, builtin_samples, check_parity, load_samples
 
 
 def model_root(engine_url: str, model: str, timeout_s: float = 5.0) -> str | None:

@@ -65,7 +65,7 @@ class RegisteredEngine(msgspec.Struct, omit_defaults=True):
     engine: str = "vllm"  # engine family (vllm, sglang, trtllm)
     instance_id: int | None = None  # the id a remote-indexer client registered it under
     registered_ms: int = 0
-    # Dynamo /register (predictor/dynamo_api.py): the engine's block size, its data-parallel rank and the
+    # Dynamo /register (predictor/dynamo/api.py): the engine's block size, its data-parallel rank and the
     # routing group it was registered in (Dynamo partitions a model's workers by it).
     block_size: int = 0
     dp_rank: int = 0

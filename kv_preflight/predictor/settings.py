@@ -73,7 +73,7 @@ async def read_index_settings(index: Index, timeout_s: float) -> IndexSettings |
 
 async def check_settings(cfg: Config) -> None:
     """For ``serve`` before any worker starts: SettingsMismatch (its message one line) when the index's
-    settings disagree with what was given; each worker's start-up then adopts the rest (predictor/app.py)."""
+    settings disagree with what was given; each worker's start-up then adopts the rest (predictor/http/app.py)."""
     index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
                            cluster=cfg.cluster_mode())
     try:

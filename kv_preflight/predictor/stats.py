@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.predictor.http.errors import BadRequest, clip
 from kv_preflight.index.index import Index, PodInfo, pod_blocks_key, pod_meta_key
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 

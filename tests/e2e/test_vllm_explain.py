@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.tokens.local import LocalTokenizer
 from tests.e2e.conftest import start_vllm
 from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_features import tiny_model_dir

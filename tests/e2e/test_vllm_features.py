@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.ttft import TtftModels
+from kv_preflight.predictor.scoring.ttft import TtftModels
 from tests.e2e.conftest import launcher, start_vllm
 from tests.e2e.harness import kvpf_stack, wait_http
 from tests.prom import metric

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.events import encode_frames
 from kv_preflight.index.index import StoreBlock

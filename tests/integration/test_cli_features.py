@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from kv_preflight.cli.main import cli
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-from kv_preflight.predictor.ttft import PrefillModel, TtftModels
+from kv_preflight.predictor.tokens.local import LocalTokenizer
+from kv_preflight.predictor.scoring.ttft import PrefillModel, TtftModels
 from tests.integration.http_engine import HttpEngine
 from tests.tokenizer_files import write_tokenizer
 

@@ -182,7 +182,7 @@ async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluste
 
     from httpx import ASGITransport
 
-    from kv_preflight.predictor.app import create_app
+    from kv_preflight.predictor.http.app import create_app
     from kv_preflight.config import Config
     from kv_preflight.keys.chain import request_keys
     from kv_preflight.index.layout import PODS_KEY

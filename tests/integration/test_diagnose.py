@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.tokens.local import LocalTokenizer
 from kv_preflight.index.index import Index
 from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import kvpf_stack

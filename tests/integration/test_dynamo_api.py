@@ -1,4 +1,4 @@
-"""The remote-indexer API (``serve --dynamo-port``, predictor/dynamo_api.py) against a real valkey-server.
+"""The remote-indexer API (``serve --dynamo-port``, predictor/dynamo/api.py) against a real valkey-server.
 
 The index is filled the way an ingester fills it: vLLM-shaped BlockStored events planned by the
 ingester's bridge (ingester/bridge.py) and applied with Index.apply_batch. Expected answers are
@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from kv_preflight.ingester.bridge import ChainState, plan_batch
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.dynamo_api import create_dynamo_app
-from kv_preflight.predictor.dynamo_wire import stable_instance_id
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.dynamo.api import create_dynamo_app
+from kv_preflight.predictor.dynamo.wire import stable_instance_id
 from kv_preflight.config import Config
 from kv_preflight.events import BlockStored, EventBatch
 

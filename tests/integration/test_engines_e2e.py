@@ -18,7 +18,7 @@ import pytest
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.engines import ENGINES
-from kv_preflight.predictor.score import engine_cached_tokens
+from kv_preflight.predictor.scoring.score import engine_cached_tokens
 from kv_preflight.index.index import Index
 from kv_preflight.keys.chain import request_keys
 from tests.conftest import fixture_path

@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.tokens.local import LocalTokenizer
 from kv_preflight.config import Config
 from tests.integration.http_engine import HttpEngine
 from tests.integration.sim import sim_engine

@@ -17,8 +17,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.openapi import openapi_document
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.http.openapi import openapi_document
 from kv_preflight.config import Config
 from kv_preflight.index.layout import PODS_KEY
 from tests.integration.http_engine import HttpEngine

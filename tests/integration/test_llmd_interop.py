@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from kv_preflight.ingester.service import Ingester
-from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.events import decode_frames
 from kv_preflight.index.index import Index

@@ -14,7 +14,7 @@ import pytest
 
 from kv_preflight.ingester.service import Ingester
 from kv_preflight.ingester.subscriber import Source, serving_address, sources_from_kv_event_sources
-from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.entries import parse_entry
 from kv_preflight.events import BlockStored, EventBatch, encode_frames, make_topic

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 
-from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.index import RemoveBlock, StoreBlock

@@ -21,10 +21,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.app import create_app
+from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index, StoreBlock
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.keys.chain import HAS_C_EXTENSION, MAX_TOKEN_ID, request_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

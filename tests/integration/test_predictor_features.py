@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.tokens.local import LocalTokenizer
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
 from kv_preflight.keys.chain import request_keys

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.errors import ECHO_LIMIT
-from kv_preflight.predictor.server import protocol_factory
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.http.errors import ECHO_LIMIT
+from kv_preflight.predictor.http.protocols import protocol_factory
 from kv_preflight.config import Config
 from tests.e2e.harness import stop, wait_http
 from tests.integration.test_predictor import MODEL, PREDICT, IndexWriter, tokens_of
@@ -374,7 +374,7 @@ async def test_unknown_body_fields_are_refused_not_ignored(valkey_url):
     """A predict body with "pod" instead of "pods" was accepted and the filter silently dropped."""
     from httpx import ASGITransport
 
-    from kv_preflight.predictor.app import create_app
+    from kv_preflight.predictor.http.app import create_app
     from kv_preflight.config import Config
 
     import redis

@@ -7,7 +7,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
 
 pytestmark = pytest.mark.anyio
 

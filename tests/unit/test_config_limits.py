@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_preflight.predictor.auth import load_api_keys
+from kv_preflight.predictor.http.auth import load_api_keys
 from kv_preflight.config import Config
 
 REPO = Path(__file__).resolve().parents[2]

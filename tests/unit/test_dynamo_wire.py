@@ -1,4 +1,4 @@
-"""Dynamo's standalone-indexer shapes (predictor/dynamo_wire.py), checked against Dynamo's own fixtures.
+"""Dynamo's standalone-indexer shapes (predictor/dynamo/wire.py), checked against Dynamo's own fixtures.
 
 Sources: ai-dynamo/dynamo lib/kv-router/src/services/overlap.rs @ 5ea3d18eaab82a2b7d2e8ffae5814aaa05ee67df
 (test ``builds_cumulative_multi_rank_mooncake_summary``) and services/indexer/mod.rs
@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kv_preflight.predictor.dynamo_wire import (EndpointError, EndpointRefused, build_score_response, check_endpoint,
+from kv_preflight.predictor.dynamo.wire import (EndpointError, EndpointRefused, build_score_response, check_endpoint,
                                    endpoint_host, stable_instance_id, tier_prefixes)
 from kv_preflight.index.entries import PodEntry, encode_entry
 

@@ -1,11 +1,11 @@
 """The pure rules behind explain, warnings and the diagnoses: the classifier, per-pod losses, sessions, fleet."""
 from __future__ import annotations
 
-from kv_preflight.predictor import explain as rules
-from kv_preflight.predictor.fleet_diagnosis import EngineCounters, diagnose_fleet, parse_prefix_counters
-from kv_preflight.predictor.prompt_warnings import hints_from_probe
-from kv_preflight.predictor.session_diagnosis import TurnRecord, diagnose_sessions
-from kv_preflight.predictor.traffic import MAX_FAMILIES, Traffic
+from kv_preflight.predictor.explain import rules
+from kv_preflight.predictor.diagnosis.fleet import EngineCounters, diagnose_fleet, parse_prefix_counters
+from kv_preflight.predictor.explain.warnings import hints_from_probe
+from kv_preflight.predictor.diagnosis.sessions import TurnRecord, diagnose_sessions
+from kv_preflight.predictor.diagnosis.traffic import MAX_FAMILIES, Traffic
 from tests.conftest import fixture_path
 
 BOS = 1

@@ -1,7 +1,7 @@
-"""What the predictor reads from the fleet records (predictor/fleet.py), on a fixed view and a fake clock."""
+"""What the predictor reads from the fleet records (predictor/fleet_view.py), on a fixed view and a fake clock."""
 from __future__ import annotations
 
-from kv_preflight.predictor.fleet import FleetWatcher
+from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.fleet.records import FleetView, PodLoad, PodRecord
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TemplateError, TokenizerLoadError, normalize_messages
-from kv_preflight.predictor.tokenizer_check import (
+from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError, TokenizerLoadError, normalize_messages
+from kv_preflight.predictor.tokens.parity import (
     Sample, builtin_samples, compare, diagnose, first_divergence, load_samples,
 )
 from tests.tokenizer_files import BOS, IM_END, IM_START, write_tokenizer

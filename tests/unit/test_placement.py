@@ -1,4 +1,4 @@
-"""The placement memory (predictor/placement.py) and how the route rule places new prefixes with it."""
+"""The placement memory (predictor/scoring/placement.py) and how the route rule places new prefixes with it."""
 from __future__ import annotations
 
 from collections import Counter
@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 
 from kv_preflight.predictor.load import PodLoad
-from kv_preflight.predictor.placement import PrefixPlacements
-from kv_preflight.predictor.route import RoutingPolicy, decide
-from kv_preflight.predictor.score import Prediction
-from kv_preflight.predictor.service import prefix_placements
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.scoring.placement import PrefixPlacements
+from kv_preflight.predictor.scoring.route import RoutingPolicy, decide
+from kv_preflight.predictor.scoring.score import Prediction
+from kv_preflight.predictor.prediction import prefix_placements
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
 
 PODS = ["a", "b", "c", "d"]

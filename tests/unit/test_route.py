@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kv_preflight.predictor.load import PodLoad, make_target, parse_vllm_metrics
-from kv_preflight.predictor.route import RoutingPolicy, decide, rendezvous
-from kv_preflight.predictor.score import PodAffinity, Prediction
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.scoring.route import RoutingPolicy, decide, rendezvous
+from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from tests.conftest import fixture_path
 
 POLICY = RoutingPolicy()
@@ -140,7 +140,7 @@ def test_overload_is_judged_against_the_mean_not_the_idlest_pod():
 
 def test_a_new_prefix_goes_where_other_prefixes_take_the_least_room():
     """Where a prefix nobody holds lands, it stays: it is placed by the blocks of other recent prefixes homed
-    on each pod (predictor/placement.py), before this second's load; an overloaded pod is never chosen."""
+    on each pod (predictor/scoring/placement.py), before this second's load; an overloaded pod is never chosen."""
     p = prediction(192)
     loads = {"a": load(0), "b": load(3), "c": load(0)}
     d = decide(p, ["a", "b", "c"], loads, policy=POLICY, ttft=TTFT, footprints={"a": 36, "b": 24, "c": 36})

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.predictor.score import PodAffinity, engine_cached_tokens, score
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.scoring.score import PodAffinity, engine_cached_tokens, score
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.index.index import PodMatch, ScoringInfo
 
 C = 16
@@ -169,7 +169,7 @@ def test_the_c_loop_equals_the_python_loop(pods, prompt_len, with_ttft, canonica
     """``_speedups.affinities`` (what the predictor runs: metadata per pod, no other maps) gives the Python
     loop's affinities, in the same order: pods with and without metadata, a pods filter, counts past the
     prompt and below zero, engine block sizes missing, zero or negative."""
-    from kv_preflight.predictor import score as scoring
+    from kv_preflight.predictor.scoring import score as scoring
 
     assert scoring._c_affinities is not None, "the C extension is built by scripts/setup"
     ttft = PrefillModel(overhead_ms=3, prefill_tokens_per_s=777, attention_ms_per_mpair=0.3) if with_ttft else None
@@ -184,7 +184,7 @@ def test_the_c_loop_equals_the_python_loop(pods, prompt_len, with_ttft, canonica
 
 
 def test_the_c_loop_refuses_what_it_cannot_read():
-    from kv_preflight.predictor import score as scoring
+    from kv_preflight.predictor.scoring import score as scoring
 
     with pytest.raises(AttributeError):
         scoring._c_affinities([object()], 100, 16, None, None, None, PodAffinity)
@@ -204,7 +204,7 @@ def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
     """A pod's meta may hold any number (scoring_info_from reads what is there): one pod's engine block size
     past 64 bits drops that pod, as in the Python loop, instead of failing the prediction; metadata of None
     reads as none."""
-    from kv_preflight.predictor import score as scoring
+    from kv_preflight.predictor.scoring import score as scoring
     from kv_preflight.index.index import scoring_info_from
 
     matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"),
@@ -220,7 +220,7 @@ def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
 def test_the_c_loop_survives_callbacks_that_change_its_inputs():
     """``make`` and the estimate run Python code: emptying the matches list or the metadata under the loop
     must not make it read freed memory (it scores the list it was given, as a snapshot)."""
-    from kv_preflight.predictor import score as scoring
+    from kv_preflight.predictor.scoring import score as scoring
 
     matches = [PodMatch(f"p{i}", 4, "gpu") for i in range(2000)]
     infos = {f"p{i}": ScoringInfo(f"p{i}", 16, False) for i in range(2000)}

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.predictor.ttft import (
+from kv_preflight.predictor.scoring.ttft import (
     Observation, PrefillModel, TtftModels, errors, fit_by_model, fit_prefill_model, merge_into, parse_observations,
     solve_least_squares,
 )

@@ -29,7 +29,7 @@ from kv_preflight.cli.bench import loadgen
 from kv_preflight.cli.bench.procs import Server, python
 from kv_preflight.cli.bench.workload import event_stream, tokens
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
-from kv_preflight.predictor.score import engine_cached_tokens
+from kv_preflight.predictor.scoring.score import engine_cached_tokens
 from kv_preflight.index.index import Index, StoreBlock
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.layout import pod_fields_key, pod_meta_key

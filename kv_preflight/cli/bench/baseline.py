@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kv_preflight.predictor.metadata import IndexMetadata
-from kv_preflight.predictor.score import score
+from kv_preflight.predictor.scoring.score import score
 from kv_preflight.index.index import Index, longest_prefix
 from kv_preflight.keys.chain import request_keys_reference
 

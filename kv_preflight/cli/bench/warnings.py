@@ -1,19 +1,19 @@
-"""Bench row: what the ``warnings`` of predict and route add to the hot path (predictor/prompt_warnings.py).
+"""Bench row: what the ``warnings`` of predict and route add to the hot path (predictor/explain/warnings.py).
 
 Per request the predictor reads the first two token ids from the raw JSON (fast path), checks them
 against the model's BOS, looks up template drift, copies the answer struct with the list, and counts
-the prediction for ``diagnose fleet`` (predictor/traffic.py). Measured in-process, against doing none of it.
+the prediction for ``diagnose fleet`` (predictor/diagnosis/traffic.py). Measured in-process, against doing none of it.
 """
 from __future__ import annotations
 
 import msgspec
 
-from kv_preflight.predictor.prompt_warnings import ModelHints, PromptWarnings
-from kv_preflight.predictor.request import KeyedRequest
-from kv_preflight.predictor.score import PodAffinity, Prediction
-from kv_preflight.predictor.tokenization import Tokenization
-from kv_preflight.predictor.tokenize import EngineTokenizer
-from kv_preflight.predictor.traffic import Traffic
+from kv_preflight.predictor.explain.warnings import ModelHints, PromptWarnings
+from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
+from kv_preflight.predictor.tokens.source import Tokenization
+from kv_preflight.predictor.tokens.engine import EngineTokenizer
+from kv_preflight.predictor.diagnosis.traffic import Traffic
 from kv_preflight.keys.chain import request_keys
 
 

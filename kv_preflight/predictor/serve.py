@@ -4,7 +4,7 @@ With ``workers > 1`` uvicorn starts fresh processes that import the app by name,
 so the Config travels to them as JSON in an environment variable and
 ``app_from_env`` rebuilds the app there; each worker gets its own Valkey and
 engine clients and caches. uvloop and httptools are used when importable, each HTTP
-protocol with a deadline on request headers (predictor/server.py).
+protocol with a deadline on request headers (predictor/http/protocols.py).
 Their Prometheus metrics are summed across workers through a fresh multiprocess
 directory (kv_preflight/metrics.py), so any scrape sees the whole server.
 """
@@ -17,15 +17,15 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 
-from kv_preflight.predictor.app import create_app
-from kv_preflight.predictor.server import protocol_factory
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.http.protocols import protocol_factory
 from kv_preflight import parent_death
 from kv_preflight.config import Config
 from kv_preflight.logs import setup_logging
 from kv_preflight.metrics import remove_multiprocess_dir, use_multiprocess_dir
 
 CONFIG_ENV = "KVPF_SERVE_CONFIG_JSON"
-APP_FACTORY = "kv_preflight.predictor.main:app_from_env"
+APP_FACTORY = "kv_preflight.predictor.serve:app_from_env"
 
 
 def encode_config(cfg: Config) -> str:
@@ -70,8 +70,8 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
 
 
 def run_dynamo_api(raw_config: str, parent_pid: int) -> None:
-    """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo_api.py)."""
-    from kv_preflight.predictor.dynamo_api import create_dynamo_app
+    """The remote-indexer port's process (``serve --dynamo-port``, predictor/dynamo/api.py)."""
+    from kv_preflight.predictor.dynamo.api import create_dynamo_app
 
     _exit_with_parent(parent_pid)
     cfg = decode_config(raw_config)

@@ -25,7 +25,7 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    requests follow the cache), so it is placed by cache room, not by this second's load: a
    prefix still *pending* (placed on a pod moments ago, not indexed yet) goes there again;
    else the non-overloaded pod with the fewest blocks of other recent prefixes homed on it
-   (``footprints``, predictor/placement.py), then the least loaded, then a rendezvous hash of
+   (``footprints``, predictor/scoring/placement.py), then the least loaded, then a rendezvous hash of
    the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
    Without footprints (none known yet) that is the least loaded pod, as before.
 """
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kv_preflight.predictor.findings import Finding
+from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.load import PodLoad
-from kv_preflight.predictor.score import Prediction
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.scoring.score import Prediction
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
 
 _DEFAULTS = Config()  # the documented defaults live in one place: kv_preflight/config.py
@@ -88,7 +88,7 @@ class RouteDecision(msgspec.Struct, frozen=True):
     estimated_ttft_ms: float
     best_overlap_pod: str | None
     candidates: list[RouteCandidate]
-    warnings: list[Finding] = msgspec.field(default_factory=list)  # predictor/prompt_warnings.py
+    warnings: list[Finding] = msgspec.field(default_factory=list)  # predictor/explain/warnings.py
 
 
 def rendezvous(affinity_key: int, pod_id: str) -> int:

@@ -2,7 +2,7 @@
 
 Two token lists that "should" be equal part at a first position; the shape of the difference says
 why, and the same rules serve the start-up tokenizer check (local vs engine tokens of one input,
-predictor/tokenizer_check.py) and ``POST /v1/cache/explain`` (this prompt vs the earlier one the
+predictor/tokens/parity.py) and ``POST /v1/cache/explain`` (this prompt vs the earlier one the
 user expected to hit). The usual causes, from the field guide the product grew out of:
 
 * a BOS doubled (the text already starts with the BOS string and the tokenizer adds another) or
@@ -13,9 +13,9 @@ user expected to hit). The usual causes, from the field guide the product grew o
 * a chat template that renders the same messages differently (a date injected, another template);
 * the same tokens cached under another model's or LoRA adapter's root (keys never match across roots).
 
-Then, per pod, what the engine's own rules take off a match (predictor/score.py has the formula):
+Then, per pod, what the engine's own rules take off a match (predictor/scoring/score.py has the formula):
 whole engine blocks only, the last prompt token always recomputed, the partial last block never cached.
-No I/O here; predictor/explainer.py gathers the tokens and the index's answer.
+No I/O here; predictor/explain/handler.py gathers the tokens and the index's answer.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from kv_preflight.predictor.score import Prediction
+from kv_preflight.predictor.scoring.score import Prediction
 
-from kv_preflight.predictor.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, FINDING_KINDS, MISSING_BOS,  # noqa: F401
+from kv_preflight.predictor.explain.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, FINDING_KINDS, MISSING_BOS,  # noqa: F401
                                 OTHER_MODEL, ROLLING_CONTEXT, TEMPLATE_DRIFT, TOKENIZER_DRIFT, UNICODE, WHITESPACE,
                                 Finding)
 

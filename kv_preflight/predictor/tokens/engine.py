@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from kv_preflight.predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
-from kv_preflight.predictor.request import TokenId
+from kv_preflight.predictor.http.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.http.request import TokenId
 from kv_preflight.engines.vllm import ENGINE as VLLM
 
 log = logging.getLogger("kvpf.predictor")

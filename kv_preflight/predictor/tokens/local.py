@@ -113,7 +113,7 @@ class LocalTokenizer:
     chat_template: jinja2.Template | None
     special_tokens: dict[str, str]
     content_as_parts: bool = False
-    template_source: str | None = None  # kept for predictor/prompt_warnings.py (does it inject the date?)
+    template_source: str | None = None  # kept for predictor/explain/warnings.py (does it inject the date?)
 
     @classmethod
     def load(cls, directory: str | Path, name: str = "") -> "LocalTokenizer":

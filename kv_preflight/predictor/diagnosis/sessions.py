@@ -6,7 +6,7 @@ longer than the window, the front is cut, the overlap between consecutive turns 
 in front of the cut (BOS and system prompt), and every turn prefills almost everything again. The
 reports say, per session, the shared prefix of consecutive turns, from which turn a window cuts (and how
 many tokens), the tokens prefilled per turn against what a stable history would prefill, and what to
-change. The cut is found by predictor/explain.py's ``rolling_cut``, the rule ``/v1/cache/explain`` uses.
+change. The cut is found by predictor/explain/rules.py's ``rolling_cut``, the rule ``/v1/cache/explain`` uses.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kv_preflight.predictor.explain import first_divergence, rolling_cut
+from kv_preflight.predictor.explain.rules import first_divergence, rolling_cut
 
 
 class TurnRecord(msgspec.Struct, frozen=True):

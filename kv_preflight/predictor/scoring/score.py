@@ -14,8 +14,8 @@ from typing import Protocol
 
 import msgspec
 
-from kv_preflight.predictor.findings import Finding
-from kv_preflight.predictor.ttft import PrefillModel
+from kv_preflight.predictor.explain.findings import Finding
+from kv_preflight.predictor.scoring.ttft import PrefillModel
 
 try:  # the per-pod loop in C (kv_preflight/_speedups.c); the Python loop below is the reference and the fallback
     from kv_preflight._speedups import affinities as _c_affinities
@@ -60,7 +60,7 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     # and this is the first request-key block (0-based) whose shard did not answer.
     partial: bool = False
     partial_from_block: int | None = None
-    # Cache-breaking problems seen without a lookup (predictor/prompt_warnings.py): the predictor always
+    # Cache-breaking problems seen without a lookup (predictor/explain/warnings.py): the predictor always
     # sets a list, so answers always carry it (None is only the default of structs built elsewhere).
     warnings: list[Finding] | None = None
 

@@ -5,18 +5,18 @@ in docs/benchmarks.md): BOS problems visible in the first tokens (a doubled BOS,
 model's tokenizer always adds one), and template drift the start-up tokenizer check found (or a chat
 template that renders the current date, so yesterday's cached chats miss today). What a model's BOS is
 comes from its local tokenizer (``--tokenizer``), or from ``POST /v1/cache/explain``, which asks the
-engine once; a model nothing is known of gets no BOS warning. The rules are predictor/explain.py's.
+engine once; a model nothing is known of gets no BOS warning. The rules are predictor/explain/rules.py's.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-from kv_preflight.predictor.explain import bos_findings
-from kv_preflight.predictor.findings import TEMPLATE_DRIFT, Finding
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer
-from kv_preflight.predictor.request import KeyedRequest
-from kv_preflight.predictor.tokenization import Tokenization
+from kv_preflight.predictor.explain.rules import bos_findings
+from kv_preflight.predictor.explain.findings import TEMPLATE_DRIFT, Finding
+from kv_preflight.predictor.tokens.local import LocalTokenizer
+from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor.tokens.source import Tokenization
 
 # strftime_now is the Hugging Face template global for "today"; Llama 3.x templates render date_string.
 _DATED_TEMPLATE = re.compile(r"strftime_now|date_string|current_date")

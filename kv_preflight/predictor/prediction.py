@@ -16,22 +16,22 @@ from typing import Any
 
 import msgspec
 
-from kv_preflight.predictor.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
-from kv_preflight.predictor.fleet import FleetWatcher
+from kv_preflight.predictor.http.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
+from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
-from kv_preflight.predictor.placement import PlacementHint, PrefixPlacements
-from kv_preflight.predictor.prompt_warnings import PromptWarnings
-from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_token_count
-from kv_preflight.predictor.route import RouteDecision, RoutingPolicy, decide
-from kv_preflight.predictor.score import Prediction, score
+from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
+from kv_preflight.predictor.explain.warnings import PromptWarnings
+from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
+from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
+from kv_preflight.predictor.scoring.score import Prediction, score
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
-from kv_preflight.predictor.tokenization import Tokenization
-from kv_preflight.predictor.tokenize import EngineTokenizer
-from kv_preflight.predictor.traffic import Traffic
-from kv_preflight.predictor.fleet_diagnosis import stats_view as diagnosis_view
-from kv_preflight.predictor.ttft import TtftModels
+from kv_preflight.predictor.tokens.source import Tokenization
+from kv_preflight.predictor.tokens.engine import EngineTokenizer
+from kv_preflight.predictor.diagnosis.traffic import Traffic
+from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
+from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
 from kv_preflight.keys.chain import salted_request_keys
@@ -68,7 +68,7 @@ class Predictor:
     _aliases: dict[str, list[str]] = field(default_factory=dict)  # kvpf:aliases, cached ALIASES_TTL_S
     _aliases_at: float = float("-inf")
     warnings: PromptWarnings = None  # type: ignore[assignment]  # set in __post_init__
-    traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/traffic.py)
+    traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/diagnosis/traffic.py)
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
     placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
 

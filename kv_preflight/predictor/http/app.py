@@ -3,7 +3,7 @@
 All state (Valkey client, engine client, caches, counters) hangs off
 ``app.state.predictor``, created by ``create_app`` so each worker process owns its own.
 Request limits (media type, size, read time, pods filter, JSON depth) are enforced in
-predictor/body.py and predictor/request.py; the time to send headers in predictor/server.py.
+predictor/http/body.py and predictor/http/request.py; the time to send headers in predictor/http/protocols.py.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
-from kv_preflight.predictor.body import read_json_body
-from kv_preflight.predictor.errors import PredictorError, RequestTimeout
-from kv_preflight.predictor.explainer import explain as explain_request, parse_explain
-from kv_preflight.predictor.openapi import openapi_document
-from kv_preflight.predictor.request import parse_keyed, parse_request
-from kv_preflight.predictor.service import Predictor
+from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.http.body import read_json_body
+from kv_preflight.predictor.http.errors import PredictorError, RequestTimeout
+from kv_preflight.predictor.explain.handler import explain as explain_request, parse_explain
+from kv_preflight.predictor.http.openapi import openapi_document
+from kv_preflight.predictor.http.request import parse_keyed, parse_request
+from kv_preflight.predictor.prediction import Predictor
 from kv_preflight.predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
 from kv_preflight.predictor.stats import StatsQuery
 from kv_preflight.config import Config
@@ -105,12 +105,12 @@ async def predict(request: Request) -> Response:
 
 
 async def route(request: Request) -> Response:
-    """The pod to send this request to, and why (predictor/route.py, docs/routing.md)."""
+    """The pod to send this request to, and why (predictor/scoring/route.py, docs/routing.md)."""
     return await _answer(request, "route", Predictor.route_keyed, Predictor.route, lambda d: d.cached_tokens)
 
 
 async def explain(request: Request) -> Response:
-    """Why this prompt would (not) hit, optionally against the earlier ``compare`` one (predictor/explainer.py)."""
+    """Why this prompt would (not) hit, optionally against the earlier ``compare`` one (predictor/explain/handler.py)."""
     predictor: Predictor = request.app.state.predictor
     started = time.perf_counter()
     cfg = predictor.cfg

@@ -4,7 +4,7 @@ With N replicas and requests spread round robin, a prefix is cached where it fir
 request for it lands there with probability about 1/N: the hit rate falls from ``p`` (what affinity
 gets) to about ``p / N``, a loss near ``p (1 - 1/N)``. The readings (taken by ``kv-preflight diagnose
 fleet``, cli/diagnose.py) are: each engine's own prefix-cache counters (``vllm:prefix_cache_queries``
-and ``_hits``, in tokens), the predictor's traffic totals (predictor/traffic.py: ``p`` = best-pod cached
+and ``_hits``, in tokens), the predictor's traffic totals (predictor/diagnosis/traffic.py: ``p`` = best-pod cached
 tokens / prompt tokens of the predictions made), and, from the index, which pods hold each prefix
 family's first block (its duplication). Window rates are the difference of two readings; a window of 0
 uses the totals since the counters started.

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kv_preflight.predictor.errors import EngineRejected, EngineUnavailable
-from kv_preflight.predictor.explain import Cause, classify, first_divergence
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TemplateError
+from kv_preflight.predictor.http.errors import EngineRejected, EngineUnavailable
+from kv_preflight.predictor.explain.rules import Cause, classify, first_divergence
+from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError
 from kv_preflight.jsonl import read_json_lines
 
 
@@ -89,7 +89,7 @@ def diagnose(local: Sequence[int], engine: Sequence[int], position: int, sample:
 
 
 def cause_of(local: Sequence[int], engine: Sequence[int], position: int, sample: Sample, bos_id: int | None) -> Cause:
-    """predictor/explain.py's classifier, told both sides come from one input (so no content change, no window)."""
+    """predictor/explain/rules.py's classifier, told both sides come from one input (so no content change, no window)."""
     return classify(local, engine, position, bos_id=bos_id, labels=("local", "engine"), same_input=True,
                     chat=sample.messages is not None, ours_text=sample.text, theirs_text=sample.text)
 
@@ -103,7 +103,7 @@ class SampleResult:
     local_token: str | None = None
     engine_token: str | None = None
     hint: str = ""
-    cause: str = ""  # the hint's kind (predictor/explain.py FINDING_KINDS)
+    cause: str = ""  # the hint's kind (predictor/explain/rules.py FINDING_KINDS)
     error: str = ""  # one side refused the input and the other did not
 
     @property

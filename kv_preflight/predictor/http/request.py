@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.predictor.http.errors import BadRequest, clip
 from kv_preflight.config import Config
 from kv_preflight.keys.chain import MAX_TOKEN_ID, request_keys_json
 
@@ -110,7 +110,7 @@ class KeyedRequest(msgspec.Struct):
 
     @property
     def head(self) -> tuple[int, ...]:
-        """The first two token ids, for the BOS warnings (predictor/prompt_warnings.py); parsed only when asked."""
+        """The first two token ids, for the BOS warnings (predictor/explain/warnings.py); parsed only when asked."""
         return leading_token_ids(self.raw_token_ids)
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from kv_preflight.predictor.explain import Explanation
-from kv_preflight.predictor.route import RouteDecision
-from kv_preflight.predictor.score import Prediction
+from kv_preflight.predictor.explain.rules import Explanation
+from kv_preflight.predictor.scoring.route import RouteDecision
+from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.stats import DEFAULT_PODS_LIMIT, MAX_PODS_LIMIT
 from kv_preflight.config import Config
 from kv_preflight.keys.chain import MAX_TOKEN_ID

@@ -5,7 +5,7 @@ Content-Length before a byte of body is read, the size again while streaming (a
 chunked body declares none), and the time around the whole read, so a client that
 trickles its body (or stops sending it) is answered 408 instead of holding a
 connection and a task forever. The time to send the headers is bounded by the
-server protocol (predictor/server.py); this bounds the body after them.
+server protocol (predictor/http/protocols.py); this bounds the body after them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from kv_preflight.predictor.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
+from kv_preflight.predictor.http.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
 
 
 def is_json_media_type(content_type: str | None) -> bool:

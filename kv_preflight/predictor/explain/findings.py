@@ -1,7 +1,7 @@
 """What a finding is: one reason a prompt misses (or will miss) the prefix cache, and the closed set of kinds.
 
-Shared by the explain answer (predictor/explain.py) and the ``warnings`` of predict and route
-answers (predictor/prompt_warnings.py); docs/explain.md says what each kind means and what to do.
+Shared by the explain answer (predictor/explain/rules.py) and the ``warnings`` of predict and route
+answers (predictor/explain/warnings.py); docs/explain.md says what each kind means and what to do.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ minute, holds the connection (and its file descriptor) for as long as it likes, 
 a few thousand such clients exhaust the server. These subclasses arm a timer when a
 connection opens and when a new request's first byte arrives, and disarm it once the
 headers are complete; if it fires first, the client gets a 408 and the connection is
-closed. The body is bounded separately, by the handler (predictor/body.py), so a
+closed. The body is bounded separately, by the handler (predictor/http/body.py), so a
 request's headers and then its body each get ``read_timeout_s``.
 
 uvicorn builds its protocol with ``http_protocol_class(config=..., server_state=...,

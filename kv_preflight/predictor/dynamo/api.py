@@ -4,7 +4,7 @@ A router that speaks to Dynamo's ``python -m dynamo.indexer`` (Mooncake KV Index
 kv-preflight index instead: ``/query`` answers from the same Valkey index the predictor reads, and
 ``/register`` / ``/unregister`` add and remove engine sources at run time by writing ``kvpf:engines``
 (kv_preflight/fleet/records.py ``RegisteredEngine``), which every ingester treats as a discovery source. Shapes,
-status codes and error texts are Dynamo's (predictor/dynamo_wire.py cites the source); what differs
+status codes and error texts are Dynamo's (predictor/dynamo/wire.py cites the source); what differs
 is in docs/dynamo.md. ``/query_by_hash`` and ``/dump`` need Dynamo's own per-block XXH3 hashes and
 event log, which this index does not keep: they answer 501.
 """
@@ -22,13 +22,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kv_preflight.predictor.auth import ApiKeyAuth, load_api_keys
-from kv_preflight.predictor.body import read_json_body
-from kv_preflight.predictor.dynamo_wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
+from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
+from kv_preflight.predictor.http.body import read_json_body
+from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
                                    RegisterRequest, UnregisterRequest, WorkerInfo, ListenerInfo, build_score_response,
                                    check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
-from kv_preflight.predictor.errors import PredictorError
-from kv_preflight.predictor.service import valkey_call
+from kv_preflight.predictor.http.errors import PredictorError
+from kv_preflight.predictor.prediction import valkey_call
 from kv_preflight.fleet import records as fleet
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index

@@ -3,7 +3,7 @@
 A model given ``--tokenizer MODEL=DIR`` is tokenized in-process, but only while the
 local tokenizer is known not to disagree with the engine: at start-up (and, if the
 engine cannot be asked yet, every ``RECHECK_S`` until it can) the samples of
-``kv_preflight.predictor.tokenizer_check`` go through both. A model whose check fails falls back to
+``kv_preflight.predictor.tokens.parity`` go through both. A model whose check fails falls back to
 the engine's ``/tokenize``, and ``/stats`` says which source each model uses and why.
 Without an engine URL the local tokenizer is used unchecked (the operator's call).
 """
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv_preflight.predictor.errors import BadRequest, clip
-from kv_preflight.predictor.local_tokenizer import LocalTokenizer, TemplateError
-from kv_preflight.predictor.tokenize import EngineTokenizer
-from kv_preflight.predictor.tokenizer_check import builtin_samples, check_parity
+from kv_preflight.predictor.http.errors import BadRequest, clip
+from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError
+from kv_preflight.predictor.tokens.engine import EngineTokenizer
+from kv_preflight.predictor.tokens.parity import builtin_samples, check_parity
 
 log = logging.getLogger("kvpf.predictor")
 
@@ -36,7 +36,7 @@ class ModelTokenization:
     source: str  # LOCAL or ENGINE
     check: str  # passed | failed | pending | unchecked | disabled
     detail: str = ""
-    causes: tuple[str, ...] = ()  # kinds of the check's divergences (predictor/explain.py), for warnings
+    causes: tuple[str, ...] = ()  # kinds of the check's divergences (predictor/explain/rules.py), for warnings
 
     def as_dict(self) -> dict[str, Any]:
         out = {"source": self.source, "check": self.check, "detail": self.detail}

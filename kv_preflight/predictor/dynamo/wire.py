@@ -6,7 +6,7 @@ ai-dynamo/dynamo ``lib/kv-router/src/services/indexer/server.rs`` @ 47022ee4c6f1
 ``services/indexer/registry.rs`` @ 317eb30e8639550dbc7692723387a6dc2ae97ef5 (WorkerInfo, ListenerStatus,
 error texts) and ``services/overlap.rs`` @ 5ea3d18eaab82a2b7d2e8ffae5814aaa05ee67df (MooncakeOverlapSummary:
 per instance ``longest_matched``, ``gpu``, ``dp``, ``cpu``, ``disk``, in tokens, cpu and disk cumulative).
-The routes and the I/O are in predictor/dynamo_api.py; docs/dynamo.md says what differs.
+The routes and the I/O are in predictor/dynamo/api.py; docs/dynamo.md says what differs.
 """
 from __future__ import annotations
 

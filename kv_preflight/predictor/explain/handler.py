@@ -1,4 +1,4 @@
-"""``POST /v1/cache/explain``: the I/O around predictor/explain.py's pure rules.
+"""``POST /v1/cache/explain``: the I/O around predictor/explain/rules.py's pure rules.
 
 The body is /predict's plus an optional ``compare`` (a second prompt in any input form, the earlier
 request the user expected to hit), validated by the same parser with the same limits. Gathered here:
@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import msgspec
 
-from kv_preflight.predictor import explain as rules
-from kv_preflight.predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
-from kv_preflight.predictor.explain import Explanation, Finding, PodChain
-from kv_preflight.predictor.prompt_warnings import hints_from_probe
-from kv_preflight.predictor.request import PredictRequest, check_token_count, parse_request
-from kv_preflight.predictor.score import score
-from kv_preflight.predictor.service import Predictor, valkey_call
+from kv_preflight.predictor.explain import rules
+from kv_preflight.predictor.http.errors import BadRequest, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
+from kv_preflight.predictor.explain.warnings import hints_from_probe
+from kv_preflight.predictor.http.request import PredictRequest, check_token_count, parse_request
+from kv_preflight.predictor.scoring.score import score
+from kv_preflight.predictor.prediction import Predictor, valkey_call
 from kv_preflight.keys.chain import request_keys
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)

@@ -4,7 +4,7 @@ The index says which pods hold a prompt's blocks, not how crowded each pod's cac
 every engine's pool is full (cached blocks stay until evicted), so its block count says nothing,
 and KV usage counts only blocks of running requests. A prefix nobody holds is a lasting choice
 (every later request of it follows the cache), and what it consumes is cache room; so the rule
-(predictor/route.py) sends it where the fewest blocks of *other live prefixes* already live, which
+(predictor/scoring/route.py) sends it where the fewest blocks of *other live prefixes* already live, which
 is what SGLang's cache-aware router does with its per-worker trees (the smallest tree takes a
 request with no good match). Placing by load alone, or by a hash of the prefix, leaves some pods
 with more prefixes than fit and others with room (issue #10: five tenants' prompts on a pod that
