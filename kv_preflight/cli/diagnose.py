@@ -186,7 +186,7 @@ async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dic
         pod = await _discover_pod(client, url.rstrip("/"))
         if pod is not None:
             urls.setdefault(pod, url)
-    view = await index.fleet_view()
+    view = await index.fleet.fleet_view()
     for pod, rec in view.pods.items():
         if rec.engine_url and rec.state != "retired":
             urls[pod] = rec.engine_url
@@ -221,11 +221,11 @@ async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str
             for key, fields in zip(keys, await index.fields_per_key(keys, stop_at_gap=False)):
                 entries = (parse_entry(f) for f in fields)
                 holders[str(key)] = sorted({e.PodIdentifier for e in entries if e is not None})
-        at_ms = await index.now_ms()
+        at_ms = await index.fleet.now_ms()
         result = diagnose_fleet(pods=pods, engines_before=before_e, engines_after=after_e, engine_errors=errors,
                                 traffic_before=before_t, traffic_after=after_t, holders=holders, window_s=window_s,
                                 at_ms=at_ms)
-        await index.put_fleet_diagnosis(msgspec.json.encode(bounded(result)))
+        await index.fleet.put_fleet_diagnosis(msgspec.json.encode(bounded(result)))
         return result
     finally:
         await index.close()

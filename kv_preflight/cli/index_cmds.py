@@ -165,7 +165,7 @@ def pods(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            return _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet_view())
+            return _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet.fleet_view())
         finally:
             await ix.close()
 
@@ -181,7 +181,7 @@ def ingesters(valkey_url, as_json) -> None:
     async def go():
         ix = await _open(valkey_url)
         try:
-            view = await ix.fleet_view()
+            view = await ix.fleet.fleet_view()
         finally:
             await ix.close()
         return [{"ingester": i, "live": lease.expires_ms > view.now_ms, "host": lease.host,

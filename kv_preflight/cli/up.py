@@ -374,7 +374,7 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
     async def ready() -> bool:
         ix = Index.from_url(valkey_url)
         try:
-            view = await ix.fleet_view()
+            view = await ix.fleet.fleet_view()
         finally:
             await ix.close()
         urls = {r.engine_url for r in view.pods.values() if r.state == "live" and r.models}

@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from kv_preflight.index.entries import ApplyResult, Lookup
 
@@ -67,4 +68,34 @@ def ready(value: Any) -> "asyncio.Future[Any]":
     return done
 
 
-__all__ = ["VALKEY_ERRORS", "IndexBackend", "evalsha_pipeline", "ready"]
+async def read_pipeline(client, fill) -> list[Any]:
+    """A pipeline of reads, sent once more on a fresh connection if the connection dropped under it
+    (a Valkey restart, CLIENT KILL): reads are safe to repeat. Error replies come back in place."""
+    for attempt in (0, 1):
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                fill(pipe)
+                return await pipe.execute(raise_on_error=False)
+        except (RedisConnectionError, ConnectionError, OSError):
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+def foreign_as_empty(replies: list[Any]) -> list[Any]:
+    """Pipeline replies with a key of a foreign type (WRONGTYPE) read as empty; other errors raise."""
+    for i, r in enumerate(replies):
+        if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
+            replies[i] = []
+        elif isinstance(r, Exception):
+            raise r
+    return replies
+
+
+def ms_of(time_reply: Any) -> int:
+    """A ``TIME`` reply (seconds, microseconds) in milliseconds."""
+    seconds, micros = time_reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+__all__ = ["VALKEY_ERRORS", "IndexBackend", "evalsha_pipeline", "foreign_as_empty", "ms_of", "read_pipeline", "ready"]

@@ -25,16 +25,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend
+from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, foreign_as_empty, read_pipeline
 from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (CHAIN_ROOT, DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
-from kv_preflight.fleet import records as fleet
-from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY)
-from kv_preflight.index.layout import (COUNTERS_KEY, FEEDS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
-                           feed_field, pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
+from kv_preflight.fleet.store import FleetStore
+from kv_preflight.index.layout import (COUNTERS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
+                           pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY
 from kv_preflight.index.layout import pod_keys as _pod_keys
 
@@ -136,31 +135,6 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
     )
 
 
-def _foreign_as_empty(replies: list[Any]) -> list[Any]:
-    """Pipeline replies with a key of a foreign type (WRONGTYPE) read as empty; other errors raise."""
-    for i, r in enumerate(replies):
-        if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
-            replies[i] = []
-        elif isinstance(r, Exception):
-            raise r
-    return replies
-
-
-# Compare-and-set of one field of a hash (ARGV[2] "" stands for an absent field).
-_CAS_SCRIPT = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if (cur or '') ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"""
-
-
-def _ms(time_reply: Any) -> int:
-    """A ``TIME`` reply (seconds, microseconds) in milliseconds."""
-    seconds, micros = time_reply
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
 async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
     """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
     (kv_preflight/index/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
@@ -201,6 +175,8 @@ class Index:
         self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
         self._names_mask = 0  # bit n set: number n is in self._names
         self._nums_script = client.register_script(scripts.NUMS)
+        # fleet records, leases, load, settings, aliases, feeds: kv_preflight/fleet/store.py
+        self.fleet = FleetStore(client, cluster=self.cluster)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json",
@@ -385,7 +361,7 @@ class Index:
         async with self.client.pipeline(transaction=False) as pipe:
             for ek in eks:
                 pipe.zrevrange(engine_key_name(ek), 0, 1, withscores=True)
-            replies = _foreign_as_empty(await pipe.execute(raise_on_error=False))
+            replies = foreign_as_empty(await pipe.execute(raise_on_error=False))
         out: dict[int, int] = {}
         tied: list[tuple[int, float]] = []
         for ek, r in zip(eks, replies):
@@ -397,12 +373,12 @@ class Index:
             async with self.client.pipeline(transaction=False) as pipe:
                 for ek, top in tied:
                     pipe.zrangebyscore(engine_key_name(ek), top, top)
-                candidates = _foreign_as_empty(await pipe.execute(raise_on_error=False))
+                candidates = foreign_as_empty(await pipe.execute(raise_on_error=False))
             async with self.client.pipeline(transaction=False) as pipe:
                 for rks in candidates:
                     for rk in rks:
                         pipe.hkeys(rk)
-                fields = iter(_foreign_as_empty(await pipe.execute(raise_on_error=False)))
+                fields = iter(foreign_as_empty(await pipe.execute(raise_on_error=False)))
             for (ek, _), rks in zip(tied, candidates):
                 mine = []
                 for rk in rks:
@@ -480,25 +456,6 @@ class Index:
         key = pod_meta_key(pod_id) if pod_id else COUNTERS_KEY
         await self.client.hincrby(key, name, n)
 
-    async def remember_feed(self, replay_endpoint: str, rank: int, pod_id: str, model: str) -> None:
-        """Note that ``replay_endpoint`` (rank ``rank``) serves ``pod_id``; see ``feeds``."""
-        await self.client.hset(FEEDS_KEY, feed_field(replay_endpoint, rank), f"{pod_id}\t{model}")
-
-    async def feeds(self, replay_endpoints: Iterable[str]) -> list[tuple[str, int, str, str]]:
-        """(replay endpoint, rank, pod, model) remembered for these endpoints: what a restarted
-        ingester resumes at start, before any frame names a pod (SGLang's replay replies carry
-        no topic, so the pod cannot be learned from them)."""
-        wanted = set(replay_endpoints)
-        if not wanted:
-            return []
-        out = []
-        for f, v in (await self.client.hgetall(FEEDS_KEY)).items():
-            endpoint, _, rank = text(f).rpartition("|")
-            pod, _, model = text(v).partition("\t")
-            if endpoint in wanted and rank.isdigit() and pod:
-                out.append((endpoint, int(rank), pod, model))
-        return sorted(out)
-
     # ---- read path
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *, mode: str = "script") -> list[PodMatch]:
@@ -566,7 +523,7 @@ class Index:
             for k in request_keys:
                 pipe.hkeys(request_key_name(k))
 
-        replies = await self._read_pipeline(fill)
+        replies = await read_pipeline(self.client, fill)
         for i, r in enumerate(replies):
             if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):  # a miss, counted
                 self.foreign_reads += 1
@@ -616,7 +573,7 @@ class Index:
     async def _read_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Read-only commands pipelined, error replies in place: on the lean connection where there is one
         (a thousand pods' metadata cost ~70 ms of redis-py's per-command Python; there a few ms), else
-        through redis-py (``_read_pipeline``)."""
+        through redis-py (``read_pipeline``)."""
         fast = getattr(self.backend, "fast", None)
         if fast is not None:
             return await fast.pipeline(commands)
@@ -627,20 +584,7 @@ class Index:
             for c in commands:
                 pipe.execute_command(*c)
 
-        return await self._read_pipeline(fill)
-
-    async def _read_pipeline(self, fill) -> list[Any]:
-        """A pipeline of reads, sent once more on a fresh connection if the connection dropped under it
-        (a Valkey restart, CLIENT KILL): reads are safe to repeat. Error replies come back in place."""
-        for attempt in (0, 1):
-            try:
-                async with self.client.pipeline(transaction=False) as pipe:
-                    fill(pipe)
-                    return await pipe.execute(raise_on_error=False)
-            except (RedisConnectionError, ConnectionError, OSError):
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        return await read_pipeline(self.client, fill)
 
     async def pods(self) -> list[PodInfo]:
         return await self.pod_infos(sorted(await self.pod_ids()))
@@ -648,128 +592,6 @@ class Index:
     async def counters(self) -> dict[str, int]:
         raw = await self.client.hgetall(COUNTERS_KEY)
         return {k.decode(): int(v) for k, v in raw.items()}
-
-    # ---- fleet membership (kv_preflight/fleet/records.py has the records, docs/fleet.md the rules)
-
-    async def now_ms(self) -> int:
-        """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
-        return _ms(await self.client.time())
-
-    async def fleet_view(self) -> fleet.FleetView:
-        """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
-        (on a cluster: one per shard holding them). Rows that do not decode are skipped."""
-        now, pods, load, leases = await self._timed_read(FLEET_KEY, LOAD_KEY, INGESTERS_KEY)
-        return fleet.FleetView(
-            now_ms=now,
-            pods={text(k): r for k, v in (pods or {}).items() if (r := fleet.decode_pod(v)) is not None},
-            load={text(k): r for k, v in (load or {}).items() if (r := fleet.decode_load(v)) is not None},
-            ingesters={text(k): r for k, v in (leases or {}).items()
-                       if (r := fleet.decode_lease(v)) is not None})
-
-    async def _timed_read(self, *hashes: str) -> list[Any]:
-        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
-        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
-        def fill(pipe) -> None:
-            if not self.cluster:
-                pipe.time()
-            for h in hashes:
-                pipe.hgetall(h)
-
-        if self.cluster:
-            now, *rest = [await self.client.time(), *await self._read_pipeline(fill)]
-        else:
-            now, *rest = await self._read_pipeline(fill)
-        return [_ms(now), *_foreign_as_empty(rest)]
-
-    async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
-        if records:
-            await self.client.hset(FLEET_KEY, mapping={p: fleet.encode(r) for p, r in records.items()})
-
-    async def replace_pod_record(self, pod_id: str, expected: fleet.PodRecord | None, record: fleet.PodRecord) -> bool:
-        """Write ``record`` only if the pod's record is still ``expected`` (None: absent): two ingesters
-        acting on one pod at once (one retiring it, one attaching a new engine under its id) cannot both
-        win. One small script: compare and set in one step."""
-        found = await self.client.eval(_CAS_SCRIPT, 1, FLEET_KEY, pod_id,
-                                       fleet.encode(expected) if expected is not None else "", fleet.encode(record))
-        return bool(int(found))
-
-    async def drop_pod_records(self, pod_ids: Iterable[str]) -> None:
-        pod_ids = list(pod_ids)
-        if pod_ids:
-            await self.client.hdel(FLEET_KEY, *pod_ids)
-            await self.client.hdel(LOAD_KEY, *pod_ids)
-
-    async def put_load(self, loads: dict[str, fleet.PodLoad]) -> None:
-        if loads:
-            await self.client.hset(LOAD_KEY, mapping={p: fleet.encode(r) for p, r in loads.items()})
-
-    async def put_lease(self, ingester_id: str, lease: fleet.IngesterLease) -> None:
-        await self.client.hset(INGESTERS_KEY, ingester_id, fleet.encode(lease))
-
-    async def drop_leases(self, ingester_ids: Iterable[str]) -> None:
-        ids = list(ingester_ids)
-        if ids:
-            await self.client.hdel(INGESTERS_KEY, *ids)
-
-    async def registered_engines(self) -> dict[str, fleet.RegisteredEngine]:
-        raw = await self.client.hgetall(REGISTERED_KEY)
-        return {text(k): r for k, v in (raw or {}).items() if (r := fleet.decode_registered(v)) is not None}
-
-    async def register_engine(self, engine_id: str, engine: fleet.RegisteredEngine) -> None:
-        await self.client.hset(REGISTERED_KEY, engine_id, fleet.encode(engine))
-
-    async def unregister_engine(self, engine_id: str) -> bool:
-        return bool(await self.client.hdel(REGISTERED_KEY, engine_id))
-
-    async def settings(self) -> fleet.IndexSettings | None:
-        """The index-wide settings, None before any writer has set them."""
-        raw = await self.client.hgetall(SETTINGS_KEY)
-        return fleet.IndexSettings.from_fields({text(k): text(v) for k, v in (raw or {}).items()})
-
-    async def claim_settings(self, ours: fleet.IndexSettings) -> fleet.IndexSettings:
-        """Set the settings if none are set (first writer wins, field by field); return what the index
-        holds, for the caller to compare with its own (``IndexSettings.disagreements``)."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for name, value in ours.as_fields().items():
-                pipe.hsetnx(SETTINGS_KEY, name, value)
-            await pipe.execute()
-        found = await self.settings()
-        assert found is not None
-        return found
-
-    async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None:
-        """Record that each (name, other) pair names one pod both ways (``--pod-id endpoint``)."""
-        merged: dict[str, set[str]] = {}
-        for a, b in pairs:
-            merged.setdefault(a, set()).add(b)
-            merged.setdefault(b, set()).add(a)
-        if not merged:
-            return
-        names = sorted(merged)
-        found = await self.client.hmget(ALIASES_KEY, names)
-        for name, old in zip(names, found):
-            if old:
-                merged[name] |= set(text(old).split("\t"))
-        await self.client.hset(ALIASES_KEY, mapping={n: "\t".join(sorted(v)) for n, v in merged.items()})
-
-    async def aliases(self) -> dict[str, list[str]]:
-        """Every recorded alias (a few per pod, written once per pod and ingester)."""
-        return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
-
-    # ---- the last fleet diagnosis (kv-preflight diagnose fleet writes it, /stats serves it)
-
-    async def put_fleet_diagnosis(self, summary: bytes) -> int:
-        """Store the summary stamped with Valkey's time; returns that time (ms)."""
-        now = await self.now_ms()
-        await self.client.hset(DIAGNOSIS_KEY, mapping={"summary": summary, "at_ms": str(now)})
-        return now
-
-    async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]:
-        """(summary or None, when it was stored, Valkey's time now), in one round trip."""
-        now, fields = await self._timed_read(DIAGNOSIS_KEY)
-        fields = {text(k): v for k, v in (fields or {}).items()}
-        at = fields.get("at_ms")
-        return fields.get("summary"), int(at) if at else 0, now
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""

@@ -20,6 +20,7 @@ NUMS = lua("nums")
 LOOKUP_BITS = lua("lookup_bits")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
+CAS_FIELD = lua("cas_field")
 
-__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "BIT_EFFECT", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "NUMS",
+__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "BIT_EFFECT", "CAS_FIELD", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "NUMS",
            "UNLINK_ENGINE", "lua"]

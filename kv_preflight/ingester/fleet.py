@@ -111,7 +111,7 @@ class FleetMember:
             task.cancel()
         await self.http.aclose()
         try:
-            await self.index.drop_leases([self.me])  # the others take over now, not a TTL later
+            await self.index.fleet.drop_leases([self.me])  # the others take over now, not a TTL later
         except VALKEY_ERRORS:
             pass
 
@@ -142,7 +142,7 @@ class FleetMember:
         # the ingester's loop, nor keep its lease from being renewed next round); what follows them
         # (attaching engines, replays) has bounds of its own.
         async with asyncio.timeout(max(2.0, self.cfg.lease_ttl_s / 2)):
-            now_ms = await self.index.now_ms()
+            now_ms = await self.index.fleet.now_ms()
             self.started_ms = self.started_ms or now_ms
             if now >= self.next_discovery:
                 self._step("discovery")
@@ -151,19 +151,19 @@ class FleetMember:
             known = {s.key: s for s in self.static}
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
             self._step("renewing the lease")
-            await self.index.put_lease(self.me, IngesterLease(
+            await self.index.fleet.put_lease(self.me, IngesterLease(
                 expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
                 host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
                 known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
             self._step("reading the fleet")
-            view = await self.index.fleet_view()
+            view = await self.index.fleet.fleet_view()
         live = view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
                 if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]
         if dead:
             self._step("dropping expired leases")
-            await self.index.drop_leases(dead)
+            await self.index.fleet.drop_leases(dead)
         fleet_known = dict(known)
         for lease in live.values():
             for raw in lease.known:
@@ -207,7 +207,7 @@ class FleetMember:
                 self.observed["registered"] = [
                     EngineSpec(url=reg.url.rstrip("/"), pod=reg.pod or (address_pod_id(reg.url) if reg.url else ""),
                                origin="registered", source=reg.source, replay=reg.replay, model=reg.model)
-                    for reg in (await self.index.registered_engines()).values() if reg.url or reg.source]
+                    for reg in (await self.index.fleet.registered_engines()).values() if reg.url or reg.source]
             except VALKEY_ERRORS as exc:
                 log.warning("engines: registered engines not read now (%s)", exc)
         seen = {s for specs in self.observed.values() for s in specs}
@@ -268,7 +268,7 @@ class FleetMember:
         """A pod id last served by an engine that has left, now published by this one (a restarted stack
         naming its engines as before): its old entries go, and its record names the new engine, before the
         first event is applied, so retiring the old engine's record cannot clear the new one's entries."""
-        now_ms = await self.index.now_ms()
+        now_ms = await self.index.fleet.now_ms()
         for src in found:
             topic = src.named_topic or topic_or_none(src.topic)
             pod = spec.pod or (topic.pod_id if topic else "")
@@ -277,9 +277,9 @@ class FleetMember:
                     or rec.engine_url in fleet_known:
                 continue
             new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
-            if await self.index.replace_pod_record(pod, rec, new) or rec.state == "retired":
+            if await self.index.fleet.replace_pod_record(pod, rec, new) or rec.state == "retired":
                 cleared = await self.index.clear_pod(pod)
-                await self.index.put_pod_records({pod: new})
+                await self.index.fleet.put_pod_records({pod: new})
                 log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
                             spec.url, rec.engine_url, cleared)
 
@@ -350,7 +350,7 @@ class FleetMember:
                 await self._retire(pod, record)
             await self._write(pod, record)
             if load is not None and record.state == "live":
-                await self.index.put_load({pod: PodLoad(*load, at_ms=now_ms)})
+                await self.index.fleet.put_load({pod: PodLoad(*load, at_ms=now_ms)})
 
     async def _probe(self, url: str, family: str, with_models: bool):
         """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
@@ -384,7 +384,7 @@ class FleetMember:
         now = time.monotonic()
         if self.records.get(pod) == record and now - self.written_at.get(pod, 0.0) < RECORD_REFRESH_S:
             return
-        await self.index.put_pod_records({pod: record})
+        await self.index.fleet.put_pod_records({pod: record})
         self.records[pod] = record
         self.written_at[pod] = now
 
@@ -406,7 +406,7 @@ class FleetMember:
                     and not any(pod in a.pods for a in self.attached.values()):
                 record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
                 # only if nobody changed the record meanwhile (a new engine taking over the pod id)
-                if await self.index.replace_pod_record(pod, rec, record):
+                if await self.index.fleet.replace_pod_record(pod, rec, record):
                     await self._retire(pod, record)
         gone = expired_retired(
             {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me},
@@ -414,7 +414,7 @@ class FleetMember:
         if gone:
             for pod in gone:  # its metadata and registry row too: names of departed pods do not pile up
                 await self.index.clear_pod(pod, forget=True)
-            await self.index.drop_pod_records(gone)
+            await self.index.fleet.drop_pod_records(gone)
             log.info("retired pod(s) %s dropped from the registry after %.0f s", gone, self.cfg.retired_retention_s)
 
     async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:

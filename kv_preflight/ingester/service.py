@@ -15,14 +15,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import httpx
-from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError,
-                              ResponseError, TryAgainError)
+from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError)
 
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from kv_preflight.ingester.metrics import IngesterMetrics
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from kv_preflight.ingester.subscriber import Source, Subscriber, discover, fetch_replay, parse_source, sleep_backoff
+from kv_preflight.ingester.subscriber import Source, Subscriber, fetch_replay, parse_source, sleep_backoff
 from kv_preflight.ingester.watchdog import Progress, Watchdog
 from kv_preflight.config import Config
 from kv_preflight.engines import engine
@@ -127,7 +125,7 @@ class Ingester:
             return
         due, self._aliases_due = self._aliases_due, set()
         try:
-            await self.index.add_aliases(due)
+            await self.index.fleet.add_aliases(due)
             self._aliased |= due
         except VALKEY_ERRORS:
             self._aliases_due |= due  # again with the next message
@@ -315,7 +313,7 @@ class Ingester:
             return
         self._feeds[(src.replay, rank)] = (pod, model)
         try:
-            await self.index.remember_feed(src.replay, rank, pod, model)
+            await self.index.fleet.remember_feed(src.replay, rank, pod, model)
         except VALKEY_ERRORS:
             self._feeds.pop((src.replay, rank), None)  # written again with the next frame
 
@@ -323,7 +321,7 @@ class Ingester:
         """Routes for every pod a source of ours served before (persisted by ``_remember_feed``),
         so ``resume_known_pods`` replays them at start, not when the engine next publishes."""
         by_replay = {s.replay: s for s in self.sources if s.replay}
-        for replay, rank, pod, model in await self._valkey(self.index.feeds, list(by_replay)):
+        for replay, rank, pod, model in await self._valkey(self.index.fleet.feeds, list(by_replay)):
             src = by_replay[replay]
             self._feeds[(replay, rank)] = (pod, model)
             route = self.routes.setdefault(pod, PodRoute(model=model, replay=replay, source=src.endpoint))
@@ -694,7 +692,7 @@ async def check_settings(ing: Ingester) -> None:
 
     ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
                          entry_format=ing.cfg.entry_format)
-    found = await ing._valkey(ing.index.claim_settings, ours)
+    found = await ing._valkey(ing.index.fleet.claim_settings, ours)
     wrong = ours.disagreements(found)
     if wrong:
         raise SettingsError("this index was written with other settings (ours != the index's): " + "; ".join(wrong)

@@ -49,7 +49,7 @@ class FleetWatcher:
     async def read_once(self) -> bool:
         try:
             async with asyncio.timeout(self.timeout_s):
-                view = await self.index.fleet_view()
+                view = await self.index.fleet.fleet_view()
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self.read_errors += 1
             if self.failing is None:

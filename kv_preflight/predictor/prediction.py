@@ -178,7 +178,7 @@ class Predictor:
         now = time.monotonic()
         if now - self._aliases_at > ALIASES_TTL_S:  # read at most once a second, not per request
             async with valkey_call(self.valkey_deadline_s, "pod aliases"):
-                self._aliases = await self.index.aliases()
+                self._aliases = await self.index.fleet.aliases()
             self._aliases_at = now
         aliases = self._aliases
         if not aliases:
@@ -329,7 +329,7 @@ class Predictor:
                 page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
                 summary = await read_pods_summary(self.index, pod_models)
             pods = await self.index.pod_infos(page)
-            diagnosis = diagnosis_view(*await self.index.fleet_diagnosis())
+            diagnosis = diagnosis_view(*await self.index.fleet.fleet_diagnosis())
         out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),
             summary=summary, query=query,

@@ -64,7 +64,7 @@ async def read_index_settings(index: Index, timeout_s: float) -> IndexSettings |
     """The index's settings; None when it has none, or when Valkey cannot be read now (logged)."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await index.settings()
+            return await index.fleet.settings()
     except (TimeoutError, ValueError, *VALKEY_ERRORS) as exc:
         log.warning("index settings not read now (serving with this predictor's own): %s: %s",
                     type(exc).__name__, exc)

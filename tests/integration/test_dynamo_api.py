@@ -88,7 +88,7 @@ async def test_register_and_unregister_write_the_run_time_engines(ix, valkey_url
     async with client(create_dynamo_app(cfg, ix)) as c:
         body = REGISTER_1 | {"replay_endpoint": "tcp://127.0.0.1:5560", "routing_group": "acme"}
         assert (await c.post("/register", json=body)).status_code == 201
-        engines = await ix.registered_engines()
+        engines = await ix.fleet.registered_engines()
         rec = engines["dynamo:1:0"]
         assert (rec.source, rec.replay, rec.pod, rec.model, rec.instance_id, rec.block_size, rec.dp_rank,
                 rec.routing_group) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5560", "dynamo-1", MODEL, 1, 16, 0,
@@ -120,9 +120,9 @@ async def test_register_and_unregister_write_the_run_time_engines(ix, valkey_url
         r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL, "routing_group": "acme",
                                               "dp_rank": 1})
         assert (r.status_code, r.json()) == (200, {"status": "ok"})
-        assert set(await ix.registered_engines()) == {"dynamo:1:0"}
+        assert set(await ix.fleet.registered_engines()) == {"dynamo:1:0"}
         assert (await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})).status_code == 200
-        assert await ix.registered_engines() == {}
+        assert await ix.fleet.registered_engines() == {}
         assert "dynamo-1" not in await ix.pod_ids()  # its entries went with it, as Dynamo drops a worker's blocks
         r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})
         assert (r.status_code, r.json()) == (404, {"error": "instance 1 not found"})
@@ -140,7 +140,7 @@ async def test_register_checks_endpoints_and_the_allow_list(ix, valkey_url):
             assert r.status_code == 403, refused
         assert (await c.post("/register", json={"instance_id": 1})).status_code == 422
         assert (await c.post("/register", content=b"[")).status_code == 400
-        assert await ix.registered_engines() == {}
+        assert await ix.fleet.registered_engines() == {}
     cfg = Config(valkey_url=valkey_url, register_allow=("10.0.0.0/8", "engine-0"))
     async with client(create_dynamo_app(cfg, ix)) as c:
         assert (await c.post("/register", json=REGISTER_1 | {"endpoint": "tcp://10.0.0.7:5557"})).status_code == 201
@@ -154,7 +154,7 @@ async def test_register_needs_an_api_key_when_keys_are_set(ix, valkey_url):
     async with client(create_dynamo_app(cfg, ix)) as c:
         assert (await c.post("/register", json=REGISTER_1)).status_code == 401
         assert (await c.post("/register", json=REGISTER_1, headers={"authorization": "Bearer no"})).status_code == 401
-        assert await ix.registered_engines() == {}
+        assert await ix.fleet.registered_engines() == {}
         r = await c.post("/register", json=REGISTER_1, headers={"authorization": "Bearer k1"})
         assert r.status_code == 201
         assert (await c.get("/health")).status_code == 200

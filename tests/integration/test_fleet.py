@@ -50,7 +50,7 @@ def write_engines(path, engines) -> None:
 
 async def owners(ix: Index) -> dict[str, list[str]]:
     """engine URL -> live ingesters ingesting it."""
-    view = await ix.fleet_view()
+    view = await ix.fleet.fleet_view()
     out: dict[str, list[str]] = {}
     for ingester, lease in view.live_ingesters().items():
         for url in lease.engines:
@@ -70,7 +70,7 @@ async def test_fleet_records_load_and_lease(valkey_url, tmp_path):
                    timeout=10).raise_for_status()
 
         async def record():
-            rec = (await ix.fleet_view()).pods.get("sim-rec")
+            rec = (await ix.fleet.fleet_view()).pods.get("sim-rec")
             return rec if rec is not None and rec.block_size else None
 
         rec = await until(record, "the pod's fleet record")
@@ -87,7 +87,7 @@ async def test_fleet_records_load_and_lease(valkey_url, tmp_path):
         rows = json.loads(open(tmp_path / "pods.log").read())
         assert rows[0]["fleet"]["state"] == "live" and rows[0]["fleet"]["engine_url"] == engine.url
         stop(ing)  # a clean stop gives the lease back at once
-        assert not (await ix.fleet_view()).ingesters
+        assert not (await ix.fleet.fleet_view()).ingesters
     finally:
         stop(ing)
         engine.stop()
@@ -95,7 +95,7 @@ async def test_fleet_records_load_and_lease(valkey_url, tmp_path):
 
 
 async def _with_load(ix: Index, pod: str):
-    view = await ix.fleet_view()
+    view = await ix.fleet.fleet_view()
     return view if pod in view.load else None
 
 
@@ -144,12 +144,12 @@ async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(val
         write_engines(listing, kept)
 
         async def retired():
-            view = await ix.fleet_view()
+            view = await ix.fleet.fleet_view()
             states = {p: view.pods[p].state for p in (e.pod for e in gone) if p in view.pods}
             return states if states == {e.pod: "retired" for e in gone} else None
 
         await until(retired, "the departed engines' pods retired")
-        view = await ix.fleet_view()
+        view = await ix.fleet.fleet_view()
         for e in gone:
             assert "left discovery" in view.pods[e.pod].reason
             assert (await ix.pod_info(e.pod)).blocks == 0
@@ -162,7 +162,7 @@ async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(val
         write_engines(listing, [*kept, gone[0]])
 
         async def back():
-            rec = (await ix.fleet_view()).pods.get(gone[0].pod)
+            rec = (await ix.fleet.fleet_view()).pods.get(gone[0].pod)
             return rec if rec is not None and rec.state == "live" else None
 
         await until(back, "the returning engine's pod live again")
@@ -230,7 +230,7 @@ async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
         blind(engine.url, shared_prefix_workload(n=3, seed=2, block=16))
 
         async def state(want):
-            rec = (await ix.fleet_view()).pods.get("sim-down")
+            rec = (await ix.fleet.fleet_view()).pods.get("sim-down")
             return rec if rec is not None and rec.state == want else None
 
         await until(lambda: state("live"), "live")
@@ -283,7 +283,7 @@ async def test_dns_discovery_names_pods_by_address(valkey_url, tmp_path):
     pods = [f"127.0.0.2:{port}", f"127.0.0.3:{port}"]
     try:
         async def both_live():
-            view = await ix.fleet_view()
+            view = await ix.fleet.fleet_view()
             return all(p in view.pods and view.pods[p].state == "live" for p in pods) or None
 
         await until(both_live, "both engines' pods live, named by address")
@@ -293,7 +293,7 @@ async def test_dns_discovery_names_pods_by_address(valkey_url, tmp_path):
         publish(["127.0.0.3"])
 
         async def first_retired():
-            rec = (await ix.fleet_view()).pods.get(pods[0])
+            rec = (await ix.fleet.fleet_view()).pods.get(pods[0])
             return rec if rec is not None and rec.state == "retired" else None
 
         rec = await until(first_retired, "the removed address's pod retired")
@@ -313,9 +313,9 @@ async def test_an_ingester_with_other_settings_refuses_to_write(valkey_url, tmp_
     try:
         first = spawn(["ingest", "--valkey-url", valkey_url, "--source", "tcp://127.0.0.1:1", "--hash-seed", "42"],
                       str(tmp_path / "first.log"))
-        await until(lambda: ix.settings(), "the first writer's settings")
+        await until(lambda: ix.fleet.settings(), "the first writer's settings")
         stop(first)
-        assert (await ix.settings()).hash_seed == "42"
+        assert (await ix.fleet.settings()).hash_seed == "42"
         other = spawn(["ingest", "--valkey-url", valkey_url, "--source", "tcp://127.0.0.1:1", "--block-size", "32",
                        "--hash-seed", "42"], str(tmp_path / "other.log"))
         assert other.wait(30) == 1
@@ -338,7 +338,7 @@ async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
         write_engines(listing, [])
 
         async def state():
-            rec = (await ix.fleet_view()).pods.get("sim-gone")
+            rec = (await ix.fleet.fleet_view()).pods.get("sim-gone")
             return rec.state if rec else "dropped"
 
         await until(lambda: _is(state, "retired"), "retired")

@@ -111,7 +111,7 @@ async def test_serve_with_only_valkey_url_knows_routes_and_tokenizes_for_the_fle
     a, b, c = sims("pod-a", "pod-b", "pod-c")
     prompt = list(range(100, 164))
     await store(ix, "pod-b", prompt)  # pod-b holds the prompt; the others are known only from the fleet records
-    await ix.put_pod_records({"pod-a": record(a), "pod-b": record(b), "pod-c": record(c)})
+    await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b), "pod-c": record(c)})
     s = serve().ready()
 
     def seen_all():
@@ -136,11 +136,11 @@ async def test_retired_and_unreachable_pods_are_not_offered(valkey_url, ix, sims
     prompt = list(range(300, 364))
     await store(ix, "pod-a", prompt)
     await store(ix, "ghost", prompt)  # a pod whose engine left: retired, its entries not cleared yet
-    await ix.put_pod_records({"pod-a": record(a), "pod-b": record(b),
+    await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b),
                               "ghost": PodRecord(state="live", engine_url="http://127.0.0.1:9", models=[MODEL])})
     s = serve().ready()
     await asyncio.to_thread(until, lambda: "ghost" in candidates(s.route(token_ids=prompt).json()), "ghost offered")
-    await ix.put_pod_records({"ghost": PodRecord(state="retired", reason="left discovery", models=[MODEL])})
+    await ix.fleet.put_pod_records({"ghost": PodRecord(state="retired", reason="left discovery", models=[MODEL])})
 
     def ghost_gone():
         d = s.route(token_ids=prompt).json()
@@ -157,7 +157,7 @@ async def test_retired_and_unreachable_pods_are_not_offered(valkey_url, ix, sims
     assert r.status_code == 400 and "unknown pods" in r.json()["error"] and "'nope'" in r.json()["error"]
     assert s.route(token_ids=prompt, pods=["pod-b"]).json()["pod_id"] == "pod-b"
     # an unreachable pod keeps its entries (it may come back) but is not routed to
-    await ix.put_pod_records({"pod-a": record(a, state="unreachable")})
+    await ix.fleet.put_pod_records({"pod-a": record(a, state="unreachable")})
 
     def a_out():
         d = s.route(token_ids=prompt).json()
@@ -172,9 +172,9 @@ async def test_load_from_kvpf_load_is_used_with_its_age(valkey_url, ix, sims, se
     prompt = list(range(500, 564))
     await store(ix, "pod-a", prompt)
     await store(ix, "pod-b", prompt[:32])
-    await ix.put_pod_records({"pod-a": record(a), "pod-b": record(b)})
-    now = await ix.now_ms()
-    await ix.put_load({"pod-a": PodLoad(running=12, waiting=2, kv_usage=0.5, at_ms=now),
+    await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b)})
+    now = await ix.fleet.now_ms()
+    await ix.fleet.put_load({"pod-a": PodLoad(running=12, waiting=2, kv_usage=0.5, at_ms=now),
                        "pod-b": PodLoad(running=1, waiting=0, kv_usage=0.1, at_ms=now)})
     s = serve().ready()
 
@@ -186,7 +186,7 @@ async def test_load_from_kvpf_load_is_used_with_its_age(valkey_url, ix, sims, se
     assert candidates(d)["pod-a"]["overloaded"] and candidates(d)["pod-b"]["running"] == 1
     assert (d["pod_id"], d["reason"]) == ("pod-b", "least_loaded_good_match")
     # a scrape older than --route-stale (5 s) is unknown: assumed at the known pods' mean, never overloaded
-    await ix.put_load({"pod-a": PodLoad(running=12, waiting=2, kv_usage=0.5, at_ms=await ix.now_ms() - 60_000)})
+    await ix.fleet.put_load({"pod-a": PodLoad(running=12, waiting=2, kv_usage=0.5, at_ms=await ix.fleet.now_ms() - 60_000)})
 
     def stale():
         d = s.route(token_ids=prompt).json()
@@ -218,7 +218,7 @@ async def test_tokenization_fails_over_between_engine_urls_of_a_model(valkey_url
 
 
 async def test_settings_are_adopted_or_a_disagreement_refused(valkey_url, ix, serve, tmp_path):
-    await ix.claim_settings(IndexSettings(hash_seed="fleet-seed", block_size=32))
+    await ix.fleet.claim_settings(IndexSettings(hash_seed="fleet-seed", block_size=32))
     prompt = list(range(700, 764))
     await store(ix, "pod-a", prompt, hash_seed="fleet-seed", block_size=32)
     # given settings that disagree: one clear line naming each, a non-zero exit, no traceback
@@ -244,11 +244,11 @@ async def test_new_prefixes_are_placed_by_room_and_a_pending_one_follows_its_fir
     shows it, goes where its first one went even once that pod reads busier than the rest."""
     engines = sims("pod-a", "pod-b", "pod-c", "pod-d")
     pods = [e.pod for e in engines]
-    await ix.put_pod_records({e.pod: record(e) for e in engines})
+    await ix.fleet.put_pod_records({e.pod: record(e) for e in engines})
 
     async def loads(busy: str | None = None) -> None:
-        now = await ix.now_ms()
-        await ix.put_load({p: PodLoad(running=3 if p == busy else 0, waiting=0, kv_usage=0.1, at_ms=now) for p in pods})
+        now = await ix.fleet.now_ms()
+        await ix.fleet.put_load({p: PodLoad(running=3 if p == busy else 0, waiting=0, kv_usage=0.1, at_ms=now) for p in pods})
 
     await loads()
     s = serve("--route-pending", "60").ready()  # pending for 60 s: the wait below for a load scrape is not timed

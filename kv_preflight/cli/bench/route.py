@@ -150,7 +150,7 @@ class StandInFleetWriter:
     async def _run(self) -> None:
         index = Index.from_url(self.valkey_url, timeout_s=5.0)
         try:
-            await index.put_pod_records({e.pod: PodRecord(state="live", engine_url=e.url, models=[MODEL],
+            await index.fleet.put_pod_records({e.pod: PodRecord(state="live", engine_url=e.url, models=[MODEL],
                                                           block_size=16, owner="bench-stand-in")
                                          for e in self.engines})
             async with httpx.AsyncClient(timeout=2) as client:
@@ -162,8 +162,8 @@ class StandInFleetWriter:
                         except httpx.HTTPError:
                             continue
                         if parsed is not None:
-                            loads[e.pod] = PodLoad(*parsed, at_ms=await index.now_ms())
-                    await index.put_load(loads)
+                            loads[e.pod] = PodLoad(*parsed, at_ms=await index.fleet.now_ms())
+                    await index.fleet.put_load(loads)
                     await asyncio.sleep(0.5)
         finally:
             await index.close()
@@ -172,7 +172,7 @@ class StandInFleetWriter:
 async def _fleet_pods(valkey_url: str) -> set[str]:
     index = Index.from_url(valkey_url, timeout_s=5.0)
     try:
-        view = await index.fleet_view()
+        view = await index.fleet.fleet_view()
         return {p for p, r in view.pods.items() if r.state == "live" and r.engine_url and MODEL in r.models}
     finally:
         await index.close()

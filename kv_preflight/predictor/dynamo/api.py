@@ -88,7 +88,7 @@ class DynamoApi:
     async def registrations(self) -> dict[str, fleet.RegisteredEngine]:
         """This API's registrations (``dynamo:`` ids) among the run-time engines."""
         async with valkey_call(self.deadline_s, "registered engines"):
-            found = await self.index.registered_engines()
+            found = await self.index.fleet.registered_engines()
         return {k: r for k, r in found.items() if k.startswith("dynamo:") and r.instance_id is not None}
 
     # ---- /register
@@ -118,8 +118,8 @@ class DynamoApi:
                 return 409, {"error": f"block_size mismatch for model={req.model_name} routing_group="
                                       f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
         async with valkey_call(self.deadline_s, "register"):
-            now = await self.index.now_ms()
-            await self.index.register_engine(registration_id(req.instance_id, rank), fleet.RegisteredEngine(
+            now = await self.index.fleet.now_ms()
+            await self.index.fleet.register_engine(registration_id(req.instance_id, rank), fleet.RegisteredEngine(
                 source=req.endpoint, replay=req.replay_endpoint or "", pod=registered_pod(req.instance_id, rank),
                 model=req.model_name, engine="vllm", instance_id=req.instance_id, registered_ms=now,
                 block_size=req.block_size, dp_rank=rank, routing_group=req.routing_group))
@@ -144,7 +144,7 @@ class DynamoApi:
                 return 404, {"error": f"instance {req.instance_id} dp_rank {req.dp_rank} not found"}
         async with valkey_call(self.deadline_s, "unregister"):
             for engine_id, r in mine.items():
-                await self.index.unregister_engine(engine_id)
+                await self.index.fleet.unregister_engine(engine_id)
                 # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here.
                 await self.index.clear_pod(r.pod, forget=True)
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
@@ -156,7 +156,7 @@ class DynamoApi:
         regs = await self.registrations()
         async with valkey_call(self.deadline_s, "workers"):
             pods = await self.index.pod_ids()  # pod -> model, for pods that have sent events
-            view = await self.index.fleet_view()
+            view = await self.index.fleet.fleet_view()
             registered_pods = {r.pod for r in regs.values()}
             infos = {i.pod_id: i for i in await self.index.pod_infos(sorted(set(pods) - registered_pods))}
         out: dict[int, WorkerInfo] = {}

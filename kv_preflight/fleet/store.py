@@ -1,0 +1,166 @@
+"""The fleet's shared records in Valkey: pod records, engine load, ingester leases, registered engines,
+index-wide settings, pod aliases, replay feeds and the last fleet diagnosis.
+
+Ingesters write them and predictors read them (docs/fleet.md); the values are kv_preflight/fleet/records.py's,
+the key names kv_preflight/index/layout.py's. None of these keys is touched per batch: they are the control plane,
+apart from the index's data.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kv_preflight.fleet import records as fleet
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
+from kv_preflight.index.entries import text
+from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FEEDS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY,
+                                       REGISTERED_KEY, SETTINGS_KEY, feed_field)
+
+
+class FleetStore:
+    """Reads and writes of the fleet's records, on a single node or a cluster (redis-py routes each key)."""
+
+    def __init__(self, client, *, cluster: bool):
+        self.client = client
+        self.cluster = cluster
+
+    async def now_ms(self) -> int:
+        """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
+        return ms_of(await self.client.time())
+
+    async def fleet_view(self) -> fleet.FleetView:
+        """Pods, their load and the ingesters' leases, with Valkey's time, in one round trip
+        (on a cluster: one per shard holding them). Rows that do not decode are skipped."""
+        now, pods, load, leases = await self._timed_read(FLEET_KEY, LOAD_KEY, INGESTERS_KEY)
+        return fleet.FleetView(
+            now_ms=now,
+            pods={text(k): r for k, v in (pods or {}).items() if (r := fleet.decode_pod(v)) is not None},
+            load={text(k): r for k, v in (load or {}).items() if (r := fleet.decode_load(v)) is not None},
+            ingesters={text(k): r for k, v in (leases or {}).items()
+                       if (r := fleet.decode_lease(v)) is not None})
+
+    async def _timed_read(self, *hashes: str) -> list[Any]:
+        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
+        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
+        def fill(pipe) -> None:
+            if not self.cluster:
+                pipe.time()
+            for h in hashes:
+                pipe.hgetall(h)
+
+        if self.cluster:
+            now, *rest = [await self.client.time(), *await read_pipeline(self.client, fill)]
+        else:
+            now, *rest = await read_pipeline(self.client, fill)
+        return [ms_of(now), *foreign_as_empty(rest)]
+
+    async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
+        if records:
+            await self.client.hset(FLEET_KEY, mapping={p: fleet.encode(r) for p, r in records.items()})
+
+    async def replace_pod_record(self, pod_id: str, expected: fleet.PodRecord | None, record: fleet.PodRecord) -> bool:
+        """Write ``record`` only if the pod's record is still ``expected`` (None: absent): two ingesters
+        acting on one pod at once (one retiring it, one attaching a new engine under its id) cannot both
+        win. One small script: compare and set in one step."""
+        found = await self.client.eval(scripts.CAS_FIELD, 1, FLEET_KEY, pod_id,
+                                       fleet.encode(expected) if expected is not None else "", fleet.encode(record))
+        return bool(int(found))
+
+    async def drop_pod_records(self, pod_ids: Iterable[str]) -> None:
+        pod_ids = list(pod_ids)
+        if pod_ids:
+            await self.client.hdel(FLEET_KEY, *pod_ids)
+            await self.client.hdel(LOAD_KEY, *pod_ids)
+
+    async def put_load(self, loads: dict[str, fleet.PodLoad]) -> None:
+        if loads:
+            await self.client.hset(LOAD_KEY, mapping={p: fleet.encode(r) for p, r in loads.items()})
+
+    async def put_lease(self, ingester_id: str, lease: fleet.IngesterLease) -> None:
+        await self.client.hset(INGESTERS_KEY, ingester_id, fleet.encode(lease))
+
+    async def drop_leases(self, ingester_ids: Iterable[str]) -> None:
+        ids = list(ingester_ids)
+        if ids:
+            await self.client.hdel(INGESTERS_KEY, *ids)
+
+    async def registered_engines(self) -> dict[str, fleet.RegisteredEngine]:
+        raw = await self.client.hgetall(REGISTERED_KEY)
+        return {text(k): r for k, v in (raw or {}).items() if (r := fleet.decode_registered(v)) is not None}
+
+    async def register_engine(self, engine_id: str, engine: fleet.RegisteredEngine) -> None:
+        await self.client.hset(REGISTERED_KEY, engine_id, fleet.encode(engine))
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        return bool(await self.client.hdel(REGISTERED_KEY, engine_id))
+
+    async def settings(self) -> fleet.IndexSettings | None:
+        """The index-wide settings, None before any writer has set them."""
+        raw = await self.client.hgetall(SETTINGS_KEY)
+        return fleet.IndexSettings.from_fields({text(k): text(v) for k, v in (raw or {}).items()})
+
+    async def claim_settings(self, ours: fleet.IndexSettings) -> fleet.IndexSettings:
+        """Set the settings if none are set (first writer wins, field by field); return what the index
+        holds, for the caller to compare with its own (``IndexSettings.disagreements``)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name, value in ours.as_fields().items():
+                pipe.hsetnx(SETTINGS_KEY, name, value)
+            await pipe.execute()
+        found = await self.settings()
+        assert found is not None
+        return found
+
+    async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Record that each (name, other) pair names one pod both ways (``--pod-id endpoint``)."""
+        merged: dict[str, set[str]] = {}
+        for a, b in pairs:
+            merged.setdefault(a, set()).add(b)
+            merged.setdefault(b, set()).add(a)
+        if not merged:
+            return
+        names = sorted(merged)
+        found = await self.client.hmget(ALIASES_KEY, names)
+        for name, old in zip(names, found):
+            if old:
+                merged[name] |= set(text(old).split("\t"))
+        await self.client.hset(ALIASES_KEY, mapping={n: "\t".join(sorted(v)) for n, v in merged.items()})
+
+    async def aliases(self) -> dict[str, list[str]]:
+        """Every recorded alias (a few per pod, written once per pod and ingester)."""
+        return {text(k): text(v).split("\t") for k, v in (await self.client.hgetall(ALIASES_KEY) or {}).items()}
+
+    async def put_fleet_diagnosis(self, summary: bytes) -> int:
+        """Store the summary stamped with Valkey's time; returns that time (ms)."""
+        now = await self.now_ms()
+        await self.client.hset(DIAGNOSIS_KEY, mapping={"summary": summary, "at_ms": str(now)})
+        return now
+
+    async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]:
+        """(summary or None, when it was stored, Valkey's time now), in one round trip."""
+        now, fields = await self._timed_read(DIAGNOSIS_KEY)
+        fields = {text(k): v for k, v in (fields or {}).items()}
+        at = fields.get("at_ms")
+        return fields.get("summary"), int(at) if at else 0, now
+
+    async def remember_feed(self, replay_endpoint: str, rank: int, pod_id: str, model: str) -> None:
+        """Note that ``replay_endpoint`` (rank ``rank``) serves ``pod_id``; see ``feeds``."""
+        await self.client.hset(FEEDS_KEY, feed_field(replay_endpoint, rank), f"{pod_id}\t{model}")
+
+    async def feeds(self, replay_endpoints: Iterable[str]) -> list[tuple[str, int, str, str]]:
+        """(replay endpoint, rank, pod, model) remembered for these endpoints: what a restarted
+        ingester resumes at start, before any frame names a pod (SGLang's replay replies carry
+        no topic, so the pod cannot be learned from them)."""
+        wanted = set(replay_endpoints)
+        if not wanted:
+            return []
+        out = []
+        for f, v in (await self.client.hgetall(FEEDS_KEY)).items():
+            endpoint, _, rank = text(f).rpartition("|")
+            pod, _, model = text(v).partition("\t")
+            if endpoint in wanted and rank.isdigit() and pod:
+                out.append((endpoint, int(rank), pod, model))
+        return sorted(out)
+
+
+__all__ = ["FleetStore"]
