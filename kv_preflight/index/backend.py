@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from kv_preflight.index.entries import ApplyResult, Lookup
+
+if TYPE_CHECKING:
+    from kv_preflight.index.presence import NamesFor
+    from kv_preflight.index.writer import Prepared
 
 # What a Valkey call can raise when Valkey (a node, a shard) is unreachable or answers an error:
 # redis-py's cluster client raises RedisClusterException (not a RedisError) when it has no node.
@@ -17,22 +21,29 @@ VALKEY_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutErro
 
 
 class IndexBackend(Protocol):
-    """A topology: how a batch is applied, how a chain is looked up, and its housekeeping."""
+    """A topology: how a batch is applied, how a chain is looked up, and its housekeeping. The Index
+    (kv_preflight/index/index.py) calls only these, and never asks which backend it has: a new topology
+    is one module implementing them."""
 
     cluster: bool
+    gap_walks: int  # pods a default lookup walked key by key rather than bisected (a counter)
+    late_reads: int  # default lookups that took a round past the usual ones (a counter; 0 on one node)
 
-    def writer_arg(self) -> str:
-        """The apply script's writer argument ("" on a single node)."""
-
-    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
-                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
-        """Apply batches (their script KEYS and ARGV, in order); the results come from the future."""
+    async def send(self, preps: Sequence["Prepared"]) -> "asyncio.Future[list[ApplyResult]]":
+        """Apply planned batches (kv_preflight/index/writer.py), in order; the results come from the future."""
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Per pod, its prefix of the chain; and how many foreign-typed keys were read as misses."""
+        """Over llm-d's entries (``linear``, ``gallop``): per pod, its prefix of the chain; and how many
+        foreign-typed keys were read as misses."""
+
+    async def lookup_bits(self, request_keys: Sequence[int], names: "NamesFor") -> tuple[Lookup | None, int]:
+        """The default lookup, over the presence bitmaps; None when a key holds entries that are not ours."""
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         """Finish what a stopped writer left half applied (nothing to do on a single node)."""
+
+    async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Read-only commands on the keys they name second, replies in order, error replies in place."""
 
     async def key_count(self) -> int: ...
 

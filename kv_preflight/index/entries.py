@@ -157,8 +157,8 @@ def text(v: Any) -> str:
 
 
 def apply_result(reply: Sequence[Any]) -> "ApplyResult":
-    status, last, foreign, detail = reply
-    return ApplyResult(text(status), int(last), int(foreign), text(detail))
+    status, last, foreign, detail = reply[:4]
+    return ApplyResult(text(status), int(last), int(foreign), text(detail), text(reply[4]) if len(reply) > 4 else "")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,7 @@ class ApplyResult:
     last_seq: int
     foreign_writes: int = 0  # writes that hit a key of a foreign type (skipped; the pod is flagged)
     detail: str = ""  # why, for corrupt and foreign writes
+    gen: str = ""  # the pod's generation after the answer (kv_preflight/index/writer.py)
 
 
 @dataclass(frozen=True)

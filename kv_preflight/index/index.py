@@ -28,16 +28,16 @@ from kv_preflight.index import scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, foreign_as_empty, read_pipeline
 from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
 from kv_preflight.index.single import SingleNodeBackend
-from kv_preflight.index.entries import (CHAIN_ROOT, DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
-                            RemoveBlock, StoreBlock, apply_args, block_slot, encode_entry, encode_mutations,
+from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
+                            RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.fleet.store import FleetStore
 from kv_preflight.index.layout import (COUNTERS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
-                           pod_blocks_key, pod_fields_key, pod_meta_key, pod_state_keys, request_key_name)
+                           pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY
-from kv_preflight.index.layout import pod_keys as _pod_keys
 
 from kv_preflight.index.resp import FastConnection
+from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
 
 log = logging.getLogger("kvpf.index")
 
@@ -91,16 +91,13 @@ def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
     return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"))
 
 
-def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
-    """A pod's metadata from HGETALL and HLEN replies. State we did not write (a non-integer seq,
-    a key of another type) makes the pod incomplete with the reason, never an exception."""
+def pod_info_from(pod_id: str, meta_raw: Any) -> PodInfo:
+    """A pod's metadata from its meta's HGETALL. State we did not write (a non-integer seq, a key of
+    another type) makes the pod incomplete with the reason, never an exception."""
     problems: list[str] = []
     if isinstance(meta_raw, Exception):
         problems.append(f"{pod_meta_key(pod_id)}: {str(meta_raw)[:120]}")
         meta_raw = {}
-    if isinstance(blocks, Exception):
-        problems.append(f"{pod_blocks_key(pod_id)}: {str(blocks)[:120]}")
-        blocks = 0
     try:  # both clients answer bytes; decoded in one pass (a thousand pods' metadata is read at once)
         meta = {k.decode(): v.decode("utf-8", "replace") for k, v in meta_raw.items()}
     except AttributeError:
@@ -128,7 +125,7 @@ def pod_info_from(pod_id: str, meta_raw: Any, blocks: Any) -> PodInfo:
         last_event_time=let,
         incomplete=meta.get("incomplete") == "1" or bool(problems),
         incomplete_reason=reason,
-        blocks=int(blocks),
+        blocks=(num("blocks", meta["blocks"]) or 0) if meta.get("blocks") else 0,
         counters=counters,
         orphan_keys=(num("orphan_keys", meta["orphan_keys"])
                      if meta.get("orphan_keys") and meta.get("orphan_at") == meta.get("batches", "0") else None),
@@ -169,6 +166,9 @@ class Index:
         self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
         self._registered: dict[str, str] = {}  # pod -> model this Index has put in the registry
         self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
+        self._nums: dict[str, int] = {}  # their numbers
+        # the pods this process writes: their states in memory, batches planned against them
+        self.writer = PodWriter(client, cluster=self.cluster)
         self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
         self._names_at = -1e9
         self._names_lock = asyncio.Lock()
@@ -199,19 +199,19 @@ class Index:
         lookups = {resp.script_sha(s) for s in (scripts.LOOKUP, scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
         client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
         fast = FastConnection.from_url(url, timeout_s=timeout_s,
-                                       resend_scripts=lookups | {resp.script_sha(scripts.APPLY_SINGLE)})
+                                       resend_scripts=lookups | {resp.script_sha(scripts.APPLY)})
         return cls(client, entry_format, fast)
 
     @property
     def gap_walks(self) -> int:
         """Pods the default lookup walked key by key instead of bisecting (orphan keys, or their count
         unknown: kv_preflight/index/lua/lookup_bits.lua): a counter for /metrics."""
-        return getattr(self.backend, "gap_walks", 0)
+        return self.backend.gap_walks
 
     @property
     def late_reads(self) -> int:
         """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
-        return getattr(self.backend, "late_reads", 0)
+        return self.backend.late_reads
 
     async def close(self) -> None:
         await self.backend.close()
@@ -235,9 +235,9 @@ class Index:
             await self.client.hsetnx(LAYOUT_KEY, "version", LAYOUT_VERSION)
             found = await self.client.hget(LAYOUT_KEY, "version")
         version = text(found)
-        if version == "2":
-            raise LayoutError("this index has layout 2 (no presence bitmaps yet): stop its ingesters and run "
-                              "`kv-preflight index migrate --valkey-url URL` (it adds them; llm-d's keys do not change)")
+        if version in ("2", "3"):
+            raise LayoutError(f"this index has layout {version} (kv-preflight before layout 4): stop its ingesters and "
+                              "run `kv-preflight index migrate --valkey-url URL` (llm-d's keys do not change)")
         if version != LAYOUT_VERSION:
             raise LayoutError(f"this index has layout {version!r}; this kv-preflight reads and writes layout "
                               f"{LAYOUT_VERSION} only")
@@ -278,41 +278,67 @@ class Index:
         """``apply_batches`` in two steps: the commands are written now, the results come from
         the returned future, so the caller can prepare the next batches while Valkey runs these.
         Commands written later on this Index run after these (one connection). Without the
-        lean connection (TLS, cluster) the batches run before this returns."""
-        unnumbered = sorted({b["pod_id"] for b in batches} - self._numbered)
-        if unnumbered:
-            await self.ensure_numbers(unnumbered)
-        sent = await self._send(batches)
+        lean connection (TLS, cluster) the batches run before this returns.
 
-        async def registered() -> list[ApplyResult]:
-            results = await sent
-            lost = {b["pod_id"] for b, r in zip(batches, results) if r.status == "nonum"}
-            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again, sent again
-                self._numbered -= lost
-                await self.ensure_numbers(sorted(lost))
-                again = [i for i, b in enumerate(batches) if b["pod_id"] in lost]
-                redone = await (await self._send([batches[i] for i in again]))
-                results = list(results)
-                for i, r in zip(again, redone):
-                    if r.status == "nonum":
-                        raise RedisConnectionError(f"pod {batches[i]['pod_id']} lost its number twice in a row")
-                    results[i] = r
+        Each batch is planned against its pod's state (kv_preflight/index/writer.py); a plan another writer
+        made stale meanwhile is planned again and sent again here, so callers only see the seq's answers."""
+        preps = await self.plan_batches(batches)
+        sent = await self.backend.send(preps)
+
+        async def settled() -> list[ApplyResult]:
+            results = list(await sent)
+            for _ in range(MAX_RETRIES + 1):
+                redo = self.writer.settle(preps, results)
+                if not redo:
+                    break
+                lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
+                if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again
+                    self._numbered -= set(lost)
+                    await self.ensure_numbers(lost)
+                again = []
+                for i in redo:
+                    b = dict(batches[i])
+                    if results[i].status == REPLAN:
+                        b["mode"] = "check"  # a reset another writer did already: this is the next seq
+                    again.append(b)
+                await self._load_pods(sorted({b["pod_id"] for b in again}))
+                redo_preps = self.writer.prepare_run(again)
+                redone = await (await self.backend.send(redo_preps))
+                for i, prep, r in zip(redo, redo_preps, redone):
+                    preps[i], results[i] = prep, r
+            else:
+                stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
+                raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
             await self._register_new(batches, results)
             return results
 
-        return asyncio.ensure_future(registered())
+        return asyncio.ensure_future(settled())
 
-    async def _send(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
-        writer = self.backend.writer_arg()
-        args = [apply_args(b["pod_id"], b["rank"], b["seq"], b["ts"], b["model"], b["engine_block_size"],
-                           b["mutations"], b.get("mode", "check"), writer) for b in batches]
-        keys = [_pod_keys(b["pod_id"], cluster=self.cluster) for b in batches]
-        return await self.backend.send([b["pod_id"] for b in batches], keys, args)
+    async def plan_batches(self, batches: Sequence[dict[str, Any]]) -> list[Prepared]:
+        """The batches planned against their pods' states (numbered and loaded first), not sent yet."""
+        pods = sorted({b["pod_id"] for b in batches})
+        unnumbered = [p for p in pods if p not in self._numbered]
+        if unnumbered:
+            await self.ensure_numbers(unnumbered)
+        await self._load_pods(pods)
+        return self.writer.prepare_run(batches)
+
+    async def _load_pods(self, pods: Sequence[str]) -> None:
+        """Load the pods this Index has not loaded yet, or that another writer may have moved."""
+        due = [p for p in pods if p not in self.writer.pods or self.writer.pods[p].suspect]
+        if due:
+            await self.writer.load(due)
+            for p in due:
+                if self.writer.pods[p].num is None and p in self._nums:
+                    self.writer.set_num(p, self._nums[p])
 
     async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
         """``give_numbers``, remembered: this Index does not ask again for these pods."""
         nums = await give_numbers(self.client, pod_ids)
         self._numbered.update(pod_ids)
+        self._nums.update(nums)
+        for p, n in nums.items():
+            self.writer.set_num(p, n)
         return nums
 
     async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
@@ -395,25 +421,18 @@ class Index:
         await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model=model,
                                engine_block_size=engine_block_size, mutations=stores, mode="import")
 
-    async def export_blocks(self, pod_id: str, batch: int = 1000):
-        """Yield every StoreBlock a pod holds, read with HSCAN so a large pod never blocks Valkey."""
-        ids = {k: v.decode() for k, v in (await self.client.hgetall(pod_fields_key(pod_id))).items()}
-        cursor = 0
-        while True:
-            cursor, chunk = await self.client.hscan(pod_blocks_key(pod_id), cursor, count=batch)
-            for bk, held in chunk.items():
-                ek, _, slot = bk.decode().partition("|")
-                tier, _, group = slot.partition("|")
-                head, _, rest = held.partition(b":")
-                rks, caret, parent = rest.partition(b"^")  # the parent, where the block kept it (pod.lua)
-                fld, star, n = head.partition(b"*")
-                block = StoreBlock(int(ek), tier, ids.get(fld) or fld.decode(),
-                                   tuple(int(k) for k in rks.split(b",") if k), int(group) if group.isdigit() else 0,
-                                   parent=(int(parent) if parent else CHAIN_ROOT) if caret else None)
-                for _ in range(int(n) if star and n.isdigit() else 1):  # one per physical copy
-                    yield block
-            if cursor == 0:
-                return
+    async def held_blocks(self, pod_id: str) -> dict[tuple[int, str, int], tuple[tuple[int, ...], int]]:
+        """A pod's blocks as its state log says: (engine key, tier, group) -> (request keys, physical copies)."""
+        reader = PodWriter(self.client, cluster=self.cluster)
+        await reader.load([pod_id])
+        return {k: (b.rks, b.copies) for k, b in reader.pods[pod_id].state.blocks.items()}
+
+    async def export_blocks(self, pod_id: str):
+        """Yield every StoreBlock a pod holds (once per physical copy), from its state log."""
+        reader = PodWriter(self.client, cluster=self.cluster)
+        await reader.load([pod_id])
+        for block in reader.pods[pod_id].state.stores():
+            yield block
 
     async def memory_usage(self) -> int | None:
         """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""
@@ -431,15 +450,18 @@ class Index:
     async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
         """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""
         await self.drain_outbox(pod_id)
-        result = await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model="", engine_block_size=None,
-                                        mutations=(), mode="clear")
+        self.writer.forget(pod_id)  # planned from what Valkey holds now
+        held = len(await self.held_blocks(pod_id))
+        await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model="", engine_block_size=None,
+                               mutations=(), mode="clear")
+        self.writer.forget(pod_id)
         if forget:
             await self.client.delete(*pod_state_keys(pod_id))
             await self.client.hdel(PODS_KEY, pod_id)
             # its bits are all clear now (the clear above ran its effects): the number may serve another pod
             await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
             self._numbered.discard(pod_id)
-        return result.last_seq
+        return held
 
     async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
         """Set a pod's persisted seqs (index import): the next live batch is then judged against them."""
@@ -551,13 +573,21 @@ class Index:
         out: list[PodInfo] = []
         for i in range(0, len(pod_ids), chunk):
             part = pod_ids[i:i + chunk]
-            replies = await self._read_commands(
-                [c for p in part for c in (("HGETALL", pod_meta_key(p)), ("HLEN", pod_blocks_key(p)))])
-            for j, p in enumerate(part):
-                meta = replies[2 * j]
+            replies = await self._read_commands([("HGETALL", pod_meta_key(p)) for p in part])
+            for p, meta in zip(part, replies):
                 if isinstance(meta, list):  # the lean connection answers HGETALL flat
                     meta = dict(zip(meta[::2], meta[1::2]))
-                out.append(pod_info_from(p, meta, replies[2 * j + 1]))
+                out.append(pod_info_from(p, meta))
+        return out
+
+    async def meta_fields(self, pod_ids: Sequence[str], fields: Sequence[str], chunk: int = 1000
+                          ) -> list[list[Any] | None]:
+        """Some fields of several pods' meta (HMGET each, pipelined ``chunk`` pods per round trip); None for a
+        pod whose meta is of a foreign type."""
+        out: list[list[Any] | None] = []
+        for i in range(0, len(pod_ids), chunk):
+            replies = await self._read_commands([("HMGET", pod_meta_key(p), *fields) for p in pod_ids[i:i + chunk]])
+            out.extend(None if isinstance(r, Exception) else r for r in replies)
         return out
 
     async def scoring_infos(self, pod_ids: Sequence[str], chunk: int = 1000) -> list[ScoringInfo]:
@@ -571,20 +601,7 @@ class Index:
         return out
 
     async def _read_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Read-only commands pipelined, error replies in place: on the lean connection where there is one
-        (a thousand pods' metadata cost ~70 ms of redis-py's per-command Python; there a few ms), else
-        through redis-py (``read_pipeline``)."""
-        fast = getattr(self.backend, "fast", None)
-        if fast is not None:
-            return await fast.pipeline(commands)
-        if isinstance(self.backend, ClusterBackend):
-            return await self.backend.read_commands(commands)  # per primary, on its lean connection
-
-        def fill(pipe) -> None:
-            for c in commands:
-                pipe.execute_command(*c)
-
-        return await read_pipeline(self.client, fill)
+        return await self.backend.read_commands(commands)
 
     async def pods(self) -> list[PodInfo]:
         return await self.pod_infos(sorted(await self.pod_ids()))
@@ -599,7 +616,7 @@ class Index:
 
 
 __all__ = [
-    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "pod_fields_key", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "ScoringInfo", "RedisError",
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodInfo", "PodMatch", "ScoringInfo", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
-    "make_entry", "parse_entry", "pod_blocks_key", "pod_fields_key", "pod_meta_key", "request_key_name", "tier_of",
+    "make_entry", "parse_entry", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -1,39 +1,36 @@
-"""Every Valkey key name, built in one place (llm-d's names for the keys llm-d shares).
+"""Every Valkey key name, built in one place (llm-d's names for the keys llm-d shares). Layout 4.
 
-Layout 3, the same on a single node and on Valkey Cluster (docs/architecture.md shows it and why).
+The same on a single node and on Valkey Cluster (docs/architecture.md shows it and why).
 
 llm-d's (v0.9+ Redis index), byte-compatible and with no hash tags, so they spread over every shard
 and an llm-d scheduler (or a cluster-aware llm-d reader) reads the same index:
 
   <request key, decimal>      HASH  field = PodEntry (JSON in Go field order, or v0.8 ``pod@tier``), value ""
-  engine:<engine key>         ZSET  member = request key (decimal), score = position within the engine block
+  engine:<engine key>         ZSET  member = request key (decimal), score = position within the engine block;
+                                    a pod's members leave when none of them holds an entry (llm-d's own
+                                    pruning rule)
 
-Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``engine:``), under
-``kvpf:``. Per-pod keys share the hash tag ``{<pod>}``, hence one slot,
-so the seq check and the pod's whole state change are one atomic script on a cluster too:
+Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``engine:``), under ``kvpf:``:
 
-  kvpf:{<pod>}:meta           model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time,
-                              incomplete, incomplete_reason, outbox_n, and the pod's counters
-  kvpf:{<pod>}:blocks         "<engine key>|<tier>[|<group>]" -> "<field id>[*<copies>]:<rk>,<rk>..":
-                              the reverse index (evictions and clears cost O(pod's blocks) and read
-                              no shared key)
-  kvpf:{<pod>}:fields         field id -> PodEntry field (a pod writes one or a few distinct fields)
-  kvpf:{<pod>}:rks            "<request key>|<field id>" -> how many of the pod's blocks link it
-  kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> the shared-key effects of one batch,
-                              until they have run (kv_preflight/index/cluster.py)
+  kvpf:{<request key>}:p      presence, what the lookup reads: per KV cache group and tier
+                              (``<tier>`` for group 0, ``<tier>|<group>`` for the others) the value
+                              ``<n>:<bitmap>``, the bitmap of the pods holding the request key there (bit k:
+                              byte k // 8, value 1 << k % 8, for the pod numbered k; trailing zero bytes
+                              trimmed) and ``n``, how many of the key's llm-d entries those bits stand for
+                              (their sum is compared with the key's HLEN: an entry someone else wrote shows).
+                              In the request key's slot: a shard writes both in one step.
+  kvpf:{<pod>}:meta           model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time, gen (the
+                              pod's generation: every writer of the pod plans at one and the apply script
+                              refuses a plan made at another), num (its bit), groups (its KV cache groups),
+                              blocks, orphan_keys/orphan_at, incomplete(_reason), counters, outbox_n
+  kvpf:{<pod>}:state          the pod's private state (kv_preflight/index/pod_state.py) as a log: "s" -> a
+                              snapshot, "d:<gen>" -> each batch applied since, until the next snapshot
+  kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> one batch's shared-key changes, until they ran
   kvpf:{b<n>}:barrier         (cluster) t -> 1: written, then WAITed on, to learn that a shard's replica has
                               our earlier writes (one such key per shard, in a slot that shard owns)
-  kvpf:{engine:<key>}:pods    "<pod>|<tier>[|<group>]" -> 1: who holds the engine key; in the same slot
-                              as engine:<key>, so creating and deleting it commute across pods
-  kvpf:{<request key>}:bits   tier -> a bitmap of the pods holding the request key on that tier (bit n,
-                              byte n // 8, value 1 << n % 8, for the pod numbered n; trailing zero bytes
-                              trimmed): in the request key's slot, written with it. The lookup reads
-                              these instead of llm-d's entries, so its cost is O(keys x pods / 8 bytes)
-                              of plain reads rather than a probe per pod per key (layout 3; see
-                              docs/architecture.md "Fleet-wide prefixes")
-  kvpf:{<pod>}:rks also holds "<request key>|~<tier>" -> how many of the pod's field ids link the
-                              request key on that tier: its bit is set when this leaves 0, cleared when
-                              it returns there
+
+Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
+state change are one atomic script on a cluster too.
 
 Fleet-wide keys, which no per-batch atomic step touches:
 
@@ -42,46 +39,39 @@ Fleet-wide keys, which no per-batch atomic step touches:
   kvpf:{nums}:byid            number -> pod (what a lookup names the bits by)
   kvpf:{nums}:free            number -> Valkey ms it was freed (a forgotten pod's): reused, lowest first,
                               once free for NUM_REUSE_MS, so bitmaps stay as short as the fleet
-  kvpf:{nums}:next            next -> the next number never given
+  kvpf:{nums}:next            next -> the next number never given; epoch -> when the numbering began
   kvpf:counters               fleet-wide counters (decode errors, replays, foreign keys, ...)
   kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
                               socket serves, so a restarted ingester resumes before any frame arrives
-  kvpf:layout                 version -> "3": checked at start; a process refuses any other (``index
-                              migrate`` moves layouts 1 and 2)
+  kvpf:layout                 version -> "4": checked at start; a process refuses any other (``index
+                              migrate`` moves layouts 1, 2 and 3)
 
-Fleet membership (ingester/fleet.py writes them, the predictor reads them; times are Valkey ``TIME``
-in milliseconds, never a local clock, so hosts with skewed clocks agree):
+Fleet membership (kv_preflight/fleet/store.py reads and writes them; times are Valkey ``TIME`` in
+milliseconds, never a local clock, so hosts with skewed clocks agree):
 
-  kvpf:ingesters              ingester id -> JSON {"expires_ms", "started_ms", "host", "engines": [url..],
-                              "lag": {pod: seconds}}: the lease, renewed every second; a row whose
-                              expires_ms is past is dead (any ingester deletes it)
-  kvpf:fleet                  pod -> JSON PodRecord (kv_preflight/fleet/records.py): engine URL, models (base and LoRA
-                              names), block size, state live|unreachable|retired, since_ms, reason,
-                              owner: what a predictor needs to know the pod with no flag of its own
-  kvpf:load                   pod -> JSON {"running", "waiting", "kv_usage", "at_ms"}: engine load, scraped
-                              once per pod for the whole fleet by the pod's owning ingester
-  kvpf:settings               hash_seed, block_size, hash_algo, entry_format: the index-wide settings,
-                              set by the first writer (HSETNX); a process whose settings disagree refuses
-  kvpf:engines                engine id -> JSON RegisteredEngine (kv_preflight/fleet/records.py): engines added at run time
-                              (the remote-indexer API's /register); every ingester treats them as one
-                              more discovery source, like ``--engines-from file://``
+  kvpf:ingesters              ingester id -> JSON lease {"expires_ms", "started_ms", "host", "engines", "lag"}
+  kvpf:fleet                  pod -> JSON PodRecord (kv_preflight/fleet/records.py): engine URL, models,
+                              block size, state live|unreachable|retired, since_ms, reason, owner
+  kvpf:load                   pod -> JSON {"running", "waiting", "kv_usage", "at_ms"}: engine load
+  kvpf:settings               hash_seed, block_size, hash_algo, entry_format: set by the first writer
+  kvpf:engines                engine id -> JSON RegisteredEngine: engines added at run time (/register)
+  kvpf:aliases                a pod's other name -> the names it is indexed under
+  kvpf:diagnosis              summary -> the last ``kv-preflight diagnose fleet`` summary, at_ms -> its time
 
-  kvpf:diagnosis              summary -> the last ``kv-preflight diagnose fleet`` summary (JSON, bounded),
-                              at_ms -> its Valkey time; ``/stats`` serves it with its age
-Layout 1 (kv-preflight 0.1: ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
-``kvpf:fields:<pod>``) is moved by ``kv-preflight index migrate`` (kv_preflight/index/migrate.py); its names are
-kept here only for that and for spotting a layout-1 writer.
+Earlier layouts (kept here only for ``index migrate`` and for spotting an old writer): layout 3 had, per
+pod, ``kvpf:{<pod>}:blocks`` (engine key -> request keys), ``:fields`` and ``:rks`` (reference counts), per
+engine key ``kvpf:{engine:<key>}:pods`` (its holders), and per request key ``kvpf:{<rk>}:bits`` (tier ->
+bitmap, "#n" -> count); layout 1 (kv-preflight 0.1) ``kvpf:pods``, ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>``,
+``kvpf:fields:<pod>``.
 
-The Lua scripts in ``lua/`` take our per-pod key names as KEYS from here; they derive request keys,
-``engine:<key>`` and its membership set themselves (``engine_members_key``'s pattern, in
-lua/apply_single.lua).
+The Lua scripts take every key name from here, as KEYS or arguments: none builds one.
 """
 from __future__ import annotations
 
 ENGINE_PREFIX = "engine:"
 OUR_PREFIX = "kvpf:"
 LAYOUT_KEY = OUR_PREFIX + "layout"
-LAYOUT_VERSION = "3"
+LAYOUT_VERSION = "4"
 PODS_KEY = OUR_PREFIX + "registry"
 COUNTERS_KEY = OUR_PREFIX + "counters"
 FEEDS_KEY = OUR_PREFIX + "feeds"
@@ -104,8 +94,17 @@ def engine_key_name(engine_key: int | str) -> str:
     return ENGINE_PREFIX + str(engine_key)
 
 
-def request_bits_key(request_key: int | str) -> str:
-    return f"{OUR_PREFIX}{{{request_key}}}:bits"
+def presence_key(request_key: int | str) -> str:
+    """The request key's pod bitmaps (layout 4), in its slot."""
+    return f"{OUR_PREFIX}{{{request_key}}}:p"
+
+
+def presence_field(tier: str, group: int | None) -> str:
+    """A bitmap's field in a presence hash: its tier, and its KV cache group when not 0."""
+    return f"{tier}|{group}" if group else tier
+
+
+PRESENCE_PREFIX, PRESENCE_SUFFIX = OUR_PREFIX + "{", "}:p"  # what the lookup script puts around a key
 
 
 NUMS_BYNAME_KEY = OUR_PREFIX + "{nums}:byname"
@@ -116,37 +115,37 @@ NUMS_KEYS = (NUMS_BYNAME_KEY, NUMS_BYID_KEY, NUMS_FREE_KEY, NUMS_NEXT_KEY)
 NUM_REUSE_MS = 60_000  # a freed number waits this long: a predictor's cached number -> pod map has expired
 
 
-def engine_members_key(engine_key: int | str) -> str:
-    return f"{OUR_PREFIX}{{{ENGINE_PREFIX}{engine_key}}}:pods"
 
 
 def _pod(pod_id: str, what: str) -> str:
     return f"{OUR_PREFIX}{{{pod_id}}}:{what}"
 
 
+# The names the lookup script builds keys from: a request key's presence hash (prefix + key + suffix), the
+# numbering's byid and next, a pod's meta (prefix + pod + suffix); it takes them as arguments.
+LOOKUP_NAMES = (PRESENCE_PREFIX, PRESENCE_SUFFIX, NUMS_BYID_KEY, NUMS_NEXT_KEY, OUR_PREFIX + "{", "}:meta")
+
+
 def pod_meta_key(pod_id: str) -> str:
     return _pod(pod_id, "meta")
 
 
-def pod_blocks_key(pod_id: str) -> str:
-    return _pod(pod_id, "blocks")
-
-
-def pod_fields_key(pod_id: str) -> str:
-    return _pod(pod_id, "fields")
-
-
-def pod_rks_key(pod_id: str) -> str:
-    return _pod(pod_id, "rks")
+def pod_state_key(pod_id: str) -> str:
+    return _pod(pod_id, "state")
 
 
 def pod_outbox_key(pod_id: str) -> str:
     return _pod(pod_id, "outbox")
 
 
+def barrier_key(i: int) -> str:
+    """The i-th candidate for a shard's replication barrier key (a HASH, in some slot that shard owns)."""
+    return f"{OUR_PREFIX}{{b{i}}}:barrier"
+
+
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:
-    """KEYS of the apply script: meta, blocks, fields, request-key refs (and the outbox on a cluster)."""
-    keys = (pod_meta_key(pod_id), pod_blocks_key(pod_id), pod_fields_key(pod_id), pod_rks_key(pod_id))
+    """KEYS of the apply script: meta, state (and the outbox on a cluster)."""
+    keys = (pod_meta_key(pod_id), pod_state_key(pod_id))
     return keys + (pod_outbox_key(pod_id),) if cluster else keys
 
 
@@ -161,6 +160,20 @@ def register_pod_args(pod_id: str, model: str) -> tuple[str, str, str]:
 
 def feed_field(replay_endpoint: str, rank: int) -> str:
     return f"{replay_endpoint}|{rank}"
+
+
+# Layout 3, for `index migrate`.
+def v3_bits_key(request_key: int | str) -> str:
+    return f"{OUR_PREFIX}{{{request_key}}}:bits"
+
+
+def v3_members_key(engine_key: int | str) -> str:
+    return f"{OUR_PREFIX}{{{ENGINE_PREFIX}{engine_key}}}:pods"
+
+
+def v3_pod_keys(pod_id: str) -> tuple[str, str, str]:
+    """A layout-3 pod's reverse index, field ids and reference counts."""
+    return _pod(pod_id, "blocks"), _pod(pod_id, "fields"), _pod(pod_id, "rks")
 
 
 # Layout 1, for `index migrate` and for spotting a layout-1 writer beside us.

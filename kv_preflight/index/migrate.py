@@ -1,172 +1,184 @@
-"""``kv-preflight index migrate``: an index of layout 1 (kv-preflight 0.1) or 2 to layout 3.
+"""``kv-preflight index migrate``: an index of layout 1 (kv-preflight 0.1), 2 or 3 to layout 4.
 
-Layout 2 to 3 adds the presence bitmaps (``kvpf:{<rk>}:bits``, kv_preflight/index/layout.py) the lookup reads:
-every pod gets its number, its per-tier link counts (``<rk>|~<tier>`` in its refs) and its bits,
-rebuilt from its own refs and fields; then every request key's count of our entries ("#n") is set
-from its fields. Each step writes absolute values (a bit set, a count HSET), so an interrupted migrate
-is simply run again. Request keys and ``engine:`` keys are not touched.
+Request keys and ``engine:<key>`` are llm-d's and do not change, so an llm-d scheduler reading the index sees
+nothing happen. What changes is ours (kv_preflight/index/layout.py):
 
-Layout 1 kept each pod's state under ``kvpf:pod:<pod>``, ``kvpf:blocks:<pod>`` (field id and
-copies per block) and ``kvpf:fields:<pod>``, and found a block's request keys by reading
-``engine:<key>``. Layout 2 (kv_preflight/index/layout.py) puts every per-pod key in the pod's slot
-(``kvpf:{<pod>}:...``), keeps the request keys in the reverse index, counts request-key refs per
-pod, and gives each engine key a membership set. Request keys and ``engine:<key>`` are llm-d's and
-do not change, so an llm-d scheduler reading the index sees nothing happen.
+1. Each pod's blocks, read from its old reverse index (layouts 2 and 3: ``kvpf:{<pod>}:blocks`` and
+   ``:fields``, the request keys and, in layout 3, each block's parent in the value; layout 1:
+   ``kvpf:blocks:<pod>`` and ``kvpf:fields:<pod>``, the request keys read from ``engine:<key>``), become its
+   state (kv_preflight/index/pod_state.py), written as a snapshot in ``kvpf:{<pod>}:state``, with its meta
+   (generation, blocks, orphan count: unknown where the old layout kept no parents). Written whole, so a pod
+   migrated twice is the same.
+2. Every presence hash is rebuilt from the pods' states: the old ones (``kvpf:{<rk>}:bits``) and any new one
+   a previous, interrupted run left are deleted first, then each pod adds its bits and entry counts.
+3. The old per-pod keys, the engine keys' membership hashes (``kvpf:{engine:<key>}:pods``) and layout 1's
+   keys are deleted, and the layout version is set to 4.
 
-The move is per pod, read with HSCAN in chunks (a large pod never blocks Valkey), and idempotent:
-a pod whose layout-1 keys are gone is done, so an interrupted migrate is simply run again. Stop the
-ingesters first (a layout-1 ingester would keep writing layout-1 keys); the new ones refuse to
-start on a layout-1 index and stop writing if a layout-1 writer appears (``kvpf:pods`` again).
+Each step can run again, so an interrupted migrate is simply run again. Stop the ingesters first (an
+ingester of another layout refuses to start, and stops writing, on an index of this one); the engines'
+replay buffers cover what they publish meanwhile (docs/operations.md, "Upgrading").
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from kv_preflight.index import scripts
-from kv_preflight.index.entries import parse_entry
+from kv_preflight.index.entries import CHAIN_ROOT, StoreBlock, parse_entry, text
 from kv_preflight.index.index import give_numbers
-from kv_preflight.index.presence import OUR_COUNT
-from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY,
-                                        request_bits_key, engine_key_name, engine_members_key,
-                           pod_blocks_key, pod_fields_key, pod_meta_key, pod_rks_key, register_pod_args,
-                           v1_pod_blocks_key, v1_pod_fields_key, v1_pod_meta_key)
+from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
+                                       pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
+                                       v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)
+from kv_preflight.index.pod_state import KeyChange, PodState, encode_snapshot
+
+Progress = Callable[[str, int], None]
+
+# One pod's bit and entry count added to a presence hash (migration only: the presence hashes were emptied
+# first). KEYS: the presence hash. ARGV: field, byte (1-based), mask, entries.
+_ADD_BIT = """
+local v = redis.call('HGET', KEYS[1], ARGV[1]) or '0:'
+local c = string.find(v, ':', 1, true)
+local n, s = tonumber(string.sub(v, 1, c - 1)) or 0, string.sub(v, c + 1)
+local b, m = tonumber(ARGV[2]), tonumber(ARGV[3])
+if m > 0 then
+  if #s < b then s = s .. string.rep('\\0', b - #s) end
+  s = string.sub(s, 1, b - 1) .. string.char(bit.bor(string.byte(s, b), m)) .. string.sub(s, b + 1)
+end
+redis.call('HSET', KEYS[1], ARGV[1], (n + tonumber(ARGV[4])) .. ':' .. s)
+return 1
+"""
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def parse_v3_block(bk: str, held: str, fields: dict[str, str]) -> tuple[StoreBlock, int]:
+    """A layout-2/3 reverse-index entry (``<ek>|<tier>[|<group>]`` -> ``<id>[*<n>]:<rk>,..[^<parent>]``) as the
+    StoreBlock that recreates it and its copies (pure)."""
+    ek, _, slot = bk.partition("|")
+    tier, _, group = slot.partition("|")
+    head, _, rest = held.partition(":")
+    rks, caret, parent = rest.partition("^")
+    fid, star, n = head.partition("*")
+    return (StoreBlock(int(ek), tier, fields.get(fid, fid), tuple(int(k) for k in rks.split(",") if k),
+                       int(group) if group.isdigit() else 0, False,
+                       (int(parent) if parent else CHAIN_ROOT) if caret else None),
+            int(n) if star and n.isdigit() else 1)
 
 
-def v2_block(held: str, rks: list[str]) -> tuple[str, str]:
-    """A layout-1 reverse-index value (``<id>[*<n>]``) and the block's request keys -> layout 2's
-    value (``<id>[*<n>]:<rk>,..``) and its field id (pure)."""
-    head = held.split(":", 1)[0]
-    return f"{head}:{','.join(rks)}", head.split("*", 1)[0]
-
-
-async def migrate(client, *, chunk: int = 500, progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
-    """Move an index of layout 1 or 2 to layout 3; returns counts. ``client`` is a redis-py asyncio
-    client (single node or cluster)."""
-    done = await _v1_to_v2(client, chunk=chunk, progress=progress)
-    done["keys"] = await add_bits(client, chunk=chunk, progress=progress)
+async def migrate(client, *, chunk: int = 500, progress: Progress | None = None) -> dict[str, int]:
+    """Move an index of layout 1, 2 or 3 to layout 4; returns counts. ``client`` is a redis-py asyncio client
+    (single node or cluster)."""
+    pods = {text(k): text(v) for k, v in (await client.hgetall(PODS_KEY)).items()}
+    v1 = {text(k): text(v) for k, v in (await client.hgetall(V1_PODS_KEY)).items()}
+    done = {"pods": 0, "blocks": 0, "keys": 0}
+    states: dict[str, PodState] = {}
+    for pod in sorted(set(pods) | set(v1)):
+        state = await _read_pod(client, pod, pod in v1 and pod not in pods, chunk)
+        if state is None:
+            continue
+        states[pod] = state
+        done["blocks"] += len(state)
+        if progress:
+            progress(pod, done["blocks"])
+    nums = await give_numbers(client, sorted(states)) if states else {}
+    for pod, state in states.items():
+        await _write_pod(client, pod, state, v1.get(pod) or pods.get(pod, ""))
+        done["pods"] += 1
+    # 2. presence, rebuilt whole
+    await _delete_matching(client, ("kvpf:{*}:bits", "kvpf:{*}:p"), chunk)
+    add = client.register_script(_ADD_BIT)
+    await client.script_load(_ADD_BIT)
+    keys_seen: set[int] = set()
+    for pod, state in states.items():
+        num = nums[pod]
+        pending: list[tuple[str, list[Any]]] = []
+        for c in PodState(state.groups, state.engine_block_size).plan(list(state.stores())).changes:
+            if isinstance(c, KeyChange) and (c.bit_delta > 0 or c.entry > 0):
+                pending.append((presence_key(c.rk), [c.bit, num // 8 + 1 if c.bit_delta > 0 else 0,
+                                                     (1 << num % 8) if c.bit_delta > 0 else 0, max(c.entry, 0)]))
+                keys_seen.add(c.rk)
+        for i in range(0, len(pending), chunk):
+            async with client.pipeline(transaction=False) as pipe:
+                for key, args in pending[i:i + chunk]:
+                    pipe.evalsha(add.sha, 1, key, *args)
+                await pipe.execute()
+        if progress:
+            progress("presence", len(keys_seen))
+    done["keys"] = len(keys_seen)
+    # 3. what the old layouts kept
+    await _delete_matching(client, ("kvpf:{engine:*}:pods",), chunk)
+    for pod in states:
+        await client.delete(*v3_pod_keys(pod))
+        await client.delete(v1_pod_meta_key(pod), v1_pod_fields_key(pod), v1_pod_blocks_key(pod))
+    if v1:
+        await client.delete(V1_PODS_KEY)
     await client.hset(LAYOUT_KEY, "version", LAYOUT_VERSION)
     return done
 
 
-async def add_bits(client, *, chunk: int = 500, progress: Callable[[str, int], None] | None = None) -> int:
-    """Layout 2 -> 3: numbers, tier counts and bits per pod, then each request key's count of our
-    entries. Returns the request keys counted."""
-    bit = client.register_script(scripts.BIT_EFFECT)
-    await client.script_load(bit.script)  # on every primary of a cluster
-    pods = sorted(_text(k) for k in await client.hkeys(PODS_KEY))
-    ours: set[str] = set(pods)
-    for pod in pods:
-        num = (await give_numbers(client, [pod]))[pod]
-        tier_of = {}
-        for fid, fld in (await client.hgetall(pod_fields_key(pod))).items():
-            e = parse_entry(fld)
-            tier_of[_text(fid)] = e.DeviceTier if e is not None and not e.Speculative and e.PodIdentifier == pod else None
-        links: dict[tuple[str, str], int] = {}
-        async for f, v in client.hscan_iter(pod_rks_key(pod), count=chunk):
-            rk, _, fid = _text(f).rpartition("|")
-            tier = tier_of.get(fid)
-            if rk and not fid.startswith("~") and tier and int(v) > 0:
-                links[(rk, tier)] = links.get((rk, tier), 0) + 1
-        items = sorted(links.items())
-        for s in range(0, len(items), chunk):
-            pipe = client.pipeline(transaction=False)
-            for (rk, tier), n in items[s:s + chunk]:
-                pipe.hset(pod_rks_key(pod), f"{rk}|~{tier}", n)
-                # (EVALSHA through execute_command: redis-py's cluster pipeline routes it by its first key)
-                pipe.execute_command("EVALSHA", bit.sha, 2, request_bits_key(rk), rk, rk, "", 1, tier, num)
-            await pipe.execute()
-        if progress:
-            progress(pod, len(items))
-    counted = 0
-    batch: list[str] = []
+async def _read_pod(client, pod: str, layout1: bool, chunk: int) -> PodState | None:
+    """A pod's blocks from its old reverse index, as its state; None when it has none to read (migrated)."""
+    if layout1:
+        blocks_key, fields_key = v1_pod_blocks_key(pod), v1_pod_fields_key(pod)
+    else:
+        blocks_key, fields_key, _ = v3_pod_keys(pod)
+    if not await client.exists(blocks_key) and not await client.exists(v1_pod_meta_key(pod)):
+        return None
+    fields = {text(k): text(v) for k, v in (await client.hgetall(fields_key)).items()}
+    meta_key = v1_pod_meta_key(pod) if layout1 else pod_meta_key(pod)
+    ebs = await client.hget(meta_key, "engine_block_size")
+    stores: list[StoreBlock] = []
+    cursor = 0
+    while True:
+        cursor, part = await client.hscan(blocks_key, cursor, count=chunk)
+        items = [(text(k), text(v)) for k, v in part.items()]
+        if layout1:  # layout 1 kept no request keys: engine:<key> says them
+            async with client.pipeline(transaction=False) as pipe:
+                for bk, _ in items:
+                    pipe.zrange(engine_key_name(int(bk.split("|", 1)[0])), 0, -1)
+                members = await pipe.execute() if items else []
+            items = [(bk, f"{held.split(':', 1)[0]}:{','.join(text(r) for r in rks)}")
+                     for (bk, held), rks in zip(items, members)]
+        for bk, held in items:
+            block, copies = parse_v3_block(bk, held, fields)
+            if parse_entry(block.entry_field) is None:
+                continue  # not a field any llm-d reader would count
+            stores.extend([block] * copies)
+        if cursor == 0:
+            break
+    state = PodState(engine_block_size=int(text(ebs)) if ebs and text(ebs).isdigit() else None)
+    return state.plan(stores).after
 
-    async def count(keys: list[str]) -> None:
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            pipe.hkeys(k)
-        fields = await pipe.execute(raise_on_error=False)
-        pipe = client.pipeline(transaction=False)
-        for k, fl in zip(keys, fields):
-            if isinstance(fl, Exception):
-                continue  # a key of a foreign type: not ours
-            n = sum(1 for f in fl if (e := parse_entry(f)) is not None and e.PodIdentifier in ours)
-            if n:
-                pipe.hset(request_bits_key(k), OUR_COUNT, n)
-            else:
-                pipe.hdel(request_bits_key(k), OUR_COUNT)
+
+async def _write_pod(client, pod: str, state: PodState, model: str) -> None:
+    """The pod's state as a snapshot, and its meta (layout 1's copied first), in one transaction."""
+    old = await client.hgetall(v1_pod_meta_key(pod))
+    batches = old.get(b"batches") or await client.hget(pod_meta_key(pod), "batches") or b"0"
+    orphans = state.orphan_count
+    async with client.pipeline(transaction=True) as pipe:
+        if old:
+            pipe.hset(pod_meta_key(pod), mapping=old)
+        pipe.delete(pod_state_key(pod))
+        pipe.hset(pod_state_key(pod), "s", encode_snapshot(state, 1))
+        pipe.hset(pod_meta_key(pod), mapping={"gen": "1:migrate", "blocks": len(state), "batches": batches,
+                                              "orphan_at": batches, **({"model": model} if model else {})})
+        if orphans is None:
+            pipe.hdel(pod_meta_key(pod), "orphan_keys", "orphan_at")
+        else:
+            pipe.hset(pod_meta_key(pod), "orphan_keys", orphans)
         await pipe.execute()
+    if model:
+        await client.hset(PODS_KEY, pod, model)
 
-    async for key in client.scan_iter(count=chunk):
-        k = _text(key)
-        if k.isdigit():  # llm-d's request keys are decimal; every other key has a prefix
-            batch.append(k)
+
+async def _delete_matching(client, patterns: tuple[str, ...], chunk: int) -> None:
+    """Every key matching the patterns, deleted in chunks (redis-py splits a cluster's by slot)."""
+    for pattern in patterns:
+        batch = []
+        async for key in client.scan_iter(match=pattern, count=chunk):
+            batch.append(key)
             if len(batch) >= chunk:
-                await count(batch)
-                counted += len(batch)
+                await client.delete(*batch)
                 batch = []
-                if progress:
-                    progress("request keys", counted)
-    if batch:
-        await count(batch)
-        counted += len(batch)
-    return counted
+        if batch:
+            await client.delete(*batch)
 
 
-async def _v1_to_v2(client, *, chunk: int, progress: Callable[[str, int], None] | None) -> dict[str, int]:
-    pods = {_text(k): _text(v) for k, v in (await client.hgetall(V1_PODS_KEY)).items()}
-    done = {"pods": 0, "blocks": 0}
-    for pod, model in sorted(pods.items()):
-        meta = await client.hgetall(v1_pod_meta_key(pod))
-        if meta:
-            await client.hset(pod_meta_key(pod), mapping=meta)
-        fields = await client.hgetall(v1_pod_fields_key(pod))
-        if fields:
-            await client.hset(pod_fields_key(pod), mapping=fields)
-        # A migrate interrupted inside this pod left part of its blocks: start the pod afresh.
-        await client.delete(pod_blocks_key(pod), pod_rks_key(pod))
-        ids = {_text(k): _text(v) for k, v in fields.items()}
-        by_field = {v: k for k, v in ids.items()}
-        cursor = 0
-        while True:
-            cursor, part = await client.hscan(v1_pod_blocks_key(pod), cursor, count=chunk)
-            items = [(_text(k), _text(v)) for k, v in part.items()]
-            pipe = client.pipeline(transaction=False)
-            for bk, _ in items:
-                pipe.zrange(engine_key_name(int(bk.split("|", 1)[0])), 0, -1)
-            members = await pipe.execute() if items else []
-            pipe = client.pipeline(transaction=False)
-            for (bk, held), rks in zip(items, members):
-                rks = [_text(r) for r in rks]
-                if not held.split("*", 1)[0].isdigit():  # a field written before ids: give it one
-                    fld = held.split("*", 1)[0]
-                    fid = by_field.get(fld)
-                    if fid is None:
-                        fid = by_field[fld] = str(len(by_field) + 1)
-                        pipe.hset(pod_fields_key(pod), fid, fld)
-                    held = fid + held[len(fld):]
-                value, fid = v2_block(held, rks)
-                pipe.hset(pod_blocks_key(pod), bk, value)
-                for rk in rks:
-                    pipe.hincrby(pod_rks_key(pod), f"{rk}|{fid}", 1)
-                ek, _, slot = bk.partition("|")
-                pipe.hset(engine_members_key(ek), f"{pod}|{slot}", 1)
-            if items:
-                await pipe.execute()
-            done["blocks"] += len(items)
-            if progress:
-                progress(pod, done["blocks"])
-            if cursor == 0:
-                break
-        await client.hset(*register_pod_args(pod, model))
-        await client.delete(v1_pod_meta_key(pod), v1_pod_fields_key(pod), v1_pod_blocks_key(pod))
-        await client.hdel(V1_PODS_KEY, pod)
-        done["pods"] += 1
-    return done
-
-
-__all__ = ["add_bits", "migrate", "v2_block"]
+__all__ = ["migrate", "parse_v3_block"]

@@ -1,7 +1,9 @@
-"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure; layout 3).
+"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure; layout 4).
 
-Each request key has, per tier, a bitmap of the pods holding it (``kvpf:{<rk>}:bits``, written with
-the key's entries: kv_preflight/index/lua/bits.lua). lookup_bits.lua answers in one of two ways (``BitsReply``):
+Each request key has, per tier, a bitmap of the pods holding it in their prefix group (``kvpf:{<rk>}:p``,
+field ``<tier>``, written with the key's entries: kv_preflight/index/lua/changes.lua), and for a hybrid model's
+other KV cache groups one per tier and group (field ``<tier>|<group>``: ``GroupBits``, which the engine's rule
+reads, kv_preflight/engines/hit_rules.py). lookup_bits.lua answers in one of two ways (``BitsReply``):
 where many pods hold the chain's first key, every key's bitmaps, which ``prefix_from_bits`` walks here
 exactly as the linear walk over llm-d's entries does (``entries.longest_prefix``: the keys a pod holds
 from the first, up to the first it lacks, its tier at the last one gpu first): a running AND of integers,
@@ -30,29 +32,42 @@ TierRuns = tuple[tuple[str, int], ...]
 NamesFor = Callable[[Iterable[int] | int, str], Awaitable[Mapping[int, str]]]
 
 
-OUR_COUNT = "#n"  # the field of a bitmap hash counting our entries on the request key (bits.lua)
-
-
 _TIER_NAMES = {b"gpu": "gpu", b"cpu": "cpu", b"disk": "disk"}  # decoded once, not once per key
-_OUR_COUNT_B = OUR_COUNT.encode()
+# A key's bitmaps of a hybrid model's other groups: (tier, group) -> bitmap
+GroupBits = Mapping[tuple[str, int], bytes]
 
 
 def _name(raw: bytes | str) -> str:
     return raw if isinstance(raw, str) else _TIER_NAMES.get(raw) or raw.decode()
 
 
+def presence_value(raw: bytes | str) -> tuple[int, bytes]:
+    """A presence hash's value ``<n>:<bitmap>`` as (n, bitmap)."""
+    b = raw if isinstance(raw, bytes) else raw.encode("latin-1")
+    head, _, bitmap = b.partition(b":")
+    return (int(head) if head.isdigit() else 0), bitmap
+
+
 def bits_of(flat: Sequence[bytes | str]) -> dict[str, bytes]:
-    """One key's bitmap hash (HGETALL: tier, bitmap, ..., "#n", count) as tier -> bitmap."""
-    if len(flat) == 4:  # one tier and our count, in either order (the common case)
-        if flat[2] in (_OUR_COUNT_B, OUR_COUNT):
-            return {_name(flat[0]): flat[1]}
-        if flat[0] in (_OUR_COUNT_B, OUR_COUNT):
-            return {_name(flat[2]): flat[3]}
+    """One key's prefix-group bitmaps from a flat field list (field, bitmap, ...: values already stripped
+    of their counts) as tier -> bitmap; a hybrid model's other groups' fields are left out."""
     out = {}
     for i in range(0, len(flat) - 1, 2):
         name = _name(flat[i])
-        if name != OUR_COUNT:
+        if "|" not in name:
             out[name] = flat[i + 1]
+    return out
+
+
+def group_bits_of(flat: Sequence[bytes | str]) -> dict[tuple[str, int], bytes]:
+    """One key's other-group bitmaps from the same flat list: (tier, group) -> bitmap."""
+    out = {}
+    for i in range(0, len(flat) - 1, 2):
+        name = _name(flat[i])
+        if "|" in name:
+            tier, _, g = name.partition("|")
+            if g.isdigit():
+                out[(tier, int(g))] = flat[i + 1]
     return out
 
 
@@ -76,7 +91,8 @@ class BitsReply:
     walked: int = 0
     runs: dict[int, TierRuns] = field(default_factory=dict)
     flat: tuple[list[bytes | str], list[bytes]] | None = None
-    parsed: list[dict[str, bytes]] | None = None  # kind 0 with a key of several tiers: ``reads``
+    parsed: list[dict[str, bytes]] | None = None  # kind 0 with a key of several fields: ``reads``
+    groups: list[dict[tuple[str, int], bytes]] | None = None  # kind 0: each key's other-group bitmaps
 
     @cached_property
     def reads(self) -> list[dict[str, bytes]]:
@@ -99,13 +115,17 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
         if flat is not None:
             return BitsReply(foreign, moved, 0, epoch, [], flat=flat)
         reads = []
+        groups = []
         for i in range(5, len(reply) - 1, 2):
             name, bits = reply[i], reply[i + 1]
-            if isinstance(name, list):  # several tiers: the key's flat hash
+            if isinstance(name, list):  # several fields: the key's flat hash
                 reads.append(bits_of(name))
+                groups.append(group_bits_of(name))
             else:
-                reads.append({_name(name): bits} if name else {})
-        return BitsReply(foreign, moved, 0, epoch, [], parsed=reads)
+                reads.append(bits_of([name, bits]) if name else {})
+                groups.append(group_bits_of([name, bits]) if name else {})
+        return BitsReply(foreign, moved, 0, epoch, [], parsed=reads,
+                         groups=groups if any(groups) else None)
     counts = []
     runs: dict[int, TierRuns] = {}
     for i in range(5, len(reply) - 2, 3):
@@ -200,7 +220,9 @@ def one_tier_reads(reply: Sequence[Any]) -> tuple[list[bytes | str], list[bytes]
     if _speedups is None or len(reply) < 6 or int(reply[2]) != 0:
         return None
     tiers = reply[5::2]
-    if list in map(type, tiers):  # a key with several tiers sent its flat hash
+    if list in map(type, tiers):  # a key with several fields sent its flat hash
+        return None
+    if any(b"|" in t if isinstance(t, bytes) else "|" in t for t in tiers):  # a hybrid model's other group
         return None
     maps = reply[6::2]
     if len(maps) != len(tiers) or not all(type(b) is bytes for b in maps):
@@ -310,6 +332,6 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-__all__ = ["OUR_COUNT", "BitsReply", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
+__all__ = ["BitsReply", "GroupBits", "group_bits_of", "presence_value", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
            "numbers_in", "chain_of_one_tier", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
            "tier_in_runs"]

@@ -1,6 +1,8 @@
 """The Lua scripts, read once from kv_preflight/index/lua/ (package data) and assembled: preludes first, since Lua
-has no include. apply = a prelude that says where shared-key effects go (apply_single.lua: run them
-now; apply_cluster.lua: keep them in the pod's outbox) + pod.lua, the pod step both share."""
+has no include. A batch: seq.lua (the seq and generation checks) and pod_write.lua (the pod's own writes),
+then on a single node changes.lua and apply.lua (the batch's changes run in the same script), on a cluster
+pod_step.lua (they go to the pod's outbox) and, per shard, changes.lua and effects.lua. Key names come from
+kv_preflight/index/layout.py as arguments: no script builds one."""
 from __future__ import annotations
 
 from importlib import resources
@@ -11,16 +13,13 @@ def lua(*names: str) -> str:
     return "\n".join((base / f"{n}.lua").read_text() for n in names)
 
 
-APPLY_SINGLE = lua("parse_entry", "links", "bits", "apply_single", "pod")
-APPLY_CLUSTER = lua("parse_entry", "apply_cluster", "pod")
-UNLINK_ENGINE = lua("unlink_engine")
-EFFECTS_SHARD = lua("links", "bits", "effects_shard")
-BIT_EFFECT = lua("bits", "bit_effect")
+APPLY = lua("seq", "pod_write", "changes", "apply")  # a single node: a batch and its changes in one script
+POD_STEP = lua("seq", "pod_write", "pod_step")  # a cluster: the pod's own step (its changes go to the outbox)
+EFFECTS = lua("changes", "effects")  # a cluster shard: its share of a batch's changes
 NUMS = lua("nums")
 LOOKUP_BITS = lua("lookup_bits")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 
-__all__ = ["APPLY_CLUSTER", "APPLY_SINGLE", "BIT_EFFECT", "CAS_FIELD", "EFFECTS_SHARD", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "NUMS",
-           "UNLINK_ENGINE", "lua"]
+__all__ = ["APPLY", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "NUMS", "POD_STEP", "lua"]

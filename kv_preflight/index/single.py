@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import evalsha_pipeline, ready
+from kv_preflight.index.backend import evalsha_pipeline, read_pipeline, ready
 from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
 from kv_preflight.keys.chain import pack_keys
 from kv_preflight.index.presence import NamesFor, mask_of, parse_bits_reply, prefix_from_bits, prefix_of_one_tier
+from kv_preflight.index.layout import LOOKUP_NAMES
 from kv_preflight.index.resp import FastConnection
+from kv_preflight.index.writer import Prepared
 
 
 class SingleNodeBackend:
@@ -21,20 +23,20 @@ class SingleNodeBackend:
     def __init__(self, client, fast: FastConnection | None):
         self.client = client
         self.fast = fast
-        self._apply = client.register_script(scripts.APPLY_SINGLE)
+        self._apply = client.register_script(scripts.APPLY)
         self._lookup = client.register_script(scripts.LOOKUP)
         self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
         self.gap_walks = 0
+        self.late_reads = 0  # (one round always, on one node)
 
-    def writer_arg(self) -> str:
-        return ""
-
-    async def send(self, pods: Sequence[str], keys: Sequence[Sequence[str]],
-                   args: Sequence[Sequence[Any]]) -> "asyncio.Future[list[ApplyResult]]":
-        """Written now on the lean connection (the caller prepares the next batches meanwhile; later
-        commands run after these); without it (TLS) run before this returns."""
+    async def send(self, preps: Sequence[Prepared]) -> "asyncio.Future[list[ApplyResult]]":
+        """Each batch is one script, its changes included. Written now on the lean connection (the caller
+        prepares the next batches meanwhile; later commands run after these); without it (TLS) run before
+        this returns."""
+        keys = [p.keys for p in preps]
+        args = [p.script_args() for p in preps]
         if self.fast is not None:
             replies = await self.fast.evalsha_send(self._apply.sha, self._apply.script, list(args), list(keys))
 
@@ -62,7 +64,7 @@ class SingleNodeBackend:
         """The default lookup: lookup_bits.lua in one EVALSHA (the keys' pod bitmaps, walked here or
         bisected there, each pod's orphan count read there too: "local"); None when key 1 holds entries
         that are not ours (walk llm-d's entries then)."""
-        args = [len(request_keys), "local", *request_keys]
+        args = [len(request_keys), "local", *LOOKUP_NAMES, *request_keys]
         if self.fast is not None:
             reply = await self.fast.evalsha(self._lookup_bits.sha, self._lookup_bits.script, args)
         else:
@@ -84,6 +86,18 @@ class SingleNodeBackend:
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return 0  # one script applies a whole batch: nothing is ever left half applied
+
+    async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """On the lean connection where there is one (a thousand pods' metadata cost ~70 ms of redis-py's
+        per-command Python; there a few ms), else a redis-py pipeline, sent again once on a fresh connection."""
+        if self.fast is not None:
+            return await self.fast.pipeline(commands)
+
+        def fill(pipe) -> None:
+            for c in commands:
+                pipe.execute_command(*c)
+
+        return await read_pipeline(self.client, fill)
 
     async def key_count(self) -> int:
         return int(await self.client.dbsize())

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_preflight.predictor.http.errors import BadRequest, clip
-from kv_preflight.index.index import Index, PodInfo, pod_blocks_key, pod_meta_key
+from kv_preflight.index.index import Index, PodInfo
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 
 EVENT_COUNTERS = ("batches", "stored", "removed", "cleared")
@@ -123,34 +123,20 @@ def build_stats(
 
 
 # ---- Valkey reads
-# TODO(move to kv_preflight/index/index.py): ``Index.pods_summary(pod_ids)``, the totals below. It lives here only until the
-# owner of kv_preflight/index/index.py adds it; it uses ``index.client`` (redis.asyncio) and the layout's key functions, never
-# key strings of its own. (Pages of pods use ``Index.pod_infos``, pipelined the same way.)
-
-
-def _chunks(items: Sequence[str], size: int = PIPELINE_PODS):
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
 
 
 async def read_pods_summary(index: Index, pod_models: Mapping[str, str]) -> PodsSummary:
-    """Counts and totals over every pod, reading only the fields they need (HMGET + HLEN per pod, pipelined)."""
-    fields = ("incomplete", *EVENT_COUNTERS)  # TODO(move to kv_preflight/index/index.py): Index.pods_summary
+    """Counts and totals over every pod, reading only the meta fields they need (Index.meta_fields)."""
+    fields = ("incomplete", "blocks", *EVENT_COUNTERS)
     summary = PodsSummary(pods=len(pod_models), models=len({m for m in pod_models.values() if m}))
-    for chunk in _chunks(sorted(pod_models)):
-        async with index.client.pipeline(transaction=False) as pipe:
-            for pod in chunk:
-                pipe.hmget(pod_meta_key(pod), fields)
-                pipe.hlen(pod_blocks_key(pod))
-            replies = await pipe.execute(raise_on_error=False)
-        for i in range(0, len(replies), 2):
-            values, blocks = replies[i], replies[i + 1]
-            if isinstance(values, Exception) or isinstance(blocks, Exception):  # a key of a foreign type: skip it
-                continue
-            summary.blocks += int(blocks)
-            if values[0] is not None and bytes(values[0]) == b"1":
-                summary.incomplete_pods += 1
-            for name, value in zip(EVENT_COUNTERS, values[1:]):
-                if value is not None:
-                    summary.counters[name] += int(value)
+    for values in await index.meta_fields(sorted(pod_models), fields):
+        if values is None:  # a key of a foreign type: skip it
+            continue
+        if values[0] is not None and bytes(values[0]) == b"1":
+            summary.incomplete_pods += 1
+        if values[1] is not None and bytes(values[1]).isdigit():
+            summary.blocks += int(values[1])
+        for name, value in zip(EVENT_COUNTERS, values[2:]):
+            if value is not None:
+                summary.counters[name] += int(value)
     return summary

@@ -23,13 +23,15 @@ class Rounds:
     chain of calls each starting after the one before it ended (issue 9 item 4: at most 3 rounds). The pod
     names (``Index._names_for``) are a cache read once per new pod per process: not counted."""
 
-    ENTRY_POINTS = ("_on_shard", "pods_with_gaps", "_read_routed", "_read_keys")
+    ENTRY_POINTS = (("shards", "script_on"), ("lookups", "pods_with_gaps"), ("lookups", "_read_routed"),
+                    ("lookups", "_read_keys"))
 
     def __init__(self, backend):
         self.ticks = itertools.count()
         self.calls: list[tuple[int, int, str]] = []
-        for name in self.ENTRY_POINTS:
-            setattr(backend, name, self._timed(name, getattr(backend, name)))
+        for part, name in self.ENTRY_POINTS:
+            obj = getattr(backend, part)
+            setattr(obj, name, self._timed(name, getattr(obj, name)))
 
     def _timed(self, name: str, fn):
         async def timed(*args, **kwargs):
@@ -160,29 +162,38 @@ async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(val
 
 
 async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
-    """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its effects not run."""
+    """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its changes not run."""
     from kv_preflight.index.backend import evalsha_pipeline
-    from kv_preflight.index.entries import apply_args, text
-    from kv_preflight.index.layout import pod_keys
+    from kv_preflight.index.cluster.writes import encode_changes
+    from kv_preflight.index.entries import apply_result, text
 
-    args = apply_args(pod, 0, seq, 1.0, "m", 16, muts, "check", ix.backend.writer_arg())
-    (reply,) = await evalsha_pipeline(ix.client, ix.backend._apply, [pod_keys(pod, cluster=True)], [args])
-    assert text(reply[0]) == "applied" and len(reply) > 4, reply
-    return text(reply[4]), reply[5]
+    writes = ix.backend.writes
+    (prep,) = await ix.plan_batches([dict(pod_id=pod, rank=0, seq=seq, ts=1.0, model="m", engine_block_size=16,
+                                          mutations=muts)])
+    payload = encode_changes(prep.changes, prep.num)
+    args = prep.head + [writes.writer_arg(), "1" if prep.gap else "0", payload]
+    (reply,) = await evalsha_pipeline(ix.client, writes._pod_step, [prep.keys], [args])
+    assert text(reply[0]) == "applied" and text(reply[5]), reply
+    assert not ix.writer.settle([prep], [apply_result(reply[:5])])
+    return text(reply[5]), payload
 
 
-async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random) -> None:
-    """Step 2 on a random subset of the shards only: the batch is half applied, as when its writer is
-    killed while the shards' runs are on their way."""
-    from kv_preflight.index.cluster import effect_list, node_for
+async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random, skip: str | None = None) -> None:
+    """Round A of step 2 (the request keys' entries and bits, what a lookup reads) on some shards only: a
+    random subset, or every shard but ``skip``. The batch is half applied, as when its writer is killed while
+    the shards' runs are on their way."""
+    import msgspec
 
-    effects = effect_list(payload)
-    nodes = sorted({node_for(ix.client, key).name for _, key, _ in effects})
-    chosen = set(rng.sample(nodes, k=rng.randrange(0, len(nodes) + 1)))
-    script = ix.backend.effects._effects
+    from kv_preflight.index.cluster import node_for
+    from kv_preflight.index.cluster.writes import key_op_args
+
+    ops = [op for op in msgspec.msgpack.decode(payload) if op[0] == "K"]
+    nodes = sorted({node_for(ix.client, str(op[1])).name for op in ops})
+    chosen = set(nodes) - {skip} if skip is not None else set(rng.sample(nodes, k=rng.randrange(0, len(nodes) + 1)))
+    script = ix.backend.writes._effects
     for name in chosen:
         node = ix.client.get_node(node_name=name)
-        args = [a for _, key, flat in effects if node_for(ix.client, key).name == name for a in flat]
+        args = [a for op in ops if node_for(ix.client, str(op[1])).name == name for a in key_op_args(op)]
         await script.registered_client.script_load(script.script)
         await ix.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 
@@ -250,7 +261,7 @@ async def test_each_key_is_sent_to_the_primary_serving_its_slot(cluster_url):
     ix = Index.from_url(cluster_url)
     ref = redis.RedisCluster.from_url(cluster_url)
     try:
-        by_node, unanswered = await ix.backend._keys_by_node(chain)
+        by_node, unanswered = await ix.backend.lookups._keys_by_node(chain)
         assert not unanswered
         assert sorted(i for _, idx in by_node.values() for i in idx) == list(range(len(chain)))
         for name, (_, idx) in by_node.items():
@@ -270,7 +281,7 @@ async def test_the_worst_case_takes_three_rounds(valkey_cluster, cluster_url):
     equal the linear walk's in at most 3 sequential rounds; the chain again, its pods' meta read beside
     the shards, in 2; and in 3 still when a slot has moved too (its shard's keys read beside round 2). A
     slot moved under a key that only the walk reads (a bisection reads few keys) costs a 4th round, counted."""
-    from kv_preflight.index.cluster import effect_list, node_for
+    from kv_preflight.index.cluster import node_for
     from kv_preflight.index.entries import CHAIN_ROOT
 
     rng = random.Random(31)
@@ -292,13 +303,7 @@ async def test_the_worst_case_takes_three_rounds(valkey_cluster, cluster_url):
             if not skip:
                 await ix.drain_outbox(pod)
                 return
-            effects = effect_list(payload)
-            script = ix.backend.effects._effects
-            await script.registered_client.script_load(script.script)
-            for name in sorted({node_for(ix.client, key).name for _, key, _ in effects} - {skip}):
-                args = [a for _, key, flat in effects if node_for(ix.client, key).name == name for a in flat]
-                await ix.client.execute_command("EVALSHA", script.sha, 0, *args,
-                                                target_nodes=ix.client.get_node(node_name=name))
+            await run_on_some_shards(ix, payload, random.Random(0), skip=skip)
 
         await batch(gap, 0, stores(gap, 0, len(chain), lambda i: "gpu" if i < 60 else "cpu"))
         await batch(gap, 1, [RemoveBlock(50_000 + q, "gpu")])  # a gap: key q+1's parent gone (orphan count 1)

@@ -13,7 +13,7 @@ import redis
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.index.layout import pod_blocks_key, pod_meta_key, pod_rks_key
+from kv_preflight.index.layout import pod_meta_key, pod_state_key
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq
@@ -101,10 +101,11 @@ async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_p
 
 
 async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_path):
-    """Finding 5: a LIST at engine:<key> failed the batch script after partial writes; each retry
-    counted copies again, every other pod stalled, and after eviction the pod stayed listed. Now
-    the block behind the foreign key is not indexed (pod flagged, counted), the seq moves on,
-    other pods go on, and nothing is counted twice."""
+    """A LIST at engine:<key> once failed the batch script after partial writes; each retry counted
+    copies again, every other pod stalled, and after eviction the pod stayed listed. Now the write to the
+    foreign key stands alone (pod flagged, counted); the block is still indexed (its request keys are in
+    the pod's own state, so its eviction needs nothing from engine:<key>), the seq moves on, other pods go
+    on, and nothing is counted twice."""
     a, src_a = stub("kv@pod-a@tiny")
     b, src_b = stub("kv@pod-b@tiny")
     sync = redis.Redis.from_url(valkey_url)
@@ -123,19 +124,19 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
             b.publish(EventBatch(time.time(), [BlockStored([1000 + k], None, toks[:32], 32, medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 1)
         await wait_for_seq(ix, "pod-b", 4)
-        assert sync.hget(pod_blocks_key("pod-a"), "123|gpu") is None
-        assert sync.hget(pod_blocks_key("pod-a"), "789|gpu").startswith(b"1:")
+        held = await ix.held_blocks("pod-a")
+        assert set(held) == {(123, "gpu", 0), (789, "gpu", 0)} and all(c == 1 for _, c in held.values())
         assert sync.lrange("engine:123", 0, -1) == [b"x"]  # untouched
         info = await ix.pod_info("pod-a")
         assert info.incomplete and "foreign" in info.incomplete_reason and "engine:123" in info.incomplete_reason
         assert info.counters.get("foreign_keys", 0) == 1
         assert (await ix.counters()).get("foreign_keys", 0) == 1
-        assert info.counters["batches"] == 2 and info.counters["stored"] == 1
-        # Eviction of the block that was never indexed changes nothing; the other goes cleanly.
+        assert info.counters["batches"] == 2 and info.counters["stored"] == 2
+        # Both evicted: their entries go, the foreign key stays as it was.
         a.publish(EventBatch(time.time(), [BlockRemoved([123, 789], medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 2)
-        assert sync.hlen(pod_blocks_key("pod-a")) == 0
-        assert not sync.exists("engine:789")
+        assert await ix.held_blocks("pod-a") == {}
+        assert not sync.exists("engine:789") and sync.lrange("engine:123", 0, -1) == [b"x"]
         assert ing.poll() is None
     finally:
         stop(ing)
@@ -159,10 +160,10 @@ async def test_foreign_request_key_is_a_counted_miss_on_read(ix):
 
 
 async def test_foreign_pod_key_refuses_the_batch_before_any_write(ix):
-    await ix.client.rpush(pod_blocks_key("pod-a"), "x")
+    await ix.client.rpush(pod_state_key("pod-a"), "x")
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                              mutations=[StoreBlock(11, "gpu", F0, (101,))])
-    assert r.status == "corrupt" and pod_blocks_key("pod-a") in r.detail
+    assert r.status == "corrupt" and pod_state_key("pod-a") in r.detail
     assert not await ix.client.exists("101") and not await ix.client.exists("engine:11")
 
 
@@ -202,8 +203,8 @@ async def test_reannounced_block_is_not_a_second_copy(ix):
     await apply(0, first)
     await apply(1, first)  # the re-announcement: no copy counted
     await apply(2, [StoreBlock(12, "gpu", F0, (102,))])  # a real copy of block 12 (it has a parent)
-    assert await ix.client.hget(pod_blocks_key("pod-a"), "11|gpu") == b"1:101"
-    assert await ix.client.hget(pod_blocks_key("pod-a"), "12|gpu") == b"1*2:102"
+    held = await ix.held_blocks("pod-a")
+    assert held[(11, "gpu", 0)] == ((101,), 1) and held[(12, "gpu", 0)] == ((102,), 2)
     assert (await ix.pod_info("pod-a")).counters["reannounced"] == 2
     await apply(3, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one eviction each
     assert not await ix.client.exists("101")  # the only copy went
@@ -221,5 +222,5 @@ async def test_cache_salt_two_engine_keys_one_request_key(ix):
     assert [m.blocks for m in await ix.lookup([101, 102], mode="linear")] == [2]
     await apply(3, [RemoveBlock(91, "gpu")])
     assert await ix.lookup([101, 102], mode="linear") == []
-    assert not await ix.client.exists(pod_rks_key("pod-a"), "engine:11", "engine:91", "101", "102")
-    assert await ix.client.hlen(pod_blocks_key("pod-a")) == 0
+    assert not await ix.client.exists("engine:11", "engine:91", "101", "102")
+    assert await ix.held_blocks("pod-a") == {}

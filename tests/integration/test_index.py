@@ -7,7 +7,7 @@ import redis
 from kv_preflight.index.index import (
     ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
-from kv_preflight.index.layout import pod_blocks_key, pod_meta_key
+from kv_preflight.index.layout import pod_meta_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -124,7 +124,7 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     r = await apply(ix, 5, b5, mode="force")  # ingester Y, a moment later
     assert (r.status, r.last_seq) == ("dup", 6)
     assert (await ix.pod_info("pod-a")).seqs == {"0": 6}
-    assert await ix.client.hget(pod_blocks_key("pod-a"), "11|gpu") == b"1:101"  # one copy, not two
+    assert (await ix.held_blocks("pod-a"))[(11, "gpu", 0)] == ((101,), 1)  # one copy, not two
     assert (await apply(ix, 7, [RemoveBlock(11, "gpu")])).status == "applied"
     assert await ix.lookup([101]) == []
     # A forced batch from a restarted engine (seq back, newer ts) is still a restart.
@@ -138,7 +138,7 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "dup"  # Y
     assert (await ix.pod_info("pod-a")).seqs == {"0": 1}
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
-    assert await ix.client.hget(pod_blocks_key("pod-a"), "12|gpu") == b"1:102"
+    assert (await ix.held_blocks("pod-a"))[(12, "gpu", 0)] == ((102,), 1)
     # Y's reset of a seq X has not reached yet applies it as the next batch, without clearing.
     assert (await apply(ix, 2, [], ts=10_002.0, mode="reset")).status == "applied"
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}

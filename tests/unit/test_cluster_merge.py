@@ -1,4 +1,4 @@
-"""merge_shards: a pod's prefix from the shards' per-shard answers (kv_preflight/index/cluster.py)."""
+"""merge_shards: a pod's prefix from the shards' per-shard answers (kv_preflight/index/cluster/lookup.py)."""
 from __future__ import annotations
 
 import random

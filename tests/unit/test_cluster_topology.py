@@ -1,5 +1,5 @@
-"""Reading a shard's replicas from CLUSTER NODES (the replication barrier's topology, kv_preflight/index/cluster.py)."""
-from kv_preflight.index.cluster import live_replicas
+"""Reading a shard's replicas from CLUSTER NODES (the replication barrier's topology, kv_preflight/index/cluster/barrier.py)."""
+from kv_preflight.index.cluster.barrier import live_replicas
 
 # Valkey 8's CLUSTER NODES, as a master answers it: one replica in sync, the other shards' nodes around it
 TABLE = """\

@@ -121,17 +121,20 @@ def test_unnamed_numbers_never_count():
 
 
 def test_the_scripts_two_answers_parse():
-    # kind 0: two elements a key: one tier's name and bitmap; several tiers' flat hash and ""; nobody "" and ""
-    walked = parse_bits_reply([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"cpu", b"\x02", b"#n", b"2"],
+    # kind 0: two elements a key: one field's name and bitmap; several fields flat and ""; nobody "" and "".
+    # A hybrid model's other groups' fields ("<tier>|<group>") are no part of the prefix: they go to `groups`.
+    walked = parse_bits_reply([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"cpu", b"\x02", b"gpu|1", b"\x04"],
                                b"", b"", b""])
     assert (walked.foreign, walked.moved, walked.kind, walked.epoch, walked.reads) == (
         2, False, 0, "e1", [{"gpu": b"\x01"}, {"gpu": b"\x01", "cpu": b"\x02"}, {}])
+    assert walked.groups == [{}, {("gpu", 1): b"\x04"}, {}]
     bisected = parse_bits_reply([0, 1, 1, b"", 1, 7, 40, b"cpu", 9, 3, b"gpu"])
     assert bisected.moved and bisected.counts == [(7, 40, "cpu"), (9, 3, "gpu")] and bisected.epoch == ""
     assert bisected.walked == 1  # pods walked key by key (orphan keys), not bisected
     assert parse_bits_reply([0, 0, 2, b"", 0]).kind == 2
     # only a kind-0 reply whose every key has one tier (or none) is read as two lists
-    assert presence.one_tier_reads([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"#n", b"1"], b""]) is None
+    assert presence.one_tier_reads([2, 0, 0, b"e1", 0, b"gpu", b"\x01", [b"gpu", b"\x01", b"cpu", b"\x01"], b""]) is None
+    assert presence.one_tier_reads([2, 0, 0, b"e1", 0, b"gpu|1", b"\x01"]) is None  # another group: not a prefix
     assert presence.one_tier_reads([0, 1, 1, b"", 1, 7, 40, b"cpu"]) is None
     if presence._speedups is not None:
         assert presence.one_tier_reads([0, 0, 0, b"", 0, b"gpu", b"\x03", b"", b""]) == ([b"gpu", b""], [b"\x03", b""])

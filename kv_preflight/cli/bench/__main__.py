@@ -32,7 +32,7 @@ from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.predictor.scoring.score import engine_cached_tokens
 from kv_preflight.index.index import Index, StoreBlock
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.layout import pod_fields_key, pod_meta_key
+from kv_preflight.index.layout import pod_meta_key
 from kv_preflight.keys.chain import HAS_C_EXTENSION, request_keys, request_keys_reference
 
 MODEL = "bench-model"
@@ -461,33 +461,17 @@ def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
     the seed layout's by writing its reverse index (the whole PodEntry per block) beside ours."""
     total = _used(r) - mem0
     entries = _entries(r)
-    # Ours per block: each pod's reverse index, field ids and request-key refs, the engine keys'
-    # membership hashes and the request keys' pod bitmaps (layout 3, kv_preflight/index/layout.py).
-    per_block_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000)
-                      if k.endswith((b"}:blocks", b"}:fields", b"}:rks", b"}:pods", b"}:bits"))]
+    # Ours: the request keys' presence hashes and each pod's state log (layout 4, kv_preflight/index/layout.py).
+    ours_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000) if k.endswith((b"}:p", b"}:state"))]
     before = _used(r)
-    for k in per_block_keys:
-        if not k.endswith(b"}:blocks"):
-            continue
-        pod = k[len(b"kvpf:{"):-len(b"}:blocks")].decode()
-        ids = r.hgetall(pod_fields_key(pod))
-        items = list(r.hgetall(k).items())
-        for i in range(0, len(items), 5000):
-            r.hset(b"kvpf:bench-seed-layout:" + pod.encode(),
-                   mapping={f: ids.get(v.split(b":", 1)[0].split(b"*", 1)[0], v) for f, v in items[i:i + 5000]})
-    seed_ours = _used(r) - before
-    for k in r.scan_iter(match="kvpf:bench-seed-layout:*"):
-        r.delete(k)
-    before = _used(r)
-    for k in per_block_keys:
+    for k in ours_keys:
         r.delete(k)
     ours = before - _used(r)
     llmd = total - ours
     res.add("Valkey memory per (block, pod) entry",
             f"{total / entries:.0f} B: llm-d keys {llmd / entries:.0f} B + ours {ours / entries:.0f} B",
-            "measured; reduce ours", f"ours {seed_ours / entries:.0f} B (seed layout)",
-            (seed_ours / ours) if ours else None, None,
-            entries=entries, used_memory=total, llmd_bytes=llmd, ours_bytes=ours, seed_ours_bytes=seed_ours)
+            "ours <= half of llm-d's", f"llm-d's {llmd / entries:.0f} B", (ours / llmd) if llmd else None, None,
+            entries=entries, used_memory=total, llmd_bytes=llmd, ours_bytes=ours)
 
 
 def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: float) -> None:

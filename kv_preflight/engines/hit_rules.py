@@ -1,0 +1,202 @@
+"""How many tokens of a prompt an engine reuses from its prefix cache, given which of the prompt's blocks each
+KV cache group holds: vLLM's cache-hit rules, one per group kind, and the fixed point over groups. Pure.
+
+A plain model has one KV cache group (full attention): the hit is the run of cached blocks from the start.
+Hybrid models (gpt-oss, Gemma 3: sliding-window layers beside full-attention ones; Llama 4: chunked local
+attention; Qwen3-Next, Granite 4, Nemotron-H, Jamba: Mamba layers) run vLLM's hybrid KV cache manager: one group
+per layer kind, each with its own blocks and its own rule for what counts as a hit, and the request's hit is the
+longest length every group accepts. Followed here from vLLM 0.32's source:
+
+* ``HybridKVCacheCoordinator.find_longest_cache_hit`` (vllm/v1/core/kv_cache_coordinator.py): groups sorted with
+  full attention first; each group either accepts the current candidate length or lowers it, and the loop runs
+  until no group lowers it; with exactly two groups, full attention first, one pass ("simple hybrid").
+  Full-attention groups are downward-closed, so their first answer is only trimmed on later passes.
+* ``FullAttentionManager.find_longest_cache_hit``: cached blocks from the start, up to the first miss.
+* ``SlidingWindowManager.find_longest_cache_hit``: searched right to left for ``ceil((window - 1) / block)``
+  contiguous cached blocks; the hit ends with that run (blocks before the window are not needed); if no run is
+  long enough, the run of cached blocks from block 0 still counts.
+* ``ChunkedLocalAttentionManager.find_longest_cache_hit``: blocks before the chunk that holds the candidate's
+  end count as computed; from that chunk's first block, cached blocks up to the first miss.
+* ``MambaManager.find_longest_cache_hit``: the last cached block (right to left) at a position aligned to the
+  hit alignment; the hit ends there.
+* EAGLE (``drop_eagle_block``): the last matched block of a full-attention group is dropped; a sliding-window
+  group needs one more contiguous block and drops it.
+
+Lengths are in tokens; ``held(group, i)`` says whether the group holds block ``i`` (0-based, in that group's
+own block size). ``max_tokens`` is the longest hit allowed: the prompt's length minus one, since the engine
+always recomputes the last prompt token (``KVCacheManager.get_computed_blocks``).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+FULL = "full_attention"
+SLIDING = "sliding_window"
+CHUNKED = "chunked_local_attention"
+MAMBA = "mamba"
+KNOWN_KINDS = (FULL, SLIDING, CHUNKED, MAMBA)
+
+Held = Callable[[int, int], bool]  # (group, block index) -> cached
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV cache group of an engine, as far as its hit rule needs it. ``block_size`` in tokens (None: the
+    pod's engine block size); ``sliding_window`` for sliding-window groups; ``attention_chunk_size`` for chunked
+    local attention (vLLM 0.32's events do not carry it: a flag or discovery must); ``eagle``: EAGLE/MTP drafting
+    drops the last matched block."""
+
+    kind: str = FULL
+    block_size: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    eagle: bool = False
+
+    def missing(self) -> str | None:
+        """What the rule needs and this spec lacks (the pod is then answered conservatively), or None."""
+        if self.kind not in KNOWN_KINDS:
+            return f"KV cache group kind {self.kind!r} has no hit rule here"
+        if self.kind == SLIDING and not self.sliding_window:
+            return "sliding-window group without its window size"
+        if self.kind == CHUNKED and not self.attention_chunk_size:
+            return "chunked local attention group without its chunk size (--kv-group-spec)"
+        return None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _full(g: int, bs: int, held: Held, max_tokens: int, eagle: bool, align: int) -> int:
+    n = 0
+    limit = max_tokens // bs
+    while n < limit and held(g, n):
+        n += 1
+    hit = n * bs
+    if eagle and hit > 0:
+        hit -= min(align, bs)
+    hit -= hit % align
+    return _cdiv(hit, bs) * bs if hit % bs else hit
+
+
+def _sliding(g: int, bs: int, window: int, held: Held, max_tokens: int, eagle: bool, align: int) -> int:
+    need = _cdiv(window - 1, bs) + (1 if eagle else 0)
+    run = 0
+    blocks = None
+    for i in range(max_tokens // bs - 1, -1, -1):
+        if held(g, i):
+            if run == 0 and bs != align:
+                post = i if eagle else i + 1
+                if (post * bs) % align:
+                    continue
+            run += 1
+            if run >= need:
+                blocks = i + run
+                break
+        else:
+            run = 0
+    if blocks is None:
+        blocks = run
+        while bs != align and blocks * bs % align:
+            blocks -= 1
+    if eagle and blocks:
+        blocks -= 1
+        while bs != align and blocks * bs % align:
+            blocks -= 1
+    return blocks * bs
+
+
+def _chunked(g: int, bs: int, chunk: int, held: Held, max_tokens: int) -> int:
+    limit = max_tokens // bs
+    start = (max_tokens // chunk * chunk) // bs if max_tokens > 0 else 0
+    n = start
+    while n < limit and held(g, n):
+        n += 1
+    return n * bs
+
+
+def _mamba(g: int, bs: int, held: Held, max_tokens: int, align: int) -> int:
+    for i in range(max_tokens // bs - 1, -1, -1):
+        if held(g, i):
+            if bs != align and (i + 1) * bs % align:
+                continue
+            return (i + 1) * bs
+    return 0
+
+
+def group_hit(g: int, spec: GroupSpec, bs: int, held: Held, max_tokens: int, align: int,
+              full_tokens: int | None = None) -> int:
+    """One group's longest hit (tokens) not longer than ``max_tokens``: its manager's rule. With EAGLE a
+    full-attention group matches one block past the candidate (not past the prompt's ``full_tokens``) and drops
+    it (vLLM's ``eagle_proof_margin``)."""
+    if spec.eagle and spec.kind == FULL:
+        limit = max_tokens + bs if full_tokens is None else min(max_tokens + bs, full_tokens)
+        return _full(g, bs, held, limit, True, align)
+    if spec.kind == SLIDING:
+        return _sliding(g, bs, spec.sliding_window or bs, held, max_tokens, spec.eagle, align)
+    if spec.kind == CHUNKED:
+        return _chunked(g, bs, spec.attention_chunk_size or bs, held, max_tokens)
+    if spec.kind == MAMBA:
+        return _mamba(g, bs, held, max_tokens, align)
+    return _full(g, bs, held, max_tokens, spec.eagle, align)
+
+
+def longest_hit(groups: Mapping[int, GroupSpec], held: Held, prompt_tokens: int, block_size: int) -> int:
+    """The request's hit in tokens: every group's rule, to their fixed point (vLLM's coordinator).
+
+    ``groups``: group index -> spec (one group: a plain model); ``block_size``: the engine block size, for
+    groups whose spec gives none; ``prompt_tokens``: the prompt's length (the hit is at most one token less:
+    the engine recomputes the last prompt token). Hits are aligned to the least common multiple of the groups'
+    block sizes (vLLM's scheduler block size)."""
+    max_tokens = prompt_tokens - 1
+    if max_tokens <= 0 or not groups:
+        return 0
+    sizes = {g: (s.block_size or block_size) for g, s in groups.items()}
+    align = math.lcm(*sizes.values())
+    full_tokens = prompt_tokens // align * align
+    if len(groups) == 1:
+        ((g, spec),) = groups.items()
+        return group_hit(g, spec, sizes[g], held, max_tokens, align, full_tokens)
+    order = sorted(groups, key=lambda g: (groups[g].kind != FULL, g))
+    simple = len(order) == 2 and groups[order[0]].kind == FULL
+    hit = max_tokens
+    full_hits: dict[int, int] = {}
+    while True:
+        cur = hit
+        for g in order:
+            spec = groups[g]
+            if spec.kind == FULL and g in full_hits:
+                cur = min(cur, full_hits[g])
+                continue
+            found = group_hit(g, spec, sizes[g], held, cur, align, full_tokens)
+            if spec.kind == FULL:
+                full_hits[g] = found
+            cur = found
+        if cur >= hit:
+            break
+        hit = cur
+        if simple:
+            break
+    return hit
+
+
+def held_blocks(groups: Mapping[int, GroupSpec], keys_held: Callable[[int, int], bool], canonical: int,
+                block_size: int) -> Held:
+    """``held(group, block)`` from a presence at request-key granularity: a group block of ``B`` tokens is
+    cached in the group when its last request key (``canonical`` tokens each) is held there (an engine stores
+    a block's request keys together, so its last one stands for all). ``keys_held(group, key index)``."""
+    per = {g: (s.block_size or block_size) for g, s in groups.items()}
+
+    def held(g: int, i: int) -> bool:
+        bs = per[g]
+        if bs % canonical:
+            return False  # a block that ends inside a request key is never counted (conservative)
+        return keys_held(g, (i + 1) * bs // canonical - 1)
+
+    return held
+
+
+__all__ = ["CHUNKED", "FULL", "KNOWN_KINDS", "MAMBA", "SLIDING", "GroupSpec", "group_hit", "held_blocks",
+           "longest_hit"]

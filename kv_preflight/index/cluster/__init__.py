@@ -1,0 +1,83 @@
+"""Valkey Cluster: the index's backend when Valkey is sharded. The write path without cross-slot scripts
+(``writes.py``), the sharded lookup (``lookup.py``), the replication barrier (``barrier.py``) and where keys
+live (``routing.py``)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from kv_preflight.index.backend import ready
+from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup, merge_shards, pod_bisectable
+from kv_preflight.index.cluster.routing import Shards, by_primary, cluster_client, node_for, probe_cluster, writer_id
+from kv_preflight.index.cluster.writes import TAKEOVER_MS, ClusterWrites
+from kv_preflight.index.entries import ApplyResult, Lookup
+from kv_preflight.index.presence import NamesFor
+from kv_preflight.index.resp import script_sha
+from kv_preflight.index import scripts
+from kv_preflight.index.writer import Prepared
+
+
+class ClusterBackend:
+    """Valkey Cluster: batches in three steps (writes.py), lookups in at most three rounds (lookup.py)."""
+
+    cluster = True
+
+    def __init__(self, client: RedisCluster, *, writer: str | None = None, takeover_ms: int = TAKEOVER_MS):
+        self.client = client
+        self.shards = Shards(client, resend_scripts={script_sha(scripts.LOOKUP), script_sha(scripts.LOOKUP_BITS)})
+        self.writes = ClusterWrites(client, self.shards, writer=writer or writer_id(), takeover_ms=takeover_ms)
+        self.lookups = ClusterLookup(client, self.shards)
+
+    @property
+    def writer(self) -> str:
+        return self.writes.writer
+
+    @property
+    def unreplicated(self) -> int:
+        return self.writes.unreplicated
+
+    @property
+    def gap_walks(self) -> int:
+        return self.lookups.gap_walks
+
+    @property
+    def late_reads(self) -> int:
+        return self.lookups.late_reads
+
+    async def send(self, preps: Sequence[Prepared]) -> "Any":
+        return ready(await self.writes.send(preps))
+
+    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
+        return await self.writes.drain(pod_id, older_than_ms=self.writes.takeover_ms if stale_only else 0)
+
+    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
+        return await self.lookups.lookup(request_keys, pods, mode)
+
+    async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
+        return await self.lookups.lookup_bits(request_keys, names)
+
+    async def pods_with_gaps(self, pods) -> set[str]:
+        return await self.lookups.pods_with_gaps(pods)
+
+    async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return await self.shards.commands(commands)
+
+    async def key_count(self) -> int:
+        n = await self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+        return int(sum(n.values()) if isinstance(n, dict) else n)
+
+    async def memory_usage(self) -> int | None:
+        infos = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        if isinstance(infos, dict) and "used_memory" in infos:
+            return int(infos["used_memory"])
+        return sum(int(v.get("used_memory", 0)) for v in infos.values() if isinstance(v, dict))
+
+    async def close(self) -> None:
+        await self.writes.close()
+        await self.shards.close()
+
+
+__all__ = ["ApplyResult", "ClusterBackend", "EXACT_BUDGET", "TAKEOVER_MS", "by_primary", "cluster_client",
+           "merge_shards", "node_for", "pod_bisectable", "probe_cluster", "writer_id"]

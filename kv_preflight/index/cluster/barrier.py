@@ -1,0 +1,140 @@
+"""Whether our writes to some shards of a Valkey Cluster have reached a replica of each (WAIT).
+
+Replication is asynchronous, so a master killed right after a batch's changes can take them with it; its
+promoted replica would then lack them. An outbox entry is deleted only after every shard its changes touched
+confirms a replica has everything up to a later write of ours (the replication stream is ordered, and WAIT
+counts this connection's last write): so changes lost in a failover belong to entries still in the outbox, and
+they run again on the new master (kv_preflight/index/cluster/writes.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
+
+from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.cluster.routing import node_for
+from kv_preflight.index.layout import barrier_key
+
+
+TOPOLOGY_TTL_S = 5.0  # how long the barrier trusts a node's table of replicas
+
+
+def live_replicas(cluster_nodes: str) -> int:
+    """How many replicas of the node that answered (its line says "myself") are not marked failed, from
+    the text of CLUSTER NODES. A replica suspected down ("fail?") still counts: it may be back any moment,
+    and a write it has not acknowledged is not confirmed."""
+    rows = [line.split() for line in cluster_nodes.splitlines() if line.strip()]
+    me = next((r[0] for r in rows if len(r) > 2 and "myself" in r[2].split(",")), None)
+    if me is None:
+        return 0
+    return sum(1 for r in rows if len(r) > 3 and r[3] == me and "fail" not in r[2].split(",")
+               and {"slave", "replica"} & set(r[2].split(",")))
+
+
+class ReplicationBarrier:
+    """Whether the writes sent so far to some shards have reached a replica of each (WAIT).
+
+    Replication is asynchronous, so a master killed right after our effects can take them with it;
+    its promoted replica would then lack them. An outbox entry is deleted only after every shard its
+    effects touched confirms a replica has everything up to a later write of ours (the replication
+    stream is ordered, and WAIT counts this connection's last write): so effects lost in a failover
+    belong to entries still in the outbox, and they run again on the new master.
+    """
+
+    def __init__(self, client: RedisCluster, timeout_ms: int = 200):
+        self.client = client
+        self.timeout_ms = timeout_ms
+        self._conns: dict[str, Any] = {}
+        self._keys: dict[str, str] = {}
+        self._replicas: dict[str, tuple[float, bool]] = {}  # node -> (read at, has a replica to wait for)
+
+    def _barrier_key(self, node) -> str:
+        """A key of ours (a HASH, like every key of ours) in a slot this node owns."""
+        key = self._keys.get(node.name)
+        if key is None or self.client.get_node_from_key(key) is not node:
+            for i in range(100_000):
+                key = barrier_key(i)
+                if self.client.get_node_from_key(key) is node:
+                    break
+            self._keys[node.name] = key
+        return key
+
+    def _conn(self, node):
+        conn = self._conns.get(node.name)
+        if conn is None:
+            import redis.asyncio as aioredis
+
+            kw = node.connection_kwargs
+            conn = aioredis.Redis(host=node.host, port=node.port, username=kw.get("username"),
+                                  password=kw.get("password"), socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
+                                  socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0,
+                                  ssl="SSL" in node.connection_class.__name__)
+            self._conns[node.name] = conn
+        return conn
+
+    async def _has_replicas(self, node, key: str) -> bool:
+        """Whether the shard has a replica to wait for (a shard without one has nothing to wait for; one
+        whose replica is only disconnected now must wait): the slot map lists one, or the node's own table
+        does (CLUSTER NODES, read again every ``TOPOLOGY_TTL_S``, replicas not marked failed). The table
+        is needed because CLUSTER SLOTS leaves out a replica that has received nothing yet (offset 0): a
+        client that learned the map before a new cluster's first write would never wait at all. The map
+        is kept because it goes on listing a replica that failed since it was read, so the writes of a
+        replica's outage stay in the outbox (as the failover repair needs) until the map is read again."""
+        holders = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key)) or []
+        if len(holders) > 1:
+            return True
+        now = time.monotonic()
+        hit = self._replicas.get(node.name)
+        if hit is not None and now - hit[0] < TOPOLOGY_TTL_S:
+            return hit[1]
+        try:
+            # two words: "CLUSTER NODES" as one would get redis-py's parsed dict, this the node's text
+            table = await self._conn(node).execute_command("CLUSTER", "NODES")
+        except VALKEY_ERRORS:
+            return False  # as the slot map says; read again next time
+        if not isinstance(table, (bytes, str)):
+            return False
+        has = live_replicas(table.decode() if isinstance(table, bytes) else table) > 0
+        self._replicas[node.name] = (now, has)
+        return has
+
+    async def _one(self, node) -> bool:
+        key = self._barrier_key(node)
+        if not await self._has_replicas(node, key):
+            return True
+        try:
+            async with self._conn(node).pipeline(transaction=False) as pipe:
+                pipe.hset(key, "t", "1")
+                pipe.execute_command("WAIT", 1, self.timeout_ms)
+                _, acked = await pipe.execute()
+        except ResponseError as exc:
+            moved = isinstance(exc, (AskError, TryAgainError, ClusterDownError))  # redis-py strips the code
+            if moved or str(exc).startswith(("MOVED", "ASK", "TRYAGAIN")):  # the slot moved (resharding, failover):
+                self._keys.pop(node.name, None)  # learn the map again; the entry is confirmed next time
+                await self.client.nodes_manager.initialize()
+                return False
+            raise
+        return int(acked) >= 1
+
+    async def confirm(self, keys: Iterable[str]) -> bool:
+        nodes = {}
+        for k in keys:
+            node = node_for(self.client, k)  # redis-py's get_node_from_key: ~10 µs of Python a key
+            nodes[node.name] = node
+        if not nodes:
+            return True
+        results = await asyncio.gather(*(self._one(n) for n in nodes.values()), return_exceptions=True)
+        return all(r is True for r in results)
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            await conn.aclose()
+        self._conns.clear()
+
+
+__all__ = ["ReplicationBarrier", "TOPOLOGY_TTL_S", "live_replicas"]

@@ -1,0 +1,381 @@
+"""Valkey Cluster: a batch applied without cross-slot scripts, exactly once, surviving a kill -9 or a failover.
+
+A batch touches keys on many shards, so no script can apply it atomically. The guarantees are kept
+another way (docs/architecture.md, "Valkey Cluster"):
+
+1. **Pod step** (lua/pod_step.lua), one script in the pod's slot (every per-pod key carries the ``{<pod>}``
+   hash tag): the seq and generation checks and the pod's own writes (its state log, seq, counters) happen
+   atomically, and the batch's changes to the keys every pod shares are written to the pod's outbox in the
+   same step.
+2. **Changes**, in rounds, each pipelined per shard and the shards in parallel:
+   A. each request key's change (lua/effects.lua: its llm-d entry and its presence bit, in its slot); each
+      shard says which request keys it left with no entry at all;
+   B. ``engine:<ek>`` gains a stored block's request keys (ZADD, after A: the key holds the entry first), and
+      loses those of a block let go whose request keys all came back empty from A (ZREM: llm-d's rule);
+   C. for each such ZREM, its request keys are looked at again (HLEN): another pod that stored the same block
+      between A and B wrote its entry before its ZADD, so a key that holds an entry again means that ZADD may
+      have run before our ZREM, and
+   D. ``engine:<ek>`` gets its request keys back.
+   Every change is idempotent (a set bit set again, an entry written again, a ZREM of what is gone), so
+   running an outbox entry twice, or after a failover half ran it, changes nothing.
+3. **Ack**: the outbox entry is deleted once every shard it touched has it on a replica (the barrier).
+
+An ingester killed between 1 and 3 leaves the entry; the next pod step of any ingester for that pod
+answers "pending" (the entry is older than the takeover time) or "busy" (younger: its writer is
+presumably running it), and the caller runs the entry first (``drain``); every ingester also runs its pods'
+stale entries each second. So nothing is lost and, since the counts live only in the pod step, a retry never
+changes counts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
+from kv_preflight.index.cluster.barrier import ReplicationBarrier
+from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
+from kv_preflight.index.entries import ApplyResult, apply_result, text
+from kv_preflight.index.layout import engine_key_name, pod_meta_key, pod_outbox_key, presence_key
+from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+from kv_preflight.index.writer import Prepared
+
+log = logging.getLogger("kvpf.index")
+TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
+    """A plan's changes as an outbox entry: self-contained (the pod's bit position included), so any
+    ingester can run it again."""
+    flat: list[Any] = []
+    n = num or 0
+    for c in changes:
+        if isinstance(c, KeyChange):
+            flat.append(["K", c.rk, c.field, c.entry, c.bit, c.bit_delta, n // 8 + 1, 1 << (n % 8)])
+        elif isinstance(c, EngineAdd):
+            flat.append(["Z", c.ek, list(c.rks)])
+        elif isinstance(c, EngineDrop):
+            flat.append(["X", c.ek, list(c.rks)])
+    return _enc.encode(flat)
+
+
+def key_op_args(op: Sequence[Any]) -> list[Any]:
+    """An outbox K change as effects.lua's arguments (changes.lua's K op)."""
+    _, rk, fld, entry, bit, bitdelta, byte, mask = op
+    return ["K", rk, presence_key(rk), fld, entry, bit, bitdelta, byte, mask]
+
+
+class ClusterWrites:
+    """The write path of the module docstring."""
+
+    def __init__(self, client: RedisCluster, shards: Shards, *, writer: str, takeover_ms: int = TAKEOVER_MS):
+        self.client = client
+        self.shards = shards
+        self.writer = writer
+        self.takeover_ms = takeover_ms
+        self._pod_step = client.register_script(scripts.POD_STEP)
+        self._effects = client.register_script(scripts.EFFECTS)
+        self.barrier = ReplicationBarrier(client)
+        self.unreplicated = 0  # runs whose changes a replica had not confirmed in time (kept in the outbox)
+        self.readded = 0  # engine keys given back their request keys in round D (a store raced our ZREM)
+        # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
+        # "effects:N" ends the process (exit 137, as kill -9 would) right after the step that holds the
+        # N-th batch.
+        self._crash_at = _crash_point(os.environ.get("KVPF_TEST_CRASH_AT", ""))
+
+    def writer_arg(self) -> str:
+        return f"{self.writer}@{self.takeover_ms}"
+
+    # ---- step 1 and the loop
+
+    async def send(self, preps: Sequence[Prepared]) -> list[ApplyResult]:
+        """Pod steps (pipelined, each in its pod's slot), then the changes of the applied ones on their
+        shards, then the acks. A pod whose outbox holds another writer's entry is retried after that
+        entry ran ("pending": run it now) or its writer had time to ("busy")."""
+        writer = self.writer_arg()
+        keys = [p.keys for p in preps]
+        args = [p.head + [writer, "1" if p.gap else "0", encode_changes(p.changes, p.num) if p.changes else ""]
+                for p in preps]
+        pods = [p.pod for p in preps]
+        results: list[ApplyResult | None] = [None] * len(preps)
+        todo = list(range(len(preps)))
+        deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
+        while todo:
+            replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
+            entries: list[tuple[str, str, bytes]] = []
+            ackable: list[tuple[str, str, bytes]] = []
+            held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
+            owners: list[int] = []
+            again: list[int] = []
+            drain: set[str] = set()
+            blocked: set[str] = set()
+            for i, r in zip(todo, replies):
+                status = text(r[0])
+                if pods[i] in blocked or status in ("busy", "pending"):
+                    blocked.add(pods[i])  # this pod's later batches wait too: order within a pod
+                    again.append(i)
+                    if status == "pending":
+                        drain.add(pods[i])
+                    continue
+                results[i] = apply_result(r[:5])
+                if status == "applied" and len(r) > 5 and text(r[5]):
+                    entry = (pods[i], text(r[5]), args[i][-1])
+                    entries.append(entry)
+                    owners.append(i)
+                    if int(r[6]) > 0 or pods[i] in held_back:
+                        held_back.add(pods[i])
+                    else:
+                        ackable.append(entry)
+            self._maybe_crash("pod_step", len(entries))
+            if entries:
+                foreign, first, touched = await self.run(entries)
+                self._maybe_crash("effects", len(entries))
+                # Deleted only once replicated (else they run again after a failover); a pod's
+                # entries behind one of ours still there wait for the next drain, in order.
+                if not await self.ack(ackable, touched):
+                    self.unreplicated += 1
+                if foreign:
+                    await self._flag_foreign(entries, foreign, first)
+                    for i in owners:
+                        res = results[i]
+                        assert res is not None
+                        results[i] = ApplyResult(res.status, res.last_seq, res.foreign_writes + foreign, first,
+                                                 res.gen)
+            for pod in sorted(drain):
+                await self.drain(pod)
+            if again:
+                if time.monotonic() > deadline:
+                    raise RedisConnectionError(f"pods {sorted(blocked)[:5]} stayed busy: another ingester's "
+                                               "outbox entries did not run")
+                if not drain:
+                    await asyncio.sleep(0.05)
+            todo = again
+        return [r for r in results if r is not None]
+
+    async def _pod_steps(self, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
+        """The pod steps, pipelined per primary on its lean connection, primaries in parallel; a step the
+        primary refused as not its slot's (MOVED/ASK/TRYAGAIN during resharding or a failover), and every step
+        of a primary that did not answer, goes again through redis-py's routing, in order. Running one again is
+        safe: the seq check answers "dup" for a batch already applied, and a pod's later batches fail on the
+        same slot as its earlier ones, so order within a pod holds."""
+        await self.shards.ready()
+        by_node, routed = by_primary(self.client, (k[0] for k in keys))  # a pod's keys share its slot
+        out: list[Any] = [None] * len(keys)
+        script = self._pod_step
+
+        async def on_node(node, idx: list[int]) -> None:
+            fast = self.shards.fast_for(node)
+            if fast is None:
+                routed.extend(idx)
+                return
+            commands = [("EVALSHA", script.sha, len(keys[i]), *keys[i], *args[i]) for i in idx]
+            try:
+                async with asyncio.timeout(fast.timeout_s):
+                    replies = await fast.pipeline(commands)
+                    if any(isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT") for r in replies):
+                        await fast.execute("SCRIPT", "LOAD", script.script)  # none ran: all again
+                        replies = await fast.pipeline(commands)
+            except (*VALKEY_ERRORS, TimeoutError):
+                await self.shards.reread_map()
+                routed.extend(idx)  # the seq check makes a step that did run answer "dup" when sent again
+                return
+            for i, r in zip(idx, replies):
+                if isinstance(r, ResponseError) and str(r).split(" ", 1)[0] in REDIRECTS:
+                    routed.append(i)
+                elif isinstance(r, Exception):
+                    raise r
+                else:
+                    out[i] = r
+
+        await asyncio.gather(*(on_node(n, idx) for n, idx in by_node.values()))
+        if routed:
+            routed.sort()
+            for i, r in zip(routed, await evalsha_pipeline(self.client, script, [keys[i] for i in routed],
+                                                            [args[i] for i in routed])):
+                out[i] = r
+        return out
+
+    # ---- step 2: the changes, in rounds
+
+    async def run(self, entries: Sequence[tuple[str, str, bytes]]) -> tuple[int, str, list[str]]:
+        """Run (pod, outbox field, payload) entries' changes, in order, in rounds A-D (module docstring).
+        Returns how many writes hit a key of a foreign type (skipped: each stands alone), the first such
+        error, and the keys touched (for the barrier)."""
+        if not entries:
+            return 0, "", []
+        ops = [op for _pod, _field, payload in entries for op in _dec.decode(payload)]
+        key_ops = [op for op in ops if op[0] == "K"]
+        foreign, first, gone = await self._round_a(key_ops)
+        adds = [op for op in ops if op[0] == "Z"]
+        drops = [op for op in ops if op[0] == "X" and all(rk in gone for rk in op[2])]
+        round_b: list[tuple[Any, ...]] = []
+        for op in adds:
+            pairs: list[Any] = []
+            for pos, rk in enumerate(op[2]):
+                pairs += [pos, rk]
+            round_b.append(("ZADD", engine_key_name(op[1]), *pairs))
+        for op in drops:
+            round_b.append(("ZREM", engine_key_name(op[1]), *op[2]))
+        f, fst = _foreign(await self.shards.commands(round_b)) if round_b else (0, "")
+        foreign, first = foreign + f, first or fst
+        if drops:
+            rks = sorted({rk for op in drops for rk in op[2]})
+            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks])
+            back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
+            readd = []
+            for op in drops:
+                if any(rk in back for rk in op[2]):
+                    pairs = []
+                    for pos, rk in enumerate(op[2]):
+                        pairs += [pos, rk]
+                    readd.append(("ZADD", engine_key_name(op[1]), *pairs))
+            if readd:
+                self.readded += len(readd)
+                f, fst = _foreign(await self.shards.commands(readd))
+                foreign, first = foreign + f, first or fst
+        touched = [str(op[1]) for op in key_ops] + [engine_key_name(op[1]) for op in adds + drops]
+        return foreign, first, touched
+
+    async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, set[int]]:
+        """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
+        parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
+        (declared keys: the request key and its presence hash, one slot). Returns foreign writes, the first
+        such error, and the request keys left with no entry."""
+        if not key_ops:
+            return 0, "", set()
+        await self.shards.ready()
+        by_node, moved = by_primary(self.client, (str(op[1]) for op in key_ops))
+        gone: set[int] = set()
+        script = self._effects
+
+        async def shard(node, idx: list[int]) -> tuple[int, str]:
+            args = [a for i in idx for a in key_op_args(key_ops[i])]
+            fast = self.shards.fast_for(node)
+            if fast is not None:
+                try:
+                    async with asyncio.timeout(fast.timeout_s):
+                        reply = await fast.evalsha(script.sha, script.script, args)
+                except TimeoutError:
+                    raise RedisConnectionError(f"{node.name} did not answer the changes in time") from None
+            else:
+                try:
+                    reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
+                except NoScriptError:
+                    await self.client.script_load(script.script)
+                    reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
+            moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
+            gone.update(int(text(rk)) for rk in reply[3])
+            return int(reply[1]), text(reply[2])
+
+        foreign, first = 0, ""
+        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
+        for (_, idx), res in zip(by_node.values(), results):
+            if isinstance(res, BaseException):
+                if not isinstance(res, VALKEY_ERRORS):
+                    raise res
+                moved.extend(idx)  # that shard did not answer: through the routing, which may have news
+            else:
+                foreign += res[0]
+                first = first or res[1]
+        if moved:
+            moved = sorted(set(moved))
+            ops = [key_ops[i] for i in moved]
+            replies = await evalsha_pipeline(self.client, script, [(str(op[1]), presence_key(op[1])) for op in ops],
+                                             [key_op_args(op) for op in ops])
+            for r in replies:
+                foreign += int(r[1])
+                first = first or text(r[2])
+                gone.update(int(text(rk)) for rk in r[3])
+        return foreign, first, gone
+
+    # ---- step 3, and entries left behind
+
+    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: Sequence[str]) -> bool:
+        """Delete the entries once every shard their changes touched has them on a replica; False
+        (entries kept, to run again later) when one has not confirmed in time."""
+        if not entries:
+            return True
+        if not await self.barrier.confirm(touched):
+            return False
+        pipe = self.client.pipeline(transaction=False)
+        for pod, field, _ in entries:
+            pipe.hdel(pod_outbox_key(pod), field)
+        await pipe.execute()
+        return True
+
+    async def drain(self, pod: str, *, older_than_ms: int = 0) -> int:
+        """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
+        running any other batch meanwhile), and other writers' entries (a crashed or stalled writer's)
+        once at least ``older_than_ms`` old (Valkey's clock). Stops at the first entry it must not run
+        yet, since one pod's changes must run in order."""
+        raw = await self.client.hgetall(pod_outbox_key(pod))
+        if not raw:
+            return 0
+        entries = sorted((int(f.split(b"|", 1)[0]), f.decode(), v) for f, v in raw.items())
+        if older_than_ms:
+            sec, usec = await self.client.time()
+            now_ms = sec * 1000 + usec // 1000
+            keep = []
+            for n, f, v in entries:
+                _, writer, ms = f.split("|", 2)
+                if writer != self.writer_arg() and now_ms - int(ms) < older_than_ms:
+                    break
+                keep.append((n, f, v))
+            entries = keep
+        todo = [(pod, f, v) for _, f, v in entries]
+        _, _, touched = await self.run(todo)
+        await self.ack(todo, touched)
+        return len(todo)
+
+    def _maybe_crash(self, point: str, batches: int) -> None:
+        """Counts batches, not calls: under load the ingester sends several batches in one call, and a
+        count of calls would then never reach N (the crash tests' ingester ran on to the end)."""
+        if self._crash_at is not None and batches and self._crash_at[0] == point:
+            self._crash_at[1] -= batches
+            if self._crash_at[1] <= 0:
+                log.error("KVPF_TEST_CRASH_AT: exiting after %s", point)
+                os._exit(137)
+
+    async def _flag_foreign(self, entries: Sequence[tuple[str, str, bytes]], n: int, first: str) -> None:
+        """Changes that hit a key of a foreign type stand alone (skipped); their pods are flagged."""
+        pipe = self.client.pipeline(transaction=False)
+        for pod in {e[0] for e in entries}:
+            pipe.hset(pod_meta_key(pod), mapping={"incomplete": 1, "incomplete_reason":
+                                                  f"{n} write(s) hit a key of a foreign type ({first})"})
+            pipe.hincrby(pod_meta_key(pod), "foreign_keys", n)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self.barrier.close()
+
+
+def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
+    """Plain commands' replies: how many hit a key of a foreign type, the first error; others raise."""
+    n, first = 0, ""
+    for r in replies:
+        if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
+            n += 1
+            first = first or str(r)[:120]
+        elif isinstance(r, Exception):
+            raise r
+    return n, first
+
+
+def _crash_point(spec: str) -> list | None:
+    point, _, n = spec.partition(":")
+    return [point, int(n or 1)] if point in ("pod_step", "effects") else None
+
+
+__all__ = ["ClusterWrites", "TAKEOVER_MS", "encode_changes"]

@@ -1,0 +1,569 @@
+"""One pod's private index state, held in the writer's memory, and the plan of a batch against it. Pure.
+
+Layout 4 keeps in Valkey, per request key, only what every reader needs (llm-d's entry, ``engine:<key>``, and
+the pod bitmaps the lookup reads, ``kv_preflight/index/layout.py``). What only the pod's writer needs (which
+engine blocks the pod holds, in which KV cache group and tier, with how many physical copies, which request keys
+each links, the reference counts behind each entry and each bit, the orphan count) lives here, in the
+ingester's memory, and is persisted per pod as one compact log (``kvpf:{<pod>}:state``: a snapshot and the
+batches since, see ``encode_snapshot``). Every writer of a pod (its batches, clears, resets, imports, the CLI)
+plans against this state at a generation ``gen`` and the apply script runs the plan only if the pod is still at
+that generation (optimistic concurrency), so a plan made from a stale copy is refused, never half applied.
+
+``PodState.plan(mutations)`` returns the commands' intent (``Plan``): per request key an entry and a bit
+change, per engine key an add or a conditional drop; the backends turn these into Valkey commands. Planning
+never changes the state; ``commit`` does, once the script applied the plan (or when a log is replayed).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kv_preflight.engines.hit_rules import FULL, GroupSpec, longest_hit
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock
+
+UNKNOWN = None  # a block's parent when not known (an import of an older export): the orphan count is unknown
+
+
+class KeyChange(NamedTuple):
+    """One request key's change for this pod: its llm-d entry (``entry`` +1 write, -1 delete, 0 none, of
+    ``field``) and its bit (``bit_delta`` on the bitmap named ``bit``: ``<tier>`` for the pod's prefix group,
+    ``<tier>|<group>`` for its other KV cache groups, see ``PodState.bit_name``)."""
+
+    rk: int
+    field: str
+    entry: int
+    bit: str
+    bit_delta: int
+
+
+class EngineAdd(NamedTuple):
+    """``engine:<ek>`` gains the block's request keys, at their positions (llm-d's ZSET)."""
+
+    ek: int
+    rks: tuple[int, ...]
+
+
+class EngineDrop(NamedTuple):
+    """The pod no longer holds ``ek``: its request keys leave ``engine:<ek>`` once none of them holds an entry
+    (llm-d's own rule for pruning an engine key)."""
+
+    ek: int
+    rks: tuple[int, ...]
+
+
+Change = KeyChange | EngineAdd | EngineDrop
+
+
+@dataclass
+class Plan:
+    """A batch planned against a pod's state: the changes in order, the state after it (``after``, to commit
+    once applied) and what the pod's meta gets."""
+
+    changes: list[Change] = field(default_factory=list)
+    after: "PodState | None" = None
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    reannounced: int = 0
+    flags: list[str] = field(default_factory=list)  # MarkIncomplete reasons, in order
+    cleared_flags: bool = False  # a clear made the pod exact again (its flags go)
+
+
+class _Block:
+    __slots__ = ("field", "rks", "parent", "copies")
+
+    def __init__(self, field: str, rks: tuple[int, ...], parent: int | None, copies: int = 1):
+        self.field = field
+        self.rks = rks
+        self.parent = parent
+        self.copies = copies
+
+    def copy(self) -> "_Block":
+        return _Block(self.field, self.rks, self.parent, self.copies)
+
+
+BlockKey = tuple[int, str, int]  # (engine key, tier, group)
+
+
+class PodState:
+    """A pod's private state (see the module docstring). ``groups``: KV cache group -> spec (learned from the
+    engine's events, or given); the prefix group (full attention, else group 0) is the one whose keys the
+    lookup may bisect, so the orphan count is kept over it."""
+
+    def __init__(self, groups: Mapping[int, GroupSpec] | None = None, engine_block_size: int | None = None):
+        self.blocks: dict[BlockKey, _Block] = {}
+        self.entry_refs: dict[tuple[int, str], int] = {}  # (rk, field) -> blocks linking them
+        self.bit_refs: dict[tuple[int, str], int] = {}  # (rk, bit name) -> blocks linking them
+        self.ek_slots: dict[tuple[int, int], int] = {}  # (ek, group) -> tiers holding it there
+        self.ek_refs: dict[int, int] = {}  # ek -> slots (tier, group) holding it
+        self.rk_links: dict[int, int] = {}  # rk -> the pod's blocks linking it (any field)
+        # Engine keys the pod let go of while another of its blocks still linked their request keys (two
+        # engine keys, one request key: the keys' entries stay, so llm-d's rule keeps engine:<ek>): dropped
+        # from engine:<ek> once the pod links none of their keys (``waiting``: rk -> such engine keys).
+        self.deferred: dict[int, tuple[int, ...]] = {}
+        self.waiting: dict[int, set[int]] = {}
+        self.held: dict[int, int] = {}  # rk -> prefix-group blocks linking it (any tier)
+        self.known: dict[int, int] = {}  # rk -> those of its links that know its parent
+        self.kids: dict[int, int] = {}  # rk -> held keys naming it as their parent
+        self.parent_of: dict[int, int] = {}  # rk -> its parent (CHAIN_ROOT: a chain's first), held keys known
+        self.unknown = 0  # held keys whose parent is not known
+        self.orphans = 0  # held keys whose parent is not held (exact while unknown == 0)
+        self.groups: dict[int, GroupSpec] = dict(groups or {})
+        self.engine_block_size = engine_block_size
+
+    # ---- copies
+
+    def clone(self) -> "PodState":
+        other = PodState(self.groups, self.engine_block_size)
+        other.blocks = {k: b.copy() for k, b in self.blocks.items()}
+        other.entry_refs = dict(self.entry_refs)
+        other.bit_refs = dict(self.bit_refs)
+        other.ek_slots = dict(self.ek_slots)
+        other.ek_refs = dict(self.ek_refs)
+        other.rk_links = dict(self.rk_links)
+        other.deferred = dict(self.deferred)
+        other.waiting = {rk: set(v) for rk, v in self.waiting.items()}
+        other.held = dict(self.held)
+        other.known = dict(self.known)
+        other.kids = dict(self.kids)
+        other.parent_of = dict(self.parent_of)
+        other.unknown, other.orphans = self.unknown, self.orphans
+        return other
+
+    # ---- what the lookup and meta need
+
+    @property
+    def prefix_group(self) -> int:
+        return self._prefix_of(self.groups)
+
+    @property
+    def orphan_count(self) -> int | None:
+        """Held keys of the prefix group whose parent is not held; None when some parent is not known."""
+        return None if self.unknown else self.orphans
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def bit_name(self, tier: str, group: int) -> str:
+        """The presence field a block of ``group`` on ``tier`` sets the pod's bit in: ``<tier>`` for the
+        prefix group (what every lookup walks), ``<tier>|<group>`` for a hybrid model's other groups (what
+        the engine's rule reads beside it). Named per pod, so pods of different models share one bitmap."""
+        return tier if group == self.prefix_group else f"{tier}|{group}"
+
+    def set_groups(self, groups: Mapping[int, GroupSpec], out: "Plan | None" = None) -> None:
+        """Learn group specs. If that moves the prefix group, the pod's bits move to the fields the new one
+        names (changes in ``out``) and the orphan count is rebuilt over it."""
+        before = self.prefix_group
+        if before == self._prefix_of({**self.groups, **groups}):
+            self.groups.update(groups)
+            return
+        names = {}
+        for (ek, tier, group) in self.blocks:
+            names[(tier, group)] = self.bit_name(tier, group)
+        self.groups.update(groups)
+        moved: dict[tuple[int, str], tuple[str, int]] = {}  # (rk, old name) -> (new name, refs)
+        for (ek, tier, group), b in self.blocks.items():
+            old, new = names[(tier, group)], self.bit_name(tier, group)
+            if old != new:
+                for rk in b.rks:
+                    moved[(rk, old)] = (new, self.bit_refs.get((rk, old), 0))
+        for (rk, old), (new, refs) in moved.items():
+            self.bit_refs.pop((rk, old), None)
+            if out is not None:
+                out.changes.append(KeyChange(rk, "", 0, old, -1))
+        for (rk, old), (new, refs) in moved.items():
+            self.bit_refs[(rk, new)] = refs
+            if out is not None:
+                out.changes.append(KeyChange(rk, "", 0, new, +1))
+        self._reindex_prefix()
+
+    @staticmethod
+    def _prefix_of(groups: Mapping[int, GroupSpec]) -> int:
+        full = [g for g, s in groups.items() if s.kind == FULL]
+        return min(full) if full else 0
+
+    def _reindex_prefix(self) -> None:
+        self.held.clear()
+        self.known.clear()
+        self.kids.clear()
+        self.parent_of.clear()
+        self.unknown = self.orphans = 0
+        pg = self.prefix_group
+        for (ek, tier, group), b in self.blocks.items():
+            if group == pg:
+                for j, rk in enumerate(b.rks):
+                    self._prefix_link(rk, b.parent if j == 0 else b.rks[j - 1], +1)
+
+    # ---- planning
+
+    def plan(self, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None = None) -> Plan:
+        """The changes ``mutations`` make, against a copy of this state (this one is left as it is)."""
+        st = self.clone()
+        out = Plan(after=st)
+        if groups:
+            st.set_groups(groups, out)
+        i = 0
+        n = len(mutations)
+        while i < n:
+            m = mutations[i]
+            if isinstance(m, StoreBlock):
+                if m.parentless and m.parent in (CHAIN_ROOT, UNKNOWN):
+                    j = _run_end(mutations, i)
+                    run = mutations[i:j]
+                    if st._reannounced(run):
+                        out.reannounced += len(run)
+                        i = j
+                        continue
+                    for s in run:
+                        st._store(s, out)
+                    i = j
+                    continue
+                st._store(m, out)
+            elif isinstance(m, RemoveBlock):
+                st._remove(m, out)
+            elif isinstance(m, ClearPod):
+                st._clear(out)
+                out.cleared += 1
+                out.flags = []
+                out.cleared_flags = True
+            elif isinstance(m, MarkIncomplete):
+                out.flags.append(m.reason)
+            i += 1
+        return out
+
+    def clear_plan(self) -> Plan:
+        """Every entry, bit and engine-key link of the pod removed (index clear, engine restart)."""
+        st = self.clone()
+        out = Plan(after=st)
+        st._clear(out)
+        return out
+
+    def _reannounced(self, run: Sequence[StoreBlock]) -> bool:
+        """Whether a parentless run of blocks from a chain's start is vLLM re-announcing blocks a request reused
+        (``kv_cache_report_mode`` "full": ``BlockPool.emit_cached_block_events``, always from block 0, no parent)
+        rather than caching blocks it computed again (``cache_full_blocks`` with nothing cached before, also
+        from block 0 with no parent: a request whose cache hit was 0, so each held hash gets a second physical
+        copy; on a hybrid model this happens whenever a sliding-window group cut the hit). A re-announcement
+        covers exactly the blocks vLLM found as a hit, so it is one when the engine's rule, on the pod's
+        state before it, finds every block of the run a hit. (One case stays ambiguous: a prompt of exactly
+        one engine block whose block is cached is recomputed, since the last token always is; it reads as a
+        re-announcement.)"""
+        if not all((s.engine_key, s.tier, s.group) in self.blocks for s in run):
+            return False
+        ebs = self.engine_block_size or 1
+        groups = self.groups or {run[0].group: GroupSpec()}
+        eks = [s.engine_key for s in run]
+        slots = self.ek_slots
+
+        def held(g: int, i: int) -> bool:
+            return i < len(eks) and slots.get((eks[i], g), 0) > 0
+
+        return longest_hit(groups, held, len(run) * ebs + 1, ebs) == len(run) * ebs
+
+    def _store(self, m: StoreBlock, out: Plan) -> None:
+        bk = (m.engine_key, m.tier, m.group)
+        held = self.blocks.get(bk)
+        if held is not None:
+            held.copies += 1  # another physical copy of a held hash (its eviction comes once per copy)
+            out.stored += 1
+            return
+        parent = UNKNOWN if m.parent is None else m.parent
+        self.blocks[bk] = _Block(m.entry_field, tuple(m.request_keys), parent)
+        self._link_engine(m.engine_key, m.group, tuple(m.request_keys), out)
+        bit = self.bit_name(m.tier, m.group)
+        prefix = m.group == self.prefix_group
+        for j, rk in enumerate(m.request_keys):
+            self._link(rk, m.entry_field, bit, +1, out, prefix, parent if j == 0 else m.request_keys[j - 1])
+        out.stored += 1
+
+    def _remove(self, m: RemoveBlock, out: Plan) -> None:
+        bk = (m.engine_key, m.tier, m.group)
+        held = self.blocks.get(bk)
+        if held is None:
+            return
+        out.removed += 1
+        if held.copies > 1:
+            held.copies -= 1
+            return
+        self._drop(bk, held, out)
+
+    def _drop(self, bk: BlockKey, held: _Block, out: Plan) -> None:
+        del self.blocks[bk]
+        ek, tier, group = bk
+        bit = self.bit_name(tier, group)
+        prefix = group == self.prefix_group
+        for j, rk in enumerate(held.rks):
+            self._link(rk, held.field, bit, -1, out, prefix, held.parent if j == 0 else held.rks[j - 1])
+        self._unlink_engine(ek, group, held.rks, out)
+
+    def _clear(self, out: Plan) -> None:
+        for bk in list(self.blocks):
+            self._drop(bk, self.blocks[bk], out)
+        # nothing held: the orphan count is known again (0)
+        self.held.clear()
+        self.known.clear()
+        self.kids.clear()
+        self.parent_of.clear()
+        self.unknown = self.orphans = 0
+
+    def _link_engine(self, ek: int, group: int, rks: tuple[int, ...], out: Plan) -> None:
+        self.ek_slots[(ek, group)] = self.ek_slots.get((ek, group), 0) + 1
+        n = self.ek_refs.get(ek, 0)
+        self.ek_refs[ek] = n + 1
+        if n == 0:
+            self._undefer(ek)
+            if rks:
+                out.changes.append(EngineAdd(ek, rks))
+
+    def _undefer(self, ek: int) -> None:
+        for rk in self.deferred.pop(ek, ()):
+            left = self.waiting.get(rk)
+            if left is not None:
+                left.discard(ek)
+                if not left:
+                    del self.waiting[rk]
+
+    def _unlink_engine(self, ek: int, group: int, rks: tuple[int, ...], out: Plan) -> None:
+        k = (ek, group)
+        left = self.ek_slots[k] - 1
+        if left:
+            self.ek_slots[k] = left
+        else:
+            del self.ek_slots[k]
+        n = self.ek_refs[ek] - 1
+        if n:
+            self.ek_refs[ek] = n
+        else:
+            del self.ek_refs[ek]
+            if any(self.rk_links.get(rk) for rk in rks):
+                self.deferred[ek] = rks
+                for rk in rks:
+                    self.waiting.setdefault(rk, set()).add(ek)
+            elif rks:
+                out.changes.append(EngineDrop(ek, rks))
+
+    def _link(self, rk: int, fld: str, bit: str, d: int, out: Plan, prefix: bool, parent: int | None) -> None:
+        """One more (or one fewer) of the pod's blocks links ``rk`` with entry ``fld`` and bitmap ``bit``:
+        the entry and the bit follow the first link and the last unlink."""
+        links = self.rk_links.get(rk, 0) + d
+        if links > 0:
+            self.rk_links[rk] = links
+        else:
+            self.rk_links.pop(rk, None)
+        ek_ = (rk, fld)
+        n = self.entry_refs.get(ek_, 0) + d
+        entry = 0
+        if n <= 0:
+            self.entry_refs.pop(ek_, None)
+            entry = -1
+        else:
+            self.entry_refs[ek_] = n
+            entry = 1 if n == 1 and d > 0 else 0
+        kb = (rk, bit)
+        b = self.bit_refs.get(kb, 0) + d
+        bit_delta = 0
+        if b <= 0:
+            self.bit_refs.pop(kb, None)
+            bit_delta = -1
+        else:
+            self.bit_refs[kb] = b
+            bit_delta = 1 if b == 1 and d > 0 else 0
+        if entry or bit_delta:
+            out.changes.append(KeyChange(rk, fld, entry, bit, bit_delta))
+        if prefix:
+            self._prefix_link(rk, parent, d)
+        if links <= 0 and rk in self.waiting:
+            for ek in sorted(self.waiting.pop(rk)):
+                rks = self.deferred.get(ek)
+                if rks is not None and not any(self.rk_links.get(k) for k in rks):
+                    self._undefer(ek)
+                    out.changes.append(EngineDrop(ek, rks))
+
+    # ---- the orphan count (held keys of the prefix group whose parent it does not hold)
+    # Counted per link (a block of the prefix group linking a key, on any tier): a key is held while it has a
+    # link; its parent is known while one of its links knows it (a key's parent is fixed by its chain, so
+    # links that know it agree), so the count is a function of the blocks alone and a restored state has it.
+
+    def _prefix_link(self, rk: int, parent: int | None, d: int) -> None:
+        links = self.held.get(rk, 0)
+        known = self.known.get(rk, 0)
+        if d > 0:
+            self.held[rk] = links + 1
+            if parent is not UNKNOWN:
+                self.known[rk] = known + 1
+            if links == 0:
+                self.orphans -= self.kids.get(rk, 0)  # its held children had it as a missing parent
+                if parent is UNKNOWN:
+                    self.unknown += 1
+                else:
+                    self._add_parent(rk, parent)
+            elif known == 0 and parent is not UNKNOWN:
+                self.unknown -= 1
+                self._add_parent(rk, parent)
+            return
+        if links <= 1:
+            self.held.pop(rk, None)
+            self.known.pop(rk, None)
+            self.orphans += self.kids.get(rk, 0)  # its held children lose their parent
+            if known:
+                self._drop_parent(rk)
+            else:
+                self.unknown -= 1
+            return
+        self.held[rk] = links - 1
+        if parent is not UNKNOWN:
+            if known <= 1:
+                self.known.pop(rk, None)
+                self._drop_parent(rk)
+                self.unknown += 1
+            else:
+                self.known[rk] = known - 1
+
+    def _add_parent(self, rk: int, parent: int) -> None:
+        self.parent_of[rk] = parent
+        if parent != CHAIN_ROOT:
+            self.kids[parent] = self.kids.get(parent, 0) + 1
+            if not self.held.get(parent):
+                self.orphans += 1
+
+    def _drop_parent(self, rk: int) -> None:
+        parent = self.parent_of.pop(rk)
+        if parent != CHAIN_ROOT:
+            k = self.kids[parent] - 1
+            if k:
+                self.kids[parent] = k
+            else:
+                del self.kids[parent]
+            if not self.held.get(parent):
+                self.orphans -= 1
+
+    # ---- what a lookup of the pod's own holdings needs (export, inspect)
+
+    def stores(self) -> Iterable[StoreBlock]:
+        """Every block as the StoreBlock that recreates it, once per physical copy (index export)."""
+        for (ek, tier, group), b in self.blocks.items():
+            s = StoreBlock(ek, tier, b.field, b.rks, group, False, b.parent)
+            for _ in range(b.copies):
+                yield s
+
+
+def _run_end(mutations: Sequence[Mutation], i: int) -> int:
+    """The end of the parentless run that starts at ``i``: one event's blocks (same slot, each chained to the
+    block before it)."""
+    first = mutations[i]
+    assert isinstance(first, StoreBlock)
+    j = i + 1
+    prev = first
+    while j < len(mutations):
+        m = mutations[j]
+        if not (isinstance(m, StoreBlock) and m.parentless and m.parent != CHAIN_ROOT and m.tier == first.tier
+                and m.group == first.group and prev.request_keys and m.parent == prev.request_keys[-1]):
+            break
+        prev = m
+        j += 1
+    return j
+
+
+# ---- persistence: a snapshot of the blocks, then the mutation batches applied since
+
+class _Snapshot(msgspec.Struct, array_like=True):
+    gen: int
+    fields: list[str]
+    groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
+    engine_block_size: int | None
+    # per block: engine key, tier, group, field index, copies, parent (-1 the chain root, None unknown), keys
+    blocks: list[tuple[int, str, int, int, int, int | None, list[int]]]
+    deferred: list[tuple[int, list[int]]] = []  # PodState.deferred
+
+
+class _Delta(msgspec.Struct, array_like=True):
+    """One applied batch, as the mutations that make it (replayed through ``plan`` to rebuild the state)."""
+
+    gen: int
+    groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
+    engine_block_size: int | None
+    ops: list[Any]
+
+
+_enc = msgspec.msgpack.Encoder()
+_snap_dec = msgspec.msgpack.Decoder(_Snapshot)
+_delta_dec = msgspec.msgpack.Decoder(_Delta)
+
+
+def _spec_tuple(s: GroupSpec) -> tuple[str, int | None, int | None, int | None, bool]:
+    return (s.kind, s.block_size, s.sliding_window, s.attention_chunk_size, s.eagle)
+
+
+def encode_snapshot(state: PodState, gen: int) -> bytes:
+    fields: dict[str, int] = {}
+    blocks = []
+    for (ek, tier, group), b in state.blocks.items():
+        fi = fields.setdefault(b.field, len(fields))
+        blocks.append((ek, tier, group, fi, b.copies, b.parent, list(b.rks)))
+    return _enc.encode(_Snapshot(gen, list(fields), {g: _spec_tuple(s) for g, s in state.groups.items()},
+                                 state.engine_block_size, blocks,
+                                 [(ek, list(rks)) for ek, rks in state.deferred.items()]))
+
+
+def _encode_mutation(m: Mutation) -> list[Any]:
+    if isinstance(m, StoreBlock):
+        return [0, m.engine_key, m.tier, m.entry_field, list(m.request_keys), m.group, m.parentless, m.parent]
+    if isinstance(m, RemoveBlock):
+        return [1, m.engine_key, m.tier, m.group]
+    if isinstance(m, ClearPod):
+        return [2]
+    return [3, m.reason]
+
+
+def _decode_mutation(x: list[Any]) -> Mutation:
+    kind = x[0]
+    if kind == 0:
+        return StoreBlock(x[1], x[2], x[3], tuple(x[4]), x[5], x[6], x[7])
+    if kind == 1:
+        return RemoveBlock(x[1], x[2], x[3])
+    if kind == 2:
+        return ClearPod()
+    return MarkIncomplete(x[1])
+
+
+def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
+                 engine_block_size: int | None) -> bytes:
+    return _enc.encode(_Delta(gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size,
+                              [_encode_mutation(m) for m in mutations]))
+
+
+def restore(snapshot: bytes | None, deltas: Iterable[bytes]) -> tuple[PodState, int]:
+    """The state a snapshot and the deltas after it describe, and the generation it is at."""
+    st = PodState()
+    gen = 0
+    if snapshot:
+        snap = _snap_dec.decode(snapshot)
+        gen = snap.gen
+        st.groups = {int(g): GroupSpec(*t) for g, t in snap.groups.items()}
+        st.engine_block_size = snap.engine_block_size
+        out = Plan(after=st)
+        for ek, tier, group, fi, copies, parent, rks in snap.blocks:
+            st._store(StoreBlock(ek, tier, snap.fields[fi], tuple(rks), group, False, parent), out)
+            if copies > 1:
+                st.blocks[(ek, tier, group)].copies = copies
+        for ek, rks in snap.deferred:
+            st.deferred[ek] = tuple(rks)
+            for rk in rks:
+                st.waiting.setdefault(rk, set()).add(ek)
+    for d in sorted((_delta_dec.decode(raw) for raw in deltas), key=lambda d: d.gen):
+        if d.gen <= gen:
+            continue
+        plan = st.plan([_decode_mutation(x) for x in d.ops],
+                       {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None)
+        st = plan.after
+        if d.engine_block_size:
+            st.engine_block_size = d.engine_block_size
+        gen = d.gen
+    return st, gen
+
+
+__all__ = ["Change", "EngineAdd", "EngineDrop", "KeyChange", "Plan", "PodState", "encode_delta", "encode_snapshot",
+           "restore"]

@@ -1,0 +1,193 @@
+"""The pod's private state and its plans, against a direct model recomputed from the blocks after every batch:
+the changes a plan emits turn the index's entries, bits and engine keys exactly into what the blocks say, the
+orphan count equals its definition, and a snapshot plus the batches after it restore the same state."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, RemoveBlock, StoreBlock
+from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, encode_delta, encode_snapshot,
+                                          restore)
+
+FIELD = {("gpu", 0): "F-gpu-0", ("gpu", 1): "F-gpu-1", ("cpu", 0): "F-cpu-0", ("cpu", 1): "F-cpu-1"}
+
+
+def model(state: PodState) -> tuple[set, set, set, int | None]:
+    """Entries, bits, engine links and the orphan count, straight from the blocks."""
+    entries, bits, engines = set(), set(), set()
+    held: dict[int, int | None] = {}
+    pg = state.prefix_group
+    for (ek, tier, group), b in state.blocks.items():
+        engines.add(ek)
+        for j, rk in enumerate(b.rks):
+            entries.add((rk, b.field))
+            bits.add((rk, state.bit_name(tier, group)))
+            if group == pg:
+                parent = b.parent if j == 0 else b.rks[j - 1]
+                if held.get(rk) is None:
+                    held[rk] = parent
+    if any(p is None for p in held.values()):
+        orphans = None
+    else:
+        orphans = sum(1 for rk, p in held.items() if p != CHAIN_ROOT and p not in held)
+    return entries, bits, engines, orphans
+
+
+def apply_changes(changes, entries: set, bits: set, engines: set) -> None:
+    for c in changes:
+        if isinstance(c, KeyChange):
+            if c.entry > 0:
+                assert (c.rk, c.field) not in entries
+                entries.add((c.rk, c.field))
+            elif c.entry < 0:
+                entries.discard((c.rk, c.field))
+            if c.bit_delta > 0:
+                assert (c.rk, c.bit) not in bits
+                bits.add((c.rk, c.bit))
+            elif c.bit_delta < 0:
+                bits.discard((c.rk, c.bit))
+        elif isinstance(c, EngineAdd):
+            engines.add(c.ek)  # (again, for an engine key whose drop waited: ZADD is idempotent)
+        elif isinstance(c, EngineDrop):
+            engines.discard(c.ek)
+
+
+def chains(rng: random.Random, n_chains: int, length: int, per: int) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """Chains of engine blocks (engine key, request keys), request keys unique per position; the last chain
+    is the first under other engine keys (what llm-d's keys leave out differs: two engine keys, one request
+    key, as the pod state must handle)."""
+    out = []
+    for c in range(n_chains):
+        shared = rng.randrange(0, length) if c else 0
+        chain = list(out[0][:shared]) if c and out else []
+        for i in range(len(chain), length):
+            ek = 10_000 * (c + 1) + i
+            chain.append((ek, tuple(ek * 10 + k for k in range(per))))
+        out.append(chain)
+    out.append([(ek + 500_000, rks) for ek, rks in out[0]])
+    return out
+
+
+def random_batch(rng: random.Random, world, held: set, hybrid: bool) -> list:
+    muts = []
+    for _ in range(rng.randrange(1, 6)):
+        r = rng.random()
+        chain = rng.choice(world)
+        tier = "gpu" if rng.random() < 0.8 else "cpu"
+        group = rng.choice([0, 1]) if hybrid else 0
+        if r < 0.5:
+            start = rng.randrange(0, len(chain))
+            end = rng.randrange(start, len(chain)) + 1
+            parentless = start == 0 and rng.random() < 0.3
+            for i in range(start, end):
+                ek, rks = chain[i]
+                parent = (CHAIN_ROOT if i == 0 else chain[i - 1][1][-1])
+                if rng.random() < 0.05:
+                    parent = None  # an import of an older export
+                muts.append(StoreBlock(ek, tier, FIELD[(tier, group)], rks, group, parentless, parent))
+                held.add((ek, tier, group))
+        elif r < 0.9 and held:
+            ek, t, g = rng.choice(sorted(held))
+            muts.append(RemoveBlock(ek, t, g))
+        elif r < 0.93:
+            muts.append(ClearPod())
+    return muts
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32), hybrid=st.booleans(), per=st.sampled_from([1, 2]))
+def test_plans_keep_the_index_equal_to_the_blocks(seed, hybrid, per):
+    rng = random.Random(seed)
+    groups = {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)} if hybrid else {}
+    state = PodState(groups, engine_block_size=32)
+    world = chains(rng, 3, 8, per)
+    entries, bits, engines = set(), set(), set()
+    held: set = set()
+    snapshot = encode_snapshot(state, 0)
+    deltas = []
+    for gen in range(1, 40):
+        muts = random_batch(rng, world, held, hybrid)
+        plan = state.plan(muts)
+        apply_changes(plan.changes, entries, bits, engines)
+        state = plan.after
+        deltas.append(encode_delta(gen, muts, None, 32))
+        e, b, g, orphans = model(state)
+        assert entries == e and bits == b and g <= engines
+        # an engine key the pod let go of stays in engine:<ek> only while the pod links one of its keys
+        linked = {rk for rk, _ in entries}
+        assert all(any(rk in linked for rk in state.deferred[ek]) for ek in engines - g)
+        assert engines - g == set(state.deferred)
+        assert state.orphan_count == orphans
+        if gen % 13 == 0:
+            snapshot, deltas = encode_snapshot(state, gen), []
+        again, at = restore(snapshot, deltas)
+        assert at == gen
+        assert model(again) == model(state)
+        assert {k: v.copies for k, v in again.blocks.items()} == {k: v.copies for k, v in state.blocks.items()}
+
+
+def test_planning_leaves_the_state_alone():
+    state = PodState(engine_block_size=32)
+    plan = state.plan([StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)])
+    assert len(state) == 0 and len(plan.after) == 1
+
+
+def test_a_copy_is_counted_and_outlives_one_eviction():
+    state = PodState(engine_block_size=32)
+    s = StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)
+    state = state.plan([s]).after
+    copy = StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)
+    state = state.plan([copy]).after
+    plan = state.plan([RemoveBlock(1, "gpu", 0)])
+    assert plan.changes == [] and plan.removed == 1
+    plan = plan.after.plan([RemoveBlock(1, "gpu", 0)])
+    assert [type(c) for c in plan.changes] == [KeyChange, EngineDrop]
+
+
+def test_reannounced_run_is_not_a_copy_but_a_recomputed_one_is():
+    """vLLM re-sends a reused prefix parentless (report mode "full"): every block a hit, nothing changes. A
+    hybrid model whose sliding-window group cut the hit to 0 recomputes and re-caches the same blocks, also
+    parentless from block 0: each is a second physical copy (observed on vLLM 0.32 with the tiny hybrid model)."""
+    groups = {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)}
+    run = [(1, (11,)), (2, (21,)), (3, (31,))]
+
+    def stores(group, parentless):
+        return [StoreBlock(ek, "gpu", f"F{group}", rks, group, parentless, CHAIN_ROOT if i == 0 else run[i - 1][1][-1])
+                for i, (ek, rks) in enumerate(run)]
+
+    state = PodState(groups, engine_block_size=32)
+    state = state.plan(stores(1, False) + stores(0, False)).after
+    plan = state.plan(stores(1, True) + stores(0, True))
+    assert plan.reannounced == 6 and plan.changes == []
+    # the window's blocks evicted: the rule finds no hit, so the same parentless run is a recompute
+    state = state.plan([RemoveBlock(2, "gpu", 0), RemoveBlock(3, "gpu", 0), RemoveBlock(1, "gpu", 0)]).after
+    plan = state.plan(stores(1, True))
+    assert plan.reannounced == 0 and plan.stored == 3
+    assert all(b.copies == 2 for (ek, t, g), b in plan.after.blocks.items() if g == 1)
+
+
+def test_prefix_group_follows_the_full_attention_group():
+    state = PodState({0: GroupSpec(SLIDING, 32, 64)}, engine_block_size=32)
+    assert state.prefix_group == 0
+    state = state.plan([StoreBlock(1, "gpu", "F1", (11,), 1, False, CHAIN_ROOT),
+                        StoreBlock(2, "gpu", "F1", (21,), 1, False, 11),
+                        StoreBlock(2, "gpu", "F0", (21,), 0, False, 11)]).after
+    assert state.orphan_count == 1  # group 0 (the prefix group so far) holds 21 without 11
+    state.set_groups({1: GroupSpec(FULL, 32)})
+    assert state.prefix_group == 1 and state.orphan_count == 0
+
+
+def test_bits_move_when_the_prefix_group_becomes_known():
+    """Group 1 turns out to be the full-attention group: its bits move to the prefix field, group 0's out."""
+    state = PodState(engine_block_size=32)
+    state = state.plan([StoreBlock(1, "gpu", "F0", (11,), 0, False, CHAIN_ROOT),
+                        StoreBlock(1, "gpu", "F1", (11,), 1, False, CHAIN_ROOT)]).after
+    assert set(state.bit_refs) == {(11, "gpu"), (11, "gpu|1")}
+    plan = state.plan([], {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)})
+    entries, bits, engines = {(11, "F0"), (11, "F1")}, {(11, "gpu"), (11, "gpu|1")}, {1}
+    apply_changes(plan.changes, entries, bits, engines)
+    assert bits == {(11, "gpu"), (11, "gpu|0")} == set(plan.after.bit_refs)
