@@ -89,7 +89,7 @@ async def migrate(client, *, chunk: int = 500, progress: Progress | None = None)
     for pod, state in states.items():
         num = nums[pod]
         pending: list[tuple[str, list[Any]]] = []
-        for c in PodState(state.groups, state.engine_block_size).plan(list(state.stores())).changes:
+        for c in PodState(state.groups, state.engine_block_size, pod).plan(list(state.stores())).changes:
             if isinstance(c, KeyChange) and (c.bit_delta > 0 or c.entry > 0):
                 pending.append((presence_key(c.rk), [c.bit, num // 8 + 1 if c.bit_delta > 0 else 0,
                                                      (1 << num % 8) if c.bit_delta > 0 else 0, max(c.entry, 0)]))
@@ -97,7 +97,7 @@ async def migrate(client, *, chunk: int = 500, progress: Progress | None = None)
         for i in range(0, len(pending), chunk):
             async with client.pipeline(transaction=False) as pipe:
                 for key, args in pending[i:i + chunk]:
-                    pipe.evalsha(add.sha, 1, key, *args)
+                    pipe.execute_command("EVALSHA", add.sha, 1, key, *args)
                 await pipe.execute()
         if progress:
             progress("presence", len(keys_seen))
@@ -134,16 +134,20 @@ async def _read_pod(client, pod: str, layout1: bool, chunk: int) -> PodState | N
                 for bk, _ in items:
                     pipe.zrange(engine_key_name(int(bk.split("|", 1)[0])), 0, -1)
                 members = await pipe.execute() if items else []
-            items = [(bk, f"{held.split(':', 1)[0]}:{','.join(text(r) for r in rks)}")
-                     for (bk, held), rks in zip(items, members)]
-        for bk, held in items:
+        for j, (bk, held) in enumerate(items):
+            if layout1:  # "<id>[*<copies>]", or the field itself (written before field ids)
+                head, star, n = held.rpartition("*") if held[-1:].isdigit() and "*" in held else (held, "", "")
+                fid = head if star else held
+                held = f"{'f' if not fid.isdigit() else fid}{star}{n}:{','.join(text(r) for r in members[j])}"
+                if not fid.isdigit():
+                    fields = {**fields, "f": fid}
             block, copies = parse_v3_block(bk, held, fields)
             if parse_entry(block.entry_field) is None:
                 continue  # not a field any llm-d reader would count
             stores.extend([block] * copies)
         if cursor == 0:
             break
-    state = PodState(engine_block_size=int(text(ebs)) if ebs and text(ebs).isdigit() else None)
+    state = PodState(engine_block_size=int(text(ebs)) if ebs and text(ebs).isdigit() else None, pod_id=pod)
     return state.plan(stores).after
 
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kv_preflight.engines.hit_rules import FULL, GroupSpec, longest_hit
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock, parse_entry
 
 UNKNOWN = None  # a block's parent when not known (an import of an older export): the orphan count is unknown
 
@@ -93,7 +93,10 @@ class PodState:
     engine's events, or given); the prefix group (full attention, else group 0) is the one whose keys the
     lookup may bisect, so the orphan count is kept over it."""
 
-    def __init__(self, groups: Mapping[int, GroupSpec] | None = None, engine_block_size: int | None = None):
+    def __init__(self, groups: Mapping[int, GroupSpec] | None = None, engine_block_size: int | None = None,
+                 pod_id: str | None = None):
+        self.pod_id = pod_id
+        self._tiers: dict[str, str | None] = {}  # entry field -> the tier a lookup counts it on (None: not at all)
         self.blocks: dict[BlockKey, _Block] = {}
         self.entry_refs: dict[tuple[int, str], int] = {}  # (rk, field) -> blocks linking them
         self.bit_refs: dict[tuple[int, str], int] = {}  # (rk, bit name) -> blocks linking them
@@ -117,7 +120,8 @@ class PodState:
     # ---- copies
 
     def clone(self) -> "PodState":
-        other = PodState(self.groups, self.engine_block_size)
+        other = PodState(self.groups, self.engine_block_size, self.pod_id)
+        other._tiers = self._tiers
         other.blocks = {k: b.copy() for k, b in self.blocks.items()}
         other.entry_refs = dict(self.entry_refs)
         other.bit_refs = dict(self.bit_refs)
@@ -147,6 +151,23 @@ class PodState:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def field_tier(self, fld: str) -> str | None:
+        """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's
+        PodEntry): None for a speculative, unparseable or other pod's entry, which gets no bit, so the
+        bitmaps say exactly what the entries say."""
+        t = self._tiers.get(fld, "")
+        if t == "":
+            e = parse_entry(fld)
+            t = None if e is None or e.Speculative or (self.pod_id is not None and e.PodIdentifier != self.pod_id) \
+                else e.DeviceTier
+            self._tiers[fld] = t
+        return t
+
+    def bit_of(self, fld: str, group: int) -> str:
+        """The presence field of a block with entry ``fld`` in ``group`` ("" for none)."""
+        tier = self.field_tier(fld)
+        return "" if tier is None else self.bit_name(tier, group)
+
     def bit_name(self, tier: str, group: int) -> str:
         """The presence field a block of ``group`` on ``tier`` sets the pod's bit in: ``<tier>`` for the
         prefix group (what every lookup walks), ``<tier>|<group>`` for a hybrid model's other groups (what
@@ -161,13 +182,13 @@ class PodState:
             self.groups.update(groups)
             return
         names = {}
-        for (ek, tier, group) in self.blocks:
-            names[(tier, group)] = self.bit_name(tier, group)
+        for (ek, tier, group), b in self.blocks.items():
+            names[(b.field, group)] = self.bit_of(b.field, group)
         self.groups.update(groups)
         moved: dict[tuple[int, str], tuple[str, int]] = {}  # (rk, old name) -> (new name, refs)
         for (ek, tier, group), b in self.blocks.items():
-            old, new = names[(tier, group)], self.bit_name(tier, group)
-            if old != new:
+            old, new = names[(b.field, group)], self.bit_of(b.field, group)
+            if old != new and old and new:
                 for rk in b.rks:
                     moved[(rk, old)] = (new, self.bit_refs.get((rk, old), 0))
         for (rk, old), (new, refs) in moved.items():
@@ -193,7 +214,7 @@ class PodState:
         self.unknown = self.orphans = 0
         pg = self.prefix_group
         for (ek, tier, group), b in self.blocks.items():
-            if group == pg:
+            if group == pg and self.field_tier(b.field) is not None:
                 for j, rk in enumerate(b.rks):
                     self._prefix_link(rk, b.parent if j == 0 else b.rks[j - 1], +1)
 
@@ -273,7 +294,7 @@ class PodState:
         parent = UNKNOWN if m.parent is None else m.parent
         self.blocks[bk] = _Block(m.entry_field, tuple(m.request_keys), parent)
         self._link_engine(m.engine_key, m.group, tuple(m.request_keys), out)
-        bit = self.bit_name(m.tier, m.group)
+        bit = self.bit_of(m.entry_field, m.group)
         prefix = m.group == self.prefix_group
         for j, rk in enumerate(m.request_keys):
             self._link(rk, m.entry_field, bit, +1, out, prefix, parent if j == 0 else m.request_keys[j - 1])
@@ -293,7 +314,7 @@ class PodState:
     def _drop(self, bk: BlockKey, held: _Block, out: Plan) -> None:
         del self.blocks[bk]
         ek, tier, group = bk
-        bit = self.bit_name(tier, group)
+        bit = self.bit_of(held.field, group)
         prefix = group == self.prefix_group
         for j, rk in enumerate(held.rks):
             self._link(rk, held.field, bit, -1, out, prefix, held.parent if j == 0 else held.rks[j - 1])
@@ -362,18 +383,19 @@ class PodState:
         else:
             self.entry_refs[ek_] = n
             entry = 1 if n == 1 and d > 0 else 0
-        kb = (rk, bit)
-        b = self.bit_refs.get(kb, 0) + d
         bit_delta = 0
-        if b <= 0:
-            self.bit_refs.pop(kb, None)
-            bit_delta = -1
-        else:
-            self.bit_refs[kb] = b
-            bit_delta = 1 if b == 1 and d > 0 else 0
+        if bit:
+            kb = (rk, bit)
+            b = self.bit_refs.get(kb, 0) + d
+            if b <= 0:
+                self.bit_refs.pop(kb, None)
+                bit_delta = -1
+            else:
+                self.bit_refs[kb] = b
+                bit_delta = 1 if b == 1 and d > 0 else 0
         if entry or bit_delta:
             out.changes.append(KeyChange(rk, fld, entry, bit, bit_delta))
-        if prefix:
+        if prefix and bit:
             self._prefix_link(rk, parent, d)
         if links <= 0 and rk in self.waiting:
             for ek in sorted(self.waiting.pop(rk)):
@@ -535,9 +557,9 @@ def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, G
                               [_encode_mutation(m) for m in mutations]))
 
 
-def restore(snapshot: bytes | None, deltas: Iterable[bytes]) -> tuple[PodState, int]:
+def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None) -> tuple[PodState, int]:
     """The state a snapshot and the deltas after it describe, and the generation it is at."""
-    st = PodState()
+    st = PodState(pod_id=pod_id)
     gen = 0
     if snapshot:
         snap = _snap_dec.decode(snapshot)

@@ -133,10 +133,10 @@ class PodWriter:
         script = self.client.register_script(_READ_POD)
         replies = await evalsha_pipeline(self.client, script, [pod_keys(p) for p in pod_ids], [[] for _ in pod_ids])
         for p, r in zip(pod_ids, replies):
-            self.pods[p] = self._cache_from(r[0], r[1])
+            self.pods[p] = self._cache_from(p, r[0], r[1])
             self.heads.pop(p, None)
 
-    def _cache_from(self, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
+    def _cache_from(self, pod_id: str, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
         meta = {text(meta_flat[i]): meta_flat[i + 1] for i in range(0, len(meta_flat) - 1, 2)}
         snap = None
         deltas = []
@@ -148,7 +148,7 @@ class PodWriter:
             elif name.startswith("d:"):
                 deltas.append(value)
                 log_bytes += len(value)
-        state, _ = restore(snap, deltas)
+        state, _ = restore(snap, deltas, pod_id)
         ebs = meta.get("engine_block_size")
         if ebs and text(ebs).isdigit() and state.engine_block_size is None:
             state.engine_block_size = int(text(ebs))

@@ -8,7 +8,6 @@ import pytest
 from click.testing import CliRunner
 
 from kv_preflight.cli.main import cli
-from kv_preflight.index.layout import pod_blocks_key
 from tests.integration.sim import sim_engine
 
 pytestmark = pytest.mark.integration
@@ -18,6 +17,22 @@ def run(*args: str, input: str | None = None) -> str:
     result = CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result.stdout  # progress lines go to stderr
+
+
+async def held(pod: str, url: str | None = None) -> dict:
+    """A pod's blocks as its state log says: (engine key, tier, group) -> (request keys, copies)."""
+    from kv_preflight.index.index import Index
+
+    ix = Index.from_url(url or held.url)
+    try:
+        return await ix.held_blocks(pod)
+    finally:
+        await ix.close()
+
+
+@pytest.fixture(autouse=True)
+def _held_url(valkey_url):
+    held.url = valkey_url
 
 
 def complete(url: str, tokens: list[int]) -> int:
@@ -111,7 +126,7 @@ def test_export_import_keeps_kv_cache_groups(valkey_url):
     run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-g")
     run("index", "import", "--valkey-url", valkey_url, input=exported)
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    assert sorted(r.hkeys(pod_blocks_key("pod-g"))) == ["7|gpu", "7|gpu|1"]
+    assert sorted(asyncio.run(held("pod-g"))) == [(7, "gpu", 0), (7, "gpu", 1)]
     asyncio.run(write(1, [RemoveBlock(7, "gpu", 0), RemoveBlock(7, "gpu", 1)]))
     assert not r.exists("70", "engine:7")
 
@@ -125,7 +140,6 @@ def test_import_cannot_corrupt(valkey_url):
     import redis
 
     from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
-    from kv_preflight.index.layout import pod_blocks_key
 
     f = encode_entry(make_entry("pod-x", "GPU", 0))
 
@@ -141,16 +155,16 @@ def test_import_cannot_corrupt(valkey_url):
 
     asyncio.run(write())
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    before = r.hgetall(pod_blocks_key("pod-x"))
-    assert before == {"5|gpu": "1:50", "6|gpu": "1*2:60"}
+    before = asyncio.run(held("pod-x"))
+    assert before == {(5, "gpu", 0): ((50,), 1), (6, "gpu", 0): ((60,), 2)}
     exported = run("index", "export", "--valkey-url", valkey_url)
 
     refused = CliRunner().invoke(cli, ["index", "import", "--valkey-url", valkey_url], input=exported)
     assert refused.exit_code != 0 and "already has 2 block(s)" in refused.output
-    assert r.hgetall(pod_blocks_key("pod-x")) == before
+    assert asyncio.run(held("pod-x")) == before
 
     run("index", "import", "--valkey-url", valkey_url, "--replace", input=exported)
-    assert r.hgetall(pod_blocks_key("pod-x")) == before  # copies not doubled
+    assert asyncio.run(held("pod-x")) == before  # copies not doubled
     pod = json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]
     assert pod["seq"] == {"0": 1} and pod["incomplete"] and "imported" in pod["incomplete_reason"]
 
@@ -159,7 +173,7 @@ def test_import_cannot_corrupt(valkey_url):
     run("index", "clear", "--valkey-url", valkey_url, "--pod", "pod-x", "--forget")
     rejected = CliRunner().invoke(cli, ["index", "import", "--valkey-url", valkey_url], input=bad)
     assert rejected.exit_code != 0 and "not a PodEntry" in rejected.output and "nothing was imported" in rejected.output
-    assert not r.exists(pod_blocks_key("pod-x"), "50", "60")
+    assert asyncio.run(held("pod-x")) == {} and not r.exists("50", "60")
 
     run("index", "import", "--valkey-url", valkey_url, "--exact", input=exported)
     assert not json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]["incomplete"]

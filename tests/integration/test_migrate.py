@@ -1,5 +1,8 @@
-"""Layouts 1 (kv-preflight 0.1) and 2 to layout 3: refused until migrated, `kv-preflight index migrate`
-moves them with llm-d's keys untouched, and a layout-1 writer appearing later stops our ingester."""
+"""Layouts 1 (kv-preflight 0.1), 2 and 3 to layout 4: refused until migrated, `kv-preflight index migrate` moves
+them with llm-d's keys untouched and writes what this build would have written, and a layout-1 writer appearing
+later stops our ingester. Layout-3 indexes are made from layout-4 ones here (``to_layout_3``: each pod's reverse
+index, field ids and reference counts, the engine keys' membership hashes, the old bitmaps), so "the same keys"
+has a reference: the layout-4 index the ingester wrote."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +14,11 @@ import time
 import pytest
 import redis
 
+from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
-from kv_preflight.index.layout import LAYOUT_KEY, PODS_KEY, V1_PODS_KEY, engine_members_key, pod_blocks_key, pod_rks_key
+from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, pod_meta_key, pod_state_key,
+                                       v3_bits_key, v3_members_key, v3_pod_keys)
+from kv_preflight.index.presence import as_int, numbers, presence_value
 from tests.e2e.harness import spawn, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -34,7 +40,7 @@ def write_layout_1(r: redis.Redis) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "kv_preflight", *args], capture_output=True, text=True, timeout=120)
 
 
 async def test_layout_1_is_refused_then_migrated(valkey_url):
@@ -50,18 +56,17 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {"pods": 1, "blocks": 2, "keys": 4}
-        assert await ix.check_layout() == "3"
-        # llm-d's keys did not move; ours are layout 2; layout 1's are gone.
+        assert await ix.check_layout() == "4"
+        # llm-d's keys did not move; ours are layout 4; layout 1's are gone.
         assert {k: r.hkeys(k) for k in ("70", "71", "72", "73")} | {k: r.zrange(k, 0, -1) for k in ("engine:7", "engine:8")} == llmd_before
         assert not r.exists(V1_PODS_KEY, "kvpf:pod:old-pod", "kvpf:blocks:old-pod", "kvpf:fields:old-pod")
-        assert r.hgetall(pod_blocks_key("old-pod")) == {"7|gpu": "1*2:70,71", "8|gpu": "1:72,73"}
-        assert r.hget(pod_rks_key("old-pod"), "72|1") == "1"
-        assert r.hgetall(engine_members_key(7)) == {"old-pod|gpu": "1"}
-        assert r.hget(PODS_KEY, "old-pod") == "m" and r.hget(LAYOUT_KEY, "version") == "3"
+        assert await ix.held_blocks("old-pod") == {(7, "gpu", 0): ((70, 71), 2), (8, "gpu", 0): ((72, 73), 1)}
+        assert r.hget(PODS_KEY, "old-pod") == "m" and r.hget(LAYOUT_KEY, "version") == "4"
         info = await ix.pod_info("old-pod")
         assert info.seqs == {"0": 41} and info.counters["batches"] == 42 and info.blocks == 2
+        assert info.orphan_keys is None  # layout 1 kept no parents: walked until known
         assert [m.blocks for m in await ix.lookup([70, 71, 72, 73], mode="linear")] == [4]
-        assert [m.blocks for m in await ix.lookup([70, 71, 72, 73])] == [4]  # the bitmaps, built by migrate
+        assert [m.blocks for m in await ix.lookup([70, 71, 72, 73])] == [4]  # the presence, built by migrate
         # The migrated pod goes on at its next seq: copies kept, evictions find their request keys.
         for seq, muts in ((42, [RemoveBlock(7, "gpu")]), (43, [RemoveBlock(7, "gpu"), RemoveBlock(8, "gpu")])):
             res = await ix.apply_batch(pod_id="old-pod", rank=0, seq=seq, ts=6.0, model="m", engine_block_size=32,
@@ -69,7 +74,7 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
             assert res.status == "applied"
             if seq == 42:
                 assert r.hkeys("70") == [F]  # one of two copies evicted: still held
-        assert not r.exists("70", "71", "72", "73", "engine:7", "engine:8", engine_members_key(7))
+        assert not r.exists("70", "71", "72", "73", "engine:7", "engine:8", "kvpf:{70}:p")
         again = cli("index", "migrate", "--valkey-url", valkey_url, "--json")  # idempotent
         assert again.returncode == 0 and json.loads(again.stdout)["pods"] == 0
     finally:
@@ -96,46 +101,90 @@ async def test_ingester_stops_when_a_layout_1_writer_appears(valkey_url, tmp_pat
         r.close()
 
 
-def by_name(r: redis.Redis) -> dict:
-    """The index's keys with pod numbers replaced by pod names (migrate numbers pods in its own order)."""
+def keys_of(client) -> list[bytes]:
+    nodes = client.get_primaries() if isinstance(client, redis.RedisCluster) else [None]
+    return [k for node in nodes for k in (client.keys("*", target_nodes=node) if node else client.keys("*"))]
+
+
+async def to_layout_3(ix: Index, client, *, version: str = "3") -> None:
+    """Rewrite a layout-4 index as layout 3 (or 2: no bitmaps, no parents) had it: per pod its reverse
+    index ("<ek>|<tier>[|<group>]" -> "<id>[*<copies>]:<rk>,..[^<parent>]"), field ids and reference counts,
+    per engine key its holders, per request key its bitmaps and our entry count; no state logs, no presence."""
+    pods = {k.decode(): v.decode() for k, v in client.hgetall(PODS_KEY).items()}
+    members: dict[int, dict[str, int]] = {}
+    bits: dict[int, dict[str, int]] = {}
+    counts: dict[int, int] = {}
+    nums = {v.decode(): int(k) for k, v in client.hgetall(NUMS_BYID_KEY).items()}
+    for pod in pods:
+        held = await ix.held_blocks(pod)
+        blocks_key, fields_key, rks_key = v3_pod_keys(pod)
+        reader = ix.writer.__class__(ix.client, cluster=ix.cluster)
+        await reader.load([pod])
+        state = reader.pods[pod].state
+        fields: dict[str, int] = {}
+        refs: dict[str, int] = {}
+        for (ek, tier, group), b in state.blocks.items():
+            fid = fields.setdefault(b.field, len(fields) + 1)
+            slot = f"{tier}|{group}" if group else tier
+            head = f"{fid}*{b.copies}" if b.copies > 1 else str(fid)
+            tail = "" if version == "2" or b.parent is None else "^" + ("" if b.parent == CHAIN_ROOT else str(b.parent))
+            client.hset(blocks_key, f"{ek}|{slot}", f"{head}:{','.join(map(str, b.rks))}{tail}")
+            members.setdefault(ek, {})[f"{pod}|{slot}"] = 1
+            for rk in b.rks:
+                refs[f"{rk}|{fid}"] = refs.get(f"{rk}|{fid}", 0) + 1
+        assert len(held) == len(state.blocks)
+        if fields:
+            client.hset(fields_key, mapping={str(i): f for f, i in fields.items()})
+            client.hset(rks_key, mapping=refs)
+        for (rk, name), _ in state.bit_refs.items():
+            if version == "3":
+                tier = name.split("|", 1)[0]
+                bits.setdefault(rk, {})[tier] = bits.get(rk, {}).get(tier, 0) | 1 << nums[pod]
+        for (rk, _), _ in state.entry_refs.items():
+            counts[rk] = counts.get(rk, 0) + 1
+        client.delete(pod_state_key(pod))
+        client.hdel(pod_meta_key(pod), "gen", "blocks")
+    for ek, m in members.items():
+        client.hset(v3_members_key(ek), mapping=m)
+    for rk, tiers in bits.items():
+        client.hset(v3_bits_key(rk), mapping={**{t: b.to_bytes((b.bit_length() + 7) // 8, "little") for t, b in tiers.items()},
+                                              "#n": counts[rk]})
+    for k in keys_of(client):
+        if k.endswith(b"}:p"):
+            client.delete(k)
+    client.hset(LAYOUT_KEY, "version", version)
+
+
+def by_name(client) -> dict:
+    """The index's keys with pod numbers replaced by pod names and pods' states by what they hold (migrate
+    writes a snapshot where the ingester left a snapshot and batches; numbers follow the writers' order)."""
     from tests.integration.test_cluster import dump
 
-    from kv_preflight.index.layout import NUMS_BYID_KEY
-    from kv_preflight.index.presence import as_int, numbers
-
-    names = {int(k): v.decode() for k, v in r.hgetall(NUMS_BYID_KEY).items()}
+    names = {int(k): v.decode() for k, v in client.hgetall(NUMS_BYID_KEY).items()}
     out = {}
-    for k, v in dump(r).items():
-        if k.startswith("kvpf:{nums}") or k == "kvpf:layout":
+    for k, v in dump(client).items():
+        if k.startswith("kvpf:{nums}") or k == "kvpf:layout" or k.endswith("}:state"):
             continue
         if k.endswith(":meta"):
-            v = {f: x for f, x in v.items() if f != "num"}
-        if k.endswith(":bits"):
-            raw = r.hgetall(k)
-            v = {f.decode(): (x.decode() if f == b"#n" else sorted(names[n] for n in numbers(as_int(x))))
-                 for f, x in raw.items()}
+            v = {f: x for f, x in v.items() if f not in ("num", "gen", "orphan_at", "batches")}
+        if k.endswith("}:p"):
+            v = {}
+            for f, x in client.hgetall(k).items():
+                n, bitmap = presence_value(x)
+                v[f.decode()] = (n, sorted(names[i] for i in numbers(as_int(bitmap))))
         out[k] = v
     return out
 
 
-def strip_to_layout_2(r: redis.Redis, *, version: bool = True) -> None:
-    """What layout 2 had: no bitmaps, no numbers, no per-tier link counts."""
-    for k in list(r.scan_iter("kvpf:{*")):
-        if k.endswith(b":bits") or k.startswith(b"kvpf:{nums}"):
-            r.delete(k)
-        elif k.endswith(b":rks"):
-            for f in r.hkeys(k):
-                if b"|~" in f:
-                    r.hdel(k, f)
-        elif k.endswith(b":meta"):
-            r.hdel(k, "num")
-    if version:
-        r.hset(LAYOUT_KEY, "version", "2")
+async def held_by_pod(ix: Index, client) -> dict:
+    pods = [k.decode() for k in client.hkeys(PODS_KEY)]
+    return {p: await ix.held_blocks(p) for p in sorted(pods)}
 
 
-async def test_layout_2_is_refused_then_migrated_to_the_same_keys(valkey_url):
-    """An index written by this build, taken back to layout 2, refused, then migrated: every key is
-    what this build had written (bitmaps, numbers, counts), and the lookup equals the linear walk."""
+@pytest.mark.parametrize("version", ["3", "2"])
+async def test_layouts_2_and_3_are_refused_then_migrated_to_what_layout_4_writes(valkey_url, version):
+    """An index this build wrote, taken back to layout 3 (or 2), refused, then migrated: every key is what
+    this build had written (presence, meta, pods' blocks and copies), and the lookup equals the linear walk."""
     from tests.integration.test_cluster import apply_all, random_batches
 
     r = redis.Redis.from_url(valkey_url)
@@ -143,16 +192,18 @@ async def test_layout_2_is_refused_then_migrated_to_the_same_keys(valkey_url):
     try:
         await apply_all(ix, random_batches(3))
         r.hset("75", "llmd-only@gpu", "")  # an llm-d writer's entry: never counted as ours
-        before = by_name(r)
-        strip_to_layout_2(r)
+        before, held = by_name(r), await held_by_pod(ix, r)
+        await to_layout_3(ix, r, version=version)
         assert by_name(r) != before
         fresh = Index.from_url(valkey_url)
-        with pytest.raises(LayoutError, match="layout 2.*index migrate"):
+        with pytest.raises(LayoutError, match=f"layout {version}.*index migrate"):
             await fresh.check_layout()
         await fresh.close()
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
         assert by_name(r) == before
+        assert await held_by_pod(ix, r) == held
+        assert not [k for k in keys_of(r) if k.endswith((b":bits", b"}:blocks", b"}:fields", b"}:rks", b"}:pods"))]
         for k in range(1, 400):
             chain = [k * 10 + j for j in range(3)]
             want = sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(chain, mode="linear"))
@@ -162,29 +213,27 @@ async def test_layout_2_is_refused_then_migrated_to_the_same_keys(valkey_url):
         await ix.close()
 
 
-async def test_layout_2_on_a_cluster_is_migrated_to_the_same_bitmaps(cluster_url):
+async def test_layout_3_on_a_cluster_is_migrated_to_what_layout_4_writes(cluster_url):
     """The same on Valkey Cluster, where the keys to rebuild sit on every shard (the command runs through
     redis-py's cluster client: pipelines routed per key, one SCAN per primary)."""
-    from tests.integration.test_cluster import apply_all, random_batches
+    from tests.integration.test_cluster import apply_all, drain_until_empty, random_batches
 
     ix = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
         await apply_all(ix, random_batches(3))
+        await drain_until_empty(ix, sync)
         chains = [[k * 10 + j for j in range(3)] for k in range(1, 400)]
         want = [sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(c, mode="linear")) for c in chains]
-        bits = sorted(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES))
-        assert bits
-        for node in sync.get_primaries():
-            strip_to_layout_2(redis.Redis(host=node.host, port=node.port), version=False)
-        sync.hset(LAYOUT_KEY, "version", "2")
-        assert not list(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES))
+        before, held = by_name(sync), await held_by_pod(ix, sync)
+        await to_layout_3(ix, sync)
+        assert [k for k in keys_of(sync) if k.endswith(b":bits")]
         done = cli("index", "migrate", "--valkey-url", cluster_url, "--json")
         assert done.returncode == 0, done.stderr
-        assert sorted(sync.scan_iter("kvpf:{*}:bits", target_nodes=redis.RedisCluster.PRIMARIES)) == bits
+        assert by_name(sync) == before and await held_by_pod(ix, sync) == held
         fresh = Index.from_url(cluster_url)
         try:
-            assert await fresh.check_layout() == "3"
+            assert await fresh.check_layout() == "4"
             assert [sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(c)) for c in chains] == want
         finally:
             await fresh.close()

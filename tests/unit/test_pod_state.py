@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, RemoveBlock, StoreBlock
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, encode_delta, encode_snapshot,
                                           restore)
 
-FIELD = {("gpu", 0): "F-gpu-0", ("gpu", 1): "F-gpu-1", ("cpu", 0): "F-cpu-0", ("cpu", 1): "F-cpu-1"}
+FIELD = {(t, g): encode_entry(make_entry("pod", t.upper(), g)) for t in ("gpu", "cpu") for g in (0, 1)}
 
 
 def model(state: PodState) -> tuple[set, set, set, int | None]:
@@ -25,7 +25,7 @@ def model(state: PodState) -> tuple[set, set, set, int | None]:
         engines.add(ek)
         for j, rk in enumerate(b.rks):
             entries.add((rk, b.field))
-            bits.add((rk, state.bit_name(tier, group)))
+            bits.add((rk, state.bit_of(b.field, group)))
             if group == pg:
                 parent = b.parent if j == 0 else b.rks[j - 1]
                 if held.get(rk) is None:
@@ -156,7 +156,8 @@ def test_reannounced_run_is_not_a_copy_but_a_recomputed_one_is():
     run = [(1, (11,)), (2, (21,)), (3, (31,))]
 
     def stores(group, parentless):
-        return [StoreBlock(ek, "gpu", f"F{group}", rks, group, parentless, CHAIN_ROOT if i == 0 else run[i - 1][1][-1])
+        return [StoreBlock(ek, "gpu", FIELD[("gpu", group)], rks, group, parentless,
+                           CHAIN_ROOT if i == 0 else run[i - 1][1][-1])
                 for i, (ek, rks) in enumerate(run)]
 
     state = PodState(groups, engine_block_size=32)
@@ -173,9 +174,10 @@ def test_reannounced_run_is_not_a_copy_but_a_recomputed_one_is():
 def test_prefix_group_follows_the_full_attention_group():
     state = PodState({0: GroupSpec(SLIDING, 32, 64)}, engine_block_size=32)
     assert state.prefix_group == 0
-    state = state.plan([StoreBlock(1, "gpu", "F1", (11,), 1, False, CHAIN_ROOT),
-                        StoreBlock(2, "gpu", "F1", (21,), 1, False, 11),
-                        StoreBlock(2, "gpu", "F0", (21,), 0, False, 11)]).after
+    f0, f1 = FIELD[("gpu", 0)], FIELD[("gpu", 1)]
+    state = state.plan([StoreBlock(1, "gpu", f1, (11,), 1, False, CHAIN_ROOT),
+                        StoreBlock(2, "gpu", f1, (21,), 1, False, 11),
+                        StoreBlock(2, "gpu", f0, (21,), 0, False, 11)]).after
     assert state.orphan_count == 1  # group 0 (the prefix group so far) holds 21 without 11
     state.set_groups({1: GroupSpec(FULL, 32)})
     assert state.prefix_group == 1 and state.orphan_count == 0
@@ -184,10 +186,11 @@ def test_prefix_group_follows_the_full_attention_group():
 def test_bits_move_when_the_prefix_group_becomes_known():
     """Group 1 turns out to be the full-attention group: its bits move to the prefix field, group 0's out."""
     state = PodState(engine_block_size=32)
-    state = state.plan([StoreBlock(1, "gpu", "F0", (11,), 0, False, CHAIN_ROOT),
-                        StoreBlock(1, "gpu", "F1", (11,), 1, False, CHAIN_ROOT)]).after
+    f0, f1 = FIELD[("gpu", 0)], FIELD[("gpu", 1)]
+    state = state.plan([StoreBlock(1, "gpu", f0, (11,), 0, False, CHAIN_ROOT),
+                        StoreBlock(1, "gpu", f1, (11,), 1, False, CHAIN_ROOT)]).after
     assert set(state.bit_refs) == {(11, "gpu"), (11, "gpu|1")}
     plan = state.plan([], {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)})
-    entries, bits, engines = {(11, "F0"), (11, "F1")}, {(11, "gpu"), (11, "gpu|1")}, {1}
+    entries, bits, engines = {(11, f0), (11, f1)}, {(11, "gpu"), (11, "gpu|1")}, {1}
     apply_changes(plan.changes, entries, bits, engines)
     assert bits == {(11, "gpu"), (11, "gpu|0")} == set(plan.after.bit_refs)
