@@ -128,11 +128,16 @@ def _mamba(g: int, bs: int, held: Held, max_tokens: int, align: int) -> int:
 
 def group_hit(g: int, spec: GroupSpec, bs: int, held: Held, max_tokens: int, align: int,
               full_tokens: int | None = None) -> int:
-    """One group's longest hit (tokens) not longer than ``max_tokens``: its manager's rule. With EAGLE a
-    full-attention group matches one block past the candidate (not past the prompt's ``full_tokens``) and drops
-    it (vLLM's ``eagle_proof_margin``)."""
+    """One group's longest hit (tokens) not longer than ``max_tokens``: its manager's rule. With EAGLE the last
+    matched block is dropped; in a hybrid model (``full_tokens`` given: the prompt's full blocks) a
+    full-attention group first matches one block past the candidate, not past the prompt (the hybrid
+    coordinator's ``eagle_proof_margin``; one group alone gets no margin). A group whose rule lacks a setting
+    (``GroupSpec.missing``) accepts nothing: an answer that cannot be exact is a lower bound, never more than
+    the engine finds."""
+    if spec.missing():
+        return 0
     if spec.eagle and spec.kind == FULL:
-        limit = max_tokens + bs if full_tokens is None else min(max_tokens + bs, full_tokens)
+        limit = max_tokens if full_tokens is None else min(max_tokens + bs, full_tokens)
         return _full(g, bs, held, limit, True, align)
     if spec.kind == SLIDING:
         return _sliding(g, bs, spec.sliding_window or bs, held, max_tokens, spec.eagle, align)
@@ -156,9 +161,9 @@ def longest_hit(groups: Mapping[int, GroupSpec], held: Held, prompt_tokens: int,
     sizes = {g: (s.block_size or block_size) for g, s in groups.items()}
     align = math.lcm(*sizes.values())
     full_tokens = prompt_tokens // align * align
-    if len(groups) == 1:
+    if len(groups) == 1:  # vLLM's UnitaryKVCacheCoordinator: the group's rule alone
         ((g, spec),) = groups.items()
-        return group_hit(g, spec, sizes[g], held, max_tokens, align, full_tokens)
+        return group_hit(g, spec, sizes[g], held, max_tokens, align)
     order = sorted(groups, key=lambda g: (groups[g].kind != FULL, g))
     simple = len(order) == 2 and groups[order[0]].kind == FULL
     hit = max_tokens
@@ -182,6 +187,14 @@ def longest_hit(groups: Mapping[int, GroupSpec], held: Held, prompt_tokens: int,
     return hit
 
 
+def prefix_group(groups: Mapping[int, GroupSpec]) -> int:
+    """The group whose held keys form a prefix of every chain (full attention: the engine reuses a block
+    only after every block before it, and evicts a chain's tail first): the lowest full-attention group,
+    else group 0. Its keys are what the index's lookup walks; the others' are read beside it."""
+    full = [g for g, s in groups.items() if s.kind == FULL]
+    return min(full) if full else 0
+
+
 def held_blocks(groups: Mapping[int, GroupSpec], keys_held: Callable[[int, int], bool], canonical: int,
                 block_size: int) -> Held:
     """``held(group, block)`` from a presence at request-key granularity: a group block of ``B`` tokens is
@@ -199,4 +212,4 @@ def held_blocks(groups: Mapping[int, GroupSpec], keys_held: Callable[[int, int],
 
 
 __all__ = ["CHUNKED", "FULL", "KNOWN_KINDS", "MAMBA", "SLIDING", "GroupSpec", "group_hit", "held_blocks",
-           "longest_hit"]
+           "longest_hit", "prefix_group"]

@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, foreign_as_empty, read_pipeline
 from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
@@ -34,7 +36,8 @@ from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Loo
 from kv_preflight.fleet.store import FleetStore
 from kv_preflight.index.layout import (COUNTERS_KEY, LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                            pod_meta_key, pod_state_keys, request_key_name)
-from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY
+from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, presence_key
+from kv_preflight.index.presence import presence_value
 
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
@@ -73,14 +76,30 @@ class ScoringInfo:
     pod_id: str
     engine_block_size: int | None
     incomplete: bool
+    # its KV cache groups (kind, sizes), when it has several (a hybrid model): the engine's rule for
+    # each group decides the hit (kv_preflight/engines/hit_rules.py); None for a plain model
+    groups: Mapping[int, GroupSpec] | None = None
+
+
+def groups_from(raw: Any) -> dict[int, GroupSpec] | None:
+    """A pod's meta "groups" ({"<group>": [kind, block size, window, chunk, eagle]}) as specs; None when it
+    names fewer than two groups (a plain model) or cannot be read."""
+    if not raw:
+        return None
+    try:
+        found = msgspec.json.decode(raw)
+        groups = {int(g): GroupSpec(*v) for g, v in found.items()}
+    except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
+        return None
+    return groups if len(groups) > 1 else None
 
 
 def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
-    """A pod's ScoringInfo from ``HMGET meta engine_block_size incomplete``. State we did not write (a
-    key of another type, a block size that is not a number) makes the pod incomplete, never an error."""
+    """A pod's ScoringInfo from ``HMGET meta engine_block_size incomplete groups``. State we did not write
+    (a key of another type, a block size that is not a number) makes the pod incomplete, never an error."""
     if isinstance(reply, Exception):
         return ScoringInfo(pod_id, None, True)
-    raw_ebs, raw_inc = reply
+    raw_ebs, raw_inc = reply[0], reply[1]
     ebs = None
     bad = False
     if raw_ebs:
@@ -88,7 +107,7 @@ def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
             ebs = int(raw_ebs)
         except ValueError:
             bad = True
-    return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"))
+    return ScoringInfo(pod_id, ebs, bad or raw_inc in (b"1", "1"), groups_from(reply[2]) if len(reply) > 2 else None)
 
 
 def pod_info_from(pod_id: str, meta_raw: Any) -> PodInfo:
@@ -260,10 +279,11 @@ class Index:
         engine_block_size: int | None,
         mutations: Sequence[Mutation],
         mode: str = "check",
+        groups: Mapping[int, GroupSpec] | None = None,
     ) -> ApplyResult:
         return (await self.apply_batches([dict(pod_id=pod_id, rank=rank, seq=seq, ts=ts, model=model,
                                                 engine_block_size=engine_block_size, mutations=mutations,
-                                                mode=mode)]))[0]
+                                                mode=mode, groups=groups)]))[0]
 
     async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
         """Several ``apply_batch`` calls (same keyword arguments each) in one round trip, in order.
@@ -580,6 +600,24 @@ class Index:
                 out.append(pod_info_from(p, meta))
         return out
 
+    async def presence(self, request_keys: Sequence[int]) -> list[dict[str, bytes]]:
+        """Each request key's presence hash (field -> bitmap, counts stripped), every field: what the engine's
+        rule for a hybrid model's other KV cache groups reads (kv_preflight/predictor/scoring/groups.py)."""
+        replies = await self._read_commands([("HGETALL", presence_key(k)) for k in request_keys])
+        out: list[dict[str, bytes]] = []
+        for r in replies:
+            if isinstance(r, Exception):
+                out.append({})
+                continue
+            items = r.items() if isinstance(r, dict) else zip(r[::2], r[1::2])
+            out.append({text(f): presence_value(v)[1] for f, v in items})
+        return out
+
+    async def pod_numbers(self, pods: Iterable[str]) -> dict[str, int]:
+        """Pods' numbers (their bit in every bitmap), from the names the lookup read."""
+        by_name = {name: num for num, name in (await self.pod_names()).items()}
+        return {p: by_name[p] for p in pods if p in by_name}
+
     async def meta_fields(self, pod_ids: Sequence[str], fields: Sequence[str], chunk: int = 1000
                           ) -> list[list[Any] | None]:
         """Some fields of several pods' meta (HMGET each, pipelined ``chunk`` pods per round trip); None for a
@@ -595,7 +633,7 @@ class Index:
         out: list[ScoringInfo] = []
         for i in range(0, len(pod_ids), chunk):
             part = pod_ids[i:i + chunk]
-            replies = await self._read_commands([("HMGET", pod_meta_key(p), "engine_block_size", "incomplete")
+            replies = await self._read_commands([("HMGET", pod_meta_key(p), "engine_block_size", "incomplete", "groups")
                                                  for p in part])
             out.extend(scoring_info_from(p, r) for p, r in zip(part, replies))
         return out

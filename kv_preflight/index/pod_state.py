@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from kv_preflight.engines.hit_rules import FULL, GroupSpec, longest_hit
+from kv_preflight.engines.hit_rules import GroupSpec, longest_hit, prefix_group
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock, parse_entry
 
 UNKNOWN = None  # a block's parent when not known (an import of an older export): the orphan count is unknown
@@ -98,6 +98,7 @@ class PodState:
         self.pod_id = pod_id
         self._tiers: dict[str, str | None] = {}  # entry field -> the tier a lookup counts it on (None: not at all)
         self.blocks: dict[BlockKey, _Block] = {}
+        self.tiers: set[str] = set()  # the tiers the pod has stored blocks on
         self.entry_refs: dict[tuple[int, str], int] = {}  # (rk, field) -> blocks linking them
         self.bit_refs: dict[tuple[int, str], int] = {}  # (rk, bit name) -> blocks linking them
         self.ek_slots: dict[tuple[int, int], int] = {}  # (ek, group) -> tiers holding it there
@@ -123,6 +124,7 @@ class PodState:
         other = PodState(self.groups, self.engine_block_size, self.pod_id)
         other._tiers = self._tiers
         other.blocks = {k: b.copy() for k, b in self.blocks.items()}
+        other.tiers = set(self.tiers)
         other.entry_refs = dict(self.entry_refs)
         other.bit_refs = dict(self.bit_refs)
         other.ek_slots = dict(self.ek_slots)
@@ -150,6 +152,18 @@ class PodState:
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    def block_keys(self, ek: int) -> tuple[tuple[int, ...], int | None] | None:
+        """A held block's request keys and parent, in whichever tier or group the pod holds ``ek``."""
+        if not self.ek_refs.get(ek):
+            return None
+        for group in sorted({0, *self.groups}):
+            if self.ek_slots.get((ek, group)):
+                for tier in self.tiers:
+                    b = self.blocks.get((ek, tier, group))
+                    if b is not None:
+                        return b.rks, b.parent
+        return None
 
     def field_tier(self, fld: str) -> str | None:
         """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's
@@ -203,8 +217,7 @@ class PodState:
 
     @staticmethod
     def _prefix_of(groups: Mapping[int, GroupSpec]) -> int:
-        full = [g for g, s in groups.items() if s.kind == FULL]
-        return min(full) if full else 0
+        return prefix_group(groups)
 
     def _reindex_prefix(self) -> None:
         self.held.clear()
@@ -293,6 +306,7 @@ class PodState:
             return
         parent = UNKNOWN if m.parent is None else m.parent
         self.blocks[bk] = _Block(m.entry_field, tuple(m.request_keys), parent)
+        self.tiers.add(m.tier)
         self._link_engine(m.engine_key, m.group, tuple(m.request_keys), out)
         bit = self.bit_of(m.entry_field, m.group)
         prefix = m.group == self.prefix_group

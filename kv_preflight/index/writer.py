@@ -156,6 +156,11 @@ class PodWriter:
         return PodCache(state, text(meta.get("gen", b"0")), int(text(num)) if num is not None else None,
                         snap_bytes, log_bytes, len(deltas), text(meta.get("groups", b"")))
 
+    def known_block(self, pod_id: str, engine_key: int) -> tuple[tuple[int, ...], int | None] | None:
+        """The request keys and parent of a block the pod holds in any tier or group, as last committed."""
+        cache = self.pods.get(pod_id)
+        return cache.state.block_keys(engine_key) if cache is not None else None
+
     def forget(self, pod_id: str) -> None:
         self.pods.pop(pod_id, None)
         self.heads.pop(pod_id, None)

@@ -22,17 +22,22 @@ from typing import Any
 
 import msgspec
 
+from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from kv_preflight.keys.chain import chain_root, request_keys
 
 
 class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make
-    """Where a chain stands after an engine block: its last request key and tokens not yet keyed."""
+    """Where a chain stands after an engine block: its last request key and tokens not yet keyed; and the
+    block's own request keys and the key before them, where they were computed here (a hybrid model's
+    other groups cache some of the same blocks in events that do not say which: ``_plan_partial``)."""
 
     request_key: int
     carry: tuple[int, ...] = ()
     carry_known: bool = True  # False when resolved from Valkey, which stores no carry
+    keys: tuple[int, ...] | None = None  # None: not known (resolved from Valkey)
+    parent: int = CHAIN_ROOT
 
 
 class ChainState:
@@ -65,6 +70,9 @@ class ChainState:
 class Plan:
     mutations: list[Mutation] = field(default_factory=list)
     engine_block_size: int | None = None
+    # KV cache group -> its kind and sizes, as the events say them (vLLM 0.32: kv_cache_spec_kind and
+    # kv_cache_spec_sliding_window on every BlockStored, filled in KVCacheManager.take_events)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events whose parent could not be resolved
     stored_blocks: int = 0
     removed_blocks: int = 0
@@ -150,15 +158,37 @@ def plan_batch(
     entry_field: Callable[[str, str | None, int | None], str],
     lora_names: Mapping[str, str] | None = None,
     hash_algo: str = "fnv64a",
+    known: Known | None = None,
 ) -> Plan:
     """Mutations for one batch, in event order. ``state`` must already hold every parent
-    that can be resolved (see ``unresolved_parents``); it is updated with new chain points."""
+    that can be resolved (see ``unresolved_parents``); it is updated with new chain points. ``known``: the
+    request keys of a block the pod holds (its state in the index writer), for partial events."""
     plan = Plan()
-    for ev in batch.events:
+    # A partial event's blocks are found among the batch's full events' (its group and the full-attention
+    # group cache the same request's blocks in the same step; vLLM 0.32 sends the partial group first), so
+    # those are planned first when there is one, and their mutations kept for their place in the batch.
+    early: dict[int, Plan] = {}
+    if any(isinstance(ev, BlockStored) and partial(ev) for ev in batch.events):
+        for i, ev in enumerate(batch.events):
+            if isinstance(ev, BlockStored) and not partial(ev):
+                early[i] = Plan()
+                _plan_stored(ev, early[i], pod_id, model_for(ev, topic_model, lora_names), state, hash_seed,
+                             block_size, entry_field, hash_algo)
+    for i, ev in enumerate(batch.events):
         if isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
-            _plan_stored(ev, plan, pod_id, model_for(ev, topic_model, lora_names), state, hash_seed, block_size,
-                         entry_field, hash_algo)
+            if ev.kv_cache_spec_kind:
+                plan.groups[ev.group_idx or 0] = GroupSpec(ev.kv_cache_spec_kind, ev.block_size,
+                                                           ev.kv_cache_spec_sliding_window)
+            model = model_for(ev, topic_model, lora_names)
+            if i in early:
+                plan.mutations.extend(early[i].mutations)
+                plan.orphans += early[i].orphans
+                plan.stored_blocks += early[i].stored_blocks
+            elif partial(ev):
+                _plan_partial(ev, plan, pod_id, model, state, entry_field, known)
+            else:
+                _plan_stored(ev, plan, pod_id, model, state, hash_seed, block_size, entry_field, hash_algo)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
             plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
@@ -197,9 +227,9 @@ def _plan_stored(
         per = e // block_size
         for i, ek in enumerate(ev.block_hashes):
             own = tuple(keys[i * per : (i + 1) * per])
-            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0, parentless,
-                                             parent if i == 0 else keys[i * per - 1]))
-            state.put(model, ek, ChainPoint(own[-1] if own else point.request_key))
+            before = parent if i == 0 else keys[i * per - 1]
+            plan.mutations.append(StoreBlock(ek, tier, fld, own, ev.group_idx or 0, parentless, before))
+            state.put(model, ek, ChainPoint(own[-1] if own else point.request_key, keys=own, parent=before))
         plan.stored_blocks += len(ev.block_hashes)
         return
     for i, ek in enumerate(ev.block_hashes):
@@ -211,11 +241,42 @@ def _plan_stored(
             per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name)
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
                            parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
-        point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]))
+        point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]), keys=tuple(own),
+                           parent=parent)
         plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless, parent))
         if own:
             parent = own[-1]
         state.put(model, ek, point)
+        plan.stored_blocks += 1
+
+
+def partial(ev: BlockStored) -> bool:
+    """Whether an event has fewer hashes than full blocks of tokens: its group did not cache some blocks of
+    the range (vLLM 0.32 ``BlockPool.cache_full_blocks`` skips a group's null blocks and those its
+    ``reachable_block_mask`` leaves out: a sliding-window group keeps only the blocks ending at a boundary a
+    later request can resume at) but the event carries the tokens of the whole range, and not which blocks
+    its hashes are."""
+    return ev.block_size > 0 and len(ev.block_hashes) < len(ev.token_ids) // ev.block_size
+
+
+Known = Callable[[int], "tuple[tuple[int, ...], int | None] | None"]  # engine key -> (request keys, parent)
+
+
+def _plan_partial(ev: BlockStored, plan: Plan, pod_id: str, model: str, state: ChainState,
+                  entry_field: Callable[[str, str | None, int | None], str], known: Known | None = None) -> None:
+    """A partial event's blocks, by their hashes: the same blocks of the same range are in the full-attention
+    group's event (the same hash in every group: vLLM hashes tokens, not groups), planned first, or were met
+    before; each takes the request keys computed there. A hash met nowhere is an orphan (the pod is flagged),
+    never keyed by a guessed position."""
+    tier = tier_of(ev.medium)
+    fld = entry_field(pod_id, ev.medium, ev.group_idx)
+    for ek in ev.block_hashes:
+        point = state.get(model, ek)
+        if point is None or point.keys is None:
+            plan.orphans += 1
+            continue
+        plan.mutations.append(StoreBlock(ek, tier, fld, point.keys, ev.group_idx or 0,
+                                         ev.parent_block_hash is None, point.parent))
         plan.stored_blocks += 1
 
 

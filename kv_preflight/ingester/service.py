@@ -389,7 +389,7 @@ class Ingester:
         for run in runs:
             plans = [await self._plan(pod, model, seq, batch, errors) for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
-                         engine_block_size=plan.engine_block_size, mutations=plan.mutations)
+                         engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations)
                     for (pod, model, seq, batch, _), plan in zip(run, plans)]
             sent = await self._valkey(self.index.send_batches, args)
             if inflight is not None:
@@ -504,7 +504,7 @@ class Ingester:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
-                hash_algo=self.cfg.hash_algo,
+                hash_algo=self.cfg.hash_algo, known=lambda ek: self.index.writer.known_block(pod, ek),
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -541,7 +541,7 @@ class Ingester:
             try:
                 result = await self._valkey(
                     self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
-                    engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
+                    engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations, mode=mode,
                 )
             except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
                 await self._failed(pod, seq, f"Valkey refused the batch: {exc}")

@@ -34,6 +34,7 @@ from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
 from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
+from kv_preflight.predictor.scoring.groups import apply_groups, keys_needed
 from kv_preflight.keys.chain import salted_request_keys
 
 
@@ -161,6 +162,9 @@ class Predictor:
                     # A cluster shard is down and it holds a pod's metadata too: score with the
                     # defaults (canonical blocks); the answer already says it is a lower bound.
                     infos = {}
+                hybrid = {p: i.groups for p, i in infos.items() if i.groups}
+                if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
+                    matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model))
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
@@ -169,6 +173,18 @@ class Predictor:
             self.metrics.partial_answers.inc()
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         return prediction
+
+    async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
+                              infos: dict[str, ScoringInfo], prompt_len: int) -> list[Any]:
+        """Matches of pods with several KV cache groups, replaced by what every group's rule accepts
+        (kv_preflight/predictor/scoring/groups.py), from the chain keys' presence read once for all of them."""
+        needed = keys_needed(matches, hybrid)
+        if not needed:
+            return matches
+        presence = await self.index.presence(keys[:needed])
+        nums = await self.index.pod_numbers(hybrid)
+        return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
+                            self.cfg.block_size, prompt_len)
 
     async def expand_pods(self, pods: list[str] | None) -> list[str] | None:
         """A pods filter with each pod's other names added: with ``ingest --pod-id endpoint`` a pod is

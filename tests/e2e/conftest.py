@@ -44,11 +44,25 @@ class VllmEngine:
             pass
 
 
+def hybrid_model_dir() -> str:
+    """The launcher's tiny model with a sliding-window layer beside a full-attention one (vLLM's hybrid KV
+    cache manager: two KV cache groups), as the launcher ships it beside itself."""
+    path = os.path.join(os.path.dirname(launcher()), "tiny-hybrid-model")
+    if not os.path.isdir(path):
+        reason = f"the vLLM launcher has no tiny-hybrid-model beside it ({path})"
+        if os.environ.get("KVPF_REQUIRE_E2E") == "1":
+            pytest.fail(reason + " but KVPF_REQUIRE_E2E=1")
+        pytest.skip(reason)
+    return path
+
+
 def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: int, bind_events: bool = True,
-               timeout_s: float = 400) -> VllmEngine:
+               timeout_s: float = 400, model_dir: str | None = None) -> VllmEngine:
     log = f"/tmp/kvpf-vllm-{pod}.log"
     args = [launcher(), "--pod", pod, "--port", str(port), "--zmq-port", str(zmq_port),
             "--replay-port", str(replay_port), "--blocks", str(blocks), "--log", log]
+    if model_dir:
+        args += ["--model-dir", model_dir]
     if bind_events:
         args.append("--bind-events")
     out = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
