@@ -90,7 +90,7 @@ class StoreBlock(msgspec.Struct, frozen=True):
     parentless: bool = False
     # The request key before request_keys[0] in its chain (request_keys[j]'s is request_keys[j-1]):
     # CHAIN_ROOT when the block starts a chain (its parent is the chain root, not a request key);
-    # None when not known (index import): the pod's orphan count is then unknown (pod.lua).
+    # None when not known (index import): the pod's orphan count is then unknown (PodState.restore).
     parent: int | None = None
 
 

@@ -58,7 +58,7 @@ class PodInfo:
     incomplete_reason: str
     blocks: int
     counters: dict[str, int] = field(default_factory=dict)
-    # held request keys whose parent the pod does not hold (kv_preflight/index/lua/pod.lua); None: not known (the
+    # held request keys whose parent the pod does not hold (kv_preflight/index/pod_state.py); None: not known (the
     # lookup walks the pod rather than bisecting it until its next clear)
     orphan_keys: int | None = None
 
@@ -303,36 +303,50 @@ class Index:
         Each batch is planned against its pod's state (kv_preflight/index/writer.py); a plan another writer
         made stale meanwhile is planned again and sent again here, so callers only see the seq's answers."""
         preps = await self.plan_batches(batches)
-        sent = await self.backend.send(preps)
+        try:
+            sent = await self.backend.send(preps)
+        except BaseException:
+            self.writer.lost(preps)
+            raise
 
         async def settled() -> list[ApplyResult]:
-            results = list(await sent)
-            for _ in range(MAX_RETRIES + 1):
-                redo = self.writer.settle(preps, results)
-                if not redo:
-                    break
-                lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
-                if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again
-                    self._numbered -= set(lost)
-                    await self.ensure_numbers(lost)
-                again = []
-                for i in redo:
-                    b = dict(batches[i])
-                    if results[i].status == REPLAN:
-                        b["mode"] = "check"  # a reset another writer did already: this is the next seq
-                    again.append(b)
-                await self._load_pods(sorted({b["pod_id"] for b in again}))
-                redo_preps = self.writer.prepare_run(again)
-                redone = await (await self.backend.send(redo_preps))
-                for i, prep, r in zip(redo, redo_preps, redone):
-                    preps[i], results[i] = prep, r
-            else:
-                stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
-                raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
-            await self._register_new(batches, results)
-            return results
+            try:
+                return await self._settle(batches, preps, list(await sent))
+            except BaseException:
+                self.writer.lost(preps)  # (pods of batches that did apply are loaded again too: harmless)
+                raise
 
         return asyncio.ensure_future(settled())
+
+    async def _settle(self, batches: Sequence[dict[str, Any]], preps: list[Prepared],
+                      results: list[ApplyResult]) -> list[ApplyResult]:
+        """Commit what applied; plan and send again what another writer made stale (up to MAX_RETRIES)."""
+        for _ in range(MAX_RETRIES + 1):
+            redo = self.writer.settle(preps, results)
+            if not redo:
+                break
+            lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
+            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again
+                self._numbered -= set(lost)
+                await self.ensure_numbers(lost)
+            again = []
+            for i in redo:
+                b = dict(batches[i])
+                if results[i].status == REPLAN:
+                    b["mode"] = "check"  # a reset another writer did already: this is the next seq
+                again.append(b)
+            await self._load_pods(sorted({b["pod_id"] for b in again}))
+            redo_preps = self.writer.prepare_run(again)
+            for i, prep in zip(redo, redo_preps):
+                preps[i] = prep
+            redone = await (await self.backend.send(redo_preps))
+            for i, r in zip(redo, redone):
+                results[i] = r
+        else:
+            stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
+            raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
+        await self._register_new(batches, results)
+        return results
 
     async def plan_batches(self, batches: Sequence[dict[str, Any]]) -> list[Prepared]:
         """The batches planned against their pods' states (numbered and loaded first), not sent yet."""
@@ -345,7 +359,7 @@ class Index:
 
     async def _load_pods(self, pods: Sequence[str]) -> None:
         """Load the pods this Index has not loaded yet, or that another writer may have moved."""
-        due = [p for p in pods if p not in self.writer.pods or self.writer.pods[p].suspect]
+        due = [p for p in pods if p not in self.writer.pods]
         if due:
             await self.writer.load(due)
             for p in due:

@@ -9,9 +9,13 @@ batches since, see ``encode_snapshot``). Every writer of a pod (its batches, cle
 plans against this state at a generation ``gen`` and the apply script runs the plan only if the pod is still at
 that generation (optimistic concurrency), so a plan made from a stale copy is refused, never half applied.
 
-``PodState.plan(mutations)`` returns the commands' intent (``Plan``): per request key an entry and a bit
-change, per engine key an add or a conditional drop; the backends turn these into Valkey commands. Planning
-never changes the state; ``commit`` does, once the script applied the plan (or when a log is replayed).
+``PodState.plan(mutations)`` moves the state past a batch and returns the commands' intent (``Plan``): per
+request key an entry and a bit change, per engine key an add or a conditional drop; the backends turn these
+into Valkey commands. Planning changes the state in place, in time proportional to the batch (a copy per batch
+would cost the pod's whole state, thousands of blocks, for every batch of a few dozen): the writer plans each
+pod's batches on the state its earlier batches lead to, and if one of them is not applied it drops the state
+and loads it again from the log (kv_preflight/index/writer.py), which is rare (another writer, a gap, a lost
+connection). ``clone`` gives a copy for callers that need the state before.
 """
 from __future__ import annotations
 
@@ -115,7 +119,8 @@ class PodState:
         self.parent_of: dict[int, int] = {}  # rk -> its parent (CHAIN_ROOT: a chain's first), held keys known
         self.unknown = 0  # held keys whose parent is not known
         self.orphans = 0  # held keys whose parent is not held (exact while unknown == 0)
-        self.groups: dict[int, GroupSpec] = dict(groups or {})
+        self._groups: dict[int, GroupSpec] = dict(groups or {})
+        self._prefix = prefix_group(self._groups)  # kept with the groups: asked for every block planned
         self.engine_block_size = engine_block_size
 
     # ---- copies
@@ -142,8 +147,17 @@ class PodState:
     # ---- what the lookup and meta need
 
     @property
+    def groups(self) -> Mapping[int, GroupSpec]:
+        return self._groups
+
+    @groups.setter
+    def groups(self, groups: Mapping[int, GroupSpec]) -> None:
+        self._groups = dict(groups)
+        self._prefix = prefix_group(self._groups)
+
+    @property
     def prefix_group(self) -> int:
-        return self._prefix_of(self.groups)
+        return self._prefix
 
     @property
     def orphan_count(self) -> int | None:
@@ -193,12 +207,12 @@ class PodState:
         names (changes in ``out``) and the orphan count is rebuilt over it."""
         before = self.prefix_group
         if before == self._prefix_of({**self.groups, **groups}):
-            self.groups.update(groups)
+            self.groups = {**self.groups, **groups}
             return
         names = {}
         for (ek, tier, group), b in self.blocks.items():
             names[(b.field, group)] = self.bit_of(b.field, group)
-        self.groups.update(groups)
+        self.groups = {**self.groups, **groups}
         moved: dict[tuple[int, str], tuple[str, int]] = {}  # (rk, old name) -> (new name, refs)
         for (ek, tier, group), b in self.blocks.items():
             old, new = names[(b.field, group)], self.bit_of(b.field, group)
@@ -234,8 +248,8 @@ class PodState:
     # ---- planning
 
     def plan(self, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None = None) -> Plan:
-        """The changes ``mutations`` make, against a copy of this state (this one is left as it is)."""
-        st = self.clone()
+        """The changes ``mutations`` make; this state moves past them (``after`` is this state)."""
+        st = self
         out = Plan(after=st)
         if groups:
             st.set_groups(groups, out)
@@ -269,8 +283,8 @@ class PodState:
         return out
 
     def clear_plan(self) -> Plan:
-        """Every entry, bit and engine-key link of the pod removed (index clear, engine restart)."""
-        st = self.clone()
+        """Every entry, bit and engine-key link of the pod removed (index clear, engine restart); in place."""
+        st = self
         out = Plan(after=st)
         st._clear(out)
         return out

@@ -8,6 +8,11 @@ back "stale", and the pod is loaded again and planned again, so plans never mix 
 generation is "<n>:<writer>": the count of the pod's applied batches and who applied the last, so two writers
 that each applied one batch after the same state never pass for one another.
 
+Plans move the pod's state in memory as they are made (kv_preflight/index/pod_state.py: a copy per batch would
+cost the whole state each time), so the state held is the one the batches sent lead to. A batch that does not
+apply (stale, a gap, a restart, a lost connection) leaves it ahead of Valkey: the pod is then dropped and loaded
+again from its log before its next plan.
+
 The state is written back per batch as one log entry (the batch's mutations), and as a snapshot from time to
 time (when the log has grown past a quarter of it), in the same script as the batch.
 """
@@ -51,7 +56,6 @@ class PodCache:
     log_bytes: int = 0
     log_batches: int = 0
     groups_json: str = ""
-    suspect: bool = False  # another writer may have moved it (a dup answer): loaded again before planning
 
 
 @dataclass
@@ -182,7 +186,11 @@ class PodWriter:
             if t is None:
                 c = self.pods[pod]
                 t = _Tentative(c.state, c.gen, c.log_bytes, c.log_batches, c.snap_bytes, c.groups_json)
-            prep = self._prepare(b, t)
+            try:
+                prep = self._prepare(b, t)
+            except BaseException:
+                self.forget(pod)  # a plan cut short left the state half moved
+                raise
             if prep.snapshot:
                 self.heads[pod] = _Tentative(prep.plan.after, prep.new_gen, 0, 0, prep.log_size, prep.groups_json)
             else:
@@ -207,19 +215,20 @@ class PodWriter:
                     results[i] = ApplyResult("applied" if r.status == STALE else r.status, r.last_seq, r.foreign_writes,
                                              r.detail, r.gen)
                 continue
-            self.heads.pop(prep.pod, None)  # what was planned on top of this batch is not what Valkey holds
+            # Not applied: the state planned past this batch (and any after it) is not what Valkey holds, so
+            # the pod is loaded again before its next plan (a dup: another writer applied it).
+            self.forget(prep.pod)
             if r.status in (STALE, REPLAN, "nonum"):
                 failed.add(prep.pod)
                 redo.append(i)
                 if r.status == STALE:
                     self.reloads += 1
-            elif r.status == "dup":
-                cache = self.pods.get(prep.pod)
-                if cache is not None:
-                    cache.suspect = True  # another writer applied it: load again before planning the next
-        for pod in failed:
-            self.pods.pop(pod, None)
         return redo
+
+    def lost(self, preps: Sequence[Prepared]) -> None:
+        """The batches' fate is not known (the connection failed): their pods are loaded again."""
+        for prep in preps:
+            self.forget(prep.pod)
 
     def _prepare(self, b: Mapping[str, Any], t: _Tentative) -> Prepared:
         pod = b["pod_id"]
@@ -278,7 +287,6 @@ class PodWriter:
         else:
             c.log_bytes += prep.log_size
             c.log_batches += 1
-        c.suspect = False
 
 
 # A pod's meta and state log, read in one step (so the log is the one the meta's generation names); a key of

@@ -11,7 +11,7 @@ without a coordinator of our own.
   8 engines and 3 ingesters it left one ingester with no engine at all in 11% of fleets (one ingester
   idle, the others doing its share). An ingester joining or leaving still moves about its share, plus
   the few engines whose first choice filled up. Copies are safe because a batch applies exactly once
-  whoever sends it (the seq check in kv_preflight/index/lua/pod.lua).
+  whoever sends it (the seq check in kv_preflight/index/lua/seq.lua).
 * A membership change (an engine appearing in or vanishing from DNS or a file) takes effect only once
   it has held for ``hold_s``: one bad DNS answer does not retire a pod and re-ingest it a second later.
 * A pod is unreachable after ``failures_needed`` failed health checks in a row (ZMQ silence proves

@@ -13,7 +13,9 @@ import pytest
 import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.index.layout import pod_outbox_key
+from kv_preflight.index.cluster.writes import encode_changes
+from kv_preflight.index.layout import pod_meta_key, pod_outbox_key
+from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -70,6 +72,8 @@ def dump(client: redis.Redis | redis.RedisCluster) -> dict:
             if t == "hash":
                 v = {f.decode(): x.decode("utf-8", "backslashreplace") for f, x in client.hgetall(k).items()
                      if f not in (b"last_event_time", b"outbox_n", b"gap_entry", b"epoch")}
+                if "gen" in v:  # "<batches applied>:<writer>": each topology had its own writer
+                    v["gen"] = v["gen"].split(":", 1)[0]
                 out[k] = v
             elif t == "zset":
                 out[k] = client.zrange(k, 0, -1, withscores=True)
@@ -145,8 +149,10 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
         assert (await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                                      mutations=muts)).status == "applied"
         before = dump(sync)
-        again = msgspec.msgpack.encode(["L", "1", "pod-a|gpu", 2, "11", "12", "H", "11", f, "H", "12", f,
-                                        "L", "2", "pod-a|gpu", 1, "13", "H", "13", f])
+        num = int(sync.hget(pod_meta_key("pod-a"), "num"))
+        # What the batch's outbox entry held: each key's entry and bit, then the engine keys' ZADDs.
+        again = encode_changes([KeyChange(11, f, 1, "gpu", 1), KeyChange(12, f, 1, "gpu", 1), KeyChange(13, f, 1, "gpu", 1),
+                                EngineAdd(1, (11, 12)), EngineAdd(2, (13,))], num)
         sync.hset(pod_outbox_key("pod-a"), "99|dead-writer@2000|0", again)
         assert await ix.drain_outbox("pod-a") == 1
         assert dump(sync) == before
@@ -155,8 +161,15 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
                                      mutations=[RemoveBlock(1, "gpu"), RemoveBlock(1, "gpu")])).status == "applied"
         after = dump(sync)
         sync.hset(pod_outbox_key("pod-a"), "100|dead-writer@2000|0",
-                  msgspec.msgpack.encode(["D", "11", f, "D", "12", f, "U", "1", "pod-a|gpu"]))
+                  encode_changes([KeyChange(11, f, -1, "gpu", -1), KeyChange(12, f, -1, "gpu", -1),
+                                  EngineDrop(1, (11, 12))], num))
         await ix.drain_outbox("pod-a")
+        assert dump(sync) == after
+        # An entry that does not decode is deleted without running, and counted.
+        sync.hset(pod_outbox_key("pod-a"), "101|dead-writer@2000|0", msgspec.msgpack.encode([["K", "11"], 3]))
+        sync.hset(pod_outbox_key("pod-a"), "not-a-number", b"\xc1")
+        assert await ix.drain_outbox("pod-a") == 0
+        assert ix.backend.writes.malformed == 2 and not sync.exists(pod_outbox_key("pod-a"))
         assert dump(sync) == after
         assert "11" not in after and "engine:1" not in after and "13" in after
     finally:

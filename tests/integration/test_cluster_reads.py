@@ -28,7 +28,7 @@ async def test_many_pods_metadata_read_per_primary_and_after_a_slot_moved(valkey
     ix = Index.from_url(cluster_url)
     try:
         assert await ix.scoring_infos(pods) == want
-        assert ix.backend._fast  # the primaries' lean connections carried it
+        assert ix.backend.shards._fast  # the primaries' lean connections carried it
         moved = pods[10]
         move_slot(valkey_cluster, sync.keyslot(pod_meta_key(moved)))  # the client's map is now stale there
         assert await ix.scoring_infos(pods) == want

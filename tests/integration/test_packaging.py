@@ -72,7 +72,7 @@ def test_wheel_holds_the_package_data(installed):
     # and they load from the installed package, outside the source tree
     module = wheel_path("kv_preflight/index/scripts.py")[:-3].replace("/", ".")
     probe = (f"import importlib, json; m = importlib.import_module({module!r}); "
-             "print(json.dumps([m.__file__, len(m.APPLY_SINGLE)]))")
+             "print(json.dumps([m.__file__, len(m.APPLY)]))")
     out = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], capture_output=True, text=True,
                          env=clean_env(), cwd=env_dir, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

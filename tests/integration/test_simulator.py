@@ -238,7 +238,9 @@ def test_reset_prefix_cache_emits_all_blocks_cleared_with_the_next_step(start_si
 
 
 def test_requests_run_one_at_a_time(start_sim):
-    sim = start_sim("--step-ms", "20")
+    # 20 steps of 50 ms per request: long enough that all three have arrived while the first still runs,
+    # even on a loaded machine (at 15 x 20 ms the third could arrive after the first finished).
+    sim = start_sim("--step-ms", "50")
     seen_running, seen_waiting = set(), set()
 
     def poll() -> None:

@@ -130,10 +130,13 @@ def test_plans_keep_the_index_equal_to_the_blocks(seed, hybrid, per):
         assert {k: v.copies for k, v in again.blocks.items()} == {k: v.copies for k, v in state.blocks.items()}
 
 
-def test_planning_leaves_the_state_alone():
+def test_planning_moves_the_state_and_a_clone_stays_behind():
     state = PodState(engine_block_size=32)
+    before = state.clone()
     plan = state.plan([StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)])
-    assert len(state) == 0 and len(plan.after) == 1
+    assert plan.after is state and len(state) == 1 and len(before) == 0
+    again = before.plan([StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)])
+    assert again.changes == plan.changes
 
 
 def test_a_copy_is_counted_and_outlives_one_eviction():

@@ -12,7 +12,7 @@ from kv_preflight.index.presence import numbers, parse_bits_reply, prefix_from_b
 
 
 def bitmap(nums: set[int]) -> bytes:
-    """Bit n: byte n // 8, value 1 << n % 8 (what kv_preflight/index/lua/bits.lua writes), trailing zeros trimmed."""
+    """Bit n: byte n // 8, value 1 << n % 8 (what kv_preflight/index/lua/changes.lua writes), trailing zeros trimmed."""
     out = bytearray((max(nums) // 8 + 1) if nums else 0)
     for n in nums:
         out[n // 8] |= 1 << n % 8

@@ -1,6 +1,6 @@
 """Synthetic but realistic inputs for the benchmark: prompts, and vLLM 0.32 KV-event batches.
 
-The event stream models one vLLM engine per pod with 32-token engine blocks and a
+The event stream models one vLLM engine per pod with 32-token (or ``engine_block``) engine blocks and a
 bounded prefix cache: requests share a few system prompts, add a unique part,
 decode some tokens, and finish; freed blocks are evicted tail first (as vLLM's
 free queue does) when the pool is full. Each engine step becomes one batch with
@@ -44,8 +44,11 @@ class _Request:
 class EngineModel:
     """A pod's prefix cache with vLLM-like storage and eviction, emitting event batches."""
 
-    def __init__(self, pod: str, model: str, *, capacity_blocks: int, system_prompts: list[list[int]], seed: int):
+    def __init__(self, pod: str, model: str, *, capacity_blocks: int, system_prompts: list[list[int]], seed: int,
+                 engine_block: int = ENGINE_BLOCK):
         self.pod, self.model = pod, model
+        self.engine_block = engine_block
+        self.evicted = 0  # blocks evicted so far (the cache is at steady state once this is > 0)
         self.topic = make_topic(pod, model)
         self.capacity = capacity_blocks
         self.system_prompts = system_prompts
@@ -80,7 +83,7 @@ class EngineModel:
             hashes = [h for h, _ in run]
             toks = [t for _, c in run for t in c]
             out.append(BlockStored(
-                block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=ENGINE_BLOCK,
+                block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=self.engine_block,
                 lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * len(hashes), group_idx=0,
                 kv_cache_spec_kind="full_attention",
             ))
@@ -96,8 +99,9 @@ class EngineModel:
         blocks: list[int] = []
         run: list[tuple[int, list[int]]] = []
         run_parent: int | None = None
-        for i in range(len(toks) // ENGINE_BLOCK):
-            chunk = toks[i * ENGINE_BLOCK:(i + 1) * ENGINE_BLOCK]
+        eb = self.engine_block
+        for i in range(len(toks) // eb):
+            chunk = toks[i * eb:(i + 1) * eb]
             new: list[tuple[int, list[int]]] = []
             h = self._lookup_or_store(parent, chunk, new)
             if new:
@@ -107,7 +111,7 @@ class EngineModel:
             parent = h
             blocks.append(h)
         stored_runs.append((run_parent, run))
-        rem = toks[len(blocks) * ENGINE_BLOCK:]
+        rem = toks[len(blocks) * eb:]
         self.running.append(_Request(blocks, toks, self.rng.choice((64, 128, 256)), rem))
 
     def _release(self, req: _Request) -> None:
@@ -122,6 +126,7 @@ class EngineModel:
             h, _ = self.free.popitem(last=False)
             del self.cached[h]
             out.append(h)
+        self.evicted += len(out)
         return out
 
     def step(self) -> EventBatch:
@@ -132,8 +137,8 @@ class EngineModel:
         for req in self.running:
             req.pending += tokens(16, self.rng.randrange(1 << 30))
             req.decode_left -= 16
-            while len(req.pending) >= ENGINE_BLOCK:
-                chunk, req.pending = req.pending[:ENGINE_BLOCK], req.pending[ENGINE_BLOCK:]
+            while len(req.pending) >= self.engine_block:
+                chunk, req.pending = req.pending[:self.engine_block], req.pending[self.engine_block:]
                 new: list[tuple[int, list[int]]] = []
                 h = self._lookup_or_store(req.blocks[-1] if req.blocks else None, chunk, new)
                 stored_runs.append((req.blocks[-1] if req.blocks else None, new))
@@ -158,18 +163,30 @@ class Stream:
     removed_blocks: int
     prompts: list[list[int]]  # prompts the engines served (a sample)
     last_seq: dict[str, int]  # pod -> seq of its last batch
+    warm_frames: int = 0  # frames until every engine's cache was full (it evicted): the steady state after
 
 
 def event_stream(*, pods: int, target_blocks: int, capacity_blocks: int = 6000, model: str = "bench-model",
-                 seed: int = 7) -> Stream:
-    """Interleaved batches of ``pods`` engines until about ``target_blocks`` engine blocks were stored."""
+                 seed: int = 7, engine_block: int = ENGINE_BLOCK, steady_blocks: int = 0) -> Stream:
+    """Interleaved batches of ``pods`` engines until about ``target_blocks`` engine blocks were stored, or
+    with ``steady_blocks``, until that many block events (stores and evictions) followed the moment every
+    engine's cache was full."""
     rng = random.Random(seed)
     system = [tokens(rng.choice((512, 1024, 2048)), seed * 100 + i) for i in range(6)]
     engines = [EngineModel(f"bench-pod-{i}", model, capacity_blocks=capacity_blocks, system_prompts=system,
-                           seed=seed + i) for i in range(pods)]
+                           seed=seed + i, engine_block=engine_block) for i in range(pods)]
     frames: list[tuple[str, list[bytes]]] = []
     stored = removed = 0
-    while stored < target_blocks:
+    warm, at_warm = 0, 0
+
+    def more() -> bool:
+        if steady_blocks:
+            return not warm or stored + removed - at_warm < steady_blocks
+        return stored < target_blocks
+
+    while more():
+        if not warm and all(e.evicted for e in engines):
+            warm, at_warm = len(frames), stored + removed
         for eng in engines:
             b = eng.step()
             for ev in b.events:
@@ -179,4 +196,4 @@ def event_stream(*, pods: int, target_blocks: int, capacity_blocks: int = 6000, 
                     removed += len(ev.block_hashes)
             frames.append((eng.pod, encode_frames(eng.topic, eng.seq, b)))
     return Stream(frames, len(frames), stored, removed, [p for e in engines for p in e.prompts],
-                  {e.pod: e.seq for e in engines})
+                  {e.pod: e.seq for e in engines}, warm)

@@ -93,7 +93,7 @@ class ClusterLookup:
         there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
 
         A bisected pod's count is exact only when its keys are closed under "parent" (pod meta "orphan_keys"
-        is 0, kv_preflight/index/lua/pod.lua) at every version a shard may show (no outbox entry left from a step taken
+        is 0, kv_preflight/index/pod_state.py) at every version a shard may show (no outbox entry left from a step taken
         while they were not: "gap_entry"); the other pods are walked key by key. At most 3 sequential
         rounds, each one pipelined request per shard, the shards in parallel (issue 9 item 4):
 

@@ -71,6 +71,35 @@ def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
     return _enc.encode(flat)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _valid_op(op: Any) -> bool:
+    """The three shapes ``encode_changes`` writes; anything else (a hand edit, a bug, an older build's
+    entry) must not reach the scripts."""
+    if not isinstance(op, list) or not op:
+        return False
+    if op[0] == "K":
+        return (len(op) == 8 and _is_int(op[1]) and isinstance(op[2], str) and _is_int(op[3])
+                and isinstance(op[4], str) and all(_is_int(x) for x in op[5:]))
+    if op[0] in ("Z", "X"):
+        return len(op) == 3 and _is_int(op[1]) and isinstance(op[2], list) and all(_is_int(x) for x in op[2])
+    return False
+
+
+def decode_entry(field: bytes, payload: bytes) -> tuple[int, list[Any]] | None:
+    """An outbox entry's order number and changes, or None when either is malformed."""
+    try:
+        n = int(field.split(b"|", 1)[0])
+        ops = _dec.decode(payload)
+    except (ValueError, msgspec.DecodeError):
+        return None
+    if not isinstance(ops, list) or not all(_valid_op(op) for op in ops):
+        return None
+    return n, ops
+
+
 def key_op_args(op: Sequence[Any]) -> list[Any]:
     """An outbox K change as effects.lua's arguments (changes.lua's K op)."""
     _, rk, fld, entry, bit, bitdelta, byte, mask = op
@@ -90,6 +119,7 @@ class ClusterWrites:
         self.barrier = ReplicationBarrier(client)
         self.unreplicated = 0  # runs whose changes a replica had not confirmed in time (kept in the outbox)
         self.readded = 0  # engine keys given back their request keys in round D (a store raced our ZREM)
+        self.malformed = 0  # outbox entries that could not be decoded (logged and deleted, never run)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the step that holds the
         # N-th batch.
@@ -323,7 +353,17 @@ class ClusterWrites:
         raw = await self.client.hgetall(pod_outbox_key(pod))
         if not raw:
             return 0
-        entries = sorted((int(f.split(b"|", 1)[0]), f.decode(), v) for f, v in raw.items())
+        entries = []
+        for f, v in raw.items():
+            parsed = decode_entry(f, v)
+            if parsed is None:
+                self.malformed += 1
+                log.error("pod %s: outbox entry %r is malformed (%d bytes); deleted without running it",
+                          pod, f[:80], len(v))
+                await self.client.hdel(pod_outbox_key(pod), f)
+                continue
+            entries.append((parsed[0], f.decode(), v))
+        entries.sort()
         if older_than_ms:
             sec, usec = await self.client.time()
             now_ms = sec * 1000 + usec // 1000

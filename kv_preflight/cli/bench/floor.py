@@ -1,0 +1,246 @@
+"""The write path against its floor: the same engine events written by kv-preflight's ingester and, on a second
+Valkey in the same run, as plain pipelined commands of llm-d's bare layout (the floor writer below).
+
+The workload is the steady state of a busy fleet (issue 25): 8 engines with LRU caches of 2,048 blocks of 16
+tokens (one request key per block), shared system prompts and long unique parts, so every step both stores and
+evicts. Both writers first fill the caches (the warm-up, not measured), then write the measured events. Per engine
+block event (a store or an eviction) the rows report Valkey's CPU (``used_cpu_user + used_cpu_sys``) on each, the
+memory per live (request key, pod) entry, and the ingester's rate; and the same on a local Valkey Cluster, summed
+over its masters. Only ratios taken within one run mean anything on a shared machine: each run's figures are
+recorded whole in the JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from kv_preflight.cli.bench.workload import Stream, event_stream
+from kv_preflight.cli.valkey_server import ValkeyServer
+from kv_preflight.events import BlockRemoved, BlockStored, decode_frames
+from kv_preflight.index.entries import RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.layout import engine_key_name
+from kv_preflight.ingester.bridge import ChainState, plan_batch
+
+PODS, CAPACITY, ENGINE_BLOCK = 8, 2048, 16
+STEADY_EVENTS = 81_000  # block events measured after the warm-up (the issue's run)
+QUICK_EVENTS = 20_000
+
+# Targets (issue 25)
+CPU_RATIO_MAX = 2.5  # Valkey CPU per block, ours / floor, single node
+CLUSTER_CPU_RATIO_MAX = 1.3  # summed over the cluster's masters / the single node's
+MEMORY_RATIO_MAX = 1.5  # bytes per live entry, ours / floor
+RATE_MIN = 60_000  # one ingester, engine blocks/s, single node
+CLUSTER_RATE_RATIO_MIN = 0.7
+
+
+@dataclass
+class Side:
+    """What one writer cost its Valkey over the measured events."""
+
+    cpu_s: float
+    seconds: float
+    bytes_per_entry: float
+    entries: int
+
+
+def steady_stream(quick: bool) -> Stream:
+    return event_stream(pods=PODS, target_blocks=0, capacity_blocks=CAPACITY, engine_block=ENGINE_BLOCK,
+                        steady_blocks=QUICK_EVENTS if quick else STEADY_EVENTS)
+
+
+def block_events(frames: list[tuple[str, list[bytes]]]) -> int:
+    n = 0
+    for _, fr in frames:
+        b = decode_frames(fr).batch
+        for ev in b.events if b else ():
+            if isinstance(ev, (BlockStored, BlockRemoved)):
+                n += len(ev.block_hashes)
+    return n
+
+
+class FloorWriter:
+    """llm-d's bare layout, written the cheapest way: per stored block HSET of the entry field on each request
+    key and ZADD of ``engine:<key>``; per evicted block HDEL of the entries and DEL of the engine key; every
+    command pipelined, nothing else (no seq, no exactness, no presence). The engine key -> request keys map a
+    removal needs is kept in this process, as an in-process indexer would."""
+
+    def __init__(self, url: str):
+        self.client = aioredis.Redis.from_url(url)
+        self.chains = ChainState()
+        self.held: dict[tuple[str, int], tuple[tuple[int, ...], str]] = {}
+
+    async def write(self, frames: list[tuple[str, list[bytes]]], chunk: int = 512) -> None:
+        for i in range(0, len(frames), chunk):
+            pipe = self.client.pipeline(transaction=False)
+            for pod, fr in frames[i:i + chunk]:
+                d = decode_frames(fr)
+                if d.batch is None or d.topic is None:
+                    continue
+                plan = plan_batch(d.batch, pod_id=pod, topic_model=d.topic.model, state=self.chains, hash_seed="",
+                                  block_size=16, entry_field=lambda p, m, g: encode_entry(make_entry(p, m, g)))
+                for m in plan.mutations:
+                    if isinstance(m, StoreBlock):
+                        self.held[(pod, m.engine_key)] = (tuple(m.request_keys), m.entry_field)
+                        for rk in m.request_keys:
+                            pipe.hset(str(rk), m.entry_field, "")
+                        pipe.zadd(engine_key_name(m.engine_key), {str(rk): j for j, rk in enumerate(m.request_keys)})
+                    elif isinstance(m, RemoveBlock):
+                        got = self.held.pop((pod, m.engine_key), None)
+                        if got is not None:
+                            rks, fld = got
+                            for rk in rks:
+                                pipe.hdel(str(rk), fld)
+                            pipe.delete(engine_key_name(m.engine_key))
+            await pipe.execute()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def cpu_s(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def used_memory(r: redis.Redis) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def live_entries(r: redis.Redis) -> int:
+    """(request key, pod) entries: the fields of llm-d's request-key hashes."""
+    keys = [k for k in r.scan_iter(count=5000) if not k.startswith((b"engine:", b"kvpf:"))]
+    total = 0
+    for i in range(0, len(keys), 5000):
+        with r.pipeline(transaction=False) as p:
+            for k in keys[i:i + 5000]:
+                p.hlen(k)
+            total += sum(p.execute())
+    return total
+
+
+async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float]:
+    """The ingester's message handler, in process, fed 512 queued messages at a time (a backlog): the warm-up,
+    then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``) of the measured part."""
+    from kv_preflight.config import Config
+    from kv_preflight.index.index import Index
+    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.subscriber import Source
+
+    index = Index.from_url(url, timeout_s=30.0)
+    ing = Ingester(Config(valkey_url=url, block_size=16), index, [])
+    src = Source("tcp://bench", bind=False, replay=None)
+
+    async def feed(frames: list) -> None:
+        for i in range(0, len(frames), 512):
+            await ing.handle_messages([(src, fr) for _, fr in frames[i:i + 512]])
+
+    try:
+        await feed(warm)
+        c0 = sum(cpu_s(n) for n in nodes)
+        t = time.perf_counter()
+        await feed(measured)
+        elapsed = time.perf_counter() - t
+        c1 = sum(cpu_s(n) for n in nodes)
+        applied = ing.stats.counts.get("batches_applied", 0)
+        if applied != len(warm) + len(measured):
+            raise RuntimeError(f"the ingester applied {applied} of {len(warm) + len(measured)} batches: {ing.stats.counts}")
+    finally:
+        await index.close()
+    return elapsed, c1 - c0
+
+
+async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float]:
+    w = FloorWriter(url)
+    try:
+        await w.write(warm)
+        c0 = sum(cpu_s(n) for n in nodes)
+        t = time.perf_counter()
+        await w.write(measured)
+        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0
+    finally:
+        await w.close()
+
+
+def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> dict[str, Any]:
+    """The rows of the module docstring; returns the run's figures (also in ``res.extra["floor"]``)."""
+    print(f"write path against llm-d's bare layout ({PODS} pods, LRU {CAPACITY} blocks of {ENGINE_BLOCK} tokens, "
+          "steady state)", flush=True)
+    t = time.perf_counter()
+    stream = steady_stream(quick)
+    warm, measured = stream.frames[:stream.warm_frames], stream.frames[stream.warm_frames:]
+    events = block_events(measured)
+    print(f"  generated {stream.batches} batches ({time.perf_counter() - t:.1f}s): warm-up {len(warm)}, "
+          f"measured {len(measured)} with {events:,} block events", flush=True)
+    ours_vk = ValkeyServer(tmp / "floor-ours", appendonly=False).start()
+    floor_vk = ValkeyServer(tmp / "floor-floor", appendonly=False).start()
+    out: dict[str, Any] = {"pods": PODS, "capacity_blocks": CAPACITY, "engine_block": ENGINE_BLOCK,
+                           "warm_batches": len(warm), "measured_batches": len(measured), "block_events": events}
+    try:
+        sides: dict[str, Side] = {}
+        for name, vk, run in (("floor", floor_vk, _floor), ("ours", ours_vk, _ours)):
+            r = redis.Redis.from_url(vk.url)
+            for opt in ("lazyfree-lazy-user-del", "lazyfree-lazy-server-del"):
+                r.config_set(opt, "no")
+            mem0 = used_memory(r)
+            seconds, cpu = asyncio.run(run(vk.url, warm, measured, [r]))
+            entries = live_entries(r)
+            sides[name] = Side(cpu, seconds, (used_memory(r) - mem0) / max(entries, 1), entries)
+            r.close()
+        floor, ours = sides["floor"], sides["ours"]
+        if ours.entries != floor.entries:
+            res.failed_checks.append(f"floor writer and ingester left different entry counts: {floor.entries} vs {ours.entries}")
+        f_us, o_us = floor.cpu_s / events * 1e6, ours.cpu_s / events * 1e6
+        cpu_ratio = o_us / f_us
+        res.add("Valkey CPU per engine block, single node", f"{o_us:.1f} us (floor {f_us:.1f} us)",
+                f"<= {CPU_RATIO_MAX}x floor", "llm-d's bare layout, pipelined", cpu_ratio, cpu_ratio <= CPU_RATIO_MAX,
+                ours_us=o_us, floor_us=f_us)
+        mem_ratio = ours.bytes_per_entry / floor.bytes_per_entry
+        res.add("memory per live (request key, pod) entry", f"{ours.bytes_per_entry:.0f} B (floor {floor.bytes_per_entry:.0f} B)",
+                f"<= {MEMORY_RATIO_MAX}x floor", "llm-d's bare layout", mem_ratio, mem_ratio <= MEMORY_RATIO_MAX,
+                ours_bytes=ours.bytes_per_entry, floor_bytes=floor.bytes_per_entry, entries=ours.entries)
+        rate = events / ours.seconds
+        res.add("one ingester, single node", f"{rate:,.0f} engine blocks/s", f">= {RATE_MIN:,} blocks/s", "", None,
+                rate >= RATE_MIN, blocks_per_s=rate)
+        out.update(floor_cpu_us=f_us, ours_cpu_us=o_us, cpu_ratio=cpu_ratio, floor_bytes=floor.bytes_per_entry,
+                   ours_bytes=ours.bytes_per_entry, memory_ratio=mem_ratio, entries=ours.entries,
+                   ours_blocks_per_s=rate, floor_seconds=floor.seconds)
+        if cluster:
+            out.update(_cluster(res, tmp, warm, measured, events, o_us, rate))
+    finally:
+        ours_vk.stop()
+        floor_vk.stop()
+    res.extra["floor"] = out
+    return out
+
+
+def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, single_us: float,
+             single_rate: float) -> dict[str, Any]:
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    vc = ValkeyCluster(tmp / "floor-cluster", appendonly=False).start()
+    try:
+        masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
+        seconds, cpu = asyncio.run(_ours(vc.url, warm, measured, masters))
+        for m in masters:
+            m.close()
+    finally:
+        vc.stop()
+    us = cpu / events * 1e6
+    ratio = us / single_us
+    res.add("Valkey CPU per engine block, cluster (sum of 3 masters)", f"{us:.1f} us (single node {single_us:.1f} us)",
+            f"<= {CLUSTER_CPU_RATIO_MAX}x single node", "the single node, same run", ratio,
+            ratio <= CLUSTER_CPU_RATIO_MAX, cluster_us=us)
+    rate = events / seconds
+    res.add("one ingester, cluster", f"{rate:,.0f} engine blocks/s ({rate / single_rate:.2f}x single node)",
+            f">= {CLUSTER_RATE_RATIO_MIN}x single node", f"{single_rate:,.0f} blocks/s", rate / single_rate,
+            rate / single_rate >= CLUSTER_RATE_RATIO_MIN, blocks_per_s=rate)
+    return {"cluster_cpu_us": us, "cluster_cpu_ratio": ratio, "cluster_blocks_per_s": rate}
+
+
+__all__ = ["FloorWriter", "bench_floor", "steady_stream"]
