@@ -40,4 +40,4 @@ class Engine:
 
     def decode_frames(self, frames: list[bytes], topic: Topic | None = None) -> DecodedFrame:
         """One message in this engine's layout; never raises (see kv_preflight/events.py decode_frames)."""
-        return decode_frames(frames, layout=self.layout, topic=topic)
+        return decode_frames(frames, self.layout, topic=topic)

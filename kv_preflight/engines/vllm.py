@@ -10,7 +10,17 @@ Publishers are listed at ``GET /kv_event_sources`` (one entry per data-parallel 
 from __future__ import annotations
 
 from kv_preflight.engines.base import Engine, LoadMetrics
-from kv_preflight.events import VLLM_LAYOUT
+from kv_preflight.events import BlockRemoved, BlockStored, WireLayout
+
+# Tagged arrays (before vllm#42892): each event's fields in BlockStored's order
+# (``cache_salt`` is SGLang's field, never in vLLM's arrays).
+_ARRAY_FIELDS = {
+    "BlockStored": tuple(f for f in BlockStored.__struct_fields__ if f != "cache_salt"),
+    "BlockRemoved": BlockRemoved.__struct_fields__,
+    "AllBlocksCleared": (),
+}
+
+LAYOUT = WireLayout("vllm", positional=_ARRAY_FIELDS)
 
 LOAD_METRICS = LoadMetrics(
     running="vllm:num_requests_running",
@@ -21,7 +31,7 @@ LOAD_METRICS = LoadMetrics(
 
 ENGINE = Engine(
     name="vllm",
-    layout=VLLM_LAYOUT,
+    layout=LAYOUT,
     replay_topic=True,  # 0.32 answers ["", topic, seq, payload]; older ["", seq, payload], also read
     default_block_size=16,
     discovery_path="/kv_event_sources",

@@ -16,7 +16,7 @@ from kv_preflight.engines import ENGINES, engine
 from kv_preflight.engines.trtllm import wire_hash
 from kv_preflight.index.entries import RemoveBlock, StoreBlock
 from kv_preflight.events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, decode_frames, topic_or_none,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, topic_or_none,
 )
 from kv_preflight.keys.chain import request_keys
 from tests.conftest import fixture_path
@@ -109,7 +109,7 @@ def test_unknown_fields_are_tolerated_on_every_path():
           "ownership": "x", "session_id": "s", "brand_new_field": {"nested": [1, 2]}}
     for payload in ([1.0, [ev], 0], [1.0, [ev, {"type": "BlockStored", "block_hashes": [6], "token_ids": [],
                                                  "block_size": 0, "parent_block_hash": None}], 0]):
-        f = decode_frames([b"kv@p@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(payload)])
+        f = engine("vllm").decode_frames([b"kv@p@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(payload)])
         assert not f.errors and f.batch.events[0].block_hashes == [5]
     assert f.skipped == 1  # the second payload took the tolerant path (a placeholder), same result
 

@@ -187,11 +187,13 @@ def _digest(r: redis.Redis) -> tuple[int, int]:
 
 
 def _blocks_in(frames) -> int:
-    from kv_preflight.events import BlockRemoved, BlockStored, decode_frames
+    from kv_preflight.engines import engine
+    from kv_preflight.events import BlockRemoved, BlockStored
 
+    vllm = engine("vllm")  # the simulator publishes vLLM's frames
     n = 0
     for _, fr in frames:
-        d = decode_frames(fr)
+        d = vllm.decode_frames(fr)
         for ev in d.batch.events if d.batch else ():
             if isinstance(ev, (BlockStored, BlockRemoved)):
                 n += len(ev.block_hashes)
