@@ -130,13 +130,6 @@ class Placeholder(Exception):
 _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
 
 
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule (0.32, distributed/kv_events.py ``_is_bind_endpoint``): the engine binds a wildcard
-    (``*``), anything with ``::`` and ipc/inproc endpoints, and connects to any other; its subscriber
-    must do the opposite."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 def parse_topic(raw: bytes | str) -> Topic:
     """``kv@<pod>@<model>``; the model may itself contain ``@`` (rare, but split only twice).
 

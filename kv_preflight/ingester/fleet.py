@@ -34,7 +34,8 @@ import msgspec
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
 from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
                                               balanced_owners, expired_retired, rendezvous_owners, retired)
-from kv_preflight.ingester.subscriber import Source, discover
+from kv_preflight.ingester.discovery import discover_logged
+from kv_preflight.ingester.subscriber import Source
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
 from kv_preflight.engines import engine
@@ -429,20 +430,3 @@ class FleetMember:
             how = "its engine restarted meanwhile: its entries start empty, exact"
         log.warning("pod %s is back after retirement: %s", pod, how)
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)
-
-
-async def discover_logged(url: str, attempts: int = 0, target_ports: tuple[int, ...] = ()) -> list[Source] | None:
-    """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
-    try:
-        found = await discover(url, target_ports=target_ports)
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",
-                        url, type(exc).__name__, exc)
-        return None
-    if not found:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s lists no KV-event publisher in /kv_event_sources; asking again later", url)
-        return None
-    log.info("discovered %d event source(s) from %s", len(found), url)
-    return found

@@ -23,7 +23,7 @@ from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset
 from kv_preflight.ingester.subscriber import Source, Subscriber, fetch_replay, parse_source, sleep_backoff
 from kv_preflight.ingester.watchdog import Progress, Watchdog
 from kv_preflight.config import Config
-from kv_preflight.engines import engine
+from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.events import DecodedFrame, EventBatch, topic_or_none
 from kv_preflight.index.index import VALKEY_ERRORS, ApplyResult, Index, MarkIncomplete
 
@@ -40,6 +40,7 @@ class PodRoute:
     model: str
     replay: str | None = None
     source: str | None = None  # the endpoint its frames arrive on
+    engine: str = DEFAULT  # the adapter of its source (kv_preflight/engines/)
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Ingester:
             topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
             if topic is not None:
                 pod = src.pod or self.pod_name(src, topic.pod_id)  # a discovered engine named by its address keeps its topic's model
-                self.routes[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint)
+                self.routes[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint, engine=src.engine)
                 pods.add(pod)
                 if src.rank is not None:
                     self.rank_sources[(pod, src.rank)] = src
@@ -211,7 +212,8 @@ class Ingester:
         self.engine_sources[spec.key] = found
         pods = self._route(found)
         if spec.pod and spec.model and spec.pod not in self.routes:  # a registered source: its route is known
-            self.routes[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint)
+            self.routes[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint,
+                                             engine=found[0].engine)
             pods.add(spec.pod)
         # its buffered history, from seq 0 or the pod's persisted seq, as at start
         await self.resume_known_pods(only=pods)
@@ -324,7 +326,7 @@ class Ingester:
         for replay, rank, pod, model in await self._valkey(self.index.fleet.feeds, list(by_replay)):
             src = by_replay[replay]
             self._feeds[(replay, rank)] = (pod, model)
-            route = self.routes.setdefault(pod, PodRoute(model=model, replay=replay, source=src.endpoint))
+            route = self.routes.setdefault(pod, PodRoute(model=model, replay=replay, source=src.endpoint, engine=src.engine))
             route.replay = route.replay or replay
             self.rank_sources.setdefault((pod, rank), src)
 
@@ -437,9 +439,11 @@ class Ingester:
             return None
         pod = self.pod_name(src, pod)
         await self._write_aliases()
-        route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint))
+        route = self.routes.setdefault(pod, PodRoute(model=decoded.topic.model, replay=src.replay, source=src.endpoint,
+                                                     engine=src.engine))
         route.model = decoded.topic.model
         route.source = src.endpoint
+        route.engine = src.engine
         if src.replay and not route.replay:
             route.replay = src.replay
         self.rank_sources[(pod, decoded.batch.data_parallel_rank or 0)] = src
@@ -500,11 +504,12 @@ class Ingester:
         if missing:
             resolved = await self._valkey(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
+        route = self.routes.get(pod)
         try:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
-                hash_algo=self.cfg.hash_algo,
+                hash_algo=self.cfg.hash_algo, extra_keys=engine(route.engine if route else DEFAULT).extra_keys,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)

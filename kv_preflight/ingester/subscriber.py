@@ -1,4 +1,4 @@
-"""ZMQ edges: SUB sockets in both directions, engine discovery, and the replay client.
+"""ZMQ edges: SUB sockets in both directions and the replay client.
 
 vLLM (0.32) *binds* its PUB socket when the endpoint contains ``*`` and *connects*
 otherwise, so an ingester connects to the former (``--source``) and binds for the
@@ -13,15 +13,11 @@ carry a ``pods=`` allowlist (enforced where frames are accepted, ingester/servic
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import zmq
 import zmq.asyncio
 import zmq.auth
@@ -29,8 +25,8 @@ import zmq.utils.monitor
 from zmq.utils import z85
 
 from kv_preflight.config import Config
-from kv_preflight.engines import ENGINES, engine, sglang
-from kv_preflight.events import SEQ_END, DecodedFrame, Topic, is_bind_endpoint, topic_or_none
+from kv_preflight.engines import ENGINES, engine
+from kv_preflight.events import SEQ_END, DecodedFrame, Topic
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -251,139 +247,6 @@ class _AllowList:
 # Replay endpoint -> the source it belongs to, so fetch_replay (called with an endpoint) opens its
 # DEALER with that source's limits and CURVE keys. Filled by Subscriber for the sockets it opens.
 _replay_sources: dict[str, Source] = {}
-
-
-def _host_part(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def reachable(endpoint: str, host: str) -> str:
-    """Where to connect to an endpoint the engine binds, from here: ``tcp://*:5557`` and
-    ``tcp://[::]:5557`` are ``tcp://<engine host>:5557`` (IPv6 hosts in brackets); ipc:// paths are
-    the same path (an engine on this host); an explicit host is kept."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    rest = endpoint[len("tcp://"):]
-    addr, _, port = rest.rpartition(":")
-    if addr in ("*", "[::]", "::", "[*]", "0.0.0.0", ""):
-        return f"tcp://{_host_part(host)}:{port}"
-    return endpoint
-
-
-def bind_for(endpoint: str) -> str:
-    """What to bind for an engine that connects to ``tcp://host:port``: ``tcp://*:port`` (``[::]`` for
-    an IPv6 host, so both families are accepted)."""
-    rest = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
-    addr, _, port = rest.rpartition(":")
-    return f"tcp://{'[::]' if addr.startswith('[') else '*'}:{port}"
-
-
-def serving_address(engine_url: str, rank: int, target_ports: tuple[int, ...] = ()) -> str:
-    """The pod identifier llm-d-router (>= v0.10, PR #2233) writes for a rank: ``<pod IP>:<the
-    InferencePool's target port of that rank>`` (preciseprefixcache/extractor.go ``sourceEndpoint``, with
-    datastore.go ``Address: pod.Status.PodIP, Port: TargetPorts[rank]``), formatted ``%s:%s`` (an IPv6
-    address has no brackets). The IP is the engine URL's host, resolved if it is a name; the port
-    ``target_ports[rank]`` (``ingest --target-ports``), else the URL's port plus the rank."""
-    parts = urlsplit(engine_url)
-    host = parts.hostname or "127.0.0.1"
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError:
-            log.warning("%s: cannot resolve %s to the pod IP llm-d names the pod by; using the name", engine_url, host)
-    if rank < len(target_ports):
-        port = target_ports[rank]
-    else:
-        port = (parts.port or (443 if parts.scheme == "https" else 80)) + rank
-    return f"{host}:{port}"
-
-
-def sources_from_kv_event_sources(engine_url: str, body: dict, target_ports: tuple[int, ...] = ()) -> list[Source]:
-    """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank), for every
-    endpoint form vLLM accepts: tcp with a host, ``*``, IPv6 (``[::]``), ipc (an engine on this host);
-    inproc endpoints cannot be reached from another process and are skipped with a warning."""
-    host = urlsplit(engine_url).hostname or "127.0.0.1"
-    out = []
-    for rank, conf in sorted(body.items()):
-        if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events", True):
-            continue
-        endpoint = conf.get("endpoint")
-        if not isinstance(endpoint, str) or not endpoint:
-            continue
-        if endpoint.startswith("inproc://"):
-            log.warning("%s rank %s publishes on %s: not reachable from another process; skipped",
-                        engine_url, rank, endpoint)
-            continue
-        replay = conf.get("replay_endpoint")
-        replay = replay if isinstance(replay, str) and replay and not replay.startswith("inproc://") else None
-        binds = is_bind_endpoint(endpoint)
-        out.append(Source(
-            endpoint=reachable(endpoint, host) if binds else bind_for(endpoint),
-            bind=not binds,
-            replay=reachable(replay, host) if replay else None,
-            topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
-            rank=int(rank) if str(rank).isdigit() else None,
-            serving=serving_address(engine_url, int(rank) if str(rank).isdigit() else 0, target_ports),
-        ))
-    return out
-
-
-def sources_from_sglang_server_info(engine_url: str, body: dict) -> list[Source]:
-    """Sources from SGLang's ``GET /server_info`` (its server args): ``kv_events_config`` gives the PUB and
-    replay endpoints and the topic, each data-parallel rank publishing on ``port + rank`` (SGLang's
-    ``offset_endpoint_port``); ``page_size`` is its block size. SGLang's topic is empty by default, so the
-    pod is named by the serving address (``HOST:PORT`` of ``engine_url``) and the model by the served name."""
-    conf = sglang.kv_events_config_of(body)
-    if conf is None or conf.get("publisher", "null") != "zmq":
-        return []
-    parts = urlsplit(engine_url)
-    host = parts.hostname or "127.0.0.1"
-    endpoint, replay = conf.get("endpoint") or "tcp://*:5557", conf.get("replay_endpoint") or None
-    topic = conf.get("topic") if isinstance(conf.get("topic"), str) else ""
-    named = None
-    if topic_or_none(topic) is None:
-        model = body.get("served_model_name") or body.get("model_path")
-        named = (f"{_host_part(host)}:{parts.port or 80}", model if isinstance(model, str) and model else "default")
-    ranks = body.get("dp_size") if body.get("enable_dp_attention") else 1
-    ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
-    log.info("SGLang engine %s: page size %s (its KV-event block size), %d rank(s)", engine_url,
-             sglang.page_size_of(body), ranks)
-    out = []
-    for rank in range(ranks):
-        pub, rep = _offset(endpoint, rank), _offset(replay, rank) if replay else None
-        if pub is None or pub.startswith("inproc://"):
-            log.warning("%s rank %d publishes on %s: not reachable from another process; skipped", engine_url, rank, pub)
-            continue
-        binds = is_bind_endpoint(pub) or "0.0.0.0" in pub  # newer SGLang binds 0.0.0.0 too
-        out.append(Source(endpoint=reachable(pub, host) if binds else bind_for(pub), bind=not binds,
-                          replay=reachable(rep, host) if rep and not rep.startswith("inproc://") else None,
-                          topic=topic or None, rank=rank, engine="sglang",
-                          pod=named[0] if named else None, model=named[1] if named else None))
-    return out
-
-
-def _offset(endpoint: str, rank: int) -> str | None:
-    """SGLang's per-rank endpoint: tcp port + rank, inproc/ipc name + ``_dp<rank>``; None if unreadable."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith(("inproc://", "ipc://")):
-        return f"{endpoint}_dp{rank}"
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + rank}" if port.isdigit() else None
-
-
-async def discover(engine_url: str, timeout_s: float = 5.0, target_ports: tuple[int, ...] = ()) -> list[Source]:
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        resp = await client.get(engine_url.rstrip("/") + "/kv_event_sources")
-        if resp.status_code == 404:  # not vLLM: an SGLang server lists its publishers in /server_info
-            info = await client.get(engine_url.rstrip("/") + "/server_info")
-            body = info.json() if info.status_code == 200 else None
-            if sglang.page_size_of(body) is not None:
-                return sources_from_sglang_server_info(engine_url, body)
-        resp.raise_for_status()
-        return sources_from_kv_event_sources(engine_url, resp.json(), target_ports)
 
 
 # A receive waits at most this long for a first message, so sockets added meanwhile are polled soon.

@@ -313,12 +313,13 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
 
 
 def test_discovered_sources_know_their_data_parallel_rank():
-    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.engines import engine
+    from kv_preflight.ingester.discovery import sources_from
 
     conf = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv@pod-a@tiny"}
     body = {"0": {**conf, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
             "1": {**conf, "endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558"}}
-    got = sources_from_kv_event_sources("http://vllm-0:8000", body)
+    got = sources_from(engine("vllm"), "http://vllm-0:8000", body)
     assert [(s.rank, s.endpoint, s.replay) for s in got] == [
         (0, "tcp://vllm-0:5557", "tcp://vllm-0:5558"), (1, "tcp://vllm-0:6557", "tcp://vllm-0:6558")]
 

@@ -13,7 +13,10 @@ import httpx
 import pytest
 
 from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source, serving_address, sources_from_kv_event_sources
+from kv_preflight.engines import engine
+from kv_preflight.engines.endpoints import serving_address
+from kv_preflight.ingester.discovery import sources_from
+from kv_preflight.ingester.subscriber import Source
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.entries import parse_entry
@@ -30,7 +33,7 @@ def test_serving_address_is_llm_d_routers():
     assert serving_address("http://[fd00::7]:8000", 0) == "fd00::7:8000"  # Go's "%s:%s", no brackets
     assert serving_address("http://localhost:8000", 0) in ("127.0.0.1:8000", "::1:8000")  # the pod IP, resolved
     body = {"0": {"endpoint": "tcp://*:5557", "topic": "kv@vllm-0@m"}, "1": {"endpoint": "tcp://*:5558", "topic": "kv@vllm-0@m"}}
-    assert [s.serving for s in sources_from_kv_event_sources("http://10.0.0.1:8000", body)] == ["10.0.0.1:8000",
+    assert [s.serving for s in sources_from(engine("vllm"), "http://10.0.0.1:8000", body)] == ["10.0.0.1:8000",
                                                                                               "10.0.0.1:8001"]
 
 

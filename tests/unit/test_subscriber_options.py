@@ -121,12 +121,13 @@ def test_limits_from_env(monkeypatch):
 def test_discovery_maps_every_endpoint_form_vllm_accepts():
     """vLLM 0.32 binds '*', '::' and ipc/inproc endpoints and connects to the rest; ipc:/// and
     tcp://[::] used to come out as '*ipc:///...' and 'tcp://[*]:...' (Protocol not supported)."""
-    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.engines import engine
+    from kv_preflight.ingester.discovery import sources_from
 
     def one(endpoint, replay="tcp://*:5558", url="http://vllm-0:8000"):
         body = {"0": {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,
                       "topic": "kv@p@m"}}
-        got = sources_from_kv_event_sources(url, body)
+        got = sources_from(engine("vllm"), url, body)
         return [(s.endpoint, s.bind, s.replay) for s in got]
 
     assert one("tcp://*:5557") == [("tcp://vllm-0:5557", False, "tcp://vllm-0:5558")]
