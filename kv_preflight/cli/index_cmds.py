@@ -419,7 +419,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     """Wipe pods and re-ingest them from the engines' replay buffers, from seq 0."""
     from kv_preflight.ingester.service import Ingester
     from kv_preflight.ingester.discovery import discover
-    from kv_preflight.ingester.subscriber import fetch_replay
+    from kv_preflight.ingester.replay import fetch_replay
 
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from kv_preflight.engines import ENGINES, Engine
-from kv_preflight.ingester.subscriber import Source
+from kv_preflight.ingester.sources import Source
 
 log = logging.getLogger("kvpf.ingester")
 

@@ -35,7 +35,7 @@ from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engin
 from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
                                               balanced_owners, expired_retired, rendezvous_owners, retired)
 from kv_preflight.ingester.discovery import discover_logged
-from kv_preflight.ingester.subscriber import Source
+from kv_preflight.ingester.sources import Source
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
 from kv_preflight.engines import engine

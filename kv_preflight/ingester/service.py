@@ -20,7 +20,9 @@ from redis.exceptions import (AskError, ClusterDownError, NoScriptError, OutOfMe
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from kv_preflight.ingester.metrics import IngesterMetrics
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from kv_preflight.ingester.subscriber import Source, Subscriber, fetch_replay, parse_source, sleep_backoff
+from kv_preflight.ingester.replay import fetch_replay
+from kv_preflight.ingester.sources import Source, parse_source, secure_sources
+from kv_preflight.ingester.subscriber import Subscriber
 from kv_preflight.ingester.watchdog import Progress, Watchdog
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, engine
@@ -85,8 +87,6 @@ class Ingester:
         # --engine and discovered engines are attached by the fleet membership (ingester/fleet.py), in
         # the first chores round: those down are retried with backoff while the others are ingested.
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
-        from kv_preflight.ingester.subscriber import secure_sources
-
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
         # counted on the ingester made below (the callback runs only once its sockets exist).
         sources = secure_sources(sources, cfg, on_refused=lambda key: ing.metrics.publishers_refused.inc())
@@ -202,8 +202,6 @@ class Ingester:
         """Subscribe to an engine's sources (``found``: from its /kv_event_sources, or the one source it
         was registered with) and resume its pods from their persisted seqs; returns its pods (a source
         with no topic learns its pod from its first frame, or from ``spec.pod``)."""
-        from kv_preflight.ingester.subscriber import secure_sources
-
         if spec.pod:  # named by its address (or a file's "pod"), not by its topic
             found = [dataclasses.replace(src, pod=spec.pod) for src in found]
         found = secure_sources(found, self.cfg, on_refused=lambda key: self.metrics.publishers_refused.inc())
@@ -669,6 +667,10 @@ class Ingester:
             await self.index.count(name, n, pod_id=pod_id)
         except VALKEY_ERRORS:
             self.stats.inc("valkey_errors")
+
+
+async def sleep_backoff(attempt: int, cap_s: float = 5.0) -> None:
+    await asyncio.sleep(min(cap_s, 0.05 * (2 ** min(attempt, 10))))
 
 
 # Error replies that a later retry can succeed past: the server is loading, busy with a script,

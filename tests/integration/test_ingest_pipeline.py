@@ -5,7 +5,7 @@ import pytest
 import redis
 
 from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source
+from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry

@@ -9,7 +9,8 @@ import zmq
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source, fetch_replay
+from kv_preflight.ingester.replay import fetch_replay
+from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import Index

@@ -16,7 +16,7 @@ from kv_preflight.ingester.service import Ingester
 from kv_preflight.engines import engine
 from kv_preflight.engines.endpoints import serving_address
 from kv_preflight.ingester.discovery import sources_from
-from kv_preflight.ingester.subscriber import Source
+from kv_preflight.ingester.sources import Source
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.entries import parse_entry

@@ -5,9 +5,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from kv_preflight.ingester.subscriber import (
-    Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
-)
+from kv_preflight.ingester.curve import load_allowed_keys, load_keypair, z85_key
+from kv_preflight.ingester.sources import Limits, Source, parse_source, secure_sources
 from kv_preflight.config import Config
 from kv_preflight.events import Topic
 
