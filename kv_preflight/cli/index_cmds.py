@@ -417,7 +417,7 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
 @json_opt
 def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> None:
     """Wipe pods and re-ingest them from the engines' replay buffers, from seq 0."""
-    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.ingester import Ingester
     from kv_preflight.ingester.discovery import discover
     from kv_preflight.ingester.replay import fetch_replay
 

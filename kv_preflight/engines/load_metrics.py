@@ -1,5 +1,5 @@
 """Engine load from an engine's Prometheus ``/metrics`` text: pure parsing, shared by the ingester
-(which scrapes each pod it owns once for the whole fleet, ingester/fleet.py) and the predictor
+(which scrapes each pod it owns once for the whole fleet, ingester/fleet_member.py) and the predictor
 (which scrapes its ``--pod-metrics`` overrides, predictor/load.py).
 
 Which series to read is the engine adapter's (kv_preflight/engines/: ``LoadMetrics``): requests running,

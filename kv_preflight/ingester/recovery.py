@@ -1,7 +1,7 @@
 """What to do after the apply script answers: the ingester's recovery rules as a pure function.
 
 The script (kv_preflight/index/lua/apply.lua) answers applied, dup, gap, restart or corrupt. The loop in
-ingester/service.py carries out the step this module returns, then tries the batch again in the
+ingester/ingester.py carries out the step this module returns, then tries the batch again in the
 step's mode, a bounded number of times: no rule can make it loop, and no recursion is needed.
 
 Rules (vLLM 0.32 numbers a process's batches from seq 0 and sends no incarnation id):

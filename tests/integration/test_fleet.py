@@ -18,7 +18,7 @@ import pytest
 
 from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.ingester.membership import rendezvous_owners
+from kv_preflight.ingester.membership_rules import rendezvous_owners
 from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine

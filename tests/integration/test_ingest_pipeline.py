@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.ingester import Ingester
 from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
@@ -69,7 +69,7 @@ async def ingest(url: str, messages, *, pipelined: bool):
 
 @pytest.mark.parametrize("case", ["clean", "gap", "restart", "dup"])
 async def test_pipelined_equals_one_by_one(valkey_url, case, monkeypatch):
-    import kv_preflight.ingester.service as service
+    import kv_preflight.ingester.ingester as service
 
     monkeypatch.setattr(service, "PIPELINE_BATCHES", 4)  # several runs in flight
     a = stream("pod-a", range(12))

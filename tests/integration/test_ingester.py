@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.ingester import Ingester
 from kv_preflight.ingester.replay import fetch_replay
 from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.ingester import Ingester
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.engines.vllm import ENGINE as VLLM

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.ingester import Ingester
 from kv_preflight.engines import engine
 from kv_preflight.engines.endpoints import serving_address
 from kv_preflight.ingester.discovery import sources_from

@@ -143,7 +143,7 @@ def bench_keys(res: Results, quick: bool) -> None:
 async def _ingest(url: str, frames: list, chunk: int = 512) -> tuple[float, dict]:
     """Ours, in process: the ingester's message handler fed ``chunk`` queued messages at a time,
     as its receive loop is when the socket has a backlog (a replay, a burst)."""
-    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.ingester import Ingester
     from kv_preflight.ingester.sources import Source
     from kv_preflight.config import Config
 

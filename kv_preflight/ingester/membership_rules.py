@@ -1,6 +1,6 @@
 """Fleet membership rules, pure: who owns which engine, when a membership change counts, pod health.
 
-Ingesters coordinate through Valkey alone (ingester/fleet.py does the I/O): each renews a lease, reads
+Ingesters coordinate through Valkey alone (ingester/fleet_member.py does the I/O): each renews a lease, reads
 the others' leases, and applies the rules below to the same inputs, so they agree on who ingests what
 without a coordinator of our own.
 

@@ -72,9 +72,9 @@ class Ingester:
         # sockets): from then on a batch reaches this ingester by its SUB socket only
         self.started = asyncio.Event()
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
-        self.engine_sources: dict[str, list[Source]] = {}  # engine URL -> its sources (ingester/fleet.py owns which)
+        self.engine_sources: dict[str, list[Source]] = {}  # engine URL -> its sources (ingester/fleet_member.py owns which)
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
-        from kv_preflight.ingester.fleet import FleetMember
+        from kv_preflight.ingester.fleet_member import FleetMember
 
         self.fleet = FleetMember(self)
         self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
@@ -84,7 +84,7 @@ class Ingester:
 
     @classmethod
     async def create(cls, cfg: Config, index: Index | None = None) -> "Ingester":
-        # --engine and discovered engines are attached by the fleet membership (ingester/fleet.py), in
+        # --engine and discovered engines are attached by the fleet membership (ingester/fleet_member.py), in
         # the first chores round: those down are retried with backoff while the others are ingested.
         sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
         # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
@@ -196,7 +196,7 @@ class Ingester:
             self.subscriber.close()
             await self.fleet.close()
 
-    # ---- engines, as the fleet membership (ingester/fleet.py) gives and takes them
+    # ---- engines, as the fleet membership (ingester/fleet_member.py) gives and takes them
 
     async def attach_engine(self, spec, found: list[Source]) -> set[str]:
         """Subscribe to an engine's sources (``found``: from its /kv_event_sources, or the one source it

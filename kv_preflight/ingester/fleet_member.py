@@ -15,7 +15,7 @@ Every second (``FleetMember.tick``, from the ingester's chores) an ingester:
    seconds: their entries cleared, their record kept (state, reason, time) for
    ``--retired-retention`` seconds, then dropped.
 
-The rules are pure functions in ingester/membership.py; this module does their I/O.
+The rules are pure functions in ingester/membership_rules.py; this module does their I/O.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import httpx
 import msgspec
 
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
-from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                              balanced_owners, expired_retired, rendezvous_owners, retired)
+from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                                    balanced_owners, expired_retired, rendezvous_owners, retired)
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.sources import Source
 from kv_preflight.engines.load_metrics import parse_load
@@ -43,7 +43,7 @@ from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
 from kv_preflight.index.index import VALKEY_ERRORS
 
 if TYPE_CHECKING:
-    from kv_preflight.ingester.service import Ingester
+    from kv_preflight.ingester.ingester import Ingester
 
 log = logging.getLogger("kvpf.ingester")
 
