@@ -452,7 +452,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
                 await ix.clear_pod(pod, forget=True)
                 for i, f in enumerate(frames, 1):
-                    await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+                    await ing.applier.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
                     if i % 1000 == 0:
                         click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
                 info = await ix.pod_info(pod)

@@ -53,7 +53,7 @@ async def test_llmd_reads_what_kv_preflight_ingested_from_real_vllm_frames(valke
     ix = Index.from_url(valkey_url)
     ing = Ingester(Config(valkey_url=valkey_url), ix, [])
     for f in frames:
-        assert await ing.apply(f.topic.pod_id, f.topic.model, f.seq, f.batch) == "applied"
+        assert await ing.applier.apply(f.topic.pod_id, f.topic.model, f.seq, f.batch) == "applied"
     # The last stored chain: rebuild its full token list from the events, as the engine saw it.
     last = [e for e in frames[-1].batch.events if type(e).__name__ == "BlockStored"][-1]
     by_hash = {}

@@ -157,7 +157,7 @@ async def _ingest(url: str, frames: list, chunk: int = 512) -> tuple[float, dict
         elapsed = time.perf_counter() - t
     finally:
         await index.close()
-    return elapsed, dict(ing.stats.counts)
+    return elapsed, dict(ing.counters.counts)
 
 
 def _digest(r: redis.Redis) -> tuple[int, int]:
