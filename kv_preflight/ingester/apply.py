@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+
 from redis.exceptions import ResponseError
 
 from kv_preflight.config import Config
@@ -27,6 +29,19 @@ log = logging.getLogger("kvpf.ingester")
 # The counter of each answer of the apply script (ingester/counters.py).
 _ANSWERS = {"applied": "batches_applied", "dup": "duplicates_skipped", "gap": "batches_gap",
             "restart": "batches_restart", "corrupt": "corrupt_batches"}
+
+
+@dataclass
+class _Pending:
+    """A batch on its way into the index, and where its recovery stands."""
+
+    seq: int
+    batch: EventBatch
+    decode_errors: int
+    can_replay: bool
+    mode: str = "check"
+    steps: int = 0  # attempts so far (at most MAX_STEPS)
+    placeholders: int = 0  # a replayed batch's skipped events, counted when its turn comes
 
 
 class Applier:
@@ -74,61 +89,86 @@ class Applier:
             await self.counters.count("plan_errors")
             return Plan(mutations=[MarkIncomplete(f"batch at seq {seq} could not be applied: {exc}")])
 
-    # ---- one batch
+    # ---- one batch, and the batches a gap before it needs
 
     async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
                     mode: str = "check", decode_errors: int = 0) -> str:
-        """Apply one batch; returns the final status. Retries transient Valkey errors until it is
-        back; the recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS."""
-        rank = batch.data_parallel_rank or 0
-        can_replay = allow_replay
-        for _ in range(MAX_STEPS):
-            plan = await self.plan(pod, model, seq, batch, decode_errors)
-            try:
-                result = await self.valkey.call(
-                    self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
-                    engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=mode,
-                )
-            except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
-                await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
-                return "error"
-            await self.answered(pod, seq, batch, plan, result)
-            replay = self.routes.replay_endpoint(pod, rank)
-            step = next_step(result.status, mode=mode, seq=seq, last_seq=result.last_seq,
-                             can_replay=can_replay and replay is not None, has_replay=replay is not None)
-            if isinstance(step, Done):
-                return step.status
-            if isinstance(step, Reset):
-                log.warning("%s: seq went back from %d to 0 with a newer timestamp: engine restarted, clearing its "
-                            "entries", pod, result.last_seq)
-                await self.counters.count("engine_restarts")
-                self.forget_chains()
-                mode = "reset"
-            elif isinstance(step, ResetIfThenCheck):
-                log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
-                            "entries", pod, result.last_seq, seq)
-                await self.counters.count("engine_restarts")
-                self.forget_chains()
-                await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
-                mode = "check"
-            elif isinstance(step, Replay):
-                assert replay is not None
-                can_replay = False
-                if await self._replay_gap(pod, model, seq, rank, step.start, replay):
-                    mode = "check"
-                    continue
-                reason = f"events {step.start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
-                await self._force(pod, reason)
-                mode = "force"
-            elif isinstance(step, Force):
-                await self.counters.count("gaps", pod=pod)
-                await self._force(pod, step.reason)
-                mode = "force"
-        await self.failed(pod, seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
-        return "error"
+        """Apply one batch; returns its final status. Retries transient Valkey errors until it is back; the
+        recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS per batch. A gap
+        filled from the replay socket puts the missed batches on top of this one, each applied in turn (with
+        no replay of its own) before this one is tried again: a loop over a stack, not a recursion."""
+        stack = [_Pending(seq, batch, decode_errors, allow_replay, mode)]
+        status = "error"
+        while stack:
+            item = stack[-1]
+            if item.placeholders:
+                await self.counters.count("placeholder_events", item.placeholders)
+                item.placeholders = 0
+            if item.steps == MAX_STEPS:
+                await self.failed(pod, item.seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
+                outcome: str | list[_Pending] | None = "error"
+            else:
+                item.steps += 1
+                outcome = await self._attempt(pod, model, item)
+            if isinstance(outcome, str):  # settled
+                stack.pop()
+                status = outcome
+            elif outcome:  # the missed batches first, the earliest on top
+                stack.extend(reversed(outcome))
+        return status
 
-    async def _replay_gap(self, pod: str, model: str, seq: int, rank: int, start: int, replay: str) -> bool:
-        """Apply seqs ``start`` .. seq-1 from the replay socket; False if it does not hold them all."""
+    async def _attempt(self, pod: str, model: str, item: _Pending) -> str | list[_Pending] | None:
+        """Send the batch once and carry out the step the rules give: its final status, the replayed batches
+        to apply before it, or None (try it again in ``item.mode``)."""
+        seq, batch = item.seq, item.batch
+        rank = batch.data_parallel_rank or 0
+        plan = await self.plan(pod, model, seq, batch, item.decode_errors)
+        try:
+            result = await self.valkey.call(
+                self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
+                engine_block_size=plan.engine_block_size, mutations=plan.mutations, mode=item.mode,
+            )
+        except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
+            await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
+            return "error"
+        await self.answered(pod, seq, batch, plan, result)
+        replay = self.routes.replay_endpoint(pod, rank)
+        step = next_step(result.status, mode=item.mode, seq=seq, last_seq=result.last_seq,
+                         can_replay=item.can_replay and replay is not None, has_replay=replay is not None)
+        if isinstance(step, Done):
+            return step.status
+        if isinstance(step, Reset):
+            log.warning("%s: seq went back from %d to 0 with a newer timestamp: engine restarted, clearing its "
+                        "entries", pod, result.last_seq)
+            await self.counters.count("engine_restarts")
+            self.forget_chains()
+            item.mode = "reset"
+        elif isinstance(step, ResetIfThenCheck):
+            log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
+                        "entries", pod, result.last_seq, seq)
+            await self.counters.count("engine_restarts")
+            self.forget_chains()
+            await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
+            item.mode = "check"
+        elif isinstance(step, Replay):
+            assert replay is not None
+            item.can_replay = False
+            missed = await self._replay_gap(pod, seq, rank, step.start, replay)
+            if missed is not None:
+                item.mode = "check"
+                return missed
+            reason = f"events {step.start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
+            await self._force(pod, reason)
+            item.mode = "force"
+        elif isinstance(step, Force):
+            await self.counters.count("gaps", pod=pod)
+            await self._force(pod, step.reason)
+            item.mode = "force"
+        return None
+
+    async def _replay_gap(self, pod: str, seq: int, rank: int, start: int, replay: str) -> list[_Pending] | None:
+        """Seqs ``start`` .. seq-1 from the replay socket, to apply before ``seq``; None if it does not hold
+        them all."""
         await self.counters.count("gaps", pod=pod)
         log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, start - 1, seq, start)
         frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
@@ -136,13 +176,9 @@ class Applier:
         by_seq = {f.seq: f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq
                   and (f.batch.data_parallel_rank or 0) == rank}
         if sorted(by_seq) != list(range(start, seq)):
-            return False
-        for s in range(start, seq):
-            f = by_seq[s]
-            if f.skipped:
-                await self.counters.count("placeholder_events", f.skipped)
-            await self.apply(pod, model, s, f.batch, allow_replay=False, decode_errors=len(f.errors))
-        return True
+            return None
+        return [_Pending(s, by_seq[s].batch, len(by_seq[s].errors), can_replay=False,
+                         placeholders=by_seq[s].skipped) for s in range(start, seq)]
 
     # ---- what each answer does
 
