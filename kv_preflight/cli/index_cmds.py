@@ -217,7 +217,8 @@ def ingesters(valkey_url, as_json) -> None:
 @json_opt
 def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, as_json) -> None:
     """Per block of a prompt: its key, which pods and tiers hold it, where each pod's chain breaks."""
-    from kv_preflight.cli.main import _read_tokens
+    from kv_preflight.cli.token_input import read_tokens
+    from kv_preflight.engines import DEFAULT, engine
     from kv_preflight.keys.chain import request_keys
 
     if (tokens_spec is None) == (prompt is None):
@@ -226,13 +227,15 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         if not engine_url:
             raise click.UsageError("--prompt needs --engine-url to tokenize it")
         try:
-            r = httpx.post(engine_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": prompt}, timeout=10)
+            adapter = engine(DEFAULT)  # --engine-url names an engine of the default family
+            r = httpx.post(engine_url.rstrip("/") + adapter.tokenize_path, json=adapter.tokenize_body(model, prompt=prompt),
+                           timeout=10)
             r.raise_for_status()
             tokens = r.json()["tokens"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
     else:
-        tokens = _read_tokens(tokens_spec)
+        tokens = read_tokens(tokens_spec)
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
     try:
         keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
