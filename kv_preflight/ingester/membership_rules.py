@@ -7,9 +7,9 @@ without a coordinator of our own.
 * Ownership is rendezvous (highest-random-weight) hashing of (ingester, engine) with bounded loads
   (``balanced_owners``): every ingester ranks the live ingesters per engine the same way, and each engine
   goes to the first ``copies`` of its ranking that still have room, so every live ingester holds
-  floor or ceil of engines x copies / ingesters. Plain rendezvous hashing is even only on average: with
-  8 engines and 3 ingesters it left one ingester with no engine at all in 11% of fleets (one ingester
-  idle, the others doing its share). An ingester joining or leaving still moves about its share, plus
+  floor or ceil of engines x copies / ingesters. Plain rendezvous hashing is even only on average: in a
+  small fleet it can leave an ingester with no engine at all, idle while the others do its share
+  (docs/fleet.md). An ingester joining or leaving still moves about its share, plus
   the few engines whose first choice filled up. Copies are safe because a batch applies exactly once
   whoever sends it (the seq check in kv_preflight/index/lua/pod.lua).
 * A membership change (an engine appearing in or vanishing from DNS or a file) takes effect only once

@@ -35,7 +35,7 @@ def test_pod_model_and_engine_options_name_a_publisher_without_a_topic():
     ("tcp://e:1,pods=", False, "no empty name"),
     ("tcp://e:1,curve_server_key=short", False, "z85"),
     ("tcp://*:1,curve_server_key=" + "0" * 40, True, "for --source"),
-    ("tcp://e:1,pod=a", False, "pod= and model= go together"),  # pod= is an option since issue #13; alone, refused
+    ("tcp://e:1,pod=a", False, "pod= and model= go together"),  # pod= alone is refused
     ("tcp://e:1,model=m", False, "pod= and model= go together"),
     ("tcp://e:1,pod=a@b,model=m", False, "may not contain"),
     ("tcp://e:1,pod=a,model=m,pods=a", False, "redundant"),

@@ -62,8 +62,8 @@ def machine() -> dict[str, Any]:
 
 
 def cpu_probe() -> float:
-    """Milliseconds for a fixed pure-Python loop (median of 5): this VM's speed moves every figure by up
-    to 2x from one minute to the next, so each run records it at its start and end, to compare runs."""
+    """Milliseconds for a fixed pure-Python loop (median of 5): a VM's speed can move every figure from one
+    minute to the next, so each run records it at its start and end, to compare runs."""
     times = []
     for _ in range(5):
         t = time.perf_counter()

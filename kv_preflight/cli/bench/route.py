@@ -1,5 +1,5 @@
 """Row ``route``: does ``/v1/cache/route`` from a predictor given only ``--valkey-url`` keep caches warm
-across a fleet, and spread the load? (issue #10; docs/benchmarks.md, "Routing across a fleet").
+across a fleet, and spread the load? (docs/benchmarks.md, "Routing across a fleet").
 
 Four simulated engines (``kv-preflight simulate``, small KV pools so a pod cannot hold every tenant),
 one ingester following all four (``ingest --engine URL`` each), and ``serve --valkey-url URL`` with no
