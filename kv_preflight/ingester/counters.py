@@ -70,18 +70,19 @@ class Counters:
         self.metrics = metrics
         self.index = index
         self.retry = retry  # for ``retried`` Valkey counters: ValkeyRetry.call
+        # each event's series, looked up once: (metric, its label values)
+        self._series = {name: [(getattr(metrics, metric), tuple(labels)) for metric, *labels in counted.series]
+                        for name, counted in COUNTED.items()}
 
     def tally(self, name: str, n: int = 1, *, pod: str | None = None, endpoint: str | None = None) -> Counted:
         """The tally and the Prometheus series, at once (a thread or a callback may call this); the Valkey
         counter is ``count``'s."""
-        counted = COUNTED[name]
         self.counts[name] += n
-        for metric, *labels in counted.series:
-            series = getattr(self.metrics, metric)
+        for series, labels in self._series[name]:
             if labels:
-                series = series.labels(*(pod if v == POD else endpoint if v == ENDPOINT else v for v in labels))
+                series = series.labels(*[pod if v is POD else endpoint if v is ENDPOINT else v for v in labels])
             series.inc(n)
-        return counted
+        return COUNTED[name]
 
     async def count(self, name: str, n: int = 1, *, pod: str | None = None, endpoint: str | None = None) -> None:
         """Everywhere the event is counted: the tally, Prometheus and its Valkey counter."""
