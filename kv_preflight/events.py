@@ -2,14 +2,12 @@
 
 The structs below are the decoded events every engine's frames become; how an engine lays them out
 on the wire (tagged arrays and their field order, EAGLE pairs) is its ``WireLayout``, owned by its
-adapter in kv_preflight/engines/. vLLM's is the default here.
+adapter in kv_preflight/engines/ and passed to every decoding function here (there is no default).
 
 Frames are ``[topic, seq (8 bytes big-endian), payload]``; the payload is msgpack
-``[ts, events, data_parallel_rank?]``. Two event layouts exist in the wild:
-
-* vLLM >= 0.2x (0.32 observed): named-field maps with a ``type`` key;
-* older vLLM: positional arrays whose first element is the tag,
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``.
+``[ts, events, data_parallel_rank?]``. Two event layouts exist in the wild: named-field maps with a
+``type`` key (vLLM >= 0.2x, SGLang since its PR #37482, TensorRT-LLM), and positional arrays whose first
+element is the tag, their field order the engine's (older vLLM, older SGLang: the adapters' layouts).
 
 Block hashes are ints, or bytes in some builds (we take the last 8 bytes,
 big-endian, as llm-d and Dynamo do). Unknown fields are ignored and unknown tags
@@ -111,13 +109,6 @@ MAX_EXTRA_KEYS_DEPTH = 8
 
 _msgpack = msgspec.msgpack.Decoder()
 
-_POSITIONAL_FIELDS = {  # vLLM's tagged arrays: its BlockStored fields in order (cache_salt is SGLang's)
-    "BlockStored": tuple(f for f in BlockStored.__struct_fields__ if f != "cache_salt"),
-    "BlockRemoved": BlockRemoved.__struct_fields__,
-    "AllBlocksCleared": (),
-}
-
-
 @dataclass(frozen=True)
 class WireLayout:
     """How one engine family lays its events out on the wire (kv_preflight/engines/ has one per family).
@@ -132,21 +123,11 @@ class WireLayout:
     pair_tokens: bool = False
 
 
-VLLM_LAYOUT = WireLayout("vllm", positional=_POSITIONAL_FIELDS)
-
-
 class Placeholder(Exception):
     """Not an error: an event that names no tokens (vLLM's offloading placeholders, PR #51243)."""
 
 
 _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule (0.32, distributed/kv_events.py ``_is_bind_endpoint``): the engine binds a wildcard
-    (``*``), anything with ``::`` and ipc/inproc endpoints, and connects to any other; its subscriber
-    must do the opposite."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def parse_topic(raw: bytes | str) -> Topic:
@@ -263,7 +244,7 @@ def _salt(fields: dict[str, Any]) -> str | None:
     return _str_or_none("cache_salt", salt)
 
 
-def _build(tag: str, fields: dict[str, Any], layout: WireLayout = VLLM_LAYOUT) -> Event:
+def _build(tag: str, fields: dict[str, Any], layout: WireLayout) -> Event:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "BlockRemoved":
@@ -305,7 +286,7 @@ def _build(tag: str, fields: dict[str, Any], layout: WireLayout = VLLM_LAYOUT) -
     )
 
 
-def decode_event(raw: Any, layout: WireLayout = VLLM_LAYOUT) -> Event:
+def decode_event(raw: Any, layout: WireLayout) -> Event:
     """One event in either layout. Raises DecodeError (never anything else) on a bad one, and
     Placeholder on an event that names no block to index."""
     try:
@@ -376,16 +357,16 @@ def _decode_fast(payload: bytes) -> EventBatch | None:
     return EventBatch(ts=wire.ts, events=events, data_parallel_rank=wire.data_parallel_rank)
 
 
-def decode_payload(payload: bytes) -> tuple[EventBatch, list[str]]:
+def decode_payload(payload: bytes, layout: WireLayout) -> tuple[EventBatch, list[str]]:
     """A batch and the reasons for any events dropped from it; the valid ones still apply.
 
     Raises DecodeError when the payload as a whole is unusable.
     """
-    batch, errors, more, _ = _decode_payload(payload)
+    batch, errors, more, _ = _decode_payload(payload, layout)
     return batch, errors + ([f"{more} more event(s) dropped"] if more else [])
 
 
-def _decode_payload(payload: bytes, layout: WireLayout = VLLM_LAYOUT) -> tuple[EventBatch, list[str], int, int]:
+def _decode_payload(payload: bytes, layout: WireLayout) -> tuple[EventBatch, list[str], int, int]:
     """The batch, the first MAX_LISTED_ERRORS reasons for dropped events, how many more were dropped,
     and how many placeholders were skipped."""
     fast = _decode_fast(payload)
@@ -427,7 +408,7 @@ def _decode_payload(payload: bytes, layout: WireLayout = VLLM_LAYOUT) -> tuple[E
     return EventBatch(ts=float(ts), events=decoded, data_parallel_rank=rank), errors, more, skipped
 
 
-def decode_frames(frames: list[bytes], *, layout: WireLayout = VLLM_LAYOUT, topic: Topic | None = None) -> DecodedFrame:
+def decode_frames(frames: list[bytes], layout: WireLayout, *, topic: Topic | None = None) -> DecodedFrame:
     """A PUB message (``[topic, seq, payload]``) or a replay reply, fully tolerant: never raises.
 
     Replay replies come as ``["", topic, seq, payload]`` (vLLM 0.32, TensorRT-LLM) or
@@ -448,7 +429,7 @@ def _clip(error: str) -> str:
     return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS - 3] + "..."
 
 
-def _decode_frames(frames: list[bytes], layout: WireLayout = VLLM_LAYOUT, fixed: Topic | None = None) -> DecodedFrame:
+def _decode_frames(frames: list[bytes], layout: WireLayout, fixed: Topic | None) -> DecodedFrame:
     # Replay replies lead with the ROUTER's empty delimiter frame.
     if len(frames) == 4 and frames[0] == b"":
         frames = frames[1:]

@@ -133,7 +133,11 @@ def sessions(file: Path, tokenizers, engine_urls, block_size, timeout, as_json) 
 
 async def read_engines(urls: dict[str, str], client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, str]]:
     """Each pod's prefix-cache counters from ``<url>/metrics``; errors by pod."""
+    from kv_preflight.engines import DEFAULT, engine
     from kv_preflight.predictor.diagnosis.fleet import parse_prefix_counters
+
+    names = engine(DEFAULT).prefix_cache_metrics  # the engines read are of the default family
+    assert names is not None
 
     out: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -145,9 +149,9 @@ async def read_engines(urls: dict[str, str], client: httpx.AsyncClient) -> tuple
         except httpx.HTTPError as exc:
             errors[pod] = f"{url}: {type(exc).__name__}: {exc}"
             return
-        counters = parse_prefix_counters(resp.text)
+        counters = parse_prefix_counters(resp.text, names)
         if counters is None:
-            errors[pod] = f"{url}/metrics has no vllm:prefix_cache_queries/hits counters"
+            errors[pod] = f"{url}/metrics has no {names.queries.removesuffix('_total')}/hits counters"
         else:
             out[pod] = counters
 
@@ -176,7 +180,7 @@ async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api
 async def metrics_urls(index: Any, pod_metrics: dict[str, str], engine_urls: dict[str, tuple[str, ...]],
                        client: httpx.AsyncClient) -> dict[str, str]:
     """Pod -> engine URL: the fleet registry's (kvpf:fleet) where it has one, else --pod-metrics, else the
-    --engine-url engines, whose pod id their /kv_event_sources topic gives."""
+    --engine-url engines, whose pod id their discovery answer's topic gives."""
     from kv_preflight.predictor.load import _discover_pod
 
     urls = {pod: url for pod, url in pod_metrics.items()}

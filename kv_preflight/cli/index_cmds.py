@@ -217,7 +217,8 @@ def ingesters(valkey_url, as_json) -> None:
 @json_opt
 def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, as_json) -> None:
     """Per block of a prompt: its key, which pods and tiers hold it, where each pod's chain breaks."""
-    from kv_preflight.cli.main import _read_tokens
+    from kv_preflight.cli.token_input import read_tokens
+    from kv_preflight.engines import DEFAULT, engine
     from kv_preflight.keys.chain import request_keys
 
     if (tokens_spec is None) == (prompt is None):
@@ -226,13 +227,15 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         if not engine_url:
             raise click.UsageError("--prompt needs --engine-url to tokenize it")
         try:
-            r = httpx.post(engine_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": prompt}, timeout=10)
+            adapter = engine(DEFAULT)  # --engine-url names an engine of the default family
+            r = httpx.post(engine_url.rstrip("/") + adapter.tokenize_path, json=adapter.tokenize_body(model, prompt=prompt),
+                           timeout=10)
             r.raise_for_status()
             tokens = r.json()["tokens"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
     else:
-        tokens = _read_tokens(tokens_spec)
+        tokens = read_tokens(tokens_spec)
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
     try:
         keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
@@ -417,8 +420,9 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
 @json_opt
 def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> None:
     """Wipe pods and re-ingest them from the engines' replay buffers, from seq 0."""
-    from kv_preflight.ingester.service import Ingester
-    from kv_preflight.ingester.subscriber import discover, fetch_replay
+    from kv_preflight.ingester.ingester import Ingester
+    from kv_preflight.ingester.discovery import discover
+    from kv_preflight.ingester.replay import fetch_replay
 
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
@@ -451,7 +455,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
                 await ix.clear_pod(pod, forget=True)
                 for i, f in enumerate(frames, 1):
-                    await ing.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
+                    await ing.applier.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
                     if i % 1000 == 0:
                         click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
                 info = await ix.pod_info(pod)

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from kv_preflight.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
 from kv_preflight.config import parse_lora_names
+from kv_preflight.cli.token_input import read_tokens
 from kv_preflight.keys.chain import HAS_C_EXTENSION
-
-
-def _read_tokens(spec: str) -> list[int]:
-    """A JSON list, or ``@file`` holding one."""
-    try:
-        text = Path(spec[1:]).read_text() if spec.startswith("@") else spec
-    except OSError as exc:
-        raise click.BadParameter(f"--tokens {spec}: cannot read {exc.filename or spec[1:]}: {exc.strerror}") from None
-    try:
-        tokens = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"--tokens is not JSON: {exc}") from None
-    if not isinstance(tokens, list):
-        raise click.BadParameter("--tokens must be a JSON list of token ids")
-    return tokens
 
 
 # --version says whether setup.py built the C block-key routine (no compiler at install: the pure-Python path).
@@ -54,7 +39,7 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
     from kv_preflight.keys.chain import request_keys, salted_request_keys
 
     try:
-        tokens = _read_tokens(tokens_spec)
+        tokens = read_tokens(tokens_spec)
         if cache_salt and parent is None:
             out = salted_request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size,
                                       cache_salt=cache_salt, hash_algo=hash_algo)

@@ -70,7 +70,7 @@ class ValkeyServer:
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "everysec",
             # llm-d's PodEntry JSON (~95 bytes) exceeds the default 64, which turns every request-key
-            # hash into a full hash table; 128 keeps them compact (-32 % memory, docs/benchmarks.md).
+            # hash into a full hash table; 128 keeps them compact (the saving: docs/benchmarks.md).
             "--hash-max-listpack-value", "128", "--protected-mode", "yes", "--daemonize", "no",
             "--logfile", str(self.data_dir / "valkey.log"),
         ]

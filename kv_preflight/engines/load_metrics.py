@@ -1,17 +1,15 @@
 """Engine load from an engine's Prometheus ``/metrics`` text: pure parsing, shared by the ingester
-(which scrapes each pod it owns once for the whole fleet, ingester/fleet.py) and the predictor
+(which scrapes each pod it owns once for the whole fleet, ingester/fleet_member.py) and the predictor
 (which scrapes its ``--pod-metrics`` overrides, predictor/load.py).
 
-Which series to read is the engine adapter's (kv_preflight/engines/: ``LoadMetrics``). vLLM exports what
-routing needs (0.32): requests running, requests waiting, and the fraction of KV blocks held by
-running requests (``vllm:kv_cache_usage_perc``; cached-but-free blocks do not count).
+Which series to read is the engine adapter's (kv_preflight/engines/: ``LoadMetrics``): requests running,
+requests waiting, and the fraction of KV blocks held by running requests.
 """
 from __future__ import annotations
 
 import math
 
 from kv_preflight.engines.base import LoadMetrics
-from kv_preflight.engines.vllm import LOAD_METRICS as VLLM_LOAD
 
 
 def sum_series(text: str, names: set[str] | frozenset[str], prefix: str) -> tuple[dict[str, float], dict[str, int]]:
@@ -46,7 +44,3 @@ def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | No
         return None
     usage = next((sums[n] / counts[n] for n in names.kv_usage if counts[n]), 0.0)
     return sums[names.running], sums[names.waiting], min(max(usage, 0.0), 1.0)
-
-
-def parse_vllm_metrics(text: str) -> tuple[float, float, float] | None:
-    return parse_load(text, VLLM_LOAD)

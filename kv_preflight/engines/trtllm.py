@@ -13,6 +13,7 @@ Events are tagged maps, vLLM-compatible (``KVCacheWireEvent``), in a positional 
 """
 from __future__ import annotations
 
+from kv_preflight.engines.vllm import EXTRA_KEYS as VLLM_EXTRA_KEYS
 from kv_preflight.engines.base import Engine
 from kv_preflight.events import WireLayout
 
@@ -23,9 +24,14 @@ ENGINE = Engine(
     layout=LAYOUT,
     replay_topic=True,
     default_block_size=32,
+    extra_keys=VLLM_EXTRA_KEYS,  # its events are vLLM's maps, extra_keys included
     discovery_path=None,
+    read_publishers=None,
+    read_pod_id=None,
     load_metrics=None,  # trtllm-serve's /metrics is JSON iteration stats, not Prometheus series
+    prefix_cache_metrics=None,
     tokenize_path=None,
+    tokenize_body=None,
     since="PR #17023 (streaming publisher, 2026-08)",
 )
 

@@ -5,13 +5,32 @@ tagged arrays in ``BlockStored``'s field order, read here by position. Fields ad
 (``locality``, ``ownership``, ``session_id``) are ignored; ``medium`` is ``GPU``, ``CPU`` or ``STORAGE``
 and becomes the entry's tier lowercased, as llm-d writes it. The offloading connector's placeholder
 events (``token_ids=[]``, ``block_size=0``, PR #51243) are skipped and counted, never an error.
-Publishers are listed at ``GET /kv_event_sources`` (one entry per data-parallel rank; ingester/subscriber.py).
+Publishers are listed at ``GET /kv_event_sources`` (one entry per data-parallel rank: ``read_kv_event_sources``).
 """
 from __future__ import annotations
 
-from kv_preflight.engines.base import Engine, LoadMetrics
-from kv_preflight.events import VLLM_LAYOUT
+import logging
+from typing import Any
+from urllib.parse import urlsplit
 
+from kv_preflight.engines.base import Engine, ExtraKeys, LoadMetrics, PrefixCacheMetrics, Publisher
+from kv_preflight.engines.endpoints import bind_for, is_bind_endpoint, reachable, serving_address
+from kv_preflight.events import BlockRemoved, BlockStored, WireLayout, topic_or_none
+
+# Tagged arrays (before vllm#42892): each event's fields in BlockStored's order
+# (``cache_salt`` is SGLang's field, never in vLLM's arrays).
+_ARRAY_FIELDS = {
+    "BlockStored": tuple(f for f in BlockStored.__struct_fields__ if f != "cache_salt"),
+    "BlockRemoved": BlockRemoved.__struct_fields__,
+    "AllBlocksCleared": (),
+}
+
+LAYOUT = WireLayout("vllm", positional=_ARRAY_FIELDS)
+
+log = logging.getLogger("kvpf.engines")
+
+# What routing needs (0.32): requests running, requests waiting, and the fraction of KV blocks held by
+# running requests (cached-but-free blocks do not count in kv_cache_usage_perc).
 LOAD_METRICS = LoadMetrics(
     running="vllm:num_requests_running",
     waiting="vllm:num_requests_waiting",
@@ -19,13 +38,103 @@ LOAD_METRICS = LoadMetrics(
     prefix="vllm:",
 )
 
+PREFIX_CACHE_METRICS = PrefixCacheMetrics(
+    queries="vllm:prefix_cache_queries_total",
+    hits="vllm:prefix_cache_hits_total",
+    prefix="vllm:prefix_cache_",
+)
+
+
+def multimodal_ids(extra: Any) -> list[Any] | None:
+    """Multimodal identifiers in one block's extra keys (strings, or (hash, offset) tuples)."""
+    if not extra or not isinstance(extra, (list, tuple)):
+        return None
+    out = []
+    for item in extra:
+        if isinstance(item, (list, tuple)) and item and isinstance(item[0], (str, bytes)):
+            out.append(item[0] if isinstance(item[0], str) else item[0].hex())
+        elif isinstance(item, str):
+            out.append(item)
+    return out or None
+
+
+def cache_salt_of(extra: Any, lora_name: str | None) -> str | None:
+    """The cache salt in the extra keys of a prompt's first engine block, as vLLM 0.32 publishes them:
+    ``(lora name?, (mm id, offset)..., salt?, prompt-embeds digest?)`` (kv_cache_utils
+    ``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): the bare string after the LoRA name."""
+    if not extra or not isinstance(extra, (list, tuple)):
+        return None
+    bare = [x for x in extra if isinstance(x, str)]
+    if lora_name and bare and extra[0] == lora_name:
+        bare = bare[1:]
+    return bare[-1] if bare else None
+
+
+EXTRA_KEYS = ExtraKeys(multimodal_ids=multimodal_ids, cache_salt=cache_salt_of)
+
+
+def read_kv_event_sources(engine_url: str, body: Any, target_ports: tuple[int, ...] = ()) -> list[Publisher]:
+    """Publishers from ``GET /kv_event_sources`` (one entry per data-parallel rank), for every endpoint
+    form vLLM accepts: tcp with a host, ``*``, IPv6 (``[::]``), ipc (an engine on this host); inproc
+    endpoints cannot be reached from another process and are skipped with a warning."""
+    host = urlsplit(engine_url).hostname or "127.0.0.1"
+    out = []
+    for rank, conf in sorted(body.items()):
+        if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events", True):
+            continue
+        endpoint = conf.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            continue
+        if endpoint.startswith("inproc://"):
+            log.warning("%s rank %s publishes on %s: not reachable from another process; skipped",
+                        engine_url, rank, endpoint)
+            continue
+        replay = conf.get("replay_endpoint")
+        replay = replay if isinstance(replay, str) and replay and not replay.startswith("inproc://") else None
+        binds = is_bind_endpoint(endpoint)
+        out.append(Publisher(
+            endpoint=reachable(endpoint, host) if binds else bind_for(endpoint),
+            bind=not binds,
+            replay=reachable(replay, host) if replay else None,
+            topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
+            rank=int(rank) if str(rank).isdigit() else None,
+            serving=serving_address(engine_url, int(rank) if str(rank).isdigit() else 0, target_ports),
+        ))
+    return out
+
+
+def pod_id_of_kv_event_sources(body: Any) -> str | None:
+    """The pod id in the first rank's topic ``kv@POD@MODEL`` of ``GET /kv_event_sources``, if one has it."""
+    if not isinstance(body, dict):
+        return None
+    for _rank, conf in sorted(body.items()):
+        topic = conf.get("topic") if isinstance(conf, dict) else None
+        parsed = topic_or_none(topic) if isinstance(topic, str) else None
+        if parsed is not None:
+            return parsed.pod_id
+    return None
+
+
+def tokenize_body(model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> dict[str, Any]:
+    """The ``POST /tokenize`` request: completion form for a prompt, chat form (with generation prompt) for
+    messages, so the tokens are those of the chat template the engine applies."""
+    if messages is not None:
+        return {"model": model, "messages": messages, "add_generation_prompt": True}
+    return {"model": model, "prompt": prompt}
+
+
 ENGINE = Engine(
     name="vllm",
-    layout=VLLM_LAYOUT,
+    layout=LAYOUT,
     replay_topic=True,  # 0.32 answers ["", topic, seq, payload]; older ["", seq, payload], also read
     default_block_size=16,
+    extra_keys=EXTRA_KEYS,
     discovery_path="/kv_event_sources",
+    read_publishers=read_kv_event_sources,
+    read_pod_id=pod_id_of_kv_event_sources,
     load_metrics=LOAD_METRICS,
+    prefix_cache_metrics=PREFIX_CACHE_METRICS,
     tokenize_path="/tokenize",
+    tokenize_body=tokenize_body,
     since="0.2x (maps), older (arrays)",
 )

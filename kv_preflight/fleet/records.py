@@ -1,6 +1,6 @@
 """Fleet membership records: what the ingesters know of each pod and of each other, as Valkey stores them.
 
-Ingesters write them (ingester/fleet.py); predictors read them, so ``serve --valkey-url URL`` alone
+Ingesters write them (ingester/fleet_member.py); predictors read them, so ``serve --valkey-url URL`` alone
 knows every pod's engine, models and load (docs/fleet.md). Pure values and their JSON encodings
 here; the Valkey commands are in kv_preflight/fleet/store.py, the key names in kv_preflight/index/layout.py.
 
@@ -46,7 +46,7 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     host: str = ""
     engines: list[str] = msgspec.field(default_factory=list)  # engine URLs this ingester owns
     lag_s: dict[str, float] = msgspec.field(default_factory=dict)  # pod -> seconds since its last event
-    # every engine this ingester knows of ({"url", "pod", "origin"}, ingester/membership.py EngineSpec):
+    # every engine this ingester knows of ({"url", "pod", "origin"}, ingester/membership_rules.py EngineSpec):
     # the union over live leases is what the fleet ingests, so ingesters need not share one config
     known: list[dict] = msgspec.field(default_factory=list)
 

@@ -235,6 +235,7 @@ class PodWriter:
         mode = b.get("mode", "check")
         mutations: Sequence[Mutation] = b.get("mutations", ())
         groups: Mapping[int, GroupSpec] | None = b.get("groups")
+        before = t.state.orphan_count  # (planning moves the state)
         if mode in ("clear", "reset_if"):
             plan = t.state.clear_plan()
             logged: list[Mutation] = [ClearPod()]
@@ -270,7 +271,6 @@ class PodWriter:
                 b.get("model", ""), "" if not ebs else ebs, state_field, value, "1" if snapshot else "0", new_gen,
                 len(meta) // 2, *meta, len(counters), *[x for kv in counters for x in kv],
                 len(plan.flags), *plan.flags, "1" if plan.cleared_flags else "0"]
-        before = t.state.orphan_count
         gap = before is None or before > 0 or orphans is None or orphans > 0
         return Prepared(pod, pod_keys(pod, cluster=self.cluster), head, plan.changes, plan, new_gen, snapshot,
                         len(value), groups_json, self.pods[pod].num, gap)

@@ -22,13 +22,14 @@ from typing import Any
 
 import msgspec
 
+from kv_preflight.engines import ExtraKeys
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from kv_preflight.keys.chain import chain_root, request_keys
 
 
-class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is ~5x cheaper to make
+class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is cheaper to make than a dataclass
     """Where a chain stands after an engine block: its last request key and tokens not yet keyed; and the
     block's own request keys and the key before them, where they were computed here (a hybrid model's
     other groups cache some of the same blocks in events that do not say which: ``_plan_partial``)."""
@@ -108,36 +109,11 @@ def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState,
     return list(dict.fromkeys(missing))
 
 
-def _mm_hashes(extra: Any) -> list[Any] | None:
-    """Multimodal identifiers in one block's vLLM extra_keys (strings, or (hash, offset) tuples)."""
-    if not extra or not isinstance(extra, (list, tuple)):
-        return None
-    out = []
-    for item in extra:
-        if isinstance(item, (list, tuple)) and item and isinstance(item[0], (str, bytes)):
-            out.append(item[0] if isinstance(item[0], str) else item[0].hex())
-        elif isinstance(item, str):
-            out.append(item)
-    return out or None
-
-
-def cache_salt_of(extra: Any, lora_name: str | None) -> str | None:
-    """The cache salt in the extra keys of a prompt's first engine block, as vLLM 0.32 publishes them:
-    ``(lora name?, (mm id, offset)..., salt?, prompt-embeds digest?)`` (kv_cache_utils
-    ``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): the bare string after the LoRA name."""
-    if not extra or not isinstance(extra, (list, tuple)):
-        return None
-    bare = [x for x in extra if isinstance(x, str)]
-    if lora_name and bare and extra[0] == lora_name:
-        bare = bare[1:]
-    return bare[-1] if bare else None
-
-
-def _salt_first_block_only(per_block: list[Any], extra: Any, lora_name: str | None) -> list[Any]:
+def _salt_first_block_only(per_block: list[Any], extra: Any, lora_name: str | None, extra_keys: ExtraKeys) -> list[Any]:
     """The salt keys the prompt's first canonical block only, as llm-d-router's request side folds it
     (preciseprefixcache ``foldCacheSalt``) and kv-preflight's predictor does (kv_preflight/keys/chain.py
     ``salted_request_keys``); multimodal identifiers stay on every canonical block of their engine block."""
-    salt = cache_salt_of(extra, lora_name)
+    salt = extra_keys.cache_salt(extra, lora_name)
     if salt is None:
         return per_block
     rest = list(per_block[0])
@@ -158,10 +134,12 @@ def plan_batch(
     entry_field: Callable[[str, str | None, int | None], str],
     lora_names: Mapping[str, str] | None = None,
     hash_algo: str = "fnv64a",
+    extra_keys: ExtraKeys | None,
     known: Known | None = None,
 ) -> Plan:
     """Mutations for one batch, in event order. ``state`` must already hold every parent
-    that can be resolved (see ``unresolved_parents``); it is updated with new chain points. ``known``: the
+    that can be resolved (see ``unresolved_parents``); it is updated with new chain points.
+    ``extra_keys``: how the engine's extra keys read (its adapter's, kv_preflight/engines/). ``known``: the
     request keys of a block the pod holds (its state in the index writer), for partial events."""
     plan = Plan()
     # A partial event's blocks are found among the batch's full events' (its group and the full-attention
@@ -173,7 +151,7 @@ def plan_batch(
             if isinstance(ev, BlockStored) and not partial(ev):
                 early[i] = Plan()
                 _plan_stored(ev, early[i], pod_id, model_for(ev, topic_model, lora_names), state, hash_seed,
-                             block_size, entry_field, hash_algo)
+                             block_size, entry_field, hash_algo, extra_keys)
     for i, ev in enumerate(batch.events):
         if isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
@@ -188,7 +166,8 @@ def plan_batch(
             elif partial(ev):
                 _plan_partial(ev, plan, pod_id, model, state, entry_field, known)
             else:
-                _plan_stored(ev, plan, pod_id, model, state, hash_seed, block_size, entry_field, hash_algo)
+                _plan_stored(ev, plan, pod_id, model, state, hash_seed, block_size, entry_field, hash_algo,
+                             extra_keys)
         elif isinstance(ev, BlockRemoved):
             tier = tier_of(ev.medium)
             plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
@@ -202,7 +181,7 @@ def plan_batch(
 def _plan_stored(
     ev: BlockStored, plan: Plan, pod_id: str, model: str, state: ChainState,
     hash_seed: str, block_size: int, entry_field: Callable[[str, str | None, int | None], str],
-    hash_algo: str = "fnv64a",
+    hash_algo: str, extra_keys: ExtraKeys | None,
 ) -> None:
     if ev.parent_block_hash is None:
         point = ChainPoint(chain_root(model, hash_seed, hash_algo))
@@ -218,9 +197,9 @@ def _plan_stored(
     # StoreBlock.parent: the request key the block's first key chains from (the chain root is none)
     parent = CHAIN_ROOT if parentless else point.request_key
     e = ev.block_size
-    extras = ev.extra_keys or []
+    extras = (ev.extra_keys or []) if extra_keys is not None else []
     aligned = not point.carry and e % block_size == 0
-    if aligned and hash_algo == "fnv64a" and not any(_mm_hashes(x) for x in extras):
+    if aligned and hash_algo == "fnv64a" and not any(extra_keys.multimodal_ids(x) for x in extras):
         # Fast path: one C call keys the whole event.
         keys = request_keys(ev.token_ids[: len(ev.block_hashes) * e], model=model, hash_seed=hash_seed,
                             block_size=block_size, parent=point.request_key)
@@ -235,10 +214,10 @@ def _plan_stored(
     for i, ek in enumerate(ev.block_hashes):
         pending = point.carry + tuple(ev.token_ids[i * e : (i + 1) * e])
         full = len(pending) // block_size * block_size
-        mm = _mm_hashes(extras[i]) if i < len(extras) else None
+        mm = extra_keys.multimodal_ids(extras[i]) if i < len(extras) else None
         per_block = [mm] * (full // block_size) if mm else None
         if i == 0 and parentless and per_block:
-            per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name)
+            per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name, extra_keys)
         own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
                            parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
         point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]), keys=tuple(own),

@@ -3,7 +3,7 @@
 DNS: every A/AAAA record of NAME is an engine at ``http://ADDRESS:PORT`` (a Kubernetes headless
 Service answers with one record per ready pod). A file: a JSON list of URLs or ``{"url", "pod"}``
 objects, or plain URLs one a line (``#`` comments). Both are read again every few seconds by
-ingester/fleet.py, which holds each change a few seconds before acting on it.
+ingester/fleet_member.py, which holds each change a few seconds before acting on it.
 
 ``observe`` returns None when the source could not be read (a DNS timeout, a file half written):
 "no answer" keeps the current set, unlike an answer with no engines, which empties it in time.
@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kv_preflight.ingester.membership import EngineSpec, address_pod_id
+from kv_preflight.ingester.membership_rules import EngineSpec, address_pod_id
 
 log = logging.getLogger("kvpf.ingester")
 

@@ -10,7 +10,7 @@ from kv_preflight.logs import setup_logging
 
 def run(cfg: Config) -> int:
     setup_logging(cfg.log_json)
-    from kv_preflight.ingester.service import run_ingester
+    from kv_preflight.ingester.ingester import run_ingester
 
     try:
         import uvloop

@@ -46,7 +46,8 @@ class IngesterMetrics:
                                             pods)
         self.replays = PodLabelled(Counter("kvpf_ingest_replays", "Replay requests sent to engines, by pod.", ["pod"],
                                            registry=r), pods)
-        self.valkey_errors = Counter("kvpf_ingest_valkey_errors", "Valkey calls that failed (retried).", registry=r)
+        self.valkey_errors = Counter("kvpf_ingest_valkey_errors", "Valkey calls that failed (retried, except a counter "
+                                     "write or a membership round's reads, done again later).", registry=r)
         # Labelled by socket endpoint (from the config), never by the refused pod: a forger picks those.
         self.frames_refused = Counter("kvpf_ingest_frames_refused", "Frames dropped unwritten because their pod is "
                                       "not in the socket's pods= allowlist, by socket.", ["endpoint"], registry=r)

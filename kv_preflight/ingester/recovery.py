@@ -1,8 +1,10 @@
 """What to do after the apply script answers: the ingester's recovery rules as a pure function.
 
-The script (kv_preflight/index/lua/apply.lua) answers applied, dup, gap, restart or corrupt. The loop in
-ingester/service.py carries out the step this module returns, then tries the batch again in the
-step's mode, a bounded number of times: no rule can make it loop, and no recursion is needed.
+The index's seq check (``Index.apply_batch``; the pod step in kv_preflight/index/lua/pod.lua) answers
+applied, dup, gap, restart or corrupt. ``Applier.apply`` (ingester/apply.py) carries out the step this
+module returns, then tries the batch again in the step's mode, at most MAX_STEPS times per batch. A
+replayed gap is applied batch by batch before the batch that found it, from a stack in the same loop
+(never replaying again): no rule can make it loop, and there is no recursion.
 
 Rules (vLLM 0.32 numbers a process's batches from seq 0 and sends no incarnation id):
 * applied, dup: done.

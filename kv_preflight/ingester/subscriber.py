@@ -1,390 +1,27 @@
-"""ZMQ edges: SUB sockets in both directions, engine discovery, and the replay client.
+"""The SUB sockets of one ingester, in both directions, read as one stream of (source, frames).
 
-vLLM (0.32) *binds* its PUB socket when the endpoint contains ``*`` and *connects*
-otherwise, so an ingester connects to the former (``--source``) and binds for the
-latter (``--bind``). The replay socket is always a ROUTER bound by the engine.
-
-Every socket opened here is bounded (docs/operations.md, "Hostile publishers and memory"):
-ZMQ_MAXMSGSIZE makes ZMQ drop a connection whose next frame is larger than ``max_frame_bytes``
-before it allocates it, and the receive queue holds ``max_queue_bytes`` worth of such frames.
-A bound socket can be a CURVE server admitting only listed publisher keys, and any socket can
-carry a ``pods=`` allowlist (enforced where frames are accepted, ingester/service.py).
+A socket connects to an engine that binds (``--source``) or binds for engines that connect
+(``--bind``); its options are ingester/socket_options.py's. A bound socket can be a CURVE server
+admitting only listed publisher keys (ingester/curve.py), and any socket can carry a ``pods=``
+allowlist (enforced where frames are accepted). Each socket's monitor reports handshakes and drops:
+a connecting socket that libzmq gave up on is connected again, with backoff.
 """
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import zmq
 import zmq.asyncio
-import zmq.auth
 import zmq.utils.monitor
-from zmq.utils import z85
 
 from kv_preflight.config import Config
-from kv_preflight.engines import ENGINES, engine, sglang
-from kv_preflight.events import SEQ_END, DecodedFrame, Topic, is_bind_endpoint, topic_or_none
+from kv_preflight.ingester import replay
+from kv_preflight.ingester.curve import ZAP_DOMAIN, AllowList
+from kv_preflight.ingester.socket_options import HANDSHAKE_FAILED, configure
+from kv_preflight.ingester.sources import Source
 
 log = logging.getLogger("kvpf.ingester")
-
-# A pods= allowlist is one option value: pod names joined by the one character a pod name cannot
-# hold (the topic is kv@<pod>@<model>, so "@" always ends the pod).
-POD_LIST_SEPARATOR = "@"
-ZAP_DOMAIN = b"kvpf"
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one socket may make this process hold (``--max-frame-bytes``, ``--max-queue-bytes``)."""
-
-    max_frame_bytes: int = Config.max_frame_bytes
-    max_queue_bytes: int = Config.max_queue_bytes
-
-    @property
-    def rcvhwm(self) -> int:
-        """ZMQ counts its receive queue in messages, not bytes: as many as ``max_queue_bytes`` holds at
-        the largest frame, so a full queue of one connection stays within that budget (8 by default, it
-        was 200,000). Nothing is lost to it: past it ZMQ stops reading the TCP connection and the engine's
-        PUB queue (vLLM's hwm: 100,000 messages) holds the rest; beyond that, gaps are replayed.
-        ``Subscriber.receive`` waits a moment for a queue it emptied to refill, so batching holds up."""
-        return max(1, self.max_queue_bytes // self.max_frame_bytes)
-
-
-@dataclass(frozen=True)
-class Curve:
-    """This ingester's CURVE keypair (z85) and, on bound sockets, the publisher keys admitted."""
-
-    public_key: bytes
-    secret_key: bytes = field(repr=False)
-    allowed: frozenset[bytes] = frozenset()
-    on_refused: Callable[[bytes], None] | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class Source:
-    endpoint: str
-    bind: bool = False
-    replay: str | None = None
-    topic: str | None = None  # known when discovered from the engine
-    rank: int | None = None  # data-parallel rank, known when discovered (each rank has its own sockets)
-    pods: frozenset[str] | None = None  # pods= : frames of any other pod on this socket are refused
-    curve_server_key: bytes | None = None  # curve_server_key= : the engine's public key (connecting sockets)
-    limits: Limits = Limits()
-    curve: Curve | None = None  # ours: a bound socket is a CURVE server; a connecting one uses it as client keys
-    engine: str = "vllm"  # engine= : the adapter that decodes its frames (kv_preflight/engines/)
-    pod: str | None = None  # pod= and model= : the publisher's topic is empty or foreign; these name it
-    model: str | None = None
-
-    @property
-    def named_topic(self) -> Topic | None:
-        """The pod and model the command line gave this source, standing for its topic frame."""
-        return Topic(self.pod, self.model) if self.pod and self.model else None
-    serving: str | None = None  # the rank's serving address "<ip>:<port>", llm-d-router's pod id (--pod-id endpoint)
-
-
-def parse_source(spec: str, *, bind: bool = False) -> Source:
-    """``ENDPOINT[,replay=ENDPOINT][,pods=POD@POD...][,curve_server_key=Z85][,pod=P,model=M][,engine=E]``."""
-    parts = [p.strip() for p in spec.split(",") if p.strip()]
-    if not parts or not parts[0].startswith(_SCHEMES):
-        raise ValueError(f"source {spec!r} must start with tcp://, ipc:// or inproc://")
-    replay, pods, server_key = None, None, None
-    named: dict[str, str] = {}
-    for opt in parts[1:]:
-        key, sep, value = opt.partition("=")
-        if key in ("pod", "model", "engine") and sep and value.strip():
-            named[key] = value.strip()
-        elif key == "replay" and sep and value.startswith(_SCHEMES):
-            replay = value
-        elif key == "pods" and sep:
-            names = [p.strip() for p in value.split(POD_LIST_SEPARATOR)]
-            if not all(names):
-                raise ValueError(f"source option {opt!r}: pods=POD{POD_LIST_SEPARATOR}POD... with no empty name")
-            pods = frozenset(names)
-        elif key == "curve_server_key" and sep:
-            if bind:
-                raise ValueError("curve_server_key= is for --source (the engine is the CURVE server); a --bind "
-                                 "socket is a server itself: --curve-secret-key-file and --curve-allow")
-            server_key = z85_key(value, "curve_server_key")
-        else:
-            raise ValueError(f"source option {opt!r} is not replay=tcp://HOST:PORT, pods=POD{POD_LIST_SEPARATOR}POD..., "
-                             f"curve_server_key=Z85, pod=POD, model=MODEL or engine={'|'.join(sorted(ENGINES))}")
-    name = engine(named.get("engine")).name  # ValueError naming the engines for an unknown one
-    pod, model = named.get("pod"), named.get("model")
-    if (pod is None) != (model is None):
-        raise ValueError(f"source {parts[0]}: pod= and model= go together (they stand for the topic kv@POD@MODEL)")
-    if pod is not None and POD_LIST_SEPARATOR in pod:
-        raise ValueError(f"source {parts[0]}: pod={pod!r} may not contain {POD_LIST_SEPARATOR!r}")
-    if pod is not None and pods is not None:
-        raise ValueError(f"source {parts[0]}: pod= names the one pod of this socket; pods= would be redundant")
-    return Source(endpoint=parts[0], bind=bind, replay=replay, pods=pods, curve_server_key=server_key,
-                  engine=name, pod=pod, model=model)
-
-
-# ---- CURVE keys (z85 text, as zmq.auth.create_certificates writes them)
-
-
-def z85_key(text: str | bytes, what: str) -> bytes:
-    """A 40-character z85 CURVE key, checked."""
-    key = (text.encode() if isinstance(text, str) else text).strip()
-    try:
-        ok = len(key) == 40 and len(z85.decode(key)) == 32
-    except Exception:
-        ok = False
-    if not ok:
-        raise ValueError(f"{what}: not a 40-character z85 CURVE key")
-    return key
-
-
-def load_keypair(path: str) -> tuple[bytes, bytes]:
-    """(public, secret) from a ``*.key_secret`` certificate (zmq.auth.create_certificates), or from a
-    file holding nothing but the 40-character z85 secret key (the public key is derived)."""
-    text = Path(path).read_bytes()
-    if b"secret-key" in text:
-        public, secret = zmq.auth.load_certificate(path)
-        if not secret:
-            raise ValueError(f"{path}: no secret-key in the certificate")
-        return z85_key(public, path), z85_key(secret, path)
-    secret = z85_key(text, path)
-    return zmq.curve_public(secret), secret
-
-
-def load_allowed_keys(path: str) -> frozenset[bytes]:
-    """Publisher public keys: a directory of certificates (each ``*.key`` / ``*.key_secret``), one
-    certificate, or a text file of z85 public keys, one per line, anything after the key and a space
-    ignored; ``# `` (hash, space) starts a comment line ("#" alone is a z85 character)."""
-    p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.suffix in (".key", ".key_secret")) if p.is_dir() else [p]
-    keys: set[bytes] = set()
-    for f in files:
-        text = f.read_bytes()
-        if b"public-key" in text:
-            keys.add(z85_key(zmq.auth.load_certificate(f)[0], str(f)))
-            continue
-        for n, line in enumerate(text.splitlines(), 1):
-            words = line.split()
-            if words and words[0] != b"#":
-                keys.add(z85_key(words[0], f"{f}:{n}"))
-    if not keys:
-        raise ValueError(f"--curve-allow {path}: no public key found")
-    return frozenset(keys)
-
-
-def secure_sources(sources: list[Source], cfg: Config,
-                   on_refused: Callable[[bytes], None] | None = None) -> list[Source]:
-    """The sources with the config's limits and CURVE settings; raises ValueError on a bad key file
-    or a combination that would leave a bound CURVE socket open to any key."""
-    if cfg.curve_allow and not cfg.curve_secret_key_file:
-        raise ValueError("--curve-allow needs --curve-secret-key-file (the ingester's own keypair)")
-    limits = Limits(cfg.max_frame_bytes, cfg.max_queue_bytes)
-    curve = None
-    if cfg.curve_secret_key_file:
-        public, secret = load_keypair(cfg.curve_secret_key_file)
-        allowed = load_allowed_keys(cfg.curve_allow) if cfg.curve_allow else frozenset()
-        if any(s.bind for s in sources) and not allowed:
-            raise ValueError("--curve-secret-key-file with --bind needs --curve-allow: a CURVE server that admits "
-                             "any key authenticates nobody")
-        curve = Curve(public, secret, allowed, on_refused)
-    elif any(s.curve_server_key for s in sources):
-        public, secret = zmq.curve_keypair()  # the engine admits any client key, or lists ours: give the file then
-        curve = Curve(public, secret)
-    out = []
-    for s in sources:
-        uses_curve = s.curve_server_key is not None if not s.bind else curve is not None
-        out.append(replace(s, limits=limits, curve=curve if uses_curve else None))
-        if s.bind and not uses_curve:
-            log.warning("%s accepts any publisher, which can then write for %s: give --curve-secret-key-file "
-                        "and --curve-allow, or a pods= allowlist", s.endpoint,
-                        "any pod" if s.pods is None else "the pods " + POD_LIST_SEPARATOR.join(sorted(s.pods)))
-    return out
-
-
-def _configure(sock: zmq.Socket, src: Source, *, server: bool) -> None:
-    """Limits on every socket; CURVE server keys on a bound one (``server``), client keys on one that
-    connects to an engine named with curve_server_key=. Any CURVE key set makes a socket speak CURVE,
-    so none is set otherwise (a bound source's replay DEALER, for one, stays plain)."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, src.limits.max_frame_bytes)
-    sock.setsockopt(zmq.RCVHWM, src.limits.rcvhwm)
-    if src.curve is None or not (server or src.curve_server_key):
-        return
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, src.curve.public_key)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, src.curve.secret_key)
-    if server:
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        # Fail closed: with no ZAP handler answering, ZMQ would admit any key; enforced, it refuses all.
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    else:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, src.curve_server_key)
-
-
-class _AllowList:
-    """The ZAP credentials check of bound CURVE sockets: a publisher key is in --curve-allow or refused."""
-
-    def __init__(self, keys: frozenset[bytes], on_refused: Callable[[bytes], None] | None):
-        self.keys = keys
-        self.on_refused = on_refused
-        self.refused = 0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.keys:
-            return True
-        self.refused += 1
-        if self.on_refused is not None:
-            self.on_refused(key)
-        if self.refused <= 10 or self.refused % 1000 == 0:
-            log.warning("refused a publisher: CURVE key %s is not in --curve-allow (%d refused so far)",
-                        key[:40].decode("ascii", "replace"), self.refused)
-        return False
-
-
-# Replay endpoint -> the source it belongs to, so fetch_replay (called with an endpoint) opens its
-# DEALER with that source's limits and CURVE keys. Filled by Subscriber for the sockets it opens.
-_replay_sources: dict[str, Source] = {}
-
-
-def _host_part(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def reachable(endpoint: str, host: str) -> str:
-    """Where to connect to an endpoint the engine binds, from here: ``tcp://*:5557`` and
-    ``tcp://[::]:5557`` are ``tcp://<engine host>:5557`` (IPv6 hosts in brackets); ipc:// paths are
-    the same path (an engine on this host); an explicit host is kept."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    rest = endpoint[len("tcp://"):]
-    addr, _, port = rest.rpartition(":")
-    if addr in ("*", "[::]", "::", "[*]", "0.0.0.0", ""):
-        return f"tcp://{_host_part(host)}:{port}"
-    return endpoint
-
-
-def bind_for(endpoint: str) -> str:
-    """What to bind for an engine that connects to ``tcp://host:port``: ``tcp://*:port`` (``[::]`` for
-    an IPv6 host, so both families are accepted)."""
-    rest = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
-    addr, _, port = rest.rpartition(":")
-    return f"tcp://{'[::]' if addr.startswith('[') else '*'}:{port}"
-
-
-def serving_address(engine_url: str, rank: int, target_ports: tuple[int, ...] = ()) -> str:
-    """The pod identifier llm-d-router (>= v0.10, PR #2233) writes for a rank: ``<pod IP>:<the
-    InferencePool's target port of that rank>`` (preciseprefixcache/extractor.go ``sourceEndpoint``, with
-    datastore.go ``Address: pod.Status.PodIP, Port: TargetPorts[rank]``), formatted ``%s:%s`` (an IPv6
-    address has no brackets). The IP is the engine URL's host, resolved if it is a name; the port
-    ``target_ports[rank]`` (``ingest --target-ports``), else the URL's port plus the rank."""
-    parts = urlsplit(engine_url)
-    host = parts.hostname or "127.0.0.1"
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError:
-            log.warning("%s: cannot resolve %s to the pod IP llm-d names the pod by; using the name", engine_url, host)
-    if rank < len(target_ports):
-        port = target_ports[rank]
-    else:
-        port = (parts.port or (443 if parts.scheme == "https" else 80)) + rank
-    return f"{host}:{port}"
-
-
-def sources_from_kv_event_sources(engine_url: str, body: dict, target_ports: tuple[int, ...] = ()) -> list[Source]:
-    """Sources from vLLM's ``GET /kv_event_sources`` (one entry per data-parallel rank), for every
-    endpoint form vLLM accepts: tcp with a host, ``*``, IPv6 (``[::]``), ipc (an engine on this host);
-    inproc endpoints cannot be reached from another process and are skipped with a warning."""
-    host = urlsplit(engine_url).hostname or "127.0.0.1"
-    out = []
-    for rank, conf in sorted(body.items()):
-        if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events", True):
-            continue
-        endpoint = conf.get("endpoint")
-        if not isinstance(endpoint, str) or not endpoint:
-            continue
-        if endpoint.startswith("inproc://"):
-            log.warning("%s rank %s publishes on %s: not reachable from another process; skipped",
-                        engine_url, rank, endpoint)
-            continue
-        replay = conf.get("replay_endpoint")
-        replay = replay if isinstance(replay, str) and replay and not replay.startswith("inproc://") else None
-        binds = is_bind_endpoint(endpoint)
-        out.append(Source(
-            endpoint=reachable(endpoint, host) if binds else bind_for(endpoint),
-            bind=not binds,
-            replay=reachable(replay, host) if replay else None,
-            topic=conf.get("topic") if isinstance(conf.get("topic"), str) else None,
-            rank=int(rank) if str(rank).isdigit() else None,
-            serving=serving_address(engine_url, int(rank) if str(rank).isdigit() else 0, target_ports),
-        ))
-    return out
-
-
-def sources_from_sglang_server_info(engine_url: str, body: dict) -> list[Source]:
-    """Sources from SGLang's ``GET /server_info`` (its server args): ``kv_events_config`` gives the PUB and
-    replay endpoints and the topic, each data-parallel rank publishing on ``port + rank`` (SGLang's
-    ``offset_endpoint_port``); ``page_size`` is its block size. SGLang's topic is empty by default, so the
-    pod is named by the serving address (``HOST:PORT`` of ``engine_url``) and the model by the served name."""
-    conf = sglang.kv_events_config_of(body)
-    if conf is None or conf.get("publisher", "null") != "zmq":
-        return []
-    parts = urlsplit(engine_url)
-    host = parts.hostname or "127.0.0.1"
-    endpoint, replay = conf.get("endpoint") or "tcp://*:5557", conf.get("replay_endpoint") or None
-    topic = conf.get("topic") if isinstance(conf.get("topic"), str) else ""
-    named = None
-    if topic_or_none(topic) is None:
-        model = body.get("served_model_name") or body.get("model_path")
-        named = (f"{_host_part(host)}:{parts.port or 80}", model if isinstance(model, str) and model else "default")
-    ranks = body.get("dp_size") if body.get("enable_dp_attention") else 1
-    ranks = ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
-    log.info("SGLang engine %s: page size %s (its KV-event block size), %d rank(s)", engine_url,
-             sglang.page_size_of(body), ranks)
-    out = []
-    for rank in range(ranks):
-        pub, rep = _offset(endpoint, rank), _offset(replay, rank) if replay else None
-        if pub is None or pub.startswith("inproc://"):
-            log.warning("%s rank %d publishes on %s: not reachable from another process; skipped", engine_url, rank, pub)
-            continue
-        binds = is_bind_endpoint(pub) or "0.0.0.0" in pub  # newer SGLang binds 0.0.0.0 too
-        out.append(Source(endpoint=reachable(pub, host) if binds else bind_for(pub), bind=not binds,
-                          replay=reachable(rep, host) if rep and not rep.startswith("inproc://") else None,
-                          topic=topic or None, rank=rank, engine="sglang",
-                          pod=named[0] if named else None, model=named[1] if named else None))
-    return out
-
-
-def _offset(endpoint: str, rank: int) -> str | None:
-    """SGLang's per-rank endpoint: tcp port + rank, inproc/ipc name + ``_dp<rank>``; None if unreadable."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith(("inproc://", "ipc://")):
-        return f"{endpoint}_dp{rank}"
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + rank}" if port.isdigit() else None
-
-
-async def discover(engine_url: str, timeout_s: float = 5.0, target_ports: tuple[int, ...] = ()) -> list[Source]:
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        resp = await client.get(engine_url.rstrip("/") + "/kv_event_sources")
-        if resp.status_code == 404:  # not vLLM: an SGLang server lists its publishers in /server_info
-            info = await client.get(engine_url.rstrip("/") + "/server_info")
-            body = info.json() if info.status_code == 200 else None
-            if sglang.page_size_of(body) is not None:
-                return sources_from_sglang_server_info(engine_url, body)
-        resp.raise_for_status()
-        return sources_from_kv_event_sources(engine_url, resp.json(), target_ports)
-
 
 # A receive waits at most this long for a first message, so sockets added meanwhile are polled soon.
 POLL_MS = 500
@@ -416,7 +53,7 @@ class Subscriber:
         # refuses every key if it is ever gone).
         from zmq.auth.asyncio import AsyncioAuthenticator
 
-        self.allow_list = _AllowList(frozenset().union(*(s.curve.allowed for s in servers)),
+        self.allow_list = AllowList(frozenset().union(*(s.curve.allowed for s in servers)),
                                      servers[0].curve.on_refused)
         self.authenticator = AsyncioAuthenticator(self.ctx)
         self.authenticator.start()
@@ -431,10 +68,9 @@ class Subscriber:
         self.receive_bytes = max((s.limits.max_frame_bytes for s in self.sources), default=Config.max_frame_bytes)
         for src in sources:
             sock = self.ctx.socket(zmq.SUB)
-            _configure(sock, src, server=src.bind)
+            configure(sock, src, server=src.bind)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            if src.replay:
-                _replay_sources[src.replay] = src
+            replay.remember(src)
             if "[" in src.endpoint:
                 sock.setsockopt(zmq.IPV6, 1)
             if src.bind:
@@ -449,7 +85,7 @@ class Subscriber:
             # A bound socket named with pod= counts its publishers too: its frames carry no pod of their own,
             # so it is only trusted while exactly one publisher is connected (see ``crowded``).
             mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if src.pod else 0)) if src.bind
-                                          else zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+                                          else zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             self.monitors[mon] = src
             self.poller.register(mon, zmq.POLLIN)
             log.info("subscribed", extra={"endpoint": src.endpoint, "mode": "bind" if src.bind else "connect",
@@ -576,8 +212,7 @@ class Subscriber:
                 if not sock.closed:
                     self.poller.unregister(sock)
                     sock.close(linger=0)
-                if src.replay and _replay_sources.get(src.replay) is src:
-                    del _replay_sources[src.replay]
+                replay.forget(src)
                 self.sources[i] = Source(endpoint=f"removed://{i}")
                 self._drops.pop(i, None)
                 self._peers.pop(i, None)
@@ -590,69 +225,8 @@ class Subscriber:
         for mon in self.monitors:
             mon.close(linger=0)
         for src, sock in zip(self.sources, self.sockets):
-            if src.replay and _replay_sources.get(src.replay) is src:
-                del _replay_sources[src.replay]
+            replay.forget(src)
             sock.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
             self.authenticator = None
-
-
-# Replay connection events that end a reply early: a frame over the size limit (ZMQ drops the
-# connection rather than allocate it), the engine going away, or a refused CURVE handshake.
-_REPLAY_BROKEN = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-
-
-async def fetch_replay(
-    endpoint: str, start_seq: int, *, timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None,
-    source: Source | None = None,
-) -> tuple[list[DecodedFrame], bool]:
-    """Every batch the engine still buffers from ``start_seq`` on, and whether the end marker came.
-
-    A DEALER sends ``["", start_seq as 8 bytes big-endian]``; the ROUTER answers one
-    message per buffered batch and ends with seq -1. The reply ends early, incomplete, when
-    the connection drops (a frame over ``max_frame_bytes`` does that, and is never asked for
-    again by this call: the engine would only send it again) or past ``max_queue_bytes``; the
-    caller flags the seqs it did not get.
-    """
-    ctx = ctx or zmq.asyncio.Context.instance()
-    src = source or _replay_sources.get(endpoint) or Source(endpoint)
-    sock = ctx.socket(zmq.DEALER)
-    _configure(sock, src, server=False)
-    monitor = sock.get_monitor_socket(_REPLAY_BROKEN)
-    poller = zmq.asyncio.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    frames: list[DecodedFrame] = []
-    received = 0
-    try:
-        if "[" in endpoint:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(endpoint)
-        await sock.send_multipart([b"", max(start_seq, 0).to_bytes(8, "big")])
-        while True:
-            ready = dict(await poller.poll(timeout=int(timeout_s * 1000)))
-            if sock not in ready:
-                if monitor in ready:
-                    log.warning("replay from %s ended after %d batch(es): the connection dropped (a frame over "
-                                "--max-frame-bytes %d, the engine going away, or a refused CURVE handshake)",
-                                endpoint, len(frames), src.limits.max_frame_bytes)
-                return frames, False
-            message = await sock.recv_multipart()
-            received += sum(len(f) for f in message)
-            if received > src.limits.max_queue_bytes:
-                log.warning("replay from %s ended after %d batch(es): over --max-queue-bytes %d",
-                            endpoint, len(frames), src.limits.max_queue_bytes)
-                return frames, False
-            decoded = engine(src.engine).decode_frames(message, topic=src.named_topic)
-            if decoded.seq == SEQ_END:
-                return frames, True
-            frames.append(decoded)
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-
-
-async def sleep_backoff(attempt: int, cap_s: float = 5.0) -> None:
-    await asyncio.sleep(min(cap_s, 0.05 * (2 ** min(attempt, 10))))

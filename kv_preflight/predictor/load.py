@@ -1,16 +1,16 @@
 """Engine load, scraped in the background from each engine's Prometheus ``/metrics``.
 
 Routing needs to know when the pod with the best cache overlap is too busy to be
-worth it. vLLM exports exactly the signals that say so (0.32): requests running,
-requests waiting, and the fraction of KV blocks held by running requests
-(``vllm:kv_cache_usage_perc``; cached-but-free blocks do not count). One GET per
+worth it: requests running, requests waiting, and the fraction of KV blocks held by
+running requests, as the engine adapter names them (``Engine.load_metrics``; the
+predictor's engines are of the default family, kv_preflight/engines/). One GET per
 engine per interval (~1 s) keeps them fresh without touching the request path:
 a route reads the last snapshot from memory.
 
 Every few scrapes the engine's ``/v1/models`` is read too, so routing knows which
 models (base and LoRA adapters, by adapter name as the engine serves them) each pod
 serves. Targets are ``--pod-metrics POD=URL`` and the engines of ``--engine-url``,
-whose pod id comes from their ``/kv_event_sources`` topic (``kv@POD@MODEL``).
+whose pod id comes from the topic (``kv@POD@MODEL``) in their discovery answer.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from kv_preflight.engines.load_metrics import parse_vllm_metrics  # noqa: F401 (kv_preflight.predictor.load.parse_vllm_metrics, as before)
-from kv_preflight.engines.vllm import LOAD_METRICS as VLLM_LOAD
-from kv_preflight.events import topic_or_none
+from kv_preflight.engines import DEFAULT, engine
+from kv_preflight.engines.load_metrics import parse_load
 
 log = logging.getLogger("kvpf.predictor")
+
+ENGINE = engine(DEFAULT)  # the family of the engines the predictor scrapes
 
 MODELS_EVERY = 10  # read /v1/models on every 10th scrape
 
@@ -125,15 +126,15 @@ class LoadMonitor:
             if t.pod_id is None:
                 t.pod_id = await _discover_pod(client, t.base_url)
                 if t.pod_id is None:
-                    self._log_state(t, False, "unreachable (its /kv_event_sources does not answer); asked again "
-                                              "every scrape")
+                    self._log_state(t, False, f"unreachable (its {ENGINE.discovery_path} does not answer); asked "
+                                              "again every scrape")
                     return
                 with_models = True
             resp = await client.get(t.metrics_url)
             resp.raise_for_status()
-            parsed = parse_vllm_metrics(resp.text)
+            parsed = parse_load(resp.text, ENGINE.load_metrics)
             if parsed is None:
-                raise ValueError(f"{t.metrics_url} has no {VLLM_LOAD.running} / {VLLM_LOAD.waiting}")
+                raise ValueError(f"{t.metrics_url} has no {ENGINE.load_metrics.running} / {ENGINE.load_metrics.waiting}")
             self.loads[t.pod_id] = PodLoad(*parsed, at=self.clock())
             if with_models:
                 r = await client.get(t.base_url + "/v1/models")
@@ -165,15 +166,8 @@ class LoadMonitor:
 async def _discover_pod(client: httpx.AsyncClient, base_url: str) -> str | None:
     """The pod id in the engine's KV-event topic ``kv@POD@MODEL``; None while the engine does not answer."""
     try:
-        resp = await client.get(base_url + "/kv_event_sources")
+        resp = await client.get(base_url + ENGINE.discovery_path)
         body = resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
-    if not isinstance(body, dict):
-        return None
-    for _rank, conf in sorted(body.items()):
-        topic = conf.get("topic") if isinstance(conf, dict) else None
-        parsed = topic_or_none(topic) if isinstance(topic, str) else None
-        if parsed is not None:
-            return parsed.pod_id
-    return None
+    return ENGINE.read_pod_id(body)

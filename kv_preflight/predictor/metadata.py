@@ -114,7 +114,7 @@ class IndexMetadata:
     def _renewed(self, task: asyncio.Task) -> None:
         self._renewing = None
         if not task.cancelled():
-            task.exception()  # errors are retrieved here; the entries expire as before and are read then
+            task.exception()  # errors are retrieved here; the entries expire as usual and are read then
 
     def _start_fetch(self, pods: list[str]) -> dict[str, asyncio.Task]:
         """The fetch reading each pod: one already running, or one new pipelined fetch for the rest."""

@@ -273,7 +273,7 @@ class Predictor:
 
     async def _check_pods_filter(self, pods: list[str]) -> None:
         """A route must name a pod that exists: one the index, the fleet records or --pod-metrics know,
-        and not retired (issue #15: ``"pods": ["nope"]`` answered ``pod_id: "nope"``)."""
+        and not retired (else ``"pods": ["nope"]`` would answer ``pod_id: "nope"``)."""
         retired = self.fleet.retired() if self.fleet else frozenset()
         known: set[str] = set(self.fleet.known()) if self.fleet else set()
         if self.load is not None:

@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kv_preflight.events import Event, EventBatch, is_bind_endpoint
+from kv_preflight.engines.endpoints import is_bind_endpoint
+from kv_preflight.events import Event, EventBatch
 from kv_preflight.events import encode_payload as encode_batch
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame, decode_frames
+from kv_preflight.engines.vllm import ENGINE as VLLM
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame
 from tests.e2e.conftest import launcher, start_vllm
 from tests.e2e.harness import spawn, stop, wait_http
 
@@ -112,7 +113,7 @@ def replay(endpoint: str, start_seq: int = 0, timeout_s: float = 10) -> list[Dec
         while time.monotonic() < deadline:
             if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 break
-            d = decode_frames(sock.recv_multipart())
+            d = VLLM.decode_frames(sock.recv_multipart())
             if d.seq == -1:
                 return frames
             frames.append(d)

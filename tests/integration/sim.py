@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.events import EventBatch, decode_frames
+from kv_preflight.engines.vllm import ENGINE as VLLM
+from kv_preflight.events import EventBatch
 from tests.e2e.harness import spawn, stop, wait_http
 
 
@@ -47,7 +48,7 @@ class SimEngine:
                 frames = sock.recv_multipart()  # ["", topic, seq, payload]; the end is seq -1
                 if frames[2] == b"\xff" * 8:
                     return out
-                got = decode_frames(frames[1:])
+                got = VLLM.decode_frames(frames[1:])
                 assert not got.errors and got.seq == len(out), (got.seq, len(out), got.errors)
                 out.append(got.batch)
             raise TimeoutError(f"{self.pod}'s replay socket did not finish its answer")

@@ -9,7 +9,7 @@ import pytest
 
 from kv_preflight.cli.bench import loadgen
 from kv_preflight.cli.bench.workload import event_stream
-from kv_preflight.events import decode_frames
+from kv_preflight.engines.vllm import ENGINE as VLLM
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ def test_workload_is_vllm_032_frames_with_chained_parents():
     seen = set()
     chained = 0
     for _, frames in st.frames:
-        d = decode_frames(frames)
+        d = VLLM.decode_frames(frames)
         assert not d.errors and d.batch is not None
         for ev in d.batch.events:
             if type(ev).__name__ == "BlockStored":

@@ -83,7 +83,7 @@ def test_calibrate_writes_and_merges_the_model_file(tmp_path):
     (["index", "stats", "--valkey-url", "localhost:7800"], "needs a scheme"),
 ])
 def test_bad_input_is_one_clear_line_not_a_traceback(args, says):
-    """Raw tracebacks from a missing @file and a URL with no scheme (Operator experience, finding 4)."""
+    """A missing @file and a URL with no scheme are one clear line, not a raw traceback."""
     import subprocess
     import sys
 
@@ -107,7 +107,7 @@ def test_calibrate_says_how_many_rows_were_left_out_and_why(tmp_path):
 
 
 def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
-    """`/stats` said index_keys and last_seq where `index stats --json` said keys and seq (finding 8)."""
+    """`index stats --json` names its fields as `/stats` does (index_keys, last_seq; keys and seq kept too)."""
     import asyncio
     import time
 

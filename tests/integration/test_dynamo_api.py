@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from kv_preflight.engines.vllm import ENGINE as VLLM
 from kv_preflight.ingester.bridge import ChainState, plan_batch
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.dynamo.api import create_dynamo_app
@@ -34,7 +35,7 @@ async def ingest(ix, pod: str, events: list, seq: int, model: str = MODEL, state
     """One batch through the ingester's bridge into the index, as an ingester applies it."""
     batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
     plan = plan_batch(batch, pod_id=pod, topic_model=model, state=state if state is not None else ChainState(), hash_seed="",
-                      block_size=16, entry_field=ix.entry_field)
+                      block_size=16, entry_field=ix.entry_field, extra_keys=VLLM.extra_keys)
     result = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=batch.ts, model=model,
                                   engine_block_size=plan.engine_block_size, mutations=plan.mutations)
     assert result.status == "applied" and not plan.orphans

@@ -1,4 +1,4 @@
-"""Zero-config predictors (issue #10 item 4): a real ``serve --valkey-url URL`` process learns the fleet from
+"""Zero-config predictors: a real ``serve --valkey-url URL`` process learns the fleet from
 the records the ingesters write (``kvpf:fleet``, ``kvpf:load``, ``kvpf:settings``), here written by the
 test through the same Index methods, beside real simulated engines and a real valkey-server."""
 from __future__ import annotations
@@ -152,7 +152,7 @@ async def test_retired_and_unreachable_pods_are_not_offered(valkey_url, ix, sims
     assert [x["pod_id"] for x in p["pod_affinities"]] == ["pod-a"]
     r = s.route(token_ids=prompt, pods=["ghost", "pod-a"])
     assert r.status_code == 400 and "retired pods: 'ghost'" in r.json()["error"]
-    # issue #15 item 5: an unknown pod in the filter is an error naming it, never the answer
+    # an unknown pod in the filter is an error naming it, never the answer
     r = s.route(token_ids=prompt, pods=["nope"])
     assert r.status_code == 400 and "unknown pods" in r.json()["error"] and "'nope'" in r.json()["error"]
     assert s.route(token_ids=prompt, pods=["pod-b"]).json()["pod_id"] == "pod-b"

@@ -42,9 +42,9 @@ async def until(pred, what: str, timeout: float = 10.0):
 
 @pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-replay", "replay-without-topic"])
 async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url, tmp_path, replay_topic):
-    """Finding 1: with --source (no topic known before the first frame) a restarted ingester
-    replayed nothing until the engine published again. The pod a replay socket serves is now
-    persisted, so the restart catches up at start, also when replies carry no topic (SGLang)."""
+    """With --source (no topic known before the first frame) a restarted ingester must not wait for the
+    engine to publish again: the pod a replay socket serves is persisted, so the restart catches up at
+    start, also when replies carry no topic (SGLang)."""
     engine, source = stub(replay_topic=replay_topic)
     wl = Workload(11)
     ix = Index.from_url(valkey_url)
@@ -67,10 +67,10 @@ async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url
 
 
 async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_path):
-    """Finding 3: seq 2^63-1 overflowed Lua's doubles and made apply recurse without bound; the
-    process died and died again after a restart. Seqs are compared exactly; one more than 2^32
-    past the persisted seq is corrupt: refused, counted, the pod flagged, and the next real batch
-    applies as the next seq (no "restart" that would clear the pod)."""
+    """Seq 2^63-1 overflows Lua's doubles (the apply would recurse without bound, and the process die
+    again after each restart), so seqs are compared exactly; one more than 2^32 past the persisted seq
+    is corrupt: refused, counted, the pod flagged, and the next real batch applies as the next seq (no
+    "restart" that would clear the pod)."""
     engine, source = stub()
     wl = Workload(12)
     ix = Index.from_url(valkey_url)
@@ -101,9 +101,9 @@ async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_p
 
 
 async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_path):
-    """A LIST at engine:<key> once failed the batch script after partial writes; each retry counted
-    copies again, every other pod stalled, and after eviction the pod stayed listed. Now the write to the
-    foreign key stands alone (pod flagged, counted); the block is still indexed (its request keys are in
+    """A LIST at engine:<key> must not fail the batch script after partial writes (each retry would count
+    copies again, every other pod would stall, and after eviction the pod would stay listed): the write to
+    the foreign key stands alone (pod flagged, counted); the block is still indexed (its request keys are in
     the pod's own state, so its eviction needs nothing from engine:<key>), the seq moves on, other pods go
     on, and nothing is counted twice."""
     a, src_a = stub("kv@pod-a@tiny")
@@ -147,7 +147,7 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
 
 
 async def test_foreign_request_key_is_a_counted_miss_on_read(ix):
-    """Finding 5, read path: a foreign-typed request key was "valkey unavailable"; it is a miss."""
+    """Read path: a foreign-typed request key is a miss, not "valkey unavailable"."""
     await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                          mutations=[StoreBlock(11, "gpu", F0, (101, 102)), StoreBlock(12, "gpu", F0, (103,))])
     await ix.client.delete("102")
@@ -168,7 +168,7 @@ async def test_foreign_pod_key_refuses_the_batch_before_any_write(ix):
 
 
 async def test_non_integer_seq_in_state_flags_the_pod(ix):
-    """Finding 6: a non-integer seq in a pod's state gave a 500; it is corrupt state, pod flagged."""
+    """A non-integer seq in a pod's state is corrupt state, the pod flagged, not a 500."""
     await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                          mutations=[StoreBlock(11, "gpu", F0, (101,))])
     await ix.client.hset(pod_meta_key("pod-a"), "seq:0", "not-a-number")
@@ -194,7 +194,7 @@ async def test_seqs_compare_exactly_past_2_pow_53(ix):
 
 
 async def test_reannounced_block_is_not_a_second_copy(ix):
-    """Finding 9: vLLM re-sends BlockStored, parentless, for reused blocks under
+    """vLLM re-sends BlockStored, parentless, for reused blocks under
     kv_cache_report_mode "full"; a real second copy (recomputed last block) has a parent."""
     async def apply(seq, muts):
         return await ix.apply_batch(pod_id="pod-a", rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32,
@@ -212,7 +212,7 @@ async def test_reannounced_block_is_not_a_second_copy(ix):
 
 
 async def test_cache_salt_two_engine_keys_one_request_key(ix):
-    """Finding 9: a salted and an unsalted prompt give two engine keys and the same request keys;
+    """A salted and an unsalted prompt give two engine keys and the same request keys;
     evicting one must not drop the entry the other still backs."""
     async def apply(seq, muts):
         await ix.apply_batch(pod_id="pod-a", rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32, mutations=muts)

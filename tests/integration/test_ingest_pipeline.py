@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source
+from kv_preflight.ingester.ingester import Ingester
+from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_frames, make_topic
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
@@ -64,16 +64,16 @@ async def ingest(url: str, messages, *, pipelined: bool):
         await ing.handle_messages([(SRC, m) for m in messages])
     else:
         for m in messages:
-            await ing.handle_frames(SRC, m)
+            await ing.handle_messages([(SRC, m)])
     await ing.index.close()
-    return ing.stats.counts
+    return ing.counters.counts
 
 
 @pytest.mark.parametrize("case", ["clean", "gap", "restart", "dup"])
 async def test_pipelined_equals_one_by_one(valkey_url, case, monkeypatch):
-    import kv_preflight.ingester.service as service
+    import kv_preflight.ingester.pipeline as pipeline
 
-    monkeypatch.setattr(service, "PIPELINE_BATCHES", 4)  # several runs in flight
+    monkeypatch.setattr(pipeline, "PIPELINE_BATCHES", 4)  # several runs in flight
     a = stream("pod-a", range(12))
     b = stream("pod-b", range(12), base=7)
     msgs = [m for pair in zip(a, b) for m in pair]
@@ -137,18 +137,18 @@ async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
         [BlockRemoved([41], medium="GPU", group_idx=0)],
     ])]
     keys = request_keys(toks, model="m")
-    await ing.handle_frames(SRC, msgs[0])
+    await ing.handle_messages([(SRC, msgs[0])])
     f0, f1 = encode_entry(make_entry("pod-h", "GPU", 0)), encode_entry(make_entry("pod-h", "GPU", 1))
     exported = sorted([b async for b in ing.index.export_blocks("pod-h")], key=lambda b: b.group)
     # (the parent of each block's first key comes back too: a chain's first block starts at the root)
     assert exported == [StoreBlock(41, "gpu", f0, tuple(keys), 0, parent=CHAIN_ROOT),
                         StoreBlock(41, "gpu", f1, tuple(keys), 1, parent=CHAIN_ROOT)]
-    await ing.handle_frames(SRC, msgs[1])
+    await ing.handle_messages([(SRC, msgs[1])])
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
     assert r.hkeys(str(keys[0])) == [f0]  # group 0 still holds it
     exported = [b async for b in ing.index.export_blocks("pod-h")]
     assert [(b.engine_key, b.tier, b.entry_field) for b in exported] == [(41, "gpu", f0)]
-    await ing.handle_frames(SRC, msgs[2])
+    await ing.handle_messages([(SRC, msgs[2])])
     assert await ing.index.lookup(keys) == []
     assert not r.exists(*[str(k) for k in keys], "engine:41")
     assert (await ing.index.pod_info("pod-h")).blocks == 0
@@ -166,12 +166,12 @@ async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_ur
         return encode_frames(make_topic(pod, model), seq, EventBatch(1000.0 + seq, [ev], 0))
 
     first = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
-    await first.handle_frames(SRC, msg("pod-a", "model-a", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))
-    await first.handle_frames(SRC, msg("pod-b", "model-b", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))
+    await first.handle_messages([(SRC, msg("pod-a", "model-a", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))])
+    await first.handle_messages([(SRC, msg("pod-b", "model-b", 0, BlockStored([41], None, t0, 32, medium="GPU", group_idx=0)))])
     await first.index.close()
     cold = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
-    await cold.handle_frames(SRC, msg("pod-a", "model-a", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))
-    await cold.handle_frames(SRC, msg("pod-b", "model-b", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))
+    await cold.handle_messages([(SRC, msg("pod-a", "model-a", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))])
+    await cold.handle_messages([(SRC, msg("pod-b", "model-b", 1, BlockStored([42], 41, t1, 32, medium="GPU", group_idx=0)))])
     got_a = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-a"))}
     got_b = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-b"))}
     assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
@@ -209,7 +209,7 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
     ing.index.send_batches = send_then_lose_the_replies
     await ing.handle_messages([(SRC, m) for m in msgs])
     await observer.close()
-    assert ing.stats.counts["duplicates_skipped"] == 2
+    assert ing.counters.counts["duplicates_skipped"] == 2
     info = await ing.index.pod_info("pod-a")
     assert info.incomplete and "unknown parent" in info.incomplete_reason
     await ing.index.close()

@@ -8,8 +8,9 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source, fetch_replay
+from kv_preflight.ingester.ingester import Ingester
+from kv_preflight.ingester.replay import fetch_replay
+from kv_preflight.ingester.sources import Source
 from kv_preflight.config import Config
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import Index
@@ -196,9 +197,9 @@ async def test_two_ingesters_apply_each_batch_once(valkey_url, ix):
         info = await h.wait_seq(ix, 6)
         await asyncio.sleep(0.2)
         assert info.counters["batches"] == 7 and info.counters["stored"] == 6 and info.counters["removed"] == 1
-        applied = a.stats.counts["batches_applied"] + b.stats.counts["batches_applied"]
+        applied = a.counters.counts["batches_applied"] + b.counters.counts["batches_applied"]
         assert applied == 7
-        assert a.stats.counts["duplicates_skipped"] + b.stats.counts["duplicates_skipped"] == 7
+        assert a.counters.counts["duplicates_skipped"] + b.counters.counts["duplicates_skipped"] == 7
         assert await cached_blocks(ix, 6 * 32) == 10
     finally:
         await h.close()
@@ -213,7 +214,7 @@ async def test_malformed_frames_are_counted_not_fatal(valkey_url, ix):
         h.engine.send_raw([b"kv@pod-a@tiny", b"\x00\x01", b""])
         h.engine.publish(batch(stored([1], None, 0)))
         await h.wait_seq(ix, 0)
-        assert ing.stats.counts["decode_errors"] == 3
+        assert ing.counters.counts["decode_errors"] == 3
         assert (await ix.counters())["decode_errors"] == 3
         assert await cached_blocks(ix, 32) == 2
     finally:
@@ -286,15 +287,15 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
     async def feed(engine, src, rank, *events, send=True):
         engine.publish(EventBatch(time.time(), list(events), rank), send=False)
         if send:
-            await ing.handle_frames(src, engine.buffer[-1][1])
+            await ing.handle_messages([(src, engine.buffer[-1][1])])
 
     try:
         for i in range(5):  # rank 0: seqs 0..4
             await feed(e0, srcs[0], 0, stored([i + 1], i or None, i))
         await feed(e1, srcs[1], 1, stored([101], None, 0, medium="CPU"))  # rank 1: seq 0
         assert (await ix.pod_info("pod-a")).seqs == {"0": 4, "1": 0}
-        await ing.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
-        await ing.probe_restart(srcs[0])
+        await ing.resume.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
+        await ing.resume.probe_restart(srcs[0])
         info = await ix.pod_info("pod-a")
         assert info.counters.get("restarts", 0) == 0 and info.seqs == {"0": 4, "1": 0}
         assert await cached_blocks(ix, 5 * 32) == 10
@@ -313,12 +314,13 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
 
 
 def test_discovered_sources_know_their_data_parallel_rank():
-    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.engines import engine
+    from kv_preflight.ingester.discovery import sources_from
 
     conf = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv@pod-a@tiny"}
     body = {"0": {**conf, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
             "1": {**conf, "endpoint": "tcp://*:6557", "replay_endpoint": "tcp://*:6558"}}
-    got = sources_from_kv_event_sources("http://vllm-0:8000", body)
+    got = sources_from(engine("vllm"), "http://vllm-0:8000", body)
     assert [(s.rank, s.endpoint, s.replay) for s in got] == [
         (0, "tcp://vllm-0:5557", "tcp://vllm-0:5558"), (1, "tcp://vllm-0:6557", "tcp://vllm-0:6558")]
 
@@ -333,7 +335,7 @@ async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(
             ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
             for i in range(3):  # the old engine process
                 h.engine.publish(batch(stored([i + 1], i or None, i), ts=1000.0 + i), send=False)
-                await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+                await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
             await ix.mark_incomplete("pod-a", "an old gap")
             h.engine.seq = 0  # a new process counts from 0 again
             h.engine.buffer.clear()
@@ -342,7 +344,7 @@ async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(
             if not buffered:
                 h.engine.buffer.clear()
             h.engine.publish(batch(stored([13], 12 if buffered else None, 6)), send=False)
-            await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+            await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
             info = await ix.pod_info("pod-a")
             assert info.counters.get("restarts") == 1 and info.seqs == {"0": 2}
             old = {m.pod_id: m.blocks for m in await ix.lookup(request_keys(TOKENS[:32], model="tiny"))}
@@ -363,11 +365,11 @@ async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url,
     try:
         ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
         h.engine.publish(batch(stored([1], None, 0)), send=False)
-        await ing.handle_frames(h.source, h.engine.buffer[-1][1])
+        await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
         await ix.mark_incomplete("pod-a", "an old gap")
         h.engine.buffer.clear()  # a new engine process behind the same endpoints
         h.engine.seq = 0
-        await ing.probe_restart(h.source)
+        await ing.resume.probe_restart(h.source)
         info = await ix.pod_info("pod-a")
         assert info.counters.get("restarts") == 1 and info.blocks == 0
         assert not info.incomplete  # the pod is exact again (empty, as the new engine)

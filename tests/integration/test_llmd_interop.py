@@ -13,10 +13,10 @@ import httpx
 import pytest
 import redis
 
-from kv_preflight.ingester.service import Ingester
+from kv_preflight.ingester.ingester import Ingester
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
-from kv_preflight.events import decode_frames
+from kv_preflight.engines.vllm import ENGINE as VLLM
 from kv_preflight.index.index import Index
 from kv_preflight.keys.chain import request_keys
 from kv_preflight.index.layout import PODS_KEY
@@ -47,13 +47,13 @@ def llmd_lookup(r: redis.Redis, keys: list[int]) -> dict[int, list[dict]]:
 
 
 async def test_llmd_reads_what_kv_preflight_ingested_from_real_vllm_frames(valkey_url):
-    frames = [decode_frames([base64.b64decode(x) for x in o["frames_b64"]])
+    frames = [VLLM.decode_frames([base64.b64decode(x) for x in o["frames_b64"]])
               for o in load_jsonl("vllm-0.32-replay-frames.jsonl")]
     frames = [f for f in frames if f.batch is not None]
     ix = Index.from_url(valkey_url)
     ing = Ingester(Config(valkey_url=valkey_url), ix, [])
     for f in frames:
-        assert await ing.apply(f.topic.pod_id, f.topic.model, f.seq, f.batch) == "applied"
+        assert await ing.applier.apply(f.topic.pod_id, f.topic.model, f.seq, f.batch) == "applied"
     # The last stored chain: rebuild its full token list from the events, as the engine saw it.
     last = [e for e in frames[-1].batch.events if type(e).__name__ == "BlockStored"][-1]
     by_hash = {}

@@ -12,8 +12,11 @@ import time
 import httpx
 import pytest
 
-from kv_preflight.ingester.service import Ingester
-from kv_preflight.ingester.subscriber import Source, serving_address, sources_from_kv_event_sources
+from kv_preflight.ingester.ingester import Ingester
+from kv_preflight.engines import engine
+from kv_preflight.engines.endpoints import serving_address
+from kv_preflight.ingester.discovery import sources_from
+from kv_preflight.ingester.sources import Source
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.config import Config
 from kv_preflight.index.entries import parse_entry
@@ -30,7 +33,7 @@ def test_serving_address_is_llm_d_routers():
     assert serving_address("http://[fd00::7]:8000", 0) == "fd00::7:8000"  # Go's "%s:%s", no brackets
     assert serving_address("http://localhost:8000", 0) in ("127.0.0.1:8000", "::1:8000")  # the pod IP, resolved
     body = {"0": {"endpoint": "tcp://*:5557", "topic": "kv@vllm-0@m"}, "1": {"endpoint": "tcp://*:5558", "topic": "kv@vllm-0@m"}}
-    assert [s.serving for s in sources_from_kv_event_sources("http://10.0.0.1:8000", body)] == ["10.0.0.1:8000",
+    assert [s.serving for s in sources_from(engine("vllm"), "http://10.0.0.1:8000", body)] == ["10.0.0.1:8000",
                                                                                               "10.0.0.1:8001"]
 
 
@@ -45,7 +48,7 @@ async def test_pod_id_endpoint_indexes_under_the_serving_address(ix, valkey_url)
     src = Source("tcp://127.0.0.1:1", topic="kv@vllm-0@tiny", rank=0, serving="10.0.0.1:8000")
     ing = Ingester(cfg, ix, [src])
     tokens = list(range(1, 97))
-    await ing.handle_frames(src, event_frames("vllm-0", 0, tokens))
+    await ing.handle_messages([(src, event_frames("vllm-0", 0, tokens))])
     fields = await ix.fields_per_key(request_keys(tokens, model="tiny"))
     assert len(fields) == 6
     assert {parse_entry(f).PodIdentifier for f in fields[0]} == {"10.0.0.1:8000"}
@@ -61,7 +64,7 @@ async def test_pod_id_endpoint_indexes_under_the_serving_address(ix, valkey_url)
 async def test_pod_id_topic_is_unchanged(ix, valkey_url):
     src = Source("tcp://127.0.0.1:1", topic="kv@vllm-0@tiny", rank=0, serving="10.0.0.1:8000")
     ing = Ingester(Config(valkey_url=valkey_url), ix, [src])
-    await ing.handle_frames(src, event_frames("vllm-0", 0, list(range(1, 33))))
+    await ing.handle_messages([(src, event_frames("vllm-0", 0, list(range(1, 33))))])
     assert await ix.pod_ids() == {"vllm-0": "tiny"}
 
 
@@ -70,7 +73,7 @@ async def test_xxh64_keys_written_and_read(ix, valkey_url):
     src = Source("tcp://127.0.0.1:1")
     cfg = Config(valkey_url=valkey_url, hash_algo="xxh64")
     ing = Ingester(cfg, ix, [src])
-    await ing.handle_frames(src, event_frames("vllm-0", 0, tokens))
+    await ing.handle_messages([(src, event_frames("vllm-0", 0, tokens))])
     # an llm-d v0.10 reader configured with hashAlgorithm xxh64 walks these keys
     fields = await ix.fields_per_key(request_keys(tokens, model="tiny", hash_algo="xxh64"))
     assert len(fields) == 6
@@ -122,8 +125,8 @@ async def test_two_ranks_of_one_topic_as_llm_d_routers_fixture(ix, valkey_url):
     for src in srcs:
         ev = BlockStored(block_hashes=[100, 101], parent_block_hash=None, token_ids=tokens, block_size=16,
                          lora_id=None, medium="GPU", lora_name=None)
-        await ing.handle_frames(src, encode_frames("kv@10.0.0.1:8000@TestModel", 0,
-                                                   EventBatch(ts=time.time(), events=[ev], data_parallel_rank=0)))
+        await ing.handle_messages([(src, encode_frames("kv@10.0.0.1:8000@TestModel", 0,
+                                                       EventBatch(ts=time.time(), events=[ev], data_parallel_rank=0)))])
     r = redis.Redis.from_url(valkey_url)
     try:
         found = llmd_lookup(r, request_keys(tokens, model="TestModel", hash_algo="xxh64"))

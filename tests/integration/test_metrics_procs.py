@@ -35,7 +35,7 @@ async def test_ingester_metrics_count_events_gaps_and_lag(valkey_url):
         h.engine.send_raw([b"kv@pod-a@tiny", (99).to_bytes(8, "big"), b"\xc1 not msgpack"])
         await h.wait_seq(ix, 3)
         for _ in range(100):
-            if ing.stats.counts.get("decode_errors"):
+            if ing.counters.counts.get("decode_errors"):
                 break
             await asyncio.sleep(0.02)
         text = ing.metrics.exposition().decode()

@@ -92,7 +92,7 @@ async def make_client(valkey_url):
 @pytest.mark.parametrize("path", [PREDICT, ROUTE])
 async def test_pods_filter_over_the_limit_is_a_400_naming_it(make_client, writer, path):
     await writer.store("pod-a", tokens_of(32))
-    for i in range(7):  # pods the index knows: /route refuses a filter naming unknown pods (issue #15)
+    for i in range(7):  # pods the index knows: /route refuses a filter naming unknown pods
         await writer.store(f"p{i}", tokens_of(16, start=50_000 + 100 * i))
     client = await make_client(max_pods_filter=8)
     ok = {"model": MODEL, "token_ids": tokens_of(33), "pods": ["pod-a"] + [f"p{i}" for i in range(7)]}

@@ -1,4 +1,4 @@
-"""What a real `serve` process logs (Operator experience, finding 7): one start-up line per dependency
+"""What a real `serve` process logs: one start-up line per dependency
 (Valkey, each engine, each model's tokenizer) with its state, also when it is down; routine scrapes
 write nothing unless an engine's state changes; no httpx line per request, also with --log-json."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every command in README.md's code blocks, run against a live stack (Operator experience, finding 8).
+"""Every command in README.md's code blocks, run against a live stack.
 
 The README's first command starts the stack (`kv-preflight up --demo`, what `scripts/up --demo` runs
 after its set-up, on free ports through KVPF_PORT and KVPF_DATA_DIR); every curl and command is then run

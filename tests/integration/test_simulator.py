@@ -18,7 +18,8 @@ import pytest
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port
-from kv_preflight.events import AllBlocksCleared, BlockStored, decode_frames
+from kv_preflight.engines.vllm import ENGINE as VLLM
+from kv_preflight.events import AllBlocksCleared, BlockStored
 from kv_preflight.simulator.publisher import encode_payload
 from tests.conftest import fixture_path, load_jsonl
 from tests.e2e.harness import spawn, stop, wait_http
@@ -106,7 +107,7 @@ def test_live_frames_decode_with_vllm_layout(start_sim):
     finally:
         sub.close(0)
         ctx.term()
-    decoded = [decode_frames(f) for f in frames]
+    decoded = [VLLM.decode_frames(f) for f in frames]
     assert [d.seq for d in decoded] == list(range(len(decoded))) and len(decoded) >= 6
     for d in decoded:
         assert d.errors == [] and d.topic.pod_id == "sim-0" and d.topic.model == MODEL
@@ -136,7 +137,7 @@ def test_payload_encoding_is_byte_identical_to_vllm():
         for line in f:
             o = json.loads(line)
             payload = base64.b64decode(o["payload_b64"])
-            d = decode_frames([o["topic"].encode(), int(o["seq"]).to_bytes(8, "big"), payload])
+            d = VLLM.decode_frames([o["topic"].encode(), int(o["seq"]).to_bytes(8, "big"), payload])
             assert encode_payload(d.batch.ts, d.batch.events, d.batch.data_parallel_rank) == payload
 
 
@@ -153,9 +154,9 @@ def test_replay_answers_like_vllm(start_sim):
     assert [int.from_bytes(r[2], "big") for r in body] == [0, 1, 2, 3, 4]
     for r in body:
         assert len(r) == 4 and r[0] == b"" and r[1] == sim.topic.encode()
-        d = decode_frames(r)
+        d = VLLM.decode_frames(r)
         assert d.errors == [] and d.topic.pod_id == "sim-0" and d.batch is not None
-    assert decode_frames(replies[-1]).seq == -1
+    assert VLLM.decode_frames(replies[-1]).seq == -1
     assert [int.from_bytes(r[2], "big") for r in dealer_replay(sim.replay, 3)[:-1]] == [3, 4]
     assert dealer_replay(sim.replay, 99) == [[b"", b"", END, b""]]
 
@@ -175,7 +176,7 @@ def test_connect_mode_publishes_to_a_binding_subscriber(start_sim):
             if frames:
                 break
         assert frames, "no frame reached the binding subscriber"
-        d = decode_frames(frames[0])
+        d = VLLM.decode_frames(frames[0])
         assert d.errors == [] and d.topic.pod_id == "sim-c"
         sources = httpx.get(sim.url + "/kv_event_sources").json()
         assert sources["0"]["endpoint"] == f"tcp://127.0.0.1:{port}"
@@ -232,7 +233,7 @@ def test_reset_prefix_cache_emits_all_blocks_cleared_with_the_next_step(start_si
     assert complete(sim.url, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert httpx.post(sim.url + "/reset_prefix_cache").json() == {"success": True}
     assert complete(sim.url, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    batches = [decode_frames(r).batch for r in dealer_replay(sim.replay, 0)[:-1]]
+    batches = [VLLM.decode_frames(r).batch for r in dealer_replay(sim.replay, 0)[:-1]]
     assert isinstance(batches[-1].events[0], AllBlocksCleared)
     assert isinstance(batches[-1].events[1], BlockStored)
 

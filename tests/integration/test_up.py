@@ -65,8 +65,8 @@ def _left_running(tmp_path) -> list[str]:
 
 
 def test_up_refuses_a_port_another_server_answers_on(tmp_path):
-    """With a server already on the chosen port, up printed "ready" and ran the demo against it
-    (Operator experience, finding 2): now it stops with the predictor's own error on screen."""
+    """With a server already on the chosen port, up must not print "ready" and run the demo against it:
+    it stops with the predictor's own error on screen."""
     import subprocess
     import sys
     import time

@@ -32,7 +32,7 @@ import redis
 
 from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload, summarize
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
-from kv_preflight.ingester.subscriber import fetch_replay
+from kv_preflight.ingester.replay import fetch_replay
 from kv_preflight.predictor.metadata import DEFAULT_TTL_S as METADATA_TTL_S
 from kv_preflight.events import EventBatch
 from kv_preflight.index.index import Index

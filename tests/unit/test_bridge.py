@@ -1,6 +1,7 @@
 """The engine-key -> request-key bridge, for every engine/canonical block ratio."""
 import pytest
 
+from kv_preflight.engines.vllm import EXTRA_KEYS as VLLM_EXTRA_KEYS
 from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
@@ -15,7 +16,7 @@ def field(pod, medium, group):
 
 def plan(events, state=None, block_size=16, model="tiny"):
     return plan_batch(EventBatch(1.0, events, 0), pod_id="p", topic_model=model, state=state if state is not None else ChainState(),
-                      hash_seed="", block_size=block_size, entry_field=field)
+                      hash_seed="", block_size=block_size, entry_field=field, extra_keys=VLLM_EXTRA_KEYS)
 
 
 @pytest.mark.parametrize("engine_block", [16, 32, 64, 8, 24, 48])

@@ -2,7 +2,9 @@
 ``(lora name?, (mm id, offset)..., "<salt>", embeds digest?)``), keyed like llm-d-router's request side."""
 from __future__ import annotations
 
-from kv_preflight.ingester.bridge import ChainState, cache_salt_of, plan_batch
+from kv_preflight.engines.vllm import ENGINE as VLLM
+from kv_preflight.engines.vllm import cache_salt_of
+from kv_preflight.ingester.bridge import ChainState, plan_batch
 from kv_preflight.events import BlockStored, EventBatch
 from kv_preflight.keys.chain import request_keys, salted_request_keys
 
@@ -17,7 +19,7 @@ def test_cache_salt_of_vllm_extra_keys():
 
 def plan(ev, hash_algo="fnv64a"):
     return plan_batch(EventBatch(ts=1.0, events=[ev]), pod_id="p", topic_model="m", state=ChainState(), hash_seed="",
-                      block_size=16, entry_field=lambda *a: "f", hash_algo=hash_algo)
+                      block_size=16, entry_field=lambda *a: "f", hash_algo=hash_algo, extra_keys=VLLM.extra_keys)
 
 
 def test_salt_keys_the_first_canonical_block_only():

@@ -1,4 +1,4 @@
-"""Every option of every command reads KVPF_<NAME> (Operator experience, finding 6): the command tree is
+"""Every option of every command reads KVPF_<NAME>: the command tree is
 walked, so a new command or option is covered without being listed here."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Statements in README.md and docs/ that the code can check (Operator experience, finding 8)."""
+"""Statements in README.md and docs/ that the code can check."""
 from __future__ import annotations
 
 import re

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 import pytest
 
 from kv_preflight.ingester.bridge import ChainState, model_for, plan_batch
-from kv_preflight.ingester.subscriber import sources_from_sglang_server_info
+from kv_preflight.ingester.discovery import sources_from
 from kv_preflight.engines import ENGINES, engine
 from kv_preflight.engines.trtllm import wire_hash
 from kv_preflight.index.entries import RemoveBlock, StoreBlock
 from kv_preflight.events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, decode_frames, topic_or_none,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, topic_or_none,
 )
 from kv_preflight.keys.chain import request_keys
 from tests.conftest import fixture_path
@@ -99,7 +99,8 @@ def test_vllm_placeholders_are_skipped_and_counted_and_storage_is_a_tier():
     storage = [e for e in frames[3].batch.events if isinstance(e, BlockStored)]
     assert [e.medium for e in storage] == ["STORAGE"]  # its locality/ownership fields are tolerated
     plan = plan_batch(frames[3].batch, pod_id="p", topic_model="tiny", state=_state_after(frames[:2]),
-                      hash_seed="", block_size=16, entry_field=lambda pod, medium, group: f"{pod}@{medium}")
+                      hash_seed="", block_size=16, entry_field=lambda pod, medium, group: f"{pod}@{medium}",
+                      extra_keys=engine("vllm").extra_keys)
     assert {m.tier for m in plan.mutations} == {"storage"} and plan.orphans == 0
 
 
@@ -109,7 +110,7 @@ def test_unknown_fields_are_tolerated_on_every_path():
           "ownership": "x", "session_id": "s", "brand_new_field": {"nested": [1, 2]}}
     for payload in ([1.0, [ev], 0], [1.0, [ev, {"type": "BlockStored", "block_hashes": [6], "token_ids": [],
                                                  "block_size": 0, "parent_block_hash": None}], 0]):
-        f = decode_frames([b"kv@p@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(payload)])
+        f = engine("vllm").decode_frames([b"kv@p@m", (0).to_bytes(8, "big"), msgspec.msgpack.encode(payload)])
         assert not f.errors and f.batch.events[0].block_hashes == [5]
     assert f.skipped == 1  # the second payload took the tolerant path (a placeholder), same result
 
@@ -118,7 +119,7 @@ def _state_after(frames) -> ChainState:
     state = ChainState()
     for f in frames:
         plan_batch(f.batch, pod_id="p", topic_model="tiny", state=state, hash_seed="", block_size=16,
-                   entry_field=lambda pod, medium, group: pod)
+                   entry_field=lambda pod, medium, group: pod, extra_keys=engine("vllm").extra_keys)
     return state
 
 
@@ -133,7 +134,7 @@ def test_sglang_pages_of_any_size_key_the_same_request_keys(page):
         h = 10_000 + i
         batch = EventBatch(1.0, [BlockStored([h], parent, tokens[i:i + page], page, medium="CPU_PINNED")])
         plan = plan_batch(batch, pod_id="p", topic_model="tiny", state=state, hash_seed="", block_size=16,
-                          entry_field=lambda pod, medium, group: pod)
+                          entry_field=lambda pod, medium, group: pod, extra_keys=engine("sglang").extra_keys)
         assert plan.orphans == 0
         stores += [m for m in plan.mutations if isinstance(m, StoreBlock)]
         parent = h
@@ -142,7 +143,7 @@ def test_sglang_pages_of_any_size_key_the_same_request_keys(page):
     assert {s.tier for s in stores} == {"cpu_pinned"}  # llm-d's lowercased medium
     last = BlockRemoved([parent], medium="CPU_PINNED")
     removal = plan_batch(EventBatch(2.0, [last]), pod_id="p", topic_model="tiny", state=state, hash_seed="",
-                         block_size=16, entry_field=lambda pod, medium, group: pod)
+                         block_size=16, entry_field=lambda pod, medium, group: pod, extra_keys=engine("sglang").extra_keys)
     assert removal.mutations == [RemoveBlock(parent, "cpu_pinned", 0)]
 
 
@@ -152,7 +153,8 @@ def test_lora_id_is_keyed_by_the_adapter_name_it_is_mapped_to():
     assert model_for(ev, "tiny") == "tiny:lora_id=7"  # unnamed: never a hit on the base model
     assert model_for(BlockStored([1], None, [], 1, lora_id=7, lora_name="given"), "tiny", {"7": "x"}) == "given"
     plan = plan_batch(EventBatch(1.0, [ev]), pod_id="p", topic_model="tiny", state=ChainState(), hash_seed="",
-                      block_size=16, entry_field=lambda pod, medium, group: pod, lora_names={"7": "sql-lora"})
+                      block_size=16, entry_field=lambda pod, medium, group: pod, lora_names={"7": "sql-lora"},
+                      extra_keys=engine("sglang").extra_keys)
     assert plan.mutations[0].request_keys == tuple(request_keys(list(range(32)), model="sql-lora"))
 
 
@@ -186,15 +188,15 @@ def test_sglang_server_info_gives_sources_named_by_serving_address():
     body = {"page_size": 16, "served_model_name": "qwen", "dp_size": 2, "enable_dp_attention": True,
             "kv_events_config": json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557",
                                             "replay_endpoint": "tcp://*:5600"})}
-    a, b = sources_from_sglang_server_info("http://10.0.0.5:30000", body)
+    a, b = sources_from(engine("sglang"), "http://10.0.0.5:30000", body)
     assert (a.endpoint, a.replay, a.rank, b.endpoint, b.replay, b.rank) == (
         "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5600", 0, "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5601", 1)
     assert a.engine == "sglang" and a.named_topic == Topic("10.0.0.5:30000", "qwen") and not a.bind
     topic = dict(body, kv_events_config={"publisher": "zmq", "endpoint": "tcp://ingester:5557", "topic": "kv@s-0@qwen"},
                  enable_dp_attention=False)
-    (c,) = sources_from_sglang_server_info("http://10.0.0.5:30000", topic)
+    (c,) = sources_from(engine("sglang"), "http://10.0.0.5:30000", topic)
     assert c.bind and c.endpoint == "tcp://*:5557" and c.named_topic is None and c.topic == "kv@s-0@qwen"
-    assert sources_from_sglang_server_info("http://h:1", {"page_size": 1}) == []  # events off
+    assert sources_from(engine("sglang"), "http://h:1", {"page_size": 1}) == []  # events off
 
 
 def test_lora_names_come_from_the_flag_or_the_environment(monkeypatch):

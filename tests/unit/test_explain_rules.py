@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kv_preflight.predictor.explain import rules
+from kv_preflight.engines.vllm import PREFIX_CACHE_METRICS
 from kv_preflight.predictor.diagnosis.fleet import EngineCounters, diagnose_fleet, parse_prefix_counters
 from kv_preflight.predictor.explain.warnings import hints_from_probe
 from kv_preflight.predictor.diagnosis.sessions import TurnRecord, diagnose_sessions
@@ -93,8 +94,8 @@ def test_sessions_find_the_window_and_the_turn():
 
 def test_fleet_numbers_and_verdicts():
     text = fixture_path("vllm-0.32-metrics.txt").read_text()
-    assert parse_prefix_counters(text) == EngineCounters(1712.0, 576.0)
-    assert parse_prefix_counters("vllm:num_requests_running 1\n") is None
+    assert parse_prefix_counters(text, PREFIX_CACHE_METRICS) == EngineCounters(1712.0, 576.0)
+    assert parse_prefix_counters("vllm:num_requests_running 1\n", PREFIX_CACHE_METRICS) is None
     fams = [{"first_key": "11", "model": "m", "predictions": 6}, {"first_key": "22", "model": "m", "predictions": 4}]
     d = diagnose_fleet(
         pods={"a": ("m", 10), "b": ("m", 12)},

@@ -4,7 +4,7 @@ from __future__ import annotations
 from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, ResponseError, TimeoutError
 
 from kv_preflight.ingester.recovery import Done, Force, Replay, Reset, ResetIfThenCheck, next_step
-from kv_preflight.ingester.service import transient
+from kv_preflight.ingester.valkey_retry import transient
 
 
 def step(status, mode="check", seq=5, last=2, can_replay=True, has_replay=True):

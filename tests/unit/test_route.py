@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kv_preflight.predictor.load import PodLoad, make_target, parse_vllm_metrics
+from kv_preflight.engines.load_metrics import parse_load
+from kv_preflight.engines.vllm import LOAD_METRICS as VLLM_LOAD
+from kv_preflight.predictor.load import PodLoad, make_target
 from kv_preflight.predictor.scoring.route import RoutingPolicy, decide, rendezvous
 from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
 from kv_preflight.predictor.scoring.ttft import PrefillModel
@@ -179,7 +181,7 @@ def test_a_pending_prefix_follows_its_first_request_unless_that_pod_is_overloade
 
 
 def test_parse_real_vllm_metrics_under_load():
-    running, waiting, kv = parse_vllm_metrics(fixture_path("vllm-0.32-metrics.txt").read_text())
+    running, waiting, kv = parse_load(fixture_path("vllm-0.32-metrics.txt").read_text(), VLLM_LOAD)
     assert (running, waiting) == (8.0, 8.0)  # max-num-seqs 8, the rest queued; *_by_reason is not added in
     assert 0 < kv < 1
 
@@ -194,8 +196,8 @@ def test_parse_sums_dp_ranks_and_accepts_the_old_name():
         'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.7',
         "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} 99",
     ])
-    assert parse_vllm_metrics(text) == pytest.approx((5.0, 1.0, 0.6))
-    assert parse_vllm_metrics("process_cpu_seconds_total 1.0\n") is None
+    assert parse_load(text, VLLM_LOAD) == pytest.approx((5.0, 1.0, 0.6))
+    assert parse_load("process_cpu_seconds_total 1.0\n", VLLM_LOAD) is None
 
 
 def test_make_target():

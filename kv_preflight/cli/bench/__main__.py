@@ -62,8 +62,8 @@ def machine() -> dict[str, Any]:
 
 
 def cpu_probe() -> float:
-    """Milliseconds for a fixed pure-Python loop (median of 5): this VM's speed moves every figure by up
-    to 2x from one minute to the next, so each run records it at its start and end, to compare runs."""
+    """Milliseconds for a fixed pure-Python loop (median of 5): a VM's speed can move every figure from one
+    minute to the next, so each run records it at its start and end, to compare runs."""
     times = []
     for _ in range(5):
         t = time.perf_counter()
@@ -143,8 +143,8 @@ def bench_keys(res: Results, quick: bool) -> None:
 async def _ingest(url: str, frames: list, chunk: int = 512) -> tuple[float, dict]:
     """Ours, in process: the ingester's message handler fed ``chunk`` queued messages at a time,
     as its receive loop is when the socket has a backlog (a replay, a burst)."""
-    from kv_preflight.ingester.service import Ingester
-    from kv_preflight.ingester.subscriber import Source
+    from kv_preflight.ingester.ingester import Ingester
+    from kv_preflight.ingester.sources import Source
     from kv_preflight.config import Config
 
     index = Index.from_url(url, timeout_s=10.0)
@@ -157,7 +157,7 @@ async def _ingest(url: str, frames: list, chunk: int = 512) -> tuple[float, dict
         elapsed = time.perf_counter() - t
     finally:
         await index.close()
-    return elapsed, dict(ing.stats.counts)
+    return elapsed, dict(ing.counters.counts)
 
 
 def _digest(r: redis.Redis) -> tuple[int, int]:
@@ -187,11 +187,13 @@ def _digest(r: redis.Redis) -> tuple[int, int]:
 
 
 def _blocks_in(frames) -> int:
-    from kv_preflight.events import BlockRemoved, BlockStored, decode_frames
+    from kv_preflight.engines import engine
+    from kv_preflight.events import BlockRemoved, BlockStored
 
+    vllm = engine("vllm")  # the simulator publishes vLLM's frames
     n = 0
     for _, fr in frames:
-        d = decode_frames(fr)
+        d = vllm.decode_frames(fr)
         for ev in d.batch.events if d.batch else ():
             if isinstance(ev, (BlockStored, BlockRemoved)):
                 n += len(ev.block_hashes)

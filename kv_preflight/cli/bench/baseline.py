@@ -182,11 +182,13 @@ async def seed_ingest(url: str, frames: list) -> tuple[float, dict]:
     from kv_preflight.ingester import bridge
     from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
     from kv_preflight import events
+    from kv_preflight.engines import engine
     from kv_preflight.index.index import RemoveBlock, StoreBlock, encode_entry, engine_key_name, make_entry
     from kv_preflight.keys.chain import request_keys_reference
 
     client = aioredis.from_url(url, socket_timeout=10.0)
     script = client.register_script(SEED_APPLY)
+    vllm = engine("vllm")  # the simulator publishes vLLM's frames
     state = ChainState()
     stats = {"batches_applied": 0, "blocks_stored": 0, "blocks_removed": 0}
     saved = bridge.request_keys
@@ -197,7 +199,7 @@ async def seed_ingest(url: str, frames: list) -> tuple[float, dict]:
             topic = events.parse_topic(topic_raw)
             seq = events.parse_seq(seq_raw)
             raw = events._msgpack.decode(payload)
-            batch = events.EventBatch(ts=float(raw[0]), events=[events.decode_event(e) for e in raw[1]],
+            batch = events.EventBatch(ts=float(raw[0]), events=[events.decode_event(e, vllm.layout) for e in raw[1]],
                                       data_parallel_rank=raw[2] if len(raw) > 2 else None)
             missing = unresolved_parents(batch, topic.model, state)
             if missing:
@@ -207,7 +209,8 @@ async def seed_ingest(url: str, frames: list) -> tuple[float, dict]:
                     replies = await pipe.execute()
                 seed_state(state, {(m, ek): int(r[0]) for (m, ek), r in zip(missing, replies) if r})
             plan = plan_batch(batch, pod_id=topic.pod_id, topic_model=topic.model, state=state, hash_seed="",
-                              block_size=16, entry_field=lambda p, m, g: encode_entry(make_entry(p, m, g)))
+                              block_size=16, entry_field=lambda p, m, g: encode_entry(make_entry(p, m, g)),
+                              extra_keys=vllm.extra_keys)
             args = [topic.pod_id, batch.data_parallel_rank or 0, seq, repr(batch.ts), "check", topic.model,
                     plan.engine_block_size or "", repr(time.time())]
             for m in plan.mutations:

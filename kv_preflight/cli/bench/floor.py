@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 
 from kv_preflight.cli.bench.workload import Stream, event_stream
 from kv_preflight.cli.valkey_server import ValkeyServer
-from kv_preflight.events import BlockRemoved, BlockStored, decode_frames
+from kv_preflight.engines import engine
+from kv_preflight.events import BlockRemoved, BlockStored
 from kv_preflight.index.entries import RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import engine_key_name
 from kv_preflight.ingester.bridge import ChainState, plan_batch
@@ -54,10 +55,13 @@ def steady_stream(quick: bool) -> Stream:
                         steady_blocks=QUICK_EVENTS if quick else STEADY_EVENTS)
 
 
+VLLM = engine("vllm")
+
+
 def block_events(frames: list[tuple[str, list[bytes]]]) -> int:
     n = 0
     for _, fr in frames:
-        b = decode_frames(fr).batch
+        b = VLLM.decode_frames(fr).batch
         for ev in b.events if b else ():
             if isinstance(ev, (BlockStored, BlockRemoved)):
                 n += len(ev.block_hashes)
@@ -79,11 +83,12 @@ class FloorWriter:
         for i in range(0, len(frames), chunk):
             pipe = self.client.pipeline(transaction=False)
             for pod, fr in frames[i:i + chunk]:
-                d = decode_frames(fr)
+                d = VLLM.decode_frames(fr)
                 if d.batch is None or d.topic is None:
                     continue
                 plan = plan_batch(d.batch, pod_id=pod, topic_model=d.topic.model, state=self.chains, hash_seed="",
-                                  block_size=16, entry_field=lambda p, m, g: encode_entry(make_entry(p, m, g)))
+                                  block_size=16, entry_field=lambda p, m, g: encode_entry(make_entry(p, m, g)),
+                                  extra_keys=VLLM.extra_keys)
                 for m in plan.mutations:
                     if isinstance(m, StoreBlock):
                         self.held[(pod, m.engine_key)] = (tuple(m.request_keys), m.entry_field)
@@ -129,8 +134,8 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) 
     then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``) of the measured part."""
     from kv_preflight.config import Config
     from kv_preflight.index.index import Index
-    from kv_preflight.ingester.service import Ingester
-    from kv_preflight.ingester.subscriber import Source
+    from kv_preflight.ingester.ingester import Ingester
+    from kv_preflight.ingester.sources import Source
 
     index = Index.from_url(url, timeout_s=30.0)
     ing = Ingester(Config(valkey_url=url, block_size=16), index, [])
@@ -147,9 +152,9 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) 
         await feed(measured)
         elapsed = time.perf_counter() - t
         c1 = sum(cpu_s(n) for n in nodes)
-        applied = ing.stats.counts.get("batches_applied", 0)
+        applied = ing.counters.counts.get("batches_applied", 0)
         if applied != len(warm) + len(measured):
-            raise RuntimeError(f"the ingester applied {applied} of {len(warm) + len(measured)} batches: {ing.stats.counts}")
+            raise RuntimeError(f"the ingester applied {applied} of {len(warm) + len(measured)} batches: {ing.counters.counts}")
     finally:
         await index.close()
     return elapsed, c1 - c0

@@ -1,5 +1,5 @@
 """Row ``route``: does ``/v1/cache/route`` from a predictor given only ``--valkey-url`` keep caches warm
-across a fleet, and spread the load? (issue #10; docs/benchmarks.md, "Routing across a fleet").
+across a fleet, and spread the load? (docs/benchmarks.md, "Routing across a fleet").
 
 Four simulated engines (``kv-preflight simulate``, small KV pools so a pod cannot hold every tenant),
 one ingester following all four (``ingest --engine URL`` each), and ``serve --valkey-url URL`` with no
@@ -35,11 +35,13 @@ import httpx
 
 from kv_preflight.cli.bench.procs import Server, python
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
-from kv_preflight.predictor.load import parse_vllm_metrics
+from kv_preflight.engines import engine
+from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.fleet.records import PodLoad, PodRecord
 from kv_preflight.index.index import Index
 
 MODEL = "bench-route"
+VLLM_LOAD = engine("vllm").load_metrics  # the bench's engines are the simulator, which exports vLLM's series
 PODS = 4
 CONCURRENCY = 8
 ENGINE_BLOCKS = 64  # 63 usable 16-token blocks: about 4 tenants' system prompts, not 12
@@ -158,7 +160,7 @@ class StandInFleetWriter:
                     loads = {}
                     for e in self.engines:
                         try:
-                            parsed = parse_vllm_metrics((await client.get(e.url + "/metrics")).text)
+                            parsed = parse_load((await client.get(e.url + "/metrics")).text, VLLM_LOAD)
                         except httpx.HTTPError:
                             continue
                         if parsed is not None:

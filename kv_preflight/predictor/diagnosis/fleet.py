@@ -3,8 +3,8 @@
 With N replicas and requests spread round robin, a prefix is cached where it first ran and a later
 request for it lands there with probability about 1/N: the hit rate falls from ``p`` (what affinity
 gets) to about ``p / N``, a loss near ``p (1 - 1/N)``. The readings (taken by ``kv-preflight diagnose
-fleet``, cli/diagnose.py) are: each engine's own prefix-cache counters (``vllm:prefix_cache_queries``
-and ``_hits``, in tokens), the predictor's traffic totals (predictor/diagnosis/traffic.py: ``p`` = best-pod cached
+fleet``, cli/diagnose.py) are: each engine's own prefix-cache counters (queries and hits, in tokens, as
+its adapter names them: ``Engine.prefix_cache_metrics``), the predictor's traffic totals (predictor/diagnosis/traffic.py: ``p`` = best-pod cached
 tokens / prompt tokens of the predictions made), and, from the index, which pods hold each prefix
 family's first block (its duplication). Window rates are the difference of two readings; a window of 0
 uses the totals since the counters started.
@@ -16,10 +16,9 @@ from typing import Any
 
 import msgspec
 
+from kv_preflight.engines import PrefixCacheMetrics
 from kv_preflight.engines.load_metrics import sum_series
 
-QUERIES = "vllm:prefix_cache_queries_total"
-HITS = "vllm:prefix_cache_hits_total"
 MAX_FAMILIES_KEPT = 20  # in the stored summary (served by /stats, so bounded)
 MAX_PODS_KEPT = 64
 
@@ -29,11 +28,11 @@ class EngineCounters(msgspec.Struct, frozen=True):
     hits: float  # of which it found cached
 
 
-def parse_prefix_counters(text: str) -> EngineCounters | None:
+def parse_prefix_counters(text: str, names: PrefixCacheMetrics) -> EngineCounters | None:
     """The engine's prefix-cache counters summed over its label sets (DP ranks); None if it exposes none."""
-    sums, counts = sum_series(text, {QUERIES, HITS}, "vllm:prefix_cache_")
-    seen = bool(counts[QUERIES] or counts[HITS])
-    return EngineCounters(sums[QUERIES], sums[HITS]) if seen else None
+    sums, counts = sum_series(text, {names.queries, names.hits}, names.prefix)
+    seen = bool(counts[names.queries] or counts[names.hits])
+    return EngineCounters(sums[names.queries], sums[names.hits]) if seen else None
 
 
 class PodReport(msgspec.Struct, frozen=True):

@@ -119,7 +119,7 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     """The fast path for a well-formed token_ids request: keys straight from the JSON text.
 
     Anything else (other inputs, any error, an empty or over-long prompt) is None, and the
-    caller goes through ``parse_request``, which decides, and words every error, as before.
+    caller goes through ``parse_request``, which decides, and words every error.
     Only a refusal that would cost as much again to reach there is raised here: JSON nested too
     deep, and a pods filter over the limit (no key is hashed for either).
     """

@@ -7,8 +7,8 @@ and KV usage counts only blocks of running requests. A prefix nobody holds is a 
 (predictor/scoring/route.py) sends it where the fewest blocks of *other live prefixes* already live, which
 is what SGLang's cache-aware router does with its per-worker trees (the smallest tree takes a
 request with no good match). Placing by load alone, or by a hash of the prefix, leaves some pods
-with more prefixes than fit and others with room (issue #10: five tenants' prompts on a pod that
-holds four, evicting each other, while a neighbour held three).
+with more prefixes than fit and others with room (five tenants' prompts on a pod that holds four
+evict each other while a neighbour has room to spare).
 
 Each prefix (its first request key) has one *home*: the pod its last request found it on, or the
 pod it was placed on. A pod's footprint is the sum of its homes' sizes in blocks (the cached

@@ -9,7 +9,7 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
 2. Its load is ``running + waiting_weight * waiting`` from the engine's metrics. A pod
    whose load is not known (no fresh metrics) is assumed as loaded as the mean of the
    candidates whose load is known: unknown is neither idle nor busy, so such pods neither
-   sort last (which sent everything to the few scraped pods) nor first.
+   sort last (everything would go to the few scraped pods) nor first.
 3. A pod with known load is overloaded when its KV usage is at least ``max_kv_usage``
    (new requests there would evict or queue), or when its load exceeds the *reference*
    by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
@@ -17,7 +17,7 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    fleet's mean load over every candidate, overlap or not, this pod included; each pod
    of unknown load counts as the mean of the known ones other than this pod, or as idle
    when there are none: a lone pod with known load is judged against idle peers, so it
-   can be called overloaded (before, it never could, and everything went to it).
+   can be called overloaded (else everything would go to it).
 4. The best-overlap pod wins unless overloaded. Then the least loaded of the *good
    matches* (not overloaded, overlap >= ``good_match`` x the best's) wins; with no
    good match, the least loaded pod at all.
@@ -27,7 +27,7 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    else the non-overloaded pod with the fewest blocks of other recent prefixes homed on it
    (``footprints``, predictor/scoring/placement.py), then the least loaded, then a rendezvous hash of
    the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
-   Without footprints (none known yet) that is the least loaded pod, as before.
+   Without footprints (none known yet) that is the least loaded pod.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def score(
     wanted = set(pods) if pods is not None else None
     estimate = ttft.estimates_for(prompt_len) if ttft else None
     if _c_affinities is not None and not engine_blocks and not incomplete and canonical_block > 0:
-        # the predictor's case (metadata only): the same loop in C (1,000 pods: 290 us against 420 us)
+        # the predictor's case (metadata only): the same loop in C, faster where many pods match (CHANGELOG)
         info_map = (infos if isinstance(infos, dict) else dict(infos)) if infos else None
         affinities = _c_affinities(matches, prompt_len, canonical_block, info_map, wanted, estimate, PodAffinity)
     else:

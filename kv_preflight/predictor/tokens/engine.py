@@ -16,11 +16,13 @@ from typing import Any
 import httpx
 import msgspec
 
+from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.predictor.http.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
 from kv_preflight.predictor.http.request import TokenId
-from kv_preflight.engines.vllm import ENGINE as VLLM
 
 log = logging.getLogger("kvpf.predictor")
+
+ENGINE = engine(DEFAULT)  # the family of the engines the predictor tokenizes with
 
 
 class _TokenizeReply(msgspec.Struct):
@@ -29,13 +31,6 @@ class _TokenizeReply(msgspec.Struct):
 
 _reply_decoder = msgspec.json.Decoder(_TokenizeReply)
 _encoder = msgspec.json.Encoder()
-
-
-def tokenize_body(model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> dict[str, Any]:
-    """The vLLM /tokenize request: completion form for a prompt, chat form (with generation prompt) for messages."""
-    if messages is not None:
-        return {"model": model, "messages": messages, "add_generation_prompt": True}
-    return {"model": model, "prompt": prompt}
 
 
 class EngineTokenizer:
@@ -71,7 +66,7 @@ class EngineTokenizer:
         if good in urls:
             urls.remove(good)
             urls.insert(0, good)
-        body = _encoder.encode(tokenize_body(model, prompt=prompt, messages=messages))
+        body = _encoder.encode(ENGINE.tokenize_body(model, prompt=prompt, messages=messages))
         failure: EngineUnavailable | None = None
         for i, base in enumerate(urls):
             try:
@@ -90,7 +85,7 @@ class EngineTokenizer:
         raise failure
 
     async def _tokenize_at(self, base: str, body: bytes) -> list[int]:
-        url = f"{base}{VLLM.tokenize_path}"  # the engine adapter's endpoint (kv_preflight/engines/vllm.py)
+        url = f"{base}{ENGINE.tokenize_path}"
         try:
             async with asyncio.timeout(self.timeout_s):
                 resp = await self.client.post(url, content=body, headers={"content-type": "application/json"})

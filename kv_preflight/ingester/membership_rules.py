@@ -1,15 +1,15 @@
 """Fleet membership rules, pure: who owns which engine, when a membership change counts, pod health.
 
-Ingesters coordinate through Valkey alone (ingester/fleet.py does the I/O): each renews a lease, reads
+Ingesters coordinate through Valkey alone (ingester/fleet_member.py does the I/O): each renews a lease, reads
 the others' leases, and applies the rules below to the same inputs, so they agree on who ingests what
 without a coordinator of our own.
 
 * Ownership is rendezvous (highest-random-weight) hashing of (ingester, engine) with bounded loads
   (``balanced_owners``): every ingester ranks the live ingesters per engine the same way, and each engine
   goes to the first ``copies`` of its ranking that still have room, so every live ingester holds
-  floor or ceil of engines x copies / ingesters. Plain rendezvous hashing is even only on average: with
-  8 engines and 3 ingesters it left one ingester with no engine at all in 11% of fleets (one ingester
-  idle, the others doing its share). An ingester joining or leaving still moves about its share, plus
+  floor or ceil of engines x copies / ingesters. Plain rendezvous hashing is even only on average: in a
+  small fleet it can leave an ingester with no engine at all, idle while the others do its share
+  (docs/fleet.md). An ingester joining or leaving still moves about its share, plus
   the few engines whose first choice filled up. Copies are safe because a batch applies exactly once
   whoever sends it (the seq check in kv_preflight/index/lua/seq.lua).
 * A membership change (an engine appearing in or vanishing from DNS or a file) takes effect only once

@@ -5,9 +5,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from kv_preflight.ingester.subscriber import (
-    Limits, Source, load_allowed_keys, load_keypair, parse_source, secure_sources, z85_key,
-)
+from kv_preflight.ingester.curve import load_allowed_keys, load_keypair, z85_key
+from kv_preflight.ingester.sources import Limits, Source, parse_source, secure_sources
 from kv_preflight.config import Config
 from kv_preflight.events import Topic
 
@@ -36,7 +35,7 @@ def test_pod_model_and_engine_options_name_a_publisher_without_a_topic():
     ("tcp://e:1,pods=", False, "no empty name"),
     ("tcp://e:1,curve_server_key=short", False, "z85"),
     ("tcp://*:1,curve_server_key=" + "0" * 40, True, "for --source"),
-    ("tcp://e:1,pod=a", False, "pod= and model= go together"),  # pod= is an option since issue #13; alone, refused
+    ("tcp://e:1,pod=a", False, "pod= and model= go together"),  # pod= alone is refused
     ("tcp://e:1,model=m", False, "pod= and model= go together"),
     ("tcp://e:1,pod=a@b,model=m", False, "may not contain"),
     ("tcp://e:1,pod=a,model=m,pods=a", False, "redundant"),
@@ -121,12 +120,13 @@ def test_limits_from_env(monkeypatch):
 def test_discovery_maps_every_endpoint_form_vllm_accepts():
     """vLLM 0.32 binds '*', '::' and ipc/inproc endpoints and connects to the rest; ipc:/// and
     tcp://[::] used to come out as '*ipc:///...' and 'tcp://[*]:...' (Protocol not supported)."""
-    from kv_preflight.ingester.subscriber import sources_from_kv_event_sources
+    from kv_preflight.engines import engine
+    from kv_preflight.ingester.discovery import sources_from
 
     def one(endpoint, replay="tcp://*:5558", url="http://vllm-0:8000"):
         body = {"0": {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,
                       "topic": "kv@p@m"}}
-        got = sources_from_kv_event_sources(url, body)
+        got = sources_from(engine("vllm"), url, body)
         return [(s.endpoint, s.bind, s.replay) for s in got]
 
     assert one("tcp://*:5557") == [("tcp://vllm-0:5557", False, "tcp://vllm-0:5558")]

@@ -1,4 +1,4 @@
-"""Fleet membership rules (ingester/membership.py, ingester/engines_from.py): pure, no I/O."""
+"""Fleet membership rules (ingester/membership_rules.py, ingester/engines_from.py): pure, no I/O."""
 from __future__ import annotations
 
 import collections
@@ -6,8 +6,8 @@ import collections
 import pytest
 
 from kv_preflight.ingester.engines_from import parse_engine_list, parse_engines_from
-from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                              balanced_owners, expired_retired, rendezvous_owners)
+from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                                    balanced_owners, expired_retired, rendezvous_owners)
 from kv_preflight.fleet.records import PodRecord
 
 ENGINES = [f"http://10.0.0.{i}:8000" for i in range(200)]

@@ -15,7 +15,7 @@ Every second (``FleetMember.tick``, from the ingester's chores) an ingester:
    seconds: their entries cleared, their record kept (state, reason, time) for
    ``--retired-retention`` seconds, then dropped.
 
-The rules are pure functions in ingester/membership.py; this module does their I/O.
+The rules are pure functions in ingester/membership_rules.py; this module does their I/O.
 """
 from __future__ import annotations
 
@@ -26,23 +26,24 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 import msgspec
 
-from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
-from kv_preflight.ingester.membership import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                              balanced_owners, expired_retired, rendezvous_owners, retired)
-from kv_preflight.ingester.subscriber import Source, discover
+from kv_preflight.config import Config
+from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
-from kv_preflight.engines import engine
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
-from kv_preflight.index.index import VALKEY_ERRORS
-
-if TYPE_CHECKING:
-    from kv_preflight.ingester.service import Ingester
+from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.discovery import discover_logged
+from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
+from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
+                                                    balanced_owners, expired_retired, rendezvous_owners, retired)
+from kv_preflight.ingester.sources import Source
+from kv_preflight.ingester.watchdog import Progress
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -59,7 +60,7 @@ def default_ingester_id() -> str:
 class _Attached:
     spec: EngineSpec
     pods: set[str]
-    family: str = "vllm"  # its engine adapter (kv_preflight/engines/): which /metrics series say its load
+    family: str = DEFAULT  # its engine adapter (kv_preflight/engines/): which /metrics series say its load
 
 
 @dataclass
@@ -72,11 +73,25 @@ class _Retry:
         self.next_at = now + min(30.0, 0.5 * 2 ** min(self.attempts - 1, 6))
 
 
+class Ingesting(Protocol):
+    """What the fleet membership asks of the ingester it belongs to (ingester/ingester.py ``Ingester``)."""
+
+    progress: Progress
+    counters: Counters
+
+    def lag_s(self) -> dict[str, float]: ...
+
+    async def attach_engine(self, spec: EngineSpec, found: list[Source]) -> set[str]: ...
+
+    def detach_engine(self, key: str) -> None: ...
+
+    async def rebuild_pod(self, pod: str) -> bool: ...
+
+
 class FleetMember:
-    def __init__(self, ingester: "Ingester") -> None:
-        cfg = ingester.cfg
+    def __init__(self, ingester: Ingesting, cfg: Config, index: Index) -> None:
         self.ing = ingester
-        self.index = ingester.index
+        self.index = index
         self.cfg = cfg
         self.me = cfg.ingester_id or default_ingester_id()
         self.static = [EngineSpec(url=u.rstrip("/")) for u in cfg.engines]
@@ -259,7 +274,7 @@ class FleetMember:
             self._conflict(retry, now)
             return
         del self.retries[spec.key]
-        self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else "vllm")
+        self.attached[spec.key] = _Attached(spec=spec, pods=pods, family=found[0].engine if found else DEFAULT)
         log.info("engine %s: ingesting pod(s) %s (owners: %s)", spec.key, sorted(pods) or "named by its frames",
                  ", ".join(self.owners.get(spec.key, [])))
 
@@ -284,8 +299,7 @@ class FleetMember:
                             spec.url, rec.engine_url, cleared)
 
     def _conflict(self, retry: _Retry, now: float) -> None:
-        self.ing.stats.inc("pod_conflicts")
-        self.ing.metrics.pod_conflicts.inc()
+        self.ing.counters.tally("pod_conflicts")
         retry.backoff(now)
 
     def _claimed_elsewhere(self, spec: EngineSpec, records: dict[str, PodRecord],
@@ -394,8 +408,7 @@ class FleetMember:
         """Entries cleared in O(the pod's blocks); flagged so a return without a full replay stays honest."""
         cleared = await self.index.clear_pod(pod)
         await self.index.mark_incomplete(pod, f"retired: {record.reason}"[:300])
-        self.ing.stats.inc("pods_retired")
-        self.ing.metrics.pods_retired.inc()
+        await self.ing.counters.count("pods_retired")
         log.warning("pod %s retired (%s): %d entries cleared", pod, record.reason, cleared)
 
     async def _retire_departed(self, view, fleet_urls: set[str], now_ms: int) -> None:
@@ -429,20 +442,3 @@ class FleetMember:
             how = "its engine restarted meanwhile: its entries start empty, exact"
         log.warning("pod %s is back after retirement: %s", pod, how)
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)
-
-
-async def discover_logged(url: str, attempts: int = 0, target_ports: tuple[int, ...] = ()) -> list[Source] | None:
-    """An engine's sources from its /kv_event_sources, or None (logged with the URL and the cause)."""
-    try:
-        found = await discover(url, target_ports=target_ports)
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s: /kv_event_sources not reachable (%s: %s); retrying in the background",
-                        url, type(exc).__name__, exc)
-        return None
-    if not found:
-        if attempts < 3 or attempts % 20 == 0:
-            log.warning("engine %s lists no KV-event publisher in /kv_event_sources; asking again later", url)
-        return None
-    log.info("discovered %d event source(s) from %s", len(found), url)
-    return found

@@ -1,0 +1,68 @@
+"""ZMQ endpoint rules shared by the engine adapters: who binds, where to reach an endpoint an engine
+binds, what to bind for one it connects to, and the serving address llm-d-router names a rank by.
+
+Pure apart from ``serving_address``, which resolves a host name to the pod IP when it must.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from urllib.parse import urlsplit
+
+log = logging.getLogger("kvpf.engines")
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule (0.32, distributed/kv_events.py ``_is_bind_endpoint``): the engine binds a wildcard
+    (``*``), anything with ``::`` and ipc/inproc endpoints, and connects to any other; its subscriber
+    must do the opposite."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def host_part(host: str) -> str:
+    """A host as it goes before ``:PORT``: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def reachable(endpoint: str, host: str) -> str:
+    """Where to connect to an endpoint the engine binds, from here: ``tcp://*:5557`` and
+    ``tcp://[::]:5557`` are ``tcp://<engine host>:5557`` (IPv6 hosts in brackets); ipc:// paths are
+    the same path (an engine on this host); an explicit host is kept."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    rest = endpoint[len("tcp://"):]
+    addr, _, port = rest.rpartition(":")
+    if addr in ("*", "[::]", "::", "[*]", "0.0.0.0", ""):
+        return f"tcp://{host_part(host)}:{port}"
+    return endpoint
+
+
+def bind_for(endpoint: str) -> str:
+    """What to bind for an engine that connects to ``tcp://host:port``: ``tcp://*:port`` (``[::]`` for
+    an IPv6 host, so both families are accepted)."""
+    rest = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
+    addr, _, port = rest.rpartition(":")
+    return f"tcp://{'[::]' if addr.startswith('[') else '*'}:{port}"
+
+
+def serving_address(engine_url: str, rank: int, target_ports: tuple[int, ...] = ()) -> str:
+    """The pod identifier llm-d-router (>= v0.10, PR #2233) writes for a rank: ``<pod IP>:<the
+    InferencePool's target port of that rank>`` (preciseprefixcache/extractor.go ``sourceEndpoint``, with
+    datastore.go ``Address: pod.Status.PodIP, Port: TargetPorts[rank]``), formatted ``%s:%s`` (an IPv6
+    address has no brackets). The IP is the engine URL's host, resolved if it is a name; the port
+    ``target_ports[rank]`` (``ingest --target-ports``), else the URL's port plus the rank."""
+    parts = urlsplit(engine_url)
+    host = parts.hostname or "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            log.warning("%s: cannot resolve %s to the pod IP llm-d names the pod by; using the name", engine_url, host)
+    if rank < len(target_ports):
+        port = target_ports[rank]
+    else:
+        port = (parts.port or (443 if parts.scheme == "https" else 80)) + rank
+    return f"{host}:{port}"

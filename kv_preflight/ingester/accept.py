@@ -1,0 +1,70 @@
+"""From a message to a batch to apply: decoded with its source's engine adapter, refused when its socket
+may not write for its pod, its route noted. What cannot be decoded is counted and logged, never raised.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kv_preflight.engines import engine
+from kv_preflight.events import EventBatch
+from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.routes import Routes
+from kv_preflight.ingester.sources import Source
+
+log = logging.getLogger("kvpf.ingester")
+
+
+class Accepted(NamedTuple):
+    pod: str
+    model: str
+    seq: int
+    batch: EventBatch
+    decode_errors: int
+
+
+class FrameAcceptor:
+    def __init__(self, routes: Routes, counters: Counters, crowded: Callable[[Source], bool]):
+        self.routes = routes
+        self.counters = counters
+        self.crowded = crowded  # the subscriber's: a pod= socket with several publishers connected
+
+    async def accept(self, src: Source, frames: list[bytes]) -> Accepted | None:
+        """Decode one message and note its route; None when it is dropped (counted)."""
+        if self.crowded(src):
+            # logged by the subscriber when the second publisher came
+            await self.counters.count("frames_refused", endpoint=src.endpoint)
+            return None
+        decoded = engine(src.engine).decode_frames(frames, topic=src.named_topic)
+        if decoded.skipped:  # placeholder events name no block (vLLM's offloading connector): never an error
+            await self.counters.count("placeholder_events", decoded.skipped)
+        errors, count = decoded.errors, decoded.error_count
+        if not errors and (decoded.topic is None or decoded.batch is None):
+            # Well-formed for a replay reply (no topic, or the end marker) but not for a SUB socket:
+            # dropped like any other undecodable message, and counted like one.
+            errors, count = [f"a {len(frames)}-frame message with no kv@<pod>@<model> topic or no batch (a publisher "
+                             "with an empty topic is named on its source: ...,pod=POD,model=MODEL)"], 1
+        for err in errors:  # at most MAX_LISTED_ERRORS lines per message; the rest only counted
+            log.warning("dropped from %s: %s", src.endpoint, err)
+        if count:
+            if decoded.more_errors:
+                log.warning("dropped from %s: %d more event(s) of the same message", src.endpoint, decoded.more_errors)
+            await self.counters.count("decode_errors", count)
+        if decoded.topic is None or decoded.seq is None or decoded.batch is None:
+            return None
+        pod = src.pod or decoded.topic.pod_id
+        if src.pods is not None and pod not in src.pods:
+            # Not a pod this socket may write for (its pods= allowlist): forged or misrouted. Refused before
+            # any route, state or key is touched; counted by socket, never by the (attacker-chosen) pod name.
+            await self.counters.count("frames_refused", endpoint=src.endpoint)
+            refused = self.counters.counts["frames_refused"]
+            if refused <= 10 or refused % 1000 == 0:
+                log.warning("refused from %s: pod %r is not in its pods= allowlist (%d frame(s) refused so far)",
+                            src.endpoint, pod[:80], refused)
+            return None
+        pod = self.routes.pod_name(src, pod)
+        await self.routes.write_aliases()
+        rank = decoded.batch.data_parallel_rank or 0
+        route = await self.routes.note(src, pod, decoded.topic.model, rank)
+        return Accepted(pod, route.model, decoded.seq, decoded.batch, count)

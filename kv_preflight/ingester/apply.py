@@ -1,0 +1,227 @@
+"""One batch into the index: planned (ingester/bridge.py), sent to the apply script, and carried through
+the recovery rules (ingester/recovery.py) until it settles.
+
+Ordering and exactly-once come from the index script's seq check (kv_preflight/index/index.py): a batch
+applies only if it is the next seq of its (pod, dp rank). Everything else is recovery: a gap asks the
+engine's replay socket for what was missed, a seq that went backwards with a newer timestamp is an engine
+restart (clear, then apply), and an older duplicate (another ingester got there first) is skipped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
+
+from kv_preflight.config import Config
+from kv_preflight.events import EventBatch
+from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
+from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
+from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
+from kv_preflight.ingester.replay import fetch_replay
+from kv_preflight.ingester.routes import Routes
+from kv_preflight.ingester.valkey_retry import ValkeyRetry
+
+log = logging.getLogger("kvpf.ingester")
+
+# The counter of each answer of the apply script (ingester/counters.py).
+_ANSWERS = {"applied": "batches_applied", "dup": "duplicates_skipped", "gap": "batches_gap",
+            "restart": "batches_restart", "corrupt": "corrupt_batches"}
+
+
+@dataclass
+class _Pending:
+    """A batch on its way into the index, and where its recovery stands."""
+
+    seq: int
+    batch: EventBatch
+    decode_errors: int
+    can_replay: bool
+    mode: str = "check"
+    steps: int = 0  # attempts so far (at most MAX_STEPS)
+    placeholders: int = 0  # a replayed batch's skipped events, counted when its turn comes
+
+
+class Applier:
+    def __init__(self, cfg: Config, index: Index, routes: Routes, counters: Counters, valkey: ValkeyRetry):
+        self.cfg = cfg
+        self.index = index
+        self.routes = routes
+        self.counters = counters
+        self.valkey = valkey
+        self.state = ChainState()
+        self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
+
+    def forget_chains(self) -> None:
+        """After an engine restart: engine keys of the old process mean nothing now."""
+        self.state = ChainState()
+
+    # ---- planning
+
+    async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0) -> Plan:
+        """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
+        as a MarkIncomplete, so the flag is written by the very script that applies the batch."""
+        plan = await self._plan_events(pod, model, seq, batch)
+        reasons = []
+        if plan.orphans:
+            reasons.append(f"{plan.orphans} stored block(s) had an unknown parent")
+        if decode_errors:  # a dropped BlockRemoved would leave blocks the engine no longer has
+            reasons.append(f"{decode_errors} event(s) at seq {seq} could not be decoded")
+        if reasons:
+            plan.mutations.append(MarkIncomplete("; ".join(reasons)))
+        return plan
+
+    async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
+        missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
+        if missing:
+            resolved = await self.valkey.call(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
+            seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
+        try:
+            return plan_batch(
+                batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
+                block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
+                hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys,
+                known=lambda ek: self.index.writer.known_block(pod, ek),
+            )
+        except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
+            log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
+            await self.counters.count("plan_errors")
+            return Plan(mutations=[MarkIncomplete(f"batch at seq {seq} could not be applied: {exc}")])
+
+    # ---- one batch, and the batches a gap before it needs
+
+    async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
+                    mode: str = "check", decode_errors: int = 0) -> str:
+        """Apply one batch; returns its final status. Retries transient Valkey errors until it is back; the
+        recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS per batch. A gap
+        filled from the replay socket puts the missed batches on top of this one, each applied in turn (with
+        no replay of its own) before this one is tried again: a loop over a stack, not a recursion."""
+        stack = [_Pending(seq, batch, decode_errors, allow_replay, mode)]
+        status = "error"
+        while stack:
+            item = stack[-1]
+            if item.placeholders:
+                await self.counters.count("placeholder_events", item.placeholders)
+                item.placeholders = 0
+            if item.steps == MAX_STEPS:
+                await self.failed(pod, item.seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
+                outcome: str | list[_Pending] | None = "error"
+            else:
+                item.steps += 1
+                outcome = await self._attempt(pod, model, item)
+            if isinstance(outcome, str):  # settled
+                stack.pop()
+                status = outcome
+            elif outcome:  # the missed batches first, the earliest on top
+                stack.extend(reversed(outcome))
+        return status
+
+    async def _attempt(self, pod: str, model: str, item: _Pending) -> str | list[_Pending] | None:
+        """Send the batch once and carry out the step the rules give: its final status, the replayed batches
+        to apply before it, or None (try it again in ``item.mode``)."""
+        seq, batch = item.seq, item.batch
+        rank = batch.data_parallel_rank or 0
+        plan = await self.plan(pod, model, seq, batch, item.decode_errors)
+        try:
+            result = await self.valkey.call(
+                self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
+                engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations, mode=item.mode,
+            )
+        except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
+            await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
+            return "error"
+        await self.answered(pod, seq, batch, plan, result)
+        replay = self.routes.replay_endpoint(pod, rank)
+        step = next_step(result.status, mode=item.mode, seq=seq, last_seq=result.last_seq,
+                         can_replay=item.can_replay and replay is not None, has_replay=replay is not None)
+        if isinstance(step, Done):
+            return step.status
+        if isinstance(step, Reset):
+            log.warning("%s: seq went back from %d to 0 with a newer timestamp: engine restarted, clearing its "
+                        "entries", pod, result.last_seq)
+            await self.counters.count("engine_restarts")
+            self.forget_chains()
+            item.mode = "reset"
+        elif isinstance(step, ResetIfThenCheck):
+            log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
+                        "entries", pod, result.last_seq, seq)
+            await self.counters.count("engine_restarts")
+            self.forget_chains()
+            await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
+            item.mode = "check"
+        elif isinstance(step, Replay):
+            assert replay is not None
+            item.can_replay = False
+            missed = await self._replay_gap(pod, seq, rank, step.start, replay)
+            if missed is not None:
+                item.mode = "check"
+                return missed
+            reason = f"events {step.start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
+            await self._force(pod, reason)
+            item.mode = "force"
+        elif isinstance(step, Force):
+            await self.counters.count("gaps", pod=pod)
+            await self._force(pod, step.reason)
+            item.mode = "force"
+        return None
+
+    async def _replay_gap(self, pod: str, seq: int, rank: int, start: int, replay: str) -> list[_Pending] | None:
+        """Seqs ``start`` .. seq-1 from the replay socket, to apply before ``seq``; None if it does not hold
+        them all."""
+        await self.counters.count("gaps", pod=pod)
+        log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, start - 1, seq, start)
+        frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
+        await self.counters.count("replays", pod=pod)
+        by_seq = {f.seq: f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq
+                  and (f.batch.data_parallel_rank or 0) == rank}
+        if sorted(by_seq) != list(range(start, seq)):
+            return None
+        return [_Pending(s, by_seq[s].batch, len(by_seq[s].errors), can_replay=False,
+                         placeholders=by_seq[s].skipped) for s in range(start, seq)]
+
+    # ---- what each answer does
+
+    async def answered(self, pod: str, seq: int, batch: EventBatch, plan: Plan, result: ApplyResult) -> None:
+        """Count the script's answer to a batch, and note what an applied or corrupt one did."""
+        if result.status == "applied":
+            await self._applied(pod, seq, batch, plan, result)
+        elif result.status == "corrupt":
+            await self._corrupt(pod, seq, result.detail)
+        elif result.status in _ANSWERS:
+            await self.counters.count(_ANSWERS[result.status], pod=pod)
+
+    async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, result: ApplyResult) -> None:
+        # The incomplete flag is the script's (MarkIncomplete set, AllBlocksCleared and reset cleared).
+        if result.foreign_writes:
+            await self.counters.count("foreign_writes", result.foreign_writes)
+            log.error("%s seq %d: %d write(s) skipped, a key of a foreign type is in the way (%s); pod flagged incomplete",
+                      pod, seq, result.foreign_writes, result.detail)
+        self.counters.metrics.applied(pod, batch)
+        self.last_applied[pod] = time.monotonic()
+        await self.counters.count("batches_applied", pod=pod)
+        await self.counters.count("blocks_stored", plan.stored_blocks)
+        await self.counters.count("blocks_removed", plan.removed_blocks)
+        if plan.orphans:
+            log.warning("%s seq %d: %d BlockStored event(s) with an unknown parent were not indexed", pod, seq, plan.orphans)
+            await self.counters.count("orphan_blocks", plan.orphans, pod=pod)
+
+    async def _force(self, pod: str, reason: str) -> None:
+        log.warning("%s: %s; marking the pod incomplete", pod, reason)
+        await self.counters.count("gaps_unrecovered", pod=pod)
+        await self.valkey.call(self.index.mark_incomplete, pod, reason)
+
+    async def _corrupt(self, pod: str, seq: int, detail: str) -> None:
+        """A batch the script refused as corrupt (forged seq, foreign-typed pod key): counted, the pod
+        flagged, nothing else changed, so the next real batch applies as usual."""
+        log.error("%s seq %d: not applied: %s", pod, seq, detail)
+        await self.counters.count("corrupt_batches", pod=pod)
+        try:
+            await self.valkey.call(self.index.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+        except ResponseError:
+            pass  # the pod's own key is unusable: the log line and the counter are what is left
+
+    async def failed(self, pod: str, seq: int, why: str) -> None:
+        log.error("%s seq %d: %s", pod, seq, why[:300])
+        await self.counters.count("apply_errors")

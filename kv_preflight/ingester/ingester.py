@@ -1,0 +1,260 @@
+"""The Ingester: its parts, its loop, and the engines the fleet membership gives it.
+
+One message's way: the subscriber (ingester/subscriber.py) receives it, the acceptor decodes it with its
+source's engine adapter (ingester/accept.py), the pipeline plans and sends the batches in pipelined round
+trips (ingester/pipeline.py), and a batch that did not apply at once is carried through the recovery rules
+by the applier (ingester/apply.py). Replays outside the stream (at start, on reconnect, for a pod that
+returns) are ingester/resume.py's; the fleet membership (ingester/fleet_member.py) attaches engines.
+Every event is counted once, through ingester/counters.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+
+from kv_preflight.config import Config
+from kv_preflight.fleet.records import IndexSettings
+from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.ingester.accept import FrameAcceptor
+from kv_preflight.ingester.apply import Applier
+from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.fleet_member import FleetMember
+from kv_preflight.ingester.membership_rules import EngineSpec
+from kv_preflight.ingester.metrics import IngesterMetrics
+from kv_preflight.ingester.pipeline import Pipeline
+from kv_preflight.ingester.resume import Resume
+from kv_preflight.ingester.routes import PodRoute, Routes
+from kv_preflight.ingester.sources import Source, parse_source, secure_sources
+from kv_preflight.ingester.subscriber import Subscriber
+from kv_preflight.ingester.valkey_retry import ValkeyRetry
+from kv_preflight.ingester.watchdog import Progress, Watchdog
+
+log = logging.getLogger("kvpf.ingester")
+
+# How often the loop does its chores (see Ingester.chores), whether frames arrive or not.
+CHORES_S = 1.0
+
+
+class Ingester:
+    def __init__(self, cfg: Config, index: Index, sources: list[Source]):
+        self.cfg = cfg
+        self.index = index
+        self.sources = sources
+        self.metrics = IngesterMetrics(max_pod_series=cfg.max_pod_series)
+        self.progress = Progress()  # the last step the loop reached (ingester/watchdog.py reports stalls)
+        self._stopping = asyncio.Event()
+        # set once start-up is over (engines attached, feeds learned, known pods resumed from their replay
+        # sockets): from then on a batch reaches this ingester by its SUB socket only
+        self.started = asyncio.Event()
+        self.valkey = ValkeyRetry(self._stopping, on_error=lambda: self.counters.tally("valkey_errors"))
+        self.counters = Counters(self.metrics, index, retry=self.valkey.call)
+        self.routes = Routes(cfg, index, self.valkey)
+        self.applier = Applier(cfg, index, self.routes, self.counters, self.valkey)
+        self.resume = Resume(cfg, index, self.routes, self.applier, self.counters, self.valkey)
+        self.subscriber: Subscriber | None = None
+        self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded)
+        self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
+        self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
+        self.fleet = FleetMember(self, cfg, index)
+
+    # ---- lifecycle
+
+    @classmethod
+    async def create(cls, cfg: Config, index: Index | None = None) -> "Ingester":
+        # --engine and discovered engines are attached by the fleet membership (ingester/fleet_member.py), in
+        # the first chores round: those down are retried with backoff while the others are ingested.
+        sources = [parse_source(s) for s in cfg.sources] + [parse_source(b, bind=True) for b in cfg.binds]
+        # Every socket gets the frame and queue bounds; --bind ones the CURVE server keys. Refusals are
+        # counted on the ingester made below (the callback runs only once its sockets exist).
+        sources = secure_sources(sources, cfg, on_refused=lambda key: ing.counters.tally("publishers_refused"))
+        index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                                        cluster=cfg.cluster_mode())
+        return (ing := cls(cfg, index, sources))
+
+    def start(self) -> None:
+        self.subscriber = Subscriber(self.sources)
+        self.routes.add(self.sources)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _crowded(self, src: Source) -> bool:
+        return self.subscriber is not None and self.subscriber.crowded(src)
+
+    def _stalled(self) -> None:
+        self.counters.tally("loop_stalls")
+
+    async def run(self) -> None:
+        if self.subscriber is None:
+            self.start()
+        me = asyncio.current_task()
+        assert me is not None
+        watchdog = Watchdog(self.progress, me, self._stalled).start()
+        try:
+            await self._run()
+        finally:
+            watchdog.stop()
+
+    async def _run(self) -> None:
+        if self.fleet.active:
+            await self._fleet_tick()  # attaches --engine and discovered engines (and resumes their pods)
+        self.progress.mark("learning feeds")
+        await self.routes.learn_feeds(self.sources)
+        self.progress.mark("resuming known pods")
+        await self.resume.known_pods()
+        self.started.set()
+        assert self.subscriber is not None
+        recv: asyncio.Future | None = None
+        next_chores = time.monotonic() + CHORES_S
+        try:
+            while not self._stopping.is_set():
+                self.progress.mark("waiting for frames")
+                if recv is None:
+                    recv = asyncio.ensure_future(self.subscriber.receive())
+                stop = asyncio.ensure_future(self._stopping.wait())
+                done, _ = await asyncio.wait({recv, stop}, timeout=max(0.0, next_chores - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if self._stopping.is_set():
+                    recv.cancel()
+                    break
+                if time.monotonic() >= next_chores:
+                    self.progress.mark("chores")
+                    await self.chores()
+                    next_chores = time.monotonic() + CHORES_S
+                if recv not in done:
+                    continue
+                if recv.cancelled():  # a socket it polled was closed (an engine let go): poll again
+                    recv = None
+                    continue
+                received, recv = recv.result(), None
+                self.progress.mark(f"applying {len(received)} message(s)")
+                run: list[tuple[Source, list[bytes]]] = []
+                for src, frames in received:
+                    if frames is None:  # a reconnect: handle what came before, then probe
+                        await self.handle_messages(run)
+                        run = []
+                        await self.resume.probe_restart(src)
+                    else:
+                        run.append((src, frames))
+                await self.handle_messages(run)
+        finally:
+            self.subscriber.close()
+            await self.fleet.close()
+
+    # ---- engines, as the fleet membership (ingester/fleet_member.py) gives and takes them
+
+    async def attach_engine(self, spec: EngineSpec, found: list[Source]) -> set[str]:
+        """Subscribe to an engine's sources (``found``: from its discovery answer, or the one source it
+        was registered with) and resume its pods from their persisted seqs; returns its pods (a source
+        with no topic learns its pod from its first frame, or from ``spec.pod``)."""
+        if spec.pod:  # named by its address (or a file's "pod"), not by its topic
+            found = [dataclasses.replace(src, pod=spec.pod) for src in found]
+        found = secure_sources(found, self.cfg, on_refused=lambda key: self.counters.tally("publishers_refused"))
+        assert self.subscriber is not None
+        self.subscriber.add(found)
+        self.engine_sources[spec.key] = found
+        pods = self.routes.add(found)
+        if spec.pod and spec.model and spec.pod not in self.routes.pods:  # a registered source: its route is known
+            self.routes.pods[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint,
+                                                  engine=found[0].engine)
+            pods.add(spec.pod)
+        # its buffered history, from seq 0 or the pod's persisted seq, as at start
+        await self.resume.known_pods(only=pods)
+        return pods
+
+    def detach_engine(self, key: str) -> None:
+        found = self.engine_sources.pop(key, [])
+        if self.subscriber is not None and found:
+            self.subscriber.remove(found)
+        self.routes.drop({s.endpoint for s in found})
+
+    async def handle_messages(self, messages: list[tuple[Source, list[bytes]]]) -> None:
+        """Messages in arrival order, through the pipeline (ingester/pipeline.py)."""
+        await self.pipeline.handle_messages(messages)
+
+    async def rebuild_pod(self, pod: str) -> bool:
+        return await self.resume.rebuild_pod(pod)
+
+    def lag_s(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {pod: round(now - t, 1) for pod, t in sorted(self.applier.last_applied.items())[:256]}
+
+    async def _fleet_tick(self) -> None:
+        try:
+            await self.fleet.tick()
+        except VALKEY_ERRORS as exc:  # TimeoutError too: a round's reads that did not answer in time
+            await self.counters.count("valkey_errors")
+            log.warning("fleet membership not updated now (%s); ingesting what this ingester has",
+                        exc or type(exc).__name__)
+
+    async def chores(self) -> None:
+        """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,
+        health, load, retirement), stop if a layout-1 writer appears beside us, and run what a writer
+        killed between a batch's steps left in a pod's outbox (cluster), so a quiet engine's last
+        batch is not left half applied."""
+        if self.fleet.active:
+            await self._fleet_tick()
+        try:
+            if await self.index.v1_writer_seen():
+                log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
+                          "layouts cannot share an index; stop it, then run `kv-preflight index migrate`")
+                self.stop()
+                return
+        except VALKEY_ERRORS:
+            return
+        if not self.index.cluster:
+            return
+        for pod in list(self.routes.pods):
+            try:
+                if await self.index.drain_outbox(pod, stale_only=True):
+                    log.warning("%s: ran effects a stopped writer left in the outbox", pod)
+                    await self.counters.count("outbox_drains")
+            except VALKEY_ERRORS as exc:
+                log.warning("%s: outbox not drained now (%s)", pod, exc)
+
+
+class SettingsError(RuntimeError):
+    """This process's index-wide settings differ from those the index was written with."""
+
+
+async def check_settings(ing: Ingester) -> None:
+    """Claim the index-wide settings (first writer wins) and refuse to write under others: request keys
+    hashed with another seed or block size would never be found by anyone reading this index."""
+    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
+                         entry_format=ing.cfg.entry_format)
+    found = await ing.valkey.call(ing.index.fleet.claim_settings, ours)
+    wrong = ours.disagreements(found)
+    if wrong:
+        raise SettingsError("this index was written with other settings (ours != the index's): " + "; ".join(wrong)
+                            + ". Give the index's values (--hash-seed, --block-size, --entry-format), or use "
+                            "another Valkey")
+
+
+async def run_ingester(cfg: Config) -> None:
+    ing = await Ingester.create(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, ing.stop)
+        except NotImplementedError:  # pragma: no cover
+            pass
+    ing.start()
+    await ing.valkey.call(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
+    await check_settings(ing)
+    log.info("ingesting from %d source(s) into %s%s", len(ing.sources), cfg.valkey_url.split("@")[-1],
+             " (Valkey Cluster)" if ing.index.cluster else "")
+    metrics_server = None
+    if cfg.metrics_port:
+        metrics_server = ing.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+    try:
+        await ing.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        await ing.index.close()
+        log.info("stopped: %s", dict(ing.counters.counts))

@@ -1,0 +1,109 @@
+"""Replay from the engine where the live stream cannot say what was missed: at start and for engines
+attached later (each pod from its persisted seq), on a (re)connect (is the last batch applied still in the
+engine's buffer, or did it restart?), and for a retired pod that answers again (rebuilt from seq 0).
+"""
+from __future__ import annotations
+
+import logging
+
+from kv_preflight.config import Config
+from kv_preflight.index.index import Index
+from kv_preflight.ingester.apply import Applier
+from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.replay import fetch_replay
+from kv_preflight.ingester.routes import Routes
+from kv_preflight.ingester.sources import Source
+from kv_preflight.ingester.valkey_retry import ValkeyRetry
+
+log = logging.getLogger("kvpf.ingester")
+
+
+class Resume:
+    def __init__(self, cfg: Config, index: Index, routes: Routes, applier: Applier, counters: Counters,
+                 valkey: ValkeyRetry):
+        self.cfg = cfg
+        self.index = index
+        self.routes = routes
+        self.applier = applier
+        self.counters = counters
+        self.valkey = valkey
+
+    async def known_pods(self, only: set[str] | None = None) -> None:
+        """On start (and for engines found later, ``only`` their pods), replay from each known pod's
+        persisted seq: closes the restart blind spot."""
+        for pod, route in list(self.routes.pods.items()):
+            if not route.replay or (only is not None and pod not in only):
+                continue
+            # A writer killed between a batch's steps on a cluster left its effects in the outbox.
+            await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
+            info = await self.valkey.call(self.index.pod_info, pod)
+            ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}
+            if ranks:  # each rank from its own replay socket, from its own seq
+                todo = [(info.seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
+            else:
+                todo = [(max(info.seqs.values()) if info.seqs else -1, route.replay)]
+            for last, replay in todo:
+                frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+                log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
+                for f in frames:
+                    if f.batch is not None and f.seq is not None:
+                        if f.skipped:
+                            await self.counters.count("placeholder_events", f.skipped)
+                        await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
+                                                 decode_errors=len(f.errors))
+
+    async def probe_restart(self, src: Source) -> None:
+        """On (re)connect, ask the replay socket for the last batch we applied. An engine that
+        restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
+        empty, so the pod's entries go now, not when it first publishes."""
+        if not src.replay:
+            return
+        for pod, route in list(self.routes.pods.items()):
+            here = {r for (p, r), s in self.routes.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
+            if not here and route.source != src.endpoint:
+                continue
+            info = await self.valkey.call(self.index.pod_info, pod)
+            for rank, last in info.seqs.items():
+                if last < 0:
+                    continue
+                # only the ranks this source publishes: another rank's seq is not in its replay buffer
+                owner = self.routes.rank_sources.get((pod, int(rank)))
+                if (owner.endpoint if owner is not None else route.source) != src.endpoint:
+                    continue
+                frames, complete = await fetch_replay(src.replay, last, timeout_s=self.cfg.replay_timeout_s)
+                if not complete:
+                    log.warning("%s: replay socket %s did not answer the restart probe", pod, src.replay)
+                    continue
+                if any(f.seq == last for f in frames):
+                    continue
+                seqs = [f.seq for f in frames if f.seq is not None]
+                if seqs and min(seqs) > last:
+                    # The same engine, further on: its buffer no longer reaches back to our seq.
+                    # That is a gap (replayed or flagged when its next batch arrives), not a restart.
+                    log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
+                                pod, min(seqs), last)
+                    continue
+                if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
+                    await self.counters.count("engine_restarts")
+                    log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",
+                                pod, last)
+
+    async def rebuild_pod(self, pod: str) -> bool:
+        """Entries of a pod that was retired (cleared) and answers again: replayed from seq 0 if the
+        engine still buffers that far back; False (the pod stays flagged incomplete) otherwise."""
+        route = self.routes.pods.get(pod)
+        if route is None or not route.replay:
+            return False
+        frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s)
+        seqs = sorted(f.seq for f in frames if f.seq is not None and f.batch is not None)
+        if not complete or not seqs or seqs[0] != 0 or seqs != list(range(len(seqs))):
+            return False
+        info = await self.valkey.call(self.index.pod_info, pod)
+        for rank, last in info.seqs.items():
+            await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)  # clears, seq back to none
+        self.applier.forget_chains()
+        for f in frames:
+            if f.batch is not None and f.seq is not None:
+                await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
+                                         decode_errors=len(f.errors))
+        return True
