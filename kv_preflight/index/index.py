@@ -180,6 +180,7 @@ class Index:
                  fast: FastConnection | None = None, *, backend: IndexBackend | None = None):
         self.client = client
         self.entry_format = entry_format
+        self._fields: dict[tuple[str, str | None, int | None], str] = {}
         self.backend: IndexBackend = backend or SingleNodeBackend(client, fast)
         self.cluster = self.backend.cluster
         self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
@@ -240,7 +241,14 @@ class Index:
         return bool(await self.client.ping())
 
     def entry_field(self, pod_id: str, medium: str | None, group_idx: int | None) -> str:
-        return encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
+        """llm-d's entry field for a pod, tier and group (asked once per stored event: kept once made)."""
+        k = (pod_id, medium, group_idx)
+        f = self._fields.get(k)
+        if f is None:
+            if len(self._fields) > 100_000:
+                self._fields.clear()
+            f = self._fields[k] = encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
+        return f
 
     # ---- layout version
 

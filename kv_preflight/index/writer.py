@@ -27,10 +27,10 @@ from typing import Any
 
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import evalsha_pipeline
+from kv_preflight.index.changes import change_args
 from kv_preflight.index.entries import ApplyResult, ClearPod, Mutation, text
-from kv_preflight.index.layout import engine_key_name, pod_keys, presence_key
-from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, Plan, PodState, encode_delta,
-                                          encode_snapshot, restore)
+from kv_preflight.index.layout import pod_keys
+from kv_preflight.index.pod_state import Plan, PodState, encode_delta, encode_snapshot, restore
 
 MAX_RETRIES = 4  # plans sent again after "stale" (another writer moved the pod) before giving up
 SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or a quarter of the snapshot
@@ -78,7 +78,7 @@ class Prepared:
 
     def script_args(self) -> list[Any]:
         """apply.lua's arguments (a single node: the changes run in the same script)."""
-        return self.head + change_args(self.changes, self.num, engine_key_name)
+        return self.head + change_args(self.changes, self.num)
 
 
 @dataclass
@@ -97,24 +97,6 @@ def merge(first: Plan, second: Plan) -> Plan:
                 removed=first.removed + second.removed, cleared=first.cleared + second.cleared,
                 reannounced=first.reannounced + second.reannounced, flags=second.flags,
                 cleared_flags=first.cleared_flags or second.cleared_flags)
-
-
-def key_change_args(c: KeyChange, num: int) -> list[Any]:
-    """A KeyChange as changes.lua's K op (the presence hash's name built here, with every other key name)."""
-    return ["K", c.rk, presence_key(c.rk), c.field, c.entry, c.bit, c.bit_delta, num // 8 + 1, 1 << (num % 8)]
-
-
-def change_args(changes: Sequence[Any], num: int | None, engine_key_name) -> list[Any]:
-    """changes.lua's arguments for a plan's changes, in order."""
-    out: list[Any] = []
-    for c in changes:
-        if isinstance(c, KeyChange):
-            out += key_change_args(c, num or 0)
-        elif isinstance(c, EngineAdd):
-            out += ["Z", engine_key_name(c.ek), len(c.rks), *c.rks]
-        elif isinstance(c, EngineDrop):
-            out += ["X", engine_key_name(c.ek), len(c.rks), *c.rks]
-    return out
 
 
 class PodWriter:
@@ -301,5 +283,5 @@ return {all(KEYS[1]), all(KEYS[2])}
 """
 
 
-__all__ = ["MAX_RETRIES", "REPLAN", "STALE", "PodCache", "PodWriter", "Prepared", "change_args", "gen_count",
+__all__ = ["MAX_RETRIES", "REPLAN", "STALE", "PodCache", "PodWriter", "Prepared", "gen_count",
            "merge"]

@@ -168,3 +168,24 @@ def test_the_c_walk_refuses_what_it_cannot_name():
         presence._speedups.prefix_matches([b"\x01", "x"], 2, {0: "a"}, ["gpu", "gpu"], PodMatch)
     assert presence._speedups.prefix_matches([b"\x03", b"\x01"], 2, {1: "b"}, ["gpu", "cpu"], PodMatch) == [
         PodMatch("b", 1, "gpu")]  # number 0 has no name: left out
+
+
+@pytest.mark.parametrize("num", [0, 6, 7, 8, 15, 127, 128, 1000])
+def test_a_pods_own_value_is_the_bytes_its_bit_reads_as(num):
+    """changes.lua's fast ops write ``mine(num)`` whole and compare against it, so it must be exactly the
+    presence value of that bit alone, as bytes (a str would leave as UTF-8: bit 7 as two bytes)."""
+    from kv_preflight.index.changes import mine
+
+    assert isinstance(mine(num), bytes)
+    assert presence.presence_value(mine(num)) == (1, bitmap({num}))
+    assert numbers(presence.as_int(presence.presence_value(mine(num))[1])) == [num]
+
+
+def test_an_entry_and_a_bit_that_move_together_are_one_command_each():
+    from kv_preflight.index.changes import key_ops, mine
+
+    assert key_ops(11, "F", 1, "gpu", 1, 9) == ["E", 11, "F", "B", "kvpf:{11}:p", "gpu", mine(9)]
+    assert key_ops(11, "F", -1, "gpu", -1, 9) == ["e", 11, "F", "b", "kvpf:{11}:p", "gpu", mine(9)]
+    assert key_ops(11, "F", 1, "", 0, 9) == ["E", 11, "F"]  # an entry no bit stands for (speculative)
+    # an entry two groups share (llm-d v0.8 entries): the general form, whose count follows the entry
+    assert key_ops(11, "F", 0, "gpu|1", 1, 9) == ["K", 11, "kvpf:{11}:p", "F", 0, "gpu|1", 1, 2, 2]

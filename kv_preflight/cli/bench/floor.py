@@ -75,7 +75,7 @@ class FloorWriter:
     removal needs is kept in this process, as an in-process indexer would."""
 
     def __init__(self, url: str):
-        self.client = aioredis.Redis.from_url(url)
+        self.client = aioredis.Redis.from_url(url, socket_timeout=600)
         self.chains = ChainState()
         self.held: dict[tuple[str, int], tuple[tuple[int, ...], str]] = {}
 

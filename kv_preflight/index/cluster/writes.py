@@ -44,6 +44,7 @@ from kv_preflight.index import scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
+from kv_preflight.index.changes import key_ops as lua_key_ops
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -101,9 +102,9 @@ def decode_entry(field: bytes, payload: bytes) -> tuple[int, list[Any]] | None:
 
 
 def key_op_args(op: Sequence[Any]) -> list[Any]:
-    """An outbox K change as effects.lua's arguments (changes.lua's K op)."""
+    """An outbox K change as effects.lua's arguments (changes.lua's ops for it)."""
     _, rk, fld, entry, bit, bitdelta, byte, mask = op
-    return ["K", rk, presence_key(rk), fld, entry, bit, bitdelta, byte, mask]
+    return lua_key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
 
 
 class ClusterWrites:

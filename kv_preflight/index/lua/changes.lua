@@ -1,13 +1,21 @@
 -- Shared by apply.lua (a single node: a batch's changes run in its script) and effects.lua (a Valkey Cluster:
 -- each shard runs its share): the changes a pod's plan makes to keys every pod shares (kv_preflight/index/
--- pod_state.py plans them, the backends encode them; every key name arrives as an argument).
+-- pod_state.py plans them, kv_preflight/index/changes.py encodes them; every key name arrives as an argument).
+-- The common changes are one command each and no string work here (this script's own work, not Valkey's
+-- commands, was most of a batch's cost); the rare ones keep the general form.
 --
---   K rk pkey field entry bitname bitdelta byte mask   one request key of the pod: its llm-d entry
---        written (entry 1: HSET rk field "") or deleted (-1: HDEL), and its bit in the presence hash pkey
---        (field bitname, value "<n>:<bitmap>") set (bitdelta 1) or cleared (-1), n following the entry.
---        byte (1-based) and mask say where the pod's bit is. A deleted
---        entry that leaves the request key without any entry (someone else's included) takes the presence
---        hash with it, and the key counts as empty for the X below.
+--   E rk field              the pod's llm-d entry written (HSET rk field "")
+--   e rk field              ... deleted (HDEL); the key is then checked for X below
+--   B pkey name mine        the pod's bit set in the presence hash pkey, field name (value "<n>:<bitmap>", n
+--                           the entries the bits stand for): "mine" is the value with the pod's bit alone,
+--                           "1:" then the bitmap, so the first holder writes it whole (HSETNX) and a later
+--                           one sets its bit (n + 1). Sent with E when the entry and the bit come and go
+--                           together (an entry per bit: llm-d's JSON entries name the group).
+--   b pkey name mine        the pod's bit cleared (n - 1); the field goes when no bit and no count is left
+--                           (the hash, with its last field). Both are idempotent: n moves only with the bit.
+--   K rk pkey field entry name bitdelta byte mask   the general form, for an entry and a bit that do not
+--        move together (an entry two groups share, a bit moved to another name): the entry written (entry
+--        1) or deleted (-1) and the bit set (bitdelta 1) or cleared (-1), n following the entry's HSET/HDEL.
 --   Z ek_key n rk..         engine:<ek> gains the block's request keys at positions 0..n-1 (ZADD)
 --   X ek_key n rk..         the pod let go of the block: its request keys leave engine:<ek> if none of them
 --                           holds an entry any more (llm-d's pruning rule: HLEN of each is 0)
@@ -18,8 +26,9 @@
 -- cluster's routing (effects.lua).
 local foreign = {n = 0, first = nil}
 local moved = {}
-local empty = {}  -- request key -> true once it holds no entry (for X), false when it still does
-local op_at = 0   -- the position of the op running (for `moved`)
+local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
+local removed = {}  -- request keys an entry left (effects.lua reports those left empty)
+local op_at = 0     -- the position of the op running (for `moved`)
 local function call(cmd, key, ...)
   local r = redis.pcall(cmd, key, ...)
   if type(r) == 'table' and r.err then
@@ -45,6 +54,25 @@ local function with_bit(s, b, m, on)
   if not on then s = (string.gsub(s, '%z+$', '')) end
   return s
 end
+local function split(v)  -- "<n>:<bitmap>" -> n, bitmap
+  if type(v) ~= 'string' then return 0, '' end
+  local c = string.find(v, ':', 1, true)
+  if not c then return 0, '' end
+  return tonumber(string.sub(v, 1, c - 1)) or 0, string.sub(v, c + 1)
+end
+local function put(pkey, name, n, bm)
+  if bm == '' and n <= 0 then call('HDEL', pkey, name) else call('HSET', pkey, name, n .. ':' .. bm) end
+end
+-- The bit of "mine" (byte b, mask m) set or cleared in a field another pod's bit is in too (v: its value).
+local function bit_change(pkey, name, mine, on, v)
+  local b = #mine - 2
+  local m = string.byte(mine, #mine)
+  local n, bm = split(v)
+  local nb = with_bit(bm, b, m, on)
+  if nb == bm then return end  -- already so (a change run twice): n stays
+  if on then n = n + 1 else n = n - 1 end
+  put(pkey, name, n, nb)
+end
 local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
   local added = 0
   if entry == '1' then
@@ -54,48 +82,58 @@ local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
   elseif entry == '-1' then
     local r = call('HDEL', rk, fld)
     if r ~= nil then added = -r end
-    local len = call('HLEN', rk)
-    if len == 0 then  -- nobody holds the key any more: its presence goes whole
-      empty[rk] = true
-      call('DEL', pkey)
-      return
-    end
-    empty[rk] = false
+    removed[rk] = true
+    empty[rk] = nil
   end
   if bitdelta == '0' and added == 0 then return end
-  if bitdelta == '1' then  -- the first holder on this tier and group writes the field whole (one call)
-    local mine = string.rep('\0', tonumber(b) - 1) .. string.char(tonumber(m))
-    if call('HSETNX', pkey, bitname, added .. ':' .. mine) == 1 then return end
-  end
-  local v = call('HGET', pkey, bitname)
-  local n, bm = 0, ''
-  if type(v) == 'string' then
-    local c = string.find(v, ':', 1, true)
-    if c then n, bm = tonumber(string.sub(v, 1, c - 1)) or 0, string.sub(v, c + 1) end
-  end
+  local n, bm = split(call('HGET', pkey, bitname))
   if bitdelta ~= '0' then bm = with_bit(bm, tonumber(b), tonumber(m), bitdelta == '1') end
-  n = n + added
-  if bm == '' and n <= 0 then call('HDEL', pkey, bitname) else call('HSET', pkey, bitname, n .. ':' .. bm) end
+  put(pkey, bitname, n + added, bm)
 end
 local function engine_add(ek_key, rks)
   local za = {}
   for j, rk in ipairs(rks) do za[2 * j - 1], za[2 * j] = j - 1, rk end
   call('ZADD', ek_key, unpack(za))
 end
+local function is_empty(rk)
+  local e = empty[rk]
+  if e == nil then
+    e = call('HLEN', rk) == 0
+    empty[rk] = e
+  end
+  return e
+end
 local function engine_drop(ek_key, rks)
   for _, rk in ipairs(rks) do
-    local e = empty[rk]
-    if e == nil then e = call('HLEN', rk) == 0 end
-    if not e then return end
+    if not is_empty(rk) then return end
   end
   call('ZREM', ek_key, unpack(rks))
 end
--- Runs the ops in ARGV from position i; returns nothing (foreign, moved and empty say what happened).
+-- Runs the ops in ARGV from position i; returns nothing (foreign, moved, empty and removed say what happened).
 local function run_changes(i)
-  while i <= #ARGV do
+  local n_args = #ARGV
+  while i <= n_args do
     local op = ARGV[i]
     op_at = op_at + 1
-    if op == 'K' then
+    if op == 'E' then
+      call('HSET', ARGV[i + 1], ARGV[i + 2], '')
+      i = i + 3
+    elseif op == 'e' then
+      local rk = ARGV[i + 1]
+      call('HDEL', rk, ARGV[i + 2])
+      removed[rk] = true
+      empty[rk] = nil
+      i = i + 3
+    elseif op == 'B' then
+      local pkey, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      if call('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call('HGET', pkey, name)) end
+      i = i + 4
+    elseif op == 'b' then
+      local pkey, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      local v = call('HGET', pkey, name)
+      if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
+      i = i + 4
+    elseif op == 'K' then
       key_change(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7],
                  ARGV[i + 8])
       i = i + 9

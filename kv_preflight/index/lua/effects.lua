@@ -10,5 +10,5 @@ for _, p in ipairs(moved) do
   if not seen[p] then seen[p] = true; uniq[#uniq + 1] = p end
 end
 local gone = {}
-for rk, e in pairs(empty) do if e then gone[#gone + 1] = rk end end
+for rk in pairs(removed) do if is_empty(rk) then gone[#gone + 1] = rk end end
 return {table.concat(uniq, ','), foreign.n, foreign.first or '', gone}
