@@ -27,18 +27,46 @@ def key_ops(rk: int, field: str, entry: int, bit: str, bit_delta: int, num: int,
     return ["K", rk, presence_key(rk), field, entry, bit, bit_delta, num // 8 + 1, 1 << (num % 8)]
 
 
+def _one_to_one(c: KeyChange) -> bool:
+    """An entry and its bit (or an entry with no bit) that come or go together."""
+    return c.entry != 0 and (c.bit_delta == c.entry if c.bit else c.bit_delta == 0)
+
+
 def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
-    """changes.lua's arguments for a plan's changes, in order."""
+    """changes.lua's arguments for a plan's changes, in order: a block of one request key as one s or r op
+    (with its engine key's ZADD or ZREM when the plan has it beside), under the F op's field and bit."""
     n = num or 0
     own = mine(n)
     out: list[Any] = []
-    for c in changes:
-        if isinstance(c, KeyChange):
-            out += key_ops(c.rk, c.field, c.entry, c.bit, c.bit_delta, n, own)
-        elif isinstance(c, EngineAdd):
-            out += ["Z", engine_key_name(c.ek), len(c.rks), *c.rks]
-        elif isinstance(c, EngineDrop):
-            out += ["X", engine_key_name(c.ek), len(c.rks), *c.rks]
+    reg: tuple[str, str] | None = None  # the F op's field and bit name, as last sent
+    i, count = 0, len(changes)
+    while i < count:
+        c = changes[i]
+        nxt = changes[i + 1] if i + 1 < count else None
+        if isinstance(c, EngineAdd) and len(c.rks) == 1 and isinstance(nxt, KeyChange) and nxt.rk == c.rks[0] \
+                and nxt.entry > 0 and _one_to_one(nxt):
+            c, ek_key, i = nxt, engine_key_name(c.ek), i + 2
+        elif isinstance(c, KeyChange) and _one_to_one(c):
+            ek_key = ""
+            if c.entry < 0 and isinstance(nxt, EngineDrop) and nxt.rks == (c.rk,):
+                ek_key, i = engine_key_name(nxt.ek), i + 2
+            else:
+                i += 1
+        else:
+            i += 1
+            if isinstance(c, KeyChange):
+                out += key_ops(c.rk, c.field, c.entry, c.bit, c.bit_delta, n, own)
+            elif isinstance(c, EngineAdd):
+                out += ["z", engine_key_name(c.ek), c.rks[0]] if len(c.rks) == 1 else \
+                    ["Z", engine_key_name(c.ek), len(c.rks), *c.rks]
+            elif isinstance(c, EngineDrop):
+                out += ["x", engine_key_name(c.ek), c.rks[0]] if len(c.rks) == 1 else \
+                    ["X", engine_key_name(c.ek), len(c.rks), *c.rks]
+            continue
+        if reg != (c.field, c.bit):
+            reg = (c.field, c.bit)
+            out += ["F", c.field, c.bit, own]
+        out += ["s" if c.entry > 0 else "r", c.rk, presence_key(c.rk), ek_key]
     return out
 
 

@@ -12,13 +12,15 @@ and an llm-d scheduler (or a cluster-aware llm-d reader) reads the same index:
 
 Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``engine:``), under ``kvpf:``:
 
-  kvpf:{<request key>}:p      presence, what the lookup reads: per KV cache group and tier
+  kvpf:{<request key>}        presence, what the lookup reads: per KV cache group and tier
                               (``<tier>`` for group 0, ``<tier>|<group>`` for the others) the value
                               ``<n>:<bitmap>``, the bitmap of the pods holding the request key there (bit k:
                               byte k // 8, value 1 << k % 8, for the pod numbered k; trailing zero bytes
                               trimmed) and ``n``, how many of the key's llm-d entries those bits stand for
                               (their sum is compared with the key's HLEN: an entry someone else wrote shows).
-                              In the request key's slot: a shard writes both in one step.
+                              In the request key's slot: a shard writes both in one step. No suffix: one
+                              per request key, so every byte of the name counts (a suffix put each key in the
+                              next allocator size class, 16 bytes more per request key).
   kvpf:{<pod>}:meta           model, engine_block_size, seq:<rank>, ts:<rank>, last_event_time, gen (the
                               pod's generation: every writer of the pod plans at one and the apply script
                               refuses a plan made at another), num (its bit), groups (its KV cache groups),
@@ -96,7 +98,13 @@ def engine_key_name(engine_key: int | str) -> str:
 
 def presence_key(request_key: int | str) -> str:
     """The request key's pod bitmaps (layout 4), in its slot."""
-    return f"{OUR_PREFIX}{{{request_key}}}:p"
+    return f"{OUR_PREFIX}{{{request_key}}}"
+
+
+def is_presence_key(name: bytes | str) -> bool:
+    """Whether a key name is a presence hash (``kvpf:{<digits>}``, nothing after the tag)."""
+    n = name.decode() if isinstance(name, bytes) else name
+    return n.startswith(OUR_PREFIX + "{") and n.endswith("}") and n[len(OUR_PREFIX) + 1:-1].isdigit()
 
 
 def presence_field(tier: str, group: int | None) -> str:
@@ -104,7 +112,7 @@ def presence_field(tier: str, group: int | None) -> str:
     return f"{tier}|{group}" if group else tier
 
 
-PRESENCE_PREFIX, PRESENCE_SUFFIX = OUR_PREFIX + "{", "}:p"  # what the lookup script puts around a key
+PRESENCE_PREFIX, PRESENCE_SUFFIX = OUR_PREFIX + "{", "}"  # what the lookup script puts around a key
 
 
 NUMS_BYNAME_KEY = OUR_PREFIX + "{nums}:byname"

@@ -26,7 +26,7 @@ from typing import Any
 from kv_preflight.index.entries import CHAIN_ROOT, StoreBlock, parse_entry, text
 from kv_preflight.index.index import give_numbers
 from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
-                                       pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
+                                       is_presence_key, pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
                                        v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)
 from kv_preflight.index.pod_state import KeyChange, PodState, encode_snapshot
 
@@ -82,7 +82,8 @@ async def migrate(client, *, chunk: int = 500, progress: Progress | None = None)
         await _write_pod(client, pod, state, v1.get(pod) or pods.get(pod, ""))
         done["pods"] += 1
     # 2. presence, rebuilt whole
-    await _delete_matching(client, ("kvpf:{*}:bits", "kvpf:{*}:p"), chunk)
+    await _delete_matching(client, ("kvpf:{*}:bits", "kvpf:{*}:p"), chunk)  # layout 3's, an early 4's
+    await _delete_matching(client, ("kvpf:{*}",), chunk, only=is_presence_key)  # a migrate cut short's
     add = client.register_script(_ADD_BIT)
     await client.script_load(_ADD_BIT)
     keys_seen: set[int] = set()
@@ -172,11 +173,14 @@ async def _write_pod(client, pod: str, state: PodState, model: str) -> None:
         await client.hset(PODS_KEY, pod, model)
 
 
-async def _delete_matching(client, patterns: tuple[str, ...], chunk: int) -> None:
-    """Every key matching the patterns, deleted in chunks (redis-py splits a cluster's by slot)."""
+async def _delete_matching(client, patterns: tuple[str, ...], chunk: int, only=None) -> None:
+    """Every key matching the patterns (and ``only``, if given), deleted in chunks (redis-py splits a
+    cluster's by slot)."""
     for pattern in patterns:
         batch = []
         async for key in client.scan_iter(match=pattern, count=chunk):
+            if only is not None and not only(key):
+                continue
             batch.append(key)
             if len(batch) >= chunk:
                 await client.delete(*batch)

@@ -19,6 +19,7 @@ connection). ``clone`` gives a copy for callers that need the state before.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -523,14 +524,22 @@ def _run_end(mutations: Sequence[Mutation], i: int) -> int:
 # once too (llm-d's entry JSON is ~100 bytes, a block's keys ~30), so the log stays small and snapshots rare.
 
 class _Snapshot(msgspec.Struct, array_like=True):
+    """Per block, in the state's order (the order blocks were stored, so a request's blocks sit in chain order):
+    engine keys and request keys as packed little-endian u64s, each block's key count, its tier, group and
+    field in one small int, and its parent only where it is not the previous block's last request key. About
+    20 bytes a block of one request key (a msgpack tuple per block took 35)."""
+
     gen: int
     fields: list[str]
     groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
     engine_block_size: int | None
-    keys: list[tuple[int, str, int]]  # per block: engine key, tier, group
-    field_ids: list[int]  # per block: its entry field, an index into ``fields``
-    parents: list[int | None]  # per block: CHAIN_ROOT, a request key, or None (not known)
-    request_keys: list[tuple[int, ...]]
+    tiers: list[str]
+    engine_keys: bytes  # u64 per block
+    request_keys: bytes  # u64 per request key, every block's in turn
+    counts: list[int]  # request keys per block
+    codes: list[int]  # per block: field id << 12 | group << 4 | tier id
+    chained: bytes  # bit i set: block i's parent is block i-1's last request key
+    parents: list[int | None]  # the other blocks' parents, in order (CHAIN_ROOT, a request key, None: unknown)
     copies: dict[int, int] = {}  # block index -> physical copies, where more than one
     deferred: list[tuple[int, list[int]]] = []  # PodState.deferred
 
@@ -555,12 +564,28 @@ def _spec_tuple(s: GroupSpec) -> tuple[str, int | None, int | None, int | None, 
 
 
 def encode_snapshot(state: PodState, gen: int) -> bytes:
+    keys = list(state.blocks)
     blocks = list(state.blocks.values())
-    ids: dict[str, int] = {}
-    field_ids = [ids.setdefault(b.field, len(ids)) for b in blocks]
+    fids: dict[str, int] = {}
+    tids: dict[str, int] = {}
+    codes = [fids.setdefault(b.field, len(fids)) << 12 | g << 4 | tids.setdefault(t, len(tids))
+             for (_, t, g), b in zip(keys, blocks)]
+    if len(tids) > 16 or any(g > 255 for _, _, g in keys):
+        raise ValueError("more than 16 tiers or a group past 255: not a state this format holds")
+    rks = [rk for b in blocks for rk in b.rks]
+    chained = bytearray((len(blocks) + 7) // 8)
+    parents: list[int | None] = []
+    last: int | None = None
+    for i, b in enumerate(blocks):
+        if b.parent is not None and b.parent == last and b.parent != CHAIN_ROOT:
+            chained[i >> 3] |= 1 << (i & 7)
+        else:
+            parents.append(b.parent)
+        last = b.rks[-1] if b.rks else None
     return _enc.encode(_Snapshot(
-        gen, list(ids), {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size,
-        list(state.blocks), field_ids, [b.parent for b in blocks], [b.rks for b in blocks],
+        gen, list(fids), {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, list(tids),
+        struct.pack(f"<{len(keys)}Q", *(k[0] for k in keys)), struct.pack(f"<{len(rks)}Q", *rks),
+        [len(b.rks) for b in blocks], codes, bytes(chained), parents,
         {i: b.copies for i, b in enumerate(blocks) if b.copies > 1},
         [(ek, list(rks)) for ek, rks in state.deferred.items()]))
 
@@ -604,12 +629,22 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
         st.groups = {int(g): GroupSpec(*t) for g, t in snap.groups.items()}
         st.engine_block_size = snap.engine_block_size
         out = Plan(after=st)
-        fields = snap.fields
-        for (ek, tier, group), fi, parent, rks in zip(snap.keys, snap.field_ids, snap.parents, snap.request_keys):
-            st._store(StoreBlock(ek, tier, fields[fi], tuple(rks), group, False, parent), out)
-        keys = snap.keys
+        fields, tiers = snap.fields, snap.tiers
+        eks = struct.unpack(f"<{len(snap.engine_keys) // 8}Q", snap.engine_keys)
+        rks = struct.unpack(f"<{len(snap.request_keys) // 8}Q", snap.request_keys)
+        parents = iter(snap.parents)
+        at, last = 0, None
+        keys = []
+        for i, (ek, n, code) in enumerate(zip(eks, snap.counts, snap.codes)):
+            own = rks[at:at + n]
+            at += n
+            parent = last if snap.chained[i >> 3] >> (i & 7) & 1 else next(parents)
+            key = (ek, tiers[code & 15], code >> 4 & 255)
+            keys.append(key)
+            st._store(StoreBlock(ek, key[1], fields[code >> 12], own, key[2], False, parent), out)
+            last = own[-1] if own else None
         for i, copies in snap.copies.items():
-            st.blocks[tuple(keys[i])].copies = copies
+            st.blocks[keys[i]].copies = copies
         for ek, rks in snap.deferred:
             st.deferred[ek] = tuple(rks)
             for rk in rks:

@@ -1,6 +1,6 @@
 """Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure; layout 4).
 
-Each request key has, per tier, a bitmap of the pods holding it in their prefix group (``kvpf:{<rk>}:p``,
+Each request key has, per tier, a bitmap of the pods holding it in their prefix group (``kvpf:{<rk>}``,
 field ``<tier>``, written with the key's entries: kv_preflight/index/lua/changes.lua), and for a hybrid model's
 other KV cache groups one per tier and group (field ``<tier>|<group>``: ``GroupBits``, which the engine's rule
 reads, kv_preflight/engines/hit_rules.py). lookup_bits.lua answers in one of two ways (``BitsReply``):

@@ -14,7 +14,7 @@ apply (stale, a gap, a restart, a lost connection) leaves it ahead of Valkey: th
 again from its log before its next plan.
 
 The state is written back per batch as one log entry (the batch's mutations), and as a snapshot from time to
-time (when the log has grown past a quarter of it), in the same script as the batch.
+time (when the log has grown past a third of it), in the same script as the batch.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kv_preflight.index.layout import pod_keys
 from kv_preflight.index.pod_state import Plan, PodState, encode_delta, encode_snapshot, restore
 
 MAX_RETRIES = 4  # plans sent again after "stale" (another writer moved the pod) before giving up
-SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or a quarter of the snapshot
+SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or a third of the snapshot
 SNAPSHOT_EVERY_BATCHES = 256
 
 # The apply script's answers that are the writer's own business (the ingester never sees them)
@@ -236,7 +236,7 @@ class PodWriter:
         n = gen_count(t.gen) + 1
         new_gen = f"{n}:{self.writer}"
         delta = encode_delta(n, logged, groups, ebs)
-        snapshot = (t.log_bytes + len(delta) > max(SNAPSHOT_EVERY_BYTES, t.snap_bytes // 4)
+        snapshot = (t.log_bytes + len(delta) > max(SNAPSHOT_EVERY_BYTES, t.snap_bytes // 3)
                     or t.log_batches + 1 >= SNAPSHOT_EVERY_BATCHES)
         value = encode_snapshot(after, n) if snapshot else delta
         state_field = "s" if snapshot else f"d:{n}"

@@ -16,7 +16,7 @@ import redis
 
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
-from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, pod_meta_key, pod_state_key,
+from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, is_presence_key, pod_meta_key, pod_state_key,
                                        v3_bits_key, v3_members_key, v3_pod_keys)
 from kv_preflight.index.presence import as_int, numbers, presence_value
 from tests.e2e.harness import spawn, stop
@@ -74,7 +74,7 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
             assert res.status == "applied"
             if seq == 42:
                 assert r.hkeys("70") == [F]  # one of two copies evicted: still held
-        assert not r.exists("70", "71", "72", "73", "engine:7", "engine:8", "kvpf:{70}:p")
+        assert not r.exists("70", "71", "72", "73", "engine:7", "engine:8", "kvpf:{70}")
         again = cli("index", "migrate", "--valkey-url", valkey_url, "--json")  # idempotent
         assert again.returncode == 0 and json.loads(again.stdout)["pods"] == 0
     finally:
@@ -150,7 +150,7 @@ async def to_layout_3(ix: Index, client, *, version: str = "3") -> None:
         client.hset(v3_bits_key(rk), mapping={**{t: b.to_bytes((b.bit_length() + 7) // 8, "little") for t, b in tiers.items()},
                                               "#n": counts[rk]})
     for k in keys_of(client):
-        if k.endswith(b"}:p"):
+        if is_presence_key(k):
             client.delete(k)
     client.hset(LAYOUT_KEY, "version", version)
 
@@ -167,7 +167,7 @@ def by_name(client) -> dict:
             continue
         if k.endswith(":meta"):
             v = {f: x for f, x in v.items() if f not in ("num", "gen", "orphan_at", "batches")}
-        if k.endswith("}:p"):
+        if is_presence_key(k):
             v = {}
             for f, x in client.hgetall(k).items():
                 n, bitmap = presence_value(x)

@@ -184,8 +184,8 @@ def test_a_pods_own_value_is_the_bytes_its_bit_reads_as(num):
 def test_an_entry_and_a_bit_that_move_together_are_one_command_each():
     from kv_preflight.index.changes import key_ops, mine
 
-    assert key_ops(11, "F", 1, "gpu", 1, 9) == ["E", 11, "F", "B", "kvpf:{11}:p", "gpu", mine(9)]
-    assert key_ops(11, "F", -1, "gpu", -1, 9) == ["e", 11, "F", "b", "kvpf:{11}:p", "gpu", mine(9)]
+    assert key_ops(11, "F", 1, "gpu", 1, 9) == ["E", 11, "F", "B", "kvpf:{11}", "gpu", mine(9)]
+    assert key_ops(11, "F", -1, "gpu", -1, 9) == ["e", 11, "F", "b", "kvpf:{11}", "gpu", mine(9)]
     assert key_ops(11, "F", 1, "", 0, 9) == ["E", 11, "F"]  # an entry no bit stands for (speculative)
     # an entry two groups share (llm-d v0.8 entries): the general form, whose count follows the entry
-    assert key_ops(11, "F", 0, "gpu|1", 1, 9) == ["K", 11, "kvpf:{11}:p", "F", 0, "gpu|1", 1, 2, 2]
+    assert key_ops(11, "F", 0, "gpu|1", 1, 9) == ["K", 11, "kvpf:{11}", "F", 0, "gpu|1", 1, 2, 2]

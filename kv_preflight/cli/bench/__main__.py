@@ -32,7 +32,7 @@ from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.predictor.scoring.score import engine_cached_tokens
 from kv_preflight.index.index import Index, StoreBlock
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.layout import pod_meta_key
+from kv_preflight.index.layout import is_presence_key, pod_meta_key
 from kv_preflight.keys.chain import HAS_C_EXTENSION, request_keys, request_keys_reference
 
 MODEL = "bench-model"
@@ -464,7 +464,7 @@ def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
     total = _used(r) - mem0
     entries = _entries(r)
     # Ours: the request keys' presence hashes and each pod's state log (layout 4, kv_preflight/index/layout.py).
-    ours_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000) if k.endswith((b"}:p", b"}:state"))]
+    ours_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000) if is_presence_key(k) or k.endswith(b"}:state")]
     before = _used(r)
     for k in ours_keys:
         r.delete(k)

@@ -46,6 +46,7 @@ class Side:
 
     cpu_s: float
     seconds: float
+    process_s: float  # the writer's own CPU
     bytes_per_entry: float
     entries: int
 
@@ -129,9 +130,11 @@ def live_entries(r: redis.Redis) -> int:
     return total
 
 
-async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float]:
+async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
     """The ingester's message handler, in process, fed 512 queued messages at a time (a backlog): the warm-up,
-    then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``) of the measured part."""
+    then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``, this process's CPU
+    seconds) of the measured part: on a busy machine the process waits for a core, and its CPU time says
+    what it would do on a core of its own."""
     from kv_preflight.config import Config
     from kv_preflight.index.index import Index
     from kv_preflight.ingester.ingester import Ingester
@@ -148,26 +151,26 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) 
     try:
         await feed(warm)
         c0 = sum(cpu_s(n) for n in nodes)
-        t = time.perf_counter()
+        t, p0 = time.perf_counter(), time.process_time()
         await feed(measured)
-        elapsed = time.perf_counter() - t
+        elapsed, proc = time.perf_counter() - t, time.process_time() - p0
         c1 = sum(cpu_s(n) for n in nodes)
         applied = ing.counters.counts.get("batches_applied", 0)
         if applied != len(warm) + len(measured):
             raise RuntimeError(f"the ingester applied {applied} of {len(warm) + len(measured)} batches: {ing.counters.counts}")
     finally:
         await index.close()
-    return elapsed, c1 - c0
+    return elapsed, c1 - c0, proc
 
 
-async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float]:
+async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
     w = FloorWriter(url)
     try:
         await w.write(warm)
         c0 = sum(cpu_s(n) for n in nodes)
-        t = time.perf_counter()
+        t, p0 = time.perf_counter(), time.process_time()
         await w.write(measured)
-        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0
+        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0, time.process_time() - p0
     finally:
         await w.close()
 
@@ -193,9 +196,9 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
             for opt in ("lazyfree-lazy-user-del", "lazyfree-lazy-server-del"):
                 r.config_set(opt, "no")
             mem0 = used_memory(r)
-            seconds, cpu = asyncio.run(run(vk.url, warm, measured, [r]))
+            seconds, cpu, proc = asyncio.run(run(vk.url, warm, measured, [r]))
             entries = live_entries(r)
-            sides[name] = Side(cpu, seconds, (used_memory(r) - mem0) / max(entries, 1), entries)
+            sides[name] = Side(cpu, seconds, proc, (used_memory(r) - mem0) / max(entries, 1), entries)
             r.close()
         floor, ours = sides["floor"], sides["ours"]
         if ours.entries != floor.entries:
@@ -209,12 +212,13 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
         res.add("memory per live (request key, pod) entry", f"{ours.bytes_per_entry:.0f} B (floor {floor.bytes_per_entry:.0f} B)",
                 f"<= {MEMORY_RATIO_MAX}x floor", "llm-d's bare layout", mem_ratio, mem_ratio <= MEMORY_RATIO_MAX,
                 ours_bytes=ours.bytes_per_entry, floor_bytes=floor.bytes_per_entry, entries=ours.entries)
-        rate = events / ours.seconds
-        res.add("one ingester, single node", f"{rate:,.0f} engine blocks/s", f">= {RATE_MIN:,} blocks/s", "", None,
-                rate >= RATE_MIN, blocks_per_s=rate)
+        rate, core_rate = events / ours.seconds, events / ours.process_s
+        res.add("one ingester, single node", f"{rate:,.0f} engine blocks/s ({core_rate:,.0f} per second of its "
+                "own CPU)", f">= {RATE_MIN:,} blocks/s", "", None, rate >= RATE_MIN, blocks_per_s=rate,
+                blocks_per_cpu_s=core_rate)
         out.update(floor_cpu_us=f_us, ours_cpu_us=o_us, cpu_ratio=cpu_ratio, floor_bytes=floor.bytes_per_entry,
                    ours_bytes=ours.bytes_per_entry, memory_ratio=mem_ratio, entries=ours.entries,
-                   ours_blocks_per_s=rate, floor_seconds=floor.seconds)
+                   ours_blocks_per_s=rate, ours_blocks_per_cpu_s=core_rate, floor_seconds=floor.seconds)
         if cluster:
             out.update(_cluster(res, tmp, warm, measured, events, o_us, rate))
     finally:
@@ -231,7 +235,7 @@ def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, singl
     vc = ValkeyCluster(tmp / "floor-cluster", appendonly=False).start()
     try:
         masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
-        seconds, cpu = asyncio.run(_ours(vc.url, warm, measured, masters))
+        seconds, cpu, proc = asyncio.run(_ours(vc.url, warm, measured, masters))
         for m in masters:
             m.close()
     finally:

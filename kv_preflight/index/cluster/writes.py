@@ -102,7 +102,10 @@ def decode_entry(field: bytes, payload: bytes) -> tuple[int, list[Any]] | None:
 
 
 def key_op_args(op: Sequence[Any]) -> list[Any]:
-    """An outbox K change as effects.lua's arguments (changes.lua's ops for it)."""
+    """An outbox K change, or a drop's probe of one request key ("Q", rk, position), as effects.lua's
+    arguments (changes.lua's ops for it)."""
+    if op[0] == "Q":
+        return ["q", op[1], op[2]]
     _, rk, fld, entry, bit, bitdelta, byte, mask = op
     return lua_key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
 
@@ -247,10 +250,18 @@ class ClusterWrites:
         if not entries:
             return 0, "", []
         ops = [op for _pod, _field, payload in entries for op in _dec.decode(payload)]
-        key_ops = [op for op in ops if op[0] == "K"]
-        foreign, first, gone = await self._round_a(key_ops)
+        # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
+        # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
+        # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
+        key_ops: list[Sequence[Any]] = []
+        for j, op in enumerate(ops):
+            if op[0] == "K":
+                key_ops.append(op)
+            elif op[0] == "X":
+                key_ops += [("Q", rk, j) for rk in set(op[2])]
+        foreign, first, empty_at = await self._round_a(key_ops)
         adds = [op for op in ops if op[0] == "Z"]
-        drops = [op for op in ops if op[0] == "X" and all(rk in gone for rk in op[2])]
+        drops = [op for j, op in enumerate(ops) if op[0] == "X" and empty_at.get(j, 0) == len(set(op[2]))]
         round_b: list[tuple[Any, ...]] = []
         for op in adds:
             pairs: list[Any] = []
@@ -276,19 +287,24 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd))
                 foreign, first = foreign + f, first or fst
-        touched = [str(op[1]) for op in key_ops] + [engine_key_name(op[1]) for op in adds + drops]
+        touched = [str(op[1]) for op in key_ops if op[0] == "K"] + [engine_key_name(op[1]) for op in adds + drops]
         return foreign, first, touched
 
-    async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, set[int]]:
+    async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
         parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
         (declared keys: the request key and its presence hash, one slot). Returns foreign writes, the first
-        such error, and the request keys left with no entry."""
+        such error, and per probed drop (its position in the run) how many of its request keys were empty
+        where it stands."""
         if not key_ops:
-            return 0, "", set()
+            return 0, "", {}
         await self.shards.ready()
         by_node, moved = by_primary(self.client, (str(op[1]) for op in key_ops))
-        gone: set[int] = set()
+        empty_at: dict[int, int] = {}
+
+        def probes(reply_part: Sequence[Any]) -> None:
+            for j in reply_part:
+                empty_at[int(text(j))] = empty_at.get(int(text(j)), 0) + 1
         script = self._effects
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
@@ -307,7 +323,7 @@ class ClusterWrites:
                     await self.client.script_load(script.script)
                     reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
             moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
-            gone.update(int(text(rk)) for rk in reply[3])
+            probes(reply[3])
             return int(reply[1]), text(reply[2])
 
         foreign, first = 0, ""
@@ -328,8 +344,8 @@ class ClusterWrites:
             for r in replies:
                 foreign += int(r[1])
                 first = first or text(r[2])
-                gone.update(int(text(rk)) for rk in r[3])
-        return foreign, first, gone
+                probes(r[3])
+        return foreign, first, empty_at
 
     # ---- step 3, and entries left behind
 

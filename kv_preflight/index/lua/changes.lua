@@ -13,12 +13,20 @@
 --                           together (an entry per bit: llm-d's JSON entries name the group).
 --   b pkey name mine        the pod's bit cleared (n - 1); the field goes when no bit and no count is left
 --                           (the hash, with its last field). Both are idempotent: n moves only with the bit.
+--   F field name mine       sets the field, bit name ("": none) and own value the s and r ops below use (a
+--                           batch's blocks mostly share them: each is sent once, not per block)
+--   s rk pkey ek_key        a block of one request key stored: E and B with those, and (ek_key not "") z
+--   r rk pkey ek_key        ... let go of: e; if the key holds no entry any more, its presence hash goes
+--                           and (ek_key not "") x's ZREM; if it still does, b
 --   K rk pkey field entry name bitdelta byte mask   the general form, for an entry and a bit that do not
 --        move together (an entry two groups share, a bit moved to another name): the entry written (entry
 --        1) or deleted (-1) and the bit set (bitdelta 1) or cleared (-1), n following the entry's HSET/HDEL.
 --   Z ek_key n rk..         engine:<ek> gains the block's request keys at positions 0..n-1 (ZADD)
 --   X ek_key n rk..         the pod let go of the block: its request keys leave engine:<ek> if none of them
 --                           holds an entry any more (llm-d's pruning rule: HLEN of each is 0)
+--   z ek_key rk, x ek_key rk   the same for a block of one request key (an engine block of 16 tokens)
+--   q rk j                  (a cluster shard) whether the key holds no entry at this point: j is listed in
+--                           `probes` if so (the X at position j of the run runs if all its keys were)
 -- Writes to keys we do not own go through pcall: a key of a foreign type (someone's LIST at a request key)
 -- fails that one command, never the script, so a batch is never left half applied and a retry counts nothing
 -- twice; failures are counted (foreign.n) and the first is kept. A key that moved away (cluster: resharding,
@@ -27,7 +35,7 @@
 local foreign = {n = 0, first = nil}
 local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
-local removed = {}  -- request keys an entry left (effects.lua reports those left empty)
+local probes = {}  -- q ops that found their key empty (their j)
 local op_at = 0     -- the position of the op running (for `moved`)
 local function call(cmd, key, ...)
   local r = redis.pcall(cmd, key, ...)
@@ -76,13 +84,13 @@ end
 local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
   local added = 0
   if entry == '1' then
+    empty[rk] = false
     local r = call('HSET', rk, fld, '')
     if r == nil then return end  -- a foreign-typed request key: no entry, so no bit either
     added = r
   elseif entry == '-1' then
     local r = call('HDEL', rk, fld)
     if r ~= nil then added = -r end
-    removed[rk] = true
     empty[rk] = nil
   end
   if bitdelta == '0' and added == 0 then return end
@@ -90,9 +98,9 @@ local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
   if bitdelta ~= '0' then bm = with_bit(bm, tonumber(b), tonumber(m), bitdelta == '1') end
   put(pkey, bitname, n + added, bm)
 end
-local function engine_add(ek_key, rks)
+local function engine_add(ek_key, i, n)  -- the request keys at ARGV[i + 1 .. i + n]
   local za = {}
-  for j, rk in ipairs(rks) do za[2 * j - 1], za[2 * j] = j - 1, rk end
+  for j = 1, n do za[2 * j - 1], za[2 * j] = j - 1, ARGV[i + j] end
   call('ZADD', ek_key, unpack(za))
 end
 local function is_empty(rk)
@@ -109,19 +117,43 @@ local function engine_drop(ek_key, rks)
   end
   call('ZREM', ek_key, unpack(rks))
 end
--- Runs the ops in ARGV from position i; returns nothing (foreign, moved, empty and removed say what happened).
+-- Runs the ops in ARGV from position i; returns nothing (foreign, moved, empty and probes say what happened).
 local function run_changes(i)
   local n_args = #ARGV
+  local fld, name, mine = '', '', ''
   while i <= n_args do
     local op = ARGV[i]
     op_at = op_at + 1
-    if op == 'E' then
+    if op == 's' then
+      local rk, pkey, ek_key = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      empty[rk] = false
+      if call('HSET', rk, fld, '') ~= nil and name ~= '' then
+        if call('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call('HGET', pkey, name)) end
+      end
+      if ek_key ~= '' then call('ZADD', ek_key, 0, rk) end
+      i = i + 4
+    elseif op == 'r' then
+      local rk, pkey, ek_key = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      call('HDEL', rk, fld)
+      empty[rk] = nil
+      if is_empty(rk) then
+        if name ~= '' then call('DEL', pkey) end
+        if ek_key ~= '' then call('ZREM', ek_key, rk) end
+      elseif name ~= '' then
+        local v = call('HGET', pkey, name)
+        if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
+      end
+      i = i + 4
+    elseif op == 'F' then
+      fld, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      i = i + 4
+    elseif op == 'E' then
+      empty[ARGV[i + 1]] = false
       call('HSET', ARGV[i + 1], ARGV[i + 2], '')
       i = i + 3
     elseif op == 'e' then
       local rk = ARGV[i + 1]
       call('HDEL', rk, ARGV[i + 2])
-      removed[rk] = true
       empty[rk] = nil
       i = i + 3
     elseif op == 'B' then
@@ -133,15 +165,29 @@ local function run_changes(i)
       local v = call('HGET', pkey, name)
       if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
       i = i + 4
+    elseif op == 'q' then
+      if is_empty(ARGV[i + 1]) then probes[#probes + 1] = ARGV[i + 2] end
+      i = i + 3
+    elseif op == 'z' then
+      call('ZADD', ARGV[i + 1], 0, ARGV[i + 2])
+      i = i + 3
+    elseif op == 'x' then
+      local rk = ARGV[i + 2]
+      if is_empty(rk) then call('ZREM', ARGV[i + 1], rk) end
+      i = i + 3
     elseif op == 'K' then
       key_change(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7],
                  ARGV[i + 8])
       i = i + 9
+    elseif op == 'Z' then
+      local n = tonumber(ARGV[i + 2])
+      engine_add(ARGV[i + 1], i + 2, n)
+      i = i + 3 + n
     else
       local n = tonumber(ARGV[i + 2])
       local rks = {}
       for j = 1, n do rks[j] = ARGV[i + 2 + j] end
-      if op == 'Z' then engine_add(ARGV[i + 1], rks) else engine_drop(ARGV[i + 1], rks) end
+      engine_drop(ARGV[i + 1], rks)
       i = i + 3 + n
     end
   end

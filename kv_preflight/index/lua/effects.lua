@@ -3,12 +3,11 @@
 -- idempotent; each command runs alone (pcall), so one that fails changes nothing else. A key that moved away
 -- (resharding, failover) fails with "non local key": its op is listed for the caller to send through the
 -- cluster's routing. ARGV: the changes (changes.lua), flat, in order.
--- Returns {moved op positions "i,j,..", foreign-typed writes, the first such error, request keys left empty}.
+-- Returns {moved op positions "i,j,..", foreign-typed writes, the first such error, the q ops' j that found
+-- their request key empty}.
 run_changes(1)
 local seen, uniq = {}, {}
 for _, p in ipairs(moved) do
   if not seen[p] then seen[p] = true; uniq[#uniq + 1] = p end
 end
-local gone = {}
-for rk in pairs(removed) do if is_empty(rk) then gone[#gone + 1] = rk end end
-return {table.concat(uniq, ','), foreign.n, foreign.first or '', gone}
+return {table.concat(uniq, ','), foreign.n, foreign.first or '', probes}

@@ -1,5 +1,5 @@
 -- The lookup (layout 4): per pod, how many leading keys of the chain it holds, from the keys' presence hashes
--- (kvpf:{<rk>}:p, kv_preflight/index/layout.py: per tier a bitmap of pod numbers, value "<n>:<bitmap>"). A
+-- (kvpf:{<rk>}, kv_preflight/index/layout.py: per tier a bitmap of pod numbers, value "<n>:<bitmap>"). A
 -- pod's bit in field "<tier>" says it holds the key in its prefix group (full attention; the only group of a
 -- plain model), which is what a prefix is walked over here; fields "<tier>|<group>" (a hybrid model's other
 -- KV cache groups) are sent back where every key's bitmaps are, and otherwise read by the caller, which
