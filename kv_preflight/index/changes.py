@@ -70,4 +70,18 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
     return out
 
 
-__all__ = ["change_args", "key_ops", "mine"]
+# How many arguments each changes.lua op takes, its name included (Z and X: 3 plus their count)
+_ARITY = {"E": 3, "e": 3, "B": 4, "b": 4, "F": 4, "s": 4, "r": 4, "K": 9, "z": 3, "x": 3, "q": 3}
+
+
+def lua_op_count(args: Sequence[Any]) -> int:
+    """How many changes.lua ops a flat argument list holds (the script numbers them, e.g. a moved op)."""
+    i = n = 0
+    while i < len(args):
+        op = args[i]
+        i += _ARITY[op] if op in _ARITY else 3 + int(args[i + 2])
+        n += 1
+    return n
+
+
+__all__ = ["change_args", "key_ops", "lua_op_count", "mine"]
