@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,http,scaling,cluster,fleet,route,warnings] [--json out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -696,7 +696,7 @@ def _strip(d: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 
-ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "route", "warnings")
+ROWS = ("keys", "ingest", "memory", "floor", "http", "scaling", "cluster", "fleet", "route", "warnings")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -707,7 +707,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", default=env_default("--quick", "") not in ("", "0", "false", "no", "off"),
                     help="fewer requests and blocks: a smoke run, figures are noisier  [env KVPF_QUICK]")
-    ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,fleet,warnings"),
+    ap.add_argument("--only", default=env_default("--only", "keys,ingest,floor,http,scaling,cluster,fleet,warnings"),
                     help=f"comma list of: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone)  [env KVPF_ONLY]")
     ap.add_argument("--json", dest="json_out", default=env_default("--json", None),
                     help="write every figure to this JSON file  [env KVPF_JSON]")
@@ -743,6 +743,9 @@ def main(argv: list[str] | None = None) -> None:
                 bench_keys(res, a.quick)
             if "ingest" in only or "memory" in only:
                 bench_ingest_memory(res, vk, a.quick, tmp)
+            if "floor" in only:
+                from kv_preflight.cli.bench.floor import bench_floor
+                bench_floor(res, tmp, a.quick)
             if "http" in only or "scaling" in only:
                 bench_http(res, vk, a.quick, tmp, "scaling" in only)
             if "cluster" in only:
