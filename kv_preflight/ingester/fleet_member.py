@@ -293,10 +293,13 @@ class FleetMember:
                 continue
             new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
             if await self.index.fleet.replace_pod_record(pod, rec, new) or rec.state == "retired":
-                cleared = await self.index.clear_pod(pod)
+                # A new engine: the pod starts as it does (no seq, not incomplete), and is replayed from its
+                # seq 0. Clearing the entries alone kept the old seq and the retirement flag, so the pod read
+                # incomplete for good (and a new engine further on than the old seq would skip its start).
+                cleared = await self.index.reset_pod(pod)
                 await self.index.fleet.put_pod_records({pod: new})
-                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
-                            spec.url, rec.engine_url, cleared)
+                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared, starts "
+                            "from the new engine's seq 0", pod, spec.url, rec.engine_url, cleared)
 
     def _conflict(self, retry: _Retry, now: float) -> None:
         self.ing.counters.tally("pod_conflicts")
