@@ -300,7 +300,7 @@ td:has(.bar){{width:20em}} .on{{color:#3a7;text-align:center}} .verdict{{font-we
 @diagnose_group.command("fleet")
 @click.option("--valkey-url", default=None, help="Valkey URL (any node of a cluster).  [env KVPF_VALKEY_URL]")
 @click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a cluster node (default auto).")
-@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help="The predictor whose predictions give p ('' to skip).")
+@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help="The predictor whose predictions give p ('' to skip; default: the running `up` stack's, else this).  [env KVPF_PREDICTOR_URL]")
 @click.option("--api-key", default=None, help="Bearer key for the predictor.  [env KVPF_API_KEY]")
 @click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT: an engine to read metrics from (pod id from its /kv_event_sources). Repeatable.")
 @click.option("--pod-metrics", "pod_metrics", multiple=True, help="POD=http://HOST:PORT: that pod's engine. Repeatable.")

@@ -19,10 +19,25 @@ from kv_preflight.keys.chain import HAS_C_EXTENSION
 VERSION_MESSAGE = "%(prog)s, version %(version)s, C block-key routine: " + (
     "built" if HAS_C_EXTENSION else "not built (pure-Python fallback)")
 
+# Commands that start what they use (up: its own Valkey; bench: its own stack) or use no Valkey: the running
+# stack's <data-dir>/env is not theirs (up given another stack's Valkey would not start its own).
+OWN_STACK = frozenset({"up", "bench", "simulate", "keys", "calibrate"})
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kv-preflight", message=VERSION_MESSAGE)
-def cli() -> None:
-    """Predict prefix-cache hits of LLM engines from their KV-cache events."""
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Predict prefix-cache hits of LLM engines from their KV-cache events.
+
+    Every command but up, bench, simulate, keys and calibrate reaches the stack a running `kv-preflight up`
+    started with no flags: its Valkey and predictor URLs are read from <data-dir>/env (KVPF_DATA_DIR, else
+    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack).
+    """
+    if ctx.invoked_subcommand not in OWN_STACK and not ctx.resilient_parsing:
+        from kv_preflight.cli.stack_file import apply_defaults
+
+        apply_defaults()
 
 
 @cli.command()
