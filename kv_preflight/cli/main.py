@@ -235,13 +235,9 @@ cli.add_command(explain)
 cli.add_command(diagnose_group)
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench(args: tuple[str, ...]) -> None:
-    """Benchmark every hot path against a straightforward baseline (bench --help: options)."""
-    from kv_preflight.cli.bench.__main__ import main as run_bench
+from kv_preflight.cli.bench.command import bench  # noqa: E402  (its run is imported when it starts)
 
-    run_bench(list(args))
+cli.add_command(bench)
 
 
 @cli.command()
