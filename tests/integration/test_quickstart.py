@@ -9,6 +9,7 @@ directory, an engine that is not there, a busy predictor port.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
@@ -42,6 +44,14 @@ def _cli(args: list[str], cwd: Path, env: dict, timeout: float = 60) -> subproce
     """A command as the user types it: no --valkey-url, no --predictor-url, no KVPF_ variable."""
     clean = {k: v for k, v in env.items() if not k.startswith("KVPF_") or k == "KVPF_TEST_STACK"}
     return subprocess.run([*CLI, *args], cwd=cwd, env=clean, capture_output=True, text=True, timeout=timeout)
+
+
+def _doc_example() -> tuple[str, str]:
+    """docs/explain.md's checked example: the command (after ``$ ``) and its output."""
+    text = (REPO / "docs" / "explain.md").read_text().split("<!-- explain-example -->", 1)[1]
+    block = text.split("```", 2)[1].strip("\n").splitlines()
+    assert block[0].startswith("$ kv-preflight explain ")
+    return block[0][2:], "\n".join(block[1:]).strip()
 
 
 def test_readme_quickstart_then_the_cli_with_no_flags(tmp_path):
@@ -74,6 +84,25 @@ def test_readme_quickstart_then_the_cli_with_no_flags(tmp_path):
             assert r.returncode == 0, r.stdout + r.stderr
             r = _cli(["diagnose", "fleet", "--window", "0", "--json"], tmp_path, env)
             assert r.returncode == 0, r.stdout + r.stderr
+            # finding 10: the wait is announced before it starts, and a dead predictor is one warning, not two
+            dead = f"http://127.0.0.1:{free_port()}"
+            r = _cli(["diagnose", "fleet", "--window", "0.5", "--predictor-url", dead], tmp_path, env)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert r.stderr.startswith("sampling the engines' and the predictor's counters for 0.5s (--window"), r.stderr
+            assert r.stderr.count(f"cannot read the predictor's /stats at {dead}") == 1, r.stderr
+
+            # docs/explain.md's example is this stack's real output (it had drifted from it)
+            command, expected = _doc_example()
+            sim0 = next(ln.split()[1] for ln in out.splitlines() if ln.strip().startswith("engines "))
+            httpx.post(sim0 + "/v1/completions", json={"model": "sim-model", "max_tokens": 1,
+                       "prompt": "You are a helpful assistant. Summarize the following report."}, timeout=10)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                r = _cli(shlex.split(command)[1:], tmp_path, env)
+                if r.stdout.strip() == expected:
+                    break
+                time.sleep(0.5)  # until the ingester has applied the engine's events
+            assert r.stdout.strip() == expected, r.stdout + r.stderr
 
             # 7: a second up on the same data directory is refused at once, naming the first
             started = time.monotonic()
