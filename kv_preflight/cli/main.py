@@ -32,7 +32,7 @@ def cli(ctx: click.Context) -> None:
 
     Every command but up, bench, simulate, keys and calibrate reaches the stack a running `kv-preflight up`
     started with no flags: its Valkey and predictor URLs are read from <data-dir>/env (KVPF_DATA_DIR, else
-    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack).
+    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack-scriptsup).
     """
     if ctx.invoked_subcommand not in OWN_STACK and not ctx.resilient_parsing:
         from kv_preflight.cli.stack_file import apply_defaults
