@@ -104,6 +104,8 @@ def check_port(port: int, what: str, flag: str) -> None:
     """Refused before anything starts (a busy predictor port was found only once Valkey, engines and
     ingesters were up, ~10 s later): bound and let go at once, as the child will bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as uvicorn binds: a port whose last connections linger in TIME_WAIT (up run again at once) is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
