@@ -41,6 +41,14 @@ def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None) ->
 
     Starts its own valkey-server on a free loopback port, predictors and an ingester, and stops them.
     """
+    import os
+
     from kv_preflight.cli.bench.__main__ import run
+
+    if json_file is not None:  # refused now, not after minutes of benchmarking
+        parent = json_file.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise click.BadParameter(f"{json_file}: {parent} is not a directory this process can write to",
+                                     param_hint="'--json-file'")
 
     run(quick=quick, only=only, as_json=as_json, json_file=json_file)
