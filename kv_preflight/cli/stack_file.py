@@ -86,6 +86,7 @@ def write(data_dir: Path, values: dict[str, str]) -> Path:
     path = data_dir / ENV_FILE
     tmp = path.with_suffix(".tmp")
     lines = [f"# written by kv-preflight up (pid {os.getpid()}) once ready; removed when it stops",
+             "# sourced in a shell, another `kv-preflight up` there would use this Valkey (KVPF_VALKEY_URL) too",
              *(f"export {k}={shlex.quote(v)}" for k, v in values.items())]
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
