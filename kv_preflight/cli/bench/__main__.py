@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json | DIR/]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -710,8 +710,31 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,fleet,warnings"),
                     help=f"comma list of: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone)  [env KVPF_ONLY]")
     ap.add_argument("--json", dest="json_out", default=env_default("--json", None),
-                    help="write every figure to this JSON file  [env KVPF_JSON]")
+                    help="write every figure to this JSON file; a directory (one that exists, or a path ending in /) "
+                         "gets one file per run, DIR/<UTC date and time>.json, e.g. benchmarks/  [env KVPF_JSON]")
     return ap
+
+
+def json_path(arg: str, started: float | None = None) -> Path:
+    """Where ``--json ARG`` writes: ARG itself, or, when ARG names a directory (it exists, or ends in /),
+    a file per run in it named for the run's start in UTC (``2026-12-02T09-56-08Z.json``), so runs kept
+    side by side (benchmarks/) sort by date and never overwrite each other."""
+    path = Path(arg)
+    if not (arg.endswith(("/", os.sep)) or path.is_dir()):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    return path / time.strftime("%Y-%m-%dT%H-%M-%SZ.json", time.gmtime(started))
+
+
+def source_commit() -> str | None:
+    """The checkout's commit (``-dirty`` with local changes), so a kept run names the code it measured; None
+    outside a git checkout (an installed wheel)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -722,7 +745,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not only:
         ap.error(f"--only {a.only!r}: unknown {', '.join(unknown) or 'empty list'}; valid names: {', '.join(ROWS)}")
     t0 = time.perf_counter()
+    json_out = json_path(a.json_out, time.time()) if a.json_out else None
     m = machine()
+    m["commit"] = source_commit()
     m["cpu_probe_ms_start"] = cpu_probe()
     print(f"kv-preflight bench on {m['cpu']}, {m['nproc']} cores, load average {m['loadavg_start'][0]:.2f}, "
           f"CPU probe {m['cpu_probe_ms_start']:.1f} ms (a fixed Python loop: lower is a faster moment)", flush=True)
@@ -766,9 +791,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{m['seconds']:.0f}s; load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f}; "
           f"CPU probe {m['cpu_probe_ms_start']:.1f} -> {m['cpu_probe_ms_end']:.1f} ms "
           "(other work on this machine, and its speed of the moment, skew every figure)")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra,
-                                                "failed_checks": res.failed_checks}, indent=1, default=str))
+    if json_out:
+        json_out.write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra,
+                                        "failed_checks": res.failed_checks}, indent=1, default=str))
+        print(f"figures written to {json_out}")
     if res.failed_checks:
         print("\nFAILED CHECKS:\n  " + "\n  ".join(res.failed_checks))
         sys.exit(1)
