@@ -9,6 +9,7 @@ options with argparse (cli/bench/__main__.py), so its table is read from that pa
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import re
 import sys
@@ -70,6 +71,8 @@ def _bench_rows() -> tuple[str, list[str]]:
     from kv_preflight.cli.bench.__main__ import parser
 
     ap: argparse.ArgumentParser = parser()
+    # one line whatever the terminal (argparse wraps its usage at $COLUMNS)
+    ap.formatter_class = functools.partial(argparse.RawDescriptionHelpFormatter, width=10_000)
     rows = []
     for action in ap._actions:  # argparse has no public walk of its options
         if not action.option_strings or isinstance(action, argparse._HelpAction):
