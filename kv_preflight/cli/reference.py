@@ -3,13 +3,11 @@
     python -m kv_preflight.cli.reference            # rewrite docs/cli.md (from a checkout)
     python -m kv_preflight.cli.reference --check    # exit 1 if docs/cli.md differs from the commands
 
-tests/unit/test_cli_reference.py fails when the file and the commands disagree. ``bench`` parses its own
-options with argparse (cli/bench/__main__.py), so its table is read from that parser.
+tests/unit/test_cli_reference.py fails when the file and the commands disagree.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 import re
 import sys
@@ -67,25 +65,6 @@ def _click_rows(cmd: click.Command, ctx: click.Context) -> list[str]:
     return rows
 
 
-def _bench_rows() -> tuple[str, list[str]]:
-    from kv_preflight.cli.bench.__main__ import parser
-
-    ap: argparse.ArgumentParser = parser()
-    # one line whatever the terminal (argparse wraps its usage at $COLUMNS)
-    ap.formatter_class = functools.partial(argparse.RawDescriptionHelpFormatter, width=10_000)
-    rows = []
-    for action in ap._actions:  # argparse has no public walk of its options
-        if not action.option_strings or isinstance(action, argparse._HelpAction):
-            continue
-        flag = ", ".join(action.option_strings)
-        if action.nargs != 0:
-            flag += f" {(action.metavar or action.dest).upper()}"
-        help_text = _ENV_NOTE.sub("", action.help or "")
-        env = "KVPF_" + action.option_strings[-1].lstrip("-").replace("-", "_").upper()
-        rows.append(f"| `{_cell(flag)}` | {_cell(help_text)} | `{env}` |")
-    return ap.format_usage().strip().removeprefix("usage: "), rows
-
-
 def render() -> str:
     from kv_preflight.cli.main import cli
 
@@ -103,11 +82,8 @@ def render() -> str:
         ctx = click.Context(cmd, info_name=name, parent=root)
         out.append(f"## kv-preflight {name}\n")
         out.append(_paragraphs(cmd.help or "") + "\n")
-        if path == ("bench",):
-            usage, rows = _bench_rows()
-        else:
-            usage = " ".join(["kv-preflight", name, *cmd.collect_usage_pieces(ctx)])
-            rows = _click_rows(cmd, ctx)
+        usage = " ".join(["kv-preflight", name, *cmd.collect_usage_pieces(ctx)])
+        rows = _click_rows(cmd, ctx)
         out.append(f"```text\n{usage}\n```\n")
         if rows:
             out.append("| option | what | environment |\n|---|---|---|")
