@@ -25,8 +25,9 @@ def run(cfg: Config) -> int:
         asyncio.run(run_ingester(cfg))
     except KeyboardInterrupt:
         pass
-    except (ValueError, OSError, ZMQError, RedisError) as exc:
-        # what the operator can fix (a flag, an endpoint, an unreachable server): one line that says it
+    except (ValueError, RuntimeError, OSError, ZMQError, RedisError) as exc:
+        # what the operator can fix (a flag, an endpoint, the index's settings or layout, an unreachable
+        # server): one line that says it
         logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc)
         return 1
     except Exception as exc:

@@ -95,7 +95,18 @@ def test_no_server_error_and_responses_match_the_document(case, api_url):
     case.call_and_validate(base_url=api_url, checks=CHECKS)
 
 
+def is_documented_outage(case, response) -> bool:
+    """The one 5xx the API promises (docs/api.md): 503 for a prompt no engine or tokenizer can tokenize now.
+    INDEX_MODEL has pods in the index and neither, so its prompts and messages get it; nothing else may."""
+    body = case.body if isinstance(case.body, dict) else {}
+    return (response.status_code == 503 and body.get("model") == INDEX_MODEL
+            and ("prompt" in body or "messages" in body) and "cannot tokenize" in response.text)
+
+
 @deep_schema.parametrize()
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 def test_known_models_reach_every_path_without_server_errors(case, api_url):
-    case.call_and_validate(base_url=api_url, checks=CHECKS)
+    response = case.call(base_url=api_url)
+    if is_documented_outage(case, response):
+        return
+    case.validate_response(response, checks=CHECKS)

@@ -90,7 +90,9 @@ def test_ingest_process_serves_metrics_and_logs_json(valkey_url):
 
 def test_serve_workers_sum_metrics_and_log_json(valkey_url):
     port = free_port()
-    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", "2", "--log-json"])
+    # one model configured, so "m" is a client's unknown model (400), not "no model known yet" (503)
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", "2", "--log-json",
+                  "--engine-url", f"other=http://127.0.0.1:{free_port()}"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health")
