@@ -65,6 +65,9 @@ class Config:
     log_json: bool = False
     # Local tokenization: model -> directory holding tokenizer.json + tokenizer_config.json.
     tokenizers: dict[str, str] = field(default_factory=dict)
+    # Hybrid models: model -> KV cache group -> what its hit rule needs and the engine's events do not say
+    # (``--group-spec MODEL:GROUP=KIND/chunk=N``; kv_preflight/engines/hit_rules.py, docs/engines.md).
+    group_specs: dict[str, dict[int, Any]] = field(default_factory=dict)
     tokenizer_check: bool = True  # compare with the engine's /tokenize at start-up; fall back on a mismatch
     ttft_model: str = ""  # JSON written by `kv-preflight calibrate`; empty: the documented defaults
     # Routing (docs/routing.md): engine metrics to scrape, pod -> http://host:port, plus the --engine-url engines.
@@ -280,5 +283,13 @@ def parse_lora_names(items: Any) -> dict[str, str]:
     return {str(int(k)): v for k, v in out.items()}
 
 
+def parse_group_specs(items: Any) -> dict[str, dict[int, Any]]:
+    """``MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]`` values, as given to ``--group-spec``."""
+    from kv_preflight.engines.hit_rules import parse_group_specs as parse
+
+    return parse(items)
+
+
 _DICT_PARSERS = {"tokenizers": parse_tokenizer_dirs, "pod_metrics": parse_pod_urls,
-                 "route_tier_weights": parse_tier_weights, "lora_names": parse_lora_names}
+                 "route_tier_weights": parse_tier_weights, "lora_names": parse_lora_names,
+                 "group_specs": parse_group_specs}

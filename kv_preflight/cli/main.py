@@ -10,7 +10,7 @@ import sys
 import click
 
 from kv_preflight.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
-from kv_preflight.config import parse_lora_names
+from kv_preflight.config import parse_group_specs, parse_lora_names
 from kv_preflight.cli.token_input import read_tokens
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 
@@ -159,11 +159,13 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
+@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]: a hybrid model's KV cache group, for what its engine's events do not say (a chunked local attention group's chunk size). Repeatable. docs/engines.md  [env KVPF_GROUP_SPECS]")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
-          register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None) -> None:
+          register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None,
+          group_specs=()) -> None:
     """Serve predictions and routing over HTTP."""
     from kv_preflight.predictor.serve import serve as run_server
 
@@ -182,6 +184,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
             dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
             route_placement_window_s=route_placement_window_s, route_pending_s=route_pending_s,
+            group_specs=parse_group_specs(group_specs) if group_specs else None,
         )
         check_serve_files(cfg)
     except ValueError as exc:

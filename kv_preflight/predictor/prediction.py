@@ -36,7 +36,7 @@ from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
 from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
-from kv_preflight.predictor.scoring.groups import apply_groups, keys_needed
+from kv_preflight.predictor.scoring.groups import apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.chain import salted_request_keys
 
 
@@ -110,7 +110,7 @@ class Predictor:
     async def predict(self, req: PredictRequest) -> Prediction:
         model, keys, n_tokens, head = await self._request_keys(req)
         prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
-        warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods)
+        warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
         return msgspec.structs.replace(prediction, warnings=warnings)
 
     def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
@@ -141,7 +141,7 @@ class Predictor:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
         prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
-        warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods)
+        warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
         return msgspec.structs.replace(prediction, warnings=warnings)
 
     async def _pods_warnings(self, pods: list[str] | None) -> list[Finding]:
@@ -164,6 +164,7 @@ class Predictor:
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
+        findings: list[Finding] = []
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
             pods = [p for p in pods if p not in retired]  # a retired pod is never offered
@@ -182,7 +183,9 @@ class Predictor:
                     # A cluster shard is down and it holds a pod's metadata too: score with the
                     # defaults (canonical blocks); the answer already says it is a lower bound.
                     infos = {}
-                hybrid = {p: i.groups for p, i in infos.items() if i.groups}
+                declared = self.cfg.group_specs.get(model)
+                hybrid = pods_groups({p: i.groups for p, i in infos.items()}, declared)
+                findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
@@ -192,6 +195,8 @@ class Predictor:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
+        if findings:  # pods answered without a claim of exactness (hybrid groups not all known)
+            prediction = msgspec.structs.replace(prediction, warnings=findings)
         return prediction
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
@@ -226,12 +231,12 @@ class Predictor:
     async def route(self, req: PredictRequest) -> RouteDecision:
         model, keys, n_tokens, head = await self._request_keys(req)
         decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head))
+        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
         decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
+        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req) + decision.warnings)
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
         if pods is not None:
@@ -247,6 +252,8 @@ class Predictor:
         if self.placements is not None and keys and decision.pod_id is not None:
             self._note_placement(keys[0], len(keys), prediction, decision)
         self.metrics.route(decision.reason)
+        if prediction.warnings:  # what the prediction could not claim holds for the route built on it
+            decision = msgspec.structs.replace(decision, warnings=list(prediction.warnings))
         return decision
 
     def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:

@@ -33,6 +33,7 @@ from kv_preflight.fleet import records as fleet
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.keys.chain import salted_request_keys
+from kv_preflight.predictor.scoring.groups import apply_groups, pods_groups
 
 log = logging.getLogger("kvpf.dynamo")
 
@@ -210,10 +211,14 @@ class DynamoApi:
             async with valkey_call(self.deadline_s, "query"):
                 # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
                 # are the keys' fields read to split it by tier (nothing at all on a miss).
-                depth = max((m.blocks for m in await self.index.lookup(keys, list(worker_of))), default=0)
+                matches = await self.index.lookup(keys, list(worker_of))
+                depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
                 infos = await self.index.pod_infos(sorted(prefixes))
+                hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
+                if hybrid:
+                    prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
             engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
             if not block_sizes:
                 block_sizes = {b for b in engine_blocks.values() if b}
@@ -222,6 +227,25 @@ class DynamoApi:
             prefixes, canonical_block=self.cfg.block_size, engine_blocks=engine_blocks, worker_of=worker_of,
             expected=[(r.instance_id, r.dp_rank) for r in part], block_size=unit)  # type: ignore[misc]
         return 200, answer
+
+
+    async def _hybrid_prefixes(self, keys: list[int], matches: list[Any], prefixes: dict[str, tuple[int, int, int]],
+                               hybrid: dict[str, Any], infos: list[Any], n_tokens: int) -> dict[str, tuple[int, int, int]]:
+        """Each hybrid pod's tier prefixes capped at what all its KV cache groups' rules accept (issue 24), as
+        /predict counts it but without its last-token rule: Dynamo's overlap is whole blocks of the tokens."""
+        mine = [m for m in matches if m.pod_id in hybrid]
+        depth = max((m.blocks for m in mine), default=0)
+        if not depth:
+            return prefixes
+        presence = await self.index.presence(keys[:depth])
+        nums = await self.index.pod_numbers(hybrid)
+        adjusted = apply_groups(mine, hybrid, {i.pod_id: i.engine_block_size for i in infos}, presence, nums,
+                                self.cfg.block_size, n_tokens + 1)
+        out = dict(prefixes)
+        for m in adjusted:
+            if m.pod_id in out:
+                out[m.pod_id] = tuple(min(b, m.blocks) for b in out[m.pod_id])  # type: ignore[assignment]
+        return out
 
 
 def _status(pod: str, pods: Mapping[str, str], view: fleet.FleetView) -> str:
