@@ -215,7 +215,7 @@ class DynamoApi:
                 depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
-                infos = await self.index.pod_infos(sorted(prefixes))
+                infos = await self.index.scoring_infos(sorted(prefixes))  # block size and KV cache groups
                 hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
                 if hybrid:
                     prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
