@@ -234,7 +234,7 @@ def ingesters(valkey_url, as_json) -> None:
 @click.option("--engine-url", default=None, help="Engine to tokenize --prompt with.")
 @click.option("--hash-seed", default=None)
 @click.option("--block-size", default=None, type=click.IntRange(min=1))
-@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/chunk=N]...: a hybrid model's KV cache group the events do not describe (as serve --group-spec).  [env KVPF_GROUP_SPECS]")
+@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/chunk=N]...: a hybrid model's KV cache group the events do not describe (as serve --group-spec).")
 @json_opt
 def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, group_specs, as_json) -> None:
     """Per block of a prompt: its key, which pods, tiers and KV cache groups hold it, where each pod's chain

@@ -159,7 +159,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
-@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]: a hybrid model's KV cache group, for what its engine's events do not say (a chunked local attention group's chunk size). Repeatable. docs/engines.md  [env KVPF_GROUP_SPECS]")
+@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]: a hybrid model's KV cache group, for what its engine's events do not say (a chunked local attention group's chunk size). Repeatable. docs/engines.md")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
