@@ -23,7 +23,7 @@ from kv_preflight.predictor.explain.warnings import hints_from_probe
 from kv_preflight.predictor.http.request import PredictRequest, check_token_count, parse_request
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
                                                    window_cut)
-from kv_preflight.predictor.scoring.score import score
+from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor, valkey_call
 from kv_preflight.keys.chain import request_keys
 
@@ -139,24 +139,29 @@ def _group_cuts(before: Sequence[Any], after: Sequence[Any], hybrid: dict[str, A
     can still be recomputed from the last run of ceil((window - 1) / block) cached window blocks)."""
     out = []
     for m, a in zip(before, after):
-        if a.blocks >= m.blocks or m.pod_id not in nums:
+        if m.pod_id not in nums:
             continue
         groups = hybrid[m.pod_id]
         ebs = infos[m.pod_id].engine_block_size or canonical
-        prefix_tokens, hit = m.blocks * canonical, a.blocks * canonical
+        prefix_tokens = engine_cached_tokens(m.blocks, canonical, ebs, prompt_len)  # a plain model's count
+        hit = a.blocks * canonical
+        if hit >= prefix_tokens:
+            continue
         cut = window_cut(groups, m.blocks, bits, nums[m.pod_id], canonical, ebs, prompt_len)
         if cut is not None:
             g, window, missing = cut
             size = groups[g].block_size or ebs
             shown = ", ".join(f"#{i}" for i in missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12
                                                                  else "")
-            detail = (f"pod {m.pod_id!r} holds {prefix_tokens} tokens of this prompt in its full-attention group, but "
+            detail = (f"pod {m.pod_id!r} holds enough of this prompt in its full-attention group to reuse "
+                      f"{prefix_tokens} tokens, but "
                       f"KV cache group {g} (sliding window of {window} tokens, blocks of {size}) has evicted block(s) "
                       f"{shown} of that prefix: vLLM reuses {hit} tokens (the hit must end after enough contiguous "
                       f"window blocks)")
         else:
             kinds = ", ".join(f"{g}: {s.kind}" for g, s in sorted(groups.items()))
-            detail = (f"pod {m.pod_id!r} holds {prefix_tokens} tokens of this prompt in its full-attention group, but "
+            detail = (f"pod {m.pod_id!r} holds enough of this prompt in its full-attention group to reuse "
+                      f"{prefix_tokens} tokens, but "
                       f"its other KV cache groups' rules ({kinds}) accept only {hit}")
         out.append(Finding("group_cut", hit, detail))
     return out
