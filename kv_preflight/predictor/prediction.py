@@ -184,7 +184,7 @@ class Predictor:
                     # defaults (canonical blocks); the answer already says it is a lower bound.
                     infos = {}
                 declared = self.cfg.group_specs.get(model)
-                hybrid = pods_groups({p: i.groups for p, i in infos.items()}, declared)
+                hybrid = pods_groups({p: i.groups for p, i in infos.items() if i.groups}, declared)
                 findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len)

@@ -102,14 +102,16 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
     what its rule needs (answered as a lower bound: that group accepts nothing), and, for a model declared
     hybrid by ``--group-spec``, pods whose events name no KV cache group (SGLang, TensorRT-LLM: their count is
     the prefix their events describe, which the engine's other groups may cut; docs/engines.md)."""
-    out = []
+    out: list[Finding] = []
+    declared_hybrid = bool(declared) and len(declared or {}) > 1
+    if not hybrid and not declared_hybrid:
+        return out  # plain pods of a plain model: nothing to say, nothing walked (the fleet-wide hot path)
     lacking: dict[str, list[str]] = {}
     silent = []
-    for pod in sorted(set(matched)):
+    for pod in sorted({p for p in matched if p in hybrid or declared_hybrid}):
         groups = hybrid.get(pod)
         if groups is None:
-            if declared and len(declared) > 1:
-                silent.append(pod)
+            silent.append(pod)
             continue
         for g, spec in sorted(groups.items()):
             why = spec.missing()
