@@ -206,6 +206,15 @@ async def test_index_inspect_shows_groups_and_the_reused_tokens(fleet, valkey_ur
     assert data["groups_per_pod"]["pod-h"] == {"0": "full_attention", "1": "sliding_window"}
     groups_at_key_3 = {h["group"] for h in data["blocks"][3]["holders"] if h["pod_id"] == "pod-h"}
     assert groups_at_key_3 == {0}  # block 1's last key: the window group evicted it
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kv_preflight", "index", "inspect", "--valkey-url", valkey_url, "--model", "tiny",
+        "--tokens", json.dumps(PROMPT), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert "pod-h: chain holds 8 block(s); the engine reuses 32 tokens (KV cache groups 0=full_attention, " \
+           "1=sliding_window)" in text, text
+    assert "pod-p: chain holds 8 block(s); the engine reuses 128 tokens\n" in text, text
 
 
 async def test_incomplete_groups_are_a_lower_bound_that_says_so_until_given(fleet, valkey_url):
