@@ -1,0 +1,35 @@
+"""predictor/scoring/groups.py's pure parts: the warnings an answer carries for hybrid pods it cannot count
+exactly, and the sliding-window blocks /explain names when a window group cut a hit."""
+from __future__ import annotations
+
+from kv_preflight.engines.hit_rules import CHUNKED, FULL, SLIDING, GroupSpec
+from kv_preflight.predictor.scoring.groups import GroupBits, group_findings, window_cut
+
+HYBRID = {0: GroupSpec(FULL, 32), 1: GroupSpec(SLIDING, 32, 64)}
+
+
+def test_plain_pods_of_a_plain_model_say_nothing():
+    assert group_findings("m", ["a", "b"], {}, None) == []
+    assert group_findings("m", ["a"], {}, {0: GroupSpec(FULL)}) == []  # one declared group: a plain model
+    assert group_findings("m", ["a"], {"a": HYBRID}, None) == []  # every setting known
+
+
+def test_incomplete_groups_and_silent_pods_are_named():
+    chunked = {0: GroupSpec(FULL, 32), 1: GroupSpec(CHUNKED, 32)}
+    found = group_findings("m", ["c", "h", "s", "c"], {"c": chunked, "h": HYBRID}, HYBRID)
+    assert [f.kind for f in found] == ["hybrid_groups_incomplete", "hybrid_not_exact"]
+    assert "'c'" in found[0].detail and "group 1" in found[0].detail and "chunk size" in found[0].detail
+    assert "'s'" in found[1].detail and "'h'" not in found[1].detail
+    many = group_findings("m", [f"p{i}" for i in range(8)], {}, HYBRID)
+    assert "and 3 more" in many[0].detail
+
+
+def test_window_cut_lists_the_evicted_window_blocks_of_the_prefix():
+    # 4 blocks of 32 (8 request keys of 16); the window group holds blocks 0 and 3 (keys 1 and 7)
+    bit = (1 << 2).to_bytes(1, "little")  # pod number 2
+    presence = [{"pod|1": bit} if k in (1, 7) else {} for k in range(8)]
+    assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1, 2])
+    assert window_cut(HYBRID, 8, GroupBits([{"pod|1": bit}] * 8), 2, 16, 32, 129) is None
+    # only blocks of the prefix the prompt can reuse are named (the last token is recomputed)
+    assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 97) == (1, 64, [1, 2])
+    assert window_cut(HYBRID, 4, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1])
