@@ -40,6 +40,9 @@ class Config:
     health_timeout_s: float = 2.0
     retire_after_s: float = 60.0  # unreachable this long: retired (entries cleared)
     retired_retention_s: float = 3600.0  # a retired pod's registry row is kept this long
+    # Sources one ingester subscribes at most (each holds ~3 ZMQ sockets; libzmq allows 1,023 per context);
+    # also bounded by the open-file limit. An engine past it is refused (logged, counted), never a crash.
+    max_sources: int = 256
     # Hostile-input bounds (docs/operations.md, "Hostile publishers and memory"): ZMQ drops a connection
     # whose frame is larger than max_frame_bytes before allocating it; a socket's queue holds
     # max_queue_bytes of such frames.

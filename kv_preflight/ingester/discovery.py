@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from kv_preflight.engines import ENGINES, Engine
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.ingester.sources import Source
 
 log = logging.getLogger("kvpf.ingester")
@@ -27,6 +28,10 @@ def sources_from(adapter: Engine, engine_url: str, body: Any, target_ports: tupl
     found = adapter.read_publishers(engine_url, body, target_ports)
     if found is None:
         return None
+    for p in found:  # an endpoint no socket could use fails this engine's discovery, never the ingester
+        check_zmq_endpoint(p.endpoint, bind=p.bind)
+        if p.replay:
+            check_zmq_endpoint(p.replay, bind=False)
     return [Source(endpoint=p.endpoint, bind=p.bind, replay=p.replay, topic=p.topic, rank=p.rank, serving=p.serving,
                    engine=adapter.name, pod=p.pod, model=p.model) for p in found]
 

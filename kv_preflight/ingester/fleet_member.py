@@ -33,6 +33,7 @@ import msgspec
 
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, engine
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
@@ -101,6 +102,7 @@ class FleetMember:
         self.next_discovery = 0.0
         self.attached: dict[str, _Attached] = {}  # engine key (URL, or source endpoint) -> what we subscribed
         self.retries: dict[str, _Retry] = {}
+        self.unusable: set[str] = set()  # registrations skipped (logged once)
         # HTTP runs in the background, so a slow or dead engine never holds up the ingest loop: the round
         # starts a fetch and uses its answer in a later round.
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
@@ -219,12 +221,14 @@ class FleetMember:
                 self.observed[src.spec] = found
         if self.cfg.registered_engines:
             try:
+                registered = await self.index.fleet.registered_engines()
+            except VALKEY_ERRORS as exc:
+                log.warning("engines: registered engines not read now (%s)", exc)
+            else:
                 self.observed["registered"] = [
                     EngineSpec(url=reg.url.rstrip("/"), pod=reg.pod or (address_pod_id(reg.url) if reg.url else ""),
                                origin="registered", source=reg.source, replay=reg.replay, model=reg.model)
-                    for reg in (await self.index.fleet.registered_engines()).values() if reg.url or reg.source]
-            except VALKEY_ERRORS as exc:
-                log.warning("engines: registered engines not read now (%s)", exc)
+                    for name, reg in sorted(registered.items()) if self._usable(name, reg)]
         seen = {s for specs in self.observed.values() for s in specs}
         before = self.discovered.current
         after = self.discovered.observe(seen, now)
@@ -232,6 +236,26 @@ class FleetMember:
             log.info("engine %s joined (%s, pod %s)", s.key, s.origin, s.pod or "from its topic")
         for s in sorted(before - after, key=lambda s: s.key):
             log.info("engine %s left %s", s.key, s.origin)
+
+    def _usable(self, name: str, reg) -> bool:
+        """A registration an ingester can subscribe to; any other (written by an older API, or by hand) is
+        skipped, said once: a record in ``kvpf:engines`` must never be able to end an ingester."""
+        if not (reg.url or reg.source):
+            return False
+        try:
+            if reg.source:
+                check_zmq_endpoint(reg.source, bind=False)
+            if reg.replay:
+                check_zmq_endpoint(reg.replay, bind=False)
+            if reg.pod and "@" in reg.pod:
+                raise ValueError(f"pod {reg.pod[:80]!r} contains '@'")
+        except ValueError as exc:
+            if name not in self.unusable:
+                self.unusable.add(name)
+                self.ing.counters.tally("registrations_skipped")
+                log.error("registered engine %s skipped: %s", name[:120], exc)
+            return False
+        return True
 
     # ---- owning engines
 
@@ -263,7 +287,11 @@ class FleetMember:
         else:  # registered by its ZMQ source
             found = [Source(endpoint=spec.source, replay=spec.replay or None)]
         await self._take_over_moved(spec, found, records, fleet_known)
-        pods = await self.ing.attach_engine(spec, found)
+        try:
+            pods = await self.ing.attach_engine(spec, found)
+        except Exception as exc:  # noqa: BLE001 - whatever one engine's sockets do, it is that engine's fault alone
+            self._attach_failed(spec, retry, now, exc)
+            return
         conflict = [p for p in pods for a in self.attached.values() if p in a.pods]
         conflict += [p for p in pods if (r := records.get(p)) is not None and r.state != "retired"
                      and r.engine_url and r.engine_url != spec.url and r.engine_url in fleet_known]
@@ -298,6 +326,19 @@ class FleetMember:
                 log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
                             spec.url, rec.engine_url, cleared)
 
+    def _attach_failed(self, spec: EngineSpec, retry: _Retry, now: float, exc: BaseException) -> None:
+        """An engine whose sources could not be subscribed (an address in use, an endpoint libzmq refuses,
+        no descriptor left, the source cap): refused alone, logged with its URL, counted, tried again later."""
+        try:
+            self.ing.detach_engine(spec.key)
+        except Exception:  # noqa: BLE001 - nothing of it may be left; a failure to close is not worth a crash
+            log.exception("engine %s: closing after a failed attach", spec.key)
+        self.ing.counters.tally("attach_errors")
+        retry.backoff(now)
+        if retry.attempts <= 3 or retry.attempts % 20 == 0:
+            log.error("engine %s: not ingested (%s: %s); trying again in %.0f s", spec.key, type(exc).__name__,
+                      str(exc)[:300], retry.next_at - now)
+
     def _conflict(self, retry: _Retry, now: float) -> None:
         self.ing.counters.tally("pod_conflicts")
         retry.backoff(now)
@@ -318,7 +359,11 @@ class FleetMember:
 
     async def _detach(self, key: str, why: str) -> None:
         att = self.attached.pop(key)
-        self.ing.detach_engine(key)
+        try:
+            self.ing.detach_engine(key)
+        except Exception:  # noqa: BLE001 - a socket that fails to close ends nothing but itself
+            self.ing.counters.tally("detach_errors")
+            log.exception("engine %s: error while letting go of it", key)
         task = self.probes.pop(key, None)
         if task is not None:
             task.cancel()

@@ -59,6 +59,7 @@ class Ingester:
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
+        self.source_cap = source_cap(cfg)
 
     # ---- lifecycle
 
@@ -101,7 +102,8 @@ class Ingester:
     async def _run(self) -> None:
         if self.fleet.active:
             await self._fleet_tick()  # attaches --engine and discovered engines (and resumes their pods)
-        self.progress.mark("learning feeds")
+            self.progress.mark("resuming the engines attached at start")
+            await self.resume.wait_scheduled()
         await self.routes.learn_feeds(self.sources)
         self.progress.mark("resuming known pods")
         await self.resume.known_pods()
@@ -125,6 +127,9 @@ class Ingester:
                     self.progress.mark("chores")
                     await self.chores()
                     next_chores = time.monotonic() + CHORES_S
+                if self.resume.pending:
+                    self.progress.mark("applying replays fetched for engines attached")
+                    await self.resume.apply_ready()
                 if recv not in done:
                     continue
                 if recv.cancelled():  # a socket it polled was closed (an engine let go): poll again
@@ -142,6 +147,7 @@ class Ingester:
                         run.append((src, frames))
                 await self.handle_messages(run)
         finally:
+            self.resume.cancel()
             self.subscriber.close()
             await self.fleet.close()
 
@@ -149,12 +155,22 @@ class Ingester:
 
     async def attach_engine(self, spec: EngineSpec, found: list[Source]) -> set[str]:
         """Subscribe to an engine's sources (``found``: from its discovery answer, or the one source it
-        was registered with) and resume its pods from their persisted seqs; returns its pods (a source
-        with no topic learns its pod from its first frame, or from ``spec.pod``)."""
-        if spec.pod:  # named by its address (or a file's "pod"), not by its topic
-            found = [dataclasses.replace(src, pod=spec.pod) for src in found]
+        was registered with) and start resuming its pods from their persisted seqs; returns its pods (a
+        source with no topic learns its pod from its first frame, or from ``spec.pod``).
+
+        Raises (``zmq.ZMQError``, ``OSError``, ``ValueError``: an endpoint libzmq refuses, an address in use,
+        the source cap) with nothing of the engine left subscribed; the fleet membership refuses that engine
+        alone and tries it again later."""
+        if spec.pod:  # named by its address, a file's "pod", or its registration, not by its topic
+            # a registered engine names its model too: its frames need no kv@POD@MODEL topic (Dynamo's
+            # workers publish with vLLM's default empty topic), as --source ...,pod=,model= does
+            found = [dataclasses.replace(src, pod=spec.pod, model=src.model or spec.model or None) for src in found]
         found = secure_sources(found, self.cfg, on_refused=lambda key: self.counters.tally("publishers_refused"))
         assert self.subscriber is not None
+        live = sum(1 for s in self.subscriber.sources if not s.endpoint.startswith("removed://"))
+        if live + len(found) > self.source_cap:
+            raise SourceCapReached(f"{live} source(s) subscribed here, the cap is {self.source_cap} "
+                                   "(KVPF_MAX_SOURCES, and the process's open-file limit)")
         self.subscriber.add(found)
         self.engine_sources[spec.key] = found
         pods = self.routes.add(found)
@@ -162,12 +178,16 @@ class Ingester:
             self.routes.pods[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint,
                                                   engine=found[0].engine)
             pods.add(spec.pod)
-        # its buffered history, from seq 0 or the pod's persisted seq, as at start
-        await self.resume.known_pods(only=pods)
+        # its buffered history, from seq 0 or the pod's persisted seq, as at start: in the background (a
+        # replay socket that never answers costs its timeout there, not in the round the loop waits on)
+        if pods:
+            self.resume.schedule(pods)
         return pods
 
     def detach_engine(self, key: str) -> None:
         found = self.engine_sources.pop(key, [])
+        endpoints = {s.endpoint for s in found}
+        self.resume.cancel({p for p, r in self.routes.pods.items() if r.source in endpoints})
         if self.subscriber is not None and found:
             self.subscriber.remove(found)
         self.routes.drop({s.endpoint for s in found})
@@ -215,6 +235,22 @@ class Ingester:
                     await self.counters.count("outbox_drains")
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)
+
+
+class SourceCapReached(ValueError):
+    """Subscribing an engine's sources would pass this ingester's cap on sockets (``max_sources``)."""
+
+
+def source_cap(cfg: Config) -> int:
+    """Sources this process may subscribe: ``max_sources``, and no more than its open-file limit allows
+    (each source holds about three ZMQ sockets and their descriptors; libzmq has 1,023 sockets per context)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    by_files = (soft - 64) // 5 if soft > 0 else cfg.max_sources
+    return max(1, min(cfg.max_sources, by_files, 300))
 
 
 class SettingsError(RuntimeError):

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.index.entries import parse_entry
 from kv_preflight.keys.chain import MAX_TOKEN_ID, fnv64a
 
@@ -112,7 +113,7 @@ def registration_id(instance_id: int, dp_rank: int) -> str:
 
 # ---- endpoints
 
-_TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)$")
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)")  # fullmatch: "$" would pass a trailing newline
 
 
 class EndpointError(ValueError):
@@ -130,7 +131,7 @@ def endpoint_host(endpoint: str) -> str:
         if endpoint.split("://", 1)[1]:
             return ""
         raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: no path")
-    m = _TCP.match(endpoint)
+    m = _TCP.fullmatch(endpoint)
     if not m or not 0 <= int(m.group(2)) <= 65535:
         raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: expected tcp://HOST:PORT, ipc://PATH or "
                             "inproc://NAME")
@@ -170,6 +171,10 @@ def check_endpoint(endpoint: str, allow: Sequence[str]) -> None:
         host = "127.0.0.1"
     if host in ("*", "0.0.0.0", "::", ""):
         raise EndpointRefused(f"`{endpoint[:200]}` names no host to connect to: give the engine's address")
+    try:  # what Dynamo's format check lets through but no ingester socket could connect to (port 0, long ipc)
+        check_zmq_endpoint(endpoint, bind=False)
+    except ValueError as exc:
+        raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: {exc}") from None
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:

@@ -1,0 +1,267 @@
+"""The control plane cannot be knocked over (issue 26), with real processes: ``kv-preflight ingest``
+processes, simulated engines (``kv-preflight simulate``), a real predictor with the remote-indexer port, a
+real valkey-server. Registrations, discovery answers and endpoint strings that no socket can use are refused
+per engine (400 at ``/register``, a logged and counted refusal in an ingester), never the end of an ingester;
+a registered engine is a named source (its frames need no topic)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.fleet.records import RegisteredEngine, encode
+from kv_preflight.index.index import Index
+from tests.e2e.harness import spawn, stop, wait_http, wait_log
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+FAST_ENV = {"KVPF_DISCOVERY_INTERVAL_S": "0.3"}
+FAST = ["--lease-ttl", "3", "--membership-hold", "0", "--health-failures", "2"]
+
+
+async def until(pred, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await pred()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def ingester(valkey_url: str, log: str, *args: str, env: dict[str, str] | None = None, nofile: int | None = None):
+    if nofile is None:
+        return spawn(["ingest", "--valkey-url", valkey_url, *FAST, *args], log, env={**FAST_ENV, **(env or {})})
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    out = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "kv_preflight", "ingest", "--valkey-url", valkey_url, *FAST, *args],
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=limit,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **FAST_ENV, **(env or {})))
+
+
+class Sim:
+    """A simulated engine; ``topic=""`` publishes with vLLM's default empty topic, as Dynamo's workers do."""
+
+    def __init__(self, pod: str, tmp_path, *, topic: str | None = None, zmq: str | None = None):
+        self.pod, self.port, self.zmq_port, self.replay_port = pod, free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.zmq = zmq or f"tcp://*:{self.zmq_port}"
+        args = ["simulate", "--pod", pod, "--model", "sim", "--port", str(self.port), "--zmq", self.zmq,
+                "--replay", f"tcp://*:{self.replay_port}", "--block-size", "16", "--blocks", "64"]
+        if topic is not None:
+            args += ["--topic", topic]
+        self.log = str(tmp_path / f"{pod}.log")
+        self.proc = spawn(args, self.log)
+        wait_http(self.url + "/v1/models")
+
+    def complete(self, tokens: list[int]) -> int:
+        r = httpx.post(self.url + "/v1/completions", json={"model": "sim", "prompt": tokens, "max_tokens": 1}, timeout=10)
+        r.raise_for_status()
+        return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def dynamo_server(valkey_url: str, tmp_path, *args: str):
+    port, dport = free_port(), free_port()
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport), *args],
+                 str(tmp_path / "serve.log"))
+    wait_http(f"http://127.0.0.1:{dport}/health")
+    return proc, f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
+
+
+def register_body(instance: int, endpoint: str, **extra) -> dict:
+    return {"instance_id": instance, "endpoint": endpoint, "model_name": "sim", "block_size": 16, **extra}
+
+
+async def ingested(ix: Index, pod: str) -> bool:
+    return pod in await ix.pod_ids() and (await ix.pod_info(pod)).blocks > 0
+
+
+def alive(*procs) -> list[int | None]:
+    return [p.poll() for p in procs]
+
+
+async def test_bad_endpoints_are_refused_and_never_end_an_ingester(valkey_url, tmp_path):
+    """Finding 1: an endpoint with a trailing newline, or an ipc:// path over 107 bytes, was accepted by
+    /register (201) and ended every ingester at its next round, for good (the record stays). Now /register
+    answers 400, and the same records written straight into kvpf:engines are skipped, logged and counted by
+    ingesters that go on ingesting a good registration beside them."""
+    ings = [ingester(valkey_url, str(tmp_path / f"ing{i}.log"), "--copies", "1", "--ingester-id", f"ing-{i}")
+            for i in range(2)]
+    serve, dyn, _ = dynamo_server(valkey_url, tmp_path)
+    sim = Sim("dynamo-sim", tmp_path, topic="")  # Dynamo's workers publish with vLLM's empty topic
+    ix = Index.from_url(valkey_url)
+    bad = ["tcp://127.0.0.1:5557\n", "ipc:///tmp/" + "x" * 120, "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000",
+           "tcp://127.0.0.1:5557 ", "tcp://bad host:5557"]
+    try:
+        async with httpx.AsyncClient(base_url=dyn, timeout=10) as c:
+            for i, endpoint in enumerate(bad):
+                r = await c.post("/register", json=register_body(100 + i, endpoint))
+                assert r.status_code == 400, (endpoint, r.status_code, r.text)
+                r = await c.post("/register", json=register_body(200 + i, f"tcp://127.0.0.1:{sim.zmq_port}",
+                                                                 replay_endpoint=endpoint))
+                assert r.status_code == 400 and "replay" in r.json()["error"], (endpoint, r.text)
+            # what an older API or a hand wrote: the ingesters must survive it too
+            now = await ix.fleet.now_ms()
+            for i, endpoint in enumerate(bad):
+                await ix.fleet.register_engine(f"dynamo:{300 + i}:0", RegisteredEngine(
+                    source=endpoint, pod=f"dynamo-{300 + i}", model="sim", engine="vllm", instance_id=300 + i,
+                    registered_ms=now, block_size=16))
+            r = await c.post("/register", json=register_body(
+                7, f"tcp://127.0.0.1:{sim.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
+            assert r.status_code == 201, r.text
+            await asyncio.to_thread(sim.complete, list(range(64)))
+            # Finding 10: frames with an empty topic from a registered engine are its pod's
+            await until(lambda: ingested(ix, "dynamo-7"), "the registered engine's pod in the index")
+            r = await c.post("/query", json={"token_ids": list(range(64)), "model_name": "sim"})
+            assert r.status_code == 200 and r.json()["scores"]["7"]["0"] == 64, r.text
+        assert alive(*ings) == [None, None]
+        logs = "".join(open(tmp_path / f"ing{i}.log").read() for i in range(2))
+        assert "registered engine dynamo:300:0 skipped" in logs
+        assert "Invalid argument" not in logs and "Traceback" not in logs
+    finally:
+        await ix.close()
+        for p in ings:
+            stop(p)
+        stop(serve)
+        sim.stop()
+
+
+async def test_two_engines_asking_to_be_bound_at_one_address(valkey_url, tmp_path):
+    """Finding 6: two engines that connect to the same ingester address (their /kv_event_sources say so)
+    made the ingester bind tcp://*:PORT twice: "Address already in use", fatal. Now the second is refused
+    alone (logged with its URL, counted, retried) and the first is ingested."""
+    port = free_port()
+    a = Sim("bind-a", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
+    b = Sim("bind-b", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
+    log = str(tmp_path / "ing.log")
+    ing = ingester(valkey_url, log, "--engine", a.url, "--engine", b.url, "--metrics-port", str(mport := free_port()))
+    ix = Index.from_url(valkey_url)
+    try:
+        got = wait_log(log, "already bound here", ing)
+        assert "not ingested" in got
+        first = next(s for s in (a, b) if f"engine {s.url}: ingesting" in open(log).read())
+
+        async def publish_and_look():  # a connecting PUB drops what it sends before its connection is up
+            await asyncio.to_thread(first.complete, list(range(48)))
+            return await ingested(ix, first.pod)
+
+        await until(publish_and_look, "the first engine ingested")
+        metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+        assert 'kvpf_ingest_engine_errors_total{step="attach"}' in metrics
+        assert ing.poll() is None
+    finally:
+        await ix.close()
+        stop(ing)
+        a.stop()
+        b.stop()
+
+
+async def test_registrations_past_the_socket_budget_are_refused_not_fatal(valkey_url, tmp_path):
+    """Finding 2: ~340 registrations exhausted sockets (Too many open files) and the ingester died before
+    ingesting anything, and again after each restart. With an open-file limit of 256 and 120 registrations,
+    the ingester subscribes what its budget allows (``source_cap``), refuses the rest (logged, counted) and
+    ingests its own --source beside them."""
+    sim = Sim("budget-sim", tmp_path)
+    ix = Index.from_url(valkey_url)
+    now = await ix.fleet.now_ms()
+    for i in range(120):  # nobody listens on these: connecting is asynchronous, each still costs sockets
+        await ix.fleet.register_engine(f"dynamo:{1000 + i}:0", RegisteredEngine(
+            source=f"tcp://127.0.0.1:{20000 + i}", pod=f"dynamo-{1000 + i}", model="sim", engine="vllm",
+            instance_id=1000 + i, registered_ms=now, block_size=16))
+    log = str(tmp_path / "ing.log")
+    ing = ingester(valkey_url, log, "--source", f"tcp://127.0.0.1:{sim.zmq_port},replay=tcp://127.0.0.1:{sim.replay_port}",
+                   nofile=256)
+    try:
+        got = wait_log(log, "the cap is", ing)
+        assert "Too many open files" not in got
+        await asyncio.to_thread(sim.complete, list(range(48)))
+        await until(lambda: ingested(ix, "budget-sim"), "the engine ingested beside the registrations")
+        assert ing.poll() is None
+    finally:
+        await ix.close()
+        stop(ing)
+        sim.stop()
+
+
+_ENDPOINT_PARTS = st.sampled_from(["tcp://", "ipc://", "inproc://", "udp://", "tcp://127.0.0.1:", "tcp://[::1]:",
+                                   "tcp://*:", "ipc:///tmp/", "", "tcp://localhost:"])
+_ENDPOINT_TAILS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=140)
+ENDPOINTS = st.one_of(
+    st.builds(lambda a, b: a + b, _ENDPOINT_PARTS, _ENDPOINT_TAILS),
+    st.builds(lambda p, s: f"tcp://127.0.0.1:{p}{s}", st.integers(-5, 99999), st.sampled_from(["", "\n", " ", "\x00", "/x"])),
+    st.builds(lambda n: "ipc:///tmp/" + "p" * n, st.integers(90, 130)),
+)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=3),
+                    max_leaves=8)
+BODIES = st.one_of(
+    st.builds(lambda i, e, r, m, b, d: {"instance_id": i, "endpoint": e, "replay_endpoint": r, "model_name": m,
+                                        "block_size": b, "dp_rank": d},
+              st.integers(0, 2**64), ENDPOINTS, ENDPOINTS | st.none(), st.text(max_size=300), st.integers(-1, 2**33),
+              st.integers(-1, 2**33) | st.none()),
+    st.dictionaries(st.sampled_from(["instance_id", "endpoint", "model_name", "block_size", "dp_rank",
+                                     "routing_group", "replay_endpoint"]), JSON, max_size=7),
+)
+
+
+async def test_fuzzed_registrations_never_end_an_ingester(valkey_url, tmp_path):
+    """Hypothesis over /register bodies and endpoint strings against live ingesters, and the same endpoint
+    strings written straight into kvpf:engines: no ingester exits, /register answers 201 only for what an
+    ingester can use (4xx otherwise, never 5xx), and a good engine registered last is ingested."""
+    ings = [ingester(valkey_url, str(tmp_path / f"ing{i}.log"), "--copies", "1", "--ingester-id", f"fz-{i}")
+            for i in range(2)]
+    serve, dyn, _ = dynamo_server(valkey_url, tmp_path)
+    sim = Sim("fuzz-sim", tmp_path, topic="")
+    ix = Index.from_url(valkey_url)
+    statuses: list[int] = []
+    raw = redis.Redis.from_url(valkey_url)
+    try:
+        with httpx.Client(base_url=dyn, timeout=10) as c:
+            counter = iter(range(10**6))
+
+            @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+            @given(body=BODIES, endpoint=ENDPOINTS)
+            def one(body, endpoint):
+                r = c.post("/register", json=body)
+                statuses.append(r.status_code)
+                assert r.status_code < 500, (body, r.text)
+                if r.status_code == 201:
+                    c.post("/unregister", json={"instance_id": body["instance_id"], "model_name": body["model_name"]})
+                n = next(counter)
+                raw.hset("kvpf:engines", f"dynamo:{5000 + n}:0", encode(RegisteredEngine(
+                    source=endpoint, pod=f"dynamo-{5000 + n}", model="sim", engine="vllm", instance_id=5000 + n,
+                    registered_ms=0, block_size=16)))
+                assert alive(*ings) == [None, None]
+
+            await asyncio.to_thread(one)
+            r = c.post("/register", json=register_body(
+                9, f"tcp://127.0.0.1:{sim.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
+            assert r.status_code == 201, r.text
+        await asyncio.to_thread(sim.complete, list(range(48)))
+        await until(lambda: ingested(ix, "dynamo-9"), "the good registration ingested after the fuzz", timeout=60)
+        assert alive(*ings) == [None, None]
+        assert 400 in statuses
+    finally:
+        raw.close()
+        await ix.close()
+        for p in ings:
+            stop(p)
+        stop(serve)
+        sim.stop()
