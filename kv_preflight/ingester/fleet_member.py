@@ -50,6 +50,7 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
+LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
 
 
@@ -111,6 +112,8 @@ class FleetMember:
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
         self.written_at: dict[str, float] = {}
         self.ticks = 0
+        self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
+        self.renewed_at = 0.0  # monotonic time of the last lease renewal
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
@@ -138,15 +141,48 @@ class FleetMember:
         self.ticks += 1
         self._steps = []
         started = time.monotonic()
+        self.ing.progress.begin_round(self.round_deadline_s)
         try:
             await self._round(started)
         finally:
+            self.ing.progress.end_round()
             took = time.monotonic() - started
             marks = self._steps + [("end", started + took)]
             steps = ", ".join(f"{name} {end - at:.2f} s" for (name, at), (_, end) in zip(marks, marks[1:]))
             # a slow round says where its time went (the watchdog, ingester/watchdog.py, covers one that never ends)
             log.log(logging.INFO if took > SLOW_ROUND_S else logging.DEBUG, "membership round %d took %.2f s: %s",
                     self.ticks, took, steps or "nothing")
+
+    @property
+    def round_deadline_s(self) -> float:
+        """How long a round may take before the watchdog says it overran: half the lease TTL."""
+        return max(2.0, self.cfg.lease_ttl_s / 2)
+
+    def _lease(self, now_ms: int) -> IngesterLease:
+        return IngesterLease(
+            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
+            host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
+            known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
+
+    async def renew(self) -> None:
+        now_ms = await self.index.fleet.now_ms()
+        self.started_ms = self.started_ms or now_ms
+        await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+        self.renewed_at = time.monotonic()
+
+    async def renew_forever(self) -> None:
+        """The lease, renewed every second in a task of its own: whatever a round is waiting for, the
+        others never take this ingester for dead while it lives (nor does a stalled round hide that it
+        is alive but slow: the watchdog says so)."""
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            if self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
+                continue  # the first round puts the first lease; a round that just renewed it is enough
+            try:
+                async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
+                    await self.renew()
+            except (*VALKEY_ERRORS, TimeoutError) as exc:
+                log.warning("lease not renewed now (%s)", exc or type(exc).__name__)
 
     def _step(self, name: str) -> None:
         self._steps.append((name, time.monotonic()))
@@ -167,11 +203,10 @@ class FleetMember:
                 self.next_discovery = now + self.cfg.discovery_interval_s
             known = {s.key: s for s in self.static}
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
+            self.known = known
             self._step("renewing the lease")
-            await self.index.fleet.put_lease(self.me, IngesterLease(
-                expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
-                host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
-                known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
+            await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+            self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
         live = view.live_ingesters()

@@ -93,11 +93,15 @@ class Ingester:
             self.start()
         me = asyncio.current_task()
         assert me is not None
-        watchdog = Watchdog(self.progress, me, self._stalled).start()
+        watchdog = Watchdog(self.progress, me, self._stalled,
+                            on_overrun=lambda: self.counters.tally("round_overruns")).start()
+        renewer = asyncio.ensure_future(self.fleet.renew_forever()) if self.fleet.active else None
         try:
             await self._run()
         finally:
             watchdog.stop()
+            if renewer is not None:
+                renewer.cancel()
 
     async def _run(self) -> None:
         if self.fleet.active:

@@ -265,3 +265,43 @@ async def test_fuzzed_registrations_never_end_an_ingester(valkey_url, tmp_path):
             stop(p)
         stop(serve)
         sim.stop()
+
+
+async def test_dead_replay_endpoints_hold_up_neither_ingestion_nor_the_lease(valkey_url, tmp_path):
+    """Finding 3: twenty registrations whose replay endpoint never answers froze ingestion for every pod
+    (each attach waited its replay timeout in turn, inside the round the ingest loop waits on) and the lease
+    went unrenewed. With a replay timeout of 60 s: while every one of those replays is still waiting (none
+    has logged its answer), a live engine's batches are applied and the lease is renewed, again and again."""
+    sim = Sim("live-sim", tmp_path)
+    log = str(tmp_path / "ing.log")
+    ing = ingester(valkey_url, log, "--engine", sim.url, "--ingester-id", "slow-1",
+                   env={"KVPF_REPLAY_TIMEOUT_S": "60"})
+    ix = Index.from_url(valkey_url)
+    try:
+        wait_log(log, f"engine {sim.url}: ingesting", ing)
+        now = await ix.fleet.now_ms()
+        for i in range(20):  # nothing listens on the replay ports: each fetch waits its whole timeout
+            await ix.fleet.register_engine(f"dynamo:{700 + i}:0", RegisteredEngine(
+                source=f"tcp://127.0.0.1:{free_port()}", replay=f"tcp://127.0.0.1:{free_port()}",
+                pod=f"dynamo-{700 + i}", model="sim", engine="vllm", instance_id=700 + i, registered_ms=now,
+                block_size=16))
+        wait_log(log, "engine tcp://127.0.0.1", ing)
+        await until(lambda: _attached_all(log, 20), "the twenty registrations attached")
+        leases = []
+
+        async def applied_and_renewed():
+            await asyncio.to_thread(sim.complete, list(range(16 * (len(leases) + 2))))
+            leases.append((await ix.fleet.fleet_view()).ingesters["slow-1"].expires_ms)
+            return await ingested(ix, "live-sim") and len(set(leases)) >= 3
+
+        await until(applied_and_renewed, "the live engine ingested and the lease renewed")
+        assert "resume dynamo-7" not in open(log).read()  # every dead replay still waiting meanwhile
+        assert ing.poll() is None
+    finally:
+        await ix.close()
+        stop(ing)
+        sim.stop()
+
+
+async def _attached_all(log: str, n: int) -> bool:
+    return open(log).read().count("ingesting pod(s) ['dynamo-7") >= n
