@@ -49,6 +49,10 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # every engine this ingester knows of ({"url", "pod", "origin"}, ingester/membership_rules.py EngineSpec):
     # the union over live leases is what the fleet ingests, so ingesters need not share one config
     known: list[dict] = msgspec.field(default_factory=list)
+    # the newest ``kvpf:forget`` request (Valkey ms) this ingester has carried out: the pods asked for are let
+    # go and their frames refused here; whoever forgets a pod clears its keys once every live lease shows it
+    forget_seen_ms: int = 0
+    renewed_ms: int = 0  # Valkey's time of this renewal
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

@@ -114,6 +114,7 @@ class FleetMember:
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
+        self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
@@ -160,7 +161,8 @@ class FleetMember:
 
     def _lease(self, now_ms: int) -> IngesterLease:
         return IngesterLease(
-            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
+            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
+            forget_seen_ms=self.forget_seen_ms,
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
             known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
 
@@ -209,6 +211,8 @@ class FleetMember:
             self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
+            forgotten = await self.index.fleet.forgotten()
+        await self._let_go_of_forgotten(forgotten)
         live = view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
@@ -228,7 +232,7 @@ class FleetMember:
         if self.ticks == 1 and set(live) - {self.me}:
             return  # others are about: take a share once they have seen our lease too (no start-up churn)
         self.owners = balanced_owners(fleet_known, self.live, self.cfg.copies)
-        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k]}
+        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k] and s.pod not in forgotten}
         share = (len(mine), len(fleet_known), len(self.live))
         if share != self.share:  # an ingester given no engine is idle, not stuck: say which
             self.share = share
@@ -248,6 +252,18 @@ class FleetMember:
         if self.discovered.started or not self.sources:
             self._step("retiring departed pods")
             await self._retire_departed(view, set(fleet_known), now_ms)
+
+    async def _let_go_of_forgotten(self, forgotten: dict[str, int]) -> None:
+        """Pods being forgotten (``/unregister``, ``index clear --forget``): their engines let go now (not a
+        membership hold later) and their frames refused, then the lease says so (``forget_seen_ms``), and
+        whoever forgets them clears their keys once every live lease does: no batch can bring them back."""
+        self.ing.routes.forgotten = set(forgotten)
+        for key, att in sorted(self.attached.items()):
+            if att.pods & set(forgotten) or att.spec.pod in forgotten:
+                self._step(f"letting go of {key}")
+                await self._detach(key, "its pod is being forgotten")
+        if forgotten:
+            self.forget_seen_ms = max(self.forget_seen_ms, max(forgotten.values()))
 
     async def _discover(self, now: float) -> None:
         for src in self.sources:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import time
+import uuid
 
 from kv_preflight.config import Config
 from kv_preflight.fleet.records import IndexSettings
@@ -60,6 +61,7 @@ class Ingester:
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
         self.source_cap = source_cap(cfg)
+        self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
 
     # ---- lifecycle
 
@@ -191,7 +193,9 @@ class Ingester:
     def detach_engine(self, key: str) -> None:
         found = self.engine_sources.pop(key, [])
         endpoints = {s.endpoint for s in found}
-        self.resume.cancel({p for p, r in self.routes.pods.items() if r.source in endpoints})
+        pods = {p for p, r in self.routes.pods.items() if r.source in endpoints}
+        self.resume.cancel(pods)
+        self.index.forget_cached(pods)  # another process may forget them now: nothing cached may outlive that
         if self.subscriber is not None and found:
             self.subscriber.remove(found)
         self.routes.drop({s.endpoint for s in found})
@@ -215,6 +219,34 @@ class Ingester:
             log.warning("fleet membership not updated now (%s); ingesting what this ingester has",
                         exc or type(exc).__name__)
 
+    async def check_epoch(self) -> None:
+        """Notice that Valkey lost the index's data since the last look (a restart without persistence,
+        FLUSHALL, eviction): the epoch this ingester saw is gone or another. Then what this process cached
+        goes (registry rows, pod numbers, pod states), the layout and settings are claimed again, and every
+        pod ingested here is put back in the registry, flagged incomplete and rebuilt from its engine's
+        replay buffer (exact again, the flag cleared, if the buffer reaches its seq 0; else at its next
+        reset). The epoch is one HGET a second."""
+        seen = await self.index.fleet.epoch()
+        if self.epoch is not None and seen == self.epoch:
+            return
+        if self.epoch is None:
+            self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+            return
+        self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+        pods = {p: r.model for p, r in self.routes.pods.items()}
+        await self.counters.count("data_losses")
+        log.error("Valkey lost the index's data (its epoch is %s): %d pod(s) ingested here flagged incomplete, put "
+                  "back in the registry and rebuilt from their replay buffers; run Valkey with persistence and "
+                  "maxmemory-policy noeviction (docs/operations.md)", "gone" if seen is None else "another", len(pods))
+        self.index.forget_cached()
+        self.fleet.records.clear()  # fleet records written again at once, not RECORD_REFRESH_S later
+        await self.index.check_layout()
+        await check_settings(self)
+        await self.index.register_pods(pods)
+        for pod in pods:
+            await self.index.mark_incomplete(pod, LOST_REASON)
+        self.resume.schedule(set(pods), rebuild=True)
+
     async def chores(self) -> None:
         """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,
         health, load, retirement), stop if a layout-1 writer appears beside us, and run what a writer
@@ -222,6 +254,10 @@ class Ingester:
         batch is not left half applied."""
         if self.fleet.active:
             await self._fleet_tick()
+        try:
+            await self.check_epoch()
+        except VALKEY_ERRORS as exc:
+            log.warning("index epoch not checked now (%s)", exc or type(exc).__name__)
         try:
             if await self.index.v1_writer_seen():
                 log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
@@ -239,6 +275,9 @@ class Ingester:
                     await self.counters.count("outbox_drains")
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)
+
+
+LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
 
 
 class SourceCapReached(ValueError):
@@ -285,6 +324,12 @@ async def run_ingester(cfg: Config) -> None:
     ing.start()
     await ing.valkey.call(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
     await check_settings(ing)
+    await ing.valkey.call(ing.check_epoch)
+    policy = await ing.index.fleet.maxmemory_policy()
+    if policy is not None and policy.startswith("allkeys-"):
+        log.warning("Valkey's maxmemory-policy is %s: at maxmemory it evicts index keys (an entry, a pod's state, "
+                    "a presence bitmap) and predictions go wrong silently; run noeviction (docs/operations.md)",
+                    policy)
     log.info("ingesting from %d source(s) into %s%s", len(ing.sources), cfg.valkey_url.split("@")[-1],
              " (Valkey Cluster)" if ing.index.cluster else "")
     metrics_server = None

@@ -29,6 +29,7 @@ class Resume:
         self.counters = counters
         self.valkey = valkey
         self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
+        self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
@@ -37,7 +38,7 @@ class Resume:
         for pod in pods:
             await self._apply(pod, await self._fetch(pod))
 
-    def schedule(self, pods: set[str]) -> None:
+    def schedule(self, pods: set[str], *, rebuild: bool = False) -> None:
         """Resume these pods (an engine just attached) without holding up the loop: their replay sockets
         are asked in a task of their own (a dead one costs its timeout there); what they answered is
         applied by the loop (``apply_ready``), in order with the live stream."""
@@ -45,6 +46,8 @@ class Resume:
             route = self.routes.pods.get(pod)
             if route is None or not route.replay or pod in self._fetching:
                 continue
+            if rebuild:
+                self._rebuilding.add(pod)
             self._fetching[pod] = asyncio.ensure_future(self._fetch(pod))
 
     async def wait_scheduled(self) -> None:
@@ -72,6 +75,10 @@ class Resume:
                 continue
             if pod in self.routes.pods:  # still ours (not let go meanwhile)
                 await self._apply(pod, task.result())
+                if pod in self._rebuilding and self._whole(task.result()):
+                    await self.valkey.call(self.index.mark_complete, pod)
+                    log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
+            self._rebuilding.discard(pod)
 
     def cancel(self, pods: set[str] | None = None) -> None:
         for pod, task in list(self._fetching.items()):
@@ -79,17 +86,27 @@ class Resume:
                 task.cancel()
                 del self._fetching[pod]
 
+    @staticmethod
+    def _whole(fetched: list[tuple[int, list, bool]]) -> bool:
+        """Every replay socket answered completely, from seq 0, with no seq missing."""
+        for first, frames, complete in fetched:
+            seqs = [f.seq for f in frames if f.seq is not None and f.batch is not None]
+            if not complete or first != 0 or seqs != list(range(len(seqs))):
+                return False
+        return bool(fetched)
+
     async def _fetch(self, pod: str) -> list[tuple[int, list, bool]]:
         """(first seq asked, frames, complete) per replay socket of the pod."""
         route = self.routes.pods[pod]
         # A writer killed between a batch's steps on a cluster left its effects in the outbox.
         await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
         info = await self.valkey.call(self.index.pod_info, pod)
+        seqs = {} if pod in self._rebuilding else info.seqs  # a rebuild asks for everything from seq 0
         ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}
         if ranks:  # each rank from its own replay socket, from its own seq
-            todo = [(info.seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
+            todo = [(seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
         else:
-            todo = [(max(info.seqs.values()) if info.seqs else -1, route.replay)]
+            todo = [(max(seqs.values()) if seqs else -1, route.replay)]
         out = []
         for last, replay in todo:
             frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -305,3 +306,127 @@ async def test_dead_replay_endpoints_hold_up_neither_ingestion_nor_the_lease(val
 
 async def _attached_all(log: str, n: int) -> bool:
     return open(log).read().count("ingesting pod(s) ['dynamo-7") >= n
+
+
+def unlisted_pods(valkey_url: str) -> set[str]:
+    """Pods that have keys (metadata, a state log, a number) but no registry row: what no listing shows."""
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    try:
+        listed = set(r.hkeys("kvpf:registry"))
+        with_keys = {k[len("kvpf:{"):].rsplit("}:", 1)[0] for k in r.scan_iter("kvpf:{*}:*")
+                     if not k.startswith("kvpf:{nums}")}
+        numbered = set(r.hkeys("kvpf:{nums}:byname"))
+        return (with_keys | numbered) - listed
+    finally:
+        r.close()
+
+
+async def test_unregister_of_a_worker_that_still_publishes_leaves_no_zombie(valkey_url, tmp_path):
+    """Finding 4: /unregister of a worker that still publishes cleared and forgot its pod while an ingester
+    still owned it; its next batch made it a pod again that no listing showed (registry row gone, the
+    ingester's registry cache never wrote it back), which /route then picked. Now every ingester lets the pod
+    go before its keys go, refuses its frames, and no key is left of a pod that no listing shows."""
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--ingester-id", "zz-1")
+    serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
+    # topics naming the registered pods (kv@dynamo-11@sim), so this test needs nothing of finding 10's fix
+    sim = Sim("dynamo-11", tmp_path)
+    control = Sim("dynamo-12", tmp_path)
+    ix = Index.from_url(valkey_url)
+    raw = redis.Redis.from_url(valkey_url)
+    try:
+        async with httpx.AsyncClient(base_url=dyn, timeout=30) as c:
+            r = await c.post("/register", json=register_body(
+                11, f"tcp://127.0.0.1:{sim.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
+            assert r.status_code == 201
+
+            async def published():
+                await asyncio.to_thread(sim.complete, list(range(64)))
+                return await ingested(ix, "dynamo-11")
+
+            await until(published, "the registered worker ingested")
+            r = await c.post("/register", json=register_body(
+                12, f"tcp://127.0.0.1:{control.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{control.replay_port}"))
+            assert r.status_code == 201
+
+            async def control_published():
+                await asyncio.to_thread(control.complete, list(range(64)))
+                return await ingested(ix, "dynamo-12")
+
+            await until(control_published, "a second registered worker ingested")
+            r = await c.post("/unregister", json={"instance_id": 11, "model_name": "sim"})
+            assert r.status_code == 200, r.text
+        for n in range(4):  # the worker goes on publishing, new blocks each time
+            await asyncio.to_thread(sim.complete, list(range(1000 + 64 * n, 1064 + 64 * n)))
+        # then a worker still registered publishes: once its batch is in, the ingester has read past the others
+        before = (await ix.pod_info("dynamo-12")).blocks
+
+        async def control_moved():
+            await asyncio.to_thread(control.complete, list(range(7000, 7064)))
+            return (await ix.pod_info("dynamo-12")).blocks > before
+
+        await until(control_moved, "the still-registered worker's next batch ingested")
+        assert "dynamo-11" not in await ix.pod_ids()
+        assert unlisted_pods(valkey_url) == set()
+        route = httpx.post(pred + "/v1/cache/route", json={"model": "sim", "token_ids": list(range(64))}, timeout=10)
+        assert "dynamo-11" not in route.text
+        assert ing.poll() is None
+    finally:
+        raw.close()
+        await ix.close()
+        stop(ing)
+        stop(serve)
+        sim.stop()
+        control.stop()
+
+
+async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey_server, valkey_url, tmp_path):
+    """Finding 5: after Valkey lost its data (kill -9, no persistence, restarted empty) the ingester restored
+    the pods' keys by replay but the registry stayed empty (its in-process cache), so `index pods` said "no
+    pods" and export exported nothing while predictions answered; a pod that could not be rebuilt was empty
+    with no flag. Now the lost epoch is noticed: the registry is rebuilt, a pod whose engine still buffers its
+    whole history is rebuilt exact, and one whose engine has no replay socket is flagged incomplete."""
+    whole = Sim("whole-sim", tmp_path)
+    port = free_port()
+    # a simulated engine with no replay socket: what it published is lost for good
+    bare_log = str(tmp_path / "bare.log")
+    bare_proc = spawn(["simulate", "--pod", "bare-sim", "--model", "sim", "--port", str(port), "--zmq",
+                       f"tcp://*:{free_port()}", "--replay", "none", "--block-size", "16", "--blocks", "64"], bare_log)
+    wait_http(f"http://127.0.0.1:{port}/v1/models")
+    bare_url = f"http://127.0.0.1:{port}"
+    log = str(tmp_path / "ing.log")
+    ing = ingester(valkey_url, log, "--engine", whole.url, "--engine", bare_url)
+    ix = Index.from_url(valkey_url)
+    try:
+        async def both_ingested():
+            await asyncio.to_thread(whole.complete, list(range(64)))
+            await asyncio.to_thread(lambda: httpx.post(bare_url + "/v1/completions", json={
+                "model": "sim", "prompt": list(range(64)), "max_tokens": 1}, timeout=10).raise_for_status())
+            return await ingested(ix, "whole-sim") and await ingested(ix, "bare-sim")
+
+        await until(both_ingested, "both engines ingested")
+        valkey_server.proc.kill()
+        valkey_server.proc.wait()
+        for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
+            shutil.rmtree(valkey_server.data_dir / lost, ignore_errors=True)
+            (valkey_server.data_dir / lost).unlink(missing_ok=True) if (valkey_server.data_dir / lost).is_file() else None
+        valkey_server.start()
+        assert redis.Redis.from_url(valkey_url).dbsize() == 0
+        wait_log(log, "Valkey lost the index's data", ing)
+
+        async def rebuilt():
+            try:
+                pods = await ix.pod_ids()
+                infos = {i.pod_id: i for i in await ix.pod_infos(["whole-sim", "bare-sim"])}
+            except Exception:  # noqa: BLE001 - the connection re-established
+                return False
+            return ({"whole-sim", "bare-sim"} <= set(pods) and infos["whole-sim"].blocks > 0
+                    and not infos["whole-sim"].incomplete and infos["bare-sim"].incomplete)
+
+        await until(rebuilt, "the registry rebuilt, one pod rebuilt exact and the other flagged", timeout=60)
+        assert "Valkey lost" in (await ix.pod_info("bare-sim")).incomplete_reason
+        assert ing.poll() is None
+    finally:
+        await ix.close()
+        stop(ing)
+        stop(bare_proc)
+        whole.stop()

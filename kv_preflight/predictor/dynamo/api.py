@@ -30,6 +30,7 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
 from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
 from kv_preflight.fleet import records as fleet
+from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.keys.chain import salted_request_keys
@@ -119,6 +120,7 @@ class DynamoApi:
                                       f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
         async with valkey_call(self.deadline_s, "register"):
             now = await self.index.fleet.now_ms()
+            await self.index.fleet.unforget_pods([registered_pod(req.instance_id, rank)])  # registered anew
             await self.index.fleet.register_engine(registration_id(req.instance_id, rank), fleet.RegisteredEngine(
                 source=req.endpoint, replay=req.replay_endpoint or "", pod=registered_pod(req.instance_id, rank),
                 model=req.model_name, engine="vllm", instance_id=req.instance_id, registered_ms=now,
@@ -142,11 +144,13 @@ class DynamoApi:
             mine = {k: r for k, r in mine.items() if r.dp_rank == req.dp_rank}
             if not mine:
                 return 404, {"error": f"instance {req.instance_id} dp_rank {req.dp_rank} not found"}
-        async with valkey_call(self.deadline_s, "unregister"):
-            for engine_id, r in mine.items():
+        async with valkey_call(self.deadline_s + LET_GO_WAIT_S, "unregister"):
+            for engine_id in mine:
                 await self.index.fleet.unregister_engine(engine_id)
-                # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here.
-                await self.index.clear_pod(r.pod, forget=True)
+            # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here, once
+            # no ingester ingests it any more (a worker still publishing would otherwise come back as a pod
+            # that no listing shows: fleet/lifecycle.py)
+            await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
         return 200, {"status": "ok"}
 
