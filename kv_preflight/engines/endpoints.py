@@ -111,3 +111,19 @@ def check_zmq_endpoint(endpoint: str, *, bind: bool) -> str:
     if not bind and host in _WILDCARDS:
         raise ValueError(f"endpoint {shown}: a wildcard host names nothing to connect to")
     return endpoint
+
+
+def endpoint_identity(endpoint: str) -> str:
+    """What an endpoint reaches, for telling two spellings of one socket apart: every loopback address
+    (127.0.0.0/8, ::1, localhost) is one host, addresses are compared in canonical form, host names in lower
+    case, ports as numbers; an ipc:// path as given."""
+    m = _TCP_ENDPOINT.fullmatch(endpoint)
+    if m is None:
+        return endpoint
+    host, port = m.group(1).strip("[]").lower(), int(m.group(2))
+    try:
+        addr = ipaddress.ip_address(host)
+        host = "loopback" if addr.is_loopback else addr.compressed
+    except ValueError:
+        host = "loopback" if host == "localhost" else host
+    return f"tcp://{host}:{port}"

@@ -53,6 +53,8 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # go and their frames refused here; whoever forgets a pod clears its keys once every live lease shows it
     forget_seen_ms: int = 0
     renewed_ms: int = 0  # Valkey's time of this renewal
+    # the ZMQ endpoints this ingester subscribes and replays from (a registration of one of them is refused)
+    sources: list[str] = msgspec.field(default_factory=list)
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

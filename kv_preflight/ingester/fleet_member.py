@@ -50,6 +50,7 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
+MAX_LEASE_SOURCES = 2048  # endpoints a lease lists (sources and replays: the source cap keeps it far below)
 LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
 
@@ -88,6 +89,8 @@ class Ingesting(Protocol):
     def detach_engine(self, key: str) -> None: ...
 
     async def rebuild_pod(self, pod: str) -> bool: ...
+
+    def endpoints(self) -> list[str]: ...
 
 
 class FleetMember:
@@ -162,7 +165,7 @@ class FleetMember:
     def _lease(self, now_ms: int) -> IngesterLease:
         return IngesterLease(
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
-            forget_seen_ms=self.forget_seen_ms,
+            forget_seen_ms=self.forget_seen_ms, sources=self.ing.endpoints()[:MAX_LEASE_SOURCES],
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
             known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
 
@@ -517,8 +520,11 @@ class FleetMember:
                 # only if nobody changed the record meanwhile (a new engine taking over the pod id)
                 if await self.index.fleet.replace_pod_record(pod, rec, record):
                     await self._retire(pod, record)
+        # a retired pod whose engine is still known (unreachable, not gone) may still be attached somewhere: its
+        # record stays until the engine leaves, so its metadata is never forgotten under an ingester that owns it
         gone = expired_retired(
-            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me},
+            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me
+             and not (r.engine_url and r.engine_url in fleet_urls)},
             now_ms, int(self.cfg.retired_retention_s * 1000))
         if gone:
             for pod in gone:  # its metadata and registry row too: names of departed pods do not pile up

@@ -207,6 +207,13 @@ class Ingester:
     async def rebuild_pod(self, pod: str) -> bool:
         return await self.resume.rebuild_pod(pod)
 
+    def endpoints(self) -> list[str]:
+        """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints."""
+        found = self.subscriber.sources if self.subscriber is not None else self.sources
+        out = {s.endpoint for s in found if not s.bind and not s.endpoint.startswith("removed://")}
+        out |= {s.replay for s in found if s.replay and not s.endpoint.startswith("removed://")}
+        return sorted(out)
+
     def lag_s(self) -> dict[str, float]:
         now = time.monotonic()
         return {pod: round(now - t, 1) for pod, t in sorted(self.applier.last_applied.items())[:256]}

@@ -78,10 +78,10 @@ class Sim:
         stop(self.proc)
 
 
-def dynamo_server(valkey_url: str, tmp_path, *args: str):
+def dynamo_server(valkey_url: str, tmp_path, *args: str, env: dict[str, str] | None = None):
     port, dport = free_port(), free_port()
     proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport), *args],
-                 str(tmp_path / "serve.log"))
+                 str(tmp_path / "serve.log"), env=env)
     wait_http(f"http://127.0.0.1:{dport}/health")
     return proc, f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
 
@@ -430,3 +430,84 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
         stop(ing)
         stop(bare_proc)
         whole.stop()
+
+
+async def test_registrations_are_bounded_and_copies_of_a_source_refused(valkey_url, tmp_path):
+    """Findings 7 and 8: /register took another pod's own sockets (a phantom second pod with the same cache;
+    any 127.x.y.z spelling passed as a new engine), and any number of registrations of any size (1,000 with a
+    60 KB model_name made /workers answer 60 MB). Now: 409 for an endpoint that is already an engine's source
+    (whatever loopback spelling), 400 over the field sizes, 429 over the caps, and /workers is paged."""
+    sim = Sim("sim-a", tmp_path)
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", sim.url, "--ingester-id", "cap-1")
+    serve, dyn, _ = dynamo_server(valkey_url, tmp_path, env={"KVPF_MAX_REGISTERED_PER_MODEL": "3",
+                                                             "KVPF_MAX_REGISTERED_ENGINES": "5"})
+    ix = Index.from_url(valkey_url)
+    try:
+        async def lease_lists_the_engine():  # a lease renewed since sim-a was attached lists its sockets too
+            lease = (await ix.fleet.fleet_view()).ingesters.get("cap-1")
+            return lease is not None and sim.url in lease.engines
+
+        await until(lease_lists_the_engine, "the ingester attached sim-a")
+        async with httpx.AsyncClient(base_url=dyn, timeout=10) as c:
+            for endpoint in (f"tcp://127.0.0.1:{sim.zmq_port}", f"tcp://127.0.0.2:{sim.zmq_port}",
+                             f"tcp://localhost:{sim.zmq_port}"):
+                r = await c.post("/register", json=register_body(901, endpoint))
+                assert r.status_code == 409 and "already a source" in r.json()["error"], (endpoint, r.text)
+            r = await c.post("/register", json=register_body(902, "tcp://127.0.0.1:1", replay_endpoint=f"tcp://127.0.0.3:{sim.replay_port}"))
+            assert r.status_code == 409, r.text
+            r = await c.post("/register", json=register_body(903, "tcp://127.0.0.1:2", model_name="m" * 60_000))
+            assert r.status_code == 400 and "model_name" in r.json()["error"]
+            for i in range(3):
+                assert (await c.post("/register", json=register_body(910 + i, f"tcp://127.0.0.1:{3000 + i}"))).status_code == 201
+            r = await c.post("/register", json=register_body(913, "tcp://127.0.0.1:3003"))
+            assert r.status_code == 429 and "per-model" in r.json()["error"]
+            r = await c.post("/register", json=register_body(920, "tcp://127.0.0.9:3000", model_name="other"))
+            assert r.status_code == 409  # the same socket as 910's, spelled with another loopback address
+            for i in range(2):
+                assert (await c.post("/register", json=register_body(
+                    930 + i, f"tcp://127.0.0.1:{4000 + i}", model_name="other"))).status_code == 201
+            r = await c.post("/register", json=register_body(940, "tcp://127.0.0.1:5000", model_name="third"))
+            assert r.status_code == 429 and "max-registered-engines" in r.json()["error"]
+            page = await c.get("/workers", params={"limit": 2})
+            assert len(page.json()) == 2 and page.headers["x-kvpf-next-offset"] == "2"
+            rest = await c.get("/workers", params={"offset": 2, "limit": 1000})
+            assert len(page.json()) + len(rest.json()) == 5  # the 5 registered (sim-a has sent no batch yet)
+        assert ing.poll() is None
+    finally:
+        await ix.close()
+        stop(ing)
+        stop(serve)
+        sim.stop()
+
+
+async def test_one_client_holding_connections_locks_nobody_else_out(valkey_url, tmp_path):
+    """Finding 11: 400 connections with half-sent headers (the server at ulimit -n 256) locked new clients out
+    until the header deadline freed them. Now one client address holds at most --max-connections-per-client
+    connections (the rest answered 503 and closed at once, counted), and another client is served."""
+    import socket
+
+    port = free_port()
+    out = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", valkey_url, "--port", str(port),
+         "--request-read-timeout", "120"],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", KVPF_MAX_CONNECTIONS_PER_CLIENT="16"),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+    held = []
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+        for _ in range(150):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHo")  # half a header, then nothing
+            held.append(s)
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(transport=transport, timeout=60) as other:
+            assert other.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            metrics = other.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'kvpf_connections_refused_total{limit="per_client"}' in metrics
+        assert serve.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        stop(serve)

@@ -32,11 +32,15 @@ from kv_preflight.predictor.prediction import valkey_call
 from kv_preflight.fleet import records as fleet
 from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
+from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.keys.chain import salted_request_keys
 
 log = logging.getLogger("kvpf.dynamo")
 
+MAX_NAME_BYTES = 256  # model_name, routing_group of a registration
+MAX_ENDPOINT_BYTES = 512
+MAX_WORKERS_PAGE = 1000  # /workers answers at most this many workers a request (?limit=, ?offset=)
 QUERY_BODY_LIMIT = 8 * 1024 * 1024  # Dynamo's QUERY_REQUEST_BODY_LIMIT_BYTES
 OTHER_BODY_LIMIT = 64 * 1024
 _encoder = msgspec.json.Encoder()
@@ -105,8 +109,26 @@ class DynamoApi:
                 return 400, {"error": msg}
             except EndpointRefused as exc:
                 return 403, {"error": f"endpoint refused: {exc}"}
+        for name, value, most in (("model_name", req.model_name, MAX_NAME_BYTES),
+                                  ("routing_group", req.routing_group, MAX_NAME_BYTES),
+                                  ("endpoint", req.endpoint, MAX_ENDPOINT_BYTES),
+                                  ("replay_endpoint", req.replay_endpoint or "", MAX_ENDPOINT_BYTES)):
+            if len(value.encode()) > most:
+                return 400, {"error": f"{name} is {len(value.encode())} bytes, over the {most} a registration may hold"}
+            if name.endswith("_name") and not value:
+                return 400, {"error": f"{name} is empty"}
         rank = req.dp_rank or 0
-        regs = await self.registrations()
+        async with valkey_call(self.deadline_s, "registered engines"):
+            every = await self.index.fleet.registered_engines()
+            view = await self.index.fleet.fleet_view()
+        if len(every) >= self.cfg.max_registered_engines:
+            return 429, {"error": f"{len(every)} engines are registered, the most this index takes "
+                                  f"(--max-registered-engines {self.cfg.max_registered_engines})"}
+        same_model = sum(1 for r in every.values() if r.model == req.model_name)
+        if same_model >= self.cfg.max_registered_per_model:
+            return 429, {"error": f"{same_model} engines are registered for model={req.model_name}, the most one "
+                                  f"model takes (--max-registered-per-model {self.cfg.max_registered_per_model})"}
+        regs = {k: r for k, r in every.items() if k.startswith("dynamo:") and r.instance_id is not None}
         mine = [r for r in regs.values() if r.instance_id == req.instance_id]
         for r in mine:
             if (r.model, r.routing_group) != (req.model_name, req.routing_group):
@@ -118,6 +140,12 @@ class DynamoApi:
             if (r.model, r.routing_group) == (req.model_name, req.routing_group) and r.block_size != req.block_size:
                 return 409, {"error": f"block_size mismatch for model={req.model_name} routing_group="
                                       f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
+        mine_ids = {k for k, r in every.items() if r.instance_id == req.instance_id}
+        taken = _sources_in_use(every, view, exclude=mine_ids)
+        for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
+            owner = taken.get(endpoint_identity(endpoint))
+            if owner is not None:  # a second pod with the same cache would be a phantom copy of the first
+                return 409, {"error": f"endpoint {endpoint} is already a source of {owner}"}
         async with valkey_call(self.deadline_s, "register"):
             now = await self.index.fleet.now_ms()
             await self.index.fleet.unforget_pods([registered_pod(req.instance_id, rank)])  # registered anew
@@ -228,6 +256,23 @@ class DynamoApi:
         return 200, answer
 
 
+def _sources_in_use(registered: Mapping[str, fleet.RegisteredEngine], view: fleet.FleetView,
+                    exclude: set[str]) -> dict[str, str]:
+    """Endpoint identity -> who uses it: every other registration's sockets, and the sockets the live
+    ingesters subscribe (engines found by --engine, --source, discovery), as their leases list them."""
+    taken: dict[str, str] = {}
+    for engine_id, r in registered.items():
+        if engine_id not in exclude:
+            for endpoint in filter(None, (r.source, r.replay)):
+                taken.setdefault(endpoint_identity(endpoint), f"registered engine {engine_id}")
+    excluded = {endpoint_identity(e) for k in exclude for e in (registered[k].source, registered[k].replay) if e}
+    for ingester, lease in view.live_ingesters().items():
+        for endpoint in lease.sources:
+            if endpoint_identity(endpoint) not in excluded:  # the instance's own sockets, ingested already
+                taken.setdefault(endpoint_identity(endpoint), f"an engine ingested by {ingester}")
+    return taken
+
+
 def _status(pod: str, pods: Mapping[str, str], view: fleet.FleetView) -> str:
     """Dynamo's listener status: pending until the pod's first batch is in the index, failed while the
     fleet finds it unreachable, active otherwise."""
@@ -259,7 +304,16 @@ def create_dynamo_app(cfg: Config, index: Index | None = None) -> Starlette:
             try:
                 if kind is None:
                     args = (request.query_params.get("model_name"), request.query_params.get("routing_group"))
-                    return _json(await api.workers(*args))
+                    try:
+                        offset = max(0, int(request.query_params.get("offset", "0")))
+                        size = min(MAX_WORKERS_PAGE, max(1, int(request.query_params.get("limit", MAX_WORKERS_PAGE))))
+                    except ValueError:
+                        return _error("offset and limit are whole numbers", 400)
+                    every = await api.workers(*args)
+                    page = _json(every[offset:offset + size])
+                    if offset + size < len(every):  # a bounded answer: the rest by ?offset=
+                        page.headers["x-kvpf-next-offset"] = str(offset + size)
+                    return page
                 status, body = await getattr(api, method)(await _decode(request, kind, limit, cfg))
                 return _json(body, status)
             except Unanswerable as exc:
