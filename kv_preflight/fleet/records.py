@@ -55,6 +55,16 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     renewed_ms: int = 0  # Valkey's time of this renewal
     # the ZMQ endpoints this ingester subscribes and replays from (a registration of one of them is refused)
     sources: list[str] = msgspec.field(default_factory=list)
+    # freshness (predictor/scoring/freshness.py): the ingester's own account of its ingestion, "current",
+    # "behind" (a backlog, replays under way, Valkey failing briefly) or "stalled" (Valkey writes failing or
+    # the loop stuck for STALL_S); "" from an ingester that predates it. ``current_ms``: the Valkey time it
+    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way;
+    # ``batch_ts``: each pod's newest applied batch's engine timestamp (epoch seconds).
+    state: str = ""
+    current_ms: int = 0
+    pods: list[str] = msgspec.field(default_factory=list)
+    behind: list[str] = msgspec.field(default_factory=list)
+    batch_ts: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

@@ -53,6 +53,7 @@ class Applier:
         self.valkey = valkey
         self.state = ChainState()
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
+        self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
 
     def forget_chains(self) -> None:
         """After an engine restart: engine keys of the old process mean nothing now."""
@@ -200,6 +201,7 @@ class Applier:
                       pod, seq, result.foreign_writes, result.detail)
         self.counters.metrics.applied(pod, batch)
         self.last_applied[pod] = time.monotonic()
+        self.last_batch_ts[pod] = batch.ts
         await self.counters.count("batches_applied", pod=pod)
         await self.counters.count("blocks_stored", plan.stored_blocks)
         await self.counters.count("blocks_removed", plan.removed_blocks)

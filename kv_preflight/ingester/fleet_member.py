@@ -92,6 +92,12 @@ class Ingesting(Protocol):
 
     def endpoints(self) -> list[str]: ...
 
+    def pods(self) -> list[str]: ...
+
+    def ingest_state(self) -> tuple[str, list[str]]: ...
+
+    def batch_ts(self) -> dict[str, float]: ...
+
 
 class FleetMember:
     def __init__(self, ingester: Ingesting, cfg: Config, index: Index) -> None:
@@ -118,6 +124,7 @@ class FleetMember:
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
         self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
+        self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
@@ -163,7 +170,13 @@ class FleetMember:
         return max(2.0, self.cfg.lease_ttl_s / 2)
 
     def _lease(self, now_ms: int) -> IngesterLease:
+        state, behind = self.ing.ingest_state()
+        if state == "current":
+            self.current_ms = now_ms
+        pods = self.ing.pods()
         return IngesterLease(
+            state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
+            batch_ts=self.ing.batch_ts(),
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
             forget_seen_ms=self.forget_seen_ms, sources=self.ing.endpoints()[:MAX_LEASE_SOURCES],
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),

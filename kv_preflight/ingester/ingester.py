@@ -31,12 +31,13 @@ from kv_preflight.ingester.routes import PodRoute, Routes
 from kv_preflight.ingester.sources import Source, parse_source, secure_sources
 from kv_preflight.ingester.subscriber import Subscriber
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
-from kv_preflight.ingester.watchdog import Progress, Watchdog
+from kv_preflight.ingester.watchdog import STALL_S, Progress, Watchdog
 
 log = logging.getLogger("kvpf.ingester")
 
 # How often the loop does its chores (see Ingester.chores), whether frames arrive or not.
 CHORES_S = 1.0
+BACKLOG_MESSAGES = 512  # a receive this full (Subscriber.receive's max) means more were queued behind it
 
 
 class Ingester:
@@ -62,6 +63,7 @@ class Ingester:
         self.fleet = FleetMember(self, cfg, index)
         self.source_cap = source_cap(cfg)
         self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
+        self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)
 
     # ---- lifecycle
 
@@ -142,6 +144,7 @@ class Ingester:
                     recv = None
                     continue
                 received, recv = recv.result(), None
+                self.backlog = len(received) >= BACKLOG_MESSAGES  # a full receive: more were waiting
                 self.progress.mark(f"applying {len(received)} message(s)")
                 run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in received:
@@ -213,6 +216,25 @@ class Ingester:
         out = {s.endpoint for s in found if not s.bind and not s.endpoint.startswith("removed://")}
         out |= {s.replay for s in found if s.replay and not s.endpoint.startswith("removed://")}
         return sorted(out)
+
+    def pods(self) -> list[str]:
+        return sorted(self.routes.pods)
+
+    def ingest_state(self) -> tuple[str, list[str]]:
+        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey writes have failed, or the
+        loop has made no progress, for STALL_S; behind on a backlog (a full receive), a Valkey failure younger
+        than that, or a pod whose replay is under way."""
+        now = time.monotonic()
+        failing = self.valkey.failing_since
+        if (failing is not None and now - failing >= STALL_S) or now - self.progress.at >= STALL_S:
+            return "stalled", sorted(self.routes.pods)
+        behind = sorted(self.resume.pending_pods)
+        if failing is not None or self.backlog:
+            return "behind", sorted(self.routes.pods)
+        return ("behind" if behind else "current"), behind
+
+    def batch_ts(self) -> dict[str, float]:
+        return dict(sorted(self.applier.last_batch_ts.items())[:256])
 
     def lag_s(self) -> dict[str, float]:
         now = time.monotonic()

@@ -57,6 +57,10 @@ class Resume:
             await self.apply_ready()
 
     @property
+    def pending_pods(self) -> set[str]:
+        return set(self._fetching)
+
+    @property
     def pending(self) -> int:
         return len(self._fetching)
 

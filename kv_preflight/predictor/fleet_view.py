@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kv_preflight.predictor.load import PodLoad
+from kv_preflight.predictor.scoring.freshness import PodFreshness, fleet_health, leases_by_pod, pod_freshness
 from kv_preflight.fleet.records import FleetView
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 
@@ -34,6 +35,7 @@ class FleetWatcher:
     read_errors: int = 0
     failing: str | None = None  # the last read error, while reads fail
     _models: dict[str, frozenset[str]] = field(default_factory=dict)
+    _listing: dict = field(default_factory=dict)  # pod -> the leases listing it (predictor/scoring/freshness.py)
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -67,6 +69,20 @@ class FleetWatcher:
         self.view, self.read_at = view, self.clock()
         self.reads += 1
         self._models = {p: frozenset(r.models) for p, r in view.pods.items() if r.models}
+        self._listing = leases_by_pod(view)
+
+    def freshness(self, pods: Iterable[str]) -> dict[str, PodFreshness]:
+        """Each pod's ingestion state and staleness (predictor/scoring/freshness.py), from the last view."""
+        if self.view is None:
+            return pod_freshness(None, pods, 0, time.time())
+        now_ms = self.view.now_ms + int((self.clock() - self.read_at) * 1000)
+        return pod_freshness(self.view, pods, now_ms, time.time(), self._listing)
+
+    def health_reasons(self) -> list[str]:
+        reasons = fleet_health(self.view)
+        if self.failing is not None:
+            reasons.append(f"fleet records not readable: {self.failing[:200]}")
+        return reasons
 
     # ---- what routing and prediction ask
 

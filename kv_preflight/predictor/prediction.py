@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,8 @@ from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacem
 from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
 from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
+from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
+                                                       stale_for_route)
 from kv_preflight.predictor.scoring.score import Prediction, score
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from kv_preflight.predictor.tokens.source import Tokenization
@@ -172,7 +174,15 @@ class Predictor:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
-        return prediction
+        return msgspec.structs.replace(prediction, freshness=self.freshness_of(prediction, pods))
+
+    def freshness_of(self, prediction: Prediction, pods: list[str] | None, extra: Iterable[str] = ()) -> Freshness:
+        """The answer's freshness: per pod it names (its matches, the pods filter, ``extra``), the pod's ingestion
+        state from the fleet's leases; the state of the whole (predictor/scoring/freshness.py)."""
+        named = [a.pod_id for a in prediction.pod_affinities] + list(pods or ()) + list(extra)
+        per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
+        return answer_freshness(per_pod, partial=prediction.partial,
+                                incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete])
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
                               infos: dict[str, ScoringInfo], prompt_len: int) -> list[Any]:
