@@ -511,3 +511,58 @@ async def test_one_client_holding_connections_locks_nobody_else_out(valkey_url, 
         for s in held:
             s.close()
         stop(serve)
+
+
+async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
+    """Finding 9: with ingestion stalled (Valkey under noeviction at maxmemory, the ingester retrying OOM),
+    /predict, /route and /health answered 200 with nothing saying the index was behind. Now the pod reads
+    "stalled" in every answer, the answer "degraded" with the reason, /health 200 with status "degraded",
+    and /route with max_staleness_ms routes by load alone (reason stale_index); all current again after."""
+    sim = Sim("fresh-sim", tmp_path)
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", sim.url, "--ingester-id", "fr-1")
+    serve, _, pred = dynamo_server(valkey_url, tmp_path)
+    r = redis.Redis.from_url(valkey_url)
+    first, second = list(range(64)), list(range(500, 564))
+    try:
+        async def answer(tokens, path="/v1/cache/predict", **extra):
+            got = await asyncio.to_thread(httpx.post, pred + path, json={"model": "sim", "token_ids": tokens, **extra},
+                                          timeout=10)
+            return got.json() if got.status_code == 200 else {"error": got.text}
+
+        async def current():
+            await asyncio.to_thread(sim.complete, first)
+            doc = await answer(first)
+            return doc.get("freshness", {}).get("pods", {}).get("fresh-sim", {}).get("state") == "current" and doc
+
+        doc = await until(current, "the pod ingested and current")
+        assert doc["freshness"]["state"] == "exact" and doc["predicted_cached_tokens"] > 0
+        used = int(r.info("memory")["used_memory"])
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(used // 2))  # every write refused: OOM
+        await asyncio.to_thread(sim.complete, second)  # cached by the engine, never indexed while this lasts
+
+        async def stalled():
+            doc = await answer(second)
+            return doc.get("freshness", {}).get("pods", {}).get("fresh-sim", {}).get("state") == "stalled" and doc
+
+        doc = await until(stalled, "the pod reported stalled")
+        assert doc["freshness"]["state"] == "degraded" and "stalled" in doc["freshness"]["reasons"][0]
+        health = await asyncio.to_thread(httpx.get, pred + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        route = await answer(first, "/v1/cache/route", max_staleness_ms=1000)
+        assert route["reason"] == "stale_index" and route["pod_id"] == "fresh-sim", route
+        assert (await answer(first, "/v1/cache/route"))["reason"] != "stale_index"
+        r.config_set("maxmemory", "0")
+
+        async def caught_up():
+            doc = await answer(second)
+            return doc.get("freshness", {}).get("state") == "exact" and doc.get("predicted_cached_tokens", 0) > 0
+
+        await until(caught_up, "the index caught up and the answer exact again")
+        assert ing.poll() is None
+    finally:
+        r.config_set("maxmemory", "0")
+        r.close()
+        stop(ing)
+        stop(serve)
+        sim.stop()

@@ -11,6 +11,7 @@ event log, which this index does not keep: they answer 501.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
                                    check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
 from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
+from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
 from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
@@ -85,6 +87,8 @@ class DynamoApi:
     def __init__(self, cfg: Config, index: Index):
         self.cfg = cfg
         self.index = index
+        self._view: fleet.FleetView | None = None  # the fleet's leases, for the answers' freshness
+        self._view_at = -1e9
 
     @property
     def deadline_s(self) -> float:
@@ -238,6 +242,7 @@ class DynamoApi:
             return 422, {"error": str(exc)[:300]}
         prefixes: dict[str, tuple[int, int, int]] = {}
         engine_blocks: dict[str, int | None] = {}
+        incomplete: list = []
         if keys:
             async with valkey_call(self.deadline_s, "query"):
                 # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
@@ -247,13 +252,32 @@ class DynamoApi:
                 prefixes = tier_prefixes(fields, worker_of)
                 infos = await self.index.pod_infos(sorted(prefixes))
             engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
+            incomplete = [i for i in infos if i.incomplete]
             if not block_sizes:
                 block_sizes = {b for b in engine_blocks.values() if b}
         unit = block_sizes.pop() if len(block_sizes) == 1 else self.cfg.block_size
         answer = build_score_response(
             prefixes, canonical_block=self.cfg.block_size, engine_blocks=engine_blocks, worker_of=worker_of,
             expected=[(r.instance_id, r.dp_rank) for r in part], block_size=unit)  # type: ignore[misc]
-        return 200, answer
+        named = sorted(set(prefixes) | {r.pod for r in part})[:MAX_WORKERS_PAGE]
+        view = await self._fleet_view()
+        now_ms = view.now_ms + int((time.monotonic() - self._view_at) * 1000) if view is not None else 0
+        per_pod = pod_freshness(view, named, now_ms, time.time())
+        label = {p: str(i) if r == 0 else f"{i}/{r}" for p, (i, r) in worker_of.items()}
+        fresh = answer_freshness({label.get(p, p): f for p, f in per_pod.items()},
+                                 incomplete=[label.get(i.pod_id, i.pod_id) for i in incomplete])
+        return 200, msgspec.structs.replace(answer, freshness=fresh)
+
+    async def _fleet_view(self) -> fleet.FleetView | None:
+        """The fleet's leases, read at most once a second (they are renewed once a second)."""
+        if time.monotonic() - self._view_at > 1.0:
+            try:
+                async with valkey_call(self.deadline_s, "fleet"):
+                    self._view = await self.index.fleet.fleet_view()
+                self._view_at = time.monotonic()
+            except PredictorError:
+                pass  # the last view, or none: its pods read "unknown"
+        return self._view
 
 
 def _sources_in_use(registered: Mapping[str, fleet.RegisteredEngine], view: fleet.FleetView,

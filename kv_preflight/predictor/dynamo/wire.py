@@ -19,6 +19,7 @@ import msgspec
 
 from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.index.entries import parse_entry
+from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.keys.chain import MAX_TOKEN_ID, fnv64a
 
 DEFAULT_ROUTING_GROUP = "default"  # Dynamo's default_routing_group()
@@ -71,12 +72,15 @@ class OverlapSummary(msgspec.Struct):
     disk: int
 
 
-class ScoreResponse(msgspec.Struct):
+class ScoreResponse(msgspec.Struct, omit_defaults=True):
     scores: dict[str, dict[str, int]]  # instance -> dp rank -> device-tier tokens
     # block i -> how many (instance, rank) hold it on the device tier (Dynamo's positional indexer counts
     # workers; its radix trees count recent queries, a history this index does not keep: docs/dynamo.md)
     frequencies: list[int]
     instances: dict[str, OverlapSummary]
+    # kv-preflight's addition (serde ignores unknown fields): how fresh the answer is, its pods keyed by
+    # "<instance>" or "<instance>/<dp rank>" (predictor/scoring/freshness.py)
+    freshness: Freshness | None = None
 
 
 class ListenerInfo(msgspec.Struct, omit_defaults=True):
