@@ -53,8 +53,9 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # go and their frames refused here; whoever forgets a pod clears its keys once every live lease shows it
     forget_seen_ms: int = 0
     renewed_ms: int = 0  # Valkey's time of this renewal
-    # the ZMQ endpoints this ingester subscribes and replays from (a registration of one of them is refused)
-    sources: list[str] = msgspec.field(default_factory=list)
+    # the ZMQ endpoints this ingester subscribes and replays from -> the pod they publish ("" not known yet):
+    # a registration of one of them for another pod is refused
+    sources: dict[str, str] = msgspec.field(default_factory=dict)
     # freshness (predictor/scoring/freshness.py): the ingester's own account of its ingestion, "current",
     # "behind" (a backlog, replays under way, Valkey failing briefly) or "stalled" (Valkey writes failing or
     # the loop stuck for STALL_S); "" from an ingester that predates it. ``current_ms``: the Valkey time it

@@ -8,6 +8,7 @@ when none does, the first answer's error is raised.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -44,12 +45,13 @@ async def discover(engine_url: str, timeout_s: float = 5.0, target_ports: tuple[
         if resp.status_code == 404:  # not that engine: the next one may list its publishers elsewhere
             for adapter in others:
                 answer = await client.get(base + adapter.discovery_path)
-                found = sources_from(adapter, engine_url, answer.json() if answer.status_code == 200 else None,
-                                     target_ports)
+                found = await asyncio.to_thread(sources_from, adapter, engine_url,
+                                                answer.json() if answer.status_code == 200 else None, target_ports)
                 if found is not None:
                     return found
         resp.raise_for_status()
-        found = sources_from(first, engine_url, resp.json(), target_ports)
+        # in a thread: an adapter may resolve the engine's host name (the serving address), a blocking call
+        found = await asyncio.to_thread(sources_from, first, engine_url, resp.json(), target_ports)
         if found is None:
             raise ValueError(f"{base}{first.discovery_path}: not a list of {first.name}'s publishers")
         return found

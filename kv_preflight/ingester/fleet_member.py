@@ -90,7 +90,7 @@ class Ingesting(Protocol):
 
     async def rebuild_pod(self, pod: str) -> bool: ...
 
-    def endpoints(self) -> list[str]: ...
+    def endpoints(self) -> dict[str, str]: ...
 
     def pods(self) -> list[str]: ...
 
@@ -115,6 +115,7 @@ class FleetMember:
         self.unusable: set[str] = set()  # registrations skipped (logged once)
         # HTTP runs in the background, so a slow or dead engine never holds up the ingest loop: the round
         # starts a fetch and uses its answer in a later round.
+        self.observing: asyncio.Task | None = None  # --engines-from sources being read (DNS, files)
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
         self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
@@ -138,7 +139,7 @@ class FleetMember:
         return bool(self.static or self.sources or self.cfg.registered_engines)
 
     async def close(self) -> None:
-        for task in [*self.fetches.values(), *self.probes.values()]:
+        for task in [*self.fetches.values(), *self.probes.values(), *([self.observing] if self.observing else [])]:
             task.cancel()
         await self.http.aclose()
         try:
@@ -178,7 +179,7 @@ class FleetMember:
             state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
             batch_ts=self.ing.batch_ts(),
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
-            forget_seen_ms=self.forget_seen_ms, sources=self.ing.endpoints()[:MAX_LEASE_SOURCES],
+            forget_seen_ms=self.forget_seen_ms, sources=dict(list(self.ing.endpoints().items())[:MAX_LEASE_SOURCES]),
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
             known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
 
@@ -281,11 +282,30 @@ class FleetMember:
         if forgotten:
             self.forget_seen_ms = max(self.forget_seen_ms, max(forgotten.values()))
 
-    async def _discover(self, now: float) -> None:
+    async def _observe_sources(self) -> dict[str, list[EngineSpec]]:
+        found = {}
         for src in self.sources:
-            found = await observe(src)
-            if found is not None:
-                self.observed[src.spec] = found
+            got = await observe(src)
+            if got is not None:
+                found[src.spec] = got
+        return found
+
+    async def _discover(self, now: float) -> None:
+        # DNS and files are read in a task of their own (a resolver that times out costs its 5 s there, not
+        # in the round the ingest loop waits on); the round takes the last answer that came back.
+        task = self.observing
+        if task is not None and task.done():
+            self.observing = None
+            if not task.cancelled() and task.exception() is None:
+                self.observed.update(task.result())
+            elif not task.cancelled():
+                log.warning("engines: discovery failed (%s); keeping the engines known", task.exception())
+        if self.sources and self.observing is None:
+            self.observing = asyncio.ensure_future(self._observe_sources())
+            if not self.discovered.started:  # the first answer at start is waited for (as before)
+                await asyncio.wait([self.observing])
+                self.observed.update(self.observing.result() if self.observing.exception() is None else {})
+                self.observing = None
         if self.cfg.registered_engines:
             try:
                 registered = await self.index.fleet.registered_engines()

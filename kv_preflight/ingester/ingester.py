@@ -210,12 +210,20 @@ class Ingester:
     async def rebuild_pod(self, pod: str) -> bool:
         return await self.resume.rebuild_pod(pod)
 
-    def endpoints(self) -> list[str]:
-        """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints."""
+    def endpoints(self) -> dict[str, str]:
+        """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints -> their pod."""
         found = self.subscriber.sources if self.subscriber is not None else self.sources
-        out = {s.endpoint for s in found if not s.bind and not s.endpoint.startswith("removed://")}
-        out |= {s.replay for s in found if s.replay and not s.endpoint.startswith("removed://")}
-        return sorted(out)
+        by_source = {r.source: p for p, r in self.routes.pods.items() if r.source}
+        out: dict[str, str] = {}
+        for s in found:
+            if s.endpoint.startswith("removed://"):
+                continue
+            pod = s.pod or by_source.get(s.endpoint, "")
+            if not s.bind:
+                out[s.endpoint] = pod
+            if s.replay:
+                out[s.replay] = pod
+        return dict(sorted(out.items()))
 
     def pods(self) -> list[str]:
         return sorted(self.routes.pods)

@@ -566,3 +566,92 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
         stop(ing)
         stop(serve)
         sim.stop()
+
+
+LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart"]),
+                                     st.integers(0, 2)), min_size=2, max_size=6)
+
+
+async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_server, valkey_url, tmp_path):
+    """The property of issue 26: after any sequence of register, unregister, `index clear --forget`, a Valkey
+    restart without persistence, and publishing, every pod with keys is listed (the registry) and every listed
+    pod answers. Real processes throughout; after each step the fleet settles on an observable event (a batch
+    of an engine ingested all along comes in after everything the step caused), never a sleep."""
+    sims = [Sim(f"dynamo-{800 + i}", tmp_path) for i in range(3)]  # topics naming the pods they register as
+    control = Sim("control-ps", tmp_path)
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", control.url, "--ingester-id", "ps-1")
+    serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    prompts = iter(range(10**6))
+    registered: set[int] = set()
+
+    def fresh_prompt() -> list[int]:
+        n = next(prompts)
+        return list(range(10_000 + 64 * n, 10_064 + 64 * n))
+
+    def control_batches() -> int:
+        try:
+            return int(r.hget("kvpf:{control-ps}:meta", "batches") or 0)
+        except redis.RedisError:
+            return -1
+
+    def settle() -> None:
+        before = control_batches()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            control.complete(fresh_prompt())
+            now = control_batches()
+            if now > 0 and now != before:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the control engine's batches never came in: {open(tmp_path / 'ing.log').read()[-3000:]}")
+
+    def step(action: str, i: int, c: httpx.Client) -> None:
+        sim = sims[i]
+        if action == "register" and i not in registered:
+            got = c.post("/register", json=register_body(800 + i, f"tcp://127.0.0.1:{sim.zmq_port}",
+                                                         replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
+            assert got.status_code == 201, got.text
+            registered.add(i)
+        elif action == "unregister" and i in registered:
+            assert c.post("/unregister", json={"instance_id": 800 + i, "model_name": "sim"}).status_code == 200
+            registered.discard(i)
+        elif action == "publish":
+            sim.complete(fresh_prompt())
+        elif action == "clear" and f"dynamo-{800 + i}" in r.hkeys("kvpf:registry"):
+            got = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "clear", "--valkey-url", valkey_url,
+                                  "--pod", f"dynamo-{800 + i}", "--forget"], capture_output=True, text=True, timeout=60)
+            assert got.returncode == 0, got.stderr
+        elif action == "restart":
+            valkey_server.proc.kill()
+            valkey_server.proc.wait()
+            shutil.rmtree(valkey_server.data_dir / "appendonlydir", ignore_errors=True)
+            valkey_server.start()
+            registered.clear()  # the registrations were in the lost data
+            wait_log(str(tmp_path / "ing.log"), "Valkey lost the index's data", ing)
+
+    def check() -> None:
+        assert unlisted_pods(valkey_url) == set()
+        for pod in r.hkeys("kvpf:registry"):
+            got = httpx.post(pred + "/v1/cache/predict", json={"model": "sim", "token_ids": list(range(64)),
+                                                               "pods": [pod]}, timeout=10)
+            assert got.status_code == 200, (pod, got.text)
+
+    try:
+        with httpx.Client(base_url=dyn, timeout=30) as c:
+            @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+            @given(steps=LIFECYCLE_STEPS)
+            def run(steps):
+                for action, i in steps:
+                    step(action, i, c)
+                    settle()
+                    check()
+                    assert ing.poll() is None
+
+            await asyncio.to_thread(run)
+    finally:
+        r.close()
+        stop(ing)
+        stop(serve)
+        for s in [*sims, control]:
+            s.stop()

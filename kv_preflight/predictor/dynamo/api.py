@@ -145,7 +145,7 @@ class DynamoApi:
                 return 409, {"error": f"block_size mismatch for model={req.model_name} routing_group="
                                       f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
         mine_ids = {k for k, r in every.items() if r.instance_id == req.instance_id}
-        taken = _sources_in_use(every, view, exclude=mine_ids)
+        taken = _sources_in_use(every, view, exclude=mine_ids, own_pods={registered_pod(req.instance_id, rank)})
         for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
             owner = taken.get(endpoint_identity(endpoint))
             if owner is not None:  # a second pod with the same cache would be a phantom copy of the first
@@ -281,7 +281,7 @@ class DynamoApi:
 
 
 def _sources_in_use(registered: Mapping[str, fleet.RegisteredEngine], view: fleet.FleetView,
-                    exclude: set[str]) -> dict[str, str]:
+                    exclude: set[str], own_pods: set[str] = frozenset()) -> dict[str, str]:
     """Endpoint identity -> who uses it: every other registration's sockets, and the sockets the live
     ingesters subscribe (engines found by --engine, --source, discovery), as their leases list them."""
     taken: dict[str, str] = {}
@@ -291,8 +291,9 @@ def _sources_in_use(registered: Mapping[str, fleet.RegisteredEngine], view: flee
                 taken.setdefault(endpoint_identity(endpoint), f"registered engine {engine_id}")
     excluded = {endpoint_identity(e) for k in exclude for e in (registered[k].source, registered[k].replay) if e}
     for ingester, lease in view.live_ingesters().items():
-        for endpoint in lease.sources:
-            if endpoint_identity(endpoint) not in excluded:  # the instance's own sockets, ingested already
+        for endpoint, pod in lease.sources.items():
+            # the instance's own sockets, ingested already (its registration lost with Valkey's data, say)
+            if endpoint_identity(endpoint) not in excluded and not (pod and pod in own_pods):
                 taken.setdefault(endpoint_identity(endpoint), f"an engine ingested by {ingester}")
     return taken
 
