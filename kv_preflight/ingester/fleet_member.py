@@ -88,7 +88,7 @@ class Ingesting(Protocol):
 
     def detach_engine(self, key: str) -> None: ...
 
-    async def rebuild_pod(self, pod: str) -> bool: ...
+    def schedule_rebuild(self, pod: str) -> None: ...
 
     def endpoints(self) -> dict[str, str]: ...
 
@@ -567,13 +567,9 @@ class FleetMember:
 
     async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:
         """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
-        else it stays flagged incomplete until its next cache reset (an engine restart resets it too)."""
-        rebuilt = await self.ing.rebuild_pod(pod)
-        if rebuilt:
-            how = "rebuilt from the engine's replay buffer"
-        elif (await self.index.pod_info(pod)).incomplete:
-            how = "its replay buffer no longer reaches its first event; flagged incomplete until its next reset"
-        else:
-            how = "its engine restarted meanwhile: its entries start empty, exact"
-        log.warning("pod %s is back after retirement: %s", pod, how)
+        else it stays flagged incomplete until its next cache reset (an engine restart resets it too). The
+        replay is fetched in the background and applied by the loop (ingester/resume.py), never in this round."""
+        self.ing.schedule_rebuild(pod)
+        log.warning("pod %s is back after retirement: rebuilding it from its engine's replay buffer in the background",
+                    pod)
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)

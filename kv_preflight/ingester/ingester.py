@@ -210,6 +210,10 @@ class Ingester:
     async def rebuild_pod(self, pod: str) -> bool:
         return await self.resume.rebuild_pod(pod)
 
+    def schedule_rebuild(self, pod: str) -> None:
+        """A retired pod that answers again: replayed from seq 0, cleared first, exact if the buffer is whole."""
+        self.resume.schedule({pod}, rebuild=True, reset=True)
+
     def endpoints(self) -> dict[str, str]:
         """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints -> their pod."""
         found = self.subscriber.sources if self.subscriber is not None else self.sources

@@ -30,6 +30,7 @@ class Resume:
         self.valkey = valkey
         self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
         self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
+        self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
@@ -38,7 +39,7 @@ class Resume:
         for pod in pods:
             await self._apply(pod, await self._fetch(pod))
 
-    def schedule(self, pods: set[str], *, rebuild: bool = False) -> None:
+    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False) -> None:
         """Resume these pods (an engine just attached) without holding up the loop: their replay sockets
         are asked in a task of their own (a dead one costs its timeout there); what they answered is
         applied by the loop (``apply_ready``), in order with the live stream."""
@@ -48,6 +49,8 @@ class Resume:
                 continue
             if rebuild:
                 self._rebuilding.add(pod)
+            if reset:
+                self._resetting.add(pod)
             self._fetching[pod] = asyncio.ensure_future(self._fetch(pod))
 
     async def wait_scheduled(self) -> None:
@@ -78,11 +81,28 @@ class Resume:
                             type(exc).__name__, exc)
                 continue
             if pod in self.routes.pods:  # still ours (not let go meanwhile)
+                whole = self._whole(task.result())
+                if pod in self._resetting:
+                    if not whole:  # a retired pod stays flagged (or an engine restart made it exact already)
+                        log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete "
+                                    "until its next reset", pod)
+                        self._rebuilding.discard(pod)
+                        self._resetting.discard(pod)
+                        continue
+                    await self._reset(pod)
                 await self._apply(pod, task.result())
-                if pod in self._rebuilding and self._whole(task.result()):
+                if pod in self._rebuilding and whole:
                     await self.valkey.call(self.index.mark_complete, pod)
                     log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
             self._rebuilding.discard(pod)
+            self._resetting.discard(pod)
+
+    async def _reset(self, pod: str) -> None:
+        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does)."""
+        info = await self.valkey.call(self.index.pod_info, pod)
+        for rank, last in info.seqs.items():
+            await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
+        self.applier.forget_chains()
 
     def cancel(self, pods: set[str] | None = None) -> None:
         for pod, task in list(self._fetching.items()):
