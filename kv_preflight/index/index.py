@@ -413,7 +413,8 @@ class Index:
             if r.status != "applied" or not b["model"]:
                 continue
             had = self._registered.get(b["pod_id"])
-            if had is None or had[0] != b["model"] or now - had[1] > REGISTRY_REFRESH_S:
+            # seq 0: a pod's first batch (a new engine, or a replay from the start after the index lost it)
+            if had is None or had[0] != b["model"] or now - had[1] > REGISTRY_REFRESH_S or b.get("seq") == 0:
                 new[b["pod_id"]] = b["model"]
         if new:
             await self.register_pods(new)
