@@ -32,6 +32,9 @@ class Config:
     engines_from: tuple[str, ...] = ()
     registered_engines: bool = True  # also ingest engines registered at run time (kvpf:engines)
     copies: int = 2  # ingesters per engine (exactly-once by seq makes copies safe)
+    # --private: ingest exactly the engines given here, outside the fleet: no lease (nobody hands it engines,
+    # it takes none of theirs), no pod records, health or retirement (docs/fleet.md#a-private-ingester)
+    private: bool = False
     ingester_id: str = ""  # default: host:pid:random
     lease_ttl_s: float = 5.0
     membership_hold_s: float = 3.0  # a membership change counts once it has held this long

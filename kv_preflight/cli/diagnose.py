@@ -173,7 +173,7 @@ async def read_traffic(predictor_url: str | None, client: httpx.AsyncClient, api
     except (httpx.HTTPError, ValueError) as exc:
         if warn:
             warn(f"warning: cannot read the predictor's /stats at {predictor_url} ({type(exc).__name__}: {exc}): "
-                 "p and the prefix families are unknown")
+                 "p and the prefix families are unknown (--predictor-url; '' skips it)")
         return None
 
 
@@ -205,19 +205,27 @@ async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str
     from kv_preflight.index.index import Index
 
     index = Index.from_url(valkey_url, timeout_s=5.0, cluster=cluster)
+    said: set[str] = set()
+
+    def once(message: str) -> None:  # the same predictor failing at both readings is one warning
+        if progress and message not in said:
+            said.add(message)
+            progress(message)
+
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
             urls = await metrics_urls(index, pod_metrics, engine_urls, client)
             before_e: dict[str, Any] = {}
             before_t = None
             if window_s > 0:
+                if progress:  # said before the wait, not after: 60 s of silence looked like a hang
+                    progress(f"sampling the engines' and the predictor's counters for {window_s:g}s (--window; "
+                             "--window 0 reads the totals since they started, at once) ...")
                 before_e, _ = await read_engines(urls, client)
-                before_t = await read_traffic(predictor_url, client, api_key, progress)
-                if progress:
-                    progress(f"sampling for {window_s:g}s ...")
+                before_t = await read_traffic(predictor_url, client, api_key, once)
                 await asyncio.sleep(window_s)
             after_e, errors = await read_engines(urls, client)
-            after_t = await read_traffic(predictor_url, client, api_key, progress)
+            after_t = await read_traffic(predictor_url, client, api_key, once)
         pods = {p.pod_id: (p.model, p.blocks) for p in await index.pods()}
         keys = [int(f["first_key"]) for f in (after_t or {}).get("families", [])]
         holders: dict[str, list[str]] = {}
@@ -300,7 +308,7 @@ td:has(.bar){{width:20em}} .on{{color:#3a7;text-align:center}} .verdict{{font-we
 @diagnose_group.command("fleet")
 @click.option("--valkey-url", default=None, help="Valkey URL (any node of a cluster).  [env KVPF_VALKEY_URL]")
 @click.option("--valkey-cluster", default=None, type=click.Choice(["auto", "yes", "no"]), help="Whether --valkey-url names a cluster node (default auto).")
-@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help="The predictor whose predictions give p ('' to skip).")
+@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help="The predictor whose predictions give p ('' to skip; default: the running `up` stack's, else this).  [env KVPF_PREDICTOR_URL]")
 @click.option("--api-key", default=None, help="Bearer key for the predictor.  [env KVPF_API_KEY]")
 @click.option("--engine-url", "engine_urls", multiple=True, help="MODEL=http://HOST:PORT: an engine to read metrics from (pod id from its /kv_event_sources). Repeatable.")
 @click.option("--pod-metrics", "pod_metrics", multiple=True, help="POD=http://HOST:PORT: that pod's engine. Repeatable.")

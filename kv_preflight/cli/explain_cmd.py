@@ -82,7 +82,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 @click.command("explain")
-@click.option("--url", default="http://127.0.0.1:8080", show_default=True, help="The predictor's base URL.")
+@click.option("--predictor-url", "--url", "url", default="http://127.0.0.1:8080", show_default=True, help="The predictor's base URL (default: the running `up` stack's, else this).  [env KVPF_PREDICTOR_URL]")
 @click.option("--model", required=True, help="Model name as the engine serves it (the adapter name for LoRA).")
 @click.option("--prompt", default=None, help="The prompt text, or @file.")
 @click.option("--messages", default=None, help="Chat messages as a JSON list, or @file.")

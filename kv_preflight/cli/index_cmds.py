@@ -108,32 +108,42 @@ def stats(valkey_url, as_json) -> None:
             now = time.time()
             keys, counters = await ix.key_count(), await ix.counters()
             # /stats's names (index_keys, index_counters); keys and counters are the old aliases
+            rows = _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet.fleet_view())
             return {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(),
-                    "pods": [_pod_row(p, now) for p in await ix.pods()], "index_counters": counters,
+                    "pods": rows, "index_counters": counters,
                     "keys": keys, "counters": counters}
         finally:
             await ix.close()
 
     def human(d):
-        click.echo(f"keys: {d['keys']}   memory: {d['used_memory_bytes']} bytes   counters: {d['counters'] or '-'}")
+        counted = ", ".join(f"{k} {v}" for k, v in sorted(d["counters"].items()))
+        click.echo(f"keys: {d['keys']}   memory: {d['used_memory_bytes']} bytes   index counters: "
+                   f"{counted or 'none yet (counted as events are applied)'}")
         _pods_table(d["pods"])
 
     _emit(as_json, _run(go()), human)
 
 
+POD_COLUMNS = ("block: the engine's KV block size in tokens; blocks: engine blocks indexed; seq: last seq applied per "
+               "rank; age s: since its last event; fleet: its record (live, unreachable, retired); index: ok (exact) "
+               "or INCOMPLETE and why")
+
+
 def _pods_table(pods: list[dict]) -> None:
     if not pods:
-        click.echo("no pods in the index")
+        click.echo("no pods in the index or the fleet records yet (an ingester reports its engines' pods within "
+                   "seconds: `kv-preflight index ingesters`)")
         return
-    click.echo(f"{'pod':<20} {'model':<24} {'E':>4} {'blocks':>8} {'seq':>10} {'age s':>8}  {'fleet':<26} index")
+    click.echo(f"{'pod':<20} {'model':<24} {'block':>5} {'blocks':>8} {'seq':>10} {'age s':>8}  {'fleet':<26} index")
     for p in pods:
         seq = ",".join(f"{r}:{s}" for r, s in sorted(p["seq"].items())) or "-"
         state = "INCOMPLETE: " + p["incomplete_reason"] if p["incomplete"] else "ok"
         if p.get("orphan_keys") != 0:  # the lookup walks this pod rather than bisecting it
             state += f" (orphan keys: {'unknown' if p.get('orphan_keys') is None else p['orphan_keys']})"
-        click.echo(f"{p['pod_id']:<20} {p['model']:<24} {p['engine_block_size'] or '-':>4} {p['blocks']:>8} "
+        click.echo(f"{p['pod_id']:<20} {p['model'] or '-':<24} {p['engine_block_size'] or '-':>5} {p['blocks']:>8} "
                    f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  "
                    f"{_fleet_cell(p.get('fleet')):<26} {state}")
+    click.echo(f"\n({POD_COLUMNS})")
 
 
 def _fleet_cell(fleet: dict | None) -> str:
@@ -146,7 +156,16 @@ def _fleet_cell(fleet: dict | None) -> str:
 
 
 def _with_fleet(rows: list[dict], view) -> list[dict]:
-    """Pod rows with their fleet record: state, since when, why, engine, owning ingester."""
+    """Pod rows with their fleet record: state, since when, why, engine, owning ingester. A pod with a record
+    and nothing indexed yet (its engine has cached nothing) gets a row too: `up` reported two engines and
+    `index pods` said "no pods in the index"."""
+    have = {row["pod_id"] for row in rows}
+    for pod, rec in sorted(view.pods.items()):
+        if pod not in have:
+            rows.append({"pod_id": pod, "model": (rec.models or [""])[0], "engine_block_size": rec.block_size or None,
+                         "blocks": 0, "seq": {}, "last_seq": {}, "last_event_age_s": None, "incomplete": False,
+                         "incomplete_reason": "", "orphan_keys": 0, "counters": {}})
+    rows.sort(key=lambda r: r["pod_id"])
     for row in rows:
         rec = view.pods.get(row["pod_id"])
         row["fleet"] = None if rec is None else {

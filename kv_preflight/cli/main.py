@@ -19,10 +19,25 @@ from kv_preflight.keys.chain import HAS_C_EXTENSION
 VERSION_MESSAGE = "%(prog)s, version %(version)s, C block-key routine: " + (
     "built" if HAS_C_EXTENSION else "not built (pure-Python fallback)")
 
+# Commands that start what they use (up: its own Valkey; bench: its own stack) or use no Valkey: the running
+# stack's <data-dir>/env is not theirs (up given another stack's Valkey would not start its own).
+OWN_STACK = frozenset({"up", "bench", "simulate", "keys", "calibrate"})
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kv-preflight", message=VERSION_MESSAGE)
-def cli() -> None:
-    """Predict prefix-cache hits of LLM engines from their KV-cache events."""
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Predict prefix-cache hits of LLM engines from their KV-cache events.
+
+    Every command but up, bench, simulate, keys and calibrate reaches the stack a running `kv-preflight up`
+    started with no flags: its Valkey and predictor URLs are read from <data-dir>/env (KVPF_DATA_DIR, else
+    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack-scriptsup).
+    """
+    if ctx.invoked_subcommand not in OWN_STACK and not ctx.resilient_parsing:
+        from kv_preflight.cli.stack_file import apply_defaults
+
+        apply_defaults()
 
 
 @cli.command()
@@ -70,6 +85,7 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--curve-allow", default=None, type=click.Path(exists=True), help="Publisher public keys a --bind socket admits: a directory of certificates, or a file of z85 keys, one per line.")
 @click.option("--engines-from", "engines_from", multiple=True, help="Discover engines: dns://NAME:PORT (every A/AAAA record of NAME is an engine at http://ADDRESS:PORT, e.g. a Kubernetes headless Service) or file://PATH (JSON list of URLs or {\"url\", \"pod\"}, or URLs one a line); followed as it changes. Discovered engines are named by their address (HOST:PORT). Repeatable.")
 @click.option("--copies", default=None, type=click.IntRange(min=1), help="Ingesters per engine, among the live ones sharing this Valkey (default 2).")
+@click.option("--private", is_flag=True, default=None, help="Ingest exactly the engines given here, outside the fleet: no lease, so other ingesters neither give it engines nor take its; no pod records, health or retirement; registered engines off unless --registered-engines (docs/fleet.md#a-private-ingester).")
 @click.option("--ingester-id", default=None, help="This ingester's name in the fleet (default HOST:PID:RANDOM).")
 @click.option("--lease-ttl", "lease_ttl_s", default=None, type=click.FloatRange(min=2), help="Seconds an ingester's lease lasts unrenewed; its engines are taken over after it (default 5).")
 @click.option("--membership-hold", "membership_hold_s", default=None, type=click.FloatRange(min=0), help="Seconds an engine must stay discovered (or gone) before it is ingested (or retired) (default 3).")
@@ -86,7 +102,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
-           target_ports=None, max_sources=None) -> None:
+           target_ports=None, private=None, max_sources=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from kv_preflight.ingester.main import run
 
@@ -100,7 +116,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           engines_from=engines_from, copies=copies, ingester_id=ingester_id, lease_ttl_s=lease_ttl_s,
                           membership_hold_s=membership_hold_s, retire_after_s=retire_after_s,
                           retired_retention_s=retired_retention_s, health_failures=health_failures,
-                          registered_engines=registered_engines,
+                          registered_engines=False if private and registered_engines is None else registered_engines,
+                          private=private,
                           lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
                           pod_id=pod_id, max_sources=max_sources,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
@@ -227,13 +244,9 @@ cli.add_command(explain)
 cli.add_command(diagnose_group)
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench(args: tuple[str, ...]) -> None:
-    """Benchmark every hot path against a straightforward baseline (bench --help: options)."""
-    from kv_preflight.cli.bench.__main__ import main as run_bench
+from kv_preflight.cli.bench.command import bench  # noqa: E402  (its run is imported when it starts)
 
-    run_bench(list(args))
+cli.add_command(bench)
 
 
 @cli.command()

@@ -11,11 +11,14 @@ process starts, and every wait below has a deadline.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ from pathlib import Path
 import click
 import httpx
 
+from kv_preflight.cli import stack_file
 from kv_preflight.cli.valkey_cluster import ValkeyCluster
 from kv_preflight import parent_death
 from kv_preflight.config import Config, parse_model_urls
@@ -94,6 +98,60 @@ def prepare_data_dir(data_dir: Path) -> None:
             raise PermissionError(errno.EACCES, "not writable")
     except OSError as exc:
         raise click.BadParameter(f"{data_dir}: {exc.strerror or exc}", param_hint="'--data-dir'") from None
+
+
+def check_port(port: int, what: str, flag: str) -> None:
+    """Refused before anything starts (a busy predictor port was found only once Valkey, engines and
+    ingesters were up, ~10 s later): bound and let go at once, as the child will bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as uvicorn binds: a port whose last connections linger in TIME_WAIT (up run again at once) is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise click.BadParameter(f"port {port} for the {what} is not free on 127.0.0.1 ({exc.strerror}); stop "
+                                     f"what holds it or choose another", param_hint=f"'{flag}'") from None
+
+
+def check_engines(urls: list[str], timeout_s: float = 5.0) -> None:
+    """Each --engine asked for its KV-event publishers, as the ingesters will ask it, before anything starts:
+    one that cannot answer is named with the cause in one line (it used to cost 30 s and a message that named
+    neither the engine nor why)."""
+    from kv_preflight.ingester.discovery import DISCOVERABLE, discover
+
+    async def ask(url: str) -> str:
+        try:
+            await discover(url, timeout_s=timeout_s)
+        except httpx.ConnectError as exc:
+            return f"cannot connect ({exc or 'connection refused'}): is the engine running, and is this its HTTP port?"
+        except httpx.TimeoutException:
+            return f"no answer within {timeout_s:g}s"
+        except httpx.HTTPStatusError as exc:
+            return (f"{exc.request.url.path} answered {exc.response.status_code}: not an engine kv-preflight can read "
+                    f"its KV-event publishers from (vLLM: {DISCOVERABLE[0].discovery_path}; docs/engines.md)")
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    async def ask_all() -> list[str]:
+        return list(await asyncio.gather(*(ask(u) for u in urls)))
+
+    problems = [f"engine {u}: {why}" for u, why in zip(urls, asyncio.run(ask_all())) if why]
+    if problems:
+        raise click.BadParameter("; ".join(problems), param_hint="'--engine'")
+
+
+def fresh_start(data_dir: Path) -> list[Path]:
+    """``--fresh``: the index up's Valkey kept (single node and cluster AOF, cluster config) removed, logs too;
+    nothing else in the data directory is touched. Returns what was removed."""
+    gone = []
+    for name in ("valkey", "valkey-cluster", "logs"):
+        path = data_dir / name
+        if path.exists():
+            shutil.rmtree(path)
+            gone.append(path)
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return gone
 
 
 def last_error(log: Path) -> str:
@@ -200,9 +258,14 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
 @click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
+@click.option("--fresh", is_flag=True, help="Start from an empty index: remove the Valkey data (AOF) and logs an earlier up left in --data-dir.")
 def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
-       sim_blocks, demo, exit_after_demo, **serve_options) -> None:
-    """Run Valkey, engines (simulated unless given), ingesters and the predictor together."""
+       sim_blocks, demo, exit_after_demo, fresh=False, **serve_options) -> None:
+    """Run Valkey, engines (simulated unless given), ingesters and the predictor together.
+
+    Once ready it writes <data-dir>/env (KVPF_VALKEY_URL, KVPF_PREDICTOR_URL) which every other command
+    run from here reads, and holds <data-dir>/up.lock so no second up shares the directory.
+    """
     stack = Stack(data_dir)
     n = 5
     rc = 0
@@ -211,7 +274,24 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                     engine_urls=parse_model_urls(engine_urls) if engine_urls else None)
     except ValueError as exc:  # checked here: a child would only fail with it once the stack is half up
         raise click.UsageError(str(exc)) from None
+    if fresh and valkey_url:
+        raise click.UsageError("--fresh empties the Valkey up starts, not one given with --valkey-url (clear that one "
+                               "with `kv-preflight index clear --pod P`, or FLUSHALL it yourself)")
     prepare_data_dir(data_dir)
+    # Before anything starts, in this order: the directory is ours, the ports are free, the engines answer.
+    predictor = f"http://127.0.0.1:{port}"
+    try:
+        lock = stack_file.DataDirLock(data_dir).acquire(f"predictor {predictor}")
+    except stack_file.DataDirInUse as exc:
+        raise click.BadParameter(f"{data_dir} is in use by {exc}; stop it (Ctrl-C) or give another --data-dir",
+                                 param_hint="'--data-dir'") from None
+    check_port(port, "predictor", "--port")
+    if engines:
+        check_engines(list(engines))
+    if fresh:
+        gone = fresh_start(data_dir)
+        click.echo(f"--fresh: removed {', '.join(str(p) for p in gone)}" if gone else
+                   f"--fresh: nothing to remove in {data_dir}")
     # SIGHUP too: the terminal closed, and the children, in sessions of their own, would not hear of it
     for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
@@ -227,6 +307,8 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
                 raise click.ClickException(str(exc)) from None
             valkey_url = stack.valkey.url
+            click.echo(f"      valkey: {valkey_url} (any node; the cluster's nodes are in "
+                       f"{data_dir / 'valkey-cluster' / 'cluster.json'})")
         else:
             step(1, n, f"starting valkey-server on loopback (AOF in {data_dir / 'valkey'}) ...")
             try:
@@ -270,16 +352,24 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             serve += ["--engine-url", u]
         serve += serve_args(serve_options)
         predictor_child = stack.spawn("predictor", serve)
-        predictor = f"http://127.0.0.1:{port}"
-        wait_http(predictor + "/health", stack, "predictor", predictor_child)
+        wait_http(predictor + "/ready", stack, "predictor", predictor_child)
         if not engine_urls:
             _wait_fleet(valkey_url, engine_list, stack)
         served_model = urls[0].split("=", 1)[0]
+        env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor})
         step(5, n, click.style("ready", fg="green"))
+        cli_path = Path(sys.executable).parent / "kv-preflight"
+        cli_hint = str(cli_path) if cli_path.exists() else "kv-preflight"
         click.echo(f"""
-  predictor  {predictor}   (GET /health, GET /stats, POST /v1/cache/predict)
+  predictor  {predictor}   (GET /health, GET /ready, GET /stats, POST /v1/cache/predict)
+  valkey     {valkey_url.split('@')[-1]}
   engines    {' '.join(engine_list)}
   logs       {data_dir / 'logs'}/
+  env        {env_file}   (every kv-preflight command run from {Path.cwd()} reads it; elsewhere, source it
+             or set KVPF_DATA_DIR={data_dir.resolve()})
+
+  export KVPF_VALKEY_URL={valkey_url} KVPF_PREDICTOR_URL={predictor}
+  the CLI:   {cli_hint} index stats   (not on PATH unless you `source {Path(sys.executable).parent / 'activate'}`)
 
   try:
     curl -s {predictor}/v1/cache/predict -H 'content-type: application/json' \\
@@ -312,7 +402,9 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     finally:
         for sig in STOP_SIGNALS:  # a second Ctrl-C must not cut the stop short
             signal.signal(sig, signal.SIG_IGN)
+        stack_file.remove(data_dir)  # first: no command reads a stack that is going
         stack.stop()
+        lock.release()
         # The handlers stay ignored until the process exits: a Ctrl-C pressed just after the stop (a
         # terminal sends one per key press) would otherwise end it with a KeyboardInterrupt traceback.
         click.echo("stopped.")
@@ -371,14 +463,16 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
 
     from kv_preflight.index.index import Index
 
+    reported: set[str] = set()
+
     async def ready() -> bool:
         ix = Index.from_url(valkey_url)
         try:
             view = await ix.fleet.fleet_view()
         finally:
             await ix.close()
-        urls = {r.engine_url for r in view.pods.values() if r.state == "live" and r.models}
-        return set(engine_list) <= urls
+        reported.update(r.engine_url for r in view.pods.values() if r.state == "live" and r.models)
+        return set(engine_list) <= reported
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -392,8 +486,19 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
         except Exception:  # Valkey busy or not answering yet: asked again
             pass
         time.sleep(0.3)
-    raise click.ClickException(f"the ingesters did not report every engine within {timeout_s:.0f}s (logs: "
-                               f"{stack.data_dir / 'logs'})")
+    missing = sorted(set(engine_list) - reported)
+    said = [ln for ln in _log_lines(stack.data_dir / "logs", "ingester-") if any(u in ln for u in missing)]
+    raise click.ClickException(
+        f"the ingesters did not report engine(s) {', '.join(missing) or '?'} within {timeout_s:.0f}s"
+        + (f"; their log says: {said[-1]}" if said else "") + f" (logs: {stack.data_dir / 'logs'})")
+
+
+def _log_lines(log_dir: Path, prefix: str) -> list[str]:
+    lines: list[str] = []
+    for log in sorted(log_dir.glob(prefix + "*.log")):
+        with contextlib.suppress(OSError):
+            lines += [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines
 
 
 def _served_models(engine_url: str) -> list[str]:

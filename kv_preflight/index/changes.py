@@ -33,12 +33,14 @@ def _one_to_one(c: KeyChange) -> bool:
 
 
 def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
-    """changes.lua's arguments for a plan's changes, in order: a block of one request key as one s or r op
-    (with its engine key's ZADD or ZREM when the plan has it beside), under the F op's field and bit."""
+    """changes.lua's arguments for a plan's changes, in order: blocks of one request key in runs of S or R ops
+    (each block with its engine key's ZADD or ZREM when the plan has it beside), under the F op's field and
+    bit."""
     n = num or 0
     own = mine(n)
     out: list[Any] = []
     reg: tuple[str, str] | None = None  # the F op's field and bit name, as last sent
+    run_at = -1  # where the count of the last S or R run is
     i, count = 0, len(changes)
     while i < count:
         c = changes[i]
@@ -63,11 +65,36 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
                 out += ["x", engine_key_name(c.ek), c.rks[0]] if len(c.rks) == 1 else \
                     ["X", engine_key_name(c.ek), len(c.rks), *c.rks]
             continue
+        op = "S" if c.entry > 0 else "R"
         if reg != (c.field, c.bit):
             reg = (c.field, c.bit)
             out += ["F", c.field, c.bit, own]
-        out += ["s" if c.entry > 0 else "r", c.rk, presence_key(c.rk), ek_key]
+        elif run_at >= 0 and out[run_at - 1] == op and run_at + 1 + 3 * out[run_at] == len(out):
+            out[run_at] += 1  # the block joins the run just before it
+            out += [c.rk, presence_key(c.rk), ek_key]
+            continue
+        run_at = len(out) + 1
+        out += [op, 1, c.rk, presence_key(c.rk), ek_key]
     return out
 
 
-__all__ = ["change_args", "key_ops", "mine"]
+# How many arguments each changes.lua op takes, its name included (S, R, Z and X: by their count)
+_ARITY = {"E": 3, "e": 3, "B": 4, "b": 4, "F": 4, "K": 9, "z": 3, "x": 3, "q": 3}
+
+
+def lua_op_count(args: Sequence[Any]) -> int:
+    """How many changes.lua ops a flat argument list holds (the script numbers them, e.g. a moved op)."""
+    i = n = 0
+    while i < len(args):
+        op = args[i]
+        if op in _ARITY:
+            i += _ARITY[op]
+        elif op in ("S", "R"):
+            i += 2 + 3 * int(args[i + 1])
+        else:  # Z, X
+            i += 3 + int(args[i + 2])
+        n += 1
+    return n
+
+
+__all__ = ["change_args", "key_ops", "lua_op_count", "mine"]

@@ -536,6 +536,20 @@ class Index:
             self._registered.pop(pod_id, None)
         return held
 
+    async def reset_pod(self, pod_id: str) -> int:
+        """The pod as a new engine starts it: entries cleared, seqs dropped, not incomplete. For a pod id
+        published by another engine (a restarted stack) or rebuilt from its engine's seq 0: whatever its
+        history (retired, flagged), what follows is judged from seq 0, so a gap is still seen and flagged.
+        A pod with no seq cannot be reset through its seq (the engine never published), so its flag is
+        cleared directly. Returns blocks removed."""
+        held = await self.clear_pod(pod_id)
+        info = await self.pod_info(pod_id)
+        for rank, last in sorted(info.seqs.items()):
+            await self.reset_if_seq(pod_id, int(rank), last)  # the first drops every rank's seq, flags cleared
+        if (await self.pod_info(pod_id)).incomplete:
+            await self.mark_complete(pod_id)
+        return held
+
     async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
         """Set a pod's persisted seqs (index import): the next live batch is then judged against them."""
         if seqs:

@@ -55,6 +55,14 @@ LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``ren
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
 
 
+def _given_here(spec: EngineSpec) -> str:
+    if spec.origin == "engine":
+        return "--engine here"
+    if spec.origin == "registered":
+        return "registered through the remote-indexer API"
+    return f"discovered here by {spec.origin}"
+
+
 def default_ingester_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -195,8 +203,8 @@ class FleetMember:
         is alive but slow: the watchdog says so)."""
         while True:
             await asyncio.sleep(LEASE_RENEW_S)
-            if self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
-                continue  # the first round puts the first lease; a round that just renewed it is enough
+            if self.cfg.private or self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
+                continue  # no lease (private); the first round puts the first; one just renewed is enough
             try:
                 async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
                     await self.renew()
@@ -223,38 +231,43 @@ class FleetMember:
             known = {s.key: s for s in self.static}
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
             self.known = known
-            self._step("renewing the lease")
-            await self.index.fleet.put_lease(self.me, self._lease(now_ms))
-            self.renewed_at = time.monotonic()
+            private = self.cfg.private
+            if not private:  # a private ingester holds no lease: nobody hands it engines, nor counts on it
+                self._step("renewing the lease")
+                await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+                self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
             forgotten = await self.index.fleet.forgotten()
         await self._let_go_of_forgotten(forgotten)
-        live = view.live_ingesters()
+        live = {} if private else view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
                 if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]
-        if dead:
+        if dead and not private:
             self._step("dropping expired leases")
             await self.index.fleet.drop_leases(dead)
         fleet_known = dict(known)
-        for lease in live.values():
+        origin = {k: _given_here(s) for k, s in known.items()}  # engine key -> where this ingester learnt of it
+        for ingester, lease in sorted(live.items()):
             for raw in lease.known:
                 try:
                     spec = msgspec.convert(raw, EngineSpec)
                 except msgspec.ValidationError:
                     continue
-                if spec.key:
-                    fleet_known.setdefault(spec.key, spec)
+                if spec.key and spec.key not in fleet_known:
+                    fleet_known[spec.key] = spec
+                    origin[spec.key] = f"from ingester {ingester}'s list"
         if self.ticks == 1 and set(live) - {self.me}:
             return  # others are about: take a share once they have seen our lease too (no start-up churn)
         self.owners = balanced_owners(fleet_known, self.live, self.cfg.copies)
         mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k] and s.pod not in forgotten}
         share = (len(mine), len(fleet_known), len(self.live))
-        if share != self.share:  # an ingester given no engine is idle, not stuck: say which
+        if share != self.share:  # an ingester given no engine is idle, not stuck: say which, and from where
             self.share = share
-            log.info("share: %d of %d engine(s) ingested here, %d live ingester(s), --copies %d", *share,
-                     self.cfg.copies)
+            log.info("share: %d of %d engine(s) ingested here, %d live ingester(s), --copies %d%s", *share,
+                     self.cfg.copies, (": " + "; ".join(f"{k} ({origin.get(k, '?')})" for k in sorted(mine)))
+                     if mine else "")
         for key in sorted(set(self.attached) - set(mine)):
             self._step(f"letting go of {key}")
             await self._detach(key, "owned by other ingesters now" if key in fleet_known else "left discovery")
@@ -262,6 +275,8 @@ class FleetMember:
             if key not in self.attached:
                 self._step(f"attaching {key}")
                 await self._attach(spec, view.pods, fleet_known, now)
+        if private:  # pod records, health, load and retirement are the fleet's
+            return
         for key, att in sorted(self.attached.items()):
             if att.spec.url and self.owners.get(key, [""])[0] == self.me:
                 self._step(f"watching {key}")
@@ -373,7 +388,8 @@ class FleetMember:
                 return
         else:  # registered by its ZMQ source
             found = [Source(endpoint=spec.source, replay=spec.replay or None)]
-        await self._take_over_moved(spec, found, records, fleet_known)
+        if not self.cfg.private:  # a private ingester leaves the fleet's records alone
+            await self._take_over_moved(spec, found, records, fleet_known)
         try:
             pods = await self.ing.attach_engine(spec, found)
         except Exception as exc:  # noqa: BLE001 - whatever one engine's sockets do, it is that engine's fault alone
@@ -408,10 +424,13 @@ class FleetMember:
                 continue
             new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
             if await self.index.fleet.replace_pod_record(pod, rec, new) or rec.state == "retired":
-                cleared = await self.index.clear_pod(pod)
+                # A new engine: the pod starts as it does (no seq, not incomplete), and is replayed from its
+                # seq 0. Clearing the entries alone kept the old seq and the retirement flag, so the pod read
+                # incomplete for good (and a new engine further on than the old seq would skip its start).
+                cleared = await self.index.reset_pod(pod)
                 await self.index.fleet.put_pod_records({pod: new})
-                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared", pod,
-                            spec.url, rec.engine_url, cleared)
+                log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared, starts "
+                            "from the new engine's seq 0", pod, spec.url, rec.engine_url, cleared)
 
     def _attach_failed(self, spec: EngineSpec, retry: _Retry, now: float, exc: BaseException) -> None:
         """An engine whose sources could not be subscribed (an address in use, an endpoint libzmq refuses,

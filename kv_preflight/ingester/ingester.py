@@ -354,6 +354,23 @@ async def check_settings(ing: Ingester) -> None:
                             "another Valkey")
 
 
+def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
+    """What this ingester is about to do, and with whom: a one-off `ingest --engine X` against a fleet's
+    Valkey used to take a share of the fleet's engines while its log said "ingesting from 0 source(s)"."""
+    where = cfg.valkey_url.split("@")[-1] + (" (Valkey Cluster)" if cluster else "")
+    given = [*(f"--engine {u}" for u in cfg.engines), *(f"--engines-from {s}" for s in cfg.engines_from)]
+    own = ", ".join(given) or "no engine"
+    socks = f"; {sockets} --source/--bind socket(s), ingested here alone" if sockets else ""
+    if cfg.private:
+        return (f"private ingester into {where}: ingests {own}{socks}, outside the fleet (no lease, no pod records, "
+                "health or retirement; other ingesters neither give it engines nor take its)")
+    registered = " and the engines registered through the remote-indexer API" if cfg.registered_engines else ""
+    return (f"joining the fleet of ingesters sharing {where}: given {own}{registered}{socks}; every live "
+            f"ingester's engines are shared among them (--copies {cfg.copies} each), so this one may ingest "
+            "engines others were given and they may take its (`share:` lines say which); --private ingests only "
+            "its own, outside the fleet (docs/fleet.md)")
+
+
 async def run_ingester(cfg: Config) -> None:
     ing = await Ingester.create(cfg)
     loop = asyncio.get_running_loop()
@@ -371,8 +388,7 @@ async def run_ingester(cfg: Config) -> None:
         log.warning("Valkey's maxmemory-policy is %s: at maxmemory it evicts index keys (an entry, a pod's state, "
                     "a presence bitmap) and predictions go wrong silently; run noeviction (docs/operations.md)",
                     policy)
-    log.info("ingesting from %d source(s) into %s%s", len(ing.sources), cfg.valkey_url.split("@")[-1],
-             " (Valkey Cluster)" if ing.index.cluster else "")
+    log.info("%s", start_line(cfg, len(ing.sources), ing.index.cluster))
     metrics_server = None
     if cfg.metrics_port:
         metrics_server = ing.metrics.serve(cfg.metrics_port, cfg.metrics_host)
@@ -383,4 +399,5 @@ async def run_ingester(cfg: Config) -> None:
         if metrics_server is not None:
             metrics_server.shutdown()
         await ing.index.close()
-        log.info("stopped: %s", dict(ing.counters.counts))
+        counts = {k: v for k, v in ing.counters.counts.items() if v}
+        log.info("stopped: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing was applied")

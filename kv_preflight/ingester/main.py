@@ -23,6 +23,7 @@ def run(cfg: Config) -> int:
     except KeyboardInterrupt:
         pass
     except Exception as exc:
-        logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc)
+        # an exception that reaches here is a bug: its traceback is what a report needs
+        logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc, exc_info=True)
         return 1
     return 0

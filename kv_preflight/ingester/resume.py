@@ -195,11 +195,12 @@ class Resume:
             return False
         frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s)
         seqs = sorted(f.seq for f in frames if f.seq is not None and f.batch is not None)
-        if not complete or not seqs or seqs[0] != 0 or seqs != list(range(len(seqs))):
+        # complete and empty: the engine has published nothing (restarted meanwhile), its history is empty too
+        if not complete or seqs != list(range(len(seqs))):
             return False
-        info = await self.valkey.call(self.index.pod_info, pod)
-        for rank, last in info.seqs.items():
-            await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)  # clears, seq back to none
+        # the engine's whole history is here: the pod starts as it does (a pod that never had a seq, retired
+        # and flagged, is not left flagged: there is no seq to reset it by)
+        await self.valkey.call(self.index.reset_pod, pod)
         self.applier.forget_chains()
         for f in frames:
             if f.batch is not None and f.seq is not None:

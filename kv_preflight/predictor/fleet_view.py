@@ -90,6 +90,16 @@ class FleetWatcher:
         """Pods with a fleet record that are not retired."""
         return frozenset(self.view.offered()) if self.view else frozenset()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the records were read at least once: until then no pod or model is known."""
+        return self.view is not None
+
+    def models(self) -> frozenset[str]:
+        """Every model a pod's record lists, retired pods aside."""
+        retired = self.retired()
+        return frozenset(m for p, ms in self._models.items() if p not in retired for m in ms)
+
     def retired(self) -> frozenset[str]:
         if self.view is None:
             return frozenset()

@@ -16,7 +16,9 @@ from typing import Any
 
 import msgspec
 
-from kv_preflight.predictor.http.errors import BadRequest, IndexUnavailable, NotFound, UnknownModel, clip
+from kv_preflight.predictor.explain.findings import Finding
+from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotFound, NotReady,
+                                                UnknownModel, clip)
 from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
@@ -111,7 +113,8 @@ class Predictor:
     async def predict(self, req: PredictRequest) -> Prediction:
         model, keys, n_tokens, head = await self._request_keys(req)
         prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(prediction, warnings=self._warn(req, model, head))
+        warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods)
+        return msgspec.structs.replace(prediction, warnings=warnings)
 
     def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
         return self.warnings.check(model, head, chat=req.prompt is None)
@@ -141,7 +144,24 @@ class Predictor:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
         prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(prediction, warnings=self.warnings.check_keyed(req))
+        warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods)
+        return msgspec.structs.replace(prediction, warnings=warnings)
+
+    async def _pods_warnings(self, pods: list[str] | None) -> list[Finding]:
+        """A predict whose pods filter names a pod nobody knows (a typo, a pod not reported yet) or a retired
+        one answers, but says so: 0 cached tokens for it would read as "not cached". (A route refuses them.)"""
+        if not pods:
+            return []
+        unknown, gone = await self._pods_not_known(pods)
+        out = []
+        if unknown:
+            out.append(Finding("unknown_pod", None, clip(
+                "the pods filter names " + _names(unknown) + ": not in the index, the fleet records or "
+                "--pod-metrics, so counted as holding nothing (a typo, or a pod no ingester has reported yet?)")))
+        if gone:
+            out.append(Finding("retired_pod", None, clip(
+                "the pods filter names retired pod(s) " + _names(gone) + ": never offered, counted as holding nothing")))
+        return out
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
         matches: list[Any] = []
@@ -303,9 +323,8 @@ class Predictor:
             return self.fleet.load(pod, self.policy.stale_s)
         return own
 
-    async def _check_pods_filter(self, pods: list[str]) -> None:
-        """A route must name a pod that exists: one the index, the fleet records or --pod-metrics know,
-        and not retired (else ``"pods": ["nope"]`` would answer ``pod_id: "nope"``)."""
+    async def _pods_not_known(self, pods: list[str]) -> tuple[list[str], list[str]]:
+        """(unknown, retired) pods of a filter: unknown to the index, the fleet records and --pod-metrics."""
         retired = self.fleet.retired() if self.fleet else frozenset()
         known: set[str] = set(self.fleet.known()) if self.fleet else set()
         if self.load is not None:
@@ -314,20 +333,28 @@ class Predictor:
         if wanted - known - retired:
             async with valkey_call(self.valkey_deadline_s, "known pods"):
                 known |= await self.metadata.all_pods()
-        gone = sorted(wanted & retired)
-        unknown = sorted(wanted - known - retired)
+            if self._aliases:
+                known |= set(self._aliases)
+        return sorted(wanted - known - retired), sorted(wanted & retired)
+
+    async def _check_pods_filter(self, pods: list[str]) -> None:
+        """A route must name a pod that exists: one the index, the fleet records or --pod-metrics know,
+        and not retired (else ``"pods": ["nope"]`` would answer ``pod_id: "nope"``)."""
+        unknown, gone = await self._pods_not_known(pods)
         if gone or unknown:
             parts = []
             if unknown:
-                parts.append("unknown pods (not in the index, the fleet records or --pod-metrics): "
-                             + ", ".join(repr(p) for p in unknown[:10]) + (" ..." if len(unknown) > 10 else ""))
+                parts.append("unknown pods (not in the index, the fleet records or --pod-metrics): " + _names(unknown))
             if gone:
-                parts.append("retired pods: " + ", ".join(repr(p) for p in gone[:10])
-                             + (" ..." if len(gone) > 10 else ""))
+                parts.append("retired pods: " + _names(gone))
             raise BadRequest(clip("the pods filter names " + "; ".join(parts)))
 
     async def _check_model(self, model: str, *, need_engine: bool) -> None:
-        """Known = has an engine URL or a local tokenizer, or pods in the index serve it; prompts need a tokenizer."""
+        """Known = has an engine URL or a local tokenizer, or pods in the index serve it; prompts need a tokenizer.
+
+        What the client cannot fix is a 503 (retryable): the fleet records not read yet, no pod of any model
+        reported yet, no engine of a known model reachable to tokenize. An unknown model, while others are
+        known, is the client's (a 400 that lists them)."""
         if self.tokenization.can_tokenize(model):
             return
         try:
@@ -341,17 +368,47 @@ class Predictor:
             known = True
         if not known and self.fleet is not None:
             known = bool(self.fleet.serving(model))
+        if (not known or need_engine) and self.fleet is not None and not self.fleet.ready:
+            raise NotReady(f"not ready: this predictor has not read the fleet records yet, so it cannot tell "
+                           f"whether {clip(repr(model))} is served, nor by which engine "
+                           f"({self.fleet.failing or 'reading them'}); retry shortly (GET /ready says when)")
         if not known:
-            configured = ", ".join(sorted(self.tokenizer.engine_urls)) or "none"
-            raise UnknownModel(
-                f"unknown model {clip(repr(model))}: no --engine-url for it (configured: {clip(configured)}) "
-                "and no pod in the index serves it"
-            )
+            models = await self._known_models()
+            if not models:
+                raise NotReady(
+                    f"not ready: no ingester has reported a pod of any model yet, so {clip(repr(model))} cannot be "
+                    "told from a typo; retry once the ingesters have read their engines (`kv-preflight index pods` "
+                    "lists what they reported)")
+            raise UnknownModel(unknown_model_message(model, models))
         if need_engine:
-            raise BadRequest(
-                f"cannot tokenize for model {clip(repr(model))}: no --engine-url or --tokenizer configured for it "
-                "and no live pod's fleet record gives an engine URL for it; send token_ids instead"
+            raise EngineUnavailable(
+                f"cannot tokenize for model {clip(repr(model))}: no engine of it answers /tokenize now (no live "
+                "pod's fleet record gives one: its engines are down, unreachable, or not reported yet) and no "
+                f"--engine-url or --tokenizer is configured for it; retry, give serve --tokenizer {clip(model)}=DIR, "
+                "or send token_ids"
             )
+
+    async def _known_models(self) -> list[str]:
+        """Models the index or the fleet records know, plus those configured (--engine-url, --tokenizer)."""
+        models = set(self.tokenizer.engine_urls) | set(self.tokenization.models)
+        if self.fleet is not None:
+            models |= self.fleet.models()
+        try:
+            async with valkey_call(self.valkey_deadline_s, "known models"):
+                models |= await self.metadata.known_models()
+        except IndexUnavailable:
+            pass
+        return sorted(models)
+
+    async def ready(self) -> tuple[bool, str]:
+        """Ready to answer: Valkey answers and the fleet records were read (a model is judged by them)."""
+        ok, why = await self.healthy()
+        if not ok:
+            return False, why
+        if self.fleet is not None and not self.fleet.ready:
+            return False, "the fleet records have not been read yet" + (
+                f" ({self.fleet.failing})" if self.fleet.failing else "")
+        return True, ""
 
     async def healthy(self) -> tuple[bool, str]:
         try:
@@ -411,6 +468,24 @@ class Predictor:
         await self.tokenizer.aclose()
         if self.owns_index:
             await self.index.close()
+
+
+def _names(pods: list[str], limit: int = 10) -> str:
+    return ", ".join(repr(p) for p in pods[:limit]) + (" ..." if len(pods) > limit else "")
+
+
+def unknown_model_message(model: str, known: list[str]) -> str:
+    """Names the cause (no ingester reported a pod of it), lists the known models and, when one is near
+    (case-insensitively: "Tiny" for "tiny"), asks if that was meant."""
+    import difflib
+
+    lowered = {m.lower(): m for m in known}
+    near = [lowered[model.lower()]] if model.lower() in lowered else [
+        lowered[m] for m in difflib.get_close_matches(model.lower(), list(lowered), n=1, cutoff=0.6)]
+    shown = ", ".join(repr(m) for m in known[:20]) + (f" ... ({len(known)} in all)" if len(known) > 20 else "")
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (f"unknown model {clip(repr(model))}: no ingester has reported a pod of this model yet, and no "
+            f"--engine-url or --tokenizer names it (known models: {clip(shown)}){hint}")
 
 
 def prefix_placements(cfg: Config) -> PrefixPlacements | None:

@@ -60,26 +60,35 @@ def refusal(problems: list[str]) -> str:
             "written with yours")
 
 
-async def read_index_settings(index: Index, timeout_s: float) -> IndexSettings | None:
-    """The index's settings; None when it has none, or when Valkey cannot be read now (logged)."""
+async def read_index_settings(index: Index, timeout_s: float, *, quiet: bool = False) -> IndexSettings | None:
+    """The index's settings; None when it has none, or when Valkey cannot be read now (logged unless quiet)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await index.fleet.settings()
     except (TimeoutError, ValueError, *VALKEY_ERRORS) as exc:
-        log.warning("index settings not read now (serving with this predictor's own): %s: %s",
-                    type(exc).__name__, exc)
+        if not quiet:
+            log.warning("index settings not read now (serving with this predictor's own): %s: %s",
+                        type(exc).__name__, exc)
         return None
 
 
 async def check_settings(cfg: Config) -> None:
     """For ``serve`` before any worker starts: SettingsMismatch (its message one line) when the index's
-    settings disagree with what was given; each worker's start-up then adopts the rest (predictor/http/app.py)."""
-    index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
-                           cluster=cfg.cluster_mode())
+    settings disagree with what was given; each worker's start-up then adopts the rest (predictor/http/app.py).
+    Quiet about a Valkey it cannot reach: every worker's start-up says so in the log, and saying it here too
+    printed each warning twice (once bare on stderr, before logging was set up)."""
+    probe_log = logging.getLogger("kvpf.index")
+    level = probe_log.level
+    probe_log.setLevel(logging.ERROR)  # "did not answer; taking it for a single node": the workers say it
     try:
-        found = await read_index_settings(index, 2 * cfg.valkey_timeout_s)
+        index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
+                               cluster=cfg.cluster_mode())
+        try:
+            found = await read_index_settings(index, 2 * cfg.valkey_timeout_s, quiet=True)
+        finally:
+            await index.close()
     finally:
-        await index.close()
+        probe_log.setLevel(level)
     _, _, problems = reconcile(cfg, found)
     if problems:
         raise SettingsMismatch(refusal(problems))

@@ -37,7 +37,7 @@ def test_bodies_file_round_trip(tmp_path):
 
 def test_quick_bench_rows_and_checks(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "keys,ingest", "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "keys,ingest", "--json-file", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(out.read_text())

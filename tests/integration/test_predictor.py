@@ -140,6 +140,7 @@ async def make_client(valkey_url, engine):
     async def make(**overrides) -> httpx.AsyncClient:
         fields = {"valkey_url": valkey_url, "engine_urls": {MODEL: engine.url}, "block_size": C} | overrides
         app = create_app(Config(**fields))
+        await app.state.predictor.fleet.read_once()  # as the lifespan does before serving (not run here)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://predictor")
         made.append((app, client))
         return client
@@ -309,9 +310,9 @@ async def test_unknown_model(client, writer):
     assert r.json()["error"].startswith("unknown model 'nope'")
     r = await client.post(PREDICT, json={"model": "nope", "prompt": "hello"})
     assert r.status_code == 400 and "unknown model" in r.json()["error"]
-    # known from the index, but prompts need the engine to tokenize
+    # known from the index, but prompts need an engine to tokenize and none answers: the server's, a 503
     r = await client.post(PREDICT, json={"model": "my-adapter", "prompt": "hello"})
-    assert r.status_code == 400
+    assert r.status_code == 503
     assert "no --engine-url" in r.json()["error"] and "token_ids" in r.json()["error"]
 
 

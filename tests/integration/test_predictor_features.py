@@ -287,7 +287,8 @@ async def test_api_keys(valkey_url, tmp_path, caplog, monkeypatch):
         assert (await client.get("/metrics")).status_code == 401
         for key in ("file-key-123", "env-key-456"):
             r = await client.post("/v1/cache/predict", json=body, headers={"Authorization": f"Bearer {key}"})
-            assert r.status_code == 400 and "unknown model" in r.json()["error"]  # past auth
+            # past auth: an empty index knows no model yet, so not ready (503)
+            assert r.status_code == 503 and "no ingester has reported" in r.json()["error"]
         r = await client.post("/v1/cache/predict", json=body, headers={"Authorization": "Bearer file-key-12"})
         assert r.status_code == 401
         text = (await client.get("/metrics", headers={"Authorization": "Bearer env-key-456"})).text

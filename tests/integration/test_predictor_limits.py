@@ -75,6 +75,7 @@ async def make_client(valkey_url):
 
     async def make(**overrides) -> httpx.AsyncClient:
         app = create_app(Config(**({"valkey_url": valkey_url, "block_size": 16} | overrides)))
+        await app.state.predictor.fleet.read_once()  # as the lifespan does before serving (not run here)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://predictor")
         made.append((app, client))
         return client
@@ -162,7 +163,7 @@ async def test_deeply_nested_json_is_a_400(make_client, writer, where, path):
 
 @pytest.mark.anyio
 async def test_a_5mb_model_name_is_not_echoed_whole(make_client):
-    client = await make_client()
+    client = await make_client(engine_urls={"known": "http://127.0.0.1:9"})  # a model known: "unknown" is a 400
     name = "m" * (5 * 1024 * 1024)
     r = await client.post(PREDICT, json={"model": name, "token_ids": [1, 2, 3]})
     assert r.status_code == 400

@@ -172,3 +172,63 @@ def test_cluster_profile(stack):
         if cmd in ("ingest", "serve"):
             dep = svc["depends_on"]["valkey-cluster-init"]
             assert dep == {"condition": "service_completed_successfully", "required": False}, name
+
+
+def _env_file(name: str) -> dict[str, str]:
+    out = {}
+    for line in (COMPOSE / name).read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def with_env(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation with ``env`` (an --env-file's values), defaults for the rest."""
+    text = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
+    return text.replace("$$", "$")
+
+
+def test_the_cluster_env_starts_no_single_node_and_nothing_waits_for_one():
+    """Issue 27, finding 11: with compose/cluster.env the single-node `valkey` still started, and every
+    service waited for it."""
+    env = _env_file("cluster.env")
+    cluster = yaml.safe_load(with_env((COMPOSE / "docker-compose.yml").read_text(), env))
+    assert int(cluster["services"]["valkey"]["scale"]) == 0
+    single = yaml.safe_load(with_defaults((COMPOSE / "docker-compose.yml").read_text()))
+    assert int(single["services"]["valkey"]["scale"]) == 1
+    for name, svc in cluster["services"].items():
+        dep = (svc.get("depends_on") or {}).get("valkey")
+        assert dep is None or dep.get("required") is False, f"{name} waits for the single node"
+    assert env["KVPF_VALKEY_URL"].startswith("redis://valkey-c")
+    assert "cluster" in env["COMPOSE_PROFILES"]
+
+
+def test_env_example_shows_the_current_defaults():
+    """Finding 11: the example showed KVPF_ROUTE_OVERLOAD_ABS=4 after the default became 6."""
+    import dataclasses
+
+    from kv_preflight.config import Config
+
+    defaults = {f.name.upper(): f.default for f in dataclasses.fields(Config)}
+    checked = 0
+    for line in (COMPOSE / "kvpf.env.example").read_text().splitlines():
+        m = re.match(r"#\s*KVPF_(\w+)=(\S+)$", line.strip())
+        if not m or m.group(1) not in defaults:
+            continue
+        default = defaults[m.group(1)]
+        if isinstance(default, bool):
+            assert m.group(2).lower() in (("true", "1", "yes") if default else ("false", "0", "no")), line
+        elif isinstance(default, (int, float)):
+            assert float(m.group(2)) == float(default), f"{line}: the default is {default}"
+        else:
+            continue
+        checked += 1
+    assert checked >= 5
+
+
+def test_gpu_profile_pins_the_documented_vllm_and_the_stack_says_how_to_use_and_remove_it(stack):
+    image = stack["services"]["vllm-gpu"]["image"]
+    assert image == "vllm/vllm-openai:v0.32.0", image
+    header = (COMPOSE / "docker-compose.yml").read_text().split("name: kv-preflight", 1)[0]
+    assert "curl -s localhost:8080/v1/cache/predict" in header and "down -v" in header

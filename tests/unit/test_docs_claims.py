@@ -9,7 +9,7 @@ README = (REPO / "README.md").read_text()
 
 
 def test_bench_only_names_in_the_readme_are_the_valid_ones():
-    from kv_preflight.cli.bench.__main__ import ROWS
+    from kv_preflight.cli.bench.command import ROWS
 
     line = next(ln for ln in README.splitlines() if "kv-preflight bench [" in ln)
     assert re.search(r"--only ([a-z,]+)", line).group(1).split(",") == list(ROWS)

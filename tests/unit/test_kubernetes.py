@@ -158,7 +158,7 @@ def test_probes_and_scrape_annotations(rendered):
                 assert int(annotations["prometheus.io/port"]) in ports.values()
                 assert annotations["prometheus.io/path"] == "/metrics"
     predictor = by_kind(objs, "Deployment")["kv-preflight-predictor"]["spec"]["template"]["spec"]["containers"][0]
-    assert predictor["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert predictor["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
 def test_kv_preflight_pods_run_as_non_root(rendered):

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,http,scaling,cluster,fleet,route,warnings] [--json out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,http,scaling,cluster,fleet,route,warnings] [--json] [--json-file out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -10,7 +10,6 @@ stops, by pid. docs/benchmarks.md explains each row.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import click
 import redis
 
 from kv_preflight.cli.bench import loadgen
@@ -696,31 +696,17 @@ def _strip(d: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 
-ROWS = ("keys", "ingest", "memory", "http", "scaling", "cluster", "fleet", "route", "warnings")
-
-
-def parser() -> argparse.ArgumentParser:
-    """bench's options; each also reads KVPF_<NAME>, as every CLI option does (cli/env.py)."""
-    from kv_preflight.cli.env import env_default
-
-    ap = argparse.ArgumentParser(prog="kv-preflight bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", default=env_default("--quick", "") not in ("", "0", "false", "no", "off"),
-                    help="fewer requests and blocks: a smoke run, figures are noisier  [env KVPF_QUICK]")
-    ap.add_argument("--only", default=env_default("--only", "keys,ingest,http,scaling,cluster,fleet,warnings"),
-                    help=f"comma list of: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone)  [env KVPF_ONLY]")
-    ap.add_argument("--json", dest="json_out", default=env_default("--json", None),
-                    help="write every figure to this JSON file  [env KVPF_JSON]")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = parser()
-    a = ap.parse_args(argv)
-    only = {name.strip() for name in a.only.split(",") if name.strip()}
-    unknown = sorted(only - set(ROWS))
-    if unknown or not only:
-        ap.error(f"--only {a.only!r}: unknown {', '.join(unknown) or 'empty list'}; valid names: {', '.join(ROWS)}")
+    """``python -m kv_preflight.cli.bench``: the same command as ``kv-preflight bench`` (cli/bench/command.py)."""
+    from kv_preflight.cli.bench.command import bench
+    from kv_preflight.cli.env import apply_env
+
+    group = click.Group(commands=[bench])
+    apply_env(group)  # KVPF_<NAME>, as under kv-preflight
+    bench.main(args=argv, prog_name="kv-preflight bench")
+
+
+def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path | None = None) -> None:
     t0 = time.perf_counter()
     m = machine()
     m["cpu_probe_ms_start"] = cpu_probe()
@@ -740,22 +726,25 @@ def main(argv: list[str] | None = None) -> None:
         rc.close()
         try:
             if "keys" in only:
-                bench_keys(res, a.quick)
+                bench_keys(res, quick)
             if "ingest" in only or "memory" in only:
-                bench_ingest_memory(res, vk, a.quick, tmp)
+                bench_ingest_memory(res, vk, quick, tmp)
+            if "floor" in only:
+                from kv_preflight.cli.bench.floor import bench_floor
+                bench_floor(res, tmp, quick)
             if "http" in only or "scaling" in only:
-                bench_http(res, vk, a.quick, tmp, "scaling" in only)
+                bench_http(res, vk, quick, tmp, "scaling" in only)
             if "cluster" in only:
-                bench_cluster(res, vk, a.quick, tmp)
+                bench_cluster(res, vk, quick, tmp)
             if "warnings" in only:
                 from kv_preflight.cli.bench.warnings import bench_warnings
-                bench_warnings(res, a.quick, timeit)
+                bench_warnings(res, quick, timeit)
             if "fleet" in only:
-                bench_fleet(res, vk, a.quick, tmp)
+                bench_fleet(res, vk, quick, tmp)
             if "route" in only:
                 from kv_preflight.cli.bench.route import bench_route
 
-                bench_route(res, vk, a.quick, tmp)
+                bench_route(res, vk, quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()
@@ -766,9 +755,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{m['seconds']:.0f}s; load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f}; "
           f"CPU probe {m['cpu_probe_ms_start']:.1f} -> {m['cpu_probe_ms_end']:.1f} ms "
           "(other work on this machine, and its speed of the moment, skew every figure)")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"machine": m, "rows": res.rows, **res.extra,
-                                                "failed_checks": res.failed_checks}, indent=1, default=str))
+    doc = {"machine": m, "rows": res.rows, **res.extra, "failed_checks": res.failed_checks}
+    if json_file is not None:
+        json_file.write_text(json.dumps(doc, indent=1, default=str))
+    if as_json:
+        print(json.dumps(doc, default=str))
     if res.failed_checks:
         print("\nFAILED CHECKS:\n  " + "\n  ".join(res.failed_checks))
         sys.exit(1)

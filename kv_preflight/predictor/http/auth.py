@@ -1,4 +1,4 @@
-"""Optional API keys: ``Authorization: Bearer <key>`` on every route but ``/health``.
+"""Optional API keys: ``Authorization: Bearer <key>`` on every route but ``/health`` and ``/ready``.
 
 Checked in a pure ASGI middleware before any routing or body read, so a refused
 request costs almost nothing. The presented key is hashed once (SHA-256) and compared
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 _UNAUTHORIZED = b'{"error":"missing or invalid API key: send Authorization: Bearer <key>"}'
 
 

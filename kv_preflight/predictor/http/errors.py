@@ -79,5 +79,16 @@ class IndexUnavailable(PredictorError):
 
 
 class EngineUnavailable(PredictorError):
+    """No engine (or tokenizer service) could tokenize for the model: a dependency of the server, never the
+    client's mistake, so retryable (a router takes a 400 for its own bug)."""
+
     status = 503
     kind = "engine"
+
+
+class NotReady(PredictorError):
+    """The predictor cannot judge the request yet: it has not read the fleet records, or no ingester has
+    reported any pod. Retryable; ``GET /ready`` answers 503 meanwhile."""
+
+    status = 503
+    kind = "not_ready"

@@ -148,6 +148,10 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
             "/health": {"get": {"summary": "Liveness and Valkey reachability", "security": [], "responses": {
                 "200": {"description": "OK", "content": any_json},
                 "503": {"description": "Valkey unreachable", "content": any_json}}}},
+            "/ready": {"get": {"summary": "Readiness: Valkey answers and the fleet records were read", "security": [],
+                               "responses": {
+                "200": {"description": "Ready", "content": any_json},
+                "503": {"description": "Not ready yet (or Valkey unreachable); retry", "content": any_json}}}},
             "/stats": {"get": get_op("Index summary, a page of pods (or one pod), tokenization sources, engine load",
                                      any_json, (400, 404, 503), _STATS_PARAMETERS)},
             "/metrics": {"get": get_op("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},

@@ -1,0 +1,130 @@
+"""Where the local stack ``kv-preflight up`` runs, for every other command: ``<data-dir>/env`` and its lock.
+
+``up`` takes ``<data-dir>/up.lock`` (an exclusive ``flock``) before it starts anything, so two ``up``s never
+share one data directory (two valkey-servers appending to one AOF), and writes ``<data-dir>/env`` once the
+stack is ready: shell ``export`` lines for ``KVPF_VALKEY_URL`` and ``KVPF_PREDICTOR_URL``. Every other
+command reads that file (the data directory is ``KVPF_DATA_DIR``, else ``./.data``, as for ``up``) and takes
+its values as defaults below flags and the environment, so ``kv-preflight index stats`` or ``explain`` reach
+the stack with no flags. The file counts only while its ``up`` holds the lock: one left by a ``kill -9`` is
+ignored, as the kernel dropped the lock with the process.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv_preflight.config import ENV_PREFIX
+
+DATA_DIR = ".data"  # up's --data-dir default (relative to where it runs)
+ENV_FILE = "env"
+LOCK_FILE = "up.lock"
+# what the file sets; each is also what the options that take it read (cli/env.py)
+VALKEY_URL = ENV_PREFIX + "VALKEY_URL"
+PREDICTOR_URL = ENV_PREFIX + "PREDICTOR_URL"
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get(ENV_PREFIX + "DATA_DIR") or DATA_DIR)
+
+
+class DataDirInUse(Exception):
+    """Another ``up`` holds the data directory's lock."""
+
+
+@dataclass
+class DataDirLock:
+    """``<data-dir>/up.lock``, held for ``up``'s life. The kernel drops it when the process ends, however it
+    ends (kill -9 too), so it never needs cleaning up; the file holds the holder's pid and predictor, to
+    name it."""
+
+    data_dir: Path
+    fd: int = -1
+
+    def acquire(self, describe: str) -> "DataDirLock":
+        path = self.data_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise DataDirInUse(holder) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"kv-preflight up (pid {os.getpid()}, {describe})\n".encode())
+        os.set_inheritable(fd, False)  # the children must not hold it after up is gone
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def held(data_dir: Path) -> bool:
+    """Whether an ``up`` holds ``data_dir``'s lock now."""
+    try:
+        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def write(data_dir: Path, values: dict[str, str]) -> Path:
+    """``<data-dir>/env``: one ``export NAME=value`` line each, written whole (rename), so a reader never
+    sees half of it. ``source`` it in a shell, or let kv-preflight read it."""
+    path = data_dir / ENV_FILE
+    tmp = path.with_suffix(".tmp")
+    lines = [f"# written by kv-preflight up (pid {os.getpid()}) once ready; removed when it stops",
+             "# sourced in a shell, another `kv-preflight up` there would use this Valkey (KVPF_VALKEY_URL) too",
+             *(f"export {k}={shlex.quote(v)}" for k, v in values.items())]
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def remove(data_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        (data_dir / ENV_FILE).unlink()
+
+
+def read(data_dir: Path) -> dict[str, str]:
+    """The values of a running stack's file; empty when there is none, or its ``up`` is gone."""
+    path = data_dir / ENV_FILE
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    if not held(data_dir):
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            name, value = words[1].split("=", 1)
+            out[name] = value
+    return out
+
+
+def apply_defaults(environ: dict[str, str] | None = None) -> Path | None:
+    """The running stack's values as environment defaults (a variable set and non-empty wins); the file's
+    path when one was used."""
+    environ = os.environ if environ is None else environ  # type: ignore[assignment]
+    data_dir = default_data_dir()
+    values = read(data_dir)
+    used = False
+    for name, value in values.items():
+        if name.startswith(ENV_PREFIX) and not (environ.get(name) or "").strip():
+            environ[name] = value
+            used = True
+    return data_dir / ENV_FILE if used else None

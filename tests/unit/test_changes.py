@@ -1,0 +1,49 @@
+"""changes.lua's argument lists (index/changes.py): which ops a plan's changes become, and how many ops a
+list holds (a Valkey Cluster shard names a moved op by its position: the count must match the script's)."""
+from __future__ import annotations
+
+from kv_preflight.index.changes import change_args, key_ops, lua_op_count, mine
+from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+
+
+def test_mine_is_the_pods_bit_alone():
+    assert mine(0) == b"1:\x01"
+    assert mine(9) == b"1:\x00\x02"
+
+
+def test_a_block_of_one_key_is_one_register_and_one_store():
+    args = change_args([EngineAdd(7, (11,)), KeyChange(11, "f", 1, "0", 1)], 3)
+    assert args[0] == "F" and args[4:] == ["S", 1, 11, "kvpf:{11}", "engine:7"]
+    assert lua_op_count(args) == 2
+
+
+def test_blocks_in_a_row_are_one_run():
+    """A batch's stores (and its evictions) under one field and bit are one S (R) op: one op name and one
+    dispatch in the script per run, not per block."""
+    changes = [KeyChange(rk, "f", 1, "0", 1) for rk in (11, 12, 13)] + \
+              [KeyChange(rk, "f", -1, "0", -1) for rk in (11, 12)] + [KeyChange(14, "g", 1, "0", 1)]
+    args = change_args(changes, 3)
+    assert args[4:6] == ["S", 3] and args[15:17] == ["R", 2]
+    assert args[23:25] == ["F", "g"] and args[27:29] == ["S", 1]
+    assert lua_op_count(args) == 5
+
+
+def test_an_entry_and_its_bit_are_two_ops_for_the_script():
+    """A cluster shard runs an outbox K change as E and B: two positions in the script's count."""
+    args = key_ops(11, "f", 1, "0", 1, 3)
+    assert args[0] == "E" and args[3] == "B"
+    assert lua_op_count(args) == 2
+    assert lua_op_count(key_ops(11, "f", 1, "0", 0, 3)) == 1  # the general form
+    assert lua_op_count(key_ops(11, "f", -1, "", 0, 3)) == 1  # an entry with no bit
+
+
+def test_counts_ops_of_every_kind_and_length():
+    changes = [
+        EngineAdd(7, (11, 12)), KeyChange(11, "f", 1, "0", 1), KeyChange(12, "f", 1, "0", 1),
+        KeyChange(13, "g", -1, "0|1", -1), EngineDrop(8, (13,)),
+        KeyChange(14, "f", 1, "0", 0), EngineDrop(9, (15, 16, 17)),
+    ]
+    args = change_args(changes, 2)
+    # Z(2 keys), F, S(2 blocks), F, R (with the drop beside it), K, X(3 keys)
+    assert args[:3] == ["Z", "engine:7", 2] and args[5:11] == ["F", "f", "0", mine(2), "S", 2]
+    assert lua_op_count(args) == 7
