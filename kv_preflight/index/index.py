@@ -313,6 +313,8 @@ class Index:
 
         Each batch is planned against its pod's state (kv_preflight/index/writer.py); a plan another writer
         made stale meanwhile is planned again and sent again here, so callers only see the seq's answers."""
+        # listed before its first keys are written: no reader ever sees keys of a pod that no listing shows
+        await self._register_new(batches)
         preps = await self.plan_batches(batches)
         try:
             sent = await self.backend.send(preps)
@@ -356,7 +358,6 @@ class Index:
         else:
             stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
             raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
-        await self._register_new(batches, results)
         return results
 
     async def plan_batches(self, batches: Sequence[dict[str, Any]]) -> list[Prepared]:
@@ -403,17 +404,18 @@ class Index:
                     self._names_at = time.monotonic()
         return self._names
 
-    async def _register_new(self, batches: Sequence[dict[str, Any]], results: Sequence[ApplyResult]) -> None:
-        """Pods applied for the first time by this Index (or with a new model, or not written for
-        REGISTRY_REFRESH_S) go into the fleet registry: a separate write, since no per-batch step may touch
-        a fleet-wide key on a cluster. The cache never outlives what Valkey holds by more than that."""
+    async def _register_new(self, batches: Sequence[dict[str, Any]]) -> None:
+        """Pods this Index writes for the first time (or with a new model, or not written for
+        REGISTRY_REFRESH_S) go into the fleet registry, before their batch is sent: a separate write, since no
+        per-batch step may touch a fleet-wide key on a cluster. The cache never outlives what Valkey holds by
+        more than that; a pod's batch at seq 0 (a new engine, or a replay from the start after the index lost
+        it) always writes its row."""
         now = time.monotonic()
         new = {}
-        for b, r in zip(batches, results):
-            if r.status != "applied" or not b["model"]:
+        for b in batches:
+            if not b.get("model") or b.get("mode") == "clear":
                 continue
             had = self._registered.get(b["pod_id"])
-            # seq 0: a pod's first batch (a new engine, or a replay from the start after the index lost it)
             if had is None or had[0] != b["model"] or now - had[1] > REGISTRY_REFRESH_S or b.get("seq") == 0:
                 new[b["pod_id"]] = b["model"]
         if new:
