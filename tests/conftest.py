@@ -1,8 +1,17 @@
-"""Shared fixtures: a real valkey-server per test session, flushed before each test that asks for it."""
+"""Shared fixtures: a real valkey-server (and Valkey Cluster) per test session, flushed before each test that
+asks for it; and the two phases of scripts/test.
+
+With pytest-xdist every worker is a session of its own, so each has its own servers on its own ports
+(cluster nodes from a port range of its own). A test that cannot run beside another carries
+``@pytest.mark.serial(reason=...)``; ``--phase parallel`` deselects those, ``--phase serial`` keeps only them
+(scripts/test runs the first with ``-n``, the second without). Without ``--phase`` everything runs.
+"""
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +20,7 @@ import redis
 from kv_preflight.cli.valkey_server import ValkeyServer
 
 REPO = Path(__file__).resolve().parent.parent
+E2E = REPO / "tests" / "e2e"
 FIXTURES = Path(os.environ.get("KVPF_FIXTURES", REPO.parent / "shared" / "fixtures"))
 BUNDLED_FIXTURES = REPO / "tests" / "fixtures"
 
@@ -19,6 +29,63 @@ def fixture_path(name: str) -> Path:
     """Fixtures are vendored under tests/fixtures so a clone without ../shared still tests."""
     p = BUNDLED_FIXTURES / name
     return p if p.exists() else FIXTURES / name
+
+
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        _cluster_ports_of_this_worker()
+
+
+def _cluster_ports_of_this_worker() -> None:
+    """Cluster nodes keep their ports across restarts (the fault tests), so a port another worker's
+    ``cluster_port()`` could draw while such a node is down must not be in that worker's range: in this
+    process ``ValkeyCluster`` draws from this worker's share of cluster_port's range alone."""
+    from kv_preflight.cli import valkey_cluster as vc
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    span = (22768 - 20000) // max(workers, 1)
+    lo = 20000 + xdist_worker() * span
+    draw = random.Random()
+
+    def cluster_port() -> int:
+        for _ in range(500):
+            port = draw.randrange(lo, lo + span)
+            try:
+                with socket.socket() as a, socket.socket() as b:
+                    a.bind(("127.0.0.1", port))
+                    b.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
+        raise RuntimeError(f"no free port pair (P, P + 10000) in {lo}-{lo + span} for a cluster node")
+
+    vc.cluster_port = cluster_port
+
+
+def pytest_addoption(parser):
+    parser.addoption("--phase", choices=("parallel", "serial"), default=None,
+                     help="parallel: only tests without the serial mark (run them with -n); serial: only those")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.path)).is_relative_to(E2E) and not item.get_closest_marker("serial"):
+            # each starts a real vLLM (CPU) or the compose stack: two at once would starve each other
+            item.add_marker(pytest.mark.serial(reason="a real vLLM or Docker stack, which takes the machine"))
+    phase = config.getoption("--phase")
+    if phase is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("serial") is not None) == (phase == "serial") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def xdist_worker() -> int:
+    """This process's pytest-xdist worker number (gw3: 3), 0 outside xdist."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,46 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
     return out
 
 
+def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
+    """A Valkey Cluster shard's share of a run's request-key changes (outbox ``K`` changes and drop probes
+    ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in S
+    and R runs under F, as a single node's batch sends them (the general form, one op per change, sent each
+    change's field, bit name and value again: most of a shard's arguments), the rest as they are. Also, per
+    op the script counts (``lua_op_count``), the index in ``ops`` of the change it runs, since a change whose
+    key moved away is named by that position."""
+    out: list[Any] = []
+    owners: list[int] = []
+    reg: tuple[str, str, bytes] | None = None
+    run_at = -1
+    for i, op in enumerate(ops):
+        if op[0] == "Q":
+            out += ["q", op[1], op[2]]
+            owners.append(i)
+            continue
+        _, rk, fld, entry, bit, bitdelta, byte, mask = op
+        num = (byte - 1) * 8 + mask.bit_length() - 1
+        if not (entry != 0 and (bitdelta == entry if bit else bitdelta == 0)):
+            part = key_ops(rk, fld, entry, bit, bitdelta, num)
+            out += part
+            owners += [i] * lua_op_count(part)
+            continue
+        name = "S" if entry > 0 else "R"
+        own = mine(num)
+        if reg != (fld, bit, own):
+            reg = (fld, bit, own)
+            out += ["F", fld, bit, own]
+            owners.append(i)
+        elif run_at >= 0 and out[run_at - 1] == name and run_at + 1 + 3 * out[run_at] == len(out):
+            out[run_at] += 1
+            out += [rk, presence_key(rk), ""]
+            owners.append(i)
+            continue
+        run_at = len(out) + 1
+        out += [name, 1, rk, presence_key(rk), ""]
+        owners.append(i)
+    return out, owners
+
+
 # How many arguments each changes.lua op takes, its name included (S, R, Z and X: by their count)
 _ARITY = {"E": 3, "e": 3, "B": 4, "b": 4, "F": 4, "K": 9, "z": 3, "x": 3, "q": 3}
 
@@ -89,12 +129,14 @@ def lua_op_count(args: Sequence[Any]) -> int:
         op = args[i]
         if op in _ARITY:
             i += _ARITY[op]
-        elif op in ("S", "R"):
-            i += 2 + 3 * int(args[i + 1])
+        elif op in ("S", "R"):  # each block of a run is an op of its own
+            blocks = int(args[i + 1])
+            i += 2 + 3 * blocks
+            n += blocks - 1
         else:  # Z, X
             i += 3 + int(args[i + 2])
         n += 1
     return n
 
 
-__all__ = ["change_args", "key_ops", "lua_op_count", "mine"]
+__all__ = ["change_args", "key_ops", "lua_op_count", "mine", "shard_args"]

@@ -99,6 +99,7 @@ async def _with_load(ix: Index, pod: str):
     return view if pod in view.load else None
 
 
+@pytest.mark.serial(reason="8 engines, 3 ingesters and a predictor: the heaviest test, and its takeover and retirement waits assume the machine is its own")
 async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(valkey_url, tmp_path):
     engines = [sim_engine(f"sim-{i}", tmp_path).start() for i in range(8)]
     listing = tmp_path / "engines.json"

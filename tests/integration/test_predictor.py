@@ -374,6 +374,7 @@ async def test_engine_failures(client, prompt, status, needle):
     assert needle in r.json()["error"]
 
 
+@pytest.mark.serial(reason="bounds the 503's wall time (2 s), which another test's CPU could stretch")
 async def test_engine_timeout_is_a_fast_503(make_client):
     client = await make_client(engine_timeout_s=0.3)
     t0 = time.monotonic()
@@ -505,6 +506,7 @@ async def test_stats(client, writer, ix):
     assert doc["process"]["errors"] == {"bad_request": 1, "unknown_model": 1}
 
 
+@pytest.mark.serial(reason="bounds the 503s' wall time (5 s), which another test's CPU could stretch")
 async def test_valkey_down_is_a_fast_503_and_recovers(client, writer, valkey_server):
     prompt = tokens_of(64)
     await writer.store("pod-a", prompt)

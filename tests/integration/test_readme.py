@@ -43,10 +43,6 @@ RUN = {
 }
 SKIPPED = {
     "scripts/test": "runs the whole test suite, this test included",
-    "kv-preflight tokenizer check --model tiny --engine-url http://127.0.0.1:8100 --samples "
-    "examples/tokenizer-samples.jsonl": "needs a real vLLM serving `tiny` on :8100 (tests/e2e/test_vllm_features.py)",
-    "kv-preflight accuracy --engine-url $VLLM --predictor-url $PREDICTOR --model tiny --workload "
-    "examples/workload.jsonl": "needs a real vLLM serving `tiny` (tests/e2e/test_vllm_features.py runs it)",
     "vllm serve MODEL --enable-prefix-caching --enable-prompt-tokens-details --kv-events-config "
     "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":"
     "\"tcp://*:5558\",\"topic\":\"kv@POD@MODEL\"}'": "a real vLLM; the e2e tests start one through KVPF_VLLM_UP",

@@ -26,6 +26,7 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
     assert "stopped." in out.stdout
 
 
+@pytest.mark.serial(reason="`up --cluster` draws node ports from cluster_port()'s whole range, which the workers' own clusters divide among themselves")
 def test_up_on_a_local_valkey_cluster(tmp_path):
     """`up --cluster`: a 3+3 Valkey Cluster on loopback with AOF, the same stack on it, the demo exact,
     every node stopped afterwards; started again on the same data directory, the same cluster returns."""

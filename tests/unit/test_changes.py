@@ -2,7 +2,7 @@
 list holds (a Valkey Cluster shard names a moved op by its position: the count must match the script's)."""
 from __future__ import annotations
 
-from kv_preflight.index.changes import change_args, key_ops, lua_op_count, mine
+from kv_preflight.index.changes import change_args, key_ops, lua_op_count, mine, shard_args
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
 
@@ -25,7 +25,7 @@ def test_blocks_in_a_row_are_one_run():
     args = change_args(changes, 3)
     assert args[4:6] == ["S", 3] and args[15:17] == ["R", 2]
     assert args[23:25] == ["F", "g"] and args[27:29] == ["S", 1]
-    assert lua_op_count(args) == 5
+    assert lua_op_count(args) == 8  # F, 3 stores, 2 evictions, F, 1 store: each block counts
 
 
 def test_an_entry_and_its_bit_are_two_ops_for_the_script():
@@ -46,4 +46,21 @@ def test_counts_ops_of_every_kind_and_length():
     args = change_args(changes, 2)
     # Z(2 keys), F, S(2 blocks), F, R (with the drop beside it), K, X(3 keys)
     assert args[:3] == ["Z", "engine:7", 2] and args[5:11] == ["F", "f", "0", mine(2), "S", 2]
-    assert lua_op_count(args) == 7
+    assert lua_op_count(args) == 8
+
+
+def test_a_shards_changes_run_in_runs_and_each_position_names_its_change():
+    """A cluster shard gets its outbox changes as S/R runs under F (not an E and a B per change, each with its
+    field, bit and value again), and every position the script counts maps back to the change it runs."""
+    k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
+    ops = [k(11, "f", 1, "0", 1, 2), k(12, "f", 1, "0", 1, 2), ("Q", 13, 5), k(13, "f", -1, "0", -1, 2),
+           k(14, "g", 1, "0", 1, 9), k(15, "g", 1, "0", 0, 9), k(16, "g", 1, "0", 1, 9)]
+    args, owners = shard_args(ops)
+    assert args[:4] == ["F", "f", "0", mine(2)] and args[4:6] == ["S", 2]
+    assert args[12:15] == ["q", 13, 5] and args[15:17] == ["R", 1]
+    assert args[20:24] == ["F", "g", "0", mine(9)] and args[24:26] == ["S", 1]
+    assert args[29] == "K"  # an entry without its bit: the general form
+    assert args[38:40] == ["S", 1]  # a new run after it
+    assert "E" not in args and "B" not in args
+    assert len(owners) == lua_op_count(args)
+    assert owners == [0, 0, 1, 2, 3, 4, 4, 5, 6]

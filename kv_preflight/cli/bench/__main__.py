@@ -706,9 +706,21 @@ def main(argv: list[str] | None = None) -> None:
     bench.main(args=argv, prog_name="kv-preflight bench")
 
 
+def source_commit() -> str | None:
+    """The checkout's commit (``-dirty`` with local changes), so a kept run names the code it measured; None
+    outside a git checkout (an installed wheel)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path | None = None) -> None:
     t0 = time.perf_counter()
     m = machine()
+    m["commit"] = source_commit()
     m["cpu_probe_ms_start"] = cpu_probe()
     print(f"kv-preflight bench on {m['cpu']}, {m['nproc']} cores, load average {m['loadavg_start'][0]:.2f}, "
           f"CPU probe {m['cpu_probe_ms_start']:.1f} ms (a fixed Python loop: lower is a faster moment)", flush=True)

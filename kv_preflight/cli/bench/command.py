@@ -29,13 +29,22 @@ def parse_rows(ctx: click.Context | None, param: click.Parameter | None, value: 
     return only
 
 
+def dated_in(path: Path, started: float | None = None) -> Path:
+    """``--json-file``'s file: the path itself, or for a directory a file per run in it named for the run's
+    start in UTC (``2026-12-02T09-56-08Z.json``), so kept runs sort by date and never overwrite each other."""
+    import time
+
+    return path / time.strftime("%Y-%m-%dT%H-%M-%SZ.json", time.gmtime(started)) if path.is_dir() else path
+
+
 @click.command("bench")
 @click.option("--quick", is_flag=True, help="Fewer requests and blocks: a smoke run, figures are noisier.")
 @click.option("--only", default=DEFAULT_ROWS, show_default=True, callback=parse_rows,
               help=f"Comma list of rows: {', '.join(ROWS)} (memory: the ingest rows' memory figures alone).")
 @click.option("--json", "as_json", is_flag=True, help="Print every figure as JSON after the table.")
-@click.option("--json-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Write every figure, percentile, CPU split and check to this JSON file.")
+@click.option("--json-file", default=None, type=click.Path(path_type=Path),
+              help="Write every figure, percentile, CPU split and check to this JSON file; given a directory "
+                   "(benchmarks/), to a file per run in it named for the run's start in UTC.")
 def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None) -> None:
     """Benchmark every hot path against a straightforward baseline (docs/benchmarks.md).
 
@@ -46,6 +55,7 @@ def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None) ->
     from kv_preflight.cli.bench.__main__ import run
 
     if json_file is not None:  # refused now, not after minutes of benchmarking
+        json_file = dated_in(json_file)
         parent = json_file.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise click.BadParameter(f"{json_file}: {parent} is not a directory this process can write to",

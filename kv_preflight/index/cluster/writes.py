@@ -11,7 +11,8 @@ another way (docs/architecture.md, "Valkey Cluster"):
    A. each request key's change (lua/effects.lua: its llm-d entry and its presence bit, in its slot); each
       shard says which request keys it left with no entry at all;
    B. ``engine:<ek>`` gains a stored block's request keys (ZADD, after A: the key holds the entry first), and
-      loses those of a block let go whose request keys all came back empty from A (ZREM: llm-d's rule);
+      loses those of a block let go whose request keys all came back empty from A (ZREM: llm-d's rule), in
+      the run's order;
    C. for each such ZREM, its request keys are looked at again (HLEN): another pod that stored the same block
       between A and B wrote its entry before its ZADD, so a key that holds an entry again means that ZADD may
       have run before our ZREM, and
@@ -45,7 +46,7 @@ from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import key_ops as lua_key_ops
-from kv_preflight.index.changes import lua_op_count
+from kv_preflight.index.changes import shard_args
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -179,8 +180,10 @@ class ClusterWrites:
                 self._maybe_crash("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
-                if not await self.ack(ackable, touched):
+                acked = await self.ack(ackable, touched)
+                if not acked:
                     self.unreplicated += 1
+                await self._engine_keys_done([e for e in entries if not acked or e not in ackable])
                 if foreign:
                     await self._flag_foreign(entries, foreign, first)
                     for i in owners:
@@ -261,25 +264,39 @@ class ClusterWrites:
             elif op[0] == "X":
                 key_ops += [("Q", rk, j) for rk in set(op[2])]
         foreign, first, empty_at = await self._round_a(key_ops)
-        adds = [op for op in ops if op[0] == "Z"]
-        drops = [op for j, op in enumerate(ops) if op[0] == "X" and empty_at.get(j, 0) == len(set(op[2]))]
+        # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
+        # one run ends as its last change says, as on a single node.
         round_b: list[tuple[Any, ...]] = []
-        for op in adds:
-            pairs: list[Any] = []
-            for pos, rk in enumerate(op[2]):
-                pairs += [pos, rk]
-            round_b.append(("ZADD", engine_key_name(op[1]), *pairs))
-        for op in drops:
-            round_b.append(("ZREM", engine_key_name(op[1]), *op[2]))
+        adds: list[Sequence[Any]] = []
+        drops: list[tuple[int, Sequence[Any]]] = []
+        for j, op in enumerate(ops):
+            if op[0] == "Z":
+                adds.append(op)
+                pairs: list[Any] = []
+                for pos, rk in enumerate(op[2]):
+                    pairs += [pos, rk]
+                round_b.append(("ZADD", engine_key_name(op[1]), *pairs))
+            elif op[0] == "X" and empty_at.get(j, 0) == len(set(op[2])):
+                drops.append((j, op))
+                round_b.append(("ZREM", engine_key_name(op[1]), *op[2]))
         f, fst = _foreign(await self.shards.commands(round_b)) if round_b else (0, "")
         foreign, first = foreign + f, first or fst
         if drops:
-            rks = sorted({rk for op in drops for rk in op[2]})
+            # Rounds C and D: a request key of a dropped block that holds an entry again may have had its
+            # engine key's ZADD run before our ZREM (another writer stored the block meanwhile): it gets its
+            # request keys back. An entry this run itself wrote after the drop explains itself (a later
+            # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
+            # and is no such race.
+            stored_at: dict[int, int] = {}
+            for j, op in enumerate(ops):
+                if op[0] == "K" and op[3] > 0:
+                    stored_at[op[1]] = j
+            rks = sorted({rk for _, op in drops for rk in op[2]})
             lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks])
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
-            for op in drops:
-                if any(rk in back for rk in op[2]):
+            for j, op in drops:
+                if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
                     pairs = []
                     for pos, rk in enumerate(op[2]):
                         pairs += [pos, rk]
@@ -288,7 +305,8 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd))
                 foreign, first = foreign + f, first or fst
-        touched = [str(op[1]) for op in key_ops if op[0] == "K"] + [engine_key_name(op[1]) for op in adds + drops]
+        touched = [str(op[1]) for op in key_ops if op[0] == "K"] + [engine_key_name(op[1]) for op in adds] + \
+            [engine_key_name(op[1]) for _, op in drops]
         return foreign, first, touched
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
@@ -309,14 +327,9 @@ class ClusterWrites:
         script = self._effects
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
-            # effects.lua names a moved op by its position among the ops it ran, and one change may be
-            # two of them (E and B): `owner` maps each position back to its change
-            args: list[Any] = []
-            owner: list[int] = []
-            for i in idx:
-                part = key_op_args(key_ops[i])
-                args += part
-                owner += [i] * lua_op_count(part)
+            # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
+            args, at = shard_args([key_ops[i] for i in idx])
+            owner = [idx[k] for k in at]
             fast = self.shards.fast_for(node)
             if fast is not None:
                 try:
@@ -401,8 +414,25 @@ class ClusterWrites:
             entries = keep
         todo = [(pod, f, v) for _, f, v in entries]
         _, _, touched = await self.run(todo)
-        await self.ack(todo, touched)
+        if not await self.ack(todo, touched):
+            await self._engine_keys_done(todo)
         return len(todo)
+
+    async def _engine_keys_done(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
+        """Entries that ran whole but stay in the outbox (not yet on a replica, or behind an earlier one of
+        their pod) run again later, after other pods' batches. Their request keys' changes are the same then
+        (each pod's own entry and bit, in the pod's order), but an engine key's drop would be judged anew
+        (are its request keys empty at that later point?), and an add could undo a drop of the same entries'
+        that was already judged. So what stays keeps only the request keys' changes (compare-and-set, so an
+        entry someone else has meanwhile run and deleted stays gone). A failover that then loses an engine
+        key's change leaves ``engine:<ek>`` a member too many or too few: llm-d's own event handling reads it,
+        its lookups do not, and the block's next change writes it again."""
+        for pod, field, payload in entries:
+            ops = _dec.decode(payload)
+            kept = [op for op in ops if op[0] == "K"]
+            if len(kept) == len(ops):
+                continue
+            await self.client.eval(scripts.CAS_FIELD, 1, pod_outbox_key(pod), field, payload, _enc.encode(kept))
 
     def _maybe_crash(self, point: str, batches: int) -> None:
         """Counts batches, not calls: under load the ingester sends several batches in one call, and a

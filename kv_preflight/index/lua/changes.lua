@@ -37,7 +37,7 @@ local foreign = {n = 0, first = nil}
 local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
 local probes = {}  -- q ops that found their key empty (their j)
-local op_at = 0     -- the position of the op running (for `moved`)
+local op_at = 0     -- the position of the op running (for `moved`; each block of an S or R run counts)
 -- Globals cost a table lookup at every use; the loop below runs a few of these per block, so they are locals.
 local pcall_, type_, argv = redis.pcall, type, ARGV
 local function failed(r, key)  -- a command's error reply: a moved key or a foreign-typed one (returns nil)
@@ -146,7 +146,9 @@ local function run_changes(i)
     op_at = op_at + 1
     if op == 'S' then
       local j = i + 2
+      op_at = op_at - 1  -- each block is an op of its own for `moved`
       for _ = 1, tonumber(argv[i + 1]) do
+        op_at = op_at + 1
         local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
         empty[rk] = nil  -- holds an entry now (an x later in the run asks HLEN: rare, and the truth)
         if call3('HSET', rk, fld, '') ~= nil and name ~= '' then
@@ -158,7 +160,9 @@ local function run_changes(i)
       i = j
     elseif op == 'R' then
       local j = i + 2
+      op_at = op_at - 1  -- each block is an op of its own for `moved`
       for _ = 1, tonumber(argv[i + 1]) do
+        op_at = op_at + 1
         local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
         call2('HDEL', rk, fld)
         empty[rk] = nil
