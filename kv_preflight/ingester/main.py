@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from redis.exceptions import RedisError
+from zmq.error import ZMQError
+
 from kv_preflight.config import Config
 from kv_preflight.logs import setup_logging
 
@@ -22,8 +25,12 @@ def run(cfg: Config) -> int:
         asyncio.run(run_ingester(cfg))
     except KeyboardInterrupt:
         pass
+    except (ValueError, OSError, ZMQError, RedisError) as exc:
+        # what the operator can fix (a flag, an endpoint, an unreachable server): one line that says it
+        logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc)
+        return 1
     except Exception as exc:
-        # an exception that reaches here is a bug: its traceback is what a report needs
+        # anything else is a bug: its traceback is what a report needs
         logging.getLogger("kvpf.ingester").error("ingester failed: %s", exc, exc_info=True)
         return 1
     return 0

@@ -492,7 +492,7 @@ def _ingest_zmq(res: Results, vk: ValkeyServer, stream, tmp: Path, base_rate: fl
     pub.setsockopt(zmq.LINGER, 0)
     try:
         deadline = time.monotonic() + 20
-        while b"ingesting from" not in log.read_bytes():
+        while b"subscribed" not in log.read_bytes():
             if time.monotonic() > deadline or srv.proc.poll() is not None:
                 raise RuntimeError(f"ingester did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
