@@ -211,7 +211,8 @@ class Predictor:
         named = [a.pod_id for a in prediction.pod_affinities] + list(pods or ()) + list(extra)
         per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
         return answer_freshness(per_pod, partial=prediction.partial,
-                                incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete])
+                                incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
+                                aged=self.fleet.aged if self.fleet is not None else None)
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
                               infos: dict[str, ScoringInfo], prompt_len: int) -> list[Any]:
@@ -260,8 +261,13 @@ class Predictor:
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
-        stale = stale_for_route({a.pod_id: freshness.pods[a.pod_id] for a in prediction.pod_affinities},
-                                max_staleness_ms) if max_staleness_ms is not None else []
+        stale: list[str] = []
+        if max_staleness_ms is not None:
+            held = [a.pod_id for a in prediction.pod_affinities]
+            per_pod = (self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0))
+            if self.fleet is not None:
+                per_pod = {p: self.fleet.aged(f) for p, f in per_pod.items()}
+            stale = stale_for_route(per_pod, max_staleness_ms)
         if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)

@@ -24,7 +24,7 @@ The answer's state: ``partial`` when a Valkey Cluster shard did not answer (coun
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
@@ -40,10 +40,15 @@ class PodFreshness(msgspec.Struct, frozen=True, omit_defaults=True):
     index_lag_ms: int | None = None
 
 
+UNKNOWN_POD = PodFreshness(UNKNOWN)
+MAX_LISTED = 64  # pods an answer's freshness lists (the ones not current first); its state counts them all
+
+
 class Freshness(msgspec.Struct, frozen=True, omit_defaults=True):
     state: str  # exact | degraded | partial
     reasons: list[str] = msgspec.field(default_factory=list)
     pods: dict[str, PodFreshness] = msgspec.field(default_factory=dict)
+    pods_truncated: bool = False  # more pods than MAX_LISTED were named: the others are current or unknown
 
 
 def _lease_state(lease: IngesterLease, pod: str, live: bool) -> str:
@@ -95,8 +100,8 @@ def pod_freshness(view: FleetView | None, pods: Iterable[str], now_ms: int, wall
     return out
 
 
-def answer_freshness(pods: Mapping[str, PodFreshness], *, partial: bool = False,
-                     incomplete: Iterable[str] = ()) -> Freshness:
+def answer_freshness(pods: Mapping[str, PodFreshness], *, partial: bool = False, incomplete: Iterable[str] = (),
+                     aged: Callable[[PodFreshness], PodFreshness] | None = None) -> Freshness:
     """The answer's state and its reasons, from the freshness of the pods it names."""
     reasons = []
     if partial:
@@ -109,7 +114,13 @@ def answer_freshness(pods: Mapping[str, PodFreshness], *, partial: bool = False,
     if flagged:
         reasons.append(f"index incomplete for {', '.join(flagged[:10])}{' ...' if len(flagged) > 10 else ''}")
     state = "partial" if partial else "degraded" if reasons else "exact"
-    return Freshness(state=state, reasons=reasons, pods=dict(pods))
+    listed = pods
+    if len(pods) > MAX_LISTED:  # an answer naming a thousand pods lists those that need reading first
+        order = sorted(pods, key=lambda p: -_RANK[pods[p].state] if pods[p].state != UNKNOWN else 0)
+        listed = {p: pods[p] for p in order[:MAX_LISTED]}
+    if aged is not None:
+        listed = {p: aged(f) for p, f in listed.items()}
+    return Freshness(state=state, reasons=reasons, pods=dict(listed), pods_truncated=len(listed) < len(pods))
 
 
 def fleet_health(view: FleetView | None) -> list[str]:
