@@ -27,6 +27,19 @@ from tests.e2e.harness import spawn, stop, wait_http, wait_log
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 FAST_ENV = {"KVPF_DISCOVERY_INTERVAL_S": "0.3"}
+_STARTED: list = []  # every process a test here started, stopped after it whatever happened
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_was_started():
+    yield
+    while _STARTED:
+        stop(_STARTED.pop())
+
+
+def _started(proc):
+    _STARTED.append(proc)
+    return proc
 FAST = ["--lease-ttl", "3", "--membership-hold", "0", "--health-failures", "2"]
 
 
@@ -43,15 +56,17 @@ async def until(pred, what: str, timeout: float = 30.0):
 
 def ingester(valkey_url: str, log: str, *args: str, env: dict[str, str] | None = None, nofile: int | None = None):
     if nofile is None:
-        return spawn(["ingest", "--valkey-url", valkey_url, *FAST, *args], log, env={**FAST_ENV, **(env or {})})
+        return _started(spawn(["ingest", "--valkey-url", valkey_url, *FAST, *args], log,
+                              env={**FAST_ENV, **(env or {})}))
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     out = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "kv_preflight", "ingest", "--valkey-url", valkey_url, *FAST, *args],
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=limit,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **FAST_ENV, **(env or {})))
+    return _started(subprocess.Popen(
+        [sys.executable, "-m", "kv_preflight", "ingest", "--valkey-url", valkey_url, *FAST, *args],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=limit,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **FAST_ENV, **(env or {}))))
 
 
 class Sim:
@@ -66,7 +81,7 @@ class Sim:
         if topic is not None:
             args += ["--topic", topic]
         self.log = str(tmp_path / f"{pod}.log")
-        self.proc = spawn(args, self.log)
+        self.proc = _started(spawn(args, self.log))
         wait_http(self.url + "/v1/models")
 
     def complete(self, tokens: list[int]) -> int:
@@ -80,8 +95,8 @@ class Sim:
 
 def dynamo_server(valkey_url: str, tmp_path, *args: str, env: dict[str, str] | None = None):
     port, dport = free_port(), free_port()
-    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport), *args],
-                 str(tmp_path / "serve.log"), env=env)
+    proc = _started(spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport),
+                           *args], str(tmp_path / "serve.log"), env=env))
     wait_http(f"http://127.0.0.1:{dport}/health")
     return proc, f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
 
@@ -389,8 +404,8 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
     port = free_port()
     # a simulated engine with no replay socket: what it published is lost for good
     bare_log = str(tmp_path / "bare.log")
-    bare_proc = spawn(["simulate", "--pod", "bare-sim", "--model", "sim", "--port", str(port), "--zmq",
-                       f"tcp://*:{free_port()}", "--replay", "none", "--block-size", "16", "--blocks", "64"], bare_log)
+    bare_proc = _started(spawn(["simulate", "--pod", "bare-sim", "--model", "sim", "--port", str(port), "--zmq",
+                       f"tcp://*:{free_port()}", "--replay", "none", "--block-size", "16", "--blocks", "64"], bare_log))
     wait_http(f"http://127.0.0.1:{port}/v1/models")
     bare_url = f"http://127.0.0.1:{port}"
     log = str(tmp_path / "ing.log")
@@ -488,12 +503,12 @@ async def test_one_client_holding_connections_locks_nobody_else_out(valkey_url, 
 
     port = free_port()
     out = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen(
+    serve = _started(subprocess.Popen(
         [sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", valkey_url, "--port", str(port),
          "--request-read-timeout", "120"],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1", KVPF_MAX_CONNECTIONS_PER_CLIENT="16"),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))))
     held = []
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
