@@ -339,8 +339,10 @@ class Index:
             if not redo:
                 break
             lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
-            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again
+            if lost:  # forgotten meanwhile (index clear --forget, retention): listed and numbered again
                 self._numbered -= set(lost)
+                for pod in lost:  # its registry row went with it: no keys of a pod that no listing shows
+                    self._registered.pop(pod, None)
                 await self.ensure_numbers(lost)
             again = []
             for i in redo:
@@ -348,6 +350,7 @@ class Index:
                 if results[i].status == REPLAN:
                     b["mode"] = "check"  # a reset another writer did already: this is the next seq
                 again.append(b)
+            await self._register_new(again)
             await self._load_pods(sorted({b["pod_id"] for b in again}))
             redo_preps = self.writer.prepare_run(again)
             for i, prep in zip(redo, redo_preps):
