@@ -345,7 +345,10 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             _unknown_pods([pod_id], await ix.pod_ids())
-            n = await ix.clear_pod(pod_id, forget=forget)
+            if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
+                from kv_preflight.fleet.lifecycle import forget_pods
+                return (await forget_pods(ix, [pod_id], keep_refusing=False))[pod_id]
+            n = await ix.clear_pod(pod_id)
             if not forget:  # the engine still holds those blocks: say so until it resets
                 await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
                                                  "the index no longer lists; exact again at its next reset")

@@ -123,6 +123,8 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
             divergence, decoded_by = await _divergence(p, model, req, other, tokens, theirs)
             if not any(f.kind == divergence.cause for f in findings):
                 findings.append(Finding(divergence.cause, divergence.token_index, divergence.detail))
+    prediction = msgspec.structs.replace(prediction, freshness=p.freshness_of(
+        prediction, req.pods, extra=[c.pod_id for c in chains[:MAX_POD_CHAINS]]))
     return Explanation(**msgspec.structs.asdict(prediction) | {"warnings": warnings},
                        model=model, pods=chains[:MAX_POD_CHAINS], pods_truncated=len(chains) > MAX_POD_CHAINS,
                        findings=findings, divergence=divergence, decoded_by=decoded_by)
