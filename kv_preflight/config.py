@@ -19,6 +19,7 @@ class Config:
     hash_algo: str = "fnv64a"
     # Which PodEntry form writers emit: "json" (llm-d v0.9+) or "v08" (pod@tier).
     entry_format: str = "json"
+    kv_cache_report_mode: str = "incremental"  # "full": vLLM may re-announce reused blocks (PodState.reannouncements)
     # Every Valkey call is bounded: an outage turns into a fast error, never a hang.
     valkey_timeout_s: float = 1.0
     # "auto" asks the node named by valkey_url (INFO cluster); "yes"/"no" say it up front.
@@ -159,6 +160,8 @@ class Config:
             raise ValueError(f"hash_algo must be 'fnv64a' or 'xxh64', got {self.hash_algo!r}")
         if self.entry_format not in ("json", "v08"):
             raise ValueError(f"entry_format must be 'json' or 'v08', got {self.entry_format!r}")
+        if self.kv_cache_report_mode not in ("incremental", "full"):
+            raise ValueError(f"kv_cache_report_mode must be 'incremental' or 'full', got {self.kv_cache_report_mode!r}")
         if not self.valkey_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"valkey_url {self.valkey_url.split('@')[-1]!r} needs a scheme: redis://HOST:PORT, "
                              "rediss:// (TLS) or unix:///path")

@@ -98,11 +98,12 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does.")
 @click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 @click.option("--max-sources", default=None, type=click.IntRange(min=1), help="Engine sources this ingester subscribes at most (default 256, and what the open-file limit allows); an engine past it is refused, logged and counted.")
+@click.option("--kv-cache-report-mode", default=None, type=click.Choice(["incremental", "full"]), help="full: clients may ask vLLM for kv_cache_report_mode \"full\", so a parentless run of held blocks from a prompt's start is read as a re-announcement of reused blocks, not a second copy (default incremental, vLLM's default: such a run is a copy, as when concurrent requests compute one prefix at once). Every ingester of an index must agree.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
-           target_ports=None, private=None, max_sources=None) -> None:
+           target_ports=None, private=None, max_sources=None, kv_cache_report_mode=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from kv_preflight.ingester.main import run
 
@@ -119,7 +120,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           registered_engines=False if private and registered_engines is None else registered_engines,
                           private=private,
                           lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
-                          pod_id=pod_id, max_sources=max_sources,
+                          pod_id=pod_id, max_sources=max_sources, kv_cache_report_mode=kv_cache_report_mode,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -178,7 +178,8 @@ class Index:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, entry_format: str = "json",
-                 fast: FastConnection | None = None, *, backend: IndexBackend | None = None):
+                 fast: FastConnection | None = None, *, backend: IndexBackend | None = None,
+                 reannouncements: bool = False):
         self.client = client
         self.entry_format = entry_format
         self._fields: dict[tuple[str, str | None, int | None], str] = {}
@@ -191,7 +192,7 @@ class Index:
         self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
         self._nums: dict[str, int] = {}  # their numbers
         # the pods this process writes: their states in memory, batches planned against them
-        self.writer = PodWriter(client, cluster=self.cluster)
+        self.writer = PodWriter(client, cluster=self.cluster, reannouncements=reannouncements)
         self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
         self._names_at = -1e9
         self._names_lock = asyncio.Lock()
@@ -203,9 +204,10 @@ class Index:
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json",
-                 cluster: bool | None = None, takeover_ms: int = TAKEOVER_MS) -> "Index":
+                 cluster: bool | None = None, takeover_ms: int = TAKEOVER_MS, reannouncements: bool = False) -> "Index":
         """``cluster``: None asks the node (``INFO cluster``); a node that does not answer is taken
-        for a single node, with a warning (``--valkey-cluster yes`` says so up front)."""
+        for a single node, with a warning (``--valkey-cluster yes`` says so up front). ``reannouncements``:
+        PodState.reannouncements (ingest --kv-cache-report-mode full)."""
         from kv_preflight.index import resp  # (belongs with the module's imports; kept here to touch only this method)
 
         if cluster is None:
@@ -215,7 +217,8 @@ class Index:
                             "cluster)", url.split("@")[-1])
         if cluster:
             client = cluster_client(url, timeout_s=timeout_s)
-            return cls(client, entry_format, backend=ClusterBackend(client, takeover_ms=takeover_ms))
+            return cls(client, entry_format, backend=ClusterBackend(client, takeover_ms=takeover_ms),
+                       reannouncements=reannouncements)
         # Scripts resent once after a lost connection, being safe to run twice (kv_preflight/index/resp.py): the
         # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
         # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
@@ -223,7 +226,7 @@ class Index:
         client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
         fast = FastConnection.from_url(url, timeout_s=timeout_s,
                                        resend_scripts=lookups | {resp.script_sha(scripts.APPLY)})
-        return cls(client, entry_format, fast)
+        return cls(client, entry_format, fast, reannouncements=reannouncements)
 
     @property
     def gap_walks(self) -> int:
@@ -500,13 +503,13 @@ class Index:
 
     async def held_blocks(self, pod_id: str) -> dict[tuple[int, str, int], tuple[tuple[int, ...], int]]:
         """A pod's blocks as its state log says: (engine key, tier, group) -> (request keys, physical copies)."""
-        reader = PodWriter(self.client, cluster=self.cluster)
+        reader = PodWriter(self.client, cluster=self.cluster, reannouncements=self.writer.reannouncements)
         await reader.load([pod_id])
         return {k: (b.rks, b.copies) for k, b in reader.pods[pod_id].state.blocks.items()}
 
     async def export_blocks(self, pod_id: str):
         """Yield every StoreBlock a pod holds (once per physical copy), from its state log."""
-        reader = PodWriter(self.client, cluster=self.cluster)
+        reader = PodWriter(self.client, cluster=self.cluster, reannouncements=self.writer.reannouncements)
         await reader.load([pod_id])
         for block in reader.pods[pod_id].state.stores():
             yield block

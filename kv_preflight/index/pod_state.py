@@ -123,11 +123,17 @@ class PodState:
         self._groups: dict[int, GroupSpec] = dict(groups or {})
         self._prefix = prefix_group(self._groups)  # kept with the groups: asked for every block planned
         self.engine_block_size = engine_block_size
+        # Whether a parentless run of held blocks from a chain's start may be vLLM re-announcing reused blocks
+        # (``_reannounced``): only when clients ask vLLM for kv_cache_report_mode "full" (ingest
+        # --kv-cache-report-mode full). Otherwise such a run is a second physical copy: concurrent requests
+        # that computed one prefix at once store it from block 0 twice, and each copy is evicted in turn.
+        self.reannouncements = False
 
     # ---- copies
 
     def clone(self) -> "PodState":
         other = PodState(self.groups, self.engine_block_size, self.pod_id)
+        other.reannouncements = self.reannouncements
         other._tiers = self._tiers
         other.blocks = {k: b.copy() for k, b in self.blocks.items()}
         other.tiers = set(self.tiers)
@@ -259,7 +265,7 @@ class PodState:
         while i < n:
             m = mutations[i]
             if isinstance(m, StoreBlock):
-                if m.parentless and m.parent in (CHAIN_ROOT, UNKNOWN):
+                if m.parentless and m.parent in (CHAIN_ROOT, UNKNOWN) and st.reannouncements:
                     j = _run_end(mutations, i)
                     run = mutations[i:j]
                     if st._reannounced(run):
@@ -619,9 +625,12 @@ def _decode_mutation(x: list[Any], fields: list[str]) -> Mutation:
     return MarkIncomplete(x[1])
 
 
-def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None) -> tuple[PodState, int]:
-    """The state a snapshot and the deltas after it describe, and the generation it is at."""
+def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None, *,
+            reannouncements: bool = False) -> tuple[PodState, int]:
+    """The state a snapshot and the deltas after it describe, and the generation it is at (the deltas planned
+    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run)."""
     st = PodState(pod_id=pod_id)
+    st.reannouncements = reannouncements
     gen = 0
     if snapshot:
         snap = _snap_dec.decode(snapshot)

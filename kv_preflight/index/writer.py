@@ -102,9 +102,10 @@ def merge(first: Plan, second: Plan) -> Plan:
 class PodWriter:
     """Plans and sends batches for the pods this process writes (see the module docstring)."""
 
-    def __init__(self, client, *, cluster: bool, writer: str | None = None):
+    def __init__(self, client, *, cluster: bool, writer: str | None = None, reannouncements: bool = False):
         self.client = client
         self.cluster = cluster
+        self.reannouncements = reannouncements  # PodState.reannouncements, for every pod this writer plans
         self.writer = writer or os.urandom(4).hex()
         self.pods: dict[str, PodCache] = {}
         self.heads: dict[str, _Tentative] = {}  # per pod, the state its batches in flight lead to
@@ -134,7 +135,7 @@ class PodWriter:
             elif name.startswith("d:"):
                 deltas.append(value)
                 log_bytes += len(value)
-        state, _ = restore(snap, deltas, pod_id)
+        state, _ = restore(snap, deltas, pod_id, reannouncements=self.reannouncements)
         ebs = meta.get("engine_block_size")
         if ebs and text(ebs).isdigit() and state.engine_block_size is None:
             state.engine_block_size = int(text(ebs))

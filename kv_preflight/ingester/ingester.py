@@ -76,7 +76,8 @@ class Ingester:
         # counted on the ingester made below (the callback runs only once its sockets exist).
         sources = secure_sources(sources, cfg, on_refused=lambda key: ing.counters.tally("publishers_refused"))
         index = index or Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
-                                        cluster=cfg.cluster_mode())
+                                        cluster=cfg.cluster_mode(),
+                                        reannouncements=cfg.kv_cache_report_mode == "full")
         return (ing := cls(cfg, index, sources))
 
     def start(self) -> None:

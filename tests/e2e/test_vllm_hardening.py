@@ -44,7 +44,7 @@ def test_report_mode_full_is_not_a_copy_against_vllm(vllm, valkey_url):
     rng = random.Random(21)
     toks = lambda n: [rng.randrange(10, 8000) for _ in range(n)]  # noqa: E731
     p = toks(96)  # three full blocks
-    with kvpf_stack(valkey_url, ["--engine", vllm.url], [], "e2e-hard") as stack, httpx.Client() as client:
+    with kvpf_stack(valkey_url, ["--engine", vllm.url, "--kv-cache-report-mode", "full"], [], "e2e-hard") as stack, httpx.Client() as client:
         watcher = EventWatcher.for_engine(vllm.url)
         pod = pod_of(vllm.url)
 

@@ -164,6 +164,7 @@ def test_reannounced_run_is_not_a_copy_but_a_recomputed_one_is():
                 for i, (ek, rks) in enumerate(run)]
 
     state = PodState(groups, engine_block_size=32)
+    state.reannouncements = True  # clients may ask for report mode "full" (ingest --kv-cache-report-mode full)
     state = state.plan(stores(1, False) + stores(0, False)).after
     plan = state.plan(stores(1, True) + stores(0, True))
     assert plan.reannounced == 6 and plan.changes == []
@@ -172,6 +173,21 @@ def test_reannounced_run_is_not_a_copy_but_a_recomputed_one_is():
     plan = state.plan(stores(1, True))
     assert plan.reannounced == 0 and plan.stored == 3
     assert all(b.copies == 2 for (ek, t, g), b in plan.after.blocks.items() if g == 1)
+
+
+def test_without_report_mode_full_a_parentless_run_of_held_blocks_is_a_copy():
+    """vLLM's default (report mode "incremental") re-announces nothing: concurrent requests that computed one
+    prefix at once each cache it from block 0, parentless, so the run is a second copy even where every block
+    is a hit (read as a re-announcement, one copy's eviction dropped what vLLM still held)."""
+    groups = {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)}
+    blocks = [(1, (11,)), (2, (21,))]
+    run = [StoreBlock(ek, "gpu", FIELD[("gpu", 1)], rks, 1, True, CHAIN_ROOT if i == 0 else blocks[i - 1][1][-1])
+           for i, (ek, rks) in enumerate(blocks)]
+    state = PodState(groups, engine_block_size=32).plan(run).after
+    plan = state.plan(run)
+    assert plan.reannounced == 0 and all(b.copies == 2 for b in plan.after.blocks.values())
+    state = plan.after.plan([RemoveBlock(1, "gpu", 1), RemoveBlock(2, "gpu", 1)]).after
+    assert all(b.copies == 1 for b in state.blocks.values()) and len(state.blocks) == 2
 
 
 def test_prefix_group_follows_the_full_attention_group():
