@@ -9,8 +9,9 @@ by the blocks that rule leaves, so scoring needs nothing else.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
-from kv_preflight.engines.hit_rules import GroupSpec, longest_hit, prefix_group
+from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, longest_hit, prefix_group
 from kv_preflight.index.entries import PodMatch
 
 
@@ -35,11 +36,58 @@ class GroupBits:
         return got
 
 
+@lru_cache(maxsize=256)
+def _window_pair(groups: tuple[tuple[int, GroupSpec], ...], engine_block: int, canonical: int
+                 ) -> tuple[int, int, int] | None:
+    """(window group, block size, contiguous blocks a hit needs) when the groups are one full-attention group
+    and one sliding-window group (gpt-oss, Gemma 3), neither with EAGLE, of one block size that whole request
+    keys divide; else None (the general rule then runs)."""
+    if len(groups) != 2:
+        return None
+    kinds = {spec.kind: (g, spec) for g, spec in groups}
+    if set(kinds) != {FULL, SLIDING} or any(spec.eagle or spec.missing() for _, spec in groups):
+        return None
+    sizes = {spec.block_size or engine_block for _, spec in groups}
+    if len(sizes) != 1:
+        return None
+    bs = sizes.pop()
+    if bs % canonical:
+        return None
+    g, spec = kinds[SLIDING]
+    return g, bs, -(-((spec.sliding_window or bs) - 1) // bs)
+
+
+def _window_hit(window_group: int, bs: int, need: int, prefix_keys: int, bits: GroupBits, num: int,
+                canonical: int, prompt_len: int) -> int:
+    """``longest_hit`` for one full-attention group (the prefix group) and one sliding-window group, without a
+    callback per block: vLLM's "simple hybrid", one pass. Full attention holds the blocks of the pod's prefix,
+    at most the prompt less its last token (``FullAttentionManager.find_longest_cache_hit``); within that, the
+    window group's blocks right to left until ``need`` contiguous ones end the hit, else the run from block 0
+    (``SlidingWindowManager.find_longest_cache_hit``; one block size, so no realignment)."""
+    max_tokens = prompt_len - 1
+    if max_tokens <= 0:
+        return 0
+    per = bs // canonical
+    n = min(prefix_keys // per, max_tokens // bs)
+    run = 0
+    for i in range(n - 1, -1, -1):
+        if bits(window_group, (i + 1) * per - 1) >> num & 1:
+            run += 1
+            if run >= need:
+                return (i + run) * bs
+        else:
+            run = 0
+    return run * bs
+
+
 def group_hit(groups: Mapping[int, GroupSpec], prefix_keys: int, bits: GroupBits, num: int, canonical: int,
               engine_block: int, prompt_len: int) -> int:
     """Tokens a hybrid pod reuses: ``prefix_keys``, its prefix (in request keys of ``canonical`` tokens) in its
     prefix group; ``bits``, the chain keys' other-group bitmaps; ``num``, the pod's bit. A block of a group is
     held there when the group's bit is set on the block's last key."""
+    pair = _window_pair(tuple(sorted(groups.items())), engine_block, canonical)
+    if pair is not None:
+        return _window_hit(*pair, prefix_keys, bits, num, canonical, prompt_len)
     pg = prefix_group(groups)
 
     def held(g: int, i: int) -> bool:
