@@ -43,3 +43,26 @@ def test_other_layouts_take_the_general_rule():
     assert _window_pair(((0, GroupSpec(kind=SLIDING, block_size=64, sliding_window=64)), (1, full)), 32, C) is None
     assert _window_pair(((0, GroupSpec(kind=SLIDING, block_size=24, sliding_window=64)),
                          (1, GroupSpec(kind=FULL, block_size=24))), 24, C) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(per=st.sampled_from([1, 2]), window=st.integers(2, 120), prompt_len=st.integers(1, 700),
+       pods=st.lists(st.tuples(st.integers(0, 40), st.lists(st.booleans(), max_size=40)), min_size=1, max_size=12))
+def test_fleet_search_equals_each_pods_own(per, window, prompt_len, pods):
+    """apply_groups searches a fleet's window bitmaps once for all its pods: each pod's answer is what its own
+    search gives (and the general rule, above)."""
+    from kv_preflight.index.entries import PodMatch
+    from kv_preflight.predictor.scoring.groups import apply_groups
+
+    bs = per * C
+    groups = {0: GroupSpec(kind=SLIDING, block_size=bs, sliding_window=window), 1: GroupSpec(kind=FULL, block_size=bs)}
+    presence = []
+    for k in range(40):
+        bitmap = sum(1 << num for num, (_, held) in enumerate(pods) if k // per < len(held) and held[k // per])
+        presence.append({"gpu|0": bitmap.to_bytes(2, "little")})
+    matches = [PodMatch(f"p{num}", prefix, "gpu") for num, (prefix, _) in enumerate(pods)]
+    names = {f"p{num}": num for num in range(len(pods))}
+    got = apply_groups(matches, {p: groups for p in names}, {p: bs for p in names}, presence, names, C, prompt_len)
+    bits = GroupBits(presence)
+    want = [group_hit(groups, prefix, bits, num, C, bs, prompt_len) // C for num, (prefix, _) in enumerate(pods)]
+    assert [m.blocks for m in got] == want

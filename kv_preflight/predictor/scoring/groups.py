@@ -80,6 +80,52 @@ def _window_hit(window_group: int, bs: int, need: int, prefix_keys: int, bits: G
     return run * bs
 
 
+def _window_hits(pods: Sequence[tuple[int, int]], window_group: int, bs: int, need: int, bits: GroupBits,
+                 canonical: int, prompt_len: int) -> dict[int, int]:
+    """``_window_hit`` for many pods at once: pod number -> tokens, for (number, prefix keys) pairs. The same
+    right-to-left search, walked once for all of them on the window group's bitmaps: ``runs[j]`` holds the
+    pods whose run of held blocks (from where each pod's full-attention prefix ends, downwards) is at least
+    ``j`` long; a pod leaves when its run reaches ``need``. A few integer operations a block instead of a
+    bit test per pod and block: a fleet-wide prefix held by 1,000 hybrid pods."""
+    max_tokens = prompt_len - 1
+    out: dict[int, int] = {}
+    if max_tokens <= 0:
+        return {num: 0 for num, _ in pods}
+    per = bs // canonical
+    limit = max_tokens // bs
+    starts: dict[int, int] = {}  # block -> pods whose search starts there
+    for num, prefix_keys in pods:
+        n = min(prefix_keys // per, limit)
+        if n:
+            starts[n - 1] = starts.get(n - 1, 0) | 1 << num
+        else:
+            out[num] = 0
+    if not starts:
+        return out
+    runs = [0] * (need + 1)  # runs[0]: every pod still searching
+    for i in range(max(starts), -1, -1):
+        runs[0] |= starts.get(i, 0)
+        held = bits(window_group, (i + 1) * per - 1) & runs[0]
+        for j in range(need, 0, -1):
+            runs[j] = runs[j - 1] & held
+        done = runs[need]
+        if done:
+            _spread(done, (i + need) * bs, out)
+            keep = ~done
+            runs = [r & keep for r in runs]
+    for j in range(need - 1, -1, -1):  # no run long enough: the run from block 0
+        left = runs[j] & ~runs[j + 1] if j + 1 < need else runs[j]
+        _spread(left, j * bs, out)
+    return out
+
+
+def _spread(mask: int, tokens: int, out: dict[int, int]) -> None:
+    while mask:
+        low = mask & -mask
+        out[low.bit_length() - 1] = tokens
+        mask ^= low
+
+
 def group_hit(groups: Mapping[int, GroupSpec], prefix_keys: int, bits: GroupBits, num: int, canonical: int,
               engine_block: int, prompt_len: int) -> int:
     """Tokens a hybrid pod reuses: ``prefix_keys``, its prefix (in request keys of ``canonical`` tokens) in its
@@ -107,22 +153,42 @@ def keys_needed(matches: Iterable[PodMatch], hybrid: Mapping[str, object]) -> in
     return max((m.blocks for m in matches if m.pod_id in hybrid), default=0)
 
 
+# pod -> (its groups mapping, engine block, _window_pair of them): the layout analysed once per metadata read
+_LAYOUTS: dict[str, tuple[Mapping[int, GroupSpec], int, tuple[int, int, int] | None]] = {}
+
+
 def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[int, GroupSpec]],
                  engine_blocks: Mapping[str, int | None], presence: Sequence[Mapping[str, bytes]],
                  nums: Mapping[str, int], canonical: int, prompt_len: int) -> list[PodMatch]:
     """The matches with each hybrid pod's blocks replaced by what its groups' rules leave (in request keys);
     a pod whose number is not known keeps its prefix-group match (read again next time)."""
-    out = []
     bits = GroupBits(presence)
+    hits: dict[str, int] = {}
+    batched: dict[str, tuple[tuple[int, int, int], int]] = {}  # pod -> (its window layout, its number)
+    batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # pods of one layout, searched at once
     for m in matches:
         groups = groups_of.get(m.pod_id)
-        if groups is None or m.pod_id not in nums:
-            out.append(m)
+        num = nums.get(m.pod_id)
+        if groups is None or num is None:
             continue
         ebs = engine_blocks.get(m.pod_id) or canonical
-        hit = group_hit(groups, m.blocks, bits, nums[m.pod_id], canonical, ebs, prompt_len)
-        out.append(PodMatch(m.pod_id, hit // canonical, m.tier))
-    return out
+        memo = _LAYOUTS.get(m.pod_id)
+        if memo is None or memo[0] is not groups or memo[1] != ebs:
+            # the pod's groups as its metadata cache holds them: one object until the metadata is read again
+            memo = _LAYOUTS[m.pod_id] = (groups, ebs, _window_pair(tuple(sorted(groups.items())), ebs, canonical))
+            if len(_LAYOUTS) > 100_000:
+                _LAYOUTS.clear()
+        pair = memo[2]
+        if pair is None:
+            hits[m.pod_id] = group_hit(groups, m.blocks, bits, num, canonical, ebs, prompt_len)
+        else:
+            batched[m.pod_id] = (pair, num)
+            batches.setdefault(pair, []).append((num, m.blocks))
+    found = {pair: _window_hits(pods, *pair, bits, canonical, prompt_len) for pair, pods in batches.items()}
+    for pod, (pair, num) in batched.items():
+        hits[pod] = found[pair][num]
+    return [m if (hit := hits.get(m.pod_id)) is None else PodMatch(m.pod_id, hit // canonical, m.tier)
+            for m in matches]
 
 
 __all__ = ["GroupBits", "apply_groups", "group_hit", "keys_needed"]
