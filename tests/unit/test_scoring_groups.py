@@ -18,7 +18,8 @@ C = 16
 def test_window_pair_path_equals_the_general_rule(per, window, sw_first, prefix_keys, held, prompt_len, num):
     bs = per * C
     sw, fa = (0, 1) if sw_first else (1, 0)
-    groups = {sw: GroupSpec(kind=SLIDING, block_size=bs, sliding_window=window), fa: GroupSpec(kind=FULL, block_size=bs)}
+    groups = {sw: GroupSpec(kind=SLIDING, block_size=bs, sliding_window=window),
+              fa: GroupSpec(kind=FULL, block_size=bs)}
     assert _window_pair(tuple(sorted(groups.items())), bs, C) is not None
     # the window group's bit on each request key: a block is held when its last key's bit is set
     presence = []
