@@ -80,7 +80,7 @@ class SingleNodeBackend:
         if r.kind == 0:
             per_key = r.reads
             known = await names(mask_of(per_key[0]) if per_key else 0, r.epoch)
-            return Lookup(prefix_from_bits(per_key, known)), r.foreign
+            return Lookup(prefix_from_bits(per_key, known), group_bits=r.groups), r.foreign
         known = await names([num for num, _, _ in r.counts], r.epoch)
         return Lookup([PodMatch(known[num], held, tier) for num, held, tier in r.counts if num in known]), r.foreign
 
