@@ -189,3 +189,11 @@ def test_an_entry_and_a_bit_that_move_together_are_one_command_each():
     assert key_ops(11, "F", 1, "", 0, 9) == ["E", 11, "F"]  # an entry no bit stands for (speculative)
     # an entry two groups share (llm-d v0.8 entries): the general form, whose count follows the entry
     assert key_ops(11, "F", 0, "gpu|1", 1, 9) == ["K", 11, "kvpf:{11}", "F", 0, "gpu|1", 1, 2, 2]
+
+
+def test_split_fields_is_bits_of_and_group_bits_of_in_one_pass():
+    from kv_preflight.index.presence import bits_of, group_bits_of, split_fields
+
+    flat = [b"gpu", b"\x01", b"gpu|1", b"\x02", "cpu", b"\x04", b"cpu|0", b"\x08", b"gpu|x", b"\x10"]
+    assert split_fields(flat) == (bits_of(flat), group_bits_of(flat))
+    assert split_fields([]) == ({}, {})
