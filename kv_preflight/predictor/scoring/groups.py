@@ -164,28 +164,36 @@ def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[in
     a pod whose number is not known keeps its prefix-group match (read again next time)."""
     bits = GroupBits(presence)
     hits: dict[str, int] = {}
-    batched: dict[str, tuple[tuple[int, int, int], int]] = {}  # pod -> (its window layout, its number)
+    batched: list[tuple[str, tuple[int, int, int], int]] = []  # (pod, its window layout, its number)
     batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # pods of one layout, searched at once
+    layouts = _LAYOUTS
     for m in matches:
-        groups = groups_of.get(m.pod_id)
-        num = nums.get(m.pod_id)
-        if groups is None or num is None:
+        pod = m.pod_id
+        groups = groups_of.get(pod)
+        if groups is None:
             continue
-        ebs = engine_blocks.get(m.pod_id) or canonical
-        memo = _LAYOUTS.get(m.pod_id)
-        if memo is None or memo[0] is not groups or memo[1] != ebs:
-            # the pod's groups as its metadata cache holds them: one object until the metadata is read again
-            memo = _LAYOUTS[m.pod_id] = (groups, ebs, _window_pair(tuple(sorted(groups.items())), ebs, canonical))
-            if len(_LAYOUTS) > 100_000:
-                _LAYOUTS.clear()
+        num = nums.get(pod)
+        if num is None:
+            continue
+        memo = layouts.get(pod)
+        if memo is None or memo[0] is not groups:
+            # the pod's groups as its metadata cache holds them (its engine block comes from the same read):
+            # one object until the metadata is read again
+            ebs = engine_blocks.get(pod) or canonical
+            memo = layouts[pod] = (groups, ebs, _window_pair(tuple(sorted(groups.items())), ebs, canonical))
+            if len(layouts) > 100_000:
+                layouts.clear()
         pair = memo[2]
         if pair is None:
-            hits[m.pod_id] = group_hit(groups, m.blocks, bits, num, canonical, ebs, prompt_len)
-        else:
-            batched[m.pod_id] = (pair, num)
-            batches.setdefault(pair, []).append((num, m.blocks))
+            hits[pod] = group_hit(groups, m.blocks, bits, num, canonical, memo[1], prompt_len)
+            continue
+        batch = batches.get(pair)
+        if batch is None:
+            batch = batches[pair] = []
+        batch.append((num, m.blocks))
+        batched.append((pod, pair, num))
     found = {pair: _window_hits(pods, *pair, bits, canonical, prompt_len) for pair, pods in batches.items()}
-    for pod, (pair, num) in batched.items():
+    for pod, pair, num in batched:
         hits[pod] = found[pair][num]
     return [m if (hit := hits.get(m.pod_id)) is None else PodMatch(m.pod_id, hit // canonical, m.tier)
             for m in matches]
