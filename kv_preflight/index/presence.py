@@ -247,6 +247,18 @@ def one_tier_reads(reply: Sequence[Any]) -> tuple[list[bytes | str], list[bytes]
     return tiers, maps
 
 
+def one_tier_of_reads(reads: Sequence[Mapping[str, bytes]]) -> tuple[list[bytes | str], list[bytes]] | None:
+    """Parsed per-key tier bitmaps as ``one_tier_reads``'s two lists when every key has at most one tier: a
+    hybrid model's fleet-wide reply, its other groups' fields set apart, walks in C as a plain one's does."""
+    if _speedups is None or any(len(r) > 1 for r in reads):
+        return None
+    tiers: list[bytes | str] = [next(iter(r)) if r else "" for r in reads]
+    maps = [next(iter(r.values())) if r else b"" for r in reads]
+    if not all(type(b) is bytes for b in maps):
+        return None
+    return tiers, maps
+
+
 def prefix_of_one_tier(tiers: Sequence[bytes | str], maps: Sequence[bytes], names: Mapping[int, str],
                        cut: int | None = None) -> list[PodMatch]:
     """``prefix_from_bits`` over ``one_tier_reads``'s lists (every pod), the walk in C; ``cut`` as there."""
