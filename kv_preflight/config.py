@@ -43,6 +43,9 @@ class Config:
     health_timeout_s: float = 2.0
     retire_after_s: float = 60.0  # unreachable this long: retired (entries cleared)
     retired_retention_s: float = 3600.0  # a retired pod's registry row is kept this long
+    # Sources one ingester subscribes at most (each holds ~3 ZMQ sockets; libzmq allows 1,023 per context);
+    # also bounded by the open-file limit. An engine past it is refused (logged, counted), never a crash.
+    max_sources: int = 256
     # Hostile-input bounds (docs/operations.md, "Hostile publishers and memory"): ZMQ drops a connection
     # whose frame is larger than max_frame_bytes before allocating it; a socket's queue holds
     # max_queue_bytes of such frames.
@@ -65,6 +68,9 @@ class Config:
     log_json: bool = False
     # Local tokenization: model -> directory holding tokenizer.json + tokenizer_config.json.
     tokenizers: dict[str, str] = field(default_factory=dict)
+    # Hybrid models: model -> KV cache group -> what its hit rule needs and the engine's events do not say
+    # (``--group-spec MODEL:GROUP=KIND/chunk=N``; kv_preflight/engines/hit_rules.py, docs/engines.md).
+    group_specs: dict[str, dict[int, Any]] = field(default_factory=dict)
     tokenizer_check: bool = True  # compare with the engine's /tokenize at start-up; fall back on a mismatch
     ttft_model: str = ""  # JSON written by `kv-preflight calibrate`; empty: the documented defaults
     # Routing (docs/routing.md): engine metrics to scrape, pod -> http://host:port, plus the --engine-url engines.
@@ -87,6 +93,10 @@ class Config:
     # its body (a slow client must not hold a connection forever).
     max_pods_filter: int = 1024
     request_read_timeout_s: float = 10.0
+    # Connections one client address may hold open at once, and all clients together (0: what the open-file
+    # limit leaves); past either, a new connection is answered 503 and closed (kvpf_connections_refused).
+    max_connections_per_client: int = 64
+    max_connections: int = 0
     # Distinct pod label values per Prometheus metric (both processes); later pods are summed under "_other".
     max_pod_series: int = 256
     # API keys (Authorization: Bearer); none configured: no auth. Never logged or printed.
@@ -102,6 +112,10 @@ class Config:
     # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
     dynamo_port: int = 0
     register_allow: tuple[str, ...] = ()
+    # /register's bounds: engines in all and per model (429 past them); every registration is re-read by
+    # every ingester each discovery interval and listed by /workers, so they stay bounded
+    max_registered_engines: int = 1024
+    max_registered_per_model: int = 256
     # Ingester: the pod id written into the index: "topic" (the topic's kv@<pod>@model) or "endpoint" (llm-d
     # v0.10's "<pod IP>:<target port of the rank>", router PR #2233); target_ports: the InferencePool's
     # targetPorts, rank r -> target_ports[r] (empty: the engine URL's port + r). docs/llm-d.md.
@@ -280,5 +294,13 @@ def parse_lora_names(items: Any) -> dict[str, str]:
     return {str(int(k)): v for k, v in out.items()}
 
 
+def parse_group_specs(items: Any) -> dict[str, dict[int, Any]]:
+    """``MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]`` values, as given to ``--group-spec``."""
+    from kv_preflight.engines.hit_rules import parse_group_specs as parse
+
+    return parse(items)
+
+
 _DICT_PARSERS = {"tokenizers": parse_tokenizer_dirs, "pod_metrics": parse_pod_urls,
-                 "route_tier_weights": parse_tier_weights, "lora_names": parse_lora_names}
+                 "route_tier_weights": parse_tier_weights, "lora_names": parse_lora_names,
+                 "group_specs": parse_group_specs}

@@ -15,6 +15,7 @@ from kv_preflight.index.index import Index, LayoutError, StoreBlock, parse_entry
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
 from kv_preflight.events import topic_or_none
+from kv_preflight.engines.hit_rules import effective_groups, held_blocks, longest_hit, prefix_group
 
 
 def _run(coro):
@@ -233,9 +234,11 @@ def ingesters(valkey_url, as_json) -> None:
 @click.option("--engine-url", default=None, help="Engine to tokenize --prompt with.")
 @click.option("--hash-seed", default=None)
 @click.option("--block-size", default=None, type=click.IntRange(min=1))
+@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/chunk=N]...: a hybrid model's KV cache group the events do not describe (as serve --group-spec).")
 @json_opt
-def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, as_json) -> None:
-    """Per block of a prompt: its key, which pods and tiers hold it, where each pod's chain breaks."""
+def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block_size, group_specs, as_json) -> None:
+    """Per block of a prompt: its key, which pods, tiers and KV cache groups hold it, where each pod's chain
+    breaks, and the tokens each pod's engine reuses (a hybrid model: every group's rule, as /predict)."""
     from kv_preflight.cli.token_input import read_tokens
     from kv_preflight.engines import DEFAULT, engine
     from kv_preflight.keys.chain import request_keys
@@ -255,7 +258,13 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
             raise click.ClickException(f"tokenizing with {engine_url} failed: {exc}") from None
     else:
         tokens = read_tokens(tokens_spec)
-    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size)
+    from kv_preflight.config import parse_group_specs
+
+    try:
+        specs = parse_group_specs(group_specs) if group_specs else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, group_specs=specs)
     try:
         keys = request_keys(tokens, model=model, hash_seed=cfg.hash_seed, block_size=cfg.block_size)
     except ValueError as exc:
@@ -264,15 +273,25 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
     async def go():
         ix = await _open(valkey_url)
         try:
-            return await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
+            fields = await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
+            pods = sorted({e.PodIdentifier for fl in fields for e in map(parse_entry, fl) if e is not None})
+            return fields, {i.pod_id: i for i in await ix.scoring_infos(pods)}
         finally:
             await ix.close()
 
-    fields = _run(go())
+    fields, infos = _run(go())
+    declared = cfg.group_specs.get(model)
+    hybrid = {p: g for p, i in infos.items() if (g := effective_groups(i.groups, declared))}
+    held: dict[tuple[str, int], set[int]] = {}  # (pod, group) -> request keys held there (any tier)
     blocks, alive, breaks = [], None, {}
     for i, (key, fl) in enumerate(zip(keys, fields)):
         holders = [e for e in (parse_entry(f) for f in fl) if e is not None]
-        pods_here = {e.PodIdentifier for e in holders if not e.Speculative}
+        for e in holders:
+            if not e.Speculative:
+                held.setdefault((e.PodIdentifier, e.GroupIdx), set()).add(i)
+        # a hybrid pod's chain is its prefix group's (full attention); its other groups are read beside
+        pods_here = {e.PodIdentifier for e in holders if not e.Speculative
+                     and (e.PodIdentifier not in hybrid or e.GroupIdx == prefix_group(hybrid[e.PodIdentifier]))}
         if alive is None:
             alive = set(pods_here)
         for p in sorted(alive - pods_here):
@@ -280,11 +299,26 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         alive &= pods_here
         blocks.append({"block": i, "tokens": [i * cfg.block_size, (i + 1) * cfg.block_size], "key": str(key),
                        "holders": [{"pod_id": e.PodIdentifier, "tier": e.DeviceTier, "speculative": e.Speculative}
-                                   for e in holders]})
+                                   | ({"group": e.GroupIdx} if e.HasGroup else {}) for e in holders]})
     for p in alive or ():
         breaks[p] = len(keys)
+    reused = {}
+    for p, n in breaks.items():
+        ebs = (infos[p].engine_block_size if p in infos else None) or cfg.block_size
+        groups = hybrid.get(p)
+        if groups is None:  # one group: whole engine blocks of the chain, the last prompt token recomputed
+            reused[p] = min(n * cfg.block_size // ebs * ebs, max(len(tokens) - 1, 0) // ebs * ebs)
+            continue
+        pg = prefix_group(groups)
+
+        def has(g: int, k: int, p=p, n=n, pg=pg) -> bool:
+            return k < n if g == pg else k in held.get((p, g), ())
+
+        reused[p] = longest_hit(groups, held_blocks(groups, has, cfg.block_size, ebs), len(tokens), ebs)
     data = {"model": model, "tokens": len(tokens), "blocks": blocks,
-            "prefix_blocks_per_pod": dict(sorted(breaks.items(), key=lambda kv: -kv[1]))}
+            "prefix_blocks_per_pod": dict(sorted(breaks.items(), key=lambda kv: -kv[1])),
+            "cached_tokens_per_pod": dict(sorted(reused.items(), key=lambda kv: -kv[1])),
+            "groups_per_pod": {p: {str(g): s.kind for g, s in sorted(gs.items())} for p, gs in sorted(hybrid.items())}}
 
     def human(d):
         click.echo(f"{d['tokens']} tokens, {len(d['blocks'])} full blocks of {cfg.block_size}")
@@ -292,7 +326,10 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
             who = ", ".join(f"{h['pod_id']}@{h['tier']}" + ("[spec]" if h["speculative"] else "") for h in b["holders"]) or "-"
             click.echo(f"  #{b['block']:<5} {b['key']:>20}  {who}")
         for p, n in d["prefix_blocks_per_pod"].items():
-            click.echo(f"  {p}: chain holds {n} block(s)" + ("" if n == len(d["blocks"]) else f", breaks at block #{n}"))
+            kinds = d["groups_per_pod"].get(p)
+            click.echo(f"  {p}: chain holds {n} block(s)" + ("" if n == len(d["blocks"]) else f", breaks at block #{n}")
+                       + f"; the engine reuses {d['cached_tokens_per_pod'][p]} tokens"
+                       + (f" (KV cache groups {', '.join(f'{g}={k}' for g, k in kinds.items())})" if kinds else ""))
 
     _emit(as_json, data, human)
 
@@ -308,7 +345,10 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             _unknown_pods([pod_id], await ix.pod_ids())
-            n = await ix.clear_pod(pod_id, forget=forget)
+            if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
+                from kv_preflight.fleet.lifecycle import forget_pods
+                return (await forget_pods(ix, [pod_id], keep_refusing=False))[pod_id]
+            n = await ix.clear_pod(pod_id)
             if not forget:  # the engine still holds those blocks: say so until it resets
                 await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
                                                  "the index no longer lists; exact again at its next reset")

@@ -10,7 +10,7 @@ import sys
 import click
 
 from kv_preflight.config import Config, parse_model_urls, parse_pod_urls, parse_tier_weights, parse_tokenizer_dirs
-from kv_preflight.config import parse_lora_names
+from kv_preflight.config import parse_group_specs, parse_lora_names
 from kv_preflight.cli.token_input import read_tokens
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 
@@ -97,11 +97,12 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does.")
 @click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
+@click.option("--max-sources", default=None, type=click.IntRange(min=1), help="Engine sources this ingester subscribes at most (default 256, and what the open-file limit allows); an engine past it is refused, logged and counted.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
-           target_ports=None, private=None) -> None:
+           target_ports=None, private=None, max_sources=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from kv_preflight.ingester.main import run
 
@@ -118,7 +119,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           registered_engines=False if private and registered_engines is None else registered_engines,
                           private=private,
                           lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
-                          pod_id=pod_id,
+                          pod_id=pod_id, max_sources=max_sources,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -159,11 +160,18 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
+@click.option("--max-registered-engines", default=None, type=click.IntRange(min=1), help="Engines /register may add in all (default 1024); past it, 429.")
+@click.option("--max-registered-per-model", default=None, type=click.IntRange(min=1), help="Engines /register may add per model (default 256); past it, 429.")
+@click.option("--max-connections-per-client", default=None, type=click.IntRange(min=0), help="Connections one client address may hold open (default 64; 0: no limit); past it, 503 and close.")
+@click.option("--max-connections", default=None, type=click.IntRange(min=0), help="Connections all clients may hold open (default 0: the open-file limit less 64); past it, 503 and close.")
+@click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]: a hybrid model's KV cache group, for what its engine's events do not say (a chunked local attention group's chunk size). Repeatable. docs/engines.md")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
           tokenizers, tokenizer_check, ttft_model, pod_metrics, metrics_interval_s, tier_weights,
           route_waiting_weight, route_overload_abs, route_overload_rel, route_max_kv_usage, route_good_match,
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
-          register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None) -> None:
+          register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None,
+          max_registered_engines=None, max_registered_per_model=None, max_connections_per_client=None,
+          max_connections=None, group_specs=()) -> None:
     """Serve predictions and routing over HTTP."""
     from kv_preflight.predictor.serve import serve as run_server
 
@@ -182,6 +190,9 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
             dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
             route_placement_window_s=route_placement_window_s, route_pending_s=route_pending_s,
+            max_registered_engines=max_registered_engines, max_registered_per_model=max_registered_per_model,
+            max_connections_per_client=max_connections_per_client, max_connections=max_connections,
+            group_specs=parse_group_specs(group_specs) if group_specs else None,
         )
         check_serve_files(cfg)
     except ValueError as exc:
@@ -251,9 +262,10 @@ cli.add_command(bench)
 @click.option("--blocks", default=256, show_default=True, type=click.IntRange(min=2), help="KV blocks in the pool, including vLLM's reserved null block.")
 @click.option("--max-model-len", default=512, show_default=True, type=click.IntRange(min=2), help="Context length (prompt + output).")
 @click.option("--step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Wall time per engine step.")
+@click.option("--topic", default=None, help="PUB topic (default kv@POD@MODEL; '' is vLLM's default empty topic).")
 @click.option("--sliding-window", type=click.IntRange(min=2), default=None, help="Simulate a hybrid model: a sliding-window layer with this window (tokens) beside a full-attention one, two KV cache groups as vLLM's hybrid KV cache manager runs them.")
 def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, blocks, max_model_len, step_ms,
-             sliding_window) -> None:
+             topic, sliding_window) -> None:
     """Run a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's."""
     from kv_preflight.simulator.config import SimulatorConfig
     from kv_preflight.simulator.main import run
@@ -261,7 +273,7 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
     cfg = SimulatorConfig(pod=pod, model=model, host=host, port=port, zmq_endpoint=zmq_endpoint,
                           replay_endpoint=None if replay_endpoint.lower() == "none" else replay_endpoint,
                           block_size=block_size, num_blocks=blocks, max_model_len=max_model_len,
-                          step_delay_s=step_ms / 1000, sliding_window=sliding_window)
+                          step_delay_s=step_ms / 1000, topic_override=topic, sliding_window=sliding_window)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -429,6 +429,7 @@ SERVE_OPTIONS = [
     click.Option(["--route-stale", "route_stale_s"], default=None, type=float, help="As serve."),
     click.Option(["--route-placement-window", "route_placement_window_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
     click.Option(["--route-pending", "route_pending_s"], default=None, type=click.FloatRange(min=0), help="As serve."),
+    click.Option(["--group-spec", "group_specs"], multiple=True, help="MODEL:GROUP=KIND[/chunk=N]...: a hybrid model's KV cache group, as serve --group-spec. Repeatable."),
 ]
 up.params.extend(SERVE_OPTIONS)
 

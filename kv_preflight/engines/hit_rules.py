@@ -29,7 +29,7 @@ always recomputes the last prompt token (``KVCacheManager.get_computed_blocks``)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 FULL = "full_attention"
@@ -61,8 +61,67 @@ class GroupSpec:
         if self.kind == SLIDING and not self.sliding_window:
             return "sliding-window group without its window size"
         if self.kind == CHUNKED and not self.attention_chunk_size:
-            return "chunked local attention group without its chunk size (--kv-group-spec)"
+            return "chunked local attention group without its chunk size (give it with --group-spec)"
         return None
+
+    def filled(self, declared: "GroupSpec") -> "GroupSpec":
+        """This spec (learned from events) with what it lacks taken from ``declared`` (``--group-spec``): the
+        events' own values win, since they are what the engine runs; an unknown kind takes the declared one."""
+        kind = self.kind if self.kind in KNOWN_KINDS else declared.kind
+        return GroupSpec(kind, self.block_size or declared.block_size, self.sliding_window or declared.sliding_window,
+                         self.attention_chunk_size or declared.attention_chunk_size, self.eagle or declared.eagle)
+
+
+KIND_NAMES = {"full": FULL, "full_attention": FULL, "sliding_window": SLIDING, "swa": SLIDING, "chunked": CHUNKED,
+              "chunked_local_attention": CHUNKED, "mamba": MAMBA}
+SPEC_OPTIONS = {"block": "block_size", "window": "sliding_window", "chunk": "attention_chunk_size"}
+
+
+def parse_group_spec(item: str) -> tuple[str, int, GroupSpec]:
+    """One ``--group-spec`` value: ``MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]`` (KIND: full,
+    sliding_window, chunked_local_attention, mamba; short forms swa, chunked). What vLLM 0.32's events do not
+    carry (a chunked local attention group's chunk size, a Mamba group's block size) is given this way; no
+    commas, so ``KVPF_GROUP_SPECS`` lists several with commas."""
+    head, sep, rest = item.strip().partition("=")
+    model, colon, group = head.rpartition(":")
+    form = "MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]"
+    if not sep or not colon or not model or not group.strip().isdigit() or not rest:
+        raise ValueError(f"--group-spec expects {form}, got {item!r}")
+    kind_name, *options = rest.split("/")
+    kind = KIND_NAMES.get(kind_name.strip().lower())
+    if kind is None:
+        raise ValueError(f"--group-spec {item!r}: unknown kind {kind_name!r} (one of {', '.join(sorted(KIND_NAMES))})")
+    values: dict[str, object] = {"kind": kind}
+    for opt in options:
+        name, eq, value = opt.strip().partition("=")
+        if name == "eagle" and not eq:
+            values["eagle"] = True
+        elif name in SPEC_OPTIONS and eq and value.isdigit() and int(value) > 0:
+            values[SPEC_OPTIONS[name]] = int(value)
+        else:
+            raise ValueError(f"--group-spec {item!r}: bad option {opt!r} (block=N, window=N, chunk=N or eagle)")
+    return model.strip(), int(group), GroupSpec(**values)  # type: ignore[arg-type]
+
+
+def parse_group_specs(items: Iterable[str]) -> dict[str, dict[int, GroupSpec]]:
+    """Repeated ``--group-spec`` values as model -> group -> spec."""
+    out: dict[str, dict[int, GroupSpec]] = {}
+    for item in items:
+        model, group, spec = parse_group_spec(item)
+        out.setdefault(model, {})[group] = spec
+    return out
+
+
+def effective_groups(learned: Mapping[int, GroupSpec] | None, declared: Mapping[int, GroupSpec] | None
+                     ) -> dict[int, GroupSpec] | None:
+    """A pod's groups as the hit rule uses them: those its events named, each filled from the declared ones
+    (``--group-spec`` for its model); None when the events named fewer than two (a plain model, or an engine
+    whose events carry no group: the declared groups alone cannot place its blocks)."""
+    if not learned:
+        return None
+    if not declared:
+        return dict(learned)
+    return {g: (s.filled(declared[g]) if g in declared else s) for g, s in learned.items()}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -211,5 +270,5 @@ def held_blocks(groups: Mapping[int, GroupSpec], keys_held: Callable[[int, int],
     return held
 
 
-__all__ = ["CHUNKED", "FULL", "KNOWN_KINDS", "MAMBA", "SLIDING", "GroupSpec", "group_hit", "held_blocks",
-           "longest_hit", "prefix_group"]
+__all__ = ["CHUNKED", "FULL", "KNOWN_KINDS", "MAMBA", "SLIDING", "GroupSpec", "effective_groups", "group_hit",
+           "held_blocks", "longest_hit", "parse_group_spec", "parse_group_specs", "prefix_group"]

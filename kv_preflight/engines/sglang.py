@@ -14,6 +14,10 @@ Engine rules this adapter keeps:
   they are read as the same 64 bits unsigned.
 * ``medium`` is ``GPU``, ``CPU_PINNED``, ``DISK`` or ``EXTERNAL``: tiers ``gpu``, ``cpu_pinned``, ...
 * ``lora_id`` comes without a name: ``--lora-name ID=NAME`` maps it (ingester/bridge.py ``model_for``).
+* No KV cache group: events have no group, kind or window field, and the hybrid caches (``SWARadixCache``,
+  ``MambaRadixCache``) publish the full-attention radix tree only (an SWA node's eviction, tombstoning, sends
+  no event; mem_cache/swa_radix_cache.py). A hybrid model's pods are counted by that tree, not exactly, and
+  answers say so when ``--group-spec`` declares the model hybrid (docs/engines.md, "Hybrid models").
 * The default topic is empty and replay replies carry no topic frame: name the pod and model on the
   source (``--source ENDPOINT,pod=P,model=M,engine=sglang``), or the ingester remembers them per replay
   endpoint once a live frame named them.

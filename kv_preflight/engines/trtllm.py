@@ -7,6 +7,10 @@ Events are tagged maps, vLLM-compatible (``KVCacheWireEvent``), in a positional 
 * 32 tokens per block by default (``tokens_per_block``); only full blocks are announced.
 * Consecutive stores are merged into one ``BlockStored`` (``block_hashes`` several, ``token_ids`` their
   concatenation): the bridge keys each block from its slice.
+* No KV cache group: ``group_idx`` and ``kv_cache_spec_*`` are never set, and only the layer group whose
+  window is the largest (the "target lifecycle") is published; a variable sliding window model's smaller
+  windows are not in the events, so its pods are not counted exactly (answers say so when ``--group-spec``
+  declares the model hybrid; docs/engines.md, "Hybrid models").
 * Multimodal blocks carry string tokens and ``mm_keys`` (13599e98): not keyed, counted as decode errors.
 * The PUB socket always binds; the default topic is empty (name pod and model on the source); replay
   replies carry the topic frame, as vLLM 0.32's do. No HTTP endpoint lists the publishers.

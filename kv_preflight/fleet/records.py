@@ -49,6 +49,23 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # every engine this ingester knows of ({"url", "pod", "origin"}, ingester/membership_rules.py EngineSpec):
     # the union over live leases is what the fleet ingests, so ingesters need not share one config
     known: list[dict] = msgspec.field(default_factory=list)
+    # the newest ``kvpf:forget`` request (Valkey ms) this ingester has carried out: the pods asked for are let
+    # go and their frames refused here; whoever forgets a pod clears its keys once every live lease shows it
+    forget_seen_ms: int = 0
+    renewed_ms: int = 0  # Valkey's time of this renewal
+    # the ZMQ endpoints this ingester subscribes and replays from -> the pod they publish ("" not known yet):
+    # a registration of one of them for another pod is refused
+    sources: dict[str, str] = msgspec.field(default_factory=dict)
+    # freshness (predictor/scoring/freshness.py): the ingester's own account of its ingestion, "current",
+    # "behind" (a backlog, replays under way, Valkey failing briefly) or "stalled" (Valkey writes failing or
+    # the loop stuck for STALL_S); "" from an ingester that predates it. ``current_ms``: the Valkey time it
+    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way;
+    # ``batch_ts``: each pod's newest applied batch's engine timestamp (epoch seconds).
+    state: str = ""
+    current_ms: int = 0
+    pods: list[str] = msgspec.field(default_factory=list)
+    behind: list[str] = msgspec.field(default_factory=list)
+    batch_ts: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

@@ -14,8 +14,8 @@ from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
 from kv_preflight.index.entries import text
-from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, FEEDS_KEY, FLEET_KEY, INGESTERS_KEY, LOAD_KEY,
-                                       REGISTERED_KEY, SETTINGS_KEY, feed_field)
+from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
+                                       INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)
 
 
 class FleetStore:
@@ -110,6 +110,46 @@ class FleetStore:
         found = await self.settings()
         assert found is not None
         return found
+
+    # ---- the index's epoch: did Valkey lose the data since a writer last looked?
+
+    async def epoch(self) -> str | None:
+        found = await self.client.hget(EPOCH_KEY, "id")
+        return text(found) if found is not None else None
+
+    async def claim_epoch(self, token: str) -> str:
+        """Set the epoch to ``token`` if none is set (first writer wins); the epoch the index has now."""
+        await self.client.hsetnx(EPOCH_KEY, "id", token)
+        return text(await self.client.hget(EPOCH_KEY, "id"))
+
+    async def maxmemory_policy(self) -> str | None:
+        """Valkey's ``maxmemory-policy``, None where CONFIG is not allowed (a managed service)."""
+        try:
+            found = await self.client.config_get("maxmemory-policy")
+        except Exception:  # noqa: BLE001 - CONFIG renamed or refused: nothing to warn about then
+            return None
+        value = (found or {}).get("maxmemory-policy")
+        return text(value) if value is not None else None
+
+    # ---- pods being forgotten
+
+    async def forget_pods(self, pod_ids: Iterable[str]) -> int:
+        """Ask every ingester to let go of these pods (and refuse their frames); returns Valkey's time."""
+        now = await self.now_ms()
+        pods = list(pod_ids)
+        if pods:
+            await self.client.hset(FORGET_KEY, mapping={p: str(now) for p in pods})
+        return now
+
+    async def forgotten(self) -> dict[str, int]:
+        raw = await self.client.hgetall(FORGET_KEY)
+        return {text(k): int(text(v)) for k, v in (raw or {}).items() if text(v).isdigit()}
+
+    async def unforget_pods(self, pod_ids: Iterable[str]) -> None:
+        """These pods may be ingested again (registered anew)."""
+        pods = list(pod_ids)
+        if pods:
+            await self.client.hdel(FORGET_KEY, *pods)
 
     async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Record that each (name, other) pair names one pod both ways (``--pod-id endpoint``)."""

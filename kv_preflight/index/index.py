@@ -44,6 +44,7 @@ from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
 
 log = logging.getLogger("kvpf.index")
 
+REGISTRY_REFRESH_S = 10.0  # a registry row this process wrote is written again after this long (_register_new)
 NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
 
 
@@ -184,7 +185,9 @@ class Index:
         self.backend: IndexBackend = backend or SingleNodeBackend(client, fast)
         self.cluster = self.backend.cluster
         self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
-        self._registered: dict[str, str] = {}  # pod -> model this Index has put in the registry
+        # pod -> (model, monotonic time) this Index last put in the registry: written again after
+        # REGISTRY_REFRESH_S, so a row someone removed (a lost index, a forget) comes back with the pod's batches
+        self._registered: dict[str, tuple[str, float]] = {}
         self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
         self._nums: dict[str, int] = {}  # their numbers
         # the pods this process writes: their states in memory, batches planned against them
@@ -310,6 +313,8 @@ class Index:
 
         Each batch is planned against its pod's state (kv_preflight/index/writer.py); a plan another writer
         made stale meanwhile is planned again and sent again here, so callers only see the seq's answers."""
+        # listed before its first keys are written: no reader ever sees keys of a pod that no listing shows
+        await self._register_new(batches)
         preps = await self.plan_batches(batches)
         try:
             sent = await self.backend.send(preps)
@@ -334,8 +339,10 @@ class Index:
             if not redo:
                 break
             lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
-            if lost:  # forgotten meanwhile (index clear --forget, retention): numbered again
+            if lost:  # forgotten meanwhile (index clear --forget, retention): listed and numbered again
                 self._numbered -= set(lost)
+                for pod in lost:  # its registry row went with it: no keys of a pod that no listing shows
+                    self._registered.pop(pod, None)
                 await self.ensure_numbers(lost)
             again = []
             for i in redo:
@@ -343,6 +350,7 @@ class Index:
                 if results[i].status == REPLAN:
                     b["mode"] = "check"  # a reset another writer did already: this is the next seq
                 again.append(b)
+            await self._register_new(again)
             await self._load_pods(sorted({b["pod_id"] for b in again}))
             redo_preps = self.writer.prepare_run(again)
             for i, prep in zip(redo, redo_preps):
@@ -353,7 +361,6 @@ class Index:
         else:
             stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
             raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
-        await self._register_new(batches, results)
         return results
 
     async def plan_batches(self, batches: Sequence[dict[str, Any]]) -> list[Prepared]:
@@ -400,14 +407,42 @@ class Index:
                     self._names_at = time.monotonic()
         return self._names
 
-    async def _register_new(self, batches: Sequence[dict[str, Any]], results: Sequence[ApplyResult]) -> None:
-        """Pods applied for the first time by this Index (or with a new model) go into the fleet
-        registry: a separate write, since no per-batch step may touch a fleet-wide key on a cluster."""
-        new = {b["pod_id"]: b["model"] for b, r in zip(batches, results)
-               if r.status == "applied" and b["model"] and self._registered.get(b["pod_id"]) != b["model"]}
+    async def _register_new(self, batches: Sequence[dict[str, Any]]) -> None:
+        """Pods this Index writes for the first time (or with a new model, or not written for
+        REGISTRY_REFRESH_S) go into the fleet registry, before their batch is sent: a separate write, since no
+        per-batch step may touch a fleet-wide key on a cluster. The cache never outlives what Valkey holds by
+        more than that; a pod's batch at seq 0 (a new engine, or a replay from the start after the index lost
+        it) always writes its row."""
+        now = time.monotonic()
+        new = {}
+        for b in batches:
+            if not b.get("model") or b.get("mode") == "clear":
+                continue
+            had = self._registered.get(b["pod_id"])
+            if had is None or had[0] != b["model"] or now - had[1] > REGISTRY_REFRESH_S or b.get("seq") == 0:
+                new[b["pod_id"]] = b["model"]
         if new:
-            await self.client.hset(PODS_KEY, mapping=new)
-            self._registered.update(new)
+            await self.register_pods(new)
+
+    async def register_pods(self, models: dict[str, str]) -> None:
+        """Registry rows (pod -> model), written now."""
+        if models:
+            await self.client.hset(PODS_KEY, mapping=models)
+            now = time.monotonic()
+            self._registered.update({p: (m, now) for p, m in models.items()})
+
+    def forget_cached(self, pods: Iterable[str] | None = None) -> None:
+        """Drop what this process remembers of these pods (None: of every pod) having written: their
+        registry rows, numbers and in-memory states are read or written again from Valkey. After a pod was
+        let go (another process may forget it), and after the index lost its data."""
+        if pods is None:
+            pods = set(self._registered) | set(self._numbered) | set(self.writer.pods)
+            self._names, self._names_at = {}, -1e9
+        for pod in list(pods):
+            self._registered.pop(pod, None)
+            self._numbered.discard(pod)
+            self._nums.pop(pod, None)
+            self.writer.forget(pod)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:
         """Run what a stopped writer left in a pod's outbox (cluster; nothing to do on one node);
@@ -503,6 +538,7 @@ class Index:
             # its bits are all clear now (the clear above ran its effects): the number may serve another pod
             await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
             self._numbered.discard(pod_id)
+            self._registered.pop(pod_id, None)
         return held
 
     async def reset_pod(self, pod_id: str) -> int:

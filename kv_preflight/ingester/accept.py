@@ -64,6 +64,9 @@ class FrameAcceptor:
                             src.endpoint, pod[:80], refused)
             return None
         pod = self.routes.pod_name(src, pod)
+        if pod in self.routes.forgotten:  # unregistered or cleared with --forget: its keys are going
+            await self.counters.count("frames_refused", endpoint=src.endpoint)
+            return None
         await self.routes.write_aliases()
         rank = decoded.batch.data_parallel_rank or 0
         route = await self.routes.note(src, pod, decoded.topic.model, rank)

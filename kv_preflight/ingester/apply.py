@@ -26,6 +26,11 @@ from kv_preflight.ingester.valkey_retry import ValkeyRetry
 
 log = logging.getLogger("kvpf.ingester")
 
+# A gap's replay is asked from the ingest loop (its batches apply in order with the stream), so a replay
+# socket that does not answer at all holds up every pod for its timeout: it is not asked again for this long
+# (the gap is flagged incomplete meanwhile, exact again at the pod's next reset).
+SILENT_REPLAY_S = 30.0
+
 # The counter of each answer of the apply script (ingester/counters.py).
 _ANSWERS = {"applied": "batches_applied", "dup": "duplicates_skipped", "gap": "batches_gap",
             "restart": "batches_restart", "corrupt": "corrupt_batches"}
@@ -53,6 +58,8 @@ class Applier:
         self.valkey = valkey
         self.state = ChainState()
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
+        self._silent: dict[str, float] = {}  # replay endpoint that did not answer -> not asked until (monotonic)
+        self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
 
     def forget_chains(self) -> None:
         """After an engine restart: engine keys of the old process mean nothing now."""
@@ -171,8 +178,18 @@ class Applier:
         """Seqs ``start`` .. seq-1 from the replay socket, to apply before ``seq``; None if it does not hold
         them all."""
         await self.counters.count("gaps", pod=pod)
+        now = time.monotonic()
+        if self._silent.get(replay, 0.0) > now:
+            # it did not answer a moment ago: waiting its timeout again would hold up every pod's batches
+            log.info("%s: gap, have seq %d, got %d; replay socket %s silent lately, not asked", pod, start - 1, seq,
+                     replay)
+            return None
         log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, start - 1, seq, start)
-        frames, _ = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
+        frames, complete = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
+        if not frames and not complete:  # no answer at all: not asked again for SILENT_REPLAY_S
+            self._silent[replay] = time.monotonic() + SILENT_REPLAY_S
+            log.warning("%s: replay socket %s did not answer within %.1f s; not asked from the loop again for %.0f s",
+                        pod, replay, self.cfg.replay_timeout_s, SILENT_REPLAY_S)
         await self.counters.count("replays", pod=pod)
         by_seq = {f.seq: f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq
                   and (f.batch.data_parallel_rank or 0) == rank}
@@ -200,6 +217,7 @@ class Applier:
                       pod, seq, result.foreign_writes, result.detail)
         self.counters.metrics.applied(pod, batch)
         self.last_applied[pod] = time.monotonic()
+        self.last_batch_ts[pod] = batch.ts
         await self.counters.count("batches_applied", pod=pod)
         await self.counters.count("blocks_stored", plan.stored_blocks)
         await self.counters.count("blocks_removed", plan.removed_blocks)

@@ -57,6 +57,11 @@ COUNTED: dict[str, Counted] = {
     # the fleet membership (ingester/fleet_member.py)
     "pod_conflicts": Counted((("pod_conflicts",),)),
     "pods_retired": Counted((("pods_retired",),)),
+    "attach_errors": Counted((("engine_errors", "attach"),)),  # an engine's sources refused: that engine alone
+    "detach_errors": Counted((("engine_errors", "detach"),)),
+    "registrations_skipped": Counted((("engine_errors", "registration"),)),  # a kvpf:engines record unusable
+    "round_overruns": Counted((("round_overruns",),)),
+    "data_losses": Counted((("data_losses",),), valkey="data_losses"),  # the index's epoch gone or changed  # a membership round past its deadline (watchdog)
     # the process
     "valkey_errors": Counted((("valkey_errors",),)),
     "outbox_drains": Counted(),

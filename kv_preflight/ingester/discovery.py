@@ -8,12 +8,14 @@ when none does, the first answer's error is raised.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import httpx
 
 from kv_preflight.engines import ENGINES, Engine
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.ingester.sources import Source
 
 log = logging.getLogger("kvpf.ingester")
@@ -27,6 +29,10 @@ def sources_from(adapter: Engine, engine_url: str, body: Any, target_ports: tupl
     found = adapter.read_publishers(engine_url, body, target_ports)
     if found is None:
         return None
+    for p in found:  # an endpoint no socket could use fails this engine's discovery, never the ingester
+        check_zmq_endpoint(p.endpoint, bind=p.bind)
+        if p.replay:
+            check_zmq_endpoint(p.replay, bind=False)
     return [Source(endpoint=p.endpoint, bind=p.bind, replay=p.replay, topic=p.topic, rank=p.rank, serving=p.serving,
                    engine=adapter.name, pod=p.pod, model=p.model) for p in found]
 
@@ -39,12 +45,13 @@ async def discover(engine_url: str, timeout_s: float = 5.0, target_ports: tuple[
         if resp.status_code == 404:  # not that engine: the next one may list its publishers elsewhere
             for adapter in others:
                 answer = await client.get(base + adapter.discovery_path)
-                found = sources_from(adapter, engine_url, answer.json() if answer.status_code == 200 else None,
-                                     target_ports)
+                found = await asyncio.to_thread(sources_from, adapter, engine_url,
+                                                answer.json() if answer.status_code == 200 else None, target_ports)
                 if found is not None:
                     return found
         resp.raise_for_status()
-        found = sources_from(first, engine_url, resp.json(), target_ports)
+        # in a thread: an adapter may resolve the engine's host name (the serving address), a blocking call
+        found = await asyncio.to_thread(sources_from, first, engine_url, resp.json(), target_ports)
         if found is None:
             raise ValueError(f"{base}{first.discovery_path}: not a list of {first.name}'s publishers")
         return found

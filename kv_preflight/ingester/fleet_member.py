@@ -33,6 +33,7 @@ import msgspec
 
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, engine
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
@@ -49,6 +50,8 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
+MAX_LEASE_SOURCES = 2048  # endpoints a lease lists (sources and replays: the source cap keeps it far below)
+LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
 
 
@@ -93,7 +96,15 @@ class Ingesting(Protocol):
 
     def detach_engine(self, key: str) -> None: ...
 
-    async def rebuild_pod(self, pod: str) -> bool: ...
+    def schedule_rebuild(self, pod: str) -> None: ...
+
+    def endpoints(self) -> dict[str, str]: ...
+
+    def pods(self) -> list[str]: ...
+
+    def ingest_state(self) -> tuple[str, list[str]]: ...
+
+    def batch_ts(self) -> dict[str, float]: ...
 
 
 class FleetMember:
@@ -109,14 +120,20 @@ class FleetMember:
         self.next_discovery = 0.0
         self.attached: dict[str, _Attached] = {}  # engine key (URL, or source endpoint) -> what we subscribed
         self.retries: dict[str, _Retry] = {}
+        self.unusable: set[str] = set()  # registrations skipped (logged once)
         # HTTP runs in the background, so a slow or dead engine never holds up the ingest loop: the round
         # starts a fetch and uses its answer in a later round.
+        self.observing: asyncio.Task | None = None  # --engines-from sources being read (DNS, files)
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
         self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
         self.written_at: dict[str, float] = {}
         self.ticks = 0
+        self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
+        self.renewed_at = 0.0  # monotonic time of the last lease renewal
+        self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
+        self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
@@ -130,7 +147,7 @@ class FleetMember:
         return bool(self.static or self.sources or self.cfg.registered_engines)
 
     async def close(self) -> None:
-        for task in [*self.fetches.values(), *self.probes.values()]:
+        for task in [*self.fetches.values(), *self.probes.values(), *([self.observing] if self.observing else [])]:
             task.cancel()
         await self.http.aclose()
         try:
@@ -144,15 +161,55 @@ class FleetMember:
         self.ticks += 1
         self._steps = []
         started = time.monotonic()
+        self.ing.progress.begin_round(self.round_deadline_s)
         try:
             await self._round(started)
         finally:
+            self.ing.progress.end_round()
             took = time.monotonic() - started
             marks = self._steps + [("end", started + took)]
             steps = ", ".join(f"{name} {end - at:.2f} s" for (name, at), (_, end) in zip(marks, marks[1:]))
             # a slow round says where its time went (the watchdog, ingester/watchdog.py, covers one that never ends)
             log.log(logging.INFO if took > SLOW_ROUND_S else logging.DEBUG, "membership round %d took %.2f s: %s",
                     self.ticks, took, steps or "nothing")
+
+    @property
+    def round_deadline_s(self) -> float:
+        """How long a round may take before the watchdog says it overran: half the lease TTL."""
+        return max(2.0, self.cfg.lease_ttl_s / 2)
+
+    def _lease(self, now_ms: int) -> IngesterLease:
+        state, behind = self.ing.ingest_state()
+        if state == "current":
+            self.current_ms = now_ms
+        pods = self.ing.pods()
+        return IngesterLease(
+            state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
+            batch_ts=self.ing.batch_ts(),
+            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
+            forget_seen_ms=self.forget_seen_ms, sources=dict(list(self.ing.endpoints().items())[:MAX_LEASE_SOURCES]),
+            host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
+            known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
+
+    async def renew(self) -> None:
+        now_ms = await self.index.fleet.now_ms()
+        self.started_ms = self.started_ms or now_ms
+        await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+        self.renewed_at = time.monotonic()
+
+    async def renew_forever(self) -> None:
+        """The lease, renewed every second in a task of its own: whatever a round is waiting for, the
+        others never take this ingester for dead while it lives (nor does a stalled round hide that it
+        is alive but slow: the watchdog says so)."""
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            if self.cfg.private or self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
+                continue  # no lease (private); the first round puts the first; one just renewed is enough
+            try:
+                async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
+                    await self.renew()
+            except (*VALKEY_ERRORS, TimeoutError) as exc:
+                log.warning("lease not renewed now (%s)", exc or type(exc).__name__)
 
     def _step(self, name: str) -> None:
         self._steps.append((name, time.monotonic()))
@@ -173,15 +230,16 @@ class FleetMember:
                 self.next_discovery = now + self.cfg.discovery_interval_s
             known = {s.key: s for s in self.static}
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
+            self.known = known
             private = self.cfg.private
             if not private:  # a private ingester holds no lease: nobody hands it engines, nor counts on it
                 self._step("renewing the lease")
-                await self.index.fleet.put_lease(self.me, IngesterLease(
-                    expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms,
-                    host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
-                    known=[msgspec.to_builtins(s) for s in sorted(known.values(), key=lambda s: s.key)]))
+                await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+                self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
+            forgotten = await self.index.fleet.forgotten()
+        await self._let_go_of_forgotten(forgotten)
         live = {} if private else view.live_ingesters()
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
@@ -203,7 +261,7 @@ class FleetMember:
         if self.ticks == 1 and set(live) - {self.me}:
             return  # others are about: take a share once they have seen our lease too (no start-up churn)
         self.owners = balanced_owners(fleet_known, self.live, self.cfg.copies)
-        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k]}
+        mine = {k: s for k, s in fleet_known.items() if self.me in self.owners[k] and s.pod not in forgotten}
         share = (len(mine), len(fleet_known), len(self.live))
         if share != self.share:  # an ingester given no engine is idle, not stuck: say which, and from where
             self.share = share
@@ -227,19 +285,52 @@ class FleetMember:
             self._step("retiring departed pods")
             await self._retire_departed(view, set(fleet_known), now_ms)
 
-    async def _discover(self, now: float) -> None:
+    async def _let_go_of_forgotten(self, forgotten: dict[str, int]) -> None:
+        """Pods being forgotten (``/unregister``, ``index clear --forget``): their engines let go now (not a
+        membership hold later) and their frames refused, then the lease says so (``forget_seen_ms``), and
+        whoever forgets them clears their keys once every live lease does: no batch can bring them back."""
+        self.ing.routes.forgotten = set(forgotten)
+        for key, att in sorted(self.attached.items()):
+            if att.pods & set(forgotten) or att.spec.pod in forgotten:
+                self._step(f"letting go of {key}")
+                await self._detach(key, "its pod is being forgotten")
+        if forgotten:
+            self.forget_seen_ms = max(self.forget_seen_ms, max(forgotten.values()))
+
+    async def _observe_sources(self) -> dict[str, list[EngineSpec]]:
+        found = {}
         for src in self.sources:
-            found = await observe(src)
-            if found is not None:
-                self.observed[src.spec] = found
+            got = await observe(src)
+            if got is not None:
+                found[src.spec] = got
+        return found
+
+    async def _discover(self, now: float) -> None:
+        # DNS and files are read in a task of their own (a resolver that times out costs its 5 s there, not
+        # in the round the ingest loop waits on); the round takes the last answer that came back.
+        task = self.observing
+        if task is not None and task.done():
+            self.observing = None
+            if not task.cancelled() and task.exception() is None:
+                self.observed.update(task.result())
+            elif not task.cancelled():
+                log.warning("engines: discovery failed (%s); keeping the engines known", task.exception())
+        if self.sources and self.observing is None:
+            self.observing = asyncio.ensure_future(self._observe_sources())
+            if not self.discovered.started:  # the first answer at start is waited for (as before)
+                await asyncio.wait([self.observing])
+                self.observed.update(self.observing.result() if self.observing.exception() is None else {})
+                self.observing = None
         if self.cfg.registered_engines:
             try:
+                registered = await self.index.fleet.registered_engines()
+            except VALKEY_ERRORS as exc:
+                log.warning("engines: registered engines not read now (%s)", exc)
+            else:
                 self.observed["registered"] = [
                     EngineSpec(url=reg.url.rstrip("/"), pod=reg.pod or (address_pod_id(reg.url) if reg.url else ""),
                                origin="registered", source=reg.source, replay=reg.replay, model=reg.model)
-                    for reg in (await self.index.fleet.registered_engines()).values() if reg.url or reg.source]
-            except VALKEY_ERRORS as exc:
-                log.warning("engines: registered engines not read now (%s)", exc)
+                    for name, reg in sorted(registered.items()) if self._usable(name, reg)]
         seen = {s for specs in self.observed.values() for s in specs}
         before = self.discovered.current
         after = self.discovered.observe(seen, now)
@@ -247,6 +338,26 @@ class FleetMember:
             log.info("engine %s joined (%s, pod %s)", s.key, s.origin, s.pod or "from its topic")
         for s in sorted(before - after, key=lambda s: s.key):
             log.info("engine %s left %s", s.key, s.origin)
+
+    def _usable(self, name: str, reg) -> bool:
+        """A registration an ingester can subscribe to; any other (written by an older API, or by hand) is
+        skipped, said once: a record in ``kvpf:engines`` must never be able to end an ingester."""
+        if not (reg.url or reg.source):
+            return False
+        try:
+            if reg.source:
+                check_zmq_endpoint(reg.source, bind=False)
+            if reg.replay:
+                check_zmq_endpoint(reg.replay, bind=False)
+            if reg.pod and "@" in reg.pod:
+                raise ValueError(f"pod {reg.pod[:80]!r} contains '@'")
+        except ValueError as exc:
+            if name not in self.unusable:
+                self.unusable.add(name)
+                self.ing.counters.tally("registrations_skipped")
+                log.error("registered engine %s skipped: %s", name[:120], exc)
+            return False
+        return True
 
     # ---- owning engines
 
@@ -279,7 +390,11 @@ class FleetMember:
             found = [Source(endpoint=spec.source, replay=spec.replay or None)]
         if not self.cfg.private:  # a private ingester leaves the fleet's records alone
             await self._take_over_moved(spec, found, records, fleet_known)
-        pods = await self.ing.attach_engine(spec, found)
+        try:
+            pods = await self.ing.attach_engine(spec, found)
+        except Exception as exc:  # noqa: BLE001 - whatever one engine's sockets do, it is that engine's fault alone
+            self._attach_failed(spec, retry, now, exc)
+            return
         conflict = [p for p in pods for a in self.attached.values() if p in a.pods]
         conflict += [p for p in pods if (r := records.get(p)) is not None and r.state != "retired"
                      and r.engine_url and r.engine_url != spec.url and r.engine_url in fleet_known]
@@ -317,6 +432,19 @@ class FleetMember:
                 log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared, starts "
                             "from the new engine's seq 0", pod, spec.url, rec.engine_url, cleared)
 
+    def _attach_failed(self, spec: EngineSpec, retry: _Retry, now: float, exc: BaseException) -> None:
+        """An engine whose sources could not be subscribed (an address in use, an endpoint libzmq refuses,
+        no descriptor left, the source cap): refused alone, logged with its URL, counted, tried again later."""
+        try:
+            self.ing.detach_engine(spec.key)
+        except Exception:  # noqa: BLE001 - nothing of it may be left; a failure to close is not worth a crash
+            log.exception("engine %s: closing after a failed attach", spec.key)
+        self.ing.counters.tally("attach_errors")
+        retry.backoff(now)
+        if retry.attempts <= 3 or retry.attempts % 20 == 0:
+            log.error("engine %s: not ingested (%s: %s); trying again in %.0f s", spec.key, type(exc).__name__,
+                      str(exc)[:300], retry.next_at - now)
+
     def _conflict(self, retry: _Retry, now: float) -> None:
         self.ing.counters.tally("pod_conflicts")
         retry.backoff(now)
@@ -337,7 +465,11 @@ class FleetMember:
 
     async def _detach(self, key: str, why: str) -> None:
         att = self.attached.pop(key)
-        self.ing.detach_engine(key)
+        try:
+            self.ing.detach_engine(key)
+        except Exception:  # noqa: BLE001 - a socket that fails to close ends nothing but itself
+            self.ing.counters.tally("detach_errors")
+            log.exception("engine %s: error while letting go of it", key)
         task = self.probes.pop(key, None)
         if task is not None:
             task.cancel()
@@ -440,8 +572,11 @@ class FleetMember:
                 # only if nobody changed the record meanwhile (a new engine taking over the pod id)
                 if await self.index.fleet.replace_pod_record(pod, rec, record):
                     await self._retire(pod, record)
+        # a retired pod whose engine is still known (unreachable, not gone) may still be attached somewhere: its
+        # record stays until the engine leaves, so its metadata is never forgotten under an ingester that owns it
         gone = expired_retired(
-            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me},
+            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me
+             and not (r.engine_url and r.engine_url in fleet_urls)},
             now_ms, int(self.cfg.retired_retention_s * 1000))
         if gone:
             for pod in gone:  # its metadata and registry row too: names of departed pods do not pile up
@@ -451,13 +586,9 @@ class FleetMember:
 
     async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:
         """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
-        else it stays flagged incomplete until its next cache reset (an engine restart resets it too)."""
-        rebuilt = await self.ing.rebuild_pod(pod)
-        if rebuilt:
-            how = "rebuilt from the engine's replay buffer"
-        elif (await self.index.pod_info(pod)).incomplete:
-            how = "its replay buffer no longer reaches its first event; flagged incomplete until its next reset"
-        else:
-            how = "its engine restarted meanwhile: its entries start empty, exact"
-        log.warning("pod %s is back after retirement: %s", pod, how)
+        else it stays flagged incomplete until its next cache reset (an engine restart resets it too). The
+        replay is fetched in the background and applied by the loop (ingester/resume.py), never in this round."""
+        self.ing.schedule_rebuild(pod)
+        log.warning("pod %s is back after retirement: rebuilding it from its engine's replay buffer in the background",
+                    pod)
         return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)

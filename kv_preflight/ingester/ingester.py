@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import time
+import uuid
 
 from kv_preflight.config import Config
 from kv_preflight.fleet.records import IndexSettings
@@ -30,12 +31,13 @@ from kv_preflight.ingester.routes import PodRoute, Routes
 from kv_preflight.ingester.sources import Source, parse_source, secure_sources
 from kv_preflight.ingester.subscriber import Subscriber
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
-from kv_preflight.ingester.watchdog import Progress, Watchdog
+from kv_preflight.ingester.watchdog import STALL_S, Progress, Watchdog
 
 log = logging.getLogger("kvpf.ingester")
 
 # How often the loop does its chores (see Ingester.chores), whether frames arrive or not.
 CHORES_S = 1.0
+BACKLOG_MESSAGES = 512  # a receive this full (Subscriber.receive's max) means more were queued behind it
 
 
 class Ingester:
@@ -59,6 +61,9 @@ class Ingester:
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
+        self.source_cap = source_cap(cfg)
+        self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
+        self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)
 
     # ---- lifecycle
 
@@ -92,16 +97,21 @@ class Ingester:
             self.start()
         me = asyncio.current_task()
         assert me is not None
-        watchdog = Watchdog(self.progress, me, self._stalled).start()
+        watchdog = Watchdog(self.progress, me, self._stalled,
+                            on_overrun=lambda: self.counters.tally("round_overruns")).start()
+        renewer = asyncio.ensure_future(self.fleet.renew_forever()) if self.fleet.active else None
         try:
             await self._run()
         finally:
             watchdog.stop()
+            if renewer is not None:
+                renewer.cancel()
 
     async def _run(self) -> None:
         if self.fleet.active:
             await self._fleet_tick()  # attaches --engine and discovered engines (and resumes their pods)
-        self.progress.mark("learning feeds")
+            self.progress.mark("resuming the engines attached at start")
+            await self.resume.wait_scheduled()
         await self.routes.learn_feeds(self.sources)
         self.progress.mark("resuming known pods")
         await self.resume.known_pods()
@@ -125,12 +135,16 @@ class Ingester:
                     self.progress.mark("chores")
                     await self.chores()
                     next_chores = time.monotonic() + CHORES_S
+                if self.resume.pending:
+                    self.progress.mark("applying replays fetched for engines attached")
+                    await self.resume.apply_ready()
                 if recv not in done:
                     continue
                 if recv.cancelled():  # a socket it polled was closed (an engine let go): poll again
                     recv = None
                     continue
                 received, recv = recv.result(), None
+                self.backlog = len(received) >= BACKLOG_MESSAGES  # a full receive: more were waiting
                 self.progress.mark(f"applying {len(received)} message(s)")
                 run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in received:
@@ -142,6 +156,7 @@ class Ingester:
                         run.append((src, frames))
                 await self.handle_messages(run)
         finally:
+            self.resume.cancel()
             self.subscriber.close()
             await self.fleet.close()
 
@@ -149,12 +164,22 @@ class Ingester:
 
     async def attach_engine(self, spec: EngineSpec, found: list[Source]) -> set[str]:
         """Subscribe to an engine's sources (``found``: from its discovery answer, or the one source it
-        was registered with) and resume its pods from their persisted seqs; returns its pods (a source
-        with no topic learns its pod from its first frame, or from ``spec.pod``)."""
-        if spec.pod:  # named by its address (or a file's "pod"), not by its topic
-            found = [dataclasses.replace(src, pod=spec.pod) for src in found]
+        was registered with) and start resuming its pods from their persisted seqs; returns its pods (a
+        source with no topic learns its pod from its first frame, or from ``spec.pod``).
+
+        Raises (``zmq.ZMQError``, ``OSError``, ``ValueError``: an endpoint libzmq refuses, an address in use,
+        the source cap) with nothing of the engine left subscribed; the fleet membership refuses that engine
+        alone and tries it again later."""
+        if spec.pod:  # named by its address, a file's "pod", or its registration, not by its topic
+            # a registered engine names its model too: its frames need no kv@POD@MODEL topic (Dynamo's
+            # workers publish with vLLM's default empty topic), as --source ...,pod=,model= does
+            found = [dataclasses.replace(src, pod=spec.pod, model=src.model or spec.model or None) for src in found]
         found = secure_sources(found, self.cfg, on_refused=lambda key: self.counters.tally("publishers_refused"))
         assert self.subscriber is not None
+        live = sum(1 for s in self.subscriber.sources if not s.endpoint.startswith("removed://"))
+        if live + len(found) > self.source_cap:
+            raise SourceCapReached(f"{live} source(s) subscribed here, the cap is {self.source_cap} "
+                                   "(KVPF_MAX_SOURCES, and the process's open-file limit)")
         self.subscriber.add(found)
         self.engine_sources[spec.key] = found
         pods = self.routes.add(found)
@@ -162,12 +187,18 @@ class Ingester:
             self.routes.pods[spec.pod] = PodRoute(model=spec.model, replay=found[0].replay, source=found[0].endpoint,
                                                   engine=found[0].engine)
             pods.add(spec.pod)
-        # its buffered history, from seq 0 or the pod's persisted seq, as at start
-        await self.resume.known_pods(only=pods)
+        # its buffered history, from seq 0 or the pod's persisted seq, as at start: in the background (a
+        # replay socket that never answers costs its timeout there, not in the round the loop waits on)
+        if pods:
+            self.resume.schedule(pods)
         return pods
 
     def detach_engine(self, key: str) -> None:
         found = self.engine_sources.pop(key, [])
+        endpoints = {s.endpoint for s in found}
+        pods = {p for p, r in self.routes.pods.items() if r.source in endpoints}
+        self.resume.cancel(pods)
+        self.index.forget_cached(pods)  # another process may forget them now: nothing cached may outlive that
         if self.subscriber is not None and found:
             self.subscriber.remove(found)
         self.routes.drop({s.endpoint for s in found})
@@ -178,6 +209,44 @@ class Ingester:
 
     async def rebuild_pod(self, pod: str) -> bool:
         return await self.resume.rebuild_pod(pod)
+
+    def schedule_rebuild(self, pod: str) -> None:
+        """A retired pod that answers again: replayed from seq 0, cleared first, exact if the buffer is whole."""
+        self.resume.schedule({pod}, rebuild=True, reset=True)
+
+    def endpoints(self) -> dict[str, str]:
+        """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints -> their pod."""
+        found = self.subscriber.sources if self.subscriber is not None else self.sources
+        by_source = {r.source: p for p, r in self.routes.pods.items() if r.source}
+        out: dict[str, str] = {}
+        for s in found:
+            if s.endpoint.startswith("removed://"):
+                continue
+            pod = s.pod or by_source.get(s.endpoint, "")
+            if not s.bind:
+                out[s.endpoint] = pod
+            if s.replay:
+                out[s.replay] = pod
+        return dict(sorted(out.items()))
+
+    def pods(self) -> list[str]:
+        return sorted(self.routes.pods)
+
+    def ingest_state(self) -> tuple[str, list[str]]:
+        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey writes have failed, or the
+        loop has made no progress, for STALL_S; behind on a backlog (a full receive), a Valkey failure younger
+        than that, or a pod whose replay is under way."""
+        now = time.monotonic()
+        failing = self.valkey.failing_since
+        if (failing is not None and now - failing >= STALL_S) or now - self.progress.at >= STALL_S:
+            return "stalled", sorted(self.routes.pods)
+        behind = sorted(self.resume.pending_pods)
+        if failing is not None or self.backlog:
+            return "behind", sorted(self.routes.pods)
+        return ("behind" if behind else "current"), behind
+
+    def batch_ts(self) -> dict[str, float]:
+        return dict(sorted(self.applier.last_batch_ts.items())[:256])
 
     def lag_s(self) -> dict[str, float]:
         now = time.monotonic()
@@ -191,6 +260,34 @@ class Ingester:
             log.warning("fleet membership not updated now (%s); ingesting what this ingester has",
                         exc or type(exc).__name__)
 
+    async def check_epoch(self) -> None:
+        """Notice that Valkey lost the index's data since the last look (a restart without persistence,
+        FLUSHALL, eviction): the epoch this ingester saw is gone or another. Then what this process cached
+        goes (registry rows, pod numbers, pod states), the layout and settings are claimed again, and every
+        pod ingested here is put back in the registry, flagged incomplete and rebuilt from its engine's
+        replay buffer (exact again, the flag cleared, if the buffer reaches its seq 0; else at its next
+        reset). The epoch is one HGET a second."""
+        seen = await self.index.fleet.epoch()
+        if self.epoch is not None and seen == self.epoch:
+            return
+        if self.epoch is None:
+            self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+            return
+        self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+        pods = {p: r.model for p, r in self.routes.pods.items()}
+        await self.counters.count("data_losses")
+        log.error("Valkey lost the index's data (its epoch is %s): %d pod(s) ingested here flagged incomplete, put "
+                  "back in the registry and rebuilt from their replay buffers; run Valkey with persistence and "
+                  "maxmemory-policy noeviction (docs/operations.md)", "gone" if seen is None else "another", len(pods))
+        self.index.forget_cached()
+        self.fleet.records.clear()  # fleet records written again at once, not RECORD_REFRESH_S later
+        await self.index.check_layout()
+        await check_settings(self)
+        await self.index.register_pods(pods)
+        for pod in pods:
+            await self.index.mark_incomplete(pod, LOST_REASON)
+        self.resume.schedule(set(pods), rebuild=True)
+
     async def chores(self) -> None:
         """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,
         health, load, retirement), stop if a layout-1 writer appears beside us, and run what a writer
@@ -198,6 +295,10 @@ class Ingester:
         batch is not left half applied."""
         if self.fleet.active:
             await self._fleet_tick()
+        try:
+            await self.check_epoch()
+        except VALKEY_ERRORS as exc:
+            log.warning("index epoch not checked now (%s)", exc or type(exc).__name__)
         try:
             if await self.index.v1_writer_seen():
                 log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
@@ -215,6 +316,25 @@ class Ingester:
                     await self.counters.count("outbox_drains")
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)
+
+
+LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
+
+
+class SourceCapReached(ValueError):
+    """Subscribing an engine's sources would pass this ingester's cap on sockets (``max_sources``)."""
+
+
+def source_cap(cfg: Config) -> int:
+    """Sources this process may subscribe: ``max_sources``, and no more than its open-file limit allows
+    (each source holds about three ZMQ sockets and their descriptors; libzmq has 1,023 sockets per context)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    by_files = (soft - 64) // 5 if soft > 0 else cfg.max_sources
+    return max(1, min(cfg.max_sources, by_files, 300))
 
 
 class SettingsError(RuntimeError):
@@ -262,6 +382,12 @@ async def run_ingester(cfg: Config) -> None:
     ing.start()
     await ing.valkey.call(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
     await check_settings(ing)
+    await ing.valkey.call(ing.check_epoch)
+    policy = await ing.index.fleet.maxmemory_policy()
+    if policy is not None and policy.startswith("allkeys-"):
+        log.warning("Valkey's maxmemory-policy is %s: at maxmemory it evicts index keys (an entry, a pod's state, "
+                    "a presence bitmap) and predictions go wrong silently; run noeviction (docs/operations.md)",
+                    policy)
     log.info("%s", start_line(cfg, len(ing.sources), ing.index.cluster))
     metrics_server = None
     if cfg.metrics_port:

@@ -65,6 +65,15 @@ class IngesterMetrics:
                                     "(not retried; other pods go on).", registry=r)
         self.loop_stalls = Counter("kvpf_ingest_loop_stalls", "Times the ingester's loop made no progress for "
                                    "5 s (each logged once with the stack of what it awaited).", registry=r)
+        self.engine_errors = Counter("kvpf_ingest_engine_errors", "Engines refused alone, by step: attach (its "
+                                     "sockets could not be opened: an address in use, an endpoint libzmq refuses, "
+                                     "the source cap), detach, registration (a kvpf:engines record no socket "
+                                     "could use). Each retried with backoff.", ["step"], registry=r)
+        self.round_overruns = Counter("kvpf_ingest_round_overruns", "Membership rounds that ran past their deadline "
+                                      "(half the lease TTL), each logged with the step it was at.", registry=r)
+        self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
+                                   "index's data (its epoch gone or changed): its pods flagged and rebuilt.",
+                                   registry=r)
         self.lag = Histogram("kvpf_ingest_lag_seconds", "Now minus the batch timestamp when a batch is applied.",
                              buckets=LAG_BUCKETS, registry=r)
         self.last_lag = PodLabelled(Gauge("kvpf_ingest_last_lag_seconds", "Lag of the last batch applied, by pod "

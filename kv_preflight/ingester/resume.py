@@ -4,6 +4,7 @@ engine's buffer, or did it restart?), and for a retired pod that answers again (
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from kv_preflight.config import Config
@@ -27,30 +28,128 @@ class Resume:
         self.applier = applier
         self.counters = counters
         self.valkey = valkey
+        self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
+        self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
+        self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
-        """On start (and for engines found later, ``only`` their pods), replay from each known pod's
-        persisted seq: closes the restart blind spot."""
-        for pod, route in list(self.routes.pods.items()):
-            if not route.replay or (only is not None and pod not in only):
+        """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
+        restart blind spot. Engines attached later are resumed in the background (``schedule``)."""
+        pods = [p for p, r in self.routes.pods.items() if r.replay and (only is None or p in only)]
+        for pod in pods:
+            await self._apply(pod, await self._fetch(pod))
+
+    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False) -> None:
+        """Resume these pods (an engine just attached) without holding up the loop: their replay sockets
+        are asked in a task of their own (a dead one costs its timeout there); what they answered is
+        applied by the loop (``apply_ready``), in order with the live stream."""
+        for pod in sorted(pods):
+            route = self.routes.pods.get(pod)
+            if route is None or not route.replay or pod in self._fetching:
                 continue
-            # A writer killed between a batch's steps on a cluster left its effects in the outbox.
-            await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
-            info = await self.valkey.call(self.index.pod_info, pod)
-            ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}
-            if ranks:  # each rank from its own replay socket, from its own seq
-                todo = [(info.seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
-            else:
-                todo = [(max(info.seqs.values()) if info.seqs else -1, route.replay)]
-            for last, replay in todo:
-                frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
-                log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer", pod, last + 1, len(frames))
-                for f in frames:
-                    if f.batch is not None and f.seq is not None:
-                        if f.skipped:
-                            await self.counters.count("placeholder_events", f.skipped)
-                        await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
-                                                 decode_errors=len(f.errors))
+            if rebuild:
+                self._rebuilding.add(pod)
+            if reset:
+                self._resetting.add(pod)
+            self._fetching[pod] = asyncio.ensure_future(self._fetch(pod))
+
+    async def wait_scheduled(self) -> None:
+        """At start: every replay scheduled so far fetched and applied (bounded by the replay timeout)."""
+        if self._fetching:
+            await asyncio.wait(list(self._fetching.values()))
+            await self.apply_ready()
+
+    @property
+    def pending_pods(self) -> set[str]:
+        return set(self._fetching)
+
+    @property
+    def pending(self) -> int:
+        return len(self._fetching)
+
+    async def apply_ready(self) -> None:
+        """Apply the replays fetched since the last call (the loop calls it every turn)."""
+        for pod, task in list(self._fetching.items()):
+            if not task.done():
+                continue
+            del self._fetching[pod]
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                log.warning("resume %s: replay not fetched (%s: %s); its next gap replays it", pod,
+                            type(exc).__name__, exc)
+                continue
+            if pod in self.routes.pods:  # still ours (not let go meanwhile)
+                whole = self._whole(task.result())
+                if pod in self._resetting:
+                    if not whole:  # a retired pod stays flagged (or an engine restart made it exact already)
+                        log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete "
+                                    "until its next reset", pod)
+                        self._rebuilding.discard(pod)
+                        self._resetting.discard(pod)
+                        continue
+                    await self._reset(pod)
+                await self._apply(pod, task.result())
+                if pod in self._rebuilding and whole:
+                    await self.valkey.call(self.index.mark_complete, pod)
+                    log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
+            self._rebuilding.discard(pod)
+            self._resetting.discard(pod)
+
+    async def _reset(self, pod: str) -> None:
+        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does)."""
+        info = await self.valkey.call(self.index.pod_info, pod)
+        for rank, last in info.seqs.items():
+            await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
+        self.applier.forget_chains()
+
+    def cancel(self, pods: set[str] | None = None) -> None:
+        for pod, task in list(self._fetching.items()):
+            if pods is None or pod in pods:
+                task.cancel()
+                del self._fetching[pod]
+
+    @staticmethod
+    def _whole(fetched: list[tuple[int, list, bool]]) -> bool:
+        """Every replay socket answered completely, from seq 0, with no seq missing."""
+        for first, frames, complete in fetched:
+            seqs = [f.seq for f in frames if f.seq is not None and f.batch is not None]
+            if not complete or first != 0 or seqs != list(range(len(seqs))):
+                return False
+        return bool(fetched)
+
+    async def _fetch(self, pod: str) -> list[tuple[int, list, bool]]:
+        """(first seq asked, frames, complete) per replay socket of the pod."""
+        route = self.routes.pods[pod]
+        # A writer killed between a batch's steps on a cluster left its effects in the outbox.
+        await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
+        info = await self.valkey.call(self.index.pod_info, pod)
+        seqs = {} if pod in self._rebuilding else info.seqs  # a rebuild asks for everything from seq 0
+        ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}
+        if ranks:  # each rank from its own replay socket, from its own seq
+            todo = [(seqs.get(str(r), -1), replay) for r, replay in sorted(ranks.items())]
+        else:
+            todo = [(max(seqs.values()) if seqs else -1, route.replay)]
+        out = []
+        for last, replay in todo:
+            frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+            log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer%s", pod, last + 1, len(frames),
+                     "" if complete else " (no complete answer)")
+            out.append((last + 1, frames, complete))
+        return out
+
+    async def _apply(self, pod: str, fetched: list[tuple[int, list, bool]]) -> None:
+        route = self.routes.pods.get(pod)
+        if route is None:
+            return
+        for _, frames, _ in fetched:
+            for f in frames:
+                if f.batch is not None and f.seq is not None:
+                    if f.skipped:
+                        await self.counters.count("placeholder_events", f.skipped)
+                    await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
+                                             decode_errors=len(f.errors))
 
     async def probe_restart(self, src: Source) -> None:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that

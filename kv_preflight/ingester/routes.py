@@ -29,6 +29,7 @@ class Routes:
         self.index = index
         self.valkey = valkey
         self.pods: dict[str, PodRoute] = {}
+        self.forgotten: set[str] = set()  # pods being forgotten (kvpf:forget): their frames are refused
         # (pod, data-parallel rank) -> the source its batches come from: with data parallelism one
         # pod (topic) has one PUB and one replay socket per rank, each rank with its own seq.
         self.rank_sources: dict[tuple[str, int], Source] = {}

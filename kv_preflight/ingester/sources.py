@@ -14,6 +14,7 @@ import zmq
 
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, ENGINES, engine
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.events import Topic
 from kv_preflight.ingester.curve import Curve, load_allowed_keys, load_keypair, z85_key
 
@@ -70,6 +71,8 @@ def parse_source(spec: str, *, bind: bool = False) -> Source:
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if not parts or not parts[0].startswith(_SCHEMES):
         raise ValueError(f"source {spec!r} must start with tcp://, ipc:// or inproc://")
+    if not parts[0].startswith("inproc://"):  # inproc: a socket of this process (tests)
+        check_zmq_endpoint(parts[0], bind=bind)
     replay, pods, server_key = None, None, None
     named: dict[str, str] = {}
     for opt in parts[1:]:
@@ -77,7 +80,7 @@ def parse_source(spec: str, *, bind: bool = False) -> Source:
         if key in ("pod", "model", "engine") and sep and value.strip():
             named[key] = value.strip()
         elif key == "replay" and sep and value.startswith(_SCHEMES):
-            replay = value
+            replay = value if value.startswith("inproc://") else check_zmq_endpoint(value, bind=False)
         elif key == "pods" and sep:
             names = [p.strip() for p in value.split(POD_LIST_SEPARATOR)]
             if not all(names):

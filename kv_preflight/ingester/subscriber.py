@@ -43,7 +43,9 @@ class Subscriber:
         # takes about ten times its wire size, and a receive is decoded whole.
         self.receive_bytes = max((s.limits.max_frame_bytes for s in sources), default=Config.max_frame_bytes)
         self.authenticator = None
-        self.add(sources)
+        given = list(sources)
+        sources.clear()  # the caller's list, kept as ours: filled as each socket opens
+        self.add(given)
 
     def _ensure_authenticator(self, sources: list[Source]) -> None:
         servers = [s for s in sources if s.bind and s.curve is not None]
@@ -61,24 +63,42 @@ class Subscriber:
                                                     credentials_provider=self.allow_list)
 
     def add(self, sources: list[Source]) -> None:
-        """Open sockets for more sources (at start, and for engines discovered later)."""
-        self._ensure_authenticator(sources)
-        if self.sources is not sources:
-            self.sources.extend(sources)
-        self.receive_bytes = max((s.limits.max_frame_bytes for s in self.sources), default=Config.max_frame_bytes)
+        """Open sockets for more sources (at start, and for engines discovered later): all of them, or none.
+
+        An endpoint libzmq refuses (an address in use, a path too long, no file descriptor left) raises
+        ``zmq.ZMQError`` after the sockets this call opened are closed again, so the caller (the fleet
+        membership, per engine) can refuse that engine and go on; a second engine asking to bind an address
+        a source here binds already raises ValueError before any socket is made (two engines' frames on one
+        bound socket cannot be told apart by the socket)."""
+        bound = {s.endpoint for s in self.sources if s.bind}
         for src in sources:
-            sock = self.ctx.socket(zmq.SUB)
+            if src.bind and src.endpoint in bound:
+                raise ValueError(f"{src.endpoint} is already bound here for another source: an engine asking to be "
+                                 "bound at an address another engine uses is refused (give each its own port)")
+            if src.bind:
+                bound.add(src.endpoint)
+        self._ensure_authenticator(sources)
+        opened: list[Source] = []
+        for src in sources:
+            try:
+                self._open(src)
+            except Exception:
+                self.remove(opened)
+                raise
+            opened.append(src)
+        self.receive_bytes = max((s.limits.max_frame_bytes for s in self.sources), default=Config.max_frame_bytes)
+
+    def _open(self, src: Source) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        try:
             configure(sock, src, server=src.bind)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            replay.remember(src)
             if "[" in src.endpoint:
                 sock.setsockopt(zmq.IPV6, 1)
             if src.bind:
                 sock.bind(src.endpoint)
             else:
                 sock.connect(src.endpoint)
-            self.sockets.append(sock)
-            self.poller.register(sock, zmq.POLLIN)
             # Connecting: every (re)connection is reported once its handshake is done, so an engine that
             # restarted behind the same endpoint can be probed before it publishes anything; drops and
             # failed handshakes too (see _dropped). Bound: drops only, logged (the publisher reconnects).
@@ -86,10 +106,17 @@ class Subscriber:
             # so it is only trusted while exactly one publisher is connected (see ``crowded``).
             mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if src.pod else 0)) if src.bind
                                           else zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-            self.monitors[mon] = src
-            self.poller.register(mon, zmq.POLLIN)
-            log.info("subscribed", extra={"endpoint": src.endpoint, "mode": "bind" if src.bind else "connect",
-                                          "curve": src.curve is not None, "pods": sorted(src.pods or ())})
+        except Exception:
+            sock.close(linger=0)
+            raise
+        replay.remember(src)
+        self.sources.append(src)  # sources[i] is sockets[i]'s
+        self.sockets.append(sock)
+        self.poller.register(sock, zmq.POLLIN)
+        self.monitors[mon] = src
+        self.poller.register(mon, zmq.POLLIN)
+        log.info("subscribed", extra={"endpoint": src.endpoint, "mode": "bind" if src.bind else "connect",
+                                      "curve": src.curve is not None, "pods": sorted(src.pods or ())})
 
     async def receive(self, max_messages: int = 512) -> list[tuple[Source, list[bytes] | None]]:
         """At least one message; more if they are already queued (batched application), up to

@@ -7,6 +7,7 @@ batch never stalls the other pods.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -45,15 +46,18 @@ class ValkeyRetry:
     def __init__(self, stopping: asyncio.Event, on_error: Callable[[], None]):
         self.stopping = stopping
         self.on_error = on_error  # each failed attempt (counted as valkey_errors)
+        self.failing_since: float | None = None  # monotonic time of the first failure of the call retrying now
 
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         attempt = 0
         while True:
             try:
-                return await fn(*args, **kwargs)
+                result = await fn(*args, **kwargs)
             except VALKEY_ERRORS as exc:
                 if not transient(exc):
                     raise
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
                 self.on_error()
                 if attempt == 0 or attempt % 20 == 0:
                     log.error("valkey unavailable (%s); retrying with backoff", exc)
@@ -61,3 +65,6 @@ class ValkeyRetry:
                 if self.stopping.is_set():
                     raise
                 await sleep_backoff(attempt)
+            else:
+                self.failing_since = None
+                return result

@@ -39,10 +39,21 @@ class Progress:
 
     step: str = "starting"
     at: float = field(default_factory=time.monotonic)
+    # the membership round under way: when it started and how long it may take. A round marks each of its
+    # steps, so a round that crawls (twenty attaches of two seconds each) never looks stalled: its own
+    # deadline is what says it overran.
+    round_at: float | None = None
+    round_deadline_s: float = 0.0
 
     def mark(self, step: str) -> None:
         self.step = step
         self.at = time.monotonic()
+
+    def begin_round(self, deadline_s: float) -> None:
+        self.round_at, self.round_deadline_s = time.monotonic(), deadline_s
+
+    def end_round(self) -> None:
+        self.round_at = None
 
 
 def _frame_line(frame) -> str:
@@ -88,8 +99,11 @@ class Watchdog:
     ``on_stall`` (on the loop's thread when the loop answers, else on the watchdog's)."""
 
     def __init__(self, progress: Progress, task: asyncio.Task, on_stall: Callable[[], None],
-                 stall_s: float = STALL_S, check_s: float = CHECK_S, answer_s: float = ANSWER_S) -> None:
+                 stall_s: float = STALL_S, check_s: float = CHECK_S, answer_s: float = ANSWER_S,
+                 on_overrun: Callable[[], None] | None = None) -> None:
         self.progress = progress
+        self.on_overrun = on_overrun
+        self.overrun_at: float | None = None  # the start of the round already reported as overrunning
         self.task = task
         self.loop = task.get_loop()
         self.on_stall = on_stall
@@ -113,9 +127,21 @@ class Watchdog:
         while not self._stop.wait(self.check_s):
             self.check()
 
+    def _check_round(self, now: float) -> None:
+        """A membership round past its deadline: logged once per round, with the step it is at."""
+        started, deadline = self.progress.round_at, self.progress.round_deadline_s
+        if started is None or deadline <= 0 or now - started < deadline or self.overrun_at == started:
+            return
+        self.overrun_at = started
+        if self.on_overrun is not None:
+            self.on_overrun()
+        log.warning("membership round overran: %.1f s since it started (deadline %.1f s), now at %r; the lease is "
+                    "renewed beside it, but engines wait for it", now - started, deadline, self.progress.step)
+
     def check(self, now: float | None = None) -> bool:
         """One look (from any thread); True if a stall was reported now."""
         now = time.monotonic() if now is None else now
+        self._check_round(now)
         at, step = self.progress.at, self.progress.step
         if self.stalled_at is not None and at != self.stalled_at:
             log.warning("ingester loop moving again (%s), %.1f s after its stall", step, at - self.stalled_at)

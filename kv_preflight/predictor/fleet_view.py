@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kv_preflight.predictor.load import PodLoad
+from kv_preflight.predictor.scoring.freshness import (UNKNOWN_POD, PodFreshness, fleet_health, leases_by_pod,
+                                                       pod_freshness)
 from kv_preflight.fleet.records import FleetView
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 
@@ -34,6 +38,7 @@ class FleetWatcher:
     read_errors: int = 0
     failing: str | None = None  # the last read error, while reads fail
     _models: dict[str, frozenset[str]] = field(default_factory=dict)
+    _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness as of the view (predictor/scoring/freshness.py)
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -67,6 +72,29 @@ class FleetWatcher:
         self.view, self.read_at = view, self.clock()
         self.reads += 1
         self._models = {p: frozenset(r.models) for p, r in view.pods.items() if r.models}
+        listing = leases_by_pod(view)
+        # every pod's freshness once per read (a request only looks its pods up): as of the view's time
+        self._fresh = pod_freshness(view, listing, view.now_ms, time.time(), listing)
+
+    def freshness(self, pods: Iterable[str]) -> dict[str, PodFreshness]:
+        """Each pod's ingestion state (predictor/scoring/freshness.py) as of the last view, ``unknown`` for a
+        pod no lease lists; ``aged`` brings one's staleness and lag to now."""
+        return {p: self._fresh.get(p, UNKNOWN_POD) for p in pods}
+
+    def aged(self, fresh: PodFreshness) -> PodFreshness:
+        """``fresh`` with the time since the view was read added to its staleness and lag."""
+        if fresh.staleness_ms is None and fresh.index_lag_ms is None:
+            return fresh
+        extra = int((self.clock() - self.read_at) * 1000)
+        return msgspec.structs.replace(
+            fresh, staleness_ms=None if fresh.staleness_ms is None else fresh.staleness_ms + extra,
+            index_lag_ms=None if fresh.index_lag_ms is None else fresh.index_lag_ms + extra)
+
+    def health_reasons(self) -> list[str]:
+        reasons = fleet_health(self.view)
+        if self.failing is not None:
+            reasons.append(f"fleet records not readable: {self.failing[:200]}")
+        return reasons
 
     # ---- what routing and prediction ask
 

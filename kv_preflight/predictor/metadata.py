@@ -153,6 +153,10 @@ class IndexMetadata:
         await self.known_models()
         return {p for p, m in self._pod_models.items() if m == model}
 
+    def cached_pods_of(self, model: str) -> set[str]:
+        """``pods_of`` from what was read last, without a read (empty before the first)."""
+        return {p for p, m in self._pod_models.items() if m == model}
+
     async def all_pods(self) -> frozenset[str]:
         """Every pod the index's registry lists, as fresh as ``known_models``."""
         await self.known_models()

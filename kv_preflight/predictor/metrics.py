@@ -37,6 +37,10 @@ class PredictorMetrics:
                                     "read as misses.", registry=r)
         self.late_reads = Counter("kvpf_lookup_late_reads", "Cluster lookups that took a 4th round (a key moved or a "
                                   "shard failed mid-lookup: resharding, failover).", registry=r)
+        self.connections_refused = Counter("kvpf_connections_refused", "Connections answered 503 and closed at once: "
+                                           "a client address over --max-connections-per-client, or the process "
+                                           "over its connection limit.", ["limit"], registry=r)
+        self._refused_seen: dict[str, int] = {}
         self._index_seen = (0, 0, 0)
         self._children: dict[tuple, object] = {}
 
@@ -68,4 +72,10 @@ class PredictorMetrics:
         self._child(self.routes, reason).inc()
 
     def exposition(self) -> bytes:
+        from kv_preflight.predictor.http.protocols import REFUSED  # this process's connections refused so far
+        for limit, n in REFUSED.items():
+            was = self._refused_seen.get(limit, 0)
+            if n > was:
+                self._child(self.connections_refused, limit).inc(n - was)
+                self._refused_seen[limit] = n
         return exposition(self.registry)

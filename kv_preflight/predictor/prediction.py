@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,8 @@ from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacem
 from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
 from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
+from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
+                                                       stale_for_route)
 from kv_preflight.predictor.scoring.score import Prediction, score
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from kv_preflight.predictor.tokens.source import Tokenization
@@ -36,10 +38,11 @@ from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
 from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
-from kv_preflight.predictor.scoring.groups import apply_groups, keys_needed
+from kv_preflight.predictor.scoring.groups import apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.chain import salted_request_keys
 
 
+MAX_FRESHNESS_PODS = 64  # route candidates a route's freshness lists beside the pods holding the prompt
 ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
 
 
@@ -110,7 +113,7 @@ class Predictor:
     async def predict(self, req: PredictRequest) -> Prediction:
         model, keys, n_tokens, head = await self._request_keys(req)
         prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
-        warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods)
+        warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
         return msgspec.structs.replace(prediction, warnings=warnings)
 
     def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
@@ -141,7 +144,7 @@ class Predictor:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
         await self._check_model(req.model, need_engine=False)
         prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
-        warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods)
+        warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
         return msgspec.structs.replace(prediction, warnings=warnings)
 
     async def _pods_warnings(self, pods: list[str] | None) -> list[Finding]:
@@ -164,6 +167,7 @@ class Predictor:
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
+        findings: list[Finding] = []
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
             pods = [p for p in pods if p not in retired]  # a retired pod is never offered
@@ -182,7 +186,9 @@ class Predictor:
                     # A cluster shard is down and it holds a pod's metadata too: score with the
                     # defaults (canonical blocks); the answer already says it is a lower bound.
                     infos = {}
-                hybrid = {p: i.groups for p, i in infos.items() if i.groups}
+                declared = self.cfg.group_specs.get(model)
+                hybrid = pods_groups({p: i.groups for p, i in infos.items() if i.groups}, declared)
+                findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len, found.group_bits)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
@@ -192,7 +198,26 @@ class Predictor:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
-        return prediction
+        if findings:  # pods answered without a claim of exactness (hybrid groups not all known)
+            prediction = msgspec.structs.replace(prediction, warnings=findings)
+        if pods is None:  # the pods that could have held it: a pod stalled behind a miss makes the miss stale too
+            serving = self.metadata.cached_pods_of(model)  # no read of its own: what the last one said
+            if self.fleet is not None:
+                serving |= self.fleet.serving(model)
+            serving -= retired
+            extra = sorted(serving)[:MAX_FRESHNESS_PODS]
+        else:
+            extra = []
+        return msgspec.structs.replace(prediction, freshness=self.freshness_of(prediction, pods, extra))
+
+    def freshness_of(self, prediction: Prediction, pods: list[str] | None, extra: Iterable[str] = ()) -> Freshness:
+        """The answer's freshness: per pod it names (its matches, the pods filter, ``extra``), the pod's ingestion
+        state from the fleet's leases; the state of the whole (predictor/scoring/freshness.py)."""
+        named = [a.pod_id for a in prediction.pod_affinities] + list(pods or ()) + list(extra)
+        per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
+        return answer_freshness(per_pod, partial=prediction.partial,
+                                incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
+                                aged=self.fleet.aged if self.fleet is not None else None)
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
                               infos: dict[str, ScoringInfo], prompt_len: int,
@@ -231,29 +256,48 @@ class Predictor:
 
     async def route(self, req: PredictRequest) -> RouteDecision:
         model, keys, n_tokens, head = await self._request_keys(req)
-        decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head))
+        decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods), req.max_staleness_ms)
+        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
-        decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
-        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req))
+        decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods),
+                                          req.max_staleness_ms)
+        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req) + decision.warnings)
 
-    async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None) -> RouteDecision:
+    async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None,
+                          max_staleness_ms: int | None = None) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
         candidates = await self._route_candidates(model, prediction, pods)
+        freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
+        stale: list[str] = []
+        if max_staleness_ms is not None:
+            held = [a.pod_id for a in prediction.pod_affinities]
+            per_pod = (self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0))
+            if self.fleet is not None:
+                per_pod = {p: self.fleet.aged(f) for p, f in per_pod.items()}
+            stale = stale_for_route(per_pod, max_staleness_ms)
+        if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
+            prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
+                                                 predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
         loads = {p: self._load_of(p) for p in candidates}
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
                           pending=hint.pending)
-        if self.placements is not None and keys and decision.pod_id is not None:
+        if stale:
+            decision = msgspec.structs.replace(
+                decision, reason="stale_index", detail=clip(
+                    f"routed by load alone: the index of {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''} may "
+                    f"be older than max_staleness_ms {max_staleness_ms} ({decision.reason}: {decision.detail})"))
+        elif self.placements is not None and keys and decision.pod_id is not None:
             self._note_placement(keys[0], len(keys), prediction, decision)
         self.metrics.route(decision.reason)
-        return decision
+        # what the prediction could not claim (hybrid groups not all known) holds for the route built on it
+        return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
 
     def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
         """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""

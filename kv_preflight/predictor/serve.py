@@ -18,7 +18,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from kv_preflight.predictor.http.app import create_app
-from kv_preflight.predictor.http.protocols import protocol_factory
+from kv_preflight.predictor.http.protocols import connection_cap, protocol_factory
 from kv_preflight import parent_death
 from kv_preflight.config import Config
 from kv_preflight.logs import setup_logging
@@ -60,7 +60,8 @@ def uvicorn_options(cfg: Config, workers: int) -> dict:
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop" if _has("uvloop") else "asyncio",
-        "http": protocol_factory("httptools" if _has("httptools") else "h11", cfg.request_read_timeout_s),
+        "http": protocol_factory("httptools" if _has("httptools") else "h11", cfg.request_read_timeout_s,
+                                 cfg.max_connections_per_client, connection_cap(cfg.max_connections)),
         "lifespan": "on",
         "access_log": False,  # per-request log lines would cost more than a prediction
         "log_level": "info",

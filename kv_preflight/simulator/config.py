@@ -23,6 +23,9 @@ class SimulatorConfig:
     buffer_steps: int = 10_000
     # Wall time per engine step, so running/waiting and mid-request resets can be observed.
     step_delay_s: float = 0.0
+    # The PUB topic; None is kv@POD@MODEL. "" is vLLM's default (``KVEventsConfig.topic``), as Dynamo's
+    # workers publish: the subscriber then names the pod from its registration.
+    topic_override: str | None = None
     # A hybrid model: a sliding-window layer (this window, in tokens) beside a full-attention one, so the
     # engine runs vLLM's hybrid KV cache manager with two KV cache groups. None: a plain model, one group.
     sliding_window: int | None = None
@@ -37,7 +40,7 @@ class SimulatorConfig:
 
     @property
     def topic(self) -> str:
-        return make_topic(self.pod, self.model)
+        return make_topic(self.pod, self.model) if self.topic_override is None else self.topic_override
 
     def validate(self) -> None:
         if not self.pod or "@" in self.pod:

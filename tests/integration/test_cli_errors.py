@@ -150,7 +150,7 @@ def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, 
 
 # Options whose value is free text: no value is wrong in itself.
 FREE_TEXT = {"--model", "--pod", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
-             "--cache-salt", "--ingester-id", "--api-key"}
+             "--cache-salt", "--ingester-id", "--api-key", "--topic"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
 DAEMONS = {"ingest", "serve", "up", "simulate"}
 # Where a generic bad value does not apply: (command, flag, case) -> why

@@ -65,7 +65,11 @@ async def test_query_answers_dynamos_documented_example(ix, valkey_url):
         await ingest(ix, "dynamo-1", [stored([13], 12, tokens[32:48], medium="CPU")], 1, state=state)
         r = await c.post("/query", json={"token_ids": tokens, "model_name": MODEL})
         assert r.status_code == 200
-        assert r.json() == {
+        answer = r.json()
+        # kv-preflight's one addition: how fresh the answer is (no ingester lease names these pods here)
+        assert answer.pop("freshness") == {"state": "exact", "pods": {"1": {"state": "unknown"},
+                                                                       "2/1": {"state": "unknown"}}}
+        assert answer == {
             "scores": {"1": {"0": 32}, "2": {"1": 0}},
             "frequencies": [1, 1],
             "instances": {
@@ -169,7 +173,8 @@ async def test_pods_nobody_registered_answer_under_a_stable_id(ix, valkey_url):
         r = await c.post("/query", json={"token_ids": tokens + [1, 2], "model_name": MODEL})
         assert r.json() == {"scores": {str(sid): {"0": 48}}, "frequencies": [1, 1, 1],
                             "instances": {str(sid): {"longest_matched": 48, "gpu": 48, "dp": {"0": 48},
-                                                     "cpu": 48, "disk": 48}}}
+                                                     "cpu": 48, "disk": 48}},
+                            "freshness": {"state": "exact", "pods": {str(sid): {"state": "unknown"}}}}
         workers = (await c.get("/workers")).json()
         assert workers == [{"instance_id": sid, "source": "zmq", "status": "active", "model_name": MODEL,
                             "routing_group": "default", "block_size": 16, "endpoints": {}, "listeners": {}}]

@@ -113,3 +113,38 @@ def test_one_full_attention_group_is_the_plain_rule(blocks, prompt, ebs):
     held = lambda g, i: (i + 1) * ebs // canonical <= keys  # noqa: E731
     assert longest_hit({0: GroupSpec(FULL, ebs)}, held, prompt, ebs) == \
         engine_cached_tokens(keys, canonical, ebs, prompt)
+
+
+def test_group_spec_flag_parses_and_fills_what_events_lack():
+    import pytest
+
+    from kv_preflight.config import Config
+    from kv_preflight.engines.hit_rules import effective_groups, parse_group_spec, parse_group_specs
+
+    assert parse_group_spec("meta-llama/Llama-4:1=chunked/chunk=8192/block=16") == (
+        "meta-llama/Llama-4", 1, GroupSpec(CHUNKED, 16, None, 8192))
+    assert parse_group_spec("m:2=swa/window=128/eagle") == ("m", 2, GroupSpec(SLIDING, None, 128, None, True))
+    for bad in ("m=full", "m:x=full", "m:1=linear", "m:1=chunked/chunk=0", "m:1=chunked/size=4", ":1=full"):
+        with pytest.raises(ValueError):
+            parse_group_spec(bad)
+    declared = parse_group_specs(["m:1=chunked/chunk=64", "m:0=full"])["m"]
+    learned = {0: GroupSpec(FULL, 32), 1: GroupSpec(CHUNKED, 32)}
+    assert learned[1].missing() is not None
+    filled = effective_groups(learned, declared)
+    assert filled == {0: GroupSpec(FULL, 32), 1: GroupSpec(CHUNKED, 32, None, 64)} and filled[1].missing() is None
+    # what the events say wins; an unknown kind takes the declared one; no learned groups: nothing to place
+    assert effective_groups({0: GroupSpec(FULL, 32), 1: GroupSpec(SLIDING, 32, 64)},
+                            {1: GroupSpec(SLIDING, None, 128)})[1].sliding_window == 64
+    assert effective_groups({0: GroupSpec(FULL), 1: GroupSpec("unknown", 16)}, {1: GroupSpec(MAMBA)})[1].kind == MAMBA
+    assert effective_groups(None, declared) is None
+    cfg = Config.load(group_specs=None, **{})
+    assert cfg.group_specs == {}
+
+
+def test_group_specs_from_env(monkeypatch):
+    from kv_preflight.config import Config
+
+    monkeypatch.setenv("KVPF_GROUP_SPECS", "a/b:1=chunked/chunk=8192, a/b:0=full,c:1=mamba/block=64")
+    cfg = Config.load()
+    assert cfg.group_specs == {"a/b": {1: GroupSpec(CHUNKED, None, None, 8192), 0: GroupSpec(FULL)},
+                               "c": {1: GroupSpec(MAMBA, 64)}}

@@ -1,69 +1,35 @@
-"""scoring/groups.py: the predictor's per-pod hybrid hit. Its one-pass path for a full-attention group beside a
-sliding-window one (gpt-oss, Gemma 3) must give what the general rule (engines/hit_rules.longest_hit) gives."""
+"""predictor/scoring/groups.py's pure parts: the warnings an answer carries for hybrid pods it cannot count
+exactly, and the sliding-window blocks /explain names when a window group cut a hit."""
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from kv_preflight.engines.hit_rules import CHUNKED, FULL, SLIDING, GroupSpec
+from kv_preflight.predictor.scoring.groups import GroupBits, group_findings, window_cut
 
-from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, longest_hit
-from kv_preflight.predictor.scoring.groups import GroupBits, _window_pair, group_hit
-
-C = 16
+HYBRID = {0: GroupSpec(FULL, 32), 1: GroupSpec(SLIDING, 32, 64)}
 
 
-@settings(max_examples=400, deadline=None)
-@given(per=st.sampled_from([1, 2, 4]), window=st.integers(2, 200), sw_first=st.booleans(),
-       prefix_keys=st.integers(0, 40), held=st.lists(st.booleans(), min_size=0, max_size=40),
-       prompt_len=st.integers(1, 700), num=st.integers(0, 9))
-def test_window_pair_path_equals_the_general_rule(per, window, sw_first, prefix_keys, held, prompt_len, num):
-    bs = per * C
-    sw, fa = (0, 1) if sw_first else (1, 0)
-    groups = {sw: GroupSpec(kind=SLIDING, block_size=bs, sliding_window=window),
-              fa: GroupSpec(kind=FULL, block_size=bs)}
-    assert _window_pair(tuple(sorted(groups.items())), bs, C) is not None
-    # the window group's bit on each request key: a block is held when its last key's bit is set
-    presence = []
-    for k in range(40):
-        block_held = held[k // per] if k // per < len(held) else False
-        presence.append({f"gpu|{sw}": ((1 << num) if block_held else 0).to_bytes(2, "little")})
-    bits = GroupBits(presence)
-
-    def general(g: int, i: int) -> bool:
-        k = (i + 1) * per - 1
-        return k < prefix_keys if g == fa else bool(bits(sw, k) >> num & 1)
-
-    assert group_hit(groups, prefix_keys, bits, num, C, bs, prompt_len) == \
-        longest_hit(groups, general, prompt_len, bs)
+def test_plain_pods_of_a_plain_model_say_nothing():
+    assert group_findings("m", ["a", "b"], {}, None) == []
+    assert group_findings("m", ["a"], {}, {0: GroupSpec(FULL)}) == []  # one declared group: a plain model
+    assert group_findings("m", ["a"], {"a": HYBRID}, None) == []  # every setting known
 
 
-def test_other_layouts_take_the_general_rule():
-    full, window = GroupSpec(kind=FULL, block_size=32), GroupSpec(kind=SLIDING, block_size=32, sliding_window=64)
-    assert _window_pair(((0, window), (1, full)), 32, C) == (0, 32, 2)
-    assert _window_pair(((0, full),), 32, C) is None
-    assert _window_pair(((0, window), (1, GroupSpec(kind=FULL, block_size=32, eagle=True))), 32, C) is None
-    assert _window_pair(((0, GroupSpec(kind=SLIDING, block_size=64, sliding_window=64)), (1, full)), 32, C) is None
-    assert _window_pair(((0, GroupSpec(kind=SLIDING, block_size=24, sliding_window=64)),
-                         (1, GroupSpec(kind=FULL, block_size=24))), 24, C) is None
+def test_incomplete_groups_and_silent_pods_are_named():
+    chunked = {0: GroupSpec(FULL, 32), 1: GroupSpec(CHUNKED, 32)}
+    found = group_findings("m", ["c", "h", "s", "c"], {"c": chunked, "h": HYBRID}, HYBRID)
+    assert [f.kind for f in found] == ["hybrid_groups_incomplete", "hybrid_not_exact"]
+    assert "'c'" in found[0].detail and "group 1" in found[0].detail and "chunk size" in found[0].detail
+    assert "'s'" in found[1].detail and "'h'" not in found[1].detail
+    many = group_findings("m", [f"p{i}" for i in range(8)], {}, HYBRID)
+    assert "and 3 more" in many[0].detail
 
 
-@settings(max_examples=300, deadline=None)
-@given(per=st.sampled_from([1, 2]), window=st.integers(2, 120), prompt_len=st.integers(1, 700),
-       pods=st.lists(st.tuples(st.integers(0, 40), st.lists(st.booleans(), max_size=40)), min_size=1, max_size=12))
-def test_fleet_search_equals_each_pods_own(per, window, prompt_len, pods):
-    """apply_groups searches a fleet's window bitmaps once for all its pods: each pod's answer is what its own
-    search gives (and the general rule, above)."""
-    from kv_preflight.index.entries import PodMatch
-    from kv_preflight.predictor.scoring.groups import apply_groups
-
-    bs = per * C
-    groups = {0: GroupSpec(kind=SLIDING, block_size=bs, sliding_window=window), 1: GroupSpec(kind=FULL, block_size=bs)}
-    presence = []
-    for k in range(40):
-        bitmap = sum(1 << num for num, (_, held) in enumerate(pods) if k // per < len(held) and held[k // per])
-        presence.append({"gpu|0": bitmap.to_bytes(2, "little")})
-    matches = [PodMatch(f"p{num}", prefix, "gpu") for num, (prefix, _) in enumerate(pods)]
-    names = {f"p{num}": num for num in range(len(pods))}
-    got = apply_groups(matches, {p: groups for p in names}, {p: bs for p in names}, presence, names, C, prompt_len)
-    bits = GroupBits(presence)
-    want = [group_hit(groups, prefix, bits, num, C, bs, prompt_len) // C for num, (prefix, _) in enumerate(pods)]
-    assert [m.blocks for m in got] == want
+def test_window_cut_lists_the_evicted_window_blocks_of_the_prefix():
+    # 4 blocks of 32 (8 request keys of 16); the window group holds blocks 0 and 3 (keys 1 and 7)
+    bit = (1 << 2).to_bytes(1, "little")  # pod number 2
+    presence = [{"pod|1": bit} if k in (1, 7) else {} for k in range(8)]
+    assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1, 2])
+    assert window_cut(HYBRID, 8, GroupBits([{"pod|1": bit}] * 8), 2, 16, 32, 129) is None
+    # only blocks of the prefix the prompt can reuse are named (the last token is recomputed)
+    assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 97) == (1, 64, [1, 2])
+    assert window_cut(HYBRID, 4, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1])

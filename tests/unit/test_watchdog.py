@@ -89,3 +89,27 @@ def test_blocked_loop_reported_with_its_thread_stack(caplog):
     assert stalls == [1]  # once, although the loop answers the watchdog late
     blocked = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
     assert blocked and "in blocking_call" in blocked[0] and "about to block" in blocked[0]
+
+
+def test_a_round_that_overruns_its_deadline_is_reported_once(caplog):
+    """A membership round marks each step, so one that crawls never looks stalled; its deadline says it
+    overran (issue 26, finding 3: twenty attaches of 2 s each went unnoticed)."""
+    async def main():
+        progress = Progress()
+        overruns = []
+        dog = Watchdog(progress, asyncio.current_task(), lambda: None, on_overrun=lambda: overruns.append(1))
+        progress.begin_round(2.0)
+        start = progress.round_at
+        progress.mark("attaching tcp://x")
+        assert not dog.check(now=start + 1.0) and overruns == []
+        dog.check(now=start + 2.5)
+        dog.check(now=start + 3.5)
+        assert overruns == [1]
+        progress.end_round()
+        progress.begin_round(2.0)
+        dog.check(now=progress.round_at + 2.5)
+        return overruns
+
+    with caplog.at_level(logging.WARNING, logger="kvpf.ingester"):
+        assert asyncio.run(main()) == [1, 1]
+    assert "membership round overran" in caplog.text and "attaching tcp://x" in caplog.text

@@ -28,6 +28,7 @@ import redis
 from kv_preflight.cli.bench import loadgen
 from kv_preflight.cli.bench.procs import Server, python
 from kv_preflight.cli.bench.workload import event_stream, tokens
+from kv_preflight.cli.bench.floor import live_entries
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.predictor.scoring.score import engine_cached_tokens
 from kv_preflight.index.index import Index, StoreBlock
@@ -416,7 +417,7 @@ def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) 
         r.flushall()
         mem0 = _used(r)
         t128, _ = asyncio.run(_ingest(vk.url, stream.frames))
-        entries = _entries(r)
+        entries = live_entries(r)
         res.extra["memory_listpack_128"] = {"bytes_per_entry": (_used(r) - mem0) / entries, "entries": entries,
                                             "ingest_blocks_per_s": blocks / t128}
         print(f"  with hash-max-listpack-value 128: {(_used(r) - mem0) / entries:.0f} B per (block, pod) entry; "
@@ -424,17 +425,6 @@ def bench_ingest_memory(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) 
     finally:
         r.config_set("hash-max-listpack-value", 64)
     _ingest_zmq(res, vk, stream, tmp, base_rate)
-
-
-def _entries(r: redis.Redis) -> int:
-    keys = [k for k in r.scan_iter(count=5000) if not k.startswith((b"engine:", b"kvpf:"))]
-    total = 0
-    for i in range(0, len(keys), 5000):
-        with r.pipeline(transaction=False) as p:
-            for k in keys[i:i + 5000]:
-                p.hlen(k)
-            total += sum(p.execute())
-    return total
 
 
 def _agreement(res: Results, vk: ValkeyServer, prompts: list[list[int]]) -> None:
@@ -462,7 +452,7 @@ def _memory(res: Results, r: redis.Redis, mem0: int) -> None:
     """Bytes per (request key, pod) entry: total from used_memory; ours by deleting our per-block keys;
     the seed layout's by writing its reverse index (the whole PodEntry per block) beside ours."""
     total = _used(r) - mem0
-    entries = _entries(r)
+    entries = live_entries(r)
     # Ours: the request keys' presence hashes and each pod's state log (layout 4, kv_preflight/index/layout.py).
     ours_keys = [k for k in r.scan_iter(match="kvpf:{*", count=5000) if is_presence_key(k) or k.endswith(b"}:state")]
     before = _used(r)

@@ -163,8 +163,9 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) 
     return elapsed, c1 - c0, proc
 
 
-async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
-    w = FloorWriter(url)
+async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis], *,
+                 cluster: bool = False) -> tuple[float, float, float]:
+    w = FloorWriter(url, cluster=cluster)
     try:
         await w.write(warm)
         c0 = sum(cpu_s(n) for n in nodes)
@@ -173,6 +174,10 @@ async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis])
         return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0, time.process_time() - p0
     finally:
         await w.close()
+
+
+async def _floor_cluster(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
+    return await _floor(url, warm, measured, nodes, cluster=True)
 
 
 def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> dict[str, Any]:
@@ -263,17 +268,6 @@ def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, singl
     return {"cluster_cpu_us": us, "cluster_floor_cpu_us": floor_us, "cluster_cpu_ratio": ratio,
             "cluster_blocks_per_s": rate, "cluster_blocks_per_cpu_s": core_rate}
 
-
-async def _floor_cluster(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
-    w = FloorWriter(url, cluster=True)
-    try:
-        await w.write(warm)
-        c0 = sum(cpu_s(n) for n in nodes)
-        t, p0 = time.perf_counter(), time.process_time()
-        await w.write(measured)
-        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0, time.process_time() - p0
-    finally:
-        await w.close()
 
 
 __all__ = ["FloorWriter", "bench_floor", "steady_stream"]

@@ -11,6 +11,7 @@ event log, which this index does not keep: they answer 501.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,13 +30,20 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
                                    check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
 from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
+from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
+from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
+from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.keys.chain import salted_request_keys
+from kv_preflight.predictor.scoring.groups import apply_groups, pods_groups
 
 log = logging.getLogger("kvpf.dynamo")
 
+MAX_NAME_BYTES = 256  # model_name, routing_group of a registration
+MAX_ENDPOINT_BYTES = 512
+MAX_WORKERS_PAGE = 1000  # /workers answers at most this many workers a request (?limit=, ?offset=)
 QUERY_BODY_LIMIT = 8 * 1024 * 1024  # Dynamo's QUERY_REQUEST_BODY_LIMIT_BYTES
 OTHER_BODY_LIMIT = 64 * 1024
 _encoder = msgspec.json.Encoder()
@@ -80,6 +88,8 @@ class DynamoApi:
     def __init__(self, cfg: Config, index: Index):
         self.cfg = cfg
         self.index = index
+        self._view: fleet.FleetView | None = None  # the fleet's leases, for the answers' freshness
+        self._view_at = -1e9
 
     @property
     def deadline_s(self) -> float:
@@ -104,8 +114,26 @@ class DynamoApi:
                 return 400, {"error": msg}
             except EndpointRefused as exc:
                 return 403, {"error": f"endpoint refused: {exc}"}
+        for name, value, most in (("model_name", req.model_name, MAX_NAME_BYTES),
+                                  ("routing_group", req.routing_group, MAX_NAME_BYTES),
+                                  ("endpoint", req.endpoint, MAX_ENDPOINT_BYTES),
+                                  ("replay_endpoint", req.replay_endpoint or "", MAX_ENDPOINT_BYTES)):
+            if len(value.encode()) > most:
+                return 400, {"error": f"{name} is {len(value.encode())} bytes, over the {most} a registration may hold"}
+            if name.endswith("_name") and not value:
+                return 400, {"error": f"{name} is empty"}
         rank = req.dp_rank or 0
-        regs = await self.registrations()
+        async with valkey_call(self.deadline_s, "registered engines"):
+            every = await self.index.fleet.registered_engines()
+            view = await self.index.fleet.fleet_view()
+        if len(every) >= self.cfg.max_registered_engines:
+            return 429, {"error": f"{len(every)} engines are registered, the most this index takes "
+                                  f"(--max-registered-engines {self.cfg.max_registered_engines})"}
+        same_model = sum(1 for r in every.values() if r.model == req.model_name)
+        if same_model >= self.cfg.max_registered_per_model:
+            return 429, {"error": f"{same_model} engines are registered for model={req.model_name}, the most one "
+                                  f"model takes (--max-registered-per-model {self.cfg.max_registered_per_model})"}
+        regs = {k: r for k, r in every.items() if k.startswith("dynamo:") and r.instance_id is not None}
         mine = [r for r in regs.values() if r.instance_id == req.instance_id]
         for r in mine:
             if (r.model, r.routing_group) != (req.model_name, req.routing_group):
@@ -117,8 +145,15 @@ class DynamoApi:
             if (r.model, r.routing_group) == (req.model_name, req.routing_group) and r.block_size != req.block_size:
                 return 409, {"error": f"block_size mismatch for model={req.model_name} routing_group="
                                       f"{req.routing_group}: existing={r.block_size}, requested={req.block_size}"}
+        mine_ids = {k for k, r in every.items() if r.instance_id == req.instance_id}
+        taken = _sources_in_use(every, view, exclude=mine_ids, own_pods={registered_pod(req.instance_id, rank)})
+        for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
+            owner = taken.get(endpoint_identity(endpoint))
+            if owner is not None:  # a second pod with the same cache would be a phantom copy of the first
+                return 409, {"error": f"endpoint {endpoint} is already a source of {owner}"}
         async with valkey_call(self.deadline_s, "register"):
             now = await self.index.fleet.now_ms()
+            await self.index.fleet.unforget_pods([registered_pod(req.instance_id, rank)])  # registered anew
             await self.index.fleet.register_engine(registration_id(req.instance_id, rank), fleet.RegisteredEngine(
                 source=req.endpoint, replay=req.replay_endpoint or "", pod=registered_pod(req.instance_id, rank),
                 model=req.model_name, engine="vllm", instance_id=req.instance_id, registered_ms=now,
@@ -142,11 +177,13 @@ class DynamoApi:
             mine = {k: r for k, r in mine.items() if r.dp_rank == req.dp_rank}
             if not mine:
                 return 404, {"error": f"instance {req.instance_id} dp_rank {req.dp_rank} not found"}
-        async with valkey_call(self.deadline_s, "unregister"):
-            for engine_id, r in mine.items():
+        async with valkey_call(self.deadline_s + LET_GO_WAIT_S, "unregister"):
+            for engine_id in mine:
                 await self.index.fleet.unregister_engine(engine_id)
-                # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here.
-                await self.index.clear_pod(r.pod, forget=True)
+            # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here, once
+            # no ingester ingests it any more (a worker still publishing would otherwise come back as a pod
+            # that no listing shows: fleet/lifecycle.py)
+            await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
         return 200, {"status": "ok"}
 
@@ -206,22 +243,82 @@ class DynamoApi:
             return 422, {"error": str(exc)[:300]}
         prefixes: dict[str, tuple[int, int, int]] = {}
         engine_blocks: dict[str, int | None] = {}
+        incomplete: list = []
         if keys:
             async with valkey_call(self.deadline_s, "query"):
                 # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
                 # are the keys' fields read to split it by tier (nothing at all on a miss).
-                depth = max((m.blocks for m in await self.index.lookup(keys, list(worker_of))), default=0)
+                matches = await self.index.lookup(keys, list(worker_of))
+                depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
-                infos = await self.index.pod_infos(sorted(prefixes))
+                infos = await self.index.scoring_infos(sorted(prefixes))  # block size and KV cache groups
+                hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
+                if hybrid:
+                    prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
             engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
+            incomplete = [i for i in infos if i.incomplete]
             if not block_sizes:
                 block_sizes = {b for b in engine_blocks.values() if b}
         unit = block_sizes.pop() if len(block_sizes) == 1 else self.cfg.block_size
         answer = build_score_response(
             prefixes, canonical_block=self.cfg.block_size, engine_blocks=engine_blocks, worker_of=worker_of,
             expected=[(r.instance_id, r.dp_rank) for r in part], block_size=unit)  # type: ignore[misc]
-        return 200, answer
+        named = sorted(set(prefixes) | {r.pod for r in part})[:MAX_WORKERS_PAGE]
+        view = await self._fleet_view()
+        now_ms = view.now_ms + int((time.monotonic() - self._view_at) * 1000) if view is not None else 0
+        per_pod = pod_freshness(view, named, now_ms, time.time())
+        label = {p: str(i) if r == 0 else f"{i}/{r}" for p, (i, r) in worker_of.items()}
+        fresh = answer_freshness({label.get(p, p): f for p, f in per_pod.items()},
+                                 incomplete=[label.get(i.pod_id, i.pod_id) for i in incomplete])
+        return 200, msgspec.structs.replace(answer, freshness=fresh)
+
+    async def _fleet_view(self) -> fleet.FleetView | None:
+        """The fleet's leases, read at most once a second (they are renewed once a second)."""
+        if time.monotonic() - self._view_at > 1.0:
+            try:
+                async with valkey_call(self.deadline_s, "fleet"):
+                    self._view = await self.index.fleet.fleet_view()
+                self._view_at = time.monotonic()
+            except PredictorError:
+                pass  # the last view, or none: its pods read "unknown"
+        return self._view
+
+    async def _hybrid_prefixes(self, keys: list[int], matches: list[Any], prefixes: dict[str, tuple[int, int, int]],
+                               hybrid: dict[str, Any], infos: list[Any], n_tokens: int) -> dict[str, tuple[int, int, int]]:
+        """Each hybrid pod's tier prefixes capped at what all its KV cache groups' rules accept (issue 24), as
+        /predict counts it but without its last-token rule: Dynamo's overlap is whole blocks of the tokens."""
+        mine = [m for m in matches if m.pod_id in hybrid]
+        depth = max((m.blocks for m in mine), default=0)
+        if not depth:
+            return prefixes
+        presence = await self.index.presence(keys[:depth])
+        nums = await self.index.pod_numbers(hybrid)
+        adjusted = apply_groups(mine, hybrid, {i.pod_id: i.engine_block_size for i in infos}, presence, nums,
+                                self.cfg.block_size, n_tokens + 1)
+        out = dict(prefixes)
+        for m in adjusted:
+            if m.pod_id in out:
+                out[m.pod_id] = tuple(min(b, m.blocks) for b in out[m.pod_id])  # type: ignore[assignment]
+        return out
+
+
+def _sources_in_use(registered: Mapping[str, fleet.RegisteredEngine], view: fleet.FleetView,
+                    exclude: set[str], own_pods: set[str] = frozenset()) -> dict[str, str]:
+    """Endpoint identity -> who uses it: every other registration's sockets, and the sockets the live
+    ingesters subscribe (engines found by --engine, --source, discovery), as their leases list them."""
+    taken: dict[str, str] = {}
+    for engine_id, r in registered.items():
+        if engine_id not in exclude:
+            for endpoint in filter(None, (r.source, r.replay)):
+                taken.setdefault(endpoint_identity(endpoint), f"registered engine {engine_id}")
+    excluded = {endpoint_identity(e) for k in exclude for e in (registered[k].source, registered[k].replay) if e}
+    for ingester, lease in view.live_ingesters().items():
+        for endpoint, pod in lease.sources.items():
+            # the instance's own sockets, ingested already (its registration lost with Valkey's data, say)
+            if endpoint_identity(endpoint) not in excluded and not (pod and pod in own_pods):
+                taken.setdefault(endpoint_identity(endpoint), f"an engine ingested by {ingester}")
+    return taken
 
 
 def _status(pod: str, pods: Mapping[str, str], view: fleet.FleetView) -> str:
@@ -255,7 +352,16 @@ def create_dynamo_app(cfg: Config, index: Index | None = None) -> Starlette:
             try:
                 if kind is None:
                     args = (request.query_params.get("model_name"), request.query_params.get("routing_group"))
-                    return _json(await api.workers(*args))
+                    try:
+                        offset = max(0, int(request.query_params.get("offset", "0")))
+                        size = min(MAX_WORKERS_PAGE, max(1, int(request.query_params.get("limit", MAX_WORKERS_PAGE))))
+                    except ValueError:
+                        return _error("offset and limit are whole numbers", 400)
+                    every = await api.workers(*args)
+                    page = _json(every[offset:offset + size])
+                    if offset + size < len(every):  # a bounded answer: the rest by ?offset=
+                        page.headers["x-kvpf-next-offset"] = str(offset + size)
+                    return page
                 status, body = await getattr(api, method)(await _decode(request, kind, limit, cfg))
                 return _json(body, status)
             except Unanswerable as exc:

@@ -17,7 +17,9 @@ from typing import Annotated
 
 import msgspec
 
+from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.index.entries import parse_entry
+from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.keys.chain import MAX_TOKEN_ID, fnv64a
 
 DEFAULT_ROUTING_GROUP = "default"  # Dynamo's default_routing_group()
@@ -70,12 +72,15 @@ class OverlapSummary(msgspec.Struct):
     disk: int
 
 
-class ScoreResponse(msgspec.Struct):
+class ScoreResponse(msgspec.Struct, omit_defaults=True):
     scores: dict[str, dict[str, int]]  # instance -> dp rank -> device-tier tokens
     # block i -> how many (instance, rank) hold it on the device tier (Dynamo's positional indexer counts
     # workers; its radix trees count recent queries, a history this index does not keep: docs/dynamo.md)
     frequencies: list[int]
     instances: dict[str, OverlapSummary]
+    # kv-preflight's addition (serde ignores unknown fields): how fresh the answer is, its pods keyed by
+    # "<instance>" or "<instance>/<dp rank>" (predictor/scoring/freshness.py)
+    freshness: Freshness | None = None
 
 
 class ListenerInfo(msgspec.Struct, omit_defaults=True):
@@ -112,7 +117,7 @@ def registration_id(instance_id: int, dp_rank: int) -> str:
 
 # ---- endpoints
 
-_TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)$")
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)")  # fullmatch: "$" would pass a trailing newline
 
 
 class EndpointError(ValueError):
@@ -130,7 +135,7 @@ def endpoint_host(endpoint: str) -> str:
         if endpoint.split("://", 1)[1]:
             return ""
         raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: no path")
-    m = _TCP.match(endpoint)
+    m = _TCP.fullmatch(endpoint)
     if not m or not 0 <= int(m.group(2)) <= 65535:
         raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: expected tcp://HOST:PORT, ipc://PATH or "
                             "inproc://NAME")
@@ -170,6 +175,10 @@ def check_endpoint(endpoint: str, allow: Sequence[str]) -> None:
         host = "127.0.0.1"
     if host in ("*", "0.0.0.0", "::", ""):
         raise EndpointRefused(f"`{endpoint[:200]}` names no host to connect to: give the engine's address")
+    try:  # what Dynamo's format check lets through but no ingester socket could connect to (port 0, long ipc)
+        check_zmq_endpoint(endpoint, bind=False)
+    except ValueError as exc:
+        raise EndpointError(f"invalid endpoint `{endpoint[:200]}`: {exc}") from None
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:

@@ -21,7 +21,9 @@ from kv_preflight.predictor.http.errors import BadRequest, EngineRejected, Engin
 from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
 from kv_preflight.predictor.explain.warnings import hints_from_probe
 from kv_preflight.predictor.http.request import PredictRequest, check_token_count, parse_request
-from kv_preflight.predictor.scoring.score import score
+from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
+                                                   window_cut)
+from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor, valkey_call
 from kv_preflight.keys.chain import request_keys
 
@@ -75,6 +77,17 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
         matches = found.matches if found else []
         infos = await p.metadata.pod_infos({m.pod_id for m in matches} | {m.pod_id for _, m in elsewhere}
                                            | set(serving[:MAX_POD_CHAINS]))
+        declared = cfg.group_specs.get(model)
+        hybrid = pods_groups({pod: i.groups for pod, i in infos.items()}, declared)
+        group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
+        if hybrid and keys_needed(matches, hybrid):  # a hybrid pod reuses what every KV cache group's rule accepts
+            presence = await p.index.presence(keys[:keys_needed(matches, hybrid)])
+            nums = await p.index.pod_numbers(hybrid)
+            adjusted = apply_groups(matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()}, presence,
+                                    nums, cfg.block_size, len(tokens))
+            group_notes += _group_cuts(matches, adjusted, hybrid, infos, GroupBits(presence), nums, cfg.block_size,
+                                       len(tokens))
+            matches = adjusted
     engine_blocks = {pod: i.engine_block_size for pod, i in infos.items()}
     prediction = score(matches, prompt_len=len(tokens), canonical_block=cfg.block_size, engine_blocks=engine_blocks,
                        incomplete={pod for pod, i in infos.items() if i.incomplete}, pods=req.pods,
@@ -94,8 +107,9 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     other_chains = [chain(root, m.pod_id, m.blocks, m.tier) for root, m in elsewhere]
 
     await _learn_bos(p, model)
-    warnings = p.warnings.check(model, tokens[:2], chat=req.prompt is None)
-    findings: list[Finding] = list(warnings)
+    warnings = p.warnings.check(model, tokens[:2], chat=req.prompt is None) + [
+        f for f in group_notes if f.kind != "group_cut"]
+    findings: list[Finding] = list(warnings) + [f for f in group_notes if f.kind == "group_cut"]
     text = _input_text(req)
     if text is not None:
         findings += rules.text_findings(text, len(tokens))
@@ -109,12 +123,51 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
             divergence, decoded_by = await _divergence(p, model, req, other, tokens, theirs)
             if not any(f.kind == divergence.cause for f in findings):
                 findings.append(Finding(divergence.cause, divergence.token_index, divergence.detail))
+    prediction = msgspec.structs.replace(prediction, freshness=p.freshness_of(
+        prediction, req.pods, extra=[c.pod_id for c in chains[:MAX_POD_CHAINS]]))
     return Explanation(**msgspec.structs.asdict(prediction) | {"warnings": warnings},
                        model=model, pods=chains[:MAX_POD_CHAINS], pods_truncated=len(chains) > MAX_POD_CHAINS,
                        findings=findings, divergence=divergence, decoded_by=decoded_by)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _group_cuts(before: Sequence[Any], after: Sequence[Any], hybrid: dict[str, Any], infos: dict[str, Any],
+                bits: GroupBits, nums: dict[str, int], canonical: int, prompt_len: int) -> list[Finding]:
+    """A ``group_cut`` finding per hybrid pod whose KV cache groups' rules reuse less than its full-attention
+    prefix: the group that cut it and, for a sliding-window group, the blocks it evicted (vLLM frees a
+    sliding-window group's blocks outside the window, so a prefix whose full-attention blocks are all cached
+    can still be recomputed from the last run of ceil((window - 1) / block) cached window blocks)."""
+    out = []
+    for m, a in zip(before, after):
+        if m.pod_id not in nums:
+            continue
+        groups = hybrid[m.pod_id]
+        ebs = infos[m.pod_id].engine_block_size or canonical
+        prefix_tokens = engine_cached_tokens(m.blocks, canonical, ebs, prompt_len)  # a plain model's count
+        hit = a.blocks * canonical
+        if hit >= prefix_tokens:
+            continue
+        cut = window_cut(groups, m.blocks, bits, nums[m.pod_id], canonical, ebs, prompt_len)
+        if cut is not None:
+            g, window, missing = cut
+            size = groups[g].block_size or ebs
+            shown = ", ".join(f"#{i}" for i in missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12
+                                                                 else "")
+            detail = (f"pod {m.pod_id!r} holds enough of this prompt in its full-attention group to reuse "
+                      f"{prefix_tokens} tokens, but "
+                      f"KV cache group {g} (sliding window of {window} tokens, blocks of {size}) has evicted block(s) "
+                      f"{shown} of that prefix: vLLM reuses {hit} tokens (the hit must end after enough contiguous "
+                      f"window blocks)")
+        else:
+            kinds = ", ".join(f"{g}: {s.kind}" for g, s in sorted(groups.items()))
+            detail = (f"pod {m.pod_id!r} holds enough of this prompt in its full-attention group to reuse "
+                      f"{prefix_tokens} tokens, but "
+                      f"its other KV cache groups' rules ({kinds}) accept only {hit}")
+        out.append(Finding("group_cut", hit, detail))
+    return out
+
 
 
 async def _tokens(p: Predictor, req: PredictRequest) -> tuple[list[int], str]:

@@ -139,8 +139,9 @@ async def openapi(request: Request) -> Response:
 async def health(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
     ok, why = await predictor.healthy()
-    if ok:
-        return json_response({"status": "ok"})
+    if ok:  # it can answer (200); whether its answers may be stale is the body's (docs/routing.md "Freshness")
+        reasons = predictor.fleet.health_reasons() if predictor.fleet is not None else []
+        return json_response({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
     return json_response({"status": "unavailable", "error": why}, 503)
 
 

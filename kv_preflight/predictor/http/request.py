@@ -36,6 +36,9 @@ class PredictRequest(msgspec.Struct, forbid_unknown_fields=True):
     messages: list[dict[str, Any]] | None = None
     pods: list[str] | None = None  # candidate pods; None = every pod
     cache_salt: str | None = None  # vLLM's per-request salt: keys block 0 as the engine does (kv_preflight/keys/chain.py)
+    # /route: route by load alone when the index of a pod the answer relies on may be older than this
+    # (docs/routing.md "Freshness"); /predict and /explain take it and answer as always (freshness says)
+    max_staleness_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 _decoder = msgspec.json.Decoder(PredictRequest)
@@ -47,6 +50,7 @@ _FIELD_HINTS = {
     "prompt": "prompt must be a string",
     "messages": "messages must be a list of chat message objects",
     "cache_salt": "cache_salt must be a string",
+    "max_staleness_ms": "max_staleness_ms must be a whole number of milliseconds, 0 or more",
 }
 _FIELD_AT = re.compile(r"at `\$\.(\w+)")
 
@@ -94,6 +98,7 @@ class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
     messages: msgspec.Raw = msgspec.Raw()
     pods: list[str] | None = None
     cache_salt: msgspec.Raw = msgspec.Raw()
+    max_staleness_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 _keyed_decoder = msgspec.json.Decoder(_KeyedShape)
@@ -107,6 +112,7 @@ class KeyedRequest(msgspec.Struct):
     n_tokens: int
     pods: list[str] | None
     raw_token_ids: msgspec.Raw = msgspec.Raw()  # the JSON list, unparsed: a reference, not a copy
+    max_staleness_ms: int | None = None
 
     @property
     def head(self) -> tuple[int, ...]:
@@ -136,7 +142,7 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     if got is None or not 0 < got[1] <= max_tokens:
         return None
     return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods,
-                        raw_token_ids=shape.token_ids)
+                        raw_token_ids=shape.token_ids, max_staleness_ms=shape.max_staleness_ms)
 
 
 _HEAD = re.compile(rb"\s*\[\s*(\d+)(?:\s*,\s*(\d+))?")

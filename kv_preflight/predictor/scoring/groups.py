@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
-from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, longest_hit, prefix_group
+from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, effective_groups, longest_hit, prefix_group
 from kv_preflight.index.entries import PodMatch
+from kv_preflight.predictor.explain.findings import Finding
+
+MAX_NAMED = 5  # pods a finding names; the rest are counted
 
 
 class GroupBits:
@@ -199,4 +202,74 @@ def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[in
             for m in matches]
 
 
-__all__ = ["GroupBits", "apply_groups", "group_hit", "keys_needed"]
+def pods_groups(learned: Mapping[str, Mapping[int, GroupSpec] | None], declared: Mapping[int, GroupSpec] | None
+                ) -> dict[str, dict[int, GroupSpec]]:
+    """Each hybrid pod's groups as its rule uses them: learned from its events, filled from ``--group-spec``."""
+    out = {}
+    for pod, groups in learned.items():
+        # nothing declared: the learned mapping itself, one object per metadata read (apply_groups keys its
+        # analysis of a pod's layout on it)
+        eff = groups if not declared else effective_groups(groups, declared)
+        if eff:
+            out[pod] = eff
+    return out
+
+
+def _named(pods: Sequence[str]) -> str:
+    shown = ", ".join(repr(p) for p in pods[:MAX_NAMED])
+    return shown + (f" and {len(pods) - MAX_NAMED} more" if len(pods) > MAX_NAMED else "")
+
+
+def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapping[int, GroupSpec]],
+                   declared: Mapping[int, GroupSpec] | None) -> list[Finding]:
+    """What an answer must say about pods it cannot answer exactly (issue 24): a hybrid pod whose group lacks
+    what its rule needs (answered as a lower bound: that group accepts nothing), and, for a model declared
+    hybrid by ``--group-spec``, pods whose events name no KV cache group (SGLang, TensorRT-LLM: their count is
+    the prefix their events describe, which the engine's other groups may cut; docs/engines.md)."""
+    out: list[Finding] = []
+    declared_hybrid = bool(declared) and len(declared or {}) > 1
+    if not hybrid and not declared_hybrid:
+        return out  # plain pods of a plain model: nothing to say, nothing walked (the fleet-wide hot path)
+    lacking: dict[str, list[str]] = {}
+    silent = []
+    for pod in sorted({p for p in matched if p in hybrid or declared_hybrid}):
+        groups = hybrid.get(pod)
+        if groups is None:
+            silent.append(pod)
+            continue
+        for g, spec in sorted(groups.items()):
+            why = spec.missing()
+            if why:
+                lacking.setdefault(f"group {g}: {why}", []).append(pod)
+    for why, pods in lacking.items():
+        out.append(Finding("hybrid_groups_incomplete", None, (
+            f"pod(s) {_named(pods)} of {model!r}: KV cache {why}; counted as a lower bound (that group accepts "
+            "no block), not exact")))
+    if silent:
+        out.append(Finding("hybrid_not_exact", None, (
+            f"{model!r} has {len(declared or {})} KV cache groups (--group-spec) but the events of pod(s) "
+            f"{_named(silent)} name none (SGLang and TensorRT-LLM publish one group's blocks): their count is "
+            "that group's prefix, which the engine's other groups may cut; exactness is not claimed "
+            "(docs/engines.md)")))
+    return out
+
+
+def window_cut(groups: Mapping[int, GroupSpec], prefix_keys: int, bits: GroupBits, num: int, canonical: int,
+               engine_block: int, prompt_len: int) -> tuple[int, int, list[int]] | None:
+    """Why a hybrid pod's hit is shorter than its full-attention prefix, for /explain: (sliding-window group,
+    its window in tokens, the group's blocks within the prefix it no longer holds), or None when no
+    sliding-window group misses a block of the prefix."""
+    for g, spec in sorted(groups.items()):
+        if spec.kind != SLIDING:
+            continue
+        size = spec.block_size or engine_block
+        if size % canonical:
+            continue
+        usable = min(prefix_keys * canonical, prompt_len - 1) // size
+        missing = [i for i in range(usable) if not bits(g, (i + 1) * size // canonical - 1) >> num & 1]
+        if missing:
+            return g, spec.sliding_window or 0, missing
+    return None
+
+
+__all__ = ["GroupBits", "apply_groups", "group_findings", "group_hit", "keys_needed", "pods_groups", "window_cut"]

@@ -39,6 +39,7 @@ import msgspec
 
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.load import PodLoad
+from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
@@ -81,7 +82,9 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class RouteDecision(msgspec.Struct, frozen=True):
     pod_id: str | None
-    reason: str  # best_overlap | least_loaded_good_match | least_loaded | no_overlap | all_overloaded | no_candidates
+    # best_overlap | least_loaded_good_match | least_loaded | no_overlap | all_overloaded | no_candidates |
+    # stale_index (max_staleness_ms: the index was older than allowed, routed by load alone)
+    reason: str
     detail: str
     total_prompt_tokens: int
     cached_tokens: int
@@ -89,6 +92,7 @@ class RouteDecision(msgspec.Struct, frozen=True):
     best_overlap_pod: str | None
     candidates: list[RouteCandidate]
     warnings: list[Finding] = msgspec.field(default_factory=list)  # predictor/explain/warnings.py
+    freshness: Freshness | None = None  # the prediction's, and each candidate's (predictor/scoring/freshness.py)
 
 
 def rendezvous(affinity_key: int, pod_id: str) -> int:

@@ -15,6 +15,7 @@ from typing import Protocol
 import msgspec
 
 from kv_preflight.predictor.explain.findings import Finding
+from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.predictor.scoring.ttft import PrefillModel
 
 try:  # the per-pod loop in C (kv_preflight/_speedups.c); the Python loop below is the reference and the fallback
@@ -63,6 +64,9 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     # Cache-breaking problems seen without a lookup (predictor/explain/warnings.py): the predictor always
     # sets a list, so answers always carry it (None is only the default of structs built elsewhere).
     warnings: list[Finding] | None = None
+    # How fresh the answer is (predictor/scoring/freshness.py): exact, degraded with reasons, or partial, and
+    # per pod named in the answer its ingestion state, staleness and index lag. Set by the predictor.
+    freshness: Freshness | None = None
 
 
 _POD_ID = attrgetter("pod_id")

@@ -1,0 +1,51 @@
+"""One way a pod leaves the index, whoever removes it (``/unregister``, ``index clear --forget``): every
+ingester is asked to let it go first (``kvpf:forget``), and its keys go once every live lease says it has,
+so no batch in flight can bring back a pod that no listing shows.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kv_preflight.index.index import Index
+
+log = logging.getLogger("kvpf.fleet")
+
+LET_GO_WAIT_S = 10.0  # how long a forget waits for the live ingesters to let the pods go (two lease TTLs)
+FORGET_RETENTION_MS = 3_600_000  # a forget request is kept this long (a pod registered anew drops it at once)
+
+
+async def let_go_everywhere(index: "Index", pods: Sequence[str], *, wait_s: float = LET_GO_WAIT_S) -> list[str]:
+    """Ask every ingester to let these pods go and wait (bounded) until every live one has; returns the
+    ingesters that had not when the wait ended (they refuse the pods' frames as soon as they look)."""
+    asked = await index.fleet.forget_pods(pods)
+    deadline = time.monotonic() + wait_s
+    while True:
+        view = await index.fleet.fleet_view()
+        behind = sorted(i for i, lease in view.live_ingesters().items() if lease.forget_seen_ms < asked)
+        if not behind or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    if behind:
+        log.warning("pods %s: ingester(s) %s did not confirm letting them go within %.0f s; clearing anyway (they "
+                    "refuse the pods' frames once they look)", list(pods), behind, wait_s)
+    stale = [p for p, at in (await index.fleet.forgotten()).items() if at < asked - FORGET_RETENTION_MS]
+    await index.fleet.unforget_pods(stale)
+    return behind
+
+
+async def forget_pods(index: "Index", pods: Sequence[str], *, keep_refusing: bool) -> dict[str, int]:
+    """Let the pods go everywhere, then clear their entries and drop their metadata, registry row, record
+    and number: pod -> blocks removed. ``keep_refusing``: the ingesters go on refusing the pods' frames (an
+    unregistered worker that still publishes) until they are registered anew; else (``index clear
+    --forget``) a pod whose engine still publishes comes back as a new pod, listed like any other."""
+    await let_go_everywhere(index, pods)
+    removed = {pod: await index.clear_pod(pod, forget=True) for pod in pods}
+    await index.fleet.drop_pod_records(pods)
+    if not keep_refusing:
+        await index.fleet.unforget_pods(pods)
+    return removed
