@@ -220,6 +220,11 @@ def _named(pods: Sequence[str]) -> str:
     return shown + (f" and {len(pods) - MAX_NAMED} more" if len(pods) > MAX_NAMED else "")
 
 
+# pod -> the groups mapping (one object per metadata read) found complete, so a fleet's thousand hybrid pods are
+# not checked again on every answer
+_COMPLETE: dict[str, Mapping[int, GroupSpec]] = {}
+
+
 def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapping[int, GroupSpec]],
                    declared: Mapping[int, GroupSpec] | None) -> list[Finding]:
     """What an answer must say about pods it cannot answer exactly (issue 24): a hybrid pod whose group lacks
@@ -237,10 +242,18 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
         if groups is None:
             silent.append(pod)
             continue
+        if _COMPLETE.get(pod) is groups:  # these very groups were found complete: nothing to say
+            continue
+        complete = True
         for g, spec in sorted(groups.items()):
             why = spec.missing()
             if why:
+                complete = False
                 lacking.setdefault(f"group {g}: {why}", []).append(pod)
+        if complete:
+            if len(_COMPLETE) > 100_000:
+                _COMPLETE.clear()
+            _COMPLETE[pod] = groups
     for why, pods in lacking.items():
         out.append(Finding("hybrid_groups_incomplete", None, (
             f"pod(s) {_named(pods)} of {model!r}: KV cache {why}; counted as a lower bound (that group accepts "
