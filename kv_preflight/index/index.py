@@ -611,7 +611,8 @@ class Index:
             return await self._lookup_entries(request_keys, pods)
         if pods is not None:
             asked = set(pods)
-            found = Lookup([m for m in found.matches if m.pod_id in asked], found.unanswered_from)
+            found = Lookup([m for m in found.matches if m.pod_id in asked], found.unanswered_from,
+                           found.group_bits)
         return found
 
     async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:

@@ -71,6 +71,22 @@ def group_bits_of(flat: Sequence[bytes | str]) -> dict[tuple[str, int], bytes]:
     return out
 
 
+def split_fields(flat: Sequence[bytes | str]) -> tuple[dict[str, bytes], dict[tuple[str, int], bytes]]:
+    """``bits_of`` and ``group_bits_of`` of one key's flat field list in one pass (a hybrid pod's keys have
+    both kinds of field, and a fleet-wide reply has one list per key)."""
+    tiers: dict[str, bytes] = {}
+    groups: dict[tuple[str, int], bytes] = {}
+    for i in range(0, len(flat) - 1, 2):
+        name = _name(flat[i])
+        if "|" not in name:
+            tiers[name] = flat[i + 1]
+        else:
+            tier, _, g = name.partition("|")
+            if g.isdigit():
+                groups[(tier, int(g))] = flat[i + 1]
+    return tiers, groups
+
+
 @dataclass(frozen=True)
 class BitsReply:
     """lookup_bits.lua's reply: ``kind`` 0, every key's bitmaps (``reads``, from the first key, to the
@@ -119,8 +135,9 @@ def parse_bits_reply(reply: Sequence[Any]) -> BitsReply:
         for i in range(5, len(reply) - 1, 2):
             name, bits = reply[i], reply[i + 1]
             if isinstance(name, list):  # several fields: the key's flat hash
-                reads.append(bits_of(name))
-                groups.append(group_bits_of(name))
+                tiers, other = split_fields(name)
+                reads.append(tiers)
+                groups.append(other)
             else:
                 reads.append(bits_of([name, bits]) if name else {})
                 groups.append(group_bits_of([name, bits]) if name else {})
@@ -226,6 +243,18 @@ def one_tier_reads(reply: Sequence[Any]) -> tuple[list[bytes | str], list[bytes]
         return None
     maps = reply[6::2]
     if len(maps) != len(tiers) or not all(type(b) is bytes for b in maps):
+        return None
+    return tiers, maps
+
+
+def one_tier_of_reads(reads: Sequence[Mapping[str, bytes]]) -> tuple[list[bytes | str], list[bytes]] | None:
+    """Parsed per-key tier bitmaps as ``one_tier_reads``'s two lists when every key has at most one tier: a
+    hybrid model's fleet-wide reply, its other groups' fields set apart, walks in C as a plain one's does."""
+    if _speedups is None or any(len(r) > 1 for r in reads):
+        return None
+    tiers: list[bytes | str] = [next(iter(r)) if r else "" for r in reads]
+    maps = [next(iter(r.values())) if r else b"" for r in reads]
+    if not all(type(b) is bytes for b in maps):
         return None
     return tiers, maps
 

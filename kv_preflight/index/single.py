@@ -11,7 +11,8 @@ from kv_preflight.index import scripts
 from kv_preflight.index.backend import evalsha_pipeline, read_pipeline, ready
 from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
 from kv_preflight.keys.chain import pack_keys
-from kv_preflight.index.presence import NamesFor, mask_of, parse_bits_reply, prefix_from_bits, prefix_of_one_tier
+from kv_preflight.index.presence import (NamesFor, mask_of, one_tier_of_reads, parse_bits_reply, prefix_from_bits,
+                                        prefix_of_one_tier)
 from kv_preflight.index.layout import LOOKUP_NAMES
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.writer import Prepared
@@ -80,7 +81,10 @@ class SingleNodeBackend:
         if r.kind == 0:
             per_key = r.reads
             known = await names(mask_of(per_key[0]) if per_key else 0, r.epoch)
-            return Lookup(prefix_from_bits(per_key, known)), r.foreign
+            one_tier = one_tier_of_reads(per_key) if r.groups is not None else None
+            if one_tier is not None:
+                return Lookup(prefix_of_one_tier(*one_tier, known), group_bits=r.groups), r.foreign
+            return Lookup(prefix_from_bits(per_key, known), group_bits=r.groups), r.foreign
         known = await names([num for num, _, _ in r.counts], r.epoch)
         return Lookup([PodMatch(known[num], held, tier) for num, held, tier in r.counts if num in known]), r.foreign
 

@@ -190,7 +190,7 @@ class Predictor:
                 hybrid = pods_groups({p: i.groups for p, i in infos.items() if i.groups}, declared)
                 findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
-                    matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len)
+                    matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len, found.group_bits)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model))
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
@@ -220,13 +220,19 @@ class Predictor:
                                 aged=self.fleet.aged if self.fleet is not None else None)
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
-                              infos: dict[str, ScoringInfo], prompt_len: int) -> list[Any]:
+                              infos: dict[str, ScoringInfo], prompt_len: int,
+                              group_bits: list[dict[tuple[str, int], bytes]] | None = None) -> list[Any]:
         """Matches of pods with several KV cache groups, replaced by what every group's rule accepts
-        (kv_preflight/predictor/scoring/groups.py), from the chain keys' presence read once for all of them."""
+        (kv_preflight/predictor/scoring/groups.py), from the chain keys' presence read once for all of them:
+        the lookup's own read when it returned every key's group bitmaps (``Lookup.group_bits``), else here."""
         needed = keys_needed(matches, hybrid)
         if not needed:
             return matches
-        presence = await self.index.presence(keys[:needed])
+        if group_bits is not None and len(group_bits) >= needed:
+            presence: list[dict[str, bytes]] = [{f"{tier}|{g}": b for (tier, g), b in per_key.items()}
+                                                for per_key in group_bits[:needed]]
+        else:
+            presence = await self.index.presence(keys[:needed])
         nums = await self.index.pod_numbers(hybrid)
         return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
                             self.cfg.block_size, prompt_len)

@@ -143,6 +143,10 @@ class PrefixCache:
         req.num_cached_blocks = len(hits)
         return len(hits) * self.block_size
 
+    def peak_blocks(self, num_tokens: int) -> int:
+        """Blocks a request with KV for ``num_tokens`` tokens holds at its end."""
+        return -(-num_tokens // self.block_size)
+
     def blocks_needed(self, req: RequestBlocks, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.blocks))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_preflight.events import make_topic
+from kv_preflight.simulator.hybrid_cache import FULL_ATTENTION, SLIDING_WINDOW, KVCacheGroup
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,17 @@ class SimulatorConfig:
     # The PUB topic; None is kv@POD@MODEL. "" is vLLM's default (``KVEventsConfig.topic``), as Dynamo's
     # workers publish: the subscriber then names the pod from its registration.
     topic_override: str | None = None
+    # A hybrid model: a sliding-window layer (this window, in tokens) beside a full-attention one, so the
+    # engine runs vLLM's hybrid KV cache manager with two KV cache groups. None: a plain model, one group.
+    sliding_window: int | None = None
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...] | None:
+        """The hybrid engine's groups in vLLM 0.32's numbering for tiny-hybrid-model (its sliding-window
+        layer comes first: group 0, as its events say), or None for a plain engine."""
+        if self.sliding_window is None:
+            return None
+        return (KVCacheGroup(SLIDING_WINDOW, self.sliding_window), KVCacheGroup(FULL_ATTENTION))
 
     @property
     def topic(self) -> str:
@@ -43,5 +55,7 @@ class SimulatorConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.buffer_steps <= 0:
             raise ValueError("buffer_steps must be positive")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError("sliding window must be at least 2 tokens")
         if self.step_delay_s < 0:
             raise ValueError("step delay must not be negative")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kv_preflight.events import Event
 from kv_preflight.simulator.cache import PrefixCache, RequestBlocks
+from kv_preflight.simulator.hybrid_cache import HybridPrefixCache, HybridRequest
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def output_token(prompt_ids: Sequence[int], index: int, alphabet: Sequence[int])
     return alphabet[int.from_bytes(digest, "big") % len(alphabet)]
 
 
-def run_request(cache: PrefixCache, gen: Generation, alphabet: Sequence[int]) -> Iterator[Step]:
+def run_request(cache: PrefixCache | HybridPrefixCache, gen: Generation, alphabet: Sequence[int]) -> Iterator[Step]:
     """Drive ``gen`` to completion, one yielded Step per engine step.
 
     The blocks are freed when the generator finishes or is closed early (a client
@@ -49,7 +50,7 @@ def run_request(cache: PrefixCache, gen: Generation, alphabet: Sequence[int]) ->
     """
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    req: RequestBlocks = cache.new_request(gen.prompt_ids)
+    req: RequestBlocks | HybridRequest = cache.new_request(gen.prompt_ids)
     gen.cached_tokens = cache.admit(req)
     try:
         num_prompt = len(gen.prompt_ids)

@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from kv_preflight.simulator.app import SimulatorApp
 from kv_preflight.simulator.cache import PrefixCache
 from kv_preflight.simulator.config import SimulatorConfig
+from kv_preflight.simulator.hybrid_cache import HybridPrefixCache
 from kv_preflight.simulator.publisher import EventPublisher
 from kv_preflight.simulator.runner import EngineRunner
 from kv_preflight.simulator.tokenizer import OUTPUT_ALPHABET
@@ -29,15 +30,18 @@ def build_app(cfg: SimulatorConfig, *, open_sockets: bool = False) -> Starlette:
     publisher = EventPublisher(cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic, buffer_steps=cfg.buffer_steps)
     if open_sockets:
         publisher.open()
-    runner = EngineRunner(PrefixCache(cfg.num_blocks, cfg.block_size), publisher, OUTPUT_ALPHABET,
-                          step_delay_s=cfg.step_delay_s)
+    groups = cfg.kv_cache_groups
+    cache = (PrefixCache(cfg.num_blocks, cfg.block_size) if groups is None
+             else HybridPrefixCache(cfg.num_blocks, cfg.block_size, groups))
+    runner = EngineRunner(cache, publisher, OUTPUT_ALPHABET, step_delay_s=cfg.step_delay_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         publisher.start()
-        log.info("simulating %s: http://%s:%d events %s replay %s topic %s, %d blocks of %d tokens",
+        log.info("simulating %s: http://%s:%d events %s replay %s topic %s, %d blocks of %d tokens%s",
                  cfg.pod, cfg.host, cfg.port, cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic,
-                 cfg.num_blocks, cfg.block_size)
+                 cfg.num_blocks, cfg.block_size,
+                 "" if groups is None else f", hybrid: sliding window {cfg.sliding_window} + full attention")
         try:
             yield
         finally:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kv_preflight.simulator.cache import PrefixCache
 from kv_preflight.simulator.engine import Generation, run_request
+from kv_preflight.simulator.hybrid_cache import HybridPrefixCache
 from kv_preflight.simulator.publisher import EventPublisher
 
 
@@ -32,7 +33,7 @@ class EngineCounters:
 class EngineRunner:
     def __init__(
         self,
-        cache: PrefixCache,
+        cache: PrefixCache | HybridPrefixCache,
         publisher: EventPublisher,
         alphabet: Sequence[int],
         step_delay_s: float = 0.0,
@@ -45,8 +46,8 @@ class EngineRunner:
         self._lock = asyncio.Lock()
 
     def blocks_needed(self, num_prompt: int, max_tokens: int) -> int:
-        """Blocks a request holds at its end: KV for prompt + outputs - 1 tokens."""
-        return -(-(num_prompt + max_tokens - 1) // self.cache.block_size)
+        """Blocks a request holds at most: KV for prompt + outputs - 1 tokens (in every KV cache group)."""
+        return self.cache.peak_blocks(num_prompt + max_tokens - 1)
 
     async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
         """Run one request to completion; the caller has checked it fits the pool."""

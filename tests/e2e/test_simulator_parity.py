@@ -1,6 +1,8 @@
 """The simulator is faithful: one request sequence, run against it and against a real vLLM 0.32
 (both block size 32, the same ``--blocks``), gives the same ``cached_tokens`` for every request,
-and the two KV-event streams have the same shape.
+and the two KV-event streams have the same shape. The same for a hybrid model: the launcher's
+tiny-hybrid-model (a sliding-window layer, window 64, beside a full-attention one: two KV cache
+groups) against ``simulate --sliding-window 64``.
 
 The workload mixes what decides hits and evictions: shared system prompts, exact
 repeats, multi-turn extensions, prompts of exactly whole blocks (the last block is
@@ -25,7 +27,7 @@ import zmq
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.engines.vllm import ENGINE as VLLM
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame
-from tests.e2e.conftest import launcher, start_vllm
+from tests.e2e.conftest import hybrid_model_dir, launcher, start_vllm
 from tests.e2e.harness import spawn, stop, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -149,7 +151,8 @@ def canonical(frames: list[DecodedFrame]) -> list[list[tuple]]:
         for e in frame.batch.events:
             if isinstance(e, BlockStored):
                 events.append(("stored", tuple(name(h) for h in e.block_hashes), name(e.parent_block_hash),
-                               len(e.token_ids), e.block_size, e.medium, e.group_idx, e.kv_cache_spec_kind))
+                               len(e.token_ids), e.block_size, e.medium, e.group_idx, e.kv_cache_spec_kind,
+                               e.kv_cache_spec_sliding_window, e.extra_keys))
             elif isinstance(e, BlockRemoved):
                 events.append(("removed", tuple(name(h) for h in e.block_hashes), e.medium, e.group_idx))
             else:
@@ -211,4 +214,69 @@ def test_cached_tokens_and_events_match_real_vllm(vllm_engine, simulator):
     print(f"events: vLLM {len(real_batches)} batches ({removed} removals), simulator {len(sim_batches)} batches")
     assert removed > 20, "the workload should force evictions"
     assert [e for b in sim_batches for e in b] == [e for b in real_batches for e in b]
+    assert sim_batches == real_batches
+
+
+# ---------------------------------------------------------------- hybrid (two KV cache groups)
+
+HYBRID_BLOCKS = 40  # vLLM needs two groups' blocks for a 512-token request; 39 usable still overflow
+SLIDING_WINDOW = 64  # tiny-hybrid-model's
+
+
+@pytest.fixture(scope="module")
+def hybrid_vllm_engine():
+    launcher()
+    engine = start_vllm(pod="sim-parity-hybrid", port=free_port(), zmq_port=free_port(), replay_port=free_port(),
+                        blocks=HYBRID_BLOCKS, model_dir=hybrid_model_dir())
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def hybrid_simulator(tmp_path_factory):
+    port, zmq_port, replay_port = free_port(), free_port(), free_port()
+    log = tmp_path_factory.mktemp("sim-hybrid") / "simulator.log"
+    proc = spawn(["simulate", "--pod", "sim-parity-hybrid-sim", "--model", MODEL, "--port", str(port),
+                  "--zmq", f"tcp://*:{zmq_port}", "--replay", f"tcp://*:{replay_port}",
+                  "--block-size", str(BLOCK_SIZE), "--blocks", str(HYBRID_BLOCKS),
+                  "--max-model-len", str(MAX_MODEL_LEN), "--sliding-window", str(SLIDING_WINDOW)], str(log))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/v1/models")
+        yield url, f"tcp://127.0.0.1:{replay_port}"
+    finally:
+        stop(proc)
+
+
+def test_hybrid_cached_tokens_and_events_match_real_vllm(hybrid_vllm_engine, hybrid_simulator):
+    """The same workload: its shared system prompts and extensions are where the window group lags the
+    full-attention one (a hit cut short, then the junction's window blocks cached), its long prompts evict
+    both groups' blocks from the one pool."""
+    calls = workload()
+    sim_url, sim_replay = hybrid_simulator
+
+    real = run_workload(hybrid_vllm_engine.url, calls)
+    sim = run_workload(sim_url, calls)
+
+    requests = [i for i, c in enumerate(calls) if c.prompt is not None]
+    mismatches = [(i, real[i], sim[i], len(calls[i].prompt), calls[i].max_tokens) for i in requests
+                  if real[i] != sim[i]]
+    hits = sum(1 for i in requests if real[i])
+    print(f"hybrid parity: {len(requests) - len(mismatches)}/{len(requests)} requests match; {hits} had cache hits")
+    assert not mismatches, f"(call, vllm, simulator, prompt len, max_tokens): {mismatches}"
+    assert hits >= len(requests) // 4, "the workload should exercise cache hits"
+
+    real_batches = canonical(settled_replay(hybrid_vllm_engine.replay))
+    sim_batches = canonical(settled_replay(sim_replay))
+    events = [e for b in real_batches for e in b]
+    removed = {e[3] for e in events if e[0] == "removed"}
+    partial = sum(1 for e in events if e[0] == "stored" and e[6] == 0 and e[1] != ())
+    print(f"events: vLLM {len(real_batches)} batches, {len(events)} events; simulator {len(sim_batches)} batches")
+    assert removed == {0, 1}, "the workload should evict both groups' blocks"
+    assert any(e[0] == "stored" and e[6] == 0 and e[1] == () for e in events), \
+        "the window group should send a BlockStored with no cached block"
+    assert partial > 0
+    assert [e for b in sim_batches for e in b] == events
     assert sim_batches == real_batches

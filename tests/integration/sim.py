@@ -21,13 +21,17 @@ class SimEngine:
     proc: object = None
     log: str = ""
     blocks: int = 64  # the engine's KV blocks (one is vLLM's reserved null block)
+    block_size: int = 16
+    sliding_window: int | None = None  # a hybrid engine: a sliding-window group beside full attention
 
     def start(self) -> "SimEngine":
         host = self.url.rsplit(":", 1)[0].split("//", 1)[1]
         self.proc = spawn(["simulate", "--pod", self.pod, "--model", "sim", "--host", host,
                            "--port", self.url.rsplit(":", 1)[1],
                            "--zmq", f"tcp://*:{self.zmq_port}", "--replay", f"tcp://*:{self.replay_port}",
-                           "--block-size", "16", "--blocks", str(self.blocks)], self.log)
+                           "--block-size", str(self.block_size), "--blocks", str(self.blocks),
+                           *(["--sliding-window", str(self.sliding_window)] if self.sliding_window else [])],
+                          self.log)
         wait_http(self.url + "/v1/models")
         return self
 

@@ -189,3 +189,33 @@ def test_an_entry_and_a_bit_that_move_together_are_one_command_each():
     assert key_ops(11, "F", 1, "", 0, 9) == ["E", 11, "F"]  # an entry no bit stands for (speculative)
     # an entry two groups share (llm-d v0.8 entries): the general form, whose count follows the entry
     assert key_ops(11, "F", 0, "gpu|1", 1, 9) == ["K", 11, "kvpf:{11}", "F", 0, "gpu|1", 1, 2, 2]
+
+
+def test_split_fields_is_bits_of_and_group_bits_of_in_one_pass():
+    from kv_preflight.index.presence import bits_of, group_bits_of, split_fields
+
+    flat = [b"gpu", b"\x01", b"gpu|1", b"\x02", "cpu", b"\x04", b"cpu|0", b"\x08", b"gpu|x", b"\x10"]
+    assert split_fields(flat) == (bits_of(flat), group_bits_of(flat))
+    assert split_fields([]) == ({}, {})
+
+
+def test_one_tier_of_reads_walks_like_prefix_from_bits():
+    """A hybrid fleet's keys, their other groups' fields set apart, one tier each: the C walk over them gives
+    what the Python walk gives."""
+    import random
+
+    from kv_preflight.index.presence import one_tier_of_reads, prefix_from_bits, prefix_of_one_tier
+
+    rng = random.Random(4)
+    names = {n: f"pod-{n}" for n in range(40)}
+    lengths = {n: rng.randrange(0, 30) for n in names}
+    reads = []
+    for k in range(30):
+        bitmap = sum(1 << n for n, length in lengths.items() if k < length)
+        reads.append({rng.choice(["gpu", "cpu"]): bitmap.to_bytes(5, "little")} if bitmap else {})
+    flat = one_tier_of_reads(reads)
+    if flat is None:  # no C extension in this build
+        return
+    key = lambda m: m.pod_id
+    assert sorted(prefix_of_one_tier(*flat, names), key=key) == sorted(prefix_from_bits(reads, names), key=key)
+    assert one_tier_of_reads([{"gpu": b"\x01", "cpu": b"\x02"}]) is None

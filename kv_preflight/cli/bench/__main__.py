@@ -742,7 +742,10 @@ def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path |
                 from kv_preflight.cli.bench.warnings import bench_warnings
                 bench_warnings(res, quick, timeit)
             if "fleet" in only:
+                from kv_preflight.cli.bench.hybrid import bench_hybrid_fleet
+
                 bench_fleet(res, vk, quick, tmp)
+                bench_hybrid_fleet(res, vk, quick, tmp)
             if "route" in only:
                 from kv_preflight.cli.bench.route import bench_route
 

@@ -9,8 +9,9 @@ by the blocks that rule leaves, so scoring needs nothing else.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
-from kv_preflight.engines.hit_rules import SLIDING, GroupSpec, effective_groups, longest_hit, prefix_group
+from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, effective_groups, longest_hit, prefix_group
 from kv_preflight.index.entries import PodMatch
 from kv_preflight.predictor.explain.findings import Finding
 
@@ -38,11 +39,104 @@ class GroupBits:
         return got
 
 
+@lru_cache(maxsize=256)
+def _window_pair(groups: tuple[tuple[int, GroupSpec], ...], engine_block: int, canonical: int
+                 ) -> tuple[int, int, int] | None:
+    """(window group, block size, contiguous blocks a hit needs) when the groups are one full-attention group
+    and one sliding-window group (gpt-oss, Gemma 3), neither with EAGLE, of one block size that whole request
+    keys divide; else None (the general rule then runs)."""
+    if len(groups) != 2:
+        return None
+    kinds = {spec.kind: (g, spec) for g, spec in groups}
+    if set(kinds) != {FULL, SLIDING} or any(spec.eagle or spec.missing() for _, spec in groups):
+        return None
+    sizes = {spec.block_size or engine_block for _, spec in groups}
+    if len(sizes) != 1:
+        return None
+    bs = sizes.pop()
+    if bs % canonical:
+        return None
+    g, spec = kinds[SLIDING]
+    return g, bs, -(-((spec.sliding_window or bs) - 1) // bs)
+
+
+def _window_hit(window_group: int, bs: int, need: int, prefix_keys: int, bits: GroupBits, num: int,
+                canonical: int, prompt_len: int) -> int:
+    """``longest_hit`` for one full-attention group (the prefix group) and one sliding-window group, without a
+    callback per block: vLLM's "simple hybrid", one pass. Full attention holds the blocks of the pod's prefix,
+    at most the prompt less its last token (``FullAttentionManager.find_longest_cache_hit``); within that, the
+    window group's blocks right to left until ``need`` contiguous ones end the hit, else the run from block 0
+    (``SlidingWindowManager.find_longest_cache_hit``; one block size, so no realignment)."""
+    max_tokens = prompt_len - 1
+    if max_tokens <= 0:
+        return 0
+    per = bs // canonical
+    n = min(prefix_keys // per, max_tokens // bs)
+    run = 0
+    for i in range(n - 1, -1, -1):
+        if bits(window_group, (i + 1) * per - 1) >> num & 1:
+            run += 1
+            if run >= need:
+                return (i + run) * bs
+        else:
+            run = 0
+    return run * bs
+
+
+def _window_hits(pods: Sequence[tuple[int, int]], window_group: int, bs: int, need: int, bits: GroupBits,
+                 canonical: int, prompt_len: int) -> dict[int, int]:
+    """``_window_hit`` for many pods at once: pod number -> tokens, for (number, prefix keys) pairs. The same
+    right-to-left search, walked once for all of them on the window group's bitmaps: ``runs[j]`` holds the
+    pods whose run of held blocks (from where each pod's full-attention prefix ends, downwards) is at least
+    ``j`` long; a pod leaves when its run reaches ``need``. A few integer operations a block instead of a
+    bit test per pod and block: a fleet-wide prefix held by 1,000 hybrid pods."""
+    max_tokens = prompt_len - 1
+    out: dict[int, int] = {}
+    if max_tokens <= 0:
+        return {num: 0 for num, _ in pods}
+    per = bs // canonical
+    limit = max_tokens // bs
+    starts: dict[int, int] = {}  # block -> pods whose search starts there
+    for num, prefix_keys in pods:
+        n = min(prefix_keys // per, limit)
+        if n:
+            starts[n - 1] = starts.get(n - 1, 0) | 1 << num
+        else:
+            out[num] = 0
+    if not starts:
+        return out
+    runs = [0] * (need + 1)  # runs[0]: every pod still searching
+    for i in range(max(starts), -1, -1):
+        runs[0] |= starts.get(i, 0)
+        held = bits(window_group, (i + 1) * per - 1) & runs[0]
+        for j in range(need, 0, -1):
+            runs[j] = runs[j - 1] & held
+        done = runs[need]
+        if done:
+            _spread(done, (i + need) * bs, out)
+            keep = ~done
+            runs = [r & keep for r in runs]
+    for j in range(need - 1, -1, -1):  # no run long enough: the run from block 0
+        left = runs[j] & ~runs[j + 1] if j + 1 < need else runs[j]
+        _spread(left, j * bs, out)
+    return out
+
+
+def _spread(mask: int, tokens: int, out: dict[int, int]) -> None:
+    while mask:
+        low = mask & -mask
+        out[low.bit_length() - 1] = tokens
+        mask ^= low
+
+
 def group_hit(groups: Mapping[int, GroupSpec], prefix_keys: int, bits: GroupBits, num: int, canonical: int,
               engine_block: int, prompt_len: int) -> int:
     """Tokens a hybrid pod reuses: ``prefix_keys``, its prefix (in request keys of ``canonical`` tokens) in its
     prefix group; ``bits``, the chain keys' other-group bitmaps; ``num``, the pod's bit. A block of a group is
     held there when the group's bit is set on the block's last key."""
+    pair = _window_pair(tuple(sorted(groups.items())), engine_block, canonical)
+    if pair is not None:
+        return _window_hit(*pair, prefix_keys, bits, num, canonical, prompt_len)
     pg = prefix_group(groups)
 
     def held(g: int, i: int) -> bool:
@@ -62,22 +156,50 @@ def keys_needed(matches: Iterable[PodMatch], hybrid: Mapping[str, object]) -> in
     return max((m.blocks for m in matches if m.pod_id in hybrid), default=0)
 
 
+# pod -> (its groups mapping, engine block, _window_pair of them): the layout analysed once per metadata read
+_LAYOUTS: dict[str, tuple[Mapping[int, GroupSpec], int, tuple[int, int, int] | None]] = {}
+
+
 def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[int, GroupSpec]],
                  engine_blocks: Mapping[str, int | None], presence: Sequence[Mapping[str, bytes]],
                  nums: Mapping[str, int], canonical: int, prompt_len: int) -> list[PodMatch]:
     """The matches with each hybrid pod's blocks replaced by what its groups' rules leave (in request keys);
     a pod whose number is not known keeps its prefix-group match (read again next time)."""
-    out = []
     bits = GroupBits(presence)
+    hits: dict[str, int] = {}
+    batched: list[tuple[str, tuple[int, int, int], int]] = []  # (pod, its window layout, its number)
+    batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # pods of one layout, searched at once
+    layouts = _LAYOUTS
     for m in matches:
-        groups = groups_of.get(m.pod_id)
-        if groups is None or m.pod_id not in nums:
-            out.append(m)
+        pod = m.pod_id
+        groups = groups_of.get(pod)
+        if groups is None:
             continue
-        ebs = engine_blocks.get(m.pod_id) or canonical
-        hit = group_hit(groups, m.blocks, bits, nums[m.pod_id], canonical, ebs, prompt_len)
-        out.append(PodMatch(m.pod_id, hit // canonical, m.tier))
-    return out
+        num = nums.get(pod)
+        if num is None:
+            continue
+        memo = layouts.get(pod)
+        if memo is None or memo[0] is not groups:
+            # the pod's groups as its metadata cache holds them (its engine block comes from the same read):
+            # one object until the metadata is read again
+            ebs = engine_blocks.get(pod) or canonical
+            memo = layouts[pod] = (groups, ebs, _window_pair(tuple(sorted(groups.items())), ebs, canonical))
+            if len(layouts) > 100_000:
+                layouts.clear()
+        pair = memo[2]
+        if pair is None:
+            hits[pod] = group_hit(groups, m.blocks, bits, num, canonical, memo[1], prompt_len)
+            continue
+        batch = batches.get(pair)
+        if batch is None:
+            batch = batches[pair] = []
+        batch.append((num, m.blocks))
+        batched.append((pod, pair, num))
+    found = {pair: _window_hits(pods, *pair, bits, canonical, prompt_len) for pair, pods in batches.items()}
+    for pod, pair, num in batched:
+        hits[pod] = found[pair][num]
+    return [m if (hit := hits.get(m.pod_id)) is None else PodMatch(m.pod_id, hit // canonical, m.tier)
+            for m in matches]
 
 
 def pods_groups(learned: Mapping[str, Mapping[int, GroupSpec] | None], declared: Mapping[int, GroupSpec] | None
@@ -85,7 +207,9 @@ def pods_groups(learned: Mapping[str, Mapping[int, GroupSpec] | None], declared:
     """Each hybrid pod's groups as its rule uses them: learned from its events, filled from ``--group-spec``."""
     out = {}
     for pod, groups in learned.items():
-        eff = effective_groups(groups, declared)
+        # nothing declared: the learned mapping itself, one object per metadata read (apply_groups keys its
+        # analysis of a pod's layout on it)
+        eff = groups if not declared else effective_groups(groups, declared)
         if eff:
             out[pod] = eff
     return out
@@ -94,6 +218,11 @@ def pods_groups(learned: Mapping[str, Mapping[int, GroupSpec] | None], declared:
 def _named(pods: Sequence[str]) -> str:
     shown = ", ".join(repr(p) for p in pods[:MAX_NAMED])
     return shown + (f" and {len(pods) - MAX_NAMED} more" if len(pods) > MAX_NAMED else "")
+
+
+# pod -> the groups mapping (one object per metadata read) found complete, so a fleet's thousand hybrid pods are
+# not checked again on every answer
+_COMPLETE: dict[str, Mapping[int, GroupSpec]] = {}
 
 
 def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapping[int, GroupSpec]],
@@ -113,10 +242,18 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
         if groups is None:
             silent.append(pod)
             continue
+        if _COMPLETE.get(pod) is groups:  # these very groups were found complete: nothing to say
+            continue
+        complete = True
         for g, spec in sorted(groups.items()):
             why = spec.missing()
             if why:
+                complete = False
                 lacking.setdefault(f"group {g}: {why}", []).append(pod)
+        if complete:
+            if len(_COMPLETE) > 100_000:
+                _COMPLETE.clear()
+            _COMPLETE[pod] = groups
     for why, pods in lacking.items():
         out.append(Finding("hybrid_groups_incomplete", None, (
             f"pod(s) {_named(pods)} of {model!r}: KV cache {why}; counted as a lower bound (that group accepts "
