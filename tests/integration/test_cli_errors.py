@@ -216,6 +216,8 @@ def _bad_values(cmd_name: str, opt: click.Option) -> list[tuple[str, str]]:
         return [("bad-endpoint", "nonsense")]
     if flag in ("--tokenizer", "--route-tier-weight", "--lora-name"):
         return [("bad-pair", "no-equals-sign")]
+    if flag == "--group-spec":
+        return [("bad-spec", "no-colon-or-equals")]
     if flag in FREE_TEXT:
         return []
     raise AssertionError(f"{cmd_name} {flag}: classify this option (a bad value, or FREE_TEXT)")
