@@ -89,7 +89,8 @@ def check_zmq_endpoint(endpoint: str, *, bind: bool) -> str:
     shown = repr(endpoint[:120])
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
-        if not path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        # "@" alone: an abstract-namespace socket with no name, which libzmq refuses (EINVAL)
+        if path in ("", "@") or any(ord(c) < 32 or ord(c) == 127 for c in path):
             raise ValueError(f"endpoint {shown}: an ipc:// path, non-empty, with no control character")
         if len(path.encode()) > IPC_PATH_MAX:
             raise ValueError(f"endpoint {shown}: ipc path of {len(path.encode())} bytes, over the {IPC_PATH_MAX} "

@@ -37,7 +37,7 @@ def test_what_is_accepted_a_socket_can_connect_to(endpoint):
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557\n", "tcp://127.0.0.1:5557 ", "tcp://127.0.0.1:0",
                                       "tcp://127.0.0.1:65536", "tcp://*:5557", "tcp://[::]:5557", "inproc://x",
-                                      "ipc://", "ipc:///tmp/" + "p" * IPC_PATH_MAX, "tcp://a b:1", "tcp://[zz]:1"])
+                                      "ipc://", "ipc://@", "ipc:///tmp/" + "p" * IPC_PATH_MAX, "tcp://a b:1", "tcp://[zz]:1"])
 def test_refused_to_connect(endpoint):
     with pytest.raises(ValueError):
         check_zmq_endpoint(endpoint, bind=False)
