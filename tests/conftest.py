@@ -8,10 +8,9 @@ With pytest-xdist every worker is a session of its own, so each has its own serv
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
-import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -43,23 +42,10 @@ def _cluster_ports_of_this_worker() -> None:
     from kv_preflight.cli import valkey_cluster as vc
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    span = (22768 - 20000) // max(workers, 1)
-    lo = 20000 + xdist_worker() * span
-    draw = random.Random()
-
-    def cluster_port() -> int:
-        for _ in range(500):
-            port = draw.randrange(lo, lo + span)
-            try:
-                with socket.socket() as a, socket.socket() as b:
-                    a.bind(("127.0.0.1", port))
-                    b.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-        raise RuntimeError(f"no free port pair (P, P + 10000) in {lo}-{lo + span} for a cluster node")
-
-    vc.cluster_port = cluster_port
+    first, last = vc.CLUSTER_PORTS
+    span = (last - first) // max(workers, 1)
+    lo = first + xdist_worker() * span
+    vc.cluster_port = functools.partial(vc.cluster_port, lo, lo + span)
 
 
 def pytest_addoption(parser):

@@ -19,12 +19,15 @@ from pathlib import Path
 from kv_preflight.cli.valkey_server import ValkeyServer
 
 
-def cluster_port() -> int:
-    """A free port P with P + 10000 free too (the cluster bus). Both below Linux's ephemeral range
+CLUSTER_PORTS = (20000, 22768)  # [lo, hi): below Linux's ephemeral range, P + 10000 too
+
+
+def cluster_port(lo: int = CLUSTER_PORTS[0], hi: int = CLUSTER_PORTS[1]) -> int:
+    """A free port P in [lo, hi) with P + 10000 free too (the cluster bus). Both below Linux's ephemeral range
     (32768-60999), so a node restarted on its port never meets a port the kernel handed out meanwhile."""
     rng = random.Random()
     for _ in range(500):
-        port = rng.randrange(20000, 22768)
+        port = rng.randrange(lo, hi)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -32,7 +35,7 @@ def cluster_port() -> int:
             return port
         except OSError:
             continue
-    raise RuntimeError("no free port pair (P, P + 10000) for a cluster node")
+    raise RuntimeError(f"no free port pair (P, P + 10000) in {lo}-{hi} for a cluster node")
 
 
 def cli_binary() -> str:
