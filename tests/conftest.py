@@ -33,6 +33,7 @@ def fixture_path(name: str) -> Path:
 def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" in os.environ:
         _cluster_ports_of_this_worker()
+        _listen_ports_of_this_worker()
 
 
 def _cluster_ports_of_this_worker() -> None:
@@ -46,6 +47,18 @@ def _cluster_ports_of_this_worker() -> None:
     span = (last - first) // max(workers, 1)
     lo = first + xdist_worker() * span
     vc.cluster_port = functools.partial(vc.cluster_port, lo, lo + span)
+
+
+def _listen_ports_of_this_worker() -> None:
+    """Two workers drawing free ports from one range could both draw a port before either binds it; each
+    draws from its own share instead (test modules import ``free_port`` after this runs)."""
+    from kv_preflight.cli import valkey_server as vs
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    first, last = vs.LISTEN_PORTS
+    span = (last - first) // max(workers, 1)
+    lo = first + xdist_worker() * span
+    vs.free_port = functools.partial(vs.free_port, lo, lo + span)
 
 
 def pytest_addoption(parser):

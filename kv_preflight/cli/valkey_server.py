@@ -6,6 +6,7 @@ server they own, never a system one.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -18,10 +19,24 @@ from urllib.parse import quote
 from kv_preflight import parent_death
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LISTEN_PORTS = (10000, 20000)  # [lo, hi): below Linux's ephemeral range (32768-60999) and the cluster's ports
+
+
+def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
+    """A port in [lo, hi) free now, for a server that another process binds a moment later (Valkey, an
+    engine, a predictor). Not the kernel's pick (bind to port 0): that comes from the ephemeral range, from
+    which every outgoing connection takes its local port too, so in the gap before the server binds a
+    client could take it (a real vLLM failed to start in CI with "Address already in use" on such a port)."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(lo, hi)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port in {lo}-{hi}")
 
 
 def server_binary() -> str:
