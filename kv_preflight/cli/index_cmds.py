@@ -510,7 +510,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                 if only_pods and pod not in only_pods:
                     continue
                 click.echo(f"{pod}: fetching the replay buffer from {src.replay} ...", err=True)
-                frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s)
+                frames, complete = await fetch_replay(src.replay, 0, timeout_s=cfg.replay_timeout_s, source=src)
                 frames = sorted((f for f in frames if f.batch is not None and f.seq is not None), key=lambda f: f.seq)
                 await ix.clear_pod(pod, forget=True)
                 for i, f in enumerate(frames, 1):

@@ -5,12 +5,17 @@ Ordering and exactly-once come from the index script's seq check (kv_preflight/i
 applies only if it is the next seq of its (pod, dp rank). Everything else is recovery: a gap asks the
 engine's replay socket for what was missed, a seq that went backwards with a newer timestamp is an engine
 restart (clear, then apply), and an older duplicate (another ingester got there first) is skipped.
+
+A gap's replay is asked in a task of its own, never in the loop: the pod is held (its later batches wait, in
+arrival order) while every other pod's batches go on, and the loop applies the replayed batches, the one
+that found the gap and those that waited, in seq order, once the answer is in (``apply_held``).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import ResponseError
 
@@ -26,9 +31,8 @@ from kv_preflight.ingester.valkey_retry import ValkeyRetry
 
 log = logging.getLogger("kvpf.ingester")
 
-# A gap's replay is asked from the ingest loop (its batches apply in order with the stream), so a replay
-# socket that does not answer at all holds up every pod for its timeout: it is not asked again for this long
-# (the gap is flagged incomplete meanwhile, exact again at the pod's next reset).
+# A replay socket that did not answer at all is not asked again for this long: its pod's gaps are flagged
+# incomplete at once meanwhile (exact again at the pod's next reset) rather than held for its timeout each.
 SILENT_REPLAY_S = 30.0
 
 # The counter of each answer of the apply script (ingester/counters.py).
@@ -49,6 +53,20 @@ class _Pending:
     placeholders: int = 0  # a replayed batch's skipped events, counted when its turn comes
 
 
+@dataclass
+class _Held:
+    """A pod whose gap is being replayed in the background: the batch that found it, and those that
+    arrived since, wait here in arrival order until the replay's answer is in."""
+
+    model: str
+    gap: _Pending
+    rank: int
+    start: int
+    replay: str
+    fetch: asyncio.Future
+    waiting: list[_Pending] = field(default_factory=list)
+
+
 class Applier:
     def __init__(self, cfg: Config, index: Index, routes: Routes, counters: Counters, valkey: ValkeyRetry):
         self.cfg = cfg
@@ -59,6 +77,7 @@ class Applier:
         self.state = ChainState()
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
         self._silent: dict[str, float] = {}  # replay endpoint that did not answer -> not asked until (monotonic)
+        self.held: dict[str, _Held] = {}  # pods whose gap is being replayed (``apply_held`` carries them on)
         self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
 
     def forget_chains(self) -> None:
@@ -103,31 +122,30 @@ class Applier:
                     mode: str = "check", decode_errors: int = 0) -> str:
         """Apply one batch; returns its final status. Retries transient Valkey errors until it is back; the
         recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS per batch. A gap
-        filled from the replay socket puts the missed batches on top of this one, each applied in turn (with
-        no replay of its own) before this one is tried again: a loop over a stack, not a recursion."""
-        stack = [_Pending(seq, batch, decode_errors, allow_replay, mode)]
-        status = "error"
-        while stack:
-            item = stack[-1]
-            if item.placeholders:
-                await self.counters.count("placeholder_events", item.placeholders)
-                item.placeholders = 0
-            if item.steps == MAX_STEPS:
-                await self.failed(pod, item.seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
-                outcome: str | list[_Pending] | None = "error"
-            else:
-                item.steps += 1
-                outcome = await self._attempt(pod, model, item)
-            if isinstance(outcome, str):  # settled
-                stack.pop()
-                status = outcome
-            elif outcome:  # the missed batches first, the earliest on top
-                stack.extend(reversed(outcome))
-        return status
+        to replay holds the pod ("held": this batch and the pod's next ones wait for ``apply_held``)."""
+        item = _Pending(seq, batch, decode_errors, allow_replay, mode)
+        held = self.held.get(pod)
+        if held is not None:  # behind a gap being replayed: in turn, after it
+            held.waiting.append(item)
+            return "held"
+        return await self._settle(pod, model, item)
 
-    async def _attempt(self, pod: str, model: str, item: _Pending) -> str | list[_Pending] | None:
-        """Send the batch once and carry out the step the rules give: its final status, the replayed batches
-        to apply before it, or None (try it again in ``item.mode``)."""
+    async def _settle(self, pod: str, model: str, item: _Pending) -> str:
+        """Carry one batch through the rules until it settles (a loop, not a recursion): its final status."""
+        if item.placeholders:
+            await self.counters.count("placeholder_events", item.placeholders)
+            item.placeholders = 0
+        while item.steps < MAX_STEPS:
+            item.steps += 1
+            outcome = await self._attempt(pod, model, item)
+            if outcome is not None:
+                return outcome
+        await self.failed(pod, item.seq, f"no recovery rule settled the batch in {MAX_STEPS} steps")
+        return "error"
+
+    async def _attempt(self, pod: str, model: str, item: _Pending) -> str | None:
+        """Send the batch once and carry out the step the rules give: its final status ("held": the pod waits
+        for its gap's replay), or None (try it again in ``item.mode``)."""
         seq, batch = item.seq, item.batch
         rank = batch.data_parallel_rank or 0
         plan = await self.plan(pod, model, seq, batch, item.decode_errors)
@@ -161,12 +179,18 @@ class Applier:
         elif isinstance(step, Replay):
             assert replay is not None
             item.can_replay = False
-            missed = await self._replay_gap(pod, seq, rank, step.start, replay)
-            if missed is not None:
-                item.mode = "check"
-                return missed
-            reason = f"events {step.start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
-            await self._force(pod, reason)
+            await self.counters.count("gaps", pod=pod)
+            if self._silent.get(replay, 0.0) <= time.monotonic():
+                log.info("%s: gap, have seq %d, got %d; replaying from %d in the background", pod, step.start - 1,
+                         seq, step.start)
+                fetch = asyncio.ensure_future(fetch_replay(replay, step.start, timeout_s=self.cfg.replay_timeout_s,
+                                                           source=self.routes.replay_source(replay)))
+                self.held[pod] = _Held(model, item, rank, step.start, replay, fetch)
+                return "held"
+            # it did not answer a moment ago: holding the pod for its timeout again would only delay it
+            log.info("%s: gap, have seq %d, got %d; replay socket %s silent lately, not asked", pod, step.start - 1,
+                     seq, replay)
+            await self._force(pod, self._unreplayed(step.start, seq))
             item.mode = "force"
         elif isinstance(step, Force):
             await self.counters.count("gaps", pod=pod)
@@ -174,29 +198,68 @@ class Applier:
             item.mode = "force"
         return None
 
-    async def _replay_gap(self, pod: str, seq: int, rank: int, start: int, replay: str) -> list[_Pending] | None:
-        """Seqs ``start`` .. seq-1 from the replay socket, to apply before ``seq``; None if it does not hold
-        them all."""
-        await self.counters.count("gaps", pod=pod)
-        now = time.monotonic()
-        if self._silent.get(replay, 0.0) > now:
-            # it did not answer a moment ago: waiting its timeout again would hold up every pod's batches
-            log.info("%s: gap, have seq %d, got %d; replay socket %s silent lately, not asked", pod, start - 1, seq,
-                     replay)
-            return None
-        log.info("%s: gap, have seq %d, got %d; replaying from %d", pod, start - 1, seq, start)
-        frames, complete = await fetch_replay(replay, start, timeout_s=self.cfg.replay_timeout_s)
+    @staticmethod
+    def _unreplayed(start: int, seq: int) -> str:
+        return f"events {start}..{seq - 1} were missed and the engine's replay buffer no longer holds them"
+
+    def fetches(self) -> list[asyncio.Future]:
+        """The gap replays being fetched (the loop wakes when one is in)."""
+        return [h.fetch for h in self.held.values()]
+
+    async def apply_held(self) -> None:
+        """Carry on every held pod whose replay answered: the missed batches (if the answer holds them all;
+        else the pod is flagged incomplete and applied past the gap), the batch that found the gap, then
+        those that waited, in arrival order. One of them may find a gap again: the rest wait on that one."""
+        for pod, held in list(self.held.items()):
+            if not held.fetch.done():
+                continue
+            del self.held[pod]
+            queue = [*await self._replayed(pod, held), held.gap, *held.waiting]
+            while queue:
+                await self._settle(pod, held.model, queue.pop(0))
+                again = self.held.get(pod)
+                if again is not None:  # a later gap: the rest wait behind it
+                    again.waiting.extend(queue)
+                    break
+
+    async def _replayed(self, pod: str, held: _Held) -> list[_Pending]:
+        """The missed batches the replay answered, to apply before the one that found the gap (earliest
+        first); none, with the pod flagged and that batch forced past the gap, if it does not hold them all."""
+        seq, start, replay = held.gap.seq, held.start, held.replay
+        frames, complete = [], False
+        if held.fetch.cancelled():
+            pass
+        elif held.fetch.exception() is not None:
+            log.warning("%s: replay from %s failed (%s)", pod, replay, held.fetch.exception())
+        else:
+            frames, complete = held.fetch.result()
         if not frames and not complete:  # no answer at all: not asked again for SILENT_REPLAY_S
             self._silent[replay] = time.monotonic() + SILENT_REPLAY_S
-            log.warning("%s: replay socket %s did not answer within %.1f s; not asked from the loop again for %.0f s",
-                        pod, replay, self.cfg.replay_timeout_s, SILENT_REPLAY_S)
+            log.warning("%s: replay socket %s did not answer within %.1f s; not asked again for %.0f s", pod, replay,
+                        self.cfg.replay_timeout_s, SILENT_REPLAY_S)
         await self.counters.count("replays", pod=pod)
         by_seq = {f.seq: f for f in frames if f.batch is not None and f.seq is not None and start <= f.seq < seq
-                  and (f.batch.data_parallel_rank or 0) == rank}
+                  and (f.batch.data_parallel_rank or 0) == held.rank}
         if sorted(by_seq) != list(range(start, seq)):
-            return None
+            await self._force(pod, self._unreplayed(start, seq))
+            held.gap.mode = "force"
+            return []
+        held.gap.mode = "check"
         return [_Pending(s, by_seq[s].batch, len(by_seq[s].errors), can_replay=False,
                          placeholders=by_seq[s].skipped) for s in range(start, seq)]
+
+    async def wait_held(self) -> None:
+        """Every gap replay fetched and carried on (for callers outside the loop: start-up, tests)."""
+        while self.held:
+            await asyncio.wait(self.fetches())
+            await self.apply_held()
+
+    def let_go(self, pods: set[str] | None = None) -> None:
+        """Drop the held pods (None: all): their engines were let go, or the ingester stops; what waited is
+        replayed by whoever ingests them next, from their persisted seq."""
+        for pod in list(self.held):
+            if pods is None or pod in pods:
+                self.held.pop(pod).fetch.cancel()
 
     # ---- what each answer does
 

@@ -126,7 +126,9 @@ class Ingester:
                 if recv is None:
                     recv = asyncio.ensure_future(self.subscriber.receive())
                 stop = asyncio.ensure_future(self._stopping.wait())
-                done, _ = await asyncio.wait({recv, stop}, timeout=max(0.0, next_chores - time.monotonic()),
+                # a gap's replay answering wakes the loop too: its pod waits for nothing else
+                done, _ = await asyncio.wait({recv, stop, *self.applier.fetches()},
+                                             timeout=max(0.0, next_chores - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
                 if self._stopping.is_set():
@@ -139,6 +141,9 @@ class Ingester:
                 if self.resume.pending:
                     self.progress.mark("applying replays fetched for engines attached")
                     await self.resume.apply_ready()
+                if self.applier.held:
+                    self.progress.mark("applying gaps' replays")
+                    await self.applier.apply_held()
                 if recv not in done:
                     continue
                 if recv.cancelled():  # a socket it polled was closed (an engine let go): poll again
@@ -149,15 +154,17 @@ class Ingester:
                 self.progress.mark(f"applying {len(received)} message(s)")
                 run: list[tuple[Source, list[bytes]]] = []
                 for src, frames in received:
-                    if frames is None:  # a reconnect: handle what came before, then probe
+                    if frames is None:  # a reconnect: handle what came before, then probe (in the background)
                         await self.handle_messages(run)
                         run = []
-                        await self.resume.probe_restart(src)
+                        self.resume.probe_later(src)
                     else:
                         run.append((src, frames))
                 await self.handle_messages(run)
         finally:
             self.resume.cancel()
+            self.resume.cancel_probes()
+            self.applier.let_go()
             self.subscriber.close()
             await self.fleet.close()
 
@@ -199,6 +206,8 @@ class Ingester:
         endpoints = {s.endpoint for s in found}
         pods = {p for p, r in self.routes.pods.items() if r.source in endpoints}
         self.resume.cancel(pods)
+        self.resume.cancel_probes(endpoints)
+        self.applier.let_go(pods)
         self.index.forget_cached(pods)  # another process may forget them now: nothing cached may outlive that
         if self.subscriber is not None and found:
             self.subscriber.remove(found)
@@ -236,12 +245,12 @@ class Ingester:
     def ingest_state(self) -> tuple[str, list[str]]:
         """("current" | "behind" | "stalled", the pods behind): stalled when Valkey writes have failed, or the
         loop has made no progress, for STALL_S; behind on a backlog (a full receive), a Valkey failure younger
-        than that, or a pod whose replay is under way."""
+        than that, or a pod whose replay is under way (an engine attached, or a gap)."""
         now = time.monotonic()
         failing = self.valkey.failing_since
         if (failing is not None and now - failing >= STALL_S) or now - self.progress.at >= STALL_S:
             return "stalled", sorted(self.routes.pods)
-        behind = sorted(self.resume.pending_pods)
+        behind = sorted(self.resume.pending_pods | set(self.applier.held))
         if failing is not None or self.backlog:
             return "behind", sorted(self.routes.pods)
         return ("behind" if behind else "current"), behind

@@ -2,7 +2,8 @@
 round trips (at most ``PIPELINE_BATCHES`` batches per trip, two trips in flight).
 
 The seq check still runs per batch inside Valkey, so order and exactly-once hold; a batch not applied at
-once (gap, restart, or one behind such a batch) goes through ``Applier.apply``, in order, which recovers.
+once (gap, restart, or one behind such a batch) goes through ``Applier.apply``, in order, which recovers; a
+pod waiting for a gap's replay has its batches queued behind it there, unplanned.
 """
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ class Pipeline:
         accepted = []
         for src, frames in messages:
             item = await self.acceptor.accept(src, frames)
-            if item is not None:
+            if item is None:
+                continue
+            if item[0] in self.applier.held:  # its pod waits for a gap's replay: in turn, behind it
+                pod, model, seq, batch, errors = item
+                await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
+            else:
                 accepted.append(item)
         runs = [accepted[i:i + PIPELINE_BATCHES] for i in range(0, len(accepted), PIPELINE_BATCHES)]
         if len(runs) == 1 and len(runs[0]) == 1:

@@ -3,8 +3,9 @@
 The index's seq check (``Index.apply_batch``; the pod step in kv_preflight/index/lua/pod.lua) answers
 applied, dup, gap, restart or corrupt. ``Applier.apply`` (ingester/apply.py) carries out the step this
 module returns, then tries the batch again in the step's mode, at most MAX_STEPS times per batch. A
-replayed gap is applied batch by batch before the batch that found it, from a stack in the same loop
-(never replaying again): no rule can make it loop, and there is no recursion.
+gap's replay is fetched in the background while the pod's batches wait; the replayed batches are then
+applied one by one before the batch that found the gap (never replaying again): no rule can make it loop,
+and there is no recursion.
 
 Rules (vLLM 0.32 numbers a process's batches from seq 0 and sends no incarnation id):
 * applied, dup: done.

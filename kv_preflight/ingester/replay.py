@@ -15,22 +15,6 @@ from kv_preflight.ingester.sources import Source
 
 log = logging.getLogger("kvpf.ingester")
 
-# Replay endpoint -> the source it belongs to, so fetch_replay (called with an endpoint) opens its
-# DEALER with that source's limits and CURVE keys. Filled by the Subscriber for the sockets it opens.
-_sources: dict[str, Source] = {}
-
-
-def remember(src: Source) -> None:
-    """``src``'s replay endpoint is asked with its settings from now on."""
-    if src.replay:
-        _sources[src.replay] = src
-
-
-def forget(src: Source) -> None:
-    if src.replay and _sources.get(src.replay) is src:
-        del _sources[src.replay]
-
-
 # Replay connection events that end a reply early: a frame over the size limit (ZMQ drops the
 # connection rather than allocate it), the engine going away, or a refused CURVE handshake.
 REPLAY_BROKEN = zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
@@ -46,10 +30,11 @@ async def fetch_replay(
     message per buffered batch and ends with seq -1. The reply ends early, incomplete, when
     the connection drops (a frame over ``max_frame_bytes`` does that, and is never asked for
     again by this call: the engine would only send it again) or past ``max_queue_bytes``; the
-    caller flags the seqs it did not get.
+    caller flags the seqs it did not get. ``source``: the source the replay socket belongs to, whose
+    limits and CURVE keys the DEALER takes (``Routes.replay_source``); a bare one if not given.
     """
     ctx = ctx or zmq.asyncio.Context.instance()
-    src = source or _sources.get(endpoint) or Source(endpoint)
+    src = source or Source(endpoint)
     sock = ctx.socket(zmq.DEALER)
     configure(sock, src, server=False)
     monitor = sock.get_monitor_socket(REPLAY_BROKEN)

@@ -31,6 +31,7 @@ class Resume:
         self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
         self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
         self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
+        self._probes: dict[str, asyncio.Task] = {}  # source endpoint -> its restart probe (``probe_later``)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
@@ -133,7 +134,8 @@ class Resume:
             todo = [(max(seqs.values()) if seqs else -1, route.replay)]
         out = []
         for last, replay in todo:
-            frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s)
+            frames, complete = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s,
+                                                   source=self.routes.replay_source(replay))
             log.info("resume %s from seq %d: %d batch(es) in the engine's replay buffer%s", pod, last + 1, len(frames),
                      "" if complete else " (no complete answer)")
             out.append((last + 1, frames, complete))
@@ -150,6 +152,29 @@ class Resume:
                         await self.counters.count("placeholder_events", f.skipped)
                     await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
                                              decode_errors=len(f.errors))
+
+    def probe_later(self, src: Source) -> None:
+        """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not
+        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed."""
+        if not src.replay:
+            return
+        running = self._probes.get(src.endpoint)
+        if running is not None and not running.done():
+            return  # one probe per source at a time; a reconnect during it changes nothing it would find
+        task = asyncio.ensure_future(self.probe_restart(src))
+        task.add_done_callback(self._probed)
+        self._probes[src.endpoint] = task
+
+    def _probed(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("restart probe failed (%s: %s); the stream's seq check still notices a restart",
+                        type(task.exception()).__name__, task.exception())
+
+    def cancel_probes(self, endpoints: set[str] | None = None) -> None:
+        for endpoint, task in list(self._probes.items()):
+            if endpoints is None or endpoint in endpoints:
+                task.cancel()
+                del self._probes[endpoint]
 
     async def probe_restart(self, src: Source) -> None:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
@@ -169,7 +194,7 @@ class Resume:
                 owner = self.routes.rank_sources.get((pod, int(rank)))
                 if (owner.endpoint if owner is not None else route.source) != src.endpoint:
                     continue
-                frames, complete = await fetch_replay(src.replay, last, timeout_s=self.cfg.replay_timeout_s)
+                frames, complete = await fetch_replay(src.replay, last, timeout_s=self.cfg.replay_timeout_s, source=src)
                 if not complete:
                     log.warning("%s: replay socket %s did not answer the restart probe", pod, src.replay)
                     continue
@@ -193,7 +218,8 @@ class Resume:
         route = self.routes.pods.get(pod)
         if route is None or not route.replay:
             return False
-        frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s)
+        frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s,
+                                               source=self.routes.replay_source(route.replay))
         seqs = sorted(f.seq for f in frames if f.seq is not None and f.batch is not None)
         # complete and empty: the engine has published nothing (restarted meanwhile), its history is empty too
         if not complete or seqs != list(range(len(seqs))):

@@ -36,11 +36,13 @@ class Routes:
         self._feeds: dict[tuple[str, int], tuple[str, str]] = {}  # (replay endpoint, rank) -> (pod, model) persisted
         self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
         self._aliases_due: set[tuple[str, str]] = set()
+        self._replays: dict[str, Source] = {}  # replay endpoint -> its source (limits, CURVE keys)
 
     def add(self, sources: list[Source]) -> set[str]:
         """Routes for sources whose topic is known (discovered, or named on the source); returns their pods."""
         pods = set()
         for src in sources:
+            self._know_replay(src)
             topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
             if topic is not None:
                 pod = src.pod or self.pod_name(src, topic.pod_id)  # a discovered engine named by its address keeps its topic's model
@@ -58,6 +60,9 @@ class Routes:
         for key, src in list(self.rank_sources.items()):
             if src.endpoint in endpoints:
                 del self.rank_sources[key]
+        for replay, src in list(self._replays.items()):
+            if src.endpoint in endpoints:
+                del self._replays[replay]
 
     async def note(self, src: Source, pod: str, model: str, rank: int) -> PodRoute:
         """The route a frame of ``pod`` just arrived on (the model and source it names are the current ones)."""
@@ -69,8 +74,18 @@ class Routes:
         if src.replay and not route.replay:
             route.replay = src.replay
         self.rank_sources[(pod, rank)] = src
+        self._know_replay(src)
         await self._remember_feed(src, rank, pod, route.model)
         return route
+
+    def _know_replay(self, src: Source) -> None:
+        if src.replay:
+            self._replays[src.replay] = src
+
+    def replay_source(self, endpoint: str) -> Source:
+        """The source a replay endpoint belongs to, so its DEALER gets that source's frame and queue limits
+        and CURVE keys; a bare source for an endpoint no source here names."""
+        return self._replays.get(endpoint) or Source(endpoint)
 
     def replay_endpoint(self, pod: str, rank: int) -> str | None:
         owner = self.rank_sources.get((pod, rank))
@@ -122,6 +137,8 @@ class Routes:
         """Routes for every pod a source of ours served before (persisted by ``note``), so the ingester
         replays them at start (ingester/resume.py), not when the engine next publishes."""
         by_replay = {s.replay: s for s in sources if s.replay}
+        for src in by_replay.values():
+            self._know_replay(src)
         for replay, rank, pod, model in await self.valkey.call(self.index.fleet.feeds, list(by_replay)):
             src = by_replay[replay]
             self._feeds[(replay, rank)] = (pod, model)

@@ -16,7 +16,6 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 from kv_preflight.config import Config
-from kv_preflight.ingester import replay
 from kv_preflight.ingester.curve import ZAP_DOMAIN, AllowList
 from kv_preflight.ingester.socket_options import HANDSHAKE_FAILED, configure
 from kv_preflight.ingester.sources import Source
@@ -109,7 +108,6 @@ class Subscriber:
         except Exception:
             sock.close(linger=0)
             raise
-        replay.remember(src)
         self.sources.append(src)  # sources[i] is sockets[i]'s
         self.sockets.append(sock)
         self.poller.register(sock, zmq.POLLIN)
@@ -239,7 +237,6 @@ class Subscriber:
                 if not sock.closed:
                     self.poller.unregister(sock)
                     sock.close(linger=0)
-                replay.forget(src)
                 self.sources[i] = Source(endpoint=f"removed://{i}")
                 self._drops.pop(i, None)
                 self._peers.pop(i, None)
@@ -252,7 +249,6 @@ class Subscriber:
         for mon in self.monitors:
             mon.close(linger=0)
         for src, sock in zip(self.sources, self.sockets):
-            replay.forget(src)
             sock.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -34,6 +34,10 @@ class EngineStub:
         self.buffer: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # cleared: replay requests are taken (counted in ``replay_requests``) but answered only once it is set
+        self.answer_replays = threading.Event()
+        self.answer_replays.set()
+        self.replay_requests = 0
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
 
@@ -111,6 +115,10 @@ class EngineStub:
                 continue
             ident, _, start = self.router.recv_multipart()
             first = int.from_bytes(start, "big")
+            self.replay_requests += 1
+            while not self.answer_replays.wait(0.05):
+                if self._stop.is_set():
+                    return
             with self._lock:
                 replies = [f for s, f in self.buffer if s >= first]
             for frames in replies:

@@ -302,6 +302,8 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
         # rank 1's seq 1 is lost on the wire; seq 2 arrives: replay from rank 1's own socket
         await feed(e1, srcs[1], 1, stored([102], 101, 1, medium="CPU"), send=False)
         await feed(e1, srcs[1], 1, stored([103], 102, 2, medium="CPU"))
+        assert "pod-a" in ing.applier.held  # the replay is asked in the background, the pod waits for it
+        await ing.applier.wait_held()
         info = await ix.pod_info("pod-a")
         assert info.seqs == {"0": 4, "1": 2} and not info.incomplete, info.incomplete_reason
         assert info.blocks == 8
@@ -311,6 +313,53 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
             ing.subscriber.close()
         e0.close()
         e1.close()
+
+
+async def test_a_gap_waiting_for_its_replay_holds_up_no_other_pod(valkey_url, ix):
+    """Issue 26: a gap's replay request ran inside the ingest loop, so a replay socket slow to answer held up
+    every pod's batches for its timeout. Now the request goes out in the background: while pod-a's replay
+    socket sits on the request, pod-b's batches are applied and pod-a's next batch waits its turn; once the
+    replay answers, pod-a is whole (the missed batch, the one that found the gap, the one that waited)."""
+    a = Harness(valkey_url)
+    b_port = free_port()
+    b = EngineStub(f"tcp://127.0.0.1:{b_port}", f"tcp://127.0.0.1:{free_port()}", "kv@pod-b@tiny")
+    b_source = Source(f"tcp://127.0.0.1:{b_port}", bind=False, replay=b.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=60.0), Index.from_url(valkey_url),
+                   [a.source, b_source])
+    ing.start()
+    task = asyncio.create_task(ing.run())
+    try:
+        await a.engine.subscribed()
+        await b.subscribed()
+        await asyncio.wait_for(ing.started.wait(), 30)
+        a.engine.publish(batch(stored([1], None, 0)))
+        await a.wait_seq(ix, 0, timeout=30)
+        a.engine.answer_replays.clear()
+        asked = a.engine.replay_requests
+        a.engine.publish(batch(stored([2], 1, 1)), send=False)  # seq 1 lost on the wire
+        a.engine.publish(batch(stored([3], 2, 2)))  # seq 2 finds the gap
+        while a.engine.replay_requests == asked:
+            assert not task.done(), task
+            await asyncio.sleep(0.02)
+        a.engine.publish(batch(stored([4], 3, 3)))  # behind the gap: waits
+        for i in range(3):  # another pod meanwhile
+            b.publish(batch(stored([100 + i], 100 + i - 1 if i else None, i)))
+        await a.wait_seq(ix, 2, pod="pod-b", timeout=30)
+        assert (await ix.pod_info("pod-a")).seqs == {"0": 0}  # still waiting for its replay
+        state, behind = ing.ingest_state()
+        assert state == "behind" and behind == ["pod-a"], (state, behind)
+        a.engine.answer_replays.set()
+        info = await a.wait_seq(ix, 3, timeout=30)
+        assert not info.incomplete and info.blocks == 4, info
+        assert await cached_blocks(ix, 4 * 32) == 8
+        assert ing.ingest_state() == ("current", [])
+    finally:
+        a.engine.answer_replays.set()
+        ing.stop()
+        await asyncio.wait_for(task, 10)
+        await ing.index.close()
+        await a.close()
+        b.close()
 
 
 def test_discovered_sources_know_their_data_parallel_rank():
@@ -345,6 +394,7 @@ async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(
                 h.engine.buffer.clear()
             h.engine.publish(batch(stored([13], 12 if buffered else None, 6)), send=False)
             await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
+            await ing.applier.wait_held()  # seq 0 and 1 asked from the replay socket in the background
             info = await ix.pod_info("pod-a")
             assert info.counters.get("restarts") == 1 and info.seqs == {"0": 2}
             old = {m.pod_id: m.blocks for m in await ix.lookup(request_keys(TOKENS[:32], model="tiny"))}
