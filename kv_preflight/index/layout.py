@@ -26,7 +26,8 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               refuses a plan made at another), num (its bit), groups (its KV cache groups),
                               blocks, orphan_keys/orphan_at, incomplete(_reason), counters, outbox_n
   kvpf:{<pod>}:state          the pod's private state (kv_preflight/index/pod_state.py) as a log: "s" -> a
-                              snapshot, "d:<gen>" -> each batch applied since, until the next snapshot
+                              snapshot (past 8,186 bytes in chunks "s", "s:1", ..., joined in order),
+                              "d:<gen>" -> each batch applied since, until the next snapshot
   kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> one batch's shared-key changes, until they ran
   kvpf:{b<n>}:barrier         (cluster) t -> 1: written, then WAITed on, to learn that a shard's replica has
                               our earlier writes (one such key per shard, in a slot that shard owns)

@@ -542,8 +542,8 @@ class _Snapshot(msgspec.Struct, array_like=True):
     tiers: list[str]
     engine_keys: bytes  # u64 per block
     request_keys: bytes  # u64 per request key, every block's in turn
-    counts: list[int]  # request keys per block
-    codes: list[int]  # per block: field id << 12 | group << 4 | tier id
+    counts: list[int]  # request keys per block; one value: every block's (the usual case: a byte saved a block)
+    codes: list[int]  # per block: field id << 12 | group << 4 | tier id; one value: every block's
     chained: bytes  # bit i set: block i's parent is block i-1's last request key
     parents: list[int | None]  # the other blocks' parents, in order (CHAIN_ROOT, a request key, None: unknown)
     copies: dict[int, int] = {}  # block index -> physical copies, where more than one
@@ -591,9 +591,18 @@ def encode_snapshot(state: PodState, gen: int) -> bytes:
     return _enc.encode(_Snapshot(
         gen, list(fids), {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, list(tids),
         struct.pack(f"<{len(keys)}Q", *(k[0] for k in keys)), struct.pack(f"<{len(rks)}Q", *rks),
-        [len(b.rks) for b in blocks], codes, bytes(chained), parents,
+        _column([len(b.rks) for b in blocks]), _column(codes), bytes(chained), parents,
         {i: b.copies for i, b in enumerate(blocks) if b.copies > 1},
         [(ek, list(rks)) for ek, rks in state.deferred.items()]))
+
+
+def _column(values: list[int]) -> list[int]:
+    """A per-block column, as one value when every block has it (one block's list reads the same either way)."""
+    return values[:1] if values and values.count(values[0]) == len(values) else values
+
+
+def _per_block(column: list[int], n: int) -> list[int]:
+    return column * n if len(column) == 1 else column
 
 
 def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
@@ -644,7 +653,7 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
         parents = iter(snap.parents)
         at, last = 0, None
         keys = []
-        for i, (ek, n, code) in enumerate(zip(eks, snap.counts, snap.codes)):
+        for i, (ek, n, code) in enumerate(zip(eks, _per_block(snap.counts, len(eks)), _per_block(snap.codes, len(eks)))):
             own = rks[at:at + n]
             at += n
             parent = last if snap.chained[i >> 3] >> (i & 7) & 1 else next(parents)

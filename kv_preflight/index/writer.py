@@ -33,7 +33,7 @@ from kv_preflight.index.layout import pod_keys
 from kv_preflight.index.pod_state import Plan, PodState, encode_delta, encode_snapshot, restore
 
 MAX_RETRIES = 4  # plans sent again after "stale" (another writer moved the pod) before giving up
-SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or a third of the snapshot
+SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or an eighth of the snapshot
 SNAPSHOT_EVERY_BATCHES = 256
 
 # The apply script's answers that are the writer's own business (the ingester never sees them)
@@ -125,16 +125,20 @@ class PodWriter:
 
     def _cache_from(self, pod_id: str, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
         meta = {text(meta_flat[i]): meta_flat[i + 1] for i in range(0, len(meta_flat) - 1, 2)}
-        snap = None
+        chunks: dict[int, bytes] = {}  # the snapshot's chunks ("s", "s:1", ...: kv_preflight/index/lua/pod_write.lua)
         deltas = []
-        snap_bytes = log_bytes = 0
+        log_bytes = 0
         for i in range(0, len(state_flat) - 1, 2):
             name, value = text(state_flat[i]), state_flat[i + 1]
             if name == "s":
-                snap, snap_bytes = value, len(value)
+                chunks[0] = value
+            elif name.startswith("s:") and name[2:].isdigit():
+                chunks[int(name[2:])] = value
             elif name.startswith("d:"):
                 deltas.append(value)
                 log_bytes += len(value)
+        snap = b"".join(chunks[i] for i in sorted(chunks)) if 0 in chunks else None
+        snap_bytes = len(snap) if snap else 0
         state, _ = restore(snap, deltas, pod_id, reannouncements=self.reannouncements)
         ebs = meta.get("engine_block_size")
         if ebs and text(ebs).isdigit() and state.engine_block_size is None:
@@ -237,7 +241,7 @@ class PodWriter:
         n = gen_count(t.gen) + 1
         new_gen = f"{n}:{self.writer}"
         delta = encode_delta(n, logged, groups, ebs)
-        snapshot = (t.log_bytes + len(delta) > max(SNAPSHOT_EVERY_BYTES, t.snap_bytes // 3)
+        snapshot = (t.log_bytes + len(delta) > max(SNAPSHOT_EVERY_BYTES, t.snap_bytes // 8)
                     or t.log_batches + 1 >= SNAPSHOT_EVERY_BATCHES)
         value = encode_snapshot(after, n) if snapshot else delta
         state_field = "s" if snapshot else f"d:{n}"

@@ -161,3 +161,45 @@ async def test_a_reader_never_names_pods_from_a_flushed_numbering(ix, valkey_url
         assert [(m.pod_id, m.blocks) for m in await reader.lookup([101, 102])] == [("pod-b", 2)]
     finally:
         await reader.close()
+
+
+async def test_a_large_snapshot_is_chunked_and_read_back_whole(ix, valkey_url):
+    """A pod's state snapshot past 8,186 bytes is written in chunks ("s", "s:1", ...) that fill the allocator's
+    8 KB size class (as one value a 35 KB snapshot took a 40 KB class); a writer that loads the pod joins them
+    back into the same state, and the next snapshot replaces every chunk (a shorter one leaves none behind)."""
+    from kv_preflight.index.index import Index
+    from kv_preflight.index.layout import pod_state_key
+    from kv_preflight.index.pod_state import encode_snapshot
+
+    def same(a, b) -> bool:  # the states, compared as what a snapshot of each holds
+        return encode_snapshot(a.writer.pods["pod-a"].state, 1) == encode_snapshot(b.writer.pods["pod-a"].state, 1)
+
+    n = 1500  # ~20 bytes a block in a snapshot: three chunks
+    muts = [StoreBlock(10_000 + i, "gpu", F0, (500_000 + i,), parent=500_000 + i - 1 if i else None)
+            for i in range(n)]
+    await apply(ix, 0, muts)
+    sync = redis.Redis.from_url(valkey_url)
+    fields = sorted(f.decode() for f in sync.hkeys(pod_state_key("pod-a")))
+    chunks = [f for f in fields if f == "s" or f.startswith("s:")]
+    assert chunks == ["s", "s:1", "s:2"], fields
+    assert all(len(sync.hget(pod_state_key("pod-a"), f)) == 8186 for f in ("s", "s:1"))
+    fresh = Index.from_url(valkey_url)
+    try:
+        await fresh.writer.load(["pod-a"])
+        assert len(fresh.writer.pods["pod-a"].state.blocks) == n and same(fresh, ix)
+        # remove most blocks: the snapshot that follows is one chunk, and no stale chunk is left
+        seq = 1
+        for i in range(0, n - 10, 100):
+            await apply(ix, seq, [RemoveBlock(10_000 + j, "gpu") for j in range(i, min(i + 100, n - 10))])
+            seq += 1
+        left = {f.decode() for f in sync.hkeys(pod_state_key("pod-a"))}
+        assert "s:2" not in left, left
+        again = Index.from_url(valkey_url)
+        try:
+            await again.writer.load(["pod-a"])
+            assert len(again.writer.pods["pod-a"].state.blocks) == 10 and same(again, ix)
+        finally:
+            await again.close()
+    finally:
+        await fresh.close()
+        sync.close()
