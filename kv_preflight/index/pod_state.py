@@ -551,13 +551,27 @@ class _Snapshot(msgspec.Struct, array_like=True):
 
 
 class _Delta(msgspec.Struct, array_like=True):
-    """One applied batch, as the mutations that make it (replayed through ``plan`` to rebuild the state)."""
+    """One applied batch, as the mutations that make it (replayed through ``plan`` to rebuild the state),
+    columnar as a snapshot is: per op its kind; per store or removal its engine key (packed u64) and one small
+    int (field id << 12 | group << 4 | tier id; one value: every op's); per store its request keys (packed, with
+    their count per store), whether it was parentless, and its parent only where it is not the previous store's
+    last request key. About 18 bytes a store of one request key (a msgpack tuple per op took 37): every byte
+    of it is copied into a Lua string by the apply script, which costs Valkey more than the copy."""
 
     gen: int
     groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
     engine_block_size: int | None
     fields: list[str]
-    ops: list[Any]
+    tiers: list[str]
+    kinds: bytes  # per op: 0 store, 1 removal, 2 clear, 3 flag
+    engine_keys: bytes  # u64 per store or removal
+    codes: list[int]  # per store or removal
+    counts: list[int]  # request keys per store; one value: every store's
+    request_keys: bytes  # u64 per request key, every store's in turn
+    parentless: bytes  # bit i set: store i had no parent in its event
+    chained: bytes  # bit i set: store i's parent is store i-1's last request key
+    parents: list[int | None]  # the other stores' parents, in order
+    reasons: list[str]  # per flag
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -607,31 +621,80 @@ def _per_block(column: list[int], n: int) -> list[int]:
 
 def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
                  engine_block_size: int | None) -> bytes:
-    ids: dict[str, int] = {}
-    ops: list[Any] = []
+    fids: dict[str, int] = {}
+    tids: dict[str, int] = {}
+    kinds = bytearray()
+    eks: list[int] = []
+    codes: list[int] = []
+    stores: list[StoreBlock] = []
+    reasons: list[str] = []
     for m in mutations:
         if isinstance(m, StoreBlock):
-            ops.append((0, m.engine_key, m.tier, ids.setdefault(m.entry_field, len(ids)), m.request_keys, m.group,
-                        m.parentless, m.parent))
+            kinds.append(0)
+            eks.append(m.engine_key)
+            codes.append(fids.setdefault(m.entry_field, len(fids)) << 12 | m.group << 4
+                         | tids.setdefault(m.tier, len(tids)))
+            stores.append(m)
         elif isinstance(m, RemoveBlock):
-            ops.append((1, m.engine_key, m.tier, m.group))
+            kinds.append(1)
+            eks.append(m.engine_key)
+            codes.append(m.group << 4 | tids.setdefault(m.tier, len(tids)))
         elif isinstance(m, ClearPod):
-            ops.append((2,))
+            kinds.append(2)
         else:
-            ops.append((3, m.reason))
-    return _enc.encode(_Delta(gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size,
-                              list(ids), ops))
+            kinds.append(3)
+            reasons.append(m.reason)
+    if len(tids) > 16 or any(not 0 <= m.group <= 255 for m in mutations if isinstance(m, (StoreBlock, RemoveBlock))):
+        raise ValueError("more than 16 tiers or a group past 255: not a batch this format holds")
+    rks = [rk for m in stores for rk in m.request_keys]
+    flags = bytearray((len(stores) + 7) // 8)
+    chained = bytearray((len(stores) + 7) // 8)
+    parents: list[int | None] = []
+    last: int | None = None
+    for i, m in enumerate(stores):
+        if m.parentless:
+            flags[i >> 3] |= 1 << (i & 7)
+        if m.parent is not None and m.parent == last and m.parent != CHAIN_ROOT:
+            chained[i >> 3] |= 1 << (i & 7)
+        else:
+            parents.append(m.parent)
+        last = m.request_keys[-1] if m.request_keys else None
+    return _enc.encode(_Delta(
+        gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size, list(fids), list(tids),
+        bytes(kinds), struct.pack(f"<{len(eks)}Q", *eks), _column(codes), _column([len(m.request_keys) for m in stores]),
+        struct.pack(f"<{len(rks)}Q", *rks), bytes(flags), bytes(chained), parents, reasons))
 
 
-def _decode_mutation(x: list[Any], fields: list[str]) -> Mutation:
-    kind = x[0]
-    if kind == 0:
-        return StoreBlock(x[1], x[2], fields[x[3]], tuple(x[4]), x[5], x[6], x[7])
-    if kind == 1:
-        return RemoveBlock(x[1], x[2], x[3])
-    if kind == 2:
-        return ClearPod()
-    return MarkIncomplete(x[1])
+def _mutations(d: _Delta) -> list[Mutation]:
+    """The batch's mutations, as ``encode_delta`` was given them."""
+    eks = struct.unpack(f"<{len(d.engine_keys) // 8}Q", d.engine_keys)
+    rks = struct.unpack(f"<{len(d.request_keys) // 8}Q", d.request_keys)
+    n_stores = d.kinds.count(0)
+    codes, counts = _per_block(d.codes, len(eks)), _per_block(d.counts, n_stores)
+    parents, reasons = iter(d.parents), iter(d.reasons)
+    out: list[Mutation] = []
+    at = store = op = 0
+    last: int | None = None
+    for kind in d.kinds:
+        if kind == 0:
+            own = rks[at:at + counts[store]]
+            at += counts[store]
+            code = codes[op]
+            parent = last if d.chained[store >> 3] >> (store & 7) & 1 else next(parents)
+            out.append(StoreBlock(eks[op], d.tiers[code & 15], d.fields[code >> 12], tuple(own), code >> 4 & 255,
+                                  bool(d.parentless[store >> 3] >> (store & 7) & 1), parent))
+            last = own[-1] if own else None
+            store += 1
+            op += 1
+        elif kind == 1:
+            code = codes[op]
+            out.append(RemoveBlock(eks[op], d.tiers[code & 15], code >> 4 & 255))
+            op += 1
+        elif kind == 2:
+            out.append(ClearPod())
+        else:
+            out.append(MarkIncomplete(next(reasons)))
+    return out
 
 
 def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None, *,
@@ -670,8 +733,7 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
     for d in sorted((_delta_dec.decode(raw) for raw in deltas), key=lambda d: d.gen):
         if d.gen <= gen:
             continue
-        plan = st.plan([_decode_mutation(x, d.fields) for x in d.ops],
-                       {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None)
+        plan = st.plan(_mutations(d), {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None)
         st = plan.after
         if d.engine_block_size:
             st.engine_block_size = d.engine_block_size

@@ -9,9 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, encode_delta, encode_snapshot,
-                                          restore)
+import msgspec
+
+from kv_preflight.index.entries import (CHAIN_ROOT, ClearPod, MarkIncomplete, RemoveBlock, StoreBlock, encode_entry,
+                                        make_entry)
+from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, _Delta, _mutations, encode_delta,
+                                          encode_snapshot, restore)
 
 FIELD = {(t, g): encode_entry(make_entry("pod", t.upper(), g)) for t in ("gpu", "cpu") for g in (0, 1)}
 
@@ -213,3 +216,29 @@ def test_bits_move_when_the_prefix_group_becomes_known():
     entries, bits, engines = {(11, f0), (11, f1)}, {(11, "gpu"), (11, "gpu|1")}, {1}
     apply_changes(plan.changes, entries, bits, engines)
     assert bits == {(11, "gpu"), (11, "gpu|0")} == set(plan.after.bit_refs)
+
+
+_U64 = st.integers(0, 2**64 - 1)
+_MUTATION = st.one_of(
+    st.builds(StoreBlock, _U64, st.sampled_from(["gpu", "cpu", "disk"]), st.sampled_from(list(FIELD.values())),
+              st.lists(_U64, min_size=0, max_size=3).map(tuple), st.integers(0, 255), st.booleans(),
+              st.one_of(st.none(), st.just(CHAIN_ROOT), _U64)),
+    st.builds(RemoveBlock, _U64, st.sampled_from(["gpu", "cpu"]), st.integers(0, 255)),
+    st.builds(ClearPod),
+    st.builds(MarkIncomplete, st.text(max_size=20)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(muts=st.lists(_MUTATION, max_size=12), chain=st.booleans())
+def test_a_delta_gives_back_exactly_the_mutations_it_was_made_of(muts, chain):
+    """The columnar delta (parents elided where a store chains from the store before it, per-op columns held
+    once when uniform) decodes to the very mutations it encoded, whatever they are."""
+    if chain:  # stores that chain, as an engine's batches mostly do: the elided parents
+        last = None
+        for i, m in enumerate(muts):
+            if isinstance(m, StoreBlock):
+                muts[i] = msgspec.structs.replace(m, parent=last if last is not None else m.parent)
+                last = m.request_keys[-1] if m.request_keys else None
+    got = _mutations(msgspec.msgpack.decode(encode_delta(7, muts, None, 32), type=_Delta))
+    assert got == muts

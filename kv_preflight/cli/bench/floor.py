@@ -114,7 +114,15 @@ def cpu_s(r: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def used_memory(r: redis.Redis) -> int:
+def used_memory(r: redis.Redis, *, settle_s: float = 5.0) -> int:
+    """Valkey's used_memory as the index's data takes it: once the writers' connections are gone (a connection
+    the server has not yet seen close still holds its query and reply buffers) and with the slowlog emptied (at
+    most 128 entries, a fixed cost whatever the index holds: on a loaded machine the run's slow scripts filled
+    it, about 8 bytes per entry of this workload, on one side and not the other)."""
+    deadline = time.monotonic() + settle_s
+    while len(r.client_list()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r.slowlog_reset()
     return int(r.info("memory")["used_memory"])
 
 

@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError, ResponseError, SlotNotCoveredError
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.entries import text
 from kv_preflight.index.resp import FastConnection
-from kv_preflight.index.slots import key_slot, slot_table
+from kv_preflight.index.slots import key_slot, slot_groups, slot_table
 
 # Error replies that say a command reached a primary that does not (or not yet) serve its slot.
 REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
@@ -129,6 +129,17 @@ class Shards:
 
     def forget_table(self) -> None:
         self._table = None
+
+    async def request_keys_by_primary(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]],
+                                                                                  list[int]]:
+        """Positions of request keys (llm-d's names: the decimal value, no tag) per primary serving each
+        (primary name -> (node, positions), in order), and the positions whose slot no primary serves now.
+        Slots come from C through the slot -> primary table (kv_preflight/index/slots.py): ~20 ns a key, where
+        ``by_primary`` pays Python's CRC16 and a dict lookup per key."""
+        await self.ready()
+        table, nodes = self.slot_table()
+        groups = slot_groups(request_keys, table, len(nodes))
+        return {node.name: (node, idx) for node, idx in zip(nodes, groups) if idx}, groups[-1]
 
     async def reread_map(self) -> None:
         """Learn the slot map again (at most twice a second) after a primary failed to answer."""

@@ -317,8 +317,7 @@ class ClusterWrites:
         where it stands."""
         if not key_ops:
             return 0, "", {}
-        await self.shards.ready()
-        by_node, moved = by_primary(self.client, (str(op[1]) for op in key_ops))
+        by_node, moved = await self.shards.request_keys_by_primary([op[1] for op in key_ops])
         empty_at: dict[int, int] = {}
 
         def probes(reply_part: Sequence[Any]) -> None:

@@ -1,11 +1,15 @@
 -- (after seq.lua) Shared by apply.lua and pod_step.lua: the pod's own writes once a batch applies: its state
 -- log entry, its seq and generation, the writer's meta fields, counters and flags.
--- ARGV from 9: state field ("" none), state value, compact ("1": the log is replaced by this entry, a
--- snapshot), the generation this makes, then n meta fields and their values ("" deletes one), then n
--- counters and their increments, then n flags (MarkIncomplete reasons), clear_flags ("1": a clear made the
--- pod exact again); what follows is the caller's (read_pod_args answers where it starts).
+-- ARGV from 9: state field ("" none), state value (a snapshot's first chunk), chunks ("0": a log entry; n >= 1:
+-- a snapshot in n chunks, which replaces the log), the generation this makes, then n meta fields and their
+-- values ("" deletes one), then n counters and their increments, then n flags (MarkIncomplete reasons),
+-- clear_flags ("1": a clear made the pod exact again), then a snapshot's other chunks; what follows is the
+-- caller's (read_pod_args answers where it starts).
+-- A snapshot comes in chunks (fields "s", "s:1", ...; kv_preflight/index/writer.py cuts them to fill the
+-- allocator's 8 KB size class) cut by the writer, not here: every byte a script copies into a Lua string costs
+-- Lua's collector more than the copy.
 local function read_pod_args()
-  local a = {newgen = ARGV[12], meta_set = {}, meta_del = {}, counters = {}, flags = {}}
+  local a = {newgen = ARGV[12], meta_set = {}, meta_del = {}, counters = {}, flags = {}, chunks = {}}
   local i = 13
   local n = tonumber(ARGV[i]); i = i + 1
   for _ = 1, n do
@@ -18,27 +22,18 @@ local function read_pod_args()
   n = tonumber(ARGV[i]); i = i + 1
   for _ = 1, n do a.flags[#a.flags + 1] = ARGV[i]; i = i + 1 end
   a.clear_flags = ARGV[i] == '1'
-  a.rest = i + 1
+  i = i + 1
+  for _ = 2, tonumber(ARGV[11]) do a.chunks[#a.chunks + 1] = ARGV[i]; i = i + 1 end
+  a.rest = i
   return a
 end
--- A snapshot is written in chunks ("s", "s:1", "s:2", ...; readers join them in order): as one value a
--- pod's 35 KB snapshot took the allocator's 40 KB size class; 8,186 bytes and the string's 6-byte header
--- fill its 8 KB class exactly, so only the last chunk rounds up.
-local SNAPSHOT_CHUNK = 8186
 -- foreign_n, foreign_first: writes that hit a key of a foreign type (single node), flagged here.
 local function write_pod(a, foreign_n, foreign_first)
   local state = KEYS[2]
   if ARGV[9] ~= '' then
-    if ARGV[11] == '1' then
-      redis.call('DEL', state)
-      local field, value, n = ARGV[9], ARGV[10], 0
-      for at = 1, math.max(#value, 1), SNAPSHOT_CHUNK do
-        redis.call('HSET', state, n == 0 and field or field .. ':' .. n, string.sub(value, at, at + SNAPSHOT_CHUNK - 1))
-        n = n + 1
-      end
-    else
-      redis.call('HSET', state, ARGV[9], ARGV[10])
-    end
+    if ARGV[11] ~= '0' then redis.call('DEL', state) end
+    redis.call('HSET', state, ARGV[9], ARGV[10])
+    for j, chunk in ipairs(a.chunks) do redis.call('HSET', state, ARGV[9] .. ':' .. j, chunk) end
   end
   local clear_flags = a.clear_flags
   if mode == 'reset' or mode == 'reset_if' then
