@@ -281,6 +281,23 @@ def chain_of_one_tier(n: int, parts: Iterable[tuple[Sequence[int], tuple[Sequenc
     return tiers, maps
 
 
+def chain_group_bits(parts: Iterable[tuple[Sequence[int], Sequence[GroupBits]]], longest: int
+                     ) -> list[dict[tuple[str, int], bytes]]:
+    """A cluster's other-group bitmaps (a hybrid model's: ``BitsReply.groups`` per shard, each on its keys'
+    chain positions, ascending) put back in chain order, the chain's first ``longest`` keys: the longest prefix
+    any pod has in its prefix group, past which no group's rule reads (it bounds each pod's hit). A key no part
+    gives reads as held by no other group (a shard sends every key up to its first key nobody holds, so every
+    key before ``longest`` that has such bitmaps is given). Each key's mapping is its own (a caller may keep it)."""
+    out: list[dict[tuple[str, int], bytes]] = [{} for _ in range(longest)]
+    for idx, groups in parts:
+        for i, bits in zip(idx, groups):
+            if i >= longest:
+                break
+            if bits:
+                out[i] = dict(bits)
+    return out
+
+
 def prefix_from_bits(per_key: Sequence[Mapping[str, bytes | int] | None], names: Mapping[int, str],
                      wanted: Mapping[int, str] | None = None, cut: int | None = None) -> list[PodMatch]:
     """Per pod, how many leading keys of the chain it holds, from each key's bitmaps in chain order.
@@ -361,6 +378,6 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-__all__ = ["BitsReply", "GroupBits", "group_bits_of", "presence_value", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
+__all__ = ["BitsReply", "GroupBits", "chain_group_bits", "group_bits_of", "presence_value", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
            "numbers_in", "chain_of_one_tier", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
            "tier_in_runs"]

@@ -120,24 +120,32 @@ async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 10.0) -> None
     raise AssertionError(f"{pod} not at seq {seq}: {await ix.pod_info(pod)}")
 
 
-@pytest.fixture
-async def fleet(valkey_url, ix):
-    f = Fleet(valkey_url)
+@asynccontextmanager
+async def loaded_fleet(url: str, ix: Index):
+    """The five pods' events published and written (``url``: a single node or a Valkey Cluster; ``ix`` reads it)."""
+    f = Fleet(url)
     await f.start()
-    s = f.stubs
-    s["pod-h"].publish(EventBatch(time.time(), [vllm_stored(1, "sliding_window", 64), vllm_stored(0, "full_attention")], 0))
-    s["pod-h"].publish(EventBatch(time.time(), [BlockRemoved([102, 103], medium="GPU", group_idx=1)], 0))
-    s["pod-p"].publish(EventBatch(time.time(), [vllm_stored(0, "full_attention")], 0))
-    s["pod-c"].publish(EventBatch(time.time(), [vllm_stored(0, "full_attention"),
-                                                vllm_stored(1, "chunked_local_attention")], 0))
-    s["pod-s"].publish_payload(sglang_payload())
-    s["pod-t"].publish_payload(trtllm_payload())
-    for pod, seq in (("pod-h", 1), ("pod-p", 0), ("pod-c", 0), ("pod-s", 0), ("pod-t", 0)):
-        await wait_seq(ix, pod, seq)
     try:
+        s = f.stubs
+        s["pod-h"].publish(EventBatch(time.time(), [vllm_stored(1, "sliding_window", 64),
+                                                    vllm_stored(0, "full_attention")], 0))
+        s["pod-h"].publish(EventBatch(time.time(), [BlockRemoved([102, 103], medium="GPU", group_idx=1)], 0))
+        s["pod-p"].publish(EventBatch(time.time(), [vllm_stored(0, "full_attention")], 0))
+        s["pod-c"].publish(EventBatch(time.time(), [vllm_stored(0, "full_attention"),
+                                                    vllm_stored(1, "chunked_local_attention")], 0))
+        s["pod-s"].publish_payload(sglang_payload())
+        s["pod-t"].publish_payload(trtllm_payload())
+        for pod, seq in (("pod-h", 1), ("pod-p", 0), ("pod-c", 0), ("pod-s", 0), ("pod-t", 0)):
+            await wait_seq(ix, pod, seq)
         yield f
     finally:
         await f.close()
+
+
+@pytest.fixture
+async def fleet(valkey_url, ix):
+    async with loaded_fleet(valkey_url, ix) as f:
+        yield f
 
 
 @asynccontextmanager

@@ -100,3 +100,18 @@ def test_walked_pods_tier_runs_need_no_read():
         skipped, _ = merge_shards(n, answers, {}, n, skip=walked)
         assert {m.pod_id for m in skipped} == set(got) - walked
     assert asked  # the bisected pods did need reads: the runs are what spares the walked ones
+
+
+def test_a_shard_that_holds_nobody_at_its_first_key_sent_all_a_walk_needs():
+    """lookup_bits.lua's replies (kv_preflight/index/presence.py BitsReply): its keys' bitmaps (kind 0), or no pod
+    at its first key (kind 1 naming none: every prefix ends there) let the cluster walk the chain once, group
+    bitmaps included; a bisection (kind 1 naming pods), a moved key or "whole" (kind 2) do not."""
+    from kv_preflight.index.cluster.lookup import sent_bitmaps
+    from kv_preflight.index.presence import parse_bits_reply
+
+    assert sent_bitmaps(parse_bits_reply([0, 0, 0, "", 0, "gpu", b"\x03", "", ""]))
+    assert sent_bitmaps(parse_bits_reply([0, 0, 1, "", 0]))  # nobody at its first key
+    assert sent_bitmaps(parse_bits_reply([1, 0, 1, "", 0]))  # its first key of a foreign type: a miss
+    assert not sent_bitmaps(parse_bits_reply([0, 0, 1, "", 0, 3, 7, "gpu"]))  # pod 3 bisected: 7 keys
+    assert not sent_bitmaps(parse_bits_reply([0, 1, 1, "", 0]))  # a key moved away: read through the routing
+    assert not sent_bitmaps(parse_bits_reply([0, 0, 2, "", 0]))  # entries not ours

@@ -219,3 +219,29 @@ def test_one_tier_of_reads_walks_like_prefix_from_bits():
     key = lambda m: m.pod_id
     assert sorted(prefix_of_one_tier(*flat, names), key=key) == sorted(prefix_from_bits(reads, names), key=key)
     assert one_tier_of_reads([{"gpu": b"\x01", "cpu": b"\x02"}]) is None
+
+
+def test_a_clusters_group_bitmaps_come_back_in_chain_order_as_far_as_the_longest_prefix():
+    """Each shard's other-group bitmaps (``BitsReply.groups``, on its keys' chain positions) put back in chain
+    order, exactly as far as the longest prefix reaches: past it no group's rule reads, and a shard's keys past
+    its first empty one were never sent (they read as held by no other group)."""
+    from kv_preflight.index.presence import chain_group_bits
+
+    rng = random.Random(11)
+    for _ in range(200):
+        n = rng.randrange(1, 40)
+        truth = [{(rng.choice(["gpu", "cpu"]), g): bitmap({rng.randrange(20)}) for g in (1, 2) if rng.random() < 0.5}
+                 for _ in range(n)]
+        owner = [rng.randrange(3) for _ in range(n)]
+        shards = [[i for i in range(n) if owner[i] == s] for s in range(3)]
+        longest = rng.randrange(n + 1)
+        # a shard sends its keys up to one of them past the longest prefix (its first empty key), no further
+        parts = []
+        for idx in shards:
+            stop = next((j for j, i in enumerate(idx) if i >= longest and rng.random() < 0.5), len(idx))
+            parts.append((idx[:stop + 1], [truth[i] for i in idx[:stop + 1]]))
+        got = chain_group_bits(parts, longest)
+        assert got == truth[:longest]
+        assert all(a is not b for a, b in zip(got, truth))  # each key's mapping is its own
+    assert chain_group_bits([], 3) == [{}, {}, {}]
+    assert chain_group_bits([([0, 2], [{("gpu", 1): b"\x01"}, {("gpu", 1): b"\x02"}])], 2) == [{("gpu", 1): b"\x01"}, {}]

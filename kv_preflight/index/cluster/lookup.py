@@ -19,9 +19,9 @@ from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.cluster.routing import Shards, by_primary
 from kv_preflight.index.entries import Lookup, PodMatch, better_tier, parse_entry, text
 from kv_preflight.index.layout import LOOKUP_NAMES, pod_meta_key, pod_outbox_key, presence_key, request_key_name
-from kv_preflight.index.presence import (BitsReply, NamesFor, TierRuns, bits_of, chain_of_one_tier, mask_of,
-                                         numbers_in, parse_bits_reply, prefix_from_bits, prefix_of_one_tier,
-                                         presence_value, tier_in, tier_in_runs)
+from kv_preflight.index.presence import (BitsReply, GroupBits, NamesFor, TierRuns, chain_group_bits, chain_of_one_tier,
+                                         mask_of, numbers_in, parse_bits_reply, prefix_from_bits, prefix_of_one_tier,
+                                         presence_value, split_fields, tier_in, tier_in_runs)
 from kv_preflight.index.slots import slot_groups
 from kv_preflight.keys.chain import pack_keys
 
@@ -88,8 +88,10 @@ class ClusterLookup:
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         """The default lookup: lookup_bits.lua on every shard over the keys it owns, the shards in parallel;
-        each sends its keys' bitmaps (put back in chain order and walked here once, when every shard did) or,
-        where few pods hold its first key, per pod how many of its keys the pod holds from its first (bisected
+        each sends its keys' bitmaps (put back in chain order and walked here once, when every shard did or
+        holds nobody at its first key; a hybrid model's other groups' bitmaps then come with the answer,
+        ``Lookup.group_bits``, as on a single node, so its groups' rules need no read of their own) or, where
+        few pods hold its first key, per pod how many of its keys the pod holds from its first (bisected
         there), and ``merge_shards`` ends each pod's prefix at the first key any shard lacks it on.
 
         A bisected pod's count is exact only when its keys are closed under "parent" (pod meta "orphan_keys"
@@ -148,20 +150,23 @@ class ClusterLookup:
                     bisected.append((node, idx, res))
         epoch = next((res.epoch for _, res in replies if res.epoch), "")
         read_bits: dict[int, dict[str, bytes]] = {}
+        read_groups: dict[int, GroupBits] = {}
         read_entries: dict[int, dict[str, str]] = {}
         if reread and not bisected:  # no pod's meta to read: the reread is round 2 alone
-            read_bits, read_entries = await self._read_keys(request_keys, sorted(reread), unanswered)
+            read_bits, read_entries, read_groups = await self._read_keys(request_keys, sorted(reread), unanswered)
             reread = []
-        if all(res.kind == 0 for _, res in replies) and not read_entries:
-            # Every shard sent its keys' bitmaps (a prefix many pods hold): put them back in chain order and
-            # walk once, as a single node does, rather than walking each shard's keys and merging per pod
-            # (three walks of a thousand pods). A key a shard did not send lies past the first key nobody
-            # holds on that shard, where every prefix has ended, so it reads as empty. Only the pods at the
-            # chain's first key can match: their names are the ones read.
-            if not read_bits and all(res.flat is not None for _, res in replies):  # one tier a key: in C
+        if all(sent_bitmaps(res) for _, res in replies) and not read_entries:
+            # Every shard sent its keys' bitmaps (a prefix many pods hold), or holds nobody at its first key:
+            # put them back in chain order and walk once, as a single node does, rather than walking each
+            # shard's keys and merging per pod (three walks of a thousand pods). A key a shard did not send
+            # lies past the first key nobody holds on that shard, where every prefix has ended, so it reads
+            # as empty. Only the pods at the chain's first key can match: their names are the ones read.
+            sent = [(idx, res) for idx, res in replies if res.kind == 0]
+            if not read_bits and all(res.flat is not None for _, res in sent):  # one tier a key: in C
                 if unanswered and len(unanswered) == len(request_keys):
                     raise RedisConnectionError("no shard of the cluster answered the lookup")
-                tiers, maps = chain_of_one_tier(len(request_keys), ((idx, res.flat) for idx, res in replies))
+                # (no key sent a hybrid model's other group: no group bitmaps, as on a single node)
+                tiers, maps = chain_of_one_tier(len(request_keys), ((idx, res.flat) for idx, res in sent))
                 cut = min(unanswered) if unanswered else None
                 first = int.from_bytes(maps[0], "little") if cut != 0 else 0
                 known = await names(first, epoch) if first else {}
@@ -169,7 +174,7 @@ class ClusterLookup:
                     _abandon(early)  # nothing was bisected: no pod's state matters
                 return Lookup(prefix_of_one_tier(tiers, maps, known, cut), cut), foreign
             per_key: list[dict[str, bytes] | None] = [None] * len(request_keys)
-            for idx, res in replies:
+            for idx, res in sent:
                 for i, bits in zip(idx, res.reads):
                     per_key[i] = bits
             for i, bits in read_bits.items():
@@ -181,7 +186,14 @@ class ClusterLookup:
             known = await names(first, epoch) if first else {}
             if early is not None:
                 _abandon(early)  # nothing was bisected: no pod's state matters
-            return Lookup(prefix_from_bits(per_key, known, cut=cut), cut), foreign
+            matches = prefix_from_bits(per_key, known, cut=cut)
+            # A hybrid model's other groups' bitmaps came with the keys (each shard's own, as the single node's
+            # reply has them): handed over for the groups' rules, as far as the longest prefix reaches
+            groups = [(idx, res.groups) for idx, res in sent if res.groups is not None]
+            if read_groups:
+                groups.append((sorted(read_groups), [read_groups[i] for i in sorted(read_groups)]))
+            group_bits = chain_group_bits(groups, max((m.blocks for m in matches), default=0)) if groups else None
+            return Lookup(matches, cut, group_bits), foreign
         wanted = set()
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
@@ -196,7 +208,7 @@ class ClusterLookup:
             prefetched: set[str] = await early if early is not None else set()
             gapped = await gaps if gaps is not None else set()
             if rereading is not None:
-                read_bits, read_entries = await rereading
+                read_bits, read_entries, _ = await rereading
         except BaseException:
             for task in (early, gaps, rereading):
                 if task is not None:
@@ -277,7 +289,8 @@ class ClusterLookup:
             # shard's keys read through the routing, as after round 1 (a 4th round, while resharding only).
             self.late_reads += 1
             self.shards.forget_table()
-            read.update(await as_read(*await self._read_keys(request_keys, moved, unanswered)))
+            bits_at, entries_at, _ = await self._read_keys(request_keys, moved, unanswered)
+            read.update(await as_read(bits_at, entries_at))
         return await self._merged(request_keys, shards, read, unanswered, None, known_tiers, late=True), foreign
 
 
@@ -364,10 +377,11 @@ class ClusterLookup:
 
 
     async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: set[int]
-                         ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]]]:
+                         ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]], dict[int, GroupBits]]:
         """Keys read one by one through the cluster's routing (MOVED/ASK followed): position -> its
         bitmaps where its fields are exactly ours, else position -> pod -> tier from its entries (a key
-        of a foreign type: a miss). Keys not answered go to ``unanswered``."""
+        of a foreign type: a miss); and position -> its other groups' bitmaps where it has some (a hybrid
+        model's, as a shard's reply has them). Keys not answered go to ``unanswered``."""
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for i in positions:
@@ -378,6 +392,7 @@ class ClusterLookup:
             replies = [RedisConnectionError("not answered")] * (2 * len(positions))
         bits_at: dict[int, dict[str, bytes]] = {}
         entries_at: dict[int, dict[str, str]] = {}
+        groups_at: dict[int, GroupBits] = {}
         for j, i in enumerate(positions):
             bits, entries = replies[2 * j:2 * j + 2]
             wrong = [r for r in (bits, entries) if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE")]
@@ -386,14 +401,16 @@ class ClusterLookup:
             elif wrong:  # a key of a foreign type: a miss
                 entries_at[i] = {}
             elif len(entries) == sum(presence_value(v)[0] for v in bits.values()):
-                bits_at[i] = bits_of([x for f, v in bits.items() for x in (f, presence_value(v)[1])])
+                bits_at[i], other = split_fields([x for f, v in bits.items() for x in (f, presence_value(v)[1])])
+                if other:
+                    groups_at[i] = other
             else:  # not exactly ours: the entries decide
                 at = entries_at[i] = {}
                 for f in entries:
                     e = parse_entry(f)
                     if e is not None and not e.Speculative and better_tier(e.DeviceTier, at.get(e.PodIdentifier)):
                         at[e.PodIdentifier] = e.DeviceTier
-        return bits_at, entries_at
+        return bits_at, entries_at, groups_at
 
 
     async def _merged(self, request_keys: Sequence[int],
@@ -480,6 +497,13 @@ class ClusterLookup:
 
 
 
+def sent_bitmaps(res: BitsReply) -> bool:
+    """Whether a shard's round-1 reply says all a walk needs of its keys (pure): their bitmaps (kind 0), or that
+    no pod holds its first key in its prefix group (kind 1 naming no pod: every prefix ends at or before that
+    key, so none of its keys is walked past, nor read by a group's rule, which stops where the prefix does)."""
+    return res.kind == 0 or (res.kind == 1 and not res.counts and not res.moved)
+
+
 def pod_bisectable(meta: Sequence[Any], outbox: Iterable[Any]) -> bool:
     """Whether a lookup may bisect a pod, from its meta ``HMGET orphan_keys gap_entry orphan_at batches`` and
     its outbox's fields (pure): its keys are closed under "parent" now (orphan count known and 0, written at
@@ -561,4 +585,4 @@ def merge_shards(n: int, shards: Sequence[tuple[list[int], Mapping[str, tuple[in
     return out, tiers_wanted
 
 
-__all__ = ["ClusterLookup", "EXACT_BUDGET", "merge_shards", "pod_bisectable"]
+__all__ = ["ClusterLookup", "EXACT_BUDGET", "merge_shards", "pod_bisectable", "sent_bitmaps"]
