@@ -228,7 +228,7 @@ class Applier:
     async def _force(self, pod: str, reason: str) -> None:
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         await self.counters.count("gaps_unrecovered", pod=pod)
-        await self.valkey.call(self.index.mark_incomplete, pod, reason)
+        await self.valkey.call(self.index.meta.mark_incomplete, pod, reason)
 
     async def _corrupt(self, pod: str, seq: int, detail: str) -> None:
         """A batch the script refused as corrupt (forged seq, foreign-typed pod key): counted, the pod
@@ -236,7 +236,7 @@ class Applier:
         log.error("%s seq %d: not applied: %s", pod, seq, detail)
         await self.counters.count("corrupt_batches", pod=pod)
         try:
-            await self.valkey.call(self.index.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+            await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
         except ResponseError:
             pass  # the pod's own key is unusable: the log line and the counter are what is left
 

@@ -286,7 +286,7 @@ class Ingester:
         await check_settings(self)
         await self.index.register_pods(pods)
         for pod in pods:
-            await self.index.mark_incomplete(pod, LOST_REASON)
+            await self.index.meta.mark_incomplete(pod, LOST_REASON)
         self.resume.schedule(set(pods), rebuild=True)
 
     async def chores(self) -> None:

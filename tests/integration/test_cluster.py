@@ -130,9 +130,9 @@ async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_u
                 got = sorted((m.pod_id, m.blocks, m.tier) for m in await cluster.lookup(chain, pods))
                 assert got == want
         for pod in ("pod-a", "pod-b", "pod-c"):
-            a, b = await single.pod_info(pod), await cluster.pod_info(pod)
+            a, b = await single.meta.pod_info(pod), await cluster.meta.pod_info(pod)
             assert (a.seqs, a.blocks, a.counters) == (b.seqs, b.blocks, b.counters)
-        assert await cluster.pod_ids() == await single.pod_ids()
+        assert await cluster.meta.pod_ids() == await single.meta.pod_ids()
     finally:
         await single.close()
         await cluster.close()
@@ -189,7 +189,7 @@ async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 20.0) -> None
     info = None
     while time.monotonic() < deadline:
         try:
-            info = await ix.pod_info(pod)
+            info = await ix.meta.pod_info(pod)
             if info.seqs.get("0", -1) >= seq:
                 return
         except Exception:
@@ -234,7 +234,7 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, p
             await assert_exact(ix, engine, wl)  # the engine is quiet: the survivor's chores ran the entry
             await publish(engine, wl, 10)
             await assert_exact(ix, engine, wl)
-            info = await ix.pod_info("pod-c")
+            info = await ix.meta.pod_info("pod-c")
             assert info.counters["batches"] == engine.seq  # every batch applied exactly once
         finally:
             stop(survivor)

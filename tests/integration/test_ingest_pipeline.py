@@ -151,7 +151,7 @@ async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
     await ing.handle_messages([(SRC, msgs[2])])
     assert await ing.index.lookup(keys) == []
     assert not r.exists(*[str(k) for k in keys], "engine:41")
-    assert (await ing.index.pod_info("pod-h")).blocks == 0
+    assert (await ing.index.meta.pod_info("pod-h")).blocks == 0
     await ing.index.close()
 
 
@@ -175,7 +175,7 @@ async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_ur
     got_a = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-a"))}
     got_b = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-b"))}
     assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
-    assert not (await cold.index.pod_info("pod-a")).incomplete
+    assert not (await cold.index.meta.pod_info("pod-a")).incomplete
     await cold.index.close()
 
 
@@ -198,7 +198,7 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
             dropped.append(True)
             proto = ing.index.backend.fast._proto
             proto.data_received = lambda data: None  # replies lost on the way back
-            while (await observer.pod_info("pod-a")).seqs.get("0") != 1:
+            while (await observer.meta.pod_info("pod-a")).seqs.get("0") != 1:
                 await asyncio.sleep(0.01)  # Valkey has run both scripts
             proto.transport.close()
         return sent
@@ -210,6 +210,6 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
     await ing.handle_messages([(SRC, m) for m in msgs])
     await observer.close()
     assert ing.counters.counts["duplicates_skipped"] == 2
-    info = await ing.index.pod_info("pod-a")
+    info = await ing.index.meta.pod_info("pod-a")
     assert info.incomplete and "unknown parent" in info.incomplete_reason
     await ing.index.close()

@@ -408,11 +408,11 @@ async def test_a_count_not_written_at_the_pods_last_batch_is_not_trusted(ix):
     walks = ix.gap_walks
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks
     await ix.client.hincrby(pod_meta_key(pod), "batches", 1)  # a batch applied with no count kept
-    assert (await ix.pod_info(pod)).orphan_keys is None
+    assert (await ix.meta.pod_info(pod)).orphan_keys is None
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks + 1
     await ix.apply_batch(pod_id=pod, rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
                          mutations=[RemoveBlock(blocks[100][0], "gpu")])
-    assert (await ix.pod_info(pod)).orphan_keys == 1
+    assert (await ix.meta.pod_info(pod)).orphan_keys == 1
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [200]
     await ix.apply_batch(pod_id=pod, rank=0, seq=2, ts=1.0, model="m", engine_block_size=32, mutations=[ClearPod()])
-    assert (await ix.pod_info(pod)).orphan_keys == 0
+    assert (await ix.meta.pod_info(pod)).orphan_keys == 0

@@ -62,7 +62,7 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
         assert not r.exists(V1_PODS_KEY, "kvpf:pod:old-pod", "kvpf:blocks:old-pod", "kvpf:fields:old-pod")
         assert await ix.held_blocks("old-pod") == {(7, "gpu", 0): ((70, 71), 2), (8, "gpu", 0): ((72, 73), 1)}
         assert r.hget(PODS_KEY, "old-pod") == "m" and r.hget(LAYOUT_KEY, "version") == "4"
-        info = await ix.pod_info("old-pod")
+        info = await ix.meta.pod_info("old-pod")
         assert info.seqs == {"0": 41} and info.counters["batches"] == 42 and info.blocks == 2
         assert info.orphan_keys is None  # layout 1 kept no parents: walked until known
         assert [m.blocks for m in await ix.lookup([70, 71, 72, 73], mode="linear")] == [4]

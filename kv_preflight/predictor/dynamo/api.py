@@ -192,10 +192,10 @@ class DynamoApi:
     async def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerInfo]:
         regs = await self.registrations()
         async with valkey_call(self.deadline_s, "workers"):
-            pods = await self.index.pod_ids()  # pod -> model, for pods that have sent events
+            pods = await self.index.meta.pod_ids()  # pod -> model, for pods that have sent events
             view = await self.index.fleet.fleet_view()
             registered_pods = {r.pod for r in regs.values()}
-            infos = {i.pod_id: i for i in await self.index.pod_infos(sorted(set(pods) - registered_pods))}
+            infos = {i.pod_id: i for i in await self.index.meta.pod_infos(sorted(set(pods) - registered_pods))}
         out: dict[int, WorkerInfo] = {}
         for r in sorted(regs.values(), key=lambda r: (r.instance_id, r.dp_rank)):
             status = _status(r.pod, pods, view)
@@ -223,7 +223,7 @@ class DynamoApi:
     async def query(self, req: QueryRequest) -> tuple[int, Any]:
         regs = await self.registrations()
         async with valkey_call(self.deadline_s, "pods"):
-            pods = await self.index.pod_ids()
+            pods = await self.index.meta.pod_ids()
         part = [r for r in regs.values() if (r.model, r.routing_group) == (req.model_name, req.routing_group)]
         worker_of = {r.pod: (r.instance_id, r.dp_rank) for r in part}
         registered_pods = {r.pod for r in regs.values()}
@@ -252,7 +252,7 @@ class DynamoApi:
                 depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
-                infos = await self.index.scoring_infos(sorted(prefixes))  # block size and KV cache groups
+                infos = await self.index.meta.scoring_infos(sorted(prefixes))  # block size and KV cache groups
                 hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
                 if hybrid:
                     prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
