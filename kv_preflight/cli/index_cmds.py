@@ -14,6 +14,7 @@ from kv_preflight.config import Config
 from kv_preflight.index.index import Index, LayoutError, StoreBlock, parse_entry
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
+from kv_preflight.index.transfer import export_blocks, import_blocks, restore_seqs
 from kv_preflight.events import topic_or_none
 from kv_preflight.engines.hit_rules import effective_groups, held_blocks, longest_hit, prefix_group
 
@@ -376,7 +377,7 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
                 info = await ix.meta.pod_info(pod_id)
                 output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
                                          "seqs": info.seqs}) + "\n")
-                async for s in ix.export_blocks(pod_id):
+                async for s in export_blocks(ix.writer, pod_id):
                     row = {"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
                            "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
                     if s.group:
@@ -418,8 +419,8 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
                 if held:
                     await ix.clear_pod(pod)
                 for i in range(0, len(blocks), 500):
-                    await ix.import_blocks(pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
-                await ix.restore_seqs(pod, meta.get("seqs") or {})
+                    await import_blocks(ix, pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
+                await restore_seqs(ix.client, pod, meta.get("seqs") or {})
                 if not exact:
                     await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
                                                   "exact again at its next reset")

@@ -39,6 +39,7 @@ from kv_preflight.index.pod_meta import PodMeta
 from kv_preflight.index.presence import presence_value
 
 from kv_preflight.index.resp import FastConnection
+from kv_preflight.index.transfer import held_blocks
 from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
 
 log = logging.getLogger("kvpf.index")
@@ -392,25 +393,6 @@ class Index:
                     out[ek] = mine[0]
         return out
 
-    async def import_blocks(self, pod_id: str, model: str, engine_block_size: int | None,
-                            stores: Sequence[StoreBlock]) -> None:
-        """Write exported entries back; the pod's seq is left alone (the next live batch decides)."""
-        await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model=model,
-                               engine_block_size=engine_block_size, mutations=stores, mode="import")
-
-    async def held_blocks(self, pod_id: str) -> dict[tuple[int, str, int], tuple[tuple[int, ...], int]]:
-        """A pod's blocks as its state log says: (engine key, tier, group) -> (request keys, physical copies)."""
-        reader = PodWriter(self.client, cluster=self.cluster, reannouncements=self.writer.reannouncements)
-        await reader.load([pod_id])
-        return {k: (b.rks, b.copies) for k, b in reader.pods[pod_id].state.blocks.items()}
-
-    async def export_blocks(self, pod_id: str):
-        """Yield every StoreBlock a pod holds (once per physical copy), from its state log."""
-        reader = PodWriter(self.client, cluster=self.cluster, reannouncements=self.writer.reannouncements)
-        await reader.load([pod_id])
-        for block in reader.pods[pod_id].state.stores():
-            yield block
-
     async def memory_usage(self) -> int | None:
         """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""
         try:
@@ -428,7 +410,7 @@ class Index:
         """Remove every entry of a pod; ``forget`` also drops its metadata. Returns blocks removed."""
         await self.drain_outbox(pod_id)
         self.writer.forget(pod_id)  # planned from what Valkey holds now
-        held = len(await self.held_blocks(pod_id))
+        held = len(await held_blocks(self.writer, pod_id))
         await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model="", engine_block_size=None,
                                mutations=(), mode="clear")
         self.writer.forget(pod_id)
@@ -454,11 +436,6 @@ class Index:
         if (await self.meta.pod_info(pod_id)).incomplete:
             await self.meta.mark_complete(pod_id)
         return held
-
-    async def restore_seqs(self, pod_id: str, seqs: dict[str, int]) -> None:
-        """Set a pod's persisted seqs (index import): the next live batch is then judged against them."""
-        if seqs:
-            await self.client.hset(pod_meta_key(pod_id), mapping={f"seq:{r}": int(v) for r, v in seqs.items()})
 
     # ---- read path
 

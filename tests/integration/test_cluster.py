@@ -16,6 +16,7 @@ from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, e
 from kv_preflight.index.cluster.writes import encode_changes
 from kv_preflight.index.layout import pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -259,7 +260,7 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
         await publish(engine, wl, 40)
         await assert_exact(ix, engine, wl)
         # A prediction through the predictor equals the index's own answer.
-        blocks = [b async for b in ix.export_blocks("pod-c")]
+        blocks = [b async for b in export_blocks(ix.writer, "pod-c")]
         chain = list(blocks[0].request_keys)
         got = httpx.post(f"http://127.0.0.1:{port}/v1/cache/predict", json={"model": "tiny", "token_ids": [1] * 16},
                          timeout=10)

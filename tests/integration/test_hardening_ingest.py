@@ -14,6 +14,7 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_meta_key, pod_state_key
+from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq
@@ -124,7 +125,7 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
             b.publish(EventBatch(time.time(), [BlockStored([1000 + k], None, toks[:32], 32, medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 1)
         await wait_for_seq(ix, "pod-b", 4)
-        held = await ix.held_blocks("pod-a")
+        held = await held_blocks(ix.writer, "pod-a")
         assert set(held) == {(123, "gpu", 0), (789, "gpu", 0)} and all(c == 1 for _, c in held.values())
         assert sync.lrange("engine:123", 0, -1) == [b"x"]  # untouched
         info = await ix.meta.pod_info("pod-a")
@@ -135,7 +136,7 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
         # Both evicted: their entries go, the foreign key stays as it was.
         a.publish(EventBatch(time.time(), [BlockRemoved([123, 789], medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 2)
-        assert await ix.held_blocks("pod-a") == {}
+        assert await held_blocks(ix.writer, "pod-a") == {}
         assert not sync.exists("engine:789") and sync.lrange("engine:123", 0, -1) == [b"x"]
         assert ing.poll() is None
     finally:
@@ -205,7 +206,7 @@ async def test_a_parentless_run_of_held_blocks_is_a_second_copy_by_default(ix):
     first = [StoreBlock(11, "gpu", F0, (101,), parentless=True), StoreBlock(12, "gpu", F0, (102,), parentless=True)]
     await apply(0, first)
     await apply(1, first)  # the same prefix computed again at once: a second copy of each block
-    held = await ix.held_blocks("pod-a")
+    held = await held_blocks(ix.writer, "pod-a")
     assert held[(11, "gpu", 0)] == ((101,), 2) and held[(12, "gpu", 0)] == ((102,), 2)
     await apply(2, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one copy of each evicted
     assert await ix.client.hkeys("101") == [F0.encode()] and await ix.client.hkeys("102") == [F0.encode()]
@@ -226,7 +227,7 @@ async def test_reannounced_block_is_not_a_second_copy(valkey_url):
         await apply(0, first)
         await apply(1, first)  # the re-announcement: no copy counted
         await apply(2, [StoreBlock(12, "gpu", F0, (102,))])  # a real copy of block 12 (it has a parent)
-        held = await ix.held_blocks("pod-a")
+        held = await held_blocks(ix.writer, "pod-a")
         assert held[(11, "gpu", 0)] == ((101,), 1) and held[(12, "gpu", 0)] == ((102,), 2)
         assert (await ix.meta.pod_info("pod-a")).counters["reannounced"] == 2
         await apply(3, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one eviction each
@@ -248,4 +249,4 @@ async def test_cache_salt_two_engine_keys_one_request_key(ix):
     await apply(3, [RemoveBlock(91, "gpu")])
     assert await ix.lookup([101, 102], mode="linear") == []
     assert not await ix.client.exists("engine:11", "engine:91", "101", "102")
-    assert await ix.held_blocks("pod-a") == {}
+    assert await held_blocks(ix.writer, "pod-a") == {}

@@ -10,6 +10,7 @@ import pytest
 
 from kv_preflight.cli.accuracy import shared_prefix_workload
 from kv_preflight.index.index import Index
+from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 from tests.integration.sim import sim_engine
 from tests.integration.test_fault_accuracy import blind
@@ -58,7 +59,7 @@ async def test_pod_of_a_new_engine_is_exact_after_retirement(valkey_url, tmp_pat
         info = await ix.meta.pod_info("sim-b")
         assert not info.incomplete, info.incomplete_reason
         # and what the index holds is what the new engine published, nothing of the old one's
-        held = len(await ix.held_blocks("sim-b"))
+        held = len(await held_blocks(ix.writer, "sim-b"))
         assert held == info.blocks > 0
         b2.stop()
     finally:
