@@ -11,7 +11,8 @@ import click
 import httpx
 
 from kv_preflight.config import Config
-from kv_preflight.index.index import Index, LayoutError, StoreBlock, parse_entry
+from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
 from kv_preflight.index.transfer import export_blocks, import_blocks, restore_seqs
@@ -75,7 +76,7 @@ async def _open(valkey_url: str | None) -> Index:
     """The index, after checking it is of this kv-preflight's layout (else a clear error)."""
     ix = _index(valkey_url)
     try:
-        await ix.check_layout()
+        await check_layout(ix.client)
     except BaseException:
         await ix.close()
         raise

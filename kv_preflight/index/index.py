@@ -25,14 +25,14 @@ from redis.exceptions import RedisError, ResponseError
 
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, foreign_as_empty, read_pipeline
+from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_pipeline
 from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.fleet.store import FleetStore
-from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
+from kv_preflight.index.layout import (PODS_KEY, engine_key_name,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, presence_key
 from kv_preflight.index.pod_meta import PodMeta
@@ -59,10 +59,6 @@ async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
             pipe.hset(pod_meta_key(pod), "num", n)
         await pipe.execute()
     return dict(zip(pod_ids, nums))
-
-
-class LayoutError(RuntimeError):
-    """The index was written in another layout version (see kv_preflight/index/layout.py and ``index migrate``)."""
 
 
 class Index:
@@ -153,30 +149,6 @@ class Index:
                 self._fields.clear()
             f = self._fields[k] = encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
         return f
-
-    # ---- layout version
-
-    async def check_layout(self) -> str:
-        """The layout version, set to ours on an empty index; ``LayoutError`` for any other."""
-        found = await self.client.hget(LAYOUT_KEY, "version")
-        if found is None:
-            if await self.v1_writer_seen():
-                raise LayoutError("this index has layout 1 (kv-preflight 0.1): stop its ingesters and run "
-                                  "`kv-preflight index migrate --valkey-url URL`")
-            await self.client.hsetnx(LAYOUT_KEY, "version", LAYOUT_VERSION)
-            found = await self.client.hget(LAYOUT_KEY, "version")
-        version = text(found)
-        if version in ("2", "3"):
-            raise LayoutError(f"this index has layout {version} (kv-preflight before layout 4): stop its ingesters and "
-                              "run `kv-preflight index migrate --valkey-url URL` (llm-d's keys do not change)")
-        if version != LAYOUT_VERSION:
-            raise LayoutError(f"this index has layout {version!r}; this kv-preflight reads and writes layout "
-                              f"{LAYOUT_VERSION} only")
-        return version
-
-    async def v1_writer_seen(self) -> bool:
-        """Whether a layout-1 writer (kv-preflight 0.1) has written here (its registry exists)."""
-        return bool(await self.client.exists(V1_PODS_KEY))
 
     # ---- write path
 
@@ -350,49 +322,6 @@ class Index:
         ``stale_only``: only entries older than the takeover time (their writer is gone)."""
         return await self.backend.drain_outbox(pod_id, stale_only=stale_only)
 
-    async def resolve_engine_keys(self, engine_keys: Iterable[int], pod_id: str | None = None) -> dict[int, int]:
-        """Engine key -> its last request key (the one a child block chains from), one round trip.
-
-        Engines of different models with the same hash seed give the same tokens the same engine
-        key (vLLM's block hash has no model in it), so ``engine:<key>`` can hold several models'
-        request keys at the last position. Then the one ``pod_id`` holds wins (a child's parent is
-        in its own pod's cache); if that does not single one out, the key stays unresolved (an
-        orphan) rather than chaining from another model's key.
-        """
-        eks = list(dict.fromkeys(engine_keys))
-        if not eks:
-            return {}
-        async with self.client.pipeline(transaction=False) as pipe:
-            for ek in eks:
-                pipe.zrevrange(engine_key_name(ek), 0, 1, withscores=True)
-            replies = foreign_as_empty(await pipe.execute(raise_on_error=False))
-        out: dict[int, int] = {}
-        tied: list[tuple[int, float]] = []
-        for ek, r in zip(eks, replies):
-            if len(r) == 1 or (len(r) > 1 and r[0][1] != r[1][1]):
-                out[ek] = int(r[0][0])
-            elif r:
-                tied.append((ek, r[0][1]))
-        if tied and pod_id is not None:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for ek, top in tied:
-                    pipe.zrangebyscore(engine_key_name(ek), top, top)
-                candidates = foreign_as_empty(await pipe.execute(raise_on_error=False))
-            async with self.client.pipeline(transaction=False) as pipe:
-                for rks in candidates:
-                    for rk in rks:
-                        pipe.hkeys(rk)
-                fields = iter(foreign_as_empty(await pipe.execute(raise_on_error=False)))
-            for (ek, _), rks in zip(tied, candidates):
-                mine = []
-                for rk in rks:
-                    entries = (parse_entry(f) for f in next(fields))
-                    if any(e is not None and e.PodIdentifier == pod_id for e in entries):
-                        mine.append(int(rk))
-                if len(mine) == 1:
-                    out[ek] = mine[0]
-        return out
-
     async def memory_usage(self) -> int | None:
         """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""
         try:
@@ -542,7 +471,7 @@ class Index:
 
 
 __all__ = [
-    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "LayoutError", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
+    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_meta_key", "request_key_name", "tier_of",
 ]

@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 
 from kv_preflight.config import Config
 from kv_preflight.events import EventBatch
+from kv_preflight.index.engine_keys import resolve_engine_keys
 from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from kv_preflight.ingester.counters import Counters
@@ -83,7 +84,7 @@ class Applier:
     async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
         missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
         if missing:
-            resolved = await self.valkey.call(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
+            resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
             return plan_batch(

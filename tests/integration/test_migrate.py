@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.index import Index, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, is_presence_key, pod_meta_key, pod_state_key,
                                        v3_bits_key, v3_members_key, v3_pod_keys)
 from kv_preflight.index.presence import as_int, numbers, presence_value
@@ -51,13 +52,13 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
     ix = Index.from_url(valkey_url)
     try:
         with pytest.raises(LayoutError, match="index migrate"):
-            await ix.check_layout()
+            await check_layout(ix.client)
         refused = cli("index", "stats", "--valkey-url", valkey_url)
         assert refused.returncode != 0 and "index migrate" in refused.stderr
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {"pods": 1, "blocks": 2, "keys": 4}
-        assert await ix.check_layout() == "4"
+        assert await check_layout(ix.client) == "4"
         # llm-d's keys did not move; ours are layout 4; layout 1's are gone.
         assert {k: r.hkeys(k) for k in ("70", "71", "72", "73")} | {k: r.zrange(k, 0, -1) for k in ("engine:7", "engine:8")} == llmd_before
         assert not r.exists(V1_PODS_KEY, "kvpf:pod:old-pod", "kvpf:blocks:old-pod", "kvpf:fields:old-pod")
@@ -198,7 +199,7 @@ async def test_layouts_2_and_3_are_refused_then_migrated_to_what_layout_4_writes
         assert by_name(r) != before
         fresh = Index.from_url(valkey_url)
         with pytest.raises(LayoutError, match=f"layout {version}.*index migrate"):
-            await fresh.check_layout()
+            await check_layout(fresh.client)
         await fresh.close()
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
@@ -234,7 +235,7 @@ async def test_layout_3_on_a_cluster_is_migrated_to_what_layout_4_writes(cluster
         assert by_name(sync) == before and await held_by_pod(ix, sync) == held
         fresh = Index.from_url(cluster_url)
         try:
-            assert await fresh.check_layout() == "4"
+            assert await check_layout(fresh.client) == "4"
             assert [sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(c)) for c in chains] == want
         finally:
             await fresh.close()
