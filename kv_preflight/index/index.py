@@ -34,7 +34,8 @@ from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Loo
 from kv_preflight.fleet.store import FleetStore
 from kv_preflight.index.layout import (PODS_KEY, engine_key_name,
                            pod_meta_key, pod_state_keys, request_key_name)
-from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, presence_key
+from kv_preflight.index.layout import presence_key
+from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.pod_meta import PodMeta
 from kv_preflight.index.presence import presence_value
 
@@ -45,20 +46,6 @@ from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
 log = logging.getLogger("kvpf.index")
 
 REGISTRY_REFRESH_S = 10.0  # a registry row this process wrote is written again after this long (_register_new)
-NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
-
-
-async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
-    """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
-    (kv_preflight/index/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
-    cluster). Idempotent. ``client``: redis-py, single node or cluster."""
-    script = client.register_script(scripts.NUMS)
-    nums = [int(n) for n in await script(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, *pod_ids])]
-    async with client.pipeline(transaction=False) as pipe:
-        for pod, n in zip(pod_ids, nums):
-            pipe.hset(pod_meta_key(pod), "num", n)
-        await pipe.execute()
-    return dict(zip(pod_ids, nums))
 
 
 class Index:
@@ -85,12 +72,8 @@ class Index:
         self._nums: dict[str, int] = {}  # their numbers
         # the pods this process writes: their states in memory, batches planned against them
         self.writer = PodWriter(client, cluster=self.cluster, reannouncements=reannouncements)
-        self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
-        self._names_at = -1e9
-        self._names_lock = asyncio.Lock()
-        self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
-        self._names_mask = 0  # bit n set: number n is in self._names
-        self._nums_script = client.register_script(scripts.NUMS)
+        # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
+        self.numbering = Numbering(client)
         # fleet records, leases, load, settings, aliases, feeds: kv_preflight/fleet/store.py
         self.fleet = FleetStore(client, cluster=self.cluster)
         # the registry, pods' meta (seqs, flags, counters) and the index-wide counters: kv_preflight/index/pod_meta.py
@@ -263,23 +246,6 @@ class Index:
             self.writer.set_num(p, n)
         return nums
 
-    async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
-        """Pod number -> pod, read again when older than NAMES_TTL_S (a freed number is reused only
-        NUM_REUSE_MS later, long after every reader has dropped its old name)."""
-        if refresh or time.monotonic() - self._names_at > NAMES_TTL_S:
-            asked = time.monotonic()
-            async with self._names_lock:  # one read for every lookup waiting (one connection, not one each)
-                if self._names_at < asked:
-                    async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
-                        pipe.hgetall(NUMS_BYID_KEY)
-                        pipe.hget(NUMS_NEXT_KEY, "epoch")
-                        raw, epoch = await pipe.execute()
-                    self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
-                    self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
-                    self._names_epoch = text(epoch) if epoch else ""
-                    self._names_at = time.monotonic()
-        return self._names
-
     async def _register_new(self, batches: Sequence[dict[str, Any]]) -> None:
         """Pods this Index writes for the first time (or with a new model, or not written for
         REGISTRY_REFRESH_S) go into the fleet registry, before their batch is sent: a separate write, since no
@@ -310,7 +276,7 @@ class Index:
         let go (another process may forget it), and after the index lost its data."""
         if pods is None:
             pods = set(self._registered) | set(self._numbered) | set(self.writer.pods)
-            self._names, self._names_at = {}, -1e9
+            self.numbering.forget_names()
         for pod in list(pods):
             self._registered.pop(pod, None)
             self._numbered.discard(pod)
@@ -347,7 +313,7 @@ class Index:
             await self.client.delete(*pod_state_keys(pod_id))
             await self.client.hdel(PODS_KEY, pod_id)
             # its bits are all clear now (the clear above ran its effects): the number may serve another pod
-            await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
+            await self.numbering.free(pod_id)
             self._numbered.discard(pod_id)
             self._registered.pop(pod_id, None)
         return held
@@ -392,13 +358,13 @@ class Index:
 
     async def _lookup_bits(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:
         try:
-            await self.pod_names()  # at most one read per NAMES_TTL_S, before any lookup needs it
+            await self.numbering.pod_names()  # at most one read per NAMES_TTL_S, before any lookup needs it
         except VALKEY_ERRORS:
             # The numbering's shard is down (a cluster with no replica to take over): the names last read
             # serve (numbers change only when pods are forgotten); with none yet, the entries name the pods.
-            if not self._names:
+            if not self.numbering.names:
                 return await self._lookup_entries(request_keys, pods)
-        found, foreign = await self.backend.lookup_bits(request_keys, self._names_for)
+        found, foreign = await self.backend.lookup_bits(request_keys, self.numbering.names_for)
         self.foreign_reads += foreign
         if found is None:  # key 1 holds entries someone else wrote: llm-d's entries decide
             return await self._lookup_entries(request_keys, pods)
@@ -412,21 +378,6 @@ class Index:
         found, foreign = await self.backend.lookup(request_keys, pods, "linear")
         self.foreign_reads += foreign
         return found
-
-    async def _names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
-        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
-        (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
-        names = self._names
-        if isinstance(nums, int):
-            unknown = bool(nums & ~self._names_mask)
-        else:
-            unknown = any(n not in names for n in nums)
-        if (epoch and epoch != self._names_epoch) or unknown:
-            try:
-                names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
-            except VALKEY_ERRORS:
-                pass  # its bits are ignored until the names can be read
-        return names
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""
@@ -460,18 +411,13 @@ class Index:
             out.append({text(f): presence_value(v)[1] for f, v in items})
         return out
 
-    async def pod_numbers(self, pods: Iterable[str]) -> dict[str, int]:
-        """Pods' numbers (their bit in every bitmap), from the names the lookup read."""
-        by_name = {name: num for num, name in (await self.pod_names()).items()}
-        return {p: by_name[p] for p in pods if p in by_name}
-
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""
         return await self.backend.key_count()
 
 
 __all__ = [
-    "VALKEY_ERRORS", "give_numbers", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
+    "VALKEY_ERRORS", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
     "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
     "make_entry", "parse_entry", "pod_meta_key", "request_key_name", "tier_of",
 ]

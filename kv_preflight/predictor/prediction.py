@@ -234,7 +234,7 @@ class Predictor:
                                                 for per_key in group_bits[:needed]]
         else:
             presence = await self.index.presence(keys[:needed])
-        nums = await self.index.pod_numbers(hybrid)
+        nums = await self.index.numbering.pod_numbers(hybrid)
         return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
                             self.cfg.block_size, prompt_len)
 

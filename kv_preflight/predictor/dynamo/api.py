@@ -293,7 +293,7 @@ class DynamoApi:
         if not depth:
             return prefixes
         presence = await self.index.presence(keys[:depth])
-        nums = await self.index.pod_numbers(hybrid)
+        nums = await self.index.numbering.pod_numbers(hybrid)
         adjusted = apply_groups(mine, hybrid, {i.pod_id: i.engine_block_size for i in infos}, presence, nums,
                                 self.cfg.block_size, n_tokens + 1)
         out = dict(prefixes)

@@ -82,7 +82,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
         group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
         if hybrid and keys_needed(matches, hybrid):  # a hybrid pod reuses what every KV cache group's rule accepts
             presence = await p.index.presence(keys[:keys_needed(matches, hybrid)])
-            nums = await p.index.pod_numbers(hybrid)
+            nums = await p.index.numbering.pod_numbers(hybrid)
             adjusted = apply_groups(matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()}, presence,
                                     nums, cfg.block_size, len(tokens))
             group_notes += _group_cuts(matches, adjusted, hybrid, infos, GroupBits(presence), nums, cfg.block_size,
