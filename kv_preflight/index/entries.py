@@ -180,7 +180,7 @@ class Lookup:
     unanswered_from: int | None = None
     # Each key's bitmaps of a hybrid model's other KV cache groups ((tier, group) -> bitmap), from the first
     # key on, when the lookup read every key's presence anyway (the single node's fleet-wide reply); None:
-    # not read (the reader asks ``Index.presence``).
+    # not read (the reader asks ``presence.read_presence``).
     group_bits: list[dict[tuple[str, int], bytes]] | None = None
 
     @property

@@ -13,37 +13,30 @@ counts), and our own keys are checked before the first write.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from kv_preflight.engines.hit_rules import GroupSpec
-from kv_preflight.index import scripts
-from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_pipeline
-from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
+from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_fields
+from kv_preflight.index.connect import TAKEOVER_MS, connect
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
-                            longest_prefix, make_entry, parse_entry, text, tier_of)
+                            longest_prefix, make_entry, parse_entry, tier_of)
 from kv_preflight.fleet.store import FleetStore
 from kv_preflight.index.layout import (PODS_KEY, engine_key_name,
                            pod_meta_key, pod_state_keys, request_key_name)
-from kv_preflight.index.layout import presence_key
 from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.pod_meta import PodMeta
-from kv_preflight.index.presence import presence_value
 
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.transfer import held_blocks
 from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
-
-log = logging.getLogger("kvpf.index")
 
 REGISTRY_REFRESH_S = 10.0  # a registry row this process wrote is written again after this long (_register_new)
 
@@ -56,7 +49,7 @@ class Index:
     either client (redis-py's cluster client routes each key to its shard).
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster, entry_format: str = "json",
+    def __init__(self, client: aioredis.Redis | aioredis.RedisCluster, entry_format: str = "json",
                  fast: FastConnection | None = None, *, backend: IndexBackend | None = None,
                  reannouncements: bool = False):
         self.client = client
@@ -83,27 +76,11 @@ class Index:
     def from_url(cls, url: str, *, timeout_s: float = 1.0, entry_format: str = "json",
                  cluster: bool | None = None, takeover_ms: int = TAKEOVER_MS, reannouncements: bool = False) -> "Index":
         """``cluster``: None asks the node (``INFO cluster``); a node that does not answer is taken
-        for a single node, with a warning (``--valkey-cluster yes`` says so up front). ``reannouncements``:
-        PodState.reannouncements (ingest --kv-cache-report-mode full)."""
-        from kv_preflight.index import resp  # (belongs with the module's imports; kept here to touch only this method)
-
-        if cluster is None:
-            cluster = probe_cluster(url, timeout_s)
-            if cluster is None:
-                log.warning("%s did not answer; taking it for a single node (--valkey-cluster yes if it is a "
-                            "cluster)", url.split("@")[-1])
-        if cluster:
-            client = cluster_client(url, timeout_s=timeout_s)
-            return cls(client, entry_format, backend=ClusterBackend(client, takeover_ms=takeover_ms),
-                       reannouncements=reannouncements)
-        # Scripts resent once after a lost connection, being safe to run twice (kv_preflight/index/resp.py): the
-        # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
-        # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
-        lookups = {resp.script_sha(s) for s in (scripts.LOOKUP, scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
-        client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
-        fast = FastConnection.from_url(url, timeout_s=timeout_s,
-                                       resend_scripts=lookups | {resp.script_sha(scripts.APPLY)})
-        return cls(client, entry_format, fast, reannouncements=reannouncements)
+        for a single node, with a warning (``--valkey-cluster yes`` says so up front): the backend is
+        kv_preflight/index/connect.py's choice. ``reannouncements``: PodState.reannouncements (ingest
+        --kv-cache-report-mode full)."""
+        client, backend = connect(url, timeout_s=timeout_s, cluster=cluster, takeover_ms=takeover_ms)
+        return cls(client, entry_format, backend=backend, reannouncements=reannouncements)
 
     @property
     def gap_walks(self) -> int:
@@ -350,8 +327,6 @@ class Index:
             return Lookup([])
         if mode in ("script", "bits"):
             return await self._lookup_bits(request_keys, pods)
-        if mode == "pipeline" and not self.cluster:
-            return Lookup(longest_prefix(await self.fields_per_key(request_keys, stop_at_gap=False), pods))
         found, foreign = await self.backend.lookup(request_keys, pods, mode)
         self.foreign_reads += foreign
         return found
@@ -381,35 +356,13 @@ class Index:
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""
-        def fill(pipe) -> None:
-            for k in request_keys:
-                pipe.hkeys(request_key_name(k))
-
-        replies = await read_pipeline(self.client, fill)
-        for i, r in enumerate(replies):
-            if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):  # a miss, counted
-                self.foreign_reads += 1
-                replies[i] = []
-            elif isinstance(r, Exception):
-                raise r
+        replies, foreign = await read_fields(self.client, request_keys)
+        self.foreign_reads += foreign
         if stop_at_gap:
             for i, r in enumerate(replies):
                 if not r:
                     return replies[:i]
         return replies
-
-    async def presence(self, request_keys: Sequence[int]) -> list[dict[str, bytes]]:
-        """Each request key's presence hash (field -> bitmap, counts stripped), every field: what the engine's
-        rule for a hybrid model's other KV cache groups reads (kv_preflight/predictor/scoring/groups.py)."""
-        replies = await self.backend.read_commands([("HGETALL", presence_key(k)) for k in request_keys])
-        out: list[dict[str, bytes]] = []
-        for r in replies:
-            if isinstance(r, Exception):
-                out.append({})
-                continue
-            items = r.items() if isinstance(r, dict) else zip(r[::2], r[1::2])
-            out.append({text(f): presence_value(v)[1] for f, v in items})
-        return out
 
     async def key_count(self) -> int:
         """Keys in the index (summed over a cluster's primaries)."""
