@@ -1,6 +1,6 @@
-"""The index: the one interface every process reads and writes the Valkey index through.
+"""The index: the one interface every process applies batches and looks chains up through.
 
-Key names come from kv_preflight/index/layout.py (layout 3, documented there, the same on a single node and on
+Key names come from kv_preflight/index/layout.py (layout 4, documented there, the same on a single node and on
 Valkey Cluster); what travels (PodEntry fields, mutations, replies) is in kv_preflight/index/entries.py; the Lua
 scripts in kv_preflight/index/lua/. What differs between the topologies, the write path and the lookup, is a
 backend (kv_preflight/index/): a single node applies a batch with one script, a cluster with a pod step,
@@ -9,6 +9,11 @@ its effects and an ack. Either way a batch is applied after a seq check against 
 on exactly one application of every batch (see docs/operations.md). A key of a foreign type never
 fails a batch half way: writes to keys we do not own stand alone (the pod is flagged, a counter
 counts), and our own keys are checked before the first write.
+
+What is not the apply or the lookup lives beside it, each taking the client or backend it needs: pods'
+metadata and counters (pod_meta.py, ``Index.meta``), pod numbers (numbering.py, ``Index.numbering``), the
+fleet's records (kv_preflight/fleet/store.py, ``Index.fleet``), export and import (transfer.py), the layout
+check (layout_version.py), engine keys (engine_keys.py), and which backend a URL gets (connect.py).
 """
 from __future__ import annotations
 
