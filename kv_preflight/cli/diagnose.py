@@ -226,7 +226,7 @@ async def run_fleet(*, valkey_url: str, cluster: bool | None, predictor_url: str
                 await asyncio.sleep(window_s)
             after_e, errors = await read_engines(urls, client)
             after_t = await read_traffic(predictor_url, client, api_key, once)
-        pods = {p.pod_id: (p.model, p.blocks) for p in await index.pods()}
+        pods = {p.pod_id: (p.model, p.blocks) for p in await index.meta.pods()}
         keys = [int(f["first_key"]) for f in (after_t or {}).get("families", [])]
         holders: dict[str, list[str]] = {}
         if keys:

@@ -11,9 +11,11 @@ import click
 import httpx
 
 from kv_preflight.config import Config
-from kv_preflight.index.index import Index, LayoutError, StoreBlock, parse_entry
+from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
+from kv_preflight.index.transfer import export_blocks, import_blocks, restore_seqs
 from kv_preflight.events import topic_or_none
 from kv_preflight.engines.hit_rules import effective_groups, held_blocks, longest_hit, prefix_group
 
@@ -74,7 +76,7 @@ async def _open(valkey_url: str | None) -> Index:
     """The index, after checking it is of this kv-preflight's layout (else a clear error)."""
     ix = _index(valkey_url)
     try:
-        await ix.check_layout()
+        await check_layout(ix.client)
     except BaseException:
         await ix.close()
         raise
@@ -107,9 +109,9 @@ def stats(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            keys, counters = await ix.key_count(), await ix.counters()
+            keys, counters = await ix.key_count(), await ix.meta.counters()
             # /stats's names (index_keys, index_counters); keys and counters are the old aliases
-            rows = _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet.fleet_view())
+            rows = _with_fleet([_pod_row(p, now) for p in await ix.meta.pods()], await ix.fleet.fleet_view())
             return {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(),
                     "pods": rows, "index_counters": counters,
                     "keys": keys, "counters": counters}
@@ -185,7 +187,7 @@ def pods(valkey_url, as_json) -> None:
         ix = await _open(valkey_url)
         try:
             now = time.time()
-            return _with_fleet([_pod_row(p, now) for p in await ix.pods()], await ix.fleet.fleet_view())
+            return _with_fleet([_pod_row(p, now) for p in await ix.meta.pods()], await ix.fleet.fleet_view())
         finally:
             await ix.close()
 
@@ -275,7 +277,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         try:
             fields = await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
             pods = sorted({e.PodIdentifier for fl in fields for e in map(parse_entry, fl) if e is not None})
-            return fields, {i.pod_id: i for i in await ix.scoring_infos(pods)}
+            return fields, {i.pod_id: i for i in await ix.meta.scoring_infos(pods)}
         finally:
             await ix.close()
 
@@ -344,13 +346,13 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
     async def go():
         ix = await _open(valkey_url)
         try:
-            _unknown_pods([pod_id], await ix.pod_ids())
+            _unknown_pods([pod_id], await ix.meta.pod_ids())
             if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
                 from kv_preflight.fleet.lifecycle import forget_pods
                 return (await forget_pods(ix, [pod_id], keep_refusing=False))[pod_id]
             n = await ix.clear_pod(pod_id)
             if not forget:  # the engine still holds those blocks: say so until it resets
-                await ix.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
+                await ix.meta.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
                                                  "the index no longer lists; exact again at its next reset")
             return n
         finally:
@@ -370,13 +372,13 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
         ix = await _open(valkey_url)
         total = 0
         try:
-            known = await ix.pod_ids()
+            known = await ix.meta.pod_ids()
             _unknown_pods(pod_ids, known)
             for pod_id in pod_ids or sorted(known):
-                info = await ix.pod_info(pod_id)
+                info = await ix.meta.pod_info(pod_id)
                 output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
                                          "seqs": info.seqs}) + "\n")
-                async for s in ix.export_blocks(pod_id):
+                async for s in export_blocks(ix.writer, pod_id):
                     row = {"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
                            "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
                     if s.group:
@@ -411,17 +413,17 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
         counts: dict[str, int] = {}
         try:
             for pod, (meta, blocks) in rows.items():
-                held = (await ix.pod_info(pod)).blocks
+                held = (await ix.meta.pod_info(pod)).blocks
                 if held and not replace:
                     raise click.ClickException(f"pod {pod} already has {held} block(s) in the index: importing over "
                                                "them would count copies twice; --replace clears them first")
                 if held:
                     await ix.clear_pod(pod)
                 for i in range(0, len(blocks), 500):
-                    await ix.import_blocks(pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
-                await ix.restore_seqs(pod, meta.get("seqs") or {})
+                    await import_blocks(ix, pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
+                await restore_seqs(ix.client, pod, meta.get("seqs") or {})
                 if not exact:
-                    await ix.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
+                    await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
                                                   "exact again at its next reset")
                 counts[pod] = len(blocks)
         finally:
@@ -517,7 +519,7 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                     await ing.applier.apply(pod, model, f.seq, f.batch, allow_replay=False, decode_errors=len(f.errors))
                     if i % 1000 == 0:
                         click.echo(f"{pod}: applied {i}/{len(frames)} batches", err=True)
-                info = await ix.pod_info(pod)
+                info = await ix.meta.pod_info(pod)
                 first = frames[0].seq if frames else None
                 report.append({"pod_id": pod, "batches": len(frames), "first_seq": first,
                                "last_seq": frames[-1].seq if frames else None,

@@ -10,6 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from kv_preflight.index.entries import ApplyResult, Lookup
+from kv_preflight.index.layout import request_key_name
 
 if TYPE_CHECKING:
     from kv_preflight.index.presence import NamesFor
@@ -33,8 +34,8 @@ class IndexBackend(Protocol):
         """Apply planned batches (kv_preflight/index/writer.py), in order; the results come from the future."""
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Over llm-d's entries (``linear``, ``gallop``): per pod, its prefix of the chain; and how many
-        foreign-typed keys were read as misses."""
+        """Over llm-d's entries (``linear``, ``gallop``, ``pipeline``): per pod, its prefix of the chain; and how
+        many foreign-typed keys were read as misses."""
 
     async def lookup_bits(self, request_keys: Sequence[int], names: "NamesFor") -> tuple[Lookup | None, int]:
         """The default lookup, over the presence bitmaps; None when a key holds entries that are not ours."""
@@ -93,6 +94,24 @@ async def read_pipeline(client, fill) -> list[Any]:
     raise AssertionError("unreachable")
 
 
+async def read_fields(client, request_keys: Sequence[int]) -> tuple[list[Any], int]:
+    """llm-d's Lookup: pipelined HKEYS of each request key, its fields; a key of a foreign type (WRONGTYPE)
+    reads as empty, a miss, and is counted (the second value); other errors raise."""
+    def fill(pipe) -> None:
+        for k in request_keys:
+            pipe.hkeys(request_key_name(k))
+
+    replies = await read_pipeline(client, fill)
+    foreign = 0
+    for i, r in enumerate(replies):
+        if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):  # a miss, counted
+            foreign += 1
+            replies[i] = []
+        elif isinstance(r, Exception):
+            raise r
+    return replies, foreign
+
+
 def foreign_as_empty(replies: list[Any]) -> list[Any]:
     """Pipeline replies with a key of a foreign type (WRONGTYPE) read as empty; other errors raise."""
     for i, r in enumerate(replies):
@@ -109,4 +128,5 @@ def ms_of(time_reply: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-__all__ = ["VALKEY_ERRORS", "IndexBackend", "evalsha_pipeline", "foreign_as_empty", "ms_of", "read_pipeline", "ready"]
+__all__ = ["VALKEY_ERRORS", "IndexBackend", "evalsha_pipeline", "foreign_as_empty", "ms_of", "read_fields", "read_pipeline",
+           "ready"]

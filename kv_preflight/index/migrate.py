@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kv_preflight.index.entries import CHAIN_ROOT, StoreBlock, parse_entry, text
-from kv_preflight.index.index import give_numbers
+from kv_preflight.index.numbering import give_numbers
 from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                                        is_presence_key, pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
                                        v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)

@@ -1,4 +1,4 @@
-"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure; layout 4).
+"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure but for ``read_presence``; layout 4).
 
 Each request key has, per tier, a bitmap of the pods holding it in their prefix group (``kvpf:{<rk>}``,
 field ``<tier>``, written with the key's entries: kv_preflight/index/lua/changes.lua), and for a hybrid model's
@@ -8,15 +8,20 @@ where many pods hold the chain's first key, every key's bitmaps, which ``prefix_
 exactly as the linear walk over llm-d's entries does (``entries.longest_prefix``: the keys a pod holds
 from the first, up to the first it lacks, its tier at the last one gpu first): a running AND of integers,
 so a fleet-wide prefix held by 1,000 pods costs 125 bytes a key to read and a few integer operations a
-key to walk, rather than a probe per pod and key; where few pods do, per pod its count, bisected there."""
+key to walk, rather than a probe per pod and key; where few pods do, per pod its count, bisected there.
+``read_presence`` reads keys' presence hashes whole, for a hybrid model's other groups (through a backend)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kv_preflight.index.entries import DEFAULT_TIER, PodMatch, better_tier
+from kv_preflight.index.entries import DEFAULT_TIER, PodMatch, better_tier, text
+from kv_preflight.index.layout import presence_key
+
+if TYPE_CHECKING:
+    from kv_preflight.index.backend import IndexBackend
 
 try:
     from kv_preflight import _speedups
@@ -378,6 +383,20 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-__all__ = ["BitsReply", "GroupBits", "chain_group_bits", "group_bits_of", "presence_value", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
+async def read_presence(backend: "IndexBackend", request_keys: Sequence[int]) -> list[dict[str, bytes]]:
+    """Each request key's presence hash (field -> bitmap, counts stripped), every field: what the engine's
+    rule for a hybrid model's other KV cache groups reads (kv_preflight/predictor/scoring/groups.py)."""
+    replies = await backend.read_commands([("HGETALL", presence_key(k)) for k in request_keys])
+    out: list[dict[str, bytes]] = []
+    for r in replies:
+        if isinstance(r, Exception):
+            out.append({})
+            continue
+        items = r.items() if isinstance(r, dict) else zip(r[::2], r[1::2])
+        out.append({text(f): presence_value(v)[1] for f, v in items})
+    return out
+
+
+__all__ = ["BitsReply", "GroupBits", "chain_group_bits", "group_bits_of", "presence_value", "read_presence", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
            "numbers_in", "chain_of_one_tier", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
            "tier_in_runs"]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import evalsha_pipeline, read_pipeline, ready
-from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, parse_lookup_reply
+from kv_preflight.index.backend import evalsha_pipeline, read_fields, read_pipeline, ready
+from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, longest_prefix, parse_lookup_reply
 from kv_preflight.keys.chain import pack_keys
 from kv_preflight.index.presence import (NamesFor, mask_of, one_tier_of_reads, parse_bits_reply, prefix_from_bits,
                                         prefix_of_one_tier)
@@ -49,8 +49,11 @@ class SingleNodeBackend:
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
         """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
-        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison. (The
-        default reads the bitmaps: ``lookup_bits``; ``pipeline`` is the Index's own.)"""
+        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison; ``pipeline``,
+        llm-d's own pipelined HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``.)"""
+        if mode == "pipeline":
+            fields, foreign = await read_fields(self.client, request_keys)
+            return Lookup(longest_prefix(fields, pods)), foreign
         script = self._lookup_linear if mode == "linear" else self._lookup
         head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
         # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)

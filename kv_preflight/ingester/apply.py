@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 
 from kv_preflight.config import Config
 from kv_preflight.events import EventBatch
+from kv_preflight.index.engine_keys import resolve_engine_keys
 from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
 from kv_preflight.ingester.counters import Counters
@@ -102,7 +103,7 @@ class Applier:
     async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
         missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
         if missing:
-            resolved = await self.valkey.call(self.index.resolve_engine_keys, [ek for _, ek in missing], pod)
+            resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
             return plan_batch(
@@ -291,7 +292,7 @@ class Applier:
     async def _force(self, pod: str, reason: str) -> None:
         log.warning("%s: %s; marking the pod incomplete", pod, reason)
         await self.counters.count("gaps_unrecovered", pod=pod)
-        await self.valkey.call(self.index.mark_incomplete, pod, reason)
+        await self.valkey.call(self.index.meta.mark_incomplete, pod, reason)
 
     async def _corrupt(self, pod: str, seq: int, detail: str) -> None:
         """A batch the script refused as corrupt (forged seq, foreign-typed pod key): counted, the pod
@@ -299,7 +300,7 @@ class Applier:
         log.error("%s seq %d: not applied: %s", pod, seq, detail)
         await self.counters.count("corrupt_batches", pod=pod)
         try:
-            await self.valkey.call(self.index.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+            await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
         except ResponseError:
             pass  # the pod's own key is unusable: the log line and the counter are what is left
 

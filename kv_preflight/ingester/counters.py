@@ -21,7 +21,7 @@ POD, ENDPOINT = "{pod}", "{endpoint}"  # label values filled in from the call
 @dataclass(frozen=True)
 class Counted:
     """Where one event is counted besides the tally: Prometheus series, each an IngesterMetrics attribute
-    followed by its label values; the Valkey counter (Index.count), the index-wide one or, ``by_pod``, the
+    followed by its label values; the Valkey counter (PodMeta.count), the index-wide one or, ``by_pod``, the
     pod's; ``retried``: that write is retried until Valkey answers (else a failure is only counted)."""
 
     series: tuple[tuple[str, ...], ...] = ()
@@ -96,9 +96,9 @@ class Counters:
             return
         pod_id = pod if counted.by_pod else None
         if counted.retried:
-            await self.retry(self.index.count, counted.valkey, n, pod_id=pod_id)
+            await self.retry(self.index.meta.count, counted.valkey, n, pod_id=pod_id)
             return
         try:
-            await self.index.count(counted.valkey, n, pod_id=pod_id)
+            await self.index.meta.count(counted.valkey, n, pod_id=pod_id)
         except VALKEY_ERRORS:
             self.tally("valkey_errors")

@@ -506,7 +506,7 @@ class FleetMember:
                 record = msgspec.structs.replace(record, models=models)
             if self.ticks % MODELS_EVERY == 1 or not record.block_size:
                 try:
-                    info = await self.index.pod_info(pod)
+                    info = await self.index.meta.pod_info(pod)
                     if info.engine_block_size:
                         record = msgspec.structs.replace(record, block_size=info.engine_block_size)
                 except VALKEY_ERRORS:
@@ -558,7 +558,7 @@ class FleetMember:
     async def _retire(self, pod: str, record: PodRecord) -> None:
         """Entries cleared in O(the pod's blocks); flagged so a return without a full replay stays honest."""
         cleared = await self.index.clear_pod(pod)
-        await self.index.mark_incomplete(pod, f"retired: {record.reason}"[:300])
+        await self.index.meta.mark_incomplete(pod, f"retired: {record.reason}"[:300])
         await self.ing.counters.count("pods_retired")
         log.warning("pod %s retired (%s): %d entries cleared", pod, record.reason, cleared)
 

@@ -19,6 +19,7 @@ import uuid
 from kv_preflight.config import Config
 from kv_preflight.fleet.records import IndexSettings
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.layout_version import check_layout, v1_writer_seen
 from kv_preflight.ingester.accept import FrameAcceptor
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
@@ -291,11 +292,11 @@ class Ingester:
                   "maxmemory-policy noeviction (docs/operations.md)", "gone" if seen is None else "another", len(pods))
         self.index.forget_cached()
         self.fleet.records.clear()  # fleet records written again at once, not RECORD_REFRESH_S later
-        await self.index.check_layout()
+        await check_layout(self.index.client)
         await check_settings(self)
         await self.index.register_pods(pods)
         for pod in pods:
-            await self.index.mark_incomplete(pod, LOST_REASON)
+            await self.index.meta.mark_incomplete(pod, LOST_REASON)
         self.resume.schedule(set(pods), rebuild=True)
 
     async def chores(self) -> None:
@@ -310,7 +311,7 @@ class Ingester:
         except VALKEY_ERRORS as exc:
             log.warning("index epoch not checked now (%s)", exc or type(exc).__name__)
         try:
-            if await self.index.v1_writer_seen():
+            if await v1_writer_seen(self.index.client):
                 log.error("a kv-preflight 0.1 ingester (index layout 1) is writing to this Valkey: stopping, since two "
                           "layouts cannot share an index; stop it, then run `kv-preflight index migrate`")
                 self.stop()
@@ -390,7 +391,7 @@ async def run_ingester(cfg: Config) -> None:
         except NotImplementedError:  # pragma: no cover
             pass
     ing.start()
-    await ing.valkey.call(ing.index.check_layout)  # waits for Valkey; a LayoutError ends the process, clearly
+    await ing.valkey.call(check_layout, ing.index.client)  # waits for Valkey; a LayoutError ends the process, clearly
     await check_settings(ing)
     await ing.valkey.call(ing.check_epoch)
     policy = await ing.index.fleet.maxmemory_policy()

@@ -93,14 +93,14 @@ class Resume:
                     await self._reset(pod)
                 await self._apply(pod, task.result())
                 if pod in self._rebuilding and whole:
-                    await self.valkey.call(self.index.mark_complete, pod)
+                    await self.valkey.call(self.index.meta.mark_complete, pod)
                     log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
             self._rebuilding.discard(pod)
             self._resetting.discard(pod)
 
     async def _reset(self, pod: str) -> None:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does)."""
-        info = await self.valkey.call(self.index.pod_info, pod)
+        info = await self.valkey.call(self.index.meta.pod_info, pod)
         for rank, last in info.seqs.items():
             await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
         self.applier.forget_chains()
@@ -125,7 +125,7 @@ class Resume:
         route = self.routes.pods[pod]
         # A writer killed between a batch's steps on a cluster left its effects in the outbox.
         await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
-        info = await self.valkey.call(self.index.pod_info, pod)
+        info = await self.valkey.call(self.index.meta.pod_info, pod)
         seqs = {} if pod in self._rebuilding else info.seqs  # a rebuild asks for everything from seq 0
         ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}
         if ranks:  # each rank from its own replay socket, from its own seq
@@ -186,7 +186,7 @@ class Resume:
             here = {r for (p, r), s in self.routes.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
             if not here and route.source != src.endpoint:
                 continue
-            info = await self.valkey.call(self.index.pod_info, pod)
+            info = await self.valkey.call(self.index.meta.pod_info, pod)
             for rank, last in info.seqs.items():
                 if last < 0:
                     continue

@@ -5,11 +5,11 @@ the set of models the index knows; both change rarely (a restart, a gap), so
 keeping them ~1 s saves a Valkey round trip on nearly every request while
 reflecting changes within about a second. Concurrent misses for the same pod
 share one fetch, so an expiry under load costs one round trip, not one per request;
-the misses of one request are read together, pipelined (``Index.pod_infos``), so a
+the misses of one request are read together, pipelined (``PodMeta.pod_infos``), so a
 prompt that thousands of pods hold costs a few round trips, not thousands of
 concurrent calls (which exhausted the connection pool: a 503).
 
-Only what scoring needs is read (``Index.scoring_infos``: two fields of each pod's meta), and each
+Only what scoring needs is read (``PodMeta.scoring_infos``: two fields of each pod's meta), and each
 pod is renewed at its own point of its ``ttl_s`` (a fraction fixed by its id): pods first read
 together are renewed in small groups spread over the interval, not as one read of a thousand pods
 that stalls the requests behind it once a second (that lump was the p99 of a fleet-wide prefix).
@@ -22,7 +22,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from kv_preflight.index.index import Index, ScoringInfo
+from kv_preflight.index.index import Index
+from kv_preflight.index.pod_meta import ScoringInfo
 
 DEFAULT_TTL_S = 1.0
 # A pod is renewed behind the requests once this fraction of its ttl has passed, a fraction
@@ -163,7 +164,7 @@ class IndexMetadata:
         return frozenset(self._pod_models)
 
     async def _load_pods(self, pods: list[str]) -> dict[str, ScoringInfo]:
-        infos = await self.index.scoring_infos(pods)
+        infos = await self.index.meta.scoring_infos(pods)
         now = self.clock()
         ttl = self.ttl_s
         for info in infos:
@@ -174,7 +175,7 @@ class IndexMetadata:
         return {info.pod_id: info for info in infos}
 
     async def _load_models(self) -> None:
-        pods = await self.index.pod_ids()
+        pods = await self.index.meta.pod_ids()
         self._pod_models = pods
         self._models = frozenset(m for m in pods.values() if m)
         self._models_at = self.clock()

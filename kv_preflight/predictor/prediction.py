@@ -37,7 +37,9 @@ from kv_preflight.predictor.diagnosis.traffic import Traffic
 from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
 from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
-from kv_preflight.index.index import VALKEY_ERRORS, Index, ScoringInfo
+from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.pod_meta import ScoringInfo
+from kv_preflight.index.presence import read_presence
 from kv_preflight.predictor.scoring.groups import apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.chain import salted_request_keys
 
@@ -232,8 +234,8 @@ class Predictor:
             presence: list[dict[str, bytes]] = [{f"{tier}|{g}": b for (tier, g), b in per_key.items()}
                                                 for per_key in group_bits[:needed]]
         else:
-            presence = await self.index.presence(keys[:needed])
-        nums = await self.index.pod_numbers(hybrid)
+            presence = await read_presence(self.index.backend, keys[:needed])
+        nums = await self.index.numbering.pod_numbers(hybrid)
         return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
                             self.cfg.block_size, prompt_len)
 
@@ -442,8 +444,8 @@ class Predictor:
         summary = None
         async with valkey_call(self.valkey_deadline_s * 4, "stats"):
             key_count = await self.index.key_count()
-            pod_models = await self.index.pod_ids()
-            index_counters = await self.index.counters()
+            pod_models = await self.index.meta.pod_ids()
+            index_counters = await self.index.meta.counters()
             if query.pod is not None:
                 if query.pod not in pod_models:
                     raise NotFound(f"no pod {clip(repr(query.pod))} in the index")
@@ -451,7 +453,7 @@ class Predictor:
             else:
                 page = sorted(pod_models)[query.pods_offset:query.pods_offset + query.pods_limit]
                 summary = await read_pods_summary(self.index, pod_models)
-            pods = await self.index.pod_infos(page)
+            pods = await self.index.meta.pod_infos(page)
             diagnosis = diagnosis_view(*await self.index.fleet.fleet_diagnosis())
         out = build_stats(
             key_count=key_count, pods=pods, index_counters=index_counters, process=self.counters, now=time.time(),

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_preflight.predictor.http.errors import BadRequest, clip
-from kv_preflight.index.index import Index, PodInfo
+from kv_preflight.index.index import Index
+from kv_preflight.index.pod_meta import PodInfo
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 
 EVENT_COUNTERS = ("batches", "stored", "removed", "cleared")
@@ -126,10 +127,10 @@ def build_stats(
 
 
 async def read_pods_summary(index: Index, pod_models: Mapping[str, str]) -> PodsSummary:
-    """Counts and totals over every pod, reading only the meta fields they need (Index.meta_fields)."""
+    """Counts and totals over every pod, reading only the meta fields they need (PodMeta.meta_fields)."""
     fields = ("incomplete", "blocks", *EVENT_COUNTERS)
     summary = PodsSummary(pods=len(pod_models), models=len({m for m in pod_models.values() if m}))
-    for values in await index.meta_fields(sorted(pod_models), fields):
+    for values in await index.meta.meta_fields(sorted(pod_models), fields):
         if values is None:  # a key of a foreign type: skip it
             continue
         if values[0] is not None and bytes(values[0]) == b"1":

@@ -51,7 +51,7 @@ async def write_pods(ix, n: int, *, incomplete_every: int = 0) -> None:
         assert {r.status for r in results} == {"applied"}
     if incomplete_every:
         for i in range(0, n, incomplete_every):
-            await ix.mark_incomplete(pod_name(i), "gap 1..2")
+            await ix.meta.mark_incomplete(pod_name(i), "gap 1..2")
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def test_index_stats_json_names_fields_as_get_stats_does(valkey_url):
         try:
             await ix.apply_batch(pod_id="pod-n", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
                                  mutations=[StoreBlock(5, "gpu", encode_entry(make_entry("pod-n", "GPU", 0)), (50,))])
-            return await ix.pod_infos(["pod-n"])
+            return await ix.meta.pod_infos(["pod-n"])
         finally:
             await ix.close()
 

@@ -16,6 +16,7 @@ from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, e
 from kv_preflight.index.cluster.writes import encode_changes
 from kv_preflight.index.layout import pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -130,9 +131,9 @@ async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_u
                 got = sorted((m.pod_id, m.blocks, m.tier) for m in await cluster.lookup(chain, pods))
                 assert got == want
         for pod in ("pod-a", "pod-b", "pod-c"):
-            a, b = await single.pod_info(pod), await cluster.pod_info(pod)
+            a, b = await single.meta.pod_info(pod), await cluster.meta.pod_info(pod)
             assert (a.seqs, a.blocks, a.counters) == (b.seqs, b.blocks, b.counters)
-        assert await cluster.pod_ids() == await single.pod_ids()
+        assert await cluster.meta.pod_ids() == await single.meta.pod_ids()
     finally:
         await single.close()
         await cluster.close()
@@ -189,7 +190,7 @@ async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 20.0) -> None
     info = None
     while time.monotonic() < deadline:
         try:
-            info = await ix.pod_info(pod)
+            info = await ix.meta.pod_info(pod)
             if info.seqs.get("0", -1) >= seq:
                 return
         except Exception:
@@ -234,7 +235,7 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, p
             await assert_exact(ix, engine, wl)  # the engine is quiet: the survivor's chores ran the entry
             await publish(engine, wl, 10)
             await assert_exact(ix, engine, wl)
-            info = await ix.pod_info("pod-c")
+            info = await ix.meta.pod_info("pod-c")
             assert info.counters["batches"] == engine.seq  # every batch applied exactly once
         finally:
             stop(survivor)
@@ -259,7 +260,7 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
         await publish(engine, wl, 40)
         await assert_exact(ix, engine, wl)
         # A prediction through the predictor equals the index's own answer.
-        blocks = [b async for b in ix.export_blocks("pod-c")]
+        blocks = [b async for b in export_blocks(ix.writer, "pod-c")]
         chain = list(blocks[0].request_keys)
         got = httpx.post(f"http://127.0.0.1:{port}/v1/cache/predict", json={"model": "tiny", "token_ids": [1] * 16},
                          timeout=10)

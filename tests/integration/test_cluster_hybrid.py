@@ -21,6 +21,7 @@ from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entr
 from kv_preflight.index.presence import as_int, numbers
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor import prediction
 from kv_preflight.predictor.prediction import Predictor
 from tests.integration.test_hybrid_answers import PROMPT, by_pod, client, loaded_fleet
 
@@ -29,24 +30,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 class Reads:
     """What a predictor's Index did: each default lookup's ``group_bits``, and how many times the chain keys'
-    presence was read apart from the lookup (``Index.presence``: a round trip of its own)."""
+    presence was read apart from the lookup (``presence.read_presence``: a round trip of its own)."""
 
     def __init__(self, monkeypatch):
         self.group_bits: list[object] = []
         self.presence_reads = 0
-        lookup, presence = Index.lookup_detailed, Index.presence
+        lookup, presence = Index.lookup_detailed, prediction.read_presence
 
         async def lookup_detailed(ix, *args, **kwargs):
             found = await lookup(ix, *args, **kwargs)
             self.group_bits.append(found.group_bits)
             return found
 
-        async def counted_presence(ix, *args, **kwargs):
+        async def counted_presence(backend, *args, **kwargs):
             self.presence_reads += 1
-            return await presence(ix, *args, **kwargs)
+            return await presence(backend, *args, **kwargs)
 
         monkeypatch.setattr(Index, "lookup_detailed", lookup_detailed)
-        monkeypatch.setattr(Index, "presence", counted_presence)
+        monkeypatch.setattr(prediction, "read_presence", counted_presence)
 
 
 ASKED = (None, ["pod-h"], ["pod-h", "pod-p"], ["pod-p", "pod-s", "pod-t", "pod-c"])

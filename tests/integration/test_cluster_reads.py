@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kv_preflight.index.index import Index, ScoringInfo
+from kv_preflight.index.index import Index
+from kv_preflight.index.pod_meta import ScoringInfo
 from kv_preflight.index.layout import pod_meta_key
 from tests.integration.test_cluster_lookup import move_slot
 
@@ -27,12 +28,12 @@ async def test_many_pods_metadata_read_per_primary_and_after_a_slot_moved(valkey
     want[2] = ScoringInfo(pods[2], None, True)
     ix = Index.from_url(cluster_url)
     try:
-        assert await ix.scoring_infos(pods) == want
+        assert await ix.meta.scoring_infos(pods) == want
         assert ix.backend.shards._fast  # the primaries' lean connections carried it
         moved = pods[10]
         move_slot(valkey_cluster, sync.keyslot(pod_meta_key(moved)))  # the client's map is now stale there
-        assert await ix.scoring_infos(pods) == want
-        assert await ix.scoring_infos(pods) == want
+        assert await ix.meta.scoring_infos(pods) == want
+        assert await ix.meta.scoring_infos(pods) == want
     finally:
         await ix.close()
         sync.close()

@@ -106,7 +106,7 @@ def register_body(instance: int, endpoint: str, **extra) -> dict:
 
 
 async def ingested(ix: Index, pod: str) -> bool:
-    return pod in await ix.pod_ids() and (await ix.pod_info(pod)).blocks > 0
+    return pod in await ix.meta.pod_ids() and (await ix.meta.pod_info(pod)).blocks > 0
 
 
 def alive(*procs) -> list[int | None]:
@@ -373,14 +373,14 @@ async def test_unregister_of_a_worker_that_still_publishes_leaves_no_zombie(valk
         for n in range(4):  # the worker goes on publishing, new blocks each time
             await asyncio.to_thread(sim.complete, list(range(1000 + 64 * n, 1064 + 64 * n)))
         # then a worker still registered publishes: once its batch is in, the ingester has read past the others
-        before = (await ix.pod_info("dynamo-12")).blocks
+        before = (await ix.meta.pod_info("dynamo-12")).blocks
 
         async def control_moved():
             await asyncio.to_thread(control.complete, list(range(7000, 7064)))
-            return (await ix.pod_info("dynamo-12")).blocks > before
+            return (await ix.meta.pod_info("dynamo-12")).blocks > before
 
         await until(control_moved, "the still-registered worker's next batch ingested")
-        assert "dynamo-11" not in await ix.pod_ids()
+        assert "dynamo-11" not in await ix.meta.pod_ids()
         assert unlisted_pods(valkey_url) == set()
         route = httpx.post(pred + "/v1/cache/route", json={"model": "sim", "token_ids": list(range(64))}, timeout=10)
         assert "dynamo-11" not in route.text
@@ -430,15 +430,15 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
 
         async def rebuilt():
             try:
-                pods = await ix.pod_ids()
-                infos = {i.pod_id: i for i in await ix.pod_infos(["whole-sim", "bare-sim"])}
+                pods = await ix.meta.pod_ids()
+                infos = {i.pod_id: i for i in await ix.meta.pod_infos(["whole-sim", "bare-sim"])}
             except Exception:  # noqa: BLE001 - the connection re-established
                 return False
             return ({"whole-sim", "bare-sim"} <= set(pods) and infos["whole-sim"].blocks > 0
                     and not infos["whole-sim"].incomplete and infos["bare-sim"].incomplete)
 
         await until(rebuilt, "the registry rebuilt, one pod rebuilt exact and the other flagged", timeout=60)
-        assert "Valkey lost" in (await ix.pod_info("bare-sim")).incomplete_reason
+        assert "Valkey lost" in (await ix.meta.pod_info("bare-sim")).incomplete_reason
         assert ing.poll() is None
     finally:
         await ix.close()

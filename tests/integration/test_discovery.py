@@ -25,7 +25,7 @@ def complete(url: str, tokens: list[int]) -> None:
 async def blocks_of(ix: Index, pod: str, timeout: float = 15.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = await ix.pod_info(pod)
+        info = await ix.meta.pod_info(pod)
         if info.blocks:
             return info.blocks
         await asyncio.sleep(0.1)

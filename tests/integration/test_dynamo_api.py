@@ -128,7 +128,7 @@ async def test_register_and_unregister_write_the_run_time_engines(ix, valkey_url
         assert set(await ix.fleet.registered_engines()) == {"dynamo:1:0"}
         assert (await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})).status_code == 200
         assert await ix.fleet.registered_engines() == {}
-        assert "dynamo-1" not in await ix.pod_ids()  # its entries went with it, as Dynamo drops a worker's blocks
+        assert "dynamo-1" not in await ix.meta.pod_ids()  # its entries went with it, as Dynamo drops a worker's blocks
         r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})
         assert (r.status_code, r.json()) == (404, {"error": "instance 1 not found"})
 

@@ -58,7 +58,7 @@ def _fixture(name: str) -> tuple[dict, list[bytes]]:
 async def _wait_seq(ix: Index, pod: str, seq: int, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = await ix.pod_info(pod)
+        info = await ix.meta.pod_info(pod)
         if info.seqs.get("0", -1) >= seq:
             return
         await asyncio.sleep(0.1)
@@ -100,7 +100,7 @@ async def test_engine_frames_are_ingested_and_predicted(name, valkey_url, predic
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
-        info = await ix.pod_info(pod)
+        info = await ix.meta.pod_info(pod)
         assert not info.incomplete, info  # placeholders, signed hashes, pairs: none may flag the pod
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
         assert metric(text, "kvpf_ingest_decode_errors_total") == 0
@@ -169,7 +169,7 @@ async def test_a_bound_socket_named_with_pod_is_trusted_only_while_one_publisher
             refused = metric(httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text,
                              "kvpf_ingest_frames_refused_total", endpoint=f"tcp://127.0.0.1:{port}")
         assert refused >= 3
-        assert (await ix.pod_info("b-0")).seqs["0"] < seq  # nothing of the crowded socket was written
+        assert (await ix.meta.pod_info("b-0")).seqs["0"] < seq  # nothing of the crowded socket was written
         two.close(0)
         time.sleep(0.5)
         deadline = time.monotonic() + 20
@@ -226,7 +226,7 @@ async def test_an_sglang_url_is_discovered_from_server_info_and_replayed_before_
     try:
         await _wait_seq(ix, pod, len(payloads) - 1, timeout_s=60)
         assert "page size 64" in (tmp_path / "ingester.log").read_text()
-        assert not (await ix.pod_info(pod)).incomplete
+        assert not (await ix.meta.pod_info(pod)).incomplete
         with httpx.Client(base_url=predictor, timeout=10) as client:
             for exp in header["expect"]:
                 if "lora" in exp:

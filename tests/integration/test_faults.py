@@ -48,12 +48,12 @@ async def wait_for_seq(ix: Index, pod: str, seq: int, timeout: float = 15.0) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if (await ix.pod_info(pod)).seqs.get("0", -1) >= seq:
+            if (await ix.meta.pod_info(pod)).seqs.get("0", -1) >= seq:
                 return
         except Exception:
             pass
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{pod} did not reach seq {seq}: {await ix.pod_info(pod)}")
+    raise AssertionError(f"{pod} did not reach seq {seq}: {await ix.meta.pod_info(pod)}")
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ async def publish(engine, wl, n, pause=0.005):
 async def assert_exact(ix, wl, engine):
     await wait_for_seq(ix, "pod-f", engine.seq - 1)
     assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
-    assert not (await ix.pod_info("pod-f")).incomplete
+    assert not (await ix.meta.pod_info("pod-f")).incomplete
 
 
 async def test_kill_9_ingester_mid_stream_and_restart(own_valkey, tmp_path):
@@ -156,7 +156,7 @@ async def test_two_ingester_processes_one_engine(own_valkey, tmp_path):
         stop(a, kill=True)  # one dies; the other carries on alone
         await publish(engine, wl, 40)
         await assert_exact(ix, wl, engine)
-        info = await ix.pod_info("pod-f")
+        info = await ix.meta.pod_info("pod-f")
         assert info.counters["batches"] == engine.seq  # every batch applied exactly once
     finally:
         stop(a)

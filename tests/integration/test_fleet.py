@@ -153,7 +153,7 @@ async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(val
         view = await ix.fleet.fleet_view()
         for e in gone:
             assert "left discovery" in view.pods[e.pod].reason
-            assert (await ix.pod_info(e.pod)).blocks == 0
+            assert (await ix.meta.pod_info(e.pod)).blocks == 0
 
         async def let_go():
             return sorted(await owners(ix)) == sorted(e.url for e in kept)
@@ -241,12 +241,12 @@ async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
         assert "2 times" in rec.reason
         rec = await until(lambda: state("retired"), "retired after --retire-after")
         assert "unreachable for" in rec.reason
-        assert (await ix.pod_info("sim-down")).blocks == 0
+        assert (await ix.meta.pod_info("sim-down")).blocks == 0
         engine.start()  # a new process: seq from 0, an empty cache
         await until(lambda: state("live"), "live again")
         blind(engine.url, shared_prefix_workload(n=2, seed=3, block=16))
         await until(lambda: _blocks(ix, "sim-down"), "entries again")
-        assert not (await ix.pod_info("sim-down")).incomplete  # the restart reset it: exact again
+        assert not (await ix.meta.pod_info("sim-down")).incomplete  # the restart reset it: exact again
     finally:
         stop(ing)
         engine.stop()
@@ -254,7 +254,7 @@ async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
 
 
 async def _blocks(ix: Index, pod: str) -> int:
-    return (await ix.pod_info(pod)).blocks
+    return (await ix.meta.pod_info(pod)).blocks
 
 
 async def _cleared(ix: Index, pod: str) -> bool:
@@ -294,7 +294,7 @@ async def test_dns_discovery_names_pods_by_address(valkey_url, tmp_path):
         await until(both_live, "both engines' pods live, named by address")
         blind(engines[0].url, shared_prefix_workload(n=2, seed=4, block=16))
         await until(lambda: _blocks(ix, pods[0]), "entries of the first engine under its address")
-        assert await _blocks(ix, pods[1]) == 0 and "same-topic" not in await ix.pod_ids()
+        assert await _blocks(ix, pods[1]) == 0 and "same-topic" not in await ix.meta.pod_ids()
         publish(["127.0.0.3"])
 
         async def first_retired():
@@ -349,9 +349,9 @@ async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
             return rec.state if rec else "dropped"
 
         await until(lambda: _is(state, "retired"), "retired")
-        assert "sim-gone" in await ix.pod_ids()  # kept, with the reason, during the retention
+        assert "sim-gone" in await ix.meta.pod_ids()  # kept, with the reason, during the retention
         await until(lambda: _is(state, "dropped"), "dropped after the retention")
-        assert "sim-gone" not in await ix.pod_ids()
+        assert "sim-gone" not in await ix.meta.pod_ids()
     finally:
         stop(ing)
         engine.stop()

@@ -14,6 +14,7 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_meta_key, pod_state_key
+from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, assert_exact, publish, wait_for_seq
@@ -59,7 +60,7 @@ async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url
         # No frame is published from here on: only the resume at start can close the gap.
         await wait_for_seq(ix, "pod-f", engine.seq - 1, timeout=10.0)
         assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
-        assert not (await ix.pod_info("pod-f")).incomplete
+        assert not (await ix.meta.pod_info("pod-f")).incomplete
     finally:
         stop(ing)
         engine.close()
@@ -88,11 +89,11 @@ async def test_forged_seqs_are_refused_counted_and_never_fatal(valkey_url, tmp_p
         await wait_for_seq(ix, "pod-f", engine.seq - 1)
         assert ing.poll() is None, "the ingester died"
         assert await index_state(ix, "pod-f") == engine_truth(wl.batches)
-        info = await ix.pod_info("pod-f")
+        info = await ix.meta.pod_info("pod-f")
         assert info.counters.get("restarts", 0) == 0
         assert info.seqs == {"0": engine.seq - 1}
         assert info.incomplete and "refused" in info.incomplete_reason
-        assert (await ix.counters()).get("corrupt_batches", 0) >= 3
+        assert (await ix.meta.counters()).get("corrupt_batches", 0) >= 3
         assert "not applied" in (tmp_path / "ing.log").read_text()
     finally:
         stop(ing)
@@ -124,18 +125,18 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
             b.publish(EventBatch(time.time(), [BlockStored([1000 + k], None, toks[:32], 32, medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 1)
         await wait_for_seq(ix, "pod-b", 4)
-        held = await ix.held_blocks("pod-a")
+        held = await held_blocks(ix.writer, "pod-a")
         assert set(held) == {(123, "gpu", 0), (789, "gpu", 0)} and all(c == 1 for _, c in held.values())
         assert sync.lrange("engine:123", 0, -1) == [b"x"]  # untouched
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.incomplete and "foreign" in info.incomplete_reason and "engine:123" in info.incomplete_reason
         assert info.counters.get("foreign_keys", 0) == 1
-        assert (await ix.counters()).get("foreign_keys", 0) == 1
+        assert (await ix.meta.counters()).get("foreign_keys", 0) == 1
         assert info.counters["batches"] == 2 and info.counters["stored"] == 2
         # Both evicted: their entries go, the foreign key stays as it was.
         a.publish(EventBatch(time.time(), [BlockRemoved([123, 789], medium="GPU")], 0))
         await wait_for_seq(ix, "pod-a", 2)
-        assert await ix.held_blocks("pod-a") == {}
+        assert await held_blocks(ix.writer, "pod-a") == {}
         assert not sync.exists("engine:789") and sync.lrange("engine:123", 0, -1) == [b"x"]
         assert ing.poll() is None
     finally:
@@ -172,14 +173,14 @@ async def test_non_integer_seq_in_state_flags_the_pod(ix):
     await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                          mutations=[StoreBlock(11, "gpu", F0, (101,))])
     await ix.client.hset(pod_meta_key("pod-a"), "seq:0", "not-a-number")
-    info = await ix.pod_info("pod-a")
+    info = await ix.meta.pod_info("pod-a")
     assert info.incomplete and "seq:0" in info.incomplete_reason
     # The script treats it as unknown: the next batch is a gap from the start, never a crash.
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32, mutations=[])
     assert r.status == "gap" and r.last_seq == -1
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32, mutations=[],
                              mode="force")
-    assert r.status == "applied" and (await ix.pod_info("pod-a")).seqs == {"0": 1}
+    assert r.status == "applied" and (await ix.meta.pod_info("pod-a")).seqs == {"0": 1}
 
 
 async def test_seqs_compare_exactly_past_2_pow_53(ix):
@@ -190,7 +191,7 @@ async def test_seqs_compare_exactly_past_2_pow_53(ix):
     assert r.status == "applied" and r.last_seq == big
     r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=big + 1, ts=1.0, model="m", engine_block_size=32, mutations=[])
     assert r.status == "dup" and r.last_seq == big + 1
-    assert (await ix.pod_info("pod-a")).seqs == {"0": big + 1}
+    assert (await ix.meta.pod_info("pod-a")).seqs == {"0": big + 1}
 
 
 async def test_a_parentless_run_of_held_blocks_is_a_second_copy_by_default(ix):
@@ -205,7 +206,7 @@ async def test_a_parentless_run_of_held_blocks_is_a_second_copy_by_default(ix):
     first = [StoreBlock(11, "gpu", F0, (101,), parentless=True), StoreBlock(12, "gpu", F0, (102,), parentless=True)]
     await apply(0, first)
     await apply(1, first)  # the same prefix computed again at once: a second copy of each block
-    held = await ix.held_blocks("pod-a")
+    held = await held_blocks(ix.writer, "pod-a")
     assert held[(11, "gpu", 0)] == ((101,), 2) and held[(12, "gpu", 0)] == ((102,), 2)
     await apply(2, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one copy of each evicted
     assert await ix.client.hkeys("101") == [F0.encode()] and await ix.client.hkeys("102") == [F0.encode()]
@@ -226,9 +227,9 @@ async def test_reannounced_block_is_not_a_second_copy(valkey_url):
         await apply(0, first)
         await apply(1, first)  # the re-announcement: no copy counted
         await apply(2, [StoreBlock(12, "gpu", F0, (102,))])  # a real copy of block 12 (it has a parent)
-        held = await ix.held_blocks("pod-a")
+        held = await held_blocks(ix.writer, "pod-a")
         assert held[(11, "gpu", 0)] == ((101,), 1) and held[(12, "gpu", 0)] == ((102,), 2)
-        assert (await ix.pod_info("pod-a")).counters["reannounced"] == 2
+        assert (await ix.meta.pod_info("pod-a")).counters["reannounced"] == 2
         await apply(3, [RemoveBlock(11, "gpu"), RemoveBlock(12, "gpu")])  # one eviction each
         assert not await ix.client.exists("101")  # the only copy went
         assert await ix.client.hkeys("102") == [F0.encode()]  # one copy of 12 is left
@@ -248,4 +249,4 @@ async def test_cache_salt_two_engine_keys_one_request_key(ix):
     await apply(3, [RemoveBlock(91, "gpu")])
     assert await ix.lookup([101, 102], mode="linear") == []
     assert not await ix.client.exists("engine:11", "engine:91", "101", "102")
-    assert await ix.held_blocks("pod-a") == {}
+    assert await held_blocks(ix.writer, "pod-a") == {}

@@ -95,10 +95,10 @@ class Canary:
                                                     extra_keys=[None])], 0)
 
     def info(self):
-        return self.loop.run_until_complete(self.ix.pod_info(self.pod))
+        return self.loop.run_until_complete(self.ix.meta.pod_info(self.pod))
 
     def counters(self) -> dict[str, int]:
-        return self.loop.run_until_complete(self.ix.counters())
+        return self.loop.run_until_complete(self.ix.meta.counters())
 
     def publish_and_wait(self, proc, timeout_s: float = 15.0) -> None:
         """Publish the next batch until one is indexed (a frame sent while the publisher reconnects is
@@ -281,7 +281,7 @@ def test_hostile_frames_are_counted_and_never_stop_one_ingester(valkey_url, tmp_
             scraped = httpx.get(metrics_url, timeout=5).text
             assert metric(scraped, "kvpf_ingest_decode_errors_total") == counters["decode_errors"]
             assert peak_rss_mb(proc.pid) < 300, f"peak RSS {peak_rss_mb(proc.pid):.0f} MB"
-            assert not any("\ufffd" in p for p in loop.run_until_complete(ix.pod_ids()))
+            assert not any("\ufffd" in p for p in loop.run_until_complete(ix.meta.pod_ids()))
             assert "Traceback" not in log.read_text()
             assert time.monotonic() - started < 60
         finally:
@@ -313,7 +313,7 @@ def test_deep_nesting_and_a_non_utf8_topic_are_decode_errors_not_a_crash_or_a_po
             assert proc.poll() is None
             assert canary.counters().get("decode_errors") == 3
             assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_decode_errors_total") == 3
-            assert set(loop.run_until_complete(ix.pod_ids())) == {"canary"}
+            assert set(loop.run_until_complete(ix.meta.pod_ids())) == {"canary"}
             text = log.read_text()
             assert "is not UTF-8" in text and "recursion limit" in text and "Traceback" not in text
         finally:
@@ -352,7 +352,7 @@ def test_a_100mb_frame_is_a_flagged_gap_not_a_memory_spike(valkey_url, tmp_path)
     try:
         with ingester(valkey_url, tmp_path, "--source", source) as (proc, metrics_url, log):
             def seq() -> int:
-                return loop.run_until_complete(ix.pod_info("big")).seqs.get("0", -1)
+                return loop.run_until_complete(ix.meta.pod_info("big")).seqs.get("0", -1)
 
             def good(i: int) -> EventBatch:
                 return EventBatch(time.time(), [BlockStored([1000 + i], None, [100 + i] * 16, 16, medium="GPU",
@@ -379,7 +379,7 @@ def test_a_100mb_frame_is_a_flagged_gap_not_a_memory_spike(valkey_url, tmp_path)
                 assert proc.poll() is None, log.read_text()[-3000:]  # (b) alive
                 engine.publish(good(engine.seq))
                 time.sleep(0.3)
-            info = loop.run_until_complete(ix.pod_info("big"))
+            info = loop.run_until_complete(ix.meta.pod_info("big"))
             assert info.blocks >= 2
             assert peak_rss_mb(proc.pid) < 300, (before, peak_rss_mb(proc.pid))  # (a)
             assert info.incomplete and str(big_seq) in info.incomplete_reason  # (d) flagged, with the reason

@@ -113,11 +113,11 @@ class Fleet:
 async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = await ix.pod_info(pod)
+        info = await ix.meta.pod_info(pod)
         if max((int(v) for v in info.seqs.values()), default=-1) >= seq:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"{pod} not at seq {seq}: {await ix.pod_info(pod)}")
+    raise AssertionError(f"{pod} not at seq {seq}: {await ix.meta.pod_info(pod)}")
 
 
 @asynccontextmanager

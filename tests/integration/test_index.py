@@ -8,6 +8,7 @@ from kv_preflight.index.index import (
     ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
 from kv_preflight.index.layout import pod_meta_key
+from kv_preflight.index.transfer import export_blocks, held_blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -72,7 +73,7 @@ async def test_clear_pod_is_per_pod(ix):
     assert await ix.client.exists("102") == 0 and await ix.client.exists("103") == 1
     assert await ix.clear_pod("pod-b", forget=True) == 1
     assert await ix.client.exists("101", pod_meta_key("pod-b")) == 0
-    assert "pod-b" not in await ix.pod_ids()
+    assert "pod-b" not in await ix.meta.pod_ids()
 
 
 async def test_lookup_script_equals_pipeline_and_llmd_forms(ix, valkey_url):
@@ -104,14 +105,14 @@ async def test_duplicate_copies_of_one_hash_need_as_many_removals(ix):
     await apply(ix, 1, [StoreBlock(11, "gpu", F0, (101, 102))])  # the copy
     await apply(ix, 2, [RemoveBlock(11, "gpu")])  # one copy evicted: the engine still holds the hash
     assert await ix.client.hkeys("101") == [F0.encode()]
-    exported = [b async for b in ix.export_blocks("pod-a")]
+    exported = [b async for b in export_blocks(ix.writer, "pod-a")]
     assert len(exported) == 1
     await apply(ix, 3, [StoreBlock(11, "gpu", F0, (101, 102)), RemoveBlock(11, "gpu"), RemoveBlock(11, "gpu")])
     assert await ix.client.exists("101", "102", engine_key_name(11)) == 0
-    assert (await ix.pod_info("pod-a")).blocks == 0
+    assert (await ix.meta.pod_info("pod-a")).blocks == 0
     # Export carries the copies, so an import restores the same count.
     await apply(ix, 4, [StoreBlock(12, "gpu", F0, (103,)), StoreBlock(12, "gpu", F0, (103,))])
-    assert len([b async for b in ix.export_blocks("pod-a")]) == 2
+    assert len([b async for b in export_blocks(ix.writer, "pod-a")]) == 2
 
 
 async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq(ix):
@@ -123,8 +124,8 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     assert (await apply(ix, 6, [])).status == "applied"
     r = await apply(ix, 5, b5, mode="force")  # ingester Y, a moment later
     assert (r.status, r.last_seq) == ("dup", 6)
-    assert (await ix.pod_info("pod-a")).seqs == {"0": 6}
-    assert (await ix.held_blocks("pod-a"))[(11, "gpu", 0)] == ((101,), 1)  # one copy, not two
+    assert (await ix.meta.pod_info("pod-a")).seqs == {"0": 6}
+    assert (await held_blocks(ix.writer, "pod-a"))[(11, "gpu", 0)] == ((101,), 1)  # one copy, not two
     assert (await apply(ix, 7, [RemoveBlock(11, "gpu")])).status == "applied"
     assert await ix.lookup([101]) == []
     # A forced batch from a restarted engine (seq back, newer ts) is still a restart.
@@ -136,13 +137,13 @@ async def test_force_and_reset_never_apply_a_batch_at_or_below_the_persisted_seq
     assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "applied"  # X
     assert (await apply(ix, 1, [StoreBlock(13, "gpu", F0, (103,))], ts=10_001.0)).status == "applied"
     assert (await apply(ix, 0, new, ts=10_000.0, mode="reset")).status == "dup"  # Y
-    assert (await ix.pod_info("pod-a")).seqs == {"0": 1}
+    assert (await ix.meta.pod_info("pod-a")).seqs == {"0": 1}
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
-    assert (await ix.held_blocks("pod-a"))[(12, "gpu", 0)] == ((102,), 1)
+    assert (await held_blocks(ix.writer, "pod-a"))[(12, "gpu", 0)] == ((102,), 1)
     # Y's reset of a seq X has not reached yet applies it as the next batch, without clearing.
     assert (await apply(ix, 2, [], ts=10_002.0, mode="reset")).status == "applied"
     assert {m.pod_id: m.blocks for m in await ix.lookup([102, 103])} == {"pod-a": 2}
-    assert (await ix.pod_info("pod-a")).counters["restarts"] == 1
+    assert (await ix.meta.pod_info("pod-a")).counters["restarts"] == 1
 
 
 async def test_a_reader_never_names_pods_from_a_flushed_numbering(ix, valkey_url):

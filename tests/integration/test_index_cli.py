@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from kv_preflight.cli.main import cli
+from kv_preflight.index.transfer import held_blocks
 from tests.integration.sim import sim_engine
 
 pytestmark = pytest.mark.integration
@@ -25,7 +26,7 @@ async def held(pod: str, url: str | None = None) -> dict:
 
     ix = Index.from_url(url or held.url)
     try:
-        return await ix.held_blocks(pod)
+        return await held_blocks(ix.writer, pod)
     finally:
         await ix.close()
 

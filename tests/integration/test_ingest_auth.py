@@ -55,13 +55,13 @@ class Valkey:
         self.ix = Index.from_url(url)
 
     def pods(self) -> dict[str, str]:
-        return self.loop.run_until_complete(self.ix.pod_ids())
+        return self.loop.run_until_complete(self.ix.meta.pod_ids())
 
     def seq(self, pod: str) -> int:
-        return self.loop.run_until_complete(self.ix.pod_info(pod)).seqs.get("0", -1)
+        return self.loop.run_until_complete(self.ix.meta.pod_info(pod)).seqs.get("0", -1)
 
     def counters(self) -> dict[str, int]:
-        return self.loop.run_until_complete(self.ix.counters())
+        return self.loop.run_until_complete(self.ix.meta.counters())
 
     def close(self) -> None:
         self.loop.run_until_complete(self.ix.close())

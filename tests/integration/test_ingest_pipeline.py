@@ -12,6 +12,7 @@ from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entr
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.keys.chain import request_keys
 from kv_preflight.index.layout import pod_state_keys
+from kv_preflight.index.transfer import export_blocks, held_blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -109,12 +110,12 @@ async def test_pod_state_keeps_each_block_and_its_request_keys(valkey_url):
     await apply(0, [StoreBlock(11, "gpu", f_gpu, (101, 102)), StoreBlock(11, "cpu", f_cpu, (101, 102)),
                     StoreBlock(12, "gpu", f_gpu, (103,))])
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    assert await ix.held_blocks("pod-a") == {(11, "gpu", 0): ((101, 102), 1), (11, "cpu", 0): ((101, 102), 1),
+    assert await held_blocks(ix.writer, "pod-a") == {(11, "gpu", 0): ((101, 102), 1), (11, "cpu", 0): ((101, 102), 1),
                                              (12, "gpu", 0): ((103,), 1)}
     assert sorted(r.hkeys("101")) == sorted([f_gpu, f_cpu])
     await apply(1, [RemoveBlock(11, "cpu")])
     assert r.hkeys("101") == [f_gpu] and r.zrange("engine:11", 0, -1) == ["101", "102"]
-    exported = sorted([s async for s in ix.export_blocks("pod-a")], key=lambda s: s.engine_key)
+    exported = sorted([s async for s in export_blocks(ix.writer, "pod-a")], key=lambda s: s.engine_key)
     assert exported == [StoreBlock(11, "gpu", f_gpu, (101, 102)), StoreBlock(12, "gpu", f_gpu, (103,))]
     assert await ix.clear_pod("pod-a", forget=True) == 2
     assert not r.exists("101", "103", "engine:11", "engine:12", *pod_state_keys("pod-a"))
@@ -139,19 +140,19 @@ async def test_hybrid_model_groups_store_and_evict_one_hash_each(valkey_url):
     keys = request_keys(toks, model="m")
     await ing.handle_messages([(SRC, msgs[0])])
     f0, f1 = encode_entry(make_entry("pod-h", "GPU", 0)), encode_entry(make_entry("pod-h", "GPU", 1))
-    exported = sorted([b async for b in ing.index.export_blocks("pod-h")], key=lambda b: b.group)
+    exported = sorted([b async for b in export_blocks(ing.index.writer, "pod-h")], key=lambda b: b.group)
     # (the parent of each block's first key comes back too: a chain's first block starts at the root)
     assert exported == [StoreBlock(41, "gpu", f0, tuple(keys), 0, parent=CHAIN_ROOT),
                         StoreBlock(41, "gpu", f1, tuple(keys), 1, parent=CHAIN_ROOT)]
     await ing.handle_messages([(SRC, msgs[1])])
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
     assert r.hkeys(str(keys[0])) == [f0]  # group 0 still holds it
-    exported = [b async for b in ing.index.export_blocks("pod-h")]
+    exported = [b async for b in export_blocks(ing.index.writer, "pod-h")]
     assert [(b.engine_key, b.tier, b.entry_field) for b in exported] == [(41, "gpu", f0)]
     await ing.handle_messages([(SRC, msgs[2])])
     assert await ing.index.lookup(keys) == []
     assert not r.exists(*[str(k) for k in keys], "engine:41")
-    assert (await ing.index.pod_info("pod-h")).blocks == 0
+    assert (await ing.index.meta.pod_info("pod-h")).blocks == 0
     await ing.index.close()
 
 
@@ -175,7 +176,7 @@ async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_ur
     got_a = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-a"))}
     got_b = {m.pod_id: m.blocks for m in await cold.index.lookup(request_keys(t0 + t1, model="model-b"))}
     assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
-    assert not (await cold.index.pod_info("pod-a")).incomplete
+    assert not (await cold.index.meta.pod_info("pod-a")).incomplete
     await cold.index.close()
 
 
@@ -198,7 +199,7 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
             dropped.append(True)
             proto = ing.index.backend.fast._proto
             proto.data_received = lambda data: None  # replies lost on the way back
-            while (await observer.pod_info("pod-a")).seqs.get("0") != 1:
+            while (await observer.meta.pod_info("pod-a")).seqs.get("0") != 1:
                 await asyncio.sleep(0.01)  # Valkey has run both scripts
             proto.transport.close()
         return sent
@@ -210,6 +211,6 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
     await ing.handle_messages([(SRC, m) for m in msgs])
     await observer.close()
     assert ing.counters.counts["duplicates_skipped"] == 2
-    info = await ing.index.pod_info("pod-a")
+    info = await ing.index.meta.pod_info("pod-a")
     assert info.incomplete and "unknown parent" in info.incomplete_reason
     await ing.index.close()

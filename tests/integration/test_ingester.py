@@ -79,11 +79,11 @@ class Harness:
     async def wait_seq(self, ix: Index, seq: int, pod="pod-a", timeout=5.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            info = await ix.pod_info(pod)
+            info = await ix.meta.pod_info(pod)
             if info.seqs.get("0", -1) >= seq:
                 return info
             await asyncio.sleep(0.02)
-        raise AssertionError(f"index stuck at {await ix.pod_info(pod)}, wanted seq {seq}")
+        raise AssertionError(f"index stuck at {await ix.meta.pod_info(pod)}, wanted seq {seq}")
 
     async def close(self):
         for ing, task in list(self.ingesters):
@@ -177,9 +177,9 @@ async def test_engine_restart_clears_old_entries(valkey_url, ix):
         h.engine.buffer.clear()
         h.engine.publish(batch(stored([8], None, 5)))
         deadline = time.monotonic() + 5
-        while (await ix.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
+        while (await ix.meta.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.counters.get("restarts") == 1 and info.blocks == 1
         assert await cached_blocks(ix, 32) == 0
     finally:
@@ -215,7 +215,7 @@ async def test_malformed_frames_are_counted_not_fatal(valkey_url, ix):
         h.engine.publish(batch(stored([1], None, 0)))
         await h.wait_seq(ix, 0)
         assert ing.counters.counts["decode_errors"] == 3
-        assert (await ix.counters())["decode_errors"] == 3
+        assert (await ix.meta.counters())["decode_errors"] == 3
         assert await cached_blocks(ix, 32) == 2
     finally:
         await h.close()
@@ -243,9 +243,9 @@ async def test_engine_restart_is_noticed_on_reconnect_before_it_publishes(valkey
         await asyncio.sleep(0.3)
         h.engine = EngineStub(pub, replay, "kv@pod-a@tiny", bind=True)  # ... and a new one binds the same ports
         deadline = time.monotonic() + 10
-        while (await ix.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
+        while (await ix.meta.pod_info("pod-a")).counters.get("restarts", 0) < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.counters.get("restarts") == 1 and info.blocks == 0 and info.seqs == {}
         h.engine.publish(batch(stored([5], None, 3)))  # the new process starts at seq 0
         info = await h.wait_seq(ix, 0)
@@ -293,10 +293,10 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
         for i in range(5):  # rank 0: seqs 0..4
             await feed(e0, srcs[0], 0, stored([i + 1], i or None, i))
         await feed(e1, srcs[1], 1, stored([101], None, 0, medium="CPU"))  # rank 1: seq 0
-        assert (await ix.pod_info("pod-a")).seqs == {"0": 4, "1": 0}
+        assert (await ix.meta.pod_info("pod-a")).seqs == {"0": 4, "1": 0}
         await ing.resume.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
         await ing.resume.probe_restart(srcs[0])
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.counters.get("restarts", 0) == 0 and info.seqs == {"0": 4, "1": 0}
         assert await cached_blocks(ix, 5 * 32) == 10
         # rank 1's seq 1 is lost on the wire; seq 2 arrives: replay from rank 1's own socket
@@ -304,7 +304,7 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
         await feed(e1, srcs[1], 1, stored([103], 102, 2, medium="CPU"))
         assert "pod-a" in ing.applier.held  # the replay is asked in the background, the pod waits for it
         await ing.applier.wait_held()
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.seqs == {"0": 4, "1": 2} and not info.incomplete, info.incomplete_reason
         assert info.blocks == 8
     finally:
@@ -345,7 +345,7 @@ async def test_a_gap_waiting_for_its_replay_holds_up_no_other_pod(valkey_url, ix
         for i in range(3):  # another pod meanwhile
             b.publish(batch(stored([100 + i], 100 + i - 1 if i else None, i)))
         await a.wait_seq(ix, 2, pod="pod-b", timeout=30)
-        assert (await ix.pod_info("pod-a")).seqs == {"0": 0}  # still waiting for its replay
+        assert (await ix.meta.pod_info("pod-a")).seqs == {"0": 0}  # still waiting for its replay
         state, behind = ing.ingest_state()
         assert state == "behind" and behind == ["pod-a"], (state, behind)
         a.engine.answer_replays.set()
@@ -385,7 +385,7 @@ async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(
             for i in range(3):  # the old engine process
                 h.engine.publish(batch(stored([i + 1], i or None, i), ts=1000.0 + i), send=False)
                 await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
-            await ix.mark_incomplete("pod-a", "an old gap")
+            await ix.meta.mark_incomplete("pod-a", "an old gap")
             h.engine.seq = 0  # a new process counts from 0 again
             h.engine.buffer.clear()
             h.engine.publish(batch(stored([11], None, 4)), send=False)
@@ -395,7 +395,7 @@ async def test_restart_noticed_past_seq_0_replays_the_new_engines_first_batches(
             h.engine.publish(batch(stored([13], 12 if buffered else None, 6)), send=False)
             await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
             await ing.applier.wait_held()  # seq 0 and 1 asked from the replay socket in the background
-            info = await ix.pod_info("pod-a")
+            info = await ix.meta.pod_info("pod-a")
             assert info.counters.get("restarts") == 1 and info.seqs == {"0": 2}
             old = {m.pod_id: m.blocks for m in await ix.lookup(request_keys(TOKENS[:32], model="tiny"))}
             assert old == {}
@@ -416,11 +416,11 @@ async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url,
         ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
         h.engine.publish(batch(stored([1], None, 0)), send=False)
         await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
-        await ix.mark_incomplete("pod-a", "an old gap")
+        await ix.meta.mark_incomplete("pod-a", "an old gap")
         h.engine.buffer.clear()  # a new engine process behind the same endpoints
         h.engine.seq = 0
         await ing.resume.probe_restart(h.source)
-        info = await ix.pod_info("pod-a")
+        info = await ix.meta.pod_info("pod-a")
         assert info.counters.get("restarts") == 1 and info.blocks == 0
         assert not info.incomplete  # the pod is exact again (empty, as the new engine)
         await ing.index.close()
@@ -442,7 +442,7 @@ async def test_reconnect_to_an_engine_whose_buffer_moved_on_is_not_a_restart(val
         for i in range(3):  # lost on the wire; the 2-batch buffer keeps seqs 2 and 3
             h.engine.publish(batch(stored([10 + i], None, 3 + i)), send=False)
         await asyncio.sleep(1.0)  # the reconnect and its probe
-        assert (await ix.pod_info("pod-a")).counters.get("restarts", 0) == 0
+        assert (await ix.meta.pod_info("pod-a")).counters.get("restarts", 0) == 0
         assert await cached_blocks(ix, 64) == 4
         h.engine.publish(batch(stored([20], None, 6)))
         info = await h.wait_seq(ix, 4)

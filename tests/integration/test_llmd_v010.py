@@ -52,7 +52,7 @@ async def test_pod_id_endpoint_indexes_under_the_serving_address(ix, valkey_url)
     fields = await ix.fields_per_key(request_keys(tokens, model="tiny"))
     assert len(fields) == 6
     assert {parse_entry(f).PodIdentifier for f in fields[0]} == {"10.0.0.1:8000"}
-    assert await ix.pod_ids() == {"10.0.0.1:8000": "tiny"}
+    assert await ix.meta.pod_ids() == {"10.0.0.1:8000": "tiny"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, ix)), base_url="http://p") as c:
         for name in ("vllm-0", "10.0.0.1:8000"):  # either form in a pods filter
             p = (await c.post("/v1/cache/predict", json={"model": "tiny", "token_ids": tokens + [1], "pods": [name]})).json()
@@ -65,7 +65,7 @@ async def test_pod_id_topic_is_unchanged(ix, valkey_url):
     src = Source("tcp://127.0.0.1:1", topic="kv@vllm-0@tiny", rank=0, serving="10.0.0.1:8000")
     ing = Ingester(Config(valkey_url=valkey_url), ix, [src])
     await ing.handle_messages([(src, event_frames("vllm-0", 0, list(range(1, 33))))])
-    assert await ix.pod_ids() == {"vllm-0": "tiny"}
+    assert await ix.meta.pod_ids() == {"vllm-0": "tiny"}
 
 
 async def test_xxh64_keys_written_and_read(ix, valkey_url):

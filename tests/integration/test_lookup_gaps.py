@@ -16,6 +16,7 @@ import pytest
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, better_tier, parse_entry
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_meta_key
+from kv_preflight.index.transfer import export_blocks, import_blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -221,7 +222,7 @@ async def test_a_pod_written_before_the_count_existed_is_walked_until_its_next_c
     chain = world.of_chain[0]
     # imported without parents, with a gap: blocks 0..99 but not 10
     stores = [StoreBlock(ek, "gpu", fld, rks) for i, (ek, rks, _) in enumerate(chain[:100]) if i != 10]
-    await ix.import_blocks(pod, "m", 32, stores)
+    await import_blocks(ix, pod, "m", 32, stores)
     assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") is None
     walks = ix.gap_walks
     assert [(m.blocks) for m in await ix.lookup(world.chains[0])] == [20]
@@ -355,13 +356,13 @@ async def test_an_export_keeps_the_parents_so_an_import_keeps_the_count_known(ix
                          mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks[:60]]
                          + [RemoveBlock(blocks[30][0], "gpu")])
     assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"1"
-    exported = [b async for b in ix.export_blocks(pod)]
+    exported = [b async for b in export_blocks(ix.writer, pod)]
     assert {b.parent for b in exported} >= {CHAIN_ROOT, blocks[59][2]}
     await ix.clear_pod(pod, forget=True)
-    await ix.import_blocks(pod, "m", 32, exported)
+    await import_blocks(ix, pod, "m", 32, exported)
     assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"1"  # known: the gap at block 30
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [60]
-    await ix.import_blocks(pod, "m", 32, [StoreBlock(blocks[30][0], "gpu", fld, blocks[30][1], parent=blocks[30][2])])
+    await import_blocks(ix, pod, "m", 32, [StoreBlock(blocks[30][0], "gpu", fld, blocks[30][1], parent=blocks[30][2])])
     assert await ix.client.hget(pod_meta_key(pod), "orphan_keys") == b"0"
     walks = ix.gap_walks
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [120]
@@ -382,7 +383,7 @@ async def test_index_stats_shows_each_pods_orphan_keys(ix, valkey_url):
         fld = encode_entry(make_entry(pod, "GPU", 0))
         await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                              mutations=[StoreBlock(ek, "gpu", fld, rks, parent=p) for ek, rks, p in blocks] + gone)
-    await ix.import_blocks("st-old", "m", 32, [StoreBlock(blocks[0][0], "gpu", encode_entry(make_entry("st-old", "GPU", 0)),
+    await import_blocks(ix, "st-old", "m", 32, [StoreBlock(blocks[0][0], "gpu", encode_entry(make_entry("st-old", "GPU", 0)),
                                                           blocks[0][1])])
     def run(*args: str) -> str:  # the CLI runs its own event loop: in a thread
         return CliRunner().invoke(cli, ["index", "stats", "--valkey-url", valkey_url, *args], catch_exceptions=False).output
@@ -408,11 +409,11 @@ async def test_a_count_not_written_at_the_pods_last_batch_is_not_trusted(ix):
     walks = ix.gap_walks
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks
     await ix.client.hincrby(pod_meta_key(pod), "batches", 1)  # a batch applied with no count kept
-    assert (await ix.pod_info(pod)).orphan_keys is None
+    assert (await ix.meta.pod_info(pod)).orphan_keys is None
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [300] and ix.gap_walks == walks + 1
     await ix.apply_batch(pod_id=pod, rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
                          mutations=[RemoveBlock(blocks[100][0], "gpu")])
-    assert (await ix.pod_info(pod)).orphan_keys == 1
+    assert (await ix.meta.pod_info(pod)).orphan_keys == 1
     assert [m.blocks for m in await ix.lookup(world.chains[0])] == [200]
     await ix.apply_batch(pod_id=pod, rank=0, seq=2, ts=1.0, model="m", engine_block_size=32, mutations=[ClearPod()])
-    assert (await ix.pod_info(pod)).orphan_keys == 0
+    assert (await ix.meta.pod_info(pod)).orphan_keys == 0

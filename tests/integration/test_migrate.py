@@ -15,10 +15,12 @@ import pytest
 import redis
 
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.index import Index, LayoutError, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.index import Index, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, is_presence_key, pod_meta_key, pod_state_key,
                                        v3_bits_key, v3_members_key, v3_pod_keys)
 from kv_preflight.index.presence import as_int, numbers, presence_value
+from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -50,19 +52,19 @@ async def test_layout_1_is_refused_then_migrated(valkey_url):
     ix = Index.from_url(valkey_url)
     try:
         with pytest.raises(LayoutError, match="index migrate"):
-            await ix.check_layout()
+            await check_layout(ix.client)
         refused = cli("index", "stats", "--valkey-url", valkey_url)
         assert refused.returncode != 0 and "index migrate" in refused.stderr
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {"pods": 1, "blocks": 2, "keys": 4}
-        assert await ix.check_layout() == "4"
+        assert await check_layout(ix.client) == "4"
         # llm-d's keys did not move; ours are layout 4; layout 1's are gone.
         assert {k: r.hkeys(k) for k in ("70", "71", "72", "73")} | {k: r.zrange(k, 0, -1) for k in ("engine:7", "engine:8")} == llmd_before
         assert not r.exists(V1_PODS_KEY, "kvpf:pod:old-pod", "kvpf:blocks:old-pod", "kvpf:fields:old-pod")
-        assert await ix.held_blocks("old-pod") == {(7, "gpu", 0): ((70, 71), 2), (8, "gpu", 0): ((72, 73), 1)}
+        assert await held_blocks(ix.writer, "old-pod") == {(7, "gpu", 0): ((70, 71), 2), (8, "gpu", 0): ((72, 73), 1)}
         assert r.hget(PODS_KEY, "old-pod") == "m" and r.hget(LAYOUT_KEY, "version") == "4"
-        info = await ix.pod_info("old-pod")
+        info = await ix.meta.pod_info("old-pod")
         assert info.seqs == {"0": 41} and info.counters["batches"] == 42 and info.blocks == 2
         assert info.orphan_keys is None  # layout 1 kept no parents: walked until known
         assert [m.blocks for m in await ix.lookup([70, 71, 72, 73], mode="linear")] == [4]
@@ -116,7 +118,7 @@ async def to_layout_3(ix: Index, client, *, version: str = "3") -> None:
     counts: dict[int, int] = {}
     nums = {v.decode(): int(k) for k, v in client.hgetall(NUMS_BYID_KEY).items()}
     for pod in pods:
-        held = await ix.held_blocks(pod)
+        held = await held_blocks(ix.writer, pod)
         blocks_key, fields_key, rks_key = v3_pod_keys(pod)
         reader = ix.writer.__class__(ix.client, cluster=ix.cluster)
         await reader.load([pod])
@@ -178,7 +180,7 @@ def by_name(client) -> dict:
 
 async def held_by_pod(ix: Index, client) -> dict:
     pods = [k.decode() for k in client.hkeys(PODS_KEY)]
-    return {p: await ix.held_blocks(p) for p in sorted(pods)}
+    return {p: await held_blocks(ix.writer, p) for p in sorted(pods)}
 
 
 @pytest.mark.parametrize("version", ["3", "2"])
@@ -197,7 +199,7 @@ async def test_layouts_2_and_3_are_refused_then_migrated_to_what_layout_4_writes
         assert by_name(r) != before
         fresh = Index.from_url(valkey_url)
         with pytest.raises(LayoutError, match=f"layout {version}.*index migrate"):
-            await fresh.check_layout()
+            await check_layout(fresh.client)
         await fresh.close()
         done = cli("index", "migrate", "--valkey-url", valkey_url, "--json")
         assert done.returncode == 0, done.stderr
@@ -233,7 +235,7 @@ async def test_layout_3_on_a_cluster_is_migrated_to_what_layout_4_writes(cluster
         assert by_name(sync) == before and await held_by_pod(ix, sync) == held
         fresh = Index.from_url(cluster_url)
         try:
-            assert await fresh.check_layout() == "4"
+            assert await check_layout(fresh.client) == "4"
             assert [sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(c)) for c in chains] == want
         finally:
             await fresh.close()

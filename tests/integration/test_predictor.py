@@ -270,7 +270,7 @@ async def test_incomplete_pod_is_flagged(client, writer, ix):
     prompt = tokens_of(64)
     await writer.store("pod-a", prompt)
     await writer.store("pod-b", prompt)
-    await ix.mark_incomplete("pod-b", "gap in event sequence")
+    await ix.meta.mark_incomplete("pod-b", "gap in event sequence")
     doc = (await client.post(PREDICT, json={"model": MODEL, "token_ids": prompt + [1]})).json()
     assert doc["pod_affinities"] == [
         {"pod_id": "pod-a", "cached_blocks": 4, "cached_tokens": 64, "device_tier": "gpu",
@@ -285,7 +285,7 @@ async def test_pod_info_is_cached_about_a_second(client, writer, ix):
     await writer.store("pod-a", prompt, engine_block=16)
     body = {"model": MODEL, "token_ids": prompt + [1]}
     assert (await client.post(PREDICT, json=body)).json()["pod_affinities"][0].get("incomplete") is None
-    await ix.mark_incomplete("pod-a", "test")
+    await ix.meta.mark_incomplete("pod-a", "test")
     # within the TTL the cached info is used: no second round trip, so the flag is not seen yet
     assert (await client.post(PREDICT, json=body)).json()["pod_affinities"][0].get("incomplete") is None
     await asyncio.sleep(1.1)
@@ -481,8 +481,8 @@ async def test_stats(client, writer, ix):
     await writer.store("pod-a", prompt, engine_block=32)
     await writer.store("pod-a", tokens_of(32, start=9))
     await writer.store("pod-b", prompt[:16])
-    await ix.mark_incomplete("pod-b", "gap 3..7")
-    await ix.count("decode_errors", 2)
+    await ix.meta.mark_incomplete("pod-b", "gap 3..7")
+    await ix.meta.count("decode_errors", 2)
     assert (await client.post(PREDICT, json={"model": MODEL, "token_ids": prompt})).status_code == 200
     assert (await client.post(PREDICT, json={"model": MODEL, "token_ids": []})).status_code == 400
     assert (await client.post(PREDICT, json={"model": "nope", "token_ids": [1]})).status_code == 400

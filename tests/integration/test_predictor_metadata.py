@@ -17,7 +17,7 @@ async def test_an_entry_past_half_its_ttl_is_answered_at_once_and_renewed_behind
     now = [100.0]
     meta = IndexMetadata(ix, ttl_s=1.0, clock=lambda: now[0])
     assert not (await meta.pod_infos(["pod-a"]))["pod-a"].incomplete
-    await ix.mark_incomplete("pod-a", "test")
+    await ix.meta.mark_incomplete("pod-a", "test")
     now[0] += 0.3  # young: the cache, nothing read
     assert not (await meta.pod_infos(["pod-a"]))["pod-a"].incomplete
     await asyncio.sleep(0.05)
@@ -29,7 +29,7 @@ async def test_an_entry_past_half_its_ttl_is_answered_at_once_and_renewed_behind
         if (await meta.pod_infos(["pod-a"]))["pod-a"].incomplete:
             break
     assert (await meta.pod_infos(["pod-a"]))["pod-a"].incomplete  # renewed: expires a ttl from that read
-    await ix.mark_complete("pod-a")
+    await ix.meta.mark_complete("pod-a")
     now[0] += 1.1  # expired: read before answering
     assert not (await meta.pod_infos(["pod-a"]))["pod-a"].incomplete
 

@@ -10,6 +10,7 @@ import pytest
 
 from kv_preflight.cli.accuracy import shared_prefix_workload
 from kv_preflight.index.index import Index
+from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 from tests.integration.sim import sim_engine
 from tests.integration.test_fault_accuracy import blind
@@ -52,13 +53,13 @@ async def test_pod_of_a_new_engine_is_exact_after_retirement(valkey_url, tmp_pat
         blind(b2.url, shared_prefix_workload(n=3, seed=5, block=16))
 
         async def indexed():
-            return (await ix.pod_info("sim-b")).blocks
+            return (await ix.meta.pod_info("sim-b")).blocks
 
         await until(indexed, "sim-b's new entries")
-        info = await ix.pod_info("sim-b")
+        info = await ix.meta.pod_info("sim-b")
         assert not info.incomplete, info.incomplete_reason
         # and what the index holds is what the new engine published, nothing of the old one's
-        held = len(await ix.held_blocks("sim-b"))
+        held = len(await held_blocks(ix.writer, "sim-b"))
         assert held == info.blocks > 0
         b2.stop()
     finally:
@@ -85,16 +86,16 @@ async def test_pod_retired_before_its_first_event_is_exact_when_its_engine_retur
         await until(lambda: state("live"), "live")
         engine.stop(kill=True)
         await until(lambda: state("retired"), "retired after --retire-after", timeout=30)
-        assert (await ix.pod_info("sim-quiet")).incomplete
+        assert (await ix.meta.pod_info("sim-quiet")).incomplete
         engine.start()
         await until(lambda: state("live"), "live again")
         blind(engine.url, shared_prefix_workload(n=2, seed=3, block=16))
 
         async def indexed():
-            return (await ix.pod_info("sim-quiet")).blocks
+            return (await ix.meta.pod_info("sim-quiet")).blocks
 
         await until(indexed, "entries")
-        info = await ix.pod_info("sim-quiet")
+        info = await ix.meta.pod_info("sim-quiet")
         assert not info.incomplete, info.incomplete_reason
     finally:
         stop(ing)

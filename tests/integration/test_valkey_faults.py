@@ -249,13 +249,13 @@ async def assert_index_is_engine_truth(stack: Stack, timeout_s: float = 30) -> N
     ix = Index.from_url(stack.valkey.url)
     try:
         deadline = time.monotonic() + timeout_s
-        while (await ix.pod_info(POD)).seqs.get("0", -1) < last:
+        while (await ix.meta.pod_info(POD)).seqs.get("0", -1) < last:
             if time.monotonic() > deadline:
-                raise AssertionError(f"the index did not reach the engine's seq {last} in {timeout_s}s: {await ix.pod_info(POD)}")
+                raise AssertionError(f"the index did not reach the engine's seq {last} in {timeout_s}s: {await ix.meta.pod_info(POD)}")
             stack.assert_running()
             await asyncio.sleep(0.05)
         assert len(await engine_history(stack.engine)) == len(batches), "the engine published after the load stopped"
-        info = await ix.pod_info(POD)
+        info = await ix.meta.pod_info(POD)
         assert not info.incomplete, info.incomplete_reason
         assert await index_state(ix, POD) == engine_truth(batches)
     finally:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import Index, tier_of
+from kv_preflight.index.transfer import export_blocks
 
 
 def engine_truth(batches: list[EventBatch]) -> set[tuple[int, str]]:
@@ -22,7 +23,7 @@ def engine_truth(batches: list[EventBatch]) -> set[tuple[int, str]]:
 async def index_state(ix: Index, pod_id: str) -> set[tuple[int, str]]:
     """(engine key, tier) the index holds for a pod, after checking every request key really lists it."""
     held = set()
-    async for s in ix.export_blocks(pod_id):
+    async for s in export_blocks(ix.writer, pod_id):
         for rk in s.request_keys:
             fields = await ix.client.hkeys(str(rk))
             assert s.entry_field.encode() in fields, f"request key {rk} lost {pod_id}'s entry"

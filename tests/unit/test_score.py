@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kv_preflight.predictor.scoring.score import PodAffinity, engine_cached_tokens, score
 from kv_preflight.predictor.scoring.ttft import PrefillModel
-from kv_preflight.index.index import PodMatch, ScoringInfo
+from kv_preflight.index.index import PodMatch
+from kv_preflight.index.pod_meta import ScoringInfo
 
 C = 16
 
@@ -205,7 +206,7 @@ def test_the_c_loop_scores_any_metadata_as_the_python_loop_does():
     past 64 bits drops that pod, as in the Python loop, instead of failing the prediction; metadata of None
     reads as none."""
     from kv_preflight.predictor.scoring import score as scoring
-    from kv_preflight.index.index import scoring_info_from
+    from kv_preflight.index.pod_meta import scoring_info_from
 
     matches = [PodMatch("a", 10, "gpu"), PodMatch("b", 10, "gpu"), PodMatch("c", 10, "gpu"),
                PodMatch("d", 2**70, "cpu")]

@@ -22,7 +22,6 @@ from kv_preflight.index.layout import LOOKUP_NAMES, pod_meta_key, pod_outbox_key
 from kv_preflight.index.presence import (BitsReply, GroupBits, NamesFor, TierRuns, chain_group_bits, chain_of_one_tier,
                                          mask_of, numbers_in, parse_bits_reply, prefix_from_bits, prefix_of_one_tier,
                                          presence_value, split_fields, tier_in, tier_in_runs)
-from kv_preflight.index.slots import slot_groups
 from kv_preflight.keys.chain import pack_keys
 
 # A shard walks its keys exactly (every field read, as the linear walk) while that reads at most this
@@ -459,12 +458,8 @@ class ClusterLookup:
         """The chain's positions per primary, from the slot map (positions whose slot no node serves now
         are returned apart: unanswered). Slots are computed in C through a slot -> primary table built
         once per slot map (kv_preflight/index/slots.py)."""
-        if not self.client.nodes_manager.slots_cache:
-            await self.client.initialize()  # a new client learns the slot map on its first command
-        table, nodes = self.shards.slot_table()
-        groups = slot_groups(request_keys, table, len(nodes))
-        by_node = {node.name: (node, idx) for node, idx in zip(nodes, groups) if idx}
-        return by_node, set(groups[-1])
+        by_node, unserved = await self.shards.request_keys_by_primary(request_keys)
+        return by_node, set(unserved)
 
 
     async def _read_routed(self, request_keys: Sequence[int], positions: list[int], pods: Sequence[str] | None,

@@ -36,6 +36,7 @@ from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.presence import read_presence
 from kv_preflight.keys.chain import salted_request_keys
 from kv_preflight.predictor.scoring.groups import apply_groups, pods_groups
 
@@ -192,10 +193,10 @@ class DynamoApi:
     async def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerInfo]:
         regs = await self.registrations()
         async with valkey_call(self.deadline_s, "workers"):
-            pods = await self.index.pod_ids()  # pod -> model, for pods that have sent events
+            pods = await self.index.meta.pod_ids()  # pod -> model, for pods that have sent events
             view = await self.index.fleet.fleet_view()
             registered_pods = {r.pod for r in regs.values()}
-            infos = {i.pod_id: i for i in await self.index.pod_infos(sorted(set(pods) - registered_pods))}
+            infos = {i.pod_id: i for i in await self.index.meta.pod_infos(sorted(set(pods) - registered_pods))}
         out: dict[int, WorkerInfo] = {}
         for r in sorted(regs.values(), key=lambda r: (r.instance_id, r.dp_rank)):
             status = _status(r.pod, pods, view)
@@ -223,7 +224,7 @@ class DynamoApi:
     async def query(self, req: QueryRequest) -> tuple[int, Any]:
         regs = await self.registrations()
         async with valkey_call(self.deadline_s, "pods"):
-            pods = await self.index.pod_ids()
+            pods = await self.index.meta.pod_ids()
         part = [r for r in regs.values() if (r.model, r.routing_group) == (req.model_name, req.routing_group)]
         worker_of = {r.pod: (r.instance_id, r.dp_rank) for r in part}
         registered_pods = {r.pod for r in regs.values()}
@@ -252,7 +253,7 @@ class DynamoApi:
                 depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
-                infos = await self.index.scoring_infos(sorted(prefixes))  # block size and KV cache groups
+                infos = await self.index.meta.scoring_infos(sorted(prefixes))  # block size and KV cache groups
                 hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
                 if hybrid:
                     prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
@@ -292,8 +293,8 @@ class DynamoApi:
         depth = max((m.blocks for m in mine), default=0)
         if not depth:
             return prefixes
-        presence = await self.index.presence(keys[:depth])
-        nums = await self.index.pod_numbers(hybrid)
+        presence = await read_presence(self.index.backend, keys[:depth])
+        nums = await self.index.numbering.pod_numbers(hybrid)
         adjusted = apply_groups(mine, hybrid, {i.pod_id: i.engine_block_size for i in infos}, presence, nums,
                                 self.cfg.block_size, n_tokens + 1)
         out = dict(prefixes)

@@ -33,6 +33,7 @@ from kv_preflight.predictor.settings import SettingsMismatch, read_index_setting
 from kv_preflight.predictor.stats import StatsQuery
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.layout_version import check_layout
 from kv_preflight.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("kvpf.predictor")
@@ -188,7 +189,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         where = cfg.valkey_url.split("@")[-1]
         try:
             # An index of another layout version is refused before serving (kv-preflight index migrate).
-            version = await predictor.index.check_layout()
+            version = await check_layout(predictor.index.client)
             log.info("start-up: Valkey %s: up, index layout %s", where, version)
         except VALKEY_ERRORS as exc:  # Valkey down: serve 503s now, the index is read when it is back
             log.warning("start-up: Valkey %s: unreachable (%s); predictions answer 503 until it is back, "

@@ -33,7 +33,7 @@ class Match(Protocol):
 
 
 class PodInfo(Protocol):
-    """What scoring needs of a pod's metadata (``kv_preflight.index.index.ScoringInfo`` fits)."""
+    """What scoring needs of a pod's metadata (``kv_preflight.index.pod_meta.ScoringInfo`` fits)."""
 
     engine_block_size: int | None
     incomplete: bool

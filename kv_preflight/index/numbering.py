@@ -1,0 +1,97 @@
+"""Pod numbers: each pod's bit in the presence bitmaps (kv_preflight/index/presence.py), given fleet-wide
+(kv_preflight/index/lua/nums.lua), kept in the pod's meta, and freed when the pod is forgotten (reused only
+NUM_REUSE_MS later); and the other way round, pod number -> pod, which a lookup reads to name the bits it
+found (``Numbering``: one per Index, read at most every NAMES_TTL_S)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.entries import text
+from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, pod_meta_key
+
+NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
+
+
+async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
+    """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
+    (kv_preflight/index/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
+    cluster). Idempotent. ``client``: redis-py, single node or cluster."""
+    script = client.register_script(scripts.NUMS)
+    nums = [int(n) for n in await script(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, *pod_ids])]
+    async with client.pipeline(transaction=False) as pipe:
+        for pod, n in zip(pod_ids, nums):
+            pipe.hset(pod_meta_key(pod), "num", n)
+        await pipe.execute()
+    return dict(zip(pod_ids, nums))
+
+
+class Numbering:
+    """The fleet-wide numbering as one process reads it: pod number -> pod for its lookups, pods' numbers
+    for the predictor's group reads, and a forgotten pod's number freed."""
+
+    def __init__(self, client):
+        self.client = client
+        self._names: dict[int, str] = {}  # pod number -> pod, for the lookup (read at most NAMES_TTL_S ago)
+        self._names_at = -1e9
+        self._names_lock = asyncio.Lock()
+        self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
+        self._names_mask = 0  # bit n set: number n is in self._names
+        self._nums_script = client.register_script(scripts.NUMS)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """The names last read, without reading ({} before the first read)."""
+        return self._names
+
+    def forget_names(self) -> None:
+        """Read the names again at the next lookup (after the index lost its data)."""
+        self._names, self._names_at = {}, -1e9
+
+    async def pod_names(self, *, refresh: bool = False) -> dict[int, str]:
+        """Pod number -> pod, read again when older than NAMES_TTL_S (a freed number is reused only
+        NUM_REUSE_MS later, long after every reader has dropped its old name)."""
+        if refresh or time.monotonic() - self._names_at > NAMES_TTL_S:
+            asked = time.monotonic()
+            async with self._names_lock:  # one read for every lookup waiting (one connection, not one each)
+                if self._names_at < asked:
+                    async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
+                        pipe.hgetall(NUMS_BYID_KEY)
+                        pipe.hget(NUMS_NEXT_KEY, "epoch")
+                        raw, epoch = await pipe.execute()
+                    self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
+                    self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
+                    self._names_epoch = text(epoch) if epoch else ""
+                    self._names_at = time.monotonic()
+        return self._names
+
+    async def names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
+        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
+        (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
+        names = self._names
+        if isinstance(nums, int):
+            unknown = bool(nums & ~self._names_mask)
+        else:
+            unknown = any(n not in names for n in nums)
+        if (epoch and epoch != self._names_epoch) or unknown:
+            try:
+                names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
+            except VALKEY_ERRORS:
+                pass  # its bits are ignored until the names can be read
+        return names
+
+    async def pod_numbers(self, pods: Iterable[str]) -> dict[str, int]:
+        """Pods' numbers (their bit in every bitmap), from the names the lookup read."""
+        by_name = {name: num for num, name in (await self.pod_names()).items()}
+        return {p: by_name[p] for p in pods if p in by_name}
+
+    async def free(self, pod_id: str) -> None:
+        """Give a forgotten pod's number back (its bits must all be clear): another pod may have it after
+        NUM_REUSE_MS."""
+        await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
+
+
+__all__ = ["NAMES_TTL_S", "Numbering", "give_numbers"]
