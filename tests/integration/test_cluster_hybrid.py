@@ -248,7 +248,7 @@ def test_hybrid_lookups_on_a_cluster_equal_the_single_nodes_and_the_engines(valk
             if got.group_bits is not None:
                 seen[name] += 1
                 assert len(got.group_bits) >= longest
-                names = await ix.pod_names(refresh=True)
+                names = await ix.numbering.pod_names(refresh=True)
                 assert holders(got.group_bits[:longest], names) == engines.other_groups(longest), name
         hits = engines.hits(asked, prompt_len)
         for p in predictors:
