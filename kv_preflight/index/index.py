@@ -177,18 +177,13 @@ class Index:
             if not redo:
                 break
             lost = sorted({preps[i].pod for i in redo if results[i].status == "nonum"})
-            if lost:  # forgotten meanwhile (index clear --forget, retention): listed and numbered again
-                self._numbered -= set(lost)
-                for pod in lost:  # its registry row went with it: no keys of a pod that no listing shows
-                    self._registered.pop(pod, None)
-                await self.ensure_numbers(lost)
             again = []
             for i in redo:
                 b = dict(batches[i])
                 if results[i].status == REPLAN:
                     b["mode"] = "check"  # a reset another writer did already: this is the next seq
                 again.append(b)
-            await self._register_new(again)
+            await self._list_again(lost, again)
             await self._load_pods(sorted({b["pod_id"] for b in again}))
             redo_preps = self.writer.prepare_run(again)
             for i, prep in zip(redo, redo_preps):
@@ -200,6 +195,18 @@ class Index:
             stuck = [(preps[i].pod, results[i].status) for i in self.writer.settle(preps, results)]
             raise RedisConnectionError(f"batches could not be applied after {MAX_RETRIES} tries: {stuck[:3]}")
         return results
+
+    async def _list_again(self, lost: Sequence[str], again: Sequence[dict[str, Any]]) -> None:
+        """Before batches are sent again: their pods listed, then the ``lost`` ones (forgotten meanwhile by
+        ``index clear --forget`` or retention, their row, number and meta gone) numbered again. In that order:
+        a number given first is a key (``{nums}:byname``, the meta's ``num``) of a pod that no listing shows
+        until the row comes back, which a reader in between sees."""
+        for pod in lost:
+            self._numbered.discard(pod)
+            self._registered.pop(pod, None)
+        await self._register_new(again)
+        if lost:
+            await self.ensure_numbers(lost)
 
     async def plan_batches(self, batches: Sequence[dict[str, Any]]) -> list[Prepared]:
         """The batches planned against their pods' states (numbered and loaded first), not sent yet."""
@@ -292,13 +299,20 @@ class Index:
                                mutations=(), mode="clear")
         self.writer.forget(pod_id)
         if forget:
-            await self.client.delete(*pod_state_keys(pod_id))
-            await self.client.hdel(PODS_KEY, pod_id)
-            # its bits are all clear now (the clear above ran its effects): the number may serve another pod
-            await self.numbering.free(pod_id)
-            self._numbered.discard(pod_id)
-            self._registered.pop(pod_id, None)
+            await self._drop_pod(pod_id)
         return held
+
+    async def _drop_pod(self, pod_id: str) -> None:
+        """A cleared pod's keys, then its number, then its registry row. The row goes last: dropped before the
+        number was freed, ``{nums}:byname`` named a pod that no listing showed until the free came (a reader in
+        between saw it; under load for milliseconds). The other way round, a reader in between sees a listed
+        pod that holds nothing, which answers like any empty pod."""
+        await self.client.delete(*pod_state_keys(pod_id))
+        # its bits are all clear now (the clear above ran its effects): the number may serve another pod
+        await self.numbering.free(pod_id)
+        await self.client.hdel(PODS_KEY, pod_id)
+        self._numbered.discard(pod_id)
+        self._registered.pop(pod_id, None)
 
     async def reset_pod(self, pod_id: str) -> int:
         """The pod as a new engine starts it: entries cleared, seqs dropped, not incomplete. For a pod id

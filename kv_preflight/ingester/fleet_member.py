@@ -290,6 +290,9 @@ class FleetMember:
         membership hold later) and their frames refused, then the lease says so (``forget_seen_ms``), and
         whoever forgets them clears their keys once every live lease does: no batch can bring them back."""
         self.ing.routes.forgotten = set(forgotten)
+        # what this process cached of them goes too, whoever feeds them (an engine, or a --source socket, which
+        # has no engine to let go of): a row or number remembered past the forget is not in Valkey any more
+        self.index.forget_cached(forgotten)
         for key, att in sorted(self.attached.items()):
             if att.pods & set(forgotten) or att.spec.pod in forgotten:
                 self._step(f"letting go of {key}")

@@ -23,6 +23,7 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.fleet.records import RegisteredEngine, encode
 from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
+from tests.integration.unlisted import unlisted_pods
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -323,19 +324,6 @@ async def _attached_all(log: str, n: int) -> bool:
     return open(log).read().count("ingesting pod(s) ['dynamo-7") >= n
 
 
-def unlisted_pods(valkey_url: str) -> set[str]:
-    """Pods that have keys (metadata, a state log, a number) but no registry row: what no listing shows."""
-    r = redis.Redis.from_url(valkey_url, decode_responses=True)
-    try:
-        listed = set(r.hkeys("kvpf:registry"))
-        with_keys = {k[len("kvpf:{"):].rsplit("}:", 1)[0] for k in r.scan_iter("kvpf:{*}:*")
-                     if not k.startswith("kvpf:{nums}")}
-        numbered = set(r.hkeys("kvpf:{nums}:byname"))
-        return (with_keys | numbered) - listed
-    finally:
-        r.close()
-
-
 async def test_unregister_of_a_worker_that_still_publishes_leaves_no_zombie(valkey_url, tmp_path):
     """Finding 4: /unregister of a worker that still publishes cleared and forgot its pod while an ingester
     still owned it; its next batch made it a pod again that no listing showed (registry row gone, the
@@ -392,6 +380,58 @@ async def test_unregister_of_a_worker_that_still_publishes_leaves_no_zombie(valk
         stop(serve)
         sim.stop()
         control.stop()
+
+
+async def test_clear_forget_of_a_source_that_still_publishes_brings_it_back_listed(valkey_url, tmp_path):
+    """Issue 26 for an engine given by ``--source`` with no replay socket: ``index clear --forget`` while it
+    publishes, then its next batch (a gap, forced: nothing can replay it). The ingester refused the pod's
+    frames while it was being forgotten but kept the registry row and number it had cached (only an attached
+    engine's pods were dropped from that cache), and the apply script's check for a pod with no number never
+    answered (HMGET's false compared with nil): the forced batch wrote the pod's meta, state and bits under
+    its freed number with no registry row, a pod that no listing showed until the cached row was 10 s old.
+    Now it comes back listed and numbered like any other, its meta naming the number it has."""
+    pod, zmq = "src-sim", free_port()
+    port = free_port()
+    _started(spawn(["simulate", "--pod", pod, "--model", "sim", "--port", str(port), "--zmq", f"tcp://*:{zmq}",
+                    "--replay", "none", "--block-size", "16", "--blocks", "64"], str(tmp_path / "sim.log")))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/v1/models")
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--source", f"tcp://127.0.0.1:{zmq}",
+                   "--ingester-id", "src-1")
+    ix = Index.from_url(valkey_url)
+    raw = redis.Redis.from_url(valkey_url, decode_responses=True)
+    prompts = iter(range(10**6))
+
+    async def publish() -> None:
+        n = next(prompts)
+        body = {"model": "sim", "prompt": list(range(64 * n, 64 * n + 64)), "max_tokens": 1}
+        got = await asyncio.to_thread(httpx.post, url + "/v1/completions", json=body, timeout=10)
+        got.raise_for_status()
+
+    async def published_and_ingested():
+        await publish()
+        return await ingested(ix, pod)
+
+    async def published_and_back():  # frames are refused until the ingester sees the forget is over
+        await publish()
+        return int(raw.hget(f"kvpf:{{{pod}}}:meta", "blocks") or 0) > 0
+
+    try:
+        await until(published_and_ingested, "the source's pod ingested")
+        got = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "kv_preflight", "index", "clear", "--valkey-url", valkey_url, "--pod", pod, "--forget"],
+            capture_output=True, text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        assert pod not in raw.hkeys("kvpf:registry") and unlisted_pods(valkey_url) == set()
+        await until(published_and_back, "the pod's next batch applied")
+        assert unlisted_pods(valkey_url) == set()
+        assert pod in raw.hkeys("kvpf:registry")
+        assert raw.hget(f"kvpf:{{{pod}}}:meta", "num") == raw.hget("kvpf:{nums}:byname", pod) is not None
+        assert ing.poll() is None
+    finally:
+        raw.close()
+        await ix.close()
+        stop(ing)
 
 
 async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey_server, valkey_url, tmp_path):

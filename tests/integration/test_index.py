@@ -5,10 +5,11 @@ import pytest
 import redis
 
 from kv_preflight.index.index import (
-    ClearPod, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
+    ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
 from kv_preflight.index.layout import pod_meta_key
 from kv_preflight.index.transfer import export_blocks, held_blocks
+from tests.integration.unlisted import every_command_probed, unlisted_now
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -74,6 +75,42 @@ async def test_clear_pod_is_per_pod(ix):
     assert await ix.clear_pod("pod-b", forget=True) == 1
     assert await ix.client.exists("101", pod_meta_key("pod-b")) == 0
     assert "pod-b" not in await ix.meta.pod_ids()
+
+
+async def test_forgetting_a_pod_shows_no_moment_of_keys_unlisted(ix, valkey_url):
+    """Issue 26, between the steps of ``clear_pod(forget=True)`` (``index clear --forget``, retention): a
+    reader sees the pod listed, or gone whole, never a key or number of it without its registry row. The row
+    was dropped before the number was freed; a snapshot between the two saw ``{nums}:byname`` name a pod that
+    no listing showed (caught under load while the lifecycle property test ran)."""
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,))])
+    async with every_command_probed(ix, valkey_url) as seen:
+        await ix.clear_pod("pod-a", forget=True)
+    assert len(seen) >= 3 and all(not s for s in seen), seen
+    assert "pod-a" not in await ix.meta.pod_ids() and not await unlisted_now(ix.client)
+
+
+async def test_a_pod_forgotten_under_its_writer_is_listed_before_it_is_numbered_again(ix, valkey_url):
+    """A writer whose pod another process forgot (its row, number and meta gone) gets "nonum" for its next
+    batch and takes the pod back: the registry row first, then the number. Before, the apply script's check
+    for a missing number compared HMGET's false with nil and never answered: the writer wrote the pod's meta,
+    state and bits under the number it remembered (freed), with no registry row. And once it answered, the
+    pod was numbered before it was listed: ``{nums}:byname`` and meta ``num`` with no row until the row came."""
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,))])  # listed, numbered; this Index remembers both
+    other = Index.from_url(valkey_url)
+    try:
+        await other.clear_pod("pod-a", forget=True)
+    finally:
+        await other.close()
+    async with every_command_probed(ix, valkey_url) as seen:
+        # past a gap (the ingester's batch when the replay buffer no longer reaches back), and not seq 0,
+        # which always writes the row: the writer's cached row and number are all it has to go by
+        result = await apply(ix, 5, [StoreBlock(12, "gpu", F0, (102,))], mode="force")
+    assert result.status == "applied" and not await unlisted_now(ix.client)
+    assert seen and all(not s for s in seen), seen
+    assert "pod-a" in await ix.meta.pod_ids()
+    num = (await ix.numbering.pod_numbers(["pod-a"]))["pod-a"]  # numbered again, and its meta says the same number
+    assert int(await ix.client.hget(pod_meta_key("pod-a"), "num")) == num
+    assert [m.pod_id for m in await ix.lookup([102])] == ["pod-a"]
 
 
 async def test_lookup_script_equals_pipeline_and_llmd_forms(ix, valkey_url):

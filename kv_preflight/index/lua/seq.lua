@@ -53,7 +53,11 @@ local verdict_of_gap = false  -- force past a gap: counted
 local function check_batch()
   local bad = own_types_ok()
   if bad then return {'corrupt', '-1', 0, bad, gen} end
-  if head[4] == nil and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, '', gen} end
+  -- A pod with no number was forgotten (index clear --forget, retention) or lost: its writer lists and numbers
+  -- it again before anything is written. (A field HMGET did not find is false here, never nil: compared with
+  -- nil this never answered, and a writer still holding the old number wrote the pod's meta, state and bits
+  -- under a freed number, with no registry row.)
+  if not head[4] and mode ~= 'clear' and mode ~= 'reset_if' then return {'nonum', '-1', 0, '', gen} end
   if head[1] and not last then
     -- A seq we did not write (hand edit, foreign writer): the pod's entries cannot be trusted, so it is
     -- flagged, and the seq counts as unknown: this batch is a gap from the start (replayed or force-applied
