@@ -40,6 +40,7 @@ class Numbering:
         self._names_lock = asyncio.Lock()
         self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
         self._names_mask = 0  # bit n set: number n is in self._names
+        self._by_name: tuple[dict[int, str] | None, dict[str, int]] = (None, {})  # (names it was made from, pod -> num)
         self._nums_script = client.register_script(scripts.NUMS)
 
     @property
@@ -85,7 +86,10 @@ class Numbering:
 
     async def pod_numbers(self, pods: Iterable[str]) -> dict[str, int]:
         """Pods' numbers (their bit in every bitmap), from the names the lookup read."""
-        by_name = {name: num for num, name in (await self.pod_names()).items()}
+        names = await self.pod_names()
+        if self._by_name[0] is not names:  # pod -> number, made once per read of the names
+            self._by_name = (names, {name: num for num, name in names.items()})
+        by_name = self._by_name[1]
         return {p: by_name[p] for p in pods if p in by_name}
 
     async def free(self, pod_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure but for ``read_presence``; layout 4).
+"""Per pod, its prefix of a chain from the chain keys' pod bitmaps (pure but for ``read_group_bits``; layout 4).
 
 Each request key has, per tier, a bitmap of the pods holding it in their prefix group (``kvpf:{<rk>}``,
 field ``<tier>``, written with the key's entries: kv_preflight/index/lua/changes.lua), and for a hybrid model's
@@ -9,7 +9,7 @@ exactly as the linear walk over llm-d's entries does (``entries.longest_prefix``
 from the first, up to the first it lacks, its tier at the last one gpu first): a running AND of integers,
 so a fleet-wide prefix held by 1,000 pods costs 125 bytes a key to read and a few integer operations a
 key to walk, rather than a probe per pod and key; where few pods do, per pod its count, bisected there.
-``read_presence`` reads keys' presence hashes whole, for a hybrid model's other groups (through a backend)."""
+``read_group_bits`` reads keys' presence hashes whole, for a hybrid model's other groups (through a backend)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -383,20 +383,21 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-async def read_presence(backend: "IndexBackend", request_keys: Sequence[int]) -> list[dict[str, bytes]]:
-    """Each request key's presence hash (field -> bitmap, counts stripped), every field: what the engine's
-    rule for a hybrid model's other KV cache groups reads (kv_preflight/predictor/scoring/groups.py)."""
+async def read_group_bits(backend: "IndexBackend", request_keys: Sequence[int]) -> list[GroupBits]:
+    """Each request key's other-group bitmaps ((tier, group) -> bitmap, counts stripped), read from its presence
+    hash: what the engine's rule for a hybrid model's other KV cache groups reads
+    (kv_preflight/predictor/scoring/groups.py), where the lookup did not hand them over (``Lookup.group_bits``)."""
     replies = await backend.read_commands([("HGETALL", presence_key(k)) for k in request_keys])
-    out: list[dict[str, bytes]] = []
+    out: list[GroupBits] = []
     for r in replies:
         if isinstance(r, Exception):
             out.append({})
             continue
         items = r.items() if isinstance(r, dict) else zip(r[::2], r[1::2])
-        out.append({text(f): presence_value(v)[1] for f, v in items})
+        out.append(group_bits_of([x for f, v in items for x in (f, presence_value(v)[1])]))
     return out
 
 
-__all__ = ["BitsReply", "GroupBits", "chain_group_bits", "group_bits_of", "presence_value", "read_presence", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
+__all__ = ["BitsReply", "GroupBits", "chain_group_bits", "group_bits_of", "presence_value", "read_group_bits", "NamesFor", "TierBits", "TierRuns", "as_int", "bits_of", "mask_of", "numbers",
            "numbers_in", "chain_of_one_tier", "one_tier_reads", "parse_bits_reply", "prefix_from_bits", "prefix_of_one_tier", "tier_in",
            "tier_in_runs"]

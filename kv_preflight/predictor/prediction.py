@@ -39,7 +39,7 @@ from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.pod_meta import ScoringInfo
-from kv_preflight.index.presence import read_presence
+from kv_preflight.index.presence import read_group_bits
 from kv_preflight.predictor.scoring.groups import apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.chain import salted_request_keys
 
@@ -231,10 +231,9 @@ class Predictor:
         if not needed:
             return matches
         if group_bits is not None and len(group_bits) >= needed:
-            presence: list[dict[str, bytes]] = [{f"{tier}|{g}": b for (tier, g), b in per_key.items()}
-                                                for per_key in group_bits[:needed]]
+            presence = group_bits[:needed]
         else:
-            presence = await read_presence(self.index.backend, keys[:needed])
+            presence = await read_group_bits(self.index.backend, keys[:needed])
         nums = await self.index.numbering.pod_numbers(hybrid)
         return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
                             self.cfg.block_size, prompt_len)

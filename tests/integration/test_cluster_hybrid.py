@@ -30,12 +30,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 class Reads:
     """What a predictor's Index did: each default lookup's ``group_bits``, and how many times the chain keys'
-    presence was read apart from the lookup (``presence.read_presence``: a round trip of its own)."""
+    presence was read apart from the lookup (``presence.read_group_bits``: a round trip of its own)."""
 
     def __init__(self, monkeypatch):
         self.group_bits: list[object] = []
         self.presence_reads = 0
-        lookup, presence = Index.lookup_detailed, prediction.read_presence
+        lookup, presence = Index.lookup_detailed, prediction.read_group_bits
 
         async def lookup_detailed(ix, *args, **kwargs):
             found = await lookup(ix, *args, **kwargs)
@@ -47,7 +47,7 @@ class Reads:
             return await presence(backend, *args, **kwargs)
 
         monkeypatch.setattr(Index, "lookup_detailed", lookup_detailed)
-        monkeypatch.setattr(prediction, "read_presence", counted_presence)
+        monkeypatch.setattr(prediction, "read_group_bits", counted_presence)
 
 
 ASKED = (None, ["pod-h"], ["pod-h", "pod-p"], ["pod-p", "pod-s", "pod-t", "pod-c"])

@@ -27,9 +27,9 @@ def test_incomplete_groups_and_silent_pods_are_named():
 def test_window_cut_lists_the_evicted_window_blocks_of_the_prefix():
     # 4 blocks of 32 (8 request keys of 16); the window group holds blocks 0 and 3 (keys 1 and 7)
     bit = (1 << 2).to_bytes(1, "little")  # pod number 2
-    presence = [{"pod|1": bit} if k in (1, 7) else {} for k in range(8)]
+    presence = [{("pod", 1): bit} if k in (1, 7) else {} for k in range(8)]
     assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1, 2])
-    assert window_cut(HYBRID, 8, GroupBits([{"pod|1": bit}] * 8), 2, 16, 32, 129) is None
+    assert window_cut(HYBRID, 8, GroupBits([{("pod", 1): bit}] * 8), 2, 16, 32, 129) is None
     # only blocks of the prefix the prompt can reuse are named (the last token is recomputed)
     assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 97) == (1, 64, [1, 2])
     assert window_cut(HYBRID, 4, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1])

@@ -25,7 +25,7 @@ def test_window_pair_path_equals_the_general_rule(per, window, sw_first, prefix_
     presence = []
     for k in range(40):
         block_held = held[k // per] if k // per < len(held) else False
-        presence.append({f"gpu|{sw}": ((1 << num) if block_held else 0).to_bytes(2, "little")})
+        presence.append({("gpu", sw): ((1 << num) if block_held else 0).to_bytes(2, "little")})
     bits = GroupBits(presence)
 
     def general(g: int, i: int) -> bool:
@@ -60,7 +60,7 @@ def test_fleet_search_equals_each_pods_own(per, window, prompt_len, pods):
     presence = []
     for k in range(40):
         bitmap = sum(1 << num for num, (_, held) in enumerate(pods) if k // per < len(held) and held[k // per])
-        presence.append({"gpu|0": bitmap.to_bytes(2, "little")})
+        presence.append({("gpu", 0): bitmap.to_bytes(2, "little")})
     matches = [PodMatch(f"p{num}", prefix, "gpu") for num, (prefix, _) in enumerate(pods)]
     names = {f"p{num}": num for num in range(len(pods))}
     got = apply_groups(matches, {p: groups for p in names}, {p: bs for p in names}, presence, names, C, prompt_len)

@@ -26,7 +26,7 @@ from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, grou
 from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor, valkey_call
 from kv_preflight.keys.chain import request_keys
-from kv_preflight.index.presence import read_presence
+from kv_preflight.index.presence import read_group_bits
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
 MAX_POD_CHAINS = 64  # pods listed in ``pods``; the rest are counted in pods_truncated
@@ -82,7 +82,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
         hybrid = pods_groups({pod: i.groups for pod, i in infos.items()}, declared)
         group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
         if hybrid and keys_needed(matches, hybrid):  # a hybrid pod reuses what every KV cache group's rule accepts
-            presence = await read_presence(p.index.backend, keys[:keys_needed(matches, hybrid)])
+            presence = await read_group_bits(p.index.backend, keys[:keys_needed(matches, hybrid)])
             nums = await p.index.numbering.pod_numbers(hybrid)
             adjusted = apply_groups(matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()}, presence,
                                     nums, cfg.block_size, len(tokens))

@@ -3,7 +3,7 @@
 The index's lookup gives each pod's prefix in its prefix group (full attention: ``PodMatch.blocks``, in
 request keys). A pod with several KV cache groups (a sliding-window layer beside a full-attention one, and so
 on) reuses only what every group's rule accepts (kv_preflight/engines/hit_rules.py, vLLM's coordinator): the
-other groups' presence is read beside the lookup (``presence.read_presence``), and each such pod's match is replaced
+other groups' presence is read beside the lookup (``presence.read_group_bits``), and each such pod's match is replaced
 by the blocks that rule leaves, so scoring needs nothing else.
 """
 from __future__ import annotations
@@ -20,9 +20,10 @@ MAX_NAMED = 5  # pods a finding names; the rest are counted
 
 class GroupBits:
     """Each chain key's bitmap per KV cache group (every tier ORed), as integers, made once per key and group
-    asked for: a fleet's hybrid pods test their bit in the same few keys near their prefix's end."""
+    asked for: a fleet's hybrid pods test their bit in the same few keys near their prefix's end. ``presence``:
+    per key, (tier, group) -> bitmap, the other groups' fields (``Lookup.group_bits``, ``group_bits_of``)."""
 
-    def __init__(self, presence: Sequence[Mapping[str, bytes]]):
+    def __init__(self, presence: Sequence[Mapping[tuple[str, int], bytes]]):
         self.presence = presence
         self._ints: dict[tuple[int, int], int] = {}
 
@@ -31,9 +32,8 @@ class GroupBits:
         if got is None:
             got = 0
             if k < len(self.presence):
-                end = f"|{group}"
-                for f, bitmap in self.presence[k].items():
-                    if f.endswith(end):
+                for (_, g), bitmap in self.presence[k].items():
+                    if g == group:
                         got |= int.from_bytes(bitmap, "little")
             self._ints[(group, k)] = got
         return got
@@ -161,7 +161,7 @@ _LAYOUTS: dict[str, tuple[Mapping[int, GroupSpec], int, tuple[int, int, int] | N
 
 
 def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[int, GroupSpec]],
-                 engine_blocks: Mapping[str, int | None], presence: Sequence[Mapping[str, bytes]],
+                 engine_blocks: Mapping[str, int | None], presence: Sequence[Mapping[tuple[str, int], bytes]],
                  nums: Mapping[str, int], canonical: int, prompt_len: int) -> list[PodMatch]:
     """The matches with each hybrid pod's blocks replaced by what its groups' rules leave (in request keys);
     a pod whose number is not known keeps its prefix-group match (read again next time)."""
