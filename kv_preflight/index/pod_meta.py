@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -52,17 +54,23 @@ class ScoringInfo:
     groups: Mapping[int, GroupSpec] | None = None
 
 
-def groups_from(raw: Any) -> dict[int, GroupSpec] | None:
+def groups_from(raw: Any) -> Mapping[int, GroupSpec] | None:
     """A pod's meta "groups" ({"<group>": [kind, block size, window, chunk, eagle]}) as specs; None when it
-    names fewer than two groups (a plain model) or cannot be read."""
-    if not raw:
+    names fewer than two groups (a plain model) or cannot be read. One read-only mapping per distinct value:
+    a fleet's thousand hybrid pods of one model share it (parsed once, not at every metadata read)."""
+    if not raw or not isinstance(raw, (bytes, str)):
         return None
+    return _groups_of(raw)
+
+
+@lru_cache(maxsize=1024)
+def _groups_of(raw: bytes | str) -> Mapping[int, GroupSpec] | None:
     try:
         found = msgspec.json.decode(raw)
         groups = {int(g): GroupSpec(*v) for g, v in found.items()}
     except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
         return None
-    return groups if len(groups) > 1 else None
+    return MappingProxyType(groups) if len(groups) > 1 else None
 
 
 def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:

@@ -64,6 +64,7 @@ class IndexMetadata:
         self._pods: dict[str, tuple[float, float, ScoringInfo]] = {}  # pod -> (renew at, expires at, info)
         self._models: frozenset[str] = frozenset()
         self._pod_models: dict[str, str] = {}
+        self._by_model: dict[str, frozenset[str]] = {}  # model -> its pods, made once per read of the registry
         self._models_at: float | None = None
         self._flight = _SingleFlight()
         self._pod_tasks: dict[str, asyncio.Task] = {}  # pod -> the fetch that is reading it now
@@ -152,11 +153,15 @@ class IndexMetadata:
     async def pods_of(self, model: str) -> set[str]:
         """Pods the index lists under ``model`` (their topic's model), as fresh as ``known_models``."""
         await self.known_models()
-        return {p for p, m in self._pod_models.items() if m == model}
+        return set(self.cached_pods_of(model))
 
-    def cached_pods_of(self, model: str) -> set[str]:
-        """``pods_of`` from what was read last, without a read (empty before the first)."""
-        return {p for p, m in self._pod_models.items() if m == model}
+    def cached_pods_of(self, model: str) -> frozenset[str]:
+        """``pods_of`` from what was read last, without a read (empty before the first). A frozenset made once
+        per read of the registry: every answer asks, and a fleet has thousands of pods."""
+        got = self._by_model.get(model)
+        if got is None:
+            got = self._by_model[model] = frozenset(p for p, m in self._pod_models.items() if m == model)
+        return got
 
     async def all_pods(self) -> frozenset[str]:
         """Every pod the index's registry lists, as fresh as ``known_models``."""
@@ -177,5 +182,6 @@ class IndexMetadata:
     async def _load_models(self) -> None:
         pods = await self.index.meta.pod_ids()
         self._pod_models = pods
+        self._by_model = {}
         self._models = frozenset(m for m in pods.values() if m)
         self._models_at = self.clock()
