@@ -22,20 +22,36 @@ from kv_preflight import parent_death
 LISTEN_PORTS = (10000, 20000)  # [lo, hi): below Linux's ephemeral range (32768-60999) and the cluster's ports
 
 
+# Ports free_port handed out lately (port -> monotonic time): one not bound yet is still free, and drawing
+# it again would give two servers one port ("Address already in use", or a client reaching the wrong one).
+_HANDED_OUT: dict[int, float] = {}
+HANDED_OUT_HOLD_S = 120.0
+
+
 def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
     """A port in [lo, hi) free now, for a server that another process binds a moment later (Valkey, an
     engine, a predictor). Not the kernel's pick (bind to port 0): that comes from the ephemeral range, from
     which every outgoing connection takes its local port too, so in the gap before the server binds a
-    client could take it (a real vLLM failed to start in CI with "Address already in use" on such a port)."""
+    client could take it (a real vLLM failed to start in CI with "Address already in use" on such a port).
+    Never one this process handed out in the last ``HANDED_OUT_HOLD_S``: several drawn before any is bound
+    (``up``'s engine: HTTP, ZMQ and replay; a test's predictor and engine) would otherwise share one now and
+    then, as nothing is listening on it yet."""
     rng = random.Random()
+    now = time.monotonic()
+    for port, at in list(_HANDED_OUT.items()):
+        if now - at > HANDED_OUT_HOLD_S:
+            del _HANDED_OUT[port]
     for _ in range(500):
         port = rng.randrange(lo, hi)
+        if port in _HANDED_OUT:
+            continue
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
-            return port
         except OSError:
             continue
+        _HANDED_OUT[port] = now
+        return port
     raise RuntimeError(f"no free port in {lo}-{hi}")
 
 

@@ -49,3 +49,30 @@ def test_given_options_reach_serve_as_given(tmp_path):
 def test_options_not_given_are_left_to_serve():
     assert serve_args(parse(up, [])) == []
     assert serve_args(parse(up, ["--tokenizer-check"])) == ["--tokenizer-check"]
+
+
+def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
+    """Ports drawn together (``up``'s engine: HTTP, ZMQ, replay; a test's predictor and engine) are all
+    unbound until their servers start: free_port must not give the same one twice meanwhile."""
+    import socket
+
+    from kv_preflight.cli import valkey_server
+
+    def kernel_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    a, b = kernel_port(), kernel_port()
+
+    class Draws:  # the random draws: the same port twice, then another
+        def __init__(self):
+            self.left = [a, a, b]
+
+        def randrange(self, lo, hi):
+            return self.left.pop(0)
+
+    draws = Draws()
+    monkeypatch.setattr(valkey_server.random, "Random", lambda: draws)
+    assert valkey_server.free_port() == a
+    assert valkey_server.free_port() == b  # a drawn again, still unbound, is skipped
