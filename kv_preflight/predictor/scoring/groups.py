@@ -156,20 +156,18 @@ def keys_needed(matches: Iterable[PodMatch], hybrid: Mapping[str, object]) -> in
     return max((m.blocks for m in matches if m.pod_id in hybrid), default=0)
 
 
-# pod -> (its groups mapping, engine block, _window_pair of them): the layout analysed once per metadata read
-_LAYOUTS: dict[str, tuple[Mapping[int, GroupSpec], int, tuple[int, int, int] | None]] = {}
-
-
 def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[int, GroupSpec]],
                  engine_blocks: Mapping[str, int | None], presence: Sequence[Mapping[tuple[str, int], bytes]],
                  nums: Mapping[str, int], canonical: int, prompt_len: int) -> list[PodMatch]:
     """The matches with each hybrid pod's blocks replaced by what its groups' rules leave (in request keys);
-    a pod whose number is not known keeps its prefix-group match (read again next time)."""
+    a pod whose number is not known keeps its prefix-group match (read again next time). Pods of one layout
+    (one groups mapping, shared by a model's pods: kv_preflight/index/pod_meta.py) and one engine block are
+    analysed once and, for one window beside full attention, searched at once."""
     bits = GroupBits(presence)
     hits: dict[str, int] = {}
     batched: list[tuple[str, tuple[int, int, int], int]] = []  # (pod, its window layout, its number)
     batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # pods of one layout, searched at once
-    layouts = _LAYOUTS
+    pairs: dict[tuple[int, int], tuple[int, int, int] | None] = {}  # (id of a groups mapping, engine block) -> pair
     for m in matches:
         pod = m.pod_id
         groups = groups_of.get(pod)
@@ -178,17 +176,14 @@ def apply_groups(matches: Sequence[PodMatch], groups_of: Mapping[str, Mapping[in
         num = nums.get(pod)
         if num is None:
             continue
-        memo = layouts.get(pod)
-        if memo is None or memo[0] is not groups:
-            # the pod's groups as its metadata cache holds them (its engine block comes from the same read):
-            # one object until the metadata is read again
-            ebs = engine_blocks.get(pod) or canonical
-            memo = layouts[pod] = (groups, ebs, _window_pair(tuple(sorted(groups.items())), ebs, canonical))
-            if len(layouts) > 100_000:
-                layouts.clear()
-        pair = memo[2]
+        ebs = engine_blocks.get(pod) or canonical
+        layout = (id(groups), ebs)
+        if layout in pairs:
+            pair = pairs[layout]
+        else:
+            pair = pairs[layout] = _window_pair(tuple(sorted(groups.items())), ebs, canonical)
         if pair is None:
-            hits[pod] = group_hit(groups, m.blocks, bits, num, canonical, memo[1], prompt_len)
+            hits[pod] = group_hit(groups, m.blocks, bits, num, canonical, ebs, prompt_len)
             continue
         batch = batches.get(pair)
         if batch is None:
