@@ -158,6 +158,9 @@ class Applier:
         except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
             await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
             return "error"
+        except ValueError as exc:  # a batch the pod's state log cannot hold (hostile: past 16 tiers, say)
+            await self.failed(pod, seq, f"batch cannot be written: {exc}")
+            return "error"
         await self.answered(pod, seq, batch, plan, result)
         replay = self.routes.replay_endpoint(pod, rank)
         step = next_step(result.status, mode=item.mode, seq=seq, last_seq=result.last_seq,

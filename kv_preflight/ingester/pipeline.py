@@ -52,7 +52,15 @@ class Pipeline:
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
                          engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations)
                     for (pod, model, seq, batch, _), plan in zip(run, plans)]
-            sent = await self.valkey.call(self.index.send_batches, args)
+            try:
+                sent = await self.valkey.call(self.index.send_batches, args)
+            except ValueError:  # a batch of the run its pod's state log cannot hold: each alone, that one fails
+                if inflight is not None:
+                    await self._finish_run(*inflight)
+                    inflight = None
+                for pod, model, seq, batch, errors in run:
+                    await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
+                continue
             if inflight is not None:
                 await self._finish_run(*inflight)
             inflight = (run, plans, args, sent)

@@ -394,3 +394,39 @@ def test_a_100mb_frame_is_a_flagged_gap_not_a_memory_spike(valkey_url, tmp_path)
         engine.close()
         loop.run_until_complete(ix.close())
         loop.close()
+
+
+def test_a_batch_past_what_a_pod_state_holds_fails_alone_and_the_pod_moves_on(valkey_url, tmp_path):
+    """A batch naming 17 device tiers at once (a pod's state log holds 16) could not be written: the ValueError
+    left the ingest loop and ended the process. Now that batch fails alone (logged, counted), the next one is
+    a gap with nothing to replay it from (a --bind socket), applied with the pod flagged, and other pods go on."""
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    loop = asyncio.new_event_loop()
+    ix = Index.from_url(valkey_url)
+    with ingester(valkey_url, tmp_path, "--bind", f"tcp://127.0.0.1:{port}") as (proc, metrics_url, log):
+        try:
+            pub.connect(f"tcp://127.0.0.1:{port}")
+            canary = Canary(pub, ix, loop)
+            canary.publish_and_wait(proc, timeout_s=30)
+            tiers = [BlockStored([900_000 + i], None, [i + 1] * 16, 16, medium=f"TIER{i}", group_idx=0, extra_keys=[None])
+                     for i in range(17)]
+            pub.send_multipart(encode_frames("kv@victim@tiny", 0, EventBatch(time.time(), tiers, 0)))
+            canary.publish_and_wait(proc)
+            assert proc.poll() is None, log.read_text()[-2000:]
+            victim = Canary(pub, ix, loop, pod="victim")
+            victim.seq = 1
+            victim.publish_and_wait(proc)
+            info = victim.info()
+            assert info.incomplete and "were missed" in info.incomplete_reason, info
+            assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total") >= 1
+            text = log.read_text()
+            assert "batch cannot be written" in text and "Traceback" not in text
+            canary.publish_and_wait(proc)
+        finally:
+            pub.close()
+            ctx.term()
+            loop.run_until_complete(ix.close())
+            loop.close()
