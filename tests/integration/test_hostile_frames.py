@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -291,9 +293,21 @@ def test_hostile_frames_are_counted_and_never_stop_one_ingester(valkey_url, tmp_
             loop.close()
 
 
-def test_deep_nesting_and_a_non_utf8_topic_are_decode_errors_not_a_crash_or_a_pod(valkey_url, tmp_path):
-    """The findings: an event nested 1,000+ levels deep made RecursionError escape the decoder and
-    killed the ingester; a non-UTF-8 topic became a pod named "\ufffd\ufffd"."""
+@dataclasses.dataclass
+class Bound:
+    """An ingester process on a --bind socket, a PUB connected to it and a canary pod already indexed."""
+
+    proc: Any
+    metrics_url: str
+    log: Path
+    pub: zmq.Socket
+    ix: Index
+    loop: asyncio.AbstractEventLoop
+    canary: Canary
+
+
+@contextlib.contextmanager
+def bound_ingester(valkey_url: str, tmp_path: Path):
     port = free_port()
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -305,22 +319,29 @@ def test_deep_nesting_and_a_non_utf8_topic_are_decode_errors_not_a_crash_or_a_po
             pub.connect(f"tcp://127.0.0.1:{port}")
             canary = Canary(pub, ix, loop)
             canary.publish_and_wait(proc, timeout_s=30)
-            stored = next(e for e in wire_events() if e["type"] == "BlockStored")
-            pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "extra_keys", nested(5000)))])
-            pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "future_field", nested(5000)))])
-            pub.send_multipart([b"kv@\xff\xfe@tiny", seq_bytes(0), REAL_FRAMES[0][2]])
-            canary.publish_and_wait(proc)
-            assert proc.poll() is None
-            assert canary.counters().get("decode_errors") == 3
-            assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_decode_errors_total") == 3
-            assert set(loop.run_until_complete(ix.meta.pod_ids())) == {"canary"}
-            text = log.read_text()
-            assert "is not UTF-8" in text and "recursion limit" in text and "Traceback" not in text
+            yield Bound(proc, metrics_url, log, pub, ix, loop, canary)
         finally:
             pub.close()
             ctx.term()
             loop.run_until_complete(ix.close())
             loop.close()
+
+
+def test_deep_nesting_and_a_non_utf8_topic_are_decode_errors_not_a_crash_or_a_pod(valkey_url, tmp_path):
+    """The findings: an event nested 1,000+ levels deep made RecursionError escape the decoder and
+    killed the ingester; a non-UTF-8 topic became a pod named "\ufffd\ufffd"."""
+    with bound_ingester(valkey_url, tmp_path) as b:
+        stored = next(e for e in wire_events() if e["type"] == "BlockStored")
+        b.pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "extra_keys", nested(5000)))])
+        b.pub.send_multipart([VICTIM, seq_bytes(0), payload_of(map_with(stored, "future_field", nested(5000)))])
+        b.pub.send_multipart([b"kv@\xff\xfe@tiny", seq_bytes(0), REAL_FRAMES[0][2]])
+        b.canary.publish_and_wait(b.proc)
+        assert b.proc.poll() is None
+        assert b.canary.counters().get("decode_errors") == 3
+        assert metric(httpx.get(b.metrics_url, timeout=5).text, "kvpf_ingest_decode_errors_total") == 3
+        assert set(b.loop.run_until_complete(b.ix.meta.pod_ids())) == {"canary"}
+        text = b.log.read_text()
+        assert "is not UTF-8" in text and "recursion limit" in text and "Traceback" not in text
 
 
 def _utf8(raw: bytes) -> bool:
@@ -400,33 +421,18 @@ def test_a_batch_past_what_a_pod_state_holds_fails_alone_and_the_pod_moves_on(va
     """A batch naming 17 device tiers at once (a pod's state log holds 16) could not be written: the ValueError
     left the ingest loop and ended the process. Now that batch fails alone (logged, counted), the next one is
     a gap with nothing to replay it from (a --bind socket), applied with the pod flagged, and other pods go on."""
-    port = free_port()
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    loop = asyncio.new_event_loop()
-    ix = Index.from_url(valkey_url)
-    with ingester(valkey_url, tmp_path, "--bind", f"tcp://127.0.0.1:{port}") as (proc, metrics_url, log):
-        try:
-            pub.connect(f"tcp://127.0.0.1:{port}")
-            canary = Canary(pub, ix, loop)
-            canary.publish_and_wait(proc, timeout_s=30)
-            tiers = [BlockStored([900_000 + i], None, [i + 1] * 16, 16, medium=f"TIER{i}", group_idx=0, extra_keys=[None])
-                     for i in range(17)]
-            pub.send_multipart(encode_frames("kv@victim@tiny", 0, EventBatch(time.time(), tiers, 0)))
-            canary.publish_and_wait(proc)
-            assert proc.poll() is None, log.read_text()[-2000:]
-            victim = Canary(pub, ix, loop, pod="victim")
-            victim.seq = 1
-            victim.publish_and_wait(proc)
-            info = victim.info()
-            assert info.incomplete and "were missed" in info.incomplete_reason, info
-            assert metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total") >= 1
-            text = log.read_text()
-            assert "batch cannot be written" in text and "Traceback" not in text
-            canary.publish_and_wait(proc)
-        finally:
-            pub.close()
-            ctx.term()
-            loop.run_until_complete(ix.close())
-            loop.close()
+    with bound_ingester(valkey_url, tmp_path) as b:
+        tiers = [BlockStored([900_000 + i], None, [i + 1] * 16, 16, medium=f"TIER{i}", group_idx=0, extra_keys=[None])
+                 for i in range(17)]
+        b.pub.send_multipart(encode_frames("kv@victim@tiny", 0, EventBatch(time.time(), tiers, 0)))
+        b.canary.publish_and_wait(b.proc)
+        assert b.proc.poll() is None, b.log.read_text()[-2000:]
+        victim = Canary(b.pub, b.ix, b.loop, pod="victim")
+        victim.seq = 1
+        victim.publish_and_wait(b.proc)
+        info = victim.info()
+        assert info.incomplete and "were missed" in info.incomplete_reason, info
+        assert metric(httpx.get(b.metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total") >= 1
+        text = b.log.read_text()
+        assert "batch cannot be written" in text and "Traceback" not in text
+        b.canary.publish_and_wait(b.proc)
