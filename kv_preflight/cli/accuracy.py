@@ -65,8 +65,11 @@ class EventWatcher:
 
 
 def applied_seqs(predictor_url: str) -> dict[str, int]:
+    """Each pod's last applied seq, counted only once its changes are all visible: on a Valkey Cluster a batch's
+    seq is written with its pod's state before its changes run on the other shards (``pending_effects``)."""
     stats = httpx.get(predictor_url.rstrip("/") + "/stats", timeout=5).json()
-    return {p["pod_id"]: max((p.get("last_seq") or {"0": -1}).values()) for p in stats.get("pods", [])}
+    return {p["pod_id"]: max((p.get("last_seq") or {"0": -1}).values()) if not p.get("pending_effects") else -1
+            for p in stats.get("pods", [])}
 
 
 def wait_caught_up(predictor_url: str, watcher: EventWatcher | None, timeout_s: float = 20.0) -> None:

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import IndexBackend
 from kv_preflight.index.entries import text
-from kv_preflight.index.layout import COUNTERS_KEY, PODS_KEY, pod_meta_key
+from kv_preflight.index.layout import COUNTERS_KEY, PODS_KEY, pod_meta_key, pod_outbox_key
 
 
 @dataclass
@@ -34,6 +34,9 @@ class PodInfo:
     # held request keys whose parent the pod does not hold (kv_preflight/index/pod_state.py); None: not known (the
     # lookup walks the pod rather than bisecting it until its next clear)
     orphan_keys: int | None = None
+    # batches applied whose changes on other shards have not all run yet (a cluster's outbox entries): until
+    # 0, a lookup may not see all of the last batch (always 0 on a single node, where a batch is one script)
+    pending_effects: int = 0
 
 
 _POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts", "gaps_accepted", "replays",
@@ -153,11 +156,17 @@ class PodMeta:
         out: list[PodInfo] = []
         for i in range(0, len(pod_ids), chunk):
             part = pod_ids[i:i + chunk]
-            replies = await self._read_commands([("HGETALL", pod_meta_key(p)) for p in part])
-            for p, meta in zip(part, replies):
+            # each pod's meta and its outbox's length: the same slot (its hash tag), so one node answers both
+            replies = await self._read_commands([c for p in part for c in (("HGETALL", pod_meta_key(p)),
+                                                                           ("HLEN", pod_outbox_key(p)))])
+            for j, p in enumerate(part):
+                meta, pending = replies[2 * j], replies[2 * j + 1]
                 if isinstance(meta, list):  # the lean connection answers HGETALL flat
                     meta = dict(zip(meta[::2], meta[1::2]))
-                out.append(pod_info_from(p, meta))
+                info = pod_info_from(p, meta)
+                if isinstance(pending, int):
+                    info.pending_effects = pending
+                out.append(info)
         return out
 
     async def pods(self) -> list[PodInfo]:

@@ -81,6 +81,7 @@ def pod_stats(info: PodInfo, now: float) -> dict[str, Any]:
         "model": info.model,
         "engine_block_size": info.engine_block_size,
         "last_seq": dict(sorted(info.seqs.items())),
+        "pending_effects": info.pending_effects,
         "last_event_age_s": None if info.last_event_time is None else round(now - info.last_event_time, 3),
         "blocks": info.blocks,
         "incomplete": info.incomplete,

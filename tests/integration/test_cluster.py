@@ -230,6 +230,8 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, p
             await asyncio.sleep(0.05)
         assert doomed.returncode == 137, "the ingester did not stop at the crash point"
         assert await ix.client.hlen(pod_outbox_key("pod-c")) >= 1, "the crash left no outbox entry"
+        # /stats (and `index stats`) say the pod's last batch is not all visible yet
+        assert (await ix.meta.pod_info("pod-c")).pending_effects >= 1
         survivor = spawn(args, str(tmp_path / "survivor.log"))
         try:
             await assert_exact(ix, engine, wl)  # the engine is quiet: the survivor's chores ran the entry
@@ -237,6 +239,10 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, p
             await assert_exact(ix, engine, wl)
             info = await ix.meta.pod_info("pod-c")
             assert info.counters["batches"] == engine.seq  # every batch applied exactly once
+            deadline = time.monotonic() + 20  # the last entry is deleted just after its effects ran
+            while (await ix.meta.pod_info("pod-c")).pending_effects and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert (await ix.meta.pod_info("pod-c")).pending_effects == 0
         finally:
             stop(survivor)
     finally:
