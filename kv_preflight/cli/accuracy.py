@@ -64,12 +64,19 @@ class EventWatcher:
         self.ctx.term()
 
 
-def applied_seqs(predictor_url: str) -> dict[str, int]:
-    """Each pod's last applied seq, counted only once its changes are all visible: on a Valkey Cluster a batch's
-    seq is written with its pod's state before its changes run on the other shards (``pending_effects``)."""
+def applied_seqs(predictor_url: str) -> tuple[dict[str, int], set[str]]:
+    """Each pod's last applied seq, and the pods with changes still to run on other shards (``pending_effects``:
+    on a Valkey Cluster a batch's seq is written with its pod's state before its changes run there)."""
     stats = httpx.get(predictor_url.rstrip("/") + "/stats", timeout=5).json()
-    return {p["pod_id"]: max((p.get("last_seq") or {"0": -1}).values()) if not p.get("pending_effects") else -1
-            for p in stats.get("pods", [])}
+    pods = stats.get("pods", [])
+    return ({p["pod_id"]: max((p.get("last_seq") or {"0": -1}).values()) for p in pods},
+            {p["pod_id"] for p in pods if p.get("pending_effects")})
+
+
+# After a batch's seq, how long to wait for its changes on the other shards: they run in the same round, within
+# milliseconds; an entry left by a failover is run again later (at the pod's next batch, or by the chores of
+# a stale entry), which a quiet engine would wait for in vain.
+EFFECTS_SETTLE_S = 2.0
 
 
 def wait_caught_up(predictor_url: str, watcher: EventWatcher | None, timeout_s: float = 20.0) -> None:
@@ -79,8 +86,12 @@ def wait_caught_up(predictor_url: str, watcher: EventWatcher | None, timeout_s: 
     watcher.drain()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        seen = applied_seqs(predictor_url)
+        seen, pending = applied_seqs(predictor_url)
         if all(seen.get(pod, -1) >= seq for pod, seq in watcher.last_seq.items()):
+            settle = time.monotonic() + EFFECTS_SETTLE_S
+            while pending & set(watcher.last_seq) and time.monotonic() < settle:
+                time.sleep(0.02)
+                pending = applied_seqs(predictor_url)[1]
             return
         time.sleep(0.02)
     raise TimeoutError(f"the index did not reach the engine's seqs {watcher.last_seq} in {timeout_s}s")

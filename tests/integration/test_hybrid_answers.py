@@ -111,10 +111,12 @@ class Fleet:
 
 
 async def wait_seq(ix: Index, pod: str, seq: int, timeout: float = 10.0) -> None:
+    """Until the pod's batch ``seq`` is applied and visible: on a cluster its seq is written with the pod's state
+    before its changes run on the other shards (``pending_effects``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = await ix.meta.pod_info(pod)
-        if max((int(v) for v in info.seqs.values()), default=-1) >= seq:
+        if max((int(v) for v in info.seqs.values()), default=-1) >= seq and not info.pending_effects:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"{pod} not at seq {seq}: {await ix.meta.pod_info(pod)}")
