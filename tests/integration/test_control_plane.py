@@ -6,6 +6,7 @@ a registered engine is a named source (its frames need no topic)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import resource
 import shutil
@@ -23,6 +24,7 @@ from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.fleet.records import RegisteredEngine, encode
 from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
+from tests.integration import waits
 from tests.integration.unlisted import unlisted_pods
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -44,15 +46,7 @@ def _started(proc):
 FAST = ["--lease-ttl", "3", "--membership-hold", "0", "--health-failures", "2"]
 
 
-async def until(pred, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await pred()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+until = functools.partial(waits.until, timeout=30.0)
 
 
 def ingester(valkey_url: str, log: str, *args: str, env: dict[str, str] | None = None, nofile: int | None = None):
@@ -108,6 +102,20 @@ def register_body(instance: int, endpoint: str, **extra) -> dict:
 
 async def ingested(ix: Index, pod: str) -> bool:
     return pod in await ix.meta.pod_ids() and (await ix.meta.pod_info(pod)).blocks > 0
+
+
+async def register_until_ingested(c: httpx.AsyncClient, ix: Index, sim: Sim, instance: int) -> None:
+    """Register a simulator as Dynamo worker ``instance`` (pod dynamo-<instance>) and have it publish until its
+    pod is in the index."""
+    r = await c.post("/register", json=register_body(
+        instance, f"tcp://127.0.0.1:{sim.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
+    assert r.status_code == 201, r.text
+
+    async def published():
+        await asyncio.to_thread(sim.complete, list(range(64)))
+        return await ingested(ix, f"dynamo-{instance}")
+
+    await until(published, f"registered worker {instance} ingested")
 
 
 def alive(*procs) -> list[int | None]:
@@ -338,24 +346,8 @@ async def test_unregister_of_a_worker_that_still_publishes_leaves_no_zombie(valk
     raw = redis.Redis.from_url(valkey_url)
     try:
         async with httpx.AsyncClient(base_url=dyn, timeout=30) as c:
-            r = await c.post("/register", json=register_body(
-                11, f"tcp://127.0.0.1:{sim.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{sim.replay_port}"))
-            assert r.status_code == 201
-
-            async def published():
-                await asyncio.to_thread(sim.complete, list(range(64)))
-                return await ingested(ix, "dynamo-11")
-
-            await until(published, "the registered worker ingested")
-            r = await c.post("/register", json=register_body(
-                12, f"tcp://127.0.0.1:{control.zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{control.replay_port}"))
-            assert r.status_code == 201
-
-            async def control_published():
-                await asyncio.to_thread(control.complete, list(range(64)))
-                return await ingested(ix, "dynamo-12")
-
-            await until(control_published, "a second registered worker ingested")
+            await register_until_ingested(c, ix, sim, 11)
+            await register_until_ingested(c, ix, control, 12)
             r = await c.post("/unregister", json={"instance_id": 11, "model_name": "sim"})
             assert r.status_code == 200, r.text
         for n in range(4):  # the worker goes on publishing, new blocks each time

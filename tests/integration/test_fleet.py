@@ -6,11 +6,9 @@ test can add and remove A records for a name of its own), split among ingesters 
 taken over after a kill -9 within the lease TTL, and retired when they leave or stay unreachable."""
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import os
-import time
 import uuid
 
 import httpx
@@ -23,6 +21,7 @@ from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import sim_engine
 from tests.integration.test_fault_accuracy import blind, exact
+from tests.integration.waits import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -30,15 +29,6 @@ FAST = ["--lease-ttl", "3", "--membership-hold", "1", "--health-failures", "2"]
 FAST_ENV = {"KVPF_DISCOVERY_INTERVAL_S": "0.5"}
 
 
-async def until(pred, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await pred()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def write_engines(path, engines) -> None:
