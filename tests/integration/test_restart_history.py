@@ -52,11 +52,13 @@ async def test_pod_of_a_new_engine_is_exact_after_retirement(valkey_url, tmp_pat
         await until(lambda: state("sim-b", "live"), "sim-b live again")
         blind(b2.url, shared_prefix_workload(n=3, seed=5, block=16))
 
-        async def indexed():
-            return (await ix.meta.pod_info("sim-b")).blocks
+        last = len(b2.published()) - 1  # the engine's own account: every batch it has sent
 
-        await until(indexed, "sim-b's new entries")
-        info = await ix.meta.pod_info("sim-b")
+        async def caught_up():
+            info = await ix.meta.pod_info("sim-b")
+            return info if info.seqs.get("0") == last and not info.pending_effects else None
+
+        info = await until(caught_up, f"sim-b's batches up to seq {last}")
         assert not info.incomplete, info.incomplete_reason
         # and what the index holds is what the new engine published, nothing of the old one's
         held = len(await held_blocks(ix.writer, "sim-b"))
