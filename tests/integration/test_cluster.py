@@ -178,6 +178,28 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
         await ix.close()
 
 
+async def test_a_pipelined_run_of_one_pods_batches_leaves_no_outbox_entry(cluster_url):
+    """Several batches of one pod in one send (the ingester's pipelined run under load): each batch's entry
+    is deleted once its changes ran and replicated, not only the first (the later ones used to be held back
+    behind their own run's earlier entries, kept, and run again by the chores: twice the shards' work)."""
+    ix = Index.from_url(cluster_url)
+    try:
+        f = entry("pod-p")
+        for attempt in range(5):
+            pod = f"pod-p{attempt}"
+            batches = [dict(pod_id=pod, rank=0, seq=s, ts=1.0, model="m", engine_block_size=32,
+                            mutations=[StoreBlock(100 + s, "gpu", f, (1000 + s,))]) for s in range(4)]
+            unreplicated = ix.backend.writes.unreplicated
+            assert [r.status for r in await ix.apply_batches(batches)] == ["applied"] * 4
+            if ix.backend.writes.unreplicated == unreplicated:  # every replica confirmed in time
+                assert await ix.client.hlen(pod_outbox_key(pod)) == 0
+                break
+        else:
+            pytest.fail("no run was confirmed on the replicas in time, five times")
+    finally:
+        await ix.close()
+
+
 def cluster_engine(topic="kv@pod-c@tiny"):
     from kv_preflight.cli.valkey_server import free_port
     zport, rport = free_port(), free_port()

@@ -153,6 +153,7 @@ class ClusterWrites:
             entries: list[tuple[str, str, bytes]] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
+            written: dict[str, int] = {}  # per pod, entries this round wrote (a pod's steps run in order)
             owners: list[int] = []
             again: list[int] = []
             drain: set[str] = set()
@@ -170,10 +171,13 @@ class ClusterWrites:
                     entry = (pods[i], text(r[5]), args[i][-1])
                     entries.append(entry)
                     owners.append(i)
-                    if int(r[6]) > 0 or pods[i] in held_back:
+                    # own entries older than this round's are another run's (kept: not replicated in
+                    # time, or run again by a drain): this pod's entries wait for that one, in order
+                    if int(r[6]) > written.get(pods[i], 0) or pods[i] in held_back:
                         held_back.add(pods[i])
                     else:
                         ackable.append(entry)
+                    written[pods[i]] = written.get(pods[i], 0) + 1
             self._maybe_crash("pod_step", len(entries))
             if entries:
                 foreign, first, touched = await self.run(entries)
