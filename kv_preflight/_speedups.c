@@ -328,7 +328,9 @@ static PyObject *slot_groups(PyObject *self, PyObject *args) {
     PyObject *keys_obj;
     Py_buffer table;
     Py_ssize_t groups;
-    if (!PyArg_ParseTuple(args, "Oy*n", &keys_obj, &table, &groups)) return NULL;
+    const char *prefix = "";
+    Py_ssize_t prefix_len = 0;
+    if (!PyArg_ParseTuple(args, "Oy*n|y#", &keys_obj, &table, &groups, &prefix, &prefix_len)) return NULL;
     if (table.len != 16384 || groups < 1 || groups > 256) {
         PyBuffer_Release(&table);
         PyErr_SetString(PyExc_ValueError, "table must be 16384 bytes and groups in 1..256");
@@ -344,6 +346,9 @@ static PyObject *slot_groups(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(out, g, l);
     }
     const uint8_t *map = (const uint8_t *)table.buf;
+    uint16_t crc0 = 0;  /* CRC16 runs left to right: the prefix's state, then each key's digits */
+    for (Py_ssize_t j = 0; j < prefix_len; j++)
+        crc0 = (uint16_t)((crc0 << 8) ^ CRC16_TABLE[((crc0 >> 8) ^ (uint8_t)prefix[j]) & 0xff]);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -352,7 +357,7 @@ static PyObject *slot_groups(PyObject *self, PyObject *args) {
         char digits[24];
         char *p = digits + sizeof digits;
         do { *--p = (char)('0' + v % 10); v /= 10; } while (v);
-        uint16_t crc = 0;
+        uint16_t crc = crc0;
         for (; p < digits + sizeof digits; p++) crc = (uint16_t)((crc << 8) ^ CRC16_TABLE[((crc >> 8) ^ (uint8_t)*p) & 0xff]);
         uint8_t shard = map[crc & 16383];
         Py_ssize_t g = shard < groups - 1 ? shard : groups - 1;
@@ -711,7 +716,8 @@ static PyMethodDef methods[] = {
     {"affinities", affinities, METH_VARARGS,
      "predictor/scoring/score.py's per-pod loop: make(pod, blocks, tokens, tier, estimate, incomplete) per scoring pod."},
     {"slot_groups", slot_groups, METH_VARARGS,
-     "Positions of request keys grouped by the shard serving each key's cluster slot (a slot -> shard table)."},
+     "Positions of keys named prefix + decimal value (request keys: no prefix) grouped by the shard serving "
+     "each name's cluster slot (a slot -> shard table); the prefix holds no hash tag."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -49,18 +49,21 @@ def slot_table(owner_of: Mapping[int, str]) -> tuple[bytes, list[str]]:
     return bytes(table), shards
 
 
-def slot_groups(keys: Sequence[int], table: bytes, shards: int) -> list[list[int]]:
-    """The positions of ``keys`` (request keys) per shard index, plus a last list of positions whose slot
-    no shard serves: ``shards + 1`` lists, each in chain order."""
+def slot_groups(keys: Sequence[int], table: bytes, shards: int, prefix: str = "") -> list[list[int]]:
+    """The positions of ``keys`` (request keys; with ``prefix``, keys named ``prefix`` and the value, such as
+    ``engine:<ek>``) per shard index, plus a last list of positions whose slot no shard serves:
+    ``shards + 1`` lists, each in chain order."""
+    if "{" in prefix:
+        raise ValueError(f"a prefix with a hash tag routes by the tag, not the value: {prefix!r}")
     if _speedups is not None:
-        return _speedups.slot_groups(keys, table, shards + 1)
-    return slot_groups_reference(keys, table, shards)
+        return _speedups.slot_groups(keys, table, shards + 1, prefix.encode())
+    return slot_groups_reference(keys, table, shards, prefix)
 
 
-def slot_groups_reference(keys: Sequence[int], table: bytes, shards: int) -> list[list[int]]:
+def slot_groups_reference(keys: Sequence[int], table: bytes, shards: int, prefix: str = "") -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(shards + 1)]
     for i, k in enumerate(keys):
-        at = table[crc_hqx(str(k).encode(), 0) % SLOTS]
+        at = table[crc_hqx(f"{prefix}{k}".encode(), 0) % SLOTS]
         out[at if at < shards else shards].append(i)
     return out
 

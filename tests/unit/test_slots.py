@@ -24,20 +24,27 @@ def test_slot_table_names_each_slot_s_primary_and_leaves_the_rest_unserved():
     assert table[0] == 0 and table[11999] == 1 and table[12000] == UNSERVED
 
 
+@pytest.mark.parametrize("prefix", ["", "engine:"])
 @pytest.mark.parametrize("shards", [1, 3, 7])
-def test_groups_equal_the_reference_and_keep_chain_order(shards):
+def test_groups_equal_the_reference_and_keep_chain_order(shards, prefix):
     rng = random.Random(shards)
     owner = {s: f"n{rng.randrange(shards)}" for s in range(SLOTS) if rng.random() > 0.05}  # some unserved
     table, names = slot_table(owner)
     keys = [rng.getrandbits(64) for _ in range(3000)] + [0, 1, 2**64 - 1]
-    got = slot_groups(keys, table, len(names))
-    assert got == slot_groups_reference(keys, table, len(names))
+    got = slot_groups(keys, table, len(names), prefix)
+    assert got == slot_groups_reference(keys, table, len(names), prefix)
     assert sorted(i for g in got for i in g) == list(range(len(keys)))
     for i, g in enumerate(got):
         assert g == sorted(g)
         for pos in g:
-            owner_name = owner.get(key_slot(str(keys[pos])))
+            owner_name = owner.get(key_slot(f"{prefix}{keys[pos]}"))
             assert (names[i] if i < len(names) else None) == owner_name
+
+
+def test_a_prefix_with_a_hash_tag_is_refused():
+    table, names = slot_table({s: "a" for s in range(SLOTS)})
+    with pytest.raises(ValueError):
+        slot_groups([1], table, len(names), "kvpf:{")
 
 
 def test_the_c_routine_refuses_bad_arguments():

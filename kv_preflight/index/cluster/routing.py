@@ -130,15 +130,16 @@ class Shards:
     def forget_table(self) -> None:
         self._table = None
 
-    async def request_keys_by_primary(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]],
-                                                                                  list[int]]:
-        """Positions of request keys (llm-d's names: the decimal value, no tag) per primary serving each
-        (primary name -> (node, positions), in order), and the positions whose slot no primary serves now.
-        Slots come from C through the slot -> primary table (kv_preflight/index/slots.py): ~20 ns a key, where
-        ``by_primary`` pays Python's CRC16 and a dict lookup per key."""
+    async def request_keys_by_primary(self, request_keys: Sequence[int], prefix: str = "") -> \
+            tuple[dict[str, tuple[Any, list[int]]], list[int]]:
+        """Positions of request keys (llm-d's names: the decimal value, no tag; with ``prefix``, keys named
+        the prefix and the value, such as ``engine:<ek>``) per primary serving each (primary name -> (node,
+        positions), in order), and the positions whose slot no primary serves now. Slots come from C through
+        the slot -> primary table (kv_preflight/index/slots.py): ~20 ns a key, where ``by_primary`` pays
+        Python's CRC16 and a dict lookup per key."""
         await self.ready()
         table, nodes = self.slot_table()
-        groups = slot_groups(request_keys, table, len(nodes))
+        groups = slot_groups(request_keys, table, len(nodes), prefix)
         return {node.name: (node, idx) for node, idx in zip(nodes, groups) if idx}, groups[-1]
 
     async def reread_map(self) -> None:
@@ -168,14 +169,23 @@ class Shards:
             await self.client.script_load(script.script)
             return await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 
-    async def commands(self, commands: Sequence[tuple[Any, ...]], key_at: int = 1) -> list[Any]:
+    async def commands(self, commands: Sequence[tuple[Any, ...]], key_at: int = 1, *,
+                       numbered: tuple[str, Sequence[int]] | None = None) -> list[Any]:
         """Commands, each routed by the key at position ``key_at`` (``HMGET <key> ...``), replies in order and
         error replies in place: grouped by primary, each group pipelined on that primary's lean connection,
         the primaries in parallel. A group whose primary did not answer, and a command refused as not its
-        slot's, go again through redis-py's routing. Only for commands safe to send twice."""
+        slot's, go again through redis-py's routing. Only for commands safe to send twice. ``numbered``:
+        the commands' keys are (prefix, values), each key the prefix and the decimal value (request keys,
+        ``engine:<ek>``), routed in C rather than by reading the names."""
         out: list[Any] = [None] * len(commands)
         await self.ready()
-        groups, unserved = by_primary(self.client, (text(c[key_at]) for c in commands))
+        routed = None
+        if numbered is not None:
+            try:
+                routed = await self.request_keys_by_primary(numbered[1], numbered[0])
+            except OverflowError:
+                pass  # a value outside uint64 (a hand-made outbox entry): by name
+        groups, unserved = routed or by_primary(self.client, (text(c[key_at]) for c in commands))
         again: list[int] = list(unserved)
 
         async def one(node, idx: list[int]) -> None:

@@ -48,7 +48,7 @@ from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import key_ops as lua_key_ops
 from kv_preflight.index.changes import shard_args
 from kv_preflight.index.entries import ApplyResult, apply_result, text
-from kv_preflight.index.layout import engine_key_name, pod_meta_key, pod_outbox_key, presence_key
+from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.writer import Prepared
 
@@ -62,6 +62,11 @@ _dec = msgspec.msgpack.Decoder()
 def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
     """A plan's changes as an outbox entry: self-contained (the pod's bit position included), so any
     ingester can run it again."""
+    return _enc.encode(change_ops(changes, num))
+
+
+def change_ops(changes: Sequence[Any], num: int | None) -> list[Any]:
+    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back)."""
     flat: list[Any] = []
     n = num or 0
     for c in changes:
@@ -71,7 +76,7 @@ def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
             flat.append(["Z", c.ek, list(c.rks)])
         elif isinstance(c, EngineDrop):
             flat.append(["X", c.ek, list(c.rks)])
-    return _enc.encode(flat)
+    return flat
 
 
 def _is_int(x: Any) -> bool:
@@ -142,8 +147,8 @@ class ClusterWrites:
         entry ran ("pending": run it now) or its writer had time to ("busy")."""
         writer = self.writer_arg()
         keys = [p.keys for p in preps]
-        args = [p.head + [writer, "1" if p.gap else "0", encode_changes(p.changes, p.num) if p.changes else ""]
-                for p in preps]
+        ops = [change_ops(p.changes, p.num) if p.changes else [] for p in preps]  # run as they are, not decoded
+        args = [p.head + [writer, "1" if p.gap else "0", _enc.encode(o) if o else ""] for p, o in zip(preps, ops)]
         pods = [p.pod for p in preps]
         results: list[ApplyResult | None] = [None] * len(preps)
         todo = list(range(len(preps)))
@@ -151,6 +156,7 @@ class ClusterWrites:
         while todo:
             replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
+            entry_ops: list[list[Any]] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
             written: dict[str, int] = {}  # per pod, entries this round wrote (a pod's steps run in order)
@@ -170,6 +176,7 @@ class ClusterWrites:
                 if status == "applied" and len(r) > 5 and text(r[5]):
                     entry = (pods[i], text(r[5]), args[i][-1])
                     entries.append(entry)
+                    entry_ops.append(ops[i])
                     owners.append(i)
                     # own entries older than this round's are another run's (kept: not replicated in
                     # time, or run again by a drain): this pod's entries wait for that one, in order
@@ -180,7 +187,7 @@ class ClusterWrites:
                     written[pods[i]] = written.get(pods[i], 0) + 1
             self._maybe_crash("pod_step", len(entries))
             if entries:
-                foreign, first, touched = await self.run(entries)
+                foreign, first, touched = await self.run(entry_ops)
                 self._maybe_crash("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
@@ -251,13 +258,13 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[tuple[str, str, bytes]]) -> tuple[int, str, list[str]]:
-        """Run (pod, outbox field, payload) entries' changes, in order, in rounds A-D (module docstring).
-        Returns how many writes hit a key of a foreign type (skipped: each stands alone), the first such
-        error, and the keys touched (for the barrier)."""
+    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, list[str]]:
+        """Run outbox entries' changes (each entry's ops, as ``decode_entry`` gives them), in order, in rounds
+        A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
+        alone), the first such error, and the keys touched (for the barrier)."""
         if not entries:
             return 0, "", []
-        ops = [op for _pod, _field, payload in entries for op in _dec.decode(payload)]
+        ops = [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
@@ -271,6 +278,7 @@ class ClusterWrites:
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
         round_b: list[tuple[Any, ...]] = []
+        round_b_eks: list[int] = []
         adds: list[Sequence[Any]] = []
         drops: list[tuple[int, Sequence[Any]]] = []
         for j, op in enumerate(ops):
@@ -280,10 +288,13 @@ class ClusterWrites:
                 for pos, rk in enumerate(op[2]):
                     pairs += [pos, rk]
                 round_b.append(("ZADD", engine_key_name(op[1]), *pairs))
+                round_b_eks.append(op[1])
             elif op[0] == "X" and empty_at.get(j, 0) == len(set(op[2])):
                 drops.append((j, op))
                 round_b.append(("ZREM", engine_key_name(op[1]), *op[2]))
-        f, fst = _foreign(await self.shards.commands(round_b)) if round_b else (0, "")
+                round_b_eks.append(op[1])
+        f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks))) \
+            if round_b else (0, "")
         foreign, first = foreign + f, first or fst
         if drops:
             # Rounds C and D: a request key of a dropped block that holds an entry again may have had its
@@ -296,18 +307,20 @@ class ClusterWrites:
                 if op[0] == "K" and op[3] > 0:
                     stored_at[op[1]] = j
             rks = sorted({rk for _, op in drops for rk in op[2]})
-            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks])
+            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks], numbered=("", rks))
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
+            readd_eks = []
             for j, op in drops:
                 if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
                     pairs = []
                     for pos, rk in enumerate(op[2]):
                         pairs += [pos, rk]
                     readd.append(("ZADD", engine_key_name(op[1]), *pairs))
+                    readd_eks.append(op[1])
             if readd:
                 self.readded += len(readd)
-                f, fst = _foreign(await self.shards.commands(readd))
+                f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks)))
                 foreign, first = foreign + f, first or fst
         touched = [str(op[1]) for op in key_ops if op[0] == "K"] + [engine_key_name(op[1]) for op in adds] + \
             [engine_key_name(op[1]) for _, op in drops]
@@ -403,20 +416,20 @@ class ClusterWrites:
                           pod, f[:80], len(v))
                 await self.client.hdel(pod_outbox_key(pod), f)
                 continue
-            entries.append((parsed[0], f.decode(), v))
-        entries.sort()
+            entries.append((parsed[0], f.decode(), v, parsed[1]))
+        entries.sort(key=lambda e: (e[0], e[1]))
         if older_than_ms:
             sec, usec = await self.client.time()
             now_ms = sec * 1000 + usec // 1000
             keep = []
-            for n, f, v in entries:
-                _, writer, ms = f.split("|", 2)
+            for e in entries:
+                _, writer, ms = e[1].split("|", 2)
                 if writer != self.writer_arg() and now_ms - int(ms) < older_than_ms:
                     break
-                keep.append((n, f, v))
+                keep.append(e)
             entries = keep
-        todo = [(pod, f, v) for _, f, v in entries]
-        _, _, touched = await self.run(todo)
+        todo = [(pod, f, v) for _, f, v, _ in entries]
+        _, _, touched = await self.run([ops for *_, ops in entries])
         if not await self.ack(todo, touched):
             await self._engine_keys_done(todo)
         return len(todo)
@@ -476,4 +489,4 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterWrites", "TAKEOVER_MS", "encode_changes"]
+__all__ = ["ClusterWrites", "TAKEOVER_MS", "change_ops", "encode_changes"]
