@@ -29,7 +29,8 @@ from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlo
 from kv_preflight.keys.chain import chain_root, request_keys
 
 
-class ChainPoint(msgspec.Struct, frozen=True):  # one per stored block: a Struct is cheaper to make than a dataclass
+class ChainPoint(msgspec.Struct, frozen=True, gc=False):  # one per stored block: cheaper to make than a dataclass,
+    # and, holding scalars only, never tracked by the cycle collector (an LRU of up to 200,000 of them)
     """Where a chain stands after an engine block: its last request key and tokens not yet keyed; and the
     block's own request keys and the key before them, where they were computed here (a hybrid model's
     other groups cache some of the same blocks in events that do not say which: ``_plan_partial``)."""

@@ -13,6 +13,7 @@ from kv_preflight.logs import setup_logging
 
 def run(cfg: Config) -> int:
     setup_logging(cfg.log_json)
+    from kv_preflight.ingester.collector import tuned_collector
     from kv_preflight.ingester.ingester import run_ingester
 
     try:
@@ -22,7 +23,8 @@ def run(cfg: Config) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        asyncio.run(run_ingester(cfg))
+        with tuned_collector():
+            asyncio.run(run_ingester(cfg))
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError, OSError, ZMQError, RedisError) as exc:

@@ -17,7 +17,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
 
 from kv_preflight.index.backend import VALKEY_ERRORS
-from kv_preflight.index.cluster.routing import node_for
 from kv_preflight.index.layout import barrier_key
 
 
@@ -121,14 +120,9 @@ class ReplicationBarrier:
             raise
         return int(acked) >= 1
 
-    async def confirm(self, keys: Iterable[str]) -> bool:
-        nodes = {}
-        for k in keys:
-            node = node_for(self.client, k)  # redis-py's get_node_from_key: ~10 µs of Python a key
-            nodes[node.name] = node
-        if not nodes:
-            return True
-        results = await asyncio.gather(*(self._one(n) for n in nodes.values()), return_exceptions=True)
+    async def confirm(self, nodes: Iterable[Any]) -> bool:
+        """Whether each of these primaries (the ones our writes went to) has them on a replica."""
+        results = await asyncio.gather(*(self._one(n) for n in nodes), return_exceptions=True)
         return all(r is True for r in results)
 
     async def close(self) -> None:

@@ -169,6 +169,20 @@ class Shards:
             await self.client.script_load(script.script)
             return await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 
+    async def primaries_of(self, numbered: Iterable[tuple[str, Sequence[int]]]) -> list[Any] | None:
+        """The primaries serving keys named a prefix and a decimal value (per group (prefix, values)), or None
+        when some key's slot has no primary now."""
+        nodes: dict[str, Any] = {}
+        for prefix, values in numbered:
+            try:
+                groups, unserved = await self.request_keys_by_primary(values, prefix)
+            except OverflowError:  # a value outside uint64 (a hand-made outbox entry): by name
+                groups, unserved = by_primary(self.client, (f"{prefix}{v}" for v in values))
+            if unserved:
+                return None
+            nodes.update((name, node) for name, (node, _) in groups.items())
+        return list(nodes.values())
+
     async def commands(self, commands: Sequence[tuple[Any, ...]], key_at: int = 1, *,
                        numbered: tuple[str, Sequence[int]] | None = None) -> list[Any]:
         """Commands, each routed by the key at position ``key_at`` (``HMGET <key> ...``), replies in order and
@@ -207,6 +221,7 @@ class Shards:
 
         await asyncio.gather(*(one(node, idx) for node, idx in groups.values()))
         if again:
+            self.forget_table()  # a primary gone or a slot moved: the map redis-py learns now is the one to use
             again.sort()
             async with self.client.pipeline(transaction=False) as pipe:
                 for i in again:

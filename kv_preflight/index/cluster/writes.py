@@ -258,10 +258,11 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, list[str]]:
+    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, list[tuple[str, list[int]]]]:
         """Run outbox entries' changes (each entry's ops, as ``decode_entry`` gives them), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
-        alone), the first such error, and the keys touched (for the barrier)."""
+        alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
+        request keys, engine keys)."""
         if not entries:
             return 0, "", []
         ops = [op for entry in entries for op in entry]
@@ -322,8 +323,8 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks)))
                 foreign, first = foreign + f, first or fst
-        touched = [str(op[1]) for op in key_ops if op[0] == "K"] + [engine_key_name(op[1]) for op in adds] + \
-            [engine_key_name(op[1]) for _, op in drops]
+        touched = [("", [op[1] for op in key_ops if op[0] == "K"]),
+                   (ENGINE_PREFIX, [op[1] for op in adds] + [op[1] for _, op in drops])]
         return foreign, first, touched
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
@@ -374,6 +375,7 @@ class ClusterWrites:
                 foreign += res[0]
                 first = first or res[1]
         if moved:
+            self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
             moved = sorted(set(moved))
             ops = [key_ops[i] for i in moved]
             replies = await evalsha_pipeline(self.client, script, [(str(op[1]), presence_key(op[1])) for op in ops],
@@ -386,12 +388,14 @@ class ClusterWrites:
 
     # ---- step 3, and entries left behind
 
-    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: Sequence[str]) -> bool:
+    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: Sequence[tuple[str, list[int]]]) -> bool:
         """Delete the entries once every shard their changes touched has them on a replica; False
-        (entries kept, to run again later) when one has not confirmed in time."""
+        (entries kept, to run again later) when one has not confirmed in time, or a touched key's slot has
+        no primary now."""
         if not entries:
             return True
-        if not await self.barrier.confirm(touched):
+        nodes = await self.shards.primaries_of(touched)
+        if nodes is None or not await self.barrier.confirm(nodes):
             return False
         pipe = self.client.pipeline(transaction=False)
         for pod, field, _ in entries:
