@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+
+from kv_preflight.cli.valkey_server import free_port
 
 
 def launcher() -> str:
@@ -71,3 +75,69 @@ def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: 
         raise RuntimeError(f"vLLM did not start: {out.stderr[-2000:]}")
     _, url, zmq_ep, replay_ep, topic, pid = line.split()
     return VllmEngine(url, zmq_ep, replay_ep, topic, int(pid), log)
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    """A real vLLM a test module runs against: its pod name, its KV blocks, the hybrid model or the plain one.
+    A module names its engines, in the order its tests use them, in a module-level ``VLLM`` tuple."""
+
+    pod: str
+    blocks: int
+    hybrid: bool = False
+
+
+class VllmPool:
+    """Engines started one ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its processes), and the
+    serial phase starts nine in turn: while one module's tests run, the next module's engine starts beside them.
+    The order is the session's (``VLLM`` of each collected module); an engine the session does not name is
+    started when asked for."""
+
+    def __init__(self, order: list[VllmSpec]):
+        self.order = list(dict.fromkeys(order))
+        self._starting: dict[VllmSpec, Future] = {}
+        # two: the next engine starts while this one is still starting, if its module asks for it before then
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-start")
+
+    def _start(self, spec: VllmSpec) -> VllmEngine:
+        return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_port(), replay_port=free_port(),
+                          blocks=spec.blocks, model_dir=hybrid_model_dir() if spec.hybrid else None)
+
+    def start_ahead(self, spec: VllmSpec) -> None:
+        if spec not in self._starting:
+            self._starting[spec] = self._threads.submit(self._start, spec)
+
+    def take(self, spec: VllmSpec) -> VllmEngine:
+        """The engine, started (or being started) for it; the session's next engine starts meanwhile. The caller
+        stops it."""
+        launcher()  # skips (or fails under KVPF_REQUIRE_E2E), with the reason, in the test's own context
+        if spec.hybrid:
+            hybrid_model_dir()
+        self.start_ahead(spec)
+        started = self._starting.pop(spec)
+        if spec in self.order:
+            for nxt in self.order[self.order.index(spec) + 1:][:1]:
+                self.start_ahead(nxt)
+        return started.result()
+
+    def close(self) -> None:
+        """Engines started ahead that no test took (a failure ended the session, -x): stopped."""
+        for started in self._starting.values():
+            try:
+                started.result().stop()
+            except BaseException:  # it never started: nothing to stop
+                pass
+        self._starting.clear()
+        self._threads.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_pool(request) -> Iterator[VllmPool]:
+    """Made at the session's first end-to-end test (the compose stack's, in file order), which starts the first
+    engine already when a launcher is there."""
+    order = [spec for item in request.session.items for spec in getattr(item.module, "VLLM", ())]
+    pool = VllmPool(order)
+    if order and os.access(os.environ.get("KVPF_VLLM_UP", ""), os.X_OK):
+        pool.start_ahead(order[0])
+    yield pool
+    pool.close()

@@ -27,7 +27,7 @@ import zmq
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.engines.vllm import ENGINE as VLLM
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedFrame
-from tests.e2e.conftest import hybrid_model_dir, launcher, start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import spawn, stop, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -166,10 +166,8 @@ def canonical(frames: list[DecodedFrame]) -> list[list[tuple]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_engine():
-    launcher()  # skips, with the reason, when KVPF_VLLM_UP is unset
-    engine = start_vllm(pod="sim-parity", port=free_port(), zmq_port=free_port(), replay_port=free_port(),
-                        blocks=BLOCKS)
+def vllm_engine(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])  # skips, with the reason, when KVPF_VLLM_UP is unset
     try:
         yield engine
     finally:
@@ -221,13 +219,12 @@ def test_cached_tokens_and_events_match_real_vllm(vllm_engine, simulator):
 
 HYBRID_BLOCKS = 40  # vLLM needs two groups' blocks for a 512-token request; 39 usable still overflow
 SLIDING_WINDOW = 64  # tiny-hybrid-model's
+VLLM = (VllmSpec("sim-parity", BLOCKS), VllmSpec("sim-parity-hybrid", HYBRID_BLOCKS, hybrid=True))  # in test order
 
 
 @pytest.fixture(scope="module")
-def hybrid_vllm_engine():
-    launcher()
-    engine = start_vllm(pod="sim-parity-hybrid", port=free_port(), zmq_port=free_port(), replay_port=free_port(),
-                        blocks=HYBRID_BLOCKS, model_dir=hybrid_model_dir())
+def hybrid_vllm_engine(vllm_pool):
+    engine = vllm_pool.take(VLLM[1])
     try:
         yield engine
     finally:

@@ -7,12 +7,12 @@ import random
 import httpx
 import pytest
 
-from kv_preflight.cli.valkey_server import free_port
-from tests.e2e.conftest import start_vllm
+from tests.e2e.conftest import VllmSpec
 from kv_preflight.cli.accuracy import run_workload, summarize
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-acc", 24),)
 
 
 def workload(seed: int = 7, n: int = 40) -> list[dict]:
@@ -42,8 +42,8 @@ def workload(seed: int = 7, n: int = 40) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-acc", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=24)
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

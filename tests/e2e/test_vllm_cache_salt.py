@@ -14,15 +14,16 @@ import pytest
 
 from kv_preflight.cli.accuracy import EventWatcher, _send, wait_caught_up
 from kv_preflight.cli.valkey_server import free_port
-from tests.e2e.conftest import start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack, wait_http
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-salt", 64),)
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-salt", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=64)
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

@@ -11,18 +11,18 @@ import pytest
 import redis
 
 from kv_preflight.cli.accuracy import run_workload, summarize
-from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.index.layout import pod_outbox_key
-from tests.e2e.conftest import start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_accuracy import workload
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-cluster", 24),)
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-cluster", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=24)
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

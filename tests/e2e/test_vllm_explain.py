@@ -9,20 +9,20 @@ import time
 import httpx
 import pytest
 
-from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.tokens.local import LocalTokenizer
-from tests.e2e.conftest import start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_features import tiny_model_dir
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-explain", 64),)
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite your sources when you can. " * 2
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-explain", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=64)
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

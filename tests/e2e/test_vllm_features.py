@@ -16,11 +16,12 @@ import pytest
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.scoring.ttft import TtftModels
-from tests.e2e.conftest import launcher, start_vllm
+from tests.e2e.conftest import VllmSpec, launcher
 from tests.e2e.harness import kvpf_stack, wait_http
 from tests.prom import metric
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-feat", 24),)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -36,8 +37,8 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-feat", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=24)
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

@@ -17,18 +17,18 @@ import pytest
 import redis
 
 from kv_preflight.cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
-from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.index.layout import pod_meta_key
-from tests.e2e.conftest import start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-hard", 24),)
 
 
 @pytest.fixture
-def vllm():
+def vllm(vllm_pool):
     # 24 blocks (23 usable) of 32 tokens: small enough to evict on purpose.
-    engine = start_vllm(pod="e2e-hard", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=24)
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 

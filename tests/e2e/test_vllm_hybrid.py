@@ -14,12 +14,12 @@ import httpx
 import pytest
 import redis
 
-from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.index.layout import pod_meta_key
-from tests.e2e.conftest import hybrid_model_dir, start_vllm
+from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
+VLLM = (VllmSpec("e2e-hybrid", 40, hybrid=True),)
 
 
 def workload(seed: int, n: int) -> list[dict]:
@@ -40,9 +40,8 @@ def workload(seed: int, n: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    engine = start_vllm(pod="e2e-hybrid", port=free_port(), zmq_port=free_port(), replay_port=free_port(), blocks=40,
-                        model_dir=hybrid_model_dir())
+def vllm(vllm_pool):
+    engine = vllm_pool.take(VLLM[0])
     yield engine
     engine.stop()
 
