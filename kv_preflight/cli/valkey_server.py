@@ -11,6 +11,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,21 @@ from kv_preflight import parent_death
 LISTEN_PORTS = (10000, 20000)  # [lo, hi): below Linux's ephemeral range (32768-60999) and the cluster's ports
 
 
-# Ports free_port handed out lately (port -> monotonic time): one not bound yet is still free, and drawing
-# it again would give two servers one port ("Address already in use", or a client reaching the wrong one).
-_HANDED_OUT: dict[int, float] = {}
 HANDED_OUT_HOLD_S = 120.0
+
+
+class _HandedOut:
+    """Ports free_port handed out lately (port -> monotonic time): one not bound yet is still free, and drawing
+    it again would give two servers one port ("Address already in use", or a client reaching the wrong one).
+    Process-wide by nature (any two callers in a process must differ), so one instance per process; locked,
+    since the test suite draws ports from a thread that starts engines ahead."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.at: dict[int, float] = {}
+
+
+_HANDED_OUT = _HandedOut()
 
 
 def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
@@ -37,21 +49,22 @@ def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
     (``up``'s engine: HTTP, ZMQ and replay; a test's predictor and engine) would otherwise share one now and
     then, as nothing is listening on it yet."""
     rng = random.Random()
-    now = time.monotonic()
-    for port, at in list(_HANDED_OUT.items()):
-        if now - at > HANDED_OUT_HOLD_S:
-            del _HANDED_OUT[port]
-    for _ in range(500):
-        port = rng.randrange(lo, hi)
-        if port in _HANDED_OUT:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _HANDED_OUT[port] = now
-        return port
+    with _HANDED_OUT.lock:
+        now = time.monotonic()
+        held = _HANDED_OUT.at
+        for port in [p for p, at in held.items() if now - at > HANDED_OUT_HOLD_S]:
+            del held[port]
+        for _ in range(500):
+            port = rng.randrange(lo, hi)
+            if port in held:
+                continue
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            held[port] = now
+            return port
     raise RuntimeError(f"no free port in {lo}-{hi}")
 
 

@@ -40,7 +40,7 @@ from kv_preflight.config import Config
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.pod_meta import ScoringInfo
 from kv_preflight.index.presence import read_group_bits
-from kv_preflight.predictor.scoring.groups import apply_groups, group_findings, keys_needed, pods_groups
+from kv_preflight.predictor.scoring.groups import CompleteGroups, apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.chain import salted_request_keys
 
 
@@ -79,6 +79,7 @@ class Predictor:
     traffic: Traffic = field(default_factory=Traffic)  # for kv-preflight diagnose fleet (predictor/diagnosis/traffic.py)
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
     placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
+    complete_groups: CompleteGroups = field(default_factory=CompleteGroups)  # hybrid pods found fully described
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -190,7 +191,7 @@ class Predictor:
                     infos = {}
                 declared = self.cfg.group_specs.get(model)
                 hybrid = pods_groups({p: i.groups for p, i in infos.items() if i.groups}, declared)
-                findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
+                findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared, self.complete_groups)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len, found.group_bits)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,

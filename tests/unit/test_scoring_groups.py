@@ -33,3 +33,19 @@ def test_window_cut_lists_the_evicted_window_blocks_of_the_prefix():
     # only blocks of the prefix the prompt can reuse are named (the last token is recomputed)
     assert window_cut(HYBRID, 8, GroupBits(presence), 2, 16, 32, 97) == (1, 64, [1, 2])
     assert window_cut(HYBRID, 4, GroupBits(presence), 2, 16, 32, 129) == (1, 64, [1])
+
+
+def test_complete_groups_are_checked_once_per_mapping_object():
+    from types import MappingProxyType
+
+    from kv_preflight.predictor.scoring.groups import CompleteGroups
+
+    complete = CompleteGroups()
+    read1 = MappingProxyType(dict(HYBRID))
+    assert group_findings("m", ["a"], {"a": read1}, None, complete) == []
+    assert complete.known("a", read1)
+    # the pod's meta read again: a new mapping, checked again (its engine may have restarted with other groups)
+    chunked = MappingProxyType({0: GroupSpec(FULL, 32), 1: GroupSpec(CHUNKED, 32)})
+    assert not complete.known("a", chunked)
+    assert [f.kind for f in group_findings("m", ["a"], {"a": chunked}, None, complete)] == ["hybrid_groups_incomplete"]
+    assert not complete.known("a", chunked)

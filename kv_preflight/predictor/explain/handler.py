@@ -80,7 +80,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
                                            | set(serving[:MAX_POD_CHAINS]))
         declared = cfg.group_specs.get(model)
         hybrid = pods_groups({pod: i.groups for pod, i in infos.items()}, declared)
-        group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared)
+        group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared, p.complete_groups)
         if hybrid and keys_needed(matches, hybrid):  # a hybrid pod reuses what every KV cache group's rule accepts
             presence = await read_group_bits(p.index.backend, keys[:keys_needed(matches, hybrid)])
             nums = await p.index.numbering.pod_numbers(hybrid)

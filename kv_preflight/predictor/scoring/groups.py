@@ -215,13 +215,25 @@ def _named(pods: Sequence[str]) -> str:
     return shown + (f" and {len(pods) - MAX_NAMED} more" if len(pods) > MAX_NAMED else "")
 
 
-# pod -> the groups mapping (one object per metadata read) found complete, so a fleet's thousand hybrid pods are
-# not checked again on every answer
-_COMPLETE: dict[str, Mapping[int, GroupSpec]] = {}
+class CompleteGroups:
+    """Pods whose groups were found complete, each with that very mapping (one object per metadata read), so a
+    fleet's thousand hybrid pods are not checked again on every answer. One per predictor."""
+
+    def __init__(self, limit: int = 100_000):
+        self.limit = limit
+        self._seen: dict[str, Mapping[int, GroupSpec]] = {}
+
+    def known(self, pod: str, groups: Mapping[int, GroupSpec]) -> bool:
+        return self._seen.get(pod) is groups
+
+    def add(self, pod: str, groups: Mapping[int, GroupSpec]) -> None:
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen[pod] = groups
 
 
 def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapping[int, GroupSpec]],
-                   declared: Mapping[int, GroupSpec] | None) -> list[Finding]:
+                   declared: Mapping[int, GroupSpec] | None, complete: CompleteGroups | None = None) -> list[Finding]:
     """What an answer must say about pods it cannot answer exactly (issue 24): a hybrid pod whose group lacks
     what its rule needs (answered as a lower bound: that group accepts nothing), and, for a model declared
     hybrid by ``--group-spec``, pods whose events name no KV cache group (SGLang, TensorRT-LLM: their count is
@@ -237,18 +249,16 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
         if groups is None:
             silent.append(pod)
             continue
-        if _COMPLETE.get(pod) is groups:  # these very groups were found complete: nothing to say
+        if complete is not None and complete.known(pod, groups):  # these very groups were found complete
             continue
-        complete = True
+        ok = True
         for g, spec in sorted(groups.items()):
             why = spec.missing()
             if why:
-                complete = False
+                ok = False
                 lacking.setdefault(f"group {g}: {why}", []).append(pod)
-        if complete:
-            if len(_COMPLETE) > 100_000:
-                _COMPLETE.clear()
-            _COMPLETE[pod] = groups
+        if ok and complete is not None:
+            complete.add(pod, groups)
     for why, pods in lacking.items():
         out.append(Finding("hybrid_groups_incomplete", None, (
             f"pod(s) {_named(pods)} of {model!r}: KV cache {why}; counted as a lower bound (that group accepts "
@@ -280,4 +290,5 @@ def window_cut(groups: Mapping[int, GroupSpec], prefix_keys: int, bits: GroupBit
     return None
 
 
-__all__ = ["GroupBits", "apply_groups", "group_findings", "group_hit", "keys_needed", "pods_groups", "window_cut"]
+__all__ = ["CompleteGroups", "GroupBits", "apply_groups", "group_findings", "group_hit", "keys_needed", "pods_groups",
+           "window_cut"]
