@@ -80,7 +80,7 @@ def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: 
 @dataclass(frozen=True)
 class VllmSpec:
     """A real vLLM a test module runs against: its pod name, its KV blocks, the hybrid model or the plain one.
-    A module names its engines, in the order its tests use them, in a module-level ``VLLM`` tuple."""
+    A module names its engines, in the order its tests use them, in a module-level ``VLLM_ENGINES`` tuple."""
 
     pod: str
     blocks: int
@@ -90,7 +90,7 @@ class VllmSpec:
 class VllmPool:
     """Engines started one ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its processes), and the
     serial phase starts nine in turn: while one module's tests run, the next module's engine starts beside them.
-    The order is the session's (``VLLM`` of each collected module); an engine the session does not name is
+    The order is the session's (``VLLM_ENGINES`` of each collected module); an engine the session does not name is
     started when asked for."""
 
     def __init__(self, order: list[VllmSpec]):
@@ -135,7 +135,7 @@ class VllmPool:
 def vllm_pool(request) -> Iterator[VllmPool]:
     """Made at the session's first end-to-end test (the compose stack's, in file order), which starts the first
     engine already when a launcher is there."""
-    order = [spec for item in request.session.items for spec in getattr(item.module, "VLLM", ())]
+    order = [spec for item in request.session.items for spec in getattr(item.module, "VLLM_ENGINES", ())]
     pool = VllmPool(order)
     if order and os.access(os.environ.get("KVPF_VLLM_UP", ""), os.X_OK):
         pool.start_ahead(order[0])

@@ -167,7 +167,7 @@ def canonical(frames: list[DecodedFrame]) -> list[list[tuple]]:
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])  # skips, with the reason, when KVPF_VLLM_UP is unset
+    engine = vllm_pool.take(VLLM_ENGINES[0])  # skips, with the reason, when KVPF_VLLM_UP is unset
     try:
         yield engine
     finally:
@@ -219,12 +219,13 @@ def test_cached_tokens_and_events_match_real_vllm(vllm_engine, simulator):
 
 HYBRID_BLOCKS = 40  # vLLM needs two groups' blocks for a 512-token request; 39 usable still overflow
 SLIDING_WINDOW = 64  # tiny-hybrid-model's
-VLLM = (VllmSpec("sim-parity", BLOCKS), VllmSpec("sim-parity-hybrid", HYBRID_BLOCKS, hybrid=True))  # in test order
+# the real engines, in test order (tests/e2e/conftest.py starts each ahead)
+VLLM_ENGINES = (VllmSpec("sim-parity", BLOCKS), VllmSpec("sim-parity-hybrid", HYBRID_BLOCKS, hybrid=True))
 
 
 @pytest.fixture(scope="module")
 def hybrid_vllm_engine(vllm_pool):
-    engine = vllm_pool.take(VLLM[1])
+    engine = vllm_pool.take(VLLM_ENGINES[1])
     try:
         yield engine
     finally:

@@ -12,7 +12,7 @@ from kv_preflight.cli.accuracy import run_workload, summarize
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-acc", 24),)
+VLLM_ENGINES = (VllmSpec("e2e-acc", 24),)
 
 
 def workload(seed: int = 7, n: int = 40) -> list[dict]:
@@ -43,7 +43,7 @@ def workload(seed: int = 7, n: int = 40) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

@@ -18,12 +18,12 @@ from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack, wait_http
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-salt", 64),)
+VLLM_ENGINES = (VllmSpec("e2e-salt", 64),)
 
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

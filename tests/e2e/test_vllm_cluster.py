@@ -17,12 +17,12 @@ from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_accuracy import workload
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-cluster", 24),)
+VLLM_ENGINES = (VllmSpec("e2e-cluster", 24),)
 
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

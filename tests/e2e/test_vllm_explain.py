@@ -15,14 +15,14 @@ from tests.e2e.harness import kvpf_stack
 from tests.e2e.test_vllm_features import tiny_model_dir
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-explain", 64),)
+VLLM_ENGINES = (VllmSpec("e2e-explain", 64),)
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite your sources when you can. " * 2
 
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

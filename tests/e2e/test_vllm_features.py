@@ -21,7 +21,7 @@ from tests.e2e.harness import kvpf_stack, wait_http
 from tests.prom import metric
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-feat", 24),)
+VLLM_ENGINES = (VllmSpec("e2e-feat", 24),)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -38,7 +38,7 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

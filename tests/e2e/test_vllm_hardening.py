@@ -22,13 +22,13 @@ from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-hard", 24),)
+VLLM_ENGINES = (VllmSpec("e2e-hard", 24),)
 
 
 @pytest.fixture
 def vllm(vllm_pool):
     # 24 blocks (23 usable) of 32 tokens: small enough to evict on purpose.
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 

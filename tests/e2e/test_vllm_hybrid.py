@@ -19,7 +19,7 @@ from tests.e2e.conftest import VllmSpec
 from tests.e2e.harness import kvpf_stack
 
 pytestmark = pytest.mark.e2e
-VLLM = (VllmSpec("e2e-hybrid", 40, hybrid=True),)
+VLLM_ENGINES = (VllmSpec("e2e-hybrid", 40, hybrid=True),)
 
 
 def workload(seed: int, n: int) -> list[dict]:
@@ -41,7 +41,7 @@ def workload(seed: int, n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm(vllm_pool):
-    engine = vllm_pool.take(VLLM[0])
+    engine = vllm_pool.take(VLLM_ENGINES[0])
     yield engine
     engine.stop()
 
