@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,11 +139,13 @@ def live_entries(r: redis.Redis) -> int:
     return total
 
 
-async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
+async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis],
+                on_measure: Callable[[bool], None] | None = None) -> tuple[float, float, float]:
     """The ingester's message handler, in process, fed 512 queued messages at a time (a backlog): the warm-up,
     then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``, this process's CPU
     seconds) of the measured part: on a busy machine the process waits for a core, and its CPU time says
-    what it would do on a core of its own."""
+    what it would do on a core of its own. ``on_measure(True)`` / ``(False)`` around the measured part
+    (callgrind's instrumentation: kv_preflight/cli/bench/callgrind.py)."""
     from kv_preflight.config import Config
     from kv_preflight.index.index import Index
     from kv_preflight.ingester.collector import tuned_collector
@@ -161,9 +164,13 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis]) 
         with tuned_collector():  # as the ingester process runs
             await feed(warm)
             c0 = sum(cpu_s(n) for n in nodes)
+            if on_measure:
+                on_measure(True)
             t, p0 = time.perf_counter(), time.process_time()
             await feed(measured)
             elapsed, proc = time.perf_counter() - t, time.process_time() - p0
+            if on_measure:
+                on_measure(False)
             c1 = sum(cpu_s(n) for n in nodes)
         applied = ing.counters.counts.get("batches_applied", 0)
         if applied != len(warm) + len(measured):

@@ -1,0 +1,132 @@
+"""Valkey instructions per engine block event on the write-path workload (``scripts/callgrind``).
+
+CPU seconds on a shared machine move by tens of percent between runs; the instructions Valkey executes for the
+same events do not. This runs the floor row's workload (kv_preflight/cli/bench/floor.py, the quick steady
+stream: 8 pods, LRU caches of 2,048 blocks, 20K measured block events) against valkey-servers under
+valgrind's callgrind, once through kv-preflight's ingester and once as the floor writer (llm-d's bare layout),
+on a single node and on a 3-master cluster (no replicas), and prints instructions per block event summed over
+the servers. Only the measured part is counted (instrumentation is switched on after the warm-up), and the
+server's timer work (``serverCron``) is left out: it runs by the clock, ten times a second, and valgrind's
+slowdown multiplies it by the run's length, not by the work. About 5 minutes; needs valgrind.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+from kv_preflight.cli.bench.floor import FloorWriter, _ours, block_events, steady_stream
+from kv_preflight.cli.valkey_server import free_port, server_binary
+
+
+def _start(port: int, workdir: str, cluster: bool) -> subprocess.Popen:
+    os.makedirs(workdir, exist_ok=True)
+    args = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={workdir}/cg.out",
+            server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir]
+    if cluster:
+        args += ["--cluster-enabled", "yes", "--cluster-node-timeout", "60000"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(600):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.2)
+    raise RuntimeError(f"valkey-server under valgrind did not start on port {port}")
+
+
+def _instructions(workdir: str) -> int:
+    """The dump's instructions less serverCron's (inclusive), from callgrind_annotate."""
+    total = cron = 0
+    for path in glob.glob(f"{workdir}/cg.out*"):
+        with open(path) as f:
+            for line in f:
+                if line.startswith(("summary:", "totals:")):
+                    total = max(total, int(line.split()[1]))
+        out = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True).stdout
+        for line in out.splitlines():  # "21,212,363 ( 6.21%)  ???:serverCron [/usr/bin/valkey-server]"
+            if ":serverCron " in line:
+                cron = max(cron, int(line.split()[0].replace(",", "")))
+    return total - cron
+
+
+def measure(side: str, cluster: bool, tmp: str) -> float:
+    stream = steady_stream(True)
+    warm, measured = stream.frames[:stream.warm_frames], stream.frames[stream.warm_frames:]
+    events = block_events(measured)
+    ports = [free_port() for _ in range(3 if cluster else 1)]
+    procs = [_start(p, f"{tmp}/{p}", cluster) for p in ports]
+    try:
+        if cluster:
+            out = subprocess.run([shutil.which("valkey-cli") or "redis-cli", "--cluster", "create",
+                                  *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"],
+                                 capture_output=True, text=True, timeout=300)
+            if out.returncode != 0:
+                raise RuntimeError(f"cluster create failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+            for _ in range(600):
+                if all(redis.Redis(port=p).cluster("info")["cluster_state"] == "ok" for p in ports):
+                    break
+                time.sleep(0.3)
+
+        def toggle(on: bool) -> None:
+            for proc in procs:
+                subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(proc.pid)], capture_output=True)
+
+        url = f"redis://127.0.0.1:{ports[0]}"
+        if side == "ours":
+            asyncio.run(_ours(url, warm, measured, [], on_measure=toggle))
+        else:
+            async def floor() -> None:
+                writer = FloorWriter(url, cluster=cluster)
+                await writer.write(warm)
+                toggle(True)
+                await writer.write(measured)
+                toggle(False)
+                await writer.client.aclose()
+            asyncio.run(floor())
+        for proc in procs:
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True)
+        time.sleep(1)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+    return sum(_instructions(f"{tmp}/{p}") for p in ports) / events
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="single,cluster", help="single, cluster or both (default)")
+    args = parser.parse_args(argv)
+    for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
+        if shutil.which(tool) is None:
+            print(f"{tool} is not installed (valgrind's package provides it)", file=sys.stderr)
+            return 2
+    figures: dict[tuple[str, str], float] = {}
+    for topology in args.only.split(","):
+        for side in ("floor", "ours"):
+            with tempfile.TemporaryDirectory() as tmp:
+                figures[(topology, side)] = measure(side, topology == "cluster", tmp)
+            print(f"{topology:8s} {side:6s} {figures[(topology, side)]:>10,.0f} instructions per block event",
+                  flush=True)
+        ours, floor = figures[(topology, "ours")], figures[(topology, "floor")]
+        print(f"{topology:8s} ours / floor: {ours / floor:.2f}x", flush=True)
+    if ("single", "ours") in figures and ("cluster", "ours") in figures:
+        print(f"cluster / single node: ours {figures[('cluster', 'ours')] / figures[('single', 'ours')]:.2f}x, "
+              f"floor {figures[('cluster', 'floor')] / figures[('single', 'floor')]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
