@@ -87,7 +87,8 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
     key moved away is named by that position."""
     out: list[Any] = []
     owners: list[int] = []
-    reg: tuple[str, str, bytes] | None = None
+    reg: tuple[str, str, int, int] | None = None
+    owns: dict[tuple[int, int], bytes] = {}  # (byte, mask) -> mine(): a run's ops are mostly one pod's
     run_at = -1
     for i, op in enumerate(ops):
         if op[0] == "Q":
@@ -95,16 +96,17 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
             owners.append(i)
             continue
         _, rk, fld, entry, bit, bitdelta, byte, mask = op
-        num = (byte - 1) * 8 + mask.bit_length() - 1
         if not (entry != 0 and (bitdelta == entry if bit else bitdelta == 0)):
-            part = key_ops(rk, fld, entry, bit, bitdelta, num)
+            part = key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
             out += part
             owners += [i] * lua_op_count(part)
             continue
         name = "S" if entry > 0 else "R"
-        own = mine(num)
-        if reg != (fld, bit, own):
-            reg = (fld, bit, own)
+        if reg != (fld, bit, byte, mask):
+            reg = (fld, bit, byte, mask)
+            own = owns.get((byte, mask))
+            if own is None:
+                own = owns[(byte, mask)] = mine((byte - 1) * 8 + mask.bit_length() - 1)
             out += ["F", fld, bit, own]
             owners.append(i)
         elif run_at >= 0 and out[run_at - 1] == name and run_at + 1 + 3 * out[run_at] == len(out):

@@ -69,12 +69,15 @@ def change_ops(changes: Sequence[Any], num: int | None) -> list[Any]:
     """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back)."""
     flat: list[Any] = []
     n = num or 0
+    byte, mask = n // 8 + 1, 1 << (n % 8)
     for c in changes:
-        if isinstance(c, KeyChange):
-            flat.append(["K", c.rk, c.field, c.entry, c.bit, c.bit_delta, n // 8 + 1, 1 << (n % 8)])
-        elif isinstance(c, EngineAdd):
+        kind = type(c)  # the three NamedTuples, exactly (a hot loop: one type test, not isinstance's chain)
+        if kind is KeyChange:
+            rk, fld, entry, bit, bit_delta = c
+            flat.append(["K", rk, fld, entry, bit, bit_delta, byte, mask])
+        elif kind is EngineAdd:
             flat.append(["Z", c.ek, list(c.rks)])
-        elif isinstance(c, EngineDrop):
+        elif kind is EngineDrop:
             flat.append(["X", c.ek, list(c.rks)])
     return flat
 
