@@ -32,7 +32,7 @@ from kv_preflight.cli import stack_file
 from kv_preflight.cli.valkey_cluster import ValkeyCluster
 from kv_preflight import parent_death
 from kv_preflight.config import Config, parse_model_urls
-from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port, reserve_port
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -286,6 +286,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         raise click.BadParameter(f"{data_dir} is in use by {exc}; stop it (Ctrl-C) or give another --data-dir",
                                  param_hint="'--data-dir'") from None
     check_port(port, "predictor", "--port")
+    reserve_port(port)  # free now, and none of the ports drawn below for valkey or engines may be it
     if engines:
         check_engines(list(engines))
     if fresh:

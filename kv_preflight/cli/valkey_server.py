@@ -40,6 +40,12 @@ class _HandedOut:
 _HANDED_OUT = _HandedOut()
 
 
+def reserve_port(port: int) -> None:
+    """A port this process will bind itself later (a flag's): ``free_port`` does not hand it out meanwhile."""
+    with _HANDED_OUT.lock:
+        _HANDED_OUT.at[port] = time.monotonic()
+
+
 def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
     """A port in [lo, hi) free now, for a server that another process binds a moment later (Valkey, an
     engine, a predictor). Not the kernel's pick (bind to port 0): that comes from the ephemeral range, from

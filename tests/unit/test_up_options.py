@@ -76,3 +76,29 @@ def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
     monkeypatch.setattr(valkey_server.random, "Random", lambda: draws)
     assert valkey_server.free_port() == a
     assert valkey_server.free_port() == b  # a drawn again, still unbound, is skipped
+
+
+def test_a_reserved_port_is_never_handed_out(monkeypatch):
+    """``up --port P``: P is free when checked and bound by the predictor last; the ports drawn meanwhile for
+    valkey and the engines must not be P (CI: the predictor found its port taken, "Address already in use")."""
+    import socket
+
+    from kv_preflight.cli import valkey_server
+
+    def kernel_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    a, b = kernel_port(), kernel_port()
+
+    class Draws:
+        def __init__(self):
+            self.left = [a, b]
+
+        def randrange(self, lo, hi):
+            return self.left.pop(0)
+
+    monkeypatch.setattr(valkey_server.random, "Random", lambda: Draws())
+    valkey_server.reserve_port(a)
+    assert valkey_server.free_port() == b
