@@ -121,8 +121,11 @@ class VllmPool:
         return started.result()
 
     def close(self) -> None:
-        """Engines started ahead that no test took (a failure ended the session, -x): stopped."""
+        """Engines started ahead that no test took (a failure ended the session, -x): stopped; those still
+        queued are not started at all."""
         for started in self._starting.values():
+            if started.cancel():
+                continue
             try:
                 started.result().stop()
             except BaseException:  # it never started: nothing to stop
