@@ -31,16 +31,6 @@ def stub(topic: str = "kv@pod-f@tiny", **kw) -> tuple[EngineStub, str]:
     return engine, f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"
 
 
-async def until(pred, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-replay", "replay-without-topic"])
 async def test_restarted_ingester_resumes_before_the_engine_publishes(valkey_url, tmp_path, replay_topic):
     """With --source (no topic known before the first frame) a restarted ingester must not wait for the
