@@ -169,15 +169,21 @@ class Shards:
             await self.client.script_load(script.script)
             return await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 
+    async def numbered_by_primary(self, prefix: str, values: Sequence[int]) -> \
+            tuple[dict[str, tuple[Any, list[int]]], list[int]]:
+        """``request_keys_by_primary`` for keys named ``prefix`` and a decimal value, by name (``by_primary``)
+        when a value is outside uint64, which the C routine refuses (a hand-made outbox entry)."""
+        try:
+            return await self.request_keys_by_primary(values, prefix)
+        except OverflowError:
+            return by_primary(self.client, (f"{prefix}{v}" for v in values))
+
     async def primaries_of(self, numbered: Iterable[tuple[str, Sequence[int]]]) -> list[Any] | None:
         """The primaries serving keys named a prefix and a decimal value (per group (prefix, values)), or None
         when some key's slot has no primary now."""
         nodes: dict[str, Any] = {}
         for prefix, values in numbered:
-            try:
-                groups, unserved = await self.request_keys_by_primary(values, prefix)
-            except OverflowError:  # a value outside uint64 (a hand-made outbox entry): by name
-                groups, unserved = by_primary(self.client, (f"{prefix}{v}" for v in values))
+            groups, unserved = await self.numbered_by_primary(prefix, values)
             if unserved:
                 return None
             nodes.update((name, node) for name, (node, _) in groups.items())
@@ -193,13 +199,10 @@ class Shards:
         ``engine:<ek>``), routed in C rather than by reading the names."""
         out: list[Any] = [None] * len(commands)
         await self.ready()
-        routed = None
         if numbered is not None:
-            try:
-                routed = await self.request_keys_by_primary(numbered[1], numbered[0])
-            except OverflowError:
-                pass  # a value outside uint64 (a hand-made outbox entry): by name
-        groups, unserved = routed or by_primary(self.client, (text(c[key_at]) for c in commands))
+            groups, unserved = await self.numbered_by_primary(*numbered)
+        else:
+            groups, unserved = by_primary(self.client, (text(c[key_at]) for c in commands))
         again: list[int] = list(unserved)
 
         async def one(node, idx: list[int]) -> None:

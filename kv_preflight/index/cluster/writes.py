@@ -288,10 +288,7 @@ class ClusterWrites:
         for j, op in enumerate(ops):
             if op[0] == "Z":
                 adds.append(op)
-                pairs: list[Any] = []
-                for pos, rk in enumerate(op[2]):
-                    pairs += [pos, rk]
-                round_b.append(("ZADD", engine_key_name(op[1]), *pairs))
+                round_b.append(_engine_add(op[1], op[2]))
                 round_b_eks.append(op[1])
             elif op[0] == "X" and empty_at.get(j, 0) == len(set(op[2])):
                 drops.append((j, op))
@@ -317,10 +314,7 @@ class ClusterWrites:
             readd_eks = []
             for j, op in drops:
                 if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
-                    pairs = []
-                    for pos, rk in enumerate(op[2]):
-                        pairs += [pos, rk]
-                    readd.append(("ZADD", engine_key_name(op[1]), *pairs))
+                    readd.append(_engine_add(op[1], op[2]))
                     readd_eks.append(op[1])
             if readd:
                 self.readded += len(readd)
@@ -477,6 +471,11 @@ class ClusterWrites:
 
     async def close(self) -> None:
         await self.barrier.close()
+
+
+def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
+    """``engine:<ek>`` gains a block's request keys at their positions (llm-d's ZSET): the ZADD."""
+    return ("ZADD", engine_key_name(ek), *(x for pos, rk in enumerate(rks) for x in (pos, rk)))
 
 
 def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
