@@ -7,7 +7,7 @@ valgrind's callgrind, once through kv-preflight's ingester and once as the floor
 on a single node and on a 3-master cluster (no replicas), and prints instructions per block event summed over
 the servers. Only the measured part is counted (instrumentation is switched on after the warm-up), and the
 server's timer work (``serverCron``) is left out: it runs by the clock, ten times a second, and valgrind's
-slowdown multiplies it by the run's length, not by the work. About 5 minutes; needs valgrind.
+slowdown multiplies it by the run's length, not by the work. About a minute; needs valgrind.
 """
 from __future__ import annotations
 
@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="single,cluster", help="single, cluster or both (default)")
     args = parser.parse_args(argv)
+    unknown = set(args.only.split(",")) - {"single", "cluster"}
+    if unknown:
+        parser.error(f"--only takes single and/or cluster, not {', '.join(sorted(unknown))}")
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             print(f"{tool} is not installed (valgrind's package provides it)", file=sys.stderr)
