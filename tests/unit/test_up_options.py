@@ -51,29 +51,36 @@ def test_options_not_given_are_left_to_serve():
     assert serve_args(parse(up, ["--tokenizer-check"])) == ["--tokenizer-check"]
 
 
-def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
-    """Ports drawn together (``up``'s engine: HTTP, ZMQ, replay; a test's predictor and engine) are all
-    unbound until their servers start: free_port must not give the same one twice meanwhile."""
+def _kernel_port() -> int:
     import socket
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _draws(monkeypatch, *ports: int) -> None:
+    """free_port's random draws, in order, made to be ``ports``."""
     from kv_preflight.cli import valkey_server
 
-    def kernel_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    a, b = kernel_port(), kernel_port()
-
-    class Draws:  # the random draws: the same port twice, then another
+    class Draws:
         def __init__(self):
-            self.left = [a, a, b]
+            self.left = list(ports)
 
         def randrange(self, lo, hi):
             return self.left.pop(0)
 
     draws = Draws()
     monkeypatch.setattr(valkey_server.random, "Random", lambda: draws)
+
+
+def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
+    """Ports drawn together (``up``'s engine: HTTP, ZMQ, replay; a test's predictor and engine) are all
+    unbound until their servers start: free_port must not give the same one twice meanwhile."""
+    from kv_preflight.cli import valkey_server
+
+    a, b = _kernel_port(), _kernel_port()
+    _draws(monkeypatch, a, a, b)  # the same port twice, then another
     assert valkey_server.free_port() == a
     assert valkey_server.free_port() == b  # a drawn again, still unbound, is skipped
 
@@ -81,24 +88,9 @@ def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
 def test_a_reserved_port_is_never_handed_out(monkeypatch):
     """``up --port P``: P is free when checked and bound by the predictor last; the ports drawn meanwhile for
     valkey and the engines must not be P (CI: the predictor found its port taken, "Address already in use")."""
-    import socket
-
     from kv_preflight.cli import valkey_server
 
-    def kernel_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    a, b = kernel_port(), kernel_port()
-
-    class Draws:
-        def __init__(self):
-            self.left = [a, b]
-
-        def randrange(self, lo, hi):
-            return self.left.pop(0)
-
-    monkeypatch.setattr(valkey_server.random, "Random", lambda: Draws())
+    a, b = _kernel_port(), _kernel_port()
+    _draws(monkeypatch, a, b)
     valkey_server.reserve_port(a)
     assert valkey_server.free_port() == b
