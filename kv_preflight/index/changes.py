@@ -80,11 +80,12 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
 
 def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
     """A Valkey Cluster shard's share of a run's request-key changes (outbox ``K`` changes and drop probes
-    ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in S
-    and R runs under F, as a single node's batch sends them (the general form, one op per change, sent each
-    change's field, bit name and value again: most of a shard's arguments), the rest as they are. Also, per
-    op the script counts (``lua_op_count``), the index in ``ops`` of the change it runs, since a change whose
-    key moved away is named by that position."""
+    ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in s
+    and r runs under F, as a single node's batch sends them in S and R runs but without the engine key a shard
+    never gets there (the general form, one op per change, sent each change's field, bit name and value again:
+    most of a shard's arguments), the rest as they are. A probe right after its key's removal in an r run is not
+    sent: the r block answers it (``folds_probe``). Also, per op the script counts (``lua_op_count``), the index
+    in ``ops`` of the change it runs, since a change whose key moved away is named by that position."""
     out: list[Any] = []
     owners: list[int] = []
     reg: tuple[str, str, int, int] | None = None
@@ -92,16 +93,18 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
     run_at = -1
     for i, op in enumerate(ops):
         if op[0] == "Q":
+            if i and folds_probe(ops[i - 1], op):
+                continue
             out += ["q", op[1], op[2]]
             owners.append(i)
             continue
         _, rk, fld, entry, bit, bitdelta, byte, mask = op
-        if not (entry != 0 and (bitdelta == entry if bit else bitdelta == 0)):
+        if not _runs(op):
             part = key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
             out += part
             owners += [i] * lua_op_count(part)
             continue
-        name = "S" if entry > 0 else "R"
+        name = "s" if entry > 0 else "r"
         if reg != (fld, bit, byte, mask):
             reg = (fld, bit, byte, mask)
             own = owns.get((byte, mask))
@@ -109,15 +112,28 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
                 own = owns[(byte, mask)] = mine((byte - 1) * 8 + mask.bit_length() - 1)
             out += ["F", fld, bit, own]
             owners.append(i)
-        elif run_at >= 0 and out[run_at - 1] == name and run_at + 1 + 3 * out[run_at] == len(out):
+        elif run_at >= 0 and out[run_at - 1] == name and run_at + 1 + 2 * out[run_at] == len(out):
             out[run_at] += 1
-            out += [rk, presence_key(rk), ""]
+            out += [rk, presence_key(rk)]
             owners.append(i)
             continue
         run_at = len(out) + 1
-        out += [name, 1, rk, presence_key(rk), ""]
+        out += [name, 1, rk, presence_key(rk)]
         owners.append(i)
     return out, owners
+
+
+def _runs(op: Sequence[Any]) -> bool:
+    """An outbox K change whose entry and bit come or go together (or an entry with no bit): an s or r block."""
+    entry, bit, bitdelta = op[3], op[4], op[5]
+    return entry != 0 and (bitdelta == entry if bit else bitdelta == 0)
+
+
+def folds_probe(prev: Sequence[Any], probe: Sequence[Any]) -> bool:
+    """Whether a drop's probe ``("Q", rk, j)`` rides on the change just before it in a shard's ops: the removal
+    of the same key's entry in an r block, whose answer (the key left empty, or not) is the probe's, as nothing
+    runs on that key in between. Saves the probe's three arguments, which cost Valkey more than its HLEN."""
+    return prev[0] == "K" and prev[1] == probe[1] and prev[3] < 0 and _runs(prev)
 
 
 # How many arguments each changes.lua op takes, its name included (S, R, Z and X: by their count)
@@ -131,9 +147,9 @@ def lua_op_count(args: Sequence[Any]) -> int:
         op = args[i]
         if op in _ARITY:
             i += _ARITY[op]
-        elif op in ("S", "R"):  # each block of a run is an op of its own
+        elif op in ("S", "R", "s", "r"):  # each block of a run is an op of its own
             blocks = int(args[i + 1])
-            i += 2 + 3 * blocks
+            i += 2 + (3 if op in ("S", "R") else 2) * blocks
             n += blocks - 1
         else:  # Z, X
             i += 3 + int(args[i + 2])
@@ -141,4 +157,4 @@ def lua_op_count(args: Sequence[Any]) -> int:
     return n
 
 
-__all__ = ["change_args", "key_ops", "lua_op_count", "mine", "shard_args"]
+__all__ = ["change_args", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args"]

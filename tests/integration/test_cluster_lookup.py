@@ -161,6 +161,30 @@ async def test_a_key_that_moved_since_the_map_was_read_is_read_where_it_went(val
         await ix.close()
 
 
+async def test_a_drop_whose_key_moved_since_the_map_was_read_still_prunes_its_engine_key(valkey_cluster, cluster_url):
+    """A removal whose request key moved away since the write path read the slot map is refused by the old
+    owner and goes again through the cluster's routing; the probe of its block's drop, which rode on that
+    removal (no probe of its own was sent), goes with it, so the engine key loses the request key as on a
+    single node."""
+    rng = random.Random(31)
+    pod, ek, rk = "moved-drop", rng.randrange(1, 2**63), rng.randrange(1, 2**63)
+    client = redis.RedisCluster.from_url(cluster_url)
+    ix = Index.from_url(cluster_url)
+    try:
+        r = await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
+                                 mutations=[StoreBlock(ek, "gpu", encode_entry(make_entry(pod, "GPU", 0)), (rk,))])
+        assert r.status == "applied", r
+        assert client.zrange(f"engine:{ek}", 0, -1) == [str(rk).encode()]
+        move_slot(valkey_cluster, client.keyslot(str(rk)))
+        r = await ix.apply_batch(pod_id=pod, rank=0, seq=1, ts=1.0, model="m", engine_block_size=16,
+                                 mutations=[RemoveBlock(ek, "gpu")])
+        assert r.status == "applied", r
+        assert not client.exists(str(rk)) and not client.exists(f"engine:{ek}")
+    finally:
+        await ix.close()
+        client.close()
+
+
 async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
     """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its changes not run."""
     from kv_preflight.index.backend import evalsha_pipeline

@@ -2,7 +2,8 @@
 list holds (a Valkey Cluster shard names a moved op by its position: the count must match the script's)."""
 from __future__ import annotations
 
-from kv_preflight.index.changes import change_args, key_ops, lua_op_count, mine, shard_args
+from kv_preflight.index.changes import change_args, folds_probe, key_ops, lua_op_count, mine, shard_args
+from kv_preflight.index.layout import presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
 
@@ -50,17 +51,33 @@ def test_counts_ops_of_every_kind_and_length():
 
 
 def test_a_shards_changes_run_in_runs_and_each_position_names_its_change():
-    """A cluster shard gets its outbox changes as S/R runs under F (not an E and a B per change, each with its
-    field, bit and value again), and every position the script counts maps back to the change it runs."""
+    """A cluster shard gets its outbox changes as s/r runs under F (not an E and a B per change, each with its
+    field, bit and value again; no engine key slot, which a shard never fills), and every position the script
+    counts maps back to the change it runs."""
     k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
     ops = [k(11, "f", 1, "0", 1, 2), k(12, "f", 1, "0", 1, 2), ("Q", 13, 5), k(13, "f", -1, "0", -1, 2),
            k(14, "g", 1, "0", 1, 9), k(15, "g", 1, "0", 0, 9), k(16, "g", 1, "0", 1, 9)]
     args, owners = shard_args(ops)
-    assert args[:4] == ["F", "f", "0", mine(2)] and args[4:6] == ["S", 2]
-    assert args[12:15] == ["q", 13, 5] and args[15:17] == ["R", 1]
-    assert args[20:24] == ["F", "g", "0", mine(9)] and args[24:26] == ["S", 1]
-    assert args[29] == "K"  # an entry without its bit: the general form
-    assert args[38:40] == ["S", 1]  # a new run after it
+    assert args[:4] == ["F", "f", "0", mine(2)] and args[4:10] == ["s", 2, 11, presence_key(11), 12, presence_key(12)]
+    assert args[10:13] == ["q", 13, 5] and args[13:17] == ["r", 1, 13, presence_key(13)]
+    assert args[17:21] == ["F", "g", "0", mine(9)] and args[21:23] == ["s", 1]
+    assert args[25] == "K"  # an entry without its bit: the general form
+    assert args[34:38] == ["s", 1, 16, presence_key(16)]  # a new run after it
+    assert len(args) == 38
     assert "E" not in args and "B" not in args
     assert len(owners) == lua_op_count(args)
     assert owners == [0, 0, 1, 2, 3, 4, 4, 5, 6]
+
+
+def test_a_drops_probe_rides_on_its_keys_removal_just_before_it():
+    """A probe right after the removal of its key's entry (an r block) is answered by that block, so it is not
+    sent; one after a store, after another key's removal, or after the general form is."""
+    k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
+    ops = [k(13, "f", -1, "0", -1, 2), ("Q", 13, 7), k(14, "f", -1, "0", -1, 2), ("Q", 13, 8),
+           k(15, "f", 1, "0", 1, 2), ("Q", 15, 9), k(16, "f", -1, "0", 0, 2), ("Q", 16, 10)]
+    assert [folds_probe(ops[i - 1], ops[i]) for i in (1, 3, 5, 7)] == [True, False, False, False]
+    args, owners = shard_args(ops)
+    assert args[:8] == ["F", "f", "0", mine(2), "r", 2, 13, presence_key(13)]  # no q for 13's first probe
+    assert args.count("q") == 3 and ["q", 13, 8] == args[10:13]
+    assert len(owners) == lua_op_count(args)
+    assert 1 not in owners and {3, 5, 7} <= set(owners)

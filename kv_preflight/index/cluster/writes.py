@@ -46,7 +46,7 @@ from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import key_ops as lua_key_ops
-from kv_preflight.index.changes import shard_args
+from kv_preflight.index.changes import folds_probe, shard_args
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -342,8 +342,8 @@ class ClusterWrites:
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
-            args, at = shard_args([key_ops[i] for i in idx])
-            owner = [idx[k] for k in at]
+            ops = [key_ops[i] for i in idx]
+            args, at = shard_args(ops)
             fast = self.shards.fast_for(node)
             if fast is not None:
                 try:
@@ -357,8 +357,12 @@ class ClusterWrites:
                 except NoScriptError:
                     await self.client.script_load(script.script)
                     reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
-            moved.extend(owner[int(p) - 1] for p in text(reply[0]).split(",") if p)
+            gone = [at[int(p) - 1] for p in text(reply[0]).split(",") if p]
+            moved.extend(idx[k] for k in gone)
+            moved.extend(idx[k + 1] for k in gone if _folded(ops, k))  # its probe goes with it
             probes(reply[3])
+            emptied = {at[int(p) - 1] for p in reply[4]} - set(gone)
+            probes([ops[k + 1][2] for k in sorted(emptied) if _folded(ops, k)])
             return int(reply[1]), text(reply[2])
 
         foreign, first = 0, ""
@@ -476,6 +480,12 @@ class ClusterWrites:
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
     """``engine:<ek>`` gains a block's request keys at their positions (llm-d's ZSET): the ZADD."""
     return ("ZADD", engine_key_name(ek), *(x for pos, rk in enumerate(rks) for x in (pos, rk)))
+
+
+def _folded(ops: Sequence[Sequence[Any]], k: int) -> bool:
+    """Whether the op after a shard's k-th is a probe that rode on it (``folds_probe``): its answer is the
+    k-th's, and where the k-th goes again through the routing, the probe goes too."""
+    return k + 1 < len(ops) and ops[k + 1][0] == "Q" and folds_probe(ops[k], ops[k + 1])
 
 
 def _foreign(replies: Sequence[Any]) -> tuple[int, str]:

@@ -28,6 +28,10 @@
 --   z ek_key rk, x ek_key rk   the same for a block of one request key (an engine block of 16 tokens)
 --   q rk j                  (a cluster shard) whether the key holds no entry at this point: j is listed in
 --                           `probes` if so (the X at position j of the run runs if all its keys were)
+--   s n (rk pkey)*n, r n (rk pkey)*n   (a cluster shard) S and R with no engine key (a shard's engine keys
+--                           are plain commands after this round): no empty third argument per block. r also
+--                           lists, in `emptied`, the position of each block that left its key with no entry,
+--                           which answers the probe of a drop beside it (its q is not sent)
 -- Writes to keys we do not own go through pcall: a key of a foreign type (someone's LIST at a request key)
 -- fails that one command, never the script, so a batch is never left half applied and a retry counts nothing
 -- twice; failures are counted (foreign.n) and the first is kept. A key that moved away (cluster: resharding,
@@ -37,6 +41,7 @@ local foreign = {n = 0, first = nil}
 local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
 local probes = {}  -- q ops that found their key empty (their j)
+local emptied = {}  -- r blocks that left their key empty (their op position)
 local op_at = 0     -- the position of the op running (for `moved`; each block of an S or R run counts)
 -- Globals cost a table lookup at every use; the loop below runs a few of these per block, so they are locals.
 local pcall_, type_, argv = redis.pcall, type, ARGV
@@ -179,6 +184,37 @@ local function run_changes(i)
     elseif op == 'F' then
       fld, name, mine = argv[i + 1], argv[i + 2], argv[i + 3]
       i = i + 4
+    elseif op == 's' then
+      local j = i + 2
+      op_at = op_at - 1
+      for _ = 1, tonumber(argv[i + 1]) do
+        op_at = op_at + 1
+        local rk, pkey = argv[j], argv[j + 1]
+        empty[rk] = nil
+        if call3('HSET', rk, fld, '') ~= nil and name ~= '' then
+          if call3('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call2('HGET', pkey, name)) end
+        end
+        j = j + 2
+      end
+      i = j
+    elseif op == 'r' then
+      local j = i + 2
+      op_at = op_at - 1
+      for _ = 1, tonumber(argv[i + 1]) do
+        op_at = op_at + 1
+        local rk, pkey = argv[j], argv[j + 1]
+        call2('HDEL', rk, fld)
+        empty[rk] = nil
+        if is_empty(rk) then
+          if name ~= '' then call1('DEL', pkey) end
+          emptied[#emptied + 1] = op_at
+        elseif name ~= '' then
+          local v = call2('HGET', pkey, name)
+          if v == mine then call2('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
+        end
+        j = j + 2
+      end
+      i = j
     elseif op == 'E' then
       empty[argv[i + 1]] = false
       call('HSET', argv[i + 1], argv[i + 2], '')

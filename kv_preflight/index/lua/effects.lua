@@ -4,10 +4,10 @@
 -- (resharding, failover) fails with "non local key": its op is listed for the caller to send through the
 -- cluster's routing. ARGV: the changes (changes.lua), flat, in order.
 -- Returns {moved op positions "i,j,..", foreign-typed writes, the first such error, the q ops' j that found
--- their request key empty}.
+-- their request key empty, the positions of the r blocks that left their key empty}.
 run_changes(1)
 local seen, uniq = {}, {}
 for _, p in ipairs(moved) do
   if not seen[p] then seen[p] = true; uniq[#uniq + 1] = p end
 end
-return {table.concat(uniq, ','), foreign.n, foreign.first or '', probes}
+return {table.concat(uniq, ','), foreign.n, foreign.first or '', probes, emptied}
