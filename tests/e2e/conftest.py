@@ -88,15 +88,19 @@ class VllmSpec:
 
 
 class VllmPool:
-    """Engines started one ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its processes), and the
-    serial phase starts nine in turn: while one module's tests run, the next module's engine starts beside them.
-    The order is the session's (``VLLM_ENGINES`` of each collected module); an engine the session does not name is
-    started when asked for."""
+    """Engines started ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its processes), and the
+    serial phase starts nine in turn: while one module's tests run, the next ``AHEAD`` modules' engines start
+    beside them. One ahead was not enough: several modules' tests take a few seconds, shorter than a start, so
+    the module after them waited for its engine while the machine had CPU to spare. The order is the session's
+    (``VLLM_ENGINES`` of each collected module); an engine the session does not name is started when asked for."""
+
+    AHEAD = 2
 
     def __init__(self, order: list[VllmSpec]):
         self.order = list(dict.fromkeys(order))
         self._starting: dict[VllmSpec, Future] = {}
-        # two: the next engine starts while this one is still starting, if its module asks for it before then
+        # two at once at most, in the session's order (the executor's queue): the engine a module waits for is
+        # never slowed by a third start beside it
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-start")
 
     def _start(self, spec: VllmSpec) -> VllmEngine:
@@ -116,7 +120,7 @@ class VllmPool:
         self.start_ahead(spec)
         started = self._starting.pop(spec)
         if spec in self.order:
-            for nxt in self.order[self.order.index(spec) + 1:][:1]:
+            for nxt in self.order[self.order.index(spec) + 1:][:self.AHEAD]:
                 self.start_ahead(nxt)
         return started.result()
 
@@ -137,10 +141,11 @@ class VllmPool:
 @pytest.fixture(scope="session", autouse=True)
 def vllm_pool(request) -> Iterator[VllmPool]:
     """Made at the session's first end-to-end test (the compose stack's, in file order), which starts the first
-    engine already when a launcher is there."""
+    ``VllmPool.AHEAD`` engines already when a launcher is there."""
     order = [spec for item in request.session.items for spec in getattr(item.module, "VLLM_ENGINES", ())]
     pool = VllmPool(order)
     if order and os.access(os.environ.get("KVPF_VLLM_UP", ""), os.X_OK):
-        pool.start_ahead(order[0])
+        for spec in pool.order[:VllmPool.AHEAD]:
+            pool.start_ahead(spec)
     yield pool
     pool.close()
