@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 import httpx
+
+from kv_preflight.cli.stack_file import no_stack_hint
 import msgspec
 
 from kv_preflight.config import parse_model_urls, parse_pod_urls, parse_tokenizer_dirs
@@ -334,7 +336,7 @@ def fleet(valkey_url, valkey_cluster, predictor_url, api_key, engine_urls, pod_m
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     except VALKEY_ERRORS as exc:
-        raise click.ClickException(f"valkey: {type(exc).__name__}: {exc}") from None
+        raise click.ClickException(f"valkey: {type(exc).__name__}: {exc}{no_stack_hint('valkey_url')}") from None
     if html_file is not None:
         try:
             html_file.write_text(render_html(result))

@@ -13,6 +13,8 @@ from typing import Any
 import click
 import httpx
 
+from kv_preflight.cli.stack_file import no_stack_hint
+
 
 def _json_arg(spec: str, what: str) -> Any:
     """A JSON value, or ``@file`` holding one."""
@@ -110,7 +112,8 @@ def explain(url, model, prompt, messages, tokens, compare_prompt, compare_messag
     try:
         resp = httpx.post(url.rstrip("/") + "/v1/cache/explain", json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise click.ClickException(f"cannot reach the predictor at {url}: {type(exc).__name__}: {exc}") from None
+        raise click.ClickException(f"cannot reach the predictor at {url}: {type(exc).__name__}: {exc}"
+                                   f"{no_stack_hint('url')}") from None
     try:
         doc = resp.json()
     except ValueError:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 import httpx
 
+from kv_preflight.cli.stack_file import no_stack_hint
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index, StoreBlock, parse_entry
 from kv_preflight.index.layout_version import LayoutError, check_layout
@@ -26,12 +27,12 @@ def _run(coro):
     except BrokenPipeError:  # the reader left (`index export | head -2`): click stops quietly, as for any command
         raise
     except (OSError, ConnectionError) as exc:
-        raise click.ClickException(f"cannot reach Valkey: {exc}") from None
+        raise click.ClickException(f"cannot reach Valkey: {exc}{no_stack_hint('valkey_url')}") from None
     except LayoutError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # redis errors and the like: one clear line, no traceback
         if exc.__class__.__module__.startswith("redis"):
-            raise click.ClickException(f"Valkey error: {exc}") from None
+            raise click.ClickException(f"Valkey error: {exc}{no_stack_hint('valkey_url')}") from None
         raise
 
 

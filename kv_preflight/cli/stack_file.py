@@ -17,6 +17,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+from click.core import ParameterSource
+
 from kv_preflight.config import ENV_PREFIX
 
 DATA_DIR = ".data"  # up's --data-dir default (relative to where it runs)
@@ -25,10 +28,32 @@ LOCK_FILE = "up.lock"
 # what the file sets; each is also what the options that take it read (cli/env.py)
 VALKEY_URL = ENV_PREFIX + "VALKEY_URL"
 PREDICTOR_URL = ENV_PREFIX + "PREDICTOR_URL"
+DATA_DIR_VAR = ENV_PREFIX + "DATA_DIR"
+
+# The env file apply_defaults looked for and took nothing from (None: it took values, or never ran): a
+# command that then fails to connect on its built-in default says so, rather than "Error 111 ... 6379".
+_looked_for: Path | None = None
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get(ENV_PREFIX + "DATA_DIR") or DATA_DIR)
+    return Path(os.environ.get(DATA_DIR_VAR) or DATA_DIR)
+
+
+def found_by_default(data_dir: Path) -> bool:
+    """Whether a command run here, in this environment, reads ``data_dir``'s env file with no help."""
+    return data_dir.resolve() == default_data_dir().resolve()
+
+
+def banner_env_line(data_dir: Path, env_file: Path) -> str:
+    """``up``'s banner line for its env file: who reads it without help, and the exact line for the others.
+    Only commands whose data directory resolves to this one find it (KVPF_DATA_DIR, else ./.data), so with
+    ``--data-dir`` elsewhere they need the export line; claiming they read it would send them to 6379."""
+    export = f"export {DATA_DIR_VAR}={shlex.quote(str(data_dir.resolve()))}"
+    if not found_by_default(data_dir):
+        return (f"{env_file}   (not the default data directory: kv-preflight commands find this stack only "
+                f"after\n               {export}   (or `source {env_file}`))")
+    where = f"run from {Path.cwd()}" + (f" with {DATA_DIR_VAR} as now" if os.environ.get(DATA_DIR_VAR) else "")
+    return f"{env_file}   (every kv-preflight command {where} reads it; elsewhere:\n               {export})"
 
 
 class DataDirInUse(Exception):
@@ -119,6 +144,7 @@ def read(data_dir: Path) -> dict[str, str]:
 def apply_defaults(environ: dict[str, str] | None = None) -> Path | None:
     """The running stack's values as environment defaults (a variable set and non-empty wins); the file's
     path when one was used."""
+    global _looked_for
     environ = os.environ if environ is None else environ  # type: ignore[assignment]
     data_dir = default_data_dir()
     values = read(data_dir)
@@ -127,4 +153,21 @@ def apply_defaults(environ: dict[str, str] | None = None) -> Path | None:
         if name.startswith(ENV_PREFIX) and not (environ.get(name) or "").strip():
             environ[name] = value
             used = True
+    _looked_for = None if used else data_dir / ENV_FILE
     return data_dir / ENV_FILE if used else None
+
+
+def no_stack_hint(param: str) -> str:
+    """Why a connection on ``param``'s built-in default failed, and the fix: appended to a command's
+    connection error when no running ``up`` stack's env file was found and neither a flag nor a variable
+    named the address. Empty otherwise: a URL the user gave is theirs to check."""
+    ctx = click.get_current_context(silent=True)
+    if _looked_for is None or ctx is None or ctx.get_parameter_source(param) is not ParameterSource.DEFAULT:
+        return ""
+    flag = next((p.opts[0] for p in ctx.command.params if p.name == param), "the URL")
+    path = _looked_for.resolve()
+    how = f"{DATA_DIR_VAR}" if os.environ.get(DATA_DIR_VAR) else f"./{DATA_DIR}, as {DATA_DIR_VAR} is unset"
+    state = "is left by an `up` that has stopped" if path.exists() else "does not exist"
+    return (f" -- the built-in default, as no running `kv-preflight up` stack was found: {path} ({how}) "
+            f"{state}. Start one with scripts/up, or point at one: `export {DATA_DIR_VAR}=<its --data-dir>` "
+            f"(or `source <its data dir>/env`), or give {flag}")

@@ -264,7 +264,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together.
 
     Once ready it writes <data-dir>/env (KVPF_VALKEY_URL, KVPF_PREDICTOR_URL) which every other command
-    run from here reads, and holds <data-dir>/up.lock so no second up shares the directory.
+    run from here reads (with the default --data-dir; else it prints the KVPF_DATA_DIR to export), and holds <data-dir>/up.lock so no second up shares the directory.
     """
     stack = Stack(data_dir)
     n = 5
@@ -366,8 +366,7 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
   valkey     {valkey_url.split('@')[-1]}
   engines    {' '.join(engine_list)}
   logs       {data_dir / 'logs'}/
-  env        {env_file}   (every kv-preflight command run from {Path.cwd()} reads it; elsewhere, source it
-             or set KVPF_DATA_DIR={data_dir.resolve()})
+  env        {stack_file.banner_env_line(data_dir, env_file)}
 
   export KVPF_VALKEY_URL={valkey_url} KVPF_PREDICTOR_URL={predictor}
   the CLI:   {cli_hint} index stats   (not on PATH unless you `source {Path(sys.executable).parent / 'activate'}`)

@@ -1,7 +1,7 @@
 """The compose stack for real: built, brought up under its own project name and host port, checked
 through its load balancer against the engines' cached tokens, hurt (an ingester killed, Valkey
-restarted), checked again, and torn down with no container left. Then once more on the Valkey Cluster
-profile.
+restarted), checked again, asked with the curls its quickstart documents, and torn down with the documented
+``down -v``, leaving no container and no volume. Then once more on the Valkey Cluster profile.
 
 Needs a Docker engine with Compose v2: KVPF_DOCKER_SETUP names a script that provides one and prints
 ``DOCKER READY`` (../shared/docker/setup.sh in this workplace). Without it the tests skip with a reason;
@@ -9,6 +9,7 @@ CI sets KVPF_REQUIRE_E2E=1, which turns that skip into a failure.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -121,6 +122,67 @@ def wait_healthy(url: str, timeout_s: float = 90) -> None:
     raise AssertionError(f"{url} not healthy within {timeout_s}s (last: {last})")
 
 
+def documented_commands(lines: list[str], start: str) -> list[str]:
+    """The shell commands beginning with ``start`` in ``lines``, a line ending in a backslash joined with the
+    next, as a newcomer pastes them."""
+    commands, current = [], ""
+    for line in lines:
+        current += line.strip()
+        if current.endswith("\\"):
+            current = current[:-1]
+            continue
+        if current.startswith(start):
+            commands.append(current)
+        current = ""
+    return commands
+
+
+def compose_section() -> str:
+    """docs/operations.md's "The compose stack": what a newcomer runs once the stack is up, and to stop it."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    return text.split("## The compose stack", 1)[1].split("\n## ", 1)[0]
+
+
+def quickstart_curls() -> list[str]:
+    """The curls the compose quickstart documents, in docs/operations.md and in the compose file's header;
+    the docs' are the header's too, so the two cannot drift apart."""
+    docs = documented_commands(compose_section().splitlines(), "curl ")
+    header = [line[1:] for line in (COMPOSE_DIR / "docker-compose.yml").read_text().splitlines()
+              if line.startswith("#")]
+    in_header = documented_commands(header, "curl ")
+    assert docs and all(c in in_header for c in docs), (docs, in_header)
+    return in_header
+
+
+def walk_the_documented_quickstart(project: Project, port: int) -> None:
+    """Issue 27, finding 11: what the docs tell a newcomer to run once the stack is up (the curls) and to stop
+    it (``down -v``), run as documented on this project's port and name; the volumes (the index) must go."""
+    for curl in quickstart_curls():
+        cmd = curl.replace("localhost:8080", f"127.0.0.1:{port}")
+        out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60, env=project.env)
+        assert out.returncode == 0 and out.stdout, (cmd, out.stdout, out.stderr)
+        if "/ready" in cmd:
+            assert out.stdout.strip().startswith("{") and "error" not in out.stdout, out.stdout
+        if "/v1/cache/predict" in cmd:
+            answer = json.loads(out.stdout)
+            assert answer["total_prompt_tokens"] > 0 and "freshness" in answer, answer
+    volumes = project_volumes(project.name)
+    assert volumes, f"the stack {project.name} made no volume: nothing for down -v to delete"
+    m = re.search(r"`(docker compose -f compose/docker-compose\.yml down -v)`", compose_section())
+    assert m, "docs/operations.md no longer documents `docker compose -f compose/docker-compose.yml down -v`"
+    down = m.group(1).replace("docker compose", f"docker compose -p {project.name}", 1)
+    out = subprocess.run(["sh", "-c", down], cwd=ROOT, capture_output=True, text=True, timeout=180, env=project.env)
+    assert out.returncode == 0, (down, out.stdout, out.stderr[-3000:])
+    assert project.containers() == [], f"containers of {project.name} left by {down}"
+    assert project_volumes(project.name) == [], f"volumes of {project.name} left by {down}: {volumes}"
+
+
+def project_volumes(name: str) -> list[str]:
+    out = subprocess.run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={name}"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.split()
+
+
 def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, tmp_path):
     port = free_port()
     # Item 4 of issue 14: the optional env file and the tokenizer mount reach the predictors.
@@ -151,6 +213,7 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
         # or left behind with the killed ingester, shows as a prediction below the engine's cached tokens.
         again = project.demo(*ENGINES)
         assert all(r["hits"] == r["requests"] for r in again.values()), again
+        walk_the_documented_quickstart(project, port)
     finally:
         project.down()
 

@@ -21,6 +21,8 @@ class HttpEngine:
     pod: str
     models: list[str]
     tokenize_fn: Callable[[dict], list[int]] | None = None
+    # the status /tokenize answers for a body (with an OpenAI-style error), else 200 with tokenize_fn's tokens
+    tokenize_status: Callable[[dict], int] | None = None
     running: float = 0
     waiting: float = 0
     kv_usage: float = 0.0
@@ -45,6 +47,9 @@ class HttpEngine:
     async def _tokenize(self, request: Request) -> JSONResponse:
         body = await request.json()
         self.tokenize_requests.append(body)
+        status = self.tokenize_status(body) if self.tokenize_status is not None else 200
+        if status != 200:
+            return JSONResponse({"error": {"message": f"stub refusal {status}", "code": status}}, status)
         if self.tokenize_fn is None:
             return JSONResponse({"error": "no tokenizer"}, 500)
         tokens = self.tokenize_fn(body)

@@ -5,7 +5,9 @@ zero-config ``kv-preflight serve``, a ``kv-preflight simulate`` engine and a ``k
 - a model nobody serves is a 400 that says no ingester has reported a pod of it, lists the known models
   and asks "did you mean" case-insensitively;
 - an unknown pod in a predict's ``pods`` filter is a warning in the answer;
-- the engine down, a prompt cannot be tokenized: a 503 (the server's dependency), not a 400.
+- the engine down, a prompt cannot be tokenized: a 503 (the server's dependency), not a 400;
+- an engine's 4xx on /tokenize is a 400 only when it judges the input (400, 413, 422); a 401, 403, 404 or
+  429 is the server's set-up or state: a 503 naming the engine, its status and the fix.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.index.index import Index
 from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.http_engine import HttpEngine
 from tests.integration.sim import sim_engine
 from tests.integration.test_fleet import FAST, FAST_ENV, until
 
@@ -120,3 +123,38 @@ async def test_not_ready_until_the_fleet_records_are_read(valkey_url):
             assert (await client.get("/ready")).status_code == 200
         finally:
             await predictor.aclose()
+
+
+# the engine's /tokenize status for a model named after it, and what the predictor must answer
+ENGINE_STATUSES = {"m401": (401, 503), "m403": (403, 503), "m404": (404, 503), "m429": (429, 503),
+                   "m400": (400, 400), "m413": (413, 400), "m422": (422, 400)}
+
+
+def test_only_the_engines_verdict_on_the_input_is_a_400(valkey_url, tmp_path):
+    """An engine's 4xx on /tokenize was always a 400 (EngineRejected): a 401 from an engine that wants an API
+    key, a 404 from a wrong URL or model, a 429 from its rate limit read as the client's fault, and a router
+    would not retry. Only 400, 413 and 422 judge the input; the rest is a 503 naming the engine, its status
+    and the fix. A real ``serve`` against an engine stub on a real port."""
+    engine = HttpEngine("stub", list(ENGINE_STATUSES), tokenize_fn=lambda body: [1, 2, 3],
+                        tokenize_status=lambda body: ENGINE_STATUSES[body["model"]][0]).start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    urls = [f"--engine-url={m}={engine.url}" for m in ENGINE_STATUSES]
+    pred = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--no-tokenizer-check", *urls],
+                 str(tmp_path / "pred.log"))
+    try:
+        wait_http(base + "/ready")
+        for model, (engine_status, want) in ENGINE_STATUSES.items():
+            r = httpx.post(base + "/v1/cache/predict", json={"model": model, "prompt": "hello"}, timeout=15)
+            assert r.status_code == want, (model, r.text)
+            error = r.json()["error"]
+            assert engine.url in error and f"({engine_status})" in error, error
+            if want == 503:
+                assert "; " in error.split(f"({engine_status}): stub refusal {engine_status}")[1], error  # a fix
+        r = httpx.post(base + "/v1/cache/predict", json={"model": "m401", "prompt": "hello"}, timeout=15)
+        assert "API key" in r.json()["error"], r.text
+        r = httpx.post(base + "/v1/cache/predict", json={"model": "m404", "prompt": "hello"}, timeout=15)
+        assert "check the engine URL" in r.json()["error"], r.text
+    finally:
+        stop(pred)
+        engine.stop()

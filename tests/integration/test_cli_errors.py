@@ -15,6 +15,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from kv_preflight.cli import stack_file
 from kv_preflight.cli.env import walk
 from kv_preflight.cli.main import cli
 from kv_preflight.cli.valkey_server import free_port
@@ -292,3 +293,34 @@ def test_every_command_with_bad_input_is_one_clear_line(bad_args, monkeypatch, t
             proc.communicate()
             raise AssertionError(f"{' '.join(bad_args)}: still running after 60 s, bad input accepted")
     assert_one_clear_line(subprocess.CompletedProcess(bad_args, proc.returncode, stdout, stderr))
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_no_stack_found_names_where_it_looked_and_how_to_point_at_one(tmp_path, stale):
+    """Issue 27, finding 2: with no running `up` stack found, `index stats` said only "Error 111 connecting to
+    127.0.0.1:6379", and `explain` only "cannot reach the predictor at http://127.0.0.1:8080". Each now
+    names the env file it looked for, why it did not count, and how to point at a stack."""
+    if _answers(6379) or _answers(8080):
+        pytest.skip("something listens on a built-in default port here: the defaults would connect")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPF_")}
+    if stale:  # left by an up killed with -9: its lock is gone, so the file does not count
+        (tmp_path / ".data").mkdir()
+        stack_file.write(tmp_path / ".data", {"KVPF_VALKEY_URL": DEAD_VALKEY})
+    state = "is left by an `up` that has stopped" if stale else "does not exist"
+    for args, flag in ((["index", "stats"], "--valkey-url"), (["explain", "--model", "m", "--prompt", "x"],
+                                                             "--predictor-url")):
+        out = kvpf(*args, cwd=tmp_path, env=env)
+        assert_one_clear_line(out, "no running `kv-preflight up` stack was found")
+        assert f"{tmp_path / '.data' / 'env'} (./.data, as KVPF_DATA_DIR is unset) {state}" in out.stderr, out.stderr
+        assert "export KVPF_DATA_DIR=<its --data-dir>" in out.stderr and f"or give {flag}" in out.stderr, out.stderr
+    out = kvpf("index", "stats", "--valkey-url", DEAD_VALKEY, cwd=tmp_path, env=env)  # a URL given: no hint
+    assert_one_clear_line(out, "Valkey error")
+    assert "no running" not in out.stderr

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+# Pages whose sample /v1/cache/predict answer must have a live answer's fields (they lacked `freshness`).
+SAMPLE_PAGES = (README, REPO / "docs" / "api.md")
 
 # Fenced blocks that hold no shell commands, by their first line.
 NOT_SHELL = {
@@ -74,10 +76,31 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert STACK in cmds
 
 
-def _check_prediction(out: subprocess.CompletedProcess) -> None:
+def _check_prediction(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert "error" not in body and isinstance(body["predicted_cached_tokens"], int), body
+    return body
+
+
+def sample_answers(page: Path) -> list[dict]:
+    """The page's sample predict answers: its json blocks that hold ``predicted_cached_tokens``."""
+    blocks = re.findall(r"^```json\n(.*?)^```", page.read_text(), re.S | re.M)
+    return [json.loads(b) for b in blocks if '"predicted_cached_tokens"' in b]
+
+
+def test_the_sample_answers_are_json():
+    """A sample that no longer parses could not be compared with a live answer below."""
+    for page in SAMPLE_PAGES:
+        assert sample_answers(page), f"{page.name} has no sample predict answer to compare"
+
+
+def assert_samples_match(live: dict) -> None:
+    """Each page's sample answer has exactly a live answer's top-level fields, so none can drift again (the
+    samples lacked ``freshness``, which every answer carries)."""
+    for page in SAMPLE_PAGES:
+        for sample in sample_answers(page):
+            assert sorted(sample) == sorted(live), f"{page.name}'s sample answer: {sorted(sample)} vs live {sorted(live)}"
 
 
 def test_readme_commands_run_against_a_live_stack(tmp_path):
@@ -100,7 +123,7 @@ def test_readme_commands_run_against_a_live_stack(tmp_path):
                 out = subprocess.run(["bash", "-c", cmd.replace("localhost:8080", f"127.0.0.1:{port}")],
                                      capture_output=True, text=True, timeout=60, cwd=REPO)
                 assert check == "prediction"
-                _check_prediction(out)
+                assert_samples_match(_check_prediction(out))
             # "prints the URLs and a curl that works as printed"
             shown = re.findall(r"^\s+(curl .*?)(?=^\s+curl |^\s+\(|\Z)", printed.split("try:", 1)[1], re.S | re.M)
             assert len(shown) == 2, printed

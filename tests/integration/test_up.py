@@ -29,7 +29,10 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
 @pytest.mark.serial(reason="`up --cluster` draws node ports from cluster_port()'s whole range, which the workers' own clusters divide among themselves")
 def test_up_on_a_local_valkey_cluster(tmp_path):
     """`up --cluster`: a 3+3 Valkey Cluster on loopback with AOF, the same stack on it, the demo exact,
-    every node stopped afterwards; started again on the same data directory, the same cluster returns."""
+    every node stopped afterwards; started again on the same data directory, the same cluster returns.
+    The cluster's URL (a node of it) is printed with its export line and written to <data-dir>/env while
+    up runs (issue 27, finding 2: it was printed nowhere)."""
+    import json
     import subprocess
     import sys
 
@@ -37,15 +40,35 @@ def test_up_on_a_local_valkey_cluster(tmp_path):
 
     with reaped(tmp_path) as env:
         for _ in range(2):
-            out = subprocess.run([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data", "--port",
-                                  str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path, capture_output=True,
-                                 text=True, timeout=240, env=env)
-            assert out.returncode == 0, out.stdout + out.stderr
-            assert "12/12 predictions exact" in out.stdout and "Valkey Cluster" in out.stdout
+            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data",
+                                     "--port", str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            env_file = _while_running(proc, tmp_path / ".data" / "env")
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, stdout + stderr
+            assert "12/12 predictions exact" in stdout and "Valkey Cluster" in stdout
             assert (tmp_path / ".data" / "valkey-cluster" / "cluster.json").exists()
+            ports = json.loads((tmp_path / ".data" / "valkey-cluster" / "cluster.json").read_text())["ports"]
+            url = next(w for w in stdout.split() if w.startswith("KVPF_VALKEY_URL=")).split("=", 1)[1]
+            assert url.startswith("redis://127.0.0.1:") and int(url.rsplit(":", 1)[1].split("/")[0]) in ports, stdout
+            assert f"export KVPF_VALKEY_URL={url}" in env_file, env_file
             assert (tmp_path / ".data" / "valkey-cluster" / "node-0" / "appendonlydir").exists()
         left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
         assert not left and not still_running(tmp_path), f"processes left running: {left}"
+
+
+def _while_running(proc, path, timeout_s: float = 240) -> str:
+    """``path``'s text, read as soon as it appears while ``proc`` runs (up removes its env file as it stops);
+    empty if the process ended first."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            return path.read_text()
+        except FileNotFoundError:
+            time.sleep(0.05)
+    return ""
 
 
 FOREIGN_SERVER = """

@@ -68,7 +68,8 @@ class UnsupportedMediaType(PredictorError):
 
 
 class EngineRejected(BadRequest):
-    """The engine's /tokenize refused the prompt or messages (its 4xx): the input is at fault."""
+    """The engine's /tokenize judged the prompt or messages bad (its 400, 413 or 422): the input is at fault.
+    Its other 4xx (an API key it wants, a wrong URL, its rate limit) are the server's: EngineUnavailable."""
 
     kind = "engine_rejected"
 

@@ -36,9 +36,10 @@ _encoder = msgspec.json.Encoder()
 class EngineTokenizer:
     """``/tokenize`` on an engine of the model: the configured ones (``--engine-url``, several per model
     allowed), else the engines the fleet records list for it (``discovered``). An engine that is down or
-    fails (timeout, connection error, 5xx) is skipped for the next; the one that answered is tried first
-    next time, so a dead engine costs one failed attempt per switch, not one per request. A 4xx is the
-    input's fault and is returned at once: another engine of the model would reject it too."""
+    fails (timeout, connection error, 5xx, or a 4xx that is not about the input, e.g. 401, 404, 429) is skipped
+    for the next; the one that answered is tried first next time, so a dead engine costs one failed attempt per
+    switch, not one per request. A 400, 413 or 422 is the input's fault and is returned at once: another engine
+    of the model would reject it too."""
 
     def __init__(self, engine_urls: Mapping[str, str | Sequence[str]], timeout_s: float,
                  client: httpx.AsyncClient | None = None,
@@ -94,10 +95,11 @@ class EngineTokenizer:
         except httpx.HTTPError as exc:
             raise EngineUnavailable(
                 f"engine {base} unreachable for /tokenize: {type(exc).__name__}: {clip(str(exc))}") from None
-        if 400 <= resp.status_code < 500:
+        if resp.status_code in INPUT_REJECTED:
             raise EngineRejected(f"engine {base} rejected the input ({resp.status_code}): {_error_text(resp)}")
         if resp.status_code != 200:
-            raise EngineUnavailable(f"engine {base} /tokenize failed ({resp.status_code}): {_error_text(resp)}")
+            raise EngineUnavailable(f"engine {base} /tokenize failed ({resp.status_code}): {_error_text(resp)}"
+                                    f"{_likely_fix(resp.status_code)}")
         try:
             return _reply_decoder.decode(resp.content).tokens
         except msgspec.DecodeError as exc:
@@ -106,6 +108,29 @@ class EngineTokenizer:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+# The engine's statuses that judge the input itself (malformed, too long, unprocessable): the client's fault,
+# a 400. Any other 4xx (an API key the engine wants, a wrong model or path, its rate limit) is the server's
+# set-up or state, which the client cannot fix: a 503.
+INPUT_REJECTED = frozenset({400, 413, 422})
+
+_FIXES = {
+    401: "the engine wants an API key the predictor does not send: open its /tokenize without one, or give "
+         "serve --tokenizer MODEL=DIR to tokenize locally",
+    403: "the engine wants an API key the predictor does not send: open its /tokenize without one, or give "
+         "serve --tokenizer MODEL=DIR to tokenize locally",
+    404: "the engine has no /tokenize for this model there: check the engine URL (--engine-url or its fleet "
+         "record) and that it serves the model",
+    429: "the engine is rate-limiting: retry later, or give serve --tokenizer MODEL=DIR to tokenize locally",
+}
+
+
+def _likely_fix(status: int) -> str:
+    """A hint for a server-side 4xx, so an operator reading the 503 knows what to change; none for a 5xx."""
+    if 400 <= status < 500:
+        return "; " + _FIXES.get(status, "a server-side refusal, not the input's: check the engine's set-up")
+    return ""
 
 
 def _error_text(resp: httpx.Response, limit: int = ECHO_LIMIT) -> str:
