@@ -66,13 +66,21 @@ def groups_from(raw: Any) -> Mapping[int, GroupSpec] | None:
     return _groups_of(raw)
 
 
-@lru_cache(maxsize=1024)
-def _groups_of(raw: bytes | str) -> Mapping[int, GroupSpec] | None:
+def parse_groups(raw: Any) -> dict[int, GroupSpec]:
+    """Every group a pod's meta "groups" names, whatever their number ({} when absent or unreadable): what the
+    pod's state was planned with (``index migrate`` rebuilds the state, and its presence fields, from it)."""
+    if not raw or not isinstance(raw, (bytes, str)):
+        return {}
     try:
         found = msgspec.json.decode(raw)
-        groups = {int(g): GroupSpec(*v) for g, v in found.items()}
+        return {int(g): GroupSpec(*v) for g, v in found.items()}
     except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
-        return None
+        return {}
+
+
+@lru_cache(maxsize=1024)
+def _groups_of(raw: bytes | str) -> Mapping[int, GroupSpec] | None:
+    groups = parse_groups(raw)
     return MappingProxyType(groups) if len(groups) > 1 else None
 
 
@@ -210,4 +218,5 @@ class PodMeta:
         await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 0, "incomplete_reason": ""})
 
 
-__all__ = ["PodInfo", "PodMeta", "ScoringInfo", "groups_from", "pod_info_from", "scoring_info_from"]
+__all__ = ["PodInfo", "PodMeta", "ScoringInfo", "groups_from", "parse_groups", "pod_info_from",
+           "scoring_info_from"]
