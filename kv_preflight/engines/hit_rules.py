@@ -117,9 +117,10 @@ def parse_group_specs(items: Iterable[str]) -> dict[str, dict[int, GroupSpec]]:
 
 def effective_groups(learned: Mapping[int, GroupSpec] | None, declared: Mapping[int, GroupSpec] | None
                      ) -> dict[int, GroupSpec] | None:
-    """A pod's groups as the hit rule uses them: those its events named, each filled from the declared ones
-    (``--group-spec`` for its model); None when the events named fewer than two (a plain model, or an engine
-    whose events carry no group: the declared groups alone cannot place its blocks)."""
+    """A pod's groups as the hit rule uses them: those its events named (its meta's, when they need a rule:
+    kv_preflight/index/pod_meta.py ``has_a_rule``), each filled from the declared ones (``--group-spec`` for its
+    model); None when there are none (a plain model, or an engine whose events carry no group: the declared
+    groups alone cannot place its blocks)."""
     if not learned:
         return None
     if not declared:
