@@ -57,6 +57,11 @@ class GroupSpec:
     attention_chunk_size: int | None = None
     eagle: bool = False
 
+    def __post_init__(self) -> None:
+        # a kind vLLM runs with another kind's manager is that kind here (``RUN_AS``)
+        if self.kind in RUN_AS:
+            object.__setattr__(self, "kind", RUN_AS[self.kind])
+
     def missing(self) -> str | None:
         """What the rule needs and this spec lacks (the pod is then answered conservatively), or None."""
         if self.kind not in KNOWN_KINDS:
@@ -75,14 +80,22 @@ class GroupSpec:
                          self.attention_chunk_size or declared.attention_chunk_size, self.eagle or declared.eagle)
 
 
+# ``kv_cache_spec_kind`` values (vLLM 0.32's ``KVCacheSpecKind``, vllm/v1/kv_cache_interface.py, set on BlockStored
+# by ``KVCacheManager.take_events``) whose spec vLLM runs with another kind's manager (``register_all_kvcache_specs``
+# in vllm/v1/core/single_type_kv_cache_manager.py): MLA and sink full attention are ``FullAttentionSpec``
+# subclasses run by ``FullAttentionManager`` (``SinkFullAttentionManager`` overrides no lookup) and sorted first as
+# full attention by the coordinator; sliding-window MLA is a ``SlidingWindowSpec`` run by ``SlidingWindowManager``,
+# its window in ``kv_cache_spec_sliding_window`` like any sliding window's.
+RUN_AS = {"mla_attention": FULL, "sink_full_attention": FULL, "sliding_window_mla": SLIDING}
 KIND_NAMES = {"full": FULL, "full_attention": FULL, "sliding_window": SLIDING, "swa": SLIDING, "chunked": CHUNKED,
-              "chunked_local_attention": CHUNKED, "mamba": MAMBA}
+              "chunked_local_attention": CHUNKED, "mamba": MAMBA, **RUN_AS}
 SPEC_OPTIONS = {"block": "block_size", "window": "sliding_window", "chunk": "attention_chunk_size"}
 
 
 def parse_group_spec(item: str) -> tuple[str, int, GroupSpec]:
     """One ``--group-spec`` value: ``MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]`` (KIND: full,
-    sliding_window, chunked_local_attention, mamba; short forms swa, chunked). What vLLM 0.32's events do not
+    sliding_window, chunked_local_attention, mamba; short forms swa, chunked; vLLM's mla_attention,
+    sink_full_attention and sliding_window_mla, run as full attention or sliding window). What vLLM 0.32's events do not
     carry (a chunked local attention group's chunk size, a Mamba group's block size) is given this way; no
     commas, so ``KVPF_GROUP_SPECS`` lists several with commas."""
     head, sep, rest = item.strip().partition("=")
@@ -238,7 +251,8 @@ class _SpecGroup:
 def _same_spec(spec: GroupSpec, bs: int) -> tuple[str, int, int | None, int | None]:
     """What vLLM compares to merge groups (``group.spec == spec`` and the same manager): the kind, the block
     size and the kind's own size. Groups are made of layers of one spec, so two groups whose events name the
-    same kind and sizes have equal specs."""
+    same kind and sizes have equal specs. (A kind run as another, ``RUN_AS``, is that kind here: an MLA group
+    beside a plain full-attention one of the same block size would be merged, where vLLM keeps two specs.)"""
     return (spec.kind, bs, spec.sliding_window if spec.kind == SLIDING else None,
             spec.attention_chunk_size if spec.kind == CHUNKED else None)
 
@@ -350,5 +364,6 @@ def held_blocks(groups: Mapping[int, GroupSpec], keys_held: Callable[[int, int],
     return held
 
 
-__all__ = ["CHUNKED", "FULL", "KNOWN_KINDS", "MAMBA", "SLIDING", "GroupSpec", "effective_groups", "group_hit",
-           "held_blocks", "longest_hit", "parse_group_spec", "parse_group_specs", "prefix_group", "spec_groups"]
+__all__ = ["CHUNKED", "FULL", "KIND_NAMES", "KNOWN_KINDS", "MAMBA", "RUN_AS", "SLIDING", "GroupSpec",
+           "effective_groups", "group_hit", "held_blocks", "longest_hit", "parse_group_spec", "parse_group_specs",
+           "prefix_group", "spec_groups"]
