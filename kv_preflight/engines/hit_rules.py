@@ -307,7 +307,8 @@ def longest_hit(groups: Mapping[int, GroupSpec], held: Held, prompt_tokens: int,
     if len(groups) == 1:
         ((g, spec),) = groups.items()
         return group_hit(g, spec, sizes[g], held, max_tokens, sizes[g])
-    hashed = prompt_tokens // math.gcd(*sizes.values()) * math.gcd(*sizes.values())
+    hash_block = math.gcd(*sizes.values())  # the request's hashes: whole blocks of this size
+    hashed = prompt_tokens // hash_block * hash_block
     order = spec_groups(groups, sizes)
     simple = len(order) == 2 and order[0].spec.kind == FULL
     has = [_has(held, sg.members) for sg in order]
