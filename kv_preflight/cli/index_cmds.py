@@ -16,9 +16,10 @@ from kv_preflight.index.index import Index, StoreBlock, parse_entry
 from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
-from kv_preflight.index.transfer import export_blocks, import_blocks, restore_seqs
+from kv_preflight.index.transfer import (export_blocks, groups_of_row, groups_row, import_blocks, pod_groups,
+                                        restore_seqs)
 from kv_preflight.events import topic_or_none
-from kv_preflight.engines.hit_rules import effective_groups, held_blocks, longest_hit, prefix_group
+from kv_preflight.engines.hit_rules import FULL, effective_groups, held_blocks, longest_hit, prefix_group
 
 
 def _run(coro):
@@ -368,7 +369,8 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
 @click.option("--pod", "pod_ids", multiple=True, help="Pod to export (repeatable; default all).")
 @click.option("-o", "--output", type=click.File("w"), default="-", show_default=True)
 def export_cmd(valkey_url, pod_ids, output) -> None:
-    """Write pods' entries as JSON lines: one pod line, then one line per engine block."""
+    """Write pods' entries as JSON lines: one pod line (its model, block size, seqs and KV cache groups), then one
+    line per engine block."""
     async def go():
         ix = await _open(valkey_url)
         total = 0
@@ -377,8 +379,12 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
             _unknown_pods(pod_ids, known)
             for pod_id in pod_ids or sorted(known):
                 info = await ix.meta.pod_info(pod_id)
-                output.write(json.dumps({"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
-                                         "seqs": info.seqs}) + "\n")
+                head = {"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
+                        "seqs": info.seqs}
+                groups = await pod_groups(ix.writer, pod_id)
+                if any(s.kind != FULL for s in groups.values()) or len(groups) > 1:
+                    head["groups"] = groups_row(groups)  # else plain: one full-attention group says nothing
+                output.write(json.dumps(head) + "\n")
                 async for s in export_blocks(ix.writer, pod_id):
                     row = {"pod": pod_id, "engine_key": str(s.engine_key), "tier": s.tier,
                            "entry": s.entry_field, "request_keys": [str(k) for k in s.request_keys]}
@@ -421,7 +427,8 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
                 if held:
                     await ix.clear_pod(pod)
                 for i in range(0, len(blocks), 500):
-                    await import_blocks(ix, pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500])
+                    await import_blocks(ix, pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500],
+                                        groups_of_row(meta.get("groups")))
                 await restore_seqs(ix.client, pod, meta.get("seqs") or {})
                 if not exact:
                     await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
@@ -452,6 +459,7 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
                 seqs = row.get("seqs") or {}
                 if not all(str(r).isdigit() and isinstance(v, int) and 0 <= v < 2**63 for r, v in seqs.items()):
                     raise ValueError("seqs must map dp ranks to non-negative integers")
+                groups_of_row(row.get("groups"))  # checked here, before anything is written
                 meta.update(row)
                 continue
             entry = parse_entry(row["entry"])

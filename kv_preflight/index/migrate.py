@@ -6,7 +6,8 @@ nothing happen. What changes is ours (kv_preflight/index/layout.py):
 1. Each pod's blocks, read from its old reverse index (layouts 2 and 3: ``kvpf:{<pod>}:blocks`` and
    ``:fields``, the request keys and, in layout 3, each block's parent in the value; layout 1:
    ``kvpf:blocks:<pod>`` and ``kvpf:fields:<pod>``, the request keys read from ``engine:<key>``), become its
-   state (kv_preflight/index/pod_state.py), written as a snapshot in ``kvpf:{<pod>}:state``, with its meta
+   state (kv_preflight/index/pod_state.py), planned with the KV cache groups its meta names (a hybrid pod's
+   prefix group decides its presence fields), written as a snapshot in ``kvpf:{<pod>}:state``, with its meta
    (generation, blocks, orphan count: unknown where the old layout kept no parents). Written whole, so a pod
    migrated twice is the same.
 2. Every presence hash is rebuilt from the pods' states: the old ones (``kvpf:{<rk>}:bits``) and any new one
@@ -28,6 +29,7 @@ from kv_preflight.index.numbering import give_numbers
 from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                                        is_presence_key, pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
                                        v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)
+from kv_preflight.index.pod_meta import parse_groups
 from kv_preflight.index.pod_state import KeyChange, PodState, encode_snapshot
 
 Progress = Callable[[str, int], None]
@@ -124,7 +126,7 @@ async def _read_pod(client, pod: str, layout1: bool, chunk: int) -> PodState | N
         return None
     fields = {text(k): text(v) for k, v in (await client.hgetall(fields_key)).items()}
     meta_key = v1_pod_meta_key(pod) if layout1 else pod_meta_key(pod)
-    ebs = await client.hget(meta_key, "engine_block_size")
+    ebs, groups = await client.hmget(meta_key, "engine_block_size", "groups")
     stores: list[StoreBlock] = []
     cursor = 0
     while True:
@@ -148,7 +150,9 @@ async def _read_pod(client, pod: str, layout1: bool, chunk: int) -> PodState | N
             stores.extend([block] * copies)
         if cursor == 0:
             break
-    state = PodState(engine_block_size=int(text(ebs)) if ebs and text(ebs).isdigit() else None, pod_id=pod)
+    # its groups first: a hybrid pod's prefix group (full attention) decides which presence field each block sets
+    state = PodState(parse_groups(groups), engine_block_size=int(text(ebs)) if ebs and text(ebs).isdigit() else None,
+                     pod_id=pod)
     return state.plan(stores).after
 
 

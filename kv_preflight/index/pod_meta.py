@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kv_preflight.engines.hit_rules import GroupSpec
+from kv_preflight.engines.hit_rules import FULL, KNOWN_KINDS, GroupSpec
 from kv_preflight.index.backend import IndexBackend
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import COUNTERS_KEY, PODS_KEY, pod_meta_key, pod_outbox_key
@@ -52,28 +52,47 @@ class ScoringInfo:
     pod_id: str
     engine_block_size: int | None
     incomplete: bool
-    # its KV cache groups (kind, sizes), when it has several (a hybrid model): the engine's rule for
-    # each group decides the hit (kv_preflight/engines/hit_rules.py); None for a plain model
+    # its KV cache groups (kind, sizes), when it has several (a hybrid model) or one of a kind other than full
+    # attention: the engine's rule for each group decides the hit (kv_preflight/engines/hit_rules.py); None for a
+    # plain model
     groups: Mapping[int, GroupSpec] | None = None
 
 
 def groups_from(raw: Any) -> Mapping[int, GroupSpec] | None:
-    """A pod's meta "groups" ({"<group>": [kind, block size, window, chunk, eagle]}) as specs; None when it
-    names fewer than two groups (a plain model) or cannot be read. One read-only mapping per distinct value:
+    """A pod's meta "groups" ({"<group>": [kind, block size, window, chunk, eagle]}) as specs; None when its
+    groups need no rule (``has_a_rule``: one full-attention group, a plain model) or cannot be read. One read-only mapping per distinct value:
     a fleet's thousand hybrid pods of one model share it (parsed once, not at every metadata read)."""
     if not raw or not isinstance(raw, (bytes, str)):
         return None
     return _groups_of(raw)
 
 
-@lru_cache(maxsize=1024)
-def _groups_of(raw: bytes | str) -> Mapping[int, GroupSpec] | None:
+def parse_groups(raw: Any) -> dict[int, GroupSpec]:
+    """Every group a pod's meta "groups" names, whatever their number ({} when absent or unreadable): what the
+    pod's state was planned with (``index migrate`` rebuilds the state, and its presence fields, from it)."""
+    if not raw or not isinstance(raw, (bytes, str)):
+        return {}
     try:
         found = msgspec.json.decode(raw)
-        groups = {int(g): GroupSpec(*v) for g, v in found.items()}
+        return {int(g): GroupSpec(*v) for g, v in found.items()}
     except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
-        return None
-    return MappingProxyType(groups) if len(groups) > 1 else None
+        return {}
+
+
+@lru_cache(maxsize=1024)
+def _groups_of(raw: bytes | str) -> Mapping[int, GroupSpec] | None:
+    groups = parse_groups(raw)
+    return MappingProxyType(groups) if has_a_rule(groups) else None
+
+
+def has_a_rule(groups: Mapping[int, GroupSpec]) -> bool:
+    """Whether a pod's groups need their rule to be scored: several groups (a hybrid model), or one group of a
+    kind with a rule other than full attention's (a sliding-window-only, chunked-only or Mamba-only model:
+    vLLM's ``UnitaryKVCacheCoordinator`` runs that kind's manager). One full-attention group is a plain model,
+    and one group of a kind without a rule here stays as it was, scored as plain."""
+    if len(groups) > 1:
+        return True
+    return any(s.kind in KNOWN_KINDS and s.kind != FULL for s in groups.values())
 
 
 def scoring_info_from(pod_id: str, reply: Any) -> ScoringInfo:
@@ -210,4 +229,5 @@ class PodMeta:
         await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 0, "incomplete_reason": ""})
 
 
-__all__ = ["PodInfo", "PodMeta", "ScoringInfo", "groups_from", "pod_info_from", "scoring_info_from"]
+__all__ = ["PodInfo", "PodMeta", "ScoringInfo", "groups_from", "has_a_rule", "parse_groups", "pod_info_from",
+           "scoring_info_from"]

@@ -266,3 +266,31 @@ async def test_sglang_and_trtllm_pods_of_a_hybrid_model_are_not_claimed_exact(fl
     async with client(create_app(cfg)) as c:
         pred = (await c.post("/v1/cache/predict", json={"model": "tiny", "token_ids": PROMPT, "pods": ["pod-h"]})).json()
     assert pred["predicted_cached_tokens"] == 32 and not pred.get("warnings")
+
+
+async def test_a_sliding_window_only_pod_is_scored_by_its_rule(valkey_url, ix):
+    """One KV cache group, of the sliding-window kind (its events name it so): vLLM runs that group's rule alone,
+    so with EAGLE (``--group-spec``) the pod reuses 96 tokens of its 4 blocks (a run of ceil(63 / 32) + 1 = 3
+    blocks ending at block 3, whose last block is dropped), not the 128 a plain pod would; the answer says the
+    count is a lower bound (the rule sees the pod's prefix only)."""
+    from kv_preflight.engines.hit_rules import SLIDING, GroupSpec
+    from kv_preflight.index.index import StoreBlock, encode_entry, make_entry
+    from kv_preflight.keys.chain import request_keys
+
+    cfg = Config.load(valkey_url=valkey_url, group_specs=parse_group_specs(["tiny:0=sliding_window/window=64/eagle"]))
+    keys = request_keys(TOKENS, model="tiny", hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+    per = B // cfg.block_size
+    stores = [StoreBlock(500 + b, "gpu", encode_entry(make_entry("pod-w", "GPU", 0)), tuple(keys[b * per:(b + 1) * per]))
+              for b in range(4)]
+    r = await ix.apply_batch(pod_id="pod-w", rank=0, seq=0, ts=1.0, model="tiny", engine_block_size=B,
+                             mutations=stores, groups={0: GroupSpec(SLIDING, B, 64)})
+    assert r.status == "applied", r
+    async with client(create_app(cfg)) as c:
+        pred = (await c.post("/v1/cache/predict", json={"model": "tiny", "token_ids": PROMPT, "pods": ["pod-w"]})).json()
+    assert pred["predicted_cached_tokens"] == 96, pred
+    kinds = {w["kind"]: w["detail"] for w in pred["warnings"]}
+    assert "'pod-w'" in kinds["single_group_lower_bound"]
+    async with client(create_app(Config.load(valkey_url=valkey_url))) as c:
+        pred = (await c.post("/v1/cache/predict", json={"model": "tiny", "token_ids": PROMPT, "pods": ["pod-w"]})).json()
+    assert pred["predicted_cached_tokens"] == 128  # no EAGLE: the window's rule over a full prefix, as plain
+    assert "single_group_lower_bound" in {w["kind"] for w in pred["warnings"]}

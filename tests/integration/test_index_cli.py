@@ -132,6 +132,65 @@ def test_export_import_keeps_kv_cache_groups(valkey_url):
     assert not r.exists("70", "engine:7")
 
 
+def test_export_import_keeps_a_hybrid_pods_group_specs(valkey_url):
+    """The export's pod line carries the pod's KV cache groups and the import gives them back: imported into an
+    empty Valkey, a hybrid pod (full attention beside a 64-token sliding window that lost blocks 1 and 2) is
+    answered by vLLM's rule (32 tokens), not as a plain pod whose full-attention chain holds 128 (the import
+    once wrote no groups, so the pod was plain until its next BlockStored named them)."""
+    import asyncio
+
+    import redis
+
+    from kv_preflight.config import Config
+    from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
+    from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
+    from kv_preflight.keys.chain import request_keys
+    from kv_preflight.predictor.http.app import create_app
+
+    cfg = Config(valkey_url=valkey_url)
+    tokens = list(range(3000, 3128))
+    keys = request_keys(tokens, model="tiny", hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+    per = 32 // cfg.block_size  # request keys per 32-token engine block
+    groups = {0: GroupSpec(FULL, 32), 1: GroupSpec(SLIDING, 32, 64)}
+    stores = [StoreBlock(100 + b, "gpu", encode_entry(make_entry("pod-hy", "GPU", g)),
+                         tuple(keys[b * per:(b + 1) * per]), g)
+              for b in range(4) for g in (0, 1) if g == 0 or b in (0, 3)]
+
+    async def write():
+        ix = Index.from_url(valkey_url)
+        try:
+            await ix.apply_batch(pod_id="pod-hy", rank=0, seq=0, ts=1.0, model="tiny", engine_block_size=32,
+                                 mutations=stores, groups=groups)
+        finally:
+            await ix.close()
+
+    async def predict() -> int:
+        app = create_app(Config(valkey_url=valkey_url))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+                r = await c.post("/v1/cache/predict", json={"model": "tiny", "token_ids": tokens + [7],
+                                                             "pods": ["pod-hy"]})
+                assert r.status_code == 200, r.text
+                return r.json()["predicted_cached_tokens"]
+
+    def inspect() -> dict:
+        return json.loads(run("index", "inspect", "--valkey-url", valkey_url, "--model", "tiny", "--json",
+                              "--tokens", json.dumps(tokens + [7])))
+
+    asyncio.run(write())
+    assert asyncio.run(predict()) == 32
+    exported = run("index", "export", "--valkey-url", valkey_url)
+    head = json.loads(exported.splitlines()[0])
+    assert head["groups"] == {"0": ["full_attention", 32, None, None, False],
+                              "1": ["sliding_window", 32, 64, None, False]}
+    redis.Redis.from_url(valkey_url).flushall()  # an empty Valkey
+    run("index", "import", "--valkey-url", valkey_url, "--exact", input=exported)
+    seen = inspect()
+    assert seen["groups_per_pod"]["pod-hy"] == {"0": "full_attention", "1": "sliding_window"}
+    assert seen["prefix_blocks_per_pod"]["pod-hy"] == 8 and seen["cached_tokens_per_pod"]["pod-hy"] == 32
+    assert asyncio.run(predict()) == 32
+
+
 def test_import_cannot_corrupt(valkey_url):
     """Importing twice (or over a live pod) doubled copy counts, and a bad entry was written as is:
     now a pod with entries is refused unless --replace (which clears it first), every record is

@@ -183,16 +183,32 @@ async def held_by_pod(ix: Index, client) -> dict:
     return {p: await held_blocks(ix.writer, p) for p in sorted(pods)}
 
 
+async def apply_hybrid(ix: Index) -> None:
+    """A hybrid pod whose full-attention group is group 1 (its sliding-window group 0 holds blocks 1 and 3): its
+    prefix group, and so which presence fields its blocks set, comes from its groups, which migrate must keep."""
+    from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
+    from kv_preflight.index.index import StoreBlock
+
+    groups = {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)}
+    stores = [StoreBlock(900 + b, "gpu", encode_entry(make_entry("pod-h", "GPU", g)), (9000 + 2 * b, 9001 + 2 * b), g)
+              for b in range(4) for g in (0, 1) if g == 1 or b in (1, 3)]
+    r = await ix.apply_batch(pod_id="pod-h", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                             mutations=stores, groups=groups)
+    assert r.status == "applied", r
+
+
 @pytest.mark.parametrize("version", ["3", "2"])
 async def test_layouts_2_and_3_are_refused_then_migrated_to_what_layout_4_writes(valkey_url, version):
     """An index this build wrote, taken back to layout 3 (or 2), refused, then migrated: every key is what
-    this build had written (presence, meta, pods' blocks and copies), and the lookup equals the linear walk."""
+    this build had written (presence, meta, pods' blocks and copies; a hybrid pod's groups), and the lookup
+    equals the linear walk."""
     from tests.integration.test_cluster import apply_all, random_batches
 
     r = redis.Redis.from_url(valkey_url)
     ix = Index.from_url(valkey_url)
     try:
         await apply_all(ix, random_batches(3))
+        await apply_hybrid(ix)
         r.hset("75", "llmd-only@gpu", "")  # an llm-d writer's entry: never counted as ours
         before, held = by_name(r), await held_by_pod(ix, r)
         await to_layout_3(ix, r, version=version)
@@ -224,6 +240,7 @@ async def test_layout_3_on_a_cluster_is_migrated_to_what_layout_4_writes(cluster
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
         await apply_all(ix, random_batches(3))
+        await apply_hybrid(ix)
         await drain_until_empty(ix, sync)
         chains = [[k * 10 + j for j in range(3)] for k in range(1, 400)]
         want = [sorted((m.pod_id, m.blocks, m.tier) for m in await ix.lookup(c, mode="linear")) for c in chains]

@@ -91,3 +91,18 @@ def test_parent_from_valkey_with_unknown_carry_is_an_orphan():
     c = BlockStored([3], 1, TOKENS[32:64], 32, medium="GPU", group_idx=0)
     seed_state(cold, {("tiny", 1): request_keys(TOKENS[:32], model="tiny")[-1]})
     assert plan([c], cold).mutations[0].request_keys == tuple(request_keys(TOKENS[:64], model="tiny")[2:])
+
+
+def test_kinds_vllm_runs_with_another_kinds_manager_are_learned_as_that_kind():
+    """vLLM 0.32's events name MLA, sink full attention and sliding-window MLA groups by their own
+    ``kv_cache_spec_kind``; vLLM runs them with the full-attention and sliding-window managers, so their groups
+    are learned as those kinds (with a rule), not as kinds without one."""
+    from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
+
+    p = plan([BlockStored([1], None, TOKENS[:16], 16, medium="GPU", group_idx=0, kv_cache_spec_kind="mla_attention"),
+              BlockStored([1], None, TOKENS[:16], 16, medium="GPU", group_idx=1, kv_cache_spec_kind="sliding_window_mla",
+                          kv_cache_spec_sliding_window=64),
+              BlockStored([1], None, TOKENS[:16], 16, medium="GPU", group_idx=2,
+                          kv_cache_spec_kind="sink_full_attention")])
+    assert p.groups == {0: GroupSpec(FULL, 16), 1: GroupSpec(SLIDING, 16, 64), 2: GroupSpec(FULL, 16)}
+    assert not any(s.missing() for s in p.groups.values())

@@ -148,3 +148,25 @@ def test_group_specs_from_env(monkeypatch):
     cfg = Config.load()
     assert cfg.group_specs == {"a/b": {1: GroupSpec(CHUNKED, None, None, 8192), 0: GroupSpec(FULL)},
                                "c": {1: GroupSpec(MAMBA, 64)}}
+
+
+def test_kinds_vllm_runs_as_full_attention_or_sliding_window_have_those_rules():
+    """``mla_attention`` and ``sink_full_attention`` (``FullAttentionSpec`` subclasses, ``FullAttentionManager``)
+    and ``sliding_window_mla`` (a ``SlidingWindowSpec``, ``SlidingWindowManager``): vLLM 0.32's
+    ``register_all_kvcache_specs``. Their pods are answered by those rules, not as kinds without one (a lower
+    bound of 0), whether named by events, by a pod's stored meta or by ``--group-spec``."""
+    from kv_preflight.engines.hit_rules import KIND_NAMES, parse_group_spec
+    from kv_preflight.index.pod_meta import groups_from
+
+    assert GroupSpec("mla_attention", 16) == GroupSpec(FULL, 16)
+    assert GroupSpec("sink_full_attention", 16) == GroupSpec(FULL, 16)
+    assert GroupSpec("sliding_window_mla", 16, 64) == GroupSpec(SLIDING, 16, 64)
+    assert {KIND_NAMES[k] for k in ("mla_attention", "sink_full_attention")} == {FULL}
+    assert KIND_NAMES["sliding_window_mla"] == SLIDING
+    assert parse_group_spec("m:1=sliding_window_mla/window=64")[2] == GroupSpec(SLIDING, None, 64)
+    stored = groups_from(b'{"0":["mla_attention",16,null,null,false],"1":["sliding_window_mla",16,64,null,false]}')
+    assert dict(stored) == {0: GroupSpec(FULL, 16), 1: GroupSpec(SLIDING, 16, 64)}
+    held = {0: {0, 1, 2, 3}, 1: {0, 3}}  # the window group lost blocks 1 and 2
+    got = longest_hit(stored, lambda g, i: i in held[g], 65, 16)
+    assert got == longest_hit({0: GroupSpec(FULL, 16), 1: GroupSpec(SLIDING, 16, 64)}, lambda g, i: i in held[g], 65, 16)
+    assert got == 16  # ceil(63 / 16) = 4 contiguous blocks: none, so the run from block 0

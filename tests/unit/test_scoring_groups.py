@@ -49,3 +49,37 @@ def test_complete_groups_are_checked_once_per_mapping_object():
     assert not complete.known("a", chunked)
     assert [f.kind for f in group_findings("m", ["a"], {"a": chunked}, None, complete)] == ["hybrid_groups_incomplete"]
     assert not complete.known("a", chunked)
+
+
+def test_one_group_of_another_kind_is_scored_by_its_rule_and_says_it_is_a_lower_bound():
+    """A sliding-window-only, chunked-only or Mamba-only model has one KV cache group; vLLM runs that kind's
+    manager alone (``UnitaryKVCacheCoordinator``), so its pods are scored by that rule, not as plain pods, and
+    (the rule seeing only the pod's prefix) the answer says it is a lower bound. One full-attention group is
+    a plain model: nothing to say."""
+    from kv_preflight.index.entries import PodMatch
+    from kv_preflight.index.pod_meta import groups_from
+    from kv_preflight.predictor.scoring.groups import apply_groups
+
+    window = groups_from(b'{"0":["sliding_window",16,64,null,false]}')
+    assert window is not None and dict(window) == {0: GroupSpec(SLIDING, 16, 64)}
+    assert groups_from(b'{"0":["mamba",16,null,null,false]}') is not None
+    assert groups_from(b'{"0":["full_attention",16,null,null,false]}') is None
+    assert groups_from(b'{"0":["cross_attention",16,null,null,false]}') is None  # no rule here: as before
+
+    match = PodMatch("w", 8, "gpu")  # 8 blocks of 16 held from the start; the prompt: 129 tokens
+
+    def hit(groups):
+        (got,) = apply_groups([match], {"w": groups}, {"w": 16}, [], {"w": 0}, 16, 129)
+        return got.blocks * 16
+
+    # EAGLE: one more contiguous block needed (ceil(63 / 16) + 1 = 5), then the last one dropped
+    assert hit({0: GroupSpec(SLIDING, 16, 64, eagle=True)}) == 112
+    assert hit({0: GroupSpec(SLIDING, 16, 64)}) == 128
+    # chunked local attention: the blocks before the chunk that holds token 128 count as computed
+    assert hit({0: GroupSpec(CHUNKED, 16, attention_chunk_size=64)}) == 128
+    assert apply_groups([PodMatch("w", 2, "gpu")], {"w": {0: GroupSpec(CHUNKED, 16, attention_chunk_size=64)}},
+                        {"w": 16}, [], {"w": 0}, 16, 129)[0].blocks == 8
+
+    found = group_findings("m", ["w", "v"], {"w": dict(window), "v": {0: GroupSpec(FULL, 16)}}, None)
+    assert [f.kind for f in found] == ["single_group_lower_bound"]
+    assert "'w'" in found[0].detail and "'v'" not in found[0].detail and "sliding_window" in found[0].detail

@@ -235,7 +235,8 @@ class CompleteGroups:
 def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapping[int, GroupSpec]],
                    declared: Mapping[int, GroupSpec] | None, complete: CompleteGroups | None = None) -> list[Finding]:
     """What an answer must say about pods it cannot answer exactly (issue 24): a hybrid pod whose group lacks
-    what its rule needs (answered as a lower bound: that group accepts nothing), and, for a model declared
+    what its rule needs (answered as a lower bound: that group accepts nothing), a pod of one group of another
+    kind than full attention (its rule runs over the pod's prefix only: a lower bound), and, for a model declared
     hybrid by ``--group-spec``, pods whose events name no KV cache group (SGLang, TensorRT-LLM: their count is
     the prefix their events describe, which the engine's other groups may cut; docs/engines.md)."""
     out: list[Finding] = []
@@ -243,12 +244,17 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
     if not hybrid and not declared_hybrid:
         return out  # plain pods of a plain model: nothing to say, nothing walked (the fleet-wide hot path)
     lacking: dict[str, list[str]] = {}
+    alone: dict[str, list[str]] = {}  # pods of one group of a kind other than full attention, by that kind
     silent = []
     for pod in sorted({p for p in matched if p in hybrid or declared_hybrid}):
         groups = hybrid.get(pod)
         if groups is None:
             silent.append(pod)
             continue
+        if len(groups) == 1:
+            (spec,) = groups.values()
+            if spec.kind != FULL and not spec.missing():
+                alone.setdefault(spec.kind, []).append(pod)
         if complete is not None and complete.known(pod, groups):  # these very groups were found complete
             continue
         ok = True
@@ -269,6 +275,11 @@ def group_findings(model: str, matched: Iterable[str], hybrid: Mapping[str, Mapp
             f"{_named(silent)} name none (SGLang and TensorRT-LLM publish one group's blocks): their count is "
             "that group's prefix, which the engine's other groups may cut; exactness is not claimed "
             "(docs/engines.md)")))
+    for kind, pods in alone.items():
+        out.append(Finding("single_group_lower_bound", None, (
+            f"pod(s) {_named(pods)} of {model!r} have one KV cache group, of kind {kind}: counted by that kind's "
+            "rule over the pod's prefix of the prompt (the lookup stops at a pod's first missing block, and "
+            "vLLM's rule may also use blocks held past it), so a lower bound, not exact (docs/engines.md)")))
     return out
 
 
