@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import resource
 import shutil
@@ -615,18 +616,33 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
         sim.stop()
 
 
-LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart"]),
+LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart",
+                                                      "retire"]),
                                      st.integers(0, 2)), min_size=2, max_size=6)
 
 
 async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_server, valkey_url, tmp_path):
     """The property of issue 26: after any sequence of register, unregister, `index clear --forget`, a Valkey
-    restart without persistence, and publishing, every pod with keys is listed (the registry) and every listed
-    pod answers. Real processes throughout; after each step the fleet settles on an observable event (a batch
-    of an engine ingested all along comes in after everything the step caused), never a sleep."""
+    restart without persistence, retirement, and publishing, every pod with keys is listed (the registry) and
+    every listed pod answers. Real processes throughout; after each step the fleet settles on an observable
+    event (a batch of an engine ingested all along comes in after everything the step caused), never a sleep.
+    Retirement is an engine leaving an ``--engines-from`` listing (retired, then dropped after a short
+    retention: both the ingester's, through the one pod lifecycle); a later retire step lists it again."""
     sims = [Sim(f"dynamo-{800 + i}", tmp_path) for i in range(3)]  # topics naming the pods they register as
     control = Sim("control-ps", tmp_path)
-    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", control.url, "--ingester-id", "ps-1")
+    retiree = Sim("retiree-ps", tmp_path)
+    listing = tmp_path / "engines.json"
+    listed = {"retiree": True}
+
+    def list_retiree(on: bool) -> None:
+        tmp = tmp_path / "engines.json.tmp"
+        tmp.write_text(json.dumps([{"url": retiree.url, "pod": retiree.pod}] if on else []))
+        os.replace(tmp, listing)  # atomically, as a ConfigMap update is
+        listed["retiree"] = on
+
+    list_retiree(True)
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", control.url, "--ingester-id", "ps-1",
+                   "--engines-from", f"file://{listing}", "--retired-retention", "1")
     serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
     prompts = iter(range(10**6))
@@ -665,6 +681,9 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
             registered.discard(i)
         elif action == "publish":
             sim.complete(fresh_prompt())
+            retiree.complete(fresh_prompt())
+        elif action == "retire":
+            retire_or_list_again()
         elif action == "clear" and f"dynamo-{800 + i}" in r.hkeys("kvpf:registry"):
             got = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "clear", "--valkey-url", valkey_url,
                                   "--pod", f"dynamo-{800 + i}", "--forget"], capture_output=True, text=True, timeout=60)
@@ -680,6 +699,25 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
             while open(tmp_path / "ing.log").read().count("Valkey lost the index's data") == noticed:
                 assert time.monotonic() < deadline and ing.poll() is None, "the ingester never noticed the loss"
                 time.sleep(0.1)
+
+    def retire_or_list_again() -> None:
+        """The retiree leaves the listing (and the step waits until its pod was retired and then dropped), or,
+        gone, is listed again (its history replayed from its engine, as for any engine newly found)."""
+        if not listed["retiree"]:
+            list_retiree(True)
+            return
+        wait_for(lambda: r.hexists("kvpf:fleet", retiree.pod), "the retiree's record (it was listed)")
+        retired = open(tmp_path / "ing.log").read().count("pod retiree-ps retired")
+        list_retiree(False)
+        wait_for(lambda: retiree.pod not in r.hkeys("kvpf:registry") and not r.hexists("kvpf:fleet", retiree.pod),
+                 "the retiree retired and dropped")
+        assert open(tmp_path / "ing.log").read().count("pod retiree-ps retired") == retired + 1
+
+    def wait_for(done, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline and ing.poll() is None, f"never: {what}"
+            time.sleep(0.1)
 
     def check() -> None:
         assert unlisted_pods(valkey_url) == set()
@@ -704,5 +742,5 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
         r.close()
         stop(ing)
         stop(serve)
-        for s in [*sims, control]:
+        for s in [*sims, control, retiree]:
             s.stop()
