@@ -432,7 +432,9 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
     the pods' keys by replay but the registry stayed empty (its in-process cache), so `index pods` said "no
     pods" and export exported nothing while predictions answered; a pod that could not be rebuilt was empty
     with no flag. Now the lost epoch is noticed: the registry is rebuilt, a pod whose engine still buffers its
-    whole history is rebuilt exact, and one whose engine has no replay socket is flagged incomplete."""
+    whole history is rebuilt exact, and one whose engine has no replay socket is flagged incomplete; and what
+    lists the pods and their blocks agrees with the index again (`index export`, `index pods`, a predictor's
+    `/stats`), which is what the issue found broken, not only the registry."""
     whole = Sim("whole-sim", tmp_path)
     port = free_port()
     # a simulated engine with no replay socket: what it published is lost for good
@@ -443,6 +445,10 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
     bare_url = f"http://127.0.0.1:{port}"
     log = str(tmp_path / "ing.log")
     ing = ingester(valkey_url, log, "--engine", whole.url, "--engine", bare_url)
+    pred_port = free_port()
+    _started(spawn(["serve", "--valkey-url", valkey_url, "--port", str(pred_port)], str(tmp_path / "serve.log")))
+    pred = f"http://127.0.0.1:{pred_port}"
+    wait_http(pred + "/stats")
     ix = Index.from_url(valkey_url)
     try:
         async def both_ingested():
@@ -452,6 +458,7 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
             return await ingested(ix, "whole-sim") and await ingested(ix, "bare-sim")
 
         await until(both_ingested, "both engines ingested")
+        exported_before = await asyncio.to_thread(_exported, valkey_url, "whole-sim")
         valkey_server.proc.kill()
         valkey_server.proc.wait()
         for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
@@ -472,12 +479,73 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
 
         await until(rebuilt, "the registry rebuilt, one pod rebuilt exact and the other flagged", timeout=60)
         assert "Valkey lost" in (await ix.meta.pod_info("bare-sim")).incomplete_reason
+
+        seen: list = []  # the last look, for the failure's message
+
+        async def listings_agree():
+            held = {i.pod_id: i.blocks for i in await ix.meta.pod_infos(["whole-sim", "bare-sim"])}
+            listed = await asyncio.to_thread(_listed_blocks, valkey_url, pred)
+            seen[:] = [held, listed]
+            return listed if all(got == held for got in listed.values()) else None
+
+        try:
+            listed = await until(listings_agree, "export, index pods and /stats agreeing with the index", timeout=60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: the index held {seen[0]}, the listings showed {seen[1]}") from None
+        assert listed["export"]["whole-sim"] > 0, listed
+        # rebuilt exact: what it exports is what it exported before the loss, copy for copy
+        assert await asyncio.to_thread(_exported, valkey_url, "whole-sim") == exported_before
         assert ing.poll() is None
     finally:
         await ix.close()
         stop(ing)
         stop(bare_proc)
         whole.stop()
+
+
+async def test_an_ingester_warns_at_start_of_an_evicting_maxmemory_policy(valkey_url, tmp_path):
+    """Under an ``allkeys-*`` policy Valkey evicts index keys at maxmemory and predictions go wrong with nothing
+    to tell (the epoch notices only the loss of its own key): the one notice is the ingester's warning at
+    start, which docs/operations.md promises."""
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    log = str(tmp_path / "ing.log")
+    was = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    try:
+        r.config_set("maxmemory-policy", "allkeys-lru")
+        ing = ingester(valkey_url, log, "--source", "tcp://127.0.0.1:1")
+        wait_log(log, "maxmemory-policy is allkeys-lru", ing)
+        assert ing.poll() is None  # a warning, not a refusal
+    finally:
+        r.config_set("maxmemory-policy", was)
+        r.close()
+
+
+def _index_cli(valkey_url: str, *args: str) -> str:
+    got = subprocess.run([sys.executable, "-m", "kv_preflight", "index", *args, "--valkey-url", valkey_url],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def _exported(valkey_url: str, pod: str | None = None) -> list[dict]:
+    """`index export`'s lines (of one pod, or of all), sorted: one pod line, then one per physical block copy."""
+    rows = [json.loads(line) for line in _index_cli(valkey_url, "export").splitlines()]
+    return sorted((r for r in rows if pod in (None, r["pod"])), key=lambda r: json.dumps(r, sort_keys=True))
+
+
+def _listed_blocks(valkey_url: str, predictor: str) -> dict[str, dict[str, int]]:
+    """Pod -> blocks as each listing shows them: `index export` (its distinct engine blocks: a block the
+    engine computed again is exported once per copy), `index pods --json`, and a predictor's `/stats` (one
+    page of pods is every pod here)."""
+    exported: dict[str, set] = {}
+    for row in _exported(valkey_url):
+        held = exported.setdefault(row["pod"], set())
+        if "engine_key" in row:
+            held.add((row["engine_key"], row["tier"], row.get("group", 0)))
+    stats = httpx.get(predictor + "/stats", timeout=10).json()
+    return {"export": {pod: len(held) for pod, held in exported.items()},
+            "index pods": {p["pod_id"]: p["blocks"] for p in json.loads(_index_cli(valkey_url, "pods", "--json"))},
+            "/stats": {p["pod_id"]: p["blocks"] for p in stats["pods"]}}
 
 
 async def test_registrations_are_bounded_and_copies_of_a_source_refused(valkey_url, tmp_path):
