@@ -172,12 +172,14 @@ async def test_bad_endpoints_are_refused_and_never_end_an_ingester(valkey_url, t
 async def test_two_engines_asking_to_be_bound_at_one_address(valkey_url, tmp_path):
     """Finding 6: two engines that connect to the same ingester address (their /kv_event_sources say so)
     made the ingester bind tcp://*:PORT twice: "Address already in use", fatal. Now the second is refused
-    alone (logged with its URL, counted, retried) and the first is ingested."""
+    alone (logged with its URL, counted, retried) and the first is ingested; once the first engine is gone
+    (stopped, retired, its address let go) a retry of the second succeeds and it is ingested."""
     port = free_port()
     a = Sim("bind-a", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
     b = Sim("bind-b", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
     log = str(tmp_path / "ing.log")
-    ing = ingester(valkey_url, log, "--engine", a.url, "--engine", b.url, "--metrics-port", str(mport := free_port()))
+    ing = ingester(valkey_url, log, "--engine", a.url, "--engine", b.url, "--metrics-port", str(mport := free_port()),
+                   "--retire-after", "2")
     ix = Index.from_url(valkey_url)
     try:
         got = wait_log(log, "already bound here", ing)
@@ -191,6 +193,18 @@ async def test_two_engines_asking_to_be_bound_at_one_address(valkey_url, tmp_pat
         await until(publish_and_look, "the first engine ingested")
         metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
         assert 'kvpf_ingest_engine_errors_total{step="attach"}' in metrics
+        second = b if first is a else a
+        first.stop()
+
+        # its frames may come in on the first's bound socket meanwhile (a connecting PUB finds whoever binds the
+        # address): what is awaited is the ingester attaching the second engine itself, a retry that succeeded
+        wait_log(log, f"engine {second.url}: ingesting", ing, timeout_s=90)
+
+        async def second_published_and_looked():
+            await asyncio.to_thread(second.complete, list(range(48, 96)))
+            return await ingested(ix, second.pod)
+
+        await until(second_published_and_looked, "the second engine ingested once the first let the address go")
         assert ing.poll() is None
     finally:
         await ix.close()
@@ -629,21 +643,86 @@ async def test_one_client_holding_connections_locks_nobody_else_out(valkey_url, 
         stop(serve)
 
 
+async def test_connections_past_the_total_cap_are_refused_and_counted(valkey_url, tmp_path):
+    """--max-connections: past the connections all clients hold open, a new one is answered 503 and closed at
+    once (counted under limit="total"), rather than left unaccepted when descriptors run out; once they
+    are let go the predictor serves again. The held connections come from one address, under its own cap,
+    so the refusal is the total's."""
+    import socket
+
+    port = free_port()
+    serve = _started(spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--max-connections", "8",
+                            "--request-read-timeout", "120"], str(tmp_path / "serve.log")))
+    url = f"http://127.0.0.1:{port}"
+    held = []
+    try:
+        wait_http(url + "/health")
+        for _ in range(8):
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"GET /health HTTP/1.1\r\nHo")  # half a header, then nothing
+            held.append(conn)
+        extra = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0), timeout=30)
+        try:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = extra.recv(4096)
+        finally:
+            extra.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        for conn in held:
+            conn.close()
+        held.clear()
+
+        def served_again():
+            try:
+                return httpx.get(url + "/metrics", timeout=10)
+            except httpx.HTTPError:
+                return None
+
+        deadline = time.monotonic() + 30
+        while (got := served_again()) is None or got.status_code != 200:
+            assert time.monotonic() < deadline, "the predictor never served again after the connections closed"
+            time.sleep(0.1)
+        refused = {line.split()[0]: float(line.split()[1]) for line in got.text.splitlines()
+                   if line.startswith("kvpf_connections_refused_total{")}
+        assert refused.get('kvpf_connections_refused_total{limit="total"}', 0) >= 1, refused
+        assert not refused.get('kvpf_connections_refused_total{limit="per_client"}'), refused
+        assert serve.poll() is None
+    finally:
+        for conn in held:
+            conn.close()
+        stop(serve)
+
+
 async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
     """Finding 9: with ingestion stalled (Valkey under noeviction at maxmemory, the ingester retrying OOM),
     /predict, /route and /health answered 200 with nothing saying the index was behind. Now the pod reads
-    "stalled" in every answer, the answer "degraded" with the reason, /health 200 with status "degraded",
-    and /route with max_staleness_ms routes by load alone (reason stale_index); all current again after."""
+    "stalled" in every answer (/predict, /explain, and the Dynamo /query for a registered worker), the answer
+    "degraded" with the reason, /health 200 with status "degraded", and /route with max_staleness_ms routes by
+    load alone (reason stale_index); all current again after."""
     sim = Sim("fresh-sim", tmp_path)
+    worker = Sim("dynamo-931", tmp_path)  # its topic names the pod it registers as
     ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", sim.url, "--ingester-id", "fr-1")
-    serve, _, pred = dynamo_server(valkey_url, tmp_path)
+    serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
     r = redis.Redis.from_url(valkey_url)
+    ix = Index.from_url(valkey_url)
     first, second = list(range(64)), list(range(500, 564))
     try:
+        async with httpx.AsyncClient(base_url=dyn, timeout=30) as c:
+            await register_until_ingested(c, ix, worker, 931)
+
+        async def query(tokens):
+            got = await asyncio.to_thread(httpx.post, dyn + "/query", json={"token_ids": tokens, "model_name": "sim"},
+                                          timeout=10)
+            return got.json() if got.status_code == 200 else {"error": got.text}
+
         async def answer(tokens, path="/v1/cache/predict", **extra):
             got = await asyncio.to_thread(httpx.post, pred + path, json={"model": "sim", "token_ids": tokens, **extra},
                                           timeout=10)
             return got.json() if got.status_code == 200 else {"error": got.text}
+
+        async def worker_is(state: str):
+            fresh = (await query(first)).get("freshness", {})
+            return fresh.get("pods", {}).get("931", {}).get("state") == state and fresh
 
         async def current():
             await asyncio.to_thread(sim.complete, first)
@@ -652,6 +731,7 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
 
         doc = await until(current, "the pod ingested and current")
         assert doc["freshness"]["state"] == "exact" and doc["predicted_cached_tokens"] > 0
+        await until(lambda: worker_is("current"), "the registered worker current in /query")
         used = int(r.info("memory")["used_memory"])
         r.config_set("maxmemory-policy", "noeviction")
         r.config_set("maxmemory", str(used // 2))  # every write refused: OOM
@@ -663,11 +743,16 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
 
         doc = await until(stalled, "the pod reported stalled")
         assert doc["freshness"]["state"] == "degraded" and "stalled" in doc["freshness"]["reasons"][0]
+        explained = (await answer(second, "/v1/cache/explain"))["freshness"]
+        assert explained["state"] == "degraded" and explained["pods"]["fresh-sim"]["state"] == "stalled", explained
+        queried = await until(lambda: worker_is("stalled"), "the registered worker stalled in /query")
+        assert queried["state"] == "degraded" and "stalled" in queried["reasons"][0], queried
         health = await asyncio.to_thread(httpx.get, pred + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
-        route = await answer(first, "/v1/cache/route", max_staleness_ms=1000)
+        # among fresh-sim alone, as before the registered worker was added beside it
+        route = await answer(first, "/v1/cache/route", max_staleness_ms=1000, pods=["fresh-sim"])
         assert route["reason"] == "stale_index" and route["pod_id"] == "fresh-sim", route
-        assert (await answer(first, "/v1/cache/route"))["reason"] != "stale_index"
+        assert (await answer(first, "/v1/cache/route", pods=["fresh-sim"]))["reason"] != "stale_index"
         r.config_set("maxmemory", "0")
 
         async def caught_up():
@@ -675,13 +760,16 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
             return doc.get("freshness", {}).get("state") == "exact" and doc.get("predicted_cached_tokens", 0) > 0
 
         await until(caught_up, "the index caught up and the answer exact again")
+        await until(lambda: worker_is("current"), "the registered worker current in /query again")
         assert ing.poll() is None
     finally:
         r.config_set("maxmemory", "0")
         r.close()
+        await ix.close()
         stop(ing)
         stop(serve)
         sim.stop()
+        worker.stop()
 
 
 LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart",
