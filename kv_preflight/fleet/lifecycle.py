@@ -59,10 +59,15 @@ async def retire_pods(index: "Index", reasons: dict[str, str]) -> dict[str, int]
     its retention ends), and the ingesters may take their engines again at once (a still-known engine is
     attached anew, which is how its return is seen): pod -> blocks removed."""
     pods = sorted(reasons)
-    await let_go_everywhere(index, pods)
-    removed = {}
     for pod in pods:
-        removed[pod] = await index.clear_pod(pod)
-        await index.meta.mark_incomplete(pod, f"retired: {reasons[pod]}"[:300])
+        await flag_retired(index, pod, reasons[pod])
+    await let_go_everywhere(index, pods)
+    removed = {pod: await index.clear_pod(pod) for pod in pods}
     await index.fleet.unforget_pods(pods)
     return removed
+
+
+async def flag_retired(index: "Index", pod: str, reason: str) -> None:
+    """A retiring pod is flagged first, before the wait for every ingester and the clear: an answer in between
+    counts what it still holds, flagged; and a return without a full replay stays honest."""
+    await index.meta.mark_incomplete(pod, f"retired: {reason}"[:300])

@@ -38,7 +38,7 @@ from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
-from kv_preflight.fleet.lifecycle import forget_pods, retire_pods
+from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
@@ -570,7 +570,9 @@ class FleetMember:
 
     async def _retire(self, pod: str, record: PodRecord) -> None:
         """Entries cleared in O(the pod's blocks) once every ingester let the pod go (a copy's batch in
-        flight would write them back otherwise); flagged so a return without a full replay stays honest."""
+        flight would write them back otherwise); flagged at once, in the round, so a retired pod is not seen
+        unflagged while the rest waits in its task."""
+        await flag_retired(self.index, pod, record.reason)
         self._leave([pod], self._retired(pod, record.reason))
 
     async def _retired(self, pod: str, reason: str) -> None:
