@@ -1,6 +1,7 @@
-"""One way a pod leaves the index, whoever removes it (``/unregister``, ``index clear --forget``): every
-ingester is asked to let it go first (``kvpf:forget``), and its keys go once every live lease says it has,
-so no batch in flight can bring back a pod that no listing shows.
+"""One way a pod leaves the index, whoever removes it (``/unregister``, ``index clear --forget``, an
+ingester retiring it or dropping it after its retention): every ingester is asked to let it go first
+(``kvpf:forget``), and its keys go once every live lease says it has, so no batch in flight can bring back
+a pod that no listing shows.
 """
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ async def forget_pods(index: "Index", pods: Sequence[str], *, keep_refusing: boo
     if not keep_refusing:
         await index.fleet.unforget_pods(pods)
     return removed
+
+
+async def retire_pods(index: "Index", reasons: dict[str, str]) -> dict[str, int]:
+    """Retire pods (their engine left discovery, or stayed unreachable): let go everywhere, then their entries
+    cleared and the pods flagged, as a forget does it, so a copy's batch in flight cannot write entries back
+    behind the clear. Their metadata, number and record stay (a retired pod may return, and is listed until
+    its retention ends), and the ingesters may take their engines again at once (a still-known engine is
+    attached anew, which is how its return is seen): pod -> blocks removed."""
+    pods = sorted(reasons)
+    for pod in pods:
+        await flag_retired(index, pod, reasons[pod])
+    await let_go_everywhere(index, pods)
+    removed = {pod: await index.clear_pod(pod) for pod in pods}
+    await index.fleet.unforget_pods(pods)
+    return removed
+
+
+async def flag_retired(index: "Index", pod: str, reason: str) -> None:
+    """A retiring pod is flagged first, before the wait for every ingester and the clear: an answer in between
+    counts what it still holds, flagged; and a return without a full replay stays honest."""
+    await index.meta.mark_incomplete(pod, f"retired: {reason}"[:300])

@@ -88,7 +88,7 @@ REGISTERED_KEY = OUR_PREFIX + "engines"
 ALIASES_KEY = OUR_PREFIX + "aliases"
 DIAGNOSIS_KEY = OUR_PREFIX + "diagnosis"
 # field "id": a random token the first writer puts (HSETNX); a writer that finds it gone or changed knows the
-# index lost its data (a restart without persistence, FLUSHALL, eviction) since it last looked
+# index lost its data (a restart without persistence, FLUSHALL, this key evicted) since it last looked
 EPOCH_KEY = OUR_PREFIX + "epoch"
 # pod -> Valkey ms: pods being forgotten (``/unregister``, ``index clear --forget``): every ingester lets
 # their engines go and refuses their frames, so their keys go after no ingester writes them any more

@@ -13,13 +13,15 @@ Every second (``FleetMember.tick``, from the ingester's chores) an ingester:
    state), which is what lets ``serve --valkey-url URL`` alone know the fleet;
 5. retires pods whose engine left every ingester's view, or stayed unreachable ``--retire-after``
    seconds: their entries cleared, their record kept (state, reason, time) for
-   ``--retired-retention`` seconds, then dropped.
+   ``--retired-retention`` seconds, then dropped; both through the one pod lifecycle
+   (fleet/lifecycle.py: every ingester lets the pod go before its keys go), in tasks of their own.
 
 The rules are pure functions in ingester/membership_rules.py; this module does their I/O.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -36,6 +38,7 @@ from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.events import topic_or_none
+from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
@@ -53,6 +56,7 @@ RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its o
 MAX_LEASE_SOURCES = 2048  # endpoints a lease lists (sources and replays: the source cap keeps it far below)
 LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
+RETIRE_TRIES = 5  # a retirement whose Valkey calls fail is tried again this many times, a second apart
 
 
 def _given_here(spec: EngineSpec) -> str:
@@ -126,6 +130,9 @@ class FleetMember:
         self.observing: asyncio.Task | None = None  # --engines-from sources being read (DNS, files)
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
         self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
+        # pod -> its retirement or drop under way: it waits for every lease (this one's too, renewed beside the
+        # rounds) to say the pod was let go, so it never runs inside a round
+        self.leaving: dict[str, asyncio.Task] = {}
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
         self.written_at: dict[str, float] = {}
@@ -147,7 +154,8 @@ class FleetMember:
         return bool(self.static or self.sources or self.cfg.registered_engines)
 
     async def close(self) -> None:
-        for task in [*self.fetches.values(), *self.probes.values(), *([self.observing] if self.observing else [])]:
+        for task in [*self.fetches.values(), *self.probes.values(), *self.leaving.values(),
+                     *([self.observing] if self.observing else [])]:
             task.cancel()
         await self.http.aclose()
         try:
@@ -497,6 +505,8 @@ class FleetMember:
             return
         ok, detail, load, models = task.result()
         for pod in sorted(att.pods):
+            if pod in self.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
+                continue
             current = view.pods.get(pod) or self.records.get(pod) or PodRecord(since_ms=now_ms)
             was_retired = current.state == "retired"
             record, self.health[pod] = after_check(
@@ -559,15 +569,51 @@ class FleetMember:
     # ---- retiring and returning
 
     async def _retire(self, pod: str, record: PodRecord) -> None:
-        """Entries cleared in O(the pod's blocks); flagged so a return without a full replay stays honest."""
-        cleared = await self.index.clear_pod(pod)
-        await self.index.meta.mark_incomplete(pod, f"retired: {record.reason}"[:300])
+        """Entries cleared in O(the pod's blocks) once every ingester let the pod go (a copy's batch in
+        flight would write them back otherwise); flagged at once, in the round, so a retired pod is not seen
+        unflagged while the rest waits in its task."""
+        await flag_retired(self.index, pod, record.reason)
+        self._leave([pod], self._retired(pod, record.reason))
+
+    async def _retired(self, pod: str, reason: str) -> None:
+        """The retirement's task. Its record already says retired, so no later round would try again: it
+        tries again itself while Valkey fails."""
+        for attempt in range(1, RETIRE_TRIES + 1):
+            try:
+                cleared = (await retire_pods(self.index, {pod: reason}))[pod]
+                break
+            except VALKEY_ERRORS as exc:
+                if attempt == RETIRE_TRIES:
+                    raise
+                log.warning("pod %s: retiring it failed (%s); trying again", pod, exc)
+                await asyncio.sleep(1.0)
         await self.ing.counters.count("pods_retired")
-        log.warning("pod %s retired (%s): %d entries cleared", pod, record.reason, cleared)
+        log.warning("pod %s retired (%s): %d entries cleared", pod, reason, cleared)
+
+    async def _dropped(self, pods: list[str]) -> None:
+        """The end of a retention: its records stay until this is done, so a round after a failure tries again."""
+        await forget_pods(self.index, pods, keep_refusing=False)
+        log.info("retired pod(s) %s dropped from the registry after %.0f s", pods, self.cfg.retired_retention_s)
+
+    def _leave(self, pods: list[str], work) -> None:
+        task = asyncio.ensure_future(work)
+        for pod in pods:
+            self.leaving[pod] = task
+        task.add_done_callback(functools.partial(self._left, pods))
+
+    def _left(self, pods: list[str], task: asyncio.Task) -> None:
+        for pod in pods:
+            if self.leaving.get(pod) is task:
+                del self.leaving[pod]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("pod(s) %s: leaving the index failed (%s: %s)", pods, type(task.exception()).__name__,
+                      task.exception())
 
     async def _retire_departed(self, view, fleet_urls: set[str], now_ms: int) -> None:
         for pod, rec in sorted(view.pods.items()):
             if rendezvous_owners(pod, self.live, 1)[0] != self.me:
+                continue
+            if pod in self.leaving:
                 continue
             if rec.state != "retired" and rec.engine_url and rec.engine_url not in fleet_urls \
                     and not any(pod in a.pods for a in self.attached.values()):
@@ -579,13 +625,10 @@ class FleetMember:
         # record stays until the engine leaves, so its metadata is never forgotten under an ingester that owns it
         gone = expired_retired(
             {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me
-             and not (r.engine_url and r.engine_url in fleet_urls)},
+             and not (r.engine_url and r.engine_url in fleet_urls) and p not in self.leaving},
             now_ms, int(self.cfg.retired_retention_s * 1000))
-        if gone:
-            for pod in gone:  # its metadata and registry row too: names of departed pods do not pile up
-                await self.index.clear_pod(pod, forget=True)
-            await self.index.fleet.drop_pod_records(gone)
-            log.info("retired pod(s) %s dropped from the registry after %.0f s", gone, self.cfg.retired_retention_s)
+        if gone:  # its metadata and registry row too: names of departed pods do not pile up
+            self._leave(list(gone), self._dropped(list(gone)))
 
     async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:
         """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,

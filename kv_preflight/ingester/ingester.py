@@ -273,7 +273,7 @@ class Ingester:
 
     async def check_epoch(self) -> None:
         """Notice that Valkey lost the index's data since the last look (a restart without persistence,
-        FLUSHALL, eviction): the epoch this ingester saw is gone or another. Then what this process cached
+        FLUSHALL, the epoch key evicted): the epoch this ingester saw is gone or another. Then what this process cached
         goes (registry rows, pod numbers, pod states), the layout and settings are claimed again, and every
         pod ingested here is put back in the registry, flagged incomplete and rebuilt from its engine's
         replay buffer (exact again, the flag cleared, if the buffer reaches its seq 0; else at its next

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import resource
 import shutil
@@ -171,12 +172,14 @@ async def test_bad_endpoints_are_refused_and_never_end_an_ingester(valkey_url, t
 async def test_two_engines_asking_to_be_bound_at_one_address(valkey_url, tmp_path):
     """Finding 6: two engines that connect to the same ingester address (their /kv_event_sources say so)
     made the ingester bind tcp://*:PORT twice: "Address already in use", fatal. Now the second is refused
-    alone (logged with its URL, counted, retried) and the first is ingested."""
+    alone (logged with its URL, counted, retried) and the first is ingested; once the first engine is gone
+    (stopped, retired, its address let go) a retry of the second succeeds and it is ingested."""
     port = free_port()
     a = Sim("bind-a", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
     b = Sim("bind-b", tmp_path, zmq=f"tcp://127.0.0.1:{port}")
     log = str(tmp_path / "ing.log")
-    ing = ingester(valkey_url, log, "--engine", a.url, "--engine", b.url, "--metrics-port", str(mport := free_port()))
+    ing = ingester(valkey_url, log, "--engine", a.url, "--engine", b.url, "--metrics-port", str(mport := free_port()),
+                   "--retire-after", "2")
     ix = Index.from_url(valkey_url)
     try:
         got = wait_log(log, "already bound here", ing)
@@ -190,6 +193,18 @@ async def test_two_engines_asking_to_be_bound_at_one_address(valkey_url, tmp_pat
         await until(publish_and_look, "the first engine ingested")
         metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
         assert 'kvpf_ingest_engine_errors_total{step="attach"}' in metrics
+        second = b if first is a else a
+        first.stop()
+
+        # its frames may come in on the first's bound socket meanwhile (a connecting PUB finds whoever binds the
+        # address): what is awaited is the ingester attaching the second engine itself, a retry that succeeded
+        wait_log(log, f"engine {second.url}: ingesting", ing, timeout_s=90)
+
+        async def second_published_and_looked():
+            await asyncio.to_thread(second.complete, list(range(48, 96)))
+            return await ingested(ix, second.pod)
+
+        await until(second_published_and_looked, "the second engine ingested once the first let the address go")
         assert ing.poll() is None
     finally:
         await ix.close()
@@ -431,7 +446,9 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
     the pods' keys by replay but the registry stayed empty (its in-process cache), so `index pods` said "no
     pods" and export exported nothing while predictions answered; a pod that could not be rebuilt was empty
     with no flag. Now the lost epoch is noticed: the registry is rebuilt, a pod whose engine still buffers its
-    whole history is rebuilt exact, and one whose engine has no replay socket is flagged incomplete."""
+    whole history is rebuilt exact, and one whose engine has no replay socket is flagged incomplete; and what
+    lists the pods and their blocks agrees with the index again (`index export`, `index pods`, a predictor's
+    `/stats`), which is what the issue found broken, not only the registry."""
     whole = Sim("whole-sim", tmp_path)
     port = free_port()
     # a simulated engine with no replay socket: what it published is lost for good
@@ -442,6 +459,10 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
     bare_url = f"http://127.0.0.1:{port}"
     log = str(tmp_path / "ing.log")
     ing = ingester(valkey_url, log, "--engine", whole.url, "--engine", bare_url)
+    pred_port = free_port()
+    _started(spawn(["serve", "--valkey-url", valkey_url, "--port", str(pred_port)], str(tmp_path / "serve.log")))
+    pred = f"http://127.0.0.1:{pred_port}"
+    wait_http(pred + "/stats")
     ix = Index.from_url(valkey_url)
     try:
         async def both_ingested():
@@ -451,6 +472,7 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
             return await ingested(ix, "whole-sim") and await ingested(ix, "bare-sim")
 
         await until(both_ingested, "both engines ingested")
+        exported_before = await asyncio.to_thread(_exported, valkey_url, "whole-sim")
         valkey_server.proc.kill()
         valkey_server.proc.wait()
         for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
@@ -471,12 +493,73 @@ async def test_valkey_losing_its_data_is_noticed_and_the_registry_rebuilt(valkey
 
         await until(rebuilt, "the registry rebuilt, one pod rebuilt exact and the other flagged", timeout=60)
         assert "Valkey lost" in (await ix.meta.pod_info("bare-sim")).incomplete_reason
+
+        seen: list = []  # the last look, for the failure's message
+
+        async def listings_agree():
+            held = {i.pod_id: i.blocks for i in await ix.meta.pod_infos(["whole-sim", "bare-sim"])}
+            listed = await asyncio.to_thread(_listed_blocks, valkey_url, pred)
+            seen[:] = [held, listed]
+            return listed if all(got == held for got in listed.values()) else None
+
+        try:
+            listed = await until(listings_agree, "export, index pods and /stats agreeing with the index", timeout=60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: the index held {seen[0]}, the listings showed {seen[1]}") from None
+        assert listed["export"]["whole-sim"] > 0, listed
+        # rebuilt exact: what it exports is what it exported before the loss, copy for copy
+        assert await asyncio.to_thread(_exported, valkey_url, "whole-sim") == exported_before
         assert ing.poll() is None
     finally:
         await ix.close()
         stop(ing)
         stop(bare_proc)
         whole.stop()
+
+
+async def test_an_ingester_warns_at_start_of_an_evicting_maxmemory_policy(valkey_url, tmp_path):
+    """Under an ``allkeys-*`` policy Valkey evicts index keys at maxmemory and predictions go wrong with nothing
+    to tell (the epoch notices only the loss of its own key): the one notice is the ingester's warning at
+    start, which docs/operations.md promises."""
+    r = redis.Redis.from_url(valkey_url, decode_responses=True)
+    log = str(tmp_path / "ing.log")
+    was = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    try:
+        r.config_set("maxmemory-policy", "allkeys-lru")
+        ing = ingester(valkey_url, log, "--source", "tcp://127.0.0.1:1")
+        wait_log(log, "maxmemory-policy is allkeys-lru", ing)
+        assert ing.poll() is None  # a warning, not a refusal
+    finally:
+        r.config_set("maxmemory-policy", was)
+        r.close()
+
+
+def _index_cli(valkey_url: str, *args: str) -> str:
+    got = subprocess.run([sys.executable, "-m", "kv_preflight", "index", *args, "--valkey-url", valkey_url],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def _exported(valkey_url: str, pod: str | None = None) -> list[dict]:
+    """`index export`'s lines (of one pod, or of all), sorted: one pod line, then one per physical block copy."""
+    rows = [json.loads(line) for line in _index_cli(valkey_url, "export").splitlines()]
+    return sorted((r for r in rows if pod in (None, r["pod"])), key=lambda r: json.dumps(r, sort_keys=True))
+
+
+def _listed_blocks(valkey_url: str, predictor: str) -> dict[str, dict[str, int]]:
+    """Pod -> blocks as each listing shows them: `index export` (its distinct engine blocks: a block the
+    engine computed again is exported once per copy), `index pods --json`, and a predictor's `/stats` (one
+    page of pods is every pod here)."""
+    exported: dict[str, set] = {}
+    for row in _exported(valkey_url):
+        held = exported.setdefault(row["pod"], set())
+        if "engine_key" in row:
+            held.add((row["engine_key"], row["tier"], row.get("group", 0)))
+    stats = httpx.get(predictor + "/stats", timeout=10).json()
+    return {"export": {pod: len(held) for pod, held in exported.items()},
+            "index pods": {p["pod_id"]: p["blocks"] for p in json.loads(_index_cli(valkey_url, "pods", "--json"))},
+            "/stats": {p["pod_id"]: p["blocks"] for p in stats["pods"]}}
 
 
 async def test_registrations_are_bounded_and_copies_of_a_source_refused(valkey_url, tmp_path):
@@ -560,21 +643,86 @@ async def test_one_client_holding_connections_locks_nobody_else_out(valkey_url, 
         stop(serve)
 
 
+async def test_connections_past_the_total_cap_are_refused_and_counted(valkey_url, tmp_path):
+    """--max-connections: past the connections all clients hold open, a new one is answered 503 and closed at
+    once (counted under limit="total"), rather than left unaccepted when descriptors run out; once they
+    are let go the predictor serves again. The held connections come from one address, under its own cap,
+    so the refusal is the total's."""
+    import socket
+
+    port = free_port()
+    serve = _started(spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--max-connections", "8",
+                            "--request-read-timeout", "120"], str(tmp_path / "serve.log")))
+    url = f"http://127.0.0.1:{port}"
+    held = []
+    try:
+        wait_http(url + "/health")
+        for _ in range(8):
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"GET /health HTTP/1.1\r\nHo")  # half a header, then nothing
+            held.append(conn)
+        extra = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0), timeout=30)
+        try:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = extra.recv(4096)
+        finally:
+            extra.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        for conn in held:
+            conn.close()
+        held.clear()
+
+        def served_again():
+            try:
+                return httpx.get(url + "/metrics", timeout=10)
+            except httpx.HTTPError:
+                return None
+
+        deadline = time.monotonic() + 30
+        while (got := served_again()) is None or got.status_code != 200:
+            assert time.monotonic() < deadline, "the predictor never served again after the connections closed"
+            time.sleep(0.1)
+        refused = {line.split()[0]: float(line.split()[1]) for line in got.text.splitlines()
+                   if line.startswith("kvpf_connections_refused_total{")}
+        assert refused.get('kvpf_connections_refused_total{limit="total"}', 0) >= 1, refused
+        assert not refused.get('kvpf_connections_refused_total{limit="per_client"}'), refused
+        assert serve.poll() is None
+    finally:
+        for conn in held:
+            conn.close()
+        stop(serve)
+
+
 async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
     """Finding 9: with ingestion stalled (Valkey under noeviction at maxmemory, the ingester retrying OOM),
     /predict, /route and /health answered 200 with nothing saying the index was behind. Now the pod reads
-    "stalled" in every answer, the answer "degraded" with the reason, /health 200 with status "degraded",
-    and /route with max_staleness_ms routes by load alone (reason stale_index); all current again after."""
+    "stalled" in every answer (/predict, /explain, and the Dynamo /query for a registered worker), the answer
+    "degraded" with the reason, /health 200 with status "degraded", and /route with max_staleness_ms routes by
+    load alone (reason stale_index); all current again after."""
     sim = Sim("fresh-sim", tmp_path)
+    worker = Sim("dynamo-931", tmp_path)  # its topic names the pod it registers as
     ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", sim.url, "--ingester-id", "fr-1")
-    serve, _, pred = dynamo_server(valkey_url, tmp_path)
+    serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
     r = redis.Redis.from_url(valkey_url)
+    ix = Index.from_url(valkey_url)
     first, second = list(range(64)), list(range(500, 564))
     try:
+        async with httpx.AsyncClient(base_url=dyn, timeout=30) as c:
+            await register_until_ingested(c, ix, worker, 931)
+
+        async def query(tokens):
+            got = await asyncio.to_thread(httpx.post, dyn + "/query", json={"token_ids": tokens, "model_name": "sim"},
+                                          timeout=10)
+            return got.json() if got.status_code == 200 else {"error": got.text}
+
         async def answer(tokens, path="/v1/cache/predict", **extra):
             got = await asyncio.to_thread(httpx.post, pred + path, json={"model": "sim", "token_ids": tokens, **extra},
                                           timeout=10)
             return got.json() if got.status_code == 200 else {"error": got.text}
+
+        async def worker_is(state: str):
+            fresh = (await query(first)).get("freshness", {})
+            return fresh.get("pods", {}).get("931", {}).get("state") == state and fresh
 
         async def current():
             await asyncio.to_thread(sim.complete, first)
@@ -583,6 +731,7 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
 
         doc = await until(current, "the pod ingested and current")
         assert doc["freshness"]["state"] == "exact" and doc["predicted_cached_tokens"] > 0
+        await until(lambda: worker_is("current"), "the registered worker current in /query")
         used = int(r.info("memory")["used_memory"])
         r.config_set("maxmemory-policy", "noeviction")
         r.config_set("maxmemory", str(used // 2))  # every write refused: OOM
@@ -594,11 +743,16 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
 
         doc = await until(stalled, "the pod reported stalled")
         assert doc["freshness"]["state"] == "degraded" and "stalled" in doc["freshness"]["reasons"][0]
+        explained = (await answer(second, "/v1/cache/explain"))["freshness"]
+        assert explained["state"] == "degraded" and explained["pods"]["fresh-sim"]["state"] == "stalled", explained
+        queried = await until(lambda: worker_is("stalled"), "the registered worker stalled in /query")
+        assert queried["state"] == "degraded" and "stalled" in queried["reasons"][0], queried
         health = await asyncio.to_thread(httpx.get, pred + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
-        route = await answer(first, "/v1/cache/route", max_staleness_ms=1000)
+        # among fresh-sim alone, as before the registered worker was added beside it
+        route = await answer(first, "/v1/cache/route", max_staleness_ms=1000, pods=["fresh-sim"])
         assert route["reason"] == "stale_index" and route["pod_id"] == "fresh-sim", route
-        assert (await answer(first, "/v1/cache/route"))["reason"] != "stale_index"
+        assert (await answer(first, "/v1/cache/route", pods=["fresh-sim"]))["reason"] != "stale_index"
         r.config_set("maxmemory", "0")
 
         async def caught_up():
@@ -606,27 +760,45 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
             return doc.get("freshness", {}).get("state") == "exact" and doc.get("predicted_cached_tokens", 0) > 0
 
         await until(caught_up, "the index caught up and the answer exact again")
+        await until(lambda: worker_is("current"), "the registered worker current in /query again")
         assert ing.poll() is None
     finally:
         r.config_set("maxmemory", "0")
         r.close()
+        await ix.close()
         stop(ing)
         stop(serve)
         sim.stop()
+        worker.stop()
 
 
-LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart"]),
+LIFECYCLE_STEPS = st.lists(st.tuples(st.sampled_from(["register", "unregister", "publish", "clear", "restart",
+                                                      "retire"]),
                                      st.integers(0, 2)), min_size=2, max_size=6)
 
 
 async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_server, valkey_url, tmp_path):
     """The property of issue 26: after any sequence of register, unregister, `index clear --forget`, a Valkey
-    restart without persistence, and publishing, every pod with keys is listed (the registry) and every listed
-    pod answers. Real processes throughout; after each step the fleet settles on an observable event (a batch
-    of an engine ingested all along comes in after everything the step caused), never a sleep."""
+    restart without persistence, retirement, and publishing, every pod with keys is listed (the registry) and
+    every listed pod answers. Real processes throughout; after each step the fleet settles on an observable
+    event (a batch of an engine ingested all along comes in after everything the step caused), never a sleep.
+    Retirement is an engine leaving an ``--engines-from`` listing (retired, then dropped after a short
+    retention: both the ingester's, through the one pod lifecycle); a later retire step lists it again."""
     sims = [Sim(f"dynamo-{800 + i}", tmp_path) for i in range(3)]  # topics naming the pods they register as
     control = Sim("control-ps", tmp_path)
-    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", control.url, "--ingester-id", "ps-1")
+    retiree = Sim("retiree-ps", tmp_path)
+    listing = tmp_path / "engines.json"
+    listed = {"retiree": True}
+
+    def list_retiree(on: bool) -> None:
+        tmp = tmp_path / "engines.json.tmp"
+        tmp.write_text(json.dumps([{"url": retiree.url, "pod": retiree.pod}] if on else []))
+        os.replace(tmp, listing)  # atomically, as a ConfigMap update is
+        listed["retiree"] = on
+
+    list_retiree(True)
+    ing = ingester(valkey_url, str(tmp_path / "ing.log"), "--engine", control.url, "--ingester-id", "ps-1",
+                   "--engines-from", f"file://{listing}", "--retired-retention", "1")
     serve, dyn, pred = dynamo_server(valkey_url, tmp_path)
     r = redis.Redis.from_url(valkey_url, decode_responses=True)
     prompts = iter(range(10**6))
@@ -665,6 +837,9 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
             registered.discard(i)
         elif action == "publish":
             sim.complete(fresh_prompt())
+            retiree.complete(fresh_prompt())
+        elif action == "retire":
+            retire_or_list_again()
         elif action == "clear" and f"dynamo-{800 + i}" in r.hkeys("kvpf:registry"):
             got = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "clear", "--valkey-url", valkey_url,
                                   "--pod", f"dynamo-{800 + i}", "--forget"], capture_output=True, text=True, timeout=60)
@@ -680,6 +855,25 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
             while open(tmp_path / "ing.log").read().count("Valkey lost the index's data") == noticed:
                 assert time.monotonic() < deadline and ing.poll() is None, "the ingester never noticed the loss"
                 time.sleep(0.1)
+
+    def retire_or_list_again() -> None:
+        """The retiree leaves the listing (and the step waits until its pod was retired and then dropped), or,
+        gone, is listed again (its history replayed from its engine, as for any engine newly found)."""
+        if not listed["retiree"]:
+            list_retiree(True)
+            return
+        wait_for(lambda: r.hexists("kvpf:fleet", retiree.pod), "the retiree's record (it was listed)")
+        retired = open(tmp_path / "ing.log").read().count("pod retiree-ps retired")
+        list_retiree(False)
+        wait_for(lambda: retiree.pod not in r.hkeys("kvpf:registry") and not r.hexists("kvpf:fleet", retiree.pod),
+                 "the retiree retired and dropped")
+        assert open(tmp_path / "ing.log").read().count("pod retiree-ps retired") == retired + 1
+
+    def wait_for(done, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline and ing.poll() is None, f"never: {what}"
+            time.sleep(0.1)
 
     def check() -> None:
         assert unlisted_pods(valkey_url) == set()
@@ -704,5 +898,5 @@ async def test_any_lifecycle_sequence_leaves_every_pod_with_keys_listed(valkey_s
         r.close()
         stop(ing)
         stop(serve)
-        for s in [*sims, control]:
+        for s in [*sims, control, retiree]:
             s.stop()

@@ -7,7 +7,7 @@ import redis
 from kv_preflight.index.index import (
     ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
-from kv_preflight.index.layout import pod_meta_key
+from kv_preflight.index.layout import NUMS_BYID_KEY, NUMS_BYNAME_KEY, PODS_KEY, pod_meta_key, pod_state_keys, presence_key
 from kv_preflight.index.transfer import export_blocks, held_blocks
 from tests.integration.unlisted import every_command_probed, unlisted_now
 
@@ -87,6 +87,24 @@ async def test_forgetting_a_pod_shows_no_moment_of_keys_unlisted(ix, valkey_url)
         await ix.clear_pod("pod-a", forget=True)
     assert len(seen) >= 3 and all(not s for s in seen), seen
     assert "pod-a" not in await ix.meta.pod_ids() and not await unlisted_now(ix.client)
+
+
+async def test_the_unlisted_check_sees_a_freed_pods_presence_bits_and_llmd_entries(ix):
+    """The check the lifecycle tests lean on (tests/integration/unlisted.py) must see every trace a pod leaves:
+    the issue's finding 4 was presence bits of a pod no listing showed, which a check of per-pod keys and
+    numbers alone passed. Here a pod's row, number and per-pod keys go by hand and its entry and bit stay."""
+    await apply(ix, 0, [StoreBlock(11, "gpu", F0, (101,))])
+    num = (await ix.numbering.pod_numbers(["pod-a"]))["pod-a"]
+    assert not await unlisted_now(ix.client)
+    await ix.client.delete(*pod_state_keys("pod-a"))
+    await ix.client.hdel(PODS_KEY, "pod-a")
+    await ix.client.hdel(NUMS_BYNAME_KEY, "pod-a")
+    await ix.client.hdel(NUMS_BYID_KEY, str(num))
+    assert await unlisted_now(ix.client) == {f"#{num}", "pod-a"}  # its bit (a number nobody holds), its entry
+    await ix.client.delete("101")
+    assert await unlisted_now(ix.client) == {f"#{num}"}
+    await ix.client.delete(presence_key(101))
+    assert not await unlisted_now(ix.client)
 
 
 async def test_a_pod_forgotten_under_its_writer_is_listed_before_it_is_numbered_again(ix, valkey_url):
