@@ -130,10 +130,23 @@ def _pack_py(args: Any) -> bytes:
     return b"".join(out)
 
 
+class _Run:
+    """The replies of a run of commands written at once: one waiter for them all (a future per command cost
+    the ingester's cluster rounds, a command or two per engine block, more Python than the command's
+    packing). ``replies`` holds those read so far, so a lost connection knows where the run stopped."""
+
+    __slots__ = ("n", "replies", "fut")
+
+    def __init__(self, n: int, fut: asyncio.Future) -> None:
+        self.n = n
+        self.replies: list[Any] = []
+        self.fut = fut
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
-        self.pending: deque[asyncio.Future] = deque()
+        self.pending: deque[asyncio.Future | _Run] = deque()  # in the order the commands went out
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.last_rx = time.monotonic()
@@ -159,9 +172,19 @@ class _Protocol(asyncio.Protocol):
                 self._fail(RedisConnectionError("unexpected reply from valkey"))
                 self.drop("unexpected reply")
                 return
-            fut = pending.popleft()
-            if not fut.done():
-                fut.set_result(reply)
+            head = pending[0]
+            if type(head) is _Run:
+                got = head.replies
+                got.append(reply)
+                if len(got) < head.n:
+                    continue
+                pending.popleft()
+                if not head.fut.done():
+                    head.fut.set_result(got)
+                continue
+            pending.popleft()
+            if not head.done():
+                head.set_result(reply)
 
     @property
     def open(self) -> bool:
@@ -186,7 +209,8 @@ class _Protocol(asyncio.Protocol):
         started = getattr(self.reader, "has_data", lambda: False)()
         self.closed = True
         while self.pending:
-            fut = self.pending.popleft()
+            head = self.pending.popleft()
+            fut = head.fut if type(head) is _Run else head
             if not fut.done():
                 fut.set_exception(ConnectionLost(message, reply_started=started))
             started = False
@@ -194,7 +218,8 @@ class _Protocol(asyncio.Protocol):
     def _fail(self, exc: Exception) -> None:
         self.closed = True
         while self.pending:
-            fut = self.pending.popleft()
+            head = self.pending.popleft()
+            fut = head.fut if type(head) is _Run else head
             if not fut.done():
                 fut.set_exception(exc)
 
@@ -354,43 +379,43 @@ class FastConnection:
 
         return asyncio.ensure_future(replies())
 
-    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    async def pipeline(self, commands: Sequence[Sequence[Any]], *, resend: bool | None = None) -> list[Any]:
         """Several commands written at once, their replies in order; an error reply comes back in
         place as a ResponseError (as redis-py's ``execute(raise_on_error=False)``). Sent once more from
-        the first unanswered one after a lost connection when every command can run twice."""
+        the first unanswered one after a lost connection when every command can run twice (``resend``:
+        the caller's word for it, else each command is judged by ``can_run_twice``)."""
         if not commands:
             return []
         raws = [pack(*c) for c in commands]
-        resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
+        if resend is None:
+            resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
         out = await self._run_replies(raws, await self._write_run(raws), resend=resend)
-        return [ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r for r in out]
+        if any(type(r) is hiredis.ReplyError for r in out):
+            return [ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r for r in out]
+        return out
 
-    async def _write_run(self, raws: list[bytes]) -> tuple[_Protocol, list[asyncio.Future], float]:
+    async def _write_run(self, raws: list[bytes]) -> tuple[_Protocol, _Run, float]:
         proto = await self._conn()
-        futs = [asyncio.get_running_loop().create_future() for _ in raws]
-        proto.pending.extend(futs)
+        run = _Run(len(raws), asyncio.get_running_loop().create_future())
+        proto.pending.append(run)
         assert proto.transport is not None
         proto.transport.write(b"".join(raws))
-        return proto, futs, time.monotonic()
+        return proto, run, time.monotonic()
 
-    async def _run_replies(self, raws: list[bytes], written: tuple[_Protocol, list[asyncio.Future], float],
+    async def _run_replies(self, raws: list[bytes], written: tuple[_Protocol, _Run, float],
                            resend: bool) -> list[Any]:
-        proto, futs, sent = written
-        out: list[Any] = []
-        for i, fut in enumerate(futs):
-            try:
-                out.append(await self._reply(proto, fut, sent))
-            except RedisConnectionError as exc:
-                for later in futs[i + 1:]:  # failed with the connection; retrieved so none is logged
-                    if later.done() and not later.cancelled():
-                        later.exception()
-                if not (resend and isinstance(exc, ConnectionLost) and not exc.reply_started):
-                    raise
-                # Once more from the first unanswered one. Runs written after this one wait for the
-                # same reconnect, in order, so they are written after it; had one gone first, its
-                # batches would answer "gap", which the ingester recovers from.
-                return out + await self._run_replies(raws[i:], await self._write_run(raws[i:]), resend=False)
-        return out
+        proto, run, sent = written
+        try:
+            return await self._reply(proto, run.fut, sent)
+        except RedisConnectionError as exc:
+            if not (resend and isinstance(exc, ConnectionLost) and not exc.reply_started):
+                raise
+            # Once more from the first unanswered one. Runs written after this one wait for the
+            # same reconnect, in order, so they are written after it; had one gone first, its
+            # batches would answer "gap", which the ingester recovers from.
+            done = list(run.replies)
+            return done + await self._run_replies(raws[len(done):], await self._write_run(raws[len(done):]),
+                                                  resend=False)
 
     async def _reply(self, proto: _Protocol, fut: asyncio.Future, sent: float) -> Any:
         """The reply, or ConnectionError once the server has gone quiet: nothing received for

@@ -107,8 +107,9 @@ class Proxy:
     """Between a client and Valkey. ``fault`` applies to the next request the proxy reads:
     "drop" closes the client's connection without forwarding it (Valkey never sees it), "run"
     forwards it and closes the client's connection instead of passing the reply back (Valkey ran
-    it), "cut" passes back only the reply's first 3 bytes, then closes. ``sticky`` keeps the fault
-    for every later request too."""
+    it), "cut" passes back only the reply's first 3 bytes, then closes, "first" passes back the first
+    reply (up to its first CRLF: a one-line reply) and closes. ``sticky`` keeps the fault for every later
+    request too."""
 
     def __init__(self, upstream_port: int):
         self.upstream_port = upstream_port
@@ -155,9 +156,12 @@ class Proxy:
 
         async def down() -> None:
             while data := await ur.read(1 << 16):
-                if armed in ("run", "cut"):
+                if armed in ("run", "cut", "first"):
                     if armed == "cut":
                         cw.write(data[:3])
+                        await cw.drain()
+                    if armed == "first":
+                        cw.write(data[:data.index(b"\r\n") + 2])
                         await cw.drain()
                     return close()
                 cw.write(data)
@@ -208,6 +212,25 @@ async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, va
         assert proxy.connections - before == 2  # the first try's connection, then one more
         await conn.close()
         await other.close()
+    r.close()
+
+
+async def test_a_run_cut_after_its_first_reply_is_resent_from_the_first_unanswered_command(valkey_server, valkey_url):
+    """A pipelined run whose connection is lost after some of its replies came: those stand, and (when the
+    caller says every command can run twice) the rest are written once more, in order; otherwise the error."""
+    r = redis.Redis.from_url(valkey_url)
+    async with Proxy(valkey_server.port) as proxy:
+        conn = FastConnection.from_url(proxy.url)
+        assert await conn.execute("PING") == b"PONG"
+        proxy.fault = "first"
+        assert await conn.pipeline([("INCR", "a"), ("INCR", "b"), ("INCR", "c")], resend=True) == [1, 2, 2]
+        assert [r.get(k) for k in "abc"] == [b"1", b"2", b"2"]  # a answered: not sent again; b and c ran twice
+        proxy.fault = "first"
+        with pytest.raises(RedisConnectionError):  # INCR is not safe to run twice: judged per command
+            await conn.pipeline([("INCR", "d"), ("INCR", "e")])
+        assert [r.get(k) for k in "de"] == [b"1", b"1"]
+        assert await conn.pipeline([("GET", "a"), ("GET", "e")]) == [b"1", b"1"]  # the next run reconnects
+        await conn.close()
     r.close()
 
 
