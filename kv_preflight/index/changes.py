@@ -78,22 +78,25 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
     return out
 
 
-def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
+def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict[int, int]]:
     """A Valkey Cluster shard's share of a run's request-key changes (outbox ``K`` changes and drop probes
     ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in s
     and r runs under F, as a single node's batch sends them in S and R runs but without the engine key a shard
     never gets there (the general form, one op per change, sent each change's field, bit name and value again:
     most of a shard's arguments), the rest as they are. A probe right after its key's removal in an r run is not
     sent: the r block answers it (``folds_probe``). Also, per op the script counts (``lua_op_count``), the index
-    in ``ops`` of the change it runs, since a change whose key moved away is named by that position."""
+    in ``ops`` of the change it runs, since a change whose key moved away is named by that position; and per r
+    block that answers a probe, its position as the script counts (from 1) -> the probe's index in ``ops``."""
     out: list[Any] = []
     owners: list[int] = []
+    folded: dict[int, int] = {}
     reg: tuple[str, str, int, int] | None = None
     owns: dict[tuple[int, int], bytes] = {}  # (byte, mask) -> mine(): a run's ops are mostly one pod's
     run_at = -1
     for i, op in enumerate(ops):
         if op[0] == "Q":
             if i and folds_probe(ops[i - 1], op):
+                folded[len(owners)] = i  # the r block just sent (the script's op len(owners), from 1)
                 continue
             out += ["q", op[1], op[2]]
             owners.append(i)
@@ -120,7 +123,7 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
         run_at = len(out) + 1
         out += [name, 1, rk, presence_key(rk)]
         owners.append(i)
-    return out, owners
+    return out, owners, folded
 
 
 def _runs(op: Sequence[Any]) -> bool:

@@ -57,7 +57,8 @@ def test_a_shards_changes_run_in_runs_and_each_position_names_its_change():
     k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
     ops = [k(11, "f", 1, "0", 1, 2), k(12, "f", 1, "0", 1, 2), ("Q", 13, 5), k(13, "f", -1, "0", -1, 2),
            k(14, "g", 1, "0", 1, 9), k(15, "g", 1, "0", 0, 9), k(16, "g", 1, "0", 1, 9)]
-    args, owners = shard_args(ops)
+    args, owners, folded = shard_args(ops)
+    assert folded == {}  # the probe of 13 comes before its removal: sent
     assert args[:4] == ["F", "f", "0", mine(2)] and args[4:10] == ["s", 2, 11, presence_key(11), 12, presence_key(12)]
     assert args[10:13] == ["q", 13, 5] and args[13:17] == ["r", 1, 13, presence_key(13)]
     assert args[17:21] == ["F", "g", "0", mine(9)] and args[21:23] == ["s", 1]
@@ -76,8 +77,9 @@ def test_a_drops_probe_rides_on_its_keys_removal_just_before_it():
     ops = [k(13, "f", -1, "0", -1, 2), ("Q", 13, 7), k(14, "f", -1, "0", -1, 2), ("Q", 13, 8),
            k(15, "f", 1, "0", 1, 2), ("Q", 15, 9), k(16, "f", -1, "0", 0, 2), ("Q", 16, 10)]
     assert [folds_probe(ops[i - 1], ops[i]) for i in (1, 3, 5, 7)] == [True, False, False, False]
-    args, owners = shard_args(ops)
+    args, owners, folded = shard_args(ops)
     assert args[:8] == ["F", "f", "0", mine(2), "r", 2, 13, presence_key(13)]  # no q for 13's first probe
+    assert folded == {2: 1}  # the script's op 2 (the r block of 13, after F) answers the probe at ops[1]
     assert args.count("q") == 3 and ["q", 13, 8] == args[10:13]
     assert len(owners) == lua_op_count(args)
     assert 1 not in owners and {3, 5, 7} <= set(owners)

@@ -190,13 +190,14 @@ class Shards:
         return list(nodes.values())
 
     async def commands(self, commands: Sequence[tuple[Any, ...]], key_at: int = 1, *,
-                       numbered: tuple[str, Sequence[int]] | None = None) -> list[Any]:
+                       numbered: tuple[str, Sequence[int]] | None = None, resend: bool | None = None) -> list[Any]:
         """Commands, each routed by the key at position ``key_at`` (``HMGET <key> ...``), replies in order and
         error replies in place: grouped by primary, each group pipelined on that primary's lean connection,
         the primaries in parallel. A group whose primary did not answer, and a command refused as not its
         slot's, go again through redis-py's routing. Only for commands safe to send twice. ``numbered``:
         the commands' keys are (prefix, values), each key the prefix and the decimal value (request keys,
-        ``engine:<ek>``), routed in C rather than by reading the names."""
+        ``engine:<ek>``), routed in C rather than by reading the names. ``resend``: whether every command can run
+        twice after a lost connection (``FastConnection.pipeline``), when the caller knows."""
         out: list[Any] = [None] * len(commands)
         await self.ready()
         if numbered is not None:
@@ -212,7 +213,7 @@ class Shards:
                 return
             try:
                 async with asyncio.timeout(fast.timeout_s):
-                    replies = await fast.pipeline([commands[i] for i in idx])
+                    replies = await fast.pipeline([commands[i] for i in idx], resend=resend)
             except (*VALKEY_ERRORS, TimeoutError):
                 again.extend(idx)
                 return

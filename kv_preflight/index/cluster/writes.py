@@ -46,7 +46,7 @@ from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import key_ops as lua_key_ops
-from kv_preflight.index.changes import folds_probe, shard_args
+from kv_preflight.index.changes import shard_args
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name, pod_meta_key, pod_outbox_key, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -268,33 +268,43 @@ class ClusterWrites:
         request keys, engine keys)."""
         if not entries:
             return 0, "", []
-        ops = [op for entry in entries for op in entry]
+        ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
         key_ops: list[Sequence[Any]] = []
+        rk_changes: list[int] = []  # the K changes' request keys (the barrier's)
         for j, op in enumerate(ops):
-            if op[0] == "K":
+            kind = op[0]
+            if kind == "K":
                 key_ops.append(op)
-            elif op[0] == "X":
-                key_ops += [("Q", rk, j) for rk in set(op[2])]
+                rk_changes.append(op[1])
+            elif kind == "X":
+                rks = op[2]
+                if len(rks) == 1:
+                    key_ops.append(("Q", rks[0], j))
+                else:
+                    key_ops += [("Q", rk, j) for rk in set(rks)]
         foreign, first, empty_at = await self._round_a(key_ops)
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
         round_b: list[tuple[Any, ...]] = []
         round_b_eks: list[int] = []
-        adds: list[Sequence[Any]] = []
         drops: list[tuple[int, Sequence[Any]]] = []
+        prefix = ENGINE_PREFIX
         for j, op in enumerate(ops):
-            if op[0] == "Z":
-                adds.append(op)
-                round_b.append(_engine_add(op[1], op[2]))
-                round_b_eks.append(op[1])
-            elif op[0] == "X" and empty_at.get(j, 0) == len(set(op[2])):
-                drops.append((j, op))
-                round_b.append(("ZREM", engine_key_name(op[1]), *op[2]))
-                round_b_eks.append(op[1])
-        f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks))) \
+            kind = op[0]
+            if kind == "Z":
+                ek, rks = op[1], op[2]
+                round_b.append(("ZADD", prefix + str(ek), 0, rks[0]) if len(rks) == 1 else _engine_add(ek, rks))
+                round_b_eks.append(ek)
+            elif kind == "X":
+                rks = op[2]
+                if empty_at.get(j, 0) == (1 if len(rks) == 1 else len(set(rks))):
+                    drops.append((j, op))
+                    round_b.append(("ZREM", prefix + str(op[1]), *rks))
+                    round_b_eks.append(op[1])
+        f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
         if drops:
@@ -303,25 +313,25 @@ class ClusterWrites:
             # request keys back. An entry this run itself wrote after the drop explains itself (a later
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
-            stored_at: dict[int, int] = {}
-            for j, op in enumerate(ops):
-                if op[0] == "K" and op[3] > 0:
-                    stored_at[op[1]] = j
             rks = sorted({rk for _, op in drops for rk in op[2]})
-            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks], numbered=("", rks))
+            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks], numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
             readd_eks = []
-            for j, op in drops:
-                if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
-                    readd.append(_engine_add(op[1], op[2]))
-                    readd_eks.append(op[1])
+            if back:  # rare: another writer stored the block meanwhile, or this run did
+                stored_at: dict[int, int] = {}
+                for j, op in enumerate(ops):
+                    if op[0] == "K" and op[3] > 0:
+                        stored_at[op[1]] = j
+                for j, op in drops:
+                    if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
+                        readd.append(_engine_add(op[1], op[2]))
+                        readd_eks.append(op[1])
             if readd:
                 self.readded += len(readd)
-                f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks)))
+                f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
-        touched = [("", [op[1] for op in key_ops if op[0] == "K"]),
-                   (ENGINE_PREFIX, [op[1] for op in adds] + [op[1] for _, op in drops])]
+        touched = [("", rk_changes), (ENGINE_PREFIX, round_b_eks)]
         return foreign, first, touched
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
@@ -337,13 +347,14 @@ class ClusterWrites:
 
         def probes(reply_part: Sequence[Any]) -> None:
             for j in reply_part:
-                empty_at[int(text(j))] = empty_at.get(int(text(j)), 0) + 1
+                j = int(j)  # a probe's j (an int, or the script's reply as bytes)
+                empty_at[j] = empty_at.get(j, 0) + 1
         script = self._effects
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
             ops = [key_ops[i] for i in idx]
-            args, at = shard_args(ops)
+            args, at, folded = shard_args(ops)
             fast = self.shards.fast_for(node)
             if fast is not None:
                 try:
@@ -357,12 +368,14 @@ class ClusterWrites:
                 except NoScriptError:
                     await self.client.script_load(script.script)
                     reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
-            gone = [at[int(p) - 1] for p in text(reply[0]).split(",") if p]
-            moved.extend(idx[k] for k in gone)
-            moved.extend(idx[k + 1] for k in gone if _folded(ops, k))  # its probe goes with it
+            gone = {int(p) for p in text(reply[0]).split(",") if p}
+            for p in gone:
+                moved.append(idx[at[p - 1]])
+                if p in folded:
+                    moved.append(idx[folded[p]])  # its probe goes with it
             probes(reply[3])
-            emptied = {at[int(p) - 1] for p in reply[4]} - set(gone)
-            probes([ops[k + 1][2] for k in sorted(emptied) if _folded(ops, k)])
+            # r blocks that left their key empty answer the probes that rode on them
+            probes([ops[folded[p]][2] for p in map(int, reply[4]) if p in folded and p not in gone])
             return int(reply[1]), text(reply[2])
 
         foreign, first = 0, ""
@@ -480,12 +493,6 @@ class ClusterWrites:
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
     """``engine:<ek>`` gains a block's request keys at their positions (llm-d's ZSET): the ZADD."""
     return ("ZADD", engine_key_name(ek), *(x for pos, rk in enumerate(rks) for x in (pos, rk)))
-
-
-def _folded(ops: Sequence[Sequence[Any]], k: int) -> bool:
-    """Whether the op after a shard's k-th is a probe that rode on it (``folds_probe``): its answer is the
-    k-th's, and where the k-th goes again through the routing, the probe goes too."""
-    return k + 1 < len(ops) and ops[k + 1][0] == "Q" and folds_probe(ops[k], ops[k + 1])
 
 
 def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
