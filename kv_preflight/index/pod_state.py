@@ -123,6 +123,7 @@ class PodState:
         self.orphans = 0  # held keys whose parent is not held (exact while unknown == 0)
         self._groups: dict[int, GroupSpec] = dict(groups or {})
         self._prefix = prefix_group(self._groups)  # kept with the groups: asked for every block planned
+        self._bits: dict[tuple[str, int], str] = {}  # (entry field, group) -> bit_of's answer, while the groups stay
         self.engine_block_size = engine_block_size
         # Whether a parentless run of held blocks from a chain's start may be vLLM re-announcing reused blocks
         # (``_reannounced``): only when clients ask vLLM for kv_cache_report_mode "full" (ingest
@@ -162,6 +163,7 @@ class PodState:
     def groups(self, groups: Mapping[int, GroupSpec]) -> None:
         self._groups = dict(groups)
         self._prefix = prefix_group(self._groups)
+        self._bits = {}
 
     @property
     def prefix_group(self) -> int:
@@ -201,8 +203,11 @@ class PodState:
 
     def bit_of(self, fld: str, group: int) -> str:
         """The presence field of a block with entry ``fld`` in ``group`` ("" for none)."""
-        tier = self.field_tier(fld)
-        return "" if tier is None else self.bit_name(tier, group)
+        bit = self._bits.get((fld, group))
+        if bit is None:
+            tier = self.field_tier(fld)
+            bit = self._bits[(fld, group)] = "" if tier is None else self.bit_name(tier, group)
+        return bit
 
     def bit_name(self, tier: str, group: int) -> str:
         """The presence field a block of ``group`` on ``tier`` sets the pod's bit in: ``<tier>`` for the
@@ -326,14 +331,18 @@ class PodState:
             held.copies += 1  # another physical copy of a held hash (its eviction comes once per copy)
             out.stored += 1
             return
-        parent = UNKNOWN if m.parent is None else m.parent
-        self.blocks[bk] = _Block(m.entry_field, tuple(m.request_keys), parent)
+        parent = m.parent  # None: not known (UNKNOWN)
+        rks = tuple(m.request_keys)
+        fld = m.entry_field
+        self.blocks[bk] = _Block(fld, rks, parent)
         self.tiers.add(m.tier)
-        self._link_engine(m.engine_key, m.group, tuple(m.request_keys), out)
-        bit = self.bit_of(m.entry_field, m.group)
-        prefix = m.group == self.prefix_group
-        for j, rk in enumerate(m.request_keys):
-            self._link(rk, m.entry_field, bit, +1, out, prefix, parent if j == 0 else m.request_keys[j - 1])
+        self._link_engine(m.engine_key, m.group, rks, out)
+        bit = self.bit_of(fld, m.group)
+        prefix = m.group == self._prefix
+        link = self._link
+        for rk in rks:  # each key's parent: the block's parent, then the key before it
+            link(rk, fld, bit, +1, out, prefix, parent)
+            parent = rk
         out.stored += 1
 
     def _remove(self, m: RemoveBlock, out: Plan) -> None:
@@ -350,10 +359,14 @@ class PodState:
     def _drop(self, bk: BlockKey, held: _Block, out: Plan) -> None:
         del self.blocks[bk]
         ek, tier, group = bk
-        bit = self.bit_of(held.field, group)
-        prefix = group == self.prefix_group
-        for j, rk in enumerate(held.rks):
-            self._link(rk, held.field, bit, -1, out, prefix, held.parent if j == 0 else held.rks[j - 1])
+        fld = held.field
+        bit = self.bit_of(fld, group)
+        prefix = group == self._prefix
+        link = self._link
+        parent = held.parent
+        for rk in held.rks:
+            link(rk, fld, bit, -1, out, prefix, parent)
+            parent = rk
         self._unlink_engine(ek, group, held.rks, out)
 
     def _clear(self, out: Plan) -> None:
@@ -395,7 +408,8 @@ class PodState:
             self.ek_refs[ek] = n
         else:
             del self.ek_refs[ek]
-            if any(self.rk_links.get(rk) for rk in rks):
+            links = self.rk_links
+            if (links.get(rks[0]) if len(rks) == 1 else any(links.get(rk) for rk in rks)):
                 self.deferred[ek] = rks
                 for rk in rks:
                     self.waiting.setdefault(rk, set()).add(ek)
@@ -585,30 +599,59 @@ def _spec_tuple(s: GroupSpec) -> tuple[str, int | None, int | None, int | None, 
 
 
 def encode_snapshot(state: PodState, gen: int) -> bytes:
+    """A pod's snapshot (``_Snapshot``), a column at a time: an ingester writes one every few batches of each
+    pod, over the pod's whole state (thousands of blocks), so each column is one comprehension or one C call
+    (a loop over the blocks cost twice as much, a sixth of the ingester's CPU)."""
     keys = list(state.blocks)
     blocks = list(state.blocks.values())
-    fids: dict[str, int] = {}
-    tids: dict[str, int] = {}
-    codes = [fids.setdefault(b.field, len(fids)) << 12 | g << 4 | tids.setdefault(t, len(tids))
-             for (_, t, g), b in zip(keys, blocks)]
-    if len(tids) > 16 or any(g > 255 for _, _, g in keys):
+    n = len(blocks)
+    fields = [b.field for b in blocks]
+    tiers = [k[1] for k in keys]
+    groups = [k[2] for k in keys]
+    if n and (max(groups) > 255 or min(groups) < 0):
         raise ValueError("more than 16 tiers or a group past 255: not a state this format holds")
+    if len(set(fields)) == 1 and len(set(tiers)) == 1 and len(set(groups)) == 1:  # the usual pod: one code
+        field_ids, tier_ids = [fields[0]], [tiers[0]]
+        codes = [groups[0] << 4]
+    else:
+        fids: dict[str, int] = {f: i for i, f in enumerate(dict.fromkeys(fields))}
+        tids: dict[str, int] = {t: i for i, t in enumerate(dict.fromkeys(tiers))}
+        if len(tids) > 16:
+            raise ValueError("more than 16 tiers or a group past 255: not a state this format holds")
+        field_ids, tier_ids = list(fids), list(tids)
+        codes = _column([fids[f] << 12 | g << 4 | tids[t] for f, t, g in zip(fields, tiers, groups)])
+    counts = [len(b.rks) for b in blocks]
     rks = [rk for b in blocks for rk in b.rks]
-    chained = bytearray((len(blocks) + 7) // 8)
-    parents: list[int | None] = []
-    last: int | None = None
-    for i, b in enumerate(blocks):
-        if b.parent is not None and b.parent == last and b.parent != CHAIN_ROOT:
-            chained[i >> 3] |= 1 << (i & 7)
-        else:
-            parents.append(b.parent)
-        last = b.rks[-1] if b.rks else None
+    parents = [b.parent for b in blocks]
+    # a block is chained when its parent is the previous block's last request key (not the chain's root)
+    if n and min(counts) > 0:
+        lasts = rks[:-1] if len(rks) == n else [b.rks[-1] for b in blocks[:-1]]
+    else:
+        lasts = [b.rks[-1] if b.rks else None for b in blocks[:-1]]
+    flags = [False] + [p == last and p is not None and p != CHAIN_ROOT for p, last in zip(parents[1:], lasts)] \
+        if n else []
     return _enc.encode(_Snapshot(
-        gen, list(fids), {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, list(tids),
-        struct.pack(f"<{len(keys)}Q", *(k[0] for k in keys)), struct.pack(f"<{len(rks)}Q", *rks),
-        _column([len(b.rks) for b in blocks]), _column(codes), bytes(chained), parents,
+        gen, field_ids, {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, tier_ids,
+        _u64s([k[0] for k in keys]), _u64s(rks), _column(counts), codes, _bits(flags),
+        [p for p, chained in zip(parents, flags) if not chained],
         {i: b.copies for i, b in enumerate(blocks) if b.copies > 1},
         [(ek, list(rks)) for ek, rks in state.deferred.items()]))
+
+
+_BITS = bytes.maketrans(b"\x00\x01", b"01")
+
+
+def _bits(flags: list[bool]) -> bytes:
+    """Flags as a little-endian bit string (flag i is bit i & 7 of byte i >> 3), in C: as binary digits, most
+    significant first."""
+    if not flags:
+        return b""
+    return int(bytes(reversed(flags)).translate(_BITS), 2).to_bytes((len(flags) + 7) // 8, "little")
+
+
+def _u64s(values: list[int]) -> bytes:
+    """Packed little-endian u64s."""
+    return struct.pack(f"<{len(values)}Q", *values)
 
 
 def _column(values: list[int]) -> list[int]:
