@@ -280,6 +280,55 @@ static const char DIGITS2[201] =
     "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
     "8081828384858687888990919293949596979899";
 
+/* An int in [0, 2**64) as a uint64, with PyLong_AsUnsignedLongLong's errors (TypeError, OverflowError). That
+ * function goes through _PyLong_AsByteArray, ~190 instructions a key (an ingester's cluster round converts a
+ * few keys per engine block); this reads the digits: the signed conversion, then the mask for [2**63, 2**64). */
+static int as_u64(PyObject *o, unsigned long long *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "an integer is required, not %.200s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v >= 0) { *out = (unsigned long long)v; return 0; }
+    }
+    if (overflow > 0 && _PyLong_NumBits(o) <= 64) {
+        *out = PyLong_AsUnsignedLongLongMask(o);
+        return 0;
+    }
+    PyErr_SetString(PyExc_OverflowError, overflow > 0 ? "int too big to convert" : "can't convert negative int to unsigned");
+    return -1;
+}
+
+/* v in decimal, written backwards ending just before ``end``; returns where the digits start (snprintf cost
+ * ~600 instructions a number, most of pack_command's time). */
+static char *write_u64(char *end, unsigned long long v) {
+    char *p = end;
+    do { *--p = (char)('0' + v % 10); v /= 10; } while (v);
+    return p;
+}
+
+/* pack_u64s(values: sequence[int]) -> bytes: each value as 8 little-endian bytes (struct.pack("<nQ", *values)
+ * converts each through _PyLong_AsByteArray: a pod's snapshot packs its whole state's keys every few batches). */
+static PyObject *pack_u64s(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "values must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL) { Py_DECREF(seq); return NULL; }
+    unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v;
+        if (as_u64(items[i], &v) < 0) { Py_DECREF(seq); Py_DECREF(out); return NULL; }
+        for (int b = 0; b < 8; b++) buf[i * 8 + b] = (unsigned char)(v >> (8 * b));
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 /* pack_keys(keys: sequence[int]) -> bytes: each key as 20 characters, decimal, right-aligned, space-padded.
  * The lookup script reads key i at a fixed offset, so a chain travels as one argument. */
 static PyObject *pack_keys(PyObject *self, PyObject *arg) {
@@ -291,8 +340,8 @@ static PyObject *pack_keys(PyObject *self, PyObject *arg) {
     if (out == NULL) { Py_DECREF(seq); return NULL; }
     char *buf = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
-        if (v == (unsigned long long)-1 && PyErr_Occurred()) { Py_DECREF(seq); Py_DECREF(out); return NULL; }
+        unsigned long long v;
+        if (as_u64(items[i], &v) < 0) { Py_DECREF(seq); Py_DECREF(out); return NULL; }
         char *end = buf + (i + 1) * KEY_WIDTH;
         char *p = end;
         while (v >= 100) {
@@ -352,8 +401,8 @@ static PyObject *slot_groups(PyObject *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
-        if (v == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        unsigned long long v;
+        if (as_u64(items[i], &v) < 0) goto fail;
         char digits[24];
         char *p = digits + sizeof digits;
         do { *--p = (char)('0' + v % 10); v /= 10; } while (v);
@@ -628,7 +677,15 @@ static PyObject *pack_command(PyObject *self, PyObject *arg) {
     size_t cap = 32 + (size_t)n * 40, len = 0;
     char *buf = PyMem_Malloc(cap);
     if (buf == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
-    len += (size_t)snprintf(buf, cap, "*%zd\r\n", n);
+    {
+        char head[24];
+        char *p = write_u64(head + sizeof head, (unsigned long long)n);
+        buf[len++] = '*';
+        memcpy(buf + len, p, (size_t)(head + sizeof head - p));
+        len += (size_t)(head + sizeof head - p);
+        buf[len++] = '\r';
+        buf[len++] = '\n';
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = items[i];
         const char *data;
@@ -640,17 +697,22 @@ static PyObject *pack_command(PyObject *self, PyObject *arg) {
         if (PyLong_Check(o)) {
             int overflow = 0;
             long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            char *p;
             if (overflow > 0) {
-                unsigned long long u = PyLong_AsUnsignedLongLong(o);
-                if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
-                dlen = snprintf(num, sizeof num, "%llu", u);
+                unsigned long long u;
+                if (as_u64(o, &u) < 0) goto fail;
+                p = write_u64(num + sizeof num, u);
             } else if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "int argument out of range");
                 goto fail;
+            } else if (v < 0) {
+                p = write_u64(num + sizeof num, 0ULL - (unsigned long long)v);
+                *--p = '-';
             } else {
-                dlen = snprintf(num, sizeof num, "%lld", v);
+                p = write_u64(num + sizeof num, (unsigned long long)v);
             }
-            data = num;
+            data = p;
+            dlen = (Py_ssize_t)(num + sizeof num - p);
         } else if (PyUnicode_Check(o)) {
             data = PyUnicode_AsUTF8AndSize(o, &dlen);
             if (data == NULL) goto fail;
@@ -680,7 +742,15 @@ static PyObject *pack_command(PyObject *self, PyObject *arg) {
             buf = nb;
             cap = ncap;
         }
-        len += (size_t)snprintf(buf + len, cap - len, "$%zd\r\n", dlen);
+        {
+            char head[24];
+            char *p = write_u64(head + sizeof head, (unsigned long long)dlen);
+            buf[len++] = '$';
+            memcpy(buf + len, p, (size_t)(head + sizeof head - p));
+            len += (size_t)(head + sizeof head - p);
+            buf[len++] = '\r';
+            buf[len++] = '\n';
+        }
         memcpy(buf + len, data, (size_t)dlen);
         len += (size_t)dlen;
         buf[len++] = '\r';
@@ -707,6 +777,8 @@ static PyMethodDef methods[] = {
      "Request keys and token count straight from the JSON text of a token-id array."},
     {"pack_command", pack_command, METH_O,
      "One RESP command (array of bulk strings) from a list of bytes, str and int."},
+    {"pack_u64s", pack_u64s, METH_O,
+     "Ints as little-endian uint64s, concatenated (struct.pack('<nQ', ...) without its per-value cost)."},
     {"pack_keys", pack_keys, METH_O,
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {"prefix_counts", prefix_counts, METH_VARARGS,

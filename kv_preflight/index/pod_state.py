@@ -589,6 +589,11 @@ class _Delta(msgspec.Struct, array_like=True):
     reasons: list[str]  # per flag
 
 
+try:
+    from kv_preflight._speedups import pack_u64s as _pack_u64s
+except ImportError:  # pragma: no cover - no compiler at install time
+    _pack_u64s = None
+
 _enc = msgspec.msgpack.Encoder()
 _snap_dec = msgspec.msgpack.Decoder(_Snapshot)
 _delta_dec = msgspec.msgpack.Decoder(_Delta)
@@ -650,7 +655,9 @@ def _bits(flags: list[bool]) -> bytes:
 
 
 def _u64s(values: list[int]) -> bytes:
-    """Packed little-endian u64s."""
+    """Packed little-endian u64s (in C when built: struct converts each value the slow way)."""
+    if _pack_u64s is not None:
+        return _pack_u64s(values)
     return struct.pack(f"<{len(values)}Q", *values)
 
 
@@ -705,8 +712,8 @@ def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, G
         last = m.request_keys[-1] if m.request_keys else None
     return _enc.encode(_Delta(
         gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size, list(fids), list(tids),
-        bytes(kinds), struct.pack(f"<{len(eks)}Q", *eks), _column(codes), _column([len(m.request_keys) for m in stores]),
-        struct.pack(f"<{len(rks)}Q", *rks), bytes(flags), bytes(chained), parents, reasons))
+        bytes(kinds), _u64s(eks), _column(codes), _column([len(m.request_keys) for m in stores]),
+        _u64s(rks), bytes(flags), bytes(chained), parents, reasons))
 
 
 def _mutations(d: _Delta) -> list[Mutation]:

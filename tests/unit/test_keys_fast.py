@@ -45,3 +45,25 @@ def test_pack_command_equals_the_python_packer():
     assert _pack_c(args) == _pack_py(args)
     with pytest.raises(OverflowError):
         _pack_c([2**64])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 9, 10, -1, 2**63 - 1, 2**63, -(2**63)]),
+                          st.text(max_size=30), st.binary(max_size=70)), min_size=1, max_size=40))
+def test_pack_command_writes_every_int_and_length_as_python_does(args):
+    """pack_command writes numbers with its own decimal routine (snprintf was most of its cost): every int of
+    [-2**63, 2**64), every length and argument count, byte for byte as the Python packer."""
+    from kv_preflight.index.resp import _pack_c, _pack_py
+
+    assert _pack_c(args) == _pack_py(args)
+
+
+@pytest.mark.parametrize("bad, error", [(2**64, OverflowError), (-1, OverflowError), (2**90, OverflowError),
+                                         ("7", TypeError), (7.0, TypeError)])
+def test_keys_outside_uint64_are_refused_as_before(bad, error):
+    from kv_preflight._speedups import slot_groups
+
+    with pytest.raises(error):
+        keys.pack_keys([1, bad])
+    with pytest.raises(error):
+        slot_groups([1, bad], bytes(16384), 1)

@@ -411,10 +411,10 @@ class ClusterWrites:
         nodes = await self.shards.primaries_of(touched)
         if nodes is None or not await self.barrier.confirm(nodes):
             return False
-        pipe = self.client.pipeline(transaction=False)
-        for pod, field, _ in entries:
-            pipe.hdel(pod_outbox_key(pod), field)
-        await pipe.execute()
+        # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
+        for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), field) for pod, field, _ in entries]):
+            if isinstance(r, Exception):
+                raise r
         return True
 
     async def drain(self, pod: str, *, older_than_ms: int = 0) -> int:
