@@ -8,6 +8,12 @@ on a single node and on a 3-master cluster (no replicas), and prints instruction
 the servers. Only the measured part is counted (instrumentation is switched on after the warm-up), and the
 server's timer work (``serverCron``) is left out: it runs by the clock, ten times a second, and valgrind's
 slowdown multiplies it by the run's length, not by the work. About a minute; needs valgrind.
+
+``--only ingester`` counts the other side: the ingester process's own instructions per block event (its handler
+fed the same measured events, the Valkey servers run as usual), on a single node and on the 3-master cluster.
+Their ratio is the steady figure behind the bench's "one ingester, cluster" row (its CPU seconds also hold the
+kernel's socket work, which the cluster's extra round trips add to and instructions in user space do not
+count). About four minutes.
 """
 from __future__ import annotations
 
@@ -105,19 +111,75 @@ def measure(side: str, cluster: bool, tmp: str) -> float:
     return sum(_instructions(f"{tmp}/{p}") for p in ports) / events
 
 
+def _ingester_child(topology: str) -> None:
+    """Run under valgrind (``ingester``): the floor row's ingester against a Valkey of ours, instrumentation on for
+    the measured part only; prints the measured block events."""
+    from pathlib import Path
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+    from kv_preflight.cli.valkey_server import ValkeyServer
+
+    stream = steady_stream(True)
+    warm, measured = stream.frames[:stream.warm_frames], stream.frames[stream.warm_frames:]
+
+    def toggle(on: bool) -> None:
+        subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], capture_output=True,
+                       check=True, timeout=300)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if topology == "cluster":
+            server = ValkeyCluster(Path(tmp) / "c", appendonly=False, replicas=0).start()
+        else:
+            server = ValkeyServer(Path(tmp) / "s", appendonly=False).start()
+        try:
+            asyncio.run(_ours(server.url, warm, measured, [], on_measure=toggle))
+        finally:
+            server.stop()
+    print(f"EVENTS {block_events(measured)}", flush=True)
+
+
+def measure_ingester(topology: str, tmp: str) -> float:
+    """The ingester's instructions per block event (``_ingester_child`` under callgrind)."""
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.out",
+                          sys.executable, "-m", "kv_preflight.cli.bench.callgrind", "--ingester-child", topology],
+                         capture_output=True, text=True, timeout=3600)
+    events = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("EVENTS ")]
+    if out.returncode != 0 or not events:
+        raise RuntimeError(f"the ingester under valgrind failed ({out.returncode}): {out.stderr[-1500:]}")
+    total = 0
+    with open(f"{tmp}/cg.out") as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                total = max(total, int(line.split()[1]))
+    return total / events[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="single,cluster", help="single, cluster or both (default)")
+    parser.add_argument("--only", default="single,cluster",
+                        help="single, cluster (Valkey's instructions; both by default) or ingester (the ingester's own)")
+    parser.add_argument("--ingester-child", choices=("single", "cluster"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    unknown = set(args.only.split(",")) - {"single", "cluster"}
+    if args.ingester_child:
+        _ingester_child(args.ingester_child)
+        return 0
+    unknown = set(args.only.split(",")) - {"single", "cluster", "ingester"}
     if unknown:
-        parser.error(f"--only takes single and/or cluster, not {', '.join(sorted(unknown))}")
+        parser.error(f"--only takes single, cluster and/or ingester, not {', '.join(sorted(unknown))}")
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             print(f"{tool} is not installed (valgrind's package provides it)", file=sys.stderr)
             return 2
     figures: dict[tuple[str, str], float] = {}
-    for topology in args.only.split(","):
+    if "ingester" in args.only.split(","):
+        per = {}
+        for topology in ("single", "cluster"):
+            with tempfile.TemporaryDirectory() as tmp:
+                per[topology] = measure_ingester(topology, tmp)
+            print(f"ingester {topology:8s} {per[topology]:>10,.0f} instructions per block event", flush=True)
+        print(f"ingester cluster rate / single node rate: {per['single'] / per['cluster']:.2f}x (target >= 0.7x)",
+              flush=True)
+    for topology in [t for t in args.only.split(",") if t != "ingester"]:
         for side in ("floor", "ours"):
             with tempfile.TemporaryDirectory() as tmp:
                 figures[(topology, side)] = measure(side, topology == "cluster", tmp)
