@@ -655,9 +655,13 @@ def _bits(flags: list[bool]) -> bytes:
 
 
 def _u64s(values: list[int]) -> bytes:
-    """Packed little-endian u64s (in C when built: struct converts each value the slow way)."""
+    """Packed little-endian u64s (in C when built: struct converts each value the slow way). A value outside
+    [0, 2**64) raises struct.error either way (struct says which)."""
     if _pack_u64s is not None:
-        return _pack_u64s(values)
+        try:
+            return _pack_u64s(values)
+        except (OverflowError, TypeError):
+            pass
     return struct.pack(f"<{len(values)}Q", *values)
 
 

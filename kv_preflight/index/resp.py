@@ -204,7 +204,9 @@ class _Protocol(asyncio.Protocol):
             return
         # The server closed or reset it. Bytes in the reader are the start of the first pending
         # reply (that command ran); the others received nothing. (A hiredis before has_data cannot
-        # tell: counted as nothing, harmless for what is resent, which can all run twice.)
+        # tell, and has_data itself misses a reply cut just past its type byte or inside an array whose
+        # first elements it already parsed: counted as nothing, so resent, which is harmless only because
+        # what is resent can all run twice.)
         message = f"connection to valkey lost: {exc or 'closed by server'}"
         started = getattr(self.reader, "has_data", lambda: False)()
         self.closed = True

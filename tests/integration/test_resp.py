@@ -62,6 +62,31 @@ async def test_a_cancelled_command_leaves_the_others_alone_on_a_healthy_connecti
     await conn.close()
 
 
+async def test_a_cancelled_run_leaves_the_stream_in_step(valkey_server, valkey_url):
+    """A pipelined run whose caller gave up before its replies came (one waiter for the whole run): its replies
+    are read and dropped when they come, and the commands written after it get their own."""
+    import signal
+
+    r = redis.Redis.from_url(valkey_url)
+    r.mset({"a": "1", "b": "2", "c": "3"})
+    conn = FastConnection.from_url(valkey_url, timeout_s=5)
+    assert await conn.execute("PING") == b"PONG"
+    valkey_server.proc.send_signal(signal.SIGSTOP)  # nothing answers until the run is cancelled
+    try:
+        run = asyncio.ensure_future(conn.pipeline([("GET", "a"), ("GET", "b")]))
+        after = asyncio.ensure_future(conn.execute("GET", "c"))
+        await asyncio.sleep(0.05)  # both written
+        run.cancel()
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    assert await after == b"3"
+    assert await conn.pipeline([("GET", "b"), ("GET", "a")]) == [b"2", b"1"]
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    await conn.close()
+    r.close()
+
+
 async def test_a_connection_that_went_quiet_is_dropped_when_its_caller_gives_up(valkey_server, valkey_url):
     import signal
 

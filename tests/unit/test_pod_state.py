@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +265,31 @@ def test_a_snapshots_bytes_stay_those_earlier_builds_wrote_and_read():
     again, gen = restore(snap, [])
     assert gen == 7 and model(again) == model(state) and encode_snapshot(again, 7) == snap
     assert {k: v.copies for k, v in again.blocks.items()} == {k: v.copies for k, v in state.blocks.items()}
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 1.0])
+def test_a_key_outside_uint64_is_a_struct_error_in_both_encoders(bad):
+    """What the state log cannot hold (an imported row's key, say) fails as struct.error, as it did before the
+    C packer, in the delta and the snapshot alike."""
+    import struct
+
+    store = StoreBlock(bad, "gpu", "F", (11,), 0, False, CHAIN_ROOT)
+    with pytest.raises(struct.error):
+        encode_delta(1, [store], None, 32)
+    state = PodState(engine_block_size=32)
+    state.plan([StoreBlock(1, "gpu", "F", (bad,), 0, False, CHAIN_ROOT)])
+    with pytest.raises(struct.error):
+        encode_snapshot(state, 1)
+
+
+def test_a_group_outside_a_byte_is_refused_by_both_encoders():
+    """The format holds a group in 8 bits: a delta and a snapshot refuse group -1 or 256 (a snapshot wrote -1
+    once, and it came back as group 255)."""
+    for group in (-1, 256):
+        store = StoreBlock(1, "gpu", "F", (11,), group, False, CHAIN_ROOT)
+        with pytest.raises(ValueError):
+            encode_delta(1, [store], None, 32)
+        state = PodState(engine_block_size=32)
+        state.plan([store])
+        with pytest.raises(ValueError):
+            encode_snapshot(state, 1)
