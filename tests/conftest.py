@@ -36,17 +36,32 @@ def pytest_configure(config):
         _listen_ports_of_this_worker()
 
 
+def _cluster_port_shares() -> int:
+    """cluster_port()'s range is cut in one share per worker and one more, the last, for the clusters that
+    ``kv-preflight up --cluster`` starts in a process of its own (``up_cluster_ports``)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) + 1
+
+
 def _cluster_ports_of_this_worker() -> None:
     """Cluster nodes keep their ports across restarts (the fault tests), so a port another worker's
     ``cluster_port()`` could draw while such a node is down must not be in that worker's range: in this
     process ``ValkeyCluster`` draws from this worker's share of cluster_port's range alone."""
     from kv_preflight.cli import valkey_cluster as vc
 
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     first, last = vc.CLUSTER_PORTS
-    span = (last - first) // max(workers, 1)
+    span = (last - first) // _cluster_port_shares()
     lo = first + xdist_worker() * span
     vc.cluster_port = functools.partial(vc.cluster_port, lo, lo + span)
+
+
+def up_cluster_ports() -> tuple[int, int]:
+    """[lo, hi): the share of cluster_port()'s range no worker draws from, for a test's ``up --cluster`` (one
+    such test at a time: tests/integration/test_up.py has the only one)."""
+    from kv_preflight.cli import valkey_cluster as vc
+
+    first, last = vc.CLUSTER_PORTS
+    span = (last - first) // _cluster_port_shares()
+    return last - span, last
 
 
 def _listen_ports_of_this_worker() -> None:
@@ -80,6 +95,17 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if phase == "serial":
+        items.sort(key=_serial_order)
+
+
+def _serial_order(item) -> int:
+    """The serial phase's order: first the tests that are serial for their timing (they mostly wait, and the
+    real vLLMs tests/e2e/conftest.py starts beside them, at a lower CPU priority, take what they leave), then the
+    compose stacks, then the modules that use the real vLLMs (by then started). A stable sort: file order within."""
+    if not Path(str(item.path)).is_relative_to(E2E):
+        return 0
+    return 2 if getattr(getattr(item, "module", None), "VLLM_ENGINES", ()) else 1
 
 
 def xdist_worker() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,7 +68,14 @@ def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: 
         args += ["--model-dir", model_dir]
     if bind_events:
         args.append("--bind-events")
-    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    # One OpenMP thread: the tiny model gains nothing from a second, and with the engines started ahead, the
+    # predictor, the ingester and the test on the same few cores, a second thread spin-waiting at every barrier
+    # of every step cost about four times the CPU per request (and the wall time with it). A launcher's caller
+    # may still set OMP_NUM_THREADS itself.
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    # At a lower CPU priority (the engine's processes inherit it): see VllmPool.
+    out = subprocess.run(["nice", "-n", str(NICE), *args], capture_output=True, text=True, timeout=timeout_s,
+                         env=env)
     line = next((l for l in out.stdout.splitlines() if l.startswith("READY ")), None)
     if line is None:
         raise RuntimeError(f"vLLM did not start: {out.stderr[-2000:]}")
@@ -88,19 +94,21 @@ class VllmSpec:
 
 
 class VllmPool:
-    """Engines started ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its processes), and the
-    serial phase starts nine in turn: while one module's tests run, the next ``AHEAD`` modules' engines start
-    beside them. One ahead was not enough: several modules' tests take a few seconds, shorter than a start, so
-    the module after them waited for its engine while the machine had CPU to spare. The order is the session's
-    (``VLLM_ENGINES`` of each collected module); an engine the session does not name is started when asked for."""
-
-    AHEAD = 2
+    """The session's engines, started ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its
+    processes) and the serial phase starts nine. The pool is made as soon as the session's tests are known and
+    queues every engine they name (``VLLM_ENGINES`` of each collected module, in test order), two starting at a
+    time, at the CPU priority ``NICE``: they take the CPU the tests leave. The serial phase runs its integration
+    tests first (tests/conftest.py), which mostly wait on failovers, leases and timeouts of their own, and
+    take the CPU first whenever they want it; then the compose tests, whose stacks wait on health checks; so
+    most engines are ready before the first vLLM module asks, where one started while the module before it
+    ran made a module wait whenever that module's tests were shorter than a start. An engine the session
+    does not name is started when asked for."""
 
     def __init__(self, order: list[VllmSpec]):
         self.order = list(dict.fromkeys(order))
         self._starting: dict[VllmSpec, Future] = {}
-        # two at once at most, in the session's order (the executor's queue): the engine a module waits for is
-        # never slowed by a third start beside it
+        # two at once at most, in the session's order (the executor's queue): the engine the next module waits
+        # for shares the CPU with one more start at most
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-start")
 
     def _start(self, spec: VllmSpec) -> VllmEngine:
@@ -111,18 +119,20 @@ class VllmPool:
         if spec not in self._starting:
             self._starting[spec] = self._threads.submit(self._start, spec)
 
+    def start_all(self) -> None:
+        """Queue every engine of the session, when a launcher is there (else each test skips or fails, with
+        the reason, as it takes its engine)."""
+        if os.access(os.environ.get("KVPF_VLLM_UP", ""), os.X_OK):
+            for spec in self.order:
+                self.start_ahead(spec)
+
     def take(self, spec: VllmSpec) -> VllmEngine:
-        """The engine, started (or being started) for it; the session's next engine starts meanwhile. The caller
-        stops it."""
+        """The engine, started (or being started) for it. The caller stops it."""
         launcher()  # skips (or fails under KVPF_REQUIRE_E2E), with the reason, in the test's own context
         if spec.hybrid:
             hybrid_model_dir()
         self.start_ahead(spec)
-        started = self._starting.pop(spec)
-        if spec in self.order:
-            for nxt in self.order[self.order.index(spec) + 1:][:self.AHEAD]:
-                self.start_ahead(nxt)
-        return started.result()
+        return self._starting.pop(spec).result()
 
     def close(self) -> None:
         """Engines started ahead that no test took (a failure ended the session, -x): stopped; those still
@@ -138,14 +148,26 @@ class VllmPool:
         self._threads.shutdown(wait=True)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def vllm_pool(request) -> Iterator[VllmPool]:
-    """Made at the session's first end-to-end test (the compose stack's, in file order), which starts the first
-    ``VllmPool.AHEAD`` engines already when a launcher is there."""
-    order = [spec for item in request.session.items for spec in getattr(item.module, "VLLM_ENGINES", ())]
-    pool = VllmPool(order)
-    if order and os.access(os.environ.get("KVPF_VLLM_UP", ""), os.X_OK):
-        for spec in pool.order[:VllmPool.AHEAD]:
-            pool.start_ahead(spec)
-    yield pool
-    pool.close()
+# 10: when a test's own processes want the CPU, the engines starting beside them get about a tenth of it
+NICE = 10
+_pool: VllmPool | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """The session's pool, made once its tests are known, before the first of them runs."""
+    global _pool
+    _pool = VllmPool([spec for item in session.items
+                      for spec in getattr(getattr(item, "module", None), "VLLM_ENGINES", ())])
+    if not session.config.option.collectonly:
+        _pool.start_all()
+
+
+def pytest_sessionfinish(session) -> None:
+    if _pool is not None:
+        _pool.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_pool() -> VllmPool:
+    assert _pool is not None, "made by pytest_collection_finish"
+    return _pool

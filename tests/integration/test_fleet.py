@@ -165,6 +165,11 @@ async def test_three_ingesters_share_eight_engines_and_take_over_after_kill9(val
             return (stats.get("fleet") or {}).get("pods", {}).get(gone[0].pod, {}).get("state") == "live"
 
         await until(predictor_sees_it, "the predictor to see the returning pod live")
+
+        async def rebuilt():  # live at once; its entries back once the replay fetched in the background is applied
+            return any(f"{gone[0].pod}: rebuilt whole" in (tmp_path / f"{name}.log").read_text() for name in ings)
+
+        await until(rebuilt, "the returning engine's pod rebuilt from its replay buffer (its ingester says so)")
         exact(run_workload(gone[0].url, predictor, "sim", work[:4]))
     finally:
         for p in ings.values():

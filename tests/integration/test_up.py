@@ -26,7 +26,18 @@ def test_up_runs_the_stack_and_the_demo_matches(tmp_path):
     assert "stopped." in out.stdout
 
 
-@pytest.mark.serial(reason="`up --cluster` draws node ports from cluster_port()'s whole range, which the workers' own clusters divide among themselves")
+# `up --cluster` draws its nodes' ports from cluster_port() in its own process; there they come from the share
+# of the range no pytest-xdist worker draws from (tests/conftest.py), so a worker's node down in a fault test
+# never finds its port taken by this cluster. Otherwise the command `python -m kv_preflight up` runs.
+UP_IN_PORT_SHARE = """
+import functools, sys
+from kv_preflight.cli import valkey_cluster
+valkey_cluster.cluster_port = functools.partial(valkey_cluster.cluster_port, int(sys.argv.pop(1)), int(sys.argv.pop(1)))
+from kv_preflight.cli.main import main
+main()
+"""
+
+
 def test_up_on_a_local_valkey_cluster(tmp_path):
     """`up --cluster`: a 3+3 Valkey Cluster on loopback with AOF, the same stack on it, the demo exact,
     every node stopped afterwards; started again on the same data directory, the same cluster returns.
@@ -37,18 +48,21 @@ def test_up_on_a_local_valkey_cluster(tmp_path):
     import sys
 
     from kv_preflight.cli.valkey_server import free_port
+    from tests.conftest import up_cluster_ports
 
+    lo, hi = up_cluster_ports()
     with reaped(tmp_path) as env:
         for _ in range(2):
-            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--cluster", "--data-dir", ".data",
-                                     "--port", str(free_port()), "--demo", "--exit-after-demo"], cwd=tmp_path,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            proc = subprocess.Popen([sys.executable, "-c", UP_IN_PORT_SHARE, str(lo), str(hi), "up", "--cluster",
+                                     "--data-dir", ".data", "--port", str(free_port()), "--demo", "--exit-after-demo"],
+                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             env_file = _while_running(proc, tmp_path / ".data" / "env")
             stdout, stderr = proc.communicate(timeout=240)
             assert proc.returncode == 0, stdout + stderr
             assert "12/12 predictions exact" in stdout and "Valkey Cluster" in stdout
             assert (tmp_path / ".data" / "valkey-cluster" / "cluster.json").exists()
             ports = json.loads((tmp_path / ".data" / "valkey-cluster" / "cluster.json").read_text())["ports"]
+            assert all(lo <= port < hi for port in ports), (ports, lo, hi)
             url = next(w for w in stdout.split() if w.startswith("KVPF_VALKEY_URL=")).split("=", 1)[1]
             assert url.startswith("redis://127.0.0.1:") and int(url.rsplit(":", 1)[1].split("/")[0]) in ports, stdout
             assert f"export KVPF_VALKEY_URL={url}" in env_file, env_file
