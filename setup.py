@@ -1,5 +1,5 @@
 """Builds the optional C routines (kv_preflight/_speedups.c: request-key chains, RESP packing, cluster slots,
-prefix walks and scoring); a failed compile leaves the pure-Python paths in charge. Everything else about
+prefix walks and scoring; kv_preflight/index/_plan.c: a pod state's plan loop); a failed compile leaves the pure-Python paths in charge. Everything else about
 the package is in pyproject.toml."""
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -20,6 +20,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("kv_preflight._speedups", ["kv_preflight/_speedups.c"], extra_compile_args=["-O3"])],
+    ext_modules=[Extension("kv_preflight._speedups", ["kv_preflight/_speedups.c"], extra_compile_args=["-O3"]),
+                 Extension("kv_preflight.index._plan", ["kv_preflight/index/_plan.c"], extra_compile_args=["-O3"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

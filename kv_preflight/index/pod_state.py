@@ -269,6 +269,10 @@ class PodState:
         i = 0
         n = len(mutations)
         while i < n:
+            if _plan_blocks is not None:  # the stores and removals up to the next mutation Python handles, in C
+                i = _plan_blocks(st, out, mutations, i, st.reannouncements, _PLAN_TYPES)
+                if i >= n:
+                    break
             m = mutations[i]
             if isinstance(m, StoreBlock):
                 if m.parentless and m.parent in (CHAIN_ROOT, UNKNOWN) and st.reannouncements:
@@ -410,10 +414,21 @@ class PodState:
             del self.ek_refs[ek]
             links = self.rk_links
             if (links.get(rks[0]) if len(rks) == 1 else any(links.get(rk) for rk in rks)):
-                self.deferred[ek] = rks
-                for rk in rks:
-                    self.waiting.setdefault(rk, set()).add(ek)
+                self._defer(ek, rks)
             elif rks:
+                out.changes.append(EngineDrop(ek, rks))
+
+    def _defer(self, ek: int, rks: tuple[int, ...]) -> None:
+        self.deferred[ek] = rks
+        for rk in rks:
+            self.waiting.setdefault(rk, set()).add(ek)
+
+    def _release(self, rk: int, out: Plan) -> None:
+        """``rk`` lost its last link: the engine keys waiting on it drop once none of their keys is linked."""
+        for ek in sorted(self.waiting.pop(rk)):
+            rks = self.deferred.get(ek)
+            if rks is not None and not any(self.rk_links.get(k) for k in rks):
+                self._undefer(ek)
                 out.changes.append(EngineDrop(ek, rks))
 
     def _link(self, rk: int, fld: str, bit: str, d: int, out: Plan, prefix: bool, parent: int | None) -> None:
@@ -448,11 +463,7 @@ class PodState:
         if prefix and bit:
             self._prefix_link(rk, parent, d)
         if links <= 0 and rk in self.waiting:
-            for ek in sorted(self.waiting.pop(rk)):
-                rks = self.deferred.get(ek)
-                if rks is not None and not any(self.rk_links.get(k) for k in rks):
-                    self._undefer(ek)
-                    out.changes.append(EngineDrop(ek, rks))
+            self._release(rk, out)
 
     # ---- the orphan count (held keys of the prefix group whose parent it does not hold)
     # Counted per link (a block of the prefix group linking a key, on any tier): a key is held while it has a
@@ -520,6 +531,14 @@ class PodState:
             s = StoreBlock(ek, tier, b.field, b.rks, group, False, b.parent)
             for _ in range(b.copies):
                 yield s
+
+
+try:  # the loop of ``plan`` over stores and removals, in C (kv_preflight/index/_plan.c); the methods above are
+    # its reference and stand in when it is not built
+    from kv_preflight.index._plan import plan_blocks as _plan_blocks
+except ImportError:  # pragma: no cover - no compiler at install time
+    _plan_blocks = None
+_PLAN_TYPES = (StoreBlock, RemoveBlock, _Block, KeyChange, EngineAdd, EngineDrop)
 
 
 def _run_end(mutations: Sequence[Mutation], i: int) -> int:

@@ -15,6 +15,7 @@ import msgspec
 
 from kv_preflight.index.entries import (CHAIN_ROOT, ClearPod, MarkIncomplete, RemoveBlock, StoreBlock, encode_entry,
                                         make_entry)
+from kv_preflight.index import pod_state
 from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, _Delta, _mutations, encode_delta,
                                           encode_snapshot, restore)
 
@@ -293,3 +294,61 @@ def test_a_group_outside_a_byte_is_refused_by_both_encoders():
         state.plan([store])
         with pytest.raises(ValueError):
             encode_snapshot(state, 1)
+
+
+def _everything(state: PodState) -> dict:
+    """Every part of a pod state a plan moves."""
+    return {"blocks": {k: (b.field, b.rks, b.parent, b.copies) for k, b in state.blocks.items()},
+            "order": list(state.blocks), "tiers": state.tiers, "entry_refs": state.entry_refs,
+            "bit_refs": state.bit_refs, "ek_slots": state.ek_slots, "ek_refs": state.ek_refs,
+            "rk_links": state.rk_links, "deferred": state.deferred, "waiting": state.waiting, "held": state.held,
+            "known": state.known, "kids": state.kids, "parent_of": state.parent_of, "unknown": state.unknown,
+            "orphans": state.orphans}
+
+
+# another pod's entry and an unparseable one (no bit); the pod's own in llm-d's older form (another entry, the
+# same bit as the JSON form's)
+_OTHER_FIELDS = [encode_entry(make_entry("other-pod", "GPU", 0)), "not an entry",
+                 encode_entry(make_entry("pod", "GPU", 0), "v08"), encode_entry(make_entry("pod", "CPU", 0), "v08")]
+
+
+@pytest.mark.skipif(pod_state._plan_blocks is None, reason="the C plan loop is not built")
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32), hybrid=st.booleans(), per=st.sampled_from([1, 2]),
+       reannouncements=st.booleans(), foreign=st.booleans())
+def test_the_c_plan_loop_moves_the_state_exactly_as_the_python_methods(seed, hybrid, per, reannouncements,
+                                                                        foreign):
+    """kv_preflight/index/_plan.c runs ``PodState.plan``'s stores and removals; the Python methods are its
+    reference. Random batches (copies, shared request keys under two engine keys and their deferred drops,
+    unknown parents, clears, flags, other pods' and unparseable entry fields, empty blocks) leave both with the
+    same state, field for field, and the same changes in the same order."""
+    rng = random.Random(seed)
+    groups = {0: GroupSpec(SLIDING, 32, 64), 1: GroupSpec(FULL, 32)} if hybrid else {}
+    states = {}
+    for name in ("c", "py"):
+        states[name] = PodState(groups, engine_block_size=32, pod_id="pod")
+        states[name].reannouncements = reannouncements
+    world = chains(rng, 3, 8, per)
+    held: set = set()
+    c_loop = pod_state._plan_blocks
+    for _ in range(40):
+        muts = random_batch(rng, world, held, hybrid)
+        if rng.random() < 0.1:
+            muts.insert(rng.randrange(len(muts) + 1), MarkIncomplete("gap"))
+        if foreign:
+            muts = [msgspec.structs.replace(m, entry_field=rng.choice(_OTHER_FIELDS))
+                    if isinstance(m, StoreBlock) and rng.random() < 0.3 else m for m in muts]
+        muts = [msgspec.structs.replace(m, request_keys=())  # a block linking no request key
+                if isinstance(m, StoreBlock) and rng.random() < 0.03 else m for m in muts]
+        plans = {}
+        for name in ("c", "py"):
+            pod_state._plan_blocks = c_loop if name == "c" else None
+            try:
+                plans[name] = states[name].plan(muts)
+            finally:
+                pod_state._plan_blocks = c_loop
+        c, py = plans["c"], plans["py"]
+        assert c.changes == py.changes and [type(x) for x in c.changes] == [type(x) for x in py.changes]
+        assert (c.stored, c.removed, c.cleared, c.reannounced, c.flags, c.cleared_flags) == \
+            (py.stored, py.removed, py.cleared, py.reannounced, py.flags, py.cleared_flags)
+        assert _everything(states["c"]) == _everything(states["py"])

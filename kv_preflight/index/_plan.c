@@ -1,0 +1,561 @@
+/*
+ * PodState.plan's per-block loop (kv_preflight/index/pod_state.py), in C.
+ *
+ * Planning is the ingester's largest cost on a single node: every stored or evicted engine block moves a dozen
+ * reference counts in the pod's state (its blocks, engine-key slots, entry and bit refs, the orphan count's
+ * links) and emits the KeyChange / EngineAdd / EngineDrop the backends write. In Python that is ~8 us a block;
+ * here it is the same dict operations on the same Python dicts without the interpreter around them, so the
+ * state stays the Python object every other reader (clone, snapshot, restore, export) knows.
+ *
+ * pod_state.py keeps the Python methods (_store, _remove, _link, ...) as the reference and the fallback when
+ * this module is not built; tests/unit/test_pod_state.py holds the two to equal states and equal changes on
+ * random batches. Each function here mirrors the Python method of the same name, line for line. The rare
+ * paths (an engine key whose drop waits for another of the pod's blocks, a bit name not yet cached) call back
+ * into the Python methods rather than repeating them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Attribute names, interned once at import. */
+static PyObject *s_blocks, *s_tiers, *s_entry_refs, *s_bit_refs, *s_ek_slots, *s_ek_refs, *s_rk_links,
+    *s_deferred, *s_waiting, *s_held, *s_known, *s_kids, *s_parent_of, *s_bits_cache, *s_prefix, *s_unknown,
+    *s_orphans, *s_engine_key, *s_tier, *s_entry_field, *s_request_keys, *s_group, *s_parentless, *s_parent,
+    *s_field, *s_rks, *s_copies, *s_changes, *s_stored, *s_removed, *s_bit_of, *s_undefer, *s_defer,
+    *s_release;
+
+typedef struct {
+    PyObject *state, *out, *changes;
+    PyObject *blocks, *tiers, *entry_refs, *bit_refs, *ek_slots, *ek_refs, *rk_links, *deferred, *waiting,
+        *held, *known, *kids, *parent_of, *bits_cache, *prefix;
+    long long unknown, orphans, stored, removed;
+    PyTypeObject *store_type, *remove_type, *key_change, *engine_add, *engine_drop;
+    PyObject *block_type;
+} Planner;
+
+/* d.get(k, 0) as a long long */
+static int dget(PyObject *d, PyObject *k, long long *v) {
+    PyObject *o = PyDict_GetItemWithError(d, k);
+    if (o == NULL) {
+        *v = 0;
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *v = PyLong_AsLongLong(o);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* d[k] (a KeyError when missing, as Python's d[k]) as a long long */
+static int dneed(PyObject *d, PyObject *k, long long *v) {
+    PyObject *o = PyDict_GetItemWithError(d, k);
+    if (o == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, k);
+        return -1;
+    }
+    *v = PyLong_AsLongLong(o);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int dput(PyObject *d, PyObject *k, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    int r = PyDict_SetItem(d, k, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* d.pop(k, None) */
+static int dpop(PyObject *d, PyObject *k) {
+    if (PyDict_DelItem(d, k) == 0) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* parent == CHAIN_ROOT (-1) */
+static int is_root(PyObject *o) {
+    if (PyLong_CheckExact(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        return !overflow && v == -1;
+    }
+    PyObject *root = PyLong_FromLong(-1);
+    if (root == NULL) return -1;
+    int r = PyObject_RichCompareBool(o, root, Py_EQ);
+    Py_DECREF(root);
+    return r;
+}
+
+/* An instance of a NamedTuple class (a tuple subtype without a __dict__), filled as tuple.__new__ fills one. */
+static int emit(Planner *p, PyTypeObject *type, Py_ssize_t n, PyObject **items) {
+    PyObject *t = type->tp_alloc(type, n);
+    if (t == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) Py_DECREF(items[i]);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, items[i]);  /* steals */
+    int r = PyList_Append(p->changes, t);
+    Py_DECREF(t);
+    return r;
+}
+
+static int call2(PyObject *state, PyObject *name, PyObject *a, PyObject *b) {
+    PyObject *args[3] = {state, a, b};
+    PyObject *r = PyObject_VectorcallMethod(name, args, (b ? 3 : 2) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* PodState.bit_of: the cached answer, or the Python method (which caches it). New reference. */
+static PyObject *bit_of(Planner *p, PyObject *fld, PyObject *group) {
+    PyObject *k = PyTuple_Pack(2, fld, group);
+    if (k == NULL) return NULL;
+    PyObject *bit = PyDict_GetItemWithError(p->bits_cache, k);
+    Py_DECREF(k);
+    if (bit != NULL) return Py_NewRef(bit);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *args[3] = {p->state, fld, group};
+    return PyObject_VectorcallMethod(s_bit_of, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* A (key, refs) counter moved by d, the key removed at 0: +1 on the first link, -1 on the last unlink. */
+static int refs(PyObject *d, PyObject *a, PyObject *b, int delta, int *change) {
+    PyObject *k = PyTuple_Pack(2, a, b);
+    if (k == NULL) return -1;
+    long long n;
+    int r = dget(d, k, &n);
+    if (r == 0) {
+        n += delta;
+        if (n <= 0) {
+            r = dpop(d, k);
+            *change = -1;
+        } else {
+            r = dput(d, k, n);
+            *change = (n == 1 && delta > 0) ? 1 : 0;
+        }
+    }
+    Py_DECREF(k);
+    return r;
+}
+
+static int add_parent(Planner *p, PyObject *rk, PyObject *parent) {
+    if (PyDict_SetItem(p->parent_of, rk, parent) < 0) return -1;
+    int root = is_root(parent);
+    if (root < 0) return -1;
+    if (!root) {
+        long long kids, held;
+        if (dget(p->kids, parent, &kids) < 0 || dput(p->kids, parent, kids + 1) < 0) return -1;
+        if (dget(p->held, parent, &held) < 0) return -1;
+        if (!held) p->orphans += 1;
+    }
+    return 0;
+}
+
+static int drop_parent(Planner *p, PyObject *rk) {
+    PyObject *parent = PyDict_GetItemWithError(p->parent_of, rk);
+    if (parent == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rk);
+        return -1;
+    }
+    Py_INCREF(parent);
+    int r = PyDict_DelItem(p->parent_of, rk);
+    int root = r < 0 ? -1 : is_root(parent);
+    if (root == 0) {
+        long long kids, held;
+        r = dneed(p->kids, parent, &kids);
+        if (r == 0) r = kids - 1 ? dput(p->kids, parent, kids - 1) : PyDict_DelItem(p->kids, parent);
+        if (r == 0) r = dget(p->held, parent, &held);
+        if (r == 0 && !held) p->orphans -= 1;
+    } else if (root < 0) {
+        r = -1;
+    }
+    Py_DECREF(parent);
+    return r;
+}
+
+static int prefix_link(Planner *p, PyObject *rk, PyObject *parent, int d) {
+    long long links, known, kids;
+    if (dget(p->held, rk, &links) < 0 || dget(p->known, rk, &known) < 0) return -1;
+    int unknown_parent = parent == Py_None;
+    if (d > 0) {
+        if (dput(p->held, rk, links + 1) < 0) return -1;
+        if (!unknown_parent && dput(p->known, rk, known + 1) < 0) return -1;
+        if (links == 0) {
+            if (dget(p->kids, rk, &kids) < 0) return -1;
+            p->orphans -= kids;
+            if (unknown_parent) p->unknown += 1;
+            else if (add_parent(p, rk, parent) < 0) return -1;
+        } else if (known == 0 && !unknown_parent) {
+            p->unknown -= 1;
+            if (add_parent(p, rk, parent) < 0) return -1;
+        }
+        return 0;
+    }
+    if (links <= 1) {
+        if (dpop(p->held, rk) < 0 || dpop(p->known, rk) < 0) return -1;
+        if (dget(p->kids, rk, &kids) < 0) return -1;
+        p->orphans += kids;
+        if (known) return drop_parent(p, rk);
+        p->unknown -= 1;
+        return 0;
+    }
+    if (dput(p->held, rk, links - 1) < 0) return -1;
+    if (!unknown_parent) {
+        if (known <= 1) {
+            if (dpop(p->known, rk) < 0 || drop_parent(p, rk) < 0) return -1;
+            p->unknown += 1;
+        } else if (dput(p->known, rk, known - 1) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int link_key(Planner *p, PyObject *rk, PyObject *fld, PyObject *bit, int has_bit, int d, int prefix,
+                PyObject *parent) {
+    long long links;
+    if (dget(p->rk_links, rk, &links) < 0) return -1;
+    links += d;
+    if ((links > 0 ? dput(p->rk_links, rk, links) : dpop(p->rk_links, rk)) < 0) return -1;
+    int entry = 0, bit_delta = 0;
+    if (refs(p->entry_refs, rk, fld, d, &entry) < 0) return -1;
+    if (has_bit && refs(p->bit_refs, rk, bit, d, &bit_delta) < 0) return -1;
+    if (entry || bit_delta) {
+        PyObject *items[5] = {Py_NewRef(rk), Py_NewRef(fld), PyLong_FromLong(entry), Py_NewRef(bit),
+                              PyLong_FromLong(bit_delta)};
+        if (items[2] == NULL || items[4] == NULL) {
+            for (int i = 0; i < 5; i++) Py_XDECREF(items[i]);
+            return -1;
+        }
+        if (emit(p, p->key_change, 5, items) < 0) return -1;
+    }
+    if (prefix && has_bit && prefix_link(p, rk, parent, d) < 0) return -1;
+    if (links <= 0 && PyDict_GET_SIZE(p->waiting)) {
+        int in = PyDict_Contains(p->waiting, rk);
+        if (in < 0 || (in && call2(p->state, s_release, rk, p->out) < 0)) return -1;
+    }
+    return 0;
+}
+
+static int link_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks) {
+    PyObject *k = PyTuple_Pack(2, ek, group);
+    if (k == NULL) return -1;
+    long long slots, n;
+    int r = dget(p->ek_slots, k, &slots);
+    if (r == 0) r = dput(p->ek_slots, k, slots + 1);
+    Py_DECREF(k);
+    if (r < 0 || dget(p->ek_refs, ek, &n) < 0 || dput(p->ek_refs, ek, n + 1) < 0) return -1;
+    if (n == 0) {
+        if (PyDict_GET_SIZE(p->deferred)) {
+            int in = PyDict_Contains(p->deferred, ek);
+            if (in < 0 || (in && call2(p->state, s_undefer, ek, NULL) < 0)) return -1;
+        }
+        if (PyTuple_GET_SIZE(rks)) {
+            PyObject *items[2] = {Py_NewRef(ek), Py_NewRef(rks)};
+            return emit(p, p->engine_add, 2, items);
+        }
+    }
+    return 0;
+}
+
+static int unlink_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks) {
+    PyObject *k = PyTuple_Pack(2, ek, group);
+    if (k == NULL) return -1;
+    long long left, n;
+    int r = dneed(p->ek_slots, k, &left);
+    if (r == 0) r = left - 1 ? dput(p->ek_slots, k, left - 1) : PyDict_DelItem(p->ek_slots, k);
+    Py_DECREF(k);
+    if (r < 0 || dneed(p->ek_refs, ek, &n) < 0) return -1;
+    if (n - 1) return dput(p->ek_refs, ek, n - 1);
+    if (PyDict_DelItem(p->ek_refs, ek) < 0) return -1;
+    Py_ssize_t m = PyTuple_GET_SIZE(rks);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        long long links;
+        if (dget(p->rk_links, PyTuple_GET_ITEM(rks, i), &links) < 0) return -1;
+        if (links) return call2(p->state, s_defer, ek, rks);
+    }
+    if (m) {
+        PyObject *items[2] = {Py_NewRef(ek), Py_NewRef(rks)};
+        return emit(p, p->engine_drop, 2, items);
+    }
+    return 0;
+}
+
+/* The links of a block's request keys, each key's parent the block's parent, then the key before it. */
+static int link_all(Planner *p, PyObject *rks, PyObject *fld, PyObject *group, PyObject *parent, int d) {
+    PyObject *bit = bit_of(p, fld, group);
+    if (bit == NULL) return -1;
+    int has_bit = PyObject_IsTrue(bit);
+    int prefix = PyObject_RichCompareBool(group, p->prefix, Py_EQ);
+    int r = (has_bit < 0 || prefix < 0) ? -1 : 0;
+    Py_ssize_t m = PyTuple_GET_SIZE(rks);
+    for (Py_ssize_t i = 0; i < m && r == 0; i++) {
+        PyObject *rk = PyTuple_GET_ITEM(rks, i);
+        r = link_key(p, rk, fld, bit, has_bit, d, prefix, parent);
+        parent = rk;
+    }
+    Py_DECREF(bit);
+    return r;
+}
+
+static int dput_attr(PyObject *held, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    int r = PyObject_SetAttr(held, s_copies, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* The held block's copies (in *now), moved by d */
+static int add_copies(PyObject *held, long long d, long long *now) {
+    PyObject *c = PyObject_GetAttr(held, s_copies);
+    if (c == NULL) return -1;
+    *now = PyLong_AsLongLong(c);
+    Py_DECREF(c);
+    if (*now == -1 && PyErr_Occurred()) return -1;
+    return d ? dput_attr(held, *now + d) : 0;
+}
+
+static int store(Planner *p, PyObject *m) {
+    PyObject *ek = NULL, *tier = NULL, *group = NULL, *bk = NULL, *parent = NULL, *rks = NULL, *fld = NULL;
+    PyObject *block = NULL;
+    int r = -1;
+    if ((ek = PyObject_GetAttr(m, s_engine_key)) == NULL || (tier = PyObject_GetAttr(m, s_tier)) == NULL
+        || (group = PyObject_GetAttr(m, s_group)) == NULL || (bk = PyTuple_Pack(3, ek, tier, group)) == NULL)
+        goto done;
+    PyObject *held = PyDict_GetItemWithError(p->blocks, bk);
+    if (held != NULL) {  /* another physical copy of a held hash (its eviction comes once per copy) */
+        long long copies;
+        if (add_copies(held, 1, &copies) < 0) goto done;
+        p->stored += 1;
+        r = 0;
+        goto done;
+    }
+    if (PyErr_Occurred()) goto done;
+    PyObject *keys;
+    if ((parent = PyObject_GetAttr(m, s_parent)) == NULL || (fld = PyObject_GetAttr(m, s_entry_field)) == NULL
+        || (keys = PyObject_GetAttr(m, s_request_keys)) == NULL)
+        goto done;
+    rks = PyTuple_CheckExact(keys) ? keys : PySequence_Tuple(keys);
+    if (rks != keys) Py_DECREF(keys);
+    if (rks == NULL) goto done;
+    PyObject *args[3] = {fld, rks, parent};
+    if ((block = PyObject_Vectorcall(p->block_type, args, 3, NULL)) == NULL) goto done;
+    if (PyDict_SetItem(p->blocks, bk, block) < 0 || PySet_Add(p->tiers, tier) < 0) goto done;
+    if (link_engine(p, ek, group, rks) < 0 || link_all(p, rks, fld, group, parent, +1) < 0) goto done;
+    p->stored += 1;
+    r = 0;
+done:
+    Py_XDECREF(ek); Py_XDECREF(tier); Py_XDECREF(group); Py_XDECREF(bk); Py_XDECREF(parent); Py_XDECREF(rks);
+    Py_XDECREF(fld); Py_XDECREF(block);
+    return r;
+}
+
+static int drop(Planner *p, PyObject *bk, PyObject *held) {
+    PyObject *ek = PyTuple_GET_ITEM(bk, 0), *group = PyTuple_GET_ITEM(bk, 2);
+    PyObject *fld = NULL, *rks = NULL, *parent = NULL;
+    int r = -1;
+    if ((fld = PyObject_GetAttr(held, s_field)) == NULL || (rks = PyObject_GetAttr(held, s_rks)) == NULL
+        || (parent = PyObject_GetAttr(held, s_parent)) == NULL)
+        goto done;
+    if (!PyTuple_Check(rks)) {
+        PyErr_SetString(PyExc_TypeError, "a held block's request keys must be a tuple");
+        goto done;
+    }
+    if (PyDict_DelItem(p->blocks, bk) < 0) goto done;
+    if (link_all(p, rks, fld, group, parent, -1) < 0 || unlink_engine(p, ek, group, rks) < 0) goto done;
+    r = 0;
+done:
+    Py_XDECREF(fld); Py_XDECREF(rks); Py_XDECREF(parent);
+    return r;
+}
+
+static int remove_block(Planner *p, PyObject *m) {
+    PyObject *ek = NULL, *tier = NULL, *group = NULL, *bk = NULL, *held = NULL;
+    int r = -1;
+    if ((ek = PyObject_GetAttr(m, s_engine_key)) == NULL || (tier = PyObject_GetAttr(m, s_tier)) == NULL
+        || (group = PyObject_GetAttr(m, s_group)) == NULL || (bk = PyTuple_Pack(3, ek, tier, group)) == NULL)
+        goto done;
+    held = PyDict_GetItemWithError(p->blocks, bk);
+    if (held == NULL) {
+        r = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    Py_INCREF(held);  /* the dict's reference goes with the block */
+    p->removed += 1;
+    long long copies;
+    if (add_copies(held, 0, &copies) < 0) goto done;
+    if (copies > 1) {
+        r = dput_attr(held, copies - 1);
+        goto done;
+    }
+    r = drop(p, bk, held);
+done:
+    Py_XDECREF(ek); Py_XDECREF(tier); Py_XDECREF(group); Py_XDECREF(bk); Py_XDECREF(held);
+    return r;
+}
+
+static PyObject *attr(PyObject *o, PyObject *name, int dict) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v != NULL && dict && !PyDict_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "PodState.%U must be a dict", name);
+        Py_CLEAR(v);
+    }
+    return v;
+}
+
+static int load_count(PyObject *o, PyObject *name, long long *v) {
+    PyObject *x = PyObject_GetAttr(o, name);
+    if (x == NULL) return -1;
+    *v = PyLong_AsLongLong(x);
+    Py_DECREF(x);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int save_count(PyObject *o, PyObject *name, long long v) {
+    PyObject *x = PyLong_FromLongLong(v);
+    if (x == NULL) return -1;
+    int r = PyObject_SetAttr(o, name, x);
+    Py_DECREF(x);
+    return r;
+}
+
+/* plan_blocks(state, out, mutations, start, reannouncements, types) -> int: PodState.plan's loop from
+ * ``start`` over the StoreBlock and RemoveBlock mutations it meets (``types``: StoreBlock, RemoveBlock,
+ * _Block, KeyChange, EngineAdd, EngineDrop), stopping at the first it leaves to Python (a clear, a flag, any
+ * other type, and with ``reannouncements`` a parentless store from a chain's start, whose run Python judges):
+ * returns that mutation's index (len(mutations) when none). The state moves in place and ``out`` gains the
+ * changes and the stored/removed counts, as the Python methods would leave them, also when an error stops it
+ * halfway. */
+static PyObject *plan_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *state, *out, *muts_obj, *types;
+    Py_ssize_t start;
+    int reannounce;
+    if (!PyArg_ParseTuple(args, "OOOnpO!", &state, &out, &muts_obj, &start, &reannounce, &PyTuple_Type, &types))
+        return NULL;
+    if (PyTuple_GET_SIZE(types) != 6) {
+        PyErr_SetString(PyExc_TypeError, "types must be (StoreBlock, RemoveBlock, _Block, KeyChange, EngineAdd, EngineDrop)");
+        return NULL;
+    }
+    for (int i = 0; i < 6; i++) {
+        if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
+            PyErr_SetString(PyExc_TypeError, "types must be classes");
+            return NULL;
+        }
+    }
+    for (int i = 3; i < 6; i++) {
+        PyTypeObject *t = (PyTypeObject *)PyTuple_GET_ITEM(types, i);
+        if (!PyType_IsSubtype(t, &PyTuple_Type) || t->tp_dictoffset != 0) {
+            PyErr_SetString(PyExc_TypeError, "the change types must be NamedTuples");
+            return NULL;
+        }
+    }
+    Planner p = {0};
+    p.state = state;
+    p.out = out;
+    p.store_type = (PyTypeObject *)PyTuple_GET_ITEM(types, 0);
+    p.remove_type = (PyTypeObject *)PyTuple_GET_ITEM(types, 1);
+    p.block_type = PyTuple_GET_ITEM(types, 2);
+    p.key_change = (PyTypeObject *)PyTuple_GET_ITEM(types, 3);
+    p.engine_add = (PyTypeObject *)PyTuple_GET_ITEM(types, 4);
+    p.engine_drop = (PyTypeObject *)PyTuple_GET_ITEM(types, 5);
+    PyObject *muts = PySequence_Fast(muts_obj, "mutations must be a sequence");
+    PyObject *result = NULL;
+    int loaded = 0;
+    if (muts == NULL) return NULL;
+    if ((p.changes = PyObject_GetAttr(out, s_changes)) == NULL) goto done;
+    if (!PyList_Check(p.changes)) {
+        PyErr_SetString(PyExc_TypeError, "Plan.changes must be a list");
+        goto done;
+    }
+    if ((p.blocks = attr(state, s_blocks, 1)) == NULL || (p.tiers = attr(state, s_tiers, 0)) == NULL
+        || (p.entry_refs = attr(state, s_entry_refs, 1)) == NULL || (p.bit_refs = attr(state, s_bit_refs, 1)) == NULL
+        || (p.ek_slots = attr(state, s_ek_slots, 1)) == NULL || (p.ek_refs = attr(state, s_ek_refs, 1)) == NULL
+        || (p.rk_links = attr(state, s_rk_links, 1)) == NULL || (p.deferred = attr(state, s_deferred, 1)) == NULL
+        || (p.waiting = attr(state, s_waiting, 1)) == NULL || (p.held = attr(state, s_held, 1)) == NULL
+        || (p.known = attr(state, s_known, 1)) == NULL || (p.kids = attr(state, s_kids, 1)) == NULL
+        || (p.parent_of = attr(state, s_parent_of, 1)) == NULL
+        || (p.bits_cache = attr(state, s_bits_cache, 1)) == NULL || (p.prefix = attr(state, s_prefix, 0)) == NULL)
+        goto done;
+    if (!PyAnySet_Check(p.tiers)) {
+        PyErr_SetString(PyExc_TypeError, "PodState.tiers must be a set");
+        goto done;
+    }
+    if (load_count(state, s_unknown, &p.unknown) < 0 || load_count(state, s_orphans, &p.orphans) < 0) goto done;
+    loaded = 1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(muts), i = start < 0 ? 0 : start;
+    PyObject **items = PySequence_Fast_ITEMS(muts);
+    int failed = 0;
+    for (; i < n && !failed; i++) {
+        PyObject *m = items[i];
+        PyTypeObject *t = Py_TYPE(m);
+        if (t == p.store_type) {
+            if (reannounce) {
+                PyObject *pl = PyObject_GetAttr(m, s_parentless);
+                int parentless = pl == NULL ? -1 : PyObject_IsTrue(pl);
+                Py_XDECREF(pl);
+                if (parentless < 0) { failed = 1; break; }
+                if (parentless) {
+                    PyObject *parent = PyObject_GetAttr(m, s_parent);
+                    int stop = parent == NULL ? -1 : parent == Py_None ? 1 : is_root(parent);
+                    Py_XDECREF(parent);
+                    if (stop < 0) { failed = 1; break; }
+                    if (stop) break;
+                }
+            }
+            failed = store(&p, m) < 0;
+        } else if (t == p.remove_type) {
+            failed = remove_block(&p, m) < 0;
+        } else {
+            break;
+        }
+    }
+    if (!failed) result = PyLong_FromSsize_t(i);
+done:
+    if (loaded) {
+        /* the counts as far as the loop went (the Python methods move them as they go); an error stays the error */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        long long stored = 0, removed = 0;
+        int bad = save_count(state, s_unknown, p.unknown) < 0 || save_count(state, s_orphans, p.orphans) < 0
+                  || load_count(out, s_stored, &stored) < 0 || save_count(out, s_stored, stored + p.stored) < 0
+                  || load_count(out, s_removed, &removed) < 0 || save_count(out, s_removed, removed + p.removed) < 0;
+        if (et != NULL) {
+            if (bad) PyErr_Clear();
+            PyErr_Restore(et, ev, tb);
+        }
+        if (bad || et != NULL) Py_CLEAR(result);
+    }
+    Py_DECREF(muts);
+    Py_XDECREF(p.changes); Py_XDECREF(p.blocks); Py_XDECREF(p.tiers); Py_XDECREF(p.entry_refs);
+    Py_XDECREF(p.bit_refs); Py_XDECREF(p.ek_slots); Py_XDECREF(p.ek_refs); Py_XDECREF(p.rk_links);
+    Py_XDECREF(p.deferred); Py_XDECREF(p.waiting); Py_XDECREF(p.held); Py_XDECREF(p.known); Py_XDECREF(p.kids);
+    Py_XDECREF(p.parent_of); Py_XDECREF(p.bits_cache); Py_XDECREF(p.prefix);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"plan_blocks", plan_blocks, METH_VARARGS,
+     "PodState.plan's loop over stores and removals: plan_blocks(state, out, mutations, start, reannouncements, "
+     "types) -> the index of the first mutation left to Python."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_plan", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__plan(void) {
+    static const char *names[] = {"blocks", "tiers", "entry_refs", "bit_refs", "ek_slots", "ek_refs", "rk_links",
+        "deferred", "waiting", "held", "known", "kids", "parent_of", "_bits", "_prefix", "unknown", "orphans",
+        "engine_key", "tier", "entry_field", "request_keys", "group", "parentless", "parent", "field", "rks",
+        "copies", "changes", "stored", "removed", "bit_of", "_undefer", "_defer", "_release"};
+    PyObject **slots[] = {&s_blocks, &s_tiers, &s_entry_refs, &s_bit_refs, &s_ek_slots, &s_ek_refs, &s_rk_links,
+        &s_deferred, &s_waiting, &s_held, &s_known, &s_kids, &s_parent_of, &s_bits_cache, &s_prefix, &s_unknown,
+        &s_orphans, &s_engine_key, &s_tier, &s_entry_field, &s_request_keys, &s_group, &s_parentless, &s_parent,
+        &s_field, &s_rks, &s_copies, &s_changes, &s_stored, &s_removed, &s_bit_of, &s_undefer, &s_defer,
+        &s_release};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*slots[i] == NULL && (*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+    }
+    return PyModule_Create(&module);
+}
