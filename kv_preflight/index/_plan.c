@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 /* Attribute names, interned once at import. */
 static PyObject *s_blocks, *s_tiers, *s_entry_refs, *s_bit_refs, *s_ek_slots, *s_ek_refs, *s_rk_links,
@@ -535,10 +536,201 @@ done:
     return result;
 }
 
+/* ---- a Valkey Cluster shard's share of a run's changes as changes.lua's arguments (changes.py shard_args) */
+
+/* A one-letter op name */
+static int op_is(PyObject *o, char c) {
+    return PyUnicode_Check(o) && PyUnicode_GET_LENGTH(o) == 1 && PyUnicode_READ_CHAR(o, 0) == (Py_UCS4)c;
+}
+
+/* An op's items (a list or a tuple), or NULL */
+static PyObject **op_items(PyObject *op, Py_ssize_t *n) {
+    if (PyList_Check(op)) {
+        *n = PyList_GET_SIZE(op);
+        return PySequence_Fast_ITEMS(op);
+    }
+    if (PyTuple_Check(op)) {
+        *n = PyTuple_GET_SIZE(op);
+        return PySequence_Fast_ITEMS(op);
+    }
+    return NULL;
+}
+
+/* changes.py _runs: an entry and its bit that come or go together (or an entry with no bit); -1: not ints */
+static int runs(PyObject **k, long *entry) {
+    int overflow = 0;
+    long e = PyLong_Check(k[3]) ? PyLong_AsLongAndOverflow(k[3], &overflow) : 0;
+    if (!PyLong_Check(k[3]) || overflow || !PyLong_Check(k[5]) || !PyUnicode_Check(k[4])) return -1;
+    long d = PyLong_AsLongAndOverflow(k[5], &overflow);
+    if (overflow) return -1;
+    *entry = e;
+    return e != 0 && (PyUnicode_GET_LENGTH(k[4]) ? d == e : d == 0);
+}
+
+/* "<prefix><rk><suffix>" (layout.presence_key), or NULL with no error when rk is not a uint64 */
+static PyObject *key_name(PyObject *rk, const char *prefix, Py_ssize_t np, const char *suffix, Py_ssize_t ns) {
+    if (!PyLong_CheckExact(rk)) return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(rk);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    char digits[20];
+    int nd = 0;
+    do {
+        digits[19 - nd++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    PyObject *s = PyUnicode_New(np + nd + ns, 127);
+    if (s == NULL) return NULL;
+    char *w = (char *)PyUnicode_DATA(s);
+    memcpy(w, prefix, np);
+    memcpy(w + np, digits + 20 - nd, nd);
+    memcpy(w + np + nd, suffix, ns);
+    return s;
+}
+
+static int append_new(PyObject *list, PyObject *o) {
+    if (o == NULL) return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* shard_args(ops, mine, key_prefix, key_suffix) -> (args, owners, folded) | None: changes.py shard_args (its
+ * reference, see there), for ops of the two kinds a shard mostly gets: K changes whose entry and bit come or
+ * go together (s and r runs under F) and drop probes ("Q", rk, j). None, with nothing else done, for anything
+ * else (a change in the general form, an op of another shape, a key outside uint64): Python then builds the
+ * whole share. ``mine(num)``: changes.py mine; the key names are key_prefix + decimal + key_suffix (ASCII). */
+static PyObject *shard_args(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ops_obj, *mine;
+    const char *prefix, *suffix;
+    Py_ssize_t np, ns;
+    if (!PyArg_ParseTuple(args, "OOs#s#", &ops_obj, &mine, &prefix, &np, &suffix, &ns)) return NULL;
+    if (!PyList_Check(ops_obj)) Py_RETURN_NONE;
+    PyObject *out = PyList_New(0), *owners = PyList_New(0), *folded = PyDict_New(), *owns = PyDict_New();
+    PyObject *result = NULL, *s_name = PyUnicode_FromString("s"), *r_name = PyUnicode_FromString("r");
+    PyObject *f_name = PyUnicode_FromString("F"), *q_name = PyUnicode_FromString("q");
+    if (!out || !owners || !folded || !owns || !s_name || !r_name || !f_name || !q_name) goto done;
+    PyObject *reg[4] = {NULL, NULL, NULL, NULL};  /* the F op's field, bit, byte and mask, as last sent */
+    Py_ssize_t run_at = -1, run_len = 0;
+    char run_name = 0;
+    int unusual = 0;
+    Py_ssize_t n = PyList_GET_SIZE(ops_obj);
+    for (Py_ssize_t i = 0; i < n && !unusual; i++) {
+        PyObject *op = PyList_GET_ITEM(ops_obj, i);
+        Py_ssize_t len;
+        PyObject **k = op_items(op, &len);
+        if (k == NULL || len < 1) { unusual = 1; break; }
+        PyObject *index = PyLong_FromSsize_t(i);
+        if (index == NULL) goto done;
+        int r = 0;
+        if (op_is(k[0], 'Q') && len == 3) {
+            int folds = 0;
+            if (i) {  /* changes.py folds_probe */
+                Py_ssize_t plen;
+                PyObject **prev = op_items(PyList_GET_ITEM(ops_obj, i - 1), &plen);
+                long entry;
+                if (prev != NULL && plen == 8 && op_is(prev[0], 'K')) {
+                    int same = PyObject_RichCompareBool(prev[1], k[1], Py_EQ);
+                    int ru = same > 0 ? runs(prev, &entry) : 0;
+                    if (same < 0) r = -1;
+                    else if (ru < 0) unusual = 1;
+                    else folds = same && entry < 0 && ru;
+                }
+            }
+            if (r == 0 && !unusual) {
+                if (folds) {
+                    PyObject *at = PyLong_FromSsize_t(PyList_GET_SIZE(owners));
+                    r = at == NULL ? -1 : PyDict_SetItem(folded, at, index);
+                    Py_XDECREF(at);
+                } else if (PyList_Append(out, q_name) < 0 || PyList_Append(out, k[1]) < 0
+                           || PyList_Append(out, k[2]) < 0 || PyList_Append(owners, index) < 0) {
+                    r = -1;
+                }
+            }
+        } else if (op_is(k[0], 'K') && len == 8) {
+            long entry;
+            int ru = runs(k, &entry);
+            int overflow = 0;
+            long byte = PyLong_Check(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
+            long mask = !overflow && PyLong_Check(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
+            PyObject *pk = ru > 0 && !overflow && byte >= 1 && mask >= 1 ? key_name(k[1], prefix, np, suffix, ns) : NULL;
+            if (pk == NULL) {
+                if (PyErr_Occurred()) r = -1;
+                else unusual = 1;
+            } else {
+                char name = entry > 0 ? 's' : 'r';
+                int same = reg[0] != NULL;
+                static const int at[4] = {2, 4, 6, 7};  /* field, bit, byte, mask */
+                for (int j = 0; j < 4 && same > 0; j++) same = PyObject_RichCompareBool(reg[j], k[at[j]], Py_EQ);
+                if (same < 0) {
+                    r = -1;
+                } else if (!same) {
+                    reg[0] = k[2]; reg[1] = k[4]; reg[2] = k[6]; reg[3] = k[7];
+                    PyObject *key = PyTuple_Pack(2, k[6], k[7]);
+                    PyObject *own = key == NULL ? NULL : PyDict_GetItemWithError(owns, key);
+                    if (own != NULL) {
+                        Py_INCREF(own);
+                    } else if (key != NULL && !PyErr_Occurred()) {
+                        int bits = 0;
+                        for (long m = mask; m; m >>= 1) bits++;
+                        own = PyObject_CallFunction(mine, "l", (byte - 1) * 8 + bits - 1);
+                        if (own != NULL && PyDict_SetItem(owns, key, own) < 0) Py_CLEAR(own);
+                    }
+                    Py_XDECREF(key);
+                    if (own == NULL || PyList_Append(out, f_name) < 0 || PyList_Append(out, k[2]) < 0
+                        || PyList_Append(out, k[4]) < 0 || PyList_Append(out, own) < 0
+                        || PyList_Append(owners, index) < 0)
+                        r = -1;
+                    Py_XDECREF(own);
+                } else if (run_at >= 0 && run_name == name && run_at + 1 + 2 * run_len == PyList_GET_SIZE(out)) {
+                    /* the block joins the run just before it */
+                    run_len += 1;
+                    PyObject *count = PyLong_FromSsize_t(run_len);
+                    if (count == NULL || PyList_SetItem(out, run_at, count) < 0 || PyList_Append(out, k[1]) < 0
+                        || PyList_Append(out, pk) < 0 || PyList_Append(owners, index) < 0)
+                        r = -1;
+                    Py_DECREF(pk);
+                    Py_DECREF(index);
+                    if (r < 0) goto done;
+                    continue;
+                }
+                if (r == 0) {
+                    run_at = PyList_GET_SIZE(out) + 1;
+                    run_len = 1;
+                    run_name = name;
+                    if (PyList_Append(out, name == 's' ? s_name : r_name) < 0
+                        || append_new(out, PyLong_FromLong(1)) < 0 || PyList_Append(out, k[1]) < 0
+                        || PyList_Append(out, pk) < 0 || PyList_Append(owners, index) < 0)
+                        r = -1;
+                }
+                Py_DECREF(pk);
+            }
+        } else {
+            unusual = 1;
+        }
+        Py_DECREF(index);
+        if (r < 0) goto done;
+    }
+    if (unusual) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = PyTuple_Pack(3, out, owners, folded);
+    }
+done:
+    Py_XDECREF(out); Py_XDECREF(owners); Py_XDECREF(folded); Py_XDECREF(owns);
+    Py_XDECREF(s_name); Py_XDECREF(r_name); Py_XDECREF(f_name); Py_XDECREF(q_name);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"plan_blocks", plan_blocks, METH_VARARGS,
      "PodState.plan's loop over stores and removals: plan_blocks(state, out, mutations, start, reannouncements, "
      "types) -> the index of the first mutation left to Python."},
+    {"shard_args", shard_args, METH_VARARGS,
+     "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},
 };
 

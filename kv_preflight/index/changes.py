@@ -79,6 +79,15 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
 
 
 def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict[int, int]]:
+    """See ``shard_args_py`` (the reference): the same, in C for the usual shard's ops (s and r runs, probes)."""
+    if _shard_args_c is not None:
+        done = _shard_args_c(ops, mine, *_PRESENCE_NAME)
+        if done is not None:
+            return done
+    return shard_args_py(ops)
+
+
+def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict[int, int]]:
     """A Valkey Cluster shard's share of a run's request-key changes (outbox ``K`` changes and drop probes
     ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in s
     and r runs under F, as a single node's batch sends them in S and R runs but without the engine key a shard
@@ -126,6 +135,13 @@ def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict
     return out, owners, folded
 
 
+try:
+    from kv_preflight.index._plan import shard_args as _shard_args_c
+except ImportError:  # pragma: no cover - no compiler at install time
+    _shard_args_c = None
+_PRESENCE_NAME = tuple(presence_key("\0").split("\0"))  # the presence key's name around its request key
+
+
 def _runs(op: Sequence[Any]) -> bool:
     """An outbox K change whose entry and bit come or go together (or an entry with no bit): an s or r block."""
     entry, bit, bitdelta = op[3], op[4], op[5]
@@ -160,4 +176,4 @@ def lua_op_count(args: Sequence[Any]) -> int:
     return n
 
 
-__all__ = ["change_args", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args"]
+__all__ = ["change_args", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args", "shard_args_py"]

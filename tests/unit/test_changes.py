@@ -2,7 +2,13 @@
 list holds (a Valkey Cluster shard names a moved op by its position: the count must match the script's)."""
 from __future__ import annotations
 
-from kv_preflight.index.changes import change_args, folds_probe, key_ops, lua_op_count, mine, shard_args
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_preflight.index import changes
+from kv_preflight.index.changes import (change_args, folds_probe, key_ops, lua_op_count, mine, shard_args,
+                                        shard_args_py)
 from kv_preflight.index.layout import presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
@@ -83,3 +89,29 @@ def test_a_drops_probe_rides_on_its_keys_removal_just_before_it():
     assert args.count("q") == 3 and ["q", 13, 8] == args[10:13]
     assert len(owners) == lua_op_count(args)
     assert 1 not in owners and {3, 5, 7} <= set(owners)
+
+
+_RK = st.sampled_from([0, 7, 13, 2**64 - 1, 10**18])
+_K = st.builds(lambda rk, fld, e, bit, num: ("K", rk, fld, e, bit, e if bit else 0, num // 8 + 1, 1 << (num % 8)),
+               _RK, st.sampled_from(["f", "g"]), st.sampled_from([1, -1]), st.sampled_from(["0", "1|1", ""]),
+               st.sampled_from([0, 2, 9, 63]))
+_Q = st.builds(lambda rk, j: ("Q", rk, j), _RK, st.integers(0, 50))
+
+
+@pytest.mark.skipif(changes._shard_args_c is None, reason="the C routines are not built")
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(st.one_of(_K, _Q, _K.map(list)), max_size=30),
+       general=st.lists(st.tuples(st.integers(0, 29), _RK), max_size=2))
+def test_a_shards_args_in_c_are_the_python_references(ops, general):
+    """kv_preflight/index/_plan.c builds a shard's share for s/r runs and probes (the usual case) and leaves
+    anything else to Python: both give the same arguments, positions and folded probes; with only runs and
+    probes the C routine is the one that answered."""
+    for at, rk in general:  # an entry without its bit: the general form, left to Python
+        if at <= len(ops):
+            ops.insert(at, ("K", rk, "f", 1, "0", 0, 1, 1))
+    got = changes._shard_args_c(ops, mine, *changes._PRESENCE_NAME)
+    if not general:
+        assert got is not None
+    assert shard_args(ops) == shard_args_py(ops)
+    if got is not None:
+        assert got == shard_args_py(ops)
