@@ -557,14 +557,24 @@ static PyObject **op_items(PyObject *op, Py_ssize_t *n) {
 }
 
 /* changes.py _runs: an entry and its bit that come or go together (or an entry with no bit); -1: not ints */
-static int runs(PyObject **k, long *entry) {
+static int runs_of(PyObject *entry_obj, PyObject *bit, PyObject *delta, long *entry) {
     int overflow = 0;
-    long e = PyLong_Check(k[3]) ? PyLong_AsLongAndOverflow(k[3], &overflow) : 0;
-    if (!PyLong_Check(k[3]) || overflow || !PyLong_Check(k[5]) || !PyUnicode_Check(k[4])) return -1;
-    long d = PyLong_AsLongAndOverflow(k[5], &overflow);
+    long e = PyLong_Check(entry_obj) ? PyLong_AsLongAndOverflow(entry_obj, &overflow) : 0;
+    if (!PyLong_Check(entry_obj) || overflow || !PyLong_Check(delta) || !PyUnicode_Check(bit)) return -1;
+    long d = PyLong_AsLongAndOverflow(delta, &overflow);
     if (overflow) return -1;
     *entry = e;
-    return e != 0 && (PyUnicode_GET_LENGTH(k[4]) ? d == e : d == 0);
+    return e != 0 && (PyUnicode_GET_LENGTH(bit) ? d == e : d == 0);
+}
+
+/* the same of an outbox K op ["K", rk, field, entry, bit, bit_delta, byte, mask] */
+static int runs(PyObject **k, long *entry) {
+    return runs_of(k[3], k[4], k[5], entry);
+}
+
+/* the same of a KeyChange (rk, field, entry, bit, bit_delta) */
+static int key_runs(PyObject *c, long *entry) {
+    return runs_of(PyTuple_GET_ITEM(c, 2), PyTuple_GET_ITEM(c, 3), PyTuple_GET_ITEM(c, 4), entry);
 }
 
 /* "<prefix><rk><suffix>" (layout.presence_key), or NULL with no error when rk is not a uint64 */
@@ -725,10 +735,155 @@ done:
     return result;
 }
 
+/* ---- a plan's changes as changes.lua's arguments on a single node (changes.py change_args) */
+
+/* change_args(changes, own, types, key_prefix, key_suffix, engine_prefix) -> list | None: changes.py
+ * change_args (its reference, see there) for the changes a batch mostly makes: entries and their bits that
+ * come or go together (S and R runs under F, each block with its engine key's ZADD or ZREM beside when the
+ * plan has it next to it) and engine keys' adds and drops. None, with nothing else done, for anything else
+ * (a change in the general form, another type, a key outside uint64): Python then builds them all.
+ * ``types``: KeyChange, EngineAdd, EngineDrop; ``own``: changes.py mine(num). */
+static PyObject *change_args(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *changes, *own, *types;
+    const char *prefix, *suffix, *eprefix;
+    Py_ssize_t np, ns, nep;
+    if (!PyArg_ParseTuple(args, "O!OO!s#s#s#", &PyList_Type, &changes, &own, &PyTuple_Type, &types, &prefix, &np,
+                          &suffix, &ns, &eprefix, &nep))
+        return NULL;
+    if (PyTuple_GET_SIZE(types) != 3) {
+        PyErr_SetString(PyExc_TypeError, "types must be (KeyChange, EngineAdd, EngineDrop)");
+        return NULL;
+    }
+    PyTypeObject *kc = (PyTypeObject *)PyTuple_GET_ITEM(types, 0), *ea = (PyTypeObject *)PyTuple_GET_ITEM(types, 1),
+                 *ed = (PyTypeObject *)PyTuple_GET_ITEM(types, 2);
+    PyObject *out = PyList_New(0), *empty = PyUnicode_FromString(""), *names[6] = {NULL};
+    const char *letters = "SRFzZx";
+    int ok = out != NULL && empty != NULL;
+    for (int j = 0; j < 6 && ok; j++) ok = (names[j] = PyUnicode_FromStringAndSize(letters + j, 1)) != NULL;
+    PyObject *result = NULL;
+    if (!ok) goto done;
+    PyObject *x_big = NULL;  /* "X" */
+    if ((x_big = PyUnicode_FromString("X")) == NULL) goto done;
+    PyObject *reg_field = NULL, *reg_bit = NULL;
+    Py_ssize_t run_at = -1, run_len = 0, count = PyList_GET_SIZE(changes), i = 0;
+    char run_name = 0;
+    int unusual = 0, failed = 0;
+    while (i < count && !unusual && !failed) {
+        PyObject *c = PyList_GET_ITEM(changes, i);
+        PyObject *nxt = i + 1 < count ? PyList_GET_ITEM(changes, i + 1) : NULL;
+        PyTypeObject *t = Py_TYPE(c);
+        PyObject *key = NULL, *ek_name = NULL;  /* the KeyChange of a run's block, its engine key's name */
+        if (t == ea && PyTuple_Check(PyTuple_GET_ITEM(c, 1)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 1)) == 1
+            && nxt != NULL && Py_TYPE(nxt) == kc) {
+            PyObject *rks = PyTuple_GET_ITEM(c, 1);
+            long e;
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(nxt, 0), PyTuple_GET_ITEM(rks, 0), Py_EQ);
+            int ru = same > 0 ? key_runs(nxt, &e) : 0;
+            if (same < 0) { failed = 1; break; }
+            if (ru < 0) { unusual = 1; break; }
+            if (same && ru && e > 0) {
+                key = nxt;
+                if ((ek_name = key_name(PyTuple_GET_ITEM(c, 0), eprefix, nep, "", 0)) == NULL) {
+                    failed = PyErr_Occurred() != NULL; unusual = !failed; break;
+                }
+                i += 2;
+            }
+        }
+        if (key == NULL && t == kc) {
+            long e;
+            int ru = key_runs(c, &e);
+            if (ru <= 0) { unusual = 1; break; }  /* the general form (or not ints): Python's */
+            key = c;
+            i += 1;
+            if (e < 0 && nxt != NULL && Py_TYPE(nxt) == ed && PyTuple_Check(PyTuple_GET_ITEM(nxt, 1))
+                && PyTuple_GET_SIZE(PyTuple_GET_ITEM(nxt, 1)) == 1) {
+                int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(PyTuple_GET_ITEM(nxt, 1), 0),
+                                                    PyTuple_GET_ITEM(c, 0), Py_EQ);
+                if (same < 0) { failed = 1; break; }
+                if (same) {
+                    if ((ek_name = key_name(PyTuple_GET_ITEM(nxt, 0), eprefix, nep, "", 0)) == NULL) {
+                        failed = PyErr_Occurred() != NULL; unusual = !failed; break;
+                    }
+                    i += 1;
+                }
+            }
+        }
+        if (key == NULL) {  /* an engine key's add or drop on its own: z/Z, x/X */
+            if (t != ea && t != ed) { unusual = 1; break; }
+            PyObject *rks = PyTuple_GET_ITEM(c, 1);
+            if (!PyTuple_Check(rks)) { unusual = 1; break; }
+            Py_ssize_t m = PyTuple_GET_SIZE(rks);
+            PyObject *name = key_name(PyTuple_GET_ITEM(c, 0), eprefix, nep, "", 0);
+            if (name == NULL) { failed = PyErr_Occurred() != NULL; unusual = !failed; break; }
+            int r = PyList_Append(out, m == 1 ? names[t == ea ? 3 : 5] : (t == ea ? names[4] : x_big));
+            if (r == 0) r = PyList_Append(out, name);
+            if (r == 0 && m != 1) r = append_new(out, PyLong_FromSsize_t(m));
+            for (Py_ssize_t j = 0; j < m && r == 0; j++) r = PyList_Append(out, PyTuple_GET_ITEM(rks, j));
+            Py_DECREF(name);
+            failed = r < 0;
+            i += 1;
+            continue;
+        }
+        /* a block of an S or R run */
+        PyObject *rk = PyTuple_GET_ITEM(key, 0), *fld = PyTuple_GET_ITEM(key, 1), *bit = PyTuple_GET_ITEM(key, 3);
+        long e;
+        key_runs(key, &e);
+        char name = e > 0 ? 'S' : 'R';
+        PyObject *pk = key_name(rk, prefix, np, suffix, ns);
+        if (pk == NULL) {
+            Py_XDECREF(ek_name);
+            failed = PyErr_Occurred() != NULL; unusual = !failed; break;
+        }
+        if (ek_name == NULL) ek_name = Py_NewRef(empty);
+        int same = reg_field != NULL;
+        if (same) same = PyObject_RichCompareBool(reg_field, fld, Py_EQ);
+        if (same > 0) same = PyObject_RichCompareBool(reg_bit, bit, Py_EQ);
+        int r = same < 0 ? -1 : 0;
+        if (r == 0 && !same) {
+            reg_field = fld;
+            reg_bit = bit;
+            if (PyList_Append(out, names[2]) < 0 || PyList_Append(out, fld) < 0 || PyList_Append(out, bit) < 0
+                || PyList_Append(out, own) < 0)
+                r = -1;
+        } else if (r == 0 && run_at >= 0 && run_name == name && run_at + 1 + 3 * run_len == PyList_GET_SIZE(out)) {
+            run_len += 1;  /* the block joins the run just before it */
+            PyObject *n = PyLong_FromSsize_t(run_len);
+            if (n == NULL || PyList_SetItem(out, run_at, n) < 0 || PyList_Append(out, rk) < 0
+                || PyList_Append(out, pk) < 0 || PyList_Append(out, ek_name) < 0)
+                r = -1;
+            Py_DECREF(pk);
+            Py_DECREF(ek_name);
+            failed = r < 0;
+            continue;
+        }
+        if (r == 0) {
+            run_at = PyList_GET_SIZE(out) + 1;
+            run_len = 1;
+            run_name = name;
+            if (PyList_Append(out, names[name == 'S' ? 0 : 1]) < 0 || append_new(out, PyLong_FromLong(1)) < 0
+                || PyList_Append(out, rk) < 0 || PyList_Append(out, pk) < 0 || PyList_Append(out, ek_name) < 0)
+                r = -1;
+        }
+        Py_DECREF(pk);
+        Py_DECREF(ek_name);
+        failed = r < 0;
+    }
+    if (!failed) result = unusual ? Py_NewRef(Py_None) : Py_NewRef(out);
+    Py_DECREF(x_big);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(empty);
+    for (int j = 0; j < 6; j++) Py_XDECREF(names[j]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"plan_blocks", plan_blocks, METH_VARARGS,
      "PodState.plan's loop over stores and removals: plan_blocks(state, out, mutations, start, reannouncements, "
      "types) -> the index of the first mutation left to Python."},
+    {"change_args", change_args, METH_VARARGS,
+     "changes.py change_args for S/R runs and engine keys' adds and drops: the arguments, or None for Python."},
     {"shard_args", shard_args, METH_VARARGS,
      "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},

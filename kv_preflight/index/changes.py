@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kv_preflight.index.layout import engine_key_name, presence_key
+from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
 
@@ -33,6 +33,16 @@ def _one_to_one(c: KeyChange) -> bool:
 
 
 def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
+    """See ``change_args_py`` (the reference): the same, in C for a batch's usual changes (S and R runs, engine
+    keys' adds and drops)."""
+    if _change_args_c is not None and type(changes) is list:
+        done = _change_args_c(changes, mine(num or 0), _CHANGE_TYPES, *_PRESENCE_NAME, ENGINE_PREFIX)
+        if done is not None:
+            return done
+    return change_args_py(changes, num)
+
+
+def change_args_py(changes: Sequence[Any], num: int | None) -> list[Any]:
     """changes.lua's arguments for a plan's changes, in order: blocks of one request key in runs of S or R ops
     (each block with its engine key's ZADD or ZREM when the plan has it beside), under the F op's field and
     bit."""
@@ -135,10 +145,12 @@ def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], d
     return out, owners, folded
 
 
-try:
+try:  # the usual changes' arguments in C (kv_preflight/index/_plan.c); the Python functions are the reference
+    from kv_preflight.index._plan import change_args as _change_args_c
     from kv_preflight.index._plan import shard_args as _shard_args_c
 except ImportError:  # pragma: no cover - no compiler at install time
-    _shard_args_c = None
+    _change_args_c = _shard_args_c = None
+_CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)
 _PRESENCE_NAME = tuple(presence_key("\0").split("\0"))  # the presence key's name around its request key
 
 
@@ -176,4 +188,4 @@ def lua_op_count(args: Sequence[Any]) -> int:
     return n
 
 
-__all__ = ["change_args", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args", "shard_args_py"]
+__all__ = ["change_args", "change_args_py", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args", "shard_args_py"]

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.index import changes
-from kv_preflight.index.changes import (change_args, folds_probe, key_ops, lua_op_count, mine, shard_args,
-                                        shard_args_py)
+from kv_preflight.index.changes import (change_args, change_args_py, folds_probe, key_ops, lua_op_count, mine,
+                                        shard_args, shard_args_py)
 from kv_preflight.index.layout import presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
@@ -115,3 +115,40 @@ def test_a_shards_args_in_c_are_the_python_references(ops, general):
     assert shard_args(ops) == shard_args_py(ops)
     if got is not None:
         assert got == shard_args_py(ops)
+
+
+_KC = st.builds(lambda rk, fld, e, bit: KeyChange(rk, fld, e, bit, e if bit else 0), _RK, st.sampled_from(["f", "g"]),
+                st.sampled_from([1, -1]), st.sampled_from(["0", "1|1", ""]))
+_EK = st.sampled_from([5, 2**64 - 1])
+_RKS = st.one_of(_RK.map(lambda rk: (rk,)), st.lists(_RK, min_size=2, max_size=3).map(tuple))
+_ENGINE = st.one_of(st.builds(EngineAdd, _EK, _RKS), st.builds(EngineDrop, _EK, _RKS))
+
+
+@pytest.mark.skipif(changes._change_args_c is None, reason="the C routines are not built")
+@settings(max_examples=400, deadline=None)
+@given(pairs=st.lists(st.tuples(_KC, st.sampled_from(["add", "drop", "none"])), max_size=20),
+       alone=st.lists(st.tuples(st.integers(0, 40), _ENGINE), max_size=4),
+       general=st.lists(st.tuples(st.integers(0, 40), _RK), max_size=2), num=st.sampled_from([None, 0, 5, 70]))
+def test_a_batchs_args_in_c_are_the_python_references(pairs, alone, general, num):
+    """kv_preflight/index/_plan.c builds a batch's arguments for S/R runs (with the engine key's add before a
+    store, or its drop after a removal, riding on the block) and engine keys' adds and drops, and leaves the
+    general form to Python: both give the same arguments; without the general form the C routine answered."""
+    out: list = []
+    for c, engine in pairs:  # as plans emit them: an add before its key's store, a drop after its removal
+        if engine == "add":
+            out += [EngineAdd(7, (c.rk,)), c]
+        elif engine == "drop":
+            out += [c, EngineDrop(7, (c.rk,))]
+        else:
+            out.append(c)
+    for at, e in alone:
+        out.insert(min(at, len(out)), e)
+    for at, rk in general:  # an entry without its bit
+        out.insert(min(at, len(out)), KeyChange(rk, "f", 1, "0", 0))
+    got = changes._change_args_c(out, mine(num or 0), changes._CHANGE_TYPES, *changes._PRESENCE_NAME,
+                                 changes.ENGINE_PREFIX)
+    if not general:
+        assert got is not None
+    assert change_args(out, num) == change_args_py(out, num)
+    if got is not None:
+        assert got == change_args_py(out, num)
