@@ -612,6 +612,11 @@ try:
     from kv_preflight._speedups import pack_u64s as _pack_u64s
 except ImportError:  # pragma: no cover - no compiler at install time
     _pack_u64s = None
+try:  # encode_delta's columns in one C pass; ``_encode_delta`` below is its reference and stands in when not built
+    from kv_preflight._speedups import delta_columns as _delta_columns
+except ImportError:  # pragma: no cover - no compiler at install time
+    _delta_columns = None
+_DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
 
 _enc = msgspec.msgpack.Encoder()
 _snap_dec = msgspec.msgpack.Decoder(_Snapshot)
@@ -695,6 +700,21 @@ def _per_block(column: list[int], n: int) -> list[int]:
 
 def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
                  engine_block_size: int | None) -> bytes:
+    """One applied batch as a ``_Delta``. Once per batch on the ingester's hot path: the per-mutation columns
+    come from one C pass (``_speedups.delta_columns``, the same bytes) where it is built and the batch is
+    ordinary; anything else (no C, a subclass, a key outside uint64, a group outside a byte, more than 16
+    tiers, ...) goes through ``_encode_delta``, the reference, which raises what it raises."""
+    if _delta_columns is not None:
+        cols = _delta_columns(mutations, *_DELTA_TYPES)
+        if cols is not None:
+            return _enc.encode(_Delta(gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size,
+                                      *cols))
+    return _encode_delta(gen, mutations, groups, engine_block_size)
+
+
+def _encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
+                  engine_block_size: int | None) -> bytes:
+    """``encode_delta`` a mutation at a time (the reference for ``_speedups.delta_columns``, and the fallback)."""
     fids: dict[str, int] = {}
     tids: dict[str, int] = {}
     kinds = bytearray()

@@ -247,6 +247,89 @@ def test_a_delta_gives_back_exactly_the_mutations_it_was_made_of(muts, chain):
     assert got == muts
 
 
+def _chain_stores(muts: list) -> list:
+    """The batch with its stores chained (each store's parent the last request key of the store before it, when
+    it had one), as an engine's batches mostly are: the delta's elided parents."""
+    out, last = [], None
+    for m in muts:
+        if type(m) is StoreBlock:
+            m = msgspec.structs.replace(m, parent=last if last is not None else m.parent)
+            last = m.request_keys[-1] if m.request_keys else None
+        out.append(m)
+    return out
+
+
+class _OddStore(StoreBlock):
+    """A subclass: the C pass leaves a batch holding one to the Python loop."""
+
+
+# values the C pass leaves to the Python loop (which takes them or raises as it always did), and a few it takes
+# itself (a list of request keys, a parent the state log cannot hold: msgspec refuses it either way)
+_ODD = {"engine_key": [-1, 2**64, True, 1.0], "group": [-1, 256, True], "tier": [f"t{i}" for i in range(20)],
+        "request_keys": [[1, 2], (1, -1), (2**64,), (True,)], "parent": [True, 1.0, 2**70, -5], "parentless": [0, 1]}
+
+
+@st.composite
+def _odd_mutation(draw):
+    m = draw(_MUTATION)
+    if isinstance(m, (StoreBlock, RemoveBlock)):
+        name = draw(st.sampled_from([f for f in _ODD if f in m.__struct_fields__]))
+        m = msgspec.structs.replace(m, **{name: draw(st.sampled_from(_ODD[name]))})
+        if isinstance(m, StoreBlock) and draw(st.booleans()):
+            m = _OddStore(*msgspec.structs.astuple(m))
+    return m
+
+
+def _delta_or_error(muts: list, c_columns) -> bytes | tuple[type, str]:
+    """encode_delta's bytes, or its error, with the C columns (``c_columns``) or the Python loop (None)."""
+    saved = pod_state._delta_columns
+    pod_state._delta_columns = c_columns
+    try:
+        return encode_delta(7, muts, {0: GroupSpec(FULL, 32)}, 32)
+    except Exception as exc:  # noqa: BLE001 - the error itself is what is compared
+        return type(exc), str(exc)
+    finally:
+        pod_state._delta_columns = saved
+
+
+@pytest.mark.skipif(pod_state._delta_columns is None, reason="the C delta columns are not built")
+@settings(max_examples=400, deadline=None)
+@given(muts=st.lists(_MUTATION, max_size=24), odd=st.lists(st.tuples(st.integers(0, 24), _odd_mutation()), max_size=3),
+       chain=st.booleans(), as_tuple=st.booleans())
+def test_the_c_delta_columns_give_the_python_loops_bytes_and_errors(muts, odd, chain, as_tuple):
+    """``_speedups.delta_columns`` builds encode_delta's columns in one pass; the Python loop is its reference:
+    random batches (chained or not, with mutations the C pass leaves to the loop mixed in) encode to the same
+    bytes or fail with the same error either way, and an ordinary batch does go through C."""
+    for at, m in odd:
+        muts.insert(at, m)
+    if chain:
+        muts = _chain_stores(muts)
+    batch = tuple(muts) if as_tuple else muts
+    c = pod_state._delta_columns
+    assert _delta_or_error(batch, c) == _delta_or_error(batch, None)
+    if not odd:
+        assert c(batch, *pod_state._DELTA_TYPES) is not None
+
+
+@pytest.mark.skipif(pod_state._delta_columns is None, reason="the C delta columns are not built")
+def test_the_c_delta_columns_leave_anything_unusual_to_the_python_loop():
+    c, types = pod_state._delta_columns, pod_state._DELTA_TYPES
+    store = StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)
+    assert c([store, RemoveBlock(2, "gpu", 255), ClearPod(), MarkIncomplete("x")], *types) is not None
+    assert c([RemoveBlock(1, f"t{i}", 0) for i in range(16)], *types) is not None
+    unusual = [[RemoveBlock(1, f"t{i}", 0) for i in range(17)], [_OddStore(*msgspec.structs.astuple(store))],
+               (store for _ in range(1)), [object()]]
+    taken = {("request_keys", (1, 2)), ("parent", 2**70), ("parent", -5)}  # (a list, as list)
+    unusual += [[msgspec.structs.replace(store, **{name: v})] for name, vs in _ODD.items() for v in vs
+                if name != "tier" and (name, tuple(v) if isinstance(v, list) else v) not in taken]
+    unusual += [[RemoveBlock(*args)] for args in [(-1, "gpu", 0), (1, b"gpu", 0), (1, "gpu", 256), (1, "gpu", 1.0)]]
+    unusual += [[msgspec.structs.replace(store, entry_field=b"F")], [msgspec.structs.replace(store, request_keys=b"")]]
+    for muts in unusual:
+        assert c(muts, *types) is None, muts
+    for name, v in taken:
+        assert c([msgspec.structs.replace(store, **{name: list(v) if isinstance(v, tuple) else v})], *types) is not None
+
+
 def test_a_snapshots_bytes_stay_those_earlier_builds_wrote_and_read():
     """Snapshots persist in Valkey (``kvpf:{<pod>}:state``) and are read by every build of the fleet: the
     bytes for a state with two groups, two fields and tiers, a copy, a block with no keys and parents of
