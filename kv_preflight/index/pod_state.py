@@ -218,6 +218,8 @@ class PodState:
     def set_groups(self, groups: Mapping[int, GroupSpec], out: "Plan | None" = None) -> None:
         """Learn group specs. If that moves the prefix group, the pod's bits move to the fields the new one
         names (changes in ``out``) and the orphan count is rebuilt over it."""
+        if all(self._groups.get(g) == spec for g, spec in groups.items()):
+            return  # the specs a pod's every batch repeats: nothing learnt (and the bit names' cache kept)
         before = self.prefix_group
         if before == self._prefix_of({**self.groups, **groups}):
             self.groups = {**self.groups, **groups}
