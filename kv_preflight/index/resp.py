@@ -388,11 +388,12 @@ class FastConnection:
         the caller's word for it, else each command is judged by ``can_run_twice``)."""
         if not commands:
             return []
-        raws = [pack(*c) for c in commands]
+        # one C call a command, from C (map): a cluster's engine-key round sends one command per engine block
+        raws = list(map(_pack_c, commands)) if _pack_c is not None else [_pack_py(c) for c in commands]
         if resend is None:
             resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
         out = await self._run_replies(raws, await self._write_run(raws), resend=resend)
-        if any(type(r) is hiredis.ReplyError for r in out):
+        if hiredis.ReplyError in set(map(type, out)):  # (C loops, not a generator's: a reply per engine block)
             return [ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r for r in out]
         return out
 

@@ -217,6 +217,10 @@ class Shards:
             except (*VALKEY_ERRORS, TimeoutError):
                 again.extend(idx)
                 return
+            if not any(issubclass(t, ResponseError) for t in set(map(type, replies))):  # the usual: all in place
+                for _ in map(out.__setitem__, idx, replies):
+                    pass
+                return
             for i, r in zip(idx, replies):
                 if isinstance(r, ResponseError) and str(r).startswith(REDIRECTS):
                     again.append(i)

@@ -497,6 +497,8 @@ def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
 
 def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
     """Plain commands' replies: how many hit a key of a foreign type, the first error; others raise."""
+    if not any(issubclass(t, Exception) for t in set(map(type, replies))):
+        return 0, ""  # the usual replies (a type test per kind, not per engine block)
     n, first = 0, ""
     for r in replies:
         if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
