@@ -1,6 +1,6 @@
 """Builds the optional C routines (kv_preflight/_speedups.c: request-key chains, RESP packing, cluster slots,
-prefix walks and scoring); a failed compile leaves the pure-Python paths in charge. Everything else about
-the package is in pyproject.toml."""
+prefix walks and scoring, the state log's snapshot columns); a failed compile leaves the pure-Python paths in
+charge. Everything else about the package is in pyproject.toml."""
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
