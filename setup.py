@@ -1,6 +1,7 @@
 """Builds the optional C routines (kv_preflight/_speedups.c: request-key chains, RESP packing, cluster slots,
-prefix walks and scoring; kv_preflight/index/_plan.c: a pod state's plan loop); a failed compile leaves the pure-Python paths in charge. Everything else about
-the package is in pyproject.toml."""
+prefix walks and scoring, the state log's snapshot and delta columns; kv_preflight/index/_plan.c: a pod
+state's plan loop and its changes as script arguments); a failed compile leaves the pure-Python paths in charge.
+Everything else about the package is in pyproject.toml."""
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 

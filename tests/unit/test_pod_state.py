@@ -16,8 +16,8 @@ import msgspec
 from kv_preflight.index.entries import (CHAIN_ROOT, ClearPod, MarkIncomplete, RemoveBlock, StoreBlock, encode_entry,
                                         make_entry)
 from kv_preflight.index import pod_state
-from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, _Delta, _mutations, encode_delta,
-                                          encode_snapshot, restore)
+from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, _Block, _Delta, _mutations,
+                                          encode_delta, encode_snapshot, restore)
 
 FIELD = {(t, g): encode_entry(make_entry("pod", t.upper(), g)) for t in ("gpu", "cpu") for g in (0, 1)}
 
@@ -330,7 +330,19 @@ def test_the_c_delta_columns_leave_anything_unusual_to_the_python_loop():
         assert c([msgspec.structs.replace(store, **{name: list(v) if isinstance(v, tuple) else v})], *types) is not None
 
 
-def test_a_snapshots_bytes_stay_those_earlier_builds_wrote_and_read():
+@pytest.fixture(params=["C", "Python"])
+def snapshot_path(request, monkeypatch):
+    """encode_snapshot with its per-block columns built in C (``_speedups.snapshot_columns``), then by the
+    Python path (the fallback and reference), with no C at all."""
+    if request.param == "Python":
+        monkeypatch.setattr(pod_state, "_snapshot_columns", None)
+        monkeypatch.setattr(pod_state, "_pack_u64s", None)
+    elif pod_state._snapshot_columns is None:
+        pytest.skip("C extension not built")
+    return request.param
+
+
+def test_a_snapshots_bytes_stay_those_earlier_builds_wrote_and_read(snapshot_path):
     """Snapshots persist in Valkey (``kvpf:{<pod>}:state``) and are read by every build of the fleet: the
     bytes for a state with two groups, two fields and tiers, a copy, a block with no keys and parents of
     every kind are frozen (written by the per-block encoder that the column-at-a-time one replaced)."""
@@ -352,7 +364,7 @@ def test_a_snapshots_bytes_stay_those_earlier_builds_wrote_and_read():
 
 
 @pytest.mark.parametrize("bad", [-1, 2**64, 1.0])
-def test_a_key_outside_uint64_is_a_struct_error_in_both_encoders(bad):
+def test_a_key_outside_uint64_is_a_struct_error_in_both_encoders(bad, snapshot_path):
     """What the state log cannot hold (an imported row's key, say) fails as struct.error, as it did before the
     C packer, in the delta and the snapshot alike."""
     import struct
@@ -366,7 +378,7 @@ def test_a_key_outside_uint64_is_a_struct_error_in_both_encoders(bad):
         encode_snapshot(state, 1)
 
 
-def test_a_group_outside_a_byte_is_refused_by_both_encoders():
+def test_a_group_outside_a_byte_is_refused_by_both_encoders(snapshot_path):
     """The format holds a group in 8 bits: a delta and a snapshot refuse group -1 or 256 (a snapshot wrote -1
     once, and it came back as group 255)."""
     for group in (-1, 256):
@@ -435,3 +447,58 @@ def test_the_c_plan_loop_moves_the_state_exactly_as_the_python_methods(seed, hyb
         assert (c.stored, c.removed, c.cleared, c.reannounced, c.flags, c.cleared_flags) == \
             (py.stored, py.removed, py.cleared, py.reannounced, py.flags, py.cleared_flags)
         assert _everything(states["c"]) == _everything(states["py"])
+
+
+def test_a_seventeenth_tier_is_refused_by_the_snapshot(snapshot_path):
+    """A block's code holds its tier in 4 bits: 16 tiers encode, a 17th is refused."""
+    state = PodState(engine_block_size=32)
+    state.plan([StoreBlock(i, f"t{i}", "F", (100 + i,), 0, False, CHAIN_ROOT) for i in range(16)])
+    again, _ = restore(encode_snapshot(state, 1), [])
+    assert model(again) == model(state)
+    state.plan([StoreBlock(16, "t16", "F", (116,), 0, False, CHAIN_ROOT)])
+    with pytest.raises(ValueError, match="more than 16 tiers"):
+        encode_snapshot(state, 1)
+
+
+@st.composite
+def pod_states(draw) -> PodState:
+    """A state of any shape a snapshot holds, its blocks set directly: entry fields, tiers and KV cache groups
+    shared by every block (the one-code shortcut) or mixed, the same key count everywhere or not (none, too),
+    parents that chain from the block before or are None, CHAIN_ROOT or another key, more than one copy, keys
+    at the ends of uint64, engine keys waiting to be dropped."""
+    state = PodState({0: GroupSpec(FULL, 32)} if draw(st.booleans()) else {},
+                     engine_block_size=draw(st.sampled_from([None, 32])), pod_id="pod")
+    shared = draw(st.booleans())
+    per = draw(st.one_of(st.none(), st.integers(0, 2)))
+    last = None
+    for _ in range(draw(st.integers(0, 30))):
+        # each field a new str object, as decoded ones are: equal fields need not be the same object
+        field = "".join(["F", draw(st.sampled_from("ABC"))])
+        tier = draw(st.sampled_from(["gpu", "cpu", "disk"]))
+        group = draw(st.sampled_from([0, 1, 255]))
+        if shared:
+            field, tier, group = "FA", "gpu", 0
+        n_rks = per if per is not None else draw(st.integers(0, 3))
+        rks = tuple(draw(st.lists(_U64, min_size=n_rks, max_size=n_rks)))
+        parent = draw(st.sampled_from([last, last, None, CHAIN_ROOT]) | _U64)
+        copies = draw(st.one_of(st.just(1), st.integers(0, 2**64 - 1)))
+        state.blocks[(draw(_U64), tier, group)] = _Block(field, rks, parent, copies)
+        last = rks[-1] if rks else None
+    state.deferred = draw(st.dictionaries(_U64, st.lists(_U64, max_size=3).map(tuple), max_size=3))
+    return state
+
+
+@pytest.mark.skipif(pod_state._snapshot_columns is None, reason="C extension not built")
+@settings(max_examples=200, deadline=None)
+@given(state=pod_states())
+def test_the_c_columns_write_the_python_paths_bytes(state):
+    """The C columns (built in one pass over the blocks) are the Python path's, and so is every byte of the
+    snapshot: the Python path is the reference (here with no C at all: struct packs its keys), and snapshots
+    persist (an ingester of either build restores any pod's)."""
+    columns = pod_state._snapshot_columns(state.blocks)  # C takes every such state: no fallback
+    snap = encode_snapshot(state, 9)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pod_state, "_snapshot_columns", None)
+        mp.setattr(pod_state, "_pack_u64s", None)
+        assert columns == pod_state._columns(state)
+        assert encode_snapshot(state, 9) == snap
