@@ -878,12 +878,211 @@ done:
     return result;
 }
 
+/* ---- a Valkey Cluster run's ops (kv_preflight/index/cluster/writes.py): its outbox ops and its rounds */
+
+static PyObject *list_from(PyObject *seq) {
+    return PyList_Check(seq) ? PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq)) : PySequence_List(seq);
+}
+
+/* change_ops(changes, byte, mask, types) -> list: writes.py change_ops_py (the reference) for the three
+ * change types (``types``: KeyChange, EngineAdd, EngineDrop; any other is left out, as there). */
+static PyObject *change_ops(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *changes, *byte, *mask, *types;
+    if (!PyArg_ParseTuple(args, "O!OOO!", &PyList_Type, &changes, &byte, &mask, &PyTuple_Type, &types)) return NULL;
+    if (PyTuple_GET_SIZE(types) != 3) {
+        PyErr_SetString(PyExc_TypeError, "types must be (KeyChange, EngineAdd, EngineDrop)");
+        return NULL;
+    }
+    PyObject *kc = PyTuple_GET_ITEM(types, 0), *ea = PyTuple_GET_ITEM(types, 1), *ed = PyTuple_GET_ITEM(types, 2);
+    PyObject *k_name = PyUnicode_FromString("K"), *z_name = PyUnicode_FromString("Z"), *x_name = PyUnicode_FromString("X");
+    PyObject *out = PyList_New(0);
+    int failed = !k_name || !z_name || !x_name || !out;
+    Py_ssize_t n = failed ? 0 : PyList_GET_SIZE(changes);
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        PyObject *c = PyList_GET_ITEM(changes, i), *t = (PyObject *)Py_TYPE(c), *op = NULL;
+        if (t == kc) {
+            if ((op = PyList_New(8)) != NULL) {
+                PyList_SET_ITEM(op, 0, Py_NewRef(k_name));
+                for (int j = 0; j < 5; j++) PyList_SET_ITEM(op, 1 + j, Py_NewRef(PyTuple_GET_ITEM(c, j)));
+                PyList_SET_ITEM(op, 6, Py_NewRef(byte));
+                PyList_SET_ITEM(op, 7, Py_NewRef(mask));
+            }
+        } else if (t == ea || t == ed) {
+            PyObject *rks = list_from(PyTuple_GET_ITEM(c, 1));
+            if (rks != NULL && (op = PyList_New(3)) != NULL) {
+                PyList_SET_ITEM(op, 0, Py_NewRef(t == ea ? z_name : x_name));
+                PyList_SET_ITEM(op, 1, Py_NewRef(PyTuple_GET_ITEM(c, 0)));
+                PyList_SET_ITEM(op, 2, rks);
+                rks = NULL;
+            }
+            Py_XDECREF(rks);
+        } else {
+            continue;
+        }
+        failed = append_new(out, op) < 0;
+    }
+    Py_XDECREF(k_name); Py_XDECREF(z_name); Py_XDECREF(x_name);
+    if (failed) Py_CLEAR(out);
+    return out;
+}
+
+/* An op's kind letter, 0 for anything else */
+static char kind_of(PyObject *op, PyObject ***items, Py_ssize_t *len) {
+    *items = op_items(op, len);
+    if (*items == NULL || *len < 1 || !PyUnicode_Check((*items)[0]) || PyUnicode_GET_LENGTH((*items)[0]) != 1)
+        return 0;
+    Py_UCS4 c = PyUnicode_READ_CHAR((*items)[0], 0);
+    return c < 128 ? (char)c : 0;
+}
+
+/* set(rks) in its iteration order (what Python's ``for rk in set(rks)`` meets) */
+static PyObject *distinct(PyObject *rks) {
+    PyObject *set = PySet_New(rks);
+    if (set == NULL) return NULL;
+    PyObject *out = PySequence_List(set);
+    Py_DECREF(set);
+    return out;
+}
+
+/* run_keys(ops) -> (key_ops, request_keys) | None: writes.py ClusterWrites.run's first pass (see there): the K
+ * changes as they are and a probe ("Q", rk, j) per distinct request key of each engine key's drop, in order, and
+ * the K changes' request keys. None for an op of another shape (Python then takes the run). */
+static PyObject *run_keys(PyObject *self, PyObject *ops) {
+    (void)self;
+    if (!PyList_Check(ops)) Py_RETURN_NONE;
+    PyObject *key_ops = PyList_New(0), *rks_out = PyList_New(0), *q_name = PyUnicode_FromString("Q");
+    PyObject *result = NULL;
+    if (!key_ops || !rks_out || !q_name) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *op = PyList_GET_ITEM(ops, j), **k;
+        Py_ssize_t len;
+        char kind = kind_of(op, &k, &len);
+        if (kind == 'K' && len >= 2) {
+            if (PyList_Append(key_ops, op) < 0 || PyList_Append(rks_out, k[1]) < 0) goto done;
+        } else if (kind == 'X' && len >= 3) {
+            PyObject *rks = k[2], *at = PyLong_FromSsize_t(j);
+            if (at == NULL) goto done;
+            PyObject *each = PyObject_Length(rks) == 1 ? PySequence_List(rks) : distinct(rks);
+            if (each == NULL) {
+                Py_DECREF(at);
+                PyErr_Clear();
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+            int r = 0;
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(each) && r == 0; i++)
+                r = append_new(key_ops, PyTuple_Pack(3, q_name, PyList_GET_ITEM(each, i), at));
+            Py_DECREF(each);
+            Py_DECREF(at);
+            if (r < 0) goto done;
+        } else if (kind != 'Z') {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    result = PyTuple_Pack(2, key_ops, rks_out);
+done:
+    Py_XDECREF(key_ops); Py_XDECREF(rks_out); Py_XDECREF(q_name);
+    return result;
+}
+
+/* engine_round(ops, empty_at, prefix) -> (commands, engine_keys, drops) | None: writes.py ClusterWrites.run's
+ * round B (see there), in the run's order: an engine key's ZADD per add (its request keys at their positions),
+ * its ZREM per drop whose every distinct request key ``empty_at`` counts empty, the engine keys commanded and
+ * the drops as (j, op). None for an op of another shape or an engine key outside uint64 (Python then does it). */
+static PyObject *engine_round(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ops, *empty_at;
+    const char *prefix;
+    Py_ssize_t np;
+    if (!PyArg_ParseTuple(args, "O!O!s#", &PyList_Type, &ops, &PyDict_Type, &empty_at, &prefix, &np)) return NULL;
+    PyObject *cmds = PyList_New(0), *eks = PyList_New(0), *drops = PyList_New(0);
+    PyObject *zadd = PyUnicode_FromString("ZADD"), *zrem = PyUnicode_FromString("ZREM");
+    PyObject *result = NULL;
+    if (!cmds || !eks || !drops || !zadd || !zrem) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *op = PyList_GET_ITEM(ops, j), **k;
+        Py_ssize_t len;
+        char kind = kind_of(op, &k, &len);
+        if (kind == 'K') continue;
+        if ((kind != 'Z' && kind != 'X') || len != 3 || !PyList_Check(k[2]) || PyList_GET_SIZE(k[2]) < 1) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyObject *rks = k[2];
+        Py_ssize_t m = PyList_GET_SIZE(rks);
+        PyObject *cmd = NULL;
+        if (kind == 'X') {
+            Py_ssize_t want = 1;
+            if (m != 1) {
+                PyObject *set = PySet_New(rks);
+                if (set == NULL) goto done;
+                want = PySet_GET_SIZE(set);
+                Py_DECREF(set);
+            }
+            PyObject *at = PyLong_FromSsize_t(j);
+            if (at == NULL) goto done;
+            long long empty;
+            int r = dget(empty_at, at, &empty);
+            if (r == 0 && empty == want) {
+                r = append_new(drops, PyTuple_Pack(2, at, op));
+                Py_DECREF(at);
+                if (r < 0) goto done;
+            } else {
+                Py_DECREF(at);
+                if (r < 0) goto done;
+                continue;
+            }
+        }
+        PyObject *name = key_name(k[1], prefix, np, "", 0);
+        if (name == NULL) {
+            if (PyErr_Occurred()) goto done;
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        if (kind == 'Z') {  /* ("ZADD", name, 0, rk0, 1, rk1, ...) */
+            if ((cmd = PyTuple_New(2 + 2 * m)) != NULL) {
+                PyTuple_SET_ITEM(cmd, 0, Py_NewRef(zadd));
+                PyTuple_SET_ITEM(cmd, 1, name);
+                for (Py_ssize_t i = 0; i < m && cmd != NULL; i++) {
+                    PyObject *pos = PyLong_FromSsize_t(i);
+                    if (pos == NULL) { Py_CLEAR(cmd); break; }
+                    PyTuple_SET_ITEM(cmd, 2 + 2 * i, pos);
+                    PyTuple_SET_ITEM(cmd, 3 + 2 * i, Py_NewRef(PyList_GET_ITEM(rks, i)));
+                }
+            } else {
+                Py_DECREF(name);
+            }
+        } else {  /* ("ZREM", name, *rks) */
+            if ((cmd = PyTuple_New(2 + m)) != NULL) {
+                PyTuple_SET_ITEM(cmd, 0, Py_NewRef(zrem));
+                PyTuple_SET_ITEM(cmd, 1, name);
+                for (Py_ssize_t i = 0; i < m; i++) PyTuple_SET_ITEM(cmd, 2 + i, Py_NewRef(PyList_GET_ITEM(rks, i)));
+            } else {
+                Py_DECREF(name);
+            }
+        }
+        if (append_new(cmds, cmd) < 0 || PyList_Append(eks, k[1]) < 0) goto done;
+    }
+    result = PyTuple_Pack(3, cmds, eks, drops);
+done:
+    Py_XDECREF(cmds); Py_XDECREF(eks); Py_XDECREF(drops); Py_XDECREF(zadd); Py_XDECREF(zrem);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"plan_blocks", plan_blocks, METH_VARARGS,
      "PodState.plan's loop over stores and removals: plan_blocks(state, out, mutations, start, reannouncements, "
      "types) -> the index of the first mutation left to Python."},
     {"change_args", change_args, METH_VARARGS,
      "changes.py change_args for S/R runs and engine keys' adds and drops: the arguments, or None for Python."},
+    {"change_ops", change_ops, METH_VARARGS, "writes.py change_ops: a plan's changes as outbox ops."},
+    {"run_keys", run_keys, METH_O, "writes.py ClusterWrites.run's first pass: (key_ops, request_keys), or None."},
+    {"engine_round", engine_round, METH_VARARGS,
+     "writes.py ClusterWrites.run's round B: (commands, engine_keys, drops), or None."},
     {"shard_args", shard_args, METH_VARARGS,
      "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},

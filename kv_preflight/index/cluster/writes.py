@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from itertools import chain, repeat
 from typing import Any
 
 import msgspec
@@ -57,6 +58,11 @@ TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
+try:  # a run's per-op loops in C (kv_preflight/index/_plan.c); the Python functions here are their reference
+    from kv_preflight.index import _plan as _c
+except ImportError:  # pragma: no cover - no compiler at install time
+    _c = None
+_CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)
 
 
 def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
@@ -66,7 +72,16 @@ def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
 
 
 def change_ops(changes: Sequence[Any], num: int | None) -> list[Any]:
-    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back)."""
+    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back): ``change_ops_py``, in C
+    when built."""
+    if _c is not None and type(changes) is list:
+        n = num or 0
+        return _c.change_ops(changes, n // 8 + 1, 1 << (n % 8), _CHANGE_TYPES)
+    return change_ops_py(changes, num)
+
+
+def change_ops_py(changes: Sequence[Any], num: int | None) -> list[Any]:
+    """The reference of ``change_ops``."""
     flat: list[Any] = []
     n = num or 0
     byte, mask = n // 8 + 1, 1 << (n % 8)
@@ -272,38 +287,13 @@ class ClusterWrites:
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
-        key_ops: list[Sequence[Any]] = []
-        rk_changes: list[int] = []  # the K changes' request keys (the barrier's)
-        for j, op in enumerate(ops):
-            kind = op[0]
-            if kind == "K":
-                key_ops.append(op)
-                rk_changes.append(op[1])
-            elif kind == "X":
-                rks = op[2]
-                if len(rks) == 1:
-                    key_ops.append(("Q", rks[0], j))
-                else:
-                    key_ops += [("Q", rk, j) for rk in set(rks)]
+        split = _c.run_keys(ops) if _c is not None else None
+        key_ops, rk_changes = split if split is not None else _run_keys(ops)  # rk_changes: the barrier's
         foreign, first, empty_at = await self._round_a(key_ops)
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
-        round_b: list[tuple[Any, ...]] = []
-        round_b_eks: list[int] = []
-        drops: list[tuple[int, Sequence[Any]]] = []
-        prefix = ENGINE_PREFIX
-        for j, op in enumerate(ops):
-            kind = op[0]
-            if kind == "Z":
-                ek, rks = op[1], op[2]
-                round_b.append(("ZADD", prefix + str(ek), 0, rks[0]) if len(rks) == 1 else _engine_add(ek, rks))
-                round_b_eks.append(ek)
-            elif kind == "X":
-                rks = op[2]
-                if empty_at.get(j, 0) == (1 if len(rks) == 1 else len(set(rks))):
-                    drops.append((j, op))
-                    round_b.append(("ZREM", prefix + str(op[1]), *rks))
-                    round_b_eks.append(op[1])
+        b = _c.engine_round(ops, empty_at, ENGINE_PREFIX) if _c is not None and type(ops) is list else None
+        round_b, round_b_eks, drops = b if b is not None else _engine_round(ops, empty_at)
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -313,8 +303,9 @@ class ClusterWrites:
             # request keys back. An entry this run itself wrote after the drop explains itself (a later
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
-            rks = sorted({rk for _, op in drops for rk in op[2]})
-            lens = await self.shards.commands([("HLEN", str(rk)) for rk in rks], numbered=("", rks), resend=True)
+            rks = sorted(set(chain.from_iterable(op[2] for _, op in drops)))
+            lens = await self.shards.commands(list(zip(repeat("HLEN"), map(str, rks))), numbered=("", rks),
+                                              resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
             readd_eks = []
@@ -490,6 +481,48 @@ class ClusterWrites:
         await self.barrier.close()
 
 
+def _run_keys(ops: Sequence[Sequence[Any]]) -> tuple[list[Sequence[Any]], list[int]]:
+    """``run``'s first pass (the reference of ``_write_path.run_keys``): the K changes as they are and a probe
+    ("Q", rk, j) per distinct request key of each engine key's drop, in order; the K changes' request keys."""
+    key_ops: list[Sequence[Any]] = []
+    rk_changes: list[int] = []
+    for j, op in enumerate(ops):
+        kind = op[0]
+        if kind == "K":
+            key_ops.append(op)
+            rk_changes.append(op[1])
+        elif kind == "X":
+            rks = op[2]
+            if len(rks) == 1:
+                key_ops.append(("Q", rks[0], j))
+            else:
+                key_ops += [("Q", rk, j) for rk in set(rks)]
+    return key_ops, rk_changes
+
+
+def _engine_round(ops: Sequence[Sequence[Any]], empty_at: dict[int, int]) -> \
+        tuple[list[tuple[Any, ...]], list[int], list[tuple[int, Sequence[Any]]]]:
+    """``run``'s round B (the reference of ``_write_path.engine_round``): per add its ZADD, per drop whose
+    every distinct request key was empty where it stands its ZREM; the engine keys, the drops (j, op)."""
+    round_b: list[tuple[Any, ...]] = []
+    round_b_eks: list[int] = []
+    drops: list[tuple[int, Sequence[Any]]] = []
+    prefix = ENGINE_PREFIX
+    for j, op in enumerate(ops):
+        kind = op[0]
+        if kind == "Z":
+            ek, rks = op[1], op[2]
+            round_b.append(("ZADD", prefix + str(ek), 0, rks[0]) if len(rks) == 1 else _engine_add(ek, rks))
+            round_b_eks.append(ek)
+        elif kind == "X":
+            rks = op[2]
+            if empty_at.get(j, 0) == (1 if len(rks) == 1 else len(set(rks))):
+                drops.append((j, op))
+                round_b.append(("ZREM", prefix + str(op[1]), *rks))
+                round_b_eks.append(op[1])
+    return round_b, round_b_eks, drops
+
+
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
     """``engine:<ek>`` gains a block's request keys at their positions (llm-d's ZSET): the ZADD."""
     return ("ZADD", engine_key_name(ek), *(x for pos, rk in enumerate(rks) for x in (pos, rk)))
@@ -514,4 +547,4 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterWrites", "TAKEOVER_MS", "change_ops", "encode_changes"]
+__all__ = ["ClusterWrites", "TAKEOVER_MS", "change_ops", "change_ops_py", "encode_changes"]

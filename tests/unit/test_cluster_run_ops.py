@@ -1,0 +1,48 @@
+"""A Valkey Cluster run's per-op loops (kv_preflight/index/cluster/writes.py): the outbox ops of a plan's changes,
+the run's first pass (the request keys' changes and the drops' probes) and its engine-key round, built in C
+(kv_preflight/index/_plan.c) where it is built, each equal to its Python reference on random runs."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_preflight.index.cluster import writes
+from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+
+pytestmark = pytest.mark.skipif(writes._c is None, reason="the C routines are not built")
+
+_RK = st.sampled_from([0, 3, 7, 2**64 - 1, 10**18])
+_RKS = st.lists(_RK, min_size=1, max_size=3).map(tuple)
+_CHANGE = st.one_of(
+    st.builds(KeyChange, _RK, st.sampled_from(["f", "g"]), st.sampled_from([1, 0, -1]), st.sampled_from(["0", ""]),
+              st.sampled_from([1, 0, -1])),
+    st.builds(EngineAdd, _RK, _RKS),
+    st.builds(EngineDrop, _RK, _RKS),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.lists(_CHANGE, max_size=25), num=st.sampled_from([None, 0, 9, 300]),
+       empty=st.lists(st.integers(0, 3), max_size=25))
+def test_a_runs_loops_in_c_are_their_python_references(changes, num, empty):
+    ops = writes.change_ops(changes, num)
+    assert ops == writes.change_ops_py(changes, num)
+    assert msgspec.msgpack.encode(ops) == msgspec.msgpack.encode(writes.change_ops_py(changes, num))
+    got = writes._c.run_keys(ops)
+    assert got is not None and got == writes._run_keys(ops)
+    key_ops = got[0]
+    assert [type(op) for op in key_ops] == [type(op) for op in writes._run_keys(ops)[0]]
+    empty_at = {j: n for j, n in enumerate(empty) if n}  # how many of each drop's keys round A found empty
+    got = writes._c.engine_round(ops, empty_at, writes.ENGINE_PREFIX)
+    assert got is not None and got == writes._engine_round(ops, empty_at)
+
+
+def test_an_op_of_another_shape_is_left_to_python():
+    """A hand-made outbox entry (decoded and checked by ``decode_entry``, but of no shape the C loops take)
+    goes through the Python reference: the C routines answer None."""
+    ops = [["K", 1, "f", 1, "0", 1, 1, 1], ["X", 5, []], ["Z", 2**64, [1]]]
+    assert writes._c.engine_round(ops, {}, writes.ENGINE_PREFIX) is None
+    assert writes._c.engine_round([["Z", 2**64, [1]]], {}, writes.ENGINE_PREFIX) is None
+    assert writes._c.run_keys([("K", 1), ["?", 1]]) is None
