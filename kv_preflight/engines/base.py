@@ -44,7 +44,9 @@ class ExtraKeys:
     """How the ``extra_keys`` of an engine's BlockStored events read: per engine block, the multimodal
     identifiers that key it beside its tokens, and in a prompt's first block, the cache salt."""
 
-    multimodal_ids: Callable[[Any], "list[Any] | None"]  # one block's extra keys -> its multimodal ids, if any
+    # one block's extra keys -> its multimodal ids, if any; none for a block without extra keys (None or empty):
+    # the bridge does not ask when no block of an event has any
+    multimodal_ids: Callable[[Any], "list[Any] | None"]
     cache_salt: Callable[[Any, "str | None"], "str | None"]  # (first block's extra keys, LoRA name) -> the salt
 
 

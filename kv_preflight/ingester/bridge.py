@@ -15,6 +15,7 @@ by another ingester process cannot be keyed; that is counted as an orphan.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ class ChainState:
         self._points: OrderedDict[tuple[str, int], ChainPoint] = OrderedDict()
 
     def get(self, model: str, engine_key: int) -> ChainPoint | None:
-        point = self._points.get((model, engine_key))
+        key = (model, engine_key)
+        points = self._points
+        point = points.get(key)
         if point is not None:
-            self._points.move_to_end((model, engine_key))
+            points.move_to_end(key)
         return point
 
     def put(self, model: str, engine_key: int, point: ChainPoint) -> None:
@@ -63,6 +66,21 @@ class ChainState:
         points[key] = point  # a new key goes last already
         if len(points) > self.capacity:
             self._points.popitem(last=False)
+
+    def put_many(self, model: str, engine_keys: Sequence[int], points: Sequence[ChainPoint]) -> None:
+        """``put`` of each (engine key, point) in turn, in one call (an event's blocks: the write path's
+        commonest state change). The capacity is trimmed once, at the end: the map never holds more than
+        ``capacity`` between calls (set once, when made), so that leaves the same points in the same LRU order
+        as trimming after each put: the ``capacity`` most recently put or got, oldest first."""
+        store = self._points
+        move_to_end = store.move_to_end
+        for engine_key, point in zip(engine_keys, points):
+            key = (model, engine_key)
+            if key in store:
+                move_to_end(key)
+            store[key] = point
+        while len(store) > self.capacity:
+            store.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._points)
@@ -105,8 +123,6 @@ def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState,
             if p is not None and p not in seen and state.get(model, p) is None:
                 missing.append((model, p))
             seen.update(ev.block_hashes)
-        elif isinstance(ev, AllBlocksCleared):
-            pass
     return list(dict.fromkeys(missing))
 
 
@@ -143,40 +159,67 @@ def plan_batch(
     ``extra_keys``: how the engine's extra keys read (its adapter's, kv_preflight/engines/). ``known``: the
     request keys of a block the pod holds (its state in the index writer), for partial events."""
     plan = Plan()
-    # A partial event's blocks are found among the batch's full events' (its group and the full-attention
-    # group cache the same request's blocks in the same step; vLLM 0.32 sends the partial group first), so
-    # those are planned first when there is one, and their mutations kept for their place in the batch.
-    early: dict[int, Plan] = {}
-    if any(isinstance(ev, BlockStored) and partial(ev) for ev in batch.events):
-        for i, ev in enumerate(batch.events):
-            if isinstance(ev, BlockStored) and not partial(ev):
-                early[i] = Plan()
-                _plan_stored(ev, early[i], pod_id, model_for(ev, topic_model, lora_names), state, hash_seed,
-                             block_size, entry_field, hash_algo, extra_keys)
-    for i, ev in enumerate(batch.events):
-        if isinstance(ev, BlockStored):
+    mutations = plan.mutations
+    events = batch.events
+
+    def store(ev: BlockStored, into: Plan) -> None:
+        _plan_stored(ev, into, pod_id, model_for(ev, topic_model, lora_names), state, hash_seed, block_size,
+                     entry_field, hash_algo, extra_keys)
+
+    ahead: dict[int, Plan] | None = None  # the full events after the first partial one, planned ahead of it
+    for i, ev in enumerate(events):
+        if isinstance(ev, BlockRemoved):  # first: the commonest event (an eviction, one block each)
+            tier, group = tier_of(ev.medium), ev.group_idx or 0
+            for ek in ev.block_hashes:
+                mutations.append(RemoveBlock(ek, tier, group))
+            plan.removed_blocks += len(ev.block_hashes)
+        elif isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
             if ev.kv_cache_spec_kind:
-                plan.groups[ev.group_idx or 0] = GroupSpec(ev.kv_cache_spec_kind, ev.block_size,
-                                                           ev.kv_cache_spec_sliding_window)
-            model = model_for(ev, topic_model, lora_names)
-            if i in early:
-                plan.mutations.extend(early[i].mutations)
-                plan.orphans += early[i].orphans
-                plan.stored_blocks += early[i].stored_blocks
+                plan.groups[ev.group_idx or 0] = _group_spec(ev.kv_cache_spec_kind, ev.block_size,
+                                                             ev.kv_cache_spec_sliding_window)
+            if ahead is not None and i in ahead:
+                _take(plan, ahead[i])
             elif partial(ev):
-                _plan_partial(ev, plan, pod_id, model, state, entry_field, known)
+                if ahead is None:
+                    ahead = _plan_ahead(events, i + 1, store)
+                _plan_partial(ev, plan, pod_id, model_for(ev, topic_model, lora_names), state, entry_field, known)
             else:
-                _plan_stored(ev, plan, pod_id, model, state, hash_seed, block_size, entry_field, hash_algo,
-                             extra_keys)
-        elif isinstance(ev, BlockRemoved):
-            tier = tier_of(ev.medium)
-            plan.mutations.extend(RemoveBlock(ek, tier, ev.group_idx or 0) for ek in ev.block_hashes)
-            plan.removed_blocks += len(ev.block_hashes)
+                store(ev, plan)
         elif isinstance(ev, AllBlocksCleared):
-            plan.mutations.append(ClearPod())
+            mutations.append(ClearPod())
             plan.clears += 1
     return plan
+
+
+def _plan_ahead(events: Sequence[Any], start: int, store: Callable[[BlockStored, Plan], None]) -> dict[int, Plan]:
+    """The full BlockStored events from ``start`` on, each planned into a Plan of its own, by index. A partial
+    event's blocks are found among the batch's full events' (its group and the full-attention group cache the
+    same request's blocks in the same step; vLLM 0.32 sends the partial group first), so at the batch's first
+    partial event the full events after it are planned ahead (every full event before it already is), and
+    their mutations kept for their place in the batch. Done only then: most batches have no partial event, and
+    this way they are walked once."""
+    ahead: dict[int, Plan] = {}
+    for j in range(start, len(events)):
+        ev = events[j]
+        if isinstance(ev, BlockStored) and not partial(ev):
+            ahead[j] = Plan()
+            store(ev, ahead[j])
+    return ahead
+
+
+def _take(plan: Plan, planned: Plan) -> None:
+    """A full event's Plan, planned ahead (``_plan_ahead``), into the batch's at the event's place."""
+    plan.mutations.extend(planned.mutations)
+    plan.orphans += planned.orphans
+    plan.stored_blocks += planned.stored_blocks
+
+
+@functools.lru_cache(maxsize=256)
+def _group_spec(kind: str, block_size: int, sliding_window: int | None) -> GroupSpec:
+    """A KV cache group's spec as every BlockStored of the group repeats it: one frozen GroupSpec per distinct
+    triple, not one made per event (its ``__post_init__`` costs more than the event's other fields)."""
+    return GroupSpec(kind, block_size, sliding_window)
 
 
 def _plan_stored(
@@ -200,11 +243,16 @@ def _plan_stored(
     e = ev.block_size
     extras = (ev.extra_keys or []) if extra_keys is not None else []
     aligned = not point.carry and e % block_size == 0
-    if aligned and hash_algo == "fnv64a" and not any(extra_keys.multimodal_ids(x) for x in extras):
+    if aligned and hash_algo == "fnv64a" and not _has_multimodal(extras, extra_keys):
         # Fast path: one C call keys the whole event.
         keys = request_keys(ev.token_ids[: len(ev.block_hashes) * e], model=model, hash_seed=hash_seed,
                             block_size=block_size, parent=point.request_key)
         per = e // block_size
+        if per and len(keys) == len(ev.block_hashes) * per:  # else malformed (fewer tokens than blocks, or 0-token
+            # blocks): planned block by block below
+            _store_keyed(plan, state, model, ev.block_hashes, keys, per, parent, tier, fld, ev.group_idx or 0,
+                         parentless)
+            return
         for i, ek in enumerate(ev.block_hashes):
             own = tuple(keys[i * per : (i + 1) * per])
             before = parent if i == 0 else keys[i * per - 1]
@@ -228,6 +276,38 @@ def _plan_stored(
             parent = own[-1]
         state.put(model, ek, point)
         plan.stored_blocks += 1
+
+
+def _has_multimodal(extras: list[Any], extra_keys: ExtraKeys | None) -> bool:
+    """Whether any block's extra keys hold multimodal ids. vLLM sends a None for each block without extra keys
+    (every block of a text-only prompt): an event of those only is answered at C speed, without asking the
+    engine's adapter once per block (a block with no extra keys has no multimodal ids: ``ExtraKeys``)."""
+    return any(extras) and any(map(extra_keys.multimodal_ids, extras))
+
+
+def _store_keyed(plan: Plan, state: ChainState, model: str, engine_keys: list[int], keys: list[int], per: int,
+                 parent: int, tier: str, fld: str, group: int, parentless: bool) -> None:
+    """An aligned event's blocks, its request keys computed in one piece: engine block i owns ``keys[i*per :
+    (i+1)*per]`` and chains from the key before them (the first from ``parent``). The write path's commonest
+    work (a StoreBlock and a ChainPoint per engine block), so one loop with everything bound locally and the
+    points put in the chain state in one call, in block order: the same mutations and state as a put per block."""
+    if len(engine_keys) == 1:  # a decode step's block, the commonest event: cheaper without the loop's set-up
+        own = tuple(keys)
+        plan.mutations.append(StoreBlock(engine_keys[0], tier, fld, own, group, parentless, parent))
+        state.put(model, engine_keys[0], ChainPoint(own[-1], keys=own, parent=parent))
+        plan.stored_blocks += 1
+        return
+    append = plan.mutations.append
+    points: list[ChainPoint] = []
+    add = points.append
+    before = parent
+    for ek, own in zip(engine_keys, zip(*[iter(keys)] * per)):  # own: the next ``per`` keys
+        append(StoreBlock(ek, tier, fld, own, group, parentless, before))
+        end = own[-1]
+        add(ChainPoint(end, keys=own, parent=before))
+        before = end
+    state.put_many(model, engine_keys, points)
+    plan.stored_blocks += len(engine_keys)
 
 
 def partial(ev: BlockStored) -> bool:

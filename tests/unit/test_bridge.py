@@ -106,3 +106,98 @@ def test_kinds_vllm_runs_with_another_kinds_manager_are_learned_as_that_kind():
                           kv_cache_spec_kind="sink_full_attention")])
     assert p.groups == {0: GroupSpec(FULL, 16), 1: GroupSpec(SLIDING, 16, 64), 2: GroupSpec(FULL, 16)}
     assert not any(s.missing() for s in p.groups.values())
+
+
+# ---- the write path's fast paths (ChainState.put_many, whole events keyed at once, partial events planned
+# ahead lazily) hold to what one block at a time does
+
+
+from hypothesis import given, settings, strategies as st
+
+from kv_preflight.index.entries import CHAIN_ROOT
+from kv_preflight.ingester.bridge import ChainPoint
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(1, 6),
+       steps=st.lists(st.one_of(st.tuples(st.just("get"), st.integers(0, 9)),
+                                st.tuples(st.just("put"), st.lists(st.integers(0, 9), max_size=8))), max_size=12))
+def test_put_many_is_a_put_per_point_in_turn(capacity, steps):
+    """Same points, same LRU order and evictions as ``put`` one at a time, whatever the duplicates, gets in
+    between and capacity."""
+    one, many = ChainState(capacity), ChainState(capacity)
+    n = 0
+    for kind, arg in steps:
+        if kind == "get":
+            assert one.get("m", arg) == many.get("m", arg)
+            continue
+        points = [ChainPoint(n + i) for i in range(len(arg))]
+        n += len(arg)
+        for ek, p in zip(arg, points):
+            one.put("m", ek, p)
+        many.put_many("m", arg, points)
+        assert list(one._points.items()) == list(many._points.items())
+
+
+@pytest.mark.parametrize("engine_block,blocks", [(16, 1), (16, 5), (32, 1), (32, 3), (64, 2)])
+def test_stored_blocks_chain_and_their_points_in_block_order(engine_block, blocks):
+    """Each StoreBlock's parent is the key before its own (the chain root's is CHAIN_ROOT, a resolved parent's
+    its last key), each engine key's point holds its keys, its last key and that parent, and the points enter
+    the LRU in block order, after the parent (got, so moved last before them)."""
+    per = engine_block // 16
+    state = ChainState()
+    state.put("tiny", 50, ChainPoint(777))
+    state.put("tiny", 51, ChainPoint(888))
+    for parent, rk, before in ((None, None, CHAIN_ROOT), (50, 777, 777)):
+        ev = BlockStored(list(range(1, blocks + 1)), parent, TOKENS[:blocks * engine_block], engine_block,
+                         medium="GPU", group_idx=0, extra_keys=[None] * blocks)
+        p = plan([ev], state)
+        keys = request_keys(TOKENS[:blocks * engine_block], model="tiny", parent=rk)
+        owns = [tuple(keys[i * per:(i + 1) * per]) for i in range(blocks)]
+        befores = [before] + [own[-1] for own in owns[:-1]]
+        assert p.mutations == [StoreBlock(i + 1, "gpu", field("p", "GPU", 0), own, 0, parent is None, b)
+                               for i, (own, b) in enumerate(zip(owns, befores))]
+        assert p.stored_blocks == blocks and p.orphans == 0
+        assert [state.get("tiny", i + 1) for i in range(blocks)] == \
+               [ChainPoint(own[-1], keys=own, parent=b) for own, b in zip(owns, befores)]
+    # the second event's parent was got (moved last), then its blocks put in order, then got above in order
+    assert list(state._points) == [("tiny", 51), ("tiny", 50)] + [("tiny", i + 1) for i in range(blocks)]
+
+
+def test_an_event_with_fewer_tokens_than_blocks_keys_the_blocks_it_has_tokens_for():
+    ev = BlockStored([1, 2, 3], None, TOKENS[:32], 16, medium="GPU", group_idx=0)
+    p = plan([ev])
+    keys = request_keys(TOKENS[:32], model="tiny")
+    assert [m.request_keys for m in p.mutations] == [(keys[0],), (keys[1],), ()]
+    assert [m.parent for m in p.mutations] == [CHAIN_ROOT, keys[0], keys[1]] and p.stored_blocks == 3
+
+
+def test_multimodal_ids_on_a_later_block_only_key_that_block():
+    """vLLM sends None for each block without extra keys: an image in the second block still keys it."""
+    ev = BlockStored([1, 2], None, TOKENS[:32], 16, medium="GPU", group_idx=0, extra_keys=[None, [("img", 0)]])
+    plain = request_keys(TOKENS[:32], model="tiny")
+    with_image = request_keys(TOKENS[:32], model="tiny", extra_per_block=[None, ["img"]])
+    assert with_image[0] == plain[0] and with_image[1] != plain[1]
+    assert [k for m in plan([ev]).mutations for k in m.request_keys] == with_image
+
+
+def test_a_partial_event_takes_the_keys_of_the_full_events_around_it_in_its_place():
+    """A sliding-window group's event (fewer hashes than its tokens' blocks) between the full-attention group's
+    events of the same step: its blocks take the keys the full events computed, before or after it in the batch;
+    a hash met nowhere is an orphan. Mutations stay in event order; the chain state sees the full events' puts
+    first, then the partial event's gets."""
+    keys = request_keys(TOKENS[:64], model="tiny")
+    full_a = BlockStored([1, 2], None, TOKENS[:32], 16, medium="GPU", group_idx=0, extra_keys=[None] * 2)
+    window = BlockStored([2, 4, 9], None, TOKENS[:64], 16, medium="GPU", group_idx=1, extra_keys=[None] * 3)
+    full_b = BlockStored([3, 4], 2, TOKENS[32:64], 16, medium="GPU", group_idx=0, extra_keys=[None] * 2)
+    state = ChainState()
+    p = plan([full_a, window, BlockRemoved([7]), full_b], state)
+    f0, f1 = field("p", "GPU", 0), field("p", "GPU", 1)
+    assert p.mutations == [
+        StoreBlock(1, "gpu", f0, (keys[0],), 0, True, CHAIN_ROOT), StoreBlock(2, "gpu", f0, (keys[1],), 0, True, keys[0]),
+        StoreBlock(2, "gpu", f1, (keys[1],), 1, True, keys[0]), StoreBlock(4, "gpu", f1, (keys[3],), 1, True, keys[2]),
+        RemoveBlock(7, "gpu"),
+        StoreBlock(3, "gpu", f0, (keys[2],), 0, False, keys[1]), StoreBlock(4, "gpu", f0, (keys[3],), 0, False, keys[2]),
+    ]
+    assert (p.stored_blocks, p.orphans, p.removed_blocks) == (6, 1, 1)
+    assert list(state._points) == [("tiny", 1), ("tiny", 3), ("tiny", 2), ("tiny", 4)]
