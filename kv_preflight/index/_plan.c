@@ -936,6 +936,15 @@ static char kind_of(PyObject *op, PyObject ***items, Py_ssize_t *len) {
     return c < 128 ? (char)c : 0;
 }
 
+/* d[k] = j */
+static int append_at(PyObject *d, PyObject *k, Py_ssize_t j) {
+    PyObject *at = PyLong_FromSsize_t(j);
+    if (at == NULL) return -1;
+    int r = PyDict_SetItem(d, k, at);
+    Py_DECREF(at);
+    return r;
+}
+
 /* set(rks) in its iteration order (what Python's ``for rk in set(rks)`` meets) */
 static PyObject *distinct(PyObject *rks) {
     PyObject *set = PySet_New(rks);
@@ -1073,6 +1082,41 @@ done:
     return result;
 }
 
+/* last_stores(ops, keys) -> dict: per request key of ``keys`` (a set) that a K op of the run stores (entry
+ * > 0), the position of the last such op: writes.py ClusterWrites.run's round D (a drop followed by a store of
+ * its key explains the key's entry). */
+static PyObject *last_stores(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ops, *keys;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &ops, &keys)) return NULL;
+    if (!PyAnySet_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a set");
+        return NULL;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject **k;
+        Py_ssize_t len;
+        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K' || len < 4) continue;
+        int in = PySet_Contains(keys, k[1]);
+        if (in < 0) goto fail;
+        int stores = 0;
+        if (in) {
+            PyObject *zero = PyLong_FromLong(0);
+            stores = zero == NULL ? -1 : PyObject_RichCompareBool(k[3], zero, Py_GT);
+            Py_XDECREF(zero);
+        }
+        if (stores < 0) goto fail;
+        if (stores && append_at(out, k[1], j) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"plan_blocks", plan_blocks, METH_VARARGS,
      "PodState.plan's loop over stores and removals: plan_blocks(state, out, mutations, start, reannouncements, "
@@ -1083,6 +1127,7 @@ static PyMethodDef methods[] = {
     {"run_keys", run_keys, METH_O, "writes.py ClusterWrites.run's first pass: (key_ops, request_keys), or None."},
     {"engine_round", engine_round, METH_VARARGS,
      "writes.py ClusterWrites.run's round B: (commands, engine_keys, drops), or None."},
+    {"last_stores", last_stores, METH_VARARGS, "writes.py round D: per key, the run's last K op storing it."},
     {"shard_args", shard_args, METH_VARARGS,
      "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},

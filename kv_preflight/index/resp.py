@@ -159,32 +159,36 @@ class _Protocol(asyncio.Protocol):
         self.last_rx = time.monotonic()
         self.reader.feed(data)
         pending = self.pending
-        while True:
-            try:
-                reply = self.reader.gets()
-            except hiredis.ProtocolError as exc:
-                self._fail(RedisConnectionError(f"protocol error from valkey: {exc}"))
-                self.drop("protocol error")
-                return
-            if reply is False:
-                return
-            if not pending:  # a reply nobody waits for: the stream is out of step
-                self._fail(RedisConnectionError("unexpected reply from valkey"))
-                self.drop("unexpected reply")
-                return
-            head = pending[0]
-            if type(head) is _Run:
-                got = head.replies
-                got.append(reply)
-                if len(got) < head.n:
+        gets = self.reader.gets
+        try:
+            while True:
+                if pending and type(pending[0]) is _Run:  # a pipelined run: its replies in a tight loop (a
+                    # cluster's engine-key rounds get one reply per engine block)
+                    head = pending[0]
+                    got = head.replies
+                    append = got.append
+                    for _ in range(head.n - len(got)):
+                        reply = gets()
+                        if reply is False:
+                            return
+                        append(reply)
+                    pending.popleft()
+                    if not head.fut.done():
+                        head.fut.set_result(got)
                     continue
-                pending.popleft()
-                if not head.fut.done():
-                    head.fut.set_result(got)
-                continue
-            pending.popleft()
-            if not head.done():
-                head.set_result(reply)
+                reply = gets()
+                if reply is False:
+                    return
+                if not pending:  # a reply nobody waits for: the stream is out of step
+                    self._fail(RedisConnectionError("unexpected reply from valkey"))
+                    self.drop("unexpected reply")
+                    return
+                head = pending.popleft()
+                if not head.done():
+                    head.set_result(reply)
+        except hiredis.ProtocolError as exc:
+            self._fail(RedisConnectionError(f"protocol error from valkey: {exc}"))
+            self.drop("protocol error")
 
     @property
     def open(self) -> bool:

@@ -46,3 +46,10 @@ def test_an_op_of_another_shape_is_left_to_python():
     assert writes._c.engine_round(ops, {}, writes.ENGINE_PREFIX) is None
     assert writes._c.engine_round([["Z", 2**64, [1]]], {}, writes.ENGINE_PREFIX) is None
     assert writes._c.run_keys([("K", 1), ["?", 1]]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(changes=st.lists(_CHANGE, max_size=25), keys=st.sets(_RK))
+def test_the_last_stores_in_c_are_the_python_reference(changes, keys):
+    ops = writes.change_ops(changes, 3)
+    assert writes._c.last_stores(ops, keys) == writes._last_stores(ops, keys)

@@ -310,10 +310,8 @@ class ClusterWrites:
             readd = []
             readd_eks = []
             if back:  # rare: another writer stored the block meanwhile, or this run did
-                stored_at: dict[int, int] = {}
-                for j, op in enumerate(ops):
-                    if op[0] == "K" and op[3] > 0:
-                        stored_at[op[1]] = j
+                stored_at = _c.last_stores(ops, back) if _c is not None and type(ops) is list else \
+                    _last_stores(ops, back)
                 for j, op in drops:
                     if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
                         readd.append(_engine_add(op[1], op[2]))
@@ -521,6 +519,16 @@ def _engine_round(ops: Sequence[Sequence[Any]], empty_at: dict[int, int]) -> \
                 round_b.append(("ZREM", prefix + str(op[1]), *rks))
                 round_b_eks.append(op[1])
     return round_b, round_b_eks, drops
+
+
+def _last_stores(ops: Sequence[Sequence[Any]], keys: set[int]) -> dict[int, int]:
+    """Per key of ``keys`` a K op of the run stores, the last such op's position (round D; the reference of
+    ``_write_path.last_stores``)."""
+    stored_at: dict[int, int] = {}
+    for j, op in enumerate(ops):
+        if op[0] == "K" and op[1] in keys and op[3] > 0:
+            stored_at[op[1]] = j
+    return stored_at
 
 
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
