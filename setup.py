@@ -1,7 +1,7 @@
 """Builds the optional C routines (kv_preflight/_speedups.c: request-key chains, RESP packing, cluster slots,
-prefix walks and scoring, the state log's snapshot and delta columns; kv_preflight/index/_plan.c: a pod
-state's plan loop and its changes as script arguments); a failed compile leaves the pure-Python paths in charge.
-Everything else about the package is in pyproject.toml."""
+prefix walks and scoring, the state log's snapshot and delta columns; kv_preflight/index/_write_path.c: the
+write path's per-block loops: planning, script arguments, a cluster run's rounds); a failed compile leaves the
+pure-Python paths in charge. Everything else about the package is in pyproject.toml."""
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -22,6 +22,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("kv_preflight._speedups", ["kv_preflight/_speedups.c"], extra_compile_args=["-O3"]),
-                 Extension("kv_preflight.index._plan", ["kv_preflight/index/_plan.c"], extra_compile_args=["-O3"])],
+                 Extension("kv_preflight.index._write_path", ["kv_preflight/index/_write_path.c"],
+                           extra_compile_args=["-O3"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -145,9 +145,9 @@ def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], d
     return out, owners, folded
 
 
-try:  # the usual changes' arguments in C (kv_preflight/index/_plan.c); the Python functions are the reference
-    from kv_preflight.index._plan import change_args as _change_args_c
-    from kv_preflight.index._plan import shard_args as _shard_args_c
+try:  # the usual changes' arguments in C (kv_preflight/index/_write_path.c); the Python functions are the reference
+    from kv_preflight.index._write_path import change_args as _change_args_c
+    from kv_preflight.index._write_path import shard_args as _shard_args_c
 except ImportError:  # pragma: no cover - no compiler at install time
     _change_args_c = _shard_args_c = None
 _CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)

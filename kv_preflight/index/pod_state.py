@@ -535,9 +535,9 @@ class PodState:
                 yield s
 
 
-try:  # the loop of ``plan`` over stores and removals, in C (kv_preflight/index/_plan.c); the methods above are
+try:  # the loop of ``plan`` over stores and removals, in C (kv_preflight/index/_write_path.c); the methods above are
     # its reference and stand in when it is not built
-    from kv_preflight.index._plan import plan_blocks as _plan_blocks
+    from kv_preflight.index._write_path import plan_blocks as _plan_blocks
 except ImportError:  # pragma: no cover - no compiler at install time
     _plan_blocks = None
 _PLAN_TYPES = (StoreBlock, RemoveBlock, _Block, KeyChange, EngineAdd, EngineDrop)

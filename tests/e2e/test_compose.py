@@ -259,6 +259,7 @@ def test_image_runs_as_a_non_root_user(image):
 
 def test_image_has_no_compiler_and_has_the_c_routine(image):
     probe = ("import shutil, sysconfig; from kv_preflight.keys.chain import HAS_C_EXTENSION; "
+             "import kv_preflight.index._write_path; "
              "cc = (sysconfig.get_config_var('CC') or 'cc').split()[0]; "
              "print(HAS_C_EXTENSION, [c for c in (cc, 'cc', 'gcc', 'clang', 'tcc', 'c99') if shutil.which(c)])")
     out = run_in_image(image, "python", "-c", probe)

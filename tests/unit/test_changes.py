@@ -103,7 +103,7 @@ _Q = st.builds(lambda rk, j: ("Q", rk, j), _RK, st.integers(0, 50))
 @given(ops=st.lists(st.one_of(_K, _Q, _K.map(list)), max_size=30),
        general=st.lists(st.tuples(st.integers(0, 29), _RK), max_size=2))
 def test_a_shards_args_in_c_are_the_python_references(ops, general):
-    """kv_preflight/index/_plan.c builds a shard's share for s/r runs and probes (the usual case) and leaves
+    """kv_preflight/index/_write_path.c builds a shard's share for s/r runs and probes (the usual case) and leaves
     anything else to Python: both give the same arguments, positions and folded probes; with only runs and
     probes the C routine is the one that answered."""
     for at, rk in general:  # an entry without its bit: the general form, left to Python
@@ -130,7 +130,7 @@ _ENGINE = st.one_of(st.builds(EngineAdd, _EK, _RKS), st.builds(EngineDrop, _EK, 
        alone=st.lists(st.tuples(st.integers(0, 40), _ENGINE), max_size=4),
        general=st.lists(st.tuples(st.integers(0, 40), _RK), max_size=2), num=st.sampled_from([None, 0, 5, 70]))
 def test_a_batchs_args_in_c_are_the_python_references(pairs, alone, general, num):
-    """kv_preflight/index/_plan.c builds a batch's arguments for S/R runs (with the engine key's add before a
+    """kv_preflight/index/_write_path.c builds a batch's arguments for S/R runs (with the engine key's add before a
     store, or its drop after a removal, riding on the block) and engine keys' adds and drops, and leaves the
     general form to Python: both give the same arguments; without the general form the C routine answered."""
     out: list = []

@@ -1,6 +1,6 @@
 """A Valkey Cluster run's per-op loops (kv_preflight/index/cluster/writes.py): the outbox ops of a plan's changes,
 the run's first pass (the request keys' changes and the drops' probes) and its engine-key round, built in C
-(kv_preflight/index/_plan.c) where it is built, each equal to its Python reference on random runs."""
+(kv_preflight/index/_write_path.c) where it is built, each equal to its Python reference on random runs."""
 from __future__ import annotations
 
 import msgspec

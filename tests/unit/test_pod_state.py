@@ -413,7 +413,7 @@ _OTHER_FIELDS = [encode_entry(make_entry("other-pod", "GPU", 0)), "not an entry"
        reannouncements=st.booleans(), foreign=st.booleans())
 def test_the_c_plan_loop_moves_the_state_exactly_as_the_python_methods(seed, hybrid, per, reannouncements,
                                                                         foreign):
-    """kv_preflight/index/_plan.c runs ``PodState.plan``'s stores and removals; the Python methods are its
+    """kv_preflight/index/_write_path.c runs ``PodState.plan``'s stores and removals; the Python methods are its
     reference. Random batches (copies, shared request keys under two engine keys and their deferred drops,
     unknown parents, clears, flags, other pods' and unparseable entry fields, empty blocks) leave both with the
     same state, field for field, and the same changes in the same order."""

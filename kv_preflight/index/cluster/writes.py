@@ -58,8 +58,8 @@ TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
-try:  # a run's per-op loops in C (kv_preflight/index/_plan.c); the Python functions here are their reference
-    from kv_preflight.index import _plan as _c
+try:  # a run's per-op loops in C (kv_preflight/index/_write_path.c); the Python functions here are their reference
+    from kv_preflight.index import _write_path as _c
 except ImportError:  # pragma: no cover - no compiler at install time
     _c = None
 _CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)

@@ -1,17 +1,21 @@
 /*
- * PodState.plan's per-block loop (kv_preflight/index/pod_state.py), in C.
+ * The write path's per-block loops, in C: what an ingester does for every engine block it writes.
  *
- * Planning is the ingester's largest cost on a single node: every stored or evicted engine block moves a dozen
- * reference counts in the pod's state (its blocks, engine-key slots, entry and bit refs, the orphan count's
- * links) and emits the KeyChange / EngineAdd / EngineDrop the backends write. In Python that is ~8 us a block;
- * here it is the same dict operations on the same Python dicts without the interpreter around them, so the
- * state stays the Python object every other reader (clone, snapshot, restore, export) knows.
+ * - PodState.plan's loop over stores and removals (kv_preflight/index/pod_state.py): every stored or evicted
+ *   engine block moves a dozen reference counts in the pod's state (its blocks, engine-key slots, entry and bit
+ *   refs, the orphan count's links) and emits the KeyChange / EngineAdd / EngineDrop the backends write. In
+ *   Python that was ~8 us a block, the ingester's largest cost; here it is the same dict operations on the same
+ *   Python dicts without the interpreter around them, so the state stays the Python object every other reader
+ *   (clone, snapshot, restore, export) knows.
+ * - A plan's changes as changes.lua's arguments (kv_preflight/index/changes.py change_args, shard_args) and a
+ *   Valkey Cluster run's outbox ops and rounds (kv_preflight/index/cluster/writes.py): a list item or a command
+ *   per block each.
  *
- * pod_state.py keeps the Python methods (_store, _remove, _link, ...) as the reference and the fallback when
- * this module is not built; tests/unit/test_pod_state.py holds the two to equal states and equal changes on
- * random batches. Each function here mirrors the Python method of the same name, line for line. The rare
- * paths (an engine key whose drop waits for another of the pod's blocks, a bit name not yet cached) call back
- * into the Python methods rather than repeating them.
+ * The Python functions stay the reference and the fallback when this module is not built, and take whatever
+ * is not the usual case (each C routine answers None for it); tests/unit/test_pod_state.py, test_changes.py and
+ * test_cluster_run_ops.py hold each pair equal on random input. Each function here mirrors the Python of the
+ * same name. The plan loop's rare paths (an engine key whose drop waits for another of the pod's blocks, a bit
+ * name not yet cached) call back into the Python methods rather than repeating them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1133,9 +1137,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_plan", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_write_path", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__plan(void) {
+PyMODINIT_FUNC PyInit__write_path(void) {
     static const char *names[] = {"blocks", "tiers", "entry_refs", "bit_refs", "ek_slots", "ek_refs", "rk_links",
         "deferred", "waiting", "held", "known", "kids", "parent_of", "_bits", "_prefix", "unknown", "orphans",
         "engine_key", "tier", "entry_field", "request_keys", "group", "parentless", "parent", "field", "rks",
