@@ -1086,39 +1086,60 @@ done:
     return result;
 }
 
-/* last_stores(ops, keys) -> dict: per request key of ``keys`` (a set) that a K op of the run stores (entry
- * > 0), the position of the last such op: writes.py ClusterWrites.run's round D (a drop followed by a store of
- * its key explains the key's entry). */
-static PyObject *last_stores(PyObject *self, PyObject *args) {
+/* raced(ops, drops, back) -> list: writes.py ClusterWrites.run's round D (``_raced``, the reference): the
+ * drops (j, op) one of whose request keys is in ``back`` (a set: it holds an entry again after round B) and is
+ * not stored by a K op of the run after the drop (such a store explains the entry; any other is a writer that
+ * raced the drop's ZREM). None for a drop or op of another shape (Python then does it). */
+static PyObject *raced(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ops, *keys;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &ops, &keys)) return NULL;
-    if (!PyAnySet_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "keys must be a set");
+    PyObject *ops, *drops, *back;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &ops, &PyList_Type, &drops, &back)) return NULL;
+    if (!PyAnySet_Check(back)) {
+        PyErr_SetString(PyExc_TypeError, "back must be a set");
         return NULL;
     }
-    PyObject *out = PyDict_New();
-    if (out == NULL) return NULL;
+    PyObject *stored_at = PyDict_New(), *zero = PyLong_FromLong(0), *out = PyList_New(0), *result = NULL;
+    if (stored_at == NULL || zero == NULL || out == NULL) goto done;
     Py_ssize_t n = PyList_GET_SIZE(ops);
-    for (Py_ssize_t j = 0; j < n; j++) {
+    for (Py_ssize_t j = 0; j < n; j++) {  /* per key of ``back``, the run's last K op storing it */
         PyObject **k;
         Py_ssize_t len;
         if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K' || len < 4) continue;
-        int in = PySet_Contains(keys, k[1]);
-        if (in < 0) goto fail;
-        int stores = 0;
-        if (in) {
-            PyObject *zero = PyLong_FromLong(0);
-            stores = zero == NULL ? -1 : PyObject_RichCompareBool(k[3], zero, Py_GT);
-            Py_XDECREF(zero);
-        }
-        if (stores < 0) goto fail;
-        if (stores && append_at(out, k[1], j) < 0) goto fail;
+        int in = PySet_Contains(back, k[1]);
+        int stores = in > 0 ? PyObject_RichCompareBool(k[3], zero, Py_GT) : in;
+        if (stores < 0 || (stores && append_at(stored_at, k[1], j) < 0)) goto done;
     }
-    return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
+    Py_ssize_t m = PyList_GET_SIZE(drops);
+    for (Py_ssize_t d = 0; d < m; d++) {
+        PyObject *drop = PyList_GET_ITEM(drops, d), **k;
+        Py_ssize_t len;
+        if (!PyTuple_Check(drop) || PyTuple_GET_SIZE(drop) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(drop, 0))
+            || kind_of(PyTuple_GET_ITEM(drop, 1), &k, &len) != 'X' || len != 3 || !PyList_Check(k[2])) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        long long j = PyLong_AsLongLong(PyTuple_GET_ITEM(drop, 0));
+        if (j == -1 && PyErr_Occurred()) goto done;
+        PyObject *rks = k[2];
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rks); i++) {
+            PyObject *rk = PyList_GET_ITEM(rks, i);
+            int in = PySet_Contains(back, rk);
+            if (in < 0) goto done;
+            if (!in) continue;
+            long long at;
+            PyObject *got = PyDict_GetItemWithError(stored_at, rk);
+            if (got == NULL && PyErr_Occurred()) goto done;
+            at = got == NULL ? -1 : PyLong_AsLongLong(got);
+            if (at < j) {
+                if (PyList_Append(out, drop) < 0) goto done;
+                break;
+            }
+        }
+    }
+    result = Py_NewRef(out);
+done:
+    Py_XDECREF(stored_at); Py_XDECREF(zero); Py_XDECREF(out);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -1131,7 +1152,7 @@ static PyMethodDef methods[] = {
     {"run_keys", run_keys, METH_O, "writes.py ClusterWrites.run's first pass: (key_ops, request_keys), or None."},
     {"engine_round", engine_round, METH_VARARGS,
      "writes.py ClusterWrites.run's round B: (commands, engine_keys, drops), or None."},
-    {"last_stores", last_stores, METH_VARARGS, "writes.py round D: per key, the run's last K op storing it."},
+    {"raced", raced, METH_VARARGS, "writes.py round D: the drops a store of another writer raced, or None."},
     {"shard_args", shard_args, METH_VARARGS,
      "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},

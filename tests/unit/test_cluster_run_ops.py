@@ -48,8 +48,18 @@ def test_an_op_of_another_shape_is_left_to_python():
     assert writes._c.run_keys([("K", 1), ["?", 1]]) is None
 
 
-@settings(max_examples=200, deadline=None)
-@given(changes=st.lists(_CHANGE, max_size=25), keys=st.sets(_RK))
-def test_the_last_stores_in_c_are_the_python_reference(changes, keys):
+@settings(max_examples=300, deadline=None)
+@given(changes=st.lists(_CHANGE, max_size=25), back=st.sets(_RK), empty=st.lists(st.integers(0, 3), max_size=25))
+def test_the_raced_drops_in_c_are_the_python_reference(changes, back, empty):
+    """Round D: the drops whose key holds an entry again with no later store of the run to explain it."""
     ops = writes.change_ops(changes, 3)
-    assert writes._c.last_stores(ops, keys) == writes._last_stores(ops, keys)
+    _, _, drops = writes._engine_round(ops, {j: n for j, n in enumerate(empty) if n})
+    assert writes._c.raced(ops, drops, back) == writes._raced(ops, drops, back)
+
+
+def test_a_store_after_the_drop_explains_its_entry_and_one_before_does_not():
+    x, k = ["X", 5, [3]], ["K", 3, "f", 1, "0", 1, 1, 1]
+    for c in (writes._c.raced, writes._raced):
+        assert c([x, k], [(0, x)], {3}) == []  # the run stored the key again after the drop
+        assert c([k, x], [(1, x)], {3}) == [(1, x)]  # stored before the drop: another writer's entry
+        assert c([k, x], [(1, x)], {4}) == []  # the key holds no entry again

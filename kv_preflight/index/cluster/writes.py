@@ -309,13 +309,11 @@ class ClusterWrites:
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
             readd_eks = []
-            if back:  # rare: another writer stored the block meanwhile, or this run did
-                stored_at = _c.last_stores(ops, back) if _c is not None and type(ops) is list else \
-                    _last_stores(ops, back)
-                for j, op in drops:
-                    if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2]):
-                        readd.append(_engine_add(op[1], op[2]))
-                        readd_eks.append(op[1])
+            if back:  # another writer stored the block meanwhile, or this run did (often, under shared prompts)
+                found = _c.raced(ops, drops, back) if _c is not None and type(ops) is list else None
+                for j, op in found if found is not None else _raced(ops, drops, back):
+                    readd.append(_engine_add(op[1], op[2]))
+                    readd_eks.append(op[1])
             if readd:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
@@ -521,14 +519,15 @@ def _engine_round(ops: Sequence[Sequence[Any]], empty_at: dict[int, int]) -> \
     return round_b, round_b_eks, drops
 
 
-def _last_stores(ops: Sequence[Sequence[Any]], keys: set[int]) -> dict[int, int]:
-    """Per key of ``keys`` a K op of the run stores, the last such op's position (round D; the reference of
-    ``_write_path.last_stores``)."""
+def _raced(ops: Sequence[Sequence[Any]], drops: Sequence[tuple[int, Sequence[Any]]], back: set[int]) -> \
+        list[tuple[int, Sequence[Any]]]:
+    """Round D (the reference of ``_write_path.raced``): the drops one of whose request keys holds an entry
+    again (``back``) that no store of this run after the drop explains: another writer raced the ZREM."""
     stored_at: dict[int, int] = {}
     for j, op in enumerate(ops):
-        if op[0] == "K" and op[1] in keys and op[3] > 0:
+        if op[0] == "K" and op[1] in back and op[3] > 0:
             stored_at[op[1]] = j
-    return stored_at
+    return [(j, op) for j, op in drops if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2])]
 
 
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
