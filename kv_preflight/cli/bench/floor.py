@@ -38,7 +38,10 @@ CPU_RATIO_MAX = 2.5  # Valkey CPU per block, ours / floor, single node
 CLUSTER_CPU_RATIO_MAX = 1.3  # summed over the cluster's masters / the single node's
 MEMORY_RATIO_MAX = 1.5  # bytes per live entry, ours / floor
 RATE_MIN = 60_000  # one ingester, engine blocks/s, single node
-CLUSTER_RATE_RATIO_MIN = 0.7
+# A cluster ingester: "0.7x that", the words after the single node's 60K. Judged against the 60K, not
+# against the single node's measured rate: a faster single node must not fail the cluster's row (the ratio of
+# the two measured rates is printed beside, and `scripts/callgrind --only ingester` counts it in instructions).
+CLUSTER_RATE_MIN = int(0.7 * RATE_MIN)
 
 
 @dataclass
@@ -279,9 +282,10 @@ def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, singl
             ratio <= CLUSTER_CPU_RATIO_MAX, cluster_us=us, cluster_floor_us=floor_us)
     rate, core_rate = events / seconds, events / proc
     res.add("one ingester, cluster", f"{core_rate:,.0f} engine blocks per second of its own CPU "
-            f"({core_rate / single_rate:.2f}x single node; {rate:,.0f}/s wall)",
-            f">= {CLUSTER_RATE_RATIO_MIN}x single node", f"{single_rate:,.0f} blocks/s", core_rate / single_rate,
-            core_rate / single_rate >= CLUSTER_RATE_RATIO_MIN, blocks_per_s=rate, blocks_per_cpu_s=core_rate)
+            f"({core_rate / single_rate:.2f}x the single node's; {rate:,.0f}/s wall)",
+            f">= {CLUSTER_RATE_MIN:,} blocks/s (0.7x the single node's {RATE_MIN:,})",
+            f"single node {single_rate:,.0f} blocks/s", core_rate / single_rate, core_rate >= CLUSTER_RATE_MIN,
+            blocks_per_s=rate, blocks_per_cpu_s=core_rate)
     return {"cluster_cpu_us": us, "cluster_floor_cpu_us": floor_us, "cluster_cpu_ratio": ratio,
             "cluster_blocks_per_s": rate, "cluster_blocks_per_cpu_s": core_rate}
 
