@@ -59,12 +59,17 @@ static int dneed(PyObject *d, PyObject *k, long long *v) {
     return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-static int dput(PyObject *d, PyObject *k, long long v) {
-    PyObject *o = PyLong_FromLongLong(v);
-    if (o == NULL) return -1;
-    int r = PyDict_SetItem(d, k, o);
-    Py_DECREF(o);
+/* o[k] = v or o.k = v (``set``: PyDict_SetItem or PyObject_SetAttr), v made an int */
+static int set_int(int (*set)(PyObject *, PyObject *, PyObject *), PyObject *o, PyObject *k, long long v) {
+    PyObject *x = PyLong_FromLongLong(v);
+    if (x == NULL) return -1;
+    int r = set(o, k, x);
+    Py_DECREF(x);
     return r;
+}
+
+static int dput(PyObject *d, PyObject *k, long long v) {
+    return set_int(PyDict_SetItem, d, k, v);
 }
 
 /* d.pop(k, None) */
@@ -304,11 +309,7 @@ static int link_all(Planner *p, PyObject *rks, PyObject *fld, PyObject *group, P
 }
 
 static int dput_attr(PyObject *held, long long v) {
-    PyObject *o = PyLong_FromLongLong(v);
-    if (o == NULL) return -1;
-    int r = PyObject_SetAttr(held, s_copies, o);
-    Py_DECREF(o);
-    return r;
+    return set_int(PyObject_SetAttr, held, s_copies, v);
 }
 
 /* The held block's copies (in *now), moved by d */
@@ -418,11 +419,7 @@ static int load_count(PyObject *o, PyObject *name, long long *v) {
 }
 
 static int save_count(PyObject *o, PyObject *name, long long v) {
-    PyObject *x = PyLong_FromLongLong(v);
-    if (x == NULL) return -1;
-    int r = PyObject_SetAttr(o, name, x);
-    Py_DECREF(x);
-    return r;
+    return set_int(PyObject_SetAttr, o, name, v);
 }
 
 /* plan_blocks(state, out, mutations, start, reannouncements, types) -> int: PodState.plan's loop from
