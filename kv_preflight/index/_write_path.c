@@ -48,11 +48,19 @@ static int dget(PyObject *d, PyObject *k, long long *v) {
     return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* A KeyError of ``k`` as Python's d[k] raises it (KeyError((ek, group)), not KeyError(ek, group), for a tuple) */
+static void key_error(PyObject *k) {
+    PyObject *args = PyTuple_Pack(1, k);
+    if (args == NULL) return;
+    PyErr_SetObject(PyExc_KeyError, args);
+    Py_DECREF(args);
+}
+
 /* d[k] (a KeyError when missing, as Python's d[k]) as a long long */
 static int dneed(PyObject *d, PyObject *k, long long *v) {
     PyObject *o = PyDict_GetItemWithError(d, k);
     if (o == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, k);
+        if (!PyErr_Occurred()) key_error(k);
         return -1;
     }
     *v = PyLong_AsLongLong(o);
@@ -159,7 +167,7 @@ static int add_parent(Planner *p, PyObject *rk, PyObject *parent) {
 static int drop_parent(Planner *p, PyObject *rk) {
     PyObject *parent = PyDict_GetItemWithError(p->parent_of, rk);
     if (parent == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rk);
+        if (!PyErr_Occurred()) key_error(rk);
         return -1;
     }
     Py_INCREF(parent);
@@ -489,22 +497,25 @@ static PyObject *plan_blocks(PyObject *self, PyObject *args) {
     }
     if (load_count(state, s_unknown, &p.unknown) < 0 || load_count(state, s_orphans, &p.orphans) < 0) goto done;
     loaded = 1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(muts), i = start < 0 ? 0 : start;
-    PyObject **items = PySequence_Fast_ITEMS(muts);
+    /* the size and item read afresh each time, the item held: the callbacks into Python (_release, _undefer,
+     * _defer, bit_of) may change a list of mutations, even free its items */
+    Py_ssize_t i = start < 0 ? 0 : start;
     int failed = 0;
-    for (; i < n && !failed; i++) {
-        PyObject *m = items[i];
+    for (; i < PySequence_Fast_GET_SIZE(muts) && !failed; i++) {
+        PyObject *m = PySequence_Fast_GET_ITEM(muts, i);
         PyTypeObject *t = Py_TYPE(m);
+        Py_INCREF(m);
         if (t == p.store_type) {
             if (reannounce) {
                 PyObject *pl = PyObject_GetAttr(m, s_parentless);
                 int parentless = pl == NULL ? -1 : PyObject_IsTrue(pl);
                 Py_XDECREF(pl);
-                if (parentless < 0) { failed = 1; break; }
+                if (parentless < 0) { Py_DECREF(m); failed = 1; break; }
                 if (parentless) {
                     PyObject *parent = PyObject_GetAttr(m, s_parent);
                     int stop = parent == NULL ? -1 : parent == Py_None ? 1 : is_root(parent);
                     Py_XDECREF(parent);
+                    if (stop) Py_DECREF(m);
                     if (stop < 0) { failed = 1; break; }
                     if (stop) break;
                 }
@@ -513,8 +524,10 @@ static PyObject *plan_blocks(PyObject *self, PyObject *args) {
         } else if (t == p.remove_type) {
             failed = remove_block(&p, m) < 0;
         } else {
+            Py_DECREF(m);
             break;
         }
+        Py_DECREF(m);
     }
     if (!failed) result = PyLong_FromSsize_t(i);
 done:
