@@ -653,7 +653,7 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
         PyObject *index = PyLong_FromSsize_t(i);
         if (index == NULL) goto done;
         int r = 0;
-        if (op_is(k[0], 'Q') && len == 3) {
+        if (op_is(k[0], 'Q') && len == 3 && PyLong_CheckExact(k[1])) {
             int folds = 0;
             if (i) {  /* changes.py folds_probe */
                 Py_ssize_t plen;
@@ -681,9 +681,13 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
             long entry;
             int ru = runs(k, &entry);
             int overflow = 0;
-            long byte = PyLong_Check(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
-            long mask = !overflow && PyLong_Check(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
-            PyObject *pk = ru > 0 && !overflow && byte >= 1 && mask >= 1 ? key_name(k[1], prefix, np, suffix, ns) : NULL;
+            long byte = PyLong_CheckExact(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
+            long mask = !overflow && PyLong_CheckExact(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
+            /* exact types, so that no comparison below runs Python code (which could free the ops read); a byte
+             * whose bit position (byte - 1) * 8 + ... does not fit a long is Python's (it raises there) */
+            int plain = PyUnicode_CheckExact(k[2]) && PyUnicode_CheckExact(k[4]) && byte <= (LONG_MAX - 64) / 8;
+            PyObject *pk = ru > 0 && plain && !overflow && byte >= 1 && mask >= 1
+                ? key_name(k[1], prefix, np, suffix, ns) : NULL;
             if (pk == NULL) {
                 if (PyErr_Occurred()) r = -1;
                 else unusual = 1;
@@ -774,21 +778,24 @@ static PyObject *change_args(PyObject *self, PyObject *args) {
     }
     PyTypeObject *kc = (PyTypeObject *)PyTuple_GET_ITEM(types, 0), *ea = (PyTypeObject *)PyTuple_GET_ITEM(types, 1),
                  *ed = (PyTypeObject *)PyTuple_GET_ITEM(types, 2);
+    /* a tuple of the changes: a comparison below may run Python code (an __eq__), which must not free the
+     * changes read (or the F register's field and bit, borrowed from one) by changing the list */
+    PyObject *seq = PyList_AsTuple(changes);
     PyObject *out = PyList_New(0), *empty = PyUnicode_FromString(""), *names[6] = {NULL};
     const char *letters = "SRFzZx";
-    int ok = out != NULL && empty != NULL;
+    int ok = seq != NULL && out != NULL && empty != NULL;
     for (int j = 0; j < 6 && ok; j++) ok = (names[j] = PyUnicode_FromStringAndSize(letters + j, 1)) != NULL;
     PyObject *result = NULL;
     if (!ok) goto done;
     PyObject *x_big = NULL;  /* "X" */
     if ((x_big = PyUnicode_FromString("X")) == NULL) goto done;
     PyObject *reg_field = NULL, *reg_bit = NULL;
-    Py_ssize_t run_at = -1, run_len = 0, count = PyList_GET_SIZE(changes), i = 0;
+    Py_ssize_t run_at = -1, run_len = 0, count = PyTuple_GET_SIZE(seq), i = 0;
     char run_name = 0;
     int unusual = 0, failed = 0;
     while (i < count && !unusual && !failed) {
-        PyObject *c = PyList_GET_ITEM(changes, i);
-        PyObject *nxt = i + 1 < count ? PyList_GET_ITEM(changes, i + 1) : NULL;
+        PyObject *c = PyTuple_GET_ITEM(seq, i);
+        PyObject *nxt = i + 1 < count ? PyTuple_GET_ITEM(seq, i + 1) : NULL;
         PyTypeObject *t = Py_TYPE(c);
         PyObject *key = NULL, *ek_name = NULL;  /* the KeyChange of a run's block, its engine key's name */
         if (t == ea && PyTuple_Check(PyTuple_GET_ITEM(c, 1)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 1)) == 1
@@ -889,6 +896,7 @@ static PyObject *change_args(PyObject *self, PyObject *args) {
     if (!failed) result = unusual ? Py_NewRef(Py_None) : Py_NewRef(out);
     Py_DECREF(x_big);
 done:
+    Py_XDECREF(seq);
     Py_XDECREF(out);
     Py_XDECREF(empty);
     for (int j = 0; j < 6; j++) Py_XDECREF(names[j]);
