@@ -998,7 +998,8 @@ static PyObject *run_keys(PyObject *self, PyObject *ops) {
         } else if (kind == 'X' && len >= 3) {
             PyObject *rks = k[2], *at = PyLong_FromSsize_t(j);
             if (at == NULL) goto done;
-            PyObject *each = PyObject_Length(rks) == 1 ? PySequence_List(rks) : distinct(rks);
+            Py_ssize_t m = PyObject_Length(rks);
+            PyObject *each = m < 0 ? NULL : m == 1 ? PySequence_List(rks) : distinct(rks);
             if (each == NULL) {
                 Py_DECREF(at);
                 PyErr_Clear();
@@ -1120,21 +1121,30 @@ static PyObject *last_stores(PyObject *self, PyObject *args) {
     }
     PyObject *out = PyDict_New();
     if (out == NULL) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(ops);
-    for (Py_ssize_t j = 0; j < n; j++) {
+    /* the list's size read afresh and the op's items held: a key's hash or comparison may run Python code */
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(ops); j++) {
         PyObject **k;
         Py_ssize_t len;
-        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K' || len < 4) continue;
-        int in = PySet_Contains(keys, k[1]);
-        if (in < 0) goto fail;
+        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K') continue;
+        if (len < 2) {  /* op[1], op[3]: Python's IndexError */
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto fail;
+        }
+        PyObject *rk = Py_NewRef(k[1]), *entry = len < 4 ? NULL : Py_NewRef(k[3]);
+        int in = PySet_Contains(keys, rk);
         int stores = 0;
-        if (in) {
+        if (in > 0 && entry == NULL) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            in = -1;
+        } else if (in > 0) {
             PyObject *zero = PyLong_FromLong(0);
-            stores = zero == NULL ? -1 : PyObject_RichCompareBool(k[3], zero, Py_GT);
+            stores = zero == NULL ? -1 : PyObject_RichCompareBool(entry, zero, Py_GT);
             Py_XDECREF(zero);
         }
-        if (stores < 0) goto fail;
-        if (stores && append_at(out, k[1], j) < 0) goto fail;
+        int r = in < 0 || stores < 0 || (stores && append_at(out, rk, j) < 0) ? -1 : 0;
+        Py_DECREF(rk);
+        Py_XDECREF(entry);
+        if (r < 0) goto fail;
     }
     return out;
 fail:

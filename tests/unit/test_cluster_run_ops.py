@@ -53,3 +53,14 @@ def test_an_op_of_another_shape_is_left_to_python():
 def test_the_last_stores_in_c_are_the_python_reference(changes, keys):
     ops = writes.change_ops(changes, 3)
     assert writes._c.last_stores(ops, keys) == writes._last_stores(ops, keys)
+
+
+def test_a_short_k_op_is_the_python_references_index_error():
+    """A K op too short for op[1] or, when its key is asked for, op[3]: Python's IndexError (the C loop skipped
+    it, silently)."""
+    for ops, keys in [([["K"]], {1}), ([["K", 1, "f"]], {1})]:
+        with pytest.raises(IndexError):
+            writes._last_stores(ops, keys)
+        with pytest.raises(IndexError):
+            writes._c.last_stores(ops, keys)
+    assert writes._c.last_stores([["K", 1, "f"]], {2}) == writes._last_stores([["K", 1, "f"]], {2}) == {}
