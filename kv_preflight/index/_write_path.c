@@ -48,11 +48,19 @@ static int dget(PyObject *d, PyObject *k, long long *v) {
     return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* A KeyError of ``k`` as Python's d[k] raises it (KeyError((ek, group)), not KeyError(ek, group), for a tuple) */
+static void key_error(PyObject *k) {
+    PyObject *args = PyTuple_Pack(1, k);
+    if (args == NULL) return;
+    PyErr_SetObject(PyExc_KeyError, args);
+    Py_DECREF(args);
+}
+
 /* d[k] (a KeyError when missing, as Python's d[k]) as a long long */
 static int dneed(PyObject *d, PyObject *k, long long *v) {
     PyObject *o = PyDict_GetItemWithError(d, k);
     if (o == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, k);
+        if (!PyErr_Occurred()) key_error(k);
         return -1;
     }
     *v = PyLong_AsLongLong(o);
@@ -164,7 +172,7 @@ static int add_parent(Planner *p, PyObject *rk, PyObject *parent) {
 static int drop_parent(Planner *p, PyObject *rk) {
     PyObject *parent = PyDict_GetItemWithError(p->parent_of, rk);
     if (parent == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rk);
+        if (!PyErr_Occurred()) key_error(rk);
         return -1;
     }
     Py_INCREF(parent);
@@ -486,22 +494,25 @@ static PyObject *plan_blocks(PyObject *self, PyObject *args) {
     }
     if (load_count(state, s_unknown, &p.unknown) < 0 || load_count(state, s_orphans, &p.orphans) < 0) goto done;
     loaded = 1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(muts), i = start < 0 ? 0 : start;
-    PyObject **items = PySequence_Fast_ITEMS(muts);
+    /* the size and item read afresh each time, the item held: the callbacks into Python (_release, _undefer,
+     * _defer, bit_of) may change a list of mutations, even free its items */
+    Py_ssize_t i = start < 0 ? 0 : start;
     int failed = 0;
-    for (; i < n && !failed; i++) {
-        PyObject *m = items[i];
+    for (; i < PySequence_Fast_GET_SIZE(muts) && !failed; i++) {
+        PyObject *m = PySequence_Fast_GET_ITEM(muts, i);
         PyTypeObject *t = Py_TYPE(m);
+        Py_INCREF(m);
         if (t == p.store_type) {
             if (reannounce) {
                 PyObject *pl = PyObject_GetAttr(m, s_parentless);
                 int parentless = pl == NULL ? -1 : PyObject_IsTrue(pl);
                 Py_XDECREF(pl);
-                if (parentless < 0) { failed = 1; break; }
+                if (parentless < 0) { Py_DECREF(m); failed = 1; break; }
                 if (parentless) {
                     PyObject *parent = PyObject_GetAttr(m, s_parent);
                     int stop = parent == NULL ? -1 : parent == Py_None ? 1 : is_root(parent);
                     Py_XDECREF(parent);
+                    if (stop) Py_DECREF(m);
                     if (stop < 0) { failed = 1; break; }
                     if (stop) break;
                 }
@@ -510,8 +521,10 @@ static PyObject *plan_blocks(PyObject *self, PyObject *args) {
         } else if (t == p.remove_type) {
             failed = remove_block(&p, m) < 0;
         } else {
+            Py_DECREF(m);
             break;
         }
+        Py_DECREF(m);
     }
     if (!failed) result = PyLong_FromSsize_t(i);
 done:
@@ -637,7 +650,7 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
         PyObject *index = PyLong_FromSsize_t(i);
         if (index == NULL) goto done;
         int r = 0;
-        if (op_is(k[0], 'Q') && len == 3) {
+        if (op_is(k[0], 'Q') && len == 3 && PyLong_CheckExact(k[1])) {
             int folds = 0;
             if (i) {  /* changes.py folds_probe */
                 Py_ssize_t plen;
@@ -665,9 +678,13 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
             long entry;
             int ru = runs(k, &entry);
             int overflow = 0;
-            long byte = PyLong_Check(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
-            long mask = !overflow && PyLong_Check(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
-            PyObject *pk = ru > 0 && !overflow && byte >= 1 && mask >= 1 ? key_name(k[1], prefix, np, suffix, ns) : NULL;
+            long byte = PyLong_CheckExact(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
+            long mask = !overflow && PyLong_CheckExact(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
+            /* exact types, so that no comparison below runs Python code (which could free the ops read); a byte
+             * whose bit position (byte - 1) * 8 + ... does not fit a long is Python's (it raises there) */
+            int plain = PyUnicode_CheckExact(k[2]) && PyUnicode_CheckExact(k[4]) && byte <= (LONG_MAX - 64) / 8;
+            PyObject *pk = ru > 0 && plain && !overflow && byte >= 1 && mask >= 1
+                ? key_name(k[1], prefix, np, suffix, ns) : NULL;
             if (pk == NULL) {
                 if (PyErr_Occurred()) r = -1;
                 else unusual = 1;
@@ -738,6 +755,17 @@ done:
 
 /* ---- a plan's changes as changes.lua's arguments on a single node (changes.py change_args) */
 
+/* Whether every change of the three types has its fields (one made by tuple.__new__ may not): the loops below
+ * read them by position. */
+static int changes_whole(PyObject *const *items, Py_ssize_t n, PyObject *kc, PyObject *ea, PyObject *ed) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = (PyObject *)Py_TYPE(items[i]);
+        Py_ssize_t size = (t == kc || t == ea || t == ed) ? PyTuple_GET_SIZE(items[i]) : -1;
+        if ((t == kc && size != 5) || ((t == ea || t == ed) && size != 2)) return 0;
+    }
+    return 1;
+}
+
 /* change_args(changes, own, types, key_prefix, key_suffix, engine_prefix) -> list | None: changes.py
  * change_args (its reference, see there) for the changes a batch mostly makes: entries and their bits that
  * come or go together (S and R runs under F, each block with its engine key's ZADD or ZREM beside when the
@@ -758,21 +786,25 @@ static PyObject *change_args(PyObject *self, PyObject *args) {
     }
     PyTypeObject *kc = (PyTypeObject *)PyTuple_GET_ITEM(types, 0), *ea = (PyTypeObject *)PyTuple_GET_ITEM(types, 1),
                  *ed = (PyTypeObject *)PyTuple_GET_ITEM(types, 2);
+    /* a tuple of the changes: a comparison below may run Python code (an __eq__), which must not free the
+     * changes read (or the F register's field and bit, borrowed from one) by changing the list */
+    PyObject *seq = PyList_AsTuple(changes);
     PyObject *out = PyList_New(0), *empty = PyUnicode_FromString(""), *names[6] = {NULL};
     const char *letters = "SRFzZx";
-    int ok = out != NULL && empty != NULL;
+    int ok = seq != NULL && out != NULL && empty != NULL;
     for (int j = 0; j < 6 && ok; j++) ok = (names[j] = PyUnicode_FromStringAndSize(letters + j, 1)) != NULL;
     PyObject *result = NULL;
     if (!ok) goto done;
     PyObject *x_big = NULL;  /* "X" */
     if ((x_big = PyUnicode_FromString("X")) == NULL) goto done;
     PyObject *reg_field = NULL, *reg_bit = NULL;
-    Py_ssize_t run_at = -1, run_len = 0, count = PyList_GET_SIZE(changes), i = 0;
+    Py_ssize_t run_at = -1, run_len = 0, count = PyTuple_GET_SIZE(seq), i = 0;
     char run_name = 0;
-    int unusual = 0, failed = 0;
+    int unusual = !changes_whole(PySequence_Fast_ITEMS(seq), count, (PyObject *)kc, (PyObject *)ea, (PyObject *)ed);
+    int failed = 0;
     while (i < count && !unusual && !failed) {
-        PyObject *c = PyList_GET_ITEM(changes, i);
-        PyObject *nxt = i + 1 < count ? PyList_GET_ITEM(changes, i + 1) : NULL;
+        PyObject *c = PyTuple_GET_ITEM(seq, i);
+        PyObject *nxt = i + 1 < count ? PyTuple_GET_ITEM(seq, i + 1) : NULL;
         PyTypeObject *t = Py_TYPE(c);
         PyObject *key = NULL, *ek_name = NULL;  /* the KeyChange of a run's block, its engine key's name */
         if (t == ea && PyTuple_Check(PyTuple_GET_ITEM(c, 1)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 1)) == 1
@@ -873,6 +905,7 @@ static PyObject *change_args(PyObject *self, PyObject *args) {
     if (!failed) result = unusual ? Py_NewRef(Py_None) : Py_NewRef(out);
     Py_DECREF(x_big);
 done:
+    Py_XDECREF(seq);
     Py_XDECREF(out);
     Py_XDECREF(empty);
     for (int j = 0; j < 6; j++) Py_XDECREF(names[j]);
@@ -885,8 +918,9 @@ static PyObject *list_from(PyObject *seq) {
     return PyList_Check(seq) ? PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq)) : PySequence_List(seq);
 }
 
-/* change_ops(changes, byte, mask, types) -> list: writes.py change_ops_py (the reference) for the three
- * change types (``types``: KeyChange, EngineAdd, EngineDrop; any other is left out, as there). */
+/* change_ops(changes, byte, mask, types) -> list | None: writes.py change_ops_py (the reference) for the three
+ * change types (``types``: KeyChange, EngineAdd, EngineDrop; any other is left out, as there); None for a
+ * change missing fields (Python's unpacking then says so). */
 static PyObject *change_ops(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *changes, *byte, *mask, *types;
@@ -896,6 +930,7 @@ static PyObject *change_ops(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *kc = PyTuple_GET_ITEM(types, 0), *ea = PyTuple_GET_ITEM(types, 1), *ed = PyTuple_GET_ITEM(types, 2);
+    if (!changes_whole(PySequence_Fast_ITEMS(changes), PyList_GET_SIZE(changes), kc, ea, ed)) Py_RETURN_NONE;
     PyObject *k_name = PyUnicode_FromString("K"), *z_name = PyUnicode_FromString("Z"), *x_name = PyUnicode_FromString("X");
     PyObject *out = PyList_New(0);
     int failed = !k_name || !z_name || !x_name || !out;
@@ -974,7 +1009,8 @@ static PyObject *run_keys(PyObject *self, PyObject *ops) {
         } else if (kind == 'X' && len >= 3) {
             PyObject *rks = k[2], *at = PyLong_FromSsize_t(j);
             if (at == NULL) goto done;
-            PyObject *each = PyObject_Length(rks) == 1 ? PySequence_List(rks) : distinct(rks);
+            Py_ssize_t m = PyObject_Length(rks);
+            PyObject *each = m < 0 ? NULL : m == 1 ? PySequence_List(rks) : distinct(rks);
             if (each == NULL) {
                 Py_DECREF(at);
                 PyErr_Clear();
@@ -1097,17 +1133,32 @@ static PyObject *raced(PyObject *self, PyObject *args) {
     }
     PyObject *stored_at = PyDict_New(), *zero = PyLong_FromLong(0), *out = PyList_New(0), *result = NULL;
     if (stored_at == NULL || zero == NULL || out == NULL) goto done;
-    Py_ssize_t n = PyList_GET_SIZE(ops);
-    for (Py_ssize_t j = 0; j < n; j++) {  /* per key of ``back``, the run's last K op storing it */
+    /* per key of ``back``, the run's last K op storing it; the list's size read afresh and the op's items held:
+     * a key's hash or comparison may run Python code */
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(ops); j++) {
         PyObject **k;
         Py_ssize_t len;
-        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K' || len < 4) continue;
-        int in = PySet_Contains(back, k[1]);
-        int stores = in > 0 ? PyObject_RichCompareBool(k[3], zero, Py_GT) : in;
-        if (stores < 0 || (stores && append_at(stored_at, k[1], j) < 0)) goto done;
+        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K') continue;
+        if (len < 2) {  /* op[1], op[3]: Python's IndexError */
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        PyObject *rk = Py_NewRef(k[1]), *entry = len < 4 ? NULL : Py_NewRef(k[3]);
+        int in = PySet_Contains(back, rk);
+        int stores = 0;
+        if (in > 0 && entry == NULL) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            in = -1;
+        } else if (in > 0) {
+            stores = PyObject_RichCompareBool(entry, zero, Py_GT);
+        }
+        int r = in < 0 || stores < 0 || (stores && append_at(stored_at, rk, j) < 0) ? -1 : 0;
+        Py_DECREF(rk);
+        Py_XDECREF(entry);
+        if (r < 0) goto done;
     }
-    Py_ssize_t m = PyList_GET_SIZE(drops);
-    for (Py_ssize_t d = 0; d < m; d++) {
+    /* the drops: each held while its keys are looked up (a key's hash may run Python code) */
+    for (Py_ssize_t d = 0; d < PyList_GET_SIZE(drops); d++) {
         PyObject *drop = PyList_GET_ITEM(drops, d), **k;
         Py_ssize_t len;
         if (!PyTuple_Check(drop) || PyTuple_GET_SIZE(drop) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(drop, 0))
@@ -1117,21 +1168,20 @@ static PyObject *raced(PyObject *self, PyObject *args) {
         }
         long long j = PyLong_AsLongLong(PyTuple_GET_ITEM(drop, 0));
         if (j == -1 && PyErr_Occurred()) goto done;
-        PyObject *rks = k[2];
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rks); i++) {
-            PyObject *rk = PyList_GET_ITEM(rks, i);
+        PyObject *rks = Py_NewRef(k[2]);
+        Py_INCREF(drop);
+        int r = 0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rks) && r == 0; i++) {
+            PyObject *rk = Py_NewRef(PyList_GET_ITEM(rks, i));
             int in = PySet_Contains(back, rk);
-            if (in < 0) goto done;
-            if (!in) continue;
-            long long at;
-            PyObject *got = PyDict_GetItemWithError(stored_at, rk);
-            if (got == NULL && PyErr_Occurred()) goto done;
-            at = got == NULL ? -1 : PyLong_AsLongLong(got);
-            if (at < j) {
-                if (PyList_Append(out, drop) < 0) goto done;
-                break;
-            }
+            PyObject *got = in > 0 ? PyDict_GetItemWithError(stored_at, rk) : NULL;
+            Py_DECREF(rk);
+            if (in < 0 || (got == NULL && PyErr_Occurred())) r = -1;
+            else if (in && (got == NULL ? -1 : PyLong_AsLongLong(got)) < j) r = PyList_Append(out, drop) < 0 ? -1 : 1;
         }
+        Py_DECREF(rks);
+        Py_DECREF(drop);
+        if (r < 0) goto done;
     }
     result = Py_NewRef(out);
 done:

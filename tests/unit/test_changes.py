@@ -2,6 +2,11 @@
 list holds (a Valkey Cluster shard names a moved op by its position: the count must match the script's)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,3 +157,38 @@ def test_a_batchs_args_in_c_are_the_python_references(pairs, alone, general, num
     assert change_args(out, num) == change_args_py(out, num)
     if got is not None:
         assert got == change_args_py(out, num)
+
+
+@pytest.mark.skipif(changes._change_args_c is None, reason="the C routines are not built")
+def test_a_comparison_that_changes_the_list_cannot_free_what_change_args_reads():
+    """The F register's comparison runs a field's __eq__, Python code: one that empties the list of changes
+    frees the changes the C loop read (and the field and bit it kept as the register) unless it holds them."""
+    code = """
+        import gc
+        from kv_preflight.index.changes import change_args, change_args_py
+        from kv_preflight.index.pod_state import KeyChange
+        held = []
+        class Field(str):
+            __hash__ = str.__hash__
+            def __eq__(self, other):
+                held.clear()
+                gc.collect()
+                return False
+        held[:] = [KeyChange(1000 + i, Field("f%d" % i), 1, "b%d" % i, 1) for i in range(40)]
+        kept = list(held)
+        print(len(change_args(held, 3)) == len(change_args_py(kept, 3)))
+        """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONMALLOC": "debug"}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("byte", [2**61 + 1, 2**60 + 1, 2**63 - 1])
+def test_a_bit_position_past_a_long_is_pythons_error_not_another_pods_bit(byte):
+    """A (corrupt) outbox K change whose byte is near 2**63: its bit position (byte - 1) * 8 overflowed a C long
+    (2**61 + 1 wrapped to pod 0's bit, sent as F's value); the C routine leaves it to Python, which raises."""
+    ops = [["K", 5, "f", 1, "0", 1, byte, 1]]
+    if changes._shard_args_c is not None:
+        assert changes._shard_args_c(ops, mine, *changes._PRESENCE_NAME) is None
+    with pytest.raises((MemoryError, OverflowError, ValueError)):
+        shard_args(ops)

@@ -63,3 +63,27 @@ def test_a_store_after_the_drop_explains_its_entry_and_one_before_does_not():
         assert c([x, k], [(0, x)], {3}) == []  # the run stored the key again after the drop
         assert c([k, x], [(1, x)], {3}) == [(1, x)]  # stored before the drop: another writer's entry
         assert c([k, x], [(1, x)], {4}) == []  # the key holds no entry again
+
+
+def test_a_short_k_op_is_the_python_references_index_error():
+    """A K op too short for op[1] or, when its key is asked for, op[3]: Python's IndexError (a C loop that
+    skipped it would do so silently)."""
+    for ops, keys in [([["K"]], {1}), ([["K", 1, "f"]], {1})]:
+        with pytest.raises(IndexError):
+            writes._raced(ops, [], keys)
+        with pytest.raises(IndexError):
+            writes._c.raced(ops, [], keys)
+    assert writes._c.raced([["K", 1, "f"]], [], {2}) == writes._raced([["K", 1, "f"]], [], {2}) == []
+
+
+def test_a_change_missing_fields_goes_to_python():
+    """A NamedTuple made by tuple.__new__ may lack fields the C loops read by position: they leave it to the
+    Python twins, which say what is wrong, never a read past the tuple."""
+    from kv_preflight.index import changes as ch
+    short = tuple.__new__(EngineAdd, (1,))
+    assert writes._c.change_ops([short], 1, 1, writes._CHANGE_TYPES) is None
+    assert ch._change_args_c([short], b"1:\x01", ch._CHANGE_TYPES, *ch._PRESENCE_NAME, ch.ENGINE_PREFIX) is None
+    with pytest.raises(IndexError):
+        writes.change_ops([short], 0)
+    with pytest.raises(IndexError):
+        ch.change_args([short], 0)

@@ -3,7 +3,11 @@ the changes a plan emits turn the index's entries, bits and engine keys exactly 
 orphan count equals its definition, and a snapshot plus the batches after it restore the same state."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -502,3 +506,59 @@ def test_the_c_columns_write_the_python_paths_bytes(state):
         mp.setattr(pod_state, "_pack_u64s", None)
         assert columns == pod_state._columns(state)
         assert encode_snapshot(state, 9) == snap
+
+
+def _run_isolated(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with Python's debug allocator (freed memory is overwritten, so a use
+    after free crashes there rather than maybe)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONMALLOC": "debug"}, timeout=120)
+
+
+@pytest.mark.skipif(pod_state._plan_blocks is None, reason="the C plan loop is not built")
+def test_the_c_plan_loop_survives_a_callback_that_changes_the_mutations():
+    """The C loop calls back into Python (here ``_release``, an engine key's deferred drop): whatever that does
+    to the list of mutations, the loop reads it afresh (it held the list's item array and size, and read freed
+    items: a crash)."""
+    done = _run_isolated("""
+        import gc
+        from kv_preflight.index.pod_state import PodState
+        from kv_preflight.index.entries import CHAIN_ROOT, RemoveBlock, StoreBlock, encode_entry, make_entry
+        F = encode_entry(make_entry("pod", "GPU", 0))
+        class Odd(PodState):
+            muts = None
+            def _release(self, rk, out):
+                if self.muts is not None:
+                    self.muts.clear()
+                    gc.collect()
+                super()._release(rk, out)
+        st = Odd(engine_block_size=32, pod_id="pod")
+        st.plan([StoreBlock(1, "gpu", F, (10,), 0, False, CHAIN_ROOT), StoreBlock(2, "gpu", F, (10,), 0, False, CHAIN_ROOT)])
+        st.muts = [RemoveBlock(1, "gpu", 0), RemoveBlock(2, "gpu", 0)] + [RemoveBlock(i, "gpu", 0) for i in range(100, 120)]
+        try:
+            st.plan(st.muts)
+        except IndexError:  # the Python loop's, on the list it was given (now empty)
+            pass
+        print("survived")
+        """)
+    assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(pod_state._plan_blocks is None, reason="the C plan loop is not built")
+def test_a_missing_engine_slot_is_the_python_methods_key_error():
+    """A state that lost an engine key's slot: the C loop raises the KeyError Python's ``self.ek_slots[k]``
+    raises, its key the (ek, group) tuple (not KeyError(ek, group))."""
+    c_loop = pod_state._plan_blocks
+    errors = []
+    for loop in (c_loop, None):
+        state = PodState(engine_block_size=32, pod_id="pod")
+        state.plan([StoreBlock(1, "gpu", "F", (10,), 0, False, CHAIN_ROOT)])
+        state.ek_slots.clear()
+        pod_state._plan_blocks = loop
+        try:
+            with pytest.raises(KeyError) as caught:
+                state.plan([RemoveBlock(1, "gpu", 0)])
+        finally:
+            pod_state._plan_blocks = c_loop
+        errors.append(caught.value.args)
+    assert errors[0] == errors[1] == ((1, 0),)

@@ -76,7 +76,9 @@ def change_ops(changes: Sequence[Any], num: int | None) -> list[Any]:
     when built."""
     if _c is not None and type(changes) is list:
         n = num or 0
-        return _c.change_ops(changes, n // 8 + 1, 1 << (n % 8), _CHANGE_TYPES)
+        done = _c.change_ops(changes, n // 8 + 1, 1 << (n % 8), _CHANGE_TYPES)
+        if done is not None:
+            return done
     return change_ops_py(changes, num)
 
 
