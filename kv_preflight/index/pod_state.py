@@ -836,14 +836,20 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
         parents = iter(snap.parents)
         at, last = 0, None
         keys = []
+        stores = []
         for i, (ek, n, code) in enumerate(zip(eks, _per_block(snap.counts, len(eks)), _per_block(snap.codes, len(eks)))):
             own = rks[at:at + n]
             at += n
             parent = last if snap.chained[i >> 3] >> (i & 7) & 1 else next(parents)
             key = (ek, tiers[code & 15], code >> 4 & 255)
             keys.append(key)
-            st._store(StoreBlock(ek, key[1], fields[code >> 12], own, key[2], False, parent), out)
+            stores.append(StoreBlock(ek, key[1], fields[code >> 12], own, key[2], False, parent))
             last = own[-1] if own else None
+        # stored as a batch's stores are (in C where built: a pod's load, after a restart or another writer,
+        # replays its thousands of blocks)
+        done = _plan_blocks(st, out, stores, 0, False, _PLAN_TYPES) if _plan_blocks is not None else 0
+        for m in stores[done:]:
+            st._store(m, out)
         for i, copies in snap.copies.items():
             st.blocks[keys[i]].copies = copies
         for ek, rks in snap.deferred:
