@@ -8,8 +8,10 @@ the shard's own node table (CLUSTER NODES).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 
 import pytest
 import redis
@@ -76,3 +78,77 @@ async def test_a_cluster_without_replicas_confirms_at_once(tmp_path):
         await ix.close()
         sync.close()
         cluster.stop()
+
+
+async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_path):
+    """A run's writes went to a master whose replica had stopped taking them; the writer stalled before its
+    ack (a SIGSTOP, a long pause) while the master died and that replica was promoted. The ack asked the
+    primaries of the touched keys now: the promoted replica, with no replica of its own, confirmed at once,
+    and the outbox entry was deleted with its writes lost (seen once in CI under load,
+    test_cluster_failover.py::test_master_killed_under_load). The slot map moved since the run began, so the
+    ack now refuses, and the entry runs again on the new master."""
+    from kv_preflight.index.cluster.writes import encode_changes
+    from kv_preflight.index.pod_state import EngineAdd, KeyChange
+
+    cluster = ValkeyCluster(tmp_path / "cluster").start()
+    ix = Index.from_url(cluster.url)
+    sync = redis.RedisCluster.from_url(cluster.url)
+    stopped: list[int] = []
+    try:
+        cluster.wait_ok()
+        f = encode_entry(make_entry("pod-a", "gpu", None))
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
+        assert r.status == "applied"
+        await drain_until_empty(ix, sync, timeout=10)
+        cw = ix.backend.writes
+        await cw.shards.ready()
+        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
+        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
+        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
+        replica = cluster.replicas_of(victim)[0]
+        os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
+        stopped.append(replica.proc.pid)
+        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        changes = [EngineAdd(7, (rk,)), KeyChange(rk, f, 1, "gpu", 1)]
+        payload = encode_changes(changes, 0)
+        sync.hset(pod_outbox_key("pod-a"), "9|w|0", payload)  # the batch's entry, as its pod step wrote it
+        _, _, touched = await cw.run([cw_ops(changes)])  # rounds A-D: the entry's writes, on the victim
+        assert sync.hkeys(str(rk)) == [f.encode()]
+        # the writer stalls; the victim dies; its replica, which never got the write, is promoted
+        victim.stop(kill=True)
+        os.kill(replica.proc.pid, signal.SIGCONT)
+        stopped.clear()
+        promoted = redis.Redis(port=replica.port)
+        deadline = time.monotonic() + 30
+        while replica.port not in {n.port for n in cluster.masters_now()}:
+            assert time.monotonic() < deadline, "the replica was not promoted"
+            await asyncio.sleep(0.1)
+        assert not promoted.hexists(str(rk), f), "the promoted replica had the write: nothing is tested"
+        # the writer goes on: its later rounds find the old master gone and learn the slot map again
+        cw.shards.forget_table()
+        while True:  # (redis-py may try the dead node first, as its rounds' retries do)
+            try:
+                await cw.client.nodes_manager.initialize()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "the slot map was not learnt again"
+                await asyncio.sleep(0.2)
+        assert not await cw.ack([("pod-a", "9|w|0", payload)], touched)
+        sync.close()
+        sync = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
+        assert sync.hexists(pod_outbox_key("pod-a"), "9|w|0")  # kept: it runs again, on the new master
+        await drain_until_empty(ix, sync, timeout=20)
+        assert sync.hkeys(str(rk)) == [f.encode()]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        await ix.close()
+        sync.close()
+        cluster.stop()
+
+
+def cw_ops(changes):
+    from kv_preflight.index.cluster.writes import change_ops
+
+    return change_ops(changes, 0)

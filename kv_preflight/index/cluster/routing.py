@@ -101,6 +101,7 @@ class Shards:
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
         self._table: tuple[Any, bytes, list[Any]] | None = None  # (slot map it was built from, table, primaries)
+        self._forgets = 0  # how often a caller found slots moved (``forget_table``)
 
     async def ready(self) -> None:
         if not self.client.nodes_manager.slots_cache:
@@ -129,6 +130,16 @@ class Shards:
 
     def forget_table(self) -> None:
         self._table = None
+        self._forgets += 1
+
+    def map_mark(self) -> tuple[int, Any]:
+        """What routing knows of the slot map now; ``map_moved`` says whether it has learnt anything since."""
+        return self._forgets, self.client.nodes_manager.slots_cache
+
+    def map_moved(self, mark: tuple[int, Any]) -> bool:
+        """Whether slots were found moved, or redis-py learnt the slot map again, since ``mark``: a failover
+        or a reshard may then have put a key written before it on another primary than the one written to."""
+        return mark[0] != self._forgets or mark[1] is not self.client.nodes_manager.slots_cache
 
     async def request_keys_by_primary(self, request_keys: Sequence[int], prefix: str = "") -> \
             tuple[dict[str, tuple[Any, list[int]]], list[int]]:

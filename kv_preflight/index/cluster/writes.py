@@ -19,7 +19,9 @@ another way (docs/architecture.md, "Valkey Cluster"):
    D. ``engine:<ek>`` gets its request keys back.
    Every change is idempotent (a set bit set again, an entry written again, a ZREM of what is gone), so
    running an outbox entry twice, or after a failover half ran it, changes nothing.
-3. **Ack**: the outbox entry is deleted once every shard it touched has it on a replica (the barrier).
+3. **Ack**: the outbox entry is deleted once every shard it touched has it on a replica (the barrier), and
+   only if the slot map did not move during the run (a run stalled across a failover wrote to the old master;
+   asked after it, the promoted replica would confirm writes it never had): else it runs again later.
 
 An ingester killed between 1 and 3 leaves the entry; the next pod step of any ingester for that pod
 answers "pending" (the entry is older than the takeover time) or "busy" (younger: its writer is
@@ -35,7 +37,7 @@ import os
 import time
 from collections.abc import Sequence
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from redis.asyncio.cluster import RedisCluster
@@ -135,6 +137,14 @@ def key_op_args(op: Sequence[Any]) -> list[Any]:
         return ["q", op[1], op[2]]
     _, rk, fld, entry, bit, bitdelta, byte, mask = op
     return lua_key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
+
+
+class Touched(NamedTuple):
+    """What a run wrote, for its ack: the keys (per name prefix, the values: request keys, engine keys) and
+    the slot map it wrote by (``Shards.map_mark``; None: nothing written)."""
+
+    keys: list[tuple[str, list[int]]]
+    mark: Any
 
 
 class ClusterWrites:
@@ -278,13 +288,15 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, list[tuple[str, list[int]]]]:
+    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, "Touched"]:
         """Run outbox entries' changes (each entry's ops, as ``decode_entry`` gives them), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
         alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
         request keys, engine keys)."""
         if not entries:
-            return 0, "", []
+            return 0, "", Touched([], None)
+        await self.shards.ready()
+        mark = self.shards.map_mark()  # the slot map the run writes by (``ack``)
         ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
@@ -320,8 +332,7 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
-        touched = [("", rk_changes), (ENGINE_PREFIX, round_b_eks)]
-        return foreign, first, touched
+        return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark)
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
@@ -391,13 +402,17 @@ class ClusterWrites:
 
     # ---- step 3, and entries left behind
 
-    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: Sequence[tuple[str, list[int]]]) -> bool:
+    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: "Touched") -> bool:
         """Delete the entries once every shard their changes touched has them on a replica; False
-        (entries kept, to run again later) when one has not confirmed in time, or a touched key's slot has
-        no primary now."""
+        (entries kept, to run again later) when one has not confirmed in time, a touched key's slot has no
+        primary now, or the slot map moved since the run began: the primaries asked now may not be those
+        written to (a run stalled across a failover wrote to the old master; its promoted replica, asked now,
+        has no replica of its own to wait for and would confirm writes it never had)."""
         if not entries:
             return True
-        nodes = await self.shards.primaries_of(touched)
+        if touched.mark is not None and self.shards.map_moved(touched.mark):
+            return False
+        nodes = await self.shards.primaries_of(touched.keys)
         if nodes is None or not await self.barrier.confirm(nodes):
             return False
         # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
