@@ -255,14 +255,20 @@ static int link_key(Planner *p, PyObject *rk, PyObject *fld, PyObject *bit, int 
     return 0;
 }
 
-static int link_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks) {
+/* ek_slots[(ek, group)] moved by d: +1 from 0 when missing; -1 a KeyError when missing, removed at 0 */
+static int move_slot(Planner *p, PyObject *ek, PyObject *group, int d) {
     PyObject *k = PyTuple_Pack(2, ek, group);
     if (k == NULL) return -1;
-    long long slots, n;
-    int r = dget(p->ek_slots, k, &slots);
-    if (r == 0) r = dput(p->ek_slots, k, slots + 1);
+    long long v;
+    int r = d > 0 ? dget(p->ek_slots, k, &v) : dneed(p->ek_slots, k, &v);
+    if (r == 0) r = v + d ? dput(p->ek_slots, k, v + d) : PyDict_DelItem(p->ek_slots, k);
     Py_DECREF(k);
-    if (r < 0 || dget(p->ek_refs, ek, &n) < 0 || dput(p->ek_refs, ek, n + 1) < 0) return -1;
+    return r;
+}
+
+static int link_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks) {
+    long long n;
+    if (move_slot(p, ek, group, +1) < 0 || dget(p->ek_refs, ek, &n) < 0 || dput(p->ek_refs, ek, n + 1) < 0) return -1;
     if (n == 0) {
         if (PyDict_GET_SIZE(p->deferred)) {
             int in = PyDict_Contains(p->deferred, ek);
@@ -277,13 +283,8 @@ static int link_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks)
 }
 
 static int unlink_engine(Planner *p, PyObject *ek, PyObject *group, PyObject *rks) {
-    PyObject *k = PyTuple_Pack(2, ek, group);
-    if (k == NULL) return -1;
-    long long left, n;
-    int r = dneed(p->ek_slots, k, &left);
-    if (r == 0) r = left - 1 ? dput(p->ek_slots, k, left - 1) : PyDict_DelItem(p->ek_slots, k);
-    Py_DECREF(k);
-    if (r < 0 || dneed(p->ek_refs, ek, &n) < 0) return -1;
+    long long n;
+    if (move_slot(p, ek, group, -1) < 0 || dneed(p->ek_refs, ek, &n) < 0) return -1;
     if (n - 1) return dput(p->ek_refs, ek, n - 1);
     if (PyDict_DelItem(p->ek_refs, ek) < 0) return -1;
     Py_ssize_t m = PyTuple_GET_SIZE(rks);

@@ -9,6 +9,7 @@ the shard's own node table (CLUSTER NODES).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -24,13 +25,27 @@ from tests.integration.test_cluster import drain_until_empty, outbox_keys
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 
-async def test_a_new_clusters_first_writes_wait_for_their_replicas(tmp_path):
+@contextlib.asynccontextmanager
+async def cluster_with_index(tmp_path):
+    """A new 3-master cluster with a replica each, an Index and a client on it, and the pids a test stopped
+    (SIGCONT again at the end, whatever happens)."""
     cluster = ValkeyCluster(tmp_path / "cluster").start()
     ix = Index.from_url(cluster.url)
     sync = redis.RedisCluster.from_url(cluster.url)
     stopped: list[int] = []
     try:
         cluster.wait_ok()
+        yield cluster, ix, sync, stopped
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        await ix.close()
+        sync.close()
+        cluster.stop()
+
+
+async def test_a_new_clusters_first_writes_wait_for_their_replicas(tmp_path):
+    async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
         await ix.backend.client.initialize()  # the slot map learned before any write, as a new ingester does
         masters = {n.port for n in cluster.masters_now()}
         replicas = [n for n in cluster.nodes if n.port not in masters]
@@ -51,12 +66,6 @@ async def test_a_new_clusters_first_writes_wait_for_their_replicas(tmp_path):
         cluster.wait_ok()
         # replicas back: the entry runs again (as the ingester's chores run it) until a replica confirms it
         await drain_until_empty(ix, sync, timeout=10)
-    finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
-        await ix.close()
-        sync.close()
-        cluster.stop()
 
 
 async def test_a_cluster_without_replicas_confirms_at_once(tmp_path):
@@ -90,12 +99,7 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
     from kv_preflight.index.cluster.writes import encode_changes
     from kv_preflight.index.pod_state import EngineAdd, KeyChange
 
-    cluster = ValkeyCluster(tmp_path / "cluster").start()
-    ix = Index.from_url(cluster.url)
-    sync = redis.RedisCluster.from_url(cluster.url)
-    stopped: list[int] = []
-    try:
-        cluster.wait_ok()
+    async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
         f = encode_entry(make_entry("pod-a", "gpu", None))
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
                                  mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
@@ -135,17 +139,13 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
                 assert time.monotonic() < deadline, "the slot map was not learnt again"
                 await asyncio.sleep(0.2)
         assert not await cw.ack([("pod-a", "9|w|0", payload)], touched)
-        sync.close()
-        sync = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
-        assert sync.hexists(pod_outbox_key("pod-a"), "9|w|0")  # kept: it runs again, on the new master
-        await drain_until_empty(ix, sync, timeout=20)
-        assert sync.hkeys(str(rk)) == [f.encode()]
-    finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
-        await ix.close()
-        sync.close()
-        cluster.stop()
+        after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
+        try:
+            assert after.hexists(pod_outbox_key("pod-a"), "9|w|0")  # kept: it runs again, on the new master
+            await drain_until_empty(ix, after, timeout=20)
+            assert after.hkeys(str(rk)) == [f.encode()]
+        finally:
+            after.close()
 
 
 def cw_ops(changes):
