@@ -21,8 +21,9 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("kv_preflight._speedups", ["kv_preflight/_speedups.c"], extra_compile_args=["-O3"]),
+    ext_modules=[Extension("kv_preflight._speedups", ["kv_preflight/_speedups.c"], depends=["kv_preflight/_u64.h"],
+                           extra_compile_args=["-O3"]),
                  Extension("kv_preflight.index._write_path", ["kv_preflight/index/_write_path.c"],
-                           extra_compile_args=["-O3"])],
+                           depends=["kv_preflight/_u64.h"], extra_compile_args=["-O3"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -21,6 +21,8 @@
 #include <Python.h>
 #include <string.h>
 
+#include "../_u64.h"
+
 /* Attribute names, interned once at import. */
 static PyObject *s_blocks, *s_tiers, *s_entry_refs, *s_bit_refs, *s_ek_slots, *s_ek_refs, *s_rk_links,
     *s_deferred, *s_waiting, *s_held, *s_known, *s_kids, *s_parent_of, *s_bits_cache, *s_prefix, *s_unknown,
@@ -594,23 +596,20 @@ static int key_runs(PyObject *c, long *entry) {
 
 /* "<prefix><rk><suffix>" (layout.presence_key), or NULL with no error when rk is not a uint64 */
 static PyObject *key_name(PyObject *rk, const char *prefix, Py_ssize_t np, const char *suffix, Py_ssize_t ns) {
+    unsigned long long v;
     if (!PyLong_CheckExact(rk)) return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(rk);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    if (as_u64(rk, &v) < 0) {
         PyErr_Clear();
         return NULL;
     }
     char digits[20];
-    int nd = 0;
-    do {
-        digits[19 - nd++] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
+    char *d = write_u64(digits + sizeof digits, v);
+    Py_ssize_t nd = digits + sizeof digits - d;
     PyObject *s = PyUnicode_New(np + nd + ns, 127);
     if (s == NULL) return NULL;
     char *w = (char *)PyUnicode_DATA(s);
     memcpy(w, prefix, np);
-    memcpy(w + np, digits + 20 - nd, nd);
+    memcpy(w + np, d, nd);
     memcpy(w + np + nd, suffix, ns);
     return s;
 }
