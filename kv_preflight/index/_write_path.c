@@ -1043,7 +1043,8 @@ static PyObject *engine_round(PyObject *self, PyObject *args) {
     PyObject *ops, *empty_at;
     const char *prefix;
     Py_ssize_t np;
-    if (!PyArg_ParseTuple(args, "O!O!s#", &PyList_Type, &ops, &PyDict_Type, &empty_at, &prefix, &np)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOs#", &ops, &empty_at, &prefix, &np)) return NULL;
+    if (!PyList_Check(ops) || !PyDict_Check(empty_at)) Py_RETURN_NONE;
     PyObject *cmds = PyList_New(0), *eks = PyList_New(0), *drops = PyList_New(0);
     PyObject *zadd = PyUnicode_FromString("ZADD"), *zrem = PyUnicode_FromString("ZREM");
     PyObject *result = NULL;
@@ -1126,7 +1127,8 @@ done:
 static PyObject *raced(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ops, *drops, *back;
-    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &ops, &PyList_Type, &drops, &back)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOO", &ops, &drops, &back)) return NULL;
+    if (!PyList_Check(ops) || !PyList_Check(drops)) Py_RETURN_NONE;
     if (!PyAnySet_Check(back)) {
         PyErr_SetString(PyExc_TypeError, "back must be a set");
         return NULL;

@@ -393,7 +393,7 @@ class FastConnection:
         if not commands:
             return []
         # one C call a command, from C (map): a cluster's engine-key round sends one command per engine block
-        raws = list(map(_pack_c, commands)) if _pack_c is not None else [_pack_py(c) for c in commands]
+        raws = list(map(_pack_c or _pack_py, commands))
         if resend is None:
             resend = all(can_run_twice(c, self.resend_scripts) for c in commands)
         out = await self._run_replies(raws, await self._write_run(raws), resend=resend)

@@ -301,13 +301,12 @@ class ClusterWrites:
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
-        split = _c.run_keys(ops) if _c is not None else None
-        key_ops, rk_changes = split if split is not None else _run_keys(ops)  # rk_changes: the barrier's
+        key_ops, rk_changes = _native("run_keys", ops) or _run_keys(ops)  # rk_changes: the barrier's
         foreign, first, empty_at = await self._round_a(key_ops)
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
-        b = _c.engine_round(ops, empty_at, ENGINE_PREFIX) if _c is not None and type(ops) is list else None
-        round_b, round_b_eks, drops = b if b is not None else _engine_round(ops, empty_at)
+        round_b, round_b_eks, drops = _native("engine_round", ops, empty_at, ENGINE_PREFIX) or \
+            _engine_round(ops, empty_at)
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -324,7 +323,7 @@ class ClusterWrites:
             readd = []
             readd_eks = []
             if back:  # another writer stored the block meanwhile, or this run did (often, under shared prompts)
-                found = _c.raced(ops, drops, back) if _c is not None and type(ops) is list else None
+                found = _native("raced", ops, drops, back)
                 for j, op in found if found is not None else _raced(ops, drops, back):
                     readd.append(_engine_add(op[1], op[2]))
                     readd_eks.append(op[1])
@@ -492,6 +491,12 @@ class ClusterWrites:
 
     async def close(self) -> None:
         await self.barrier.close()
+
+
+def _native(name: str, *args: Any) -> Any:
+    """``_write_path.<name>(*args)``, a C twin of a function below; None when it is not built, or when it
+    leaves the input to the Python reference (anything but the usual shapes)."""
+    return None if _c is None else getattr(_c, name)(*args)
 
 
 def _run_keys(ops: Sequence[Sequence[Any]]) -> tuple[list[Sequence[Any]], list[int]]:
