@@ -13,7 +13,7 @@ import redis
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch, encode_frames
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.index.layout import pod_meta_key, pod_state_key
+from kv_preflight.index.layout import pod_meta_key, pod_state_key, presence_key
 from kv_preflight.index.transfer import held_blocks
 from tests.e2e.harness import spawn, stop
 from tests.integration.engine_stub import EngineStub
@@ -133,6 +133,42 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
         stop(ing)
         a.close()
         b.close()
+        sync.close()
+        await ix.close()
+
+
+@pytest.mark.parametrize("topology", ["single", "cluster"])
+async def test_foreign_typed_keys_inside_a_run_of_blocks_stand_alone(topology, valkey_url, cluster_url):
+    """A batch's blocks go as runs (changes.lua's S and R; a cluster shard's s and r), each command checked
+    only when its reply is not the usual 0 or 1: a LIST at one request key and a STRING where another's
+    presence hash goes fail those commands alone, counted, the blocks beside them written and let go as usual,
+    the same on a single node and on a cluster."""
+    url = valkey_url if topology == "single" else cluster_url
+    sync = (redis.Redis if topology == "single" else redis.RedisCluster).from_url(url)
+    ix = Index.from_url(url)
+    try:
+        sync.rpush("102", "foreign")
+        sync.set(presence_key(103), "foreign")
+        stores = [StoreBlock(10 + k, "gpu", F0, (100 + k,)) for k in range(1, 5)]
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=stores)
+        assert r.status == "applied"
+        assert sync.lrange("102", 0, -1) == [b"foreign"] and sync.get(presence_key(103)) == b"foreign"
+        for rk in ("101", "103", "104"):  # the entries beside them, and 103's without its bit
+            assert sync.hkeys(rk) == [F0.encode()], rk
+        assert sync.exists(presence_key(101)) and sync.exists(presence_key(104))
+        assert sync.zrange("engine:14", 0, -1) == [b"104"]
+        info = await ix.meta.pod_info("pod-a")
+        assert info.counters.get("foreign_keys") == 2 and info.incomplete and "102" in info.incomplete_reason
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
+                                 mutations=[RemoveBlock(10 + k, "gpu") for k in range(1, 5)])
+        assert r.status == "applied"
+        for rk in (101, 103, 104):  # gone whole: entry, presence hash (103's STRING too: our key), engine key
+            assert not sync.exists(str(rk)) and not sync.exists(presence_key(rk)) and not sync.exists(f"engine:{rk - 90}")
+        # 102 still holds someone's LIST, so llm-d's rule keeps its engine key: HDEL and HLEN failed, counted
+        assert sync.lrange("102", 0, -1) == [b"foreign"] and sync.zrange("engine:12", 0, -1) == [b"102"]
+        assert (await ix.meta.pod_info("pod-a")).counters.get("foreign_keys") == 4
+    finally:
         sync.close()
         await ix.close()
 

@@ -55,24 +55,21 @@ local function failed(r, key)  -- a command's error reply: a moved key or a fore
   end
   return nil
 end
+-- A reply that is not the usual 0 or 1, checked: itself, or nil for an error (failed). The loops below call
+-- redis.pcall themselves and come here only then: a Lua function call and a type() per command were a tenth
+-- of a batch's cost in Valkey (scripts/callgrind).
+local function ok(r, key)
+  if type_(r) == 'table' and r.err then return failed(r, key) end
+  return r
+end
 local function call(cmd, key, ...)
   local r = pcall_(cmd, key, ...)
   if type_(r) == 'table' and r.err then return failed(r, key) end
   return r
 end
--- the same with a fixed count of arguments, for the commands run per block (no vararg frame to build)
-local function call1(cmd, key)
-  local r = pcall_(cmd, key)
-  if type_(r) == 'table' and r.err then return failed(r, key) end
-  return r
-end
+-- the same with a fixed count of arguments (no vararg frame to build)
 local function call2(cmd, key, a)
   local r = pcall_(cmd, key, a)
-  if type_(r) == 'table' and r.err then return failed(r, key) end
-  return r
-end
-local function call3(cmd, key, a, b)
-  local r = pcall_(cmd, key, a, b)
   if type_(r) == 'table' and r.err then return failed(r, key) end
   return r
 end
@@ -128,12 +125,18 @@ local function engine_add(ek_key, i, n)  -- the request keys at ARGV[i + 1 .. i 
   for j = 1, n do za[2 * j - 1], za[2 * j] = j - 1, ARGV[i + j] end
   call('ZADD', ek_key, unpack(za))
 end
+-- Whether the request key holds no entry, asked after a block's entry left it (a run's R or r block), and
+-- remembered for the engine-key ops and probes after it.
+local function hlen_is_0(rk)
+  local r = pcall_('HLEN', rk)
+  if r ~= 0 and r ~= 1 then r = ok(r, rk) end
+  local e = r == 0
+  empty[rk] = e
+  return e
+end
 local function is_empty(rk)
   local e = empty[rk]
-  if e == nil then
-    e = call1('HLEN', rk) == 0
-    empty[rk] = e
-  end
+  if e == nil then e = hlen_is_0(rk) end
   return e
 end
 local function engine_drop(ek_key, rks)
@@ -149,72 +152,63 @@ local function run_changes(i)
   while i <= n_args do
     local op = argv[i]
     op_at = op_at + 1
-    if op == 'S' then
-      local j = i + 2
+    if op == 'S' or op == 's' then  -- a run of stores: S blocks (rk, pkey, ek_key), s blocks (rk, pkey)
+      local j, step = i + 2, (op == 'S') and 3 or 2
       op_at = op_at - 1  -- each block is an op of its own for `moved`
       for _ = 1, tonumber(argv[i + 1]) do
         op_at = op_at + 1
-        local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
+        local rk = argv[j]
         empty[rk] = nil  -- holds an entry now (an x later in the run asks HLEN: rare, and the truth)
-        if call3('HSET', rk, fld, '') ~= nil and name ~= '' then
-          if call3('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call2('HGET', pkey, name)) end
+        local r = pcall_('HSET', rk, fld, '')
+        if r ~= 1 and r ~= 0 then r = ok(r, rk) end
+        if r ~= nil and name ~= '' then
+          local pkey = argv[j + 1]
+          r = pcall_('HSETNX', pkey, name, mine)
+          if r == 0 then bit_change(pkey, name, mine, true, call2('HGET', pkey, name))
+          elseif r ~= 1 then ok(r, pkey) end
         end
-        if ek_key ~= '' then call3('ZADD', ek_key, 0, rk) end
-        j = j + 3
+        if step == 3 then
+          local ek_key = argv[j + 2]
+          if ek_key ~= '' then
+            r = pcall_('ZADD', ek_key, 0, rk)
+            if r ~= 1 and r ~= 0 then ok(r, ek_key) end
+          end
+        end
+        j = j + step
       end
       i = j
-    elseif op == 'R' then
-      local j = i + 2
-      op_at = op_at - 1  -- each block is an op of its own for `moved`
+    elseif op == 'R' or op == 'r' then  -- a run of removals, the same; an r block that empties its key is listed
+      local j, step = i + 2, (op == 'R') and 3 or 2
+      op_at = op_at - 1
       for _ = 1, tonumber(argv[i + 1]) do
         op_at = op_at + 1
-        local rk, pkey, ek_key = argv[j], argv[j + 1], argv[j + 2]
-        call2('HDEL', rk, fld)
-        empty[rk] = nil
-        if is_empty(rk) then
-          if name ~= '' then call1('DEL', pkey) end
-          if ek_key ~= '' then call2('ZREM', ek_key, rk) end
+        local rk, pkey = argv[j], argv[j + 1]
+        local r = pcall_('HDEL', rk, fld)
+        if r ~= 1 and r ~= 0 then ok(r, rk) end
+        if hlen_is_0(rk) then
+          if name ~= '' then
+            r = pcall_('DEL', pkey)
+            if r ~= 1 and r ~= 0 then ok(r, pkey) end
+          end
+          if step == 2 then
+            emptied[#emptied + 1] = op_at
+          else
+            local ek_key = argv[j + 2]
+            if ek_key ~= '' then
+              r = pcall_('ZREM', ek_key, rk)
+              if r ~= 1 and r ~= 0 then ok(r, ek_key) end
+            end
+          end
         elseif name ~= '' then
           local v = call2('HGET', pkey, name)
           if v == mine then call2('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
         end
-        j = j + 3
+        j = j + step
       end
       i = j
     elseif op == 'F' then
       fld, name, mine = argv[i + 1], argv[i + 2], argv[i + 3]
       i = i + 4
-    elseif op == 's' then
-      local j = i + 2
-      op_at = op_at - 1
-      for _ = 1, tonumber(argv[i + 1]) do
-        op_at = op_at + 1
-        local rk, pkey = argv[j], argv[j + 1]
-        empty[rk] = nil
-        if call3('HSET', rk, fld, '') ~= nil and name ~= '' then
-          if call3('HSETNX', pkey, name, mine) == 0 then bit_change(pkey, name, mine, true, call2('HGET', pkey, name)) end
-        end
-        j = j + 2
-      end
-      i = j
-    elseif op == 'r' then
-      local j = i + 2
-      op_at = op_at - 1
-      for _ = 1, tonumber(argv[i + 1]) do
-        op_at = op_at + 1
-        local rk, pkey = argv[j], argv[j + 1]
-        call2('HDEL', rk, fld)
-        empty[rk] = nil
-        if is_empty(rk) then
-          if name ~= '' then call1('DEL', pkey) end
-          emptied[#emptied + 1] = op_at
-        elseif name ~= '' then
-          local v = call2('HGET', pkey, name)
-          if v == mine then call2('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
-        end
-        j = j + 2
-      end
-      i = j
     elseif op == 'E' then
       empty[argv[i + 1]] = false
       call('HSET', argv[i + 1], argv[i + 2], '')
