@@ -611,19 +611,14 @@ class _Delta(msgspec.Struct, array_like=True):
     reasons: list[str]  # per flag
 
 
-try:
-    from kv_preflight._speedups import pack_u64s as _pack_u64s
-except ImportError:  # pragma: no cover - no compiler at install time
-    _pack_u64s = None
-try:  # encode_delta's columns in one C pass; ``_encode_delta`` below is its reference and stands in when not built
+try:  # a delta's and a snapshot's columns, and uint64s packed, in C (kv_preflight/_speedups.c); ``_encode_delta``,
+    # ``_columns`` and the Python packing below are their references and stand in when not built
     from kv_preflight._speedups import delta_columns as _delta_columns
-except ImportError:  # pragma: no cover - no compiler at install time
-    _delta_columns = None
-_DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
-try:
+    from kv_preflight._speedups import pack_u64s as _pack_u64s
     from kv_preflight._speedups import snapshot_columns as _snapshot_columns
 except ImportError:  # pragma: no cover - no compiler at install time
-    _snapshot_columns = None
+    _delta_columns = _pack_u64s = _snapshot_columns = None
+_DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
 
 _enc = msgspec.msgpack.Encoder()
 _snap_dec = msgspec.msgpack.Decoder(_Snapshot)

@@ -71,9 +71,18 @@ async def answers(url: str, monkeypatch) -> tuple[list[dict], Reads]:
                                 "tokens": got["predicted_cached_tokens"], "partial": got.get("partial"),
                                 "warnings": sorted(w["kind"] for w in got.get("warnings") or [])})
             monkeypatch.undo()
+            reads.group_bits = by_name(reads.group_bits, await ix.numbering.pod_names(refresh=True))
             return out, reads
     finally:
         await ix.close()
+
+
+def by_name(group_bits: list, names: dict[int, str]) -> list:
+    """Each lookup's group bitmaps with the pods named: a pod's number is the order in which the index first saw
+    it, which the ingester's concurrent sources make differ between the single node and the cluster."""
+    return [None if per_key is None else
+            [{field: frozenset(names[n] for n in numbers(as_int(bitmap))) for field, bitmap in bits.items()}
+             for bits in per_key] for per_key in group_bits]
 
 
 async def test_a_hybrid_fleet_is_predicted_alike_on_a_cluster_in_the_lookups_own_round(valkey_url, cluster_url,

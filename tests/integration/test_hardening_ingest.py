@@ -140,34 +140,40 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
 @pytest.mark.parametrize("topology", ["single", "cluster"])
 async def test_foreign_typed_keys_inside_a_run_of_blocks_stand_alone(topology, valkey_url, cluster_url):
     """A batch's blocks go as runs (changes.lua's S and R; a cluster shard's s and r), each command checked
-    only when its reply is not the usual 0 or 1: a LIST at one request key and a STRING where another's
-    presence hash goes fail those commands alone, counted, the blocks beside them written and let go as usual,
-    the same on a single node and on a cluster."""
+    only when its reply is not the usual 0 or 1: a LIST at one request key, a STRING where another's presence
+    hash goes and one where its engine key goes fail those commands alone, counted, the blocks beside them
+    written and let go as usual, the same on a single node and on a cluster. The request keys share one slot
+    (CRC16 6480), so on a cluster too they are one shard's run, whatever the slot map."""
     url = valkey_url if topology == "single" else cluster_url
     sync = (redis.Redis if topology == "single" else redis.RedisCluster).from_url(url)
     ix = Index.from_url(url)
+    rks = (3660, 6112, 9885, 10840)
     try:
-        sync.rpush("102", "foreign")
-        sync.set(presence_key(103), "foreign")
-        stores = [StoreBlock(10 + k, "gpu", F0, (100 + k,)) for k in range(1, 5)]
+        sync.rpush("6112", "foreign")
+        sync.set(presence_key(9885), "foreign")
+        sync.set("engine:13", "foreign")
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                 mutations=stores)
+                                 mutations=[StoreBlock(11 + k, "gpu", F0, (rk,)) for k, rk in enumerate(rks)])
         assert r.status == "applied"
-        assert sync.lrange("102", 0, -1) == [b"foreign"] and sync.get(presence_key(103)) == b"foreign"
-        for rk in ("101", "103", "104"):  # the entries beside them, and 103's without its bit
-            assert sync.hkeys(rk) == [F0.encode()], rk
-        assert sync.exists(presence_key(101)) and sync.exists(presence_key(104))
-        assert sync.zrange("engine:14", 0, -1) == [b"104"]
+        assert sync.lrange("6112", 0, -1) == [b"foreign"] and sync.get(presence_key(9885)) == b"foreign"
+        assert not sync.exists(presence_key(6112))  # no entry written, so no bit either
+        for rk in (3660, 9885, 10840):  # the entries beside them, 9885's without its bit
+            assert sync.hkeys(str(rk)) == [F0.encode()], rk
+        assert sync.exists(presence_key(3660)) and sync.exists(presence_key(10840))
+        assert sync.zrange("engine:14", 0, -1) == [b"10840"] and sync.get("engine:13") == b"foreign"
         info = await ix.meta.pod_info("pod-a")
-        assert info.counters.get("foreign_keys") == 2 and info.incomplete and "102" in info.incomplete_reason
+        # HSET at 6112, HSETNX at 9885's presence key, ZADD at engine:13
+        assert info.counters.get("foreign_keys") == 3 and info.incomplete and "6112" in info.incomplete_reason
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
-                                 mutations=[RemoveBlock(10 + k, "gpu") for k in range(1, 5)])
+                                 mutations=[RemoveBlock(11 + k, "gpu") for k in range(4)])
         assert r.status == "applied"
-        for rk in (101, 103, 104):  # gone whole: entry, presence hash (103's STRING too: our key), engine key
-            assert not sync.exists(str(rk)) and not sync.exists(presence_key(rk)) and not sync.exists(f"engine:{rk - 90}")
-        # 102 still holds someone's LIST, so llm-d's rule keeps its engine key: HDEL and HLEN failed, counted
-        assert sync.lrange("102", 0, -1) == [b"foreign"] and sync.zrange("engine:12", 0, -1) == [b"102"]
-        assert (await ix.meta.pod_info("pod-a")).counters.get("foreign_keys") == 4
+        for rk, ek in ((3660, 11), (10840, 14)):  # gone whole: entry, presence hash, engine key
+            assert not sync.exists(str(rk)) and not sync.exists(presence_key(rk)) and not sync.exists(f"engine:{ek}")
+        # 9885's entry and presence key (the STRING: our key name) go; its engine key's ZREM fails, counted
+        assert not sync.exists("9885") and not sync.exists(presence_key(9885)) and sync.get("engine:13") == b"foreign"
+        # 6112 still holds someone's LIST, so llm-d's rule keeps its engine key: HDEL and HLEN failed, counted
+        assert sync.lrange("6112", 0, -1) == [b"foreign"] and sync.zrange("engine:12", 0, -1) == [b"6112"]
+        assert (await ix.meta.pod_info("pod-a")).counters.get("foreign_keys") == 6
     finally:
         sync.close()
         await ix.close()
