@@ -301,3 +301,50 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
         stop(pred)
         engine.close()
         await ix.close()
+
+
+@pytest.mark.parametrize("eviction", ["raced", "alone"])
+async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, eviction):
+    """Rounds C and D (kv_preflight/index/cluster/writes.py): pod A lets go of a block whose request key it alone
+    held, and its run finds the key empty (round A); before its ZREM of engine:<ek> (round B), another writer
+    stores the same block for pod B, entry and ZADD. A's ZREM then takes B's request key out of the engine key,
+    though the key holds B's entry. Round C sees the key hold an entry again and round D gives it back: llm-d's
+    reader must find the block's request keys under engine:<ek> while any pod holds them. Two real writers on a
+    real cluster; A's run is held between its rounds A and B (``alone``: nobody stores meanwhile, and the
+    engine key goes)."""
+    a, b = Index.from_url(cluster_url), Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        assert (await a.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                    mutations=[StoreBlock(7, "gpu", entry("pod-a"), (70,))])).status == "applied"
+        assert sync.zrange("engine:7", 0, -1) == [b"70"]
+        writes = a.backend.writes
+        round_a, held, go = writes._round_a, asyncio.Event(), asyncio.Event()
+
+        async def held_after_round_a(key_ops):
+            out = await round_a(key_ops)
+            held.set()
+            await go.wait()
+            return out
+        writes._round_a = held_after_round_a
+        evict = asyncio.create_task(a.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m",
+                                                  engine_block_size=32, mutations=[RemoveBlock(7, "gpu")]))
+        await asyncio.wait_for(held.wait(), 10)
+        assert not sync.exists("70")  # A's entry is gone, the engine key not yet
+        if eviction == "raced":
+            assert (await b.apply_batch(pod_id="pod-b", rank=0, seq=0, ts=2.0, model="m", engine_block_size=32,
+                                        mutations=[StoreBlock(7, "gpu", entry("pod-b"), (70,))])).status == "applied"
+            assert sync.zrange("engine:7", 0, -1) == [b"70"]
+        go.set()
+        assert (await asyncio.wait_for(evict, 10)).status == "applied"
+        if eviction == "raced":
+            assert sync.hkeys("70") == [entry("pod-b").encode()]
+            assert sync.zrange("engine:7", 0, -1) == [b"70"]  # given back in round D
+            assert writes.readded == 1
+        else:
+            assert not sync.exists("70") and not sync.exists("engine:7") and writes.readded == 0
+        assert not sync.exists(pod_outbox_key("pod-a"))  # acked
+    finally:
+        sync.close()
+        await a.close()
+        await b.close()

@@ -316,9 +316,8 @@ class ClusterWrites:
             # request keys back. An entry this run itself wrote after the drop explains itself (a later
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
-            rks = sorted(set(chain.from_iterable(op[2] for _, op in drops)))
-            lens = await self.shards.commands(list(zip(repeat("HLEN"), map(str, rks))), numbered=("", rks),
-                                              resend=True)
+            rks = list(set(chain.from_iterable(op[2] for _, op in drops)))  # in any order: each is one HLEN
+            lens = await self.shards.commands(list(zip(repeat("HLEN"), rks)), numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
             readd_eks = []
