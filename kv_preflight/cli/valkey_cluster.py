@@ -55,17 +55,27 @@ class ValkeyCluster:
     appendonly: bool = True
     debug_command: bool = False
     tied_to_parent: bool = False  # every node, as ValkeyServer's (`up --cluster`)
+    tls_cert: Path | None = None  # with tls_key: TLS only, for clients, the cluster bus and replication
+    tls_key: Path | None = None
     nodes: list[ValkeyServer] = field(default_factory=list, repr=False)
 
     @property
     def url(self) -> str:
-        """Any node's URL names the cluster; the first master's."""
-        return self.nodes[0].url.rsplit("/", 1)[0]
+        """Any node's URL names the cluster; the first master's (without its database number)."""
+        base, sep, query = self.nodes[0].url.partition("?")
+        return base.rsplit("/", 1)[0] + sep + query
+
+    def cli(self, *args: str) -> list[str]:
+        """A valkey-cli command line for this cluster's nodes (over TLS when it is)."""
+        tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls_cert else []
+        return [cli_binary(), *tls, *args]
 
     def _node(self, i: int, port: int) -> ValkeyServer:
         d = self.data_dir.resolve() / f"node-{i}"
+        tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls_cert else ()
         return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command,
-                            tied_to_parent=self.tied_to_parent, extra_args=(
+                            tied_to_parent=self.tied_to_parent, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                            extra_args=tls + (
             "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
             # a replica of a dead master takes over without waiting for an operator
@@ -98,8 +108,8 @@ class ValkeyCluster:
             self.stop()
             raise
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        out = subprocess.run([cli_binary(), "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(self.cli("--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+                                      "--cluster-yes"), capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"valkey-cli --cluster create failed: {out.stdout[-1500:]} {out.stderr[-500:]}")
@@ -108,7 +118,7 @@ class ValkeyCluster:
         return self
 
     def info(self, node: ValkeyServer, section: str = "cluster") -> str:
-        return subprocess.run([cli_binary(), "-p", str(node.port), "cluster", "info" if section == "cluster" else section],
+        return subprocess.run(self.cli("-p", str(node.port), "cluster", "info" if section == "cluster" else section),
                               capture_output=True, text=True, timeout=10).stdout
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
@@ -123,7 +133,7 @@ class ValkeyCluster:
 
     def _replicas_online(self, running: list[ValkeyServer]) -> bool:
         for n in running:
-            info = subprocess.run([cli_binary(), "-p", str(n.port), "info", "replication"], capture_output=True,
+            info = subprocess.run(self.cli("-p", str(n.port), "info", "replication"), capture_output=True,
                                   text=True, timeout=10).stdout
             if "role:slave" in info and "master_link_status:up" not in info:
                 return False
@@ -137,7 +147,7 @@ class ValkeyCluster:
         for n in self.nodes:
             if n.proc is None or n.proc.poll() is not None:
                 continue
-            role = subprocess.run([cli_binary(), "-p", str(n.port), "role"], capture_output=True, text=True,
+            role = subprocess.run(self.cli("-p", str(n.port), "role"), capture_output=True, text=True,
                                   timeout=10).stdout.split()
             if role and role[0] == "master":
                 out.append(n)
@@ -148,7 +158,7 @@ class ValkeyCluster:
 
     def replicas_of(self, master: ValkeyServer) -> list[ValkeyServer]:
         """The nodes replicating ``master`` now (from CLUSTER NODES, as the master sees it)."""
-        out = subprocess.run([cli_binary(), "-p", str(master.port), "cluster", "nodes"], capture_output=True,
+        out = subprocess.run(self.cli("-p", str(master.port), "cluster", "nodes"), capture_output=True,
                              text=True, timeout=10).stdout.splitlines()
         ids = {line.split()[0]: line for line in out}
         mine = next(line.split()[0] for line in out if "myself" in line.split()[2])

@@ -348,3 +348,59 @@ async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, evic
         sync.close()
         await a.close()
         await b.close()
+
+
+async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
+    """A Valkey Cluster over TLS (clients, cluster bus and replication): the write path has no lean connection
+    there and sends its plain commands through redis-py. That is no news about the slot map: each run's outbox
+    entry is acked once its shards have it on a replica, as on a plain cluster (an earlier build took the TLS
+    path for a moved map, so every batch's ack was refused and its entry's request-key changes ran a second
+    time from the chores, a second later). The replication
+    barrier's own connections carry the cluster's TLS settings (they had none: each handshake failed after
+    about 3 s of retries, and a shard's replicas then read as none, so nothing was waited for)."""
+    import shutil
+    import subprocess
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False, tls_cert=cert, tls_key=key).start()
+    try:
+        assert vc.url.startswith("rediss://")
+        ix = Index.from_url(vc.url)
+        sync = redis.RedisCluster.from_url(vc.url)
+        try:
+            assert ix.cluster
+            await ix.backend.shards.ready()
+            mark = ix.backend.shards.map_mark()
+            for seq in range(6):
+                for pod in ("pod-a", "pod-b"):
+                    muts = [StoreBlock(100 * seq + k, "gpu", entry(pod), (1000 * seq + k,)) for k in range(8)]
+                    if seq:
+                        muts += [RemoveBlock(100 * (seq - 1) + k, "gpu") for k in range(4)]
+                    r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0 + seq, model="m",
+                                             engine_block_size=32, mutations=muts)
+                    assert r.status == "applied"
+            # the plain commands went through redis-py, on the map the run wrote by: nothing moved, so no ack was
+            # refused for it (each was, and the entries waited for the chores to run them again)
+            assert not ix.backend.shards.map_moved(mark)
+            # an ack WAIT timed out on (200 ms, under load) leaves its entry for the chores; they delete it now
+            await drain_until_empty(ix, sync, timeout=10.0)
+            barrier, primaries = ix.backend.writes.barrier, ix.backend.client.get_primaries()
+            for node in primaries:
+                assert await barrier._conn(node).ping()
+                assert await barrier._has_replicas(node, barrier._barrier_key(node))  # one replica each
+            assert await barrier.confirm(primaries)
+            assert sync.zrange("engine:504", 0, -1) == [b"5004"] and not sync.exists("engine:3")
+            found = await ix.lookup([5000, 5001, 5002])
+            assert sorted((m.pod_id, m.blocks) for m in found) == [("pod-a", 3), ("pod-b", 3)]
+        finally:
+            sync.close()
+            await ix.close()
+    finally:
+        vc.stop()

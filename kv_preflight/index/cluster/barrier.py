@@ -9,15 +9,20 @@ they run again on the new master (kv_preflight/index/cluster/writes.py).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.layout import barrier_key
+
+# The TLS settings a redis-py client takes (ssl_ca_certs, ssl_certfile, ...), as its cluster nodes hold them
+_TLS_ARGS = frozenset(p for p in inspect.signature(aioredis.Redis.__init__).parameters if p.startswith("ssl_"))
 
 
 TOPOLOGY_TTL_S = 5.0  # how long the barrier trusts a node's table of replicas
@@ -64,15 +69,17 @@ class ReplicationBarrier:
         return key
 
     def _conn(self, node):
+        """A connection of the barrier's own to a primary (WAIT counts its last write), with the cluster
+        client's credentials and, over TLS, its TLS settings (CA, client certificate, hostname check): without
+        them the handshake fails, and a node's replicas would read as none (nothing to wait for)."""
         conn = self._conns.get(node.name)
         if conn is None:
-            import redis.asyncio as aioredis
-
             kw = node.connection_kwargs
+            tls = "SSL" in node.connection_class.__name__
             conn = aioredis.Redis(host=node.host, port=node.port, username=kw.get("username"),
                                   password=kw.get("password"), socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
-                                  socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0,
-                                  ssl="SSL" in node.connection_class.__name__)
+                                  socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0, ssl=tls,
+                                  **({k: v for k, v in kw.items() if k in _TLS_ARGS} if tls else {}))
             self._conns[node.name] = conn
         return conn
 

@@ -216,6 +216,10 @@ class Shards:
         else:
             groups, unserved = by_primary(self.client, (text(c[key_at]) for c in commands))
         again: list[int] = list(unserved)
+        # Whether the map is out of date: a slot with no primary in it, a primary that did not answer, a command
+        # refused as not its slot's. A primary with no lean connection (TLS) is no such news: redis-py carries
+        # its commands on the same map, and forgetting the map would make every cluster ack refuse (``ack``).
+        stale = [bool(unserved)]
 
         async def one(node, idx: list[int]) -> None:
             fast = self.fast_for(node)
@@ -227,6 +231,7 @@ class Shards:
                     replies = await fast.pipeline([commands[i] for i in idx], resend=resend)
             except (*VALKEY_ERRORS, TimeoutError):
                 again.extend(idx)
+                stale[0] = True
                 return
             if not any(issubclass(t, ResponseError) for t in set(map(type, replies))):  # the usual: all in place
                 for _ in map(out.__setitem__, idx, replies):
@@ -235,12 +240,14 @@ class Shards:
             for i, r in zip(idx, replies):
                 if isinstance(r, ResponseError) and str(r).startswith(REDIRECTS):
                     again.append(i)
+                    stale[0] = True
                 else:
                     out[i] = r
 
         await asyncio.gather(*(one(node, idx) for node, idx in groups.values()))
         if again:
-            self.forget_table()  # a primary gone or a slot moved: the map redis-py learns now is the one to use
+            if stale[0]:
+                self.forget_table()  # a primary gone or a slot moved: the map redis-py learns now is the one to use
             again.sort()
             async with self.client.pipeline(transaction=False) as pipe:
                 for i in again:
