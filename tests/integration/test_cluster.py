@@ -20,6 +20,7 @@ from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
+from tests.integration.tls import self_signed
 from tests.integration.truth import engine_truth, index_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -358,17 +359,9 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
     time from the chores, a second later). The replication
     barrier's own connections carry the cluster's TLS settings (they had none: each handshake failed after
     about 3 s of retries, and a shard's replicas then read as none, so nothing was waited for)."""
-    import shutil
-    import subprocess
-
     from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    cert, key = self_signed(tmp_path)
     vc = ValkeyCluster(tmp_path / "c", appendonly=False, tls_cert=cert, tls_key=key).start()
     try:
         assert vc.url.startswith("rediss://")

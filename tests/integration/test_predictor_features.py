@@ -369,17 +369,10 @@ async def test_password_protected_valkey(password_valkey, writer):
 
 
 async def test_tls_valkey(tmp_path):
-    import shutil
-    import subprocess
-
     from kv_preflight.cli.valkey_server import ValkeyServer
+    from tests.integration.tls import self_signed
 
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    cert, key = self_signed(tmp_path)
     server = ValkeyServer(tmp_path / "data", appendonly=False, requirepass="tls-pw", tls_cert=cert, tls_key=key)
     try:
         server.start()
