@@ -67,12 +67,12 @@ class ValkeyCluster:
 
     def cli(self, *args: str) -> list[str]:
         """A valkey-cli command line for this cluster's nodes (over TLS when it is)."""
-        tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls_cert else []
+        tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls_cert and self.tls_key else []
         return [cli_binary(), *tls, *args]
 
     def _node(self, i: int, port: int) -> ValkeyServer:
         d = self.data_dir.resolve() / f"node-{i}"
-        tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls_cert else ()
+        tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls_cert and self.tls_key else ()
         return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command,
                             tied_to_parent=self.tied_to_parent, tls_cert=self.tls_cert, tls_key=self.tls_key,
                             extra_args=tls + (

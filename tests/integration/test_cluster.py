@@ -382,6 +382,9 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
             # the plain commands went through redis-py, on the map the run wrote by: nothing moved, so no ack was
             # refused for it (each was, and the entries waited for the chores to run them again)
             assert not ix.backend.shards.map_moved(mark)
+            # ... but redis-py's routing carried them, so each ack asked every primary (a redirect it followed
+            # could have put a write on a primary the map did not name)
+            assert ix.backend.shards.routed_since(mark)
             # an ack WAIT timed out on (200 ms, under load) leaves its entry for the chores; they delete it now
             await drain_until_empty(ix, sync, timeout=10.0)
             barrier, primaries = ix.backend.writes.barrier, ix.backend.client.get_primaries()

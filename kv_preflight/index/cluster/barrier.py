@@ -102,7 +102,7 @@ class ReplicationBarrier:
             # two words: "CLUSTER NODES" as one would get redis-py's parsed dict, this the node's text
             table = await self._conn(node).execute_command("CLUSTER", "NODES")
         except VALKEY_ERRORS:
-            return False  # as the slot map says; read again next time
+            return True  # not known: wait, and a node that does not answer confirms nothing (fail closed)
         if not isinstance(table, (bytes, str)):
             return False
         has = live_replicas(table.decode() if isinstance(table, bytes) else table) > 0

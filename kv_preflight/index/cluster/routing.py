@@ -102,6 +102,10 @@ class Shards:
         self._map_read_at = 0.0
         self._table: tuple[Any, bytes, list[Any]] | None = None  # (slot map it was built from, table, primaries)
         self._forgets = 0  # how often a caller found slots moved (``forget_table``)
+        # how often commands went through redis-py's routing rather than to the primary our table names (TLS:
+        # no lean connection): redis-py follows a redirect there itself, unseen (an ASK leaves its map as it
+        # was, a MOVED mostly patches it in place), so what those commands wrote may be on another primary
+        self._routed = 0
 
     async def ready(self) -> None:
         if not self.client.nodes_manager.slots_cache:
@@ -132,14 +136,20 @@ class Shards:
         self._table = None
         self._forgets += 1
 
-    def map_mark(self) -> tuple[int, Any]:
-        """What routing knows of the slot map now; ``map_moved`` says whether it has learnt anything since."""
-        return self._forgets, self.client.nodes_manager.slots_cache
+    def map_mark(self) -> tuple[int, Any, int]:
+        """What routing knows of the slot map now; ``map_moved`` says whether it has learnt anything since,
+        ``routed_since`` whether commands went through redis-py's routing since."""
+        return self._forgets, self.client.nodes_manager.slots_cache, self._routed
 
-    def map_moved(self, mark: tuple[int, Any]) -> bool:
+    def map_moved(self, mark: tuple[int, Any, int]) -> bool:
         """Whether slots were found moved, or redis-py learnt the slot map again, since ``mark``: a failover
         or a reshard may then have put a key written before it on another primary than the one written to."""
         return mark[0] != self._forgets or mark[1] is not self.client.nodes_manager.slots_cache
+
+    def routed_since(self, mark: tuple[int, Any, int]) -> bool:
+        """Whether commands went through redis-py's routing since ``mark``: which primaries they reached is
+        then not known here (a redirect redis-py followed), and a barrier must ask every primary."""
+        return mark[2] != self._routed
 
     async def request_keys_by_primary(self, request_keys: Sequence[int], prefix: str = "") -> \
             tuple[dict[str, tuple[Any, list[int]]], list[int]]:
@@ -248,6 +258,7 @@ class Shards:
         if again:
             if stale[0]:
                 self.forget_table()  # a primary gone or a slot moved: the map redis-py learns now is the one to use
+            self._routed += 1
             again.sort()
             async with self.client.pipeline(transaction=False) as pipe:
                 for i in again:

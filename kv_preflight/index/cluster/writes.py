@@ -410,7 +410,12 @@ class ClusterWrites:
             return True
         if touched.mark is not None and self.shards.map_moved(touched.mark):
             return False
-        nodes = await self.shards.primaries_of(touched.keys)
+        if touched.mark is not None and self.shards.routed_since(touched.mark):
+            # some commands went through redis-py's routing (TLS), which may have followed a redirect to a
+            # primary the touched keys' slots do not name in the map: every primary confirms
+            nodes: list[Any] | None = self.client.get_primaries()
+        else:
+            nodes = await self.shards.primaries_of(touched.keys)
         if nodes is None or not await self.barrier.confirm(nodes):
             return False
         # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
