@@ -400,3 +400,50 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
             await ix.close()
     finally:
         vc.stop()
+
+
+async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(tmp_path):
+    """Over TLS the plain commands go through redis-py's routing, which follows a MOVED itself and patches its
+    map in place, unseen here: a slot moved to another master after the map was read takes a batch's engine
+    key there. The ack must wait for that master's replica, not the old owner's: with the new owner's replica
+    down, the entry stays (and runs again once it is back), where asking the primaries the map names would
+    have confirmed it on the old owner and deleted it."""
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    cert, key = self_signed(tmp_path)
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False, tls_cert=cert, tls_key=key).start()
+    ix = Index.from_url(vc.url)
+    sync = redis.RedisCluster.from_url(vc.url)
+    nodes = {m.port: redis.Redis(host="127.0.0.1", port=m.port, ssl=True, ssl_ca_certs=str(cert)) for m in vc.masters_now()}
+    try:
+        assert (await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                     mutations=[StoreBlock(1, "gpu", entry("pod-a"), (10,))])).status == "applied"
+        await drain_until_empty(ix, sync, timeout=10.0)  # the maps are read; nothing left behind
+        ids = {p: n.execute_command("CLUSTER", "MYID").decode() for p, n in nodes.items()}
+        slots = nodes[next(iter(nodes))].execute_command("CLUSTER", "SLOTS")
+
+        def owner(k: str) -> int:
+            return next(int(o[1]) for start, end, o, *_ in slots if start <= sync.keyslot(k) <= end)
+        # engine:7's slot goes to a master that holds none of the batch's other keys (request key 70), so
+        # only the redirect takes a write there
+        slot, src = sync.keyslot("engine:7"), owner("engine:7")
+        dst = next(p for p in nodes if p not in (src, owner("70")))
+        for n in nodes.values():  # the slot holds no key yet: it changes owner at once
+            n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        replica = vc.replicas_of(vc.node_at(dst))[0]
+        replica.stop(kill=True)
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(7, "gpu", entry("pod-a"), (70,))])
+        assert r.status == "applied"
+        assert nodes[dst].zrange("engine:7", 0, -1) == [b"70"]  # redis-py followed the MOVED
+        assert sync.exists(pod_outbox_key("pod-a"))  # not on a replica of its master: kept
+        replica.start()
+        vc.wait_ok()
+        await drain_until_empty(ix, sync, timeout=20.0)
+        assert sync.zrange("engine:7", 0, -1) == [b"70"]
+    finally:
+        for n in nodes.values():
+            n.close()
+        sync.close()
+        await ix.close()
+        vc.stop()
