@@ -65,14 +65,19 @@ class ValkeyCluster:
         base, sep, query = self.nodes[0].url.partition("?")
         return base.rsplit("/", 1)[0] + sep + query
 
+    @property
+    def tls(self) -> bool:
+        """TLS only (a cert and its key given), as ValkeyServer decides for each node."""
+        return bool(self.tls_cert and self.tls_key)
+
     def cli(self, *args: str) -> list[str]:
         """A valkey-cli command line for this cluster's nodes (over TLS when it is)."""
-        tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls_cert and self.tls_key else []
+        tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls else []
         return [cli_binary(), *tls, *args]
 
     def _node(self, i: int, port: int) -> ValkeyServer:
         d = self.data_dir.resolve() / f"node-{i}"
-        tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls_cert and self.tls_key else ()
+        tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls else ()
         return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command,
                             tied_to_parent=self.tied_to_parent, tls_cert=self.tls_cert, tls_key=self.tls_key,
                             extra_args=tls + (

@@ -19,6 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
 
 from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.cluster.routing import over_tls
 from kv_preflight.index.layout import barrier_key
 
 # The TLS settings a redis-py client takes (ssl_ca_certs, ssl_certfile, ...), as its cluster nodes hold them
@@ -75,7 +76,7 @@ class ReplicationBarrier:
         conn = self._conns.get(node.name)
         if conn is None:
             kw = node.connection_kwargs
-            tls = "SSL" in node.connection_class.__name__
+            tls = over_tls(node)
             conn = aioredis.Redis(host=node.host, port=node.port, username=kw.get("username"),
                                   password=kw.get("password"), socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
                                   socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0, ssl=tls,

@@ -90,6 +90,11 @@ def by_primary(client: RedisCluster, keys: Iterable[str]) -> tuple[dict[str, tup
     return groups, unserved
 
 
+def over_tls(node) -> bool:
+    """Whether redis-py reaches this cluster node over TLS (its connections' class says so)."""
+    return "SSL" in node.connection_class.__name__
+
+
 class Shards:
     """The cluster's primaries as the hot paths use them: the slot -> primary table, a lean connection
     to each, and redis-py's routing for the rest. ``resend_scripts``: scripts safe to send again on a
@@ -115,7 +120,7 @@ class Shards:
         """The lean connection to a primary; None over TLS (it speaks plain TCP), where redis-py carries it."""
         if node.name not in self._fast:
             kw = node.connection_kwargs
-            tls = "SSL" in node.connection_class.__name__
+            tls = over_tls(node)
             self._fast[node.name] = None if tls else FastConnection(
                 host=node.host, port=node.port, username=kw.get("username"), password=kw.get("password"),
                 timeout_s=kw.get("socket_timeout") or 1.0, resend_scripts=self.resend)
@@ -229,9 +234,10 @@ class Shards:
         # Whether the map is out of date: a slot with no primary in it, a primary that did not answer, a command
         # refused as not its slot's. A primary with no lean connection (TLS) is no such news: redis-py carries
         # its commands on the same map, and forgetting the map would make every cluster ack refuse (``ack``).
-        stale = [bool(unserved)]
+        stale = bool(unserved)
 
         async def one(node, idx: list[int]) -> None:
+            nonlocal stale
             fast = self.fast_for(node)
             if fast is None:
                 again.extend(idx)
@@ -241,7 +247,7 @@ class Shards:
                     replies = await fast.pipeline([commands[i] for i in idx], resend=resend)
             except (*VALKEY_ERRORS, TimeoutError):
                 again.extend(idx)
-                stale[0] = True
+                stale = True
                 return
             if not any(issubclass(t, ResponseError) for t in set(map(type, replies))):  # the usual: all in place
                 for _ in map(out.__setitem__, idx, replies):
@@ -250,13 +256,13 @@ class Shards:
             for i, r in zip(idx, replies):
                 if isinstance(r, ResponseError) and str(r).startswith(REDIRECTS):
                     again.append(i)
-                    stale[0] = True
+                    stale = True
                 else:
                     out[i] = r
 
         await asyncio.gather(*(one(node, idx) for node, idx in groups.values()))
         if again:
-            if stale[0]:
+            if stale:
                 self.forget_table()  # a primary gone or a slot moved: the map redis-py learns now is the one to use
             self._routed += 1
             again.sort()
@@ -274,4 +280,4 @@ class Shards:
         self._fast.clear()
 
 
-__all__ = ["REDIRECTS", "Shards", "by_primary", "cluster_client", "node_for", "probe_cluster", "writer_id"]
+__all__ = ["REDIRECTS", "Shards", "by_primary", "cluster_client", "node_for", "over_tls", "probe_cluster", "writer_id"]
