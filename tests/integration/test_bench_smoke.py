@@ -59,3 +59,22 @@ def test_prediction_parts_run():
     for part in ("lookup", "of which Valkey's script", "per-pod loop, C", "per-pod loop, Python", "whole prediction"):
         assert part in run.stdout, run.stdout
     assert "pods answered" in run.stdout and " 20\n" in run.stdout, run.stdout
+
+
+def test_floor_bench_writers_leave_the_same_entries(tmp_path):
+    """The write-path rows (cli/bench/floor.py): the floor writer and the ingester, taking turns on their own
+    Valkeys, single node and cluster, leave the same (request key, pod) entries (the bench's own check, which
+    fails the run), and every row is reported."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "floor", "--json-file", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed_checks"] == []
+    rows = {r["row"] for r in doc["rows"]}
+    assert {"Valkey CPU per engine block, single node", "memory per live (request key, pod) entry",
+            "one ingester, single node", "Valkey CPU per engine block, cluster (sum of 3 masters)",
+            "one ingester, cluster"} <= rows
+    floor = doc["floor"]
+    assert floor["entries"] > 0 and floor["turn_frames"] > 0
+    assert floor["measured_batches"] > floor["turn_frames"]  # several turns each

@@ -3,11 +3,12 @@ Valkey in the same run, as plain pipelined commands of llm-d's bare layout (the 
 
 The workload is the steady state of a busy fleet (issue 25): 8 engines with LRU caches of 2,048 blocks of 16
 tokens (one request key per block), shared system prompts and long unique parts, so every step both stores and
-evicts. Both writers first fill the caches (the warm-up, not measured), then write the measured events. Per engine
-block event (a store or an eviction) the rows report Valkey's CPU (``used_cpu_user + used_cpu_sys``) on each, the
-memory per live (request key, pod) entry, and the ingester's rate; and the same on a local Valkey Cluster, summed
-over its masters. Only ratios taken within one run mean anything on a shared machine: each run's figures are
-recorded whole in the JSON.
+evicts. Each writer first fills the caches (the warm-up, not measured); then the writers (the floor's and ours, on a
+single node and on a local Valkey Cluster) take turns over the measured events, so that each is measured at the
+same moments of the machine (``interleaved``). Per engine block event (a store or an eviction) the rows report
+Valkey's CPU (``used_cpu_user + used_cpu_sys``) on each, the memory per live (request key, pod) entry, and the
+ingester's rate; on the cluster, Valkey's CPU summed over its masters. Only ratios taken within one run mean
+anything on a shared machine: each run's figures are recorded whole in the JSON.
 """
 from __future__ import annotations
 
@@ -142,66 +143,108 @@ def live_entries(r: redis.Redis) -> int:
     return total
 
 
+class OursWriter:
+    """kv-preflight's ingester, in process: its message handler fed the frames as queued messages (a backlog), as
+    the ingester process runs them."""
+
+    def __init__(self, url: str):
+        from kv_preflight.config import Config
+        from kv_preflight.index.index import Index
+        from kv_preflight.ingester.ingester import Ingester
+        from kv_preflight.ingester.sources import Source
+
+        self.index = Index.from_url(url, timeout_s=30.0)
+        self.ingester = Ingester(Config(valkey_url=url, block_size=16), self.index, [])
+        self.source = Source("tcp://bench", bind=False, replay=None)
+        self.fed = 0
+
+    async def write(self, frames: list[tuple[str, list[bytes]]], chunk: int = 512) -> None:
+        for i in range(0, len(frames), chunk):
+            await self.ingester.handle_messages([(self.source, fr) for _, fr in frames[i:i + chunk]])
+        self.fed += len(frames)
+
+    async def close(self) -> None:
+        """Checks that every batch fed was applied (a bench of batches refused would measure nothing)."""
+        try:
+            applied = self.ingester.counters.counts.get("batches_applied", 0)
+            if applied != self.fed:
+                raise RuntimeError(f"the ingester applied {applied} of {self.fed} batches: {self.ingester.counters.counts}")
+        finally:
+            await self.index.close()
+
+
 async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis],
                 on_measure: Callable[[bool], None] | None = None) -> tuple[float, float, float]:
-    """The ingester's message handler, in process, fed 512 queued messages at a time (a backlog): the warm-up,
-    then the measured part. Returns (seconds, Valkey CPU seconds summed over ``nodes``, this process's CPU
-    seconds) of the measured part: on a busy machine the process waits for a core, and its CPU time says
-    what it would do on a core of its own. ``on_measure(True)`` / ``(False)`` around the measured part
-    (callgrind's instrumentation: kv_preflight/cli/bench/callgrind.py)."""
-    from kv_preflight.config import Config
-    from kv_preflight.index.index import Index
+    """The ingester alone: the warm-up, then the measured part. Returns (seconds, Valkey CPU seconds summed over
+    ``nodes``, this process's CPU seconds) of the measured part. ``on_measure(True)`` / ``(False)`` around the
+    measured part (callgrind's instrumentation: kv_preflight/cli/bench/callgrind.py)."""
     from kv_preflight.ingester.collector import tuned_collector
-    from kv_preflight.ingester.ingester import Ingester
-    from kv_preflight.ingester.sources import Source
 
-    index = Index.from_url(url, timeout_s=30.0)
-    ing = Ingester(Config(valkey_url=url, block_size=16), index, [])
-    src = Source("tcp://bench", bind=False, replay=None)
-
-    async def feed(frames: list) -> None:
-        for i in range(0, len(frames), 512):
-            await ing.handle_messages([(src, fr) for _, fr in frames[i:i + 512]])
-
+    w = OursWriter(url)
     try:
         with tuned_collector():  # as the ingester process runs
-            await feed(warm)
+            await w.write(warm)
             c0 = sum(cpu_s(n) for n in nodes)
             if on_measure:
                 on_measure(True)
             t, p0 = time.perf_counter(), time.process_time()
-            await feed(measured)
+            await w.write(measured)
             elapsed, proc = time.perf_counter() - t, time.process_time() - p0
             if on_measure:
                 on_measure(False)
             c1 = sum(cpu_s(n) for n in nodes)
-        applied = ing.counters.counts.get("batches_applied", 0)
-        if applied != len(warm) + len(measured):
-            raise RuntimeError(f"the ingester applied {applied} of {len(warm) + len(measured)} batches: {ing.counters.counts}")
     finally:
-        await index.close()
+        await w.close()
     return elapsed, c1 - c0, proc
 
 
-async def _floor(url: str, warm: list, measured: list, nodes: list[redis.Redis], *,
-                 cluster: bool = False) -> tuple[float, float, float]:
-    w = FloorWriter(url, cluster=cluster)
-    try:
-        await w.write(warm)
-        c0 = sum(cpu_s(n) for n in nodes)
-        t, p0 = time.perf_counter(), time.process_time()
-        await w.write(measured)
-        return time.perf_counter() - t, sum(cpu_s(n) for n in nodes) - c0, time.process_time() - p0
-    finally:
-        await w.close()
+Writer = FloorWriter | OursWriter
+# Frames per turn when the writers take turns: two of the ingester's pipelined runs (PIPELINE_BATCHES), so its
+# second run is still planned while Valkey applies the first, as in a longer backlog.
+TURN_FRAMES = 128
 
 
-async def _floor_cluster(url: str, warm: list, measured: list, nodes: list[redis.Redis]) -> tuple[float, float, float]:
-    return await _floor(url, warm, measured, nodes, cluster=True)
+async def interleaved(writers: dict[str, tuple[Writer, list[redis.Redis]]], warm: list,
+                      measured: list) -> dict[str, tuple[float, float, float]]:
+    """Every writer on its own Valkey, taking turns over the measured frames (``TURN_FRAMES`` each, the order
+    rotating): per writer (seconds, Valkey CPU seconds summed over its nodes, this process's CPU seconds) of
+    its turns.
+
+    On a shared machine CPU seconds move by tens of percent within a minute (the CPU probe's swing); writers
+    measured one after the other each got their own moment, and the ratios between them moved by as much.
+    Taking turns gives every writer the same moments. Each turn runs alone (awaited before the next starts),
+    so this process's CPU in a turn is that writer's; a writer's Valkey CPU is read around its own turns only,
+    since an idle server's timer work (about 4 ms of CPU a second per server here: serverCron, and a cluster
+    node's gossip) would otherwise count every other writer's turns against it, and the most against the
+    cheapest writer and the cluster's three servers."""
+    from kv_preflight.ingester.collector import tuned_collector
+
+    names = list(writers)
+    wall = dict.fromkeys(names, 0.0)
+    proc = dict.fromkeys(names, 0.0)
+    cpu = dict.fromkeys(names, 0.0)
+    with tuned_collector():  # as the ingester process runs (the floor writer is not judged on its own CPU)
+        for name in names:
+            await writers[name][0].write(warm)
+        for k, i in enumerate(range(0, len(measured), TURN_FRAMES)):
+            turn = measured[i:i + TURN_FRAMES]
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                writer, nodes = writers[name]
+                c0 = sum(cpu_s(x) for x in nodes)
+                t, p0 = time.perf_counter(), time.process_time()
+                await writer.write(turn)
+                wall[name] += time.perf_counter() - t
+                proc[name] += time.process_time() - p0
+                cpu[name] += sum(cpu_s(x) for x in nodes) - c0
+    return {n: (wall[n], cpu[n], proc[n]) for n in names}
 
 
 def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> dict[str, Any]:
-    """The rows of the module docstring; returns the run's figures (also in ``res.extra["floor"]``)."""
+    """The rows of the module docstring; returns the run's figures (also in ``res.extra["floor"]``). The writers
+    (the floor's and ours, on a single node and, with ``cluster``, on a cluster each) take turns
+    (``interleaved``)."""
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
     print(f"write path against llm-d's bare layout ({PODS} pods, LRU {CAPACITY} blocks of {ENGINE_BLOCK} tokens, "
           "steady state)", flush=True)
     t = time.perf_counter()
@@ -209,23 +252,43 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
     warm, measured = stream.frames[:stream.warm_frames], stream.frames[stream.warm_frames:]
     events = block_events(measured)
     print(f"  generated {stream.batches} batches ({time.perf_counter() - t:.1f}s): warm-up {len(warm)}, "
-          f"measured {len(measured)} with {events:,} block events", flush=True)
-    ours_vk = ValkeyServer(tmp / "floor-ours", appendonly=False).start()
-    floor_vk = ValkeyServer(tmp / "floor-floor", appendonly=False).start()
+          f"measured {len(measured)} with {events:,} block events, the writers taking turns of {TURN_FRAMES}",
+          flush=True)
     out: dict[str, Any] = {"pods": PODS, "capacity_blocks": CAPACITY, "engine_block": ENGINE_BLOCK,
-                           "warm_batches": len(warm), "measured_batches": len(measured), "block_events": events}
+                           "warm_batches": len(warm), "measured_batches": len(measured), "block_events": events,
+                           "turn_frames": TURN_FRAMES}
+    servers: list[ValkeyServer | ValkeyCluster] = []
+    clients: list[redis.Redis] = []
     try:
-        sides: dict[str, Side] = {}
-        for name, vk, run in (("floor", floor_vk, _floor), ("ours", ours_vk, _ours)):
+        urls: dict[str, tuple[str, bool, list[redis.Redis]]] = {}
+        mem0: dict[str, int] = {}
+        for name in ("floor", "ours"):
+            vk = ValkeyServer(tmp / f"floor-{name}", appendonly=False).start()
+            servers.append(vk)
             r = redis.Redis.from_url(vk.url)
+            clients.append(r)
             for opt in ("lazyfree-lazy-user-del", "lazyfree-lazy-server-del"):
                 r.config_set(opt, "no")
-            mem0 = used_memory(r)
-            seconds, cpu, proc = asyncio.run(run(vk.url, warm, measured, [r]))
+            mem0[name] = used_memory(r)
+            urls[name] = (vk.url, False, [r])
+        if cluster:
+            # No replicas: a replica costs its master the propagation of every write, the floor's as much as ours
+            # (the floor's own CPU doubles with one replica each, measured), which is the deployment's choice, not
+            # the write path's; the row compares the write path's own cost with the single node's.
+            for name in ("floor", "ours"):
+                vc = ValkeyCluster(tmp / f"floor-cluster-{name}", appendonly=False, replicas=0).start()
+                servers.append(vc)
+                masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
+                clients.extend(masters)
+                urls[f"{name}-cluster"] = (vc.url, True, masters)
+        sides = asyncio.run(_run_sides(urls, warm, measured))
+        figures = {}
+        for name in ("floor", "ours"):
+            r = urls[name][2][0]
             entries = live_entries(r)
-            sides[name] = Side(cpu, seconds, proc, (used_memory(r) - mem0) / max(entries, 1), entries)
-            r.close()
-        floor, ours = sides["floor"], sides["ours"]
+            seconds, cpu, proc = sides[name]
+            figures[name] = Side(cpu, seconds, proc, (used_memory(r) - mem0[name]) / max(entries, 1), entries)
+        floor, ours = figures["floor"], figures["ours"]
         if ours.entries != floor.entries:
             res.failed_checks.append(f"floor writer and ingester left different entry counts: {floor.entries} vs {ours.entries}")
         f_us, o_us = floor.cpu_s / events * 1e6, ours.cpu_s / events * 1e6
@@ -247,37 +310,40 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
                    ours_bytes=ours.bytes_per_entry, memory_ratio=mem_ratio, entries=ours.entries,
                    ours_blocks_per_s=rate, ours_blocks_per_cpu_s=core_rate, floor_seconds=floor.seconds)
         if cluster:
-            out.update(_cluster(res, tmp, warm, measured, events, o_us, f_us, core_rate))
+            got = {name: sum(live_entries(m) for m in urls[f"{name}-cluster"][2]) for name in ("floor", "ours")}
+            if got["floor"] != got["ours"] or got["ours"] != ours.entries:
+                res.failed_checks.append(f"on the cluster the floor writer and the ingester left {got['floor']} and "
+                                         f"{got['ours']} entries (single node {ours.entries})")
+            out.update(_cluster_rows(res, sides, events, o_us, f_us, core_rate))
     finally:
-        ours_vk.stop()
-        floor_vk.stop()
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop()
     res.extra["floor"] = out
     return out
 
 
-def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, single_us: float,
-             single_floor_us: float, single_rate: float) -> dict[str, Any]:
-    """The ingester and the floor writer on a local cluster of 3 masters, Valkey CPU summed over the masters.
-    No replicas: a replica costs its master the propagation of every write, the floor's as much as ours (the
-    floor's own CPU doubles with one replica each, measured), which is the deployment's choice, not the write
-    path's; the row compares the write path's own cost with the single node's. The floor's own ratio, cluster to
-    single node, is printed beside: on a machine whose cores the three masters and the writer share, CPU
-    seconds grow on a cluster for the floor too (1.4x in a run where callgrind counts 1.14x), and the two
-    ratios read together say how much of ours is the machine's."""
-    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+async def _run_sides(urls: dict[str, tuple[str, bool, list[redis.Redis]]], warm: list,
+                     measured: list) -> dict[str, tuple[float, float, float]]:
+    writers: dict[str, tuple[Writer, list[redis.Redis]]] = {}
+    try:
+        for name, (url, is_cluster, nodes) in urls.items():
+            writers[name] = (OursWriter(url) if name.startswith("ours") else FloorWriter(url, cluster=is_cluster), nodes)
+        return await interleaved(writers, warm, measured)
+    finally:
+        for w, _ in writers.values():
+            await w.close()
 
-    sides: dict[str, tuple[float, float, float]] = {}
-    for name, run in (("floor", _floor_cluster), ("ours", _ours)):
-        vc = ValkeyCluster(tmp / f"floor-cluster-{name}", appendonly=False, replicas=0).start()
-        try:
-            masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
-            sides[name] = asyncio.run(run(vc.url, warm, measured, masters))
-            for m in masters:
-                m.close()
-        finally:
-            vc.stop()
-    seconds, cpu, proc = sides["ours"]
-    us, floor_us = cpu / events * 1e6, sides["floor"][1] / events * 1e6
+
+def _cluster_rows(res: Any, sides: dict[str, tuple[float, float, float]], events: int, single_us: float,
+                  single_floor_us: float, single_rate: float) -> dict[str, Any]:
+    """The cluster's rows: Valkey CPU summed over its 3 masters, against the single node's; the floor's own
+    ratio, cluster to single node, is printed beside: on a machine whose cores the three masters and the
+    writer share, CPU seconds grow on a cluster for the floor too (1.4x in a run where callgrind counts 1.14x),
+    and the two ratios read together say how much of ours is the machine's."""
+    seconds, cpu, proc = sides["ours-cluster"]
+    us, floor_us = cpu / events * 1e6, sides["floor-cluster"][1] / events * 1e6
     ratio = us / single_us
     res.add("Valkey CPU per engine block, cluster (sum of 3 masters)",
             f"{us:.1f} us (single node {single_us:.1f} us; floor on the cluster {floor_us:.1f} us, "
@@ -292,8 +358,8 @@ def _cluster(res: Any, tmp: Path, warm: list, measured: list, events: int, singl
             f"single node {single_rate:,.0f} blocks/s", core_rate / single_rate, core_rate >= CLUSTER_RATE_MIN,
             blocks_per_s=rate, blocks_per_cpu_s=core_rate)
     return {"cluster_cpu_us": us, "cluster_floor_cpu_us": floor_us, "cluster_cpu_ratio": ratio,
-            "cluster_blocks_per_s": rate, "cluster_blocks_per_cpu_s": core_rate}
+            "cluster_blocks_per_s": rate, "cluster_blocks_per_cpu_s": core_rate,
+            "floor_cluster_ratio": floor_us / single_floor_us}
 
 
-
-__all__ = ["FloorWriter", "bench_floor", "steady_stream"]
+__all__ = ["FloorWriter", "OursWriter", "bench_floor", "interleaved", "steady_stream"]
