@@ -402,12 +402,14 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
         vc.stop()
 
 
-async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(tmp_path):
-    """Over TLS the plain commands go through redis-py's routing, which follows a MOVED itself and patches its
-    map in place, unseen here: a slot moved to another master after the map was read takes a batch's engine
-    key there. The ack must wait for that master's replica, not the old owner's: with the new owner's replica
-    down, the entry stays (and runs again once it is back), where asking the primaries the map names would
-    have confirmed it on the old owner and deleted it."""
+@pytest.mark.parametrize("redirect", ["moved", "ask"])
+async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(tmp_path, redirect):
+    """Over TLS the plain commands go through redis-py's routing, which follows a redirect itself, unseen here:
+    a MOVED (a slot moved to another master after the map was read) patches its map in place, an ASK (the
+    slot migrating, the key not on its old owner any more) leaves it as it was. Either takes a batch's engine
+    key to a master the map does not name for it. The ack must wait for that master's replica, not the old
+    owner's: with the new owner's replica down, the entry stays (and runs again once it is back), where asking
+    the primaries the map names would have confirmed it on the old owner and deleted it."""
     from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
     cert, key = self_signed(tmp_path)
@@ -428,18 +430,31 @@ async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(
         # only the redirect takes a write there
         slot, src = sync.keyslot("engine:7"), owner("engine:7")
         dst = next(p for p in nodes if p not in (src, owner("70")))
-        for n in nodes.values():  # the slot holds no key yet: it changes owner at once
-            n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        if redirect == "moved":
+            for n in nodes.values():  # the slot holds no key yet: it changes owner at once
+                n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        else:  # a live migration: engine:7 is not on src, so src answers ASK and dst takes it after ASKING
+            nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
         replica = vc.replicas_of(vc.node_at(dst))[0]
         replica.stop(kill=True)
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
                                  mutations=[StoreBlock(7, "gpu", entry("pod-a"), (70,))])
         assert r.status == "applied"
-        assert nodes[dst].zrange("engine:7", 0, -1) == [b"70"]  # redis-py followed the MOVED
+        with nodes[dst].pipeline(transaction=False) as p:  # one connection: ASKING, then the read it allows
+            p.execute_command("ASKING")
+            p.zrange("engine:7", 0, -1)
+            assert p.execute()[1] == [b"70"]  # redis-py followed the redirect
+        assert nodes[src].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0  # not on the old owner
         assert sync.exists(pod_outbox_key("pod-a"))  # not on a replica of its master: kept
         replica.start()
         vc.wait_ok()
         await drain_until_empty(ix, sync, timeout=20.0)
+        if redirect == "ask":  # the migration ends: the slot is dst's
+            for n in nodes.values():
+                n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            sync.close()
+            sync = redis.RedisCluster.from_url(vc.url)
         assert sync.zrange("engine:7", 0, -1) == [b"70"]
     finally:
         for n in nodes.values():
