@@ -57,6 +57,7 @@ class ValkeyCluster:
     tied_to_parent: bool = False  # every node, as ValkeyServer's (`up --cluster`)
     tls_cert: Path | None = None  # with tls_key: TLS only, for clients, the cluster bus and replication
     tls_key: Path | None = None
+    requirepass: str = field(default="", repr=False)  # every node's (clients and replication); the URL carries it
     nodes: list[ValkeyServer] = field(default_factory=list, repr=False)
 
     @property
@@ -73,14 +74,16 @@ class ValkeyCluster:
     def cli(self, *args: str) -> list[str]:
         """A valkey-cli command line for this cluster's nodes (over TLS when it is)."""
         tls = ["--tls", "--cacert", str(self.tls_cert)] if self.tls else []
-        return [cli_binary(), *tls, *args]
+        auth = ["-a", self.requirepass, "--no-auth-warning"] if self.requirepass else []
+        return [cli_binary(), *tls, *auth, *args]
 
     def _node(self, i: int, port: int) -> ValkeyServer:
         d = self.data_dir.resolve() / f"node-{i}"
         tls = ("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls else ()
+        auth = ("--masterauth", self.requirepass) if self.requirepass else ()  # a replica AUTHs to its master
         return ValkeyServer(d, port=port, appendonly=self.appendonly, debug_command=self.debug_command,
                             tied_to_parent=self.tied_to_parent, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                            extra_args=tls + (
+                            requirepass=self.requirepass, extra_args=tls + auth + (
             "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
             # a replica of a dead master takes over without waiting for an operator

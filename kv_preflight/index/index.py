@@ -28,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_fields
+from kv_preflight.index.cluster import ClusterBackend
 from kv_preflight.index.connect import TAKEOVER_MS, connect
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
@@ -60,7 +61,10 @@ class Index:
         self.client = client
         self.entry_format = entry_format
         self._fields: dict[tuple[str, str | None, int | None], str] = {}
-        self.backend: IndexBackend = backend or SingleNodeBackend(client, fast)
+        if backend is None:  # a client given whole (a library user's): its kind says which backend
+            backend = (ClusterBackend(client) if isinstance(client, aioredis.RedisCluster)
+                       else SingleNodeBackend(client, fast))
+        self.backend: IndexBackend = backend
         self.cluster = self.backend.cluster
         self.foreign_reads = 0  # request keys of a foreign type read as misses (a counter for /metrics)
         # pod -> (model, monotonic time) this Index last put in the registry: written again after

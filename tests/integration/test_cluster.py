@@ -402,6 +402,60 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
         vc.stop()
 
 
+@pytest.mark.parametrize("auth", ["url", "credential_provider"])
+async def test_a_password_cluster_acks_its_outbox_and_answers(tmp_path, auth):
+    """A Valkey Cluster whose nodes require a password (requirepass, masterauth for replication), the usual
+    managed Valkey: the lean connections and the replication barrier's own connections AUTH as the cluster
+    client does, so batches apply, each outbox entry is acked on a replica, and lookups answer. A client given
+    a credential provider (a managed service's rotating tokens) has no lean connections (they would AUTH once
+    with fixed credentials): its commands go through redis-py, which asks the provider at each connect, and
+    the barrier's connections carry the provider."""
+    import redis.asyncio as aioredis
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    pw = "s3cret:pw/1"
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False, requirepass=pw).start()
+    try:
+        port = vc.masters_now()[0].port
+        with pytest.raises(redis.AuthenticationError):  # the password is really required
+            redis.Redis(port=port).ping()
+        if auth == "url":
+            ix = Index.from_url(vc.url)
+        else:
+            ix = Index(aioredis.RedisCluster(host="127.0.0.1", port=port,
+                                             credential_provider=redis.UsernamePasswordCredentialProvider(password=pw)))
+        sync = redis.RedisCluster.from_url(vc.url)
+        try:
+            assert ix.cluster
+            await ix.backend.shards.ready()
+            primaries = ix.backend.client.get_primaries()
+            fast = [ix.backend.shards.fast_for(n) for n in primaries]
+            assert all(f is not None for f in fast) if auth == "url" else all(f is None for f in fast)
+            for seq in range(4):
+                for pod in ("pod-a", "pod-b"):
+                    muts = [StoreBlock(100 * seq + k, "gpu", entry(pod), (1000 * seq + k,)) for k in range(8)]
+                    if seq:
+                        muts += [RemoveBlock(100 * (seq - 1) + k, "gpu") for k in range(4)]
+                    r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0 + seq, model="m",
+                                             engine_block_size=32, mutations=muts)
+                    assert r.status == "applied"
+            await drain_until_empty(ix, sync, timeout=10.0)
+            barrier = ix.backend.writes.barrier
+            for node in primaries:
+                assert await barrier._conn(node).ping()
+                assert await barrier._has_replicas(node, barrier._barrier_key(node))  # one replica each
+            assert await barrier.confirm(primaries)
+            assert sync.zrange("engine:304", 0, -1) == [b"3004"] and not sync.exists("engine:3")
+            found = await ix.lookup([3000, 3001, 3002])
+            assert sorted((m.pod_id, m.blocks) for m in found) == [("pod-a", 3), ("pod-b", 3)]
+        finally:
+            sync.close()
+            await ix.close()
+    finally:
+        vc.stop()
+
+
 @pytest.mark.parametrize("redirect", ["moved", "ask"])
 async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(tmp_path, redirect):
     """Over TLS the plain commands go through redis-py's routing, which follows a redirect itself, unseen here:

@@ -71,14 +71,15 @@ class ReplicationBarrier:
 
     def _conn(self, node):
         """A connection of the barrier's own to a primary (WAIT counts its last write), with the cluster
-        client's credentials and, over TLS, its TLS settings (CA, client certificate, hostname check): without
+        client's credentials (or credential provider) and, over TLS, its TLS settings (CA, client certificate, hostname check): without
         them the handshake fails, and a node's replicas would read as none (nothing to wait for)."""
         conn = self._conns.get(node.name)
         if conn is None:
             kw = node.connection_kwargs
             tls = over_tls(node)
             conn = aioredis.Redis(host=node.host, port=node.port, username=kw.get("username"),
-                                  password=kw.get("password"), socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
+                                  password=kw.get("password"), credential_provider=kw.get("credential_provider"),
+                                  socket_timeout=max(1.0, 2 * self.timeout_ms / 1000),
                                   socket_connect_timeout=kw.get("socket_connect_timeout") or 1.0, ssl=tls,
                                   **({k: v for k, v in kw.items() if k in _TLS_ARGS} if tls else {}))
             self._conns[node.name] = conn

@@ -117,11 +117,13 @@ class Shards:
             await self.client.initialize()  # a new client learns the slot map on its first command
 
     def fast_for(self, node) -> FastConnection | None:
-        """The lean connection to a primary; None over TLS (it speaks plain TCP), where redis-py carries it."""
+        """The lean connection to a primary; None, where redis-py carries the commands, over TLS (it speaks plain
+        TCP) and for a client given a credential provider (it AUTHs with a fixed username and password, and a
+        provider's credentials may be tokens that expire: it asks the provider at each connect)."""
         if node.name not in self._fast:
             kw = node.connection_kwargs
-            tls = over_tls(node)
-            self._fast[node.name] = None if tls else FastConnection(
+            carried = over_tls(node) or kw.get("credential_provider") is not None
+            self._fast[node.name] = None if carried else FastConnection(
                 host=node.host, port=node.port, username=kw.get("username"), password=kw.get("password"),
                 timeout_s=kw.get("socket_timeout") or 1.0, resend_scripts=self.resend)
         return self._fast[node.name]
