@@ -20,7 +20,7 @@ from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, is_presence_key, pod_meta_key, pod_state_key,
                                        v3_bits_key, v3_members_key, v3_pod_keys)
 from kv_preflight.index.presence import as_int, numbers, presence_value
-from kv_preflight.index.transfer import held_blocks
+from kv_preflight.index.transfer import export_blocks, held_blocks
 from tests.e2e.harness import spawn, stop
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -258,4 +258,99 @@ async def test_layout_3_on_a_cluster_is_migrated_to_what_layout_4_writes(cluster
             await fresh.close()
     finally:
         sync.close()
+        await ix.close()
+
+
+async def test_layout_3_is_migrated_while_its_engines_go_on_publishing(valkey_url, tmp_path):
+    """The upgrade as CHANGELOG.md gives it, under live ingestion: two engines publish throughout; their
+    ingester (the old build) stops and leaves a layout-3 index; a new ingester started before the migration
+    refuses, saying what to run; ``index migrate`` runs while the engines publish; the new ingester then
+    replays what it missed from each engine's buffer and the index is exact (every pod's blocks are the
+    engine's stored-minus-removed, every request key lists them, no pod incomplete), and the lookup equals the
+    linear walk over llm-d's entries."""
+    from kv_preflight.cli.valkey_server import free_port
+    from tests.integration.engine_stub import EngineStub
+    from tests.integration.test_faults import Workload, publish, wait_for_seq
+    from tests.integration.truth import engine_truth, index_state
+
+    pods = ("pod-a", "pod-b")
+    engines, sources, loads = {}, [], {}
+    for i, pod in enumerate(pods):
+        zport, rport = free_port(), free_port()
+        # a replay buffer of 60 batches, like an engine's bounded one: what the ingester missed while it was
+        # down (30 batches) and what comes after (20) is there, the first 30 batches are not: only the migrated
+        # state knows them
+        engines[pod] = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", f"kv@{pod}@tiny", buffer=60)
+        sources += ["--source", f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"]
+        loads[pod] = Workload(seed=i + 7)
+
+    async def publish_all(n: int) -> None:
+        await asyncio.gather(*(publish(engines[p], loads[p], n) for p in pods))
+
+    def counts() -> dict[str, int]:  # taken before an ingester starts: its subscription may come at once
+        return {p: e.count_subscriptions() for p, e in engines.items()}
+
+    async def subscribed(since: dict[str, int]) -> None:
+        for p, e in engines.items():
+            await e.subscribed(since[p] + 1)
+
+    r = redis.Redis.from_url(valkey_url)
+    ix = Index.from_url(valkey_url)
+    seen = counts()
+    ing = spawn(["ingest", "--valkey-url", valkey_url, *sources], str(tmp_path / "old.log"))
+    try:
+        await subscribed(seen)
+        await publish_all(40)
+        for p in pods:
+            await wait_for_seq(ix, p, engines[p].seq - 1)
+        stop(ing)  # the old build's ingester stops ...
+        await to_layout_3(ix, r)  # ... and leaves its layout
+        await publish_all(15)  # the engines go on; nobody listens
+        early = spawn(["ingest", "--valkey-url", valkey_url, *sources], str(tmp_path / "early.log"))
+        assert early.wait(timeout=60) != 0
+        said = (tmp_path / "early.log").read_text()
+        assert "layout 3" in said and "index migrate" in said, said
+        done, _ = await asyncio.gather(asyncio.to_thread(cli, "index", "migrate", "--valkey-url", valkey_url, "--json"),
+                                       publish_all(15))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["pods"] == 2
+        assert r.hget(LAYOUT_KEY, "version") == b"4"
+        seen = counts()
+        ing = spawn(["ingest", "--valkey-url", valkey_url, *sources], str(tmp_path / "new.log"))
+        await subscribed(seen)
+        await publish_all(20)
+        fresh = Index.from_url(valkey_url)
+        try:
+            for p in pods:
+                await wait_for_seq(fresh, p, engines[p].seq - 1, timeout=30.0)
+                assert await index_state(fresh, p) == engine_truth(loads[p].batches)
+                assert not (await fresh.meta.pod_info(p)).incomplete
+            # nothing left behind in llm-d's keys: the blocks stored before the upgrade were evicted after it
+            # (the engines keep 40 live), and only the migrated state knew their request keys
+            held_rks: dict[str, set[bytes]] = {}
+            fields: dict[str, bytes] = {}
+            live_eks = set()
+            for p in pods:
+                async for blk in export_blocks(fresh.writer, p):
+                    fields[p] = blk.entry_field.encode()
+                    held_rks.setdefault(p, set()).update(str(rk).encode() for rk in blk.request_keys)
+                    live_eks.add(blk.engine_key)
+            llmd = [k for k in r.keys("*") if not k.startswith((b"kvpf:", b"engine:"))]
+            for p in pods:
+                assert {k for k in llmd if r.hexists(k, fields[p])} == held_rks[p], p
+            assert {k for k in r.keys("engine:*")} == {f"engine:{ek}".encode() for ek in live_eks}
+            # chains through each engine's live request keys, from their first: the lookup and the linear walk
+            for p in pods:
+                held = sorted([(s.engine_key, s.request_keys) async for s in export_blocks(fresh.writer, p)])
+                for _, rks in held[:40]:
+                    chain = list(rks)
+                    want = sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(chain, mode="linear"))
+                    assert want and sorted((m.pod_id, m.blocks, m.tier) for m in await fresh.lookup(chain)) == want
+        finally:
+            await fresh.close()
+    finally:
+        stop(ing)
+        for e in engines.values():
+            e.close()
+        r.close()
         await ix.close()
