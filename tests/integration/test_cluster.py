@@ -402,6 +402,56 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
         vc.stop()
 
 
+async def test_writes_wait_for_a_replica_marked_failed_a_moment_ago(tmp_path):
+    """A replica paused past the node timeout is marked failed; a client that reads the slot map again then
+    (redis-py does, after a timeout or a redirect) no longer sees it there (CLUSTER SLOTS leaves failed
+    replicas out), and the node's table says "fail". It may still be back and promoted, with what it had, if
+    its master dies: so the outbox entry of a batch written meanwhile stays until that replica has the
+    batch, rather than being acked for a shard "with no replica"."""
+    import os
+    import signal
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
+    ix = Index.from_url(vc.url)
+    sync = redis.RedisCluster.from_url(vc.url)
+    held = on_master = None
+    try:
+        assert (await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                     mutations=[StoreBlock(1, "gpu", entry("pod-a"), (10,))])).status == "applied"
+        await drain_until_empty(ix, sync, timeout=10.0)
+        master = vc.node_at(sync.get_node_from_key("70").port)
+        held = vc.replicas_of(master)[0]
+        os.kill(held.proc.pid, signal.SIGSTOP)
+        on_master = redis.Redis(port=master.port)
+        deadline = time.monotonic() + 30
+        while not any(f":{held.port}@" in line and "fail" in line.split()[2].split(",")
+                      for line in on_master.execute_command("CLUSTER", "NODES").decode().splitlines()):
+            assert time.monotonic() < deadline, "the paused replica was not marked failed"
+            await asyncio.sleep(0.2)
+        client = ix.backend.client
+        await client.nodes_manager.initialize()  # the slot map read again, as after a timeout
+        assert len(client.nodes_manager.slots_cache[client.keyslot("70")]) == 1  # the failed replica left out
+        ix.backend.writes.barrier._replicas.clear()  # and its table read again
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(7, "gpu", entry("pod-a"), (70,))])
+        assert r.status == "applied"
+        assert sync.exists(pod_outbox_key("pod-a"))  # not on the replica: kept
+        os.kill(held.proc.pid, signal.SIGCONT)
+        vc.wait_ok()
+        await drain_until_empty(ix, sync, timeout=20.0)
+        assert sync.zrange("engine:7", 0, -1) == [b"70"]
+    finally:
+        if held is not None and held.proc is not None and held.proc.poll() is None:
+            os.kill(held.proc.pid, signal.SIGCONT)
+        if on_master is not None:
+            on_master.close()
+        sync.close()
+        await ix.close()
+        vc.stop()
+
+
 @pytest.mark.parametrize("auth", ["url", "credential_provider"])
 async def test_a_password_cluster_acks_its_outbox_and_answers(tmp_path, auth):
     """A Valkey Cluster whose nodes require a password (requirepass, masterauth for replication), the usual

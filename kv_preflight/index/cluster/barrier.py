@@ -27,18 +27,39 @@ _TLS_ARGS = frozenset(p for p in inspect.signature(aioredis.Redis.__init__).para
 
 
 TOPOLOGY_TTL_S = 5.0  # how long the barrier trusts a node's table of replicas
+# How long a replica marked failed is still waited for, from the last time it answered its master: while it
+# may come back and be promoted with what it had (Valkey lets a replica whose link has been down for up to
+# node timeout x cluster-replica-validity-factor + repl-ping-replica-period win an election: 160 s with the
+# defaults, 15 s x 10 + 10 s; with a factor of 0, always). Writes acknowledged without it would be lost in
+# that promotion with no outbox entry to run them again.
+FAILED_REPLICA_GRACE_S = 160.0
 
 
-def live_replicas(cluster_nodes: str) -> int:
-    """How many replicas of the node that answered (its line says "myself") are not marked failed, from
-    the text of CLUSTER NODES. A replica suspected down ("fail?") still counts: it may be back any moment,
-    and a write it has not acknowledged is not confirmed."""
+def live_replicas(cluster_nodes: str, now_ms: float | None = None,
+                  grace_ms: float = FAILED_REPLICA_GRACE_S * 1000) -> int:
+    """How many replicas of the node that answered (its line says "myself") are to be waited for, from the
+    text of CLUSTER NODES: those not marked failed, and those marked failed that answered (pong received)
+    within ``grace_ms`` of ``now_ms`` (the wall clock, ms). A replica suspected down ("fail?") counts: it may
+    be back any moment, and a write it has not acknowledged is not confirmed; so does one marked failed a
+    moment ago (a replica paused or cut off past the node timeout), which may be back and promoted before it
+    has caught up (the failover test lost writes under load that way once: its held replica had been marked
+    failed; tests/integration/test_cluster.py reproduces the path, the slot map read again meanwhile)."""
+    now = time.time() * 1000 if now_ms is None else now_ms
     rows = [line.split() for line in cluster_nodes.splitlines() if line.strip()]
     me = next((r[0] for r in rows if len(r) > 2 and "myself" in r[2].split(",")), None)
     if me is None:
         return 0
-    return sum(1 for r in rows if len(r) > 3 and r[3] == me and "fail" not in r[2].split(",")
-               and {"slave", "replica"} & set(r[2].split(",")))
+
+    def waited(r: list[str]) -> bool:
+        flags = set(r[2].split(","))
+        if not {"slave", "replica"} & flags:
+            return False
+        if "fail" not in flags:
+            return True
+        pong = int(r[5]) if len(r) > 5 and r[5].isdigit() else 0
+        return pong > 0 and now - pong < grace_ms
+
+    return sum(1 for r in rows if len(r) > 3 and r[3] == me and waited(r))
 
 
 class ReplicationBarrier:
@@ -88,7 +109,8 @@ class ReplicationBarrier:
     async def _has_replicas(self, node, key: str) -> bool:
         """Whether the shard has a replica to wait for (a shard without one has nothing to wait for; one
         whose replica is only disconnected now must wait): the slot map lists one, or the node's own table
-        does (CLUSTER NODES, read again every ``TOPOLOGY_TTL_S``, replicas not marked failed). The table
+        does (CLUSTER NODES, read again every ``TOPOLOGY_TTL_S``; a replica marked failed counts for
+        ``FAILED_REPLICA_GRACE_S`` after it last answered, ``live_replicas``). The table
         is needed because CLUSTER SLOTS leaves out a replica that has received nothing yet (offset 0): a
         client that learned the map before a new cluster's first write would never wait at all. The map
         is kept because it goes on listing a replica that failed since it was read, so the writes of a
@@ -140,4 +162,4 @@ class ReplicationBarrier:
         self._conns.clear()
 
 
-__all__ = ["ReplicationBarrier", "TOPOLOGY_TTL_S", "live_replicas"]
+__all__ = ["FAILED_REPLICA_GRACE_S", "ReplicationBarrier", "TOPOLOGY_TTL_S", "live_replicas"]
