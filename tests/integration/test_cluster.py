@@ -351,6 +351,33 @@ async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, evic
         await b.close()
 
 
+async def apply_rounds(ix: Index, rounds: int) -> None:
+    """pod-a and pod-b, each round a batch of 8 stores (and, after the first, 4 removals of the round before)."""
+    for seq in range(rounds):
+        for pod in ("pod-a", "pod-b"):
+            muts = [StoreBlock(100 * seq + k, "gpu", entry(pod), (1000 * seq + k,)) for k in range(8)]
+            if seq:
+                muts += [RemoveBlock(100 * (seq - 1) + k, "gpu") for k in range(4)]
+            r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0 + seq, model="m", engine_block_size=32,
+                                     mutations=muts)
+            assert r.status == "applied"
+
+
+async def rounds_landed(ix: Index, sync: redis.RedisCluster, rounds: int) -> None:
+    """After ``apply_rounds`` and a drain: the barrier's own connections answer and see one replica per
+    shard, it confirms, and the last round's keys and lookups are there, the first round's removals gone."""
+    barrier, primaries = ix.backend.writes.barrier, ix.backend.client.get_primaries()
+    for node in primaries:
+        assert await barrier._conn(node).ping()
+        assert await barrier._has_replicas(node, barrier._barrier_key(node))  # one replica each
+    assert await barrier.confirm(primaries)
+    last = rounds - 1
+    assert sync.zrange(f"engine:{100 * last + 4}", 0, -1) == [str(1000 * last + 4).encode()]
+    assert not sync.exists("engine:3")
+    found = await ix.lookup([1000 * last + k for k in range(3)])
+    assert sorted((m.pod_id, m.blocks) for m in found) == [("pod-a", 3), ("pod-b", 3)]
+
+
 async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
     """A Valkey Cluster over TLS (clients, cluster bus and replication): the write path has no lean connection
     there and sends its plain commands through redis-py. That is no news about the slot map: each run's outbox
@@ -371,14 +398,7 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
             assert ix.cluster
             await ix.backend.shards.ready()
             mark = ix.backend.shards.map_mark()
-            for seq in range(6):
-                for pod in ("pod-a", "pod-b"):
-                    muts = [StoreBlock(100 * seq + k, "gpu", entry(pod), (1000 * seq + k,)) for k in range(8)]
-                    if seq:
-                        muts += [RemoveBlock(100 * (seq - 1) + k, "gpu") for k in range(4)]
-                    r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0 + seq, model="m",
-                                             engine_block_size=32, mutations=muts)
-                    assert r.status == "applied"
+            await apply_rounds(ix, 6)
             # the plain commands went through redis-py, on the map the run wrote by: nothing moved, so no ack was
             # refused for it (each was, and the entries waited for the chores to run them again)
             assert not ix.backend.shards.map_moved(mark)
@@ -387,14 +407,7 @@ async def test_a_tls_cluster_acks_its_outbox_and_answers(tmp_path):
             assert ix.backend.shards.routed_since(mark)
             # an ack WAIT timed out on (200 ms, under load) leaves its entry for the chores; they delete it now
             await drain_until_empty(ix, sync, timeout=10.0)
-            barrier, primaries = ix.backend.writes.barrier, ix.backend.client.get_primaries()
-            for node in primaries:
-                assert await barrier._conn(node).ping()
-                assert await barrier._has_replicas(node, barrier._barrier_key(node))  # one replica each
-            assert await barrier.confirm(primaries)
-            assert sync.zrange("engine:504", 0, -1) == [b"5004"] and not sync.exists("engine:3")
-            found = await ix.lookup([5000, 5001, 5002])
-            assert sorted((m.pod_id, m.blocks) for m in found) == [("pod-a", 3), ("pod-b", 3)]
+            await rounds_landed(ix, sync, 6)
         finally:
             sync.close()
             await ix.close()
@@ -482,23 +495,9 @@ async def test_a_password_cluster_acks_its_outbox_and_answers(tmp_path, auth):
             primaries = ix.backend.client.get_primaries()
             fast = [ix.backend.shards.fast_for(n) for n in primaries]
             assert all(f is not None for f in fast) if auth == "url" else all(f is None for f in fast)
-            for seq in range(4):
-                for pod in ("pod-a", "pod-b"):
-                    muts = [StoreBlock(100 * seq + k, "gpu", entry(pod), (1000 * seq + k,)) for k in range(8)]
-                    if seq:
-                        muts += [RemoveBlock(100 * (seq - 1) + k, "gpu") for k in range(4)]
-                    r = await ix.apply_batch(pod_id=pod, rank=0, seq=seq, ts=1.0 + seq, model="m",
-                                             engine_block_size=32, mutations=muts)
-                    assert r.status == "applied"
+            await apply_rounds(ix, 4)
             await drain_until_empty(ix, sync, timeout=10.0)
-            barrier = ix.backend.writes.barrier
-            for node in primaries:
-                assert await barrier._conn(node).ping()
-                assert await barrier._has_replicas(node, barrier._barrier_key(node))  # one replica each
-            assert await barrier.confirm(primaries)
-            assert sync.zrange("engine:304", 0, -1) == [b"3004"] and not sync.exists("engine:3")
-            found = await ix.lookup([3000, 3001, 3002])
-            assert sorted((m.pod_id, m.blocks) for m in found) == [("pod-a", 3), ("pod-b", 3)]
+            await rounds_landed(ix, sync, 4)
         finally:
             sync.close()
             await ix.close()
