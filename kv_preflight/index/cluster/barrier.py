@@ -27,23 +27,30 @@ _TLS_ARGS = frozenset(p for p in inspect.signature(aioredis.Redis.__init__).para
 
 
 TOPOLOGY_TTL_S = 5.0  # how long the barrier trusts a node's table of replicas
-# How long a replica marked failed is still waited for, from the last time it answered its master: while it
-# may come back and be promoted with what it had (Valkey lets a replica whose link has been down for up to
-# node timeout x cluster-replica-validity-factor + repl-ping-replica-period win an election: 160 s with the
-# defaults, 15 s x 10 + 10 s; with a factor of 0, always). Writes acknowledged without it would be lost in
-# that promotion with no outbox entry to run them again.
-FAILED_REPLICA_GRACE_S = 160.0
+# How long a replica marked failed is still waited for, from the last time it answered its master (pong-recv
+# in the master's CLUSTER NODES, compared with the master's own clock). A replica cut off from its master may be
+# promoted with what it had while its data age passes Valkey's check: node timeout x
+# cluster-replica-validity-factor + repl-ping-replica-period, over the node timeout, from when it noticed the
+# link gone (up to repl-timeout, 60 s, after its last contact): 15 s x 10 + 10 s + 15 s + 60 s = 235 s with
+# Valkey's defaults.
+# Writes acknowledged without it would be lost in that promotion with no outbox entry to run them again. Not
+# covered, and not bounded by any wait: a replica paused (its data age counts from when it resumes) or a
+# validity factor of 0, where Valkey promotes a replica however long it was gone; that is the double fault
+# (the replica out, then its master dead) asynchronous replication cannot cover.
+FAILED_REPLICA_GRACE_S = 240.0
 
 
-def live_replicas(cluster_nodes: str, now_ms: float | None = None,
-                  grace_ms: float = FAILED_REPLICA_GRACE_S * 1000) -> int:
+def live_replicas(cluster_nodes: str, now_ms: float | None = None, grace_ms: float | None = None) -> int:
     """How many replicas of the node that answered (its line says "myself") are to be waited for, from the
     text of CLUSTER NODES: those not marked failed, and those marked failed that answered (pong received)
-    within ``grace_ms`` of ``now_ms`` (the wall clock, ms). A replica suspected down ("fail?") counts: it may
-    be back any moment, and a write it has not acknowledged is not confirmed; so does one marked failed a
-    moment ago (a replica paused or cut off past the node timeout), which may be back and promoted before it
-    has caught up (the failover test lost writes under load that way once: its held replica had been marked
-    failed; tests/integration/test_cluster.py reproduces the path, the slot map read again meanwhile)."""
+    within ``grace_ms`` (``FAILED_REPLICA_GRACE_S``) of ``now_ms`` (the node's clock, ms: TIME; this host's
+    when not given). A replica suspected down ("fail?") counts: it may be back any moment, and a write it has
+    not acknowledged is not confirmed; so does one marked failed a moment ago (a replica cut off or stalled
+    past the node timeout), which may be back and promoted before it has caught up (the failover test lost
+    writes under load that way once: its held replica had been marked failed; tests/integration/
+    test_cluster.py reproduces the path, the slot map read again meanwhile)."""
+    if grace_ms is None:
+        grace_ms = FAILED_REPLICA_GRACE_S * 1000
     now = time.time() * 1000 if now_ms is None else now_ms
     rows = [line.split() for line in cluster_nodes.splitlines() if line.strip()]
     me = next((r[0] for r in rows if len(r) > 2 and "myself" in r[2].split(",")), None)
@@ -124,12 +131,16 @@ class ReplicationBarrier:
             return hit[1]
         try:
             # two words: "CLUSTER NODES" as one would get redis-py's parsed dict, this the node's text
-            table = await self._conn(node).execute_command("CLUSTER", "NODES")
+            async with self._conn(node).pipeline(transaction=False) as pipe:
+                pipe.execute_command("CLUSTER", "NODES")
+                pipe.execute_command("TIME")  # its clock, which its pong times are in
+                table, clock = await pipe.execute()
         except VALKEY_ERRORS:
             return True  # not known: wait, and a node that does not answer confirms nothing (fail closed)
         if not isinstance(table, (bytes, str)):
             return False
-        has = live_replicas(table.decode() if isinstance(table, bytes) else table) > 0
+        now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
+        has = live_replicas(table.decode() if isinstance(table, bytes) else table, now_ms) > 0
         self._replicas[node.name] = (now, has)
         return has
 
