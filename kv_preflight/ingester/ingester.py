@@ -320,7 +320,14 @@ class Ingester:
             return
         if not self.index.cluster:
             return
-        for pod in list(self.routes.pods):
+        # Side by side: a pod's drain waits up to the barrier's timeout (WAIT, 200 ms) while a replica is down
+        # and its entries stay, and the loop waits for its chores, so one pod after another held ingestion up
+        # for that long per pod, every second, for as long as a replica was down.
+        limit = asyncio.Semaphore(DRAINS_AT_ONCE)
+        await asyncio.gather(*(self._drain(pod, limit) for pod in list(self.routes.pods)))
+
+    async def _drain(self, pod: str, limit: asyncio.Semaphore) -> None:
+        async with limit:
             try:
                 if await self.index.drain_outbox(pod, stale_only=True):
                     log.warning("%s: ran effects a stopped writer left in the outbox", pod)
@@ -330,6 +337,7 @@ class Ingester:
 
 
 LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
+DRAINS_AT_ONCE = 32  # pods whose outboxes the chores drain side by side
 
 
 class SourceCapReached(ValueError):
