@@ -64,7 +64,7 @@ COUNTED: dict[str, Counted] = {
     "data_losses": Counted((("data_losses",),), valkey="data_losses"),  # the index's epoch gone or changed  # a membership round past its deadline (watchdog)
     # the process
     "valkey_errors": Counted((("valkey_errors",),)),
-    "outbox_drains": Counted(),
+    "outbox_drains": Counted((("outbox_drains",),)),
     "loop_stalls": Counted((("loop_stalls",),)),
 }
 

@@ -65,6 +65,7 @@ class Ingester:
         self.source_cap = source_cap(cfg)
         self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
         self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)
+        self._unreplicated_seen = 0  # the cluster write path's unreplicated runs, as far as exported
 
     # ---- lifecycle
 
@@ -325,12 +326,18 @@ class Ingester:
         # for that long per pod, every second, for as long as a replica was down.
         limit = asyncio.Semaphore(DRAINS_AT_ONCE)
         await asyncio.gather(*(self._drain(pod, limit) for pod in list(self.routes.pods)))
+        seen = getattr(self.index.backend, "unreplicated", 0)
+        if seen > self._unreplicated_seen:
+            self.counters.metrics.unreplicated_runs.inc(seen - self._unreplicated_seen)
+            self._unreplicated_seen = seen
 
     async def _drain(self, pod: str, limit: asyncio.Semaphore) -> None:
         async with limit:
             try:
-                if await self.index.drain_outbox(pod, stale_only=True):
-                    log.warning("%s: ran effects a stopped writer left in the outbox", pod)
+                ran = await self.index.drain_outbox(pod, stale_only=True)
+                if ran:
+                    log.warning("%s: ran %d outbox entries again (a stopped writer's, or ours not yet confirmed "
+                                "by a replica)", pod, ran)
                     await self.counters.count("outbox_drains")
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)

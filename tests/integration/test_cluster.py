@@ -470,6 +470,62 @@ async def test_writes_wait_for_a_replica_marked_failed_a_moment_ago(tmp_path):
         vc.stop()
 
 
+async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
+    """Every replica held (stopped, cut off): no batch's changes are confirmed, so their outbox entries stay and
+    the chores run them again each second; /metrics counts both (kvpf_ingest_unreplicated_runs_total,
+    kvpf_ingest_outbox_drains_total), so an operator sees a replica down before a failover needs the entries.
+    Once the replicas are back the entries go and the index is the engine's."""
+    import os
+    import signal
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+    from kv_preflight.cli.valkey_server import free_port
+    from tests.prom import metric
+
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
+    engine, source = cluster_engine()
+    wl = Workload(51)
+    mport = free_port()
+    ix = Index.from_url(vc.url)
+    sync = redis.RedisCluster.from_url(vc.url)
+    ing = spawn(["ingest", "--valkey-url", vc.url, "--source", source, "--metrics-port", str(mport)],
+                str(tmp_path / "ing.log"))
+    held: list = []
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 10)
+        await assert_exact(ix, engine, wl)
+        masters = vc.masters_now()
+        held = [n for n in vc.nodes if n.port not in {m.port for m in masters}]
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGSTOP)
+        for m in masters:
+            redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        await publish(engine, wl, 10)
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+            if (metric(text, "kvpf_ingest_unreplicated_runs_total") >= 1
+                    and metric(text, "kvpf_ingest_outbox_drains_total") >= 1):
+                break
+            assert time.monotonic() < deadline, "no unreplicated run or outbox drain was counted"
+            await asyncio.sleep(0.2)
+        assert sync.exists(pod_outbox_key("pod-c"))  # kept for a failover to run again
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        held = []
+        await assert_exact(ix, engine, wl, timeout=30.0)
+        assert ing.poll() is None
+    finally:
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        stop(ing)
+        engine.close()
+        sync.close()
+        await ix.close()
+        vc.stop()
+
+
 @pytest.mark.parametrize("auth", ["url", "credential_provider"])
 async def test_a_password_cluster_acks_its_outbox_and_answers(tmp_path, auth):
     """A Valkey Cluster whose nodes require a password (requirepass, masterauth for replication), the usual
