@@ -57,7 +57,17 @@ class Harness:
         task = asyncio.create_task(ing.run())
         self.ingesters.append((ing, task))
         if self.engine is not None:  # ZMQ slow joiner: frames sent before the subscription lands are lost
-            await self.engine.subscribed(before + 1)
+            sub = asyncio.ensure_future(self.engine.subscribed(before + 1))
+            await asyncio.wait([task, sub], return_when=asyncio.FIRST_COMPLETED)
+            if not sub.done():  # the ingester ended first: its own error says why
+                sub.cancel()
+                task.result()
+                raise AssertionError(f"the ingester stopped before subscribing (at {ing.progress.step})")
+            try:
+                sub.result()
+            except AssertionError as exc:  # what the ingester was doing meanwhile, for a failure in CI
+                raise AssertionError(f"{exc}; the ingester is at {ing.progress.step!r}, sources "
+                                     f"{ing.endpoints()}, counts {dict(ing.counters.counts)}") from exc
         # Past its start-up (feeds learned, known pods resumed from the replay socket): a loaded machine can
         # run that resume after this returns, and it would then see the batches published next a second time
         # (each one "dup" once more, rightly counted), so the tests' counts would depend on the scheduler.
