@@ -71,9 +71,10 @@ class IngesterMetrics:
                                      "could use). Each retried with backoff.", ["step"], registry=r)
         self.round_overruns = Counter("kvpf_ingest_round_overruns", "Membership rounds that ran past their deadline "
                                       "(half the lease TTL), each logged with the step it was at.", registry=r)
-        self.outbox_drains = Counter("kvpf_ingest_outbox_drains", "Pods' outbox entries the chores ran again (Valkey "
-                                     "Cluster): a stopped writer's, left half applied, or this ingester's own while "
-                                     "no replica has confirmed them.", registry=r)
+        self.outbox_drains = Counter("kvpf_ingest_outbox_drains", "Times the chores ran a pod's outbox entries again "
+                                     "(Valkey Cluster; one per pod and round, whatever the entries' count): a "
+                                     "stopped writer's, left half applied, or this ingester's own while no replica "
+                                     "has confirmed them.", registry=r)
         self.unreplicated_runs = Counter("kvpf_ingest_unreplicated_runs", "Runs of batches whose changes no replica "
                                          "confirmed in time (Valkey Cluster): kept in the outbox and run again "
                                          "until one does; steady growth means a replica is down or far behind.",

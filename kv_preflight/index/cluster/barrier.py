@@ -99,8 +99,9 @@ class ReplicationBarrier:
 
     def _conn(self, node):
         """A connection of the barrier's own to a primary (WAIT counts its last write), with the cluster
-        client's credentials (or credential provider) and, over TLS, its TLS settings (CA, client certificate, hostname check): without
-        them the handshake fails, and a node's replicas would read as none (nothing to wait for)."""
+        client's credentials (or credential provider) and, over TLS, its TLS settings (CA, client certificate,
+        hostname check): without them the handshake fails, and a node's replicas would read as none (nothing
+        to wait for)."""
         conn = self._conns.get(node.name)
         if conn is None:
             kw = node.connection_kwargs
