@@ -3,7 +3,7 @@ Valkey node and a Valkey Cluster), and the pieces both use."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -42,6 +42,9 @@ class IndexBackend(Protocol):
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         """Finish what a stopped writer left half applied (nothing to do on a single node)."""
+
+    def forget(self, pods: Iterable[str]) -> None:
+        """Drop what this process remembers of these pods' writes (a pod let go, the index's data lost)."""
 
     async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Read-only commands on the keys they name second, replies in order, error replies in place."""

@@ -270,11 +270,13 @@ class Index:
         if pods is None:
             pods = set(self._registered) | set(self._numbered) | set(self.writer.pods)
             self.numbering.forget_names()
-        for pod in list(pods):
+        pods = list(pods)
+        for pod in pods:
             self._registered.pop(pod, None)
             self._numbered.discard(pod)
             self._nums.pop(pod, None)
             self.writer.forget(pod)
+        self.backend.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:
         """Run what a stopped writer left in a pod's outbox (cluster; nothing to do on one node);

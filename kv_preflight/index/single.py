@@ -4,7 +4,7 @@ both hot paths when the URL allows it (redis://, unix://); redis-py everything e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
@@ -93,6 +93,9 @@ class SingleNodeBackend:
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return 0  # one script applies a whole batch: nothing is ever left half applied
+
+    def forget(self, pods: Iterable[str]) -> None:
+        pass  # nothing of a pod's writes is remembered here
 
     async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """On the lean connection where there is one (a thousand pods' metadata cost ~70 ms of redis-py's

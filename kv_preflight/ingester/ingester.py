@@ -66,6 +66,7 @@ class Ingester:
         self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
         self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)
         self._unreplicated_seen = 0  # the cluster write path's unreplicated runs, as far as exported
+        self._confirmed_late_seen = 0  # ... and its entries confirmed late, likewise
 
     # ---- lifecycle
 
@@ -330,14 +331,18 @@ class Ingester:
         if seen > self._unreplicated_seen:
             self.counters.metrics.unreplicated_runs.inc(seen - self._unreplicated_seen)
             self._unreplicated_seen = seen
+        late = getattr(self.index.backend, "confirmed_late", 0)
+        if late > self._confirmed_late_seen:
+            self.counters.metrics.outbox_confirmed_late.inc(late - self._confirmed_late_seen)
+            self._confirmed_late_seen = late
 
     async def _drain(self, pod: str, limit: asyncio.Semaphore) -> None:
         async with limit:
             try:
                 ran = await self.index.drain_outbox(pod, stale_only=True)
                 if ran:
-                    log.warning("%s: ran %d outbox entries again (a stopped writer's, or ours not yet confirmed "
-                                "by a replica)", pod, ran)
+                    log.warning("%s: ran %d outbox entries again (a stopped writer's, or ours after the slot map "
+                                "moved before a replica confirmed them)", pod, ran)
                     await self.counters.count("outbox_drains")
             except VALKEY_ERRORS as exc:
                 log.warning("%s: outbox not drained now (%s)", pod, exc)

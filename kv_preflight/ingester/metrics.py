@@ -73,12 +73,15 @@ class IngesterMetrics:
                                       "(half the lease TTL), each logged with the step it was at.", registry=r)
         self.outbox_drains = Counter("kvpf_ingest_outbox_drains", "Times the chores ran a pod's outbox entries again "
                                      "(Valkey Cluster; one per pod and round, whatever the entries' count): a "
-                                     "stopped writer's, left half applied, or this ingester's own while no replica "
-                                     "has confirmed them.", registry=r)
+                                     "stopped writer's, left half applied, or this ingester's own after the slot "
+                                     "map moved (a failover) before a replica confirmed them.", registry=r)
         self.unreplicated_runs = Counter("kvpf_ingest_unreplicated_runs", "Runs of batches whose changes no replica "
-                                         "confirmed in time (Valkey Cluster): kept in the outbox and run again "
-                                         "until one does; steady growth means a replica is down or far behind.",
-                                         registry=r)
+                                         "confirmed in time (Valkey Cluster): kept in the outbox until one does, "
+                                         "and run again if a failover comes first; steady growth means a replica is "
+                                         "down or far behind.", registry=r)
+        self.outbox_confirmed_late = Counter("kvpf_ingest_outbox_confirmed_late", "Outbox entries of this ingester "
+                                             "deleted when a replica confirmed them after their run (Valkey "
+                                             "Cluster): the end of a replica's outage, or of its lag.", registry=r)
         self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
                                    "index's data (its epoch gone or changed): its pods flagged and rebuilt.",
                                    registry=r)

@@ -471,10 +471,12 @@ async def test_writes_wait_for_a_replica_marked_failed_a_moment_ago(tmp_path):
 
 
 async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
-    """Every replica held (stopped, cut off): no batch's changes are confirmed, so their outbox entries stay and
-    the chores run them again each second; /metrics counts both (kvpf_ingest_unreplicated_runs_total,
-    kvpf_ingest_outbox_drains_total), so an operator sees a replica down before a failover needs the entries.
-    Once the replicas are back the entries go and the index is the engine's."""
+    """Every replica held (stopped, cut off): no batch's changes are confirmed, so their outbox entries stay,
+    and /metrics counts the runs (kvpf_ingest_unreplicated_runs_total), so an operator sees a replica down before
+    a failover needs the entries. The chores do not run them again while the slot map is the one they ran by
+    (they used to, every second, all of them: kvpf_ingest_outbox_drains_total stays 0); they ask the barrier
+    again, and once the replicas are back the entries go (kvpf_ingest_outbox_confirmed_late_total) and the index
+    is the engine's."""
     import os
     import signal
 
@@ -491,6 +493,10 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
     ing = spawn(["ingest", "--valkey-url", vc.url, "--source", source, "--metrics-port", str(mport)],
                 str(tmp_path / "ing.log"))
     held: list = []
+
+    def metrics() -> str:
+        return httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+
     try:
         await engine.subscribed()
         await publish(engine, wl, 10)
@@ -503,18 +509,95 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
             redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
         await publish(engine, wl, 10)
         deadline = time.monotonic() + 30
-        while True:
-            text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
-            if (metric(text, "kvpf_ingest_unreplicated_runs_total") >= 1
-                    and metric(text, "kvpf_ingest_outbox_drains_total") >= 1):
-                break
-            assert time.monotonic() < deadline, "no unreplicated run or outbox drain was counted"
+        while metric(metrics(), "kvpf_ingest_unreplicated_runs_total") < 1:
+            assert time.monotonic() < deadline, "no unreplicated run was counted"
             await asyncio.sleep(0.2)
-        assert sync.exists(pod_outbox_key("pod-c"))  # kept for a failover to run again
+        await wait_seq(ix, "pod-c", engine.seq - 1)
+        kept = sync.hlen(pod_outbox_key("pod-c"))
+        assert kept >= 1  # kept for a failover to run again
+        await asyncio.sleep(3.5)  # three rounds of the chores, each of which used to run every entry again
+        text = metrics()
+        assert metric(text, "kvpf_ingest_outbox_drains_total") == 0
+        assert metric(text, "kvpf_ingest_outbox_confirmed_late_total") == 0
+        assert sync.hlen(pod_outbox_key("pod-c")) == kept
         for n in held:
             os.kill(n.proc.pid, signal.SIGCONT)
         held = []
+        deadline = time.monotonic() + 30
+        while sync.exists(pod_outbox_key("pod-c")):
+            assert time.monotonic() < deadline, "the entries were not deleted once the replicas were back"
+            await asyncio.sleep(0.2)
+        text = metrics()
+        assert metric(text, "kvpf_ingest_outbox_confirmed_late_total") >= kept
+        assert metric(text, "kvpf_ingest_outbox_drains_total") == 0
         await assert_exact(ix, engine, wl, timeout=30.0)
+        assert ing.poll() is None
+    finally:
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        stop(ing)
+        engine.close()
+        sync.close()
+        await ix.close()
+        vc.stop()
+
+
+async def test_a_quiet_engines_kept_entries_run_again_after_a_failover(tmp_path):
+    """Entries kept while a replica was down are run again when its master fails over to it before it caught
+    up, even with the engine quiet (no batch of ours to find the map moved): the chores' barrier finds the old
+    master not answering, the slot map is read again, and the entries run on the promoted replica. Without
+    that, the changes they made on the dead master stay lost and the index misses them."""
+    import os
+    import signal
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
+    engine, source = cluster_engine()
+    wl = Workload(52)
+    ix = Index.from_url(vc.url)
+    sync = redis.RedisCluster.from_url(vc.url)
+    ing = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "ing.log"))
+    held: list = []
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 10)
+        await assert_exact(ix, engine, wl)
+        pod_port = sync.get_node_from_key(pod_outbox_key("pod-c")).port
+        victim = next(m for m in vc.masters_now() if m.port != pod_port)
+        replica = vc.replicas_of(victim)[0]
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        held = [replica]
+        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        offset = int(redis.Redis(port=victim.port).info("replication")["master_repl_offset"])
+        await publish(engine, wl, 10)
+        await wait_seq(ix, "pod-c", engine.seq - 1)
+        assert sync.hlen(pod_outbox_key("pod-c")) >= 1  # waiting for the held replica
+        assert int(redis.Redis(port=victim.port).info("replication")["master_repl_offset"]) > offset, \
+            "no change went to the victim: nothing is tested"
+        await asyncio.sleep(1.5)  # the engine quiet; the chores ask the barrier, in vain
+        victim.stop(kill=True)  # the master dies; its replica, which has none of those changes, is promoted
+        os.kill(replica.proc.pid, signal.SIGCONT)
+        held = []
+        promoted = redis.Redis(port=replica.port)
+        deadline = time.monotonic() + 30
+        while replica.port not in {n.port for n in vc.masters_now()}:
+            assert time.monotonic() < deadline, "the replica was not promoted"
+            await asyncio.sleep(0.1)
+        after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
+        try:
+            deadline = time.monotonic() + 30
+            while after.exists(pod_outbox_key("pod-c")):
+                assert time.monotonic() < deadline, "the kept entries did not run again after the failover"
+                await asyncio.sleep(0.2)
+        finally:
+            after.close()
+        assert promoted.dbsize() > 0
+        ix2 = Index.from_url(f"redis://127.0.0.1:{replica.port}")
+        try:
+            await assert_exact(ix2, engine, wl, timeout=30.0)
+        finally:
+            await ix2.close()
         assert ing.poll() is None
     finally:
         for n in held:

@@ -152,3 +152,77 @@ def cw_ops(changes):
     from kv_preflight.index.cluster.writes import change_ops
 
     return change_ops(changes, 0)
+
+
+async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_path):
+    """An entry kept for a replica (its run wrote to a master whose replica had stopped) is not run again while
+    the slot map holds: the chores' drain only asks the barrier again (a replica's outage of minutes leaves
+    thousands of entries, and running them all every second cost as much as the outbox held). Its master then
+    dies and that replica, which never got the run's writes, is promoted, with nothing else sent by this writer
+    (a quiet engine: no batch of its finds the map moved): the barrier finds the old master not answering, the
+    slot map is read again, and the entry runs on the promoted replica (without that read it stayed, its
+    writes lost)."""
+    async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
+        f = encode_entry(make_entry("pod-a", "gpu", None))
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
+        assert r.status == "applied"
+        await drain_until_empty(ix, sync, timeout=10)
+        cw = ix.backend.writes
+        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
+        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
+        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
+        replica = cluster.replicas_of(victim)[0]
+        os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
+        stopped.append(replica.proc.pid)
+        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        unreplicated = cw.unreplicated
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(7, "gpu", f, (rk,))])
+        assert r.status == "applied" and cw.unreplicated == unreplicated + 1
+        assert sync.hkeys(str(rk)) == [f.encode()]
+        [field] = sync.hkeys(pod_outbox_key("pod-a"))
+        effects = int(redis.Redis(port=victim.port).info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+        for _ in range(2):  # the chores, twice: the barrier asked again, nothing run again
+            assert await ix.drain_outbox("pod-a", stale_only=True) == 0
+            await cw.client.nodes_manager.initialize()  # the same map, read again: it did not move
+        assert sync.hkeys(pod_outbox_key("pod-a")) == [field] and cw.confirmed_late == 0
+        assert int(redis.Redis(port=victim.port).info("commandstats")["cmdstat_evalsha"]["calls"]) == effects
+        # The replica back: the entry is confirmed and deleted, not run again.
+        os.kill(replica.proc.pid, signal.SIGCONT)
+        stopped.clear()
+        deadline = time.monotonic() + 30
+        while sync.exists(pod_outbox_key("pod-a")):
+            assert time.monotonic() < deadline, "the kept entry was not confirmed once its replica was back"
+            assert await ix.drain_outbox("pod-a", stale_only=True) == 0
+            await asyncio.sleep(0.3)
+        assert cw.confirmed_late == 1
+        assert int(redis.Redis(port=victim.port).info("commandstats")["cmdstat_evalsha"]["calls"]) == effects
+        # Again, and this time the master dies before its replica caught up.
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        stopped.append(replica.proc.pid)
+        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        rk = next(k for k in range(rk + 1, 100_000) if sync.get_node_from_key(str(k)).port == victim.port)
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=2, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(8, "gpu", f, (rk,))])
+        assert r.status == "applied" and sync.hkeys(str(rk)) == [f.encode()]
+        assert sync.hlen(pod_outbox_key("pod-a")) == 1
+        victim.stop(kill=True)
+        os.kill(replica.proc.pid, signal.SIGCONT)
+        stopped.clear()
+        promoted = redis.Redis(port=replica.port)
+        deadline = time.monotonic() + 30
+        while replica.port not in {n.port for n in cluster.masters_now()}:
+            assert time.monotonic() < deadline, "the replica was not promoted"
+            await asyncio.sleep(0.1)
+        assert not promoted.hexists(str(rk), f), "the promoted replica had the write: nothing is tested"
+        after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
+        try:
+            while after.exists(pod_outbox_key("pod-a")):  # the chores, and nothing else of this writer's
+                assert time.monotonic() < deadline, "the kept entry did not run again after the failover"
+                await ix.drain_outbox("pod-a", stale_only=True)
+                await asyncio.sleep(0.3)
+            assert after.hkeys(str(rk)) == [f.encode()]
+            assert cw.confirmed_late == 1
+        finally:
+            after.close()

@@ -3,7 +3,7 @@
 live (``routing.py``)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
@@ -48,6 +48,13 @@ class ClusterBackend:
 
     async def send(self, preps: Sequence[Prepared]) -> "Any":
         return ready(await self.writes.send(preps))
+
+    @property
+    def confirmed_late(self) -> int:
+        return self.writes.confirmed_late
+
+    def forget(self, pods: Iterable[str]) -> None:
+        self.writes.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return await self.writes.drain(pod_id, older_than_ms=self.writes.takeover_ms if stale_only else 0)

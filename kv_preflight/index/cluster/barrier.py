@@ -88,11 +88,11 @@ class ReplicationBarrier:
 
     def _barrier_key(self, node) -> str:
         """A key of ours (a HASH, like every key of ours) in a slot this node owns."""
-        key = self._keys.get(node.name)
-        if key is None or self.client.get_node_from_key(key) is not node:
+        key = self._keys.get(node.name)  # by name: redis-py makes new node objects each time it reads the map
+        if key is None or self.client.get_node_from_key(key).name != node.name:
             for i in range(100_000):
                 key = barrier_key(i)
-                if self.client.get_node_from_key(key) is node:
+                if self.client.get_node_from_key(key).name == node.name:
                     break
             self._keys[node.name] = key
         return key
@@ -163,9 +163,13 @@ class ReplicationBarrier:
             raise
         return int(acked) >= 1
 
-    async def confirm(self, nodes: Iterable[Any]) -> bool:
-        """Whether each of these primaries (the ones our writes went to) has them on a replica."""
+    async def confirm(self, nodes: Iterable[Any], *, unanswered: list[Any] | None = None) -> bool:
+        """Whether each of these primaries (the ones our writes went to) has them on a replica;
+        ``unanswered`` gets those that did not answer (an error, not a replica's silence)."""
+        nodes = list(nodes)
         results = await asyncio.gather(*(self._one(n) for n in nodes), return_exceptions=True)
+        if unanswered is not None:
+            unanswered.extend(n for n, r in zip(nodes, results) if isinstance(r, BaseException))
         return all(r is True for r in results)
 
     async def close(self) -> None:

@@ -344,22 +344,40 @@ class ClusterLookup:
     async def pods_with_gaps(self, pods: Iterable[str]) -> set[str]:
         """The pods a lookup must not bisect: their orphan count is not 0 or not known, or an outbox entry
         made while it was not ("gap_entry") is still there (its effects may not have reached every shard,
-        which then shows that version). One pipelined read per shard holding their meta, in parallel; a
-        pod whose shard does not answer (or moved meanwhile) is one too: never a guess."""
+        which then shows that version). One pipelined read per shard holding their meta, in parallel (the
+        meta and the outbox's length), and the outbox's fields only of a pod with a "gap_entry" and entries
+        left, in a second: while a replica is down a pod's outbox keeps thousands of entries, and reading
+        them all for every pod made each lookup read them all. A pod whose shard does not answer (or moved
+        meanwhile) is one too: never a guess."""
         pods = list(pods)
         groups, unserved = by_primary(self.client, (pod_meta_key(p) for p in pods))
         out: set[str] = {pods[i] for i in unserved}
         by_node = {name: (node, [pods[i] for i in idx]) for name, (node, idx) in groups.items()}
 
-        async def one(node, part: list[str]) -> list[Any]:
-            commands = [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry", "orphan_at",
-                                                   "batches"),
-                                                   ("HKEYS", pod_outbox_key(p)))]
+        async def on(node, commands: list[tuple[str, ...]]) -> list[Any]:
             fast = self.shards.fast_for(node)
             if fast is not None:
                 async with asyncio.timeout(fast.timeout_s):
                     return await fast.pipeline(commands)
             return [await self.client.execute_command(*c, target_nodes=node) for c in commands]
+
+        async def one(node, part: list[str]) -> list[str]:
+            """The pod's gaps among ``part``; raises when the shard did not answer."""
+            res = await on(node, [c for p in part for c in (("HMGET", pod_meta_key(p), "orphan_keys", "gap_entry",
+                                                                  "orphan_at", "batches"),
+                                                                 ("HLEN", pod_outbox_key(p)))])
+            gapped, unsure = [], []
+            for j, pod in enumerate(part):
+                meta, n = res[2 * j], res[2 * j + 1]
+                if isinstance(meta, Exception) or isinstance(n, Exception) or not pod_bisectable(meta, ()):
+                    gapped.append(pod)
+                elif meta[1] is not None and int(n) > 0:  # a gap_entry, and entries left: are they later?
+                    unsure.append((pod, meta))
+            if unsure:
+                fields = await on(node, [("HKEYS", pod_outbox_key(pod)) for pod, _ in unsure])
+                gapped += [pod for (pod, meta), f in zip(unsure, fields)
+                           if isinstance(f, Exception) or not pod_bisectable(meta, f)]
+            return gapped
 
         results = await asyncio.gather(*(one(n, part) for n, part in by_node.values()), return_exceptions=True)
         for (_, part), res in zip(by_node.values(), results):
@@ -368,10 +386,7 @@ class ClusterLookup:
                     raise res
                 out.update(part)
                 continue
-            for j, pod in enumerate(part):
-                meta, outbox = res[2 * j], res[2 * j + 1]
-                if isinstance(meta, Exception) or isinstance(outbox, Exception) or not pod_bisectable(meta, outbox):
-                    out.add(pod)
+            out.update(res)
         return out
 
 

@@ -139,6 +139,12 @@ class Shards:
             self._table = (cache, table, [by_name[n] for n in names])
         return self._table[1], self._table[2]
 
+    def map_digest(self) -> tuple[bytes, tuple[str, ...]]:
+        """What the slot map says (slot -> primary), to compare with what it said before: unlike ``map_mark``,
+        the same after redis-py learnt the same map again."""
+        table, primaries = self.slot_table()
+        return table, tuple(n.name for n in primaries)
+
     def forget_table(self) -> None:
         self._table = None
         self._forgets += 1

@@ -21,7 +21,10 @@ another way (docs/architecture.md, "Valkey Cluster"):
    running an outbox entry twice, or after a failover half ran it, changes nothing.
 3. **Ack**: the outbox entry is deleted once every shard it touched has it on a replica (the barrier), and
    only if the slot map did not move during the run (a run stalled across a failover wrote to the old master;
-   asked after it, the promoted replica would confirm writes it never had): else it runs again later.
+   asked after it, the promoted replica would confirm writes it never had). Else it stays: while the slot map
+   is the one it ran by, the chores only ask the barrier again each second (``Kept``: a replica down for
+   minutes leaves thousands of entries, and running them all again each second cost as much as the outbox
+   held); once the map moved, it runs again on the primaries serving its keys now.
 
 An ingester killed between 1 and 3 leaves the entry; the next pod step of any ingester for that pod
 answers "pending" (the entry is older than the takeover time) or "busy" (younger: its writer is
@@ -35,7 +38,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
@@ -147,6 +150,15 @@ class Touched(NamedTuple):
     mark: Any
 
 
+class Kept(NamedTuple):
+    """An entry of ours whose changes ran whole and that stays only until a replica confirms them: the slot
+    map they ran by (``Shards.map_digest``) and the primaries they went to. While that map holds, running
+    them again would write what those primaries already have, so the chores only ask the barrier again."""
+
+    digest: Any
+    nodes: tuple[str, ...]  # names: redis-py makes new node objects each time it reads the map, same or not
+
+
 class ClusterWrites:
     """The write path of the module docstring."""
 
@@ -161,6 +173,8 @@ class ClusterWrites:
         self.unreplicated = 0  # runs whose changes a replica had not confirmed in time (kept in the outbox)
         self.readded = 0  # engine keys given back their request keys in round D (a store raced our ZREM)
         self.malformed = 0  # outbox entries that could not be decoded (logged and deleted, never run)
+        self.confirmed_late = 0  # entries of ours deleted when a replica confirmed them later, not run again
+        self._kept: dict[str, dict[str, Kept]] = {}  # pod -> outbox field -> what its run wrote (``Kept``)
         # A testing hook for the crash tests (tests/integration/test_cluster.py): "pod_step:N" or
         # "effects:N" ends the process (exit 137, as kill -9 would) right after the step that holds the
         # N-th batch.
@@ -221,10 +235,11 @@ class ClusterWrites:
                 self._maybe_crash("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
-                acked = await self.ack(ackable, touched)
+                nodes = await self._written_to(touched)
+                acked = not ackable or (nodes is not None and await self._confirm_and_delete(ackable, nodes))
                 if not acked:
                     self.unreplicated += 1
-                await self._engine_keys_done([e for e in entries if not acked or e not in ackable])
+                await self._keep([e for e in entries if not acked or e not in ackable], nodes)
                 if foreign:
                     await self._flag_foreign(entries, foreign, first)
                     for i in owners:
@@ -408,29 +423,99 @@ class ClusterWrites:
         has no replica of its own to wait for and would confirm writes it never had)."""
         if not entries:
             return True
+        nodes = await self._written_to(touched)
+        return nodes is not None and await self._confirm_and_delete(entries, nodes)
+
+    async def _written_to(self, touched: "Touched") -> list[Any] | None:
+        """The primaries a run wrote to; None when that is not known now: the slot map moved since the run
+        began, or a touched key's slot has no primary."""
         if touched.mark is not None and self.shards.map_moved(touched.mark):
-            return False
+            return None
         if touched.mark is not None and self.shards.routed_since(touched.mark):
             # some commands went through redis-py's routing (TLS), which may have followed a redirect to a
             # primary the touched keys' slots do not name in the map: every primary confirms
-            nodes: list[Any] | None = self.client.get_primaries()
-        else:
-            nodes = await self.shards.primaries_of(touched.keys)
-        if nodes is None or not await self.barrier.confirm(nodes):
+            return self.client.get_primaries()
+        return await self.shards.primaries_of(touched.keys)
+
+    async def _confirm_and_delete(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any],
+                                  unanswered: list[Any] | None = None) -> bool:
+        if not await self.barrier.confirm(nodes, unanswered=unanswered):
             return False
         # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
         for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), field) for pod, field, _ in entries]):
             if isinstance(r, Exception):
                 raise r
+        for pod, field, _ in entries:
+            self._kept.get(pod, {}).pop(field, None)
         return True
+
+    async def _keep(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None) -> None:
+        """Entries that ran whole and stay (``_engine_keys_done``), remembered with the primaries they went to
+        (``Kept``) unless those are not known (``nodes`` None: they run again at the next drain)."""
+        await self._engine_keys_done(entries)
+        if nodes is None:
+            for pod, field, _ in entries:
+                self._kept.get(pod, {}).pop(field, None)
+            return
+        kept = Kept(self.shards.map_digest(), tuple(n.name for n in nodes))
+        for pod, field, _ in entries:
+            self._kept.setdefault(pod, {})[field] = kept
+
+    async def _confirm_kept(self, pod: str) -> bool:
+        """While a replica is down, our entries stay by the thousand; running them all again every second
+        (the chores) would cost Valkey and this process as much as the outbox holds, each second, for as long
+        as the outage lasts. Entries that ran whole under the slot map in force now are on their primaries
+        already: only the barrier is asked again, and they are deleted once it confirms. True when the pod's
+        outbox held only such entries (confirmed or not); False when something must run: another writer's
+        entry, one of ours not known to have run whole, or a slot map that moved since (a failover: the
+        promoted replica may lack their changes). A primary that does not answer may have failed over with no
+        command of ours to find out (a quiet engine): the slot map is read again, and if it moved, they run."""
+        kept = self._kept.get(pod)
+        if not kept:
+            return False
+        fields = [text(f) for f in await self.client.hkeys(pod_outbox_key(pod))]
+        present = set(fields)
+        for f in [f for f in kept if f not in present]:  # confirmed, or run and deleted by another writer
+            del kept[f]
+        if not fields:
+            self._kept.pop(pod, None)
+            return True
+        records = [kept.get(f) for f in fields]
+        if any(r is None for r in records):
+            return False
+        distinct = list({id(r): r for r in records}.values())  # a run's entries share one
+        digest = self.shards.map_digest()
+        if any(r.digest != digest for r in distinct):
+            return False
+        primaries = {n.name: n for n in self.shards.slot_table()[1]}
+        names = {name for r in distinct for name in r.nodes}
+        if not names <= primaries.keys():
+            return False
+        nodes = [primaries[name] for name in names]
+        unanswered: list[Any] = []
+        if await self._confirm_and_delete([(pod, f, b"") for f in fields], nodes, unanswered):
+            self.confirmed_late += len(fields)
+            log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
+                     len(fields))
+        elif unanswered:
+            await self.shards.reread_map()
+        return True
+
+    def forget(self, pods: Iterable[str]) -> None:
+        """Pods let go: what ran of their entries is another writer's to find out now (it runs them)."""
+        for pod in pods:
+            self._kept.pop(pod, None)
 
     async def drain(self, pod: str, *, older_than_ms: int = 0) -> int:
         """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
         running any other batch meanwhile), and other writers' entries (a crashed or stalled writer's)
         once at least ``older_than_ms`` old (Valkey's clock). Stops at the first entry it must not run
         yet, since one pod's changes must run in order."""
+        if older_than_ms and await self._confirm_kept(pod):
+            return 0
         raw = await self.client.hgetall(pod_outbox_key(pod))
         if not raw:
+            self._kept.pop(pod, None)
             return 0
         entries = []
         for f, v in raw.items():
@@ -455,8 +540,9 @@ class ClusterWrites:
             entries = keep
         todo = [(pod, f, v) for _, f, v, _ in entries]
         _, _, touched = await self.run([ops for *_, ops in entries])
-        if not await self.ack(todo, touched):
-            await self._engine_keys_done(todo)
+        nodes = await self._written_to(touched)
+        if not todo or nodes is None or not await self._confirm_and_delete(todo, nodes):
+            await self._keep(todo, nodes)
         return len(todo)
 
     async def _engine_keys_done(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
@@ -580,4 +666,4 @@ def _crash_point(spec: str) -> list | None:
     return [point, int(n or 1)] if point in ("pod_step", "effects") else None
 
 
-__all__ = ["ClusterWrites", "TAKEOVER_MS", "change_ops", "change_ops_py", "encode_changes"]
+__all__ = ["ClusterWrites", "Kept", "TAKEOVER_MS", "change_ops", "change_ops_py", "encode_changes"]

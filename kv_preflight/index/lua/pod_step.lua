@@ -23,18 +23,20 @@ local a = read_pod_args()
 local writer, gap, payload = ARGV[a.rest], ARGV[a.rest + 1], ARGV[a.rest + 2]
 local own_pending = 0
 do
-  local takeover = tonumber(string.match(writer, '@(%d+)$') or '2000')
-  local pending = redis.call('HKEYS', outbox)
-  if #pending > 0 then
-    local t = now_ms()
-    for _, f in ipairs(pending) do
-      local w, ms = string.match(f, '^%d+|(.*)|(%d+)$')
-      if w ~= writer then
-        if t - tonumber(ms or '0') < takeover then return {'busy', '-1', 0, f, gen} end
-        return {'pending', '-1', 0, f, gen}
-      end
-      own_pending = own_pending + 1
+  -- Every entry of an outbox is one writer's: a step adds its entry only when all those there are its own
+  -- (else it answers busy or pending, below), and a drain only deletes or trims them. So one field names the
+  -- writer, and a writer's own count is the hash's length: while a replica is down its entries stay, by the
+  -- thousand, and a scan of them all at every step made each step cost as much as the outbox's length.
+  local n = redis.call('HLEN', outbox)
+  if n > 0 then
+    local f = redis.call('HRANDFIELD', outbox)
+    local w, ms = string.match(f, '^%d+|(.*)|(%d+)$')
+    if w ~= writer then
+      local takeover = tonumber(string.match(writer, '@(%d+)$') or '2000')
+      if now_ms() - tonumber(ms or '0') < takeover then return {'busy', '-1', 0, f, gen} end
+      return {'pending', '-1', 0, f, gen}
     end
+    own_pending = n
   end
 end
 local stop = check_batch()
