@@ -49,6 +49,16 @@ def slot_table(owner_of: Mapping[int, str]) -> tuple[bytes, list[str]]:
     return bytes(table), shards
 
 
+def canonical_table(table: bytes, shards: Sequence[str]) -> tuple[bytes, tuple[str, ...]]:
+    """A ``slot_table`` with its shards in name order (pure): two reads of one slot map compare equal, whichever
+    node answered and in whatever order it listed the primaries."""
+    order = sorted(range(len(shards)), key=shards.__getitem__)
+    recode = bytearray(range(256))
+    for new, old in enumerate(order):
+        recode[old] = new
+    return table.translate(bytes(recode)), tuple(shards[i] for i in order)
+
+
 def slot_groups(keys: Sequence[int], table: bytes, shards: int, prefix: str = "") -> list[list[int]]:
     """The positions of ``keys`` (request keys; with ``prefix``, keys named ``prefix`` and the value, such as
     ``engine:<ek>``) per shard index, plus a last list of positions whose slot no shard serves:
@@ -68,4 +78,4 @@ def slot_groups_reference(keys: Sequence[int], table: bytes, shards: int, prefix
     return out
 
 
-__all__ = ["MAX_SHARDS", "SLOTS", "UNSERVED", "key_slot", "slot_groups", "slot_groups_reference", "slot_table"]
+__all__ = ["MAX_SHARDS", "SLOTS", "UNSERVED", "canonical_table", "key_slot", "slot_groups", "slot_groups_reference", "slot_table"]

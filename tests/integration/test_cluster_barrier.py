@@ -218,6 +218,7 @@ async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_p
         assert not promoted.hexists(str(rk), f), "the promoted replica had the write: nothing is tested"
         after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
         try:
+            deadline = time.monotonic() + 30
             while after.exists(pod_outbox_key("pod-a")):  # the chores, and nothing else of this writer's
                 assert time.monotonic() < deadline, "the kept entry did not run again after the failover"
                 await ix.drain_outbox("pod-a", stale_only=True)
@@ -226,3 +227,52 @@ async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_p
             assert cw.confirmed_late == 1
         finally:
             after.close()
+
+
+async def test_kept_entries_run_again_on_a_master_restarted_without_its_data(tmp_path):
+    """An entry kept for a replica (down) must not be deleted on the barrier's word alone after its master
+    restarted without a failover (faster than the node timeout, or with its replica down: no failover is
+    possible) and without the run's writes (no persistence): the replica, back, syncs from that master, so a
+    WAIT then confirms a dataset without them. The master's run id changed, so the entry runs again (a
+    second review found this: with the slot map unchanged, the entry was confirmed and deleted, its changes
+    lost on both)."""
+    import shutil
+
+    async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
+        f = encode_entry(make_entry("pod-a", "gpu", None))
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
+        assert r.status == "applied"
+        await drain_until_empty(ix, sync, timeout=10)
+        cw = ix.backend.writes
+        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
+        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
+        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
+        replica = cluster.replicas_of(victim)[0]
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        stopped.append(replica.proc.pid)
+        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
+                                 mutations=[StoreBlock(7, "gpu", f, (rk,))])
+        assert r.status == "applied" and sync.hkeys(str(rk)) == [f.encode()]
+        assert await ix.drain_outbox("pod-a", stale_only=True) == 0  # kept, and not run again
+        assert sync.hlen(pod_outbox_key("pod-a")) == 1
+        victim.stop(kill=True)
+        shutil.rmtree(victim.data_dir / "appendonlydir", ignore_errors=True)  # as if it ran without persistence
+        victim.start()
+        back = redis.Redis(port=victim.port)
+        deadline = time.monotonic() + 30
+        while back.cluster("info")["cluster_state"] != "ok":  # it rejoined, still a master
+            assert time.monotonic() < deadline, "the restarted master did not rejoin"
+            await asyncio.sleep(0.1)
+        assert back.info("replication")["role"] == "master"
+        assert not back.exists(str(rk)), "the restarted master kept the write: nothing is tested"
+        os.kill(replica.proc.pid, signal.SIGCONT)  # back: it syncs from the restarted master, without the write
+        stopped.clear()
+        deadline = time.monotonic() + 30
+        while sync.exists(pod_outbox_key("pod-a")):  # the chores
+            assert time.monotonic() < deadline, "the kept entry was never confirmed"
+            await ix.drain_outbox("pod-a", stale_only=True)
+            await asyncio.sleep(0.3)
+        assert redis.Redis(port=victim.port).hkeys(str(rk)) == [f.encode()]
+        assert cw.confirmed_late == 0

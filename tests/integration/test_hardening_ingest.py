@@ -121,6 +121,10 @@ async def test_foreign_typed_keys_never_stall_or_double_count(valkey_url, tmp_pa
         info = await ix.meta.pod_info("pod-a")
         assert info.incomplete and "foreign" in info.incomplete_reason and "engine:123" in info.incomplete_reason
         assert info.counters.get("foreign_keys", 0) == 1
+        # the index-wide counter is the ingester's, written after the batch (the pod's is in the batch's script)
+        deadline = time.monotonic() + 10
+        while (await ix.meta.counters()).get("foreign_keys", 0) < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         assert (await ix.meta.counters()).get("foreign_keys", 0) == 1
         assert info.counters["batches"] == 2 and info.counters["stored"] == 2
         # Both evicted: their entries go, the foreign key stays as it was.

@@ -54,3 +54,22 @@ def test_the_c_routine_refuses_bad_arguments():
         slots._speedups.slot_groups([1], b"\0" * 10, 2)
     with pytest.raises(OverflowError):
         slots._speedups.slot_groups([-1], b"\0" * SLOTS, 2)
+
+
+def test_one_slot_map_read_from_two_nodes_compares_equal():
+    """The write path compares slot maps by content (a kept outbox entry runs again only when the map moved):
+    the same map listed in another order (another node answered CLUSTER SLOTS) is the same map, and a slot
+    served by another primary, or left unserved, is not."""
+    from kv_preflight.index.slots import canonical_table
+
+    owners = {s: ("10.0.0.2:6379" if s < 5000 else "10.0.0.1:6379" if s < 11000 else "10.0.0.3:6379")
+              for s in range(SLOTS)}
+    a = slot_table(owners)
+    b = slot_table(dict(reversed(list(owners.items()))))  # the primaries met in another order
+    assert a[1] != b[1] and a[0] != b[0]
+    assert canonical_table(*a) == canonical_table(*b)
+    assert canonical_table(*a)[1] == ("10.0.0.1:6379", "10.0.0.2:6379", "10.0.0.3:6379")
+    moved = slot_table({**owners, 42: "10.0.0.3:6379"})
+    assert canonical_table(*moved) != canonical_table(*a)
+    unserved = slot_table({s: n for s, n in owners.items() if s != 42})
+    assert canonical_table(*unserved)[0][42] == UNSERVED and canonical_table(*unserved) != canonical_table(*a)

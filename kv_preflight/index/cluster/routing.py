@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError, ResponseError, SlotNotCoveredError
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.entries import text
 from kv_preflight.index.resp import FastConnection
-from kv_preflight.index.slots import key_slot, slot_groups, slot_table
+from kv_preflight.index.slots import canonical_table, key_slot, slot_groups, slot_table
 
 # Error replies that say a command reached a primary that does not (or not yet) serve its slot.
 REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
@@ -106,6 +106,7 @@ class Shards:
         self._fast: dict[str, FastConnection | None] = {}  # primary -> its lean connection (None: TLS)
         self._map_read_at = 0.0
         self._table: tuple[Any, bytes, list[Any]] | None = None  # (slot map it was built from, table, primaries)
+        self._digest: tuple[bytes, tuple[bytes, tuple[str, ...]]] | None = None  # (table, ``map_digest``)
         self._forgets = 0  # how often a caller found slots moved (``forget_table``)
         # how often commands went through redis-py's routing rather than to the primary our table names (TLS:
         # no lean connection): redis-py follows a redirect there itself, unseen (an ASK leaves its map as it
@@ -141,9 +142,11 @@ class Shards:
 
     def map_digest(self) -> tuple[bytes, tuple[str, ...]]:
         """What the slot map says (slot -> primary), to compare with what it said before: unlike ``map_mark``,
-        the same after redis-py learnt the same map again."""
+        the same after redis-py learnt the same map again, from whichever node (the primaries in name order)."""
         table, primaries = self.slot_table()
-        return table, tuple(n.name for n in primaries)
+        if self._digest is None or self._digest[0] is not table:
+            self._digest = (table, canonical_table(table, [n.name for n in primaries]))
+        return self._digest[1]
 
     def forget_table(self) -> None:
         self._table = None

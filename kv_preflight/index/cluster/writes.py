@@ -143,20 +143,25 @@ def key_op_args(op: Sequence[Any]) -> list[Any]:
 
 
 class Touched(NamedTuple):
-    """What a run wrote, for its ack: the keys (per name prefix, the values: request keys, engine keys) and
-    the slot map it wrote by (``Shards.map_mark``; None: nothing written)."""
+    """What a run wrote, for its ack: the keys (per name prefix, the values: request keys, engine keys), the
+    slot map it wrote by (``Shards.map_mark``; None: nothing written), that map's content
+    (``Shards.map_digest``) and when the run began (this host's monotonic clock)."""
 
     keys: list[tuple[str, list[int]]]
     mark: Any
+    digest: Any = None
+    at: float = 0.0
 
 
 class Kept(NamedTuple):
-    """An entry of ours whose changes ran whole and that stays only until a replica confirms them: the slot
-    map they ran by (``Shards.map_digest``) and the primaries they went to. While that map holds, running
-    them again would write what those primaries already have, so the chores only ask the barrier again."""
+    """An entry whose changes ran whole and that stays only until a replica confirms them: the slot map they
+    ran by (``Shards.map_digest``) and the primaries they went to, each by name (redis-py makes new node
+    objects each time it reads the map) and incarnation (``ReplicationBarrier.incarnations``: run id and
+    replication id). While the map and every incarnation hold, those primaries still have what the run wrote,
+    and running it again would write the same: the chores only ask the barrier again."""
 
     digest: Any
-    nodes: tuple[str, ...]  # names: redis-py makes new node objects each time it reads the map, same or not
+    nodes: tuple[tuple[str, tuple[str, str]], ...]
 
 
 class ClusterWrites:
@@ -239,7 +244,7 @@ class ClusterWrites:
                 acked = not ackable or (nodes is not None and await self._confirm_and_delete(ackable, nodes))
                 if not acked:
                     self.unreplicated += 1
-                await self._keep([e for e in entries if not acked or e not in ackable], nodes)
+                await self._keep([e for e in entries if not acked or e not in ackable], nodes, touched)
                 if foreign:
                     await self._flag_foreign(entries, foreign, first)
                     for i in owners:
@@ -312,6 +317,7 @@ class ClusterWrites:
             return 0, "", Touched([], None)
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``ack``)
+        digest, at = self.shards.map_digest(), time.monotonic()
         ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
@@ -345,7 +351,7 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
-        return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark)
+        return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest, at)
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
@@ -437,9 +443,8 @@ class ClusterWrites:
             return self.client.get_primaries()
         return await self.shards.primaries_of(touched.keys)
 
-    async def _confirm_and_delete(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any],
-                                  unanswered: list[Any] | None = None) -> bool:
-        if not await self.barrier.confirm(nodes, unanswered=unanswered):
+    async def _confirm_and_delete(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any]) -> bool:
+        if not await self.barrier.confirm(nodes):
             return False
         # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
         for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), field) for pod, field, _ in entries]):
@@ -449,15 +454,22 @@ class ClusterWrites:
             self._kept.get(pod, {}).pop(field, None)
         return True
 
-    async def _keep(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None) -> None:
+    async def _keep(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None,
+                    touched: "Touched") -> None:
         """Entries that ran whole and stay (``_engine_keys_done``), remembered with the primaries they went to
-        (``Kept``) unless those are not known (``nodes`` None: they run again at the next drain)."""
+        (``Kept``), unless those are not known or may not hold what the run wrote: ``nodes`` None, a primary
+        silent or no master now, or one up for less time than since the run began (restarted meanwhile, maybe
+        with none of it). Those run again at the next drain."""
         await self._engine_keys_done(entries)
-        if nodes is None:
+        if not entries:
+            return
+        found = await self.barrier.incarnations(nodes) if nodes is not None else None
+        since = time.monotonic() - touched.at
+        if found is None or any(v is None or v[2] <= since + 1 for v in found.values()):
             for pod, field, _ in entries:
                 self._kept.get(pod, {}).pop(field, None)
             return
-        kept = Kept(self.shards.map_digest(), tuple(n.name for n in nodes))
+        kept = Kept(touched.digest, tuple((name, v[:2]) for name, v in found.items() if v is not None))
         for pod, field, _ in entries:
             self._kept.setdefault(pod, {})[field] = kept
 
@@ -467,9 +479,10 @@ class ClusterWrites:
         as the outage lasts. Entries that ran whole under the slot map in force now are on their primaries
         already: only the barrier is asked again, and they are deleted once it confirms. True when the pod's
         outbox held only such entries (confirmed or not); False when something must run: another writer's
-        entry, one of ours not known to have run whole, or a slot map that moved since (a failover: the
-        promoted replica may lack their changes). A primary that does not answer may have failed over with no
-        command of ours to find out (a quiet engine): the slot map is read again, and if it moved, they run."""
+        entry, one of ours not known to have run whole, a slot map that moved since (a failover: the promoted
+        replica may lack their changes), or a primary that restarted, was promoted or demoted since, or does
+        not answer (it may have failed over with no command of ours to find out, a quiet engine's: the slot
+        map is read again too)."""
         kept = self._kept.get(pod)
         if not kept:
             return False
@@ -487,18 +500,22 @@ class ClusterWrites:
         digest = self.shards.map_digest()
         if any(r.digest != digest for r in distinct):
             return False
-        primaries = {n.name: n for n in self.shards.slot_table()[1]}
-        names = {name for r in distinct for name in r.nodes}
-        if not names <= primaries.keys():
+        primaries = {n.name: n for n in self.client.get_primaries()}
+        wanted = {name: inc for r in distinct for name, inc in r.nodes}
+        if not wanted.keys() <= primaries.keys():
             return False
-        nodes = [primaries[name] for name in names]
-        unanswered: list[Any] = []
-        if await self._confirm_and_delete([(pod, f, b"") for f in fields], nodes, unanswered):
+        nodes = [primaries[name] for name in wanted]
+        found = await self.barrier.incarnations(nodes)
+        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted.items()):
+            # restarted, promoted or demoted since, or silent (failed over?): what the runs wrote may not be
+            # there; they run again, and the slot map is read again in case it moved
+            self._kept.pop(pod, None)
+            await self.shards.reread_map()
+            return False
+        if await self._confirm_and_delete([(pod, f, b"") for f in fields], nodes):
             self.confirmed_late += len(fields)
             log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
                      len(fields))
-        elif unanswered:
-            await self.shards.reread_map()
         return True
 
     def forget(self, pods: Iterable[str]) -> None:
@@ -542,7 +559,7 @@ class ClusterWrites:
         _, _, touched = await self.run([ops for *_, ops in entries])
         nodes = await self._written_to(touched)
         if not todo or nodes is None or not await self._confirm_and_delete(todo, nodes):
-            await self._keep(todo, nodes)
+            await self._keep(todo, nodes, touched)
         return len(todo)
 
     async def _engine_keys_done(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
