@@ -239,6 +239,43 @@ def wait_http(url: str, stack: Stack, what: str, child: Child | None = None, tim
     raise click.ClickException(f"{what} did not become ready at {url} within {timeout_s}s")
 
 
+PORT_TAKEN = "address already in use"  # ZMQ's words, and uvicorn's (lower case)
+SIM_ATTEMPTS = 3
+
+
+def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> list[str]:
+    """Simulated engines side by side, each on three ports free when drawn (HTTP, ZMQ, replay): their URLs,
+    once each answers. One whose port another process took before it bound it (``free_port`` can only say
+    "free now") is started again on others, up to ``SIM_ATTEMPTS`` times: a port race is no reason for `up`
+    to fail (it did, in CI, beside other tests drawing ports)."""
+    def spawn(i: int) -> tuple[Child, str]:
+        http, zp, rp = draw(), draw(), draw()
+        child = stack.spawn(f"engine-sim-{i}", ["simulate", "--pod", f"sim-{i}", "--port", str(http),
+                                                "--zmq", f"tcp://*:{zp}", "--replay", f"tcp://*:{rp}", *args])
+        return child, f"http://127.0.0.1:{http}"
+
+    sims = [spawn(i) for i in range(count)]
+    tries = [1] * count
+    i = 0
+    while i < count:
+        child, url = sims[i]
+        try:
+            wait_http(url + "/v1/models", stack, "simulated engine", child)
+            i += 1
+            continue
+        except click.ClickException:
+            dead = stack.check()
+            j = next((k for k, (c, _) in enumerate(sims) if c is dead), None)
+            if j is None or tries[j] >= SIM_ATTEMPTS or PORT_TAKEN not in last_error(dead.log).lower():
+                raise
+        stack.children.remove(dead)
+        tries[j] += 1
+        click.echo(f"      engine-sim-{j}: a port was taken before it could bind it; starting it on others")
+        sims[j] = spawn(j)
+        i = min(i, j)
+    return [url for _, url in sims]
+
+
 def step(i: int, n: int, text: str) -> None:
     click.echo(click.style(f"[{i}/{n}] ", fg="cyan") + text)
 
@@ -324,15 +361,8 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
             step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
         else:
             step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
-            sims = []
-            for i in range(sim_engines):
-                http, zp, rp = free_port(), free_port(), free_port()
-                sims.append(stack.spawn(f"engine-sim-{i}", [
-                    "simulate", "--pod", f"sim-{i}", "--model", model, "--port", str(http), "--zmq", f"tcp://*:{zp}",
-                    "--replay", f"tcp://*:{rp}", "--block-size", str(sim_block_size), "--blocks", str(sim_blocks)]))
-                engine_list.append(f"http://127.0.0.1:{http}")
-            for url, sim in zip(engine_list, sims):
-                wait_http(url + "/v1/models", stack, "simulated engine", sim)
+            engine_list = start_sims(stack, sim_engines, ["--model", model, "--block-size", str(sim_block_size),
+                                                          "--blocks", str(sim_blocks)])
             for url in engine_list:
                 click.echo(f"      engine: {url}")
         step(3, n, f"starting {ingesters} ingester(s) ...")

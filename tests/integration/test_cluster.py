@@ -542,6 +542,64 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
         vc.stop()
 
 
+async def test_an_ingester_taking_over_during_a_replica_outage_goes_on(tmp_path):
+    """Every replica held; the pod's ingester is killed with entries kept for them (run, not confirmed), and
+    another takes the pod over. It runs those entries, cannot have them confirmed either, and takes them over
+    (renamed to it): its own batches then apply while the replicas are still down. Before, each of its pod
+    steps found another writer's entries, answered "pending", ran them all again and waited: the pod stalled
+    for as long as the replicas stayed down. Once they are back, the entries go and the index is exact."""
+    import os
+    import signal
+
+    from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
+    engine, source = cluster_engine()
+    wl = Workload(53)
+    ix = Index.from_url(vc.url)
+    sync = redis.RedisCluster.from_url(vc.url)
+    first = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "first.log"))
+    second = None
+    held: list = []
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 10)
+        await assert_exact(ix, engine, wl)
+        masters = vc.masters_now()
+        held = [n for n in vc.nodes if n.port not in {m.port for m in masters}]
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGSTOP)
+        for m in masters:
+            redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        await publish(engine, wl, 10)
+        await wait_seq(ix, "pod-c", engine.seq - 1)
+        fields = sync.hkeys(pod_outbox_key("pod-c"))
+        assert fields, "no entry kept for the held replicas: nothing is tested"
+        gone = {f.split(b"|")[1] for f in fields}
+        first.kill()
+        first.wait()
+        second = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "second.log"))
+        await publish(engine, wl, 10)
+        await wait_seq(ix, "pod-c", engine.seq - 1, timeout=30.0)  # applied, the replicas still down
+        writers = {f.split(b"|")[1] for f in sync.hkeys(pod_outbox_key("pod-c"))}
+        assert writers and not writers & gone  # taken over
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        held = []
+        await assert_exact(ix, engine, wl, timeout=30.0)
+        assert second.poll() is None
+    finally:
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        for proc in (first, second):
+            if proc is not None:
+                stop(proc)
+        engine.close()
+        sync.close()
+        await ix.close()
+        vc.stop()
+
+
 def request_keys_on(port: int) -> dict[bytes, dict]:
     """One node's request keys (llm-d's: decimal names) and their entries."""
     node = redis.Redis(port=port)

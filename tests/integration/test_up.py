@@ -282,3 +282,44 @@ def test_serve_workers_end_when_serve_is_killed(valkey_url, tmp_path):
             serve.wait()
         left = _still_running(workers)
         assert not left, f"workers still running after serve was killed: {sorted(left)}"
+
+
+def test_a_simulated_engine_whose_port_was_taken_is_started_on_others(tmp_path, capsys):
+    """`up` draws an engine's ports free, and another process may bind one before the engine does (it failed
+    CI once: "Address already in use", beside other tests drawing ports). The engine is started again on
+    other ports, and `up` goes on; a port taken at every try is still an error, with the engine's own."""
+    import socket
+
+    import click
+    import httpx
+
+    from kv_preflight.cli.up import SIM_ATTEMPTS, Stack, start_sims
+    from kv_preflight.cli.valkey_server import free_port
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    handed: list[int] = []
+
+    def draw_first_taken():  # the second engine's ZMQ port is the taken one, the first time only
+        port = busy if len(handed) == 4 else free_port()
+        handed.append(port)
+        return port
+
+    stack = Stack(tmp_path)
+    try:
+        urls = start_sims(stack, 2, ["--model", "m", "--block-size", "16", "--blocks", "64"], draw=draw_first_taken)
+        assert len(urls) == 2 and all(httpx.get(u + "/v1/models", timeout=5).status_code == 200 for u in urls)
+        assert "engine-sim-1: a port was taken" in capsys.readouterr().out
+        assert len(stack.children) == 2 and all(c.proc.poll() is None for c in stack.children)
+    finally:
+        stack.stop()
+    stack = Stack(tmp_path / "always")
+    try:
+        with pytest.raises(click.ClickException, match="(?i)address already in use"):
+            start_sims(stack, 1, ["--model", "m"], draw=lambda: busy)
+        assert capsys.readouterr().out.count("engine-sim-0: a port was taken") == SIM_ATTEMPTS - 1
+    finally:
+        stack.stop()
+        taken.close()

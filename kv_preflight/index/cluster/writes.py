@@ -461,6 +461,10 @@ class ClusterWrites:
         silent or no master now, or one up for less time than since the run began (restarted meanwhile, maybe
         with none of it). Those run again at the next drain."""
         await self._engine_keys_done(entries)
+        await self._remember(entries, nodes, touched)
+
+    async def _remember(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None,
+                        touched: "Touched") -> None:
         if not entries:
             return
         found = await self.barrier.incarnations(nodes) if nodes is not None else None
@@ -501,12 +505,12 @@ class ClusterWrites:
         if any(r.digest != digest for r in distinct):
             return False
         primaries = {n.name: n for n in self.client.get_primaries()}
-        wanted = {name: inc for r in distinct for name, inc in r.nodes}
-        if not wanted.keys() <= primaries.keys():
+        wanted = [(name, inc) for r in distinct for name, inc in r.nodes]  # runs of one node's incarnations
+        if not {name for name, _ in wanted} <= primaries.keys():
             return False
-        nodes = [primaries[name] for name in wanted]
+        nodes = list({name: primaries[name] for name, _ in wanted}.values())
         found = await self.barrier.incarnations(nodes)
-        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted.items()):
+        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted):
             # restarted, promoted or demoted since, or silent (failed over?): what the runs wrote may not be
             # there; they run again, and the slot map is read again in case it moved
             self._kept.pop(pod, None)
@@ -555,12 +559,35 @@ class ClusterWrites:
                     break
                 keep.append(e)
             entries = keep
+        whole = len(entries) == len(raw)  # every entry there (none too young to run, none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
         _, _, touched = await self.run([ops for *_, ops in entries])
         nodes = await self._written_to(touched)
-        if not todo or nodes is None or not await self._confirm_and_delete(todo, nodes):
-            await self._keep(todo, nodes, touched)
-        return len(todo)
+        if todo and (nodes is None or not await self._confirm_and_delete(todo, nodes)):
+            await self._engine_keys_done(todo)
+            if whole and nodes is not None:
+                todo = await self._adopt(pod, todo)
+            await self._remember(todo, nodes, touched)
+        return len(entries)
+
+    async def _adopt(self, pod: str, entries: Sequence[tuple[str, str, bytes]]) -> Sequence[tuple[str, str, bytes]]:
+        """Another writer's entries this one ran and no replica confirmed (a replica down when their writer
+        stopped, or the fleet moved the pod): renamed to this writer (lua/adopt.lua), so its next pod steps
+        see its own entries and apply, and the chores confirm them later. Left as they were (and returned so)
+        when they are all ours already, or when the outbox changed meanwhile."""
+        mine = self.writer_arg()
+        renamed = []
+        for p, f, v in entries:
+            n, writer, ms = f.split("|", 2)
+            renamed.append((p, f if writer == mine else f"{n}|{mine}|{ms}", v))
+        if all(a[1] == b[1] for a, b in zip(entries, renamed)):
+            return entries
+        args = [x for a, b in zip(entries, renamed) for x in (a[1], b[1])]
+        if not await self.client.eval(scripts.ADOPT, 1, pod_outbox_key(pod), *args):
+            return []
+        log.warning("%s: took over %d outbox entries of another writer, run but not confirmed by a replica yet",
+                    pod, len(entries))
+        return renamed
 
     async def _engine_keys_done(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
         """Entries that ran whole but stay in the outbox (not yet on a replica, or behind an earlier one of
