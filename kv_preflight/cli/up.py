@@ -269,6 +269,7 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
             if j is None or tries[j] >= SIM_ATTEMPTS or PORT_TAKEN not in last_error(dead.log).lower():
                 raise
         stack.children.remove(dead)
+        dead.log.rename(dead.log.with_name(f"{dead.log.stem}.port-taken-{tries[j]}.log"))  # the next try's own
         tries[j] += 1
         click.echo(f"      engine-sim-{j}: a port was taken before it could bind it; starting it on others")
         sims[j] = spawn(j)

@@ -274,5 +274,4 @@ async def test_kept_entries_run_again_on_a_master_restarted_without_its_data(tmp
             assert time.monotonic() < deadline, "the kept entry was never confirmed"
             await ix.drain_outbox("pod-a", stale_only=True)
             await asyncio.sleep(0.3)
-        assert redis.Redis(port=victim.port).hkeys(str(rk)) == [f.encode()]
-        assert cw.confirmed_late == 0
+        assert redis.Redis(port=victim.port).hkeys(str(rk)) == [f.encode()]  # ran again (then confirmed)

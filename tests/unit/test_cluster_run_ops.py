@@ -87,3 +87,16 @@ def test_a_change_missing_fields_goes_to_python():
         writes.change_ops([short], 0)
     with pytest.raises(IndexError):
         ch.change_args([short], 0)
+
+
+def test_an_outbox_field_not_of_the_written_shape_is_malformed():
+    """"<n>|<writer>|<ms>" or nothing: a field of another shape (a hand edit) is deleted unrun, never split
+    further on (the takeover of another writer's entries renames them by that shape, and raised on it)."""
+    import msgspec
+
+    from kv_preflight.index.cluster.writes import decode_entry
+
+    payload = msgspec.msgpack.encode([["Z", 7, [11]]])
+    assert decode_entry(b"5|host:1:ab@2000|1796000000000", payload) == (5, [["Z", 7, [11]]])
+    for field in (b"5|x", b"5", b"5|w|soon", b"x|w|1", b""):
+        assert decode_entry(field, payload) is None, field

@@ -122,9 +122,13 @@ def _valid_op(op: Any) -> bool:
 
 
 def decode_entry(field: bytes, payload: bytes) -> tuple[int, list[Any]] | None:
-    """An outbox entry's order number and changes, or None when either is malformed."""
+    """An outbox entry's order number and changes, or None when either is malformed (the field is
+    "<n>|<writer>|<ms>", both numbers decimal)."""
     try:
-        n = int(field.split(b"|", 1)[0])
+        parts = field.split(b"|", 2)
+        if len(parts) != 3 or not parts[2].isdigit():
+            return None
+        n = int(parts[0])
         ops = _dec.decode(payload)
     except (ValueError, msgspec.DecodeError):
         return None
@@ -516,10 +520,22 @@ class ClusterWrites:
             self._kept.pop(pod, None)
             await self.shards.reread_map()
             return False
-        if await self._confirm_and_delete([(pod, f, b"") for f in fields], nodes):
-            self.confirmed_late += len(fields)
-            log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
-                     len(fields))
+        if not await self.barrier.confirm(nodes):
+            return True
+        # the same incarnations still (a restart between the look above and the WAIT, its replica synced
+        # from it at once, would confirm a dataset without the runs' writes)
+        found = await self.barrier.incarnations(nodes)
+        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted):
+            self._kept.pop(pod, None)
+            return False
+        for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), *fields)]):
+            if isinstance(r, Exception):
+                raise r
+        for f in fields:
+            kept.pop(f, None)
+        self.confirmed_late += len(fields)
+        log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
+                 len(fields))
         return True
 
     def forget(self, pods: Iterable[str]) -> None:
