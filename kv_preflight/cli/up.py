@@ -56,13 +56,14 @@ class Stack:
         log_dir = self.data_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"{name}.log"
-        fh = open(log, "a")
         # A session of its own: Ctrl-C reaches `up` alone, which stops the children in order. Sharing the
         # terminal's process group, they exited on the same SIGINT, and up took one for a crash. Being out of
         # that group, nothing else would end them if `up` died: the kernel sends them SIGTERM then (Linux).
-        proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=True, preexec_fn=parent_death.preexec())
+        with open(log, "a") as fh:  # the child writes through its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", *args], stdout=fh,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+                                    preexec_fn=parent_death.preexec())
         child = Child(name, proc, log)
         self.children.append(child)
         return child
