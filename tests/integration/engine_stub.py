@@ -16,6 +16,31 @@ import zmq
 from kv_preflight.events import EventBatch, encode_frames
 
 
+def zmq_threads() -> str:
+    """This process's libzmq threads (I/O and reaper) with their state and where in the kernel each waits:
+    for a CI failure where one pytest worker's subscriptions and replays stopped reaching their peers for
+    minutes, test after test (an I/O thread stuck would explain it; its stack is native, out of Python's
+    reach, so this is what can be seen from here)."""
+    import os
+
+    out = []
+    try:
+        for tid in sorted(os.listdir("/proc/self/task"), key=int):
+            base = f"/proc/self/task/{tid}"
+            with open(f"{base}/comm") as f:
+                comm = f.read().strip()
+            if not comm.startswith("ZMQbg"):
+                continue
+            with open(f"{base}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"{base}/wchan") as f:
+                wchan = f.read().strip()
+            out.append(f"{comm}[{tid}] {fields[0]} {wchan} cpu={int(fields[11]) + int(fields[12])}")
+    except OSError as exc:  # not Linux, or a thread gone meanwhile
+        out.append(f"({exc})")
+    return ", ".join(out) or "none"
+
+
 class EngineStub:
     def __init__(self, pub_endpoint: str, replay_endpoint: str, topic: str, *, bind: bool = True, buffer: int = 10_000,
                  replay_topic: bool = True):
@@ -66,7 +91,8 @@ class EngineStub:
         while self.count_subscriptions() < total:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.subscriptions} of {total} subscription(s) reached the engine stub "
-                                     f"in {timeout_s}s: the ingester is not listening (see its log)")
+                                     f"in {timeout_s}s: the ingester is not listening (see its log); this "
+                                     f"process's ZMQ threads: {zmq_threads()}")
             await asyncio.sleep(0.01)
 
     def publish(self, batch: EventBatch, *, send: bool = True) -> int:

@@ -470,6 +470,77 @@ async def test_writes_wait_for_a_replica_marked_failed_a_moment_ago(tmp_path):
         vc.stop()
 
 
+class Outage:
+    """A replicated 3-master cluster, pod-c's engine stub on it, an Index and a client; the ingesters a test
+    starts (``ingest``) are stopped and the replicas it holds (``held``) let go at the end, whatever happens."""
+
+    def __init__(self, tmp_path, seed: int):
+        from kv_preflight.cli.valkey_cluster import ValkeyCluster
+
+        self.tmp_path = tmp_path
+        self.vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
+        self.engine, self.source = cluster_engine()
+        self.wl = Workload(seed)
+        self.ix = Index.from_url(self.vc.url)
+        self.sync = redis.RedisCluster.from_url(self.vc.url)
+        self.procs: list = []
+        self.held: list = []
+
+    def ingest(self, name: str, *args: str):
+        proc = spawn(["ingest", "--valkey-url", self.vc.url, "--source", self.source, *args],
+                     str(self.tmp_path / f"{name}.log"))
+        self.procs.append(proc)
+        return proc
+
+    async def exact_then_publish_held(self, victim=None) -> None:
+        """10 batches applied and exact; then every replica held (or the victim's alone) and 10 more
+        published and applied, their changes confirmed by no replica."""
+        await self.exact()
+        await self.publish_held(victim)
+
+    async def exact(self) -> None:
+        await self.engine.subscribed()
+        await publish(self.engine, self.wl, 10)
+        await assert_exact(self.ix, self.engine, self.wl)
+
+    async def publish_held(self, victim=None) -> None:
+        self.held = hold_replicas(self.vc, victim)
+        await publish(self.engine, self.wl, 10)
+        await wait_seq(self.ix, "pod-c", self.engine.seq - 1)
+
+    def let_go(self) -> None:
+        import os
+        import signal
+
+        for n in self.held:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        self.held = []
+
+    async def close(self) -> None:
+        self.let_go()
+        for proc in self.procs:
+            stop(proc)
+        self.engine.close()
+        self.sync.close()
+        await self.ix.close()
+        self.vc.stop()
+
+
+def hold_replicas(vc, master=None) -> list:
+    """Every replica of the cluster (or of ``master`` alone) stopped (SIGSTOP) and cut off from its master: no
+    write there is confirmed from here on. Returns them, to be sent SIGCONT."""
+    import os
+    import signal
+
+    masters = vc.masters_now() if master is None else [master]
+    held = [r for m in masters for r in vc.replicas_of(m)]
+    for n in held:
+        os.kill(n.proc.pid, signal.SIGSTOP)
+    for m in masters:
+        redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+    return held
+
+
 async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
     """Every replica held (stopped, cut off): no batch's changes are confirmed, so their outbox entries stay,
     and /metrics counts the runs (kvpf_ingest_unreplicated_runs_total), so an operator sees a replica down before
@@ -477,43 +548,23 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
     (they used to, every second, all of them: kvpf_ingest_outbox_drains_total stays 0); they ask the barrier
     again, and once the replicas are back the entries go (kvpf_ingest_outbox_confirmed_late_total) and the index
     is the engine's."""
-    import os
-    import signal
-
-    from kv_preflight.cli.valkey_cluster import ValkeyCluster
     from kv_preflight.cli.valkey_server import free_port
     from tests.prom import metric
 
-    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
-    engine, source = cluster_engine()
-    wl = Workload(51)
+    o = Outage(tmp_path, 51)
     mport = free_port()
-    ix = Index.from_url(vc.url)
-    sync = redis.RedisCluster.from_url(vc.url)
-    ing = spawn(["ingest", "--valkey-url", vc.url, "--source", source, "--metrics-port", str(mport)],
-                str(tmp_path / "ing.log"))
-    held: list = []
 
     def metrics() -> str:
         return httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
 
     try:
-        await engine.subscribed()
-        await publish(engine, wl, 10)
-        await assert_exact(ix, engine, wl)
-        masters = vc.masters_now()
-        held = [n for n in vc.nodes if n.port not in {m.port for m in masters}]
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGSTOP)
-        for m in masters:
-            redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
-        await publish(engine, wl, 10)
+        ing = o.ingest("ing", "--metrics-port", str(mport))
+        await o.exact_then_publish_held()
         deadline = time.monotonic() + 30
         while metric(metrics(), "kvpf_ingest_unreplicated_runs_total") < 1:
             assert time.monotonic() < deadline, "no unreplicated run was counted"
             await asyncio.sleep(0.2)
-        await wait_seq(ix, "pod-c", engine.seq - 1)
-        kept = sync.hlen(pod_outbox_key("pod-c"))
+        kept = o.sync.hlen(pod_outbox_key("pod-c"))
         assert kept >= 1  # kept for a failover to run again
         drains = metric(metrics(), "kvpf_ingest_outbox_drains_total")
         await asyncio.sleep(3.5)  # three rounds of the chores, each of which used to run every entry again
@@ -521,25 +572,17 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
         # at most one run again (a lean connection's timeout on this busy machine makes the map "moved")
         assert metric(text, "kvpf_ingest_outbox_drains_total") - drains <= 1
         assert metric(text, "kvpf_ingest_outbox_confirmed_late_total") == 0
-        assert sync.hlen(pod_outbox_key("pod-c")) == kept
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
-        held = []
+        assert o.sync.hlen(pod_outbox_key("pod-c")) == kept
+        o.let_go()
         deadline = time.monotonic() + 30
-        while sync.exists(pod_outbox_key("pod-c")):
+        while o.sync.exists(pod_outbox_key("pod-c")):
             assert time.monotonic() < deadline, "the entries were not deleted once the replicas were back"
             await asyncio.sleep(0.2)
         assert metric(metrics(), "kvpf_ingest_outbox_confirmed_late_total") >= 1
-        await assert_exact(ix, engine, wl, timeout=30.0)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert ing.poll() is None
     finally:
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
-        stop(ing)
-        engine.close()
-        sync.close()
-        await ix.close()
-        vc.stop()
+        await o.close()
 
 
 async def test_an_ingester_taking_over_during_a_replica_outage_goes_on(tmp_path):
@@ -548,56 +591,25 @@ async def test_an_ingester_taking_over_during_a_replica_outage_goes_on(tmp_path)
     (renamed to it): its own batches then apply while the replicas are still down. Before, each of its pod
     steps found another writer's entries, answered "pending", ran them all again and waited: the pod stalled
     for as long as the replicas stayed down. Once they are back, the entries go and the index is exact."""
-    import os
-    import signal
-
-    from kv_preflight.cli.valkey_cluster import ValkeyCluster
-
-    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
-    engine, source = cluster_engine()
-    wl = Workload(53)
-    ix = Index.from_url(vc.url)
-    sync = redis.RedisCluster.from_url(vc.url)
-    first = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "first.log"))
-    second = None
-    held: list = []
+    o = Outage(tmp_path, 53)
     try:
-        await engine.subscribed()
-        await publish(engine, wl, 10)
-        await assert_exact(ix, engine, wl)
-        masters = vc.masters_now()
-        held = [n for n in vc.nodes if n.port not in {m.port for m in masters}]
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGSTOP)
-        for m in masters:
-            redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
-        await publish(engine, wl, 10)
-        await wait_seq(ix, "pod-c", engine.seq - 1)
-        fields = sync.hkeys(pod_outbox_key("pod-c"))
+        first = o.ingest("first")
+        await o.exact_then_publish_held()
+        fields = o.sync.hkeys(pod_outbox_key("pod-c"))
         assert fields, "no entry kept for the held replicas: nothing is tested"
         gone = {f.split(b"|")[1] for f in fields}
         first.kill()
         first.wait()
-        second = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "second.log"))
-        await publish(engine, wl, 10)
-        await wait_seq(ix, "pod-c", engine.seq - 1, timeout=30.0)  # applied, the replicas still down
-        writers = {f.split(b"|")[1] for f in sync.hkeys(pod_outbox_key("pod-c"))}
+        second = o.ingest("second")
+        await publish(o.engine, o.wl, 10)
+        await wait_seq(o.ix, "pod-c", o.engine.seq - 1, timeout=30.0)  # applied, the replicas still down
+        writers = {f.split(b"|")[1] for f in o.sync.hkeys(pod_outbox_key("pod-c"))}
         assert writers and not writers & gone  # taken over
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
-        held = []
-        await assert_exact(ix, engine, wl, timeout=30.0)
+        o.let_go()
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert second.poll() is None
     finally:
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
-        for proc in (first, second):
-            if proc is not None:
-                stop(proc)
-        engine.close()
-        sync.close()
-        await ix.close()
-        vc.stop()
+        await o.close()
 
 
 def request_keys_on(port: int) -> dict[bytes, dict]:
@@ -611,39 +623,22 @@ async def test_a_quiet_engines_kept_entries_run_again_after_a_failover(tmp_path)
     up, even with the engine quiet (no batch of ours to find the map moved): the chores' barrier finds the old
     master not answering, the slot map is read again, and the entries run on the promoted replica. Without
     that, the changes they made on the dead master stay lost and the index misses them."""
-    import os
-    import signal
-
-    from kv_preflight.cli.valkey_cluster import ValkeyCluster
-
-    vc = ValkeyCluster(tmp_path / "c", appendonly=False).start()
-    engine, source = cluster_engine()
-    wl = Workload(52)
-    ix = Index.from_url(vc.url)
-    sync = redis.RedisCluster.from_url(vc.url)
-    ing = spawn(["ingest", "--valkey-url", vc.url, "--source", source], str(tmp_path / "ing.log"))
-    held: list = []
+    o = Outage(tmp_path, 52)
     try:
-        await engine.subscribed()
-        await publish(engine, wl, 10)
-        await assert_exact(ix, engine, wl)
-        pod_port = sync.get_node_from_key(pod_outbox_key("pod-c")).port
-        victim = next(m for m in vc.masters_now() if m.port != pod_port)
-        replica = vc.replicas_of(victim)[0]
-        os.kill(replica.proc.pid, signal.SIGSTOP)
-        held = [replica]
-        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
-        before = request_keys_on(victim.port)  # what the held replica has of them
-        await publish(engine, wl, 10)
-        await wait_seq(ix, "pod-c", engine.seq - 1)
-        assert sync.hlen(pod_outbox_key("pod-c")) >= 1  # waiting for the held replica
+        ing = o.ingest("ing")
+        pod_port = o.sync.get_node_from_key(pod_outbox_key("pod-c")).port
+        victim = next(m for m in o.vc.masters_now() if m.port != pod_port)
+        [replica] = o.vc.replicas_of(victim)
+        await o.exact()
+        before = request_keys_on(victim.port)  # what the replica, held next, has of them
+        await o.publish_held(victim)
+        assert o.sync.hlen(pod_outbox_key("pod-c")) >= 1  # waiting for the held replica
         assert request_keys_on(victim.port) != before, "no change of pod-c's went to the victim: nothing is tested"
         await asyncio.sleep(1.5)  # the engine quiet; the chores ask the barrier, in vain
         victim.stop(kill=True)  # the master dies; its replica, which has none of those changes, is promoted
-        os.kill(replica.proc.pid, signal.SIGCONT)
-        held = []
+        o.let_go()
         deadline = time.monotonic() + 30
-        while replica.port not in {n.port for n in vc.masters_now()}:
+        while replica.port not in {n.port for n in o.vc.masters_now()}:
             assert time.monotonic() < deadline, "the replica was not promoted"
             await asyncio.sleep(0.1)
         after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
@@ -656,18 +651,12 @@ async def test_a_quiet_engines_kept_entries_run_again_after_a_failover(tmp_path)
             after.close()
         ix2 = Index.from_url(f"redis://127.0.0.1:{replica.port}")
         try:
-            await assert_exact(ix2, engine, wl, timeout=30.0)
+            await assert_exact(ix2, o.engine, o.wl, timeout=30.0)
         finally:
             await ix2.close()
         assert ing.poll() is None
     finally:
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
-        stop(ing)
-        engine.close()
-        sync.close()
-        await ix.close()
-        vc.stop()
+        await o.close()
 
 
 @pytest.mark.parametrize("auth", ["url", "credential_provider"])

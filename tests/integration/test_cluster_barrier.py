@@ -44,6 +44,39 @@ async def cluster_with_index(tmp_path):
         cluster.stop()
 
 
+async def held_shard(cluster, ix, sync, stopped):
+    """A first batch applied and confirmed (the replicas have offsets), then a request key ``rk`` on a master
+    (``victim``) other than pod-a's, whose replica is stopped and cut off: what goes there is confirmed by no
+    replica from here on. Returns (pod-a's entry field, rk, victim, its replica)."""
+    f = encode_entry(make_entry("pod-a", "gpu", None))
+    r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                             mutations=[StoreBlock(1, "gpu", f, (11, 12))])
+    assert r.status == "applied"
+    await drain_until_empty(ix, sync, timeout=10)
+    await ix.backend.writes.shards.ready()
+    pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
+    rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
+    victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
+    replica = cluster.replicas_of(victim)[0]
+    os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
+    stopped.append(replica.proc.pid)
+    redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
+    return f, rk, victim, replica
+
+
+async def promote_behind(cluster, victim, replica, stopped: list[int]) -> redis.Redis:
+    """The victim killed, then its held replica let go: it is promoted with what it had when held. Returns a
+    client of it, once it is a master."""
+    victim.stop(kill=True)
+    os.kill(replica.proc.pid, signal.SIGCONT)
+    stopped.clear()
+    deadline = time.monotonic() + 30
+    while replica.port not in {n.port for n in cluster.masters_now()}:
+        assert time.monotonic() < deadline, "the replica was not promoted"
+        await asyncio.sleep(0.1)
+    return redis.Redis(port=replica.port)
+
+
 async def test_a_new_clusters_first_writes_wait_for_their_replicas(tmp_path):
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
         await ix.backend.client.initialize()  # the slot map learned before any write, as a new ingester does
@@ -100,35 +133,17 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
     from kv_preflight.index.pod_state import EngineAdd, KeyChange
 
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
-        f = encode_entry(make_entry("pod-a", "gpu", None))
-        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
-        assert r.status == "applied"
-        await drain_until_empty(ix, sync, timeout=10)
+        f, rk, victim, replica = await held_shard(cluster, ix, sync, stopped)
         cw = ix.backend.writes
-        await cw.shards.ready()
-        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
-        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
-        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
-        replica = cluster.replicas_of(victim)[0]
-        os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
-        stopped.append(replica.proc.pid)
-        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
         changes = [EngineAdd(7, (rk,)), KeyChange(rk, f, 1, "gpu", 1)]
         payload = encode_changes(changes, 0)
         sync.hset(pod_outbox_key("pod-a"), "9|w|0", payload)  # the batch's entry, as its pod step wrote it
         _, _, touched = await cw.run([cw_ops(changes)])  # rounds A-D: the entry's writes, on the victim
         assert sync.hkeys(str(rk)) == [f.encode()]
         # the writer stalls; the victim dies; its replica, which never got the write, is promoted
-        victim.stop(kill=True)
-        os.kill(replica.proc.pid, signal.SIGCONT)
-        stopped.clear()
-        promoted = redis.Redis(port=replica.port)
-        deadline = time.monotonic() + 30
-        while replica.port not in {n.port for n in cluster.masters_now()}:
-            assert time.monotonic() < deadline, "the replica was not promoted"
-            await asyncio.sleep(0.1)
+        promoted = await promote_behind(cluster, victim, replica, stopped)
         assert not promoted.hexists(str(rk), f), "the promoted replica had the write: nothing is tested"
+        deadline = time.monotonic() + 30
         # the writer goes on: its later rounds find the old master gone and learn the slot map again
         cw.shards.forget_table()
         while True:  # (redis-py may try the dead node first, as its rounds' retries do)
@@ -163,19 +178,8 @@ async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_p
     slot map is read again, and the entry runs on the promoted replica (without that read it stayed, its
     writes lost)."""
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
-        f = encode_entry(make_entry("pod-a", "gpu", None))
-        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
-        assert r.status == "applied"
-        await drain_until_empty(ix, sync, timeout=10)
+        f, rk, victim, replica = await held_shard(cluster, ix, sync, stopped)
         cw = ix.backend.writes
-        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
-        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
-        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
-        replica = cluster.replicas_of(victim)[0]
-        os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
-        stopped.append(replica.proc.pid)
-        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
         unreplicated = cw.unreplicated
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
                                  mutations=[StoreBlock(7, "gpu", f, (rk,))])
@@ -207,14 +211,7 @@ async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_p
                                  mutations=[StoreBlock(8, "gpu", f, (rk,))])
         assert r.status == "applied" and sync.hkeys(str(rk)) == [f.encode()]
         assert sync.hlen(pod_outbox_key("pod-a")) == 1
-        victim.stop(kill=True)
-        os.kill(replica.proc.pid, signal.SIGCONT)
-        stopped.clear()
-        promoted = redis.Redis(port=replica.port)
-        deadline = time.monotonic() + 30
-        while replica.port not in {n.port for n in cluster.masters_now()}:
-            assert time.monotonic() < deadline, "the replica was not promoted"
-            await asyncio.sleep(0.1)
+        promoted = await promote_behind(cluster, victim, replica, stopped)
         assert not promoted.hexists(str(rk), f), "the promoted replica had the write: nothing is tested"
         after = redis.RedisCluster(host="127.0.0.1", port=replica.port)  # a client that knows the new map
         try:
@@ -239,19 +236,8 @@ async def test_kept_entries_run_again_on_a_master_restarted_without_its_data(tmp
     import shutil
 
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
-        f = encode_entry(make_entry("pod-a", "gpu", None))
-        r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                 mutations=[StoreBlock(1, "gpu", f, (11, 12))])  # replicas now have offsets
-        assert r.status == "applied"
-        await drain_until_empty(ix, sync, timeout=10)
+        f, rk, victim, replica = await held_shard(cluster, ix, sync, stopped)
         cw = ix.backend.writes
-        pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
-        rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
-        victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
-        replica = cluster.replicas_of(victim)[0]
-        os.kill(replica.proc.pid, signal.SIGSTOP)
-        stopped.append(replica.proc.pid)
-        redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
         r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=1, ts=1.0, model="m", engine_block_size=32,
                                  mutations=[StoreBlock(7, "gpu", f, (rk,))])
         assert r.status == "applied" and sync.hkeys(str(rk)) == [f.encode()]

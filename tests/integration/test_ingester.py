@@ -470,14 +470,18 @@ async def test_a_busy_engine_does_not_starve_a_quiet_one():
                for p, n in ((busy, "busy"), (quiet, "quiet"))]
     sub = Subscriber([Source(f"tcp://127.0.0.1:{busy}"), Source(f"tcp://127.0.0.1:{quiet}")])
     try:
-        await asyncio.sleep(0.3)
+        for e in engines:  # both subscriptions landed: nothing published next is dropped (slow joiner)
+            await e.subscribed()
         for _ in range(2000):
             engines[0].publish(batch(AllBlocksCleared()))
         engines[1].publish(batch(AllBlocksCleared()))
         await asyncio.sleep(0.3)
         got: list = []
+        deadline = time.monotonic() + 30
         while not got:  # skip receives that carried only (re)connect notices
-            got = [f for _, f in await sub.receive(max_messages=64) if f is not None]
+            assert time.monotonic() < deadline, "nothing received in 30 s"
+            got = [f for _, f in await asyncio.wait_for(sub.receive(max_messages=64), 30)
+                   if f is not None]
         assert len(got) <= 64
         assert any(f[0] == b"kv@quiet@tiny" for f in got), "the quiet engine waited behind the busy one"
     finally:
