@@ -78,3 +78,19 @@ def test_floor_bench_writers_leave_the_same_entries(tmp_path):
     floor = doc["floor"]
     assert floor["entries"] > 0 and floor["turn_frames"] > 0
     assert floor["measured_batches"] > floor["turn_frames"]  # several turns each
+
+
+def test_outage_bench_keeps_the_entries_it_measures(tmp_path):
+    """The replica-outage row (cli/bench/outage.py): every replica held, the outbox keeps the entries the row
+    says it measured (few, then many per pod; the bench's own check fails the run otherwise), and the row is
+    reported with both costs."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "outage", "--json-file",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed_checks"] == []
+    assert {r["row"] for r in doc["rows"]} == {"Valkey CPU during a replica outage"}
+    outage = doc["outage"]
+    assert 64 <= outage["kept_few"] < outage["kept_many"] and outage["kept_many"] >= 256
+    assert all(x > 0 for x in outage["batch_us"] + outage["round_ms"])

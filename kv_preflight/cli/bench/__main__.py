@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,http,scaling,cluster,fleet,route,warnings] [--json] [--json-file out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,warnings] [--json] [--json-file out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -736,6 +736,9 @@ def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path |
             if "floor" in only:
                 from kv_preflight.cli.bench.floor import bench_floor
                 bench_floor(res, tmp, quick)
+            if "outage" in only:
+                from kv_preflight.cli.bench.outage import bench_outage
+                bench_outage(res, tmp, quick)
             if "http" in only or "scaling" in only:
                 bench_http(res, vk, quick, tmp, "scaling" in only)
             if "cluster" in only:
