@@ -100,7 +100,7 @@ def test_rebuild_of_an_unknown_pod_is_an_error_and_wipes_nothing(valkey_url, tmp
 
 def test_bench_only_bogus_lists_the_valid_names():
     out = kvpf("bench", "--only", "bogus")
-    assert_one_clear_line(out, "unknown row 'bogus'; valid names: keys, ingest, memory, floor, http, scaling, cluster")
+    assert_one_clear_line(out, "unknown row 'bogus'; valid names: keys, ingest, memory, floor, outage, http, scaling, cluster")
     out = kvpf("bench", "--only", "keys,warnigs")  # issue 27, finding 9: a did-you-mean, as for options
     assert_one_clear_line(out, "unknown row 'warnigs' (did you mean 'warnings'?)")
 
