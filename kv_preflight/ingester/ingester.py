@@ -65,8 +65,7 @@ class Ingester:
         self.source_cap = source_cap(cfg)
         self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
         self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)
-        self._unreplicated_seen = 0  # the cluster write path's unreplicated runs, as far as exported
-        self._confirmed_late_seen = 0  # ... and its entries confirmed late, likewise
+        self._exported: dict[str, int] = {}  # the cluster write path's counters, as far as exported (chores)
 
     # ---- lifecycle
 
@@ -327,14 +326,13 @@ class Ingester:
         # for that long per pod, every second, for as long as a replica was down.
         limit = asyncio.Semaphore(DRAINS_AT_ONCE)
         await asyncio.gather(*(self._drain(pod, limit) for pod in list(self.routes.pods)))
-        seen = getattr(self.index.backend, "unreplicated", 0)
-        if seen > self._unreplicated_seen:
-            self.counters.metrics.unreplicated_runs.inc(seen - self._unreplicated_seen)
-            self._unreplicated_seen = seen
-        late = getattr(self.index.backend, "confirmed_late", 0)
-        if late > self._confirmed_late_seen:
-            self.counters.metrics.outbox_confirmed_late.inc(late - self._confirmed_late_seen)
-            self._confirmed_late_seen = late
+        metrics = self.counters.metrics
+        for name, metric in (("unreplicated", metrics.unreplicated_runs),
+                             ("confirmed_late", metrics.outbox_confirmed_late)):
+            seen = getattr(self.index.backend, name, 0)
+            if seen > self._exported.get(name, 0):
+                metric.inc(seen - self._exported.get(name, 0))
+                self._exported[name] = seen
 
     async def _drain(self, pod: str, limit: asyncio.Semaphore) -> None:
         async with limit:

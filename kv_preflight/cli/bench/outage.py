@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from kv_preflight.cli.bench.floor import cpu_s
 from kv_preflight.index.entries import StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_outbox_key
 
@@ -29,7 +30,7 @@ GROWTH_MAX = 1.5  # many entries kept / few: the cost must not follow the outbox
 
 
 def _cpu(masters: list[redis.Redis]) -> float:
-    return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in (m.info("cpu") for m in masters))
+    return sum(cpu_s(m) for m in masters)
 
 
 class _Pods:

@@ -450,13 +450,19 @@ class ClusterWrites:
     async def _confirm_and_delete(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any]) -> bool:
         if not await self.barrier.confirm(nodes):
             return False
+        await self._delete(entries)
+        return True
+
+    async def _delete(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
         # on the primaries' lean connections (redis-py's cluster pipeline spent ~0.5 us of an engine block here)
         for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), field) for pod, field, _ in entries]):
             if isinstance(r, Exception):
                 raise r
+        self._unkeep(entries)
+
+    def _unkeep(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
         for pod, field, _ in entries:
             self._kept.get(pod, {}).pop(field, None)
-        return True
 
     async def _keep(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None,
                     touched: "Touched") -> None:
@@ -474,8 +480,7 @@ class ClusterWrites:
         found = await self.barrier.incarnations(nodes) if nodes is not None else None
         since = time.monotonic() - touched.at
         if found is None or any(v is None or v[2] <= since + 1 for v in found.values()):
-            for pod, field, _ in entries:
-                self._kept.get(pod, {}).pop(field, None)
+            self._unkeep(entries)
             return
         kept = Kept(touched.digest, tuple((name, v[:2]) for name, v in found.items() if v is not None))
         for pod, field, _ in entries:
@@ -513,8 +518,12 @@ class ClusterWrites:
         if not {name for name, _ in wanted} <= primaries.keys():
             return False
         nodes = list({name: primaries[name] for name, _ in wanted}.values())
-        found = await self.barrier.incarnations(nodes)
-        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted):
+
+        async def same() -> bool:
+            found = await self.barrier.incarnations(nodes)
+            return all(found[name] is not None and found[name][:2] == inc for name, inc in wanted)
+
+        if not await same():
             # restarted, promoted or demoted since, or silent (failed over?): what the runs wrote may not be
             # there; they run again, and the slot map is read again in case it moved
             self._kept.pop(pod, None)
@@ -524,15 +533,10 @@ class ClusterWrites:
             return True
         # the same incarnations still (a restart between the look above and the WAIT, its replica synced
         # from it at once, would confirm a dataset without the runs' writes)
-        found = await self.barrier.incarnations(nodes)
-        if any(found[name] is None or found[name][:2] != inc for name, inc in wanted):
+        if not await same():
             self._kept.pop(pod, None)
             return False
-        for r in await self.shards.commands([("HDEL", pod_outbox_key(pod), *fields)]):
-            if isinstance(r, Exception):
-                raise r
-        for f in fields:
-            kept.pop(f, None)
+        await self._delete([(pod, f, b"") for f in fields])
         self.confirmed_late += len(fields)
         log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
                  len(fields))
