@@ -566,19 +566,21 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
             await asyncio.sleep(0.2)
         kept = o.sync.hlen(pod_outbox_key("pod-c"))
         assert kept >= 1  # kept for a failover to run again
-        drains = metric(metrics(), "kvpf_ingest_outbox_drains_total")
+        text = metrics()
+        # counted so far: entries of the first batches confirmed late (a WAIT past 200 ms on a busy machine)
+        drains, late = (metric(text, f"kvpf_ingest_outbox_{m}_total") for m in ("drains", "confirmed_late"))
         await asyncio.sleep(3.5)  # three rounds of the chores, each of which used to run every entry again
         text = metrics()
         # at most one run again (a lean connection's timeout on this busy machine makes the map "moved")
         assert metric(text, "kvpf_ingest_outbox_drains_total") - drains <= 1
-        assert metric(text, "kvpf_ingest_outbox_confirmed_late_total") == 0
+        assert metric(text, "kvpf_ingest_outbox_confirmed_late_total") == late  # none while the replicas are held
         assert o.sync.hlen(pod_outbox_key("pod-c")) == kept
         o.let_go()
         deadline = time.monotonic() + 30
         while o.sync.exists(pod_outbox_key("pod-c")):
             assert time.monotonic() < deadline, "the entries were not deleted once the replicas were back"
             await asyncio.sleep(0.2)
-        assert metric(metrics(), "kvpf_ingest_outbox_confirmed_late_total") >= 1
+        assert metric(metrics(), "kvpf_ingest_outbox_confirmed_late_total") >= late + 1
         await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert ing.poll() is None
     finally:
