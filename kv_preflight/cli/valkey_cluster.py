@@ -8,8 +8,10 @@ answer is then marked partial), and a short node timeout (2 s in tests) makes fa
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -173,6 +175,25 @@ class ValkeyCluster:
         ports = [int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in ids.values()
                  if line.split()[3] == mine]
         return [n for n in self.nodes if n.port in ports]
+
+    def hold_replicas(self, master: ValkeyServer | None = None) -> list[ValkeyServer]:
+        """A replica outage: every replica of the cluster (or of ``master`` alone) stopped (SIGSTOP) and cut off
+        from its master, so no write is confirmed by a replica from here on. Returns them, for ``release_replicas``."""
+        masters = self.masters_now() if master is None else [master]
+        held = [r for m in masters for r in self.replicas_of(m)]
+        for n in held:
+            os.kill(n.proc.pid, signal.SIGSTOP)
+        for m in masters:  # a stopped replica's link stays open until its master's timeout: closed now
+            subprocess.run(self.cli("-p", str(m.port), "client", "kill", "type", "replica"), capture_output=True,
+                           timeout=10, check=True)
+        return held
+
+    @staticmethod
+    def release_replicas(held: list[ValkeyServer]) -> None:
+        """The held replicas running again (those still alive): they reconnect and sync."""
+        for n in held:
+            if n.proc is not None and n.proc.poll() is None:
+                os.kill(n.proc.pid, signal.SIGCONT)
 
     def stop(self, kill: bool = False) -> None:
         for n in self.nodes:

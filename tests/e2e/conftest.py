@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,8 +98,8 @@ class VllmPool:
     """The session's engines, started ahead. A vLLM takes ~35 s to start (about 30 CPU-seconds over its
     processes) and the serial phase starts nine. The pool is made as soon as the session's tests are known and
     queues every engine they name (``VLLM_ENGINES`` of each collected module, in test order), two starting at a
-    time, at the CPU priority ``NICE``: they take the CPU the tests leave. The serial phase runs its integration
-    tests first (tests/conftest.py), which mostly wait on failovers, leases and timeouts of their own, and
+    time (the first alone: it may install vLLM), at the CPU priority ``NICE``: they take the CPU the tests
+    leave. The serial phase runs its integration tests first (tests/conftest.py), which mostly wait on failovers, leases and timeouts of their own, and
     take the CPU first whenever they want it; then the compose tests, whose stacks wait on health checks; so
     most engines are ready before the first vLLM module asks, where one started while the module before it
     ran made a module wait whenever that module's tests were shorter than a start. An engine the session
@@ -110,8 +111,22 @@ class VllmPool:
         # two at once at most, in the session's order (the executor's queue): the engine the next module waits
         # for shares the CPU with one more start at most
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-start")
+        # The session's first start runs alone: on a machine that never ran vLLM, the launcher installs it
+        # first (about 4 minutes), and two launchers installing into one environment at once break it (a
+        # fresh machine's CI: "File exists" in one, half-written package metadata left in the other).
+        self._first = threading.Lock()
+        self._first_done = False
 
     def _start(self, spec: VllmSpec) -> VllmEngine:
+        with self._first:
+            if not self._first_done:
+                try:
+                    return self._launch(spec)
+                finally:
+                    self._first_done = True
+        return self._launch(spec)
+
+    def _launch(self, spec: VllmSpec) -> VllmEngine:
         return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_port(), replay_port=free_port(),
                           blocks=spec.blocks, model_dir=hybrid_model_dir() if spec.hybrid else None)
 

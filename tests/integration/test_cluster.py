@@ -504,16 +504,12 @@ class Outage:
         await assert_exact(self.ix, self.engine, self.wl)
 
     async def publish_held(self, victim=None) -> None:
-        self.held = hold_replicas(self.vc, victim)
+        self.held = self.vc.hold_replicas(victim)
         await publish(self.engine, self.wl, 10)
         await wait_seq(self.ix, "pod-c", self.engine.seq - 1)
 
     def let_go(self) -> None:
-        import os
-        import signal
-
-        for n in self.held:
-            os.kill(n.proc.pid, signal.SIGCONT)
+        self.vc.release_replicas(self.held)
         self.held = []
 
     async def close(self) -> None:
@@ -524,21 +520,6 @@ class Outage:
         self.sync.close()
         await self.ix.close()
         self.vc.stop()
-
-
-def hold_replicas(vc, master=None) -> list:
-    """Every replica of the cluster (or of ``master`` alone) stopped (SIGSTOP) and cut off from its master: no
-    write there is confirmed from here on. Returns them, to be sent SIGCONT."""
-    import os
-    import signal
-
-    masters = vc.masters_now() if master is None else [master]
-    held = [r for m in masters for r in vc.replicas_of(m)]
-    for n in held:
-        os.kill(n.proc.pid, signal.SIGSTOP)
-    for m in masters:
-        redis.Redis(port=m.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
-    return held
 
 
 async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):

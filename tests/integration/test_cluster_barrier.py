@@ -57,10 +57,8 @@ async def held_shard(cluster, ix, sync, stopped):
     pod_master = sync.get_node_from_key(pod_outbox_key("pod-a")).port
     rk = next(k for k in range(1000, 100_000) if sync.get_node_from_key(str(k)).port != pod_master)
     victim = next(n for n in cluster.masters_now() if n.port == sync.get_node_from_key(str(rk)).port)
-    replica = cluster.replicas_of(victim)[0]
-    os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica takes nothing from here on
+    [replica] = cluster.hold_replicas(victim)  # the replica takes nothing from here on
     stopped.append(replica.proc.pid)
-    redis.Redis(port=victim.port).execute_command("CLIENT", "KILL", "TYPE", "replica")
     return f, rk, victim, replica
 
 

@@ -11,8 +11,6 @@ within one run means anything: most of what is left is Valkey's own timer work o
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -78,11 +76,7 @@ async def _run(tmp: Path, quick: bool) -> dict[str, Any]:
         clients = [redis.Redis(port=m.port) for m in masters]
         pods = _Pods()
         await ix.apply_batches(pods.run())  # the replicas have offsets: from here WAIT is waited for
-        held = [r for m in masters for r in vc.replicas_of(m)]
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGSTOP)
-        for c in clients:
-            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        held = vc.hold_replicas()
         sync = redis.RedisCluster.from_url(vc.url)
         try:
             def kept() -> int:
@@ -99,8 +93,7 @@ async def _run(tmp: Path, quick: bool) -> dict[str, Any]:
             sync.close()
         return {"few": few, "many": many}
     finally:
-        for n in held:
-            os.kill(n.proc.pid, signal.SIGCONT)
+        vc.release_replicas(held)
         await ix.close()
         vc.stop()
 
