@@ -13,6 +13,7 @@ from typing import Any
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
+from kv_preflight.index.cluster.markers import SlotMarkers
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
                                        INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)
@@ -121,6 +122,22 @@ class FleetStore:
         """Set the epoch to ``token`` if none is set (first writer wins); the epoch the index has now."""
         await self.client.hsetnx(EPOCH_KEY, "id", token)
         return text(await self.client.hget(EPOCH_KEY, "id"))
+
+    async def replace_epoch(self, seen: str, token: str) -> str:
+        """A new epoch, ``token``, if the index is still in ``seen`` (of the ingesters that found one shard's
+        data gone, the first wins, and the others see "another"); the epoch the index has now."""
+        await self.client.eval(scripts.CAS_FIELD, 1, EPOCH_KEY, "id", seen, token)
+        return text(await self.client.hget(EPOCH_KEY, "id"))
+
+    async def shards_lost(self, epoch: str) -> list[str]:
+        """(cluster) The primaries that came back without their data in ``epoch`` (kv_preflight/index/cluster/
+        markers.py); on a single node, none: its epoch key says it all."""
+        return await SlotMarkers(self.client).lost(epoch) if self.cluster else []
+
+    async def mark_shards(self, epoch: str) -> None:
+        """(cluster) Every slot marked in ``epoch``, so a shard's loss from here on shows (``shards_lost``)."""
+        if self.cluster:
+            await SlotMarkers(self.client).mark(epoch)
 
     async def maxmemory_policy(self) -> str | None:
         """Valkey's ``maxmemory-policy``, None where CONFIG is not allowed (a managed service)."""

@@ -31,6 +31,10 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
   kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> one batch's shared-key changes, until they ran
   kvpf:{b<n>}:barrier         (cluster) t -> 1: written, then WAITed on, to learn that a shard's replica has
                               our earlier writes (one such key per shard, in a slot that shard owns)
+  kvpf:{m<n>}:slot            (cluster) id -> the epoch it was written in: one per hash slot (n the least that
+                              puts the key in that slot), so a shard that comes back without its data (a
+                              restart without persistence and without a failover) is noticed, whichever
+                              shard it is: its slots' markers are gone (kv_preflight/index/cluster/markers.py)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -46,6 +50,8 @@ Fleet-wide keys, which no per-batch atomic step touches:
   kvpf:counters               fleet-wide counters (decode errors, replays, foreign keys, ...)
   kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
                               socket serves, so a restarted ingester resumes before any frame arrives
+  kvpf:epoch                  id -> a token the first writer puts: gone or another, the index lost its data;
+                              marked -> (cluster) the epoch the slots' markers were written in
   kvpf:layout                 version -> "4": checked at start; a process refuses any other (``index
                               migrate`` moves layouts 1, 2 and 3)
 
@@ -88,7 +94,8 @@ REGISTERED_KEY = OUR_PREFIX + "engines"
 ALIASES_KEY = OUR_PREFIX + "aliases"
 DIAGNOSIS_KEY = OUR_PREFIX + "diagnosis"
 # field "id": a random token the first writer puts (HSETNX); a writer that finds it gone or changed knows the
-# index lost its data (a restart without persistence, FLUSHALL, this key evicted) since it last looked
+# index lost its data (a restart without persistence, FLUSHALL, this key evicted) since it last looked; field
+# "marked" (cluster): the epoch every slot's marker was written in (``slot_marker_key``)
 EPOCH_KEY = OUR_PREFIX + "epoch"
 # pod -> Valkey ms: pods being forgotten (``/unregister``, ``index clear --forget``): every ingester lets
 # their engines go and refuses their frames, so their keys go after no ingester writes them any more
@@ -151,6 +158,12 @@ def pod_state_key(pod_id: str) -> str:
 
 def pod_outbox_key(pod_id: str) -> str:
     return _pod(pod_id, "outbox")
+
+
+def slot_marker_key(n: int) -> str:
+    """The n-th candidate for a hash slot's marker (a HASH; kv_preflight/index/cluster/markers.py picks, per
+    slot, the least n in it)."""
+    return f"{OUR_PREFIX}{{m{n}}}:slot"
 
 
 def barrier_key(i: int) -> str:

@@ -274,23 +274,33 @@ class Ingester:
 
     async def check_epoch(self) -> None:
         """Notice that Valkey lost the index's data since the last look (a restart without persistence,
-        FLUSHALL, the epoch key evicted): the epoch this ingester saw is gone or another. Then what this process cached
+        FLUSHALL, the epoch key evicted): the epoch this ingester saw is gone or another; on a cluster also a
+        shard that came back without its data, whichever it is (its slots' markers gone: kv_preflight/index/
+        cluster/markers.py), which starts a new epoch so every ingester sees it. Then what this process cached
         goes (registry rows, pod numbers, pod states), the layout and settings are claimed again, and every
         pod ingested here is put back in the registry, flagged incomplete and rebuilt from its engine's
         replay buffer (exact again, the flag cleared, if the buffer reaches its seq 0; else at its next
-        reset). The epoch is one HGET a second."""
-        seen = await self.index.fleet.epoch()
-        if self.epoch is not None and seen == self.epoch:
-            return
+        reset). The epoch is one HGET a second (on a cluster, and one read per primary)."""
+        fleet = self.index.fleet
+        seen = await fleet.epoch()
         if self.epoch is None:
-            self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+            self.epoch = await fleet.claim_epoch(uuid.uuid4().hex)
+            await fleet.mark_shards(self.epoch)
             return
-        self.epoch = await self.index.fleet.claim_epoch(uuid.uuid4().hex)
+        what = "its epoch is gone" if seen is None else "its epoch is another"
+        if seen == self.epoch:
+            lost = await fleet.shards_lost(self.epoch)
+            if not lost:
+                return
+            what = f"shard {', '.join(lost)} came back without its data"
+            self.epoch = await fleet.replace_epoch(self.epoch, uuid.uuid4().hex)
+        else:
+            self.epoch = await fleet.claim_epoch(uuid.uuid4().hex)
         pods = {p: r.model for p, r in self.routes.pods.items()}
         await self.counters.count("data_losses")
-        log.error("Valkey lost the index's data (its epoch is %s): %d pod(s) ingested here flagged incomplete, put "
-                  "back in the registry and rebuilt from their replay buffers; run Valkey with persistence and "
-                  "maxmemory-policy noeviction (docs/operations.md)", "gone" if seen is None else "another", len(pods))
+        log.error("Valkey lost the index's data (%s): %d pod(s) ingested here flagged incomplete, put back in the "
+                  "registry and rebuilt from their replay buffers; run Valkey with persistence and "
+                  "maxmemory-policy noeviction (docs/operations.md)", what, len(pods))
         self.index.forget_cached()
         self.fleet.records.clear()  # fleet records written again at once, not RECORD_REFRESH_S later
         await check_layout(self.index.client)
@@ -299,6 +309,7 @@ class Ingester:
         for pod in pods:
             await self.index.meta.mark_incomplete(pod, LOST_REASON)
         self.resume.schedule(set(pods), rebuild=True)
+        await fleet.mark_shards(self.epoch)
 
     async def chores(self) -> None:
         """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,

@@ -83,13 +83,18 @@ class Resume:
                 continue
             if pod in self.routes.pods:  # still ours (not let go meanwhile)
                 whole = self._whole(task.result())
-                if pod in self._resetting:
-                    if not whole:  # a retired pod stays flagged (or an engine restart made it exact already)
-                        log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete "
-                                    "until its next reset", pod)
-                        self._rebuilding.discard(pod)
-                        self._resetting.discard(pod)
-                        continue
+                if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart
+                    # made it exact already)
+                    log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete "
+                                "until its next reset", pod)
+                    self._rebuilding.discard(pod)
+                    self._resetting.discard(pod)
+                    continue
+                if whole and (pod in self._resetting or pod in self._rebuilding):
+                    # A rebuild clears what is left of the pod first: the whole replay then writes every batch
+                    # again. Else what survived would answer "dup" to them: the seqs of a pod whose keys were
+                    # on shards that kept their data while others lost theirs, or of batches applied between
+                    # a loss and its notice.
                     await self._reset(pod)
                 await self._apply(pod, task.result())
                 if pod in self._rebuilding and whole:

@@ -17,7 +17,7 @@ from kv_preflight.index.cluster.writes import encode_changes
 from kv_preflight.index.layout import pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
-from tests.e2e.harness import spawn, stop, wait_http
+from tests.e2e.harness import spawn, stop, wait_http, wait_log
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
 from tests.integration.tls import self_signed
@@ -742,3 +742,60 @@ async def test_a_write_redis_py_redirected_over_tls_is_acked_only_where_it_went(
         sync.close()
         await ix.close()
         vc.stop()
+
+
+async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp_path):
+    """A master restarted without its data and without a failover (no persistence; its replica held, so none
+    can take over) comes back serving its slots, empty, and its replica then syncs from it. Unless it held the
+    index's epoch key, nothing noticed: the request keys it held had lost pod-c's entries for good, while
+    pod-c's state (on another shard) still counted them. Now its slots' markers are gone: the ingester starts a
+    new epoch, counts a data loss, clears the pod and rebuilds it from its engine's replay buffer (the pod's seqs
+    survived, so the replay alone would only answer "dup"), and the index is exact again."""
+    import shutil
+
+    from kv_preflight.cli.valkey_server import free_port
+    from kv_preflight.index.cluster.markers import first_slots, slot_markers
+    from kv_preflight.index.layout import EPOCH_KEY
+    from tests.prom import metric
+
+    o = Outage(tmp_path, 57)
+    mport = free_port()
+    try:
+        ing = o.ingest("ing", "--metrics-port", str(mport))
+        await o.exact()
+        deadline = time.monotonic() + 20
+        while o.sync.hget(EPOCH_KEY, "marked") != o.sync.hget(EPOCH_KEY, "id"):
+            assert time.monotonic() < deadline, "the slots were not marked"
+            await asyncio.sleep(0.1)
+        epoch = o.sync.hget(EPOCH_KEY, "id")
+        spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
+        victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
+        assert request_keys_on(victim.port), "the victim holds none of pod-c's request keys: nothing is tested"
+        o.held = o.vc.hold_replicas(victim)
+        victim.stop(kill=True)
+        for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
+            path = victim.data_dir / lost
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        victim.start()
+        back = redis.Redis(port=victim.port)
+        deadline = time.monotonic() + 30
+        while back.cluster("info")["cluster_state"] != "ok":
+            assert time.monotonic() < deadline, "the restarted master did not rejoin"
+            await asyncio.sleep(0.1)
+        assert back.info("replication")["role"] == "master"  # no failover: the same master, empty
+        assert not request_keys_on(victim.port), "the restarted master kept its data: nothing is tested"
+        o.let_go()  # its replica syncs from it: empty too
+        wait_log(str(tmp_path / "ing.log"), f"shard 127.0.0.1:{victim.port} came back without its data", ing)
+        assert o.sync.hget(EPOCH_KEY, "id") != epoch  # a new epoch: every ingester rebuilds its pods
+        wait_log(str(tmp_path / "ing.log"), "pod-c: rebuilt whole from its engine's replay buffer", ing)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+        assert metric(text, "kvpf_ingest_data_losses_total") == 1
+        slot = first_slots(o.ix.backend.client.nodes_manager.slots_cache)[f"127.0.0.1:{victim.port}"]
+        assert back.exists(slot_markers()[slot]), "the lost shard's markers were not written again"
+        await publish(o.engine, o.wl, 10)  # and it goes on
+        await assert_exact(o.ix, o.engine, o.wl)
+        assert ing.poll() is None
+    finally:
+        await o.close()
