@@ -13,7 +13,7 @@ from typing import Any
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
-from kv_preflight.index.cluster.markers import SlotMarkers
+from kv_preflight.index.cluster.markers import Looked, SlotMarkers
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
                                        INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)
@@ -124,18 +124,19 @@ class FleetStore:
         return text(await self.client.hget(EPOCH_KEY, "id"))
 
     async def replace_epoch(self, seen: str, token: str) -> str:
-        """A new epoch, ``token``, if the index is still in ``seen`` (of the ingesters that found one shard's
-        data gone, the first wins, and the others see "another"); the epoch the index has now."""
+        """A new epoch, ``token``, if the index is still in ``seen`` or has none (of the ingesters that found
+        one shard's data gone, the first wins, and the others see "another"); the epoch the index has now."""
         await self.client.eval(scripts.CAS_FIELD, 1, EPOCH_KEY, "id", seen, token)
-        return text(await self.client.hget(EPOCH_KEY, "id"))
+        found = await self.client.hget(EPOCH_KEY, "id")
+        return text(found) if found is not None else await self.claim_epoch(token)
 
-    async def shards_lost(self, epoch: str) -> list[str]:
-        """(cluster) The primaries that came back without their data in ``epoch`` (kv_preflight/index/cluster/
-        markers.py); on a single node, none: its epoch key says it all."""
-        return await SlotMarkers(self.client).lost(epoch) if self.cluster else []
+    async def look_at_shards(self, epoch: str) -> Looked:
+        """(cluster) The primaries that came back without their data in ``epoch``, and those whose marker was
+        evicted (kv_preflight/index/cluster/markers.py); on a single node, none: its epoch key says it all."""
+        return await SlotMarkers(self.client).look(epoch) if self.cluster else Looked([], [])
 
     async def mark_shards(self, epoch: str) -> None:
-        """(cluster) Every slot marked in ``epoch``, so a shard's loss from here on shows (``shards_lost``)."""
+        """(cluster) Every slot marked in ``epoch``, so a shard's loss from here on shows (``look_at_shards``)."""
         if self.cluster:
             await SlotMarkers(self.client).mark(epoch)
 

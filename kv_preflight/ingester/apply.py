@@ -79,6 +79,9 @@ class Applier:
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
         self._silent: dict[str, float] = {}  # replay endpoint that did not answer -> not asked until (monotonic)
         self.held: dict[str, _Held] = {}  # pods whose gap is being replayed (``apply_held`` carries them on)
+        # pods being rebuilt from their replay (ingester/resume.py): their live batches wait here, in arrival
+        # order, until the rebuild has cleared the pod and applied the replay (``unpark``)
+        self.parked: dict[str, list[tuple[str, _Pending]]] = {}
         self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
 
     def forget_chains(self) -> None:
@@ -120,11 +123,15 @@ class Applier:
     # ---- one batch, and the batches a gap before it needs
 
     async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
-                    mode: str = "check", decode_errors: int = 0) -> str:
+                    mode: str = "check", decode_errors: int = 0, resumed: bool = False) -> str:
         """Apply one batch; returns its final status. Retries transient Valkey errors until it is back; the
         recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS per batch. A gap
         to replay holds the pod ("held": this batch and the pod's next ones wait for ``apply_held``)."""
         item = _Pending(seq, batch, decode_errors, allow_replay, mode)
+        parked = self.parked.get(pod)
+        if parked is not None and not resumed:  # its rebuild is under way: after it (``resumed``: the replay itself)
+            parked.append((model, item))
+            return "held"
         held = self.held.get(pod)
         if held is not None:  # behind a gap being replayed: in turn, after it
             held.waiting.append(item)
@@ -264,6 +271,29 @@ class Applier:
         for pod in list(self.held):
             if pods is None or pod in pods:
                 self.held.pop(pod).fetch.cancel()
+        for pod in list(self.parked):
+            if pods is None or pod in pods:
+                del self.parked[pod]
+
+    def waits(self, pod: str) -> bool:
+        """Whether a batch of this pod must wait behind a gap's replay or a rebuild (``apply`` queues it)."""
+        return pod in self.held or pod in self.parked
+
+    def park(self, pod: str) -> None:
+        """Hold the pod's batches from now until ``unpark``: a rebuild clears the pod before it applies the
+        replay it fetched, and would clear a batch applied meanwhile with it, while the replay does not have it
+        (fetched before it arrived): lost, with the pod marked exact."""
+        self.parked.setdefault(pod, [])
+
+    async def unpark(self, pod: str) -> None:
+        """The batches that waited while the pod was rebuilt, in arrival order (those the replay had answer
+        "dup"; a gap after the replay is replayed as any gap)."""
+        for model, item in self.parked.pop(pod, []):
+            held = self.held.get(pod)
+            if held is not None:  # one of them found a gap: the rest wait behind its replay
+                held.waiting.append(item)
+            else:
+                await self._settle(pod, model, item)
 
     # ---- what each answer does
 

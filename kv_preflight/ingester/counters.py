@@ -60,8 +60,10 @@ COUNTED: dict[str, Counted] = {
     "attach_errors": Counted((("engine_errors", "attach"),)),  # an engine's sources refused: that engine alone
     "detach_errors": Counted((("engine_errors", "detach"),)),
     "registrations_skipped": Counted((("engine_errors", "registration"),)),  # a kvpf:engines record unusable
-    "round_overruns": Counted((("round_overruns",),)),
-    "data_losses": Counted((("data_losses",),), valkey="data_losses"),  # the index's epoch gone or changed  # a membership round past its deadline (watchdog)
+    "round_overruns": Counted((("round_overruns",),)),  # a membership round past its deadline (watchdog)
+    "data_losses": Counted((("data_losses",),), valkey="data_losses"),  # the index's epoch gone or changed
+    # a cluster's slot marker gone from a primary that ran all along (evicted or deleted; written again)
+    "markers_rewritten": Counted((("markers_rewritten",),)),
     # the process
     "valkey_errors": Counted((("valkey_errors",),)),
     "outbox_drains": Counted((("outbox_drains",),)),

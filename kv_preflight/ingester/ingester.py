@@ -285,17 +285,26 @@ class Ingester:
         seen = await fleet.epoch()
         if self.epoch is None:
             self.epoch = await fleet.claim_epoch(uuid.uuid4().hex)
-            await fleet.mark_shards(self.epoch)
+            await self._mark_shards()
             return
         what = "its epoch is gone" if seen is None else "its epoch is another"
         if seen == self.epoch:
-            lost = await fleet.shards_lost(self.epoch)
-            if not lost:
+            looked = await fleet.look_at_shards(self.epoch)
+            if looked.rewritten:
+                await self.counters.count("markers_rewritten", len(looked.rewritten))
+                log.warning("slot marker(s) of %s gone though the shard ran all along: evicted (maxmemory-policy "
+                            "allkeys-*, which loses index data unseen) or deleted; written again",
+                            ", ".join(looked.rewritten))
+            if not looked.lost:
                 return
-            what = f"shard {', '.join(lost)} came back without its data"
-            self.epoch = await fleet.replace_epoch(self.epoch, uuid.uuid4().hex)
+            what = f"shard {', '.join(looked.lost)} came back without its data"
+            if looked.numbering:
+                log.error("the lost shard held the pod numbering (kvpf:{nums}:*): presence bits on the other shards "
+                          "stand for the old numbers, and a rebuild cannot tell them apart; FLUSHALL every master "
+                          "so that every pod is rebuilt from scratch (docs/operations.md)")
+            epoch = await fleet.replace_epoch(self.epoch, uuid.uuid4().hex)
         else:
-            self.epoch = await fleet.claim_epoch(uuid.uuid4().hex)
+            epoch = await fleet.claim_epoch(uuid.uuid4().hex)
         pods = {p: r.model for p, r in self.routes.pods.items()}
         await self.counters.count("data_losses")
         log.error("Valkey lost the index's data (%s): %d pod(s) ingested here flagged incomplete, put back in the "
@@ -309,7 +318,18 @@ class Ingester:
         for pod in pods:
             await self.index.meta.mark_incomplete(pod, LOST_REASON)
         self.resume.schedule(set(pods), rebuild=True)
-        await fleet.mark_shards(self.epoch)
+        # Taken as seen only now: a step above that failed (a shard still rejoining) leaves this ingester in the
+        # old epoch, so its next look finds "another" and does all of it again, rather than never.
+        self.epoch = epoch
+        await self._mark_shards()
+
+    async def _mark_shards(self) -> None:
+        """(cluster) The slots marked in this epoch; a shard down now does not hold up the rest (the start, a
+        rebuild): the next look marks them."""
+        try:
+            await self.index.fleet.mark_shards(self.epoch)
+        except VALKEY_ERRORS as exc:
+            log.warning("slot markers not written now (%s); written at a later look", exc or type(exc).__name__)
 
     async def chores(self) -> None:
         """Every second, traffic or not: the fleet membership round (engines taken and let go, leases,

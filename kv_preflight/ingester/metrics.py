@@ -83,8 +83,13 @@ class IngesterMetrics:
                                              "deleted when a replica confirmed them after their run (Valkey "
                                              "Cluster): the end of a replica's outage, or of its lag.", registry=r)
         self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
-                                   "index's data (its epoch gone or changed): its pods flagged and rebuilt.",
+                                   "index's data (its epoch gone or changed, or a cluster shard back without its data): its pods flagged "
+                                   "and rebuilt.",
                                    registry=r)
+        self.markers_rewritten = Counter("kvpf_ingest_markers_rewritten", "Slot markers (Valkey Cluster) found gone "
+                                         "from a primary that ran all along, and written again: evicted under an "
+                                         "allkeys-* maxmemory policy, which loses index data unseen, or deleted "
+                                         "by hand. No data loss is assumed.", registry=r)
         self.lag = Histogram("kvpf_ingest_lag_seconds", "Now minus the batch timestamp when a batch is applied.",
                              buckets=LAG_BUCKETS, registry=r)
         self.last_lag = PodLabelled(Gauge("kvpf_ingest_last_lag_seconds", "Lag of the last batch applied, by pod "

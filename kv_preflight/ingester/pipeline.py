@@ -35,7 +35,7 @@ class Pipeline:
             item = await self.acceptor.accept(src, frames)
             if item is None:
                 continue
-            if item[0] in self.applier.held:  # its pod waits for a gap's replay: in turn, behind it
+            if self.applier.waits(item[0]):  # its pod waits for a gap's replay or a rebuild: in turn, behind it
                 pod, model, seq, batch, errors = item
                 await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
             else:

@@ -9,6 +9,7 @@ import logging
 
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
+from kv_preflight.index.pod_meta import PodInfo
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.replay import fetch_replay
@@ -50,6 +51,7 @@ class Resume:
                 continue
             if rebuild:
                 self._rebuilding.add(pod)
+                self.applier.park(pod)  # its live batches wait until the rebuild is applied (Applier.park)
             if reset:
                 self._resetting.add(pod)
             self._fetching[pod] = asyncio.ensure_future(self._fetch(pod))
@@ -74,41 +76,51 @@ class Resume:
             if not task.done():
                 continue
             del self._fetching[pod]
-            if task.cancelled():
-                continue
-            exc = task.exception()
-            if exc is not None:
-                log.warning("resume %s: replay not fetched (%s: %s); its next gap replays it", pod,
-                            type(exc).__name__, exc)
-                continue
-            if pod in self.routes.pods:  # still ours (not let go meanwhile)
-                whole = self._whole(task.result())
-                if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart
-                    # made it exact already)
-                    log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete "
-                                "until its next reset", pod)
-                    self._rebuilding.discard(pod)
-                    self._resetting.discard(pod)
-                    continue
-                if whole and (pod in self._resetting or pod in self._rebuilding):
-                    # A rebuild clears what is left of the pod first: the whole replay then writes every batch
-                    # again. Else what survived would answer "dup" to them: the seqs of a pod whose keys were
-                    # on shards that kept their data while others lost theirs, or of batches applied between
-                    # a loss and its notice.
-                    await self._reset(pod)
-                await self._apply(pod, task.result())
-                if pod in self._rebuilding and whole:
-                    await self.valkey.call(self.index.meta.mark_complete, pod)
-                    log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
-            self._rebuilding.discard(pod)
-            self._resetting.discard(pod)
+            try:
+                await self._apply_fetched(pod, task)
+            finally:
+                self._rebuilding.discard(pod)
+                self._resetting.discard(pod)
+                await self.applier.unpark(pod)  # what arrived meanwhile, after it
 
-    async def _reset(self, pod: str) -> None:
-        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does)."""
+    async def _apply_fetched(self, pod: str, task: asyncio.Future) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.warning("resume %s: replay not fetched (%s: %s); its next gap replays it", pod,
+                        type(exc).__name__, exc)
+            return
+        if pod not in self.routes.pods:  # not ours any more (let go meanwhile)
+            return
+        whole = self._whole(task.result())
+        if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart made it
+            # exact already)
+            log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete until its "
+                        "next reset", pod)
+            return
+        rebuilding = pod in self._rebuilding
+        if whole and (pod in self._resetting or rebuilding):
+            # A rebuild clears what is left of the pod first: the whole replay then writes every batch again.
+            # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
+            # kept their data while others lost theirs, or of batches applied between a loss and its notice.
+            was = await self._reset(pod)
+            if rebuilding and was.incomplete:  # the reset says "exact" (a new engine's state): not until the
+                # replay is in
+                await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
+        await self._apply(pod, task.result())
+        if rebuilding and whole:
+            await self.valkey.call(self.index.meta.mark_complete, pod)
+            log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
+
+    async def _reset(self, pod: str) -> PodInfo:
+        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
+        the pod was before."""
         info = await self.valkey.call(self.index.meta.pod_info, pod)
         for rank, last in info.seqs.items():
             await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
         self.applier.forget_chains()
+        return info
 
     def cancel(self, pods: set[str] | None = None) -> None:
         for pod, task in list(self._fetching.items()):
@@ -156,7 +168,7 @@ class Resume:
                     if f.skipped:
                         await self.counters.count("placeholder_events", f.skipped)
                     await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
-                                             decode_errors=len(f.errors))
+                                             decode_errors=len(f.errors), resumed=True)
 
     def probe_later(self, src: Source) -> None:
         """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not

@@ -63,6 +63,9 @@ class EngineStub:
         self.answer_replays = threading.Event()
         self.answer_replays.set()
         self.replay_requests = 0
+        # set: replays answer as the engine stood before this seq (a replay answered before the batches from
+        # here on were published, which then arrive live after it)
+        self.replay_before: int | None = None
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
 
@@ -146,7 +149,8 @@ class EngineStub:
                 if self._stop.is_set():
                     return
             with self._lock:
-                replies = [f for s, f in self.buffer if s >= first]
+                replies = [f for s, f in self.buffer
+                           if s >= first and (self.replay_before is None or s < self.replay_before)]
             for frames in replies:
                 self.router.send_multipart([ident, b"", *(frames if self.replay_topic else frames[1:])])
             self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])

@@ -771,6 +771,8 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
         victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
         assert request_keys_on(victim.port), "the victim holds none of pod-c's request keys: nothing is tested"
+        o.engine.answer_replays.clear()  # the rebuild's replay waits for the test (below)
+        requests = o.engine.replay_requests
         o.held = o.vc.hold_replicas(victim)
         victim.stop(kill=True)
         for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
@@ -787,7 +789,20 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         o.let_go()  # its replica syncs from it: empty too
         wait_log(str(tmp_path / "ing.log"), f"shard 127.0.0.1:{victim.port} came back without its data", ing)
         assert o.sync.hget(EPOCH_KEY, "id") != epoch  # a new epoch: every ingester rebuilds its pods
+        deadline = time.monotonic() + 30
+        while o.engine.replay_requests == requests:
+            assert time.monotonic() < deadline, "the rebuild asked for no replay"
+            await asyncio.sleep(0.05)
+        # Batches published while the rebuild waits for its replay, which answers as the engine stood when
+        # asked: they arrive live. Applied at once, the rebuild's clearing of the pod took them with it, and
+        # the pod was marked exact without them; they wait for the rebuild instead, and apply after it.
+        asked_at = o.engine.seq
+        await publish(o.engine, o.wl, 5)
+        await asyncio.sleep(1.0)  # they reach the ingester
+        o.engine.replay_before = asked_at
+        o.engine.answer_replays.set()
         wait_log(str(tmp_path / "ing.log"), "pod-c: rebuilt whole from its engine's replay buffer", ing)
+        o.engine.replay_before = None
         await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert not (await o.ix.meta.pod_info("pod-c")).incomplete
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
@@ -795,6 +810,43 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         slot = first_slots(o.ix.backend.client.nodes_manager.slots_cache)[f"127.0.0.1:{victim.port}"]
         assert back.exists(slot_markers()[slot]), "the lost shard's markers were not written again"
         await publish(o.engine, o.wl, 10)  # and it goes on
+        await assert_exact(o.ix, o.engine, o.wl)
+        assert ing.poll() is None
+    finally:
+        await o.close()
+
+
+async def test_a_slot_marker_gone_from_a_shard_that_ran_all_along_is_written_again_not_a_loss(tmp_path):
+    """A slot marker evicted (an allkeys-* maxmemory policy: a marker is only read with EXISTS, which leaves its
+    age, so it goes first) or deleted by hand, from a master that never restarted, is no data loss: the ingester
+    writes it again and counts it, and rebuilds nothing."""
+    from kv_preflight.cli.valkey_server import free_port
+    from kv_preflight.index.cluster.markers import first_slots, slot_markers
+    from kv_preflight.index.layout import EPOCH_KEY
+    from tests.prom import metric
+
+    o = Outage(tmp_path, 59)
+    mport = free_port()
+    try:
+        ing = o.ingest("ing", "--metrics-port", str(mport))
+        await o.exact()
+        deadline = time.monotonic() + 20
+        while o.sync.hget(EPOCH_KEY, "marked") != o.sync.hget(EPOCH_KEY, "id"):
+            assert time.monotonic() < deadline, "the slots were not marked"
+            await asyncio.sleep(0.1)
+        epoch = o.sync.hget(EPOCH_KEY, "id")
+        await o.ix.backend.shards.ready()
+        node, slot = next(iter(first_slots(o.ix.backend.client.nodes_manager.slots_cache).items()))
+        marker = slot_markers()[slot]
+        assert o.sync.delete(marker) == 1
+        wait_log(str(tmp_path / "ing.log"), f"slot marker(s) of {node} gone though the shard ran all along", ing)
+        assert o.sync.exists(marker)
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+        assert metric(text, "kvpf_ingest_markers_rewritten_total") == 1
+        assert metric(text, "kvpf_ingest_data_losses_total") == 0
+        assert o.sync.hget(EPOCH_KEY, "id") == epoch
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        await publish(o.engine, o.wl, 5)
         await assert_exact(o.ix, o.engine, o.wl)
         assert ing.poll() is None
     finally:

@@ -8,23 +8,27 @@ the request keys it held had lost their entries and presence bits while every po
 counted them, for good.
 
 So every hash slot holds a marker (``slot_marker_key``), written once per epoch (``mark``). Each second an
-ingester reads, per primary, the marker of the first slot it serves (``lost``): a marker gone is a shard that
-lost its data. A marker moves with its slot when the cluster is resharded, and a replica promoted by a failover
-has them (written long before), so neither looks like a loss; a shard restarted from its own persistence has
-them too. 16,384 small hashes: about 1.5 MB over the cluster, and one read per primary a second.
+ingester reads, per primary, the marker of the first slot it serves (``look``): a marker gone from a primary
+that restarted since the markers were written (its uptime says) is a shard that lost its data. A marker moves
+with its slot when the cluster is resharded, and a replica promoted by a failover has them (written long
+before), so neither looks like a loss; a shard restarted from its own persistence has them too. One gone from a
+primary that ran all along was evicted (an ``allkeys-*`` policy: a marker is read with EXISTS, which leaves its
+age, so it goes first) or deleted by hand: it is written again, and that is no loss. 16,384 small hashes: about
+1.5 MB over the cluster, and one read per primary a second.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 from binascii import crc_hqx
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
-from kv_preflight.index.backend import read_pipeline
+from kv_preflight.index.backend import ms_of, read_pipeline
 from kv_preflight.index.entries import text
-from kv_preflight.index.layout import EPOCH_KEY, slot_marker_key
+from kv_preflight.index.layout import EPOCH_KEY, NUMS_NEXT_KEY, slot_marker_key
 
 SLOTS = 16384
 MARK_CHUNK = 2048  # markers per pipeline when marking
@@ -54,52 +58,94 @@ def first_slots(slots_cache: dict[int, list[Any]]) -> dict[str, int]:
     return dict(sorted(firsts.items()))
 
 
+def _one(reply: Any, node: str) -> Any:
+    """A command's answer from one node: redis-py keys it by node name in some versions."""
+    if isinstance(reply, dict) and node in reply and len(reply) == 1:
+        return reply[node]
+    return reply
+
+
+class Looked(NamedTuple):
+    """What one look at the markers found: the primaries (host:port) that came back without their data, and
+    those whose marker was gone though they ran all along (evicted under an ``allkeys-*`` policy, or deleted by
+    hand: written again, no loss)."""
+
+    lost: list[str]
+    rewritten: list[str]
+    numbering: bool = False  # the pod numbering (``kvpf:{nums}:*``) was on a lost one
+
+
 class SlotMarkers:
     """The markers of the module docstring, written and read through redis-py's cluster client."""
 
     def __init__(self, client: RedisCluster):
         self.client = client
 
-    async def marked(self) -> str:
-        """The epoch every slot's marker was written in ("" before any)."""
-        found = await self.client.hget(EPOCH_KEY, "marked")
-        return text(found) if found is not None else ""
+    async def marked(self) -> tuple[str, int]:
+        """The epoch every slot's marker was written in ("" before any), and when (Valkey ms)."""
+        found = await self.client.hmget(EPOCH_KEY, ["marked", "marked_at"])
+        at = text(found[1]) if found[1] is not None else ""
+        return (text(found[0]) if found[0] is not None else "", int(at) if at.isdigit() else 0)
 
     async def mark(self, epoch: str) -> None:
-        """Every slot's marker written (one there already is kept), then ``epoch`` recorded as marked: from
-        then on a marker gone is a shard's data gone. Idempotent, and two ingesters marking at once write the
-        same; one stopped halfway leaves "marked" as it was, so the next look marks again."""
-        if await self.marked() == epoch:
+        """Every slot's marker written (one there already is kept), then ``epoch`` recorded as marked, with
+        the time: from then on a marker gone from a primary that restarted since is that shard's data gone.
+        Idempotent, and two ingesters marking at once write the same; one stopped halfway leaves "marked" as
+        it was, so the next look marks again. Not recorded if the epoch moved on meanwhile (an older marking
+        must not stand for a newer epoch's)."""
+        if (await self.marked())[0] == epoch:
             return
         names = await asyncio.to_thread(slot_markers)  # once per process; not on the event loop
+        at = ms_of(await self.client.time())
         for i in range(0, SLOTS, MARK_CHUNK):
             async with self.client.pipeline(transaction=False) as pipe:
                 for name in names[i:i + MARK_CHUNK]:
                     pipe.hsetnx(name, "id", epoch)
                 await pipe.execute()
-        await self.client.hset(EPOCH_KEY, "marked", epoch)
+        if text(await self.client.hget(EPOCH_KEY, "id") or b"") == epoch:
+            await self.client.hset(EPOCH_KEY, mapping={"marked": epoch, "marked_at": at})
 
-    async def lost(self, epoch: str) -> list[str]:
-        """The primaries (host:port) whose first slot's marker is gone: each came back without its data. When
-        the slots were not marked in ``epoch`` (a new index, an upgrade, a marking cut short) they are marked
-        now and nothing is judged."""
-        if await self.marked() != epoch:
+    async def look(self, epoch: str) -> Looked:
+        """Per primary, the marker of its first slot. One gone, from a primary up for less time than the
+        markers have been there, is that shard's data gone (``lost``); from one up since before, it was
+        evicted or deleted: written again (``rewritten``). When the slots were not marked in ``epoch`` (a new
+        index, an upgrade, a marking cut short) they are marked now and nothing is judged."""
+        marked, at = await self.marked()
+        if marked != epoch:
             await self.mark(epoch)
-            return []
+            return Looked([], [])
         if not self.client.nodes_manager.slots_cache:
             await self.client.initialize()
-        firsts = first_slots(self.client.nodes_manager.slots_cache)
+        slots_cache = self.client.nodes_manager.slots_cache
+        firsts = first_slots(slots_cache)
         names = await asyncio.to_thread(slot_markers)
 
         def fill(pipe) -> None:
             for slot in firsts.values():
                 pipe.exists(names[slot])
 
-        found = await read_pipeline(self.client, fill)
-        for r in found:
-            if isinstance(r, Exception):
-                raise r
-        return [node for node, n in zip(firsts, found) if n == 0]
+        found = await read_pipeline(self.client, fill)  # a shard that does not answer is not judged now
+        gone = [(node, slot) for (node, slot), n in zip(firsts.items(), found) if n == 0]
+        if not gone:
+            return Looked([], [])
+        looked = Looked([], [])
+        for node, slot in gone:
+            primary = slots_cache[slot][0]
+            info = _one(await self.client.execute_command("INFO", "server", target_nodes=primary), node)
+            # its clock, read after its uptime. Valkey counts the uptime as the difference of two whole seconds
+            # (now's and its start's), which may say a second more than it ran: so a start up to a second before
+            # the marking counts as after it (a restart after the marking is never taken for an eviction; an
+            # eviction is taken for a loss only from a node started within that second)
+            now = ms_of(_one(await self.client.execute_command("TIME", target_nodes=primary), node))
+            if now - int(info["uptime_in_seconds"]) * 1000 + 1000 > at:  # started after the markers were written
+                looked.lost.append(node)
+                nums = slots_cache.get(key_slot(NUMS_NEXT_KEY.encode()))
+                if nums and nums[0].name == node:
+                    looked = looked._replace(numbering=True)
+            else:
+                await self.client.hsetnx(names[slot], "id", epoch)
+                looked.rewritten.append(node)
+        return looked
 
 
-__all__ = ["SLOTS", "SlotMarkers", "first_slots", "slot_markers"]
+__all__ = ["SLOTS", "Looked", "SlotMarkers", "first_slots", "slot_markers"]
