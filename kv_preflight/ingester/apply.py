@@ -283,7 +283,14 @@ class Applier:
         """Hold the pod's batches from now until ``unpark``: a rebuild clears the pod before it applies the
         replay it fetched, and would clear a batch applied meanwhile with it, while the replay does not have it
         (fetched before it arrived): lost, with the pod marked exact."""
-        self.parked.setdefault(pod, [])
+        if pod in self.parked:
+            return
+        parked = self.parked[pod] = []
+        held = self.held.pop(pod, None)
+        if held is not None:  # a gap being replayed: the rebuild's replay, from seq 0, covers it; its batches
+            # wait for the rebuild instead
+            held.fetch.cancel()
+            parked.extend((held.model, item) for item in (held.gap, *held.waiting))
 
     async def unpark(self, pod: str) -> None:
         """The batches that waited while the pod was rebuilt, in arrival order (those the replay had answer

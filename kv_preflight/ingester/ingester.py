@@ -306,7 +306,6 @@ class Ingester:
         else:
             epoch = await fleet.claim_epoch(uuid.uuid4().hex)
         pods = {p: r.model for p, r in self.routes.pods.items()}
-        await self.counters.count("data_losses")
         log.error("Valkey lost the index's data (%s): %d pod(s) ingested here flagged incomplete, put back in the "
                   "registry and rebuilt from their replay buffers; run Valkey with persistence and "
                   "maxmemory-policy noeviction (docs/operations.md)", what, len(pods))
@@ -321,6 +320,7 @@ class Ingester:
         # Taken as seen only now: a step above that failed (a shard still rejoining) leaves this ingester in the
         # old epoch, so its next look finds "another" and does all of it again, rather than never.
         self.epoch = epoch
+        await self.counters.count("data_losses")
         await self._mark_shards()
 
     async def _mark_shards(self) -> None:

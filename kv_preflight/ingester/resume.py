@@ -47,8 +47,13 @@ class Resume:
         applied by the loop (``apply_ready``), in order with the live stream."""
         for pod in sorted(pods):
             route = self.routes.pods.get(pod)
-            if route is None or not route.replay or pod in self._fetching:
+            if route is None or not route.replay:
                 continue
+            if pod in self._fetching:
+                if not rebuild or pod in self._rebuilding:
+                    continue
+                # a resume from its seq under way: a rebuild (from seq 0, the pod cleared first) replaces it
+                self._fetching.pop(pod).cancel()
             if rebuild:
                 self._rebuilding.add(pod)
                 self.applier.park(pod)  # its live batches wait until the rebuild is applied (Applier.park)
@@ -104,29 +109,39 @@ class Resume:
             # A rebuild clears what is left of the pod first: the whole replay then writes every batch again.
             # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
             # kept their data while others lost theirs, or of batches applied between a loss and its notice.
-            was = await self._reset(pod)
+            was, cleared = await self._reset(pod)
             if rebuilding and was.incomplete:  # the reset says "exact" (a new engine's state): not until the
                 # replay is in
                 await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
+            if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact
+                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild; it stays flagged "
+                            "until its next reset", pod)
+                rebuilding = False
         await self._apply(pod, task.result())
         if rebuilding and whole:
             await self.valkey.call(self.index.meta.mark_complete, pod)
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
 
-    async def _reset(self, pod: str) -> PodInfo:
+    async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
-        the pod was before."""
+        the pod was before, and whether every rank was cleared."""
         info = await self.valkey.call(self.index.meta.pod_info, pod)
+        cleared = True
         for rank, last in info.seqs.items():
-            await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
+            # False: the rank's seq moved meanwhile (another ingester of the pod, --copies, applied a batch)
+            cleared = await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last) and cleared
         self.applier.forget_chains()
-        return info
+        return info, cleared
 
     def cancel(self, pods: set[str] | None = None) -> None:
+        """Stop resuming these pods (None: all): let go, or the ingester stops (``Applier.let_go`` drops their
+        parked batches beside this)."""
         for pod, task in list(self._fetching.items()):
             if pods is None or pod in pods:
                 task.cancel()
                 del self._fetching[pod]
+                self._rebuilding.discard(pod)
+                self._resetting.discard(pod)
 
     @staticmethod
     def _whole(fetched: list[tuple[int, list, bool]]) -> bool:

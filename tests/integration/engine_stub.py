@@ -63,6 +63,9 @@ class EngineStub:
         self.answer_replays = threading.Event()
         self.answer_replays.set()
         self.replay_requests = 0
+        self.replay_starts: list[int] = []  # the seq each replay request asked from, in order
+        # while answer_replays is clear, requests from these seqs are answered all the same (the others wait)
+        self.release_starts: set[int] = set()
         # set: replays answer as the engine stood before this seq (a replay answered before the batches from
         # here on were published, which then arrive live after it)
         self.replay_before: int | None = None
@@ -137,23 +140,27 @@ class EngineStub:
         self.pub.send_multipart(frames)
 
     def _serve_replay(self) -> None:
+        """Replay requests, answered in arrival order; while ``answer_replays`` is clear they are taken (and
+        counted) but wait, several at once if need be, but for those asking from a seq in ``release_starts``."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        waiting: list[tuple[bytes, int]] = []
         while not self._stop.is_set():
-            if not dict(poller.poll(50)):
-                continue
-            ident, _, start = self.router.recv_multipart()
-            first = int.from_bytes(start, "big")
-            self.replay_requests += 1
-            while not self.answer_replays.wait(0.05):
-                if self._stop.is_set():
-                    return
-            with self._lock:
-                replies = [f for s, f in self.buffer
-                           if s >= first and (self.replay_before is None or s < self.replay_before)]
-            for frames in replies:
-                self.router.send_multipart([ident, b"", *(frames if self.replay_topic else frames[1:])])
-            self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            if dict(poller.poll(50)):
+                ident, _, start = self.router.recv_multipart()
+                first = int.from_bytes(start, "big")
+                self.replay_starts.append(first)
+                self.replay_requests += 1
+                waiting.append((ident, first))
+            answer = waiting if self.answer_replays.is_set() else [w for w in waiting if w[1] in self.release_starts]
+            for ident, first in answer:
+                with self._lock:
+                    replies = [f for s, f in self.buffer
+                               if s >= first and (self.replay_before is None or s < self.replay_before)]
+                for frames in replies:
+                    self.router.send_multipart([ident, b"", *(frames if self.replay_topic else frames[1:])])
+                self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            waiting = [w for w in waiting if w not in answer]
 
     def close(self) -> None:
         self._stop.set()

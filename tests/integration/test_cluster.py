@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.cluster.markers import first_slots, slot_markers
 from kv_preflight.index.cluster.writes import encode_changes
-from kv_preflight.index.layout import pod_meta_key, pod_outbox_key
+from kv_preflight.index.layout import EPOCH_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
@@ -486,6 +487,19 @@ class Outage:
         self.procs: list = []
         self.held: list = []
 
+    def ingest_metered(self, name: str, *args: str):
+        """``ingest`` with /metrics served, for ``metric``."""
+        from kv_preflight.cli.valkey_server import free_port
+
+        self.mport = free_port()
+        return self.ingest(name, "--metrics-port", str(self.mport), *args)
+
+    def metric(self, name: str) -> float:
+        """A series of the metered ingester's /metrics, now."""
+        from tests.prom import metric
+
+        return metric(httpx.get(f"http://127.0.0.1:{self.mport}/metrics", timeout=5).text, name)
+
     def ingest(self, name: str, *args: str):
         proc = spawn(["ingest", "--valkey-url", self.vc.url, "--source", self.source, *args],
                      str(self.tmp_path / f"{name}.log"))
@@ -507,6 +521,14 @@ class Outage:
         self.held = self.vc.hold_replicas(victim)
         await publish(self.engine, self.wl, 10)
         await wait_seq(self.ix, "pod-c", self.engine.seq - 1)
+
+    async def marked_epoch(self) -> bytes:
+        """The index's epoch, once an ingester has marked every slot in it (kv_preflight/index/cluster/markers.py)."""
+        deadline = time.monotonic() + 20
+        while self.sync.hget(EPOCH_KEY, "marked") != self.sync.hget(EPOCH_KEY, "id"):
+            assert time.monotonic() < deadline, "the slots were not marked"
+            await asyncio.sleep(0.1)
+        return self.sync.hget(EPOCH_KEY, "id")
 
     def let_go(self) -> None:
         self.vc.release_replicas(self.held)
@@ -753,21 +775,11 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
     survived, so the replay alone would only answer "dup"), and the index is exact again."""
     import shutil
 
-    from kv_preflight.cli.valkey_server import free_port
-    from kv_preflight.index.cluster.markers import first_slots, slot_markers
-    from kv_preflight.index.layout import EPOCH_KEY
-    from tests.prom import metric
-
     o = Outage(tmp_path, 57)
-    mport = free_port()
     try:
-        ing = o.ingest("ing", "--metrics-port", str(mport))
+        ing = o.ingest_metered("ing")
         await o.exact()
-        deadline = time.monotonic() + 20
-        while o.sync.hget(EPOCH_KEY, "marked") != o.sync.hget(EPOCH_KEY, "id"):
-            assert time.monotonic() < deadline, "the slots were not marked"
-            await asyncio.sleep(0.1)
-        epoch = o.sync.hget(EPOCH_KEY, "id")
+        epoch = await o.marked_epoch()
         spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
         victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
         assert request_keys_on(victim.port), "the victim holds none of pod-c's request keys: nothing is tested"
@@ -793,6 +805,7 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         while o.engine.replay_requests == requests:
             assert time.monotonic() < deadline, "the rebuild asked for no replay"
             await asyncio.sleep(0.05)
+        assert o.engine.replay_starts[requests:] == [0]  # the rebuild's: the whole history
         # Batches published while the rebuild waits for its replay, which answers as the engine stood when
         # asked: they arrive live. Applied at once, the rebuild's clearing of the pod took them with it, and
         # the pod was marked exact without them; they wait for the rebuild instead, and apply after it.
@@ -805,8 +818,7 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         o.engine.replay_before = None
         await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert not (await o.ix.meta.pod_info("pod-c")).incomplete
-        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
-        assert metric(text, "kvpf_ingest_data_losses_total") == 1
+        assert o.metric("kvpf_ingest_data_losses_total") == 1
         slot = first_slots(o.ix.backend.client.nodes_manager.slots_cache)[f"127.0.0.1:{victim.port}"]
         assert back.exists(slot_markers()[slot]), "the lost shard's markers were not written again"
         await publish(o.engine, o.wl, 10)  # and it goes on
@@ -820,30 +832,19 @@ async def test_a_slot_marker_gone_from_a_shard_that_ran_all_along_is_written_aga
     """A slot marker evicted (an allkeys-* maxmemory policy: a marker is only read with EXISTS, which leaves its
     age, so it goes first) or deleted by hand, from a master that never restarted, is no data loss: the ingester
     writes it again and counts it, and rebuilds nothing."""
-    from kv_preflight.cli.valkey_server import free_port
-    from kv_preflight.index.cluster.markers import first_slots, slot_markers
-    from kv_preflight.index.layout import EPOCH_KEY
-    from tests.prom import metric
-
     o = Outage(tmp_path, 59)
-    mport = free_port()
     try:
-        ing = o.ingest("ing", "--metrics-port", str(mport))
+        ing = o.ingest_metered("ing")
         await o.exact()
-        deadline = time.monotonic() + 20
-        while o.sync.hget(EPOCH_KEY, "marked") != o.sync.hget(EPOCH_KEY, "id"):
-            assert time.monotonic() < deadline, "the slots were not marked"
-            await asyncio.sleep(0.1)
-        epoch = o.sync.hget(EPOCH_KEY, "id")
+        epoch = await o.marked_epoch()
         await o.ix.backend.shards.ready()
         node, slot = next(iter(first_slots(o.ix.backend.client.nodes_manager.slots_cache).items()))
         marker = slot_markers()[slot]
         assert o.sync.delete(marker) == 1
         wait_log(str(tmp_path / "ing.log"), f"slot marker(s) of {node} gone though the shard ran all along", ing)
         assert o.sync.exists(marker)
-        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
-        assert metric(text, "kvpf_ingest_markers_rewritten_total") == 1
-        assert metric(text, "kvpf_ingest_data_losses_total") == 0
+        assert o.metric("kvpf_ingest_markers_rewritten_total") == 1
+        assert o.metric("kvpf_ingest_data_losses_total") == 0
         assert o.sync.hget(EPOCH_KEY, "id") == epoch
         assert not (await o.ix.meta.pod_info("pod-c")).incomplete
         await publish(o.engine, o.wl, 5)

@@ -7,11 +7,13 @@ import random
 import time
 
 import pytest
+import redis
 
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import Index
-from tests.e2e.harness import spawn, stop
+from kv_preflight.index.layout import EPOCH_KEY
+from tests.e2e.harness import spawn, stop, wait_log
 from tests.integration.engine_stub import EngineStub
 from tests.integration.truth import engine_truth, index_state
 
@@ -138,6 +140,51 @@ async def test_valkey_lost_writes_are_recovered_by_replay(own_valkey, tmp_path):
         own_valkey.start()
         await publish(engine, wl, 10)
         await assert_exact(ix, wl, engine)
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
+async def test_a_rebuild_while_a_gap_is_replayed_takes_the_gap_with_it(own_valkey, tmp_path):
+    """The index's epoch goes (as when Valkey loses its data; here the rest stays, as a cluster's other shards
+    keep theirs) while a pod waits for a gap's replay, and the rebuild's replay (from seq 0) is in first: the
+    rebuild takes the gap's batches over, and they apply after it. Before (a second review's finding), the
+    rebuild's own batches queued behind the gap after the pod was cleared, and it was marked exact with
+    nothing written again."""
+    engine, source = engine_and_source()
+    wl = Workload(5)
+    ix = Index.from_url(own_valkey.url)
+    log = str(tmp_path / "ing.log")
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], log)
+
+    async def asked(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while engine.replay_requests < n:
+            assert time.monotonic() < deadline, f"{engine.replay_requests} replay request(s), not {n}"
+            await asyncio.sleep(0.05)
+
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 10)
+        await wait_for_seq(ix, "pod-f", engine.seq - 1)
+        engine.answer_replays.clear()  # replays wait for the test
+        asked_before = engine.replay_requests
+        engine.publish(wl.next_batch(), send=False)  # lost on the wire: the next batch finds a gap
+        await publish(engine, wl, 2)
+        await asked(asked_before + 1)
+        # the epoch gone (as when Valkey lost its data; the rest kept, as a cluster's other shards keep theirs),
+        # the gap's replay still awaited
+        redis.Redis.from_url(own_valkey.url).delete(EPOCH_KEY)
+        wait_log(log, "Valkey lost the index's data", ing)
+        await asked(asked_before + 2)
+        assert engine.replay_starts[asked_before:] == [10, 0]  # the gap's, then the rebuild's
+        engine.release_starts = {0}  # the rebuild's replay answered while the gap's still waits
+        wait_log(log, "pod-f: rebuilt whole from its engine's replay buffer", ing)
+        engine.answer_replays.set()
+        await publish(engine, wl, 3)
+        await assert_exact(ix, wl, engine)
+        assert ing.poll() is None
     finally:
         stop(ing)
         engine.close()

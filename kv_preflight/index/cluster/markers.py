@@ -109,11 +109,18 @@ class SlotMarkers:
         """Per primary, the marker of its first slot. One gone, from a primary up for less time than the
         markers have been there, is that shard's data gone (``lost``); from one up since before, it was
         evicted or deleted: written again (``rewritten``). When the slots were not marked in ``epoch`` (a new
-        index, an upgrade, a marking cut short) they are marked now and nothing is judged."""
+        index, an upgrade, a new epoch whose marking was cut short) they are marked now; with no marking ever
+        made, nothing is judged."""
         marked, at = await self.marked()
-        if marked != epoch:
+        looked = await self._judge(epoch, at) if at else Looked([], [])
+        if marked != epoch and not looked.lost:
             await self.mark(epoch)
-            return Looked([], [])
+        return looked
+
+    async def _judge(self, epoch: str, at: int) -> Looked:
+        """``look``'s verdicts, against markers written from ``at`` on (the last marking, whichever epoch: a
+        marking cut short by a shard down keeps the older markers, and a shard that comes back empty meanwhile
+        is still seen)."""
         if not self.client.nodes_manager.slots_cache:
             await self.client.initialize()
         slots_cache = self.client.nodes_manager.slots_cache
