@@ -120,15 +120,22 @@ class FleetStore:
 
     async def claim_epoch(self, token: str) -> str:
         """Set the epoch to ``token`` if none is set (first writer wins); the epoch the index has now."""
-        await self.client.hsetnx(EPOCH_KEY, "id", token)
+        if await self.client.hsetnx(EPOCH_KEY, "id", token):
+            await self._epoch_began()
         return text(await self.client.hget(EPOCH_KEY, "id"))
 
     async def replace_epoch(self, seen: str, token: str) -> str:
         """A new epoch, ``token``, if the index is still in ``seen`` or has none (of the ingesters that found
         one shard's data gone, the first wins, and the others see "another"); the epoch the index has now."""
-        await self.client.eval(scripts.CAS_FIELD, 1, EPOCH_KEY, "id", seen, token)
+        if await self.client.eval(scripts.CAS_FIELD, 1, EPOCH_KEY, "id", seen, token):
+            await self._epoch_began()
         found = await self.client.hget(EPOCH_KEY, "id")
         return text(found) if found is not None else await self.claim_epoch(token)
+
+    async def _epoch_began(self) -> None:
+        """When the epoch began (Valkey ms), ``id_at``: a shard started before it lost nothing that the epoch's
+        rebuild does not cover (kv_preflight/index/cluster/markers.py)."""
+        await self.client.hset(EPOCH_KEY, "id_at", await self.now_ms())
 
     async def look_at_shards(self, epoch: str) -> Looked:
         """(cluster) The primaries that came back without their data in ``epoch``, and those whose marker was

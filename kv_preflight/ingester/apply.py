@@ -290,6 +290,7 @@ class Applier:
         if held is not None:  # a gap being replayed: the rebuild's replay, from seq 0, covers it; its batches
             # wait for the rebuild instead
             held.fetch.cancel()
+            held.gap.can_replay = True  # if the rebuild falls short, its gap is replayed again, not forced
             parked.extend((held.model, item) for item in (held.gap, *held.waiting))
 
     async def unpark(self, pod: str) -> None:

@@ -126,10 +126,13 @@ class Resume:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
         the pod was before, and whether every rank was cleared."""
         info = await self.valkey.call(self.index.meta.pod_info, pod)
-        cleared = True
-        for rank, last in info.seqs.items():
-            # False: the rank's seq moved meanwhile (another ingester of the pod, --copies, applied a batch)
-            cleared = await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last) and cleared
+        cleared = not info.seqs
+        for rank, last in sorted(info.seqs.items()):
+            # One that applies clears the whole pod, every rank's seq with it. One refused: that rank's seq moved
+            # meanwhile (another ingester of the pod, --copies, applied a batch); the next rank may still apply.
+            if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
+                cleared = True
+                break
         self.applier.forget_chains()
         return info, cleared
 

@@ -487,12 +487,12 @@ class Outage:
         self.procs: list = []
         self.held: list = []
 
-    def ingest_metered(self, name: str, *args: str):
+    def ingest_metered(self, name: str, *args: str, env: dict[str, str] | None = None):
         """``ingest`` with /metrics served, for ``metric``."""
         from kv_preflight.cli.valkey_server import free_port
 
         self.mport = free_port()
-        return self.ingest(name, "--metrics-port", str(self.mport), *args)
+        return self.ingest(name, "--metrics-port", str(self.mport), *args, env=env)
 
     def metric(self, name: str) -> float:
         """A series of the metered ingester's /metrics, now."""
@@ -500,9 +500,9 @@ class Outage:
 
         return metric(httpx.get(f"http://127.0.0.1:{self.mport}/metrics", timeout=5).text, name)
 
-    def ingest(self, name: str, *args: str):
+    def ingest(self, name: str, *args: str, env: dict[str, str] | None = None):
         proc = spawn(["ingest", "--valkey-url", self.vc.url, "--source", self.source, *args],
-                     str(self.tmp_path / f"{name}.log"))
+                     str(self.tmp_path / f"{name}.log"), env=env)
         self.procs.append(proc)
         return proc
 
@@ -777,7 +777,8 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
 
     o = Outage(tmp_path, 57)
     try:
-        ing = o.ingest_metered("ing")
+        # the rebuild's replay is answered when the test says: it must not time out meanwhile
+        ing = o.ingest_metered("ing", env={"KVPF_REPLAY_TIMEOUT_S": "60"})
         await o.exact()
         epoch = await o.marked_epoch()
         spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}

@@ -156,7 +156,9 @@ async def test_a_rebuild_while_a_gap_is_replayed_takes_the_gap_with_it(own_valke
     wl = Workload(5)
     ix = Index.from_url(own_valkey.url)
     log = str(tmp_path / "ing.log")
-    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], log)
+    # replays answered when the test says: none times out meanwhile (a gap's would be forced, and nothing tested)
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, "--source", source], log,
+                env={"KVPF_REPLAY_TIMEOUT_S": "60"})
 
     async def asked(n: int) -> None:
         deadline = time.monotonic() + 30
@@ -184,10 +186,63 @@ async def test_a_rebuild_while_a_gap_is_replayed_takes_the_gap_with_it(own_valke
         engine.answer_replays.set()
         await publish(engine, wl, 3)
         await assert_exact(ix, wl, engine)
+        with open(log) as f:
+            assert "did not answer" not in f.read()
         assert ing.poll() is None
     finally:
         stop(ing)
         engine.close()
+        await ix.close()
+
+
+async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_valkey, tmp_path):
+    """A pod with two data-parallel ranks (a publisher and a replay socket each) rebuilt after the index's epoch
+    went: the first rank's reset clears the whole pod, every rank's seq with it, and the pod ends exact and
+    unflagged. (A review found the second rank's reset, answered "dup" once the first had cleared its seq, taken
+    for a seq that moved meanwhile: the pod stayed flagged until its next reset.)"""
+    import msgspec
+
+    stubs, sources = [], []
+    for _ in (0, 1):
+        zport, rport = free_port(), free_port()
+        stubs.append(EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", "kv@pod-f@tiny", bind=True))
+        sources += ["--source", f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"]
+    wls = [Workload(7), Workload(8)]
+    wls[1].next_ek = 1_000_000  # the ranks' blocks apart
+    ix = Index.from_url(own_valkey.url)
+    log = str(tmp_path / "ing.log")
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, *sources], log)
+
+    async def publish_ranks(n: int) -> None:
+        for _ in range(n):
+            for rank, (stub, wl) in enumerate(zip(stubs, wls)):
+                wl.next_batch()
+                wl.batches[-1] = msgspec.structs.replace(wl.batches[-1], data_parallel_rank=rank)
+                stub.publish(wl.batches[-1])
+            await asyncio.sleep(0.005)
+
+    async def at_seq(seq: int) -> None:
+        deadline = time.monotonic() + 20
+        while (await ix.meta.pod_info("pod-f")).seqs != {"0": seq, "1": seq}:
+            assert time.monotonic() < deadline, f"not at seq {seq}: {await ix.meta.pod_info('pod-f')}"
+            await asyncio.sleep(0.05)
+
+    try:
+        for stub in stubs:
+            await stub.subscribed()
+        await publish_ranks(10)
+        await at_seq(9)
+        redis.Redis.from_url(own_valkey.url).delete(EPOCH_KEY)  # the data kept: the seqs survive
+        wait_log(log, "pod-f: rebuilt whole from its engine's replay buffer", ing)
+        await publish_ranks(3)
+        await at_seq(12)
+        assert await index_state(ix, "pod-f") == engine_truth(wls[0].batches + wls[1].batches)
+        assert not (await ix.meta.pod_info("pod-f")).incomplete
+        assert ing.poll() is None
+    finally:
+        stop(ing)
+        for stub in stubs:
+            stub.close()
         await ix.close()
 
 

@@ -81,11 +81,13 @@ class SlotMarkers:
     def __init__(self, client: RedisCluster):
         self.client = client
 
-    async def marked(self) -> tuple[str, int]:
-        """The epoch every slot's marker was written in ("" before any), and when (Valkey ms)."""
-        found = await self.client.hmget(EPOCH_KEY, ["marked", "marked_at"])
-        at = text(found[1]) if found[1] is not None else ""
-        return (text(found[0]) if found[0] is not None else "", int(at) if at.isdigit() else 0)
+    async def marked(self) -> tuple[str, int, int]:
+        """The epoch every slot's marker was written in ("" before any), when (Valkey ms), and when the
+        index's epoch began (``id_at``; 0 if not known)."""
+        found = await self.client.hmget(EPOCH_KEY, ["marked", "marked_at", "id_at"])
+        at, began = (text(v) if v is not None else "" for v in found[1:])
+        return (text(found[0]) if found[0] is not None else "", int(at) if at.isdigit() else 0,
+                int(began) if began.isdigit() else 0)
 
     async def mark(self, epoch: str) -> None:
         """Every slot's marker written (one there already is kept), then ``epoch`` recorded as marked, with
@@ -111,8 +113,10 @@ class SlotMarkers:
         evicted or deleted: written again (``rewritten``). When the slots were not marked in ``epoch`` (a new
         index, an upgrade, a new epoch whose marking was cut short) they are marked now; with no marking ever
         made, nothing is judged."""
-        marked, at = await self.marked()
-        looked = await self._judge(epoch, at) if at else Looked([], [])
+        marked, at, began = await self.marked()
+        # A shard started before the epoch began lost nothing its rebuild does not cover: judged from the later
+        # of the two (a marking cut short after a loss must not find that loss again)
+        looked = await self._judge(epoch, max(at, began)) if at else Looked([], [])
         if marked != epoch and not looked.lost:
             await self.mark(epoch)
         return looked
