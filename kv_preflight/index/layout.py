@@ -51,7 +51,8 @@ Fleet-wide keys, which no per-batch atomic step touches:
   kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
                               socket serves, so a restarted ingester resumes before any frame arrives
   kvpf:epoch                  id -> a token the first writer puts: gone or another, the index lost its data;
-                              marked -> (cluster) the epoch the slots' markers were written in
+                              id_at -> when it began (Valkey ms); marked, marked_at -> (cluster) the epoch
+                              the slots' markers were last written in, and when
   kvpf:layout                 version -> "4": checked at start; a process refuses any other (``index
                               migrate`` moves layouts 1, 2 and 3)
 
@@ -94,8 +95,9 @@ REGISTERED_KEY = OUR_PREFIX + "engines"
 ALIASES_KEY = OUR_PREFIX + "aliases"
 DIAGNOSIS_KEY = OUR_PREFIX + "diagnosis"
 # field "id": a random token the first writer puts (HSETNX); a writer that finds it gone or changed knows the
-# index lost its data (a restart without persistence, FLUSHALL, this key evicted) since it last looked; field
-# "marked" (cluster): the epoch every slot's marker was written in (``slot_marker_key``)
+# index lost its data (a restart without persistence, FLUSHALL, this key evicted) since it last looked; "id_at":
+# when it began; "marked", "marked_at" (cluster): the epoch every slot's marker was written in (``slot_marker_key``),
+# and when
 EPOCH_KEY = OUR_PREFIX + "epoch"
 # pod -> Valkey ms: pods being forgotten (``/unregister``, ``index clear --forget``): every ingester lets
 # their engines go and refuses their frames, so their keys go after no ingester writes them any more

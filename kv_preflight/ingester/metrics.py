@@ -83,9 +83,8 @@ class IngesterMetrics:
                                              "deleted when a replica confirmed them after their run (Valkey "
                                              "Cluster): the end of a replica's outage, or of its lag.", registry=r)
         self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
-                                   "index's data (its epoch gone or changed, or a cluster shard back without its data): its pods flagged "
-                                   "and rebuilt.",
-                                   registry=r)
+                                   "index's data (its epoch gone or changed, or a cluster shard back without its "
+                                   "data): its pods flagged and rebuilt.", registry=r)
         self.markers_rewritten = Counter("kvpf_ingest_markers_rewritten", "Slot markers (Valkey Cluster) found gone "
                                          "from a primary that ran all along, and written again: evicted under an "
                                          "allkeys-* maxmemory policy, which loses index data unseen, or deleted "
