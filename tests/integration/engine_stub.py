@@ -59,10 +59,9 @@ class EngineStub:
         self.buffer: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # cleared: replay requests are taken (counted in ``replay_requests``) but answered only once it is set
+        # cleared: replay requests are taken (counted: ``replay_requests``) but answered only once it is set
         self.answer_replays = threading.Event()
         self.answer_replays.set()
-        self.replay_requests = 0
         self.replay_starts: list[int] = []  # the seq each replay request asked from, in order
         # while answer_replays is clear, requests from these seqs are answered all the same (the others wait)
         self.release_starts: set[int] = set()
@@ -71,6 +70,11 @@ class EngineStub:
         self.replay_before: int | None = None
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
+
+    @property
+    def replay_requests(self) -> int:
+        """Replay requests taken so far (answered or waiting)."""
+        return len(self.replay_starts)
 
     def _xpub(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.XPUB)
@@ -150,7 +154,6 @@ class EngineStub:
                 ident, _, start = self.router.recv_multipart()
                 first = int.from_bytes(start, "big")
                 self.replay_starts.append(first)
-                self.replay_requests += 1
                 waiting.append((ident, first))
             answer = waiting if self.answer_replays.is_set() else [w for w in waiting if w[1] in self.release_starts]
             for ident, first in answer:

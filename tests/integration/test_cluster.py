@@ -23,6 +23,7 @@ from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
 from tests.integration.tls import self_signed
 from tests.integration.truth import engine_truth, index_state
+from tests.prom import metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -494,11 +495,9 @@ class Outage:
         self.mport = free_port()
         return self.ingest(name, "--metrics-port", str(self.mport), *args, env=env)
 
-    def metric(self, name: str) -> float:
-        """A series of the metered ingester's /metrics, now."""
-        from tests.prom import metric
-
-        return metric(httpx.get(f"http://127.0.0.1:{self.mport}/metrics", timeout=5).text, name)
+    def metrics(self) -> str:
+        """The metered ingester's /metrics, now (read series with tests.prom.metric)."""
+        return httpx.get(f"http://127.0.0.1:{self.mport}/metrics", timeout=5).text
 
     def ingest(self, name: str, *args: str, env: dict[str, str] | None = None):
         proc = spawn(["ingest", "--valkey-url", self.vc.url, "--source", self.source, *args],
@@ -551,17 +550,10 @@ async def test_replicas_down_keep_the_outbox_and_the_metrics_say_so(tmp_path):
     (they used to, every second, all of them: kvpf_ingest_outbox_drains_total stays 0); they ask the barrier
     again, and once the replicas are back the entries go (kvpf_ingest_outbox_confirmed_late_total) and the index
     is the engine's."""
-    from kv_preflight.cli.valkey_server import free_port
-    from tests.prom import metric
-
     o = Outage(tmp_path, 51)
-    mport = free_port()
-
-    def metrics() -> str:
-        return httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
-
+    metrics = o.metrics
     try:
-        ing = o.ingest("ing", "--metrics-port", str(mport))
+        ing = o.ingest_metered("ing")
         await o.exact_then_publish_held()
         deadline = time.monotonic() + 30
         while metric(metrics(), "kvpf_ingest_unreplicated_runs_total") < 1:
@@ -819,7 +811,7 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         o.engine.replay_before = None
         await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         assert not (await o.ix.meta.pod_info("pod-c")).incomplete
-        assert o.metric("kvpf_ingest_data_losses_total") == 1
+        assert metric(o.metrics(), "kvpf_ingest_data_losses_total") == 1
         slot = first_slots(o.ix.backend.client.nodes_manager.slots_cache)[f"127.0.0.1:{victim.port}"]
         assert back.exists(slot_markers()[slot]), "the lost shard's markers were not written again"
         await publish(o.engine, o.wl, 10)  # and it goes on
@@ -844,8 +836,8 @@ async def test_a_slot_marker_gone_from_a_shard_that_ran_all_along_is_written_aga
         assert o.sync.delete(marker) == 1
         wait_log(str(tmp_path / "ing.log"), f"slot marker(s) of {node} gone though the shard ran all along", ing)
         assert o.sync.exists(marker)
-        assert o.metric("kvpf_ingest_markers_rewritten_total") == 1
-        assert o.metric("kvpf_ingest_data_losses_total") == 0
+        assert metric(o.metrics(), "kvpf_ingest_markers_rewritten_total") == 1
+        assert metric(o.metrics(), "kvpf_ingest_data_losses_total") == 0
         assert o.sync.hget(EPOCH_KEY, "id") == epoch
         assert not (await o.ix.meta.pod_info("pod-c")).incomplete
         await publish(o.engine, o.wl, 5)

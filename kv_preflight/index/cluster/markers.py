@@ -49,6 +49,13 @@ def slot_markers() -> tuple[str, ...]:
     return tuple(slot_marker_key(n) for n in first)
 
 
+async def _slot_markers() -> tuple[str, ...]:
+    """``slot_markers``, made once per process off the event loop (a fraction of a second), then as cached."""
+    if slot_markers.cache_info().currsize:
+        return slot_markers()
+    return await asyncio.to_thread(slot_markers)
+
+
 def first_slots(slots_cache: dict[int, list[Any]]) -> dict[str, int]:
     """Per primary (by name) in a redis-py slot map (slot -> [primary, replicas...]), the first slot it serves."""
     firsts: dict[str, int] = {}
@@ -97,7 +104,7 @@ class SlotMarkers:
         must not stand for a newer epoch's)."""
         if (await self.marked())[0] == epoch:
             return
-        names = await asyncio.to_thread(slot_markers)  # once per process; not on the event loop
+        names = await _slot_markers()
         at = ms_of(await self.client.time())
         for i in range(0, SLOTS, MARK_CHUNK):
             async with self.client.pipeline(transaction=False) as pipe:
@@ -129,7 +136,7 @@ class SlotMarkers:
             await self.client.initialize()
         slots_cache = self.client.nodes_manager.slots_cache
         firsts = first_slots(slots_cache)
-        names = await asyncio.to_thread(slot_markers)
+        names = await _slot_markers()
 
         def fill(pipe) -> None:
             for slot in firsts.values():
