@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kv_preflight.cli.accuracy import run_workload, shared_prefix_workload
 from kv_preflight.cli.valkey_server import free_port
@@ -225,6 +226,10 @@ async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluste
         first_down = next(i for i, k in enumerate(chain) if ix.client.get_node_from_key(str(k)).port == port)
         assert got.unanswered_from == first_down <= 10
         assert [m.blocks for m in got.matches] == [first_down]  # a lower bound, never more
+        # A chain wholly on that shard: an error, which says what the shard said (the slots unserved, or the
+        # connection refused), not only that it was silent
+        with pytest.raises(RedisConnectionError, match=r"^no shard of the cluster answered the lookup \((?!no reason)"):
+            await ix.lookup_detailed([chain[first_down]])
         # Through the predictor: a 200 that says so, not a silently short answer.
         app = create_app(Config(valkey_url=cluster_url, engine_urls={}))
         async with app.router.lifespan_context(app):

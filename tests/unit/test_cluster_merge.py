@@ -1,9 +1,13 @@
-"""merge_shards: a pod's prefix from the shards' per-shard answers (kv_preflight/index/cluster/lookup.py)."""
+"""merge_shards: a pod's prefix from the shards' per-shard answers; Unanswered: the positions no shard answered
+for, and why (kv_preflight/index/cluster/lookup.py)."""
 from __future__ import annotations
 
 import random
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from kv_preflight.index.cluster import merge_shards
+from kv_preflight.index.cluster.lookup import Unanswered
 
 
 def linear(n: int, present: list[dict[str, str]], cut: int) -> dict[str, tuple[int, str]]:
@@ -115,3 +119,21 @@ def test_a_shard_that_holds_nobody_at_its_first_key_sent_all_a_walk_needs():
     assert not sent_bitmaps(parse_bits_reply([0, 0, 1, "", 0, 3, 7, "gpu"]))  # pod 3 bisected: 7 keys
     assert not sent_bitmaps(parse_bits_reply([0, 1, 1, "", 0]))  # a key moved away: read through the routing
     assert not sent_bitmaps(parse_bits_reply([0, 0, 2, "", 0]))  # entries not ours
+
+
+def test_unanswered_keeps_the_first_reason_and_says_it_when_no_shard_answered():
+    """A lookup no shard answered raises an error that says what the first silent shard said (a timeout on a
+    loaded host reads differently from a refused connection), not only that they were silent."""
+    u = Unanswered()
+    assert not u.none_answered(2)  # everything answered
+    u.note([0], TimeoutError())
+    assert not u.none_answered(2)  # a lower bound from key 0, not an error
+    u.note([1], ConnectionRefusedError(111, "Connection refused"))
+    assert u.none_answered(2) and sorted(u) == [0, 1]
+    assert str(u.error()) == "no shard of the cluster answered the lookup (TimeoutError)"
+    v = Unanswered()
+    v.note([0, 1], "no node serves their slots")
+    assert str(v.error()) == "no shard of the cluster answered the lookup (no node serves their slots)"
+    w = Unanswered()
+    w.note([0], RedisConnectionError("Connection reset by peer"))
+    assert "(ConnectionError: Connection reset by peer)" in str(w.error())

@@ -33,6 +33,26 @@ from kv_preflight.keys.chain import pack_keys
 EXACT_BUDGET = 0
 
 
+class Unanswered(set):
+    """The chain positions no shard answered for, and why the first of them was not: the error a lookup
+    raises when none answered says what the shards said (a timeout on a loaded host, a connection refused),
+    not only that they were silent."""
+
+    why = ""
+
+    def note(self, positions: Iterable[int], why: BaseException | str) -> None:
+        self.update(positions)
+        if not self.why:
+            self.why = why if isinstance(why, str) else (f"{type(why).__name__}: {why}" if str(why)
+                                                          else type(why).__name__)
+
+    def none_answered(self, n_keys: int) -> bool:
+        return bool(self) and len(self) == n_keys
+
+    def error(self) -> RedisConnectionError:
+        return RedisConnectionError(f"no shard of the cluster answered the lookup ({self.why or 'no reason given'})")
+
+
 class ClusterLookup:
     """The lookups of a Valkey Cluster (``lookup``: over llm-d's entries; ``lookup_bits``: the default)."""
 
@@ -162,8 +182,8 @@ class ClusterLookup:
             # as empty. Only the pods at the chain's first key can match: their names are the ones read.
             sent = [(idx, res) for idx, res in replies if res.kind == 0]
             if not read_bits and all(res.flat is not None for _, res in sent):  # one tier a key: in C
-                if unanswered and len(unanswered) == len(request_keys):
-                    raise RedisConnectionError("no shard of the cluster answered the lookup")
+                if unanswered.none_answered(len(request_keys)):
+                    raise unanswered.error()
                 # (no key sent a hybrid model's other group: no group bitmaps, as on a single node)
                 tiers, maps = chain_of_one_tier(len(request_keys), ((idx, res.flat) for idx, res in sent))
                 cut = min(unanswered) if unanswered else None
@@ -178,8 +198,8 @@ class ClusterLookup:
                     per_key[i] = bits
             for i, bits in read_bits.items():
                 per_key[i] = bits
-            if unanswered and len(unanswered) == len(request_keys):
-                raise RedisConnectionError("no shard of the cluster answered the lookup")
+            if unanswered.none_answered(len(request_keys)):
+                raise unanswered.error()
             cut = min(unanswered) if unanswered else None
             first = mask_of(per_key[0]) if per_key[0] and cut != 0 else 0
             known = await names(first, epoch) if first else {}
@@ -295,7 +315,7 @@ class ClusterLookup:
 
     async def _walk(self, shard, bisected: Sequence[tuple[Any, list[int], BitsReply]], gapped: set[str],
                     known: Mapping[int, str], shards: list[tuple[list[int], dict[str, tuple[int, str | TierRuns]]]],
-                    with_bits: list[tuple[list[int], list[dict[str, bytes]]]], unanswered: set[int]) -> list[int]:
+                    with_bits: list[tuple[list[int], list[dict[str, bytes]]]], unanswered: Unanswered) -> list[int]:
         """The gapped pods walked key by key on the shards that bisected them (``shard(node, positions,
         how)``), each shard's answer for them put in ``shards`` in place of its bisection (as tier runs, so
         their tier at any key they hold there is known); the other pods keep their counts from round 1. A
@@ -317,7 +337,7 @@ class ClusterLookup:
             if isinstance(r, BaseException):
                 if not isinstance(r, VALKEY_ERRORS):
                     raise r
-                unanswered.update(idx)  # not answered now: cut there (a lower bound, said so)
+                unanswered.note(idx, r)  # not answered now: cut there (a lower bound, said so)
                 dropped.add(k)
                 continue
             res = r[1]
@@ -390,7 +410,7 @@ class ClusterLookup:
         return out
 
 
-    async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: set[int]
+    async def _read_keys(self, request_keys: Sequence[int], positions: list[int], unanswered: Unanswered
                          ) -> tuple[dict[int, dict[str, bytes]], dict[int, dict[str, str]], dict[int, GroupBits]]:
         """Keys read one by one through the cluster's routing (MOVED/ASK followed): position -> its
         bitmaps where its fields are exactly ours, else position -> pod -> tier from its entries (a key
@@ -402,16 +422,17 @@ class ClusterLookup:
                     pipe.hgetall(presence_key(request_keys[i]))
                     pipe.hkeys(request_key_name(request_keys[i]))
                 replies = await pipe.execute(raise_on_error=False)
-        except VALKEY_ERRORS:
-            replies = [RedisConnectionError("not answered")] * (2 * len(positions))
+        except VALKEY_ERRORS as exc:
+            replies = [exc] * (2 * len(positions))
         bits_at: dict[int, dict[str, bytes]] = {}
         entries_at: dict[int, dict[str, str]] = {}
         groups_at: dict[int, GroupBits] = {}
         for j, i in enumerate(positions):
             bits, entries = replies[2 * j:2 * j + 2]
             wrong = [r for r in (bits, entries) if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE")]
-            if any(isinstance(r, Exception) and r not in wrong for r in (bits, entries)):
-                unanswered.add(i)
+            failed = [r for r in (bits, entries) if isinstance(r, Exception) and r not in wrong]
+            if failed:
+                unanswered.note((i,), failed[0])
             elif wrong:  # a key of a foreign type: a miss
                 entries_at[i] = {}
             elif len(entries) == sum(presence_value(v)[0] for v in bits.values()):
@@ -429,15 +450,15 @@ class ClusterLookup:
 
     async def _merged(self, request_keys: Sequence[int],
                       shards: Sequence[tuple[list[int], Mapping[str, tuple[int, str | TierRuns]]]],
-                      read: dict[int, dict[str, str]], unanswered: set[int], pods: Sequence[str] | None,
+                      read: dict[int, dict[str, str]], unanswered: Unanswered, pods: Sequence[str] | None,
                       known: Callable[[Iterable[tuple[str, int]]], Mapping[tuple[str, int], str | None]] | None = None,
                       late: bool = False) -> Lookup:
         """The shards' answers merged (``merge_shards``), cut at the first key no shard answered for; on a
         layout that is not a prefix per pod, the tier at such a pod's last key: from ``known`` (pod, position)
         -> tier (None: keep the shard's) where it has them, else read (``late``: that read is a 4th round,
         counted in ``late_reads``)."""
-        if unanswered and len(unanswered) == len(request_keys):
-            raise RedisConnectionError("no shard of the cluster answered the lookup")
+        if unanswered.none_answered(len(request_keys)):
+            raise unanswered.error()
         cut = min(unanswered) if unanswered else len(request_keys)
         matches, tiers_wanted = merge_shards(len(request_keys), shards, read, cut)
         if tiers_wanted:
@@ -446,7 +467,7 @@ class ClusterLookup:
             if rest:
                 if late:
                     self.late_reads += 1
-                at = await self._read_routed(request_keys, sorted({i for _, i in rest}), pods, set())
+                at = await self._read_routed(request_keys, sorted({i for _, i in rest}), pods, Unanswered())
                 tiers.update(((pod, i), at.get(i, {}).get(pod)) for pod, i in rest)
             matches = [m if not tiers.get((m.pod_id, m.blocks - 1))
                        else PodMatch(m.pod_id, m.blocks, tiers[(m.pod_id, m.blocks - 1)]) for m in matches]
@@ -454,7 +475,7 @@ class ClusterLookup:
 
 
     @staticmethod
-    async def _each_shard(by_node: dict[str, tuple[Any, list[int]]], shard, unanswered: set[int]) -> list[tuple[list[int], Any]]:
+    async def _each_shard(by_node: dict[str, tuple[Any, list[int]]], shard, unanswered: Unanswered) -> list[tuple[list[int], Any]]:
         """``shard(node, positions)`` on every primary at once; the positions of a shard that did not
         answer go to ``unanswered`` (any other error is raised)."""
         results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
@@ -463,22 +484,25 @@ class ClusterLookup:
             if isinstance(res, BaseException):
                 if not isinstance(res, VALKEY_ERRORS):
                     raise res
-                unanswered.update(idx)
+                unanswered.note(idx, res)
             else:
                 out.append((idx, res))
         return out
 
 
-    async def _keys_by_node(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]], set[int]]:
+    async def _keys_by_node(self, request_keys: Sequence[int]) -> tuple[dict[str, tuple[Any, list[int]]], Unanswered]:
         """The chain's positions per primary, from the slot map (positions whose slot no node serves now
         are returned apart: unanswered). Slots are computed in C through a slot -> primary table built
         once per slot map (kv_preflight/index/slots.py)."""
         by_node, unserved = await self.shards.request_keys_by_primary(request_keys)
-        return by_node, set(unserved)
+        unanswered = Unanswered()
+        if unserved:
+            unanswered.note(unserved, "no node serves their slots")
+        return by_node, unanswered
 
 
     async def _read_routed(self, request_keys: Sequence[int], positions: list[int], pods: Sequence[str] | None,
-                           unanswered: set[int]) -> dict[int, dict[str, str]]:
+                           unanswered: Unanswered) -> dict[int, dict[str, str]]:
         """Keys read whole (HKEYS) through the cluster's routing (MOVED/ASK followed): position -> pod -> tier
         (gpu preferred). Keys not answered go to ``unanswered``."""
         wanted = set(pods) if pods else None
@@ -487,14 +511,14 @@ class ClusterLookup:
                 for i in positions:
                     pipe.hkeys(request_key_name(request_keys[i]))
                 replies = await pipe.execute(raise_on_error=False)
-        except VALKEY_ERRORS:
-            replies = [RedisConnectionError("not answered")] * len(positions)
+        except VALKEY_ERRORS as exc:
+            replies = [exc] * len(positions)
         out: dict[int, dict[str, str]] = {}
         for i, r in zip(positions, replies):
             if isinstance(r, ResponseError) and str(r).startswith("WRONGTYPE"):
                 r = []  # a key of a foreign type is a miss
             if isinstance(r, Exception):
-                unanswered.add(i)
+                unanswered.note((i,), r)
                 continue
             at = out.setdefault(i, {})
             for f in r:
