@@ -183,6 +183,7 @@ class Lookup:
     # fleet-wide reply: a single node's, or every cluster shard's); None: not read (the reader asks
     # ``presence.read_group_bits``, a round trip of its own).
     group_bits: list[dict[tuple[str, int], bytes]] | None = None
+    unanswered_why: str = ""  # what the first silent shard said (a timeout, a refused connection), for the log
 
     @property
     def partial(self) -> bool:

@@ -18,6 +18,7 @@ check (layout_version.py), engine keys (engine_keys.py), and which backend a URL
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -370,8 +371,7 @@ class Index:
             return await self._lookup_entries(request_keys, pods)
         if pods is not None:
             asked = set(pods)
-            found = Lookup([m for m in found.matches if m.pod_id in asked], found.unanswered_from,
-                           found.group_bits)
+            found = dataclasses.replace(found, matches=[m for m in found.matches if m.pod_id in asked])
         return found
 
     async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:

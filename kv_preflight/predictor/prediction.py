@@ -8,6 +8,7 @@ failure becomes IndexUnavailable (503) rather than a hang or a 500.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -46,6 +47,9 @@ from kv_preflight.keys.chain import salted_request_keys
 
 MAX_FRESHNESS_PODS = 64  # route candidates a route's freshness lists beside the pods holding the prompt
 ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
+PARTIAL_LOG_S = 10.0  # a shard down makes every answer partial: one log line a while says why, the counter counts
+
+log = logging.getLogger("kvpf.predictor")
 
 
 @asynccontextmanager
@@ -80,6 +84,7 @@ class Predictor:
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
     placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
     complete_groups: CompleteGroups = field(default_factory=CompleteGroups)  # hybrid pods found fully described
+    _partial_logged_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.tokenization is None:
@@ -170,6 +175,7 @@ class Predictor:
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
+        why = ""
         findings: list[Finding] = []
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
@@ -178,7 +184,7 @@ class Predictor:
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
                 found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
-                matches, unanswered = found.matches, found.unanswered_from
+                matches, unanswered, why = found.matches, found.unanswered_from, found.unanswered_why
                 if retired:
                     matches = [m for m in matches if m.pod_id not in retired]
                 try:
@@ -200,6 +206,12 @@ class Predictor:
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
             self.metrics.partial_answers.inc()
+            now = time.monotonic()
+            if now - self._partial_logged_at >= PARTIAL_LOG_S:
+                self._partial_logged_at = now
+                log.warning("a Valkey Cluster shard did not answer (%s): answers are partial from block %d on, their "
+                            "counts lower bounds (kvpf_partial_answers_total counts them; this line comes at most "
+                            "every %.0f s)", why or "no reason given", unanswered, PARTIAL_LOG_S)
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         if findings:  # pods answered without a claim of exactness (hybrid groups not all known)
             prediction = msgspec.structs.replace(prediction, warnings=findings)

@@ -179,9 +179,10 @@ async def test_master_killed_under_load(valkey_cluster, cluster_url, tmp_path):
         await ix.close()
 
 
-async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluster, cluster_url):
+async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluster, cluster_url, caplog):
     """A shard with its master and replica both gone: the lookup still answers from the other
-    shards, says where the first unanswered block is, and its counts are lower bounds."""
+    shards, says where the first unanswered block is, and its counts are lower bounds; the predictor logs
+    why (what the shard said), once, however many answers are partial."""
     from kv_preflight.index.index import StoreBlock, encode_entry, make_entry
 
     from httpx import ASGITransport
@@ -232,13 +233,18 @@ async def test_a_shard_down_with_no_replica_gives_a_partial_answer(valkey_cluste
             await ix.lookup_detailed([chain[first_down]])
         # Through the predictor: a 200 that says so, not a silently short answer.
         app = create_app(Config(valkey_url=cluster_url, engine_urls={}))
+        caplog.set_level("WARNING", logger="kvpf.predictor")
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=ASGITransport(app), base_url="http://t") as client:
-                resp = await client.post("/v1/cache/predict", json={"model": "m", "token_ids": tokens})
-        assert resp.status_code == 200, resp.text
-        body = resp.json()
-        assert body["partial"] is True and body["partial_from_block"] == first_down
-        assert body["pod_affinities"][0]["cached_blocks"] == first_down
+                for _ in range(3):
+                    resp = await client.post("/v1/cache/predict", json={"model": "m", "token_ids": tokens})
+                    assert resp.status_code == 200, resp.text
+                    body = resp.json()
+                    assert body["partial"] is True and body["partial_from_block"] == first_down
+                    assert body["pod_affinities"][0]["cached_blocks"] == first_down
+        said = [r.getMessage() for r in caplog.records if "shard did not answer" in r.getMessage()]
+        assert len(said) == 1, said
+        assert f"partial from block {first_down} on" in said[0] and "no reason given" not in said[0], said
     finally:
         sync.close()
         await ix.close()

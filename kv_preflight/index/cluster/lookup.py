@@ -191,7 +191,7 @@ class ClusterLookup:
                 known = await names(first, epoch) if first else {}
                 if early is not None:
                     _abandon(early)  # nothing was bisected: no pod's state matters
-                return Lookup(prefix_of_one_tier(tiers, maps, known, cut), cut), foreign
+                return Lookup(prefix_of_one_tier(tiers, maps, known, cut), cut, unanswered_why=unanswered.why), foreign
             per_key: list[dict[str, bytes] | None] = [None] * len(request_keys)
             for idx, res in sent:
                 for i, bits in zip(idx, res.reads):
@@ -212,7 +212,7 @@ class ClusterLookup:
             if read_groups:
                 groups.append((sorted(read_groups), [read_groups[i] for i in sorted(read_groups)]))
             group_bits = chain_group_bits(groups, max((m.blocks for m in matches), default=0)) if groups else None
-            return Lookup(matches, cut, group_bits), foreign
+            return Lookup(matches, cut, group_bits, unanswered.why), foreign
         wanted = set()
         for _, res in replies:
             wanted.update(numbers_in(res.reads[0]) if res.kind == 0 and res.reads else [])
@@ -471,7 +471,7 @@ class ClusterLookup:
                 tiers.update(((pod, i), at.get(i, {}).get(pod)) for pod, i in rest)
             matches = [m if not tiers.get((m.pod_id, m.blocks - 1))
                        else PodMatch(m.pod_id, m.blocks, tiers[(m.pod_id, m.blocks - 1)]) for m in matches]
-        return Lookup(matches, min(unanswered) if unanswered else None)
+        return Lookup(matches, min(unanswered) if unanswered else None, unanswered_why=unanswered.why)
 
 
     @staticmethod
