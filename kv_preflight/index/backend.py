@@ -29,6 +29,9 @@ class IndexBackend(Protocol):
     cluster: bool
     gap_walks: int  # pods a default lookup walked key by key rather than bisected (a counter)
     late_reads: int  # default lookups that took a round past the usual ones (a counter; 0 on one node)
+    # keys elsewhere than the numbering's that keep its high-water mark (kv_preflight/index/numbering.py
+    # give_numbers): a cluster's shards may lose their data one at a time; () on one node
+    numbering_copies: tuple[str, ...]
 
     async def send(self, preps: Sequence["Prepared"]) -> "asyncio.Future[list[ApplyResult]]":
         """Apply planned batches (kv_preflight/index/writer.py), in order; the results come from the future."""

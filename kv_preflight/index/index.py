@@ -233,7 +233,7 @@ class Index:
 
     async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
         """``give_numbers``, remembered: this Index does not ask again for these pods."""
-        nums = await give_numbers(self.client, pod_ids)
+        nums = await give_numbers(self.client, pod_ids, self.backend.numbering_copies)
         self._numbered.update(pod_ids)
         self._nums.update(nums)
         for p, n in nums.items():

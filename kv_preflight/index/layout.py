@@ -35,6 +35,9 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               puts the key in that slot), so a shard that comes back without its data (a
                               restart without persistence and without a failover) is noticed, whichever
                               shard it is: its slots' markers are gone (kv_preflight/index/cluster/markers.py)
+  kvpf:{m<n>}:nums            (cluster) next -> a copy of kvpf:{nums}:next's "next", in every 1,024th slot: if
+                              the shard holding the numbering comes back empty, no number given before is
+                              given again (a pod's meta "num" gives it its own back: numbering.py)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -137,6 +140,7 @@ NUMS_FREE_KEY = OUR_PREFIX + "{nums}:free"
 NUMS_NEXT_KEY = OUR_PREFIX + "{nums}:next"
 NUMS_KEYS = (NUMS_BYNAME_KEY, NUMS_BYID_KEY, NUMS_FREE_KEY, NUMS_NEXT_KEY)
 NUM_REUSE_MS = 60_000  # a freed number waits this long: a predictor's cached number -> pod map has expired
+NUMS_COPIES = 16  # a cluster's copies of the numbering's high-water mark: one in every 1,024th hash slot
 
 
 
@@ -160,6 +164,14 @@ def pod_state_key(pod_id: str) -> str:
 
 def pod_outbox_key(pod_id: str) -> str:
     return _pod(pod_id, "outbox")
+
+
+def nums_copy_key(n: int) -> str:
+    """A copy of the pod numbering's high-water mark (a HASH, field "next"), tagged ``{m<n>}`` as a slot's marker
+    is (kv_preflight/index/cluster/markers.py picks n per slot). On a cluster the shard holding ``kvpf:{nums}:*``
+    may come back without its data while the presence bits of the numbers it gave stand on the others: the
+    copies there keep those numbers from being given again (kv_preflight/index/numbering.py)."""
+    return f"{OUR_PREFIX}{{m{n}}}:nums"
 
 
 def slot_marker_key(n: int) -> str:

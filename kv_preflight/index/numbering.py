@@ -5,27 +5,59 @@ found (``Numbering``: one per Index, read at most every NAMES_TTL_S)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline, read_pipeline
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, pod_meta_key
+
+log = logging.getLogger("kvpf.index")
 
 NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
 
 
-async def give_numbers(client, pod_ids: Sequence[str]) -> dict[str, int]:
+async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = ()) -> dict[str, int]:
     """Each pod's number (its bit in the presence bitmaps), given fleet-wide if it has none
     (kv_preflight/index/lua/nums.lua), and kept in its meta, where the apply script reads it (the pod's slot on a
-    cluster). Idempotent. ``client``: redis-py, single node or cluster."""
+    cluster). Idempotent. ``client``: redis-py, single node or cluster.
+
+    ``copies`` (a cluster's, ``IndexBackend.numbering_copies``): keys on the other shards that keep the
+    numbering's high-water mark. The shard holding the numbering may come back without its data while the
+    others keep the bits of the numbers it gave: a pod whose meta survived gets its own number back (its bits
+    are under it; the rebuild's clearing uses it), and no new number is given below the copies' mark (a pod
+    whose meta was lost too has bits under a number nobody is given again)."""
+    def fill(pipe) -> None:
+        for pod in pod_ids:
+            pipe.hget(pod_meta_key(pod), "num")
+        for key in copies:
+            pipe.hget(key, "next")
+
+    read = await read_pipeline(client, fill)
+    for r in read:
+        if isinstance(r, Exception):  # a number given blind could be one whose bits still stand: not now
+            raise r
+    held, marks = read[:len(pod_ids)], read[len(pod_ids):]
+    floor = max((int(m) for m in marks if m is not None and text(m).isdigit() and len(m) <= 9), default=0)
+    args: list[Any] = ["give", NUM_REUSE_MS, floor]
+    for pod, h in zip(pod_ids, held):
+        args += [pod, text(h) if h is not None else ""]
     script = client.register_script(scripts.NUMS)
-    nums = [int(n) for n in await script(keys=list(NUMS_KEYS), args=["give", NUM_REUSE_MS, *pod_ids])]
+    *nums, next_num = [int(n) for n in await script(keys=list(NUMS_KEYS), args=args)]
     async with client.pipeline(transaction=False) as pipe:
         for pod, n in zip(pod_ids, nums):
             pipe.hset(pod_meta_key(pod), "num", n)
         await pipe.execute()
+    if copies and next_num > floor:
+        try:
+            await evalsha_pipeline(client, client.register_script(scripts.MAX_FIELD), [[k] for k in copies],
+                                   [["next", next_num]] * len(copies))
+        except VALKEY_ERRORS as exc:  # a shard down: its copy lags; the others, and the next give, carry the mark
+            log.warning("the pod numbering's high-water mark was not copied everywhere now (%s: %s)",
+                        type(exc).__name__, exc)
     return dict(zip(pod_ids, nums))
 
 

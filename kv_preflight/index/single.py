@@ -31,6 +31,7 @@ class SingleNodeBackend:
         # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
         self.gap_walks = 0
         self.late_reads = 0  # (one round always, on one node)
+        self.numbering_copies: tuple[str, ...] = ()  # the numbering goes with everything else, or not at all
 
     async def send(self, preps: Sequence[Prepared]) -> "asyncio.Future[list[ApplyResult]]":
         """Each batch is one script, its changes included. Written now on the lean connection (the caller

@@ -299,9 +299,9 @@ class Ingester:
                 return
             what = f"shard {', '.join(looked.lost)} came back without its data"
             if looked.numbering:
-                log.error("the lost shard held the pod numbering (kvpf:{nums}:*): presence bits on the other shards "
-                          "stand for the old numbers, and a rebuild cannot tell them apart; FLUSHALL every master "
-                          "so that every pod is rebuilt from scratch (docs/operations.md)")
+                log.warning("the lost shard held the pod numbering (kvpf:{nums}:*): each pod whose own record "
+                            "survived gets its number back as it is numbered again, and no number given before is "
+                            "given to another pod (the high-water mark's copies on the other shards)")
             epoch = await fleet.replace_epoch(self.epoch, uuid.uuid4().hex)
         else:
             epoch = await fleet.claim_epoch(uuid.uuid4().hex)

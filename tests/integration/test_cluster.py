@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.index.cluster.markers import first_slots, slot_markers
+from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
 from kv_preflight.index.cluster.writes import encode_changes
-from kv_preflight.index.layout import EPOCH_KEY, pod_meta_key, pod_outbox_key
+from kv_preflight.index.layout import EPOCH_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
@@ -70,8 +70,8 @@ def dump(client: redis.Redis | redis.RedisCluster) -> dict:
         keys = client.keys("*", target_nodes=node) if node else client.keys("*")
         for k in keys:
             k = k.decode()
-            if k.endswith(":barrier"):  # the cluster's replication barrier (kv_preflight/index/cluster.py)
-                continue
+            if k.endswith((":barrier", ":nums")):  # the cluster's replication barrier (cluster/barrier.py) and
+                continue  # its copies of the numbering's high-water mark (numbering.py; checked apart)
             t = client.type(k).decode()
             if t == "hash":
                 v = {f.decode(): x.decode("utf-8", "backslashreplace") for f, x in client.hgetall(k).items()
@@ -126,6 +126,9 @@ async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_u
         one, many = dump(redis.Redis.from_url(valkey_url)), dump(redis.RedisCluster.from_url(cluster_url))
         assert not [k for k in many if k.startswith("kvpf:{") and k.endswith(":outbox")], "outbox left behind"
         assert many == one
+        sync = redis.RedisCluster.from_url(cluster_url)
+        assert {sync.hget(k, "next") for k in numbering_copies()} == {sync.hget(NUMS_NEXT_KEY, "next")} != {None}
+        sync.close()
         rng = random.Random(2)
         for _ in range(40):
             chain = [rng.randrange(1, 40) * 10 + j for _ in range(1) for j in range(rng.randrange(1, 3))]
@@ -533,6 +536,28 @@ class Outage:
         self.vc.release_replicas(self.held)
         self.held = []
 
+    async def restart_empty(self, victim) -> redis.Redis:
+        """A master restarted without its data and without a failover (no persistence; its replica held, so
+        none can take over): back serving its slots, empty, and its replica let go (it syncs from it, empty
+        too). Returns a client of it."""
+        import shutil
+
+        self.held = self.vc.hold_replicas(victim)
+        victim.stop(kill=True)
+        for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
+            path = victim.data_dir / lost
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        victim.start()
+        back = redis.Redis(port=victim.port)
+        deadline = time.monotonic() + 30
+        while back.cluster("info")["cluster_state"] != "ok":
+            assert time.monotonic() < deadline, "the restarted master did not rejoin"
+            await asyncio.sleep(0.1)
+        assert back.info("replication")["role"] == "master"  # no failover: the same master, empty
+        assert not request_keys_on(victim.port), "the restarted master kept its data: nothing is tested"
+        self.let_go()
+        return back
+
     async def close(self) -> None:
         self.let_go()
         for proc in self.procs:
@@ -765,8 +790,6 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
     pod-c's state (on another shard) still counted them. Now its slots' markers are gone: the ingester starts a
     new epoch, counts a data loss, clears the pod and rebuilds it from its engine's replay buffer (the pod's seqs
     survived, so the replay alone would only answer "dup"), and the index is exact again."""
-    import shutil
-
     o = Outage(tmp_path, 57)
     try:
         # the rebuild's replay is answered when the test says: it must not time out meanwhile
@@ -778,20 +801,7 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         assert request_keys_on(victim.port), "the victim holds none of pod-c's request keys: nothing is tested"
         o.engine.answer_replays.clear()  # the rebuild's replay waits for the test (below)
         requests = o.engine.replay_requests
-        o.held = o.vc.hold_replicas(victim)
-        victim.stop(kill=True)
-        for lost in ("appendonlydir", "dump.rdb"):  # as if it ran without persistence
-            path = victim.data_dir / lost
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        victim.start()
-        back = redis.Redis(port=victim.port)
-        deadline = time.monotonic() + 30
-        while back.cluster("info")["cluster_state"] != "ok":
-            assert time.monotonic() < deadline, "the restarted master did not rejoin"
-            await asyncio.sleep(0.1)
-        assert back.info("replication")["role"] == "master"  # no failover: the same master, empty
-        assert not request_keys_on(victim.port), "the restarted master kept its data: nothing is tested"
-        o.let_go()  # its replica syncs from it: empty too
+        back = await o.restart_empty(victim)
         wait_log(str(tmp_path / "ing.log"), f"shard 127.0.0.1:{victim.port} came back without its data", ing)
         assert o.sync.hget(EPOCH_KEY, "id") != epoch  # a new epoch: every ingester rebuilds its pods
         deadline = time.monotonic() + 30
@@ -816,6 +826,60 @@ async def test_a_shard_back_without_its_data_is_noticed_and_its_pods_rebuilt(tmp
         assert back.exists(slot_markers()[slot]), "the lost shard's markers were not written again"
         await publish(o.engine, o.wl, 10)  # and it goes on
         await assert_exact(o.ix, o.engine, o.wl)
+        assert ing.poll() is None
+    finally:
+        await o.close()
+
+
+async def test_the_numbering_lost_with_its_shard_gives_no_pod_the_bits_of_another(tmp_path):
+    """The shard holding the pod numbering (kvpf:{nums}:*) comes back without its data, while the presence bits
+    of the numbers it gave stand on the other shards. Numbered again from 0, pod-c (its meta lost too) took
+    ghost-a's number and was credited with ghost-a's blocks; so would a new pod. Now a pod whose meta survived
+    gets its own number back (ghost-a: its blocks are its own again), and a new number is given past every
+    number given before (the high-water mark's copies on the other shards): pod-c and a new pod get numbers no
+    standing bit has, and pod-c is exact again after its rebuild."""
+    from kv_preflight.index.layout import NUMS_BYNAME_KEY
+
+    o = Outage(tmp_path, 61)
+    try:
+        victim = o.vc.node_at(o.sync.get_node_from_key(NUMS_NEXT_KEY).port)
+        spared = [o.sync.get_node_from_key(pod_meta_key(g)).port for g in ("ghost-a", "ghost-b")]
+        assert victim.port not in spared, "a ghost's meta is on the victim: its own number is not tested"
+        # each ghost holds 4 blocks whose request keys are on other shards, so they outlive the loss
+        safe = [k for k in range(10**6, 10**6 + 2000) if o.sync.get_node_from_key(str(k)).port != victim.port]
+        chains = {"ghost-a": safe[:4], "ghost-b": safe[4:8]}
+
+        async def ghost_writes(ghost: str) -> None:
+            r = await o.ix.apply_batch(pod_id=ghost, rank=0, seq=0, ts=1.0, model="tiny", engine_block_size=16,
+                                       mutations=[StoreBlock(900 + i, "gpu", entry(ghost), (k,))
+                                                  for i, k in enumerate(chains[ghost])])
+            assert r.status == "applied", r
+
+        await ghost_writes("ghost-a")  # numbered before pod-c, and ghost-b after
+        ing = o.ingest_metered("ing")
+        await o.exact()
+        await ghost_writes("ghost-b")
+        nums = {p: int(o.sync.hget(NUMS_BYNAME_KEY, p)) for p in ("ghost-a", "pod-c", "ghost-b")}
+        assert nums == {"ghost-a": 0, "pod-c": 1, "ghost-b": 2}
+        copies = [o.sync.get_node_from_key(k).port for k in numbering_copies()
+                  if int(o.sync.hget(k, "next") or 0) == 3]
+        assert set(copies) - {victim.port}, "no copy of the high-water mark outside the victim"
+
+        await o.restart_empty(victim)
+        assert o.sync.hget(NUMS_NEXT_KEY, "next") is None  # the numbering is gone
+        wait_log(str(tmp_path / "ing.log"), "Valkey lost the index's data", ing)
+        await publish(o.engine, o.wl, 5)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)  # rebuilt from its engine's replay buffer
+        fresh = Index.from_url(o.vc.url)  # a process that never saw the old numbering
+        try:
+            assert int(o.sync.hget(NUMS_BYNAME_KEY, "pod-c")) >= 3, "pod-c took a number whose bits still stand"
+            for ghost in chains:  # nobody is credited with a ghost's blocks
+                assert [m.pod_id for m in await fresh.lookup(chains[ghost])] == [], ghost
+            assert await fresh.ensure_numbers(["ghost-a", "pod-new"]) == {"ghost-a": 0, "pod-new": 4}
+            assert [(m.pod_id, m.blocks) for m in await fresh.lookup(chains["ghost-a"])] == [("ghost-a", 4)]
+            assert [m.pod_id for m in await fresh.lookup(chains["ghost-b"])] == []
+        finally:
+            await fresh.close()
         assert ing.poll() is None
     finally:
         await o.close()

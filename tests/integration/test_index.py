@@ -7,7 +7,10 @@ import redis
 from kv_preflight.index.index import (
     ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, engine_key_name, longest_prefix, make_entry,
 )
-from kv_preflight.index.layout import NUMS_BYID_KEY, NUMS_BYNAME_KEY, PODS_KEY, pod_meta_key, pod_state_keys, presence_key
+from kv_preflight.index.layout import (
+    NUMS_BYID_KEY, NUMS_BYNAME_KEY, NUMS_KEYS, PODS_KEY, nums_copy_key, pod_meta_key, pod_state_keys, presence_key,
+)
+from kv_preflight.index.numbering import give_numbers
 from kv_preflight.index.transfer import export_blocks, held_blocks
 from tests.integration.unlisted import every_command_probed, unlisted_now
 
@@ -129,6 +132,31 @@ async def test_a_pod_forgotten_under_its_writer_is_listed_before_it_is_numbered_
     num = (await ix.numbering.pod_numbers(["pod-a"]))["pod-a"]  # numbered again, and its meta says the same number
     assert int(await ix.client.hget(pod_meta_key("pod-a"), "num")) == num
     assert [m.pod_id for m in await ix.lookup([102])] == ["pod-a"]
+
+
+async def test_a_pod_numbered_again_gets_the_number_its_meta_holds_and_new_ones_start_past_the_copies(ix):
+    """give_numbers after the numbering was lost (``kvpf:{nums}:*`` gone, as with a cluster shard that came back
+    empty) while the pods' metas kept their numbers: each gets its own back, unless another pod has it by then; a
+    meta's "num" that is no number of ours is ignored; a new number is past every number a meta brought back and
+    past the copies' high-water mark, which it raises (never lowers)."""
+    assert await give_numbers(ix.client, ["pod-a", "pod-b", "pod-c"]) == {"pod-a": 0, "pod-b": 1, "pod-c": 2}
+    await ix.client.delete(*NUMS_KEYS)
+    assert await give_numbers(ix.client, ["pod-new", "pod-c"]) == {"pod-new": 3, "pod-c": 2}
+    await ix.client.hset(NUMS_BYID_KEY, "0", "pod-other")  # pod-a's number, someone else's by now
+    assert await give_numbers(ix.client, ["pod-a", "pod-b"]) == {"pod-a": 4, "pod-b": 1}
+    assert int(await ix.client.hget(pod_meta_key("pod-a"), "num")) == 4
+    for i, bad in enumerate(["1.5", "-1", "x", "99999999999999999999"]):
+        await ix.client.hset(pod_meta_key(f"pod-bad{i}"), "num", bad)
+    assert await give_numbers(ix.client, [f"pod-bad{i}" for i in range(4)]) == {f"pod-bad{i}": 5 + i for i in range(4)}
+    copies = [nums_copy_key(1), nums_copy_key(2)]
+    await ix.client.hset(copies[0], "next", 50)
+    await ix.client.hset(copies[1], "next", 7)  # a copy that lags (its shard was down at the last give)
+    assert await give_numbers(ix.client, ["pod-f"], copies) == {"pod-f": 50}
+    assert [await ix.client.hget(k, "next") for k in copies] == [b"51", b"51"]
+    await ix.client.hset(copies[1], "next", 80)
+    await ix.client.hset(NUMS_KEYS[3], "next", 60)  # (a racing writer's copy is higher: kept)
+    assert await give_numbers(ix.client, ["pod-g"], copies) == {"pod-g": 80}
+    assert [await ix.client.hget(k, "next") for k in copies] == [b"81", b"81"]
 
 
 async def test_lookup_script_equals_pipeline_and_llmd_forms(ix, valkey_url):

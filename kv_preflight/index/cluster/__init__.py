@@ -10,6 +10,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from kv_preflight.index.backend import ready
 from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup, merge_shards, pod_bisectable
+from kv_preflight.index.cluster.markers import numbering_copies
 from kv_preflight.index.cluster.routing import Shards, by_primary, cluster_client, node_for, probe_cluster, writer_id
 from kv_preflight.index.cluster.writes import TAKEOVER_MS, ClusterWrites
 from kv_preflight.index.entries import ApplyResult, Lookup
@@ -41,6 +42,10 @@ class ClusterBackend:
     @property
     def gap_walks(self) -> int:
         return self.lookups.gap_walks
+
+    @property
+    def numbering_copies(self) -> tuple[str, ...]:
+        return numbering_copies()
 
     @property
     def late_reads(self) -> int:

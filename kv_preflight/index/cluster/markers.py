@@ -28,7 +28,7 @@ from redis.crc import key_slot
 
 from kv_preflight.index.backend import ms_of, read_pipeline
 from kv_preflight.index.entries import text
-from kv_preflight.index.layout import EPOCH_KEY, NUMS_NEXT_KEY, slot_marker_key
+from kv_preflight.index.layout import EPOCH_KEY, NUMS_COPIES, NUMS_NEXT_KEY, nums_copy_key, slot_marker_key
 
 SLOTS = 16384
 MARK_CHUNK = 2048  # markers per pipeline when marking
@@ -47,6 +47,22 @@ def slot_markers() -> tuple[str, ...]:
             left -= 1
         n += 1
     return tuple(slot_marker_key(n) for n in first)
+
+
+@functools.cache
+def numbering_copies() -> tuple[str, ...]:
+    """The keys of the numbering high-water mark's copies (``nums_copy_key``): one in every
+    SLOTS // NUMS_COPIES-th slot, tagged as that slot's marker is, so every primary of a cluster of up to
+    NUMS_COPIES evenly split masters holds one."""
+    wanted = {slot: -1 for slot in range(0, SLOTS, SLOTS // NUMS_COPIES)}
+    left, n = len(wanted), 0
+    while left:
+        slot = crc_hqx(b"m%d" % n, 0) & (SLOTS - 1)
+        if wanted.get(slot) == -1:
+            wanted[slot] = n
+            left -= 1
+        n += 1
+    return tuple(nums_copy_key(wanted[slot]) for slot in sorted(wanted))
 
 
 async def _slot_markers() -> tuple[str, ...]:
@@ -166,4 +182,4 @@ class SlotMarkers:
         return looked
 
 
-__all__ = ["SLOTS", "Looked", "SlotMarkers", "first_slots", "slot_markers"]
+__all__ = ["SLOTS", "Looked", "SlotMarkers", "first_slots", "numbering_copies", "slot_markers"]

@@ -1,7 +1,11 @@
 -- The fleet-wide pod numbering (one slot, {nums}): a pod's number is the bit it owns in every
 -- request key's presence bitmap (bits.lua). KEYS: byname, byid, free, next (kv_preflight/index/layout.py).
--- ARGV[1] "give": numbers for the pods ARGV[3..] (an existing one, else the lowest number freed at
--- least ARGV[2] ms ago, else a new one); answers them in order.
+-- ARGV[1] "give": numbers for the pods ARGV[4], ARGV[6], ..., each followed by the number its meta holds ("" if
+-- none). A pod gets its existing number; else the one its meta holds, if no other pod has it (the numbering
+-- was lost while the pod's own record survived: its bits in every bitmap are under that number); else the
+-- lowest number freed at least ARGV[2] ms ago; else a new one, never below ARGV[3] (the high-water mark's
+-- copies on other shards: numbers given before the numbering was lost, whose bits may still stand). Answers
+-- the numbers in order, then the next new number (for the copies).
 -- ARGV[1] "free": the numbers of the pods ARGV[3..] are freed (a forgotten pod's bits are all clear).
 local byname, byid, free, nextk = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local t = redis.call('TIME')
@@ -23,8 +27,29 @@ end
 -- earlier numbering (the index flushed under it: numbers restart at 0) sees it and reads them again.
 redis.call('HSETNX', nextk, 'epoch', t[1] .. '.' .. t[2])
 local reuse = tonumber(ARGV[2])
+local function raise_next(at_least)
+  if at_least > tonumber(redis.call('HGET', nextk, 'next') or '0') then
+    redis.call('HSET', nextk, 'next', at_least)
+  end
+end
+raise_next(tonumber(ARGV[3]))
+-- first the pods whose meta holds a number no pod has: theirs again (a number as this script writes one:
+-- decimal digits, no sign, no leading zero, at most 9 of them)
+for i = 4, #ARGV, 2 do
+  local pod, held = ARGV[i], ARGV[i + 1]
+  if #held <= 9 and held:match('^%d+$') and (held == '0' or held:sub(1, 1) ~= '0')
+      and not redis.call('HGET', byname, pod) then
+    local h = tonumber(held)
+    if not redis.call('HGET', byid, held) then
+      redis.call('HSET', byname, pod, held)
+      redis.call('HSET', byid, held, pod)
+      redis.call('HDEL', free, held)
+      raise_next(h + 1)
+    end
+  end
+end
 local spare = nil  -- reusable numbers, highest first (taken from the end)
-for i = 3, #ARGV do
+for i = 4, #ARGV, 2 do
   local pod = ARGV[i]
   local n = redis.call('HGET', byname, pod)
   if not n then
@@ -48,4 +73,5 @@ for i = 3, #ARGV do
   end
   out[#out + 1] = n
 end
+out[#out + 1] = redis.call('HGET', nextk, 'next') or '0'
 return out
