@@ -36,8 +36,8 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               restart without persistence and without a failover) is noticed, whichever
                               shard it is: its slots' markers are gone (kv_preflight/index/cluster/markers.py)
   kvpf:{m<n>}:nums            (cluster) next -> a copy of kvpf:{nums}:next's "next", in every 1,024th slot: if
-                              the shard holding the numbering comes back empty, no number given before is
-                              given again (a pod's meta "num" gives it its own back: numbering.py)
+                              the shard holding the numbering comes back empty, new numbers start past the
+                              highest copy left (a pod's meta "num" gives it its own back: numbering.py)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -49,7 +49,8 @@ Fleet-wide keys, which no per-batch atomic step touches:
   kvpf:{nums}:byid            number -> pod (what a lookup names the bits by)
   kvpf:{nums}:free            number -> Valkey ms it was freed (a forgotten pod's): reused, lowest first,
                               once free for NUM_REUSE_MS, so bitmaps stay as short as the fleet
-  kvpf:{nums}:next            next -> the next number never given; epoch -> when the numbering began
+  kvpf:{nums}:next            next -> the next number never given; epoch -> when the numbering began;
+                              adopt_below -> (created after a loss) the lost numbering's high-water mark
   kvpf:counters               fleet-wide counters (decode errors, replays, foreign keys, ...)
   kvpf:feeds                  "<replay endpoint>|<dp rank>" -> "<pod>\\t<model>": which pod a replay
                               socket serves, so a restarted ingester resumes before any frame arrives

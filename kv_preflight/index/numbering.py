@@ -11,13 +11,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline, read_pipeline
+from kv_preflight.index.backend import VALKEY_ERRORS, read_pipeline
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import NUM_REUSE_MS, NUMS_BYID_KEY, NUMS_KEYS, NUMS_NEXT_KEY, pod_meta_key
 
 log = logging.getLogger("kvpf.index")
 
 NAMES_TTL_S = 5.0  # how long a lookup trusts its pod number -> pod map (numbers are reused only after NUM_REUSE_MS)
+# An unknown number below the numbering's next (a reused one, or a bit nobody holds: a pod lost with its shard's
+# data and numbered anew) reads the names again at most this often; one at or past it (a pod numbered since the
+# names were read) at once
+UNNAMED_RECHECK_S = 1.0
 
 
 async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = ()) -> dict[str, int]:
@@ -33,15 +37,19 @@ async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = (
     def fill(pipe) -> None:
         for pod in pod_ids:
             pipe.hget(pod_meta_key(pod), "num")
-        for key in copies:
-            pipe.hget(key, "next")
 
-    read = await read_pipeline(client, fill)
-    for r in read:
-        if isinstance(r, Exception):  # a number given blind could be one whose bits still stand: not now
+    held = await read_pipeline(client, fill)
+    for r in held:
+        if isinstance(r, Exception):  # its own number unknown, a new one could be given: not now
             raise r
-    held, marks = read[:len(pod_ids)], read[len(pod_ids):]
-    floor = max((int(m) for m in marks if m is not None and text(m).isdigit() and len(m) <= 9), default=0)
+    # each copy on its own: a shard down (its copy unread) must not stop a pod being numbered; any copy carries
+    # the mark, and all are raised together. None read: the floor is not known, and no number is given blind.
+    marks = await _on_each_copy(client, copies, lambda pipe, key: pipe.hget(key, "next"))
+    unread = _only_valkey_errors(marks)
+    if copies and len(unread) == len(copies):
+        raise unread[0]
+    read = [int(m) for m in marks if isinstance(m, bytes | str) and _is_number(text(m))]
+    floor = max(read, default=0)
     args: list[Any] = ["give", NUM_REUSE_MS, floor]
     for pod, h in zip(pod_ids, held):
         args += [pod, text(h) if h is not None else ""]
@@ -51,14 +59,59 @@ async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = (
         for pod, n in zip(pod_ids, nums):
             pipe.hset(pod_meta_key(pod), "num", n)
         await pipe.execute()
-    if copies and next_num > floor:
-        try:
-            await evalsha_pipeline(client, client.register_script(scripts.MAX_FIELD), [[k] for k in copies],
-                                   [["next", next_num]] * len(copies))
-        except VALKEY_ERRORS as exc:  # a shard down: its copy lags; the others, and the next give, carry the mark
-            log.warning("the pod numbering's high-water mark was not copied everywhere now (%s: %s)",
-                        type(exc).__name__, exc)
+    if copies and (len(read) < len(copies) or next_num > min(read)):
+        done = await _on_each_copy(client, copies, lambda pipe, key: pipe.execute_command(
+            "EVAL", scripts.MAX_FIELD, 1, key, "next", next_num))  # (rare: EVAL, no script to load first)
+        failed = _only_valkey_errors(done)
+        if len(failed) == len(copies):  # no copy has the mark: not numbered (the caller tries again, and then
+            raise failed[0]  # the pods' numbers are theirs, and this give raises the copies)
+        if failed:  # a shard down: its copy lags; the others carry the mark, and the next give raises it
+            log.warning("the pod numbering's high-water mark was not copied to %d of %d keys now (%s: %s)",
+                        len(failed), len(copies), type(failed[0]).__name__, failed[0])
     return dict(zip(pod_ids, nums))
+
+
+async def _on_each_copy(client, copies: Sequence[str], command) -> list[Any]:
+    """``command(pipeline, key)`` for each copy, one pipeline per primary (a cluster's; one for a single node), the
+    primaries in parallel; replies in order, a shard's failure in place of its copies' replies (a shard down
+    fails its own copies only)."""
+    node_of = getattr(client, "get_node_from_key", None)
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(copies):
+        try:
+            name = node_of(key).name if node_of is not None else ""
+        except VALKEY_ERRORS:  # no primary serves its slot now: its pipeline fails alone
+            name = f"?{i}"
+        groups.setdefault(name, []).append(i)
+    out: list[Any] = [None] * len(copies)
+
+    async def run(idx: list[int]) -> None:
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for i in idx:
+                    command(pipe, copies[i])
+                replies = await pipe.execute(raise_on_error=False)
+        except VALKEY_ERRORS as exc:
+            replies = [exc] * len(idx)
+        for i, r in zip(idx, replies):
+            out[i] = r
+
+    await asyncio.gather(*(run(idx) for idx in groups.values()))
+    return out
+
+
+def _is_number(s: str) -> bool:
+    """A pod number as nums.lua writes one (ASCII digits, at most 9: "²" is a digit to str.isdigit)."""
+    return s.isascii() and s.isdigit() and len(s) <= 9
+
+
+def _only_valkey_errors(results: Sequence[Any]) -> list[BaseException]:
+    """The Valkey errors among gathered results; any other exception is raised (a bug is not a shard down)."""
+    failed = [r for r in results if isinstance(r, BaseException)]
+    for exc in failed:
+        if not isinstance(exc, VALKEY_ERRORS):
+            raise exc
+    return failed
 
 
 class Numbering:
@@ -71,6 +124,7 @@ class Numbering:
         self._names_at = -1e9
         self._names_lock = asyncio.Lock()
         self._names_epoch = ""  # the numbering's epoch those names were read under (kv_preflight/index/lua/nums.lua)
+        self._names_next = 0  # the numbering's next new number when those names were read
         self._names_mask = 0  # bit n set: number n is in self._names
         self._by_name: tuple[dict[int, str] | None, dict[str, int]] = (None, {})  # (names it was made from, pod -> num)
         self._nums_script = client.register_script(scripts.NUMS)
@@ -93,22 +147,29 @@ class Numbering:
                 if self._names_at < asked:
                     async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
                         pipe.hgetall(NUMS_BYID_KEY)
-                        pipe.hget(NUMS_NEXT_KEY, "epoch")
-                        raw, epoch = await pipe.execute()
+                        pipe.hmget(NUMS_NEXT_KEY, ["epoch", "next"])
+                        raw, (epoch, next_num) = await pipe.execute()
                     self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
                     self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
                     self._names_epoch = text(epoch) if epoch else ""
+                    self._names_next = int(next_num) if next_num is not None and _is_number(text(next_num)) else 0
                     self._names_at = time.monotonic()
         return self._names
 
     async def names_for(self, nums: Iterable[int] | int, epoch: str = "") -> dict[int, str]:
-        """The names, read again when a number is unknown or the epoch changed; ``nums`` may be a bitmap
+        """The names, read again when the epoch changed or a number is unknown: at once for one at or past the
+        numbering's next when the names were read (a pod numbered since), at most every UNNAMED_RECHECK_S for one
+        below it (reused, or a bit nobody holds, which a lookup may meet on every key); ``nums`` may be a bitmap
         (an int: a thousand pods at a key are one AND, not a thousand dict probes)."""
         names = self._names
         if isinstance(nums, int):
-            unknown = bool(nums & ~self._names_mask)
+            unnamed = nums & ~self._names_mask
+            unknown, new = bool(unnamed), bool(unnamed >> self._names_next)
         else:
-            unknown = any(n not in names for n in nums)
+            unnamed_nums = [n for n in nums if n not in names]
+            unknown, new = bool(unnamed_nums), any(n >= self._names_next for n in unnamed_nums)
+        if unknown and not new and time.monotonic() - self._names_at < UNNAMED_RECHECK_S:
+            unknown = False  # bits nobody holds, met again within the second: not read for each lookup
         if (epoch and epoch != self._names_epoch) or unknown:
             try:
                 names = await self.pod_names(refresh=True)  # a pod numbered since the names were read
@@ -130,4 +191,4 @@ class Numbering:
         await self._nums_script(keys=list(NUMS_KEYS), args=["free", NUM_REUSE_MS, pod_id])
 
 
-__all__ = ["NAMES_TTL_S", "Numbering", "give_numbers"]
+__all__ = ["NAMES_TTL_S", "UNNAMED_RECHECK_S", "Numbering", "give_numbers"]

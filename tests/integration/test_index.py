@@ -136,27 +136,61 @@ async def test_a_pod_forgotten_under_its_writer_is_listed_before_it_is_numbered_
 
 async def test_a_pod_numbered_again_gets_the_number_its_meta_holds_and_new_ones_start_past_the_copies(ix):
     """give_numbers after the numbering was lost (``kvpf:{nums}:*`` gone, as with a cluster shard that came back
-    empty) while the pods' metas kept their numbers: each gets its own back, unless another pod has it by then; a
-    meta's "num" that is no number of ours is ignored; a new number is past every number a meta brought back and
-    past the copies' high-water mark, which it raises (never lowers)."""
-    assert await give_numbers(ix.client, ["pod-a", "pod-b", "pod-c"]) == {"pod-a": 0, "pod-b": 1, "pod-c": 2}
-    await ix.client.delete(*NUMS_KEYS)
-    assert await give_numbers(ix.client, ["pod-new", "pod-c"]) == {"pod-new": 3, "pod-c": 2}
-    await ix.client.hset(NUMS_BYID_KEY, "0", "pod-other")  # pod-a's number, someone else's by now
-    assert await give_numbers(ix.client, ["pod-a", "pod-b"]) == {"pod-a": 4, "pod-b": 1}
-    assert int(await ix.client.hget(pod_meta_key("pod-a"), "num")) == 4
-    for i, bad in enumerate(["1.5", "-1", "x", "99999999999999999999"]):
-        await ix.client.hset(pod_meta_key(f"pod-bad{i}"), "num", bad)
-    assert await give_numbers(ix.client, [f"pod-bad{i}" for i in range(4)]) == {f"pod-bad{i}": 5 + i for i in range(4)}
+    empty) while the pods' metas and the high-water mark's copies survived: each pod gets its own number back,
+    unless another pod has it by then; a meta's "num" that is no number of the lost numbering is ignored; a new
+    number is past the copies' mark, which it raises (never lowers), and a copy that lags is raised too. In a
+    numbering never lost, a meta's leftover "num" is never taken (a freed number waits its time)."""
     copies = [nums_copy_key(1), nums_copy_key(2)]
-    await ix.client.hset(copies[0], "next", 50)
-    await ix.client.hset(copies[1], "next", 7)  # a copy that lags (its shard was down at the last give)
-    assert await give_numbers(ix.client, ["pod-f"], copies) == {"pod-f": 50}
-    assert [await ix.client.hget(k, "next") for k in copies] == [b"51", b"51"]
-    await ix.client.hset(copies[1], "next", 80)
-    await ix.client.hset(NUMS_KEYS[3], "next", 60)  # (a racing writer's copy is higher: kept)
+    assert await give_numbers(ix.client, ["pod-a", "pod-b", "pod-c"], copies) == {"pod-a": 0, "pod-b": 1, "pod-c": 2}
+    assert [await ix.client.hget(k, "next") for k in copies] == [b"3", b"3"]
+    await ix.client.hset(pod_meta_key("pod-gone"), "num", 0)  # a forgotten pod's leftover: pod-a's number
+    assert await give_numbers(ix.client, ["pod-gone"], copies) == {"pod-gone": 3}
+    assert [await ix.client.hget(k, "next") for k in copies] == [b"4", b"4"]
+
+    await ix.client.delete(*NUMS_KEYS)  # lost; pod-gone's meta now says 3, pod-a's 0, pod-b's 1, pod-c's 2
+    await ix.client.hset(copies[1], "next", 2)  # a copy that lags (its shard was down at the last give)
+    assert await give_numbers(ix.client, ["pod-new", "pod-c"], copies) == {"pod-new": 4, "pod-c": 2}
+    assert [await ix.client.hget(k, "next") for k in copies] == [b"5", b"5"]
+    await ix.client.hset(NUMS_BYID_KEY, "0", "pod-other")  # pod-a's number, someone else's by now
+    assert await give_numbers(ix.client, ["pod-a", "pod-b"], copies) == {"pod-a": 5, "pod-b": 1}
+    assert int(await ix.client.hget(pod_meta_key("pod-a"), "num")) == 5
+    for i, bad in enumerate(["1.5", "-1", "x", "01", "²", "99999999999999999999", "4"]):  # 4: not of the lost one
+        await ix.client.hset(pod_meta_key(f"pod-bad{i}"), "num", bad)
+    assert await give_numbers(ix.client, [f"pod-bad{i}" for i in range(7)], copies) == {
+        f"pod-bad{i}": 6 + i for i in range(7)}
+    await ix.client.hset(copies[1], "next", 80)  # (a copy another writer raised meanwhile: kept)
     assert await give_numbers(ix.client, ["pod-g"], copies) == {"pod-g": 80}
     assert [await ix.client.hget(k, "next") for k in copies] == [b"81", b"81"]
+
+
+async def test_a_bit_nobody_holds_reads_the_names_again_at_most_once_a_second_a_new_pod_at_once(ix):
+    """Bits under a number nobody holds (a pod lost with its cluster shard's data and numbered anew) stand on the
+    keys they are on: each lookup meeting them read the whole numbering again. Now an unknown number below the
+    numbering's next is read again at most every UNNAMED_RECHECK_S; a new pod's (at or past it) at once."""
+    import time
+
+    from kv_preflight.index.numbering import UNNAMED_RECHECK_S
+
+    def reads() -> int:  # of the numbering, by this server's count
+        return int(redis_sync.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+
+    redis_sync = redis.Redis(**{k: v for k, v in ix.client.connection_pool.connection_kwargs.items()
+                                if k in ("host", "port", "db", "password", "username")})
+    try:
+        await give_numbers(ix.client, ["pod-a", "pod-b"])
+        await ix.client.hdel(NUMS_BYID_KEY, "1")  # bit 1 names nobody now
+        await ix.numbering.pod_names(refresh=True)
+        start, t0 = reads(), time.monotonic()
+        for _ in range(20):
+            assert await ix.numbering.names_for(0b11) == {0: "pod-a"}
+        assert reads() - start <= 1 + (time.monotonic() - t0) / UNNAMED_RECHECK_S
+        await give_numbers(ix.client, ["pod-c"])  # number 2: past the next the names were read with
+        start = reads()
+        assert await ix.numbering.names_for(0b101) == {0: "pod-a", 2: "pod-c"}
+        assert await ix.numbering.names_for([2]) == {0: "pod-a", 2: "pod-c"}
+        assert reads() - start == 1
+    finally:
+        redis_sync.close()
 
 
 async def test_lookup_script_equals_pipeline_and_llmd_forms(ix, valkey_url):
