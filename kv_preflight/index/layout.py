@@ -36,7 +36,7 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               restart without persistence and without a failover) is noticed, whichever
                               shard it is: its slots' markers are gone (kv_preflight/index/cluster/markers.py)
   kvpf:{m<n>}:nums            (cluster) next -> a copy of kvpf:{nums}:next's "next", in every 1,024th slot: if
-                              the shard holding the numbering comes back empty, new numbers start past the
+                              the shard holding the numbering comes back empty, new numbers start at the
                               highest copy left (a pod's meta "num" gives it its own back: numbering.py)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's

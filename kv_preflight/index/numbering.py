@@ -48,8 +48,7 @@ async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = (
     unread = _only_valkey_errors(marks)
     if copies and len(unread) == len(copies):
         raise unread[0]
-    read = [int(m) for m in marks if isinstance(m, bytes | str) and _is_number(text(m))]
-    floor = max(read, default=0)
+    floor = max([0, *map(_mark_of, marks)])
     args: list[Any] = ["give", NUM_REUSE_MS, floor]
     for pod, h in zip(pod_ids, held):
         args += [pod, text(h) if h is not None else ""]
@@ -59,15 +58,20 @@ async def give_numbers(client, pod_ids: Sequence[str], copies: Sequence[str] = (
         for pod, n in zip(pod_ids, nums):
             pipe.hset(pod_meta_key(pod), "num", n)
         await pipe.execute()
-    if copies and (len(read) < len(copies) or next_num > min(read)):
-        done = await _on_each_copy(client, copies, lambda pipe, key: pipe.execute_command(
+    # raised where read and behind (a copy whose shard just failed is not tried again now: each failed
+    # pipeline costs redis-py's retries, which reset the client's connections)
+    behind = [k for k, m in zip(copies, marks) if not isinstance(m, BaseException) and _mark_of(m) < next_num]
+    failed: list[BaseException] = []
+    if behind:
+        done = await _on_each_copy(client, behind, lambda pipe, key: pipe.execute_command(
             "EVAL", scripts.MAX_FIELD, 1, key, "next", next_num))  # (rare: EVAL, no script to load first)
         failed = _only_valkey_errors(done)
-        if len(failed) == len(copies):  # no copy has the mark: not numbered (the caller tries again, and then
-            raise failed[0]  # the pods' numbers are theirs, and this give raises the copies)
-        if failed:  # a shard down: its copy lags; the others carry the mark, and the next give raises it
-            log.warning("the pod numbering's high-water mark was not copied to %d of %d keys now (%s: %s)",
-                        len(failed), len(copies), type(failed[0]).__name__, failed[0])
+        if len(failed) == len(behind) and max(map(_mark_of, marks)) < next_num:
+            raise failed[0]  # no copy has the mark: the caller tries again (the pods' numbers are theirs by now)
+    lagging = unread + failed
+    if lagging:  # a shard down: its copies lag; the others carry the mark, and a later give raises them
+        log.warning("the pod numbering's high-water mark was not copied to %d of %d keys now (%s: %s)",
+                    len(lagging), len(copies), type(lagging[0]).__name__, lagging[0])
     return dict(zip(pod_ids, nums))
 
 
@@ -98,6 +102,11 @@ async def _on_each_copy(client, copies: Sequence[str], command) -> list[Any]:
 
     await asyncio.gather(*(run(idx) for idx in groups.values()))
     return out
+
+
+def _mark_of(reply: Any) -> int:
+    """A copy's mark from its HGET reply; -1 for none (absent, unread, not a number of ours)."""
+    return int(reply) if isinstance(reply, bytes | str) and _is_number(text(reply)) else -1
 
 
 def _is_number(s: str) -> bool:
@@ -146,9 +155,10 @@ class Numbering:
             async with self._names_lock:  # one read for every lookup waiting (one connection, not one each)
                 if self._names_at < asked:
                     async with self.client.pipeline(transaction=False) as pipe:  # one slot: {nums}
-                        pipe.hgetall(NUMS_BYID_KEY)
+                        # next first: a number given between the two reads is then at or past it (named at once)
                         pipe.hmget(NUMS_NEXT_KEY, ["epoch", "next"])
-                        raw, (epoch, next_num) = await pipe.execute()
+                        pipe.hgetall(NUMS_BYID_KEY)
+                        (epoch, next_num), raw = await pipe.execute()
                     self._names = {int(k): text(v) for k, v in raw.items() if text(k).isdigit()}
                     self._names_mask = sum(1 << n for n in self._names)  # which numbers are named, as bits
                     self._names_epoch = text(epoch) if epoch else ""

@@ -21,7 +21,7 @@ class Rounds:
     """The sequential depth of a cluster lookup's Valkey I/O, without timings: each I/O entry point of the
     backend takes a tick from one counter when it starts and another when it ends; the depth is the longest
     chain of calls each starting after the one before it ended (issue 9 item 4: at most 3 rounds). The pod
-    names (``Numbering.names_for``) are a cache read once per new pod per process: not counted."""
+    names (``Numbering.names_for``) are a cache, read again for a pod numbered since: not counted."""
 
     ENTRY_POINTS = (("shards", "script_on"), ("lookups", "pods_with_gaps"), ("lookups", "_read_routed"),
                     ("lookups", "_read_keys"))

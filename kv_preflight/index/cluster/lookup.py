@@ -129,8 +129,8 @@ class ClusterLookup:
            prefix, and its tier at that key is not in the answer. A shard that sent its keys' bitmaps
            needs no read for that, and a walked pod's runs give its tier at any key it holds.
 
-        The pod names (``names``) are a cache: a number not known yet reads ``kvpf:{nums}:byid`` once per
-        process. A shard that does not answer cuts every prefix at its first key (counts are then lower
+        The pod names (``names``) are a cache: a number given since the last read reads ``kvpf:{nums}:byid``
+        again at once, an unknown one below it at most once a second (``Numbering.names_for``). A shard that does not answer cuts every prefix at its first key (counts are then lower
         bounds, never silently short). Two events during a resharding or a failover cost a 4th round,
         counted in ``late_reads``: a shard failing the walk (the cut moves, and the merge may want a tier no
         round read) and a walk finding a key moved that round 1 did not read (its shard's keys are then
