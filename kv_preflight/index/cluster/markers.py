@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from binascii import crc_hqx
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from redis.asyncio.cluster import RedisCluster
@@ -34,19 +35,26 @@ SLOTS = 16384
 MARK_CHUNK = 2048  # markers per pipeline when marking
 
 
+def least_tags(slots: Iterable[int]) -> dict[int, int]:
+    """Per slot wanted, the least n whose tag ``{m<n>}`` puts a key in that slot (Valkey's slot of a tagged key:
+    CRC16 of the tag)."""
+    first = dict.fromkeys(slots, -1)
+    left, n = len(first), 0
+    while left:
+        slot = crc_hqx(b"m%d" % n, 0) & (SLOTS - 1)
+        if first.get(slot) == -1:
+            first[slot] = n
+            left -= 1
+        n += 1
+    return first
+
+
 @functools.cache
 def slot_markers() -> tuple[str, ...]:
     """Per hash slot, its marker's key name: ``slot_marker_key(n)`` for the least n whose key is in that slot
     (about 170,000 candidates are hashed to fill every slot: a fraction of a second, once per process)."""
-    first: list[int] = [-1] * SLOTS
-    left, n = SLOTS, 0
-    while left:
-        slot = crc_hqx(b"m%d" % n, 0) & (SLOTS - 1)  # Valkey's slot of a key tagged {m<n>}: CRC16 of the tag
-        if first[slot] < 0:
-            first[slot] = n
-            left -= 1
-        n += 1
-    return tuple(slot_marker_key(n) for n in first)
+    first = least_tags(range(SLOTS))
+    return tuple(slot_marker_key(first[slot]) for slot in range(SLOTS))
 
 
 @functools.cache
@@ -54,15 +62,8 @@ def numbering_copies() -> tuple[str, ...]:
     """The keys of the numbering high-water mark's copies (``nums_copy_key``): one in every
     SLOTS // NUMS_COPIES-th slot, tagged as that slot's marker is, so every primary of a cluster of up to
     NUMS_COPIES evenly split masters holds one."""
-    wanted = {slot: -1 for slot in range(0, SLOTS, SLOTS // NUMS_COPIES)}
-    left, n = len(wanted), 0
-    while left:
-        slot = crc_hqx(b"m%d" % n, 0) & (SLOTS - 1)
-        if wanted.get(slot) == -1:
-            wanted[slot] = n
-            left -= 1
-        n += 1
-    return tuple(nums_copy_key(wanted[slot]) for slot in sorted(wanted))
+    first = least_tags(range(0, SLOTS, SLOTS // NUMS_COPIES))
+    return tuple(nums_copy_key(first[slot]) for slot in sorted(first))
 
 
 async def _slot_markers() -> tuple[str, ...]:
