@@ -11,6 +11,7 @@ from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, Engine, engine
 from kv_preflight.events import topic_or_none
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.rank_pods import rank_pod
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
 
@@ -45,7 +46,8 @@ class Routes:
             self._know_replay(src)
             topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
             if topic is not None:
-                pod = src.pod or self.pod_name(src, topic.pod_id)  # a discovered engine named by its address keeps its topic's model
+                # a discovered engine named by its address keeps its topic's model
+                pod = rank_pod(src.pod, src.rank) if src.pod else self.pod_name(src, topic.pod_id, src.rank)
                 self.pods[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint, engine=src.engine)
                 pods.add(pod)
                 if src.rank is not None:
@@ -101,14 +103,16 @@ class Routes:
 
     # ---- pod names (--pod-id endpoint)
 
-    def pod_name(self, src: Source, topic_pod: str) -> str:
-        """The pod id written into the index: the topic's, or with ``--pod-id endpoint`` the rank's
-        serving address as llm-d-router v0.10 names it (kv_preflight/engines/endpoints.py ``serving_address``)."""
+    def pod_name(self, src: Source, topic_pod: str, rank: int | None = None) -> str:
+        """The pod id written into the index: the topic's (or the source's ``pod=``), each data-parallel rank
+        r >= 1 as ``<pod>@dp<r>`` (its own cache: kv_preflight/index/rank_pods.py); or with ``--pod-id
+        endpoint`` the rank's serving address as llm-d-router v0.10 names it (one per rank already:
+        kv_preflight/engines/endpoints.py ``serving_address``)."""
         if self.cfg.pod_id == "endpoint" and src.serving:
             if (topic_pod, src.serving) not in self._aliased:
                 self._aliases_due.add((topic_pod, src.serving))
             return src.serving
-        return topic_pod
+        return rank_pod(topic_pod, rank)
 
     async def write_aliases(self) -> None:
         """Both names of each renamed pod, for pods filters that use either (once per pair and process)."""
