@@ -409,9 +409,10 @@ class Index:
         self.foreign_reads += foreign
         if found is None:  # key 1 holds entries someone else wrote: llm-d's entries decide
             return await self._lookup_entries(request_keys, pods)
-        if pods is not None:
+        if pods is not None:  # a pod named stands for its data-parallel ranks too (rank_pods.py)
             asked = set(pods)
-            found = dataclasses.replace(found, matches=[m for m in found.matches if m.pod_id in asked])
+            found = dataclasses.replace(found, matches=[m for m in found.matches
+                                                        if m.pod_id in asked or base_pod(m.pod_id) in asked])
         return found
 
     async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:

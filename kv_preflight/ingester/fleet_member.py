@@ -36,11 +36,11 @@ import msgspec
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.engines.endpoints import check_zmq_endpoint
-from kv_preflight.engines.load_metrics import parse_load
+from kv_preflight.engines.load_metrics import parse_load, parse_rank_loads
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
-from kv_preflight.index.rank_pods import rank_pod
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, rank_pod, split_rank_pod
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
@@ -510,6 +510,7 @@ class FleetMember:
         if task.cancelled() or task.exception():
             return
         ok, detail, load, models = task.result()
+        ranked = any(RANK_SEPARATOR in p for p in att.pods)  # data-parallel ranks: each rank's own load
         for pod in sorted(att.pods):
             if pod in self.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
                 continue
@@ -534,7 +535,8 @@ class FleetMember:
                 await self._retire(pod, record)
             await self._write(pod, record)
             if load is not None and record.state == "live":
-                await self.index.fleet.put_load({pod: PodLoad(*load, at_ms=now_ms)})
+                mine = load[1].get(split_rank_pod(pod)[1]) if ranked else None
+                await self.index.fleet.put_load({pod: PodLoad(*(mine or load[0]), at_ms=now_ms)})
 
     async def _probe(self, url: str, family: str, with_models: bool):
         """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
@@ -548,7 +550,9 @@ class FleetMember:
         try:
             names = engine(family).load_metrics  # None: the engine exports no Prometheus load series
             resp = await self.http.get(url + "/metrics") if names else None
-            load = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
+            total = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
+            # (the engine's load, each data-parallel rank's)
+            load = None if total is None else (total, parse_rank_loads(resp.text, names))
         except (httpx.HTTPError, OSError):
             load = None
         return True, "", load, (await self._models(url) if with_models else None)

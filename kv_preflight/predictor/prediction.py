@@ -188,6 +188,8 @@ class Predictor:
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
                 found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
                 matches, unanswered, why = found.matches, found.unanswered_from, found.unanswered_why
+                if pods is not None:  # the ranks found of a pod named (before a registry read lists them)
+                    pods = expand_ranks(pods, [m.pod_id for m in matches])
                 if retired:
                     matches = [m for m in matches if base_pod(m.pod_id) not in retired]
                 try:
@@ -266,11 +268,11 @@ class Predictor:
         aliases = self._aliases
         if aliases:
             pods = list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
-        if self.dp_pods():  # a pod with data-parallel ranks stands for every rank (predictor/scoring/ranks.py)
-            async with valkey_call(self.valkey_deadline_s, "pods"):
-                names = set(await self.metadata.all_pods())
-            pods = expand_ranks(pods, names | (self.fleet.listed() if self.fleet is not None else frozenset()))
-        return pods
+        # a pod with data-parallel ranks stands for every rank (predictor/scoring/ranks.py): the ranks the registry
+        # lists (read at most once a second) or a lease does (before they publish)
+        async with valkey_call(self.valkey_deadline_s, "pods"):
+            names = set(await self.metadata.all_pods())
+        return expand_ranks(pods, names | (self.fleet.listed() if self.fleet is not None else frozenset()))
 
     def dp_pods(self) -> frozenset[str]:
         """The pods known to have data-parallel ranks: a ``<pod>@dp<r>`` in the registry as last read, or in an
@@ -346,6 +348,7 @@ class Predictor:
         """
         fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
         if pods is not None:
+            pods = expand_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
             return {p for p in pods if base_pod(p) not in fleet_out}
         out = {a.pod_id for a in prediction.pod_affinities}
         async with valkey_call(self.valkey_deadline_s, "pods of model"):

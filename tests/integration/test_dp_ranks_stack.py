@@ -86,6 +86,65 @@ def test_each_rank_is_predicted_and_routed_as_its_own_cache(tmp_path, valkey_url
         assert pods == {"sim-dp"}, pods
         # each rank's freshness under its index name
         assert {"sim-dp", "sim-dp@dp1"} <= set(doc["freshness"]["pods"]), doc["freshness"]
+        # /explain per rank: the chains name the pod and the rank
+        exp = httpx.post(base + "/v1/cache/explain", json={"model": "sim", "token_ids": follow, "pods": ["sim-dp"]},
+                         timeout=10).json()
+        chains = {(c["pod_id"], c["dp_rank"]): c["reused_tokens"] for c in exp["pods"]}
+        assert chains == {("sim-dp", 0): 0, ("sim-dp", 1): 64}, exp["pods"]
+        assert (exp["best_pod"], exp["best_dp_rank"]) == ("sim-dp", 1), exp
+        # each rank has its fleet record and its own load, scraped from the engine's per-rank series
+        fleet = httpx.get(base + "/stats", timeout=10).json()["fleet"]["pods"]
+        assert {"sim-dp", "sim-dp@dp1"} <= set(fleet), fleet
+        assert all(fleet[p]["load_fresh"] for p in ("sim-dp", "sim-dp@dp1")), fleet
+    finally:
+        stop(pred)
+        stop(ing)
+        engine.stop()
+
+
+def test_a_pod_written_with_its_ranks_merged_is_reset_once_and_stays_exact(tmp_path, valkey_url):
+    """An index written before each rank was a pod of its own holds rank 1's blocks in the pod (rank 0's name),
+    with rank 1's seq in its meta. The ingester resets such a pod once, when rank 1 first shows up, so rank 0 is
+    replayed from its engine alone: without that, rank 1's blocks would be predicted for rank 0 for good."""
+    import asyncio
+
+    from kv_preflight.engines.vllm import ENGINE as VLLM
+    from kv_preflight.index.index import Index
+    from kv_preflight.ingester.bridge import ChainState, plan_batch
+
+    engine = sim_engine("sim-up", tmp_path, dp_size=2).start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    work = workload(16, seed=3)
+    for req in work[:8]:  # the engine caches on both ranks before any ingester of this version runs
+        httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": req["token_ids"], "max_tokens": 1},
+                   headers={HEADER: str(req["dp_rank"])}, timeout=10).raise_for_status()
+
+    async def merged() -> None:  # what an older ingester wrote: every rank into the pod, each with its seq
+        ix = Index.from_url(valkey_url)
+        state = ChainState()
+        try:
+            for rank in (0, 1):
+                for seq, batch in enumerate(engine.published(rank)):
+                    plan = plan_batch(batch, pod_id="sim-up", topic_model="sim", state=state, hash_seed="",
+                                      block_size=16, entry_field=ix.entry_field, extra_keys=VLLM.extra_keys)
+                    r = await ix.apply_batch(pod_id="sim-up", rank=rank, seq=seq, ts=batch.ts, model="sim",
+                                             engine_block_size=plan.engine_block_size, mutations=plan.mutations)
+                    assert r.status == "applied", r
+        finally:
+            await ix.close()
+
+    asyncio.run(merged())
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url], str(tmp_path / "ing.log"))
+    pred = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port)], str(tmp_path / "pred.log"))
+    try:
+        wait_http(base + "/health")
+        results = run_workload(engine.url, base, "sim", work[8:])
+        s = summarize(results)
+        assert s["exact"] == s["requests"] and s["requests_with_hits"], [
+            (r.index, work[8 + r.index]["dp_rank"], r.predicted, r.actual) for r in results if not r.exact]
+        log = (tmp_path / "ing.log").read_text()
+        assert "holds the blocks of its data-parallel rank 1" in log and "sim-up: rebuilt whole" in log, log
     finally:
         stop(pred)
         stop(ing)

@@ -40,8 +40,10 @@ def expand(pods: Iterable[str], names: Iterable[str]) -> list[str]:
 
 def with_ranks(prediction: Prediction, dp_pods: Collection[str]) -> Prediction:
     """The prediction with each index pod named as its pod and rank (no change when no pod has ranks)."""
-    if not dp_pods and not any(RANK_SEPARATOR in a.pod_id for a in prediction.pod_affinities):
+    ranked = dp_pods_of(a.pod_id for a in prediction.pod_affinities)
+    if not dp_pods and not ranked:
         return prediction
+    dp_pods = {*dp_pods, *ranked}  # a rank in the answer says its pod has ranks, whatever was read before
     affinities = []
     for a in prediction.pod_affinities:
         pod, rank = rank_of(a.pod_id, dp_pods)
@@ -52,8 +54,10 @@ def with_ranks(prediction: Prediction, dp_pods: Collection[str]) -> Prediction:
 
 def decision_with_ranks(decision: RouteDecision, dp_pods: Collection[str]) -> RouteDecision:
     """The decision with the chosen pod's rank and the header that pins a request to it."""
-    if not dp_pods and not any(RANK_SEPARATOR in c.pod_id for c in decision.candidates):
+    ranked = dp_pods_of(c.pod_id for c in decision.candidates)
+    if not dp_pods and not ranked:
         return decision
+    dp_pods = {*dp_pods, *ranked}
     candidates: list[RouteCandidate] = []
     for c in decision.candidates:
         pod, rank = rank_of(c.pod_id, dp_pods)
