@@ -81,6 +81,10 @@ class FleetWatcher:
         pod no lease lists; ``aged`` brings one's staleness and lag to now."""
         return {p: self._fresh.get(p, UNKNOWN_POD) for p in pods}
 
+    def listed(self) -> frozenset[str]:
+        """The pods some ingester's lease lists (data-parallel ranks among them, before they publish)."""
+        return frozenset(self._fresh)
+
     def aged(self, fresh: PodFreshness) -> PodFreshness:
         """``fresh`` with the time since the view was read added to its staleness and lag."""
         if fresh.staleness_ms is None and fresh.index_lag_ms is None:

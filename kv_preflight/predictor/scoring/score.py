@@ -46,6 +46,8 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  #
     device_tier: str
     estimated_ttft_ms: float | None = None  # prefill model: this pod's TTFT given its cached tokens
     incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
+    # the pod's data-parallel rank, each rank a cache of its own (predictor/scoring/ranks.py); none without ranks
+    dp_rank: int | None = None
 
 
 class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -67,6 +69,7 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     # How fresh the answer is (predictor/scoring/freshness.py): exact, degraded with reasons, or partial, and
     # per pod named in the answer its ingestion state, staleness and index lag. Set by the predictor.
     freshness: Freshness | None = None
+    best_dp_rank: int | None = None  # best_pod's data-parallel rank (a pod with ranks: predictor/scoring/ranks.py)
 
 
 _POD_ID = attrgetter("pod_id")
