@@ -149,7 +149,8 @@ def pod_of(engine_url: str) -> str | None:
 
 def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iterable[dict], *,
                  on_result=None) -> list[Outcome]:
-    """Predict (restricted to this engine's pod), send, compare, for each request in order."""
+    """Predict (restricted to this engine's pod), send, compare, for each request in order. A request may name
+    its own ``model`` (a LoRA adapter served beside the base) and ``cache_salt``; both go to both sides."""
     watcher = EventWatcher.for_engine(engine_url)
     pod = pod_of(engine_url)
     out: list[Outcome] = []
@@ -157,14 +158,15 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
         with httpx.Client() as client:
             for i, req in enumerate(requests):
                 wait_caught_up(predictor_url, watcher)
-                body = {"model": model, **{k: v for k, v in req.items() if k in ("token_ids", "prompt", "messages")}}
+                body = {"model": req.get("model") or model,
+                        **{k: v for k, v in req.items() if k in ("token_ids", "prompt", "messages", "cache_salt")}}
                 if pod:
                     body["pods"] = [pod]
                 p = client.post(predictor_url.rstrip("/") + "/v1/cache/predict", json=body, timeout=30)
                 if p.status_code != 200:
                     raise WorkloadError(f"request {i}: the predictor answered {p.status_code}: {answer_message(p)}")
                 pred = p.json()
-                n, actual = _send(client, engine_url, model, req)
+                n, actual = _send(client, engine_url, body["model"], req)
                 res = Outcome(i, n, pred["predicted_cached_tokens"], actual, pred.get("best_pod"))
                 out.append(res)
                 if on_result:
@@ -176,7 +178,7 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
 
 
 def load_workload(path: Path) -> list[dict]:
-    """JSON lines, each with one of token_ids, prompt, messages."""
+    """JSON lines, each with one of token_ids, prompt, messages (and optionally model, cache_salt)."""
     reqs = []
     for n, obj in read_json_lines(path):
         if not isinstance(obj, dict) or sum(k in obj for k in ("token_ids", "prompt", "messages")) != 1:
