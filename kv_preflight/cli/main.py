@@ -265,8 +265,9 @@ cli.add_command(bench)
 @click.option("--step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Wall time per engine step.")
 @click.option("--topic", default=None, help="PUB topic (default kv@POD@MODEL; '' is vLLM's default empty topic).")
 @click.option("--sliding-window", type=click.IntRange(min=2), default=None, help="Simulate a hybrid model: a sliding-window layer with this window (tokens) beside a full-attention one, two KV cache groups as vLLM's hybrid KV cache manager runs them.")
+@click.option("--lora", "adapters", multiple=True, help="Serve a LoRA adapter of this name beside the model (as vLLM's --lora-modules NAME=PATH): requests naming it cache their own blocks, published with lora_name as vLLM does. Repeatable.")
 def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, blocks, max_model_len, step_ms,
-             topic, sliding_window) -> None:
+             topic, sliding_window, adapters) -> None:
     """Run a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's."""
     from kv_preflight.simulator.config import SimulatorConfig
     from kv_preflight.simulator.main import run
@@ -274,7 +275,8 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
     cfg = SimulatorConfig(pod=pod, model=model, host=host, port=port, zmq_endpoint=zmq_endpoint,
                           replay_endpoint=None if replay_endpoint.lower() == "none" else replay_endpoint,
                           block_size=block_size, num_blocks=blocks, max_model_len=max_model_len,
-                          step_delay_s=step_ms / 1000, topic_override=topic, sliding_window=sliding_window)
+                          step_delay_s=step_ms / 1000, topic_override=topic, sliding_window=sliding_window,
+                          adapters=tuple(adapters))
     try:
         cfg.validate()
     except ValueError as exc:

@@ -29,6 +29,10 @@ class SimulatorConfig:
     # A hybrid model: a sliding-window layer (this window, in tokens) beside a full-attention one, so the
     # engine runs vLLM's hybrid KV cache manager with two KV cache groups. None: a plain model, one group.
     sliding_window: int | None = None
+    # LoRA adapters served beside the model (vLLM's --lora-modules NAME=PATH), by name: a request naming one
+    # caches its blocks under the adapter (its own hashes), and its events carry lora_name, lora_id (1, 2, ...
+    # in this order) and the name in each block's extra_keys, as vLLM 0.32 publishes them
+    adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...] | None:
@@ -59,3 +63,7 @@ class SimulatorConfig:
             raise ValueError("sliding window must be at least 2 tokens")
         if self.step_delay_s < 0:
             raise ValueError("step delay must not be negative")
+        if any(not a or a == self.model for a in self.adapters) or len(set(self.adapters)) != len(self.adapters):
+            raise ValueError("adapter names must be non-empty, distinct and not the model's")
+        if self.adapters and self.sliding_window is not None:
+            raise ValueError("LoRA adapters are simulated with a plain model only")

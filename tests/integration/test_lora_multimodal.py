@@ -197,3 +197,41 @@ def test_dynamo_query_takes_the_adapter_and_the_items(stack):
     bad = httpx.post(dynamo + "/query", json={"model_name": "vis", "token_ids": PROMPT,
                                               "mm_items": [{"identifier": "x", "offset": 158, "length": 9}]})
     assert bad.status_code == 422, bad.text
+
+
+def test_the_simulator_serves_adapters_as_vllm_publishes_them(valkey_url, tmp_path):
+    """``simulate --lora a --lora b``: adapters' requests cache their own blocks, published with lora_name, lora_id
+    and the name in each block's extra keys (as vLLM 0.32); ingested by URL, predicted exactly with no flag,
+    and /v1/models lists them after their base, so the fleet record names them."""
+    port, zport, rport, pport = free_port(), free_port(), free_port(), free_port()
+    sim = spawn(["simulate", "--pod", "sim-lora", "--model", "m", "--port", str(port), "--zmq", f"tcp://*:{zport}",
+                 "--replay", f"tcp://*:{rport}", "--block-size", "16", "--blocks", "64", "--lora", "a", "--lora", "b"],
+                str(tmp_path / "sim.log"))
+    url = f"http://127.0.0.1:{port}"
+    procs = [sim]
+    try:
+        wait_http(url + "/v1/models")
+        cards = httpx.get(url + "/v1/models").json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("m", None), ("a", "m"), ("b", "m")]
+        procs.append(spawn(["ingest", "--valkey-url", valkey_url, "--engine", url], str(tmp_path / "ingest.log")))
+        procs.append(spawn(["serve", "--valkey-url", valkey_url, "--port", str(pport)], str(tmp_path / "serve.log")))
+        purl = f"http://127.0.0.1:{pport}"
+        wait_http(purl + "/health")
+        prompt = list(range(300, 370))
+        for model in ("a", "a", "b"):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+        assert httpx.post(url + "/v1/completions", json={"model": "c", "prompt": prompt}).status_code == 404
+        deadline = time.monotonic() + 30
+        while True:
+            got = httpx.post(purl + "/v1/cache/predict", json={"model": "b", "token_ids": prompt}, timeout=10)
+            if got.status_code == 200 and got.json()["predicted_cached_tokens"]:
+                break
+            assert time.monotonic() < deadline, got.text
+            time.sleep(0.2)
+        assert by_pod(got.json()) == {"sim-lora": 64}
+        assert by_pod(predict(purl, {"model": "a", "token_ids": prompt})) == {"sim-lora": 64}
+        assert by_pod(predict(purl, {"model": "m", "token_ids": prompt})) == {}  # the base never served it
+    finally:
+        for p in reversed(procs):
+            stop(p)
