@@ -55,7 +55,8 @@ def read_extra_keys(extra: Any, lora_name: str | None) -> BlockExtras | None:
 
     ``generate_block_hash_extra_keys`` builds ``lora + mm + cache_salt + prompt_embeds`` and
     ``to_event_extra_keys`` drops the tags: the adapter's name first exactly when the event has a
-    ``lora_name``, then an ``(identifier, offset)`` pair per multimodal item overlapping the block, then the
+    ``lora_name`` (the same name: skipped only then, so a lone salt of another publisher is never taken for it),
+    then an ``(identifier, offset)`` pair per multimodal item overlapping the block, then the
     salt (the block starting at token 0 only), then the prompt-embeds digest (bytes). The tagged form (the
     tuples the hash itself uses: ``("lora", name, path)``, ``("mm", identifier, offset)``,
     ``("cache_salt", salt)``, ``("prompt_embeds", digest)``) is read too. An entry of neither shape keys the
@@ -80,8 +81,8 @@ def read_extra_keys(extra: Any, lora_name: str | None) -> BlockExtras | None:
             else:
                 ids.append(repr(item))
         elif isinstance(item, str):
-            if n == 0 and lora_name is not None:
-                continue  # untagged: the adapter's name, which keys the block as its model
+            if n == 0 and item == lora_name:
+                continue  # untagged: the adapter's name, which keys the block as its model (llm-d-router #2929)
             salt = item
         elif isinstance(item, (bytes, bytearray)):
             ids.append(bytes(item).hex())  # untagged prompt-embeds digest

@@ -34,6 +34,8 @@ def test_untagged_extra_keys_read_by_position():
     # a salt equal to the adapter's name is still the salt: position decides, not the value
     assert read_extra_keys(["x", "x"], "x") == BlockExtras((), "x")
     assert read_extra_keys([[b"\xab\xcd", 0]], None) == BlockExtras(("abcd",))
+    # an adapter's event whose extra keys do not name it (another publisher): its lone string is the salt
+    assert read_extra_keys(["tenant-a"], "adapter-x") == BlockExtras((), "tenant-a")
     assert read_extra_keys(None, None) is None and read_extra_keys([], "a") is None
 
 
