@@ -205,14 +205,15 @@ def test_the_simulator_serves_adapters_as_vllm_publishes_them(valkey_url, tmp_pa
     and /v1/models lists them after their base, so the fleet record names them."""
     port, zport, rport, pport = free_port(), free_port(), free_port(), free_port()
     sim = spawn(["simulate", "--pod", "sim-lora", "--model", "m", "--port", str(port), "--zmq", f"tcp://*:{zport}",
-                 "--replay", f"tcp://*:{rport}", "--block-size", "16", "--blocks", "64", "--lora", "a", "--lora", "b"],
+                 "--replay", f"tcp://*:{rport}", "--block-size", "16", "--blocks", "64", "--lora", "a", "--lora", "b",
+                 "--lora", "z"],
                 str(tmp_path / "sim.log"))
     url = f"http://127.0.0.1:{port}"
     procs = [sim]
     try:
         wait_http(url + "/v1/models")
         cards = httpx.get(url + "/v1/models").json()["data"]
-        assert [(c["id"], c["parent"]) for c in cards] == [("m", None), ("a", "m"), ("b", "m")]
+        assert [(c["id"], c["parent"]) for c in cards] == [("m", None), ("a", "m"), ("b", "m"), ("z", "m")]
         procs.append(spawn(["ingest", "--valkey-url", valkey_url, "--engine", url], str(tmp_path / "ingest.log")))
         procs.append(spawn(["serve", "--valkey-url", valkey_url, "--port", str(pport)], str(tmp_path / "serve.log")))
         purl = f"http://127.0.0.1:{pport}"
@@ -232,6 +233,15 @@ def test_the_simulator_serves_adapters_as_vllm_publishes_them(valkey_url, tmp_pa
         assert by_pod(got.json()) == {"sim-lora": 64}
         assert by_pod(predict(purl, {"model": "a", "token_ids": prompt})) == {"sim-lora": 64}
         assert by_pod(predict(purl, {"model": "m", "token_ids": prompt})) == {}  # the base never served it
+        # z has no block anywhere: known, and its base, from the fleet record (the engine's /v1/models) alone
+        deadline = time.monotonic() + 30
+        while httpx.post(purl + "/v1/cache/predict", json={"model": "z", "token_ids": prompt}).status_code != 200:
+            assert time.monotonic() < deadline, "the fleet record never listed z"
+            time.sleep(0.2)
+        e = predict(purl, {"model": "z", "token_ids": prompt}, "/v1/cache/explain")
+        assert any("another LoRA adapter, 'a', of the same base model 'm'" in f["detail"] or
+                   "another LoRA adapter, 'b', of the same base model 'm'" in f["detail"]
+                   for f in e["findings"] if f["kind"] == "other_model"), e["findings"]
     finally:
         for p in reversed(procs):
             stop(p)

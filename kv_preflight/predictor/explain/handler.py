@@ -209,10 +209,7 @@ def _base_of(p: Predictor, model: str) -> str | None:
     the fleet records (an engine's /v1/models lists its base first, then its adapters)."""
     base = p.metadata.base_of(model)
     if base is None and p.fleet is not None:
-        for pod in p.fleet.serving(model):
-            models = p.fleet.models_of(pod) or []
-            if models and models[0] != model:
-                return models[0]
+        return p.fleet.base_of(model)
     return base
 
 
