@@ -245,3 +245,22 @@ def test_the_simulator_serves_adapters_as_vllm_publishes_them(valkey_url, tmp_pa
     finally:
         for p in reversed(procs):
             stop(p)
+
+
+@pytest.mark.anyio
+async def test_a_pods_adapters_are_recorded_with_its_batches_and_dropped_with_it(valkey_url):
+    """kvpf:adapters: written before the batch that stores an adapter's blocks (as the registry row), read back
+    per pod with the pod's model; a forgotten pod's rows go with it, another pod's stay."""
+    from kv_preflight.index.entries import StoreBlock
+
+    ix = Index.from_url(valkey_url)
+    try:
+        for pod in ("p-1", "p-2"):
+            await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="base", engine_block_size=16,
+                                 mutations=[StoreBlock(1, "gpu", ix.entry_field(pod, "GPU", 0), (11,), 0, True, 0)],
+                                 adapters={"sql", "chat"} if pod == "p-1" else {"sql"})
+        assert await ix.meta.adapters() == {"p-1": {"sql": "base", "chat": "base"}, "p-2": {"sql": "base"}}
+        await ix.clear_pod("p-1", forget=True)
+        assert await ix.meta.adapters() == {"p-2": {"sql": "base"}}
+    finally:
+        await ix.close()
