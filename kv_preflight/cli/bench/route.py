@@ -14,7 +14,7 @@ is sent at concurrency 8 three times, the engines' caches reset in between, choo
 The fleet hit rate is the engines' own ``cached_tokens`` over all prompt tokens. Targets: route's hit
 rate at least 0.9x the oracle's; every pod given at least one request and none more than 3x another.
 
-Row ``route-lora`` is the same with every engine serving three LoRA adapters (``simulate --lora``) and each
+Row ``lora`` is the route row with every engine serving three LoRA adapters (``simulate --lora``) and each
 tenant's requests naming one of them (tenant ``t``: adapter ``t mod 3``): an adapter's blocks are keyed under
 its name, so the route must find them under it, learnt with no flag from the events and /v1/models.
 
@@ -53,7 +53,7 @@ TENANTS = 12
 PREFIX_CHARS = 191  # + BOS = 192 tokens: 12 blocks per tenant system prompt (the simulator: 1 token per byte)
 STEP_MS = 10.0  # the engines, not the predictor, are the bottleneck: their queues are what load shows
 MAX_TOKENS = 8
-ADAPTERS = ("sql", "chat", "code")  # route-lora: every engine serves them; tenant t names ADAPTERS[t % 3]
+ADAPTERS = ("sql", "chat", "code")  # row lora: every engine serves them; tenant t names ADAPTERS[t % 3]
 
 
 @dataclass
@@ -201,8 +201,8 @@ def _wait(check, what: str, timeout_s: float = 30.0) -> None:
 
 
 def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[str, ...] = ()) -> None:
-    """Row ``route`` (``adapters`` empty) or ``route-lora`` (every tenant names one of ``adapters``)."""
-    row = "route-lora" if adapters else "route"
+    """Row ``route`` (``adapters`` empty) or ``lora`` (every tenant names one of ``adapters``)."""
+    row = "route (LoRA)" if adapters else "route"
     print(f"routing across a fleet (4 simulated engines{', each serving ' + str(len(adapters)) + ' LoRA adapters' if adapters else ''}, "
           "serve --valkey-url only, concurrency 8)", flush=True)
     import redis
@@ -278,7 +278,7 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[s
     res.add(f"{row}: requests per pod", " / ".join(str(c) for c in counts) + f" ({n} requests)",
             "every pod >= 1, none > 3x another", "oracle " + " / ".join(str(oracle.per_pod.get(e.pod, 0))
                                                                           for e in engines), None, spread_ok)
-    res.extra[row.replace("-", "_")] = {"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
+    res.extra["route_lora" if adapters else "route"] = {"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
                           "adapters": list(adapters),
                           "concurrency": CONCURRENCY, "engine_blocks": ENGINE_BLOCKS,
                           **{k: o.as_dict() for k, o in outcomes.items()}}
