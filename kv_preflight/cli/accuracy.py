@@ -165,7 +165,8 @@ def pod_of(engine_url: str) -> str | None:
 
 def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iterable[dict], *,
                  on_result=None) -> list[Outcome]:
-    """Predict (restricted to this engine's pod), send, compare, for each request in order."""
+    """Predict (restricted to this engine's pod), send, compare, for each request in order. A request may name
+    its own ``model`` (a LoRA adapter served beside the base) and ``cache_salt``; both go to both sides."""
     watcher = EventWatcher.for_engine(engine_url)
     pod = pod_of(engine_url)
     out: list[Outcome] = []
@@ -173,14 +174,15 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
         with httpx.Client() as client:
             for i, req in enumerate(requests):
                 wait_caught_up(predictor_url, watcher)
-                body = {"model": model, **{k: v for k, v in req.items() if k in ("token_ids", "prompt", "messages")}}
+                body = {"model": req.get("model") or model,
+                        **{k: v for k, v in req.items() if k in ("token_ids", "prompt", "messages", "cache_salt")}}
                 if pod:
                     body["pods"] = [pod]
                 p = client.post(predictor_url.rstrip("/") + "/v1/cache/predict", json=body, timeout=30)
                 if p.status_code != 200:
                     raise WorkloadError(f"request {i}: the predictor answered {p.status_code}: {answer_message(p)}")
                 pred = p.json()
-                n, actual = _send(client, engine_url, model, req)
+                n, actual = _send(client, engine_url, body["model"], req)
                 predicted = pred["predicted_cached_tokens"]
                 if req.get("dp_rank") is not None:  # pinned to a rank: what that rank's cache holds
                     predicted = next((a["cached_tokens"] for a in pred["pod_affinities"]
@@ -199,8 +201,9 @@ DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32: pins a request to a data-p
 
 
 def load_workload(path: Path) -> list[dict]:
-    """JSON lines, each with one of token_ids, prompt, messages (and optionally ``dp_rank``: the request is
-    pinned to that data-parallel rank, and compared with what that rank's cache holds)."""
+    """JSON lines, each with one of token_ids, prompt, messages (and optionally model, cache_salt, and
+    ``dp_rank``: the request is pinned to that data-parallel rank, and compared with what that rank's cache
+    holds)."""
     reqs = []
     for n, obj in read_json_lines(path):
         if not isinstance(obj, dict) or sum(k in obj for k in ("token_ids", "prompt", "messages")) != 1:

@@ -7,7 +7,7 @@ engines the predictor and ``diagnose fleet`` read (``--engine-url``, ``--pod-met
 from __future__ import annotations
 
 from kv_preflight.engines import sglang, trtllm, vllm
-from kv_preflight.engines.base import Engine, ExtraKeys, LoadMetrics, PrefixCacheMetrics, Publisher
+from kv_preflight.engines.base import BlockExtras, Engine, ExtraKeys, LoadMetrics, PrefixCacheMetrics, Publisher
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (vllm.ENGINE, sglang.ENGINE, trtllm.ENGINE)}
 DEFAULT = vllm.ENGINE.name
@@ -21,4 +21,4 @@ def engine(name: str | None) -> Engine:
         raise ValueError(f"engine {name!r} is not one of {', '.join(sorted(ENGINES))}") from None
 
 
-__all__ = ["DEFAULT", "ENGINES", "Engine", "ExtraKeys", "LoadMetrics", "PrefixCacheMetrics", "Publisher", "engine"]
+__all__ = ["DEFAULT", "ENGINES", "BlockExtras", "Engine", "ExtraKeys", "LoadMetrics", "PrefixCacheMetrics", "Publisher", "engine"]

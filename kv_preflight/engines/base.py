@@ -40,14 +40,23 @@ class PrefixCacheMetrics:
 
 
 @dataclass(frozen=True)
-class ExtraKeys:
-    """How the ``extra_keys`` of an engine's BlockStored events read: per engine block, the multimodal
-    identifiers that key it beside its tokens, and in a prompt's first block, the cache salt."""
+class BlockExtras:
+    """What one engine block's extra keys say beside its tokens and its LoRA adapter (which names the model)."""
 
-    # one block's extra keys -> its multimodal ids, if any; none for a block without extra keys (None or empty):
-    # the bridge does not ask when no block of an event has any
-    multimodal_ids: Callable[[Any], "list[Any] | None"]
-    cache_salt: Callable[[Any, "str | None"], "str | None"]  # (first block's extra keys, LoRA name) -> the salt
+    # what keys the block beside its tokens, in the engine's order: multimodal identifiers (their offsets
+    # dropped, as llm-d keys them), prompt-embeds digests (hex); each becomes llm-d's ``{"Hash": id}``
+    ids: tuple[str, ...] = ()
+    salt: str | None = None  # the cache salt (on a prompt's first block only)
+
+
+@dataclass(frozen=True)
+class ExtraKeys:
+    """How the ``extra_keys`` of an engine's BlockStored events read, per engine block."""
+
+    # (one block's extra keys, the event's lora_name) -> what they say; None when they say nothing beyond the
+    # adapter (None or empty extra keys, an adapter's name alone): the bridge asks only for events whose blocks
+    # carry extra keys
+    read: Callable[[Any, "str | None"], "BlockExtras | None"]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-from kv_preflight.engines.base import Engine, ExtraKeys, LoadMetrics, PrefixCacheMetrics, Publisher
+from kv_preflight.engines.base import BlockExtras, Engine, ExtraKeys, LoadMetrics, PrefixCacheMetrics, Publisher
 from kv_preflight.engines.endpoints import bind_for, is_bind_endpoint, reachable, serving_address
 from kv_preflight.events import BlockRemoved, BlockStored, WireLayout, topic_or_none
 
@@ -45,32 +45,60 @@ PREFIX_CACHE_METRICS = PrefixCacheMetrics(
 )
 
 
-def multimodal_ids(extra: Any) -> list[Any] | None:
-    """Multimodal identifiers in one block's extra keys (strings, or (hash, offset) tuples)."""
+# vLLM's tags for the extra keys of a block hash (kv_cache_utils ``generate_block_hash_extra_keys``): the hash
+# uses each tagged; events publish them untagged (``to_event_extra_keys``), and would tagged with vllm PR #44706.
+_LORA, _MM, _SALT, _EMBEDS = "lora", "mm", "cache_salt", "prompt_embeds"
+
+
+def read_extra_keys(extra: Any, lora_name: str | None) -> BlockExtras | None:
+    """One engine block's ``extra_keys`` as vLLM 0.32 publishes them, read by position, never guessed by type.
+
+    ``generate_block_hash_extra_keys`` builds ``lora + mm + cache_salt + prompt_embeds`` and
+    ``to_event_extra_keys`` drops the tags: the adapter's name first exactly when the event has a
+    ``lora_name`` (the same name: skipped only then, so a lone salt of another publisher is never taken for it),
+    then an ``(identifier, offset)`` pair per multimodal item overlapping the block, then the
+    salt (the block starting at token 0 only), then the prompt-embeds digest (bytes). The tagged form (the
+    tuples the hash itself uses: ``("lora", name, path)``, ``("mm", identifier, offset)``,
+    ``("cache_salt", salt)``, ``("prompt_embeds", digest)``) is read too. An entry of neither shape keys the
+    block by its text: such a block can miss, never be mistaken for another."""
     if not extra or not isinstance(extra, (list, tuple)):
         return None
-    out = []
-    for item in extra:
-        if isinstance(item, (list, tuple)) and item and isinstance(item[0], (str, bytes)):
-            out.append(item[0] if isinstance(item[0], str) else item[0].hex())
+    ids: list[str] = []
+    salt = None
+    for n, item in enumerate(extra):
+        if isinstance(item, (list, tuple)):
+            tag = item[0] if item else None
+            if tag == _LORA and len(item) in (2, 3):
+                continue
+            if tag == _MM and len(item) == 3 and isinstance(item[2], int):
+                ids.append(_identifier(item[1]))
+            elif tag == _SALT and len(item) == 2 and isinstance(item[1], str):
+                salt = item[1]
+            elif tag == _EMBEDS and len(item) == 2 and isinstance(item[1], (bytes, bytearray)):
+                ids.append(bytes(item[1]).hex())
+            elif len(item) == 2 and isinstance(item[0], (str, bytes)) and isinstance(item[1], int):
+                ids.append(_identifier(item[0]))  # untagged (identifier, offset)
+            else:
+                ids.append(repr(item))
         elif isinstance(item, str):
-            out.append(item)
-    return out or None
-
-
-def cache_salt_of(extra: Any, lora_name: str | None) -> str | None:
-    """The cache salt in the extra keys of a prompt's first engine block, as vLLM 0.32 publishes them:
-    ``(lora name?, (mm id, offset)..., salt?, prompt-embeds digest?)`` (kv_cache_utils
-    ``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): the bare string after the LoRA name."""
-    if not extra or not isinstance(extra, (list, tuple)):
+            if n == 0 and item == lora_name:
+                continue  # untagged: the adapter's name, which keys the block as its model (llm-d-router #2929)
+            salt = item
+        elif isinstance(item, (bytes, bytearray)):
+            ids.append(bytes(item).hex())  # untagged prompt-embeds digest
+        elif item is not None:
+            ids.append(repr(item))
+    if not ids and salt is None:
         return None
-    bare = [x for x in extra if isinstance(x, str)]
-    if lora_name and bare and extra[0] == lora_name:
-        bare = bare[1:]
-    return bare[-1] if bare else None
+    return BlockExtras(tuple(ids), salt)
 
 
-EXTRA_KEYS = ExtraKeys(multimodal_ids=multimodal_ids, cache_salt=cache_salt_of)
+def _identifier(value: Any) -> str:
+    """A multimodal identifier: a string in vLLM 0.32 (``MultiModalFeatureSpec.identifier``); bytes as hex."""
+    return value if isinstance(value, str) else bytes(value).hex()
+
+
+EXTRA_KEYS = ExtraKeys(read=read_extra_keys)
 
 
 def read_kv_event_sources(engine_url: str, body: Any, target_ports: tuple[int, ...] = ()) -> list[Publisher]:

@@ -34,9 +34,9 @@ from kv_preflight.index.connect import TAKEOVER_MS, connect
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
-                            longest_prefix, make_entry, parse_entry, tier_of)
+                            longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.fleet.store import FleetStore
-from kv_preflight.index.layout import (PODS_KEY, engine_key_name,
+from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
@@ -75,6 +75,8 @@ class Index:
         # pod -> (model, monotonic time) this Index last put in the registry: written again after
         # REGISTRY_REFRESH_S, so a row someone removed (a lost index, a forget) comes back with the pod's batches
         self._registered: dict[str, tuple[str, float]] = {}
+        # (pod, adapter) -> monotonic time this Index last put it in kvpf:adapters (written again as registry rows are)
+        self._adapters: dict[tuple[str, str], float] = {}
         self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
         self._nums: dict[str, int] = {}  # their numbers
         self._families: dict[str, dict[str, int]] = {}  # pod -> its data-parallel ranks' pods and numbers (>1)
@@ -141,10 +143,11 @@ class Index:
         mutations: Sequence[Mutation],
         mode: str = "check",
         groups: Mapping[int, GroupSpec] | None = None,
+        adapters: Iterable[str] = (),
     ) -> ApplyResult:
         return (await self.apply_batches([dict(pod_id=pod_id, rank=rank, seq=seq, ts=ts, model=model,
                                                 engine_block_size=engine_block_size, mutations=mutations,
-                                                mode=mode, groups=groups)]))[0]
+                                                mode=mode, groups=groups, adapters=adapters)]))[0]
 
     async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
         """Several ``apply_batch`` calls (same keyword arguments each) in one round trip, in order.
@@ -280,14 +283,21 @@ class Index:
         it) always writes its row."""
         now = time.monotonic()
         new = {}
+        adapters = {}
         for b in batches:
             if not b.get("model") or b.get("mode") == "clear":
                 continue
             had = self._registered.get(b["pod_id"])
             if had is None or had[0] != b["model"] or now - had[1] > REGISTRY_REFRESH_S or b.get("seq") == 0:
                 new[b["pod_id"]] = b["model"]
+            for adapter in b.get("adapters") or ():
+                at = self._adapters.get((b["pod_id"], adapter))
+                if at is None or now - at > REGISTRY_REFRESH_S:
+                    adapters[(b["pod_id"], adapter)] = b["model"]
         if new:
             await self.register_pods(new)
+        if adapters:
+            await self.register_adapters(adapters)
 
     async def register_pods(self, models: dict[str, str]) -> None:
         """Registry rows (pod -> model), written now."""
@@ -295,6 +305,13 @@ class Index:
             await self.client.hset(PODS_KEY, mapping=models)
             now = time.monotonic()
             self._registered.update({p: (m, now) for p, m in models.items()})
+
+    async def register_adapters(self, adapters: Mapping[tuple[str, str], str]) -> None:
+        """``kvpf:adapters`` rows ((pod, adapter) -> the pod's model), written now."""
+        if adapters:
+            await self.client.hset(ADAPTERS_KEY, mapping={adapter_field(p, a): m for (p, a), m in adapters.items()})
+            now = time.monotonic()
+            self._adapters.update({k: now for k in adapters})
 
     def forget_cached(self, pods: Iterable[str] | None = None) -> None:
         """Drop what this process remembers of these pods (None: of every pod) having written: their
@@ -304,6 +321,8 @@ class Index:
             pods = set(self._registered) | set(self._numbered) | set(self.writer.pods)
             self.numbering.forget_names()
         pods = list(pods)
+        gone = set(pods)
+        self._adapters = {k: v for k, v in self._adapters.items() if k[0] not in gone}
         for pod in pods:
             self._registered.pop(pod, None)
             self._numbered.discard(pod)
@@ -357,9 +376,14 @@ class Index:
         await self.client.delete(*pod_state_keys(pod_id))
         # its bits are all clear now (the clear above ran its effects): the number may serve another pod
         await self.numbering.free(pod_id)
+        fields = [f for f in map(text, await self.client.hkeys(ADAPTERS_KEY) or ())
+                  if (got := parse_adapter_field(f)) is not None and got[0] == pod_id]
+        if fields:
+            await self.client.hdel(ADAPTERS_KEY, *fields)
         await self.client.hdel(PODS_KEY, pod_id)
         self._numbered.discard(pod_id)
         self._registered.pop(pod_id, None)
+        self._adapters = {k: v for k, v in self._adapters.items() if k[0] != pod_id}
 
     async def reset_pod(self, pod_id: str) -> int:
         """The pod as a new engine starts it: entries cleared, seqs dropped, not incomplete. For a pod id

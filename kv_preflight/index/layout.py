@@ -45,6 +45,9 @@ state change are one atomic script on a cluster too.
 Fleet-wide keys, which no per-batch atomic step touches:
 
   kvpf:registry               pod -> model (every pod the index has seen)
+  kvpf:adapters               "<pod>\t<adapter>" -> the pod's model: every LoRA adapter a pod's events stored
+                              blocks of (their lora_name, or a --lora-name mapping), so a predictor knows an
+                              adapter as a model, and which pods serve it, from the index alone
   kvpf:{nums}:byname          pod -> its number (the bit it owns in every bitmap); numbers are dense
   kvpf:{nums}:byid            number -> pod (what a lookup names the bits by)
   kvpf:{nums}:free            number -> Valkey ms it was freed (a forgotten pod's): reused, lowest first,
@@ -87,6 +90,7 @@ OUR_PREFIX = "kvpf:"
 LAYOUT_KEY = OUR_PREFIX + "layout"
 LAYOUT_VERSION = "4"
 PODS_KEY = OUR_PREFIX + "registry"
+ADAPTERS_KEY = OUR_PREFIX + "adapters"
 COUNTERS_KEY = OUR_PREFIX + "counters"
 FEEDS_KEY = OUR_PREFIX + "feeds"
 INGESTERS_KEY = OUR_PREFIX + "ingesters"
@@ -203,6 +207,16 @@ def register_pod_args(pod_id: str, model: str) -> tuple[str, str, str]:
 
 def feed_field(replay_endpoint: str, rank: int) -> str:
     return f"{replay_endpoint}|{rank}"
+
+
+def adapter_field(pod_id: str, adapter: str) -> str:
+    """A pod's adapter in ``kvpf:adapters`` (a tab: no topic names one, ``kv@<pod>@<model>``)."""
+    return f"{pod_id}\t{adapter}"
+
+
+def parse_adapter_field(field: str) -> tuple[str, str] | None:
+    pod, sep, adapter = field.partition("\t")
+    return (pod, adapter) if sep and pod and adapter else None
 
 
 # Layout 3, for `index migrate`.

@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from kv_preflight.engines.hit_rules import FULL, KNOWN_KINDS, GroupSpec
 from kv_preflight.index.backend import IndexBackend
 from kv_preflight.index.entries import text
-from kv_preflight.index.layout import COUNTERS_KEY, PODS_KEY, pod_meta_key, pod_outbox_key
+from kv_preflight.index.layout import (ADAPTERS_KEY, COUNTERS_KEY, PODS_KEY, parse_adapter_field, pod_meta_key,
+                                      pod_outbox_key)
 
 
 @dataclass
@@ -166,6 +167,15 @@ class PodMeta:
         except AttributeError as exc:  # redis-py's cluster client, on a node whose connection died under it
             raise RedisConnectionError(f"connection lost reading the registry: {exc}") from None
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def adapters(self) -> dict[str, dict[str, str]]:
+        """Per pod, the LoRA adapters its events stored blocks of, each with the pod's model (``kvpf:adapters``)."""
+        out: dict[str, dict[str, str]] = {}
+        for f, model in (await self.client.hgetall(ADAPTERS_KEY) or {}).items():
+            got = parse_adapter_field(text(f))
+            if got is not None:
+                out.setdefault(got[0], {})[got[1]] = text(model)
+        return out
 
     async def pod_info(self, pod_id: str) -> PodInfo:
         return (await self.pod_infos([pod_id]))[0]

@@ -161,6 +161,7 @@ class Applier:
             result = await self.valkey.call(
                 self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
                 engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations, mode=item.mode,
+                adapters=plan.adapters,
             )
         except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
             await self.failed(pod, seq, f"Valkey refused the batch: {exc}")

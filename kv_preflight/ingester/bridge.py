@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from kv_preflight.engines import ExtraKeys
+from kv_preflight.engines import BlockExtras, ExtraKeys
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
@@ -41,6 +41,11 @@ class ChainPoint(msgspec.Struct, frozen=True, gc=False):  # one per stored block
     carry_known: bool = True  # False when resolved from Valkey, which stores no carry
     keys: tuple[int, ...] | None = None  # None: not known (resolved from Valkey)
     parent: int = CHAIN_ROOT
+    # where ``carry`` is not empty: the extra-key ids of the engine blocks its tokens came from (the canonical
+    # block they start overlaps those blocks too), and the salt of a prompt whose first canonical block is not
+    # complete yet (engine blocks smaller than canonical ones)
+    carry_ids: tuple[str, ...] = ()
+    salt: str | None = None
 
 
 class ChainState:
@@ -94,6 +99,9 @@ class Plan:
     # kv_cache_spec_sliding_window on every BlockStored, filled in KVCacheManager.take_events)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events whose parent could not be resolved
+    # LoRA adapters whose blocks the batch stores (their names, as the blocks are keyed): the index records them
+    # per pod (layout.py ADAPTERS_KEY), so a predictor knows an adapter from the events alone
+    adapters: set[str] = field(default_factory=set)
     stored_blocks: int = 0
     removed_blocks: int = 0
     clears: int = 0
@@ -111,6 +119,16 @@ def model_for(event: BlockStored, topic_model: str, lora_names: Mapping[str, str
     return name or f"{topic_model}:lora_id={event.lora_id}"
 
 
+def adapter_of(event: BlockStored, lora_names: Mapping[str, str] | None = None) -> str | None:
+    """The LoRA adapter an event's blocks belong to, by the name a request gives it (``model_for``); None for
+    the base model's, and for an id nobody named (keyed under a name no request asks for)."""
+    if event.lora_name:
+        return event.lora_name
+    if event.lora_id is None:
+        return None
+    return (lora_names or {}).get(str(event.lora_id))
+
+
 def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState,
                        lora_names: Mapping[str, str] | None = None) -> list[tuple[str, int]]:
     """(model, engine key) of parents that neither this batch nor the local state knows."""
@@ -124,20 +142,6 @@ def unresolved_parents(batch: EventBatch, topic_model: str, state: ChainState,
                 missing.append((model, p))
             seen.update(ev.block_hashes)
     return list(dict.fromkeys(missing))
-
-
-def _salt_first_block_only(per_block: list[Any], extra: Any, lora_name: str | None, extra_keys: ExtraKeys) -> list[Any]:
-    """The salt keys the prompt's first canonical block only, as llm-d-router's request side folds it
-    (preciseprefixcache ``foldCacheSalt``) and kv-preflight's predictor does (kv_preflight/keys/chain.py
-    ``salted_request_keys``); multimodal identifiers stay on every canonical block of their engine block."""
-    salt = extra_keys.cache_salt(extra, lora_name)
-    if salt is None:
-        return per_block
-    rest = list(per_block[0])
-    rest.reverse()
-    rest.remove(salt)  # its last occurrence: the salt follows every other extra key of the block
-    rest.reverse()
-    return [rest + [salt]] + [rest or None] * (len(per_block) - 1)
 
 
 def plan_batch(
@@ -175,6 +179,10 @@ def plan_batch(
             plan.removed_blocks += len(ev.block_hashes)
         elif isinstance(ev, BlockStored):
             plan.engine_block_size = ev.block_size
+            if ev.lora_name or ev.lora_id is not None:
+                adapter = adapter_of(ev, lora_names)
+                if adapter and adapter != topic_model:
+                    plan.adapters.add(adapter)
             if ev.kv_cache_spec_kind:
                 plan.groups[ev.group_idx or 0] = _group_spec(ev.kv_cache_spec_kind, ev.block_size,
                                                              ev.kv_cache_spec_sliding_window)
@@ -241,9 +249,9 @@ def _plan_stored(
     # StoreBlock.parent: the request key the block's first key chains from (the chain root is none)
     parent = CHAIN_ROOT if parentless else point.request_key
     e = ev.block_size
-    extras = (ev.extra_keys or []) if extra_keys is not None else []
+    read = _read_extras(ev, extra_keys)
     aligned = not point.carry and e % block_size == 0
-    if aligned and hash_algo == "fnv64a" and not _has_multimodal(extras, extra_keys):
+    if aligned and hash_algo == "fnv64a" and read is None:
         # Fast path: one C call keys the whole event.
         keys = request_keys(ev.token_ids[: len(ev.block_hashes) * e], model=model, hash_seed=hash_seed,
                             block_size=block_size, parent=point.request_key)
@@ -260,17 +268,31 @@ def _plan_stored(
             state.put(model, ek, ChainPoint(own[-1] if own else point.request_key, keys=own, parent=before))
         plan.stored_blocks += len(ev.block_hashes)
         return
+    # The salt keys the prompt's first canonical block only, after its identifiers, as llm-d-router's request
+    # side folds it (preciseprefixcache ``foldCacheSalt``) and the predictor keys it (keys/chain.py
+    # ``prompt_request_keys``); vLLM sends it in the extra keys of the block starting at token 0.
+    salt = point.salt
+    if parentless and read and read[0] is not None:
+        salt = read[0].salt
     for i, ek in enumerate(ev.block_hashes):
         pending = point.carry + tuple(ev.token_ids[i * e : (i + 1) * e])
-        full = len(pending) // block_size * block_size
-        mm = extra_keys.multimodal_ids(extras[i]) if i < len(extras) else None
-        per_block = [mm] * (full // block_size) if mm else None
-        if i == 0 and parentless and per_block:
-            per_block = _salt_first_block_only(per_block, extras[0], ev.lora_name, extra_keys)
-        own = request_keys(pending[:full], model=model, hash_seed=hash_seed, block_size=block_size,
+        n = len(pending) // block_size
+        ids = read[i].ids if read and i < len(read) and read[i] is not None else ()
+        per_block = None
+        if n and (ids or point.carry_ids or salt):
+            # canonical block k carries the ids of every engine block overlapping it (keys/multimodal.py): the
+            # first, begun in the carry, those of the carry's blocks and this one's; the others this one's
+            first = list(point.carry_ids + ids) if point.carry else list(ids)
+            per_block = [first or None] + [list(ids) or None] * (n - 1)
+            if salt:
+                per_block[0] = [*(per_block[0] or ()), salt]
+                salt = None
+        own = request_keys(pending[:n * block_size], model=model, hash_seed=hash_seed, block_size=block_size,
                            parent=point.request_key, extra_per_block=per_block, hash_algo=hash_algo)
-        point = ChainPoint(own[-1] if own else point.request_key, tuple(pending[full:]), keys=tuple(own),
-                           parent=parent)
+        left = tuple(pending[n * block_size:])
+        carry_ids = (point.carry_ids + ids if not n and point.carry else ids) if left else ()
+        point = ChainPoint(own[-1] if own else point.request_key, left, keys=tuple(own), parent=parent,
+                           carry_ids=carry_ids, salt=salt if left else None)
         plan.mutations.append(StoreBlock(ek, tier, fld, tuple(own), ev.group_idx or 0, parentless, parent))
         if own:
             parent = own[-1]
@@ -278,11 +300,15 @@ def _plan_stored(
         plan.stored_blocks += 1
 
 
-def _has_multimodal(extras: list[Any], extra_keys: ExtraKeys | None) -> bool:
-    """Whether any block's extra keys hold multimodal ids. vLLM sends a None for each block without extra keys
-    (every block of a text-only prompt): an event of those only is answered at C speed, without asking the
-    engine's adapter once per block (a block with no extra keys has no multimodal ids: ``ExtraKeys``)."""
-    return any(extras) and any(map(extra_keys.multimodal_ids, extras))
+def _read_extras(ev: BlockStored, extra_keys: ExtraKeys | None) -> list[BlockExtras | None] | None:
+    """Each engine block's extra keys read (its adapter's name aside), or None when no block has any. vLLM sends a
+    None for each block without extra keys (every block of a text-only prompt): an event of those only is
+    answered at C speed, without asking the engine's adapter once per block."""
+    extras = ev.extra_keys
+    if extra_keys is None or not extras or not any(extras):
+        return None
+    read = [extra_keys.read(x, ev.lora_name) if x else None for x in extras]
+    return read if any(read) else None
 
 
 def _store_keyed(plan: Plan, state: ChainState, model: str, engine_keys: list[int], keys: list[int], per: int,
@@ -346,4 +372,4 @@ def seed_state(state: ChainState, resolved: dict[tuple[str, int], int]) -> None:
         state.put(model, ek, ChainPoint(rk, carry_known=False))
 
 
-__all__ = ["ChainPoint", "ChainState", "Plan", "plan_batch", "seed_state", "unresolved_parents", "Sequence"]
+__all__ = ["ChainPoint", "ChainState", "Plan", "adapter_of", "plan_batch", "seed_state", "unresolved_parents", "Sequence"]

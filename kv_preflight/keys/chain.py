@@ -17,6 +17,8 @@ from typing import Any
 
 import cbor2
 
+from kv_preflight.keys.multimodal import with_salt
+
 try:  # built by setup.py when a C compiler is present
     from kv_preflight import _speedups
 except ImportError:  # pragma: no cover - exercised when the extension is absent
@@ -145,16 +147,58 @@ def request_keys(
                                   extra_per_block=extra_per_block)
     prev = root_key(model, hash_seed) if parent is None else parent
     if extra_per_block and any(extra_per_block):
-        return request_keys_reference(
-            tokens, model=model, hash_seed=hash_seed, block_size=block_size,
-            parent=prev, extra_per_block=extra_per_block,
-        )
+        return _keys_with_extras(tokens, prev, block_size, extra_per_block)
     if _speedups is not None:
         try:
             return _speedups.request_keys(prev, tokens, block_size)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
     return request_keys_reference(tokens, model=model, hash_seed=hash_seed, block_size=block_size, parent=prev)
+
+
+def _keys_with_extras(tokens: Sequence[int], prev: int, block_size: int, extra_per_block: Sequence[Any]) -> list[int]:
+    """A chain some of whose blocks carry extra keys: those blocks by the reference hash, the runs of plain
+    blocks between them by the C routine (a prompt with one image is mostly text)."""
+    if _speedups is None:
+        return request_keys_reference(tokens, model="", block_size=block_size, parent=prev,
+                                      extra_per_block=extra_per_block)
+    _check_tokens(tokens)
+    n = len(tokens) // block_size
+    keys: list[int] = []
+    i = 0
+    while i < n:
+        extra = extra_per_block[i] if i < len(extra_per_block) else None
+        if extra:
+            prev = block_hash(prev, tokens[i * block_size:(i + 1) * block_size], mm_extra(extra))
+            keys.append(prev)
+            i += 1
+            continue
+        j = i + 1
+        while j < n and not (j < len(extra_per_block) and extra_per_block[j]):
+            j += 1
+        run = _speedups.request_keys(prev, tokens[i * block_size:j * block_size], block_size)
+        keys.extend(run)
+        prev = run[-1]
+        i = j
+    return keys
+
+
+def prompt_request_keys(
+    tokens: Sequence[int],
+    *,
+    model: str,
+    hash_seed: str = "",
+    block_size: int = 16,
+    cache_salt: str | None = None,
+    extra_per_block: Sequence[Any] | None = None,
+    hash_algo: str = "fnv64a",
+) -> list[int]:
+    """Keys of a prompt as the ingester keys the engine's blocks of it: ``extra_per_block[i]`` the multimodal
+    identifiers of canonical block i (kv_preflight/keys/multimodal.py ``canonical_extras``), the cache salt
+    after block 0's (``with_salt``)."""
+    extras = with_salt(list(extra_per_block) if extra_per_block else None, cache_salt, len(tokens) // block_size)
+    return request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, extra_per_block=extras,
+                        hash_algo=hash_algo)
 
 
 def salted_request_keys(
@@ -173,15 +217,8 @@ def salted_request_keys(
     into that block's extra features after any multimodal hashes (preciseprefixcache ``foldCacheSalt``),
     so block 0's extra is ``[{"Hash": salt}]`` and every later key differs through the chain.
     """
-    if not cache_salt:
-        return request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, hash_algo=hash_algo)
-    if len(tokens) < block_size:
-        _check_tokens(tokens)
-        return []
-    first = request_keys(tokens[:block_size], model=model, hash_seed=hash_seed, block_size=block_size,
-                         extra_per_block=[[cache_salt]], hash_algo=hash_algo)
-    return first + request_keys(tokens[block_size:], model=model, hash_seed=hash_seed, block_size=block_size,
-                                parent=first[0], hash_algo=hash_algo)
+    return prompt_request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size,
+                               cache_salt=cache_salt, hash_algo=hash_algo)
 
 
 def chain_root(model: str, hash_seed: str = "", hash_algo: str = "fnv64a") -> int:

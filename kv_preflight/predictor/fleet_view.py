@@ -130,6 +130,16 @@ class FleetWatcher:
         """The models a pod's record lists (base and LoRA names); None when it lists none yet."""
         return self._models.get(pod_id)
 
+    def base_of(self, adapter: str) -> str | None:
+        """The base model of a LoRA adapter a pod's record lists (records list the base first, then its adapters,
+        as the engine's /v1/models does); None when none lists it as an adapter."""
+        if self.view is None:
+            return None
+        for record in self.view.pods.values():
+            if adapter in record.models[1:]:
+                return record.models[0]
+        return None
+
     def serving(self, model: str) -> frozenset[str]:
         """Pods, not retired, whose record lists ``model``."""
         retired = self.retired()

@@ -65,6 +65,7 @@ class IndexMetadata:
         self._pods: dict[str, tuple[float, float, ScoringInfo]] = {}  # pod -> (renew at, expires at, info)
         self._models: frozenset[str] = frozenset()
         self._pod_models: dict[str, str] = {}
+        self._pod_adapters: dict[str, dict[str, str]] = {}  # pod -> its adapters (kvpf:adapters), each -> its model
         self._by_model: dict[str, frozenset[str]] = {}  # model -> its pods, made once per read of the registry
         self._models_at: float | None = None
         self._dp_pods: frozenset[str] = frozenset()  # pods with data-parallel ranks, per read of the registry
@@ -145,7 +146,8 @@ class IndexMetadata:
             task.exception()  # retrieved here so an abandoned failure is not logged as "never retrieved"
 
     async def known_models(self, wanted: str | None = None) -> frozenset[str]:
-        """Models the index has pods for; re-read when older than ``ttl_s`` or when ``wanted`` is missing."""
+        """Models the index has pods for, LoRA adapters included (the adapters its pods' events stored blocks of);
+        re-read when older than ``ttl_s`` or when ``wanted`` is missing."""
         now = self.clock()
         age = None if self._models_at is None else now - self._models_at
         if age is None or age >= self.ttl_s or (wanted is not None and wanted not in self._models and age >= MODEL_MISS_RECHECK_S):
@@ -153,7 +155,8 @@ class IndexMetadata:
         return self._models
 
     async def pods_of(self, model: str) -> set[str]:
-        """Pods the index lists under ``model`` (their topic's model), as fresh as ``known_models``."""
+        """Pods the index lists under ``model`` (their topic's model, or an adapter whose blocks their events
+        stored), as fresh as ``known_models``."""
         await self.known_models()
         return set(self.cached_pods_of(model))
 
@@ -162,12 +165,26 @@ class IndexMetadata:
         per read of the registry: every answer asks, and a fleet has thousands of pods."""
         got = self._by_model.get(model)
         if got is None:
-            got = self._by_model[model] = frozenset(p for p, m in self._pod_models.items() if m == model)
+            got = self._by_model[model] = frozenset(
+                [p for p, m in self._pod_models.items() if m == model]
+                + [p for p, adapters in self._pod_adapters.items() if model in adapters])
         return got
 
     def cached_dp_pods(self) -> frozenset[str]:
         """Pods the registry, as last read, lists data-parallel ranks of (``<pod>@dp<r>``); no read of its own."""
         return self._dp_pods
+
+    def base_of(self, adapter: str) -> str | None:
+        """The model of the pods serving a LoRA adapter (the base it adapts), from what was read last; None for a
+        name no pod's events stored adapter blocks under."""
+        for adapters in self._pod_adapters.values():
+            if adapter in adapters:
+                return adapters[adapter]
+        return None
+
+    def adapters_of(self, model: str) -> frozenset[str]:
+        """The LoRA adapters of a base model that the index holds blocks of, from what was read last."""
+        return frozenset(a for adapters in self._pod_adapters.values() for a, m in adapters.items() if m == model)
 
     async def all_pods(self) -> frozenset[str]:
         """Every pod the index's registry lists, as fresh as ``known_models``."""
@@ -187,8 +204,11 @@ class IndexMetadata:
 
     async def _load_models(self) -> None:
         pods = await self.index.meta.pod_ids()
+        adapters = await self.index.meta.adapters()
         self._pod_models = pods
         self._dp_pods = frozenset(base_pod(p) for p in pods if RANK_SEPARATOR in p)
+        self._pod_adapters = {p: a for p, a in adapters.items() if p in pods}  # a pod forgotten meanwhile: not listed
         self._by_model = {}
-        self._models = frozenset(m for m in pods.values() if m)
+        self._models = frozenset([m for m in pods.values() if m]
+                                 + [a for got in self._pod_adapters.values() for a in got])
         self._models_at = self.clock()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,7 @@ from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
 from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
-from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
+from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
 from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
 from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
                                                        stale_for_route)
@@ -41,11 +41,13 @@ from kv_preflight.predictor.diagnosis.traffic import Traffic
 from kv_preflight.predictor.diagnosis.fleet import stats_view as diagnosis_view
 from kv_preflight.predictor.scoring.ttft import TtftModels
 from kv_preflight.config import Config
+from kv_preflight.index.entries import Lookup
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.pod_meta import ScoringInfo
 from kv_preflight.index.presence import read_group_bits
 from kv_preflight.predictor.scoring.groups import CompleteGroups, apply_groups, group_findings, keys_needed, pods_groups
-from kv_preflight.keys.chain import salted_request_keys
+from kv_preflight.keys.multimodal import MultimodalItem
+from kv_preflight.keys.prompt import PromptKeys
 
 
 MAX_FRESHNESS_PODS = 64  # route candidates a route's freshness lists beside the pods holding the prompt
@@ -122,16 +124,17 @@ class Predictor:
         return 2 * self.cfg.valkey_timeout_s
 
     async def predict(self, req: PredictRequest) -> Prediction:
-        model, keys, n_tokens, head = await self._request_keys(req)
-        prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
+        model, prompt, n_tokens, head = await self._request_keys(req)
+        prediction = await self._predict_keys(model, prompt.keys, n_tokens, await self.expand_pods(req.pods), prompt)
         warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
         return msgspec.structs.replace(with_ranks(prediction, self.dp_pods()), warnings=warnings)
 
     def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
         return self.warnings.check(model, head, chat=req.prompt is None)
 
-    async def _request_keys(self, req: PredictRequest) -> tuple[str, list[int], int, list[int]]:
-        """(model, request keys, prompt length, first two tokens) of a parsed request, tokenizing prompt/messages first."""
+    async def _request_keys(self, req: PredictRequest) -> tuple[str, PromptKeys, int, list[int]]:
+        """(model, the prompt's request keys, prompt length, first two tokens) of a parsed request, tokenizing
+        prompt/messages first."""
         model = req.model
         assert model  # parse_request guarantees it
         if req.token_ids is not None:
@@ -144,12 +147,22 @@ class Predictor:
             if not tokens:
                 raise BadRequest(f"the {source} tokenizer turned the input into no tokens")
             check_token_count(len(tokens), self.cfg.max_tokens)
+            if req.mm_items:
+                req.mm_items = check_mm_items(req.mm_items, len(tokens))
+        prompt = self.prompt_keys(model, tokens, req.cache_salt, req.mm_items)
+        return model, prompt, len(tokens), tokens[:2]
+
+    def prompt_keys(self, model: str, tokens: Sequence[int], cache_salt: str | None = None,
+                    items: Sequence[MultimodalItem] | None = None) -> PromptKeys:
+        """The prompt's keys under ``model`` (an adapter's name roots an adapter's chain), its canonical chain
+        computed now: a token id outside uint32 is the client's error (400)."""
+        prompt = PromptKeys(tokens, model, self.cfg.block_size, hash_seed=self.cfg.hash_seed, cache_salt=cache_salt,
+                            items=items or (), hash_algo=self.cfg.hash_algo)
         try:
-            keys = salted_request_keys(tokens, model=model, hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
-                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
+            prompt.keys
         except ValueError as exc:
             raise BadRequest(clip(str(exc))) from None
-        return model, keys, len(tokens), tokens[:2]
+        return prompt
 
     async def predict_keyed(self, req: KeyedRequest) -> Prediction:
         """A token_ids request whose keys the request parser already computed (the fast path)."""
@@ -174,7 +187,10 @@ class Predictor:
                 "the pods filter names retired pod(s) " + _names(gone) + ": never offered, counted as holding nothing")))
         return out
 
-    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
+    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None,
+                            prompt: PromptKeys | None = None) -> Prediction:
+        """``keys``: the prompt's canonical chain; ``prompt``: the prompt itself, when its multimodal items key it
+        differently per engine block size (each pod is then read under the chain of its own size)."""
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
@@ -186,12 +202,18 @@ class Predictor:
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
-                found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
-                matches, unanswered, why = found.matches, found.unanswered_from, found.unanswered_why
+                if prompt is not None:
+                    found_sets = await self.lookup_prompt(prompt, pods)
+                else:
+                    found_sets = [(keys, await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup))]
+                sets = [(k, [m for m in f.matches if base_pod(m.pod_id) not in retired], f) for k, f in found_sets]
+                matches = [m for _, ms, _ in sets for m in ms]
                 if pods is not None:  # the ranks found of a pod named (before a registry read lists them)
                     pods = expand_ranks(pods, [m.pod_id for m in matches])
-                if retired:
-                    matches = [m for m in matches if base_pod(m.pod_id) not in retired]
+                cut = [f for _, f in found_sets if f.unanswered_from is not None]
+                if cut:
+                    first = min(cut, key=lambda f: f.unanswered_from)
+                    unanswered, why = first.unanswered_from, first.unanswered_why
                 try:
                     infos = await self.metadata.pod_infos(m.pod_id for m in matches)
                 except VALKEY_ERRORS:
@@ -204,7 +226,8 @@ class Predictor:
                 hybrid = pods_groups({p: i.groups for p, i in infos.items() if i.groups}, declared)
                 findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared, self.complete_groups)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
-                    matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len, found.group_bits)
+                    matches = [m for k, ms, f in sets
+                               for m in await self._hybrid_matches(k, ms, hybrid, infos, prompt_len, f.group_bits)]
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model))
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
@@ -237,6 +260,54 @@ class Predictor:
         return answer_freshness(per_pod, partial=prediction.partial,
                                 incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
                                 aged=self.fleet.aged if self.fleet is not None else None)
+
+    async def lookup_prompt(self, prompt: PromptKeys, pods: list[str] | None) -> list[tuple[list[int], Lookup]]:
+        """Each pod's prefix of the prompt, as (chain, lookup) pairs: one of a text prompt; a prompt with multimodal
+        items read under the chain of each pod's engine block size (``lookup_per_engine_block``)."""
+        if prompt.items:
+            return await self.lookup_per_engine_block(prompt, pods)
+        return [(prompt.keys, await self.index.lookup_detailed(prompt.keys, pods, mode=self.cfg.lookup))]
+
+    async def lookup_per_engine_block(self, prompt: PromptKeys,
+                                      pods: list[str] | None) -> list[tuple[list[int], Lookup]]:
+        """A prompt with multimodal items read once per engine block size among the pods that may hold it (the
+        pods filter, else the model's pods): each chain's matches kept for the pods of its size only (a pod's
+        size is its meta's ``engine_block_size``; the canonical size while it has none). A pod found holding
+        the prompt whose size was not looked up yet (not listed under the model when this began) is read under
+        its own chain in a second round. Sizes whose chains are the same share one lookup."""
+        canonical = self.cfg.block_size
+        if pods is not None:
+            candidates = set(pods)
+        else:
+            candidates = await self.metadata.pods_of(prompt.model)
+            if self.fleet is not None:
+                candidates |= self.fleet.serving(prompt.model)
+        infos = dict(await self.metadata.pod_infos(sorted(candidates))) if candidates else {}
+
+        def size_of(pod: str) -> int:
+            info = infos.get(pod)
+            return info.engine_block_size if info is not None and info.engine_block_size else canonical
+
+        sizes = {size_of(p) for p in candidates} or {canonical}
+        chains: dict[int, tuple[int, ...]] = {}  # engine block size -> its chain
+        found: dict[tuple[int, ...], Lookup] = {}
+        for _round in range(2):
+            for size in sorted(sizes - set(chains)):
+                chain = chains[size] = tuple(prompt.for_engine_block(size))
+                if chain not in found:
+                    found[chain] = await self.index.lookup_detailed(list(chain), pods, mode=self.cfg.lookup)
+            held = {m.pod_id for f in found.values() for m in f.matches} - set(infos)
+            if held:
+                infos.update(await self.metadata.pod_infos(sorted(held)))
+            sizes |= {size_of(m.pod_id) for f in found.values() for m in f.matches}
+            if sizes <= set(chains):
+                break
+        out = []
+        for chain, f in found.items():
+            mine = {size for size, c in chains.items() if c == chain}
+            out.append((list(chain), Lookup([m for m in f.matches if size_of(m.pod_id) in mine], f.unanswered_from,
+                                            f.group_bits, f.unanswered_why)))
+        return out
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
                               infos: dict[str, ScoringInfo], prompt_len: int,
@@ -283,8 +354,9 @@ class Predictor:
     # ---- routing
 
     async def route(self, req: PredictRequest) -> RouteDecision:
-        model, keys, n_tokens, head = await self._request_keys(req)
-        decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods), req.max_staleness_ms)
+        model, prompt, n_tokens, head = await self._request_keys(req)
+        decision = await self._route_keys(model, prompt.keys, n_tokens, await self.expand_pods(req.pods),
+                                          req.max_staleness_ms, prompt)
         return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
@@ -294,10 +366,10 @@ class Predictor:
         return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req) + decision.warnings)
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None,
-                          max_staleness_ms: int | None = None) -> RouteDecision:
+                          max_staleness_ms: int | None = None, prompt: PromptKeys | None = None) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
-        prediction = await self._predict_keys(model, keys, n_tokens, pods)
+        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         stale: list[str] = []

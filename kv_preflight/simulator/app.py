@@ -124,11 +124,20 @@ class SimulatorApp:
 
     # ---- helpers ----
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    def _check_model(self, body: dict[str, Any]) -> tuple[str, int] | None:
+        """The LoRA adapter a request names (its name and id: 1, 2, ... as served), None for the model; 404 for
+        any other name."""
         model = body.get("model")
-        if model is not None and model != self.cfg.model:
-            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.",
-                           status=404, kind="NotFoundError", param="model")
+        if model is None or model == self.cfg.model:
+            return None
+        if model in self.cfg.adapters:
+            return model, self.cfg.adapters.index(model) + 1
+        raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.",
+                       status=404, kind="NotFoundError", param="model")
+
+    def _served(self, gen: Generation) -> str:
+        """The model name an answer gives: the adapter's for an adapter's request, as vLLM answers."""
+        return gen.lora[0] if gen.lora else self.cfg.model
 
     def _max_tokens(self, body: dict[str, Any], num_prompt: int, default: int | None) -> int:
         limit = self.cfg.max_model_len
@@ -171,19 +180,19 @@ class SimulatorApp:
     async def completions(self, request: Request) -> Response:
         try:
             body = await _json_body(request)
-            self._check_model(body)
+            lora = self._check_model(body)
             prompt_ids = _prompt_ids(body.get("prompt"), bool(body.get("add_special_tokens", True)))
             max_tokens = self._max_tokens(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
             runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await runner.generate(prompt_ids, max_tokens)
+        gen = await runner.generate(prompt_ids, max_tokens, lora)
         rid, text = f"cmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
             return self._stream(rid, "text_completion", chunk, gen, body, chat=False)
         return JSONResponse({
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.cfg.model,
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": self._served(gen),
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
                          "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}],
             "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": self._usage(gen, chat=False),
@@ -193,20 +202,20 @@ class SimulatorApp:
     async def chat_completions(self, request: Request) -> Response:
         try:
             body = await _json_body(request)
-            self._check_model(body)
+            lora = self._check_model(body)
             prompt_ids = _messages_ids(body)
             max_tokens = self._max_tokens(body, len(prompt_ids), None)
             runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await runner.generate(prompt_ids, max_tokens)
+        gen = await runner.generate(prompt_ids, max_tokens, lora)
         rid, text = f"chatcmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": None,
                      "finish_reason": "length", "stop_reason": None}
             return self._stream(rid, "chat.completion.chunk", chunk, gen, body, chat=True)
         return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.cfg.model,
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self._served(gen),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
                                                  "tool_calls": [], "reasoning": None},
                          "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}],
@@ -220,7 +229,7 @@ class SimulatorApp:
         opts = body.get("stream_options") or {}
 
         async def events() -> AsyncIterator[bytes]:
-            base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.cfg.model}
+            base = {"id": rid, "object": obj, "created": int(time.time()), "model": self._served(gen)}
             yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n".encode()
             if isinstance(opts, dict) and opts.get("include_usage"):
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(gen, chat)})}\n\n".encode()
@@ -266,7 +275,10 @@ class SimulatorApp:
     async def models(self, request: Request) -> Response:
         card = {"id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "vllm",
                 "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len, "permission": []}
-        return JSONResponse({"object": "list", "data": [card]})
+        # vLLM lists each LoRA adapter after its base, the base as its parent
+        adapters = [{**card, "id": a, "root": f"/adapters/{a}", "parent": self.cfg.model, "max_model_len": None}
+                    for a in self.cfg.adapters]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)

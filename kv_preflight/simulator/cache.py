@@ -36,19 +36,22 @@ SPEC_KIND = "full_attention"
 _ROOT = b"kv-preflight-simulator-root"
 
 
-def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """A 64-bit content hash of one block: parent hash + token ids (not vLLM's, but equally chained)."""
+def chain_hash(parent: int | None, tokens: Sequence[int], lora: str | None = None) -> int:
+    """A 64-bit content hash of one block: parent hash + token ids, and a LoRA adapter's name, which vLLM hashes
+    into every block of an adapter's request (not vLLM's hash, but equally chained and keyed)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(_ROOT if parent is None else parent.to_bytes(8, "big"))
     h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    if lora is not None:
+        h.update(b"lora:" + lora.encode())
     return int.from_bytes(h.digest(), "big")
 
 
-def extend_block_hashes(hashes: list[int], tokens: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(hashes: list[int], tokens: Sequence[int], block_size: int, lora: str | None = None) -> None:
     """Hash every full block of ``tokens`` not yet in ``hashes`` (decode output grows them)."""
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hashes[i - 1] if i else None
-        hashes.append(chain_hash(parent, tokens[i * block_size : (i + 1) * block_size]))
+        hashes.append(chain_hash(parent, tokens[i * block_size : (i + 1) * block_size], lora))
 
 
 @dataclass(eq=False)
@@ -66,6 +69,7 @@ class RequestBlocks:
     block_hashes: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already in the hash map (hits or stored)
+    lora: tuple[str, int] | None = None  # the LoRA adapter's name and id, for an adapter's request
 
 
 class PrefixCache:
@@ -114,9 +118,10 @@ class PrefixCache:
 
     # ---- request life cycle ----
 
-    def new_request(self, token_ids: Sequence[int]) -> RequestBlocks:
-        req = RequestBlocks(token_ids=list(token_ids))
-        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size)
+    def new_request(self, token_ids: Sequence[int], lora: tuple[str, int] | None = None) -> RequestBlocks:
+        """``lora``: the adapter's name and id, for a request naming a LoRA adapter."""
+        req = RequestBlocks(token_ids=list(token_ids), lora=lora)
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, lora[0] if lora else None)
         return req
 
     def find_cached_prefix(self, req: RequestBlocks) -> list[Block]:
@@ -163,7 +168,8 @@ class PrefixCache:
 
     def cache_full_blocks(self, req: RequestBlocks, num_tokens: int) -> None:
         """Hash-map every block completed within the first ``num_tokens`` tokens; one BlockStored."""
-        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size)
+        name = req.lora[0] if req.lora else None
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, name)
         full = min(num_tokens, len(req.token_ids)) // self.block_size
         start = req.num_cached_blocks
         if full <= start:
@@ -180,10 +186,11 @@ class PrefixCache:
                 parent_block_hash=req.block_hashes[start - 1] if start else None,
                 token_ids=req.token_ids[start * bs : full * bs],
                 block_size=bs,
-                lora_id=None,
+                lora_id=req.lora[1] if req.lora else None,
                 medium=MEDIUM_GPU,
-                lora_name=None,
-                extra_keys=[None] * len(new_hashes),
+                lora_name=name,
+                # vLLM 0.32: the adapter's name, untagged, first in every block's extra keys
+                extra_keys=[[name] if name else None for _ in new_hashes],
                 group_idx=GROUP_IDX,
                 kv_cache_spec_kind=SPEC_KIND,
             )

@@ -33,6 +33,10 @@ class SimulatorConfig:
     # cache and its own publisher on the event and replay ports + its rank (vLLM's offset_endpoint_port); a
     # request goes to the rank its X-data-parallel-rank header names, else to the least loaded.
     dp_size: int = 1
+    # LoRA adapters served beside the model (vLLM's --lora-modules NAME=PATH), by name: a request naming one
+    # caches its blocks under the adapter (its own hashes), and its events carry lora_name, lora_id (1, 2, ...
+    # in this order) and the name in each block's extra_keys, as vLLM 0.32 publishes them
+    adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...] | None:
@@ -75,3 +79,7 @@ class SimulatorConfig:
             raise ValueError("data-parallel size must be between 1 and 64")
         if self.step_delay_s < 0:
             raise ValueError("step delay must not be negative")
+        if any(not a or a == self.model for a in self.adapters) or len(set(self.adapters)) != len(self.adapters):
+            raise ValueError("adapter names must be non-empty, distinct and not the model's")
+        if self.adapters and self.sliding_window is not None:
+            raise ValueError("LoRA adapters are simulated with a plain model only")

@@ -34,6 +34,7 @@ class Generation:
     max_tokens: int
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
+    lora: tuple[str, int] | None = None  # the LoRA adapter's name and id, when the request names one
 
 
 def output_token(prompt_ids: Sequence[int], index: int, alphabet: Sequence[int]) -> int:
@@ -50,7 +51,8 @@ def run_request(cache: PrefixCache | HybridPrefixCache, gen: Generation, alphabe
     """
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    req: RequestBlocks | HybridRequest = cache.new_request(gen.prompt_ids)
+    req: RequestBlocks | HybridRequest = (cache.new_request(gen.prompt_ids, gen.lora) if gen.lora
+                                          else cache.new_request(gen.prompt_ids))
     gen.cached_tokens = cache.admit(req)
     try:
         num_prompt = len(gen.prompt_ids)

@@ -49,14 +49,14 @@ class EngineRunner:
         """Blocks a request holds at most: KV for prompt + outputs - 1 tokens (in every KV cache group)."""
         return self.cache.peak_blocks(num_prompt + max_tokens - 1)
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
-        """Run one request to completion; the caller has checked it fits the pool."""
+    async def generate(self, prompt_ids: list[int], max_tokens: int, lora: tuple[str, int] | None = None) -> Generation:
+        """Run one request to completion (``lora``: its adapter's name and id); the caller has checked it fits."""
         self.counters.waiting += 1
         try:
             await self._lock.acquire()
         finally:
             self.counters.waiting -= 1
-        gen = Generation(prompt_ids=list(prompt_ids), max_tokens=max_tokens)
+        gen = Generation(prompt_ids=list(prompt_ids), max_tokens=max_tokens, lora=lora)
         self.counters.running = 1
         steps = run_request(self.cache, gen, self.alphabet)
         try:

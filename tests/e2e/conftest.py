@@ -60,22 +60,50 @@ def hybrid_model_dir() -> str:
     return path
 
 
+def vllm_python() -> str:
+    """The vLLM venv's python (the launcher's, installed by it on first use): it has torch for make-lora.py."""
+    venv = os.environ.get("KVPF_VLLM_VENV", os.path.expanduser("~/.cache/vllm-cpu-venv"))
+    python = os.path.join(venv, "bin", "python")
+    if not os.access(python, os.X_OK):
+        subprocess.run([os.path.join(os.path.dirname(launcher()), "install.sh"), venv], check=True,
+                       capture_output=True, timeout=900)
+    return python
+
+
+def make_lora(path: str, seed: int) -> str:
+    """A random PEFT adapter for the launcher's tiny model (its make-lora.py) in ``path``."""
+    subprocess.run([vllm_python(), os.path.join(os.path.dirname(launcher()), "make-lora.py"), path, str(seed)],
+                   check=True, capture_output=True, timeout=300)
+    return path
+
+
+def make_loras(pod: str, names: tuple[str, ...]) -> dict[str, str]:
+    """One adapter per name (seeds 1, 2, ...): name -> directory."""
+    return {name: make_lora(f"/tmp/kvpf-lora-{pod}-{name}", seed) for seed, name in enumerate(names, 1)}
+
+
 def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: int, bind_events: bool = True,
-               timeout_s: float = 400, model_dir: str | None = None, extra: tuple[str, ...] = ()) -> VllmEngine:
+               timeout_s: float = 400, model_dir: str | None = None, loras: tuple[str, ...] = (),
+               extra: tuple[str, ...] = ()) -> VllmEngine:
     log = f"/tmp/kvpf-vllm-{pod}.log"
     args = [launcher(), "--pod", pod, "--port", str(port), "--zmq-port", str(zmq_port),
             "--replay-port", str(replay_port), "--blocks", str(blocks), "--log", log]
     if model_dir:
         args += ["--model-dir", model_dir]
-    if extra:
-        args += ["--extra", " ".join(extra)]
     if bind_events:
         args.append("--bind-events")
+    if loras:
+        # vLLM serves the base model and these adapters; VLLM_ALLOW_RUNTIME_LORA_UPDATING lets a test load and
+        # unload more at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter)
+        modules = " ".join(f"{name}={path}" for name, path in make_loras(pod, loras).items())
+        extra = (*extra, f"--enable-lora --max-lora-rank 8 --max-loras {len(loras) + 1} --lora-modules {modules}")
+    if extra:  # one --extra: the launcher keeps the last one it is given
+        args += ["--extra", " ".join(extra)]
     # One OpenMP thread: the tiny model gains nothing from a second, and with the engines started ahead, the
     # predictor, the ingester and the test on the same few cores, a second thread spin-waiting at every barrier
     # of every step cost about four times the CPU per request (and the wall time with it). A launcher's caller
     # may still set OMP_NUM_THREADS itself.
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if loras else {})}
     # At a lower CPU priority (the engine's processes inherit it): see VllmPool.
     out = subprocess.run(["nice", "-n", str(NICE), *args], capture_output=True, text=True, timeout=timeout_s,
                          env=env)
@@ -95,6 +123,7 @@ class VllmSpec:
     blocks: int
     hybrid: bool = False
     dp_size: int = 1  # vLLM's --data-parallel-size: rank r publishes and replays on the ports + r
+    loras: tuple[str, ...] = ()  # LoRA adapters it serves (made by the launcher's make-lora.py), by name
 
 
 class VllmPool:
@@ -135,7 +164,7 @@ class VllmPool:
         extra = ("--data-parallel-size", str(spec.dp_size)) if spec.dp_size > 1 else ()
         return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_ports(spec.dp_size),
                           replay_port=free_ports(spec.dp_size), blocks=spec.blocks,
-                          model_dir=hybrid_model_dir() if spec.hybrid else None, extra=extra)
+                          model_dir=hybrid_model_dir() if spec.hybrid else None, loras=spec.loras, extra=extra)
 
     def start_ahead(self, spec: VllmSpec) -> None:
         if spec not in self._starting:

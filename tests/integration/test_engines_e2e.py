@@ -108,13 +108,17 @@ async def test_engine_frames_are_ingested_and_predicted(name, valkey_url, predic
         with httpx.Client(base_url=predictor, timeout=10) as client:
             for exp in header["expect"]:
                 if "lora" in exp:
-                    # The predictor knows an adapter only from an engine (--engine-url, /v1/models) or a local
-                    # tokenizer; the index itself must hold its blocks under the mapped adapter name.
+                    # The index holds its blocks under the mapped adapter name, and the predictor knows the adapter
+                    # from the index alone (kvpf:adapters), with no engine URL or tokenizer naming it.
                     keys = request_keys(exp["tokens"], model=exp["model"])
                     (match,) = await ix.lookup(keys, [pod])
                     page = header["page_size"]
                     assert engine_cached_tokens(match.blocks, 16, page, len(exp["tokens"])) == exp["cached"] > 0
                     assert not await ix.lookup(request_keys(exp["tokens"], model=header["model"]), [pod])
+                    resp = client.post("/v1/cache/predict", json={"model": exp["model"], "token_ids": exp["tokens"],
+                                                                  "pods": [pod]})
+                    assert resp.status_code == 200, resp.text
+                    assert resp.json()["predicted_cached_tokens"] == exp["cached"], resp.text
                     continue
                 body = {"model": exp.get("model", header["model"]), "token_ids": exp["tokens"], "pods": [pod]}
                 resp = client.post("/v1/cache/predict", json=body)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from kv_preflight.engines.vllm import ENGINE as VLLM
-from kv_preflight.engines.vllm import cache_salt_of
+from kv_preflight.engines.vllm import read_extra_keys
 from kv_preflight.ingester.bridge import ChainState, plan_batch
 from kv_preflight.events import BlockStored, EventBatch
 from kv_preflight.keys.chain import request_keys, salted_request_keys
+
+
+def cache_salt_of(extra, lora_name):
+    read = read_extra_keys(extra, lora_name)
+    return read.salt if read else None
 
 
 def test_cache_salt_of_vllm_extra_keys():

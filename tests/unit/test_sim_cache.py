@@ -96,6 +96,22 @@ def test_block_stored_fields_match_vllm():
                                 group_idx=0, kv_cache_spec_kind="full_attention")
 
 
+def test_an_adapters_blocks_are_its_own_and_published_as_vllm_does():
+    """vLLM 0.32 hashes the adapter into every block of its request and publishes lora_id, lora_name and the
+    name, untagged, in each block's extra keys: the base model's blocks are no hit for it, and back."""
+    cache = PrefixCache(num_blocks=16, block_size=BS)
+    prompt = tokens(3, 9)
+    serve(cache, prompt)
+    gen = Generation(prompt_ids=prompt, max_tokens=1, lora=("sql", 2))
+    [event] = flat([s.events for s in run_request(cache, gen, tokenizer.OUTPUT_ALPHABET) if s.events])
+    assert gen.cached_tokens == 0
+    assert (event.lora_id, event.lora_name, event.extra_keys) == (2, "sql", [["sql"], ["sql"]])
+    assert set(event.block_hashes).isdisjoint(hashes_of(prompt))
+    again = Generation(prompt_ids=prompt, max_tokens=1, lora=("sql", 2))
+    list(run_request(cache, again, tokenizer.OUTPUT_ALPHABET))
+    assert again.cached_tokens == 8
+
+
 # ---------------------------------------------------------------- pool and eviction order
 
 

@@ -14,6 +14,10 @@ is sent at concurrency 8 three times, the engines' caches reset in between, choo
 The fleet hit rate is the engines' own ``cached_tokens`` over all prompt tokens. Targets: route's hit
 rate at least 0.9x the oracle's; every pod given at least one request and none more than 3x another.
 
+Row ``lora`` is the route row with every engine serving three LoRA adapters (``simulate --lora``) and each
+tenant's requests naming one of them (tenant ``t``: adapter ``t mod 3``): an adapter's blocks are keyed under
+its name, so the route must find them under it, learnt with no flag from the events and /v1/models.
+
 The fleet records (``kvpf:fleet``: engine URL and models; ``kvpf:load``: running/waiting/KV usage with
 Valkey's time) are the ingester's to write. If it has not written them for all four pods a few seconds
 after start (an ingester from before fleet membership), the bench writes them itself as a stand-in,
@@ -49,6 +53,7 @@ TENANTS = 12
 PREFIX_CHARS = 191  # + BOS = 192 tokens: 12 blocks per tenant system prompt (the simulator: 1 token per byte)
 STEP_MS = 10.0  # the engines, not the predictor, are the bottleneck: their queues are what load shows
 MAX_TOKENS = 8
+ADAPTERS = ("sql", "chat", "code")  # row lora: every engine serves them; tenant t names ADAPTERS[t % 3]
 
 
 @dataclass
@@ -83,8 +88,9 @@ class Outcome:
                 "route_load_known": self.load_known, "seconds": round(self.seconds, 2)}
 
 
-def workload(n: int, seed: int = 7) -> list[tuple[int, str]]:
-    """(tenant, prompt): tenants chosen uniformly at random, each prompt its tenant's system prompt + a question."""
+def workload(n: int, seed: int = 7, adapters: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+    """(tenant, model, prompt): tenants chosen uniformly at random, each prompt its tenant's system prompt + a
+    question; the model is the engines' own, or with ``adapters`` the tenant's adapter."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz     "
     prefixes = [(f"tenant-{t:02d} system prompt: " + "".join(rng.choice(letters) for _ in range(PREFIX_CHARS)))
@@ -92,19 +98,20 @@ def workload(n: int, seed: int = 7) -> list[tuple[int, str]]:
     out = []
     for i in range(n):
         t = rng.randrange(TENANTS)
-        out.append((t, prefixes[t] + f" question {i}: " + "".join(rng.choice(letters) for _ in range(40))))
+        model = adapters[t % len(adapters)] if adapters else MODEL
+        out.append((t, model, prefixes[t] + f" question {i}: " + "".join(rng.choice(letters) for _ in range(40))))
     return out
 
 
-async def _send(client: httpx.AsyncClient, engine: Engine, prompt: str) -> tuple[int, int]:
+async def _send(client: httpx.AsyncClient, engine: Engine, model: str, prompt: str) -> tuple[int, int]:
     r = await client.post(engine.url + "/v1/completions",
-                          json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+                          json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
     r.raise_for_status()
     usage = r.json()["usage"]
     return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, str]], predictor_url: str) -> Outcome:
+async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, str, str]], predictor_url: str) -> Outcome:
     out = Outcome()
     by_pod = {e.pod: e for e in engines}
     queue: asyncio.Queue = asyncio.Queue()
@@ -113,20 +120,20 @@ async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, s
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            i, tenant, prompt = queue.get_nowait()
+            i, tenant, model, prompt = queue.get_nowait()
             try:
                 if name == "round robin":
                     engine = engines[i % len(engines)]
                 elif name == "sticky oracle":
                     engine = engines[tenant % len(engines)]
                 else:
-                    r = await client.post(predictor_url + "/v1/cache/route", json={"model": MODEL, "prompt": prompt})
+                    r = await client.post(predictor_url + "/v1/cache/route", json={"model": model, "prompt": prompt})
                     r.raise_for_status()
                     d = r.json()
                     out.route_reasons[d["reason"]] += 1
                     out.load_known += all(c.get("load") is not None for c in d["candidates"])
                     engine = by_pod[d["pod_id"]]
-                n, cached = await _send(client, engine, prompt)
+                n, cached = await _send(client, engine, model, prompt)
             except (httpx.HTTPError, KeyError, TypeError, ValueError):
                 out.errors += 1
                 continue
@@ -180,8 +187,8 @@ async def _fleet_pods(valkey_url: str) -> set[str]:
         await index.close()
 
 
-def _predicted(predictor_url: str, prompt: str) -> int:
-    r = httpx.post(predictor_url + "/v1/cache/predict", json={"model": MODEL, "prompt": prompt}, timeout=10)
+def _predicted(predictor_url: str, model: str, prompt: str) -> int:
+    r = httpx.post(predictor_url + "/v1/cache/predict", json={"model": model, "prompt": prompt}, timeout=10)
     return r.json().get("predicted_cached_tokens", -1) if r.status_code == 200 else -1
 
 
@@ -193,15 +200,18 @@ def _wait(check, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
-    print("routing across a fleet (4 simulated engines, serve --valkey-url only, concurrency 8)", flush=True)
+def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[str, ...] = ()) -> None:
+    """Row ``route`` (``adapters`` empty) or ``lora`` (every tenant names one of ``adapters``)."""
+    row = "route (LoRA)" if adapters else "route"
+    print(f"routing across a fleet (4 simulated engines{', each serving ' + str(len(adapters)) + ' LoRA adapters' if adapters else ''}, "
+          "serve --valkey-url only, concurrency 8)", flush=True)
     import redis
 
     r = redis.Redis.from_url(vk.url)
     r.flushall()
     r.close()
     n = 120 if quick else 360
-    reqs = workload(n)
+    reqs = workload(n, adapters=adapters)
     engines = [Engine(f"sim-{i}", free_port()) for i in range(PODS)]
     servers: list[Server] = []
     writer: StandInFleetWriter | None = None
@@ -210,7 +220,8 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
             zmq, replay = free_port(), free_port()
             e.server = Server([python(), "-m", "kv_preflight", "simulate", "--pod", e.pod, "--model", MODEL,
                                "--port", str(e.port), "--zmq", f"tcp://*:{zmq}", "--replay", f"tcp://*:{replay}",
-                               "--block-size", "16", "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS)],
+                               "--block-size", "16", "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS),
+                               *[a for name in adapters for a in ("--lora", name)]],
                               e.port, tmp / f"{e.pod}.log")
             servers.append(e.server)
         for s in servers:
@@ -235,17 +246,18 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
             writer.thread.start()
         print(f"  fleet records written by: {records_by}", flush=True)
         # the ingester follows every engine before anything is measured
-        probe = reqs[0][1]
+        _, probe_model, probe = reqs[0]
         for e in engines:
-            httpx.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": probe, "max_tokens": 1}, timeout=30)
-        _wait(lambda: _predicted(purl, probe) > 0, "the ingester did not index the probe")
+            httpx.post(e.url + "/v1/completions", json={"model": probe_model, "prompt": probe, "max_tokens": 1},
+                       timeout=30)
+        _wait(lambda: _predicted(purl, probe_model, probe) > 0, "the ingester did not index the probe")
         outcomes: dict[str, Outcome] = {}
         for name in ("round robin", "sticky oracle", "route"):
             for e in engines:
                 httpx.post(e.url + "/reset_prefix_cache", timeout=10)
                 # the simulator publishes AllBlocksCleared with its next step's batch (as vLLM): take one step
                 httpx.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
-            _wait(lambda: _predicted(purl, probe) == 0, "the index did not see the cache resets")
+            _wait(lambda: _predicted(purl, probe_model, probe) == 0, "the index did not see the cache resets")
             outcomes[name] = asyncio.run(run_strategy(name, engines, reqs, purl))
             o = outcomes[name]
             print(f"  {name}: hit rate {o.hit_rate:.3f}, per pod {dict(sorted(o.per_pod.items()))}, "
@@ -258,14 +270,15 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
             s.stop()
     rr, oracle, route = outcomes["round robin"], outcomes["sticky oracle"], outcomes["route"]
     ratio = route.hit_rate / oracle.hit_rate if oracle.hit_rate else 0.0
-    res.add("route: fleet hit rate", f"route {route.hit_rate:.2f}, oracle {oracle.hit_rate:.2f} "
+    res.add(f"{row}: fleet hit rate", f"route {route.hit_rate:.2f}, oracle {oracle.hit_rate:.2f} "
             f"({ratio:.2f}x), round robin {rr.hit_rate:.2f}", ">= 0.9x the sticky oracle", "round robin",
             route.hit_rate / rr.hit_rate if rr.hit_rate else None, ratio >= 0.9 and route.errors == 0)
     counts = [route.per_pod.get(e.pod, 0) for e in engines]
     spread_ok = min(counts) >= 1 and max(counts) <= 3 * min(counts)
-    res.add("route: requests per pod", " / ".join(str(c) for c in counts) + f" ({n} requests)",
+    res.add(f"{row}: requests per pod", " / ".join(str(c) for c in counts) + f" ({n} requests)",
             "every pod >= 1, none > 3x another", "oracle " + " / ".join(str(oracle.per_pod.get(e.pod, 0))
                                                                           for e in engines), None, spread_ok)
-    res.extra["route"] = {"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
+    res.extra["route_lora" if adapters else "route"] = {"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
+                          "adapters": list(adapters),
                           "concurrency": CONCURRENCY, "engine_blocks": ENGINE_BLOCKS,
                           **{k: o.as_dict() for k, o in outcomes.items()}}

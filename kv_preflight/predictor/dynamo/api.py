@@ -40,7 +40,8 @@ from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.presence import read_group_bits
-from kv_preflight.keys.chain import salted_request_keys
+from kv_preflight.keys.multimodal import checked_items
+from kv_preflight.keys.prompt import PromptKeys
 from kv_preflight.predictor.scoring.groups import apply_groups, pods_groups
 
 log = logging.getLogger("kvpf.dynamo")
@@ -243,9 +244,11 @@ class DynamoApi:
             return 404, {"error": f"no indexer for model={req.model_name} routing_group={req.routing_group}"}
         block_sizes = {r.block_size for r in part if r.block_size}
         try:
-            keys = salted_request_keys(req.token_ids, model=req.lora_name or req.model_name,
-                                       hash_seed=self.cfg.hash_seed, block_size=self.cfg.block_size,
-                                       cache_salt=req.cache_salt, hash_algo=self.cfg.hash_algo)
+            items = checked_items(req.mm_items, len(req.token_ids)) if req.mm_items else ()
+            prompt = PromptKeys(req.token_ids, req.lora_name or req.model_name, self.cfg.block_size,
+                                hash_seed=self.cfg.hash_seed, cache_salt=req.cache_salt, items=items,
+                                hash_algo=self.cfg.hash_algo)
+            keys = prompt.keys
         except ValueError as exc:
             return 422, {"error": str(exc)[:300]}
         prefixes: dict[str, tuple[int, int, int]] = {}
@@ -253,21 +256,12 @@ class DynamoApi:
         incomplete: list = []
         if keys:
             async with valkey_call(self.deadline_s, "query"):
-                # The lookup script (one round trip) finds each pod's prefix over every tier; only that deep
-                # are the keys' fields read to split it by tier (nothing at all on a miss).
-                matches = await self.index.lookup(keys, list(worker_of))
-                depth = max((m.blocks for m in matches), default=0)
-                fields = await self.index.fields_per_key(keys[:depth]) if depth else []
-                prefixes = tier_prefixes(fields, worker_of)
-                ranked = dp_pods_of(worker_of)
-                if ranked:  # the ranks of a pod share its llm-d entries: each rank's prefix is its bits'
-                    prefixes = {p: v for p, v in prefixes.items() if base_pod(p) not in ranked}
-                    prefixes.update({m.pod_id: rank_prefix(m.blocks, m.tier) for m in matches
-                                     if base_pod(m.pod_id) in ranked})
-                infos = await self.index.meta.scoring_infos(sorted(prefixes))  # block size and KV cache groups
-                hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
-                if hybrid:
-                    prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, len(req.token_ids))
+                infos = []
+                for chain, pods in (await self._chains(prompt, part, worker_of)).items():
+                    got, got_infos = await self._prefixes(list(chain), pods, worker_of, req.model_name,
+                                                          len(req.token_ids))
+                    prefixes.update(got)
+                    infos += got_infos
             engine_blocks = {i.pod_id: i.engine_block_size for i in infos}
             incomplete = [i for i in infos if i.incomplete]
             if not block_sizes:
@@ -284,6 +278,42 @@ class DynamoApi:
         fresh = answer_freshness({label.get(p, p): f for p, f in per_pod.items()},
                                  incomplete=[label.get(i.pod_id, i.pod_id) for i in incomplete])
         return 200, msgspec.structs.replace(answer, freshness=fresh)
+
+    async def _chains(self, prompt: PromptKeys, part: list[fleet.RegisteredEngine],
+                      worker_of: Mapping[str, tuple[int, int]]) -> dict[tuple[int, ...], list[str]]:
+        """The workers to read under each chain of the prompt: all under one for a text prompt; with multimodal
+        items, each under the chain of its engine block size (its registration's, else its meta's, else the
+        canonical size), sizes that give the same chain together (keys/prompt.py)."""
+        pods = sorted(worker_of)
+        if not prompt.items:
+            return {tuple(prompt.keys): pods}
+        registered = {r.pod: r.block_size for r in part if r.block_size}
+        infos = {i.pod_id: i for i in await self.index.meta.scoring_infos([p for p in pods if p not in registered])}
+        out: dict[tuple[int, ...], list[str]] = {}
+        for pod in pods:
+            info = infos.get(pod)
+            size = registered.get(pod) or (info.engine_block_size if info is not None else None)
+            out.setdefault(tuple(prompt.for_engine_block(size)), []).append(pod)
+        return out
+
+    async def _prefixes(self, keys: list[int], pods: list[str], worker_of: Mapping[str, tuple[int, int]], model: str,
+                        n_tokens: int) -> tuple[dict[str, tuple[int, int, int]], list[Any]]:
+        """Each of ``pods``' tier prefixes of the chain, and the pods' scoring infos. The lookup script (one round
+        trip) finds each pod's prefix over every tier; only that deep are the keys' fields read to split it by
+        tier (nothing at all on a miss)."""
+        matches = await self.index.lookup(keys, pods)
+        depth = max((m.blocks for m in matches), default=0)
+        fields = await self.index.fields_per_key(keys[:depth]) if depth else []
+        prefixes = tier_prefixes(fields, {p: worker_of[p] for p in pods})
+        ranked = dp_pods_of(pods)
+        if ranked:  # the ranks of a pod share its llm-d entries: each rank's prefix is its bits'
+            prefixes = {p: v for p, v in prefixes.items() if base_pod(p) not in ranked}
+            prefixes.update({m.pod_id: rank_prefix(m.blocks, m.tier) for m in matches if base_pod(m.pod_id) in ranked})
+        infos = await self.index.meta.scoring_infos(sorted(prefixes))  # block size and KV cache groups
+        hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(model))
+        if hybrid:
+            prefixes = await self._hybrid_prefixes(keys, matches, prefixes, hybrid, infos, n_tokens)
+        return prefixes, infos
 
     async def _fleet_view(self) -> fleet.FleetView | None:
         """The fleet's leases, read at most once a second (they are renewed once a second)."""

@@ -21,6 +21,7 @@ from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.index.entries import parse_entry
 from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.keys.chain import MAX_TOKEN_ID, fnv64a
+from kv_preflight.keys.multimodal import MultimodalItem
 
 DEFAULT_ROUTING_GROUP = "default"  # Dynamo's default_routing_group()
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
@@ -60,6 +61,9 @@ class QueryRequest(msgspec.Struct):
     tenant_id: str | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    # kv-preflight's addition: the prompt's multimodal items as the engine sees them, keyed as /v1/cache/predict
+    # keys them (kv_preflight/keys/multimodal.py); Dynamo's indexer /query takes none
+    mm_items: list[MultimodalItem] | None = None
 
 
 class OverlapSummary(msgspec.Struct):

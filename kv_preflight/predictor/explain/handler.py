@@ -20,13 +20,13 @@ from kv_preflight.predictor.explain import rules
 from kv_preflight.predictor.http.errors import BadRequest, EngineRejected, EngineUnavailable, clip
 from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
 from kv_preflight.predictor.explain.warnings import hints_from_probe
-from kv_preflight.predictor.http.request import PredictRequest, check_token_count, parse_request
+from kv_preflight.predictor.http.request import PredictRequest, check_mm_items, check_token_count, parse_request
+from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
 from kv_preflight.predictor.scoring.ranks import rank_of, with_ranks
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
                                                    window_cut)
 from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor, valkey_call
-from kv_preflight.keys.chain import request_keys
 from kv_preflight.index.presence import read_group_bits
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
@@ -66,38 +66,50 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     model = req.model
     assert model
     tokens, source = await _tokens(p, req)
-    keys = _keys(p, tokens, model)
+    if req.mm_items:
+        req.mm_items = check_mm_items(req.mm_items, len(tokens))
+    prompt = p.prompt_keys(model, tokens, req.cache_salt, req.mm_items)
     cfg = p.cfg
     # a pod named stands for its other names and its data-parallel ranks (Predictor.expand_pods)
     req = msgspec.structs.replace(req, pods=await p.expand_pods(req.pods))
     async with valkey_call(p.valkey_deadline_s * 4, "explain lookups"):
-        found = await p.index.lookup_detailed(keys, req.pods, mode=cfg.lookup) if req.pods != [] else None
-        roots = sorted(_other_models(p, await p.metadata.known_models()) - {model})[:MAX_OTHER_MODELS]
+        sets = await p.lookup_prompt(prompt, req.pods) if req.pods != [] else []
+        known = await p.metadata.known_models()
+        roots = _other_roots(p, model, _other_models(p, known) - {model})[:MAX_OTHER_MODELS]
         elsewhere = []
         for root in roots:
-            got = await p.index.lookup_detailed(_keys(p, tokens, root), req.pods, mode=cfg.lookup)
-            elsewhere.extend((root, m) for m in got.matches)
+            for _, got in await p.lookup_prompt(p.prompt_keys(root, tokens, req.cache_salt, req.mm_items), req.pods):
+                elsewhere.extend((root, m) for m in got.matches)
         serving = sorted(await p.metadata.pods_of(model))
-        matches = found.matches if found else []
+        matches = [m for _, f in sets for m in f.matches]
         infos = await p.metadata.pod_infos({m.pod_id for m in matches} | {m.pod_id for _, m in elsewhere}
                                            | set(serving[:MAX_POD_CHAINS]))
         declared = cfg.group_specs.get(model)
         hybrid = pods_groups({pod: i.groups for pod, i in infos.items()}, declared)
         group_notes = group_findings(model, (m.pod_id for m in matches), hybrid, declared, p.complete_groups)
-        if hybrid and keys_needed(matches, hybrid):  # a hybrid pod reuses what every KV cache group's rule accepts
-            presence = await read_group_bits(p.index.backend, keys[:keys_needed(matches, hybrid)])
-            nums = await p.index.numbering.pod_numbers(hybrid)
-            adjusted = apply_groups(matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()}, presence,
-                                    nums, cfg.block_size, len(tokens))
-            group_notes += _group_cuts(matches, adjusted, hybrid, infos, GroupBits(presence), nums, cfg.block_size,
-                                       len(tokens))
-            matches = adjusted
+        if hybrid:  # a hybrid pod reuses what every KV cache group's rule accepts
+            matches = []
+            for keys, f in sets:
+                if not keys_needed(f.matches, hybrid):
+                    matches += f.matches
+                    continue
+                presence = await read_group_bits(p.index.backend, keys[:keys_needed(f.matches, hybrid)])
+                nums = await p.index.numbering.pod_numbers(hybrid)
+                adjusted = apply_groups(f.matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()},
+                                        presence, nums, cfg.block_size, len(tokens))
+                group_notes += _group_cuts(f.matches, adjusted, hybrid, infos, GroupBits(presence), nums,
+                                           cfg.block_size, len(tokens))
+                matches += adjusted
+    partial = [f for _, f in sets if f.partial]
+    if req.pods is not None:  # the ranks found of a pod named (before a registry read lists them)
+        req = msgspec.structs.replace(req, pods=expand_ranks(req.pods, [m.pod_id for m in matches]))
     engine_blocks = {pod: i.engine_block_size for pod, i in infos.items()}
     prediction = score(matches, prompt_len=len(tokens), canonical_block=cfg.block_size, engine_blocks=engine_blocks,
                        incomplete={pod for pod, i in infos.items() if i.incomplete}, pods=req.pods,
                        ttft=p.ttft.for_model(model))
-    if found is not None and found.partial:
-        prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=found.unanswered_from)
+    if partial:
+        prediction = msgspec.structs.replace(prediction, partial=True,
+                                             partial_from_block=min(f.unanswered_from for f in partial))
 
     def chain(root: str, pod: str, blocks: int, tier: str | None) -> PodChain:
         return rules.pod_chain(pod, root, blocks, canonical_block=cfg.block_size, engine_block=engine_blocks.get(pod),
@@ -117,7 +129,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     text = _input_text(req)
     if text is not None:
         findings += rules.text_findings(text, len(tokens))
-    findings += rules.other_model_findings(chains + other_chains, model)
+    findings += rules.other_model_findings(chains + other_chains, model, _relations(p, model, roots))
 
     decoded_by = None
     divergence = None
@@ -192,13 +204,6 @@ async def _tokens(p: Predictor, req: PredictRequest) -> tuple[list[int], str]:
     return tokens, source
 
 
-def _keys(p: Predictor, tokens: Sequence[int], model: str) -> list[int]:
-    try:
-        return request_keys(tokens, model=model, hash_seed=p.cfg.hash_seed, block_size=p.cfg.block_size)
-    except ValueError as exc:
-        raise BadRequest(clip(str(exc))) from None
-
-
 def _other_models(p: Predictor, known: frozenset[str]) -> set[str]:
     """Every model name the predictor has heard of: the index's, the configured engines' and tokenizers', and
     what the scraped engines list in /v1/models (LoRA adapters included)."""
@@ -206,6 +211,37 @@ def _other_models(p: Predictor, known: frozenset[str]) -> set[str]:
     if p.load is not None:
         for served in p.load.served.values():
             out |= set(served)
+    return out
+
+
+def _base_of(p: Predictor, model: str) -> str | None:
+    """The base model of a LoRA adapter: from the index (the pods whose events stored its blocks), else from
+    the fleet records (an engine's /v1/models lists its base first, then its adapters)."""
+    base = p.metadata.base_of(model)
+    if base is None and p.fleet is not None:
+        return p.fleet.base_of(model)
+    return base
+
+
+def _other_roots(p: Predictor, model: str, others: set[str]) -> list[str]:
+    """The other roots to look the prompt up under, the related ones first: the base model of this adapter and
+    its other adapters, or this base model's adapters; then the rest by name."""
+    base = _base_of(p, model)
+    family = {base} | p.metadata.adapters_of(base) if base else set(p.metadata.adapters_of(model))
+    return sorted(others, key=lambda r: (r not in family, r != base, r))
+
+
+def _relations(p: Predictor, model: str, roots: Sequence[str]) -> dict[str, str]:
+    """How each other root stands to the request's model, in words, for the other_model finding."""
+    base = _base_of(p, model)
+    out = {}
+    for root in roots:
+        if base is not None and root == base:
+            out[root] = f"the base model {root!r} (this request names its LoRA adapter {model!r})"
+        elif base is not None and _base_of(p, root) == base:
+            out[root] = f"another LoRA adapter, {root!r}, of the same base model {base!r}"
+        elif _base_of(p, root) == model:
+            out[root] = f"LoRA adapter {root!r} of this base model"
     return out
 
 

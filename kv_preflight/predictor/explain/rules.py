@@ -22,7 +22,7 @@ from __future__ import annotations
 import array
 import sys
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -288,8 +288,11 @@ def best_by_model(chains: Sequence[PodChain], model: str) -> PodChain | None:
     return max(mine, key=lambda c: (c.stop_block, c.pod_id), default=None)
 
 
-def other_model_findings(chains: Sequence[PodChain], model: str) -> list[Finding]:
-    """A longer chain under another root than under ours: the blocks exist but under a different name."""
+def other_model_findings(chains: Sequence[PodChain], model: str,
+                         relations: Mapping[str, str] | None = None) -> list[Finding]:
+    """A longer chain under another root than under ours: the blocks exist but under a different name.
+    ``relations``: how a root stands to ours, in words ("the base model 'tiny' (this request names its LoRA
+    adapter 'a')", "another LoRA adapter, 'b', of the same base model 'tiny'"); else "model '<root>'"."""
     ours = best_by_model(chains, model)
     mine = ours.stop_block if ours else 0
     out = []
@@ -298,9 +301,10 @@ def other_model_findings(chains: Sequence[PodChain], model: str) -> list[Finding
         if c.model == model or c.model in seen or c.stop_block <= mine:
             continue
         seen.add(c.model)
+        under = (relations or {}).get(c.model) or f"model {c.model!r}"
         out.append(Finding(OTHER_MODEL, ours.stop_token if ours else 0,
-                           f"{c.stop_token} tokens of this prompt are cached on {c.pod_id} under model "
-                           f"{c.model!r}, {c.stop_token - (ours.stop_token if ours else 0)} more than under "
+                           f"{c.stop_token} tokens of this prompt are cached on {c.pod_id} under {under}, "
+                           f"{c.stop_token - (ours.stop_token if ours else 0)} more than under "
                            f"{model!r}: keys start from the model (or LoRA adapter) name, so they never match "
                            "across names; send the model name that pod serves"))
     return out

@@ -33,6 +33,16 @@ def _request_schema(cfg: Config) -> dict[str, Any]:
                  "max_pods_filter entries."},
         "cache_salt": {"type": ["string", "null"], "description": "vLLM's cache_salt of the request: the prompt "
                        "is keyed as the engine keys a salted prompt (salt on the first block)."},
+        "mm_items": {"type": ["array", "null"], "description": "The prompt's multimodal items as the engine sees "
+                     "them: per item its identifier (vLLM's mm hash / identifier) and its placeholder's offset and "
+                     "length in the token ids (placeholders expanded). Placeholders may not overlap nor run past "
+                     "the prompt. The blocks they overlap are keyed as vLLM keys them.",
+                     "items": {"type": "object", "required": ["identifier", "offset", "length"],
+                               "additionalProperties": False, "properties": {
+                                   "identifier": {"type": "string", "minLength": 1},
+                                   "offset": {"type": "integer", "minimum": 0},
+                                   "length": {"type": "integer", "minimum": 1},
+                                   "modality": {"type": ["string", "null"]}}}},
     }
     inputs = {
         "token_ids": {"type": "array", "minItems": 1, "maxItems": cfg.max_tokens,

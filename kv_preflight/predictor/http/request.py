@@ -16,6 +16,7 @@ import msgspec
 from kv_preflight.predictor.http.errors import BadRequest, clip
 from kv_preflight.config import Config
 from kv_preflight.keys.chain import MAX_TOKEN_ID, request_keys_json
+from kv_preflight.keys.multimodal import MultimodalItem, checked_items
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
@@ -36,6 +37,9 @@ class PredictRequest(msgspec.Struct, forbid_unknown_fields=True):
     messages: list[dict[str, Any]] | None = None
     pods: list[str] | None = None  # candidate pods; None = every pod
     cache_salt: str | None = None  # vLLM's per-request salt: keys block 0 as the engine does (kv_preflight/keys/chain.py)
+    # the prompt's multimodal items as the engine sees them (identifier, placeholder offset and length in the token
+    # ids, placeholders expanded): the blocks they overlap are keyed as vLLM keys them (kv_preflight/keys/multimodal.py)
+    mm_items: list[MultimodalItem] | None = None
     # /route: route by load alone when the index of a pod the answer relies on may be older than this
     # (docs/routing.md "Freshness"); /predict and /explain take it and answer as always (freshness says)
     max_staleness_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
@@ -50,6 +54,7 @@ _FIELD_HINTS = {
     "prompt": "prompt must be a string",
     "messages": "messages must be a list of chat message objects",
     "cache_salt": "cache_salt must be a string",
+    "mm_items": "mm_items must be a list of {identifier: string, offset: integer >= 0, length: integer >= 1}",
     "max_staleness_ms": "max_staleness_ms must be a whole number of milliseconds, 0 or more",
 }
 _FIELD_AT = re.compile(r"at `\$\.(\w+)")
@@ -86,7 +91,21 @@ def parse_request(body: bytes, *, max_tokens: int, max_pods: int = DEFAULT_MAX_P
             raise BadRequest("messages is empty")
         check_depth(req.messages, MAX_MESSAGES_DEPTH, "messages")
     check_pods(req.pods, max_pods)
+    if req.mm_items is not None:
+        if not req.mm_items:
+            req.mm_items = None
+        elif req.token_ids is not None:
+            req.mm_items = check_mm_items(req.mm_items, len(req.token_ids))
     return req
+
+
+def check_mm_items(items: list[MultimodalItem], n_tokens: int) -> list[MultimodalItem]:
+    """The items in placeholder order, or a 400 naming the one that overlaps another or runs past the prompt
+    (a prompt or messages input is checked once tokenized)."""
+    try:
+        return checked_items(items, n_tokens)
+    except ValueError as exc:
+        raise BadRequest(clip(str(exc))) from None
 
 
 class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,6 +117,7 @@ class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
     messages: msgspec.Raw = msgspec.Raw()
     pods: list[str] | None = None
     cache_salt: msgspec.Raw = msgspec.Raw()
+    mm_items: msgspec.Raw = msgspec.Raw()
     max_staleness_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
@@ -136,7 +156,7 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     except RecursionError:
         raise _too_deep() from None
     check_pods(shape.pods, max_pods)
-    if not shape.model or not shape.token_ids or shape.prompt or shape.messages or shape.cache_salt:
+    if not shape.model or not shape.token_ids or shape.prompt or shape.messages or shape.cache_salt or shape.mm_items:
         return None
     got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
     if got is None or not 0 < got[1] <= max_tokens:
@@ -199,12 +219,15 @@ def _refuse_if_too_deep(body: bytes) -> None:
 
 def _explain(msgspec_message: str) -> str:
     unknown = _UNKNOWN.search(msgspec_message)
+    if unknown and "at `$.mm_items" in msgspec_message:  # inside an item: say what an item takes
+        return f"{_FIELD_HINTS['mm_items']} (and optionally modality): {clip(msgspec_message)}"
     if unknown:
         name = unknown.group(1)
-        close = [f for f in ("model", "token_ids", "prompt", "messages", "pods", "cache_salt")
+        close = [f for f in ("model", "token_ids", "prompt", "messages", "pods", "cache_salt", "mm_items")
                  if f.rstrip("s") == name.rstrip("s")]
         return (f"unknown field {clip(name)!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                + ": the body takes model, one of token_ids, prompt, messages, and optionally pods and cache_salt")
+                + ": the body takes model, one of token_ids, prompt, messages, and optionally pods, cache_salt "
+                "and mm_items")
     m = _FIELD_AT.search(msgspec_message)
     hint = _FIELD_HINTS.get(m.group(1)) if m else None
     echo = clip(msgspec_message)
