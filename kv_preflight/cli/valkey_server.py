@@ -74,6 +74,24 @@ def free_port(lo: int = LISTEN_PORTS[0], hi: int = LISTEN_PORTS[1]) -> int:
     raise RuntimeError(f"no free port in {lo}-{hi}")
 
 
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (a data-parallel engine's rank r publishes and replays on the
+    ports + r, as vLLM offsets them)."""
+    while True:
+        first = free_port()
+        if n == 1 or all(_bindable(first + i) for i in range(1, n)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 def server_binary() -> str:
     for name in ("valkey-server", "redis-server"):
         path = shutil.which(name)

@@ -159,7 +159,7 @@ class VllmPool:
         return self._launch(spec)
 
     def _launch(self, spec: VllmSpec) -> VllmEngine:
-        from tests.integration.sim import free_ports
+        from kv_preflight.cli.valkey_server import free_ports
 
         extra = ("--data-parallel-size", str(spec.dp_size)) if spec.dp_size > 1 else ()
         return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_ports(spec.dp_size),

@@ -2,12 +2,11 @@
 HTTP API, KV events and replay socket together."""
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import zmq
 
-from kv_preflight.cli.valkey_server import free_port
+from kv_preflight.cli.valkey_server import free_port, free_ports
 from kv_preflight.engines.vllm import ENGINE as VLLM
 from kv_preflight.events import EventBatch
 from tests.e2e.harness import spawn, stop, wait_http
@@ -68,20 +67,3 @@ def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = N
                dp_size: int = 1) -> SimEngine:
     return SimEngine(pod, f"http://{host}:{port or free_port()}", free_ports(dp_size), free_ports(dp_size),
                      log=str(tmp_path / f"{pod}.log"), blocks=blocks, dp_size=dp_size)
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports (a data-parallel engine's ranks publish on port + rank)."""
-    while True:
-        first = free_port()
-        if n == 1 or all(_free(first + i) for i in range(1, n)):
-            return first
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,warnings] [--json] [--json-file out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,dp,warnings] [--json] [--json-file out.json]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -751,13 +751,15 @@ def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path |
 
                 bench_fleet(res, vk, quick, tmp)
                 bench_hybrid_fleet(res, vk, quick, tmp)
-            if "route" in only or "lora" in only:
+            if "route" in only or "lora" in only or "dp" in only:
                 from kv_preflight.cli.bench.route import ADAPTERS, bench_route
 
                 if "route" in only:
                     bench_route(res, vk, quick, tmp)
                 if "lora" in only:
                     bench_route(res, vk, quick, tmp, ADAPTERS)
+                if "dp" in only:
+                    bench_route(res, vk, quick, tmp, dp_size=2)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

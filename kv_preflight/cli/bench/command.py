@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-ROWS = ("keys", "ingest", "memory", "floor", "outage", "http", "scaling", "cluster", "fleet", "route", "lora", "warnings")
+ROWS = ("keys", "ingest", "memory", "floor", "outage", "http", "scaling", "cluster", "fleet", "route", "lora", "dp", "warnings")
 DEFAULT_ROWS = "keys,ingest,floor,http,scaling,cluster,fleet,warnings"
 
 

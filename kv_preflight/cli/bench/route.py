@@ -14,6 +14,11 @@ is sent at concurrency 8 three times, the engines' caches reset in between, choo
 The fleet hit rate is the engines' own ``cached_tokens`` over all prompt tokens. Targets: route's hit
 rate at least 0.9x the oracle's; every pod given at least one request and none more than 3x another.
 
+Row ``dp`` is the route row with two engines of two data-parallel ranks each (``simulate --dp-size 2``: four
+caches behind two ports): the oracle and round robin pin a request to a rank with vLLM's X-data-parallel-rank
+header, the route sends it with the headers its decision names; a merged index (the ranks as one cache) would
+leave the rank to the engine's balancer.
+
 Row ``lora`` is the route row with every engine serving three LoRA adapters (``simulate --lora``) and each
 tenant's requests naming one of them (tenant ``t``: adapter ``t mod 3``): an adapter's blocks are keyed under
 its name, so the route must find them under it, learnt with no flag from the events and /v1/models.
@@ -38,11 +43,14 @@ from typing import Any
 import httpx
 
 from kv_preflight.cli.bench.procs import Server, python
-from kv_preflight.cli.valkey_server import ValkeyServer, free_port
+from kv_preflight.cli.valkey_server import ValkeyServer, free_port, free_ports
 from kv_preflight.engines import engine
 from kv_preflight.engines.load_metrics import parse_load
 from kv_preflight.fleet.records import PodLoad, PodRecord
 from kv_preflight.index.index import Index
+from kv_preflight.index.rank_pods import rank_pod
+
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32: pins a request to a data-parallel rank
 
 MODEL = "bench-route"
 VLLM_LOAD = engine("vllm").load_metrics  # the bench's engines are the simulator, which exports vLLM's series
@@ -103,17 +111,22 @@ def workload(n: int, seed: int = 7, adapters: tuple[str, ...] = ()) -> list[tupl
     return out
 
 
-async def _send(client: httpx.AsyncClient, engine: Engine, model: str, prompt: str) -> tuple[int, int]:
-    r = await client.post(engine.url + "/v1/completions",
+async def _send(client: httpx.AsyncClient, engine: Engine, model: str, prompt: str,
+                headers: dict[str, str] | None = None) -> tuple[int, int]:
+    r = await client.post(engine.url + "/v1/completions", headers=headers,
                           json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
     r.raise_for_status()
     usage = r.json()["usage"]
     return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, str, str]], predictor_url: str) -> Outcome:
+async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, str, str]], predictor_url: str,
+                       dp_size: int = 1) -> Outcome:
+    """``dp_size`` > 1: each engine has that many data-parallel ranks, each a target of its own (pinned by
+    vLLM's header); requests are counted per target (``<pod>@dp<r>`` for r >= 1, as the index names them)."""
     out = Outcome()
     by_pod = {e.pod: e for e in engines}
+    targets = [(e, r) for e in engines for r in range(dp_size)]
     queue: asyncio.Queue = asyncio.Queue()
     for i, req in enumerate(reqs):
         queue.put_nowait((i, *req))
@@ -123,23 +136,24 @@ async def run_strategy(name: str, engines: list[Engine], reqs: list[tuple[int, s
             i, tenant, model, prompt = queue.get_nowait()
             try:
                 if name == "round robin":
-                    engine = engines[i % len(engines)]
+                    engine, rank = targets[i % len(targets)]
                 elif name == "sticky oracle":
-                    engine = engines[tenant % len(engines)]
+                    engine, rank = targets[tenant % len(targets)]
                 else:
                     r = await client.post(predictor_url + "/v1/cache/route", json={"model": model, "prompt": prompt})
                     r.raise_for_status()
                     d = r.json()
                     out.route_reasons[d["reason"]] += 1
                     out.load_known += all(c.get("load") is not None for c in d["candidates"])
-                    engine = by_pod[d["pod_id"]]
-                n, cached = await _send(client, engine, model, prompt)
+                    engine, rank = by_pod[d["pod_id"]], d.get("dp_rank") or 0
+                headers = {DP_RANK_HEADER: str(rank)} if dp_size > 1 else None
+                n, cached = await _send(client, engine, model, prompt, headers)
             except (httpx.HTTPError, KeyError, TypeError, ValueError):
                 out.errors += 1
                 continue
             out.prompt_tokens += n
             out.cached_tokens += cached
-            out.per_pod[engine.pod] += 1
+            out.per_pod[rank_pod(engine.pod, rank) if dp_size > 1 else engine.pod] += 1
 
     t = time.perf_counter()
     async with httpx.AsyncClient(timeout=60) as client:
@@ -200,11 +214,16 @@ def _wait(check, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[str, ...] = ()) -> None:
-    """Row ``route`` (``adapters`` empty) or ``lora`` (every tenant names one of ``adapters``)."""
-    row = "route (LoRA)" if adapters else "route"
-    print(f"routing across a fleet (4 simulated engines{', each serving ' + str(len(adapters)) + ' LoRA adapters' if adapters else ''}, "
-          "serve --valkey-url only, concurrency 8)", flush=True)
+def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[str, ...] = (),
+                dp_size: int = 1) -> None:
+    """Row ``route`` (``adapters`` empty), ``lora`` (every tenant names one of ``adapters``) or ``dp`` (``dp_size``
+    ranks per engine, as many caches in all as the route row's engines)."""
+    row = "route (LoRA)" if adapters else "route (DP ranks)" if dp_size > 1 else "route"
+    pods = PODS // dp_size
+    shape = (f", each serving {len(adapters)} LoRA adapters" if adapters else
+             f" of {dp_size} data-parallel ranks each" if dp_size > 1 else "")
+    print(f"routing across a fleet ({pods} simulated engines{shape}, serve --valkey-url only, concurrency 8)",
+          flush=True)
     import redis
 
     r = redis.Redis.from_url(vk.url)
@@ -212,16 +231,16 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[s
     r.close()
     n = 120 if quick else 360
     reqs = workload(n, adapters=adapters)
-    engines = [Engine(f"sim-{i}", free_port()) for i in range(PODS)]
+    engines = [Engine(f"sim-{i}", free_port()) for i in range(pods)]
     servers: list[Server] = []
     writer: StandInFleetWriter | None = None
     try:
         for e in engines:
-            zmq, replay = free_port(), free_port()
+            zmq, replay = free_ports(dp_size), free_ports(dp_size)  # rank r publishes on the ports + r
             e.server = Server([python(), "-m", "kv_preflight", "simulate", "--pod", e.pod, "--model", MODEL,
                                "--port", str(e.port), "--zmq", f"tcp://*:{zmq}", "--replay", f"tcp://*:{replay}",
                                "--block-size", "16", "--blocks", str(ENGINE_BLOCKS), "--step-ms", str(STEP_MS),
-                               *[a for name in adapters for a in ("--lora", name)]],
+                               "--dp-size", str(dp_size), *[a for name in adapters for a in ("--lora", name)]],
                               e.port, tmp / f"{e.pod}.log")
             servers.append(e.server)
         for s in servers:
@@ -241,6 +260,8 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[s
         while time.monotonic() < deadline and len(asyncio.run(_fleet_pods(vk.url))) < PODS:
             time.sleep(0.5)
         records_by = "ingester" if len(asyncio.run(_fleet_pods(vk.url))) >= PODS else "bench stand-in"
+        if dp_size > 1 and records_by != "ingester":
+            raise RuntimeError("route bench (DP ranks): the ingester wrote no fleet record of the ranks")
         if records_by != "ingester":
             writer = StandInFleetWriter(vk.url, engines)
             writer.thread.start()
@@ -248,17 +269,20 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[s
         # the ingester follows every engine before anything is measured
         _, probe_model, probe = reqs[0]
         for e in engines:
-            httpx.post(e.url + "/v1/completions", json={"model": probe_model, "prompt": probe, "max_tokens": 1},
-                       timeout=30)
+            for rank in range(dp_size):
+                httpx.post(e.url + "/v1/completions", json={"model": probe_model, "prompt": probe, "max_tokens": 1},
+                           headers={DP_RANK_HEADER: str(rank)}, timeout=30)
         _wait(lambda: _predicted(purl, probe_model, probe) > 0, "the ingester did not index the probe")
         outcomes: dict[str, Outcome] = {}
         for name in ("round robin", "sticky oracle", "route"):
             for e in engines:
                 httpx.post(e.url + "/reset_prefix_cache", timeout=10)
                 # the simulator publishes AllBlocksCleared with its next step's batch (as vLLM): take one step
-                httpx.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+                for rank in range(dp_size):
+                    httpx.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                               headers={DP_RANK_HEADER: str(rank)}, timeout=30)
             _wait(lambda: _predicted(purl, probe_model, probe) == 0, "the index did not see the cache resets")
-            outcomes[name] = asyncio.run(run_strategy(name, engines, reqs, purl))
+            outcomes[name] = asyncio.run(run_strategy(name, engines, reqs, purl, dp_size))
             o = outcomes[name]
             print(f"  {name}: hit rate {o.hit_rate:.3f}, per pod {dict(sorted(o.per_pod.items()))}, "
                   f"{o.errors} errors, {o.seconds:.1f}s", flush=True)
@@ -273,12 +297,13 @@ def bench_route(res, vk: ValkeyServer, quick: bool, tmp: Path, adapters: tuple[s
     res.add(f"{row}: fleet hit rate", f"route {route.hit_rate:.2f}, oracle {oracle.hit_rate:.2f} "
             f"({ratio:.2f}x), round robin {rr.hit_rate:.2f}", ">= 0.9x the sticky oracle", "round robin",
             route.hit_rate / rr.hit_rate if rr.hit_rate else None, ratio >= 0.9 and route.errors == 0)
-    counts = [route.per_pod.get(e.pod, 0) for e in engines]
+    names = [rank_pod(e.pod, r) if dp_size > 1 else e.pod for e in engines for r in range(dp_size)]
+    counts = [route.per_pod.get(p, 0) for p in names]
     spread_ok = min(counts) >= 1 and max(counts) <= 3 * min(counts)
-    res.add(f"{row}: requests per pod", " / ".join(str(c) for c in counts) + f" ({n} requests)",
-            "every pod >= 1, none > 3x another", "oracle " + " / ".join(str(oracle.per_pod.get(e.pod, 0))
-                                                                          for e in engines), None, spread_ok)
-    res.extra["route_lora" if adapters else "route"] = {"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
+    res.add(f"{row}: requests per {'rank' if dp_size > 1 else 'pod'}", " / ".join(str(c) for c in counts)
+            + f" ({n} requests)", "every pod >= 1, none > 3x another",
+            "oracle " + " / ".join(str(oracle.per_pod.get(p, 0)) for p in names), None, spread_ok)
+    res.extra["route_lora" if adapters else "route_dp" if dp_size > 1 else "route"] = {"dp_size": dp_size,"fleet_records_by": records_by, "requests": n, "tenants": TENANTS,
                           "adapters": list(adapters),
                           "concurrency": CONCURRENCY, "engine_blocks": ENGINE_BLOCKS,
                           **{k: o.as_dict() for k, o in outcomes.items()}}
