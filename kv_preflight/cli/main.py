@@ -163,7 +163,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
 @click.option("--max-registered-engines", default=None, type=click.IntRange(min=1), help="Engines /register may add in all (default 1024); past it, 429.")
 @click.option("--max-registered-per-model", default=None, type=click.IntRange(min=1), help="Engines /register may add per model (default 256); past it, 429.")
-@click.option("--max-connections-per-client", default=None, type=click.IntRange(min=0), help="Connections one client address may hold open (default 64; 0: no limit); past it, 503 and close.")
+@click.option("--max-connections-per-client", default=None, type=click.IntRange(min=0), help="Connections one client address may hold open (default 64; 0: no limit); past it, 503 and close. Behind a load balancer or gateway every request comes from its few addresses: raise it to the gateway's connection pool or set 0 there.")
 @click.option("--max-connections", default=None, type=click.IntRange(min=0), help="Connections all clients may hold open (default 0: the open-file limit less 64); past it, 503 and close.")
 @click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/block=N][/window=N][/chunk=N][/eagle]: a hybrid model's KV cache group, for what its engine's events do not say (a chunked local attention group's chunk size). Repeatable. docs/engines.md")
 def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_seed, block_size, max_tokens, lookup, log_json,
