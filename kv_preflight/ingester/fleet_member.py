@@ -195,6 +195,7 @@ class FleetMember:
             state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
             batch_ts=self.ing.batch_ts(),
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
+            renew_ms=int(LEASE_RENEW_S * 1000), private=self.cfg.private,
             forget_seen_ms=self.forget_seen_ms, sources=dict(list(self.ing.endpoints().items())[:MAX_LEASE_SOURCES]),
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
             known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
@@ -210,14 +211,18 @@ class FleetMember:
         others never take this ingester for dead while it lives (nor does a stalled round hide that it
         is alive but slow: the watchdog says so)."""
         while True:
-            await asyncio.sleep(LEASE_RENEW_S)
-            if self.cfg.private or self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
-                continue  # no lease (private); the first round puts the first; one just renewed is enough
+            # due a second after the last renewal, whoever made it (a round renews too): renewals stay a second
+            # apart, as the lease says (``renew_ms``), so predictors can take two missed ones for silence
+            due = self.renewed_at + LEASE_RENEW_S - time.monotonic()
+            if self.ticks == 0 or due > 0:  # the first round puts the first; else the next one is not due yet
+                await asyncio.sleep(due if due > 0 else LEASE_RENEW_S)
+                continue
             try:
                 async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
                     await self.renew()
             except (*VALKEY_ERRORS, TimeoutError) as exc:
                 log.warning("lease not renewed now (%s)", exc or type(exc).__name__)
+                await asyncio.sleep(LEASE_RENEW_S / 4)  # tried again soon, never in a loop that spins
 
     def _step(self, name: str) -> None:
         self._steps.append((name, time.monotonic()))
@@ -240,15 +245,16 @@ class FleetMember:
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
             self.known = known
             private = self.cfg.private
-            if not private:  # a private ingester holds no lease: nobody hands it engines, nor counts on it
-                self._step("renewing the lease")
-                await self.index.fleet.put_lease(self.me, self._lease(now_ms))
-                self.renewed_at = time.monotonic()
+            # a private ingester's lease says only how fresh its pods are (``private``): nobody hands it engines,
+            # nor counts on it, nor takes its
+            self._step("renewing the lease")
+            await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+            self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
             forgotten = await self.index.fleet.forgotten()
         await self._let_go_of_forgotten(forgotten)
-        live = {} if private else view.live_ingesters()
+        live = {} if private else {i: lease for i, lease in view.live_ingesters().items() if not lease.private}
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
                 if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]

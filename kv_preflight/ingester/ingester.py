@@ -422,8 +422,9 @@ def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
     own = ", ".join(given) or "no engine"
     socks = f"; {sockets} --source/--bind socket(s), ingested here alone" if sockets else ""
     if cfg.private:
-        return (f"private ingester into {where}: ingests {own}{socks}, outside the fleet (no lease, no pod records, "
-                "health or retirement; other ingesters neither give it engines nor take its)")
+        return (f"private ingester into {where}: ingests {own}{socks}, outside the fleet (its lease says only how "
+                "fresh its pods are; no pod records, health or retirement; other ingesters neither give it engines nor "
+                "take its)")
     registered = " and the engines registered through the remote-indexer API" if cfg.registered_engines else ""
     return (f"joining the fleet of ingesters sharing {where}: given {own}{registered}{socks}; every live "
             f"ingester's engines are shared among them (--copies {cfg.copies} each), so this one may ingest "
