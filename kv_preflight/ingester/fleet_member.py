@@ -45,7 +45,8 @@ from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
 from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                                    balanced_owners, expired_retired, rendezvous_owners, retired)
+                                                    balanced_owners, expired_retired, rendezvous_owners, retired,
+                                                    unlisted)
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.watchdog import Progress
 
@@ -135,6 +136,7 @@ class FleetMember:
         self.leaving: dict[str, asyncio.Task] = {}
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
+        self.unlisted: dict[str, int] = {}  # recorded pod no live lease lists -> Valkey ms first seen so (unlisted)
         self.written_at: dict[str, float] = {}
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
@@ -295,6 +297,9 @@ class FleetMember:
             if att.spec.url and self.owners.get(key, [""])[0] == self.me:
                 self._step(f"watching {key}")
                 await self._watch(att, view, now_ms)
+            elif att.spec.url and (new := [p for p in sorted(att.pods) if p not in view.pods]):
+                self._step(f"recording the pods of {key}")
+                await self._record_new(att, new, now_ms)
         if self.discovered.started or not self.sources:
             self._step("retiring departed pods")
             await self._retire_departed(view, set(fleet_known), now_ms)
@@ -536,6 +541,15 @@ class FleetMember:
             if load is not None and record.state == "live":
                 await self.index.fleet.put_load({pod: PodLoad(*load, at_ms=now_ms)})
 
+    async def _record_new(self, att: _Attached, pods: list[str], now_ms: int) -> None:
+        """A copy's pods the fleet has no record of yet (this ingester is not the engine's primary owner, whose
+        records are fuller): a record naming the engine, written only if there is still none, so a pod of the
+        fleet always has one. An ingester that leaves without its pods being ingested by another (a one-off
+        run naming pods its own way) leaves them recorded, and the fleet retires them (``unlisted``)."""
+        for pod in pods:
+            await self.index.fleet.replace_pod_record(pod, None, PodRecord(
+                state="live", since_ms=now_ms, engine_url=att.spec.url, owner=self.owners.get(att.spec.key, [""])[0]))
+
     async def _probe(self, url: str, family: str, with_models: bool):
         """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
         healthy; load and models are read only from a healthy engine."""
@@ -625,6 +639,24 @@ class FleetMember:
                     and not any(pod in a.pods for a in self.attached.values()):
                 record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
                 # only if nobody changed the record meanwhile (a new engine taking over the pod id)
+                if await self.index.fleet.replace_pod_record(pod, rec, record):
+                    await self._retire(pod, record)
+        # A recorded pod no live lease lists (private ones included: they vouch for their pods) has no ingester:
+        # retired after --retire-after, as an engine unreachable that long is. Only when every lease lists all
+        # its pods (none truncated, none from an ingester that predates the list).
+        leases = view.live_ingesters().values()
+        if all(lease.state and len(lease.pods) < MAX_LEASE_SOURCES for lease in leases):
+            listed = {p for lease in leases for p in (*lease.pods, *lease.batch_ts)}
+            listed |= {p for a in self.attached.values() for p in a.pods} | set(self.leaving)
+            mine = {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me}
+            self.unlisted, due = unlisted(mine, listed, self.unlisted, now_ms, int(self.cfg.retire_after_s * 1000))
+            for pod in due:
+                rec = view.pods[pod]
+                why = f"no ingester has ingested it for {(now_ms - self.unlisted.pop(pod)) / 1000:.0f} s"
+                # without its engine URL, whose engine may live on under another pod (the ghost of a one-off run
+                # naming pods its own way): the record is dropped after --retired-retention like any other
+                engine = rec.engine_url or "not known"
+                record = msgspec.structs.replace(retired(rec, now_ms, f"{why} (engine {engine})"), engine_url="")
                 if await self.index.fleet.replace_pod_record(pod, rec, record):
                     await self._retire(pod, record)
         # a retired pod whose engine is still known (unreachable, not gone) may still be attached somewhere: its

@@ -1,12 +1,14 @@
 """Answers that say ``exact`` are exact (issue 40, the predictor's side), with real processes: a valkey-server (or a
 local Valkey Cluster), simulated engines (``kv-preflight simulate``: vLLM 0.32's cache and events), ingesters and
 a ``kv-preflight serve``. Each fault leaves the index holding what the engine does not (a stopped engine, a
-frozen ingester, the leases' shard down while the ingester dies); the answer must say so.
+frozen ingester, a ghost pod, the leases' shard down while the ingester dies); the answer must say so.
 
 1. a dead engine (SIGTERM): its pod reads ``unreachable`` once its fleet record does, is never the best pod, and
    an answer naming it as a holder is degraded; /health is degraded once a model has no live pod;
 2. a frozen sole ingester (SIGSTOP): ``behind`` once its lease missed two renewals, whatever the lease's TTL;
-3. (cluster) the shard holding ``kvpf:ingesters`` down with its replica while the ingester dies: every answer
+3. a ghost pod (a one-off ``ingest --pod-id endpoint`` gone): ``unknown``, degrading the answers that hold it,
+   never routed to by overlap, and retired after ``--retire-after`` like any pod nobody ingests;
+4. (cluster) the shard holding ``kvpf:ingesters`` down with its replica while the ingester dies: every answer
    says the fleet's records could not be read.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import redis
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.index.index import Index
 from kv_preflight.index.layout import INGESTERS_KEY, NUMS_BYID_KEY, pod_meta_key
+from kv_preflight.ingester.membership_rules import address_pod_id
 from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import SimEngine, sim_engine
@@ -189,6 +192,71 @@ async def test_a_frozen_sole_ingester_reads_behind_after_two_missed_renewals(val
         if frozen:
             os.kill(ing.pid, signal.SIGCONT)
         stop(ing)
+        pred.stop()
+        e.stop()
+        await ix.close()
+
+
+async def test_a_ghost_pod_left_by_a_one_off_ingester_is_never_exact_nor_routed_to(valkey_url, tmp_path):
+    """Item 7: a one-off ``ingest --pod-id endpoint`` beside a fleet ingested the fleet's engine as
+    ``127.0.0.1:PORT`` for a few seconds and left that pod behind, listed by no lease: answers holding it said
+    ``exact`` (48 cached where the engine held 0) and /route chose it as best overlap. Now the ghost is ``unknown``,
+    degrades the answers that hold it, is not weighed by routes, and is retired after ``--retire-after``."""
+    e = sim_engine("sim-gh", tmp_path).start()
+    ghost = address_pod_id(e.url)
+    fleet = spawn(["ingest", "--valkey-url", valkey_url, "--engine", e.url, "--ingester-id", "fleet-1", *FAST,
+                   "--retire-after", "6"], str(tmp_path / "fleet.log"), env=FAST_ENV)
+    pred = Predictor(valkey_url, tmp_path)
+    ix = Index.from_url(valkey_url)
+    oneoff = spawn(["ingest", "--valkey-url", valkey_url, "--engine", e.url, "--pod-id", "endpoint",
+                    "--ingester-id", "oneoff", *FAST], str(tmp_path / "oneoff.log"), env=FAST_ENV)
+    prompt = prompt_of(4)
+    try:
+        async def oneoff_ingesting():
+            lease = (await ix.fleet.fleet_view()).ingesters.get("oneoff")
+            return lease is not None and ghost in lease.pods
+
+        await until(oneoff_ingesting, "the one-off ingester ingesting the engine as its address")
+        e.complete(prompt)
+
+        async def both_hold():
+            return cached(await pred.answer(prompt)) == {"sim-gh": 80, ghost: 80}
+
+        await until(both_hold, "the prompt indexed under both names")
+        stop(oneoff)  # it leaves; nobody ingests the ghost any more
+        filler = prompt_of(5, blocks=1)
+        e.clear(filler)  # the engine holds none of the prompt now
+
+        async def cleared():
+            d = await pred.predict(prompt)
+            return "sim-gh" not in cached(d) and d
+
+        d = await until(cleared, "sim-gh's clear applied")
+        # the ghost still holds the prompt in the index: no answer holding it is exact
+        assert cached(d) == {ghost: 80} and pod_state(d, ghost) == "unknown", d
+        assert d["freshness"]["state"] == "degraded", d
+        assert f"ingestion unknown for {ghost} (no ingester's lease covers it)" in d["freshness"]["reasons"], d
+        route = await pred.post("/v1/cache/route", prompt)
+        assert route["best_overlap_pod"] is None and route["reason"] == "no_overlap", route
+
+        # long-term: retired as any pod nobody ingests, its entries cleared (the usual lifecycle)
+        async def retired():
+            d = await pred.predict(prompt)
+            return await record_state(ix, ghost) == "retired" and not d["pod_affinities"] and d
+
+        d = await until(retired, "the ghost retired and cleared", timeout=40)
+        rec = (await ix.fleet.fleet_view()).pods[ghost]
+        assert rec.reason.startswith("no ingester has ingested it for") and rec.engine_url == "", rec
+        assert d["freshness"]["state"] == "exact" and d["predicted_cached_tokens"] == 0
+        assert e.complete(prompt) == 0  # the engine's own account agrees
+
+        async def ghost_cleared():  # a retired pod is never offered at once; its entries go once every ingester let go
+            return await index_state(ix, ghost) == set()
+
+        await until(ghost_cleared, "the ghost's entries cleared")
+    finally:
+        stop(oneoff)
+        stop(fleet)
         pred.stop()
         e.stop()
         await ix.close()
