@@ -141,6 +141,7 @@ class FleetMember:
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
+        self.renewer: asyncio.Task | None = None  # renew_forever's task (start_renewing)
         self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
         self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
@@ -159,6 +160,9 @@ class FleetMember:
         for task in [*self.fetches.values(), *self.probes.values(), *self.leaving.values(),
                      *([self.observing] if self.observing else [])]:
             task.cancel()
+        if self.renewer is not None:  # ended first: a renewal in flight would put the lease back after its drop,
+            self.renewer.cancel()     # and this ingester's pods would read current for a TTL after it left
+            await asyncio.gather(self.renewer, return_exceptions=True)
         await self.http.aclose()
         try:
             await self.index.fleet.drop_leases([self.me])  # the others take over now, not a TTL later
@@ -207,6 +211,11 @@ class FleetMember:
         self.started_ms = self.started_ms or now_ms
         await self.index.fleet.put_lease(self.me, self._lease(now_ms))
         self.renewed_at = time.monotonic()
+
+    def start_renewing(self) -> asyncio.Task:
+        """``renew_forever`` in a task of its own, which ``close`` ends before it gives the lease back."""
+        self.renewer = asyncio.ensure_future(self.renew_forever())
+        return self.renewer
 
     async def renew_forever(self) -> None:
         """The lease, renewed every second in a task of its own: whatever a round is waiting for, the

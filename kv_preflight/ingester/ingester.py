@@ -102,7 +102,7 @@ class Ingester:
         assert me is not None
         watchdog = Watchdog(self.progress, me, self._stalled,
                             on_overrun=lambda: self.counters.tally("round_overruns")).start()
-        renewer = asyncio.ensure_future(self.fleet.renew_forever()) if self.fleet.active else None
+        renewer = self.fleet.start_renewing() if self.fleet.active else None
         try:
             await self._run()
         finally:

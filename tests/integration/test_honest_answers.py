@@ -227,11 +227,11 @@ async def test_a_ghost_pod_left_by_a_one_off_ingester_is_never_exact_nor_routed_
         filler = prompt_of(5, blocks=1)
         e.clear(filler)  # the engine holds none of the prompt now
 
-        async def cleared():
+        async def cleared():  # and the one-off's lease gone from the predictor's view (read every second)
             d = await pred.predict(prompt)
-            return "sim-gh" not in cached(d) and d
+            return "sim-gh" not in cached(d) and pod_state(d, ghost) != "current" and d
 
-        d = await until(cleared, "sim-gh's clear applied")
+        d = await until(cleared, "sim-gh's clear applied, the one-off's lease gone")
         # the ghost still holds the prompt in the index: no answer holding it is exact
         assert cached(d) == {ghost: 80} and pod_state(d, ghost) == "unknown", d
         assert d["freshness"]["state"] == "degraded", d
