@@ -95,17 +95,17 @@ class FleetWatcher:
 
     def freshness(self, pods: Iterable[str]) -> dict[str, PodFreshness]:
         """Each pod's ingestion state (predictor/scoring/freshness.py) now, ``unknown`` for a pod no lease lists
-        and no record marks: the last view's accounts, aged by the time since it was read."""
+        and no record marks: judged again first if a lease has turned since (late, expired). Its staleness and lag
+        are as of that judgement: ``aged`` brings one to now (an answer ages only the pods it lists)."""
         if self.view is None:
             return {p: UNKNOWN_POD for p in pods}
-        now = self.now_ms()
-        if self._turn_ms is not None and now >= self._turn_ms:
-            self._judge(now)
-        extra = now - self._as_of_ms
-        return {p: _aged(self._fresh.get(p, UNKNOWN_POD), extra) for p in pods}
+        if self._turn_ms is not None and self.now_ms() >= self._turn_ms:
+            self._judge(self.now_ms())
+        fresh = self._fresh
+        return {p: fresh.get(p, UNKNOWN_POD) for p in pods}
 
     def aged(self, fresh: PodFreshness) -> PodFreshness:
-        """``fresh`` (as judged at the last judgement) with the time since added to its staleness and lag."""
+        """``fresh`` (as of the last judgement) with the time since added to its staleness and lag."""
         return _aged(fresh, self.now_ms() - self._as_of_ms) if self.view is not None else fresh
 
     def problem(self) -> str | None:

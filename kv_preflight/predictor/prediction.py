@@ -234,7 +234,8 @@ class Predictor:
         per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
         return answer_freshness(per_pod, partial=prediction.partial, holders=holders,
                                 incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
-                                fleet_problem=self.fleet.problem() if self.fleet is not None else None)
+                                fleet_problem=self.fleet.problem() if self.fleet is not None else None,
+                                aged=self.fleet.aged if self.fleet is not None else None)
 
     async def _hybrid_matches(self, keys: list[int], matches: list[Any], hybrid: dict[str, Any],
                               infos: dict[str, ScoringInfo], prompt_len: int,
@@ -290,7 +291,10 @@ class Predictor:
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         held = [a.pod_id for a in prediction.pod_affinities]
         per_pod = self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0)
-        stale = stale_for_route(per_pod, max_staleness_ms) if max_staleness_ms is not None else []
+        stale = []
+        if max_staleness_ms is not None:
+            aged = {p: self.fleet.aged(f) for p, f in per_pod.items()} if self.fleet is not None else per_pod
+            stale = stale_for_route(aged, max_staleness_ms)
         if self.fleet is not None and (distrusted := untrusted(per_pod)):  # blocks nobody vouches for: not routed by
             prediction = msgspec.structs.replace(
                 prediction, pod_affinities=[a for a in prediction.pod_affinities if a.pod_id not in distrusted])

@@ -64,26 +64,30 @@ def test_accounts_age_by_the_local_clock_and_turn_without_a_new_read():
     clock = Clock()
     w = FleetWatcher(index=None, clock=clock)  # type: ignore[arg-type]
     lease = IngesterLease(expires_ms=55_000, state="current", current_ms=49_800, renewed_ms=49_800, renew_ms=1000,
-                          pods=["p"], batch_ts={"p": 1.0})
+                          pods=["p"])
     w.set_view(FleetView(now_ms=50_000, ingesters={"i": lease}, load={},
                          pods={"p": PodRecord(models=["m"]), "q": PodRecord(state="unreachable", models=["m"])}))
-    assert w.freshness(["p", "q", "z"]) == {"p": PodFreshness("current", 200, w.freshness(["p"])["p"].index_lag_ms),
-                                            "q": PodFreshness("unreachable"), "z": PodFreshness("unknown")}
+
+    def now(pod: str) -> PodFreshness:  # as an answer lists it
+        return w.aged(w.freshness([pod])[pod])
+
+    assert w.freshness(["p", "q", "z"]) == {"p": PodFreshness("current", 200), "q": PodFreshness("unreachable"),
+                                            "z": PodFreshness("unknown")}
     assert w.problem() is None and w.health_reasons() == []
     clock.t += 2.0  # 2.2 s since the renewal: not late yet
-    assert w.freshness(["p"])["p"].state == "current" and w.freshness(["p"])["p"].staleness_ms == 2200
+    assert now("p") == PodFreshness("current", 2200)
     clock.t += 0.4  # 2.6 s: two renewals missed
-    assert (w.freshness(["p"])["p"].state, w.freshness(["p"])["p"].staleness_ms) == ("behind", 2600)
+    assert now("p") == PodFreshness("behind", 2600)
     assert w.health_reasons() == ["ingester(s) silent, 2 lease renewals missed: i"]
     # reads failing: every answer says so, with the time since the last successful one
     w.failing = "ConnectionError: the shard is down"
     assert w.problem() == ("the fleet records (ingester leases, pod records) not read for 2400 ms (ConnectionError: "
                            "the shard is down): each pod's account is as of the last successful read")
     clock.t += 3.0  # 5.6 s: the lease expired
-    assert w.freshness(["p"])["p"] == PodFreshness("stalled", 5600, w.freshness(["p"])["p"].index_lag_ms)
+    assert now("p") == PodFreshness("stalled", 5600)
     # no failure recorded, but no read either for longer than a read may take (one hanging): said too
     w.failing = None
     assert w.problem() is not None and "a read has not answered" in w.problem()
     w.set_view(FleetView(now_ms=56_000, ingesters={"i": msgspec.structs.replace(
         lease, renewed_ms=55_900, current_ms=55_900, expires_ms=60_900)}, load={}, pods={}))
-    assert w.freshness(["p"])["p"].state == "current" and w.problem() is None
+    assert now("p") == PodFreshness("current", 100) and w.problem() is None
