@@ -41,6 +41,7 @@ class FleetWatcher:
     read_errors: int = 0
     failing: str | None = None  # the last read error, while reads fail
     _models: dict[str, frozenset[str]] = field(default_factory=dict)
+    _by_state: dict[str, frozenset[str]] = field(default_factory=dict)  # record state -> its pods
     _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness at _as_of_ms (predictor/scoring/freshness.py)
     _as_of_ms: int = 0  # the Valkey time _fresh was judged at
     _turn_ms: int | None = None  # when a lease's account turns next (late, expired): _fresh is judged again then
@@ -77,6 +78,10 @@ class FleetWatcher:
         self.view, self.read_at = view, self.clock()
         self.reads += 1
         self._models = {p: frozenset(r.models) for p, r in view.pods.items() if r.models}
+        by_state: dict[str, set[str]] = {}
+        for pod, record in view.pods.items():
+            by_state.setdefault(record.state, set()).add(pod)
+        self._by_state = {state: frozenset(pods) for state, pods in by_state.items()}  # asked once per request
         self._judge(view.now_ms)
 
     def _judge(self, now_ms: int) -> None:
@@ -143,14 +148,10 @@ class FleetWatcher:
         return frozenset(m for p, ms in self._models.items() if p not in retired for m in ms)
 
     def retired(self) -> frozenset[str]:
-        if self.view is None:
-            return frozenset()
-        return frozenset(p for p, r in self.view.pods.items() if r.state == "retired")
+        return self._by_state.get("retired", frozenset())
 
     def unreachable(self) -> frozenset[str]:
-        if self.view is None:
-            return frozenset()
-        return frozenset(p for p, r in self.view.pods.items() if r.state == "unreachable")
+        return self._by_state.get("unreachable", frozenset())
 
     def models_of(self, pod_id: str) -> frozenset[str] | None:
         """The models a pod's record lists (base and LoRA names); None when it lists none yet."""
