@@ -21,8 +21,9 @@ Per pod:
 * ``unreachable``: the pod's engine fails its health checks (its fleet record): what the index holds for it
   is the memory of an engine that may be gone (a stopped engine holds nothing);
 * ``retired``: the pod's record says retired (its entries are being cleared);
-* ``unknown``: no lease lists it (an ingester outside the fleet, ``--private``, takes no lease; an ingester
-  that left, as a one-off ``ingest`` run does, leaves its pods listed by none).
+* ``unknown``: no lease lists it: its ingester left (a one-off ``ingest`` run naming pods its own way leaves
+  them so, until the fleet retires them), an ingester that takes no lease (``--source``/``--bind`` alone with
+  ``--no-registered-engines``), a pod written by ``index import``.
 
 ``staleness_ms``: how long ago its ingester was last known current (0-1 s while current), the bound on what
 the index may be missing for it; ``index_lag_ms``: now minus the engine timestamp of the pod's newest applied
