@@ -18,19 +18,24 @@ from urllib.parse import urlsplit
 import httpx
 import zmq
 
+import msgspec
+
 from kv_preflight.jsonl import read_json_lines
 from kv_preflight.events import topic_or_none
+from kv_preflight.index.rank_pods import rank_pod
 
 
 class EventWatcher:
-    """An independent SUB on the engine's PUB socket: the newest seq each pod has published."""
+    """An independent SUB on the engine's PUB sockets (one per data-parallel rank): the newest seq each index pod
+    has published (a rank r >= 1 of pod P is the index pod ``P@dp<r>``, kv_preflight/index/rank_pods.py)."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str | list[str]):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
+            self.sock.connect(ep)
         self.last_seq: dict[str, int] = {}
 
     @classmethod
@@ -38,14 +43,13 @@ class EventWatcher:
         """None when the engine publishes no events we can subscribe to (then we settle by quiet time)."""
         try:
             body = httpx.get(engine_url.rstrip("/") + "/kv_event_sources", timeout=timeout_s).json()
-            conf = body[sorted(body)[0]]
-            endpoint = conf["endpoint"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            endpoints = [body[rank]["endpoint"] for rank in sorted(body)]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
-        if "*" not in endpoint:
+        if not endpoints or any(not isinstance(e, str) or "*" not in e for e in endpoints):
             return None  # the engine connects to its subscribers: we cannot join
         host = urlsplit(engine_url).hostname or "127.0.0.1"
-        return cls(endpoint.replace("*", host, 1))
+        return cls([e.replace("*", host, 1) for e in endpoints])
 
     def drain(self, quiet_s: float = 0.25, max_s: float = 10.0) -> None:
         """Read until the engine has published nothing for ``quiet_s``."""
@@ -56,12 +60,22 @@ class EventWatcher:
             frames = self.sock.recv_multipart()
             if len(frames) == 3 and len(frames[1]) == 8:
                 topic = topic_or_none(frames[0])
-                pod = topic.pod_id if topic is not None else ""
+                pod = rank_pod(topic.pod_id if topic is not None else "", _rank_of(frames[2]))
                 self.last_seq[pod] = int.from_bytes(frames[1], "big", signed=True)
 
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+def _rank_of(payload: bytes) -> int:
+    """The data-parallel rank a batch payload names (``[ts, events, rank]``), 0 when it names none."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+        rank = batch[2] if isinstance(batch, list) and len(batch) > 2 else 0
+        return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else 0
+    except (msgspec.DecodeError, TypeError):
+        return 0
 
 
 def applied_seqs(predictor_url: str) -> tuple[dict[str, int], set[str]]:
@@ -132,7 +146,9 @@ def _send(client: httpx.Client, engine_url: str, model: str, req: dict) -> tuple
         body, path = {"model": model, "prompt": req.get("token_ids", req.get("prompt")), "max_tokens": 1}, "/v1/completions"
     # Passed to the engine as given: vLLM's per-request extras (e.g. kv_cache_report_mode) and cache_salt.
     body.update({k: req[k] for k in ("vllm_xargs", "cache_salt") if k in req})
-    r = client.post(engine_url.rstrip("/") + path, json=body, timeout=120)
+    # a data-parallel engine: the request pinned to the rank the workload names (vLLM's header)
+    headers = {DP_RANK_HEADER: str(req["dp_rank"])} if req.get("dp_rank") is not None else None
+    r = client.post(engine_url.rstrip("/") + path, json=body, headers=headers, timeout=120)
     if r.status_code != 200:
         raise WorkloadError(f"the engine answered {r.status_code}: {answer_message(r)}")
     usage = r.json()["usage"]
@@ -165,7 +181,11 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
                     raise WorkloadError(f"request {i}: the predictor answered {p.status_code}: {answer_message(p)}")
                 pred = p.json()
                 n, actual = _send(client, engine_url, model, req)
-                res = Outcome(i, n, pred["predicted_cached_tokens"], actual, pred.get("best_pod"))
+                predicted = pred["predicted_cached_tokens"]
+                if req.get("dp_rank") is not None:  # pinned to a rank: what that rank's cache holds
+                    predicted = next((a["cached_tokens"] for a in pred["pod_affinities"]
+                                      if a.get("dp_rank", 0) == req["dp_rank"]), 0)
+                res = Outcome(i, n, predicted, actual, pred.get("best_pod"))
                 out.append(res)
                 if on_result:
                     on_result(res)
@@ -175,8 +195,12 @@ def run_workload(engine_url: str, predictor_url: str, model: str, requests: Iter
     return out
 
 
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32: pins a request to a data-parallel rank
+
+
 def load_workload(path: Path) -> list[dict]:
-    """JSON lines, each with one of token_ids, prompt, messages."""
+    """JSON lines, each with one of token_ids, prompt, messages (and optionally ``dp_rank``: the request is
+    pinned to that data-parallel rank, and compared with what that rank's cache holds)."""
     reqs = []
     for n, obj in read_json_lines(path):
         if not isinstance(obj, dict) or sum(k in obj for k in ("token_ids", "prompt", "messages")) != 1:

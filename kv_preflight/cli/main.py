@@ -265,8 +265,9 @@ cli.add_command(bench)
 @click.option("--step-ms", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Wall time per engine step.")
 @click.option("--topic", default=None, help="PUB topic (default kv@POD@MODEL; '' is vLLM's default empty topic).")
 @click.option("--sliding-window", type=click.IntRange(min=2), default=None, help="Simulate a hybrid model: a sliding-window layer with this window (tokens) beside a full-attention one, two KV cache groups as vLLM's hybrid KV cache manager runs them.")
+@click.option("--dp-size", default=1, show_default=True, type=click.IntRange(1, 64), help="Data-parallel ranks (vLLM's --data-parallel-size): each its own prefix cache and publisher on the event and replay ports + rank; a request goes to the rank its X-data-parallel-rank header names, else the least loaded.")
 def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, blocks, max_model_len, step_ms,
-             topic, sliding_window) -> None:
+             topic, sliding_window, dp_size) -> None:
     """Run a fake vLLM engine whose prefix cache and KV events behave like vLLM 0.32's."""
     from kv_preflight.simulator.config import SimulatorConfig
     from kv_preflight.simulator.main import run
@@ -274,7 +275,8 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
     cfg = SimulatorConfig(pod=pod, model=model, host=host, port=port, zmq_endpoint=zmq_endpoint,
                           replay_endpoint=None if replay_endpoint.lower() == "none" else replay_endpoint,
                           block_size=block_size, num_blocks=blocks, max_model_len=max_model_len,
-                          step_delay_s=step_ms / 1000, topic_override=topic, sliding_window=sliding_window)
+                          step_delay_s=step_ms / 1000, topic_override=topic, sliding_window=sliding_window,
+                          dp_size=dp_size)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -44,3 +44,26 @@ def parse_load(text: str, names: LoadMetrics) -> tuple[float, float, float] | No
         return None
     usage = next((sums[n] / counts[n] for n in names.kv_usage if counts[n]), 0.0)
     return sums[names.running], sums[names.waiting], min(max(usage, 0.0), 1.0)
+
+
+def parse_rank_loads(text: str, names: LoadMetrics, label: str = "engine") -> dict[int, tuple[float, float, float]]:
+    """(running, waiting, kv usage) of each data-parallel rank, from the series' ``engine="<rank>"`` label (vLLM
+    0.32 labels every series of an engine core with its index, the rank); {} when no sample carries the label."""
+    marker = f'{label}="'
+    by_rank: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if not line.startswith(names.prefix):
+            continue
+        at = line.find(marker)
+        if at < 0:
+            continue
+        end = line.find('"', at + len(marker))
+        value = line[at + len(marker):end] if end > 0 else ""
+        if value.isdigit() and len(value) <= 4:
+            by_rank.setdefault(int(value), []).append(line)
+    out = {}
+    for rank, lines in by_rank.items():
+        load = parse_load("\n".join(lines), names)
+        if load is not None:
+            out[rank] = load
+    return out

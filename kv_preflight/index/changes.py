@@ -15,8 +15,12 @@ def mine(num: int) -> bytes:
     return b"1:" + bytes(num // 8) + bytes((1 << (num % 8),))
 
 
-def key_ops(rk: int, field: str, entry: int, bit: str, bit_delta: int, num: int, own: bytes | None = None) -> list[Any]:
-    """One request key's change (a KeyChange's fields) as changes.lua ops. ``own``: ``mine(num)``, if made."""
+def key_ops(rk: int, field: str, entry: int, bit: str, bit_delta: int, num: int, own: bytes | None = None,
+            *, general: bool = False) -> list[Any]:
+    """One request key's change (a KeyChange's fields) as changes.lua ops. ``own``: ``mine(num)``, if made.
+    ``general``: always the K form (a pod with sibling data-parallel ranks: changes.lua's ``G``)."""
+    if general:
+        return ["K", rk, presence_key(rk), field, entry, bit, bit_delta, num // 8 + 1, 1 << (num % 8)]
     if bit and entry == bit_delta and entry:
         value = own if own is not None else mine(num)
         if entry > 0:
@@ -32,9 +36,12 @@ def _one_to_one(c: KeyChange) -> bool:
     return c.entry != 0 and (c.bit_delta == c.entry if c.bit else c.bit_delta == 0)
 
 
-def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
+def change_args(changes: Sequence[Any], num: int | None, sibs: bytes = b"") -> list[Any]:
     """See ``change_args_py`` (the reference): the same, in C for a batch's usual changes (S and R runs, engine
-    keys' adds and drops)."""
+    keys' adds and drops). ``sibs``: the pod's sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py
+    ``family_bits``); with any, the changes go in K form under changes.lua's ``G``."""
+    if sibs:
+        return ["G", sibs, *change_args_py(changes, num, general=True)]
     if _change_args_c is not None and type(changes) is list:
         done = _change_args_c(changes, mine(num or 0), _CHANGE_TYPES, *_PRESENCE_NAME, ENGINE_PREFIX)
         if done is not None:
@@ -42,13 +49,24 @@ def change_args(changes: Sequence[Any], num: int | None) -> list[Any]:
     return change_args_py(changes, num)
 
 
-def change_args_py(changes: Sequence[Any], num: int | None) -> list[Any]:
+def change_args_py(changes: Sequence[Any], num: int | None, *, general: bool = False) -> list[Any]:
     """changes.lua's arguments for a plan's changes, in order: blocks of one request key in runs of S or R ops
     (each block with its engine key's ZADD or ZREM when the plan has it beside), under the F op's field and
-    bit."""
+    bit. ``general``: every key change in K form (a pod with sibling ranks, see ``change_args``)."""
     n = num or 0
     own = mine(n)
     out: list[Any] = []
+    if general:
+        for c in changes:
+            if isinstance(c, KeyChange):
+                out += key_ops(c.rk, c.field, c.entry, c.bit, c.bit_delta, n, own, general=True)
+            elif isinstance(c, EngineAdd):
+                out += ["z", engine_key_name(c.ek), c.rks[0]] if len(c.rks) == 1 else \
+                    ["Z", engine_key_name(c.ek), len(c.rks), *c.rks]
+            elif isinstance(c, EngineDrop):
+                out += ["x", engine_key_name(c.ek), c.rks[0]] if len(c.rks) == 1 else \
+                    ["X", engine_key_name(c.ek), len(c.rks), *c.rks]
+        return out
     reg: tuple[str, str] | None = None  # the F op's field and bit name, as last sent
     run_at = -1  # where the count of the last S or R run is
     i, count = 0, len(changes)
@@ -112,7 +130,14 @@ def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], d
     reg: tuple[str, str, int, int] | None = None
     owns: dict[tuple[int, int], bytes] = {}  # (byte, mask) -> mine(): a run's ops are mostly one pod's
     run_at = -1
+    sibs = b""  # the G op's sibling bits, as last sent (a pod with data-parallel ranks: its K ops carry them)
     for i, op in enumerate(ops):
+        if op[0] == "K" and (op[8] if len(op) > 8 else b"") != sibs:
+            sibs = op[8] if len(op) > 8 else b""
+            out += ["G", sibs]
+            owners.append(i)
+            reg = None
+            run_at = -1
         if op[0] == "Q":
             if i and folds_probe(ops[i - 1], op):
                 folded[len(owners)] = i  # the r block just sent (the script's op len(owners), from 1)
@@ -120,9 +145,9 @@ def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], d
             out += ["q", op[1], op[2]]
             owners.append(i)
             continue
-        _, rk, fld, entry, bit, bitdelta, byte, mask = op
-        if not _runs(op):
-            part = key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
+        _, rk, fld, entry, bit, bitdelta, byte, mask = op[:8]
+        if sibs or not _runs(op):
+            part = key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1, general=bool(sibs))
             out += part
             owners += [i] * lua_op_count(part)
             continue
@@ -164,11 +189,11 @@ def folds_probe(prev: Sequence[Any], probe: Sequence[Any]) -> bool:
     """Whether a drop's probe ``("Q", rk, j)`` rides on the change just before it in a shard's ops: the removal
     of the same key's entry in an r block, whose answer (the key left empty, or not) is the probe's, as nothing
     runs on that key in between. Saves the probe's three arguments, which cost Valkey more than its HLEN."""
-    return prev[0] == "K" and prev[1] == probe[1] and prev[3] < 0 and _runs(prev)
+    return prev[0] == "K" and len(prev) == 8 and prev[1] == probe[1] and prev[3] < 0 and _runs(prev)
 
 
 # How many arguments each changes.lua op takes, its name included (S, R, Z and X: by their count)
-_ARITY = {"E": 3, "e": 3, "B": 4, "b": 4, "F": 4, "K": 9, "z": 3, "x": 3, "q": 3}
+_ARITY = {"E": 3, "e": 3, "B": 4, "b": 4, "F": 4, "G": 2, "K": 9, "z": 3, "x": 3, "q": 3}
 
 
 def lua_op_count(args: Sequence[Any]) -> int:

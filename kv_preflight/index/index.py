@@ -39,12 +39,16 @@ from kv_preflight.fleet.store import FleetStore
 from kv_preflight.index.layout import (PODS_KEY, engine_key_name,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.numbering import Numbering, give_numbers
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
 from kv_preflight.index.pod_meta import PodMeta
 
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.transfer import held_blocks
 from kv_preflight.index.writer import MAX_RETRIES, REPLAN, PodWriter, Prepared
 
+# A writer of data-parallel ranks reads their siblings' numbers again this often: far less than a freed number's
+# reuse time (layout.NUM_REUSE_MS), so a number freed and given to another pod is never taken for a sibling's
+FAMILIES_TTL_S = 10.0
 REGISTRY_REFRESH_S = 10.0  # a registry row this process wrote is written again after this long (_register_new)
 
 
@@ -73,6 +77,8 @@ class Index:
         self._registered: dict[str, tuple[str, float]] = {}
         self._numbered: set[str] = set()  # pods whose number this Index has made sure of (meta "num")
         self._nums: dict[str, int] = {}  # their numbers
+        self._families: dict[str, dict[str, int]] = {}  # pod -> its data-parallel ranks' pods and numbers (>1)
+        self._families_at = float("-inf")
         # the pods this process writes: their states in memory, batches planned against them
         self.writer = PodWriter(client, cluster=self.cluster, reannouncements=reannouncements)
         # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
@@ -117,7 +123,8 @@ class Index:
         if f is None:
             if len(self._fields) > 100_000:
                 self._fields.clear()
-            f = self._fields[k] = encode_entry(make_entry(pod_id, medium, group_idx), self.entry_format)
+            # a data-parallel rank's entries name its pod: llm-d's readers know no ranks (rank_pods.py)
+            f = self._fields[k] = encode_entry(make_entry(base_pod(pod_id), medium, group_idx), self.entry_format)
         return f
 
     # ---- write path
@@ -219,6 +226,8 @@ class Index:
         unnumbered = [p for p in pods if p not in self._numbered]
         if unnumbered:
             await self.ensure_numbers(unnumbered)
+        elif self._families and time.monotonic() - self._families_at > FAMILIES_TTL_S:
+            await self._learn_families()  # a rank numbered by another process, a number freed and reused
         await self._load_pods(pods)
         return self.writer.prepare_run(batches)
 
@@ -232,13 +241,36 @@ class Index:
                     self.writer.set_num(p, self._nums[p])
 
     async def ensure_numbers(self, pod_ids: Sequence[str]) -> dict[str, int]:
-        """``give_numbers``, remembered: this Index does not ask again for these pods."""
-        nums = await give_numbers(self.client, pod_ids, self.backend.numbering_copies)
-        self._numbered.update(pod_ids)
+        """``give_numbers``, remembered: this Index does not ask again for these pods. A data-parallel rank's
+        pod is numbered with it (rank 0 is there whenever a rank is), and the ranks' siblings are learnt
+        (``_learn_families``)."""
+        ranks = [p for p in pod_ids if RANK_SEPARATOR in p]
+        wanted = list(dict.fromkeys([*pod_ids, *(base_pod(p) for p in ranks)]))
+        nums = await give_numbers(self.client, wanted, self.backend.numbering_copies)
+        self._numbered.update(wanted)
         self._nums.update(nums)
         for p, n in nums.items():
             self.writer.set_num(p, n)
-        return nums
+        if ranks or any(p in self._families for p in wanted):
+            await self._learn_families()
+        return {p: nums[p] for p in pod_ids}
+
+    async def _learn_families(self) -> None:
+        """Each data-parallel pod's ranks and their numbers (this process's and every other's, from the
+        numbering), so a rank's changes carry its siblings' bits (changes.lua's ``G``): a rank letting go of a
+        block must not delete the llm-d entry its pod's other ranks still hold."""
+        try:
+            names = await self.numbering.pod_names(refresh=True)
+        except VALKEY_ERRORS:
+            names = self.numbering.names
+        nums = {name: num for num, name in names.items()}
+        nums.update(self._nums)
+        families: dict[str, dict[str, int]] = {}
+        for name, num in nums.items():
+            families.setdefault(base_pod(name), {})[name] = num
+        self._families = {base: fam for base, fam in families.items() if len(fam) > 1}
+        self._families_at = time.monotonic()
+        self.writer.sibs = {name: family_bits(name, fam) for fam in self._families.values() for name in fam}
 
     async def _register_new(self, batches: Sequence[dict[str, Any]]) -> None:
         """Pods this Index writes for the first time (or with a new model, or not written for
@@ -290,6 +322,14 @@ class Index:
             return await self.backend.memory_usage()
         except (RedisError, ValueError, TypeError):
             return None
+
+    async def with_ranks(self, pods: Iterable[str]) -> list[str]:
+        """The pods and, for each, the index pods of its data-parallel ranks the registry lists (``<pod>@dp<r>``,
+        rank_pods.py), in order: a pod retired or forgotten goes with all its ranks."""
+        pods = list(dict.fromkeys(pods))
+        wanted = set(pods)
+        ranks = sorted(p for p in await self.meta.pod_ids() if RANK_SEPARATOR in p and base_pod(p) in wanted)
+        return list(dict.fromkeys([*pods, *ranks]))
 
     async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
         """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
@@ -369,9 +409,10 @@ class Index:
         self.foreign_reads += foreign
         if found is None:  # key 1 holds entries someone else wrote: llm-d's entries decide
             return await self._lookup_entries(request_keys, pods)
-        if pods is not None:
+        if pods is not None:  # a pod named stands for its data-parallel ranks too (rank_pods.py)
             asked = set(pods)
-            found = dataclasses.replace(found, matches=[m for m in found.matches if m.pod_id in asked])
+            found = dataclasses.replace(found, matches=[m for m in found.matches
+                                                        if m.pod_id in asked or base_pod(m.pod_id) in asked])
         return found
 
     async def _lookup_entries(self, request_keys: Sequence[int], pods: Sequence[str] | None) -> Lookup:

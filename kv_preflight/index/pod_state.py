@@ -28,6 +28,7 @@ import msgspec
 
 from kv_preflight.engines.hit_rules import GroupSpec, longest_hit, prefix_group
 from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock, parse_entry
+from kv_preflight.index.rank_pods import base_pod
 
 UNKNOWN = None  # a block's parent when not known (an import of an older export): the orphan count is unknown
 
@@ -196,7 +197,8 @@ class PodState:
         t = self._tiers.get(fld, "")
         if t == "":
             e = parse_entry(fld)
-            t = None if e is None or e.Speculative or (self.pod_id is not None and e.PodIdentifier != self.pod_id) \
+            # a data-parallel rank's entries name its pod (kv_preflight/index/rank_pods.py)
+            t = None if e is None or e.Speculative or (self.pod_id is not None and e.PodIdentifier != base_pod(self.pod_id)) \
                 else e.DeviceTier
             self._tiers[fld] = t
         return t

@@ -75,13 +75,14 @@ class Prepared:
     log_size: int
     groups_json: str
     num: int | None = None
+    sibs: bytes = b""  # the bits of the pod's sibling data-parallel ranks (kv_preflight/index/rank_pods.py)
     # the pod's keys have a gap (orphan keys, or their count not known) before or after this batch: on a
     # cluster the lookup must not bisect the pod while its changes travel (pod_step.lua's gap_entry)
     gap: bool = False
 
     def script_args(self) -> list[Any]:
         """apply.lua's arguments (a single node: the changes run in the same script)."""
-        return self.head + change_args(self.changes, self.num)
+        return self.head + change_args(self.changes, self.num, self.sibs)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class PodWriter:
         self.pods: dict[str, PodCache] = {}
         self.heads: dict[str, _Tentative] = {}  # per pod, the state its batches in flight lead to
         self.reloads = 0  # pods loaded again after a stale plan (a counter for /metrics)
+        # pod -> its sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), for pods that have any
+        self.sibs: dict[str, bytes] = {}
 
     # ---- loading
 
@@ -264,7 +267,7 @@ class PodWriter:
                 len(plan.flags), *plan.flags, "1" if plan.cleared_flags else "0", *chunks[1:]]
         gap = before is None or before > 0 or orphans is None or orphans > 0
         return Prepared(pod, pod_keys(pod, cluster=self.cluster), head, plan.changes, plan, new_gen, snapshot,
-                        len(value), groups_json, self.pods[pod].num, gap)
+                        len(value), groups_json, self.pods[pod].num, self.sibs.get(pod, b""), gap)
 
     def commit(self, prep: Prepared, result: ApplyResult) -> None:
         c = self.pods.get(prep.pod)

@@ -63,11 +63,11 @@ class FrameAcceptor:
                 log.warning("refused from %s: pod %r is not in its pods= allowlist (%d frame(s) refused so far)",
                             src.endpoint, pod[:80], refused)
             return None
-        pod = self.routes.pod_name(src, pod)
+        rank = decoded.batch.data_parallel_rank or 0
+        pod = self.routes.pod_name(src, pod, rank)
         if pod in self.routes.forgotten:  # unregistered or cleared with --forget: its keys are going
             await self.counters.count("frames_refused", endpoint=src.endpoint)
             return None
         await self.routes.write_aliases()
-        rank = decoded.batch.data_parallel_rank or 0
         route = await self.routes.note(src, pod, decoded.topic.model, rank)
         return Accepted(pod, route.model, decoded.seq, decoded.batch, count)

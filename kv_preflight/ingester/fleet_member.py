@@ -36,10 +36,11 @@ import msgspec
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, engine
 from kv_preflight.engines.endpoints import check_zmq_endpoint
-from kv_preflight.engines.load_metrics import parse_load
+from kv_preflight.engines.load_metrics import parse_load, parse_rank_loads
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
 from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, rank_pod, split_rank_pod
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
@@ -446,19 +447,24 @@ class FleetMember:
         naming its engines as before): its old entries go, and its record names the new engine, before the
         first event is applied, so retiring the old engine's record cannot clear the new one's entries."""
         now_ms = await self.index.fleet.now_ms()
+        ranks: dict[str, set[str]] = {}  # pod -> its data-parallel ranks' index pods (rank_pods.py)
         for src in found:
             topic = src.named_topic or topic_or_none(src.topic)
             pod = spec.pod or (topic.pod_id if topic else "")
+            if pod:
+                ranks.setdefault(pod, {pod}).add(rank_pod(pod, src.rank))
+        for pod, index_pods in ranks.items():
             rec = records.get(pod)
-            if not pod or rec is None or not rec.engine_url or rec.engine_url == spec.url \
-                    or rec.engine_url in fleet_known:
+            if rec is None or not rec.engine_url or rec.engine_url == spec.url or rec.engine_url in fleet_known:
                 continue
             new = PodRecord(state="live", since_ms=now_ms, engine_url=spec.url, owner=self.me)
             if await self.index.fleet.replace_pod_record(pod, rec, new) or rec.state == "retired":
                 # A new engine: the pod starts as it does (no seq, not incomplete), and is replayed from its
                 # seq 0. Clearing the entries alone kept the old seq and the retirement flag, so the pod read
                 # incomplete for good (and a new engine further on than the old seq would skip its start).
-                cleared = await self.index.reset_pod(pod)
+                cleared = 0
+                for index_pod in sorted(index_pods):
+                    cleared += await self.index.reset_pod(index_pod)
                 await self.index.fleet.put_pod_records({pod: new})
                 log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared, starts "
                             "from the new engine's seq 0", pod, spec.url, rec.engine_url, cleared)
@@ -524,6 +530,7 @@ class FleetMember:
         if task.cancelled() or task.exception():
             return
         ok, detail, load, models = task.result()
+        ranked = any(RANK_SEPARATOR in p for p in att.pods)  # data-parallel ranks: each rank's own load
         for pod in sorted(att.pods):
             if pod in self.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
                 continue
@@ -548,7 +555,8 @@ class FleetMember:
                 await self._retire(pod, record)
             await self._write(pod, record)
             if load is not None and record.state == "live":
-                await self.index.fleet.put_load({pod: PodLoad(*load, at_ms=now_ms)})
+                mine = load[1].get(split_rank_pod(pod)[1]) if ranked else None
+                await self.index.fleet.put_load({pod: PodLoad(*(mine or load[0]), at_ms=now_ms)})
 
     async def _record_new(self, att: _Attached, pods: list[str], now_ms: int) -> None:
         """A copy's pods the fleet has no record of yet (this ingester is not the engine's primary owner, whose
@@ -571,7 +579,9 @@ class FleetMember:
         try:
             names = engine(family).load_metrics  # None: the engine exports no Prometheus load series
             resp = await self.http.get(url + "/metrics") if names else None
-            load = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
+            total = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
+            # (the engine's load, each data-parallel rank's)
+            load = None if total is None else (total, parse_rank_loads(resp.text, names))
         except (httpx.HTTPError, OSError):
             load = None
         return True, "", load, (await self._models(url) if with_models else None)

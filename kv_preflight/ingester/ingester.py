@@ -57,6 +57,8 @@ class Ingester:
         self.routes = Routes(cfg, index, self.valkey)
         self.applier = Applier(cfg, index, self.routes, self.counters, self.valkey)
         self.resume = Resume(cfg, index, self.routes, self.applier, self.counters, self.valkey)
+        # a pod written with its data-parallel ranks merged (before each was a pod of its own): rebuilt once
+        self.routes.on_merged = lambda pod: self.resume.schedule({pod}, rebuild=True)
         self.subscriber: Subscriber | None = None
         self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded)
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)

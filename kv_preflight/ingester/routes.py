@@ -5,14 +5,20 @@ endpoint`` renames.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv_preflight.config import Config
 from kv_preflight.engines import DEFAULT, Engine, engine
 from kv_preflight.events import topic_or_none
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.rank_pods import base_pod, rank_pod
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
+
+
+log = logging.getLogger("kvpf.ingester")
 
 
 @dataclass
@@ -37,6 +43,8 @@ class Routes:
         self._aliased: set[tuple[str, str]] = set()  # (topic pod, serving address) recorded in kvpf:aliases
         self._aliases_due: set[tuple[str, str]] = set()
         self._replays: dict[str, Source] = {}  # replay endpoint -> its source (limits, CURVE keys)
+        self._ranks_checked: set[str] = set()  # data-parallel ranks' pods whose pod was checked for merged ranks
+        self.on_merged: Callable[[str], None] | None = None  # a pod to rebuild: it held its ranks merged
 
     def add(self, sources: list[Source]) -> set[str]:
         """Routes for sources whose topic is known (discovered, or named on the source); returns their pods."""
@@ -45,7 +53,8 @@ class Routes:
             self._know_replay(src)
             topic = src.named_topic or topic_or_none(src.topic)  # pod=,model= given, or a kv@POD@MODEL topic
             if topic is not None:
-                pod = src.pod or self.pod_name(src, topic.pod_id)  # a discovered engine named by its address keeps its topic's model
+                # a discovered engine named by its address keeps its topic's model
+                pod = rank_pod(src.pod, src.rank) if src.pod else self.pod_name(src, topic.pod_id, src.rank)
                 self.pods[pod] = PodRoute(model=topic.model, replay=src.replay, source=src.endpoint, engine=src.engine)
                 pods.add(pod)
                 if src.rank is not None:
@@ -76,7 +85,29 @@ class Routes:
         self.rank_sources[(pod, rank)] = src
         self._know_replay(src)
         await self._remember_feed(src, rank, pod, route.model)
+        if rank and pod not in self._ranks_checked:
+            await self._unmerge(pod, rank)
         return route
+
+    async def _unmerge(self, pod: str, rank: int) -> None:
+        """Before data-parallel ranks were pods of their own, every rank was written into its pod: a pod whose meta
+        holds this rank's seq holds this rank's blocks too, credited to rank 0. Such a pod is flagged and rebuilt
+        once, when its rank first shows up here (``on_merged``: the ingester's rebuild from the engine's seq 0,
+        which clears the pod first), so it holds rank 0's blocks alone; it stays flagged if rank 0's replay
+        buffer no longer reaches back that far."""
+        base = base_pod(pod)
+        try:
+            info = await self.index.meta.pod_info(base)
+            if str(rank) in info.seqs:
+                await self.index.meta.mark_incomplete(base, f"held its data-parallel rank {rank}'s blocks; rebuilding")
+                log.warning("pod %s holds the blocks of its data-parallel rank %d (written before each rank was "
+                            "indexed as a pod of its own, now %s): flagged, and rebuilt from its engine", base, rank,
+                            pod)
+                if self.on_merged is not None:
+                    self.on_merged(base)
+            self._ranks_checked.add(pod)
+        except VALKEY_ERRORS:
+            pass  # checked again with the rank's next frame
 
     def _know_replay(self, src: Source) -> None:
         if src.replay:
@@ -101,14 +132,16 @@ class Routes:
 
     # ---- pod names (--pod-id endpoint)
 
-    def pod_name(self, src: Source, topic_pod: str) -> str:
-        """The pod id written into the index: the topic's, or with ``--pod-id endpoint`` the rank's
-        serving address as llm-d-router v0.10 names it (kv_preflight/engines/endpoints.py ``serving_address``)."""
+    def pod_name(self, src: Source, topic_pod: str, rank: int | None = None) -> str:
+        """The pod id written into the index: the topic's (or the source's ``pod=``), each data-parallel rank
+        r >= 1 as ``<pod>@dp<r>`` (its own cache: kv_preflight/index/rank_pods.py); or with ``--pod-id
+        endpoint`` the rank's serving address as llm-d-router v0.10 names it (one per rank already:
+        kv_preflight/engines/endpoints.py ``serving_address``)."""
         if self.cfg.pod_id == "endpoint" and src.serving:
             if (topic_pod, src.serving) not in self._aliased:
                 self._aliases_due.add((topic_pod, src.serving))
             return src.serving
-        return topic_pod
+        return rank_pod(topic_pod, rank)
 
     async def write_aliases(self) -> None:
         """Both names of each renamed pod, for pods filters that use either (once per pair and process)."""

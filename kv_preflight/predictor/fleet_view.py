@@ -44,6 +44,7 @@ class FleetWatcher:
     _by_state: dict[str, frozenset[str]] = field(default_factory=dict)  # record state -> its pods
     _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness at _as_of_ms (predictor/scoring/freshness.py)
     _as_of_ms: int = 0  # the Valkey time _fresh was judged at
+    _listed: frozenset[str] = frozenset()  # the pods some lease lists
     _turn_ms: int | None = None  # when a lease's account turns next (late, expired): _fresh is judged again then
 
     async def run(self) -> None:
@@ -90,6 +91,7 @@ class FleetWatcher:
         view = self.view
         assert view is not None
         listing = leases_by_pod(view)
+        self._listed = frozenset(listing)
         self._fresh = pod_freshness(view, accounted_pods(view, listing), now_ms, time.time(), listing)
         self._as_of_ms, self._turn_ms = now_ms, next_turn_ms(view, now_ms)
 
@@ -108,6 +110,10 @@ class FleetWatcher:
             self._judge(self.now_ms())
         fresh = self._fresh
         return {p: fresh.get(p, UNKNOWN_POD) for p in pods}
+
+    def listed(self) -> frozenset[str]:
+        """The pods some ingester's lease lists (data-parallel ranks among them, before they publish)."""
+        return self._listed
 
     def aged(self, fresh: PodFreshness) -> PodFreshness:
         """``fresh`` (as of the last judgement) with the time since added to its staleness and lag."""

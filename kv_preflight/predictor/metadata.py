@@ -24,6 +24,7 @@ from typing import Any
 
 from kv_preflight.index.index import Index
 from kv_preflight.index.pod_meta import ScoringInfo
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod
 
 DEFAULT_TTL_S = 1.0
 # A pod is renewed behind the requests once this fraction of its ttl has passed, a fraction
@@ -66,6 +67,7 @@ class IndexMetadata:
         self._pod_models: dict[str, str] = {}
         self._by_model: dict[str, frozenset[str]] = {}  # model -> its pods, made once per read of the registry
         self._models_at: float | None = None
+        self._dp_pods: frozenset[str] = frozenset()  # pods with data-parallel ranks, per read of the registry
         self._flight = _SingleFlight()
         self._pod_tasks: dict[str, asyncio.Task] = {}  # pod -> the fetch that is reading it now
         self._renewing: asyncio.Task | None = None  # the renewal behind the requests, if one is running
@@ -163,6 +165,10 @@ class IndexMetadata:
             got = self._by_model[model] = frozenset(p for p, m in self._pod_models.items() if m == model)
         return got
 
+    def cached_dp_pods(self) -> frozenset[str]:
+        """Pods the registry, as last read, lists data-parallel ranks of (``<pod>@dp<r>``); no read of its own."""
+        return self._dp_pods
+
     async def all_pods(self) -> frozenset[str]:
         """Every pod the index's registry lists, as fresh as ``known_models``."""
         await self.known_models()
@@ -182,6 +188,7 @@ class IndexMetadata:
     async def _load_models(self) -> None:
         pods = await self.index.meta.pod_ids()
         self._pod_models = pods
+        self._dp_pods = frozenset(base_pod(p) for p in pods if RANK_SEPARATOR in p)
         self._by_model = {}
         self._models = frozenset(m for m in pods.values() if m)
         self._models_at = self.clock()

@@ -31,6 +31,9 @@ from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, d
 from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
                                                        stale_for_route, untrusted)
 from kv_preflight.predictor.scoring.score import Prediction, score
+from kv_preflight.predictor.scoring.ranks import decision_with_ranks, dp_pods_of, with_ranks
+from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
+from kv_preflight.index.rank_pods import base_pod
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from kv_preflight.predictor.tokens.source import Tokenization
 from kv_preflight.predictor.tokens.engine import EngineTokenizer
@@ -122,7 +125,7 @@ class Predictor:
         model, keys, n_tokens, head = await self._request_keys(req)
         prediction = await self._predict_keys(model, keys, n_tokens, await self.expand_pods(req.pods))
         warnings = self._warn(req, model, head) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
-        return msgspec.structs.replace(prediction, warnings=warnings)
+        return msgspec.structs.replace(with_ranks(prediction, self.dp_pods()), warnings=warnings)
 
     def _warn(self, req: PredictRequest, model: str, head: list[int]) -> list[Any]:
         return self.warnings.check(model, head, chat=req.prompt is None)
@@ -153,7 +156,7 @@ class Predictor:
         await self._check_model(req.model, need_engine=False)
         prediction = await self._predict_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods))
         warnings = self.warnings.check_keyed(req) + await self._pods_warnings(req.pods) + (prediction.warnings or [])
-        return msgspec.structs.replace(prediction, warnings=warnings)
+        return msgspec.structs.replace(with_ranks(prediction, self.dp_pods()), warnings=warnings)
 
     async def _pods_warnings(self, pods: list[str] | None) -> list[Finding]:
         """A predict whose pods filter names a pod nobody knows (a typo, a pod not reported yet) or a retired
@@ -179,14 +182,16 @@ class Predictor:
         findings: list[Finding] = []
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
-            pods = [p for p in pods if p not in retired]  # a retired pod is never offered
+            pods = [p for p in pods if base_pod(p) not in retired]  # a retired pod is never offered (nor its ranks)
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
                 found = await self.index.lookup_detailed(keys, pods, mode=self.cfg.lookup)
                 matches, unanswered, why = found.matches, found.unanswered_from, found.unanswered_why
+                if pods is not None:  # the ranks found of a pod named (before a registry read lists them)
+                    pods = expand_ranks(pods, [m.pod_id for m in matches])
                 if retired:
-                    matches = [m for m in matches if m.pod_id not in retired]
+                    matches = [m for m in matches if base_pod(m.pod_id) not in retired]
                 try:
                     infos = await self.metadata.pod_infos(m.pod_id for m in matches)
                 except VALKEY_ERRORS:
@@ -220,8 +225,7 @@ class Predictor:
             serving = self.metadata.cached_pods_of(model)  # no read of its own: what the last one said
             if self.fleet is not None:
                 serving |= self.fleet.serving(model)
-            serving -= retired
-            extra = sorted(serving)[:MAX_FRESHNESS_PODS]
+            extra = sorted(p for p in serving if base_pod(p) not in retired)[:MAX_FRESHNESS_PODS]
         else:
             extra = []
         return msgspec.structs.replace(prediction, freshness=self.freshness_of(prediction, pods, extra))
@@ -265,9 +269,19 @@ class Predictor:
                 self._aliases = await self.index.fleet.aliases()
             self._aliases_at = now
         aliases = self._aliases
-        if not aliases:
-            return pods
-        return list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
+        if aliases:
+            pods = list(dict.fromkeys([*pods, *(a for p in pods for a in aliases.get(p, ()))]))
+        # a pod with data-parallel ranks stands for every rank (predictor/scoring/ranks.py): the ranks the registry
+        # lists (read at most once a second) or a lease does (before they publish)
+        async with valkey_call(self.valkey_deadline_s, "pods"):
+            names = set(await self.metadata.all_pods())
+        return expand_ranks(pods, names | (self.fleet.listed() if self.fleet is not None else frozenset()))
+
+    def dp_pods(self) -> frozenset[str]:
+        """The pods known to have data-parallel ranks: a ``<pod>@dp<r>`` in the registry as last read, or in an
+        ingester's lease (it lists the ranks it subscribes before they publish). No read of its own."""
+        listed = self.fleet.listed() if self.fleet is not None else frozenset()
+        return self.metadata.cached_dp_pods() | dp_pods_of(listed)
 
     # ---- routing
 
@@ -316,6 +330,7 @@ class Predictor:
             self._note_placement(keys[0], len(keys), prediction, decision)
         self.metrics.route(decision.reason)
         # what the prediction could not claim (hybrid groups not all known) holds for the route built on it
+        decision = decision_with_ranks(decision, self.dp_pods())
         return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
 
     def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
@@ -338,14 +353,17 @@ class Predictor:
         """
         fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
         if pods is not None:
-            return set(pods) - fleet_out
+            pods = expand_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
+            return {p for p in pods if base_pod(p) not in fleet_out}
         out = {a.pod_id for a in prediction.pod_affinities}
         async with valkey_call(self.valkey_deadline_s, "pods of model"):
             out |= await self.metadata.pods_of(model)
         if self.fleet is not None:
-            # every pod whose record lists the model; unreachable and retired pods are never routed to
+            # every pod whose record lists the model; unreachable and retired pods are never routed to (nor their
+            # data-parallel ranks, whose record is their pod's)
             out |= self.fleet.serving(model)
-            out = {p for p in out if (ms := self.fleet.models_of(p)) is None or model in ms} - fleet_out
+            out = {p for p in out if ((ms := self.fleet.models_of(base_pod(p))) is None or model in ms)
+                   and base_pod(p) not in fleet_out}
         if self.load is not None:
             out |= self.load.serving(model) or set()
             out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
@@ -355,9 +373,10 @@ class Predictor:
 
     def _load_of(self, pod: str) -> PodLoad | None:
         """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
-        own = self.load.snapshot(pod, self.policy.stale_s) if self.load else None
+        own = self.load.snapshot(base_pod(pod), self.policy.stale_s) if self.load else None
         if own is None and self.fleet is not None:
-            return self.fleet.load(pod, self.policy.stale_s)
+            # a data-parallel rank's own load when its owner scraped it per rank, else its engine's
+            return self.fleet.load(pod, self.policy.stale_s) or self.fleet.load(base_pod(pod), self.policy.stale_s)
         return own
 
     async def _pods_not_known(self, pods: list[str]) -> tuple[list[str], list[str]]:

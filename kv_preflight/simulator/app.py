@@ -82,13 +82,45 @@ def _messages_ids(body: dict[str, Any]) -> list[int]:
         raise ApiError(str(exc), param="messages") from None
 
 
-class SimulatorApp:
-    """Routes bound to one engine runner and config; build with ``.starlette()``."""
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32 (openai/completion/serving.py): pins a request to a rank
 
-    def __init__(self, cfg: SimulatorConfig, runner: EngineRunner) -> None:
+
+# vLLM 0.32's series the simulator exports (name, type, help), each per engine core (label engine="<rank>")
+_METRICS = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens."),
+    ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
+)
+
+
+class SimulatorApp:
+    """Routes bound to the engine runners (one per data-parallel rank) and config; build with ``.starlette()``."""
+
+    def __init__(self, cfg: SimulatorConfig, runners: EngineRunner | list[EngineRunner]) -> None:
         self.cfg = cfg
-        self.runner = runner
+        self.runners = runners if isinstance(runners, list) else [runners]
+        self.runner = self.runners[0]
         self.created = int(time.time())
+        self._next = 0  # the rank an unpinned request goes to among equally loaded ones (round robin)
+
+    def _rank_for(self, request: Request) -> EngineRunner:
+        """The rank a request runs on: the one ``X-data-parallel-rank`` names (vLLM refuses one out of range), else
+        the least loaded (running + waiting), ties in turn, as vLLM's data-parallel balancer spreads them."""
+        pinned = request.headers.get(DP_RANK_HEADER)
+        if pinned is not None:
+            if not pinned.strip().isdigit() or int(pinned) >= len(self.runners):
+                raise ApiError(f"data_parallel_rank {pinned!r} is out of range [0, {len(self.runners)})",
+                               param=DP_RANK_HEADER)
+            return self.runners[int(pinned)]
+        n = len(self.runners)
+        order = [(self._next + i) % n for i in range(n)]
+        rank = min(order, key=lambda r: self.runners[r].counters.running + self.runners[r].counters.waiting)
+        self._next = (rank + 1) % n
+        return self.runners[rank]
 
     # ---- helpers ----
 
@@ -142,9 +174,10 @@ class SimulatorApp:
             self._check_model(body)
             prompt_ids = _prompt_ids(body.get("prompt"), bool(body.get("add_special_tokens", True)))
             max_tokens = self._max_tokens(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+            runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await self.runner.generate(prompt_ids, max_tokens)
+        gen = await runner.generate(prompt_ids, max_tokens)
         rid, text = f"cmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -163,9 +196,10 @@ class SimulatorApp:
             self._check_model(body)
             prompt_ids = _messages_ids(body)
             max_tokens = self._max_tokens(body, len(prompt_ids), None)
+            runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await self.runner.generate(prompt_ids, max_tokens)
+        gen = await runner.generate(prompt_ids, max_tokens)
         rid, text = f"chatcmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": None,
@@ -220,10 +254,14 @@ class SimulatorApp:
         return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     async def kv_event_sources(self, request: Request) -> Response:
-        return JSONResponse(self.runner.publisher.sources())
+        sources: dict[str, Any] = {}
+        for runner in self.runners:
+            sources.update(runner.publisher.sources())
+        return JSONResponse(sources)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        return JSONResponse({"success": self.runner.reset_prefix_cache()})
+        # every rank, as vLLM resets each engine core's cache (each refuses while it holds running blocks)
+        return JSONResponse({"success": all([runner.reset_prefix_cache() for runner in self.runners])})
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.cfg.model, "object": "model", "created": self.created, "owned_by": "vllm",
@@ -234,24 +272,14 @@ class SimulatorApp:
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
-        c = self.runner.counters
-        labels = f'{{engine="0",model_name="{self.cfg.model}"}}'
-        rows = [
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", c.running),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", c.waiting),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             self.runner.cache.usage),
-            ("vllm:prefix_cache_queries_total", "counter",
-             "Prefix cache queries, in terms of number of queried tokens.", c.prefix_cache_queries),
-            ("vllm:prefix_cache_hits_total", "counter",
-             "Prefix cache hits, in terms of number of cached tokens.", c.prefix_cache_hits),
-            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens),
-            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-             c.generation_tokens),
-        ]
-        lines = []
-        for name, kind, help_text, value in rows:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)!r}"]
+        lines: list[str] = []
+        for i, (name, kind, help_text) in enumerate(_METRICS):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            for rank, runner in enumerate(self.runners):  # one series per engine core, as vLLM labels them
+                c = runner.counters
+                value = (c.running, c.waiting, runner.cache.usage, c.prefix_cache_queries, c.prefix_cache_hits,
+                         c.prompt_tokens, c.generation_tokens)[i]
+                lines.append(f'{name}{{engine="{rank}",model_name="{self.cfg.model}"}} {float(value)!r}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def starlette(self, lifespan: Any = None) -> Starlette:

@@ -29,6 +29,10 @@ class SimulatorConfig:
     # A hybrid model: a sliding-window layer (this window, in tokens) beside a full-attention one, so the
     # engine runs vLLM's hybrid KV cache manager with two KV cache groups. None: a plain model, one group.
     sliding_window: int | None = None
+    # vLLM's --data-parallel-size: this many engine cores behind the one HTTP port, each with its own prefix
+    # cache and its own publisher on the event and replay ports + its rank (vLLM's offset_endpoint_port); a
+    # request goes to the rank its X-data-parallel-rank header names, else to the least loaded.
+    dp_size: int = 1
 
     @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...] | None:
@@ -37,6 +41,16 @@ class SimulatorConfig:
         if self.sliding_window is None:
             return None
         return (KVCacheGroup(SLIDING_WINDOW, self.sliding_window), KVCacheGroup(FULL_ATTENTION))
+
+    def rank_endpoint(self, endpoint: str | None, rank: int) -> str | None:
+        """``endpoint`` for data-parallel rank ``rank``: a tcp port + rank (0 left to the OS), an ipc or inproc path
+        + ``_dp<rank>``, as vLLM 0.32's ``KVEventsConfig.offset_endpoint_port`` makes them."""
+        if not endpoint or rank == 0:
+            return endpoint
+        if endpoint.startswith("tcp://"):
+            base, _, port = endpoint.rpartition(":")
+            return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+        return f"{endpoint}_dp{rank}"
 
     @property
     def topic(self) -> str:
@@ -57,5 +71,7 @@ class SimulatorConfig:
             raise ValueError("buffer_steps must be positive")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise ValueError("sliding window must be at least 2 tokens")
+        if not 1 <= self.dp_size <= 64:
+            raise ValueError("data-parallel size must be between 1 and 64")
         if self.step_delay_s < 0:
             raise ValueError("step delay must not be negative")

@@ -25,29 +25,45 @@ log = logging.getLogger("kv_preflight.simulator")
 
 
 def build_app(cfg: SimulatorConfig, *, open_sockets: bool = False) -> Starlette:
-    """The ASGI app; its lifespan starts the ZMQ publisher (opening the sockets now if asked) and closes it."""
+    """The ASGI app; its lifespan starts the ZMQ publishers (one per data-parallel rank; opening the sockets now
+    if asked) and closes them."""
     cfg.validate()
-    publisher = EventPublisher(cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic, buffer_steps=cfg.buffer_steps)
-    if open_sockets:
-        publisher.open()
     groups = cfg.kv_cache_groups
-    cache = (PrefixCache(cfg.num_blocks, cfg.block_size) if groups is None
-             else HybridPrefixCache(cfg.num_blocks, cfg.block_size, groups))
-    runner = EngineRunner(cache, publisher, OUTPUT_ALPHABET, step_delay_s=cfg.step_delay_s)
+    runners = []
+    for rank in range(cfg.dp_size):
+        publisher = EventPublisher(cfg.rank_endpoint(cfg.zmq_endpoint, rank) or cfg.zmq_endpoint,
+                                   cfg.rank_endpoint(cfg.replay_endpoint, rank), cfg.topic,
+                                   buffer_steps=cfg.buffer_steps, data_parallel_rank=rank)
+        cache = (PrefixCache(cfg.num_blocks, cfg.block_size) if groups is None
+                 else HybridPrefixCache(cfg.num_blocks, cfg.block_size, groups))
+        runners.append(EngineRunner(cache, publisher, OUTPUT_ALPHABET, step_delay_s=cfg.step_delay_s))
+    if open_sockets:
+        opened = []
+        try:
+            for runner in runners:
+                runner.publisher.open()
+                opened.append(runner.publisher)
+        except OSError:
+            for publisher in opened:
+                publisher._close_sockets()
+            raise
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        publisher.start()
-        log.info("simulating %s: http://%s:%d events %s replay %s topic %s, %d blocks of %d tokens%s",
+        for runner in runners:
+            runner.publisher.start()
+        log.info("simulating %s: http://%s:%d events %s replay %s topic %s, %d blocks of %d tokens%s%s",
                  cfg.pod, cfg.host, cfg.port, cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic,
                  cfg.num_blocks, cfg.block_size,
-                 "" if groups is None else f", hybrid: sliding window {cfg.sliding_window} + full attention")
+                 "" if groups is None else f", hybrid: sliding window {cfg.sliding_window} + full attention",
+                 "" if cfg.dp_size == 1 else f", {cfg.dp_size} data-parallel ranks (ports + rank)")
         try:
             yield
         finally:
-            await publisher.close()
+            for runner in runners:
+                await runner.publisher.close()
 
-    return SimulatorApp(cfg, runner).starlette(lifespan=lifespan)
+    return SimulatorApp(cfg, runners).starlette(lifespan=lifespan)
 
 
 def run(cfg: SimulatorConfig | None = None, **fields: Any) -> None:

@@ -61,12 +61,14 @@ def hybrid_model_dir() -> str:
 
 
 def start_vllm(*, pod: str, port: int, zmq_port: int, replay_port: int, blocks: int, bind_events: bool = True,
-               timeout_s: float = 400, model_dir: str | None = None) -> VllmEngine:
+               timeout_s: float = 400, model_dir: str | None = None, extra: tuple[str, ...] = ()) -> VllmEngine:
     log = f"/tmp/kvpf-vllm-{pod}.log"
     args = [launcher(), "--pod", pod, "--port", str(port), "--zmq-port", str(zmq_port),
             "--replay-port", str(replay_port), "--blocks", str(blocks), "--log", log]
     if model_dir:
         args += ["--model-dir", model_dir]
+    if extra:
+        args += ["--extra", " ".join(extra)]
     if bind_events:
         args.append("--bind-events")
     # One OpenMP thread: the tiny model gains nothing from a second, and with the engines started ahead, the
@@ -92,6 +94,7 @@ class VllmSpec:
     pod: str
     blocks: int
     hybrid: bool = False
+    dp_size: int = 1  # vLLM's --data-parallel-size: rank r publishes and replays on the ports + r
 
 
 class VllmPool:
@@ -127,8 +130,12 @@ class VllmPool:
         return self._launch(spec)
 
     def _launch(self, spec: VllmSpec) -> VllmEngine:
-        return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_port(), replay_port=free_port(),
-                          blocks=spec.blocks, model_dir=hybrid_model_dir() if spec.hybrid else None)
+        from tests.integration.sim import free_ports
+
+        extra = ("--data-parallel-size", str(spec.dp_size)) if spec.dp_size > 1 else ()
+        return start_vllm(pod=spec.pod, port=free_port(), zmq_port=free_ports(spec.dp_size),
+                          replay_port=free_ports(spec.dp_size), blocks=spec.blocks,
+                          model_dir=hybrid_model_dir() if spec.hybrid else None, extra=extra)
 
     def start_ahead(self, spec: VllmSpec) -> None:
         if spec not in self._starting:

@@ -2,6 +2,7 @@
 HTTP API, KV events and replay socket together."""
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import httpx
@@ -24,6 +25,7 @@ class SimEngine:
     blocks: int = 64  # the engine's KV blocks (one is vLLM's reserved null block)
     block_size: int = 16
     sliding_window: int | None = None  # a hybrid engine: a sliding-window group beside full attention
+    dp_size: int = 1  # data-parallel ranks: rank r publishes on zmq_port + r, replays on replay_port + r
 
     def start(self) -> "SimEngine":
         host = self.url.rsplit(":", 1)[0].split("//", 1)[1]
@@ -31,7 +33,8 @@ class SimEngine:
                            "--port", self.url.rsplit(":", 1)[1],
                            "--zmq", f"tcp://*:{self.zmq_port}", "--replay", f"tcp://*:{self.replay_port}",
                            "--block-size", str(self.block_size), "--blocks", str(self.blocks),
-                           *(["--sliding-window", str(self.sliding_window)] if self.sliding_window else [])],
+                           *(["--sliding-window", str(self.sliding_window)] if self.sliding_window else []),
+                           *(["--dp-size", str(self.dp_size)] if self.dp_size > 1 else [])],
                           self.log)
         wait_http(self.url + "/v1/models")
         return self
@@ -54,14 +57,14 @@ class SimEngine:
         assert r.json().get("success"), r.text
         self.complete(filler)
 
-    def published(self) -> list[EventBatch]:
-        """Every batch the engine has published so far, in seq order, read back from its replay socket
-        (it buffers 10,000): the engine's own account of its cache, to compare the index with."""
+    def published(self, rank: int = 0) -> list[EventBatch]:
+        """Every batch the engine (its data-parallel rank ``rank``) has published so far, in seq order, read back
+        from its replay socket (it buffers 10,000): the engine's own account of its cache, to compare with."""
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://127.0.0.1:{self.replay_port}")
+            sock.connect(f"tcp://127.0.0.1:{self.replay_port + rank}")
             sock.send_multipart([b"", (0).to_bytes(8, "big")])
             out = []
             while sock.poll(10_000):
@@ -77,6 +80,24 @@ class SimEngine:
             ctx.term()
 
 
-def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = None, blocks: int = 64) -> SimEngine:
-    return SimEngine(pod, f"http://{host}:{port or free_port()}", free_port(), free_port(),
-                     log=str(tmp_path / f"{pod}.log"), blocks=blocks)
+def sim_engine(pod: str, tmp_path, host: str = "127.0.0.1", port: int | None = None, blocks: int = 64,
+               dp_size: int = 1) -> SimEngine:
+    return SimEngine(pod, f"http://{host}:{port or free_port()}", free_ports(dp_size), free_ports(dp_size),
+                     log=str(tmp_path / f"{pod}.log"), blocks=blocks, dp_size=dp_size)
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (a data-parallel engine's ranks publish on port + rank)."""
+    while True:
+        first = free_port()
+        if n == 1 or all(_free(first + i) for i in range(1, n)):
+            return first
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -254,3 +254,20 @@ def test_serve_dynamo_port_runs_and_stops_with_the_server(valkey_url, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kv_preflight", "serve", "--valkey-url", valkey_url, "--dynamo-port", "1",
                           "--register-allow", "not a host!"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--register-allow" in bad.stderr
+
+
+async def test_query_scores_each_data_parallel_rank_of_an_engine_nobody_registered(ix, valkey_url):
+    """An engine found through --engine or --bind with data-parallel ranks: each rank is its own index pod
+    (``vllm-0``, ``vllm-0@dp1``: kv_preflight/index/rank_pods.py), and /query answers under the pod's stable id
+    with one score per rank, as Dynamo scores its workers per (instance, dp_rank)."""
+    tokens = list(range(7, 7 + 48))
+    await ingest(ix, "vllm-0", [stored([21, 22], None, tokens[:32])], 0)
+    await ingest(ix, "vllm-0@dp1", [stored([21, 22, 23], None, tokens)], 0)
+    async with client(create_dynamo_app(Config(valkey_url=valkey_url), ix)) as c:
+        sid = str(stable_instance_id("vllm-0"))
+        r = (await c.post("/query", json={"token_ids": tokens + [1, 2], "model_name": MODEL})).json()
+        assert r["scores"] == {sid: {"0": 32, "1": 48}}, r
+        assert r["instances"][sid]["dp"] == {"0": 32, "1": 48} and r["instances"][sid]["gpu"] == 48, r
+        assert r["frequencies"] == [2, 2, 1], r
+        workers = (await c.get("/workers")).json()
+        assert [w["instance_id"] for w in workers] == [int(sid)], workers

@@ -196,10 +196,11 @@ async def test_a_rebuild_while_a_gap_is_replayed_takes_the_gap_with_it(own_valke
 
 
 async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_valkey, tmp_path):
-    """A pod with two data-parallel ranks (a publisher and a replay socket each) rebuilt after the index's epoch
-    went: the first rank's reset clears the whole pod, every rank's seq with it, and the pod ends exact and
-    unflagged. (A review found the second rank's reset, answered "dup" once the first had cleared its seq, taken
-    for a seq that moved meanwhile: the pod stayed flagged until its next reset.)"""
+    """A pod with two data-parallel ranks (a publisher and a replay socket each; each rank indexed as a pod of
+    its own: pod-f and pod-f@dp1, kv_preflight/index/rank_pods.py) rebuilt after the index's epoch went: each
+    rank ends exact and unflagged, and the ranks' shared llm-d entries stay (a rank's clear keeps the entries the
+    other holds). (A review found, when the ranks were one pod, the second rank's reset answered "dup" once the
+    first had cleared its seq, taken for a seq that moved meanwhile: the pod stayed flagged until its next reset.)"""
     import msgspec
 
     stubs, sources = [], []
@@ -212,6 +213,7 @@ async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_va
     ix = Index.from_url(own_valkey.url)
     log = str(tmp_path / "ing.log")
     ing = spawn(["ingest", "--valkey-url", own_valkey.url, *sources], log)
+    ranks = ("pod-f", "pod-f@dp1")
 
     async def publish_ranks(n: int) -> None:
         for _ in range(n):
@@ -223,8 +225,8 @@ async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_va
 
     async def at_seq(seq: int) -> None:
         deadline = time.monotonic() + 20
-        while (await ix.meta.pod_info("pod-f")).seqs != {"0": seq, "1": seq}:
-            assert time.monotonic() < deadline, f"not at seq {seq}: {await ix.meta.pod_info('pod-f')}"
+        while [(await ix.meta.pod_info(p)).seqs for p in ranks] != [{"0": seq}, {"1": seq}]:
+            assert time.monotonic() < deadline, f"not at seq {seq}: {[await ix.meta.pod_info(p) for p in ranks]}"
             await asyncio.sleep(0.05)
 
     try:
@@ -233,11 +235,13 @@ async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_va
         await publish_ranks(10)
         await at_seq(9)
         redis.Redis.from_url(own_valkey.url).delete(EPOCH_KEY)  # the data kept: the seqs survive
-        wait_log(log, "pod-f: rebuilt whole from its engine's replay buffer", ing)
+        for pod in ranks:
+            wait_log(log, f"{pod}: rebuilt whole from its engine's replay buffer", ing)
         await publish_ranks(3)
         await at_seq(12)
-        assert await index_state(ix, "pod-f") == engine_truth(wls[0].batches + wls[1].batches)
-        assert not (await ix.meta.pod_info("pod-f")).incomplete
+        for pod, wl in zip(ranks, wls):
+            assert await index_state(ix, pod) == engine_truth(wl.batches)
+            assert not (await ix.meta.pod_info(pod)).incomplete
         assert ing.poll() is None
     finally:
         stop(ing)

@@ -283,10 +283,10 @@ async def test_partly_bad_batch_applies_the_rest_and_flags_the_pod(valkey_url, i
 
 
 async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(valkey_url, ix):
-    """vLLM 0.32 with data parallelism: one topic (one pod), one PUB and one replay socket per
-    rank (ports offset by the rank), each rank counting its own seq. A reconnect of rank 1 must
-    not probe rank 0's seq on rank 1's replay socket (it would look like a restart and clear the
-    pod), and a gap of rank 1 is replayed from rank 1's socket."""
+    """vLLM 0.32 with data parallelism: one topic, one PUB and one replay socket per rank (ports offset by the
+    rank), each rank counting its own seq, each rank indexed as a pod of its own (pod-a, pod-a@dp1:
+    kv_preflight/index/rank_pods.py). A reconnect of rank 1 must not probe rank 0's seq on rank 1's replay socket
+    (it would look like a restart and clear the pod), and a gap of rank 1 is replayed from rank 1's socket."""
     e0 = EngineStub(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "kv@pod-a@tiny")
     e1 = EngineStub(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", "kv@pod-a@tiny")
     srcs = [Source(e.pub.getsockopt(zmq.LAST_ENDPOINT).decode(), replay=e.router.getsockopt(zmq.LAST_ENDPOINT).decode())
@@ -303,20 +303,21 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
         for i in range(5):  # rank 0: seqs 0..4
             await feed(e0, srcs[0], 0, stored([i + 1], i or None, i))
         await feed(e1, srcs[1], 1, stored([101], None, 0, medium="CPU"))  # rank 1: seq 0
-        assert (await ix.meta.pod_info("pod-a")).seqs == {"0": 4, "1": 0}
+        seqs = [(await ix.meta.pod_info(p)).seqs for p in ("pod-a", "pod-a@dp1")]
+        assert seqs == [{"0": 4}, {"1": 0}]
         await ing.resume.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
         await ing.resume.probe_restart(srcs[0])
-        info = await ix.meta.pod_info("pod-a")
-        assert info.counters.get("restarts", 0) == 0 and info.seqs == {"0": 4, "1": 0}
+        infos = [await ix.meta.pod_info(p) for p in ("pod-a", "pod-a@dp1")]
+        assert not any(i.counters.get("restarts", 0) for i in infos) and [i.seqs for i in infos] == seqs
         assert await cached_blocks(ix, 5 * 32) == 10
         # rank 1's seq 1 is lost on the wire; seq 2 arrives: replay from rank 1's own socket
         await feed(e1, srcs[1], 1, stored([102], 101, 1, medium="CPU"), send=False)
         await feed(e1, srcs[1], 1, stored([103], 102, 2, medium="CPU"))
-        assert "pod-a" in ing.applier.held  # the replay is asked in the background, the pod waits for it
+        assert "pod-a@dp1" in ing.applier.held  # the replay is asked in the background, the rank waits for it
         await ing.applier.wait_held()
-        info = await ix.meta.pod_info("pod-a")
-        assert info.seqs == {"0": 4, "1": 2} and not info.incomplete, info.incomplete_reason
-        assert info.blocks == 8
+        info = await ix.meta.pod_info("pod-a@dp1")
+        assert info.seqs == {"1": 2} and not info.incomplete, info.incomplete_reason
+        assert info.blocks == 3 and (await ix.meta.pod_info("pod-a")).blocks == 5
     finally:
         await ing.index.close()
         if ing.subscriber:

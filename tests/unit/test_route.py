@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_preflight.engines.load_metrics import parse_load
+from kv_preflight.engines.load_metrics import parse_load, parse_rank_loads
 from kv_preflight.engines.vllm import LOAD_METRICS as VLLM_LOAD
 from kv_preflight.predictor.load import PodLoad, make_target
 from kv_preflight.predictor.scoring.route import RoutingPolicy, decide, rendezvous
@@ -198,6 +198,10 @@ def test_parse_sums_dp_ranks_and_accepts_the_old_name():
     ])
     assert parse_load(text, VLLM_LOAD) == pytest.approx((5.0, 1.0, 0.6))
     assert parse_load("process_cpu_seconds_total 1.0\n", VLLM_LOAD) is None
+    # each rank's own, for its index pod (a rank is a candidate of its own: kv_preflight/index/rank_pods.py)
+    ranks = parse_rank_loads(text, VLLM_LOAD)
+    assert ranks == {0: pytest.approx((2.0, 1.0, 0.5)), 1: pytest.approx((3.0, 0.0, 0.7))}
+    assert parse_rank_loads("vllm:num_requests_running 2.0\n", VLLM_LOAD) == {}
 
 
 def test_make_target():

@@ -76,9 +76,12 @@ def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
     return _enc.encode(change_ops(changes, num))
 
 
-def change_ops(changes: Sequence[Any], num: int | None) -> list[Any]:
+def change_ops(changes: Sequence[Any], num: int | None, sibs: bytes = b"") -> list[Any]:
     """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back): ``change_ops_py``, in C
-    when built."""
+    when built. ``sibs``: the pod's sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), carried
+    by each K op as a ninth item (changes.py ``shard_args`` sends them as changes.lua's ``G``)."""
+    if sibs:
+        return [op + [sibs] if op[0] == "K" else op for op in change_ops_py(changes, num)]
     if _c is not None and type(changes) is list:
         n = num or 0
         done = _c.change_ops(changes, n // 8 + 1, 1 << (n % 8), _CHANGE_TYPES)
@@ -114,8 +117,9 @@ def _valid_op(op: Any) -> bool:
     if not isinstance(op, list) or not op:
         return False
     if op[0] == "K":
-        return (len(op) == 8 and _is_int(op[1]) and isinstance(op[2], str) and _is_int(op[3])
-                and isinstance(op[4], str) and all(_is_int(x) for x in op[5:]))
+        return (len(op) in (8, 9) and _is_int(op[1]) and isinstance(op[2], str) and _is_int(op[3])
+                and isinstance(op[4], str) and all(_is_int(x) for x in op[5:8])
+                and (len(op) == 8 or isinstance(op[8], bytes)))
     if op[0] in ("Z", "X"):
         return len(op) == 3 and _is_int(op[1]) and isinstance(op[2], list) and all(_is_int(x) for x in op[2])
     return False
@@ -142,8 +146,11 @@ def key_op_args(op: Sequence[Any]) -> list[Any]:
     arguments (changes.lua's ops for it)."""
     if op[0] == "Q":
         return ["q", op[1], op[2]]
-    _, rk, fld, entry, bit, bitdelta, byte, mask = op
-    return lua_key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1)
+    _, rk, fld, entry, bit, bitdelta, byte, mask = op[:8]
+    num = (byte - 1) * 8 + mask.bit_length() - 1
+    if len(op) > 8 and op[8]:  # a rank of a pod with data-parallel ranks: its siblings' bits first
+        return ["G", op[8], *lua_key_ops(rk, fld, entry, bit, bitdelta, num, general=True)]
+    return lua_key_ops(rk, fld, entry, bit, bitdelta, num)
 
 
 class Touched(NamedTuple):
@@ -200,7 +207,7 @@ class ClusterWrites:
         entry ran ("pending": run it now) or its writer had time to ("busy")."""
         writer = self.writer_arg()
         keys = [p.keys for p in preps]
-        ops = [change_ops(p.changes, p.num) if p.changes else [] for p in preps]  # run as they are, not decoded
+        ops = [change_ops(p.changes, p.num, p.sibs) if p.changes else [] for p in preps]  # run as they are, not decoded
         args = [p.head + [writer, "1" if p.gap else "0", _enc.encode(o) if o else ""] for p, o in zip(preps, ops)]
         pods = [p.pod for p in preps]
         results: list[ApplyResult | None] = [None] * len(preps)

@@ -26,6 +26,11 @@
 --   X ek_key n rk..         the pod let go of the block: its request keys leave engine:<ek> if none of them
 --                           holds an entry any more (llm-d's pruning rule: HLEN of each is 0)
 --   z ek_key rk, x ek_key rk   the same for a block of one request key (an engine block of 16 tokens)
+--   G sibs                  the bitmap of the pod's sibling data-parallel ranks (kv_preflight/index/rank_pods.py) for the
+--                           K ops after it ("" again: none): the ranks of one pod share its llm-d entry, so a rank
+--                           letting go of a key deletes the entry only when no sibling's bit is left there, and
+--                           a rank storing one counts it in n only when it wrote it (HSET said new). A pod with
+--                           siblings sends its changes in K form only (no S, R, E/B pairs).
 --   q rk j                  (a cluster shard) whether the key holds no entry at this point: j is listed in
 --                           `probes` if so (the X at position j of the run runs if all its keys were)
 --   s n (rk pkey)*n, r n (rk pkey)*n   (a cluster shard) S and R with no engine key (a shard's engine keys
@@ -43,6 +48,7 @@ local empty = {}    -- request key -> true once it holds no entry (for X), false
 local probes = {}  -- q ops that found their key empty (their j)
 local emptied = {}  -- r blocks that left their key empty (their op position)
 local op_at = 0     -- the position of the op running (for `moved`; each block of an S or R run counts)
+local sibs = ''     -- G: the sibling ranks' bits for the K ops that follow
 -- Globals cost a table lookup at every use; the loop below runs a few of these per block, so they are locals.
 local pcall_, type_, argv = redis.pcall, type, ARGV
 local function failed(r, key)  -- a command's error reply: a moved key or a foreign-typed one (returns nil)
@@ -103,8 +109,23 @@ local function bit_change(pkey, name, mine, on, v)
   if on then n = n + 1 else n = n - 1 end
   put(pkey, name, n, nb)
 end
+-- Whether bitmap bm has any bit of mask set (a sibling rank still holds the key).
+local function any_of(bm, mask)
+  for i = 1, math.min(#bm, #mask) do
+    if bit.band(string.byte(bm, i), string.byte(mask, i)) ~= 0 then return true end
+  end
+  return false
+end
 local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
   local added = 0
+  local n, bm, read = 0, '', false
+  if entry == '-1' and sibs ~= '' and bitname ~= '' then
+    -- a data-parallel rank lets go: the pod's llm-d entry stays while a sibling rank's bit is left here
+    n, bm = split(call('HGET', pkey, bitname))
+    read = true
+    if bitdelta ~= '0' then bm = with_bit(bm, tonumber(b), tonumber(m), bitdelta == '1') end
+    if any_of(bm, sibs) then entry = '0' end
+  end
   if entry == '1' then
     empty[rk] = false
     local r = call('HSET', rk, fld, '')
@@ -116,8 +137,10 @@ local function key_change(rk, pkey, fld, entry, bitname, bitdelta, b, m)
     empty[rk] = nil
   end
   if bitdelta == '0' and added == 0 then return end
-  local n, bm = split(call('HGET', pkey, bitname))
-  if bitdelta ~= '0' then bm = with_bit(bm, tonumber(b), tonumber(m), bitdelta == '1') end
+  if not read then
+    n, bm = split(call('HGET', pkey, bitname))
+    if bitdelta ~= '0' then bm = with_bit(bm, tonumber(b), tonumber(m), bitdelta == '1') end
+  end
   put(pkey, bitname, n + added, bm)
 end
 local function engine_add(ek_key, i, n)  -- the request keys at ARGV[i + 1 .. i + n]
@@ -230,6 +253,9 @@ local function run_changes(i)
       local v = call('HGET', pkey, name)
       if v == mine then call('HDEL', pkey, name) elseif v then bit_change(pkey, name, mine, false, v) end
       i = i + 4
+    elseif op == 'G' then
+      sibs = argv[i + 1]
+      i = i + 2
     elseif op == 'q' then
       if is_empty(argv[i + 1]) then probes[#probes + 1] = argv[i + 2] end
       i = i + 3

@@ -25,9 +25,12 @@ from starlette.routing import Route
 
 from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
 from kv_preflight.predictor.http.body import read_json_body
+from kv_preflight.index.rank_pods import base_pod, split_rank_pod
+from kv_preflight.predictor.scoring.ranks import dp_pods_of
 from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
                                    RegisterRequest, UnregisterRequest, WorkerInfo, ListenerInfo, build_score_response,
-                                   check_endpoint, registered_pod, registration_id, stable_instance_id, tier_prefixes)
+                                   check_endpoint, rank_prefix, registered_pod, registration_id, stable_instance_id,
+                                   tier_prefixes)
 from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
@@ -212,8 +215,9 @@ class DynamoApi:
             w.status = _aggregate([x.status for x in w.listeners.values()])
         for pod in sorted(set(pods) - registered_pods):
             info = infos.get(pod)
-            out.setdefault(stable_instance_id(pod), WorkerInfo(
-                instance_id=stable_instance_id(pod), source="zmq", status=_status(pod, pods, view),
+            # a data-parallel rank (``<pod>@dp<r>``, index/rank_pods.py) answers under its pod's id
+            out.setdefault(stable_instance_id(base_pod(pod)), WorkerInfo(
+                instance_id=stable_instance_id(base_pod(pod)), source="zmq", status=_status(pod, pods, view),
                 model_name=pods[pod], routing_group=DEFAULT_ROUTING_GROUP,
                 block_size=(info.engine_block_size or 0) if info else 0, endpoints={}, listeners={}))
         return [w for w in out.values()
@@ -231,9 +235,11 @@ class DynamoApi:
         registered_pods = {r.pod for r in regs.values()}
         if req.routing_group == DEFAULT_ROUTING_GROUP:
             # Pods nobody registered (ingested from --engine, --source, discovery) form the default group.
+            # A data-parallel engine's ranks (``<pod>@dp<r>``, index/rank_pods.py) answer under their pod's id, per rank.
             for pod, model in pods.items():
                 if model == req.model_name and pod not in registered_pods:
-                    worker_of[pod] = (stable_instance_id(pod), 0)
+                    base, rank = split_rank_pod(pod)
+                    worker_of[pod] = (stable_instance_id(base), rank)
         if not worker_of:
             return 404, {"error": f"no indexer for model={req.model_name} routing_group={req.routing_group}"}
         block_sizes = {r.block_size for r in part if r.block_size}
@@ -254,6 +260,11 @@ class DynamoApi:
                 depth = max((m.blocks for m in matches), default=0)
                 fields = await self.index.fields_per_key(keys[:depth]) if depth else []
                 prefixes = tier_prefixes(fields, worker_of)
+                ranked = dp_pods_of(worker_of)
+                if ranked:  # the ranks of a pod share its llm-d entries: each rank's prefix is its bits'
+                    prefixes = {p: v for p, v in prefixes.items() if base_pod(p) not in ranked}
+                    prefixes.update({m.pod_id: rank_prefix(m.blocks, m.tier) for m in matches
+                                     if base_pod(m.pod_id) in ranked})
                 infos = await self.index.meta.scoring_infos(sorted(prefixes))  # block size and KV cache groups
                 hybrid = pods_groups({i.pod_id: i.groups for i in infos}, self.cfg.group_specs.get(req.model_name))
                 if hybrid:

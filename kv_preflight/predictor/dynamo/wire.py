@@ -239,6 +239,14 @@ def tier_prefixes(fields_per_key: Sequence[Sequence[str | bytes]],
     return {p: (b[0], b[1], b[2]) for p, b in best.items()}
 
 
+def rank_prefix(blocks: int, tier: str) -> tuple[int, int, int]:
+    """A data-parallel rank's (device, device+host, any tier) prefix from its lookup match: its bits say how far
+    it holds the chain and on which tier it counts (the ranks share their pod's llm-d entries, which
+    ``tier_prefixes`` reads, so they cannot tell the ranks apart); a prefix that mixes tiers counts on its best."""
+    cls = tier_class(tier)
+    return (blocks if cls <= 0 else 0, blocks if cls <= 1 else 0, blocks)
+
+
 def whole_blocks_tokens(canonical_blocks: int, canonical_block: int, engine_block: int | None) -> int:
     """Tokens in the engine's whole blocks covered by ``canonical_blocks`` request-key blocks."""
     e = engine_block if engine_block and engine_block > 0 else canonical_block

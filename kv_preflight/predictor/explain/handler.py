@@ -21,6 +21,7 @@ from kv_preflight.predictor.http.errors import BadRequest, EngineRejected, Engin
 from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
 from kv_preflight.predictor.explain.warnings import hints_from_probe
 from kv_preflight.predictor.http.request import PredictRequest, check_token_count, parse_request
+from kv_preflight.predictor.scoring.ranks import rank_of, with_ranks
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
                                                    window_cut)
 from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
@@ -67,6 +68,8 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     tokens, source = await _tokens(p, req)
     keys = _keys(p, tokens, model)
     cfg = p.cfg
+    # a pod named stands for its other names and its data-parallel ranks (Predictor.expand_pods)
+    req = msgspec.structs.replace(req, pods=await p.expand_pods(req.pods))
     async with valkey_call(p.valkey_deadline_s * 4, "explain lookups"):
         found = await p.index.lookup_detailed(keys, req.pods, mode=cfg.lookup) if req.pods != [] else None
         roots = sorted(_other_models(p, await p.metadata.known_models()) - {model})[:MAX_OTHER_MODELS]
@@ -126,8 +129,12 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
                 findings.append(Finding(divergence.cause, divergence.token_index, divergence.detail))
     prediction = msgspec.structs.replace(prediction, freshness=p.freshness_of(
         prediction, req.pods, extra=[c.pod_id for c in chains[:MAX_POD_CHAINS]]))
+    dp = p.dp_pods()  # each data-parallel rank named as its pod and rank (predictor/scoring/ranks.py)
+    prediction = with_ranks(prediction, dp)
+    shown = [c if (r := rank_of(c.pod_id, dp))[1] is None else msgspec.structs.replace(c, pod_id=r[0], dp_rank=r[1])
+             for c in chains[:MAX_POD_CHAINS]]
     return Explanation(**msgspec.structs.asdict(prediction) | {"warnings": warnings},
-                       model=model, pods=chains[:MAX_POD_CHAINS], pods_truncated=len(chains) > MAX_POD_CHAINS,
+                       model=model, pods=shown, pods_truncated=len(chains) > MAX_POD_CHAINS,
                        findings=findings, divergence=divergence, decoded_by=decoded_by)
 
 

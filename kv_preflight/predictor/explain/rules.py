@@ -197,7 +197,7 @@ class LostTokens(msgspec.Struct, frozen=True):
     partial_last_block: int  # the prompt's tail shorter than a block: never keyed, never cached
 
 
-class PodChain(msgspec.Struct, frozen=True):
+class PodChain(msgspec.Struct, frozen=True, omit_defaults=True):
     pod_id: str
     model: str  # the root the chain was found under
     stop_block: int  # first request-key block this pod does not hold (= blocks matched)
@@ -207,6 +207,7 @@ class PodChain(msgspec.Struct, frozen=True):
     lost_tokens: LostTokens
     engine_block_size: int
     device_tier: str | None = None
+    dp_rank: int | None = None  # the pod's data-parallel rank (a pod with ranks: predictor/scoring/ranks.py)
 
 
 def pod_chain(pod_id: str, model: str, blocks: int, *, canonical_block: int, engine_block: int | None,

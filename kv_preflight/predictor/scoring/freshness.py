@@ -42,6 +42,7 @@ from typing import Literal
 import msgspec
 
 from kv_preflight.fleet.records import FleetView, IngesterLease
+from kv_preflight.index.rank_pods import base_pod
 
 CURRENT, BEHIND, STALLED, UNREACHABLE, RETIRED, UNKNOWN = (
     "current", "behind", "stalled", "unreachable", "retired", "unknown")
@@ -143,7 +144,7 @@ def pod_freshness(view: FleetView | None, pods: Iterable[str], now_ms: int, wall
                     (_RANK[best.state], best.staleness_ms if best.staleness_ms is not None else 1 << 62):
                 best = here
         fresh = best or UNKNOWN_POD
-        record = view.pods.get(pod)
+        record = view.pods.get(base_pod(pod))  # a data-parallel rank's record is its pod's
         if record is not None and record.state in (UNREACHABLE, RETIRED):  # an engine down is never current
             fresh = PodFreshness(record.state, fresh.staleness_ms, fresh.index_lag_ms)
         out[pod] = fresh

@@ -78,6 +78,7 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     waiting: float | None = None
     kv_usage: float | None = None
     recent_prefix_blocks: int | None = None  # blocks of other recent prefixes homed here (placement hint)
+    dp_rank: int | None = None  # the pod's data-parallel rank, each a cache of its own (predictor/scoring/ranks.py)
 
 
 class RouteDecision(msgspec.Struct, frozen=True):
@@ -93,6 +94,11 @@ class RouteDecision(msgspec.Struct, frozen=True):
     candidates: list[RouteCandidate]
     warnings: list[Finding] = msgspec.field(default_factory=list)  # predictor/explain/warnings.py
     freshness: Freshness | None = None  # the prediction's, and each candidate's (predictor/scoring/freshness.py)
+    # The chosen pod's data-parallel rank (None: a pod without ranks), and the headers a request needs to reach
+    # it there ({"X-data-parallel-rank": "<r>"}: vLLM's engine pins the request to that rank); ranks.py
+    dp_rank: int | None = None
+    headers: dict[str, str] | None = None
+    best_overlap_dp_rank: int | None = None
 
 
 def rendezvous(affinity_key: int, pod_id: str) -> int:

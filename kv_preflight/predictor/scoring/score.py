@@ -14,6 +14,7 @@ from typing import Protocol
 
 import msgspec
 
+from kv_preflight.index.rank_pods import base_pod
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.predictor.scoring.ttft import PrefillModel
@@ -46,6 +47,8 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  #
     device_tier: str
     estimated_ttft_ms: float | None = None  # prefill model: this pod's TTFT given its cached tokens
     incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
+    # the pod's data-parallel rank, each rank a cache of its own (predictor/scoring/ranks.py); none without ranks
+    dp_rank: int | None = None
     # its engine fails its health checks (its fleet record says unreachable): listed with what the index holds
     # for it, never the best pod (a stopped engine holds nothing; a route never sends there)
     unreachable: bool = False
@@ -70,6 +73,7 @@ class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
     # How fresh the answer is (predictor/scoring/freshness.py): exact, degraded with reasons, or partial, and
     # per pod named in the answer its ingestion state, staleness and index lag. Set by the predictor.
     freshness: Freshness | None = None
+    best_dp_rank: int | None = None  # best_pod's data-parallel rank (a pod with ranks: predictor/scoring/ranks.py)
 
 
 _POD_ID = attrgetter("pod_id")
@@ -170,9 +174,9 @@ def ranked(affinities: list[PodAffinity], prompt_len: int, canonical_block: int,
     affinities.sort(key=_CACHED_TOKENS, reverse=True)
     best = affinities[0] if affinities else None
     if unreachable and best is not None:
-        down = set(unreachable)
-        if any(a.pod_id in down for a in affinities):
-            affinities[:] = [msgspec.structs.replace(a, unreachable=True) if a.pod_id in down else a
+        down = set(unreachable)  # pods: an index pod of a data-parallel rank, <pod>@dp<r>, is down with its pod
+        if any(base_pod(a.pod_id) in down for a in affinities):
+            affinities[:] = [msgspec.structs.replace(a, unreachable=True) if base_pod(a.pod_id) in down else a
                              for a in affinities]
             best = next((a for a in affinities if not a.unreachable), None)
     predicted = best.cached_tokens if best else 0
