@@ -86,6 +86,9 @@ def test_an_unreachable_or_retired_pod_is_never_current():
     assert got == {"p": PodFreshness("unreachable", 400), "q": PodFreshness("retired", 400),
                    "r": PodFreshness("current", 400), "s": PodFreshness("unreachable")}
     assert untrusted(got) == {"p", "q", "s"}
+    # a data-parallel rank's index pod (<pod>@dp<r>) has its pod's record
+    ranked = msgspec.structs.replace(v, ingesters={"a": lease("current", ["p@dp1"])})
+    assert pod_freshness(ranked, ["p@dp1"], NOW, 0.0)["p@dp1"] == PodFreshness("unreachable", 400)
     assert untrusted({"u": PodFreshness("unknown"), "b": PodFreshness("behind", 10)}) == {"u"}
     # /health: model n has no live pod; m has r
     assert fleet_health(v) == ["no live pod for model(s) n: every pod serving them is unreachable"]

@@ -247,3 +247,11 @@ def test_an_unreachable_pod_is_listed_marked_and_never_the_best():
     assert p.pod_affinities[0].unreachable and p.pod_affinities[0].cached_tokens == 80
     assert score(matches, prompt_len=100, canonical_block=C, unreachable={"x"}) == score(
         matches, prompt_len=100, canonical_block=C)
+
+
+def test_a_data_parallel_rank_is_unreachable_with_its_pod():
+    """Each rank of a data-parallel engine is an index pod of its own (``<pod>@dp<r>``); the fleet record, and so
+    the health of the engine, is its pod's."""
+    matches = [PodMatch("vllm-0@dp1", 5, "gpu"), PodMatch("vllm-1", 2, "gpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, unreachable={"vllm-0"})
+    assert p.best_pod == "vllm-1" and p.pod_affinities[0].unreachable
