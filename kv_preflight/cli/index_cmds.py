@@ -211,7 +211,7 @@ def ingesters(valkey_url, as_json) -> None:
         return [{"ingester": i, "live": lease.expires_ms > view.now_ms, "host": lease.host,
                  "up_s": round((view.now_ms - lease.started_ms) / 1000, 1) if lease.started_ms else None,
                  "lease_left_s": round((lease.expires_ms - view.now_ms) / 1000, 1), "engines": lease.engines,
-                 "known_engines": len(lease.known), "lag_s": lease.lag_s}
+                 "known_engines": len(lease.known), "lag_s": lease.lag_s, "private": lease.private}
                 for i, lease in sorted(view.ingesters.items())]
 
     def human(rows):
@@ -220,7 +220,8 @@ def ingesters(valkey_url, as_json) -> None:
             return
         for r in rows:
             click.echo(f"{r['ingester']}  {'live' if r['live'] else 'EXPIRED'}  up {r['up_s']} s  lease "
-                       f"{r['lease_left_s']} s  ingests {len(r['engines'])} of {r['known_engines']} known engine(s)")
+                       f"{r['lease_left_s']} s  ingests {len(r['engines'])} of {r['known_engines']} known engine(s)"
+                       + ("  (private: outside the fleet's sharing)" if r["private"] else ""))
             for url in r["engines"]:
                 click.echo(f"    {url}")
             if r["lag_s"]:

@@ -53,6 +53,12 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # go and their frames refused here; whoever forgets a pod clears its keys once every live lease shows it
     forget_seen_ms: int = 0
     renewed_ms: int = 0  # Valkey's time of this renewal
+    # how often the ingester renews its lease (0: an ingester that predates it, every second): a predictor takes
+    # a lease that missed two renewals for an ingester gone silent (frozen, its host stopped), not a current one
+    renew_ms: int = 0
+    # an ingester outside the fleet (``ingest --private``): its lease vouches for its pods' freshness only; the
+    # fleet's ingesters neither hand it engines nor count on it, nor take the engines it knows
+    private: bool = False
     # the ZMQ endpoints this ingester subscribes and replays from -> the pod they publish ("" not known yet):
     # a registration of one of them for another pod is refused
     sources: dict[str, str] = msgspec.field(default_factory=dict)

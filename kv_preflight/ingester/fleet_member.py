@@ -46,7 +46,8 @@ from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
 from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                                    balanced_owners, expired_retired, rendezvous_owners, retired)
+                                                    balanced_owners, expired_retired, rendezvous_owners, retired,
+                                                    unlisted)
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.watchdog import Progress
 
@@ -136,10 +137,12 @@ class FleetMember:
         self.leaving: dict[str, asyncio.Task] = {}
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
+        self.unlisted: dict[str, int] = {}  # recorded pod no live lease lists -> Valkey ms first seen so (unlisted)
         self.written_at: dict[str, float] = {}
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
+        self.renewer: asyncio.Task | None = None  # renew_forever's task (start_renewing)
         self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
         self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
@@ -158,6 +161,9 @@ class FleetMember:
         for task in [*self.fetches.values(), *self.probes.values(), *self.leaving.values(),
                      *([self.observing] if self.observing else [])]:
             task.cancel()
+        if self.renewer is not None:  # ended first: a renewal in flight would put the lease back after its drop,
+            self.renewer.cancel()     # and this ingester's pods would read current for a TTL after it left
+            await asyncio.gather(self.renewer, return_exceptions=True)
         await self.http.aclose()
         try:
             await self.index.fleet.drop_leases([self.me])  # the others take over now, not a TTL later
@@ -196,6 +202,7 @@ class FleetMember:
             state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
             batch_ts=self.ing.batch_ts(),
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
+            renew_ms=int(LEASE_RENEW_S * 1000), private=self.cfg.private,
             forget_seen_ms=self.forget_seen_ms, sources=dict(list(self.ing.endpoints().items())[:MAX_LEASE_SOURCES]),
             host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
             known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
@@ -206,19 +213,28 @@ class FleetMember:
         await self.index.fleet.put_lease(self.me, self._lease(now_ms))
         self.renewed_at = time.monotonic()
 
+    def start_renewing(self) -> asyncio.Task:
+        """``renew_forever`` in a task of its own, which ``close`` ends before it gives the lease back."""
+        self.renewer = asyncio.ensure_future(self.renew_forever())
+        return self.renewer
+
     async def renew_forever(self) -> None:
         """The lease, renewed every second in a task of its own: whatever a round is waiting for, the
         others never take this ingester for dead while it lives (nor does a stalled round hide that it
         is alive but slow: the watchdog says so)."""
         while True:
-            await asyncio.sleep(LEASE_RENEW_S)
-            if self.cfg.private or self.ticks == 0 or time.monotonic() - self.renewed_at < LEASE_RENEW_S:
-                continue  # no lease (private); the first round puts the first; one just renewed is enough
+            # due a second after the last renewal, whoever made it (a round renews too): renewals stay a second
+            # apart, as the lease says (``renew_ms``), so predictors can take two missed ones for silence
+            due = self.renewed_at + LEASE_RENEW_S - time.monotonic()
+            if self.ticks == 0 or due > 0:  # the first round puts the first; else the next one is not due yet
+                await asyncio.sleep(due if due > 0 else LEASE_RENEW_S)
+                continue
             try:
                 async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
                     await self.renew()
             except (*VALKEY_ERRORS, TimeoutError) as exc:
                 log.warning("lease not renewed now (%s)", exc or type(exc).__name__)
+                await asyncio.sleep(LEASE_RENEW_S / 4)  # tried again soon, never in a loop that spins
 
     def _step(self, name: str) -> None:
         self._steps.append((name, time.monotonic()))
@@ -241,15 +257,16 @@ class FleetMember:
             known.update({s.key: s for s in self.discovered.current if s.key not in known})
             self.known = known
             private = self.cfg.private
-            if not private:  # a private ingester holds no lease: nobody hands it engines, nor counts on it
-                self._step("renewing the lease")
-                await self.index.fleet.put_lease(self.me, self._lease(now_ms))
-                self.renewed_at = time.monotonic()
+            # a private ingester's lease says only how fresh its pods are (``private``): nobody hands it engines,
+            # nor counts on it, nor takes its
+            self._step("renewing the lease")
+            await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+            self.renewed_at = time.monotonic()
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
             forgotten = await self.index.fleet.forgotten()
         await self._let_go_of_forgotten(forgotten)
-        live = {} if private else view.live_ingesters()
+        live = {} if private else {i: lease for i, lease in view.live_ingesters().items() if not lease.private}
         self.live = sorted(set(live) | {self.me})
         dead = [i for i, lease in view.ingesters.items()
                 if lease.expires_ms + int(self.cfg.lease_ttl_s * 1000) < view.now_ms]
@@ -290,6 +307,9 @@ class FleetMember:
             if att.spec.url and self.owners.get(key, [""])[0] == self.me:
                 self._step(f"watching {key}")
                 await self._watch(att, view, now_ms)
+            elif att.spec.url and (new := [p for p in sorted(att.pods) if p not in view.pods]):
+                self._step(f"recording the pods of {key}")
+                await self._record_new(att, new, now_ms)
         if self.discovered.started or not self.sources:
             self._step("retiring departed pods")
             await self._retire_departed(view, set(fleet_known), now_ms)
@@ -538,6 +558,15 @@ class FleetMember:
                 mine = load[1].get(split_rank_pod(pod)[1]) if ranked else None
                 await self.index.fleet.put_load({pod: PodLoad(*(mine or load[0]), at_ms=now_ms)})
 
+    async def _record_new(self, att: _Attached, pods: list[str], now_ms: int) -> None:
+        """A copy's pods the fleet has no record of yet (this ingester is not the engine's primary owner, whose
+        records are fuller): a record naming the engine, written only if there is still none, so a pod of the
+        fleet always has one. An ingester that leaves without its pods being ingested by another (a one-off
+        run naming pods its own way) leaves them recorded, and the fleet retires them (``unlisted``)."""
+        for pod in pods:
+            await self.index.fleet.replace_pod_record(pod, None, PodRecord(
+                state="live", since_ms=now_ms, engine_url=att.spec.url, owner=self.owners.get(att.spec.key, [""])[0]))
+
     async def _probe(self, url: str, family: str, with_models: bool):
         """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
         healthy; load and models are read only from a healthy engine."""
@@ -629,6 +658,24 @@ class FleetMember:
                     and not any(pod in a.pods for a in self.attached.values()):
                 record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
                 # only if nobody changed the record meanwhile (a new engine taking over the pod id)
+                if await self.index.fleet.replace_pod_record(pod, rec, record):
+                    await self._retire(pod, record)
+        # A recorded pod no live lease lists (private ones included: they vouch for their pods) has no ingester:
+        # retired after --retire-after, as an engine unreachable that long is. Only when every lease lists all
+        # its pods (none truncated, none from an ingester that predates the list).
+        leases = view.live_ingesters().values()
+        if all(lease.state and len(lease.pods) < MAX_LEASE_SOURCES for lease in leases):
+            listed = {p for lease in leases for p in (*lease.pods, *lease.batch_ts)}
+            listed |= {p for a in self.attached.values() for p in a.pods} | set(self.leaving)
+            mine = {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me}
+            self.unlisted, due = unlisted(mine, listed, self.unlisted, now_ms, int(self.cfg.retire_after_s * 1000))
+            for pod in due:
+                rec = view.pods[pod]
+                why = f"no ingester has ingested it for {(now_ms - self.unlisted.pop(pod)) / 1000:.0f} s"
+                # without its engine URL, whose engine may live on under another pod (the ghost of a one-off run
+                # naming pods its own way): the record is dropped after --retired-retention like any other
+                engine = rec.engine_url or "not known"
+                record = msgspec.structs.replace(retired(rec, now_ms, f"{why} (engine {engine})"), engine_url="")
                 if await self.index.fleet.replace_pod_record(pod, rec, record):
                     await self._retire(pod, record)
         # a retired pod whose engine is still known (unreachable, not gone) may still be attached somewhere: its

@@ -104,7 +104,7 @@ class Ingester:
         assert me is not None
         watchdog = Watchdog(self.progress, me, self._stalled,
                             on_overrun=lambda: self.counters.tally("round_overruns")).start()
-        renewer = asyncio.ensure_future(self.fleet.renew_forever()) if self.fleet.active else None
+        renewer = self.fleet.start_renewing() if self.fleet.active else None
         try:
             await self._run()
         finally:
@@ -424,8 +424,9 @@ def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
     own = ", ".join(given) or "no engine"
     socks = f"; {sockets} --source/--bind socket(s), ingested here alone" if sockets else ""
     if cfg.private:
-        return (f"private ingester into {where}: ingests {own}{socks}, outside the fleet (no lease, no pod records, "
-                "health or retirement; other ingesters neither give it engines nor take its)")
+        return (f"private ingester into {where}: ingests {own}{socks}, outside the fleet (its lease says only how "
+                "fresh its pods are; no pod records, health or retirement; other ingesters neither give it engines nor "
+                "take its)")
     registered = " and the engines registered through the remote-indexer API" if cfg.registered_engines else ""
     return (f"joining the fleet of ingesters sharing {where}: given {own}{registered}{socks}; every live "
             f"ingester's engines are shared among them (--copies {cfg.copies} each), so this one may ingest "

@@ -16,6 +16,9 @@ without a coordinator of our own.
   it has held for ``hold_s``: one bad DNS answer does not retire a pod and re-ingest it a second later.
 * A pod is unreachable after ``failures_needed`` failed health checks in a row (ZMQ silence proves
   nothing: an idle engine publishes nothing), and retired once unreachable for ``retire_after_ms``.
+* A pod the fleet has a record of but no live lease lists (its ingester left: a one-off ``ingest --pod-id
+  endpoint`` run leaves its pods so) is retired once it has been so for ``retire_after_ms`` (``unlisted``):
+  nobody ingests it, so its entries only grow older, and every answer holding them is degraded meanwhile.
 """
 from __future__ import annotations
 
@@ -187,3 +190,12 @@ def retired(record: PodRecord, now_ms: int, reason: str) -> PodRecord:
 def expired_retired(records: dict[str, PodRecord], now_ms: int, retention_ms: int) -> list[str]:
     """Retired pods whose registry row has been kept ``retention_ms``: dropped, so names do not pile up."""
     return sorted(p for p, r in records.items() if r.state == "retired" and now_ms - r.since_ms >= retention_ms)
+
+
+def unlisted(records: dict[str, PodRecord], listed: set[str], since: dict[str, int], now_ms: int,
+             retire_after_ms: int) -> tuple[dict[str, int], list[str]]:
+    """Pods with a record (not retired) that no live lease lists: (each one's first time seen so, the ones to
+    retire: seen so for ``retire_after_ms``). ``since``: the last call's first times (a pod listed again, or
+    gone, starts over)."""
+    kept = {p: since.get(p, now_ms) for p, r in records.items() if r.state != "retired" and p not in listed}
+    return kept, sorted(p for p, at in kept.items() if now_ms - at >= retire_after_ms)

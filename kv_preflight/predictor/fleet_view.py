@@ -1,11 +1,14 @@
 """The fleet as the ingesters describe it in Valkey (``kvpf:fleet``, ``kvpf:load``), re-read every ~1 s.
 
 With this a predictor given only ``--valkey-url`` knows every pod: which are retired (never offered
-again), unreachable (not routed to), which models each serves, which engine URL tokenizes for a
-model, and each pod's load with its age. Load is scraped once per pod for the whole fleet by the pod's
-owning ingester; its age is measured on Valkey's clock (``at_ms`` against the view's ``now_ms``) plus
-the local time since the view was read, so no two hosts' clocks are compared. A route reads the last
-view from memory; a Valkey outage leaves the last view in place (and its loads turn stale).
+again), unreachable (not routed to, never a current holder), which models each serves, which engine URL
+tokenizes for a model, and each pod's load with its age. Load is scraped once per pod for the whole fleet by the
+pod's owning ingester; its age is measured on Valkey's clock (``at_ms`` against the view's ``now_ms``) plus
+the local time since the view was read, so no two hosts' clocks are compared. The pods' freshness is judged the
+same way, at the view's Valkey time brought forward by the local clock: a lease nobody renewed since ages in
+every answer, whether its ingester froze or this predictor can no longer read the leases. A route reads the last
+view from memory; a Valkey outage leaves the last view in place (its loads turn stale, its leases age, and
+every answer says the records could not be read).
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kv_preflight.predictor.load import PodLoad
-from kv_preflight.predictor.scoring.freshness import (UNKNOWN_POD, PodFreshness, fleet_health, leases_by_pod,
-                                                       pod_freshness)
+from kv_preflight.predictor.scoring.freshness import (UNKNOWN_POD, PodFreshness, accounted_pods, fleet_health,
+                                                       leases_by_pod, next_turn_ms, pod_freshness)
 from kv_preflight.fleet.records import FleetView
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 
@@ -38,7 +41,11 @@ class FleetWatcher:
     read_errors: int = 0
     failing: str | None = None  # the last read error, while reads fail
     _models: dict[str, frozenset[str]] = field(default_factory=dict)
-    _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness as of the view (predictor/scoring/freshness.py)
+    _by_state: dict[str, frozenset[str]] = field(default_factory=dict)  # record state -> its pods
+    _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness at _as_of_ms (predictor/scoring/freshness.py)
+    _as_of_ms: int = 0  # the Valkey time _fresh was judged at
+    _listed: frozenset[str] = frozenset()  # the pods some lease lists
+    _turn_ms: int | None = None  # when a lease's account turns next (late, expired): _fresh is judged again then
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -72,30 +79,60 @@ class FleetWatcher:
         self.view, self.read_at = view, self.clock()
         self.reads += 1
         self._models = {p: frozenset(r.models) for p, r in view.pods.items() if r.models}
+        by_state: dict[str, set[str]] = {}
+        for pod, record in view.pods.items():
+            by_state.setdefault(record.state, set()).add(pod)
+        self._by_state = {state: frozenset(pods) for state, pods in by_state.items()}  # asked once per request
+        self._judge(view.now_ms)
+
+    def _judge(self, now_ms: int) -> None:
+        """Every pod's freshness at ``now_ms``, once per read and once per turn of a lease (a request only looks
+        its pods up): between turns only the staleness grows, which ``aged`` adds."""
+        view = self.view
+        assert view is not None
         listing = leases_by_pod(view)
-        # every pod's freshness once per read (a request only looks its pods up): as of the view's time
-        self._fresh = pod_freshness(view, listing, view.now_ms, time.time(), listing)
+        self._listed = frozenset(listing)
+        self._fresh = pod_freshness(view, accounted_pods(view, listing), now_ms, time.time(), listing)
+        self._as_of_ms, self._turn_ms = now_ms, next_turn_ms(view, now_ms)
+
+    def now_ms(self) -> int:
+        """Valkey's time now, as this process knows it: the last view's plus the local time since it was read."""
+        assert self.view is not None
+        return self.view.now_ms + int((self.clock() - self.read_at) * 1000)
 
     def freshness(self, pods: Iterable[str]) -> dict[str, PodFreshness]:
-        """Each pod's ingestion state (predictor/scoring/freshness.py) as of the last view, ``unknown`` for a
-        pod no lease lists; ``aged`` brings one's staleness and lag to now."""
-        return {p: self._fresh.get(p, UNKNOWN_POD) for p in pods}
+        """Each pod's ingestion state (predictor/scoring/freshness.py) now, ``unknown`` for a pod no lease lists
+        and no record marks: judged again first if a lease has turned since (late, expired). Its staleness and lag
+        are as of that judgement: ``aged`` brings one to now (an answer ages only the pods it lists)."""
+        if self.view is None:
+            return {p: UNKNOWN_POD for p in pods}
+        if self._turn_ms is not None and self.now_ms() >= self._turn_ms:
+            self._judge(self.now_ms())
+        fresh = self._fresh
+        return {p: fresh.get(p, UNKNOWN_POD) for p in pods}
 
     def listed(self) -> frozenset[str]:
         """The pods some ingester's lease lists (data-parallel ranks among them, before they publish)."""
-        return frozenset(self._fresh)
+        return self._listed
 
     def aged(self, fresh: PodFreshness) -> PodFreshness:
-        """``fresh`` with the time since the view was read added to its staleness and lag."""
-        if fresh.staleness_ms is None and fresh.index_lag_ms is None:
-            return fresh
-        extra = int((self.clock() - self.read_at) * 1000)
-        return msgspec.structs.replace(
-            fresh, staleness_ms=None if fresh.staleness_ms is None else fresh.staleness_ms + extra,
-            index_lag_ms=None if fresh.index_lag_ms is None else fresh.index_lag_ms + extra)
+        """``fresh`` (as of the last judgement) with the time since added to its staleness and lag."""
+        return _aged(fresh, self.now_ms() - self._as_of_ms) if self.view is not None else fresh
+
+    def problem(self) -> str | None:
+        """Why every pod's account may be old (the records have not been read lately, or ever), for every answer's
+        freshness; None while reads succeed. A read is due every ``interval_s`` and given ``timeout_s``."""
+        if self.view is None:
+            return f"the fleet records were never read ({self.failing[:200]})" if self.failing else None
+        age_ms = int((self.clock() - self.read_at) * 1000)
+        if self.failing is None and age_ms <= (2 * self.interval_s + self.timeout_s) * 1000:
+            return None
+        why = self.failing[:200] if self.failing else "a read has not answered"
+        return (f"the fleet records (ingester leases, pod records) not read for {age_ms} ms ({why}): each pod's "
+                "account is as of the last successful read")
 
     def health_reasons(self) -> list[str]:
-        reasons = fleet_health(self.view)
+        reasons = fleet_health(self.view, self.now_ms() if self.view is not None else None)
         if self.failing is not None:
             reasons.append(f"fleet records not readable: {self.failing[:200]}")
         return reasons
@@ -117,14 +154,10 @@ class FleetWatcher:
         return frozenset(m for p, ms in self._models.items() if p not in retired for m in ms)
 
     def retired(self) -> frozenset[str]:
-        if self.view is None:
-            return frozenset()
-        return frozenset(p for p, r in self.view.pods.items() if r.state == "retired")
+        return self._by_state.get("retired", frozenset())
 
     def unreachable(self) -> frozenset[str]:
-        if self.view is None:
-            return frozenset()
-        return frozenset(p for p, r in self.view.pods.items() if r.state == "unreachable")
+        return self._by_state.get("unreachable", frozenset())
 
     def models_of(self, pod_id: str) -> frozenset[str] | None:
         """The models a pod's record lists (base and LoRA names); None when it lists none yet."""
@@ -181,3 +214,12 @@ class FleetWatcher:
                 "load_fresh": self.load(pod, stale_s) is not None,
             }
         return out
+
+
+def _aged(fresh: PodFreshness, extra_ms: int) -> PodFreshness:
+    """``fresh`` with ``extra_ms`` added to its staleness and lag."""
+    if extra_ms <= 0 or (fresh.staleness_ms is None and fresh.index_lag_ms is None):
+        return fresh
+    return msgspec.structs.replace(
+        fresh, staleness_ms=None if fresh.staleness_ms is None else fresh.staleness_ms + extra_ms,
+        index_lag_ms=None if fresh.index_lag_ms is None else fresh.index_lag_ms + extra_ms)

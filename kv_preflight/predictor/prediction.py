@@ -29,7 +29,7 @@ from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
 from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
 from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
-                                                       stale_for_route)
+                                                       stale_for_route, untrusted)
 from kv_preflight.predictor.scoring.score import Prediction, score
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks, dp_pods_of, with_ranks
 from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
@@ -229,7 +229,8 @@ class Predictor:
                     matches = [m for k, ms, f in sets
                                for m in await self._hybrid_matches(k, ms, hybrid, infos, prompt_len, f.group_bits)]
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
-                           pods=pods, ttft=self.ttft.for_model(model))
+                           pods=pods, ttft=self.ttft.for_model(model),
+                           unreachable=self.fleet.unreachable() if self.fleet else ())
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
@@ -255,10 +256,12 @@ class Predictor:
     def freshness_of(self, prediction: Prediction, pods: list[str] | None, extra: Iterable[str] = ()) -> Freshness:
         """The answer's freshness: per pod it names (its matches, the pods filter, ``extra``), the pod's ingestion
         state from the fleet's leases; the state of the whole (predictor/scoring/freshness.py)."""
-        named = [a.pod_id for a in prediction.pod_affinities] + list(pods or ()) + list(extra)
+        holders = [a.pod_id for a in prediction.pod_affinities]
+        named = holders + list(pods or ()) + list(extra)
         per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
-        return answer_freshness(per_pod, partial=prediction.partial,
+        return answer_freshness(per_pod, partial=prediction.partial, holders=holders,
                                 incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
+                                fleet_problem=self.fleet.problem() if self.fleet is not None else None,
                                 aged=self.fleet.aged if self.fleet is not None else None)
 
     async def lookup_prompt(self, prompt: PromptKeys, pods: list[str] | None) -> list[tuple[list[int], Lookup]]:
@@ -372,13 +375,15 @@ class Predictor:
         prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
-        stale: list[str] = []
+        held = [a.pod_id for a in prediction.pod_affinities]
+        per_pod = self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0)
+        stale = []
         if max_staleness_ms is not None:
-            held = [a.pod_id for a in prediction.pod_affinities]
-            per_pod = (self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0))
-            if self.fleet is not None:
-                per_pod = {p: self.fleet.aged(f) for p, f in per_pod.items()}
-            stale = stale_for_route(per_pod, max_staleness_ms)
+            aged = {p: self.fleet.aged(f) for p, f in per_pod.items()} if self.fleet is not None else per_pod
+            stale = stale_for_route(aged, max_staleness_ms)
+        if self.fleet is not None and (distrusted := untrusted(per_pod)):  # blocks nobody vouches for: not routed by
+            prediction = msgspec.structs.replace(
+                prediction, pod_affinities=[a for a in prediction.pod_affinities if a.pod_id not in distrusted])
         if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import httpx
 import zmq
 
 from kv_preflight.cli.valkey_server import free_port, free_ports
@@ -39,6 +40,21 @@ class SimEngine:
 
     def stop(self, kill: bool = False) -> None:
         stop(self.proc, kill=kill)
+
+    def complete(self, tokens: list[int]) -> int:
+        """Serve a prompt (one output token); the tokens the engine found cached, its own account."""
+        r = httpx.post(self.url + "/v1/completions", json={"model": "sim", "prompt": tokens, "max_tokens": 1},
+                       timeout=30)
+        r.raise_for_status()
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    def clear(self, filler: list[int]) -> None:
+        """Empty its prefix cache: the AllBlocksCleared goes out with the next step, ``filler``'s, which caches
+        ``filler`` alone."""
+        r = httpx.post(self.url + "/reset_prefix_cache", timeout=10)
+        r.raise_for_status()
+        assert r.json().get("success"), r.text
+        self.complete(filler)
 
     def published(self, rank: int = 0) -> list[EventBatch]:
         """Every batch the engine (its data-parallel rank ``rank``) has published so far, in seq order, read back

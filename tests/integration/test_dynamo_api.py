@@ -21,6 +21,7 @@ from kv_preflight.predictor.dynamo.api import create_dynamo_app
 from kv_preflight.predictor.dynamo.wire import stable_instance_id
 from kv_preflight.config import Config
 from kv_preflight.events import BlockStored, EventBatch
+from tests.integration.leases import vouch
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -66,9 +67,11 @@ async def test_query_answers_dynamos_documented_example(ix, valkey_url):
         r = await c.post("/query", json={"token_ids": tokens, "model_name": MODEL})
         assert r.status_code == 200
         answer = r.json()
-        # kv-preflight's one addition: how fresh the answer is (no ingester lease names these pods here)
-        assert answer.pop("freshness") == {"state": "exact", "pods": {"1": {"state": "unknown"},
-                                                                       "2/1": {"state": "unknown"}}}
+        # kv-preflight's one addition: how fresh the answer is (no ingester lease names these pods here, so
+        # what worker 1 holds is not vouched for; worker 2 holds nothing)
+        assert answer.pop("freshness") == {
+            "state": "degraded", "reasons": ["ingestion unknown for 1 (no ingester's lease covers it)"],
+            "pods": {"1": {"state": "unknown"}, "2/1": {"state": "unknown"}}}
         assert answer == {
             "scores": {"1": {"0": 32}, "2": {"1": 0}},
             "frequencies": [1, 1],
@@ -174,7 +177,9 @@ async def test_pods_nobody_registered_answer_under_a_stable_id(ix, valkey_url):
         assert r.json() == {"scores": {str(sid): {"0": 48}}, "frequencies": [1, 1, 1],
                             "instances": {str(sid): {"longest_matched": 48, "gpu": 48, "dp": {"0": 48},
                                                      "cpu": 48, "disk": 48}},
-                            "freshness": {"state": "exact", "pods": {str(sid): {"state": "unknown"}}}}
+                            "freshness": {"state": "degraded",
+                                          "reasons": [f"ingestion unknown for {sid} (no ingester's lease covers it)"],
+                                          "pods": {str(sid): {"state": "unknown"}}}}
         workers = (await c.get("/workers")).json()
         assert workers == [{"instance_id": sid, "source": "zmq", "status": "active", "model_name": MODEL,
                             "routing_group": "default", "block_size": 16, "endpoints": {}, "listeners": {}}]
@@ -191,6 +196,7 @@ async def test_cache_salt_keys_like_vllm_on_query_predict_and_route(ix, valkey_u
     ev = BlockStored(block_hashes=[31, 32, 33], parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
                      medium="GPU", lora_name=None, extra_keys=[("tenant-a",), None, None])
     await ingest(ix, "vllm-0", [ev], 0)
+    await vouch(ix, "vllm-0")  # a route weighs only blocks an ingester vouches for
     sid = str(stable_instance_id("vllm-0"))
     cfg = Config(valkey_url=valkey_url)
     async with client(create_dynamo_app(cfg, ix)) as c:
@@ -199,7 +205,9 @@ async def test_cache_salt_keys_like_vllm_on_query_predict_and_route(ix, valkey_u
         for other in ({}, {"cache_salt": "tenant-b"}):
             got = (await c.post("/query", json={"token_ids": tokens, "model_name": MODEL} | other)).json()
             assert got["instances"] == {}
-    async with client(create_app(cfg, ix)) as c:
+    app = create_app(cfg, ix)
+    await app.state.predictor.fleet.read_once()  # the lease vouching for vllm-0 (the lifespan is not run here)
+    async with client(app) as c:
         body = {"model": MODEL, "token_ids": tokens + [5], "cache_salt": "tenant-a"}
         p = (await c.post("/v1/cache/predict", json=body)).json()
         assert (p["best_pod"], p["predicted_cached_tokens"]) == ("vllm-0", 96)

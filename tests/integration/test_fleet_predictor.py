@@ -16,6 +16,7 @@ from kv_preflight.fleet.records import IndexSettings, PodLoad, PodRecord
 from kv_preflight.index.index import StoreBlock
 from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import spawn, stop, wait_http
+from tests.integration.leases import vouch
 from tests.integration.sim import sim_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -111,6 +112,7 @@ async def test_serve_with_only_valkey_url_knows_routes_and_tokenizes_for_the_fle
     a, b, c = sims("pod-a", "pod-b", "pod-c")
     prompt = list(range(100, 164))
     await store(ix, "pod-b", prompt)  # pod-b holds the prompt; the others are known only from the fleet records
+    await vouch(ix, "pod-a", "pod-b", "pod-c")
     await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b), "pod-c": record(c)})
     s = serve().ready()
 
@@ -136,6 +138,7 @@ async def test_retired_and_unreachable_pods_are_not_offered(valkey_url, ix, sims
     prompt = list(range(300, 364))
     await store(ix, "pod-a", prompt)
     await store(ix, "ghost", prompt)  # a pod whose engine left: retired, its entries not cleared yet
+    await vouch(ix, "pod-a", "pod-b", "ghost")
     await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b),
                               "ghost": PodRecord(state="live", engine_url="http://127.0.0.1:9", models=[MODEL])})
     s = serve().ready()
@@ -172,6 +175,7 @@ async def test_load_from_kvpf_load_is_used_with_its_age(valkey_url, ix, sims, se
     prompt = list(range(500, 564))
     await store(ix, "pod-a", prompt)
     await store(ix, "pod-b", prompt[:32])
+    await vouch(ix, "pod-a", "pod-b")
     await ix.fleet.put_pod_records({"pod-a": record(a), "pod-b": record(b)})
     now = await ix.fleet.now_ms()
     await ix.fleet.put_load({"pod-a": PodLoad(running=12, waiting=2, kv_usage=0.5, at_ms=now),

@@ -31,6 +31,7 @@ from kv_preflight.predictor.dynamo.api import create_dynamo_app
 from kv_preflight.predictor.dynamo.wire import stable_instance_id
 from kv_preflight.predictor.http.app import create_app
 from tests.integration.engine_stub import EngineStub
+from tests.integration.leases import vouch
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -139,6 +140,8 @@ async def loaded_fleet(url: str, ix: Index):
         s["pod-t"].publish_payload(trtllm_payload())
         for pod, seq in (("pod-h", 1), ("pod-p", 0), ("pod-c", 0), ("pod-s", 0), ("pod-t", 0)):
             await wait_seq(ix, pod, seq)
+        # its ingester's lease lists the pods at its next renewal (within a second); this one vouches for them now
+        await vouch(ix, "pod-h", "pod-p", "pod-c", "pod-s", "pod-t")
         yield f
     finally:
         await f.close()

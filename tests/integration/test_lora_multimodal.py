@@ -82,6 +82,12 @@ async def _publish(engine: EngineStub, valkey_url: str, messages: list[dict]) ->
                 assert time.monotonic() < deadline, f"{pod} never reached seq {seq}"
                 await asyncio.sleep(0.05)
             assert not (await ix.meta.pod_info(pod)).incomplete, pod
+        # and until the ingester's lease vouches for each (a pod no lease covers reads "unknown": routes do not
+        # weigh its blocks, issue 40)
+        while not set(last) <= {p for lease in (await ix.fleet.fleet_view()).live_ingesters().values()
+                                for p in lease.pods}:
+            assert time.monotonic() < deadline, "the ingester's lease never listed the pods"
+            await asyncio.sleep(0.1)
     finally:
         await ix.close()
 

@@ -18,6 +18,7 @@ from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
 from kv_preflight.keys.chain import request_keys
+from tests.integration.leases import vouch
 from tests.integration.http_engine import HttpEngine
 from tests.prom import metric
 from tests.integration.test_predictor import IndexWriter
@@ -173,8 +174,10 @@ async def test_ttft_estimates_follow_the_model_file(valkey_url, writer, tmp_path
 
 
 async def scrape(app) -> None:
+    """The engines' load, and the fleet's records (the leases vouching for the pods), read once."""
     async with httpx.AsyncClient(timeout=2) as c:
         await app.state.predictor.load.scrape_once(c)
+    await app.state.predictor.fleet.read_once()
 
 
 async def test_route_prefers_overlap_until_the_pod_is_overloaded(valkey_url, engines, writer):
@@ -184,6 +187,7 @@ async def test_route_prefers_overlap_until_the_pod_is_overloaded(valkey_url, eng
     c = engines("pod-c", ["m"])
     await writer.store("pod-a", prompt[:96], model="m")
     await writer.store("pod-b", prompt[:64], model="m")
+    await vouch(writer.index, "pod-a", "pod-b", "pod-c")
     cfg = Config(valkey_url=valkey_url, block_size=C,
                  pod_metrics={"pod-a": a.url, "pod-b": b.url + "/metrics", "pod-c": c.url})
     app = create_app(cfg)  # no lifespan: scrapes are driven by the test
@@ -225,6 +229,7 @@ async def test_route_respects_lora_adapters(valkey_url, engines, writer):
     lora = engines("pod-lora", ["llama", "sql-adapter"])
     await writer.store("pod-base", prompt, model="llama")
     await writer.store("pod-lora", prompt[:32], model="sql-adapter")
+    await vouch(writer.index, "pod-base", "pod-lora")
     cfg = Config(valkey_url=valkey_url, block_size=C, engine_urls={"llama": base.url, "sql-adapter": lora.url})
     app = create_app(cfg)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as client:

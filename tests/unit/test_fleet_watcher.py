@@ -1,8 +1,11 @@
 """What the predictor reads from the fleet records (predictor/fleet_view.py), on a fixed view and a fake clock."""
 from __future__ import annotations
 
+import msgspec
+
 from kv_preflight.predictor.fleet_view import FleetWatcher
-from kv_preflight.fleet.records import FleetView, PodLoad, PodRecord
+from kv_preflight.predictor.scoring.freshness import PodFreshness
+from kv_preflight.fleet.records import FleetView, IngesterLease, PodLoad, PodRecord
 
 
 class Clock:
@@ -52,3 +55,39 @@ def test_no_view_yet_knows_nothing():
     w = FleetWatcher(index=None)  # type: ignore[arg-type]
     assert w.known() == w.retired() == w.unreachable() == frozenset()
     assert w.engines_of("m") == [] and w.load("a", 5) is None and w.serving("m") == frozenset()
+
+
+def test_accounts_age_by_the_local_clock_and_turn_without_a_new_read():
+    """Issue 40 items 3 and 9: the view's leases are judged at its Valkey time plus the local time since it was
+    read, so a lease nobody renews turns behind (two renewals missed) and then stalled (expired) in every answer,
+    whether its ingester froze or this predictor can no longer read the leases; the answers say which."""
+    clock = Clock()
+    w = FleetWatcher(index=None, clock=clock)  # type: ignore[arg-type]
+    lease = IngesterLease(expires_ms=55_000, state="current", current_ms=49_800, renewed_ms=49_800, renew_ms=1000,
+                          pods=["p"])
+    w.set_view(FleetView(now_ms=50_000, ingesters={"i": lease}, load={},
+                         pods={"p": PodRecord(models=["m"]), "q": PodRecord(state="unreachable", models=["m"])}))
+
+    def now(pod: str) -> PodFreshness:  # as an answer lists it
+        return w.aged(w.freshness([pod])[pod])
+
+    assert w.freshness(["p", "q", "z"]) == {"p": PodFreshness("current", 200), "q": PodFreshness("unreachable"),
+                                            "z": PodFreshness("unknown")}
+    assert w.problem() is None and w.health_reasons() == []
+    clock.t += 2.0  # 2.2 s since the renewal: not late yet
+    assert now("p") == PodFreshness("current", 2200)
+    clock.t += 0.4  # 2.6 s: two renewals missed
+    assert now("p") == PodFreshness("behind", 2600)
+    assert w.health_reasons() == ["ingester(s) silent, 2 lease renewals missed: i"]
+    # reads failing: every answer says so, with the time since the last successful one
+    w.failing = "ConnectionError: the shard is down"
+    assert w.problem() == ("the fleet records (ingester leases, pod records) not read for 2400 ms (ConnectionError: "
+                           "the shard is down): each pod's account is as of the last successful read")
+    clock.t += 3.0  # 5.6 s: the lease expired
+    assert now("p") == PodFreshness("stalled", 5600)
+    # no failure recorded, but no read either for longer than a read may take (one hanging): said too
+    w.failing = None
+    assert w.problem() is not None and "a read has not answered" in w.problem()
+    w.set_view(FleetView(now_ms=56_000, ingesters={"i": msgspec.structs.replace(
+        lease, renewed_ms=55_900, current_ms=55_900, expires_ms=60_900)}, load={}, pods={}))
+    assert now("p") == PodFreshness("current", 100) and w.problem() is None

@@ -1,9 +1,11 @@
 """predictor/scoring/freshness.py: each pod's ingestion state from the ingesters' leases, and an answer's."""
 from __future__ import annotations
 
-from kv_preflight.fleet.records import FleetView, IngesterLease
+import msgspec
+
+from kv_preflight.fleet.records import FleetView, IngesterLease, PodRecord
 from kv_preflight.predictor.scoring.freshness import (MAX_LISTED, PodFreshness, answer_freshness, fleet_health,
-                                                       pod_freshness, stale_for_route)
+                                                       next_turn_ms, pod_freshness, stale_for_route, untrusted)
 
 NOW = 1_000_000
 
@@ -30,17 +32,75 @@ def test_each_pod_gets_the_best_account_among_the_leases_listing_it():
     assert got["p5"] == PodFreshness("unknown")
 
 
-def test_an_answer_is_degraded_by_stalled_behind_or_incomplete_pods_not_unknown_ones():
-    assert answer_freshness({"a": PodFreshness("current", 10), "b": PodFreshness("unknown")}).state == "exact"
+def test_an_answer_is_degraded_by_stalled_behind_or_incomplete_pods_and_by_holders_nobody_vouches_for():
+    # an unknown pod the answer names without cached tokens (a pods filter, a pod serving the model) misleads nobody
+    assert answer_freshness({"a": PodFreshness("current", 10), "b": PodFreshness("unknown")},
+                            holders=["a"]).state == "exact"
     got = answer_freshness({"a": PodFreshness("stalled", 9000)}, incomplete=["c"])
     assert got.state == "degraded" and got.reasons == ["ingestion stalled for a", "index incomplete for c"]
     assert answer_freshness({}, partial=True).state == "partial"
+    # issue 40: a holder no lease covers (a ghost pod left by a one-off ingester), or whose engine is down
+    got = answer_freshness({"a": PodFreshness("current", 10), "g": PodFreshness("unknown"),
+                            "d": PodFreshness("unreachable", 300)}, holders=["a", "g", "d"])
+    assert got.state == "degraded" and got.reasons == [
+        "engine unreachable for d (its health checks fail: what the index holds for it may be gone)",
+        "ingestion unknown for g (no ingester's lease covers it)"]
+    assert answer_freshness({"d": PodFreshness("unreachable", 300)}, holders=[]).state == "exact"
+    # the fleet's records not readable: every answer says so, whatever its pods say
+    got = answer_freshness({"a": PodFreshness("current", 10)}, holders=["a"], fleet_problem="records not read")
+    assert got.state == "degraded" and got.reasons == ["records not read"]
+
+
+def test_a_lease_that_missed_two_renewals_is_behind_then_stalled_once_expired():
+    """Issue 40 item 9: a SIGSTOPped ingester renews nothing and says nothing; its last account ("current")
+    was taken as current for the whole lease TTL. Judged at a later Valkey time, its pods read behind once two
+    renewals are missed (2.5 intervals: half of one for the renewal under way), stalled once it expired."""
+    renewed = NOW - 400
+    frozen = IngesterLease(expires_ms=renewed + 5000, state="current", current_ms=renewed, renewed_ms=renewed,
+                           renew_ms=1000, pods=["p"])
+    v = view(a=frozen)
+    assert pod_freshness(v, ["p"], renewed + 2500, 0.0)["p"] == PodFreshness("current", 2500)
+    assert pod_freshness(v, ["p"], renewed + 2501, 0.0)["p"] == PodFreshness("behind", 2501)
+    assert pod_freshness(v, ["p"], renewed + 5000, 0.0)["p"] == PodFreshness("stalled", 5000)
+    assert next_turn_ms(v, NOW) == renewed + 2501 and next_turn_ms(v, renewed + 2501) == renewed + 5000
+    assert next_turn_ms(v, renewed + 5000) is None
+    # an ingester that says it renews every 3 s is late later; one that predates renew_ms: every second
+    slow = msgspec.structs.replace(frozen, renew_ms=3000, expires_ms=renewed + 15_000)
+    assert pod_freshness(view(a=slow), ["p"], renewed + 7000, 0.0)["p"].state == "current"
+    old = msgspec.structs.replace(frozen, renew_ms=0)
+    assert pod_freshness(view(a=old), ["p"], renewed + 2501, 0.0)["p"].state == "behind"
+    # with another ingester current on time, the pod is current
+    fine = lease("current", ["p"])
+    fine = msgspec.structs.replace(fine, renewed_ms=renewed + 2000, current_ms=renewed + 2000,
+                                   expires_ms=renewed + 7000)
+    assert pod_freshness(view(a=frozen, b=fine), ["p"], renewed + 3000, 0.0)["p"] == PodFreshness("current", 1000)
+    assert fleet_health(v, renewed + 2501) == ["ingester(s) silent, 2 lease renewals missed: a"]
+
+
+def test_an_unreachable_or_retired_pod_is_never_current():
+    """Issue 40 item 2: the pod's record (its engine's health checks) outranks its ingester's account."""
+    v = FleetView(now_ms=NOW, load={}, ingesters={"a": lease("current", ["p", "q", "r"])},
+                  pods={"p": PodRecord(state="unreachable", models=["m"]), "q": PodRecord(state="retired"),
+                        "r": PodRecord(models=["m"]), "s": PodRecord(state="unreachable", models=["n"])})
+    got = pod_freshness(v, ["p", "q", "r", "s"], NOW, 0.0)
+    assert got == {"p": PodFreshness("unreachable", 400), "q": PodFreshness("retired", 400),
+                   "r": PodFreshness("current", 400), "s": PodFreshness("unreachable")}
+    assert untrusted(got) == {"p", "q", "s"}
+    # a data-parallel rank's index pod (<pod>@dp<r>) has its pod's record
+    ranked = msgspec.structs.replace(v, ingesters={"a": lease("current", ["p@dp1"])})
+    assert pod_freshness(ranked, ["p@dp1"], NOW, 0.0)["p@dp1"] == PodFreshness("unreachable", 400)
+    assert untrusted({"u": PodFreshness("unknown"), "b": PodFreshness("behind", 10)}) == {"u"}
+    # /health: model n has no live pod; m has r
+    assert fleet_health(v) == ["no live pod for model(s) n: every pod serving them is unreachable"]
 
 
 def test_a_large_answer_lists_the_pods_that_need_reading_first():
     pods = {f"p{i:04d}": PodFreshness("current", 5) for i in range(1000)} | {"z": PodFreshness("stalled", 9000)}
     got = answer_freshness(pods)
     assert len(got.pods) == MAX_LISTED and got.pods_truncated and "z" in got.pods and got.state == "degraded"
+    pods |= {"u": PodFreshness("unreachable", 9), "g": PodFreshness("unknown")}
+    got = answer_freshness(pods, holders=["g"])
+    assert {"z", "u", "g"} <= set(got.pods) and len(got.pods) == MAX_LISTED
 
 
 def test_route_staleness_and_health():

@@ -7,7 +7,7 @@ import pytest
 
 from kv_preflight.ingester.engines_from import parse_engine_list, parse_engines_from
 from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                                    balanced_owners, expired_retired, rendezvous_owners)
+                                                    balanced_owners, expired_retired, rendezvous_owners, unlisted)
 from kv_preflight.fleet.records import PodRecord
 
 ENGINES = [f"http://10.0.0.{i}:8000" for i in range(200)]
@@ -149,3 +149,17 @@ def test_retired_rows_are_dropped_after_retention():
     recs = {"old": PodRecord(state="retired", since_ms=0), "new": PodRecord(state="retired", since_ms=9000),
             "live": PodRecord(state="live", since_ms=0)}
     assert expired_retired(recs, 10_000, 5000) == ["old"]
+
+
+def test_a_recorded_pod_no_lease_lists_is_retired_after_the_retirement_time():
+    """Issue 40 item 7: a one-off ``ingest --pod-id endpoint`` run left its pods in the index, listed by no lease
+    (its ingester gone), for good. Each is retired once unlisted for ``retire_after_ms``; listed again, it starts
+    over; retired ones and listed ones are not counted."""
+    records = {"ghost": PodRecord(), "live": PodRecord(), "old": PodRecord(state="retired")}
+    since, due = unlisted(records, {"live"}, {}, 1_000, 60_000)
+    assert (since, due) == ({"ghost": 1_000}, [])
+    since, due = unlisted(records, {"live"}, since, 60_999, 60_000)
+    assert due == []
+    since, due = unlisted(records, {"live"}, since, 61_000, 60_000)
+    assert due == ["ghost"]
+    assert unlisted(records, {"live", "ghost"}, since, 70_000, 60_000) == ({}, [])

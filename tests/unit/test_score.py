@@ -233,3 +233,25 @@ def test_the_c_loop_survives_callbacks_that_change_its_inputs():
 
     got = scoring._c_affinities(matches, 1000, 16, infos, None, lambda t: float(t), make)
     assert len(got) == 2000 and {a.cached_tokens for a in got} == {64}
+
+
+def test_an_unreachable_pod_is_listed_marked_and_never_the_best():
+    """Issue 40 item 2: a stopped engine's pod kept being named best_pod with what the index held for it."""
+    matches = [PodMatch("pod-a", 5, "gpu"), PodMatch("pod-b", 2, "gpu"), PodMatch("pod-c", 5, "gpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, unreachable={"pod-a"})
+    assert (p.best_pod, p.predicted_cached_tokens, p.blocks_cached) == ("pod-c", 80, 5)
+    assert [(a.pod_id, a.unreachable) for a in p.pod_affinities] == [("pod-a", True), ("pod-c", False),
+                                                                     ("pod-b", False)]
+    p = score(matches[:1], prompt_len=100, canonical_block=C, unreachable={"pod-a"})
+    assert (p.best_pod, p.predicted_cached_tokens, p.cache_hit_ratio) == (None, 0, 0.0)
+    assert p.pod_affinities[0].unreachable and p.pod_affinities[0].cached_tokens == 80
+    assert score(matches, prompt_len=100, canonical_block=C, unreachable={"x"}) == score(
+        matches, prompt_len=100, canonical_block=C)
+
+
+def test_a_data_parallel_rank_is_unreachable_with_its_pod():
+    """Each rank of a data-parallel engine is an index pod of its own (``<pod>@dp<r>``); the fleet record, and so
+    the health of the engine, is its pod's."""
+    matches = [PodMatch("vllm-0@dp1", 5, "gpu"), PodMatch("vllm-1", 2, "gpu")]
+    p = score(matches, prompt_len=100, canonical_block=C, unreachable={"vllm-0"})
+    assert p.best_pod == "vllm-1" and p.pod_affinities[0].unreachable

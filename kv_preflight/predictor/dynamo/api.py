@@ -95,6 +95,7 @@ class DynamoApi:
         self.index = index
         self._view: fleet.FleetView | None = None  # the fleet's leases, for the answers' freshness
         self._view_at = -1e9
+        self._view_failing: str | None = None  # why the last read of the fleet's records failed (None: it did not)
 
     @property
     def deadline_s(self) -> float:
@@ -276,7 +277,8 @@ class DynamoApi:
         per_pod = pod_freshness(view, named, now_ms, time.time())
         label = {p: str(i) if r == 0 else f"{i}/{r}" for p, (i, r) in worker_of.items()}
         fresh = answer_freshness({label.get(p, p): f for p, f in per_pod.items()},
-                                 incomplete=[label.get(i.pod_id, i.pod_id) for i in incomplete])
+                                 incomplete=[label.get(i.pod_id, i.pod_id) for i in incomplete],
+                                 holders=[label.get(p, p) for p in prefixes], fleet_problem=self._fleet_problem())
         return 200, msgspec.structs.replace(answer, freshness=fresh)
 
     async def _chains(self, prompt: PromptKeys, part: list[fleet.RegisteredEngine],
@@ -322,9 +324,19 @@ class DynamoApi:
                 async with valkey_call(self.deadline_s, "fleet"):
                     self._view = await self.index.fleet.fleet_view()
                 self._view_at = time.monotonic()
-            except PredictorError:
-                pass  # the last view, or none: its pods read "unknown"
+                self._view_failing = None
+            except PredictorError as exc:
+                # the last view, aged (its leases turn late, then expired), or none: its pods read "unknown"
+                self._view_failing = exc.message
         return self._view
+
+    def _fleet_problem(self) -> str | None:
+        """Why the answer's accounts may be old: the fleet's records not readable since the last read."""
+        if self._view_failing is None:
+            return None
+        age = f" for {int((time.monotonic() - self._view_at) * 1000)} ms" if self._view is not None else ""
+        return (f"the fleet records (ingester leases, pod records) not read{age} ({self._view_failing[:200]}): "
+                "each pod's account is as of the last successful read")
 
     async def _hybrid_prefixes(self, keys: list[int], matches: list[Any], prefixes: dict[str, tuple[int, int, int]],
                                hybrid: dict[str, Any], infos: list[Any], n_tokens: int) -> dict[str, tuple[int, int, int]]:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import msgspec
 
+from kv_preflight.index.rank_pods import base_pod
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.predictor.scoring.ttft import PrefillModel
@@ -48,6 +49,9 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  #
     incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
     # the pod's data-parallel rank, each rank a cache of its own (predictor/scoring/ranks.py); none without ranks
     dp_rank: int | None = None
+    # its engine fails its health checks (its fleet record says unreachable): listed with what the index holds
+    # for it, never the best pod (a stopped engine holds nothing; a route never sends there)
+    unreachable: bool = False
 
 
 class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -96,6 +100,7 @@ def score(
     pods: Collection[str] | None = None,
     ttft: PrefillModel | None = None,
     infos: Mapping[str, PodInfo] | None = None,
+    unreachable: Collection[str] = (),
 ) -> Prediction:
     """Rank pods by the tokens their engine would reuse; ties go to the smaller pod id.
 
@@ -104,7 +109,8 @@ def score(
     scoring correct for any match source). Pods that would reuse nothing are left out.
     ``ttft``, when given, adds each pod's estimated time to first token. ``infos`` (pod -> its metadata),
     when given, says a pod's engine block size and incompleteness instead (a pod it lacks: the two above),
-    so a caller holding the metadata builds no per-pod maps for this.
+    so a caller holding the metadata builds no per-pod maps for this. Pods in ``unreachable`` (their engine
+    fails its health checks) are listed, marked, and never the best pod.
     """
     wanted = set(pods) if pods is not None else None
     estimate = ttft.estimates_for(prompt_len) if ttft else None
@@ -115,7 +121,7 @@ def score(
     else:
         affinities = _affinities(matches, prompt_len, canonical_block, engine_blocks, incomplete, wanted, estimate,
                                  infos)
-    return ranked(affinities, prompt_len, canonical_block, ttft)
+    return ranked(affinities, prompt_len, canonical_block, ttft, unreachable)
 
 
 def _affinities(matches: Iterable[Match], prompt_len: int, canonical_block: int,
@@ -159,13 +165,20 @@ def _affinities(matches: Iterable[Match], prompt_len: int, canonical_block: int,
 
 
 def ranked(affinities: list[PodAffinity], prompt_len: int, canonical_block: int,
-           ttft: PrefillModel | None) -> Prediction:
-    """The prediction from the pods' affinities: best first, ties by pod id."""
+           ttft: PrefillModel | None, unreachable: Collection[str] = ()) -> Prediction:
+    """The prediction from the pods' affinities: best first, ties by pod id; the best is the first whose
+    engine is not ``unreachable`` (those are marked)."""
     # by tokens (most first), ties by pod id: two passes with C keys (sorting is stable, reverse too),
     # half the time of one pass with a tuple per pod
     affinities.sort(key=_POD_ID)
     affinities.sort(key=_CACHED_TOKENS, reverse=True)
     best = affinities[0] if affinities else None
+    if unreachable and best is not None:
+        down = set(unreachable)  # pods: an index pod of a data-parallel rank, <pod>@dp<r>, is down with its pod
+        if any(base_pod(a.pod_id) in down for a in affinities):
+            affinities[:] = [msgspec.structs.replace(a, unreachable=True) if base_pod(a.pod_id) in down else a
+                             for a in affinities]
+            best = next((a for a in affinities if not a.unreachable), None)
     predicted = best.cached_tokens if best else 0
     return Prediction(
         predicted_cached_tokens=predicted,
