@@ -27,7 +27,9 @@ log = logging.getLogger("kv_preflight.simulator")
 def build_app(cfg: SimulatorConfig, *, open_sockets: bool = False) -> Starlette:
     """The ASGI app; its lifespan starts the ZMQ publisher (opening the sockets now if asked) and closes it."""
     cfg.validate()
-    publisher = EventPublisher(cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic, buffer_steps=cfg.buffer_steps)
+    # a wildcard endpoint binds on --host: `up`'s engines listen on loopback like the rest of its stack
+    publisher = EventPublisher(cfg.zmq_endpoint, cfg.replay_endpoint, cfg.topic, buffer_steps=cfg.buffer_steps,
+                               bind_host=cfg.host)
     if open_sockets:
         publisher.open()
     groups = cfg.kv_cache_groups
