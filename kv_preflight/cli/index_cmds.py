@@ -54,11 +54,12 @@ def _emit(as_json: bool, data: Any, human) -> None:
 
 
 def _config(**flags) -> Config:
-    """Config.load with a bad value (flag or KVPF_*) as one clear line."""
+    """Config.load with a bad value (flag or KVPF_*) as one clear line, naming the variable it came from."""
     try:
         return Config.load(**flags)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        hint = no_stack_hint("valkey_url") if str(exc).startswith("valkey_url") else ""
+        raise click.UsageError(f"{exc}{hint}") from None
 
 
 def _index(valkey_url: str | None) -> Index:

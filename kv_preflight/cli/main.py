@@ -123,7 +123,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           pod_id=pod_id, max_sources=max_sources, kv_cache_report_mode=kv_cache_report_mode,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(config_error(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines or cfg.engines_from or cfg.registered_engines):
         raise click.UsageError("give at least one --source, --bind, --engine or --engines-from")
     sys.exit(run(cfg))
@@ -197,7 +197,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         )
         check_serve_files(cfg)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(config_error(exc)) from None
     import asyncio
 
     from kv_preflight.predictor.settings import SettingsMismatch, check_settings
@@ -207,6 +207,14 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
     except SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from None
     run_server(cfg, workers=workers)
+
+
+def config_error(exc: ValueError) -> str:
+    """A bad setting's message; a bad Valkey URL also says where it came from (flag, KVPF_VALKEY_URL, the
+    running stack's env file)."""
+    from kv_preflight.cli.stack_file import no_stack_hint
+
+    return f"{exc}{no_stack_hint('valkey_url') if str(exc).startswith('valkey_url') else ''}"
 
 
 def check_serve_files(cfg: Config) -> None:

@@ -33,6 +33,9 @@ DATA_DIR_VAR = ENV_PREFIX + "DATA_DIR"
 # The env file apply_defaults looked for and took nothing from (None: it took values, or never ran): a
 # command that then fails to connect on its built-in default says so, rather than "Error 111 ... 6379".
 _looked_for: Path | None = None
+# The variables apply_defaults set from a running stack's env file, and that file: a URL that fails is then
+# said to be the stack's, not one the user exported.
+_from_file: tuple[frozenset[str], Path | None] = (frozenset(), None)
 
 
 def default_data_dir() -> Path:
@@ -144,27 +147,44 @@ def read(data_dir: Path) -> dict[str, str]:
 def apply_defaults(environ: dict[str, str] | None = None) -> Path | None:
     """The running stack's values as environment defaults (a variable set and non-empty wins); the file's
     path when one was used."""
-    global _looked_for
+    global _looked_for, _from_file
     environ = os.environ if environ is None else environ  # type: ignore[assignment]
     data_dir = default_data_dir()
     values = read(data_dir)
-    used = False
+    taken = []
     for name, value in values.items():
         if name.startswith(ENV_PREFIX) and not (environ.get(name) or "").strip():
             environ[name] = value
-            used = True
-    _looked_for = None if used else data_dir / ENV_FILE
-    return data_dir / ENV_FILE if used else None
+            taken.append(name)
+    _looked_for = None if taken else data_dir / ENV_FILE
+    _from_file = (frozenset(taken), data_dir / ENV_FILE if taken else None)
+    return data_dir / ENV_FILE if taken else None
 
 
 def no_stack_hint(param: str) -> str:
-    """Why a connection on ``param``'s built-in default failed, and the fix: appended to a command's
-    connection error when no running ``up`` stack's env file was found and neither a flag nor a variable
-    named the address. Empty otherwise: a URL the user gave is theirs to check."""
+    """Where the address behind a failed connection came from, and the fix: appended to a command's
+    connection or URL error. The built-in default (no running ``up`` stack's env file found, no flag, no
+    variable): which file was looked for and how to point at a stack. A ``KVPF_...`` variable: its name
+    (a URL that came from the environment read as if the command had invented it), or the running
+    stack's env file that set it. Empty for a flag: the user typed that URL."""
     ctx = click.get_current_context(silent=True)
-    if _looked_for is None or ctx is None or ctx.get_parameter_source(param) is not ParameterSource.DEFAULT:
+    if ctx is None:
         return ""
-    flag = next((p.opts[0] for p in ctx.command.params if p.name == param), "the URL")
+    opt = next((p for p in ctx.command.params if p.name == param), None)
+    flag = opt.opts[0] if opt is not None else "the URL"
+    source = ctx.get_parameter_source(param)
+    if source is ParameterSource.ENVIRONMENT and isinstance(opt, click.Option):
+        names = opt.envvar if isinstance(opt.envvar, (list, tuple)) else [opt.envvar] if opt.envvar else []
+        name = next((n for n in names if (os.environ.get(n) or "").strip()), None)
+        if name is None:
+            return ""
+        taken, env_file = _from_file
+        if name in taken and env_file is not None:
+            return (f" -- from {name}, as the running `kv-preflight up` stack's env file {env_file.resolve()} sets "
+                    f"it; is that stack still up? give {flag} to use another")
+        return f" -- from the environment variable {name}; correct or unset it, or give {flag}"
+    if _looked_for is None or source is not ParameterSource.DEFAULT:
+        return ""
     path = _looked_for.resolve()
     how = f"{DATA_DIR_VAR}" if os.environ.get(DATA_DIR_VAR) else f"./{DATA_DIR}, as {DATA_DIR_VAR} is unset"
     state = "is left by an `up` that has stopped" if path.exists() else "does not exist"

@@ -324,3 +324,28 @@ def test_no_stack_found_names_where_it_looked_and_how_to_point_at_one(tmp_path, 
     out = kvpf("index", "stats", "--valkey-url", DEAD_VALKEY, cwd=tmp_path, env=env)  # a URL given: no hint
     assert_one_clear_line(out, "Valkey error")
     assert "no running" not in out.stderr
+
+
+def test_a_bad_url_from_the_environment_names_its_variable(tmp_path):
+    """Issue 42, item 7: a bad KVPF_VALKEY_URL (unreachable, or no scheme) failed as if the command had chosen
+    the URL; the built-in default case said where it looked. Each now names the variable (explain's
+    KVPF_PREDICTOR_URL too), and a URL a running stack's env file set names that file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPF_")}
+    for url, says in ((DEAD_VALKEY, "Valkey error"), ("localhost:6379", "needs a scheme")):
+        out = kvpf("index", "stats", cwd=tmp_path, env=dict(env, KVPF_VALKEY_URL=url))
+        assert_one_clear_line(out, says)
+        assert "from the environment variable KVPF_VALKEY_URL" in out.stderr and "--valkey-url" in out.stderr, out.stderr
+    out = kvpf("explain", "--model", "m", "--prompt", "x", cwd=tmp_path, env=dict(env, KVPF_PREDICTOR_URL=DEAD_HTTP))
+    assert_one_clear_line(out, "cannot reach the predictor")
+    assert "from the environment variable KVPF_PREDICTOR_URL" in out.stderr, out.stderr
+    # a running stack's env file (its lock held, as `up` holds it) set the URL: the file is named
+    data = tmp_path / ".data"
+    data.mkdir()
+    lock = stack_file.DataDirLock(data).acquire("test")
+    try:
+        stack_file.write(data, {"KVPF_VALKEY_URL": DEAD_VALKEY})
+        out = kvpf("index", "stats", cwd=tmp_path, env=env)
+        assert_one_clear_line(out, "Valkey error")
+        assert f"as the running `kv-preflight up` stack's env file {data / 'env'} sets it" in out.stderr, out.stderr
+    finally:
+        lock.release()
