@@ -13,6 +13,7 @@ import httpx
 from kv_preflight.cli.stack_file import no_stack_hint
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.layout import LAYOUT_KEY, LAYOUT_VERSION
 from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
@@ -550,25 +551,57 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
 __all__ = ["index_group", "sys"]
 
 
-@index_group.command()
-@valkey_opt
-@json_opt
-def migrate(valkey_url, as_json) -> None:
-    """Move an index of layout 1 (kv-preflight 0.1) or 2 to layout 3, pod by pod.
+MIGRATE_HELP = f"""Move an index of layout 1 (kv-preflight 0.1), 2 or 3 to layout {LAYOUT_VERSION}, pod by pod.
 
-    Layout 3 adds the presence bitmaps the lookup reads (one per request key and tier). Stop the old
-    ingesters first (they write the old layout). Request keys and engine keys do not change, so an
-    llm-d scheduler on the same Valkey sees nothing happen. Safe to run again if interrupted.
+    Stop every ingester of the index first: it refuses to run while one holds a live lease (--force runs it
+    anyway). Request keys and engine keys do not change, so an llm-d scheduler on the same Valkey sees
+    nothing happen. Safe to run again if interrupted; on an index already of layout {LAYOUT_VERSION} it does
+    nothing.
     """
+
+
+@index_group.command(help=MIGRATE_HELP)
+@valkey_opt
+@click.option("--force", is_flag=True, help="Run although ingesters hold live leases on the index (they would go on writing the old layout beside the new one).")
+@json_opt
+def migrate(valkey_url, force, as_json) -> None:
     async def go():
         ix = _index(valkey_url)
         try:
+            found = await ix.client.hget(LAYOUT_KEY, "version")
+            version = found.decode() if isinstance(found, bytes) else found
+            if version == LAYOUT_VERSION:
+                return {"pods": 0, "blocks": 0, "keys": 0}, True
+            live = await _live_ingesters(ix)
+            if live and not force:
+                raise click.ClickException(
+                    f"{len(live)} ingester(s) hold a live lease on this index ({', '.join(live[:5])}"
+                    f"{' ...' if len(live) > 5 else ''}): stop them first (they write layout {version or '1'}), "
+                    "or give --force")
+
             def progress(pod: str, n: int) -> None:
                 click.echo(f"  {pod}: {n} done", err=True)
-            return await migrate_layout(ix.client, progress=progress)
+            return await migrate_layout(ix.client, progress=progress), False
         finally:
             await ix.close()
 
-    done = _run(go())
-    _emit(as_json, done, lambda d: click.echo(f"migrated {d['pods']} layout-1 pod(s), {d['blocks']} block(s); "
-                                                    f"bitmaps for {d['keys']} request key(s): layout 3"))
+    done, already = _run(go())
+
+    def human(d):
+        if already:
+            click.echo(f"this index is already of layout {LAYOUT_VERSION}: nothing to migrate")
+            return
+        click.echo(f"migrated {d['pods']} pod(s), {d['blocks']} block(s); presence for {d['keys']} request "
+                   f"key(s): layout {LAYOUT_VERSION}")
+
+    _emit(as_json, done, human)
+
+
+async def _live_ingesters(ix: Index) -> list[str]:
+    """The ingesters whose lease on the index has not expired; [] when the leases cannot be read (an old
+    layout's records)."""
+    try:
+        view = await ix.fleet.fleet_view()
+    except Exception:  # a record of another layout's form: the layout check is the user's word then
+        return []
+    return sorted(i for i, lease in view.ingesters.items() if lease.expires_ms > view.now_ms)
