@@ -1,0 +1,164 @@
+"""The fleet and the index in numbers, for the predictor's ``/metrics``: read at each scrape, beside its counters.
+
+Pods by fleet state (the ingesters' records: live, unreachable, retired), pods by ingestion state (current,
+behind, stalled, unknown: predictor/scoring/freshness.py), the worst pod's index lag and staleness, pods
+flagged incomplete, request keys, engine blocks and Valkey's memory, in total and per pod. A dashboard graphs
+these beside the ingesters' own series (compose/observability/).
+
+They are read fresh by the worker a scrape lands on (the fleet view it re-reads every second, and the few
+pipelined Valkey reads ``/stats`` makes), and exposed by a collector of their own, not as prometheus-client
+gauges: under ``serve --workers N`` those live in per-worker files, where the worker a scrape missed would show
+its last values and a pod that left would keep its series. Per-pod series are bounded: the ``MAX_POD_SERIES``
+pods holding the most blocks have their own, the rest are summed under ``pod="_other"``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kv_preflight.metrics import OTHER_POD
+from kv_preflight.predictor.scoring.freshness import BEHIND, CURRENT, STALLED, UNKNOWN
+
+MAX_POD_SERIES = 100
+FLEET_STATES = ("live", "unreachable", "retired")
+FRESHNESS_STATES = (CURRENT, BEHIND, STALLED, UNKNOWN)
+
+
+@dataclass
+class IndexGauges:
+    """One scrape's reading. The Valkey part is None when Valkey did not answer in time (those series are
+    then absent from the scrape, a gap in the graphs, rather than zeros that would read as an empty index)."""
+
+    fleet_states: dict[str, int] = field(default_factory=dict)
+    freshness_states: dict[str, int] = field(default_factory=dict)
+    max_index_lag_s: float | None = None
+    max_staleness_s: float | None = None
+    index: "IndexNumbers | None" = None
+
+
+@dataclass
+class IndexNumbers:
+    keys: int
+    pods: int
+    incomplete_pods: int
+    blocks: int
+    used_memory_bytes: int | None
+    pod_blocks: dict[str, int]  # every pod in the index
+
+
+def fleet_numbers(fleet) -> IndexGauges:
+    """Pods by fleet and by ingestion state, the worst lag and staleness, from a FleetWatcher's last view
+    (no I/O). Retired pods count only as retired: nothing is ingested for them any more."""
+    out = IndexGauges(fleet_states=dict.fromkeys(FLEET_STATES, 0), freshness_states=dict.fromkeys(FRESHNESS_STATES, 0))
+    if fleet is None or fleet.view is None:
+        return out
+    out.fleet_states.update(Counter(r.state for r in fleet.view.pods.values()))
+    pods = fleet.known()
+    lags, stale = [], []
+    for fresh in fleet.freshness(sorted(pods)).values():
+        out.freshness_states[fresh.state] = out.freshness_states.get(fresh.state, 0) + 1
+        fresh = fleet.aged(fresh)
+        if fresh.index_lag_ms is not None:
+            lags.append(fresh.index_lag_ms / 1000)
+        if fresh.staleness_ms is not None:
+            stale.append(fresh.staleness_ms / 1000)
+    out.max_index_lag_s = max(lags) if lags else None
+    out.max_staleness_s = max(stale) if stale else None
+    return out
+
+
+def pod_series(pod_blocks: dict[str, int], limit: int = MAX_POD_SERIES) -> dict[str, int]:
+    """The ``limit`` pods holding the most blocks (ties by name), the rest summed under ``_other`` (pure)."""
+    ranked = sorted(pod_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = dict(ranked[:limit])
+    if len(ranked) > limit:
+        out[OTHER_POD] = sum(n for _, n in ranked[limit:])
+    return out
+
+
+def memory_share(used_memory: int | None, pod_blocks: dict[str, int]) -> dict[str, float]:
+    """Each pod's estimated share of Valkey's memory: used_memory in proportion to the blocks it holds (every
+    block costs about the same: its entries, presence bits and state), pure. Empty when Valkey did not say."""
+    total = sum(pod_blocks.values())
+    if used_memory is None or total <= 0:
+        return {}
+    return {pod: used_memory * n / total for pod, n in pod_blocks.items()}
+
+
+async def read_index_numbers(index) -> IndexNumbers:
+    """Keys, memory and each pod's blocks and flag: a few pipelined reads (``PodMeta.meta_fields``, 1,000 pods
+    per round trip), as ``/stats`` makes for its summary."""
+    pods = sorted(await index.meta.pod_ids())
+    blocks: dict[str, int] = {}
+    incomplete = 0
+    for pod, values in zip(pods, await index.meta.meta_fields(pods, ("incomplete", "blocks"))):
+        if values is None:  # a key of a foreign type
+            continue
+        if values[0] is not None and bytes(values[0]) == b"1":
+            incomplete += 1
+        raw = values[1]
+        blocks[pod] = int(raw) if raw is not None and bytes(raw).isdigit() else 0
+    return IndexNumbers(keys=await index.key_count(), pods=len(pods), incomplete_pods=incomplete,
+                        blocks=sum(blocks.values()), used_memory_bytes=await index.memory_usage(), pod_blocks=blocks)
+
+
+class GaugesCollector(Collector):
+    """One reading as metric families (registered in a registry of its own, for one scrape)."""
+
+    def __init__(self, gauges: IndexGauges):
+        self.gauges = gauges
+
+    def collect(self):
+        g = self.gauges
+        fam = GaugeMetricFamily("kvpf_pods", "Pods by fleet state, as the ingesters' records say: live, unreachable "
+                                "(failing health checks, not routed to), retired (entries cleared).", labels=["state"])
+        for state, n in sorted(g.fleet_states.items()):
+            fam.add_metric([state], n)
+        yield fam
+        fam = GaugeMetricFamily("kvpf_pods_freshness", "Pods not retired, by ingestion state: current, behind, "
+                                "stalled, unknown (no live ingester lists it). docs/routing.md, Freshness.",
+                                labels=["state"])
+        for state, n in sorted(g.freshness_states.items()):
+            fam.add_metric([state], n)
+        yield fam
+        if g.max_index_lag_s is not None:
+            yield GaugeMetricFamily("kvpf_index_lag_seconds", "The largest index lag over the pods: now minus the "
+                                    "engine timestamp of the pod's newest applied batch (it grows while an engine "
+                                    "is idle; read it with kvpf_pods_freshness).", value=g.max_index_lag_s)
+        if g.max_staleness_s is not None:
+            yield GaugeMetricFamily("kvpf_index_staleness_seconds", "The largest staleness over the pods: time since "
+                                    "the pod's ingester was last known current (0-1 s while current); the bound on "
+                                    "what the index may be missing.", value=g.max_staleness_s)
+        ix = g.index
+        if ix is None:
+            return
+        yield GaugeMetricFamily("kvpf_index_keys", "Keys in Valkey (all of a cluster's primaries).", value=ix.keys)
+        yield GaugeMetricFamily("kvpf_index_pods", "Pods in the index.", value=ix.pods)
+        yield GaugeMetricFamily("kvpf_index_pods_incomplete", "Pods in the index flagged incomplete (a gap no replay "
+                                "filled, a hand clear or import): their answers are lower bounds.",
+                                value=ix.incomplete_pods)
+        yield GaugeMetricFamily("kvpf_index_blocks", "Engine blocks the index holds, all pods.", value=ix.blocks)
+        shown = pod_series(ix.pod_blocks)
+        fam = GaugeMetricFamily("kvpf_index_pod_blocks", f"Engine blocks the index holds, per pod (the "
+                                f"{MAX_POD_SERIES} pods holding most; the rest summed under pod=\"_other\").",
+                                labels=["pod"])
+        for pod, n in shown.items():
+            fam.add_metric([pod], n)
+        yield fam
+        if ix.used_memory_bytes is None:
+            return
+        yield GaugeMetricFamily("kvpf_valkey_used_memory_bytes", "Valkey's used_memory (summed over a cluster's "
+                                "primaries).", value=ix.used_memory_bytes)
+        fam = GaugeMetricFamily("kvpf_index_pod_memory_bytes", "Valkey memory per pod, estimated: used_memory in "
+                                "proportion to the blocks each pod holds (pods as kvpf_index_pod_blocks).",
+                                labels=["pod"])
+        for pod, n in memory_share(ix.used_memory_bytes, shown).items():
+            fam.add_metric([pod], n)
+        yield fam
+
+
+__all__ = ["GaugesCollector", "IndexGauges", "IndexNumbers", "fleet_numbers", "memory_share", "pod_series",
+           "read_index_numbers"]
