@@ -31,8 +31,9 @@ def cli(ctx: click.Context) -> None:
     """Predict prefix-cache hits of LLM engines from their KV-cache events.
 
     Every command but up, bench, simulate, keys and calibrate reaches the stack a running `kv-preflight up`
-    started with no flags: its Valkey and predictor URLs are read from <data-dir>/env (KVPF_DATA_DIR, else
-    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack-scriptsup).
+    started with no flags: its Valkey and predictor URLs, its model and engines are read from <data-dir>/env
+    (KVPF_DATA_DIR, else ./.data) below flags and KVPF_* variables; with no such stack, a command that needs
+    a model or an engine takes them from the fleet records (docs/usage.md#the-local-stack-scriptsup).
     """
     if ctx.invoked_subcommand not in OWN_STACK and not ctx.resilient_parsing:
         from kv_preflight.cli.stack_file import apply_defaults
@@ -244,6 +245,7 @@ from kv_preflight.cli.tokenizer_cmds import tokenizer_group  # noqa: E402
 from kv_preflight.cli.up import up  # noqa: E402
 from kv_preflight.cli.diagnose import diagnose_group  # noqa: E402
 from kv_preflight.cli.explain_cmd import explain  # noqa: E402
+from kv_preflight.cli.predict_cmd import predict, route  # noqa: E402
 
 cli.add_command(index_group)
 cli.add_command(tokenizer_group)
@@ -252,6 +254,8 @@ cli.add_command(up)
 cli.add_command(demo)
 cli.add_command(accuracy)
 cli.add_command(explain)
+cli.add_command(predict)
+cli.add_command(route)
 cli.add_command(diagnose_group)
 
 

@@ -2,10 +2,11 @@
 
 ``up`` takes ``<data-dir>/up.lock`` (an exclusive ``flock``) before it starts anything, so two ``up``s never
 share one data directory (two valkey-servers appending to one AOF), and writes ``<data-dir>/env`` once the
-stack is ready: shell ``export`` lines for ``KVPF_VALKEY_URL`` and ``KVPF_PREDICTOR_URL``. Every other
-command reads that file (the data directory is ``KVPF_DATA_DIR``, else ``./.data``, as for ``up``) and takes
-its values as defaults below flags and the environment, so ``kv-preflight index stats`` or ``explain`` reach
-the stack with no flags. The file counts only while its ``up`` holds the lock: one left by a ``kill -9`` is
+stack is ready: shell ``export`` lines for ``KVPF_VALKEY_URL``, ``KVPF_PREDICTOR_URL``, ``KVPF_MODEL`` (the
+model its engines serve) and ``KVPF_STACK_ENGINES`` (their URLs). Every other command reads that file (the data directory is ``KVPF_DATA_DIR``, else ``./.data``, as for ``up``) and takes
+its values as defaults below flags and the environment, so ``kv-preflight index stats``, ``predict`` or
+``demo`` reach the stack with no flags. A command that needs an engine or a model and is given neither takes
+them from there, else from the fleet records (``engine_and_model``). The file counts only while its ``up`` holds the lock: one left by a ``kill -9`` is
 ignored, as the kernel dropped the lock with the process.
 """
 from __future__ import annotations
@@ -28,6 +29,10 @@ LOCK_FILE = "up.lock"
 # what the file sets; each is also what the options that take it read (cli/env.py)
 VALKEY_URL = ENV_PREFIX + "VALKEY_URL"
 PREDICTOR_URL = ENV_PREFIX + "PREDICTOR_URL"
+MODEL = ENV_PREFIX + "MODEL"  # every --model reads it (cli/env.py): the stack's served model
+# Not an option's name: --engine-url is a bare URL for some commands and MODEL=URL for others (serve, diagnose),
+# so the stack's engines are read only where a bare engine URL is wanted (engine_and_model).
+STACK_ENGINES = ENV_PREFIX + "STACK_ENGINES"
 DATA_DIR_VAR = ENV_PREFIX + "DATA_DIR"
 
 # The env file apply_defaults looked for and took nothing from (None: it took values, or never ran): a
@@ -191,3 +196,74 @@ def no_stack_hint(param: str) -> str:
     return (f" -- the built-in default, as no running `kv-preflight up` stack was found: {path} ({how}) "
             f"{state}. Start one with scripts/up, or point at one: `export {DATA_DIR_VAR}=<its --data-dir>` "
             f"(or `source <its data dir>/env`), or give {flag}")
+
+
+@dataclass(frozen=True)
+class FleetEngine:
+    engine_url: str
+    models: tuple[str, ...]
+    pod: str = ""
+
+
+def fleet_engines(*, predictor_url: str | None = None, valkey_url: str | None = None,
+                  timeout_s: float = 10.0) -> list[FleetEngine]:
+    """The live pods' engines and models, as the fleet records say: asked of the predictor (``GET /stats``,
+    its view of the records) when its URL is known, else read from Valkey. [] when neither answers."""
+    import httpx
+
+    if predictor_url:
+        try:
+            pods = httpx.get(predictor_url.rstrip("/") + "/stats", params={"pods_limit": 0},
+                             timeout=timeout_s).json()["fleet"]["pods"]
+            return [FleetEngine(r["engine_url"], tuple(r.get("models") or ()), p) for p, r in sorted(pods.items())
+                    if r.get("state") == "live" and r.get("engine_url")]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            if not valkey_url:
+                return []
+    if not valkey_url:
+        return []
+    import asyncio
+
+    from kv_preflight.index.index import Index
+
+    async def read() -> list[FleetEngine]:
+        ix = Index.from_url(valkey_url, timeout_s=timeout_s)
+        try:
+            view = await ix.fleet.fleet_view()
+        finally:
+            await ix.close()
+        return [FleetEngine(r.engine_url, tuple(r.models), p) for p, r in sorted(view.pods.items())
+                if r.state == "live" and r.engine_url]
+
+    try:
+        return asyncio.run(asyncio.wait_for(read(), timeout_s))
+    except Exception:  # noqa: BLE001 - Valkey down or not ours: the caller says what to give instead
+        return []
+
+
+def engine_and_model(model: str | None, engine_url: str | None, *, need_engine: bool,
+                     predictor_url: str | None = None, valkey_url: str | None = None) -> tuple[str, str | None]:
+    """The model (and, ``need_engine``, an engine serving it) a command was given, else the running stack's
+    (``KVPF_MODEL``, ``KVPF_STACK_ENGINES`` from its env file), else the fleet records' (a live pod serving
+    the model; the model itself when the fleet serves exactly one). ``click.UsageError`` naming the flag
+    when none says."""
+    if model and (engine_url or not need_engine):
+        return model, engine_url
+    if need_engine and not engine_url and model and (os.environ.get(MODEL) or "") == model:
+        engine_url = next((u.strip() for u in (os.environ.get(STACK_ENGINES) or "").split(",") if u.strip()), None)
+        if engine_url:
+            return model, engine_url
+    fleet = fleet_engines(predictor_url=predictor_url, valkey_url=valkey_url)
+    if not model:
+        models = sorted({m for e in fleet for m in e.models})
+        if len(models) != 1:
+            raise click.UsageError("give --model: " + (
+                f"the fleet serves {len(models)} models ({', '.join(models[:10])})" if models else
+                "no running `kv-preflight up` stack was found and no fleet record names a live engine's model"))
+        model = models[0]
+    if need_engine and not engine_url:
+        engine_url = next((e.engine_url for e in fleet if model in e.models), None)
+        if engine_url is None:
+            raise click.UsageError(f"give --engine-url: no running `kv-preflight up` stack was found and no live "
+                                   f"pod's fleet record names an engine serving {model!r}")
+    return model, engine_url

@@ -505,7 +505,9 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         served_model = urls[0].split("=", 1)[0]
         metrics = scrape_targets(stack, predictor, engine_list)
         prometheus_file = write_prometheus_config(data_dir, metrics)
-        env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor})
+        env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor,
+                                               stack_file.MODEL: served_model,
+                                               stack_file.STACK_ENGINES: ",".join(engine_list)})
         step(5, n, click.style("ready", fg="green"))
         cli_path = Path(sys.executable).parent / "kv-preflight"
         cli_hint = str(cli_path) if cli_path.exists() else "kv-preflight"

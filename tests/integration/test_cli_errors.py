@@ -150,7 +150,7 @@ def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, 
 # ---- every command, bad input
 
 # Options whose value is free text: no value is wrong in itself.
-FREE_TEXT = {"--model", "--pod", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
+FREE_TEXT = {"--model", "--pod", "--pods", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
              "--cache-salt", "--ingester-id", "--api-key", "--topic"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
 DAEMONS = {"ingest", "serve", "up", "simulate"}
@@ -242,6 +242,8 @@ def _cases():
         for o in opts:
             if o.required:
                 base += [o.opts[-1], good_files.get(o.opts[-1]) or _good(name, o)]
+        if any("--model" in o.opts and not o.required for o in opts) and name not in DAEMONS:
+            base += ["--model", "m"]  # else a missing model (taken from a stack or the fleet) is the error
         out.append((name, [*path, *base, "--no-such-option"], "unknown option"))
         for o in opts:
             for case, value in _bad_values(name, o):
