@@ -3,7 +3,8 @@
 ``up`` takes ``<data-dir>/up.lock`` (an exclusive ``flock``) before it starts anything, so two ``up``s never
 share one data directory (two valkey-servers appending to one AOF), and writes ``<data-dir>/env`` once the
 stack is ready: shell ``export`` lines for ``KVPF_VALKEY_URL``, ``KVPF_PREDICTOR_URL``, ``KVPF_MODEL`` (the
-model its engines serve) and ``KVPF_STACK_ENGINES`` (their URLs). Every other command reads that file (the data directory is ``KVPF_DATA_DIR``, else ``./.data``, as for ``up``) and takes
+model its engines serve), ``KVPF_STACK_ENGINES`` (their URLs) and ``KVPF_STACK_ENGINE_<i>`` (each one's: sim-<i>'s
+for a simulated engine, for a shell that sources the file). Every other command reads that file (the data directory is ``KVPF_DATA_DIR``, else ``./.data``, as for ``up``) and takes
 its values as defaults below flags and the environment, so ``kv-preflight index stats``, ``predict`` or
 ``demo`` reach the stack with no flags. A command that needs an engine or a model and is given neither takes
 them from there, else from the fleet records (``engine_and_model``). The file counts only while its ``up`` holds the lock: one left by a ``kill -9`` is

@@ -402,11 +402,12 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
 @click.option("--sim-block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Engine block size of the simulated engines.")
 @click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
+@click.option("--sim-max-model-len", default=4096, show_default=True, type=click.IntRange(min=2), help="Context length of the simulated engines, prompt and output (their tokenizer takes a token per byte: examples/workload.jsonl needs 1,515).")
 @click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
 @click.option("--fresh", is_flag=True, help="Start from an empty index: remove the Valkey data (AOF) and logs an earlier up left in --data-dir.")
 def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
-       sim_blocks, demo, exit_after_demo, fresh=False, **serve_options) -> None:
+       sim_blocks, demo, exit_after_demo, fresh=False, sim_max_model_len=4096, **serve_options) -> None:
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together.
 
     Every process listens on 127.0.0.1; the banner lists each one's Prometheus /metrics, and
@@ -472,9 +473,11 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         if engine_list:
             step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
         else:
-            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
+            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} "
+                       f"blocks, context {sim_max_model_len}) ...")
             engine_list = start_sims(stack, sim_engines, ["--model", model, "--block-size", str(sim_block_size),
-                                                          "--blocks", str(sim_blocks)])
+                                                          "--blocks", str(sim_blocks),
+                                                          "--max-model-len", str(sim_max_model_len)])
             for url in engine_list:
                 click.echo(f"      engine: {url}")
         step(3, n, f"starting {ingesters} ingester(s) ...")
@@ -507,7 +510,9 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         prometheus_file = write_prometheus_config(data_dir, metrics)
         env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor,
                                                stack_file.MODEL: served_model,
-                                               stack_file.STACK_ENGINES: ",".join(engine_list)})
+                                               stack_file.STACK_ENGINES: ",".join(engine_list),
+                                               **{f"{stack_file.STACK_ENGINES[:-1]}_{i}": url
+                                                  for i, url in enumerate(engine_list)}})
         step(5, n, click.style("ready", fg="green"))
         cli_path = Path(sys.executable).parent / "kv-preflight"
         cli_hint = str(cli_path) if cli_path.exists() else "kv-preflight"

@@ -101,6 +101,9 @@ def test_engine_and_model_come_from_the_stack_or_the_fleet_records(stack, tmp_pa
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"prompt": PROMPT + f" Part {i}."}) + "\n" for i in range(3)))
     assert "exact: 3/3" in ok(kvpf(stack, "accuracy", "--workload", str(workload)))
+    # item 4: the example workload fits up's simulated engines (30 of its 44 prompts exceeded their 512 tokens)
+    examples = Path(__file__).resolve().parents[2] / "examples" / "workload.jsonl"
+    assert "exact: 44/44" in ok(kvpf(stack, "accuracy", "--workload", str(examples)))
     inspect = json.loads(ok(kvpf(stack, "index", "inspect", "--prompt", PROMPT, "--json")))
     assert inspect["model"] == "sim-model" and inspect["tokens"] > 16
     assert "model sim-model:" in ok(kvpf(stack, "explain", "--prompt", PROMPT))
