@@ -343,7 +343,7 @@ class EngineFailures:
 
     def lost(self, child: Child) -> None:
         self.left -= 1
-        retire = os.environ.get("KVPF_RETIRE_AFTER") or "60"
+        retire = os.environ.get("KVPF_RETIRE_AFTER") or os.environ.get("KVPF_RETIRE_AFTER_S") or "60"
         click.echo(click.style("engine failure: ", fg="yellow") + f"{exited(child)}. The stack stays up "
                    f"({self.left} engine(s) left): the ingesters will find {child.url} unreachable after "
                    f"{os.environ.get('KVPF_HEALTH_FAILURES') or 3} failed health checks, stop routing to pod "
