@@ -109,10 +109,17 @@ def explain(url, model, prompt, messages, tokens, compare_prompt, compare_messag
         body["compare"] = compare
     if pods:
         body["pods"] = list(pods)
+    doc = ask_predictor(url, "/v1/cache/explain", body, api_key, timeout)
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+
+
+def ask_predictor(url: str, path: str, body: dict[str, Any], api_key: str | None, timeout: float) -> dict[str, Any]:
+    """POST ``body`` to a running predictor's ``path``; its JSON answer, or one clear line (ClickException): it
+    cannot be reached (and where its URL came from), answered no JSON, or answered an error."""
     key = api_key or os.environ.get("KVPF_API_KEY")
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        resp = httpx.post(url.rstrip("/") + "/v1/cache/explain", json=body, headers=headers, timeout=timeout)
+        resp = httpx.post(url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise click.ClickException(f"cannot reach the predictor at {url}: {type(exc).__name__}: {exc}"
                                    f"{no_stack_hint('url')}") from None
@@ -122,4 +129,4 @@ def explain(url, model, prompt, messages, tokens, compare_prompt, compare_messag
         raise click.ClickException(f"the predictor answered {resp.status_code} without JSON: {resp.text[:200]}") from None
     if resp.status_code != 200:
         raise click.ClickException(f"the predictor answered {resp.status_code}: {doc.get('error', doc)}")
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+    return doc

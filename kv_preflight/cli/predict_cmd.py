@@ -8,35 +8,16 @@ stack and its model (cli/stack_file.py); every failure is one line and exit 1.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import click
-import httpx
 
-from kv_preflight.cli.explain_cmd import _input
-from kv_preflight.cli.stack_file import engine_and_model, no_stack_hint
+from kv_preflight.cli.explain_cmd import _input, ask_predictor
+from kv_preflight.cli.stack_file import engine_and_model
 
 
 def _pods(values: tuple[str, ...]) -> list[str]:
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
-
-
-def _post(url: str, path: str, body: dict[str, Any], api_key: str | None, timeout: float) -> dict[str, Any]:
-    key = api_key or os.environ.get("KVPF_API_KEY")
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    try:
-        resp = httpx.post(url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise click.ClickException(f"cannot reach the predictor at {url}: {type(exc).__name__}: {exc}"
-                                   f"{no_stack_hint('url')}") from None
-    try:
-        doc = resp.json()
-    except ValueError:
-        raise click.ClickException(f"the predictor answered {resp.status_code} without JSON: {resp.text[:200]}") from None
-    if resp.status_code != 200:
-        raise click.ClickException(f"the predictor answered {resp.status_code}: {doc.get('error', doc)}")
-    return doc
 
 
 def _freshness_lines(doc: dict[str, Any]) -> list[str]:
@@ -121,7 +102,7 @@ def _body(url: str, model: str | None, prompt, messages, tokens, pods, cache_sal
 def predict(url, model, prompt, messages, tokens, pods, cache_salt, api_key, timeout, as_json) -> None:
     """How many tokens of a prompt are cached, on which pod (POST /v1/cache/predict on a running predictor)."""
     model, body = _body(url, model, prompt, messages, tokens, pods, cache_salt)
-    doc = _post(url, "/v1/cache/predict", body, api_key, timeout)
+    doc = ask_predictor(url, "/v1/cache/predict", body, api_key, timeout)
     click.echo(json.dumps(doc) if as_json else render_prediction(model, doc))
 
 
@@ -133,5 +114,5 @@ def route(url, model, prompt, messages, tokens, pods, cache_salt, api_key, timeo
     _, body = _body(url, model, prompt, messages, tokens, pods, cache_salt)
     if max_staleness_ms is not None:
         body["max_staleness_ms"] = max_staleness_ms
-    doc = _post(url, "/v1/cache/route", body, api_key, timeout)
+    doc = ask_predictor(url, "/v1/cache/route", body, api_key, timeout)
     click.echo(json.dumps(doc) if as_json else render_route(doc))
