@@ -82,7 +82,8 @@ class Project:
         return out.stdout.split()
 
     def down(self) -> None:
-        self.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout=180, check=False)
+        # every profile: a service of a profile not named here is not stopped by `down`
+        self.compose("--profile", "*", "down", "-v", "--remove-orphans", "--timeout", "5", timeout=180, check=False)
         assert self.containers() == [], f"containers of {self.name} left behind"
 
     def demo(self, *engines: str) -> dict[str, dict[str, int]]:
