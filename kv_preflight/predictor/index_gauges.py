@@ -5,15 +5,20 @@ behind, stalled, unknown: predictor/scoring/freshness.py), the worst pod's index
 flagged incomplete, request keys, engine blocks and Valkey's memory, in total and per pod. A dashboard graphs
 these beside the ingesters' own series (compose/observability/).
 
-They are read fresh by the worker a scrape lands on (the fleet view it re-reads every second, and the few
-pipelined Valkey reads ``/stats`` makes), and exposed by a collector of their own, not as prometheus-client
-gauges: under ``serve --workers N`` those live in per-worker files, where the worker a scrape missed would show
+They are read by the worker a scrape lands on (the fleet view it re-reads every second, and the few
+pipelined Valkey reads ``/stats`` makes, behind the scrape: ``IndexReadings``, so ``/metrics`` never waits on
+Valkey for long and a liveness probe on it does not follow Valkey), and exposed by a collector of their own,
+not as prometheus-client gauges: under ``serve --workers N`` those live in per-worker files, where the worker a scrape missed would show
 its last values and a pod that left would keep its series. Per-pod series are bounded: the ``MAX_POD_SERIES``
 pods holding the most blocks have their own, the rest are summed under ``pod="_other"``.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
@@ -22,7 +27,12 @@ from prometheus_client.registry import Collector
 from kv_preflight.metrics import OTHER_POD
 from kv_preflight.predictor.scoring.freshness import BEHIND, CURRENT, STALLED, UNKNOWN
 
+log = logging.getLogger("kvpf.predictor")
+
 MAX_POD_SERIES = 100
+READ_EVERY_S = 1.0  # a scrape starts a new reading of the index when the last is older than this
+SCRAPE_WAITS_S = 0.5  # ... and waits this long for it, else it gets the last one
+KEEP_S = 30.0  # a reading older than this is not shown: a gap in the graphs while Valkey does not answer
 FLEET_STATES = ("live", "unreachable", "retired")
 FRESHNESS_STATES = (CURRENT, BEHIND, STALLED, UNKNOWN)
 
@@ -105,6 +115,48 @@ async def read_index_numbers(index) -> IndexNumbers:
                         blocks=sum(blocks.values()), used_memory_bytes=await index.memory_usage(), pod_blocks=blocks)
 
 
+class IndexReadings:
+    """The index's numbers for ``/metrics``, read behind the scrapes. A scrape starts a reading when the last is
+    older than ``READ_EVERY_S`` and waits for it at most ``SCRAPE_WAITS_S``; otherwise (Valkey slow or down) it
+    gets the last reading, or none once that is older than ``KEEP_S``. So the answer comes within half a second
+    whatever Valkey does (a liveness probe on /metrics must not restart predictors during a Valkey outage), and
+    one reading at a time runs per process, however often it is scraped."""
+
+    def __init__(self, read: Callable[[], Awaitable[IndexNumbers]], timeout_s: float,
+                 on_error: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.read = read
+        self.timeout_s = timeout_s
+        self.on_error = on_error
+        self.clock = clock
+        self.last: IndexNumbers | None = None
+        self.last_at = float("-inf")
+        self._task: asyncio.Task | None = None
+
+    async def latest(self) -> IndexNumbers | None:
+        if self._task is None and self.clock() - self.last_at >= READ_EVERY_S:
+            self._task = asyncio.create_task(self._refresh())
+        if self._task is not None:
+            await asyncio.wait([self._task], timeout=SCRAPE_WAITS_S)
+        return self.last if self.clock() - self.last_at < KEEP_S else None
+
+    async def _refresh(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                numbers = await self.read()
+            self.last, self.last_at = numbers, self.clock()
+        except Exception as exc:  # noqa: BLE001 - Valkey down or slow: counted, the last reading kept a while
+            if self.on_error is not None:
+                self.on_error()
+            log.debug("metrics: reading the index failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._task = None
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 class GaugesCollector(Collector):
     """One reading as metric families (registered in a registry of its own, for one scrape)."""
 
@@ -160,5 +212,5 @@ class GaugesCollector(Collector):
         yield fam
 
 
-__all__ = ["GaugesCollector", "IndexGauges", "IndexNumbers", "fleet_numbers", "memory_share", "pod_series",
+__all__ = ["GaugesCollector", "IndexGauges", "IndexNumbers", "IndexReadings", "fleet_numbers", "memory_share", "pod_series",
            "read_index_numbers"]

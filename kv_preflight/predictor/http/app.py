@@ -24,12 +24,12 @@ from starlette.routing import Route
 
 from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
 from kv_preflight.predictor.http.body import read_json_body
-from kv_preflight.predictor.http.errors import IndexUnavailable, PredictorError, RequestTimeout
+from kv_preflight.predictor.http.errors import PredictorError, RequestTimeout
 from kv_preflight.predictor.explain.handler import explain as explain_request, parse_explain
 from kv_preflight.predictor.http.openapi import openapi_document
 from kv_preflight.predictor.http.request import parse_keyed, parse_request
-from kv_preflight.predictor.index_gauges import fleet_numbers, read_index_numbers
-from kv_preflight.predictor.prediction import Predictor, valkey_call
+from kv_preflight.predictor.index_gauges import IndexReadings, fleet_numbers, read_index_numbers
+from kv_preflight.predictor.prediction import Predictor
 from kv_preflight.predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
 from kv_preflight.predictor.stats import StatsQuery
 from kv_preflight.config import Config
@@ -134,15 +134,11 @@ async def explain(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """The counters, and the fleet and the index in numbers as this worker reads them now
-    (predictor/index_gauges.py); with Valkey down, the index's part is left out of this scrape."""
+    """The counters, and the fleet and the index in numbers as this worker reads them (predictor/index_gauges.py:
+    within half a second whatever Valkey does; with Valkey down a while, the index's part is left out)."""
     predictor: Predictor = request.app.state.predictor
     gauges = fleet_numbers(predictor.fleet)
-    try:
-        async with valkey_call(predictor.valkey_deadline_s * 4, "metrics"):
-            gauges.index = await read_index_numbers(predictor.index)
-    except IndexUnavailable:
-        predictor.metrics.valkey_errors.inc()
+    gauges.index = await request.app.state.index_readings.latest()
     return Response(predictor.metrics.exposition(gauges), media_type=METRICS_CONTENT_TYPE)
 
 
@@ -236,6 +232,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await app.state.index_readings.aclose()
             await predictor.aclose()
 
     middleware = []
@@ -257,5 +254,8 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.predictor = predictor
+    app.state.index_readings = IndexReadings(lambda: read_index_numbers(predictor.index),
+                                             timeout_s=predictor.valkey_deadline_s * 4,
+                                             on_error=predictor.metrics.valkey_errors.inc)
     app.state.openapi = msgspec.json.encode(openapi_document(cfg, auth=bool(keys)))
     return app
