@@ -294,9 +294,9 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
 
 
 def scrape_targets(stack: Stack, predictor: str, engines: list[str]) -> list[tuple[str, str]]:
-    """(process, its /metrics URL) for every process of the stack that serves one: the predictor, each
-    ingester, each engine (a simulated engine's, or a real vLLM's, vllm:* series)."""
-    out = [("predictor", predictor + "/metrics")]
+    """(process, its /metrics URL) for every process of the stack that serves one: the predictor (and its series
+    per pod, /metrics/pods), each ingester, each engine (a simulated engine's, or a real vLLM's, vllm:* series)."""
+    out = [("predictor", predictor + "/metrics"), ("predictor-pods", predictor + "/metrics/pods")]
     out += [(c.name, c.url) for c in stack.children if c.name.startswith("ingester-") and c.url]
     sims = {c.url: c.name for c in stack.children if c.pod}
     out += [(sims.get(url, f"engine-{i}"), url.rstrip("/") + "/metrics") for i, url in enumerate(engines)]
@@ -313,7 +313,7 @@ def write_prometheus_config(data_dir: Path, targets: list[tuple[str, str]]) -> P
     ``prometheus --config.file <data-dir>/prometheus.yml``."""
     jobs: dict[str, list[tuple[str, str]]] = {}
     for name, url in targets:
-        job = "predictor" if name == "predictor" else "ingester" if name.startswith("ingester-") else "engine"
+        job = name if name.startswith("predictor") else "ingester" if name.startswith("ingester-") else "engine"
         jobs.setdefault(job, []).append((name, url))
     lines = ["# written by kv-preflight up for the stack it runs: prometheus --config.file THIS_FILE",
              "global:", "  scrape_interval: 5s", "scrape_configs:"]

@@ -9,8 +9,9 @@ They are read by the worker a scrape lands on (the fleet view it re-reads every 
 pipelined Valkey reads ``/stats`` makes, behind the scrape: ``IndexReadings``, so ``/metrics`` never waits on
 Valkey for long and a liveness probe on it does not follow Valkey), and exposed by a collector of their own,
 not as prometheus-client gauges: under ``serve --workers N`` those live in per-worker files, where the worker a scrape missed would show
-its last values and a pod that left would keep its series. Per-pod series are bounded: the ``MAX_POD_SERIES``
-pods holding the most blocks have their own, the rest are summed under ``pod="_other"``.
+its last values and a pod that left would keep its series. ``/metrics`` has no series per pod (the number of
+pods never adds one there); the per-pod ones (blocks, memory) are on ``/metrics/pods``, bounded: the
+``MAX_POD_SERIES`` pods holding the most blocks have their own, the rest are summed under ``pod="_other"``.
 """
 from __future__ import annotations
 
@@ -126,8 +127,9 @@ class IndexReadings:
                  on_error: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.read = read
         self.timeout_s = timeout_s
-        self.on_error = on_error
+        self.on_error = on_error  # told of each failed reading (not kvpf_valkey_errors: requests' calls only)
         self.clock = clock
+        self.failing = False
         self.last: IndexNumbers | None = None
         self.last_at = float("-inf")
         self._task: asyncio.Task | None = None
@@ -144,10 +146,14 @@ class IndexReadings:
             async with asyncio.timeout(self.timeout_s):
                 numbers = await self.read()
             self.last, self.last_at = numbers, self.clock()
-        except Exception as exc:  # noqa: BLE001 - Valkey down or slow: counted, the last reading kept a while
+            self.failing = False
+        except Exception as exc:  # noqa: BLE001 - Valkey down or slow: the last reading kept a while
             if self.on_error is not None:
                 self.on_error()
-            log.debug("metrics: reading the index failed: %s: %s", type(exc).__name__, exc)
+            if not self.failing:  # once per outage
+                log.warning("metrics: cannot read the index's numbers (%s: %s); /metrics shows the last reading "
+                            "for %.0f s, then leaves them out", type(exc).__name__, exc, KEEP_S)
+            self.failing = True
         finally:
             self._task = None
 
@@ -158,12 +164,17 @@ class IndexReadings:
 
 
 class GaugesCollector(Collector):
-    """One reading as metric families (registered in a registry of its own, for one scrape)."""
+    """One reading as metric families (registered in a registry of its own, for one scrape): the fleet and index
+    totals for /metrics, or (``per_pod``) the series per pod for /metrics/pods."""
 
-    def __init__(self, gauges: IndexGauges):
+    def __init__(self, gauges: IndexGauges, *, per_pod: bool = False):
         self.gauges = gauges
+        self.per_pod = per_pod
 
     def collect(self):
+        if self.per_pod:
+            yield from self._per_pod()
+            return
         g = self.gauges
         fam = GaugeMetricFamily("kvpf_pods", "Pods by fleet state, as the ingesters' records say: live, unreachable "
                                 "(failing health checks, not routed to), retired (entries cleared).", labels=["state"])
@@ -193,6 +204,14 @@ class GaugesCollector(Collector):
                                 "filled, a hand clear or import): their answers are lower bounds.",
                                 value=ix.incomplete_pods)
         yield GaugeMetricFamily("kvpf_index_blocks", "Engine blocks the index holds, all pods.", value=ix.blocks)
+        if ix.used_memory_bytes is not None:
+            yield GaugeMetricFamily("kvpf_valkey_used_memory_bytes", "Valkey's used_memory (summed over a cluster's "
+                                    "primaries).", value=ix.used_memory_bytes)
+
+    def _per_pod(self):
+        ix = self.gauges.index
+        if ix is None:
+            return
         shown = pod_series(ix.pod_blocks)
         fam = GaugeMetricFamily("kvpf_index_pod_blocks", f"Engine blocks the index holds, per pod (the "
                                 f"{MAX_POD_SERIES} pods holding most; the rest summed under pod=\"_other\").",
@@ -202,8 +221,6 @@ class GaugesCollector(Collector):
         yield fam
         if ix.used_memory_bytes is None:
             return
-        yield GaugeMetricFamily("kvpf_valkey_used_memory_bytes", "Valkey's used_memory (summed over a cluster's "
-                                "primaries).", value=ix.used_memory_bytes)
         fam = GaugeMetricFamily("kvpf_index_pod_memory_bytes", "Valkey memory per pod, estimated: used_memory in "
                                 "proportion to the blocks each pod holds (pods as kvpf_index_pod_blocks).",
                                 labels=["pod"])

@@ -5,8 +5,8 @@ The request path only touches pre-resolved label children (a dict hit and an add
 about a microsecond), never ``labels()`` formatting. Label values come from closed
 sets (endpoints, outcomes, reasons) or from configured models, so cardinality stays
 bounded whatever clients send; no metric here has a ``pod`` label, so the number of
-pods in the index (or in a request's ``pods`` filter) never adds a series (the scrape-time per-pod gauges
-of index_gauges.py are capped at their ``MAX_POD_SERIES``).
+pods in the index (or in a request's ``pods`` filter) never adds a series here (the index's series per pod
+are on ``/metrics/pods``, capped at index_gauges.py's ``MAX_POD_SERIES``).
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class PredictorMetrics:
         self._child(self.routes, reason).inc()
 
     def exposition(self, gauges: IndexGauges | None = None) -> bytes:
-        """The counters (every worker's, summed), then this scrape's reading of the fleet and the index."""
+        """The counters (every worker's, summed), then this scrape's reading of the fleet and the index (no series
+        per pod: those are ``pods_exposition``'s)."""
         from kv_preflight.predictor.http.protocols import REFUSED  # this process's connections refused so far
         for limit, n in REFUSED.items():
             was = self._refused_seen.get(limit, 0)
@@ -94,3 +95,10 @@ class PredictorMetrics:
             once.register(GaugesCollector(gauges))
             out += generate_latest(once)
         return out
+
+    @staticmethod
+    def pods_exposition(gauges: IndexGauges) -> bytes:
+        """``/metrics/pods``: the index's series per pod (blocks, memory), bounded (predictor/index_gauges.py)."""
+        once = CollectorRegistry(auto_describe=False)
+        once.register(GaugesCollector(gauges, per_pod=True))
+        return generate_latest(once)

@@ -337,10 +337,10 @@ def test_observability_profile_scrapes_every_process_and_answers_the_dashboard(d
         while True:  # every target of the stack's jobs scraped and up (gpu's are not running here)
             targets = httpx.get(prom + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
             ours = {t["scrapeUrl"]: t["health"] for t in targets if t["labels"]["job"] != "gpu"}
-            if len(ours) == 6 and set(ours.values()) == {"up"} or time.monotonic() > deadline:
+            if len(ours) == 8 and set(ours.values()) == {"up"} or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        assert len(ours) == 6 and set(ours.values()) == {"up"}, ours
+        assert len(ours) == 8 and set(ours.values()) == {"up"}, ours
         dashboard = json.loads((COMPOSE_DIR / "observability" / "grafana" / "kv-preflight.json").read_text())
         queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
         must_answer = {"max by (state) (kvpf_pods)", "max by (pod) (kvpf_index_pod_memory_bytes)",

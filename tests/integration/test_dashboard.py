@@ -72,8 +72,8 @@ def test_every_dashboard_query_reads_metrics_the_processes_export(tmp_path):
                 assert up.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
             text = log.read_text()
-            urls = re.findall(r"(http://127\.0\.0\.1:\d+/metrics)\s+\(\S+\)", text)
-            assert len(urls) == 5, text
+            urls = re.findall(r"(http://127\.0\.0\.1:\d+/metrics(?:/pods)?)\s+\(\S+\)", text)
+            assert len(urls) == 6, text
             names: set[str] = set()
             labels: dict[str, set[str]] = {}
             for url in urls:

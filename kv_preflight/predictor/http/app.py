@@ -142,6 +142,14 @@ async def metrics(request: Request) -> Response:
     return Response(predictor.metrics.exposition(gauges), media_type=METRICS_CONTENT_TYPE)
 
 
+async def metrics_pods(request: Request) -> Response:
+    """The index's series per pod (blocks, memory; the pods holding most), apart from /metrics, which has none."""
+    predictor: Predictor = request.app.state.predictor
+    gauges = fleet_numbers(None)
+    gauges.index = await request.app.state.index_readings.latest()
+    return Response(predictor.metrics.pods_exposition(gauges), media_type=METRICS_CONTENT_TYPE)
+
+
 async def openapi(request: Request) -> Response:
     return Response(request.app.state.openapi, media_type="application/json")
 
@@ -247,6 +255,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             Route("/ready", ready, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/metrics/pods", metrics_pods, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
         middleware=middleware,
@@ -255,7 +264,6 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
     )
     app.state.predictor = predictor
     app.state.index_readings = IndexReadings(lambda: read_index_numbers(predictor.index),
-                                             timeout_s=predictor.valkey_deadline_s * 4,
-                                             on_error=predictor.metrics.valkey_errors.inc)
+                                             timeout_s=predictor.valkey_deadline_s * 4)
     app.state.openapi = msgspec.json.encode(openapi_document(cfg, auth=bool(keys)))
     return app
