@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 import httpx
 
+from kv_preflight.cli.stack_file import engine_and_model
 from kv_preflight.cli.accuracy import Outcome, WorkloadError, load_workload, run_workload, shared_prefix_workload, summarize
 
 
@@ -40,25 +41,32 @@ def print_demo(engine_url: str, predictor_url: str, model: str, requests: list[d
     return s["exact"] == s["requests"]
 
 
+ENGINE_HELP = "Engine to send the workload to (default: the running `up` stack's, else a live engine of the fleet serving --model)."
+PREDICTOR_HELP = "The predictor's base URL (default: the running `up` stack's, else this).  [env KVPF_PREDICTOR_URL]"
+MODEL_HELP = "Model name as the engine serves it (default: the running `up` stack's, else the one model the fleet serves).  [env KVPF_MODEL]"
+
+
 @click.command("demo")
-@click.option("--engine-url", required=True, help="Engine to send the workload to.")
-@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True)
-@click.option("--model", required=True)
+@click.option("--engine-url", default=None, help=ENGINE_HELP)
+@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help=PREDICTOR_HELP)
+@click.option("--model", default=None, help=MODEL_HELP)
 def demo(engine_url, predictor_url, model) -> None:
     """Send a short shared-prefix workload; print predicted vs actual cached tokens per request."""
+    model, engine_url = engine_and_model(model, engine_url, need_engine=True, predictor_url=predictor_url)
     if not print_demo(engine_url, predictor_url, model):
         raise SystemExit(1)
 
 
 @click.command("accuracy")
-@click.option("--engine-url", required=True, help="Engine to send the workload to.")
-@click.option("--predictor-url", required=True)
-@click.option("--model", required=True)
+@click.option("--engine-url", default=None, help=ENGINE_HELP)
+@click.option("--predictor-url", default="http://127.0.0.1:8080", show_default=True, help=PREDICTOR_HELP)
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--workload", "workload_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSON lines, each with one of token_ids, prompt, messages.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and every request as JSON.")
 def accuracy(engine_url, predictor_url, model, workload_path, as_json) -> None:
     """Measure prediction accuracy: exact-match rate and error in tokens over a workload."""
+    model, engine_url = engine_and_model(model, engine_url, need_engine=True, predictor_url=predictor_url)
     try:
         reqs = load_workload(workload_path)
     except ValueError as exc:

@@ -13,7 +13,7 @@ from typing import Any
 import click
 import httpx
 
-from kv_preflight.cli.stack_file import no_stack_hint
+from kv_preflight.cli.stack_file import engine_and_model, no_stack_hint
 
 
 def _json_arg(spec: str, what: str) -> Any:
@@ -85,7 +85,7 @@ def render(doc: dict[str, Any]) -> str:
 
 @click.command("explain")
 @click.option("--predictor-url", "--url", "url", default="http://127.0.0.1:8080", show_default=True, help="The predictor's base URL (default: the running `up` stack's, else this).  [env KVPF_PREDICTOR_URL]")
-@click.option("--model", required=True, help="Model name as the engine serves it (the adapter name for LoRA).")
+@click.option("--model", default=None, help="Model name as the engine serves it (the adapter name for LoRA; default: the running `up` stack's, else the one model the fleet serves).  [env KVPF_MODEL]")
 @click.option("--prompt", default=None, help="The prompt text, or @file.")
 @click.option("--messages", default=None, help="Chat messages as a JSON list, or @file.")
 @click.option("--tokens", default=None, help="Token ids as a JSON list, or @file.")
@@ -99,18 +99,27 @@ def render(doc: dict[str, Any]) -> str:
 def explain(url, model, prompt, messages, tokens, compare_prompt, compare_messages, compare_tokens, pods, api_key,
             timeout, as_json) -> None:
     """Why a prompt would miss the prefix cache (POST /v1/cache/explain on a running predictor)."""
-    body: dict[str, Any] = {"model": model, **_input(prompt, messages, tokens, "")}
-    if len(body) == 1:
+    given = _input(prompt, messages, tokens, "")
+    if not given:
         raise click.UsageError("give one of --prompt, --messages, --tokens")
+    model, _ = engine_and_model(model, None, need_engine=False, predictor_url=url)
+    body: dict[str, Any] = {"model": model, **given}
     compare = _input(compare_prompt, compare_messages, compare_tokens, "compare-")
     if compare:
         body["compare"] = compare
     if pods:
         body["pods"] = list(pods)
+    doc = ask_predictor(url, "/v1/cache/explain", body, api_key, timeout)
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+
+
+def ask_predictor(url: str, path: str, body: dict[str, Any], api_key: str | None, timeout: float) -> dict[str, Any]:
+    """POST ``body`` to a running predictor's ``path``; its JSON answer, or one clear line (ClickException): it
+    cannot be reached (and where its URL came from), answered no JSON, or answered an error."""
     key = api_key or os.environ.get("KVPF_API_KEY")
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        resp = httpx.post(url.rstrip("/") + "/v1/cache/explain", json=body, headers=headers, timeout=timeout)
+        resp = httpx.post(url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise click.ClickException(f"cannot reach the predictor at {url}: {type(exc).__name__}: {exc}"
                                    f"{no_stack_hint('url')}") from None
@@ -120,4 +129,4 @@ def explain(url, model, prompt, messages, tokens, compare_prompt, compare_messag
         raise click.ClickException(f"the predictor answered {resp.status_code} without JSON: {resp.text[:200]}") from None
     if resp.status_code != 200:
         raise click.ClickException(f"the predictor answered {resp.status_code}: {doc.get('error', doc)}")
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+    return doc

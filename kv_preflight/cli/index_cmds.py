@@ -10,9 +10,10 @@ from typing import Any
 import click
 import httpx
 
-from kv_preflight.cli.stack_file import no_stack_hint
+from kv_preflight.cli.stack_file import engine_and_model, no_stack_hint
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.layout import LAYOUT_KEY, LAYOUT_VERSION
 from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.migrate import migrate as migrate_layout
@@ -54,11 +55,12 @@ def _emit(as_json: bool, data: Any, human) -> None:
 
 
 def _config(**flags) -> Config:
-    """Config.load with a bad value (flag or KVPF_*) as one clear line."""
+    """Config.load with a bad value (flag or KVPF_*) as one clear line, naming the variable it came from."""
     try:
         return Config.load(**flags)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        hint = no_stack_hint("valkey_url") if str(exc).startswith("valkey_url") else ""
+        raise click.UsageError(f"{exc}{hint}") from None
 
 
 def _index(valkey_url: str | None) -> Index:
@@ -102,36 +104,69 @@ def _pod_row(p, now: float) -> dict[str, Any]:
     return {**pod_stats(p, now), "seq": dict(sorted(p.seqs.items())), "orphan_keys": p.orphan_keys}
 
 
+# What `index stats` counts, said beside the figures (its JSON names them as GET /stats does: docs/api.md)
+EVENTS_NOTE = ("batches, stored, removed, cleared: what the engines' events did since each pod was first indexed "
+               "(a block evicted and stored again is stored twice; a second copy of a held block counts too), so "
+               "stored - removed exceeds blocks, the engine blocks held now, by the copies and what clears and "
+               "restarts dropped")
+INDEX_COUNTERS_NOTE = ("index-wide counters (kvpf:counters): events skipped or refused, never applied ones: "
+                       "decode_errors, corrupt_batches, foreign_keys, apply_errors, frames_refused, "
+                       "placeholder_events, data_losses")
+
+
+def summary_of(rows: list[dict]) -> dict[str, Any]:
+    """The /stats ``summary`` over pod rows: pods, incomplete pods, models, blocks, event counters."""
+    from kv_preflight.predictor.stats import EVENT_COUNTERS
+
+    indexed = [r for r in rows if r.get("last_seq") or r.get("blocks") or r.get("counters")]
+    return {"pods": len(indexed), "incomplete_pods": sum(1 for r in indexed if r["incomplete"]),
+            "models": len({r["model"] for r in indexed if r["model"]}),
+            "blocks": sum(r["blocks"] for r in indexed),
+            "counters": {c: sum((r.get("counters") or {}).get(c, 0) for r in indexed) for c in EVENT_COUNTERS}}
+
+
 @index_group.command()
 @valkey_opt
+@click.option("--pod", "pod_id", default=None, help="Only this pod, as GET /stats?pod=NAME (an unknown pod is an error).")
 @json_opt
-def stats(valkey_url, as_json) -> None:
-    """Keys, memory, and per pod: blocks, seq, last event age, incomplete flags."""
+def stats(valkey_url, pod_id, as_json) -> None:
+    """Keys, memory, events applied and faults counted; per pod: blocks held, events applied, seq, last event
+    age, fleet state, incomplete flag."""
     async def go():
         ix = await _open(valkey_url)
         try:
             now = time.time()
             keys, counters = await ix.key_count(), await ix.meta.counters()
-            # /stats's names (index_keys, index_counters); keys and counters are the old aliases
-            rows = _with_fleet([_pod_row(p, now) for p in await ix.meta.pods()], await ix.fleet.fleet_view())
-            return {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(),
-                    "pods": rows, "index_counters": counters,
-                    "keys": keys, "counters": counters}
+            infos = await ix.meta.pods()
+            view = await ix.fleet.fleet_view()
+            if pod_id is not None:
+                _unknown_pods([pod_id], {i.pod_id for i in infos} | set(view.pods))
+            rows = _with_fleet([_pod_row(p, now) for p in infos], view)
+            out = {"index_keys": keys, "used_memory_bytes": await ix.memory_usage(), "summary": summary_of(rows),
+                   "pods": [r for r in rows if pod_id is None or r["pod_id"] == pod_id], "index_counters": counters,
+                   "keys": keys, "counters": counters}  # /stats's names (index_keys, index_counters); keys and
+            return out                                  # counters are the old aliases
         finally:
             await ix.close()
 
     def human(d):
+        s = d["summary"]
+        c = s["counters"]
+        click.echo(f"keys: {d['keys']}   memory: {d['used_memory_bytes']} bytes   pods indexed: {s['pods']} "
+                   f"({s['incomplete_pods']} incomplete)   blocks held: {s['blocks']}")
+        click.echo(f"events applied, all pods: {c['batches']} batches, {c['stored']} blocks stored, {c['removed']} "
+                   f"removed, {c['cleared']} cleared")
         counted = ", ".join(f"{k} {v}" for k, v in sorted(d["counters"].items()))
-        click.echo(f"keys: {d['keys']}   memory: {d['used_memory_bytes']} bytes   index counters: "
-                   f"{counted or 'none yet (counted as events are applied)'}")
+        click.echo(f"skipped or refused (index-wide): {counted or 'none'}")
         _pods_table(d["pods"])
 
     _emit(as_json, _run(go()), human)
 
 
-POD_COLUMNS = ("block: the engine's KV block size in tokens; blocks: engine blocks indexed; seq: last seq applied per "
-               "rank; age s: since its last event; fleet: its record (live, unreachable, retired); index: ok (exact) "
-               "or INCOMPLETE and why")
+POD_COLUMNS = ("block: the engine's KV block size in tokens; blocks: engine blocks held now; stored, removed: " +
+               EVENTS_NOTE.split(": ", 1)[1] + "; seq: last seq applied per rank; age s: since its last event; "
+               "fleet: its record (live, unreachable, retired); index: ok (exact) or INCOMPLETE and why. " +
+               INDEX_COUNTERS_NOTE[0].upper() + INDEX_COUNTERS_NOTE[1:])
 
 
 def _pods_table(pods: list[dict]) -> None:
@@ -139,14 +174,16 @@ def _pods_table(pods: list[dict]) -> None:
         click.echo("no pods in the index or the fleet records yet (an ingester reports its engines' pods within "
                    "seconds: `kv-preflight index ingesters`)")
         return
-    click.echo(f"{'pod':<20} {'model':<24} {'block':>5} {'blocks':>8} {'seq':>10} {'age s':>8}  {'fleet':<26} index")
+    click.echo(f"{'pod':<20} {'model':<24} {'block':>5} {'blocks':>8} {'stored':>8} {'removed':>8} {'seq':>10} "
+               f"{'age s':>8}  {'fleet':<26} index")
     for p in pods:
+        counted = p.get("counters") or {}
         seq = ",".join(f"{r}:{s}" for r, s in sorted(p["seq"].items())) or "-"
         state = "INCOMPLETE: " + p["incomplete_reason"] if p["incomplete"] else "ok"
         if p.get("orphan_keys") != 0:  # the lookup walks this pod rather than bisecting it
             state += f" (orphan keys: {'unknown' if p.get('orphan_keys') is None else p['orphan_keys']})"
         click.echo(f"{p['pod_id']:<20} {p['model'] or '-':<24} {p['engine_block_size'] or '-':>5} {p['blocks']:>8} "
-                   f"{seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  "
+                   f"{counted.get('stored', 0):>8} {counted.get('removed', 0):>8} {seq:>10} {p['last_event_age_s'] if p['last_event_age_s'] is not None else '-':>8}  "
                    f"{_fleet_cell(p.get('fleet')):<26} {state}")
     click.echo(f"\n({POD_COLUMNS})")
 
@@ -233,10 +270,10 @@ def ingesters(valkey_url, as_json) -> None:
 
 @index_group.command()
 @valkey_opt
-@click.option("--model", required=True)
+@click.option("--model", default=None, help="Model name as llm-d hashes it (default: the running `up` stack's, else the one model the fleet serves).  [env KVPF_MODEL]")
 @click.option("--tokens", "tokens_spec", default=None, help="JSON list of token ids, or @file.")
 @click.option("--prompt", default=None, help="Text, tokenized by --engine-url.")
-@click.option("--engine-url", default=None, help="Engine to tokenize --prompt with.")
+@click.option("--engine-url", default=None, help="Engine to tokenize --prompt with (default: the running `up` stack's, else a live engine of the fleet serving --model).")
 @click.option("--hash-seed", default=None)
 @click.option("--block-size", default=None, type=click.IntRange(min=1))
 @click.option("--group-spec", "group_specs", multiple=True, help="MODEL:GROUP=KIND[/chunk=N]...: a hybrid model's KV cache group the events do not describe (as serve --group-spec).")
@@ -250,9 +287,9 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
 
     if (tokens_spec is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens or --prompt")
+    model, engine_url = engine_and_model(model, engine_url, need_engine=prompt is not None,
+                                         valkey_url=_config(valkey_url=valkey_url).valkey_url)
     if prompt is not None:
-        if not engine_url:
-            raise click.UsageError("--prompt needs --engine-url to tokenize it")
         try:
             adapter = engine(DEFAULT)  # --engine-url names an engine of the default family
             r = httpx.post(engine_url.rstrip("/") + adapter.tokenize_path, json=adapter.tokenize_body(model, prompt=prompt),
@@ -550,25 +587,57 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
 __all__ = ["index_group", "sys"]
 
 
-@index_group.command()
-@valkey_opt
-@json_opt
-def migrate(valkey_url, as_json) -> None:
-    """Move an index of layout 1 (kv-preflight 0.1) or 2 to layout 3, pod by pod.
+MIGRATE_HELP = f"""Move an index of layout 1 (kv-preflight 0.1), 2 or 3 to layout {LAYOUT_VERSION}, pod by pod.
 
-    Layout 3 adds the presence bitmaps the lookup reads (one per request key and tier). Stop the old
-    ingesters first (they write the old layout). Request keys and engine keys do not change, so an
-    llm-d scheduler on the same Valkey sees nothing happen. Safe to run again if interrupted.
+    Stop every ingester of the index first: it refuses to run while one holds a live lease (--force runs it
+    anyway). Request keys and engine keys do not change, so an llm-d scheduler on the same Valkey sees
+    nothing happen. Safe to run again if interrupted; on an index already of layout {LAYOUT_VERSION} it does
+    nothing.
     """
+
+
+@index_group.command(help=MIGRATE_HELP)
+@valkey_opt
+@click.option("--force", is_flag=True, help="Run although ingesters hold live leases on the index (they would go on writing the old layout beside the new one).")
+@json_opt
+def migrate(valkey_url, force, as_json) -> None:
     async def go():
         ix = _index(valkey_url)
         try:
+            found = await ix.client.hget(LAYOUT_KEY, "version")
+            version = found.decode() if isinstance(found, bytes) else found
+            if version == LAYOUT_VERSION:
+                return {"pods": 0, "blocks": 0, "keys": 0}, True
+            live = await _live_ingesters(ix)
+            if live and not force:
+                raise click.ClickException(
+                    f"{len(live)} ingester(s) hold a live lease on this index ({', '.join(live[:5])}"
+                    f"{' ...' if len(live) > 5 else ''}): stop them first (they write layout {version or '1'}), "
+                    "or give --force")
+
             def progress(pod: str, n: int) -> None:
                 click.echo(f"  {pod}: {n} done", err=True)
-            return await migrate_layout(ix.client, progress=progress)
+            return await migrate_layout(ix.client, progress=progress), False
         finally:
             await ix.close()
 
-    done = _run(go())
-    _emit(as_json, done, lambda d: click.echo(f"migrated {d['pods']} layout-1 pod(s), {d['blocks']} block(s); "
-                                                    f"bitmaps for {d['keys']} request key(s): layout 3"))
+    done, already = _run(go())
+
+    def human(d):
+        if already:
+            click.echo(f"this index is already of layout {LAYOUT_VERSION}: nothing to migrate")
+            return
+        click.echo(f"migrated {d['pods']} pod(s), {d['blocks']} block(s); presence for {d['keys']} request "
+                   f"key(s): layout {LAYOUT_VERSION}")
+
+    _emit(as_json, done, human)
+
+
+async def _live_ingesters(ix: Index) -> list[str]:
+    """The ingesters whose lease on the index has not expired; [] when the leases cannot be read (an old
+    layout's records)."""
+    try:
+        view = await ix.fleet.fleet_view()
+    except Exception:  # a record of another layout's form: the layout check is the user's word then
+        return []
+    return sorted(i for i, lease in view.ingesters.items() if lease.expires_ms > view.now_ms)

@@ -31,8 +31,9 @@ def cli(ctx: click.Context) -> None:
     """Predict prefix-cache hits of LLM engines from their KV-cache events.
 
     Every command but up, bench, simulate, keys and calibrate reaches the stack a running `kv-preflight up`
-    started with no flags: its Valkey and predictor URLs are read from <data-dir>/env (KVPF_DATA_DIR, else
-    ./.data) below flags and KVPF_* variables (docs/operations.md#the-local-stack-scriptsup).
+    started with no flags: its Valkey and predictor URLs, its model and engines are read from <data-dir>/env
+    (KVPF_DATA_DIR, else ./.data) below flags and KVPF_* variables; with no such stack, a command that needs
+    a model or an engine takes them from the fleet records (docs/usage.md#the-local-stack-scriptsup).
     """
     if ctx.invoked_subcommand not in OWN_STACK and not ctx.resilient_parsing:
         from kv_preflight.cli.stack_file import apply_defaults
@@ -123,7 +124,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           pod_id=pod_id, max_sources=max_sources, kv_cache_report_mode=kv_cache_report_mode,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(config_error(exc)) from None
     if not (cfg.sources or cfg.binds or cfg.engines or cfg.engines_from or cfg.registered_engines):
         raise click.UsageError("give at least one --source, --bind, --engine or --engines-from")
     sys.exit(run(cfg))
@@ -197,7 +198,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         )
         check_serve_files(cfg)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(config_error(exc)) from None
     import asyncio
 
     from kv_preflight.predictor.settings import SettingsMismatch, check_settings
@@ -207,6 +208,14 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
     except SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from None
     run_server(cfg, workers=workers)
+
+
+def config_error(exc: ValueError) -> str:
+    """A bad setting's message; a bad Valkey URL also says where it came from (flag, KVPF_VALKEY_URL, the
+    running stack's env file)."""
+    from kv_preflight.cli.stack_file import no_stack_hint
+
+    return f"{exc}{no_stack_hint('valkey_url') if str(exc).startswith('valkey_url') else ''}"
 
 
 def check_serve_files(cfg: Config) -> None:
@@ -236,6 +245,7 @@ from kv_preflight.cli.tokenizer_cmds import tokenizer_group  # noqa: E402
 from kv_preflight.cli.up import up  # noqa: E402
 from kv_preflight.cli.diagnose import diagnose_group  # noqa: E402
 from kv_preflight.cli.explain_cmd import explain  # noqa: E402
+from kv_preflight.cli.predict_cmd import predict, route  # noqa: E402
 
 cli.add_command(index_group)
 cli.add_command(tokenizer_group)
@@ -244,6 +254,8 @@ cli.add_command(up)
 cli.add_command(demo)
 cli.add_command(accuracy)
 cli.add_command(explain)
+cli.add_command(predict)
+cli.add_command(route)
 cli.add_command(diagnose_group)
 
 
@@ -255,10 +267,10 @@ cli.add_command(bench)
 @cli.command()
 @click.option("--pod", required=True, help="Pod name: the topic is kv@POD@MODEL.")
 @click.option("--model", required=True, help="Served model name.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Listen address, HTTP and events alike: a wildcard --zmq or --replay endpoint (tcp://*:PORT) binds on it (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="HTTP port.")
-@click.option("--zmq", "zmq_endpoint", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint; binds when it holds '*', connects otherwise (as vLLM).")
-@click.option("--replay", "replay_endpoint", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint (bound); 'none' disables replay.")
+@click.option("--zmq", "zmq_endpoint", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint; binds when it holds '*' (on --host), connects otherwise (as vLLM).")
+@click.option("--replay", "replay_endpoint", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint (bound; '*' on --host); 'none' disables replay.")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Tokens per engine KV block.")
 @click.option("--blocks", default=256, show_default=True, type=click.IntRange(min=2), help="KV blocks in the pool, including vLLM's reserved null block.")
 @click.option("--max-model-len", default=512, show_default=True, type=click.IntRange(min=2), help="Context length (prompt + output).")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import click
@@ -57,8 +58,8 @@ def tokenizer_group() -> None:
 
 
 @tokenizer_group.command("check")
-@click.option("--model", required=True, help="Model name as the engine serves it.")
-@click.option("--engine-url", required=True, help="The engine: http://HOST:PORT (its /tokenize is the reference).")
+@click.option("--model", default=None, help="Model name as the engine serves it (default: the running `up` stack's, else the one model the fleet serves).  [env KVPF_MODEL]")
+@click.option("--engine-url", default=None, help="The engine: http://HOST:PORT (its /tokenize is the reference; default: the running `up` stack's, else a live engine of the fleet serving --model).")
 @click.option("--tokenizer-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Directory with tokenizer.json + tokenizer_config.json (default: the engine's model root, if local).")
 @click.option("--samples", "samples_path", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -71,6 +72,11 @@ def check(model, engine_url, tokenizer_dir, samples_path, no_builtin, timeout, a
 
     Exit status: 0 identical, 1 some sample differs, 2 the engine could not be asked.
     """
+    from kv_preflight.cli.stack_file import engine_and_model
+
+    model, engine_url = engine_and_model(model, engine_url, need_engine=True,
+                                         predictor_url=os.environ.get("KVPF_PREDICTOR_URL"),
+                                         valkey_url=os.environ.get("KVPF_VALKEY_URL"))
     if not engine_url.startswith(("http://", "https://")):
         raise click.BadParameter(f"--engine-url {engine_url!r} needs a scheme: http://HOST:PORT")
     try:

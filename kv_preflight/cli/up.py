@@ -1,8 +1,10 @@
 """``kv-preflight up``: the whole local stack in one command, stopped cleanly by Ctrl-C.
 
 Starts a private valkey-server on loopback (AOF under ./.data), simulated engines unless real
-ones are given, ingesters, and the predictor. Each child is a real ``kv-preflight`` process with
-its log under .data/logs, so what runs here is what runs in production.
+ones are given, ingesters (each with its Prometheus /metrics), and the predictor. Each child is a real
+``kv-preflight`` process with its log under .data/logs, so what runs here is what runs in production; a
+simulated engine that dies is an engine failure the stack lives through, as production would
+(``EngineFailures``), any other child's exit stops the stack.
 
 Every child, Valkey included, ends when ``up`` dies, whatever kills it: on Linux the kernel sends it
 SIGTERM (PR_SET_PDEATHSIG, armed between fork and exec; kv_preflight/parent_death.py says why that and not a
@@ -43,6 +45,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path
+    pod: str = ""  # a simulated engine's pod: its exit is an engine failure the stack lives through
+    url: str = ""  # its HTTP URL (a simulated engine), or its /metrics (an ingester)
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Stack:
     valkey: ValkeyServer | ValkeyCluster | None = None
     stopping: bool = False
 
-    def spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, args: list[str], *, pod: str = "", url: str = "") -> Child:
         log_dir = self.data_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"{name}.log"
@@ -64,7 +68,7 @@ class Stack:
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
                                     preexec_fn=parent_death.preexec())
-        child = Child(name, proc, log)
+        child = Child(name, proc, log, pod, url)
         self.children.append(child)
         return child
 
@@ -164,7 +168,16 @@ def last_error(log: Path) -> str:
 
 
 def exited(child: Child) -> str:
-    return f"{child.name} exited ({child.proc.returncode}): {last_error(child.log)}  (log: {child.log})"
+    """Why a child stopped: the signal that killed it (its log's last error is then no cause: a start-up line,
+    at best), else its exit status and its log's last error line."""
+    rc = child.proc.returncode
+    if rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"{child.name} was killed by {name}  (log: {child.log})"
+    return f"{child.name} exited ({rc}): {last_error(child.log)}  (log: {child.log})"
 
 
 def descendants(pid: int) -> set[int]:
@@ -251,9 +264,11 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
     to fail (it did, in CI, beside other tests drawing ports)."""
     def spawn(i: int) -> tuple[Child, str]:
         http, zp, rp = draw(), draw(), draw()
+        url = f"http://127.0.0.1:{http}"
         child = stack.spawn(f"engine-sim-{i}", ["simulate", "--pod", f"sim-{i}", "--port", str(http),
-                                                "--zmq", f"tcp://*:{zp}", "--replay", f"tcp://*:{rp}", *args])
-        return child, f"http://127.0.0.1:{http}"
+                                                "--zmq", f"tcp://*:{zp}", "--replay", f"tcp://*:{rp}", *args],
+                            pod=f"sim-{i}", url=url)
+        return child, url
 
     sims = [spawn(i) for i in range(count)]
     tries = [1] * count
@@ -278,6 +293,98 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
     return [url for _, url in sims]
 
 
+def scrape_targets(stack: Stack, predictor: str, engines: list[str]) -> list[tuple[str, str]]:
+    """(process, its /metrics URL) for every process of the stack that serves one: the predictor (and its series
+    per pod, /metrics/pods), each ingester, each engine (a simulated engine's, or a real vLLM's, vllm:* series)."""
+    out = [("predictor", predictor + "/metrics"), ("predictor-pods", predictor + "/metrics/pods")]
+    out += [(c.name, c.url) for c in stack.children if c.name.startswith("ingester-") and c.url]
+    sims = {c.url: c.name for c in stack.children if c.pod}
+    out += [(sims.get(url, f"engine-{i}"), url.rstrip("/") + "/metrics") for i, url in enumerate(engines)]
+    return out
+
+
+def metrics_lines(targets: list[tuple[str, str]]) -> str:
+    return "\n             ".join(f"{url}   ({name})" for name, url in targets)
+
+
+def write_prometheus_config(data_dir: Path, targets: list[tuple[str, str]]) -> Path:
+    """``<data-dir>/prometheus.yml``: a scrape config for every process of the stack, jobs named as the
+    compose stack's (compose/observability/prometheus.yml), so its dashboard reads this stack too:
+    ``prometheus --config.file <data-dir>/prometheus.yml``."""
+    jobs: dict[str, list[tuple[str, str]]] = {}
+    for name, url in targets:
+        job = name if name.startswith("predictor") else "ingester" if name.startswith("ingester-") else "engine"
+        jobs.setdefault(job, []).append((name, url))
+    lines = ["# written by kv-preflight up for the stack it runs: prometheus --config.file THIS_FILE",
+             "global:", "  scrape_interval: 5s", "scrape_configs:"]
+    for job, members in jobs.items():
+        lines += [f"  - job_name: {job}", "    static_configs:"]
+        for name, url in members:
+            u = httpx.URL(url)
+            lines += [f"      - targets: ['{u.host}:{u.port}']", f"        labels: {{process: {name}}}"]
+        lines.append(f"    metrics_path: {httpx.URL(members[0][1]).path}")
+    path = data_dir / "prometheus.yml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class EngineFailures:
+    """A simulated engine that exits under ``up`` is an engine failure, not the stack's: said at once, then the
+    fleet followed as production follows it (ingesters find the engine unreachable after their failed health
+    checks and stop offering it; past ``ingest --retire-after`` its pod is retired, its entries cleared), each
+    step printed as the fleet records show it."""
+
+    def __init__(self, valkey_url: str, engines: int, every_s: float = 1.0):
+        self.valkey_url = valkey_url
+        self.left = engines
+        self.every_s = every_s
+        self.watching: dict[str, str] = {}  # pod -> the state last printed
+        self._next = 0.0
+
+    def lost(self, child: Child) -> None:
+        self.left -= 1
+        retire = os.environ.get("KVPF_RETIRE_AFTER") or os.environ.get("KVPF_RETIRE_AFTER_S") or "60"
+        click.echo(click.style("engine failure: ", fg="yellow") + f"{exited(child)}. The stack stays up "
+                   f"({self.left} engine(s) left): the ingesters will find {child.url} unreachable after "
+                   f"{os.environ.get('KVPF_HEALTH_FAILURES') or 3} failed health checks, stop routing to pod "
+                   f"{child.pod}, and retire it after {retire} s (its entries cleared; KVPF_RETIRE_AFTER sets that). "
+                   f"`kv-preflight index pods` shows it.")
+        self.watching[child.pod] = "live"
+
+    def follow(self) -> None:
+        """Print each watched pod's new fleet state (at most once a second; Valkey busy: asked again later)."""
+        if not self.watching or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.every_s
+        try:
+            records = asyncio.run(asyncio.wait_for(self._records(), timeout=5))
+        except Exception:
+            return
+        for pod, was in list(self.watching.items()):
+            rec = records.get(pod)
+            state = rec.state if rec is not None else "gone"
+            if state == was:
+                continue
+            self.watching[pod] = state
+            why = f" ({rec.reason})" if rec is not None and rec.reason else ""
+            if state == "unreachable":
+                click.echo(f"      {pod}: unreachable{why}: not routed to, its blocks still listed until it is retired")
+            elif state in ("retired", "gone"):
+                click.echo(f"      {pod}: retired{why}: its entries are cleared and it is no longer offered")
+                del self.watching[pod]
+            elif state == "live":
+                click.echo(f"      {pod}: live again")
+
+    async def _records(self) -> dict:
+        from kv_preflight.index.index import Index
+
+        ix = Index.from_url(self.valkey_url)
+        try:
+            return (await ix.fleet.fleet_view()).pods
+        finally:
+            await ix.close()
+
+
 def step(i: int, n: int, text: str) -> None:
     click.echo(click.style(f"[{i}/{n}] ", fg="cyan") + text)
 
@@ -295,14 +402,18 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
 @click.option("--sim-block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Engine block size of the simulated engines.")
 @click.option("--sim-blocks", default=512, show_default=True, type=click.IntRange(min=2), help="KV blocks per simulated engine.")
+@click.option("--sim-max-model-len", default=4096, show_default=True, type=click.IntRange(min=2), help="Context length of the simulated engines, prompt and output (their tokenizer takes a token per byte: examples/workload.jsonl needs 1,515).")
 @click.option("--demo", is_flag=True, help="Once up, send a short shared-prefix workload and print predicted vs actual.")
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
 @click.option("--fresh", is_flag=True, help="Start from an empty index: remove the Valkey data (AOF) and logs an earlier up left in --data-dir.")
 def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
-       sim_blocks, demo, exit_after_demo, fresh=False, **serve_options) -> None:
+       sim_blocks, demo, exit_after_demo, fresh=False, sim_max_model_len=4096, **serve_options) -> None:
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together.
 
-    Once ready it writes <data-dir>/env (KVPF_VALKEY_URL, KVPF_PREDICTOR_URL) which every other command
+    Every process listens on 127.0.0.1; the banner lists each one's Prometheus /metrics, and
+    <data-dir>/prometheus.yml scrapes them all. A simulated engine that dies (kill it to try an engine
+    failure) leaves the stack up: its pod goes unreachable, then is retired (ingest --retire-after,
+    KVPF_RETIRE_AFTER), each step printed. Once ready it writes <data-dir>/env (KVPF_VALKEY_URL, KVPF_PREDICTOR_URL) which every other command
     run from here reads (with the default --data-dir; else it prints the KVPF_DATA_DIR to export), and holds <data-dir>/up.lock so no second up shares the directory.
     """
     stack = Stack(data_dir)
@@ -362,17 +473,23 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         if engine_list:
             step(2, n, f"using {len(engine_list)} engine(s): {', '.join(engine_list)}")
         else:
-            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} blocks) ...")
+            step(2, n, f"starting {sim_engines} simulated engine(s) (model {model}, block {sim_block_size}, {sim_blocks} "
+                       f"blocks, context {sim_max_model_len}) ...")
             engine_list = start_sims(stack, sim_engines, ["--model", model, "--block-size", str(sim_block_size),
-                                                          "--blocks", str(sim_blocks)])
+                                                          "--blocks", str(sim_blocks),
+                                                          "--max-model-len", str(sim_max_model_len)])
             for url in engine_list:
                 click.echo(f"      engine: {url}")
         step(3, n, f"starting {ingesters} ingester(s) ...")
         for i in range(ingesters):
-            args = ["ingest", "--valkey-url", valkey_url, "--ingester-id", f"up-ingester-{i}"]
+            # each with its Prometheus /metrics on loopback, as every process of the stack (their lag, events,
+            # gaps and replays; the predictor's are on its own port)
+            mport = free_port()
+            args = ["ingest", "--valkey-url", valkey_url, "--ingester-id", f"up-ingester-{i}",
+                    "--metrics-port", str(mport), "--metrics-host", "127.0.0.1"]
             for url in engine_list:
                 args += ["--engine", url]
-            stack.spawn(f"ingester-{i}", args)
+            stack.spawn(f"ingester-{i}", args, url=f"http://127.0.0.1:{mport}/metrics")
         urls = list(engine_urls)
         if not urls:
             models = _served_models(engine_list[0]) or [model]
@@ -389,7 +506,13 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         if not engine_urls:
             _wait_fleet(valkey_url, engine_list, stack)
         served_model = urls[0].split("=", 1)[0]
-        env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor})
+        metrics = scrape_targets(stack, predictor, engine_list)
+        prometheus_file = write_prometheus_config(data_dir, metrics)
+        env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor,
+                                               stack_file.MODEL: served_model,
+                                               stack_file.STACK_ENGINES: ",".join(engine_list),
+                                               **{f"{stack_file.STACK_ENGINES[:-1]}_{i}": url
+                                                  for i, url in enumerate(engine_list)}})
         step(5, n, click.style("ready", fg="green"))
         cli_path = Path(sys.executable).parent / "kv-preflight"
         cli_hint = str(cli_path) if cli_path.exists() else "kv-preflight"
@@ -397,6 +520,8 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
   predictor  {predictor}   (GET /health, GET /ready, GET /stats, POST /v1/cache/predict)
   valkey     {valkey_url.split('@')[-1]}
   engines    {' '.join(engine_list)}
+  metrics    {metrics_lines(metrics)}
+             (a Prometheus scrape config for them all: {prometheus_file}; a dashboard: compose/observability/)
   logs       {data_dir / 'logs'}/
   env        {stack_file.banner_env_line(data_dir, env_file)}
 
@@ -422,12 +547,17 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                 rc = 0 if ok else 1
                 return
         click.echo("Ctrl-C stops everything.")
+        failures = EngineFailures(valkey_url, len(engine_list))
         while True:
             dead = stack.check()
-            if dead:
+            if dead is not None and dead.pod:  # an engine failed: the stack lives on, as production would
+                stack.children.remove(dead)
+                failures.lost(dead)
+            elif dead is not None:
                 click.echo(f"Error: {exited(dead)}. Stopping.", err=True)
                 rc = 1
                 return
+            failures.follow()
             time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo("\nstopping ...")

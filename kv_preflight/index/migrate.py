@@ -67,9 +67,14 @@ def parse_v3_block(bk: str, held: str, fields: dict[str, str]) -> tuple[StoreBlo
 async def migrate(client, *, chunk: int = 500, progress: Progress | None = None) -> dict[str, int]:
     """Move an index of layout 1, 2 or 3 to layout 4; returns counts. ``client`` is a redis-py asyncio client
     (single node or cluster)."""
+    done = {"pods": 0, "blocks": 0, "keys": 0}
+    found = await client.hget(LAYOUT_KEY, "version")
+    if found is not None and text(found) == LAYOUT_VERSION:
+        # already this layout: step 2 would delete every live presence hash and rebuild none (no pod has an old
+        # reverse index to read), so every lookup would miss
+        return done
     pods = {text(k): text(v) for k, v in (await client.hgetall(PODS_KEY)).items()}
     v1 = {text(k): text(v) for k, v in (await client.hgetall(V1_PODS_KEY)).items()}
-    done = {"pods": 0, "blocks": 0, "keys": 0}
     states: dict[str, PodState] = {}
     for pod in sorted(set(pods) | set(v1)):
         state = await _read_pod(client, pod, pod in v1 and pod not in pods, chunk)

@@ -1,16 +1,19 @@
-"""The predictor's Prometheus metrics: latency, outcomes, tokenization source, Valkey errors, routes.
+"""The predictor's Prometheus metrics: latency, outcomes, answers by freshness, tokenization source, Valkey
+errors, routes; and, read at each scrape, the fleet and the index in numbers (predictor/index_gauges.py).
 
 The request path only touches pre-resolved label children (a dict hit and an add,
 about a microsecond), never ``labels()`` formatting. Label values come from closed
 sets (endpoints, outcomes, reasons) or from configured models, so cardinality stays
 bounded whatever clients send; no metric here has a ``pod`` label, so the number of
-pods in the index (or in a request's ``pods`` filter) never adds a series.
+pods in the index (or in a request's ``pods`` filter) never adds a series here (the index's series per pod
+are on ``/metrics/pods``, capped at index_gauges.py's ``MAX_POD_SERIES``).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kv_preflight.metrics import LATENCY_BUCKETS, exposition
+from kv_preflight.predictor.index_gauges import GaugesCollector, IndexGauges
 
 
 class PredictorMetrics:
@@ -27,6 +30,9 @@ class PredictorMetrics:
         self.partial_answers = Counter("kvpf_partial_answers", "Predictions answered while a Valkey Cluster shard "
                                        "did not answer (counts are lower bounds).", registry=r)
         self.routes = Counter("kvpf_route_decisions", "Route decisions by reason.", ["reason"], registry=r)
+        self.answers = Counter("kvpf_answers", "Predict, route and explain answers by the freshness state of the "
+                               "index behind them: exact, degraded (a pod behind, stalled or incomplete), partial "
+                               "(a cluster shard did not answer).", ["endpoint", "freshness"], registry=r)
         self.unauthorized = Counter("kvpf_unauthorized_requests", "Requests refused for a missing or wrong API key.",
                                     registry=r)
         self.client_disconnects = Counter("kvpf_predictor_client_disconnects", "Requests whose client went away "
@@ -65,17 +71,34 @@ class PredictorMetrics:
                     metric.inc(is_ - was)
             self._index_seen = now
 
+    def answered(self, endpoint: str, freshness: str) -> None:
+        self._child(self.answers, endpoint, freshness).inc()
+
     def tokenized(self, model: str, source: str) -> None:
         self._child(self.tokenizations, model, source).inc()
 
     def route(self, reason: str) -> None:
         self._child(self.routes, reason).inc()
 
-    def exposition(self) -> bytes:
+    def exposition(self, gauges: IndexGauges | None = None) -> bytes:
+        """The counters (every worker's, summed), then this scrape's reading of the fleet and the index (no series
+        per pod: those are ``pods_exposition``'s)."""
         from kv_preflight.predictor.http.protocols import REFUSED  # this process's connections refused so far
         for limit, n in REFUSED.items():
             was = self._refused_seen.get(limit, 0)
             if n > was:
                 self._child(self.connections_refused, limit).inc(n - was)
                 self._refused_seen[limit] = n
-        return exposition(self.registry)
+        out = exposition(self.registry)
+        if gauges is not None:
+            once = CollectorRegistry(auto_describe=False)
+            once.register(GaugesCollector(gauges))
+            out += generate_latest(once)
+        return out
+
+    @staticmethod
+    def pods_exposition(gauges: IndexGauges) -> bytes:
+        """``/metrics/pods``: the index's series per pod (blocks, memory), bounded (predictor/index_gauges.py)."""
+        once = CollectorRegistry(auto_describe=False)
+        once.register(GaugesCollector(gauges, per_pod=True))
+        return generate_latest(once)

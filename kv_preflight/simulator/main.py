@@ -33,7 +33,10 @@ def build_app(cfg: SimulatorConfig, *, open_sockets: bool = False) -> Starlette:
     for rank in range(cfg.dp_size):
         publisher = EventPublisher(cfg.rank_endpoint(cfg.zmq_endpoint, rank) or cfg.zmq_endpoint,
                                    cfg.rank_endpoint(cfg.replay_endpoint, rank), cfg.topic,
-                                   buffer_steps=cfg.buffer_steps, data_parallel_rank=rank)
+                                   buffer_steps=cfg.buffer_steps, data_parallel_rank=rank,
+                                   # a wildcard endpoint binds on --host: `up`'s engines listen on loopback like
+                                   # the rest of its stack
+                                   bind_host=cfg.host)
         cache = (PrefixCache(cfg.num_blocks, cfg.block_size) if groups is None
                  else HybridPrefixCache(cfg.num_blocks, cfg.block_size, groups))
         runners.append(EngineRunner(cache, publisher, OUTPUT_ALPHABET, step_delay_s=cfg.step_delay_s))

@@ -2,7 +2,9 @@
 
 * PUB frames ``[topic, seq (8 bytes BE), payload]``, seq counting from 0 at start.
 * The PUB socket binds when the endpoint is a wildcard (``*``, ``::``) or
-  ipc/inproc, and connects otherwise (then the subscriber binds).
+  ipc/inproc, and connects otherwise (then the subscriber binds). A wildcard binds on ``bind_host`` when
+  one is given (``simulate --host``: a simulated engine listens where its HTTP server does), not on every
+  interface; ``/kv_event_sources`` still names the endpoint as configured, as vLLM's answer does.
 * A ROUTER on the replay endpoint answers a DEALER's ``["", start_seq]`` with
   ``["", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``,
   then ``["", "", -1, ""]``. The buffer keeps the last ``buffer_steps`` batches.
@@ -22,7 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kv_preflight.engines.endpoints import is_bind_endpoint
+from kv_preflight.engines.endpoints import host_part, is_bind_endpoint
 from kv_preflight.events import Event, EventBatch
 from kv_preflight.events import encode_payload as encode_batch
 
@@ -37,6 +39,17 @@ def encode_payload(ts: float, events: Sequence[Event], data_parallel_rank: int =
     return encode_batch(EventBatch(ts=ts, events=list(events), data_parallel_rank=data_parallel_rank))
 
 
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::", "[::]")
+
+
+def bound_on(endpoint: str, host: str | None) -> str:
+    """What to bind for ``endpoint``: a ``tcp://*:PORT`` wildcard on ``host`` alone when one is given and is
+    not itself a wildcard (``tcp://127.0.0.1:PORT``; an IPv6 address in brackets), anything else as it is."""
+    if host is None or host in WILDCARD_HOSTS or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    return f"tcp://{host_part(host)}:{endpoint[len('tcp://*:'):]}"
+
+
 class EventPublisher:
     """PUB + replay ROUTER on the running asyncio loop; ``publish`` is called once per engine step."""
 
@@ -49,8 +62,10 @@ class EventPublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         hwm: int = DEFAULT_HWM,
         data_parallel_rank: int = 0,
+        bind_host: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.bind_host = bind_host
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.buffer_steps = buffer_steps
@@ -81,11 +96,11 @@ class EventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
         try:
             if is_bind_endpoint(self.endpoint):
-                self._pub.bind(self.endpoint)
+                self._pub.bind(bound_on(self.endpoint, self.bind_host))
             else:
                 self._pub.connect(self.endpoint)
             if self._replay is not None:
-                self._replay.bind(self.replay_endpoint)
+                self._replay.bind(bound_on(self.replay_endpoint, self.bind_host))
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise OSError(f"cannot open KV-event sockets ({self.endpoint}, replay {self.replay_endpoint}): {exc}") from None

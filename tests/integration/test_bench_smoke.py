@@ -36,11 +36,15 @@ def test_bodies_file_round_trip(tmp_path):
 
 
 def test_quick_bench_rows_and_checks(tmp_path):
-    out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "keys,ingest", "--json-file", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    out, page = tmp_path / "bench.json", tmp_path / "bench.html"
+    run = subprocess.run([sys.executable, "-m", "kv_preflight.cli.bench", "--quick", "--only", "keys,ingest", "--json-file", str(out),
+                          "--html", str(page)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(out.read_text())
+    # issue 42: --html writes the run's rows with charts, every row named on the page
+    text = page.read_text()
+    assert text.startswith("<!doctype html>") and "Speed-up over the baseline" in text
+    assert all(r["row"] in text for r in doc["rows"]) and 'class="bar ' in text
     rows = {r["row"].split(",")[0]: r for r in doc["rows"]}
     assert {"request keys", "ingestion", "Valkey memory per (block", "ingestion over ZMQ"} <= set(rows)
     ingest = next(r for r in doc["rows"] if r["row"].startswith("ingestion, in process"))

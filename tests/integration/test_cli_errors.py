@@ -150,8 +150,8 @@ def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, 
 # ---- every command, bad input
 
 # Options whose value is free text: no value is wrong in itself.
-FREE_TEXT = {"--model", "--pod", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
-             "--cache-salt", "--ingester-id", "--api-key", "--topic"}
+FREE_TEXT = {"--model", "--pod", "--pods", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
+             "--cache-salt", "--ingester-id", "--api-key", "--topic", "--lora"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
 DAEMONS = {"ingest", "serve", "up", "simulate"}
 # Where a generic bad value does not apply: (command, flag, case) -> why
@@ -242,6 +242,8 @@ def _cases():
         for o in opts:
             if o.required:
                 base += [o.opts[-1], good_files.get(o.opts[-1]) or _good(name, o)]
+        if any("--model" in o.opts and not o.required for o in opts) and name not in DAEMONS:
+            base += ["--model", "m"]  # else a missing model (taken from a stack or the fleet) is the error
         out.append((name, [*path, *base, "--no-such-option"], "unknown option"))
         for o in opts:
             for case, value in _bad_values(name, o):
@@ -324,3 +326,28 @@ def test_no_stack_found_names_where_it_looked_and_how_to_point_at_one(tmp_path, 
     out = kvpf("index", "stats", "--valkey-url", DEAD_VALKEY, cwd=tmp_path, env=env)  # a URL given: no hint
     assert_one_clear_line(out, "Valkey error")
     assert "no running" not in out.stderr
+
+
+def test_a_bad_url_from_the_environment_names_its_variable(tmp_path):
+    """Issue 42, item 7: a bad KVPF_VALKEY_URL (unreachable, or no scheme) failed as if the command had chosen
+    the URL; the built-in default case said where it looked. Each now names the variable (explain's
+    KVPF_PREDICTOR_URL too), and a URL a running stack's env file set names that file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPF_")}
+    for url, says in ((DEAD_VALKEY, "Valkey error"), ("localhost:6379", "needs a scheme")):
+        out = kvpf("index", "stats", cwd=tmp_path, env=dict(env, KVPF_VALKEY_URL=url))
+        assert_one_clear_line(out, says)
+        assert "from the environment variable KVPF_VALKEY_URL" in out.stderr and "--valkey-url" in out.stderr, out.stderr
+    out = kvpf("explain", "--model", "m", "--prompt", "x", cwd=tmp_path, env=dict(env, KVPF_PREDICTOR_URL=DEAD_HTTP))
+    assert_one_clear_line(out, "cannot reach the predictor")
+    assert "from the environment variable KVPF_PREDICTOR_URL" in out.stderr, out.stderr
+    # a running stack's env file (its lock held, as `up` holds it) set the URL: the file is named
+    data = tmp_path / ".data"
+    data.mkdir()
+    lock = stack_file.DataDirLock(data).acquire("test")
+    try:
+        stack_file.write(data, {"KVPF_VALKEY_URL": DEAD_VALKEY})
+        out = kvpf("index", "stats", cwd=tmp_path, env=env)
+        assert_one_clear_line(out, "Valkey error")
+        assert f"as the running `kv-preflight up` stack's env file {data / 'env'} sets it" in out.stderr, out.stderr
+    finally:
+        lock.release()

@@ -114,3 +114,69 @@ def test_serve_workers_sum_metrics_and_log_json(valkey_url):
         stop(proc)
     records = json_lines(proc.stderr.read())
     assert any("uvicorn" in r["logger"] for r in records)
+
+
+def test_predictor_metrics_say_pods_blocks_lag_memory_and_answers_by_freshness(valkey_url, tmp_path):
+    """Issue 42, item 6: the predictor's /metrics had no gauge of pods, blocks, index lag or freshness (only
+    /stats JSON). With an engine, its ingester and `serve --workers 2`, every scrape, whichever worker answers,
+    says: one live pod, current; the blocks the index holds, in all and for the pod, and its share of Valkey's
+    memory; the index lag; and the answers given, by freshness state."""
+    from tests.integration.sim import sim_engine
+
+    sim = sim_engine("sim-m", tmp_path).start()
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", sim.url, "--ingester-id", "ing-m"])
+    port = free_port()
+    srv = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--workers", "2"])
+    url = f"http://127.0.0.1:{port}"
+    tokens = list(range(1000, 1100))
+    try:
+        wait_http(url + "/ready")
+        deadline = time.monotonic() + 60
+        blocks = 0
+        while time.monotonic() < deadline:  # until the ingester reported the pod and indexed what it cached
+            httpx.post(sim.url + "/v1/completions", json={"model": "sim", "prompt": tokens, "max_tokens": 1}, timeout=10)
+            with httpx.Client(base_url=url, timeout=5) as one:
+                got = one.post("/v1/cache/predict", json={"model": "sim", "token_ids": tokens}).json()
+            if got.get("predicted_cached_tokens") and got["freshness"]["state"] == "exact":
+                break
+            time.sleep(0.3)
+        assert got["predicted_cached_tokens"] == 96, got
+        for _ in range(3):
+            with httpx.Client(base_url=url, timeout=5) as one:
+                assert one.post("/v1/cache/route", json={"model": "sim", "token_ids": tokens}).status_code == 200
+        async def held() -> int:
+            ix = Index.from_url(valkey_url)
+            try:
+                return (await ix.meta.pod_info("sim-m")).blocks
+            finally:
+                await ix.close()
+
+        blocks = asyncio.run(held())
+        assert blocks > 0
+        deadline, seen = time.monotonic() + 30, 0
+        while seen < 6 and time.monotonic() < deadline:  # the pod's fleet record comes once it passed the
+            # membership hold, and each worker reads the records every second: until both workers show it
+            seen = seen + 1 if metric(httpx.get(url + "/metrics", timeout=5).text, "kvpf_pods", state="live") == 1 else 0
+            time.sleep(0.1)
+        for _ in range(4):  # new connections: both workers answer scrapes
+            with httpx.Client(base_url=url, timeout=5) as one:
+                text = one.get("/metrics").text
+            assert metric(text, "kvpf_pods", state="live") == 1, text
+            assert metric(text, "kvpf_pods", state="retired") == 0
+            assert metric(text, "kvpf_pods_freshness", state="current") == 1
+            assert metric(text, "kvpf_index_pods") == 1 and metric(text, "kvpf_index_pods_incomplete") == 0
+            assert metric(text, "kvpf_index_blocks") == blocks
+            assert metric(text, "kvpf_index_keys") > 0
+            used = metric(text, "kvpf_valkey_used_memory_bytes")
+            assert used > 0 and 'pod="' not in text  # /metrics never has a series per pod
+            with httpx.Client(base_url=url, timeout=5) as one:
+                per_pod = one.get("/metrics/pods").text
+            assert metric(per_pod, "kvpf_index_pod_blocks", pod="sim-m") == blocks
+            assert metric(per_pod, "kvpf_index_pod_memory_bytes", pod="sim-m") > 0
+            assert "kvpf_index_lag_seconds " in text and "kvpf_index_staleness_seconds " in text
+            assert metric(text, "kvpf_answers_total", endpoint="route", freshness="exact") == 3
+            assert metric(text, "kvpf_answers_total", endpoint="predict", freshness="exact") >= 1
+    finally:
+        stop(srv)
+        stop(ing)
+        sim.stop()

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.index import Index, RemoveBlock, encode_entry, make_entry
+from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout_version import LayoutError, check_layout
 from kv_preflight.index.layout import (LAYOUT_KEY, NUMS_BYID_KEY, PODS_KEY, V1_PODS_KEY, is_presence_key, pod_meta_key, pod_state_key,
                                        v3_bits_key, v3_members_key, v3_pod_keys)
@@ -352,5 +352,42 @@ async def test_layout_3_is_migrated_while_its_engines_go_on_publishing(valkey_ur
         stop(ing)
         for e in engines.values():
             e.close()
+        r.close()
+        await ix.close()
+
+
+async def test_migrate_says_layout_4_refuses_live_ingesters_and_leaves_a_layout_4_index_alone(valkey_url):
+    """Issue 42, item 3: `index migrate` said "layout 3" on a layout-4 index and ran without a word while
+    ingesters were live, though its help said to stop them; run on a layout-4 index it deleted every presence
+    hash and rebuilt none (no pod had an old reverse index), so every lookup missed. Its help and answer now
+    say layout 4, it refuses while an ingester's lease is live (--force runs it), and it leaves a layout-4
+    index as it is."""
+    from kv_preflight.fleet.records import IngesterLease
+
+    assert "to layout 4" in cli("index", "migrate", "--help").stdout
+    r = redis.Redis.from_url(valkey_url)
+    ix = Index.from_url(valkey_url)
+    try:
+        await check_layout(ix.client)  # a layout-4 index, as this build's processes leave it
+        await ix.apply_batch(pod_id="p4", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
+                             mutations=[StoreBlock(
+                                 7, "gpu", encode_entry(make_entry("p4", "GPU", 0)), (70, 71))])
+        presence = sorted(k for k in keys_of(r) if is_presence_key(k))
+        assert presence and [m.blocks for m in await ix.lookup([70, 71])] == [2]
+        now_ms = int(time.time() * 1000)
+        await ix.fleet.put_lease("ing-live", IngesterLease(expires_ms=now_ms + 600_000, started_ms=now_ms))
+        done = cli("index", "migrate", "--valkey-url", valkey_url)
+        assert done.returncode == 0 and "already of layout 4: nothing to migrate" in done.stdout, done.stdout + done.stderr
+        assert sorted(k for k in keys_of(r) if is_presence_key(k)) == presence
+        assert [m.blocks for m in await ix.lookup([70, 71])] == [2]
+
+        r.hset(LAYOUT_KEY, "version", "3")  # an old index whose ingester is still live
+        refused = cli("index", "migrate", "--valkey-url", valkey_url)
+        assert refused.returncode == 1 and "ing-live" in refused.stderr and "--force" in refused.stderr, refused.stderr
+        assert r.hget(LAYOUT_KEY, "version") == b"3"
+        forced = cli("index", "migrate", "--valkey-url", valkey_url, "--force")
+        assert forced.returncode == 0 and "layout 4" in forced.stdout and "layout 3" not in forced.stdout, forced.stdout
+        assert r.hget(LAYOUT_KEY, "version") == b"4"
+    finally:
         r.close()
         await ix.close()

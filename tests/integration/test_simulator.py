@@ -265,3 +265,45 @@ def test_requests_run_one_at_a_time(start_sim):
     assert seen_running <= {0.0, 1.0} and 1.0 in seen_running
     assert 2.0 in seen_waiting
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.0' in httpx.get(sim.url + "/metrics").text
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on ``port`` with (Linux /proc/net/tcp{,6}): "127.0.0.1",
+    "0.0.0.0", "::" ..."""
+    import ipaddress
+    from pathlib import Path
+
+    out = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            addr, _, hexport = cols[1].partition(":")
+            if cols[3] != "0A" or int(hexport, 16) != port:
+                continue
+            raw = bytes.fromhex(addr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add(str(ipaddress.ip_address(raw) if width == 4 else ipaddress.IPv6Address(raw)))
+    return out
+
+
+def test_the_event_sockets_listen_where_http_does(tmp_path):
+    """`simulate` (as `up` starts it) binds its wildcard event and replay endpoints on --host, loopback by
+    default, like every other process of the local stack, not on every interface (issue 42, item 8: they
+    listened on 0.0.0.0); /kv_event_sources still names the endpoints as vLLM's answer does."""
+    port, zmq_port, replay_port = free_port(), free_port(), free_port()
+    proc = spawn(["simulate", "--pod", "sim-lo", "--model", MODEL, "--port", str(port), "--zmq", f"tcp://*:{zmq_port}",
+                  "--replay", f"tcp://*:{replay_port}", "--blocks", "32"], str(tmp_path / "sim.log"))
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models")
+        assert listening_addresses(port) == {"127.0.0.1"}
+        assert listening_addresses(zmq_port) == {"127.0.0.1"}
+        assert listening_addresses(replay_port) == {"127.0.0.1"}
+        sources = httpx.get(f"http://127.0.0.1:{port}/kv_event_sources", timeout=5).json()
+        assert sources["0"]["endpoint"] == f"tcp://*:{zmq_port}"
+    finally:
+        stop(proc)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.up_procs import MARK, reaped, still_running
+from tests.integration.up_procs import MARK, reaped, stack_pids, still_running
 
 pytestmark = pytest.mark.integration
 
@@ -323,3 +323,69 @@ def test_a_simulated_engine_whose_port_was_taken_is_started_on_others(tmp_path, 
     finally:
         stack.stop()
         taken.close()
+
+
+def test_an_engine_killed_under_up_is_retired_and_the_stack_stays_up(tmp_path):
+    """Issue 42, item 10: killing one simulated engine stopped the whole stack, quoting a start-up log line as
+    the cause. Now `up` says the engine was killed, stays up, and prints its pod going unreachable and then
+    retired as the ingesters' fleet records say (KVPF_RETIRE_AFTER shortens the 60 s); the predictor stays
+    ready and Ctrl-C stops the rest cleanly. Item 6: the ingesters serve /metrics, and the banner lists every
+    process's metrics URL (each answers) and writes a Prometheus scrape config for them."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from kv_preflight.cli.valkey_server import free_port
+
+    log = tmp_path / "up.out"
+    port = free_port()
+    with reaped(tmp_path) as env:
+        env = dict(env, KVPF_RETIRE_AFTER="6")  # unreachable for 6 s: printed at the next look (every second)
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "kv_preflight", "up", "--data-dir", str(tmp_path / ".data"),
+                                     "--port", str(port), "--workers", "1"],
+                                    cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while "Ctrl-C stops everything" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            text = log.read_text()
+            assert proc.poll() is None, text
+            shown = re.findall(r"(http://127\.0\.0\.1:\d+/metrics(?:/pods)?)\s+\((\S+)\)", text)
+            assert sorted(n for _, n in shown) == ["engine-sim-0", "engine-sim-1", "ingester-0", "ingester-1",
+                                                   "predictor", "predictor-pods"], text
+            for url, name in shown:
+                body = httpx.get(url, timeout=5).text
+                assert ("vllm:" if name.startswith("engine") else "kvpf_") in body, (name, body[:300])
+            config = (tmp_path / ".data" / "prometheus.yml").read_text()
+            assert all(url.split("/metrics")[0].split("//")[1] in config for url, _ in shown), config
+
+            sim0 = next(p for p in stack_pids(tmp_path)
+                        if b"--pod\0sim-0\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+            os.kill(sim0, signal.SIGKILL)
+            deadline = time.monotonic() + 90
+            while "sim-0: retired" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            text = log.read_text()
+            assert proc.poll() is None, text
+            assert "engine-sim-0 was killed by SIGKILL" in text and "The stack stays up" in text, text
+            assert "sim-0: unreachable" in text and "sim-0: retired" in text, text
+            assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
+            pods = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "pods", "--json"], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60,
+                                  env=dict(env, KVPF_DATA_DIR=str(tmp_path / ".data")))
+            states = {p["pod_id"]: (p["fleet"] or {}).get("state") for p in __import__("json").loads(pods.stdout)}
+            assert states == {"sim-0": "retired", "sim-1": "live"}, pods.stdout + pods.stderr
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        text = log.read_text()
+        assert rc == 0 and "Stopping." not in text and text.rstrip().endswith("stopped."), text

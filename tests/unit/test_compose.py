@@ -119,6 +119,10 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
         test = svc.get("healthcheck", {}).get("test")
         assert test, f"{name} has no healthcheck"
         text = " ".join(test)
+        if svc["image"].startswith("grafana/"):
+            # Grafana's official image is Alpine's, busybox wget in it
+            assert test[:2] == ["CMD", "wget"] and "http://127.0.0.1:3000/api/health" in text, name
+            continue
         assert "curl" not in text and "wget" not in text, f"{name}: the images have no curl or wget"
         if svc.get("image") == "kv-preflight:local":
             assert test[:2] == ["CMD", "python"], name
@@ -128,6 +132,8 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
             assert f"http://127.0.0.1:{port}/" in text, f"{name}: health asked on a port it does not serve"
         elif svc["image"].startswith("valkey/"):
             assert test == ["CMD", "valkey-cli", "ping"]
+        elif svc["image"].startswith("prom/"):
+            assert test == ["CMD", "promtool", "query", "instant", "http://127.0.0.1:9090", "up"], name
         elif svc["image"].startswith("vllm/"):
             assert test[:2] == ["CMD", "python3"] and "http://127.0.0.1:8000/health" in text
     nginx = (COMPOSE / "nginx.conf").read_text()
@@ -232,3 +238,39 @@ def test_gpu_profile_pins_the_documented_vllm_and_the_stack_says_how_to_use_and_
     assert image == "vllm/vllm-openai:v0.32.0", image
     header = (COMPOSE / "docker-compose.yml").read_text().split("name: kv-preflight", 1)[0]
     assert "curl -s localhost:8080/v1/cache/predict" in header and "down -v" in header
+
+
+def test_the_observability_profile_scrapes_every_process_and_provisions_the_dashboard(stack):
+    """Issue 42, item 6: Prometheus scrapes each process's /metrics where it serves it (predictors on serve
+    --port, ingesters on --metrics-port, simulated engines on simulate --port, the gpu profile's vLLM and its
+    ingester), and Grafana is given that Prometheus under the uid every dashboard panel names, and the
+    dashboard; both only in the `observability` profile, on ports the shell can move."""
+    import json
+
+    services = stack["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observability"], name
+    raw = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
+    assert raw["prometheus"]["ports"] == ["${KVPF_PROMETHEUS_PORT:-9090}:9090"]
+    assert raw["grafana"]["ports"] == ["${KVPF_GRAFANA_PORT:-3000}:3000"]
+    for svc in ("prometheus", "grafana"):
+        for volume in services[svc]["volumes"]:
+            assert (COMPOSE / volume.split(":")[0]).is_file(), volume
+    serves = {}
+    for name, svc in services.items():
+        if svc.get("image") == "kv-preflight:local":
+            cmd, params = parse_cli(svc["command"])
+            serves[name] = params["metrics_port"] if cmd == "ingest" else params["port"]
+    serves["vllm-gpu"] = 8000
+    scrape = yaml.safe_load((COMPOSE / "observability" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    assert targets == {f"{name}:{port}" for name, port in serves.items()}, targets
+    datasource = yaml.safe_load((COMPOSE / "observability" / "grafana" / "datasources.yml").read_text())["datasources"]
+    assert len(datasource) == 1 and datasource[0]["url"] == "http://prometheus:9090"
+    dashboard = json.loads((COMPOSE / "observability" / "grafana" / "kv-preflight.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert panels and all(t["datasource"]["uid"] == datasource[0]["uid"] for p in panels for t in p["targets"])
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    provider = yaml.safe_load((COMPOSE / "observability" / "grafana" / "dashboards.yml").read_text())["providers"][0]
+    mounted = {v.split(":")[1] for v in services["grafana"]["volumes"]}
+    assert provider["options"]["path"] + "/kv-preflight.json" in mounted

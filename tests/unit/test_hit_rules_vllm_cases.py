@@ -2,7 +2,8 @@
 tests/fixtures/vllm-0.32-hit-cases.json was answered by vLLM's own coordinator and managers
 (tests/fixtures/build_hit_cases.py, run under vLLM's venv), over full attention, sliding windows, chunked local
 attention and Mamba, alone and mixed, with and without EAGLE. The rule must give vLLM's tokens on every case, and
-so must the scoring path (predictor/scoring/groups.py) where a pod's full-attention group is its prefix group."""
+so must the scoring path (predictor/scoring/groups.py) where a pod's full-attention group is its prefix group.
+Fresh random cases answered by vLLM's coordinator at run time: tests/e2e/test_vllm_hit_rules.py."""
 from __future__ import annotations
 
 import json
@@ -66,22 +67,3 @@ def test_scoring_path_equals_vllm(i):
     match = PodMatch("pod", len(held[0]), "gpu")
     (got,) = apply_groups([match], {"pod": groups}, {"pod": BS}, presence, {"pod": num}, BS, case["prompt_tokens"])
     assert got.blocks * BS == case["hit"], case
-
-
-VLLM_PYTHON = Path("/root/.cache/vllm-cpu-venv/bin/python")
-
-
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's venv is not on this machine: the frozen cases still run")
-def test_longest_hit_equals_vllm_live():
-    """Other random cases, answered by vLLM's coordinator now (the generator under vLLM's venv, a seed per run)."""
-    import random
-    import subprocess
-
-    seed = random.randrange(1 << 30)
-    out = subprocess.run([str(VLLM_PYTHON), str(FIXTURE.parent / "build_hit_cases.py"), "--seed", str(seed),
-                          "--per-variant", "40"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    for case in json.loads(out.stdout)["cases"]:
-        held = [set(h) for h in case["held"]]
-        got = longest_hit(specs(case), lambda g, b: b in held[g], case["prompt_tokens"], BS)
-        assert got == case["hit"], (seed, case)

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,dp,warnings] [--json] [--json-file out.json]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,dp,warnings] [--json] [--json-file out.json] [--html out.html]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -709,7 +709,8 @@ def source_commit() -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path | None = None) -> None:
+def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path | None = None,
+        html_file: Path | None = None) -> None:
     t0 = time.perf_counter()
     m = machine()
     m["commit"] = source_commit()
@@ -773,6 +774,11 @@ def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path |
     doc = {"machine": m, "rows": res.rows, **res.extra, "failed_checks": res.failed_checks}
     if json_file is not None:
         json_file.write_text(json.dumps(doc, indent=1, default=str))
+    if html_file is not None:
+        from kv_preflight.cli.bench.report import render_html
+
+        html_file.write_text(render_html(json.loads(json.dumps(doc, default=str))))
+        print(f"wrote {html_file}")
     if as_json:
         print(json.dumps(doc, default=str))
     if res.failed_checks:

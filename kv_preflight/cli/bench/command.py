@@ -45,7 +45,10 @@ def dated_in(path: Path, started: float | None = None) -> Path:
 @click.option("--json-file", default=None, type=click.Path(path_type=Path),
               help="Write every figure, percentile, CPU split and check to this JSON file; given a directory "
                    "(benchmarks/), to a file per run in it named for the run's start in UTC.")
-def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None) -> None:
+@click.option("--html", "html_file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the rows as a self-contained HTML page with charts (speed-up over the baseline, "
+                   "time per operation both ways), as diagnose fleet --html does.")
+def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None, html_file: Path | None = None) -> None:
     """Benchmark every hot path against a straightforward baseline (docs/benchmarks.md).
 
     Starts its own valkey-server on a free loopback port, predictors and an ingester, and stops them.
@@ -61,4 +64,10 @@ def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None) ->
             raise click.BadParameter(f"{json_file}: {parent} is not a directory this process can write to",
                                      param_hint="'--json-file'")
 
-    run(quick=quick, only=only, as_json=as_json, json_file=json_file)
+    if html_file is not None:
+        parent = html_file.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise click.BadParameter(f"{html_file}: {parent} is not a directory this process can write to",
+                                     param_hint="'--html'")
+
+    run(quick=quick, only=only, as_json=as_json, json_file=json_file, html_file=html_file)

@@ -28,6 +28,7 @@ from kv_preflight.predictor.http.errors import PredictorError, RequestTimeout
 from kv_preflight.predictor.explain.handler import explain as explain_request, parse_explain
 from kv_preflight.predictor.http.openapi import openapi_document
 from kv_preflight.predictor.http.request import parse_keyed, parse_request
+from kv_preflight.predictor.index_gauges import IndexReadings, fleet_numbers, read_index_numbers
 from kv_preflight.predictor.prediction import Predictor
 from kv_preflight.predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal
 from kv_preflight.predictor.stats import StatsQuery
@@ -66,9 +67,13 @@ def client_gone(request: Request, endpoint: str) -> Response:
     return json_response({"error": "client disconnected"}, 400)  # nobody reads it: the connection is gone
 
 
-def _observe(predictor: Predictor, endpoint: str, outcome: str, started: float) -> None:
-    """A request's latency and outcome, and what its lookups added to the index's counters."""
+def _observe(predictor: Predictor, endpoint: str, outcome: str, started: float, answer: Any = None) -> None:
+    """A request's latency and outcome, its answer's freshness state, and what its lookups added to the index's
+    counters."""
     predictor.metrics.request(endpoint, outcome, time.perf_counter() - started)
+    freshness = getattr(answer, "freshness", None)
+    if freshness is not None:
+        predictor.metrics.answered(endpoint, freshness.state)
     index = predictor.index
     predictor.metrics.index_counts(index.gap_walks, index.foreign_reads, index.late_reads)
 
@@ -93,7 +98,7 @@ async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_t
         return error_response(predictor, exc)
     except ClientDisconnect:
         return client_gone(request, endpoint)
-    _observe(predictor, endpoint, "hit" if cached_tokens(result) else "miss", started)
+    _observe(predictor, endpoint, "hit" if cached_tokens(result) else "miss", started, result)
     return json_response(result)
 
 
@@ -124,13 +129,25 @@ async def explain(request: Request) -> Response:
         return error_response(predictor, exc)
     except ClientDisconnect:
         return client_gone(request, "explain")
-    _observe(predictor, "explain", "hit" if result.predicted_cached_tokens else "miss", started)
+    _observe(predictor, "explain", "hit" if result.predicted_cached_tokens else "miss", started, result)
     return json_response(result)
 
 
 async def metrics(request: Request) -> Response:
+    """The counters, and the fleet and the index in numbers as this worker reads them (predictor/index_gauges.py:
+    within half a second whatever Valkey does; with Valkey down a while, the index's part is left out)."""
     predictor: Predictor = request.app.state.predictor
-    return Response(predictor.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+    gauges = fleet_numbers(predictor.fleet)
+    gauges.index = await request.app.state.index_readings.latest()
+    return Response(predictor.metrics.exposition(gauges), media_type=METRICS_CONTENT_TYPE)
+
+
+async def metrics_pods(request: Request) -> Response:
+    """The index's series per pod (blocks, memory; the pods holding most), apart from /metrics, which has none."""
+    predictor: Predictor = request.app.state.predictor
+    gauges = fleet_numbers(None)
+    gauges.index = await request.app.state.index_readings.latest()
+    return Response(predictor.metrics.pods_exposition(gauges), media_type=METRICS_CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:
@@ -223,6 +240,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await app.state.index_readings.aclose()
             await predictor.aclose()
 
     middleware = []
@@ -237,6 +255,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             Route("/ready", ready, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/metrics/pods", metrics_pods, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
         middleware=middleware,
@@ -244,5 +263,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.predictor = predictor
+    app.state.index_readings = IndexReadings(lambda: read_index_numbers(predictor.index),
+                                             timeout_s=predictor.valkey_deadline_s * 4)
     app.state.openapi = msgspec.json.encode(openapi_document(cfg, auth=bool(keys)))
     return app

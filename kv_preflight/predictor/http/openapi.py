@@ -165,6 +165,9 @@ def openapi_document(cfg: Config, *, auth: bool = False) -> dict[str, Any]:
             "/stats": {"get": get_op("Index summary, a page of pods (or one pod), tokenization sources, engine load",
                                      any_json, (400, 404, 503), _STATS_PARAMETERS)},
             "/metrics": {"get": get_op("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},
+            "/metrics/pods": {"get": get_op("Prometheus metrics of the index per pod (blocks, memory; the 100 pods "
+                                            "holding most, the rest under pod=\"_other\")",
+                                            {"text/plain": {"schema": {"type": "string"}}})},
             "/openapi.json": {"get": get_op("This document", any_json)},
         },
         "components": {"schemas": components},
