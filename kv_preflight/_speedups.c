@@ -391,7 +391,7 @@ static int int_is_u64(PyObject *o, unsigned long long v) {
     return 0;
 }
 
-/* A per-block column as a list, one value when every block has it (pod_state._column). */
+/* A per-block column as a list, one value when every block has it (pod_log._column). */
 static PyObject *column_of(const long long *values, Py_ssize_t n) {
     Py_ssize_t len = n > 0 ? 1 : 0;
     for (Py_ssize_t i = 1; i < n; i++) {
@@ -422,8 +422,8 @@ static long long id_of(PyObject *ids, PyObject *names, PyObject *name) {
 }
 
 /* snapshot_columns(blocks: dict[(ek, tier, group), _Block]) -> (fields, tiers, engine_keys, request_keys,
- * counts, codes, chained, parents, copies): the per-block columns of pod_state._Snapshot, byte for byte as
- * its Python path (pod_state._columns, the reference) builds them, in one pass over the blocks. An ingester
+ * counts, codes, chained, parents, copies): the per-block columns of pod_log._Snapshot, byte for byte as
+ * its Python path (pod_log._columns, the reference) builds them, in one pass over the blocks. An ingester
  * snapshots each pod every few batches, over its whole state (thousands of blocks): the Python path's
  * comprehensions took a sixth of its CPU (a pod of 2,048 one-key blocks: ~9.0M instructions a snapshot, ~1.1M
  * with this). What the format cannot hold (a key outside uint64, a group outside
@@ -965,7 +965,7 @@ fail:
     return NULL;
 }
 
-/* ---- a pod's delta (kv_preflight/index/pod_state.py encode_delta): its per-mutation columns in one pass */
+/* ---- a pod's delta (kv_preflight/index/pod_log.py encode_delta): its per-mutation columns in one pass */
 
 /* The field slots of the mutation types, looked up once per set of types (held, so their offsets stay theirs). */
 static struct {
@@ -1014,7 +1014,7 @@ static int u64_or_not(PyObject *o, unsigned long long *out) {
 }
 
 /* delta_columns(mutations, StoreBlock, RemoveBlock, ClearPod, MarkIncomplete) -> tuple | None: the columns of
- * pod_state._Delta from ``fields`` to ``reasons`` (fields, tiers, kinds, engine_keys, codes, counts,
+ * pod_log._Delta from ``fields`` to ``reasons`` (fields, tiers, kinds, engine_keys, codes, counts,
  * request_keys, parentless, chained, parents, reasons), the bytes pod_state's Python loop builds, in one pass
  * over a list or tuple of mutations. None where that loop has to decide (it then runs, and raises what it
  * raises): a mutation of another type (a subclass too), a key that is not an int in [0, 2**64), a tier or
@@ -1170,7 +1170,7 @@ static PyMethodDef methods[] = {
     {"pack_u64s", pack_u64s, METH_O,
      "Ints as little-endian uint64s, concatenated (struct.pack('<nQ', ...) without its per-value cost)."},
     {"snapshot_columns", snapshot_columns, METH_O,
-     "A pod state's per-block snapshot columns (pod_state._columns), in one pass over its blocks."},
+     "A pod state's per-block snapshot columns (pod_log._columns), in one pass over its blocks."},
     {"pack_keys", pack_keys, METH_O,
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
     {"prefix_counts", prefix_counts, METH_VARARGS,
@@ -1180,7 +1180,7 @@ static PyMethodDef methods[] = {
     {"affinities", affinities, METH_VARARGS,
      "predictor/scoring/score.py's per-pod loop: make(pod, blocks, tokens, tier, estimate, incomplete) per scoring pod."},
     {"delta_columns", (PyCFunction)(void (*)(void))delta_columns, METH_FASTCALL,
-     "pod_state.encode_delta's per-mutation columns in one pass; None where its Python loop has to decide."},
+     "pod_log.encode_delta's per-mutation columns in one pass; None where its Python loop has to decide."},
     {"slot_groups", slot_groups, METH_VARARGS,
      "Positions of keys named prefix + decimal value (request keys: no prefix) grouped by the shard serving "
      "each name's cluster slot (a slot -> shard table); the prefix holds no hash tag."},

@@ -38,6 +38,9 @@ class PodLoad(msgspec.Struct):
     at_ms: int  # Valkey time of the scrape
 
 
+MAX_LEASE_SOURCES = 2048  # pods and endpoints a lease lists (sources and replays: the source cap keeps it far below)
+
+
 class IngesterLease(msgspec.Struct, omit_defaults=True):
     """One live ingester (``kvpf:ingesters`` id -> JSON); dead once ``expires_ms`` has passed."""
 

@@ -25,7 +25,7 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               pod's generation: every writer of the pod plans at one and the apply script
                               refuses a plan made at another), num (its bit), groups (its KV cache groups),
                               blocks, orphan_keys/orphan_at, incomplete(_reason), counters, outbox_n
-  kvpf:{<pod>}:state          the pod's private state (kv_preflight/index/pod_state.py) as a log: "s" -> a
+  kvpf:{<pod>}:state          the pod's private state (kv_preflight/index/pod_state.py) as a log (pod_log.py): "s" -> a
                               snapshot (past 8,186 bytes in chunks "s", "s:1", ..., joined in order),
                               "d:<gen>" -> each batch applied since, until the next snapshot
   kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> one batch's shared-key changes, until they ran

@@ -30,7 +30,8 @@ from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_
                                        is_presence_key, pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
                                        v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)
 from kv_preflight.index.pod_meta import parse_groups
-from kv_preflight.index.pod_state import KeyChange, PodState, encode_snapshot
+from kv_preflight.index.pod_log import encode_snapshot
+from kv_preflight.index.pod_state import KeyChange, PodState
 
 Progress = Callable[[str, int], None]
 

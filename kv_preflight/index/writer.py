@@ -30,7 +30,8 @@ from kv_preflight.index.backend import evalsha_pipeline
 from kv_preflight.index.changes import change_args
 from kv_preflight.index.entries import ApplyResult, ClearPod, Mutation, text
 from kv_preflight.index.layout import pod_keys
-from kv_preflight.index.pod_state import Plan, PodState, encode_delta, encode_snapshot, restore
+from kv_preflight.index.pod_log import encode_delta, encode_snapshot, restore
+from kv_preflight.index.pod_state import Plan, PodState
 
 MAX_RETRIES = 4  # plans sent again after "stale" (another writer moved the pod) before giving up
 SNAPSHOT_EVERY_BYTES = 4096  # the log is folded into a snapshot once it exceeds this, or an eighth of the snapshot

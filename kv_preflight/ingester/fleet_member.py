@@ -21,7 +21,6 @@ The rules are pure functions in ingester/membership_rules.py; this module does t
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -34,20 +33,19 @@ import httpx
 import msgspec
 
 from kv_preflight.config import Config
-from kv_preflight.engines import DEFAULT, engine
+from kv_preflight.engines import DEFAULT
 from kv_preflight.engines.endpoints import check_zmq_endpoint
-from kv_preflight.engines.load_metrics import parse_load, parse_rank_loads
+from kv_preflight.ingester.engine_probe import probe
+from kv_preflight.ingester.retirement import Retirements
 from kv_preflight.events import topic_or_none
-from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
-from kv_preflight.fleet.records import IngesterLease, PodLoad, PodRecord
+from kv_preflight.fleet.records import MAX_LEASE_SOURCES, IngesterLease, PodLoad, PodRecord
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, rank_pod, split_rank_pod
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
 from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
-                                                    balanced_owners, expired_retired, rendezvous_owners, retired,
-                                                    unlisted)
+                                                    balanced_owners)
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.watchdog import Progress
 
@@ -55,10 +53,8 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
-MAX_LEASE_SOURCES = 2048  # endpoints a lease lists (sources and replays: the source cap keeps it far below)
 LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
-RETIRE_TRIES = 5  # a retirement whose Valkey calls fail is tried again this many times, a second apart
 
 
 def _given_here(spec: EngineSpec) -> str:
@@ -132,12 +128,10 @@ class FleetMember:
         self.observing: asyncio.Task | None = None  # --engines-from sources being read (DNS, files)
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
         self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
-        # pod -> its retirement or drop under way: it waits for every lease (this one's too, renewed beside the
-        # rounds) to say the pod was let go, so it never runs inside a round
-        self.leaving: dict[str, asyncio.Task] = {}
+        # retirements and drops under way, and pods no lease lists (ingester/retirement.py)
+        self.retirements = Retirements(index, cfg, ingester.counters, ingester.schedule_rebuild)
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
-        self.unlisted: dict[str, int] = {}  # recorded pod no live lease lists -> Valkey ms first seen so (unlisted)
         self.written_at: dict[str, float] = {}
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
@@ -158,7 +152,7 @@ class FleetMember:
         return bool(self.static or self.sources or self.cfg.registered_engines)
 
     async def close(self) -> None:
-        for task in [*self.fetches.values(), *self.probes.values(), *self.leaving.values(),
+        for task in [*self.fetches.values(), *self.probes.values(), *self.retirements.leaving.values(),
                      *([self.observing] if self.observing else [])]:
             task.cancel()
         if self.renewer is not None:  # ended first: a renewal in flight would put the lease back after its drop,
@@ -312,7 +306,8 @@ class FleetMember:
                 await self._record_new(att, new, now_ms)
         if self.discovered.started or not self.sources:
             self._step("retiring departed pods")
-            await self._retire_departed(view, set(fleet_known), now_ms)
+            await self.retirements.sweep(view, set(fleet_known), now_ms, self.me, self.live,
+                                         {p for a in self.attached.values() for p in a.pods})
 
     async def _let_go_of_forgotten(self, forgotten: dict[str, int]) -> None:
         """Pods being forgotten (``/unregister``, ``index clear --forget``): their engines let go now (not a
@@ -523,16 +518,17 @@ class FleetMember:
         task = self.probes.get(url)
         if task is None or not task.done():
             if task is None:
-                self.probes[url] = asyncio.ensure_future(self._probe(
-                    url, att.family, self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods)))
+                self.probes[url] = asyncio.ensure_future(probe(
+                    self.http, url, att.family,
+                    self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods)))
             return
-        self.probes[url] = asyncio.ensure_future(self._probe(url, att.family, self.ticks % MODELS_EVERY == 1))
+        self.probes[url] = asyncio.ensure_future(probe(self.http, url, att.family, self.ticks % MODELS_EVERY == 1))
         if task.cancelled() or task.exception():
             return
         ok, detail, load, models = task.result()
         ranked = any(RANK_SEPARATOR in p for p in att.pods)  # data-parallel ranks: each rank's own load
         for pod in sorted(att.pods):
-            if pod in self.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
+            if pod in self.retirements.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
                 continue
             current = view.pods.get(pod) or self.records.get(pod) or PodRecord(since_ms=now_ms)
             was_retired = current.state == "retired"
@@ -540,7 +536,7 @@ class FleetMember:
                 current, self.health.get(pod, Health()), ok, now_ms, failures_needed=self.cfg.health_failures,
                 retire_after_ms=int(self.cfg.retire_after_s * 1000), detail=detail)
             if was_retired and ok:
-                record = await self._returned(pod, record, now_ms)
+                record = self.retirements.returned(pod, record, now_ms)
             record = msgspec.structs.replace(record, engine_url=url, owner=self.me)
             if models:
                 record = msgspec.structs.replace(record, models=models)
@@ -552,7 +548,7 @@ class FleetMember:
                 except VALKEY_ERRORS:
                     pass
             if record.state == "retired" and current.state != "retired":
-                await self._retire(pod, record)
+                await self.retirements.retire(pod, record)
             await self._write(pod, record)
             if load is not None and record.state == "live":
                 mine = load[1].get(split_rank_pod(pod)[1]) if ranked else None
@@ -567,36 +563,6 @@ class FleetMember:
             await self.index.fleet.replace_pod_record(pod, None, PodRecord(
                 state="live", since_ms=now_ms, engine_url=att.spec.url, owner=self.owners.get(att.spec.key, [""])[0]))
 
-    async def _probe(self, url: str, family: str, with_models: bool):
-        """(healthy, why not, load from /metrics, models from /v1/models): ``/health`` answering 200 is
-        healthy; load and models are read only from a healthy engine."""
-        try:
-            resp = await self.http.get(url + "/health")
-            if resp.status_code != 200:
-                return False, f"/health answered {resp.status_code}", None, None
-        except (httpx.HTTPError, OSError) as exc:
-            return False, f"{type(exc).__name__}: {exc}"[:200], None, None
-        try:
-            names = engine(family).load_metrics  # None: the engine exports no Prometheus load series
-            resp = await self.http.get(url + "/metrics") if names else None
-            total = parse_load(resp.text, names) if resp is not None and resp.status_code == 200 else None
-            # (the engine's load, each data-parallel rank's)
-            load = None if total is None else (total, parse_rank_loads(resp.text, names))
-        except (httpx.HTTPError, OSError):
-            load = None
-        return True, "", load, (await self._models(url) if with_models else None)
-
-    async def _models(self, url: str) -> list[str] | None:
-        """Base model first, then the LoRA adapters (vLLM lists an adapter with its base as ``parent``)."""
-        try:
-            resp = await self.http.get(url + "/v1/models")
-            data = resp.json().get("data", []) if resp.status_code == 200 else []
-        except (httpx.HTTPError, OSError, ValueError, AttributeError):
-            return None
-        cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []
-        bases = [m["id"] for m in cards if not m.get("parent")]
-        return bases + [m["id"] for m in cards if m["id"] not in bases] or None
-
     async def _write(self, pod: str, record: PodRecord) -> None:
         now = time.monotonic()
         if self.records.get(pod) == record and now - self.written_at.get(pod, 0.0) < RECORD_REFRESH_S:
@@ -604,94 +570,3 @@ class FleetMember:
         await self.index.fleet.put_pod_records({pod: record})
         self.records[pod] = record
         self.written_at[pod] = now
-
-    # ---- retiring and returning
-
-    async def _retire(self, pod: str, record: PodRecord) -> None:
-        """Entries cleared in O(the pod's blocks) once every ingester let the pod go (a copy's batch in
-        flight would write them back otherwise); flagged at once, in the round, so a retired pod is not seen
-        unflagged while the rest waits in its task."""
-        await flag_retired(self.index, pod, record.reason)
-        self._leave([pod], self._retired(pod, record.reason))
-
-    async def _retired(self, pod: str, reason: str) -> None:
-        """The retirement's task. Its record already says retired, so no later round would try again: it
-        tries again itself while Valkey fails."""
-        for attempt in range(1, RETIRE_TRIES + 1):
-            try:
-                cleared = (await retire_pods(self.index, {pod: reason}))[pod]
-                break
-            except VALKEY_ERRORS as exc:
-                if attempt == RETIRE_TRIES:
-                    raise
-                log.warning("pod %s: retiring it failed (%s); trying again", pod, exc)
-                await asyncio.sleep(1.0)
-        await self.ing.counters.count("pods_retired")
-        log.warning("pod %s retired (%s): %d entries cleared", pod, reason, cleared)
-
-    async def _dropped(self, pods: list[str]) -> None:
-        """The end of a retention: its records stay until this is done, so a round after a failure tries again."""
-        await forget_pods(self.index, pods, keep_refusing=False)
-        log.info("retired pod(s) %s dropped from the registry after %.0f s", pods, self.cfg.retired_retention_s)
-
-    def _leave(self, pods: list[str], work) -> None:
-        task = asyncio.ensure_future(work)
-        for pod in pods:
-            self.leaving[pod] = task
-        task.add_done_callback(functools.partial(self._left, pods))
-
-    def _left(self, pods: list[str], task: asyncio.Task) -> None:
-        for pod in pods:
-            if self.leaving.get(pod) is task:
-                del self.leaving[pod]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("pod(s) %s: leaving the index failed (%s: %s)", pods, type(task.exception()).__name__,
-                      task.exception())
-
-    async def _retire_departed(self, view, fleet_urls: set[str], now_ms: int) -> None:
-        for pod, rec in sorted(view.pods.items()):
-            if rendezvous_owners(pod, self.live, 1)[0] != self.me:
-                continue
-            if pod in self.leaving:
-                continue
-            if rec.state != "retired" and rec.engine_url and rec.engine_url not in fleet_urls \
-                    and not any(pod in a.pods for a in self.attached.values()):
-                record = retired(rec, now_ms, f"engine {rec.engine_url} left discovery")
-                # only if nobody changed the record meanwhile (a new engine taking over the pod id)
-                if await self.index.fleet.replace_pod_record(pod, rec, record):
-                    await self._retire(pod, record)
-        # A recorded pod no live lease lists (private ones included: they vouch for their pods) has no ingester:
-        # retired after --retire-after, as an engine unreachable that long is. Only when every lease lists all
-        # its pods (none truncated, none from an ingester that predates the list).
-        leases = view.live_ingesters().values()
-        if all(lease.state and len(lease.pods) < MAX_LEASE_SOURCES for lease in leases):
-            listed = {p for lease in leases for p in (*lease.pods, *lease.batch_ts)}
-            listed |= {p for a in self.attached.values() for p in a.pods} | set(self.leaving)
-            mine = {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me}
-            self.unlisted, due = unlisted(mine, listed, self.unlisted, now_ms, int(self.cfg.retire_after_s * 1000))
-            for pod in due:
-                rec = view.pods[pod]
-                why = f"no ingester has ingested it for {(now_ms - self.unlisted.pop(pod)) / 1000:.0f} s"
-                # without its engine URL, whose engine may live on under another pod (the ghost of a one-off run
-                # naming pods its own way): the record is dropped after --retired-retention like any other
-                engine = rec.engine_url or "not known"
-                record = msgspec.structs.replace(retired(rec, now_ms, f"{why} (engine {engine})"), engine_url="")
-                if await self.index.fleet.replace_pod_record(pod, rec, record):
-                    await self._retire(pod, record)
-        # a retired pod whose engine is still known (unreachable, not gone) may still be attached somewhere: its
-        # record stays until the engine leaves, so its metadata is never forgotten under an ingester that owns it
-        gone = expired_retired(
-            {p: r for p, r in view.pods.items() if rendezvous_owners(p, self.live, 1)[0] == self.me
-             and not (r.engine_url and r.engine_url in fleet_urls) and p not in self.leaving},
-            now_ms, int(self.cfg.retired_retention_s * 1000))
-        if gone:  # its metadata and registry row too: names of departed pods do not pile up
-            self._leave(list(gone), self._dropped(list(gone)))
-
-    async def _returned(self, pod: str, record: PodRecord, now_ms: int) -> PodRecord:
-        """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
-        else it stays flagged incomplete until its next cache reset (an engine restart resets it too). The
-        replay is fetched in the background and applied by the loop (ingester/resume.py), never in this round."""
-        self.ing.schedule_rebuild(pod)
-        log.warning("pod %s is back after retirement: rebuilding it from its engine's replay buffer in the background",
-                    pod)
-        return msgspec.structs.replace(record, state="live", since_ms=now_ms, reason="", unreachable_since_ms=0)

@@ -287,7 +287,7 @@ async def test_a_large_snapshot_is_chunked_and_read_back_whole(ix, valkey_url):
     back into the same state, and the next snapshot replaces every chunk (a shorter one leaves none behind)."""
     from kv_preflight.index.index import Index
     from kv_preflight.index.layout import pod_state_key
-    from kv_preflight.index.pod_state import encode_snapshot
+    from kv_preflight.index.pod_log import encode_snapshot
 
     def same(a, b) -> bool:  # the states, compared as what a snapshot of each holds
         return encode_snapshot(a.writer.pods["pod-a"].state, 1) == encode_snapshot(b.writer.pods["pod-a"].state, 1)

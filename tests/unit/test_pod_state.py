@@ -19,9 +19,9 @@ import msgspec
 
 from kv_preflight.index.entries import (CHAIN_ROOT, ClearPod, MarkIncomplete, RemoveBlock, StoreBlock, encode_entry,
                                         make_entry)
-from kv_preflight.index import pod_state
-from kv_preflight.index.pod_state import (EngineAdd, EngineDrop, KeyChange, PodState, _Block, _Delta, _mutations,
-                                          encode_delta, encode_snapshot, restore)
+from kv_preflight.index import pod_log, pod_state
+from kv_preflight.index.pod_log import _Delta, _mutations, encode_delta, encode_snapshot, restore
+from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange, PodState, _Block
 
 FIELD = {(t, g): encode_entry(make_entry("pod", t.upper(), g)) for t in ("gpu", "cpu") for g in (0, 1)}
 
@@ -286,17 +286,17 @@ def _odd_mutation(draw):
 
 def _delta_or_error(muts: list, c_columns) -> bytes | tuple[type, str]:
     """encode_delta's bytes, or its error, with the C columns (``c_columns``) or the Python loop (None)."""
-    saved = pod_state._delta_columns
-    pod_state._delta_columns = c_columns
+    saved = pod_log._delta_columns
+    pod_log._delta_columns = c_columns
     try:
         return encode_delta(7, muts, {0: GroupSpec(FULL, 32)}, 32)
     except Exception as exc:  # noqa: BLE001 - the error itself is what is compared
         return type(exc), str(exc)
     finally:
-        pod_state._delta_columns = saved
+        pod_log._delta_columns = saved
 
 
-@pytest.mark.skipif(pod_state._delta_columns is None, reason="the C delta columns are not built")
+@pytest.mark.skipif(pod_log._delta_columns is None, reason="the C delta columns are not built")
 @settings(max_examples=400, deadline=None)
 @given(muts=st.lists(_MUTATION, max_size=24), odd=st.lists(st.tuples(st.integers(0, 24), _odd_mutation()), max_size=3),
        chain=st.booleans(), as_tuple=st.booleans())
@@ -309,15 +309,15 @@ def test_the_c_delta_columns_give_the_python_loops_bytes_and_errors(muts, odd, c
     if chain:
         muts = _chain_stores(muts)
     batch = tuple(muts) if as_tuple else muts
-    c = pod_state._delta_columns
+    c = pod_log._delta_columns
     assert _delta_or_error(batch, c) == _delta_or_error(batch, None)
     if not odd:
-        assert c(batch, *pod_state._DELTA_TYPES) is not None
+        assert c(batch, *pod_log._DELTA_TYPES) is not None
 
 
-@pytest.mark.skipif(pod_state._delta_columns is None, reason="the C delta columns are not built")
+@pytest.mark.skipif(pod_log._delta_columns is None, reason="the C delta columns are not built")
 def test_the_c_delta_columns_leave_anything_unusual_to_the_python_loop():
-    c, types = pod_state._delta_columns, pod_state._DELTA_TYPES
+    c, types = pod_log._delta_columns, pod_log._DELTA_TYPES
     store = StoreBlock(1, "gpu", "F", (11,), 0, False, CHAIN_ROOT)
     assert c([store, RemoveBlock(2, "gpu", 255), ClearPod(), MarkIncomplete("x")], *types) is not None
     assert c([RemoveBlock(1, f"t{i}", 0) for i in range(16)], *types) is not None
@@ -339,9 +339,9 @@ def snapshot_path(request, monkeypatch):
     """encode_snapshot with its per-block columns built in C (``_speedups.snapshot_columns``), then by the
     Python path (the fallback and reference), with no C at all."""
     if request.param == "Python":
-        monkeypatch.setattr(pod_state, "_snapshot_columns", None)
-        monkeypatch.setattr(pod_state, "_pack_u64s", None)
-    elif pod_state._snapshot_columns is None:
+        monkeypatch.setattr(pod_log, "_snapshot_columns", None)
+        monkeypatch.setattr(pod_log, "_pack_u64s", None)
+    elif pod_log._snapshot_columns is None:
         pytest.skip("C extension not built")
     return request.param
 
@@ -492,19 +492,19 @@ def pod_states(draw) -> PodState:
     return state
 
 
-@pytest.mark.skipif(pod_state._snapshot_columns is None, reason="C extension not built")
+@pytest.mark.skipif(pod_log._snapshot_columns is None, reason="C extension not built")
 @settings(max_examples=200, deadline=None)
 @given(state=pod_states())
 def test_the_c_columns_write_the_python_paths_bytes(state):
     """The C columns (built in one pass over the blocks) are the Python path's, and so is every byte of the
     snapshot: the Python path is the reference (here with no C at all: struct packs its keys), and snapshots
     persist (an ingester of either build restores any pod's)."""
-    columns = pod_state._snapshot_columns(state.blocks)  # C takes every such state: no fallback
+    columns = pod_log._snapshot_columns(state.blocks)  # C takes every such state: no fallback
     snap = encode_snapshot(state, 9)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pod_state, "_snapshot_columns", None)
-        mp.setattr(pod_state, "_pack_u64s", None)
-        assert columns == pod_state._columns(state)
+        mp.setattr(pod_log, "_snapshot_columns", None)
+        mp.setattr(pod_log, "_pack_u64s", None)
+        assert columns == pod_log._columns(state)
         assert encode_snapshot(state, 9) == snap
 
 

@@ -1,0 +1,323 @@
+"""A pod's private state as Valkey keeps it (``kvpf:{<pod>}:state``): a snapshot of its blocks, then the mutation
+batches applied since, and the state they rebuild (``restore``). Pure.
+
+The state itself and the plan of a batch against it are kv_preflight/index/pod_state.py; this module is only
+their persistence, so the writer (kv_preflight/index/writer.py) writes each batch as one log entry and folds
+the log into a snapshot from time to time, and any writer or reader can rebuild the state from it.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+
+from kv_preflight.engines.hit_rules import GroupSpec
+from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock
+from kv_preflight.index import pod_state as _state  # its C plan loop, read at each call (tests swap it)
+from kv_preflight.index.pod_state import _PLAN_TYPES, Plan, PodState
+
+# ---- persistence: a snapshot of the blocks, then the mutation batches applied since
+# Both are msgpack. A snapshot is columnar (one list per attribute, built in C in one pass over the blocks, or
+# by comprehensions: a pod's thousands of blocks encode in a tenth of a millisecond, or about one) and names
+# each entry field once; a delta names its fields once too (llm-d's entry JSON is ~100 bytes, a block's keys
+# ~30), so the log stays small and snapshots rare.
+
+class _Snapshot(msgspec.Struct, array_like=True):
+    """Per block, in the state's order (the order blocks were stored, so a request's blocks sit in chain order):
+    engine keys and request keys as packed little-endian u64s, each block's key count, its tier, group and
+    field in one small int, and its parent only where it is not the previous block's last request key. About
+    20 bytes a block of one request key (a msgpack tuple per block took 35)."""
+
+    gen: int
+    fields: list[str]
+    groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
+    engine_block_size: int | None
+    tiers: list[str]
+    engine_keys: bytes  # u64 per block
+    request_keys: bytes  # u64 per request key, every block's in turn
+    counts: list[int]  # request keys per block; one value: every block's (the usual case: a byte saved a block)
+    codes: list[int]  # per block: field id << 12 | group << 4 | tier id; one value: every block's
+    chained: bytes  # bit i set: block i's parent is block i-1's last request key
+    parents: list[int | None]  # the other blocks' parents, in order (CHAIN_ROOT, a request key, None: unknown)
+    copies: dict[int, int] = {}  # block index -> physical copies, where more than one
+    deferred: list[tuple[int, list[int]]] = []  # PodState.deferred
+
+
+class _Delta(msgspec.Struct, array_like=True):
+    """One applied batch, as the mutations that make it (replayed through ``plan`` to rebuild the state),
+    columnar as a snapshot is: per op its kind; per store or removal its engine key (packed u64) and one small
+    int (field id << 12 | group << 4 | tier id; one value: every op's); per store its request keys (packed, with
+    their count per store), whether it was parentless, and its parent only where it is not the previous store's
+    last request key. About 18 bytes a store of one request key (a msgpack tuple per op took 37): every byte
+    of it is copied into a Lua string by the apply script, which costs Valkey more than the copy."""
+
+    gen: int
+    groups: dict[int, tuple[str, int | None, int | None, int | None, bool]]
+    engine_block_size: int | None
+    fields: list[str]
+    tiers: list[str]
+    kinds: bytes  # per op: 0 store, 1 removal, 2 clear, 3 flag
+    engine_keys: bytes  # u64 per store or removal
+    codes: list[int]  # per store or removal
+    counts: list[int]  # request keys per store; one value: every store's
+    request_keys: bytes  # u64 per request key, every store's in turn
+    parentless: bytes  # bit i set: store i had no parent in its event
+    chained: bytes  # bit i set: store i's parent is store i-1's last request key
+    parents: list[int | None]  # the other stores' parents, in order
+    reasons: list[str]  # per flag
+
+
+try:  # a delta's and a snapshot's columns, and uint64s packed, in C (kv_preflight/_speedups.c); ``_encode_delta``,
+    # ``_columns`` and the Python packing below are their references and stand in when not built
+    from kv_preflight._speedups import delta_columns as _delta_columns
+    from kv_preflight._speedups import pack_u64s as _pack_u64s
+    from kv_preflight._speedups import snapshot_columns as _snapshot_columns
+except ImportError:  # pragma: no cover - no compiler at install time
+    _delta_columns = _pack_u64s = _snapshot_columns = None
+_DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
+
+_enc = msgspec.msgpack.Encoder()
+_snap_dec = msgspec.msgpack.Decoder(_Snapshot)
+_delta_dec = msgspec.msgpack.Decoder(_Delta)
+
+
+def _spec_tuple(s: GroupSpec) -> tuple[str, int | None, int | None, int | None, bool]:
+    return (s.kind, s.block_size, s.sliding_window, s.attention_chunk_size, s.eagle)
+
+
+def encode_snapshot(state: PodState, gen: int) -> bytes:
+    """A pod's snapshot (``_Snapshot``): an ingester writes one every few batches of each pod, over the pod's
+    whole state (thousands of blocks), so its per-block columns come from C where the extension is built
+    (``snapshot_columns``, one pass over the blocks: about an eighth of the instructions of ``_columns``, the
+    Python path, which cost a sixth of the ingester's CPU). What C refuses (what the format cannot hold, or a
+    value not plainly typed) takes the Python path, the reference: it raises its own errors, in its order."""
+    columns = None
+    if _snapshot_columns is not None:
+        try:
+            columns = _snapshot_columns(state.blocks)
+        except (OverflowError, TypeError, ValueError):
+            pass  # the Python path below says what is wrong, or takes the odd value as it always did
+    if columns is None:
+        columns = _columns(state)
+    fields, tiers, engine_keys, request_keys, counts, codes, chained, parents, copies = columns
+    return _enc.encode(_Snapshot(
+        gen, fields, {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, tiers,
+        engine_keys, request_keys, counts, codes, chained, parents, copies,
+        [(ek, list(rks)) for ek, rks in state.deferred.items()]))
+
+
+def _columns(state: PodState) -> tuple[list[str], list[str], bytes, bytes, list[int], list[int], bytes,
+                                       list[int | None], dict[int, int]]:
+    """The snapshot's per-block columns (fields, tiers, engine keys, request keys, counts, codes, chained,
+    parents, copies) in Python, a column at a time: each column is one comprehension or one C call (a loop
+    over the blocks cost twice as much)."""
+    keys = list(state.blocks)
+    blocks = list(state.blocks.values())
+    n = len(blocks)
+    fields = [b.field for b in blocks]
+    tiers = [k[1] for k in keys]
+    groups = [k[2] for k in keys]
+    if n and (max(groups) > 255 or min(groups) < 0):
+        raise ValueError("more than 16 tiers or a group past 255: not a state this format holds")
+    if len(set(fields)) == 1 and len(set(tiers)) == 1 and len(set(groups)) == 1:  # the usual pod: one code
+        field_ids, tier_ids = [fields[0]], [tiers[0]]
+        codes = [groups[0] << 4]
+    else:
+        fids: dict[str, int] = {f: i for i, f in enumerate(dict.fromkeys(fields))}
+        tids: dict[str, int] = {t: i for i, t in enumerate(dict.fromkeys(tiers))}
+        if len(tids) > 16:
+            raise ValueError("more than 16 tiers or a group past 255: not a state this format holds")
+        field_ids, tier_ids = list(fids), list(tids)
+        codes = _column([fids[f] << 12 | g << 4 | tids[t] for f, t, g in zip(fields, tiers, groups)])
+    counts = [len(b.rks) for b in blocks]
+    rks = [rk for b in blocks for rk in b.rks]
+    parents = [b.parent for b in blocks]
+    # a block is chained when its parent is the previous block's last request key (not the chain's root)
+    if n and min(counts) > 0:
+        lasts = rks[:-1] if len(rks) == n else [b.rks[-1] for b in blocks[:-1]]
+    else:
+        lasts = [b.rks[-1] if b.rks else None for b in blocks[:-1]]
+    flags = [False] + [p == last and p is not None and p != CHAIN_ROOT for p, last in zip(parents[1:], lasts)] \
+        if n else []
+    return (field_ids, tier_ids, _u64s([k[0] for k in keys]), _u64s(rks), _column(counts), codes, _bits(flags),
+            [p for p, chained in zip(parents, flags) if not chained],
+            {i: b.copies for i, b in enumerate(blocks) if b.copies > 1})
+
+
+_BITS = bytes.maketrans(b"\x00\x01", b"01")
+
+
+def _bits(flags: list[bool]) -> bytes:
+    """Flags as a little-endian bit string (flag i is bit i & 7 of byte i >> 3), in C: as binary digits, most
+    significant first."""
+    if not flags:
+        return b""
+    return int(bytes(reversed(flags)).translate(_BITS), 2).to_bytes((len(flags) + 7) // 8, "little")
+
+
+def _u64s(values: list[int]) -> bytes:
+    """Packed little-endian u64s (in C when built: struct converts each value the slow way). A value outside
+    [0, 2**64) raises struct.error either way (struct says which)."""
+    if _pack_u64s is not None:
+        try:
+            return _pack_u64s(values)
+        except (OverflowError, TypeError):
+            pass
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+def _column(values: list[int]) -> list[int]:
+    """A per-block column, as one value when every block has it (one block's list reads the same either way)."""
+    return values[:1] if values and values.count(values[0]) == len(values) else values
+
+
+def _per_block(column: list[int], n: int) -> list[int]:
+    return column * n if len(column) == 1 else column
+
+
+def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
+                 engine_block_size: int | None) -> bytes:
+    """One applied batch as a ``_Delta``. Once per batch on the ingester's hot path: the per-mutation columns
+    come from one C pass (``_speedups.delta_columns``, the same bytes) where it is built and the batch is
+    ordinary; anything else (no C, a subclass, a key outside uint64, a group outside a byte, more than 16
+    tiers, ...) goes through ``_encode_delta``, the reference, which raises what it raises."""
+    if _delta_columns is not None:
+        cols = _delta_columns(mutations, *_DELTA_TYPES)
+        if cols is not None:
+            return _enc.encode(_Delta(gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size,
+                                      *cols))
+    return _encode_delta(gen, mutations, groups, engine_block_size)
+
+
+def _encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
+                  engine_block_size: int | None) -> bytes:
+    """``encode_delta`` a mutation at a time (the reference for ``_speedups.delta_columns``, and the fallback)."""
+    fids: dict[str, int] = {}
+    tids: dict[str, int] = {}
+    kinds = bytearray()
+    eks: list[int] = []
+    codes: list[int] = []
+    stores: list[StoreBlock] = []
+    reasons: list[str] = []
+    for m in mutations:
+        if isinstance(m, StoreBlock):
+            kinds.append(0)
+            eks.append(m.engine_key)
+            codes.append(fids.setdefault(m.entry_field, len(fids)) << 12 | m.group << 4
+                         | tids.setdefault(m.tier, len(tids)))
+            stores.append(m)
+        elif isinstance(m, RemoveBlock):
+            kinds.append(1)
+            eks.append(m.engine_key)
+            codes.append(m.group << 4 | tids.setdefault(m.tier, len(tids)))
+        elif isinstance(m, ClearPod):
+            kinds.append(2)
+        else:
+            kinds.append(3)
+            reasons.append(m.reason)
+    if len(tids) > 16 or any(not 0 <= m.group <= 255 for m in mutations if isinstance(m, (StoreBlock, RemoveBlock))):
+        raise ValueError("more than 16 tiers or a group past 255: not a batch this format holds")
+    rks = [rk for m in stores for rk in m.request_keys]
+    flags = bytearray((len(stores) + 7) // 8)
+    chained = bytearray((len(stores) + 7) // 8)
+    parents: list[int | None] = []
+    last: int | None = None
+    for i, m in enumerate(stores):
+        if m.parentless:
+            flags[i >> 3] |= 1 << (i & 7)
+        if m.parent is not None and m.parent == last and m.parent != CHAIN_ROOT:
+            chained[i >> 3] |= 1 << (i & 7)
+        else:
+            parents.append(m.parent)
+        last = m.request_keys[-1] if m.request_keys else None
+    return _enc.encode(_Delta(
+        gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size, list(fids), list(tids),
+        bytes(kinds), _u64s(eks), _column(codes), _column([len(m.request_keys) for m in stores]),
+        _u64s(rks), bytes(flags), bytes(chained), parents, reasons))
+
+
+def _mutations(d: _Delta) -> list[Mutation]:
+    """The batch's mutations, as ``encode_delta`` was given them."""
+    eks = struct.unpack(f"<{len(d.engine_keys) // 8}Q", d.engine_keys)
+    rks = struct.unpack(f"<{len(d.request_keys) // 8}Q", d.request_keys)
+    n_stores = d.kinds.count(0)
+    codes, counts = _per_block(d.codes, len(eks)), _per_block(d.counts, n_stores)
+    parents, reasons = iter(d.parents), iter(d.reasons)
+    out: list[Mutation] = []
+    at = store = op = 0
+    last: int | None = None
+    for kind in d.kinds:
+        if kind == 0:
+            own = rks[at:at + counts[store]]
+            at += counts[store]
+            code = codes[op]
+            parent = last if d.chained[store >> 3] >> (store & 7) & 1 else next(parents)
+            out.append(StoreBlock(eks[op], d.tiers[code & 15], d.fields[code >> 12], tuple(own), code >> 4 & 255,
+                                  bool(d.parentless[store >> 3] >> (store & 7) & 1), parent))
+            last = own[-1] if own else None
+            store += 1
+            op += 1
+        elif kind == 1:
+            code = codes[op]
+            out.append(RemoveBlock(eks[op], d.tiers[code & 15], code >> 4 & 255))
+            op += 1
+        elif kind == 2:
+            out.append(ClearPod())
+        else:
+            out.append(MarkIncomplete(next(reasons)))
+    return out
+
+
+def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None, *,
+            reannouncements: bool = False) -> tuple[PodState, int]:
+    """The state a snapshot and the deltas after it describe, and the generation it is at (the deltas planned
+    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run)."""
+    st = PodState(pod_id=pod_id)
+    st.reannouncements = reannouncements
+    gen = 0
+    if snapshot:
+        snap = _snap_dec.decode(snapshot)
+        gen = snap.gen
+        st.groups = {int(g): GroupSpec(*t) for g, t in snap.groups.items()}
+        st.engine_block_size = snap.engine_block_size
+        out = Plan(after=st)
+        fields, tiers = snap.fields, snap.tiers
+        eks = struct.unpack(f"<{len(snap.engine_keys) // 8}Q", snap.engine_keys)
+        rks = struct.unpack(f"<{len(snap.request_keys) // 8}Q", snap.request_keys)
+        parents = iter(snap.parents)
+        at, last = 0, None
+        keys = []
+        stores = []
+        for i, (ek, n, code) in enumerate(zip(eks, _per_block(snap.counts, len(eks)), _per_block(snap.codes, len(eks)))):
+            own = rks[at:at + n]
+            at += n
+            parent = last if snap.chained[i >> 3] >> (i & 7) & 1 else next(parents)
+            key = (ek, tiers[code & 15], code >> 4 & 255)
+            keys.append(key)
+            stores.append(StoreBlock(ek, key[1], fields[code >> 12], own, key[2], False, parent))
+            last = own[-1] if own else None
+        # stored as a batch's stores are (in C where built: a pod's load, after a restart or another writer,
+        # replays its thousands of blocks)
+        plan_blocks = _state._plan_blocks
+        done = plan_blocks(st, out, stores, 0, False, _PLAN_TYPES) if plan_blocks is not None else 0
+        for m in stores[done:]:
+            st._store(m, out)
+        for i, copies in snap.copies.items():
+            st.blocks[keys[i]].copies = copies
+        for ek, rks in snap.deferred:
+            st.deferred[ek] = tuple(rks)
+            for rk in rks:
+                st.waiting.setdefault(rk, set()).add(ek)
+    for d in sorted((_delta_dec.decode(raw) for raw in deltas), key=lambda d: d.gen):
+        if d.gen <= gen:
+            continue
+        plan = st.plan(_mutations(d), {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None)
+        st = plan.after
+        if d.engine_block_size:
+            st.engine_block_size = d.engine_block_size
+        gen = d.gen
+    return st, gen
+
+
+__all__ = ["encode_delta", "encode_snapshot", "restore"]
