@@ -255,7 +255,9 @@ async def test_new_prefixes_are_placed_by_room_and_a_pending_one_follows_its_fir
         await ix.fleet.put_load({p: PodLoad(running=3 if p == busy else 0, waiting=0, kv_usage=0.1, at_ms=now) for p in pods})
 
     await loads()
-    s = serve("--route-pending", "60").ready()  # pending for 60 s: the wait below for a load scrape is not timed
+    # pending for 60 s: the wait below for a load scrape is not timed; loads this test writes once stay fresh for
+    # 10 minutes (on a loaded machine the default 5 s passed before the last route, and its load read as unknown)
+    s = serve("--route-pending", "60", "--route-stale", "600").ready()
     await asyncio.to_thread(until, lambda: all(c.get("load") == 0 for c in s.route(token_ids=[1] * 40).json()
                                                ["candidates"]) and len(s.route(token_ids=[1] * 40).json()
                                                                        ["candidates"]) == 4, "every pod's load")
