@@ -163,18 +163,18 @@ class ReplicationBarrier:
             raise
         return int(acked) >= 1
 
-    async def incarnations(self, nodes: Iterable[Any]) -> dict[str, tuple[str, str, int] | None]:
-        """Per primary (by name): which run of which dataset it is now, (``run_id``, ``master_replid``,
-        ``uptime_in_seconds``), from INFO; None when it did not answer or is not a master now. A restart changes
-        the run id (and with no persistence, the data), a promotion the replication id: then what it was sent
-        before may not be there, whatever a WAIT says now."""
+    async def incarnations(self, nodes: Iterable[Any]) -> dict[str, tuple[str, str] | None]:
+        """Per primary (by name): which run of which dataset it is now, (``run_id``, ``master_replid``), from
+        INFO; None when it did not answer or is not a master now. A restart changes the run id (and with no
+        persistence, the data), a promotion the replication id: then what it was sent before may not be there,
+        whatever a WAIT says now."""
         nodes = list(nodes)
 
-        async def one(node) -> tuple[str, str, int] | None:
+        async def one(node) -> tuple[str, str] | None:
             info = await self._conn(node).execute_command("INFO", "server", "replication")
             if info.get("role") != "master":
                 return None
-            return str(info["run_id"]), str(info["master_replid"]), int(info["uptime_in_seconds"])
+            return str(info["run_id"]), str(info["master_replid"])
 
         results = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
         return {n.name: None if isinstance(r, BaseException) else r for n, r in zip(nodes, results)}

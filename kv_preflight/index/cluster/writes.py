@@ -155,13 +155,12 @@ def key_op_args(op: Sequence[Any]) -> list[Any]:
 
 class Touched(NamedTuple):
     """What a run wrote, for its ack: the keys (per name prefix, the values: request keys, engine keys), the
-    slot map it wrote by (``Shards.map_mark``; None: nothing written), that map's content
-    (``Shards.map_digest``) and when the run began (this host's monotonic clock)."""
+    slot map it wrote by (``Shards.map_mark``; None: nothing written) and that map's content
+    (``Shards.map_digest``)."""
 
     keys: list[tuple[str, list[int]]]
     mark: Any
     digest: Any = None
-    at: float = 0.0
 
 
 class Kept(NamedTuple):
@@ -328,7 +327,7 @@ class ClusterWrites:
             return 0, "", Touched([], None)
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``ack``)
-        digest, at = self.shards.map_digest(), time.monotonic()
+        digest = self.shards.map_digest()
         ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
@@ -362,7 +361,7 @@ class ClusterWrites:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
-        return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest, at)
+        return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest)
 
     async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
@@ -474,9 +473,10 @@ class ClusterWrites:
     async def _keep(self, entries: Sequence[tuple[str, str, bytes]], nodes: Sequence[Any] | None,
                     touched: "Touched") -> None:
         """Entries that ran whole and stay (``_engine_keys_done``), remembered with the primaries they went to
-        (``Kept``), unless those are not known or may not hold what the run wrote: ``nodes`` None, a primary
-        silent or no master now, or one up for less time than since the run began (restarted meanwhile, maybe
-        with none of it). Those run again at the next drain."""
+        (``Kept``), unless those are not known now: ``nodes`` None, or a primary silent or no master now. Those
+        run again at the next drain. (A primary that restarted between the run and this look is not looked for:
+        back without its data, its slot markers say so and every pod is rebuilt; back with what it acknowledged,
+        nothing was lost. docs/durability.md)"""
         await self._engine_keys_done(entries)
         await self._remember(entries, nodes, touched)
 
@@ -485,11 +485,10 @@ class ClusterWrites:
         if not entries:
             return
         found = await self.barrier.incarnations(nodes) if nodes is not None else None
-        since = time.monotonic() - touched.at
-        if found is None or any(v is None or v[2] <= since + 1 for v in found.values()):
+        if found is None or any(v is None for v in found.values()):
             self._unkeep(entries)
             return
-        kept = Kept(touched.digest, tuple((name, v[:2]) for name, v in found.items() if v is not None))
+        kept = Kept(touched.digest, tuple((name, v) for name, v in found.items() if v is not None))
         for pod, field, _ in entries:
             self._kept.setdefault(pod, {})[field] = kept
 
@@ -526,11 +525,8 @@ class ClusterWrites:
             return False
         nodes = list({name: primaries[name] for name, _ in wanted}.values())
 
-        async def same() -> bool:
-            found = await self.barrier.incarnations(nodes)
-            return all(found[name] is not None and found[name][:2] == inc for name, inc in wanted)
-
-        if not await same():
+        found = await self.barrier.incarnations(nodes)
+        if not all(found[name] is not None and found[name] == inc for name, inc in wanted):
             # restarted, promoted or demoted since, or silent (failed over?): what the runs wrote may not be
             # there; they run again, and the slot map is read again in case it moved
             self._kept.pop(pod, None)
@@ -538,11 +534,6 @@ class ClusterWrites:
             return False
         if not await self.barrier.confirm(nodes):
             return True
-        # the same incarnations still (a restart between the look above and the WAIT, its replica synced
-        # from it at once, would confirm a dataset without the runs' writes)
-        if not await same():
-            self._kept.pop(pod, None)
-            return False
         await self._delete([(pod, f, b"") for f in fields])
         self.confirmed_late += len(fields)
         log.info("%s: %d outbox entries confirmed by a replica late, deleted (their changes had run)", pod,
