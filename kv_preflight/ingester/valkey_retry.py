@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 # Error replies that a later retry can succeed past: the server is loading, busy with a script,
 # out of memory for now, failing over, or the key moved to another shard.
-_TRANSIENT_REPLIES = ("LOADING", "BUSY", "OOM", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "NOREPLICAS",
+_TRANSIENT_REPLIES = ("LOADING", "BUSY", "OOM", "MISCONF", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "NOREPLICAS",
                       "MOVED", "ASK", "NOSCRIPT")
 
 

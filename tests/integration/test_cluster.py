@@ -941,3 +941,38 @@ async def test_a_slot_marker_gone_from_a_shard_that_ran_all_along_is_written_aga
         assert ing.poll() is None
     finally:
         await o.close()
+
+
+async def test_a_shard_at_maxmemory_is_a_transient_error_not_a_foreign_key(tmp_path):
+    """A master at its maxmemory under noeviction refuses the writes of a batch's effects (round A: its request
+    keys' entries and bits) with OOM. effects.lua counted each refusal as "a key of a foreign type": the pod was
+    flagged incomplete and those changes were never made, though nothing foreign was there. Now an OOM ends the
+    script (Valkey refuses it before a script's first write, so nothing was changed), the ingester retries as it
+    does for a shard down, the outbox keeps the changes, and once the shard has room again they run: the pod is
+    never flagged, and the index ends exactly the engine's (its replay vs the index's export)."""
+    o = Outage(tmp_path, 58)
+    try:
+        o.ingest("ing")
+        await o.exact()
+        spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
+        victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
+        full = redis.Redis(port=victim.port)
+        full.config_set("maxmemory-policy", "noeviction")
+        full.config_set("maxmemory", 1)
+        try:
+            await publish(o.engine, o.wl, 10)
+            await wait_seq(o.ix, "pod-c", o.engine.seq - 1)  # the pod steps ran (the pod's shard has room)
+            await asyncio.sleep(3.0)  # the effects were tried (and refused) meanwhile: the flag would be up by now
+            info = await o.ix.meta.pod_info("pod-c")
+            assert not info.incomplete, info.incomplete_reason
+            assert not info.counters.get("foreign_keys"), info.counters
+            assert info.pending_effects >= 1, "no batch's changes waited for the full shard: nothing is tested"
+        finally:
+            full.config_set("maxmemory", 0)
+            full.close()
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        await publish(o.engine, o.wl, 5)
+        await assert_exact(o.ix, o.engine, o.wl)
+    finally:
+        await o.close()
