@@ -113,6 +113,8 @@ class Config:
     # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
     dynamo_port: int = 0
     register_allow: tuple[str, ...] = ()
+    # ... and the folders a registered ipc:// socket may be in (its path normalized first)
+    register_ipc_dirs: tuple[str, ...] = ("/tmp",)
     # /register's bounds: engines in all and per model (429 past them); every registration is re-read by
     # every ingester each discovery interval and listed by /workers, so they stay bounded
     max_registered_engines: int = 1024
@@ -212,6 +214,8 @@ class Config:
             raise ValueError(f"pod_id must be 'topic' or 'endpoint', got {self.pod_id!r}")
         if not all(str(p).isdigit() and 0 < int(p) <= 65535 for p in self.target_ports):
             raise ValueError(f"target_ports must be port numbers, got {','.join(map(str, self.target_ports))}")
+        if not all(d.startswith("/") for d in self.register_ipc_dirs):
+            raise ValueError(f"register_ipc_dirs must be absolute folders, got {','.join(self.register_ipc_dirs)}")
         if not 0 <= self.dynamo_port <= 65535:
             raise ValueError("dynamo_port must be a port number (0: off)")
         if self.api_keys and not any(k.strip() for k in self.api_keys):

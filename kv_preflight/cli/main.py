@@ -161,6 +161,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
+@click.option("--register-ipc-dir", "register_ipc_dirs", multiple=True, help="Folder a Dynamo /register may name an ipc:// engine socket in (its path normalized first). Repeatable (default /tmp).")
 @click.option("--max-registered-engines", default=None, type=click.IntRange(min=1), help="Engines /register may add in all (default 1024); past it, 429.")
 @click.option("--max-registered-per-model", default=None, type=click.IntRange(min=1), help="Engines /register may add per model (default 256); past it, 429.")
 @click.option("--max-connections-per-client", default=None, type=click.IntRange(min=0), help="Connections one client address may hold open (default 64; 0: no limit); past it, 503 and close.")
@@ -172,7 +173,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
           register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None,
           max_registered_engines=None, max_registered_per_model=None, max_connections_per_client=None,
-          max_connections=None, group_specs=()) -> None:
+          max_connections=None, group_specs=(), register_ipc_dirs=()) -> None:
     """Serve predictions and routing over HTTP."""
     from kv_preflight.predictor.serve import serve as run_server
 
@@ -189,7 +190,8 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
-            dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
+            dynamo_port=dynamo_port, register_allow=register_allow, register_ipc_dirs=register_ipc_dirs or None,
+            hash_algo=hash_algo,
             route_placement_window_s=route_placement_window_s, route_pending_s=route_pending_s,
             max_registered_engines=max_registered_engines, max_registered_per_model=max_registered_per_model,
             max_connections_per_client=max_connections_per_client, max_connections=max_connections,
