@@ -17,7 +17,7 @@ import time
 import uuid
 
 from kv_preflight.config import Config
-from kv_preflight.fleet.records import IndexSettings
+from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.layout_version import check_layout, v1_writer_seen
 from kv_preflight.ingester.accept import FrameAcceptor
@@ -404,14 +404,15 @@ class SettingsError(RuntimeError):
 async def check_settings(ing: Ingester) -> None:
     """Claim the index-wide settings (first writer wins) and refuse to write under others: request keys
     hashed with another seed or block size would never be found by anyone reading this index."""
-    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
-                         entry_format=ing.cfg.entry_format)
+    cfg = ing.cfg
+    ours = IndexSettings(hash_seed=cfg.hash_seed, block_size=cfg.block_size, hash_algo=cfg.hash_algo,
+                         entry_format=cfg.entry_format, pod_id=cfg.pod_id, kv_cache_report_mode=cfg.kv_cache_report_mode)
     found = await ing.valkey.call(ing.index.fleet.claim_settings, ours)
     wrong = ours.disagreements(found)
     if wrong:
+        flags = ", ".join(f for n, f in SETTING_FLAGS.items() if getattr(ours, n) != getattr(found, n))
         raise SettingsError("this index was written with other settings (ours != the index's): " + "; ".join(wrong)
-                            + ". Give the index's values (--hash-seed, --block-size, --entry-format), or use "
-                            "another Valkey")
+                            + f". Give the index's values ({flags}), or use another Valkey")
 
 
 def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
