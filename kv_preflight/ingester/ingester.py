@@ -17,6 +17,7 @@ import time
 import uuid
 
 from kv_preflight.config import Config
+from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.layout_version import check_layout, v1_writer_seen
@@ -184,6 +185,10 @@ class Ingester:
             # a registered engine names its model too: its frames need no kv@POD@MODEL topic (Dynamo's
             # workers publish with vLLM's default empty topic), as --source ...,pod=,model= does
             found = [dataclasses.replace(src, pod=spec.pod, model=src.model or spec.model or None) for src in found]
+        else:  # named by its topic: the pod it announced is the one pod its sockets may write for (pods=), so an
+            # engine announcing one pod and publishing another's topic is refused, logged and counted (accept.py)
+            found = [dataclasses.replace(src, pods=frozenset({topic.pod_id}))
+                     if src.pods is None and (topic := topic_or_none(src.topic)) is not None else src for src in found]
         found = secure_sources(found, self.cfg, on_refused=lambda key: self.counters.tally("publishers_refused"))
         assert self.subscriber is not None
         live = sum(1 for s in self.subscriber.sources if not s.endpoint.startswith("removed://"))
