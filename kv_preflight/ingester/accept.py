@@ -29,6 +29,7 @@ class FrameAcceptor:
         self.routes = routes
         self.counters = counters
         self.crowded = crowded  # the subscriber's: a pod= socket with several publishers connected
+        self._conflicts: set[tuple[str, int, str]] = set()  # (pod, rank, endpoint) refused as a second publisher
 
     async def accept(self, src: Source, frames: list[bytes]) -> Accepted | None:
         """Decode one message and note its route; None when it is dropped (counted)."""
@@ -67,7 +68,29 @@ class FrameAcceptor:
         if pod in self.routes.forgotten:  # unregistered or cleared with --forget: its keys are going
             await self.counters.count("frames_refused", endpoint=src.endpoint)
             return None
-        await self.routes.write_aliases()
         rank = decoded.batch.data_parallel_rank or 0
+        holder = self.routes.publisher_of(pod, rank)
+        if holder is not None and holder != src.endpoint:
+            await self._conflict(src, pod, rank, holder)
+            return None
+        await self.routes.write_aliases()
         route = await self.routes.note(src, pod, decoded.topic.model, rank)
         return Accepted(pod, route.model, decoded.seq, decoded.batch, count)
+
+    async def _conflict(self, src: Source, pod: str, rank: int, holder: str) -> None:
+        """A frame of a pod's rank that another socket of this ingester publishes already (two replicas given one
+        topic pod id, each with its own --source or --bind): whose batch is whose cannot be told once they are in
+        one seq, so the socket that published it first keeps it and the other's frames are refused, as two
+        --engine sources of one pod are (docs/fleet.md). Counted once per (pod, rank, socket) as a pod conflict,
+        every frame as refused; logged the first time and every 1000th frame."""
+        await self.counters.count("frames_refused", endpoint=src.endpoint)
+        key = (pod, rank, src.endpoint)
+        if key not in self._conflicts:
+            self._conflicts.add(key)
+            await self.counters.count("pod_conflicts")
+            log.error("refused from %s: pod %r rank %d is already published by %s here; two publishers of one pod "
+                      "would corrupt it (give each engine its own pod id: its topic kv@POD@MODEL, or pod= on its "
+                      "source)", src.endpoint, pod[:80], rank, holder)
+        elif self.counters.counts["frames_refused"] % 1000 == 0:
+            log.warning("refused from %s: pod %r rank %d still published by %s too (%d frame(s) refused so far)",
+                        src.endpoint, pod[:80], rank, holder, self.counters.counts["frames_refused"])

@@ -55,7 +55,7 @@ COUNTED: dict[str, Counted] = {
     "frames_refused": Counted((("frames_refused", ENDPOINT),), valkey="frames_refused"),
     "publishers_refused": Counted((("publishers_refused",),)),
     # the fleet membership (ingester/fleet_member.py)
-    "pod_conflicts": Counted((("pod_conflicts",),)),
+    "pod_conflicts": Counted((("pod_conflicts",),), valkey="pod_conflicts"),  # also a source's (ingester/accept.py)
     "pods_retired": Counted((("pods_retired",),)),
     "attach_errors": Counted((("engine_errors", "attach"),)),  # an engine's sources refused: that engine alone
     "detach_errors": Counted((("engine_errors", "detach"),)),

@@ -37,7 +37,8 @@ class IngesterMetrics:
         self.decode_errors = Counter("kvpf_ingest_decode_errors", "Frames or events that could not be decoded.",
                                      registry=r)
         self.pod_conflicts = Counter("kvpf_ingest_pod_conflicts", "Engines refused because another live engine "
-                                     "already publishes their pod id.", registry=r)
+                                     "already publishes their pod id, and sockets refused a pod's rank another socket "
+                                     "publishes (once per pod, rank and socket).", registry=r)
         self.pods_retired = Counter("kvpf_ingest_pods_retired", "Pods retired (left discovery, or unreachable "
                                     "for --retire-after): entries cleared.", registry=r)
         self.gaps = PodLabelled(Counter("kvpf_ingest_gaps", "Seq gaps seen, by pod.", ["pod"], registry=r), pods)

@@ -64,6 +64,12 @@ class Routes:
             if src.endpoint in endpoints:
                 del self._replays[replay]
 
+    def publisher_of(self, pod: str, rank: int) -> str | None:
+        """The endpoint of the socket this pod's rank is published on here (the first to publish it, or to be
+        attached for it, since the engine or source that brought it was let go), None if none is yet."""
+        owner = self.rank_sources.get((pod, rank))
+        return owner.endpoint if owner is not None else None
+
     async def note(self, src: Source, pod: str, model: str, rank: int) -> PodRoute:
         """The route a frame of ``pod`` just arrived on (the model and source it names are the current ones)."""
         route = self.pods.setdefault(pod, PodRoute(model=model, replay=src.replay, source=src.endpoint,

@@ -257,8 +257,8 @@ def test_an_engine_found_through_engine_may_write_only_for_the_pod_it_announced(
             time.sleep(0.05)
         held = vk.loop.run_until_complete(index_state(vk.ix, "sim-0"))
         assert held == engine_truth(published)
-        assert not vk.loop.run_until_complete(vk.ix.meta.pod_info("sim-0")).incomplete
-        assert vk.counters().get("engine_restarts", 0) == 0
+        info = vk.loop.run_until_complete(vk.ix.meta.pod_info("sim-0"))
+        assert not info.incomplete and not info.counters.get("restarts") and not info.counters.get("cleared")
         assert proc.poll() is None
     finally:
         vk.close()
@@ -266,3 +266,65 @@ def test_an_engine_found_through_engine_may_write_only_for_the_pod_it_announced(
         engine.stop()
         rogue.stop()
         stub.close()
+
+
+def test_two_sources_publishing_one_pod_keep_it_the_first_ones(valkey_url, tmp_path):
+    """Two replicas given one topic pod id (``kv@sim-dup@sim``), each given with its own --source: their batches
+    went into one pod as one seq (each a restart or a gap of the other's: clears, replays, blocks of one replica
+    missing, the pod answered as exact), unnoticed, pod_conflicts 0. Now the socket that published the pod first
+    keeps it; the other's frames are refused, logged, counted (frames_refused, and one pod_conflict), and the pod
+    ends exactly what the first replica published (its replay vs the index), never flagged, never cleared."""
+    from tests.integration.sim import sim_engine
+    from tests.integration.truth import engine_truth, index_state
+    from kv_preflight.cli.accuracy import shared_prefix_workload
+
+    first, second = sim_engine("sim-dup", tmp_path / "a"), sim_engine("sim-dup", tmp_path / "b")
+    for e, d in ((first, "a"), (second, "b")):
+        (tmp_path / d).mkdir()
+        e.start()
+    sources = [f"tcp://127.0.0.1:{e.zmq_port},replay=tcp://127.0.0.1:{e.replay_port}" for e in (first, second)]
+    proc, metrics_url, log = spawn_ingester(valkey_url, tmp_path, "--source", sources[0], "--source", sources[1])
+    vk = Valkey(valkey_url)
+
+    def serve(engine, prompts: list[dict]) -> None:
+        for p in prompts:
+            r = httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": p["token_ids"],
+                                                                 "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+
+    def applied(engine) -> list:
+        published = engine.published()
+        deadline = time.monotonic() + 30
+        while vk.seq("sim-dup") < len(published) - 1:
+            assert time.monotonic() < deadline, f"sim-dup did not reach seq {len(published) - 1}"
+            time.sleep(0.05)
+        return published
+
+    try:
+        work = shared_prefix_workload(n=12, seed=33, block=16)
+        serve(first, work[:2])
+        applied(first)
+        deadline = time.monotonic() + 30
+        while metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_pod_conflicts_total") < 1:
+            serve(second, work[6:7])  # its first batches reach the ingester once its SUB has joined
+            assert time.monotonic() < deadline, "the second publisher's frames were never refused"
+        for a, b in zip(work[2:6], work[7:11]):  # interleaved from here on
+            serve(first, [a])
+            serve(second, [b])
+        published = applied(first)
+        scraped = httpx.get(metrics_url, timeout=5).text
+        assert metric(scraped, "kvpf_ingest_pod_conflicts_total") == 1
+        refused = metric(scraped, "kvpf_ingest_frames_refused_total", endpoint=sources[1].split(",")[0])
+        assert refused >= 5, scraped
+        assert vk.counters().get("pod_conflicts") == 1
+        assert "'sim-dup' rank 0 is already published by" in log.read_text()
+        assert vk.loop.run_until_complete(index_state(vk.ix, "sim-dup")) == engine_truth(published)
+        info = vk.loop.run_until_complete(vk.ix.meta.pod_info("sim-dup"))
+        assert not info.incomplete and info.counters["batches"] == len(published)
+        assert not info.counters.get("restarts") and not info.counters.get("cleared")
+        assert proc.poll() is None
+    finally:
+        vk.close()
+        stop(proc)
+        first.stop()
+        second.stop()
