@@ -250,12 +250,13 @@ class Ingester:
         return sorted(self.routes.pods)
 
     def ingest_state(self) -> tuple[str, list[str]]:
-        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey writes have failed, or the
-        loop has made no progress, for STALL_S; behind on a backlog (a full receive), a Valkey failure younger
-        than that, or a pod whose replay is under way (an engine attached, or a gap)."""
+        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey calls have been failing, or the
+        loop has made no progress, for STALL_S (a call that got through in between does not end the failing:
+        ``ValkeyRetry.failing``); behind on a backlog (a full receive), a Valkey failure younger than that, or a
+        pod whose replay is under way (an engine attached, or a gap)."""
         now = time.monotonic()
-        failing = self.valkey.failing_since
-        if (failing is not None and now - failing >= STALL_S) or now - self.progress.at >= STALL_S:
+        failing = self.valkey.failing_for(now)  # not ended by one call that got through (valkey_retry.py)
+        if (failing is not None and failing >= STALL_S) or now - self.progress.at >= STALL_S:
             return "stalled", sorted(self.routes.pods)
         behind = sorted(self.resume.pending_pods | set(self.applier.held))
         if failing is not None or self.backlog:
