@@ -98,12 +98,17 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does. Every ingester of an index must agree (kvpf:settings).")
 @click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 @click.option("--max-sources", default=None, type=click.IntRange(min=1), help="Engine sources this ingester subscribes at most (default 256, and what the open-file limit allows); an engine past it is refused, logged and counted.")
+@click.option("--zmq-heartbeat", "zmq_heartbeat_s", default=None, type=click.FloatRange(min=0), help="Seconds between ZMTP heartbeat PINGs on every SUB and replay socket; an engine answers them by itself (default 2; 0: off). A connection silent past --zmq-heartbeat-timeout (a half-open connection, a partition) is closed and made again, and its pods replayed from their persisted seq.")
+@click.option("--zmq-heartbeat-timeout", "zmq_heartbeat_timeout_s", default=None, type=click.FloatRange(min=0.1, max=6553), help="Seconds without any traffic after a PING before the connection is closed (default 6); also how long a ZMTP handshake may take.")
+@click.option("--tcp-keepalive", "tcp_keepalive_s", default=None, type=click.FloatRange(min=0), help="Idle seconds before TCP keepalive probes on every event socket (3 probes, a third of that apart; default 30; 0: the OS default).")
+@click.option("--silence-probe", "silence_probe_s", default=None, type=click.FloatRange(min=0), help="A source silent this long, and four times its usual gap, has its replay socket asked for the next seq: batches it never got prove its stream dead, which is then connected again and replayed (default 10; 0: off).")
 @click.option("--kv-cache-report-mode", default=None, type=click.Choice(["incremental", "full"]), help="full: clients may ask vLLM for kv_cache_report_mode \"full\", so a parentless run of held blocks from a prompt's start is read as a re-announcement of reused blocks, not a second copy (default incremental, vLLM's default: such a run is a copy, as when concurrent requests compute one prefix at once). Every ingester of an index must agree.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
-           target_ports=None, private=None, max_sources=None, kv_cache_report_mode=None) -> None:
+           target_ports=None, private=None, max_sources=None, kv_cache_report_mode=None, zmq_heartbeat_s=None,
+           zmq_heartbeat_timeout_s=None, tcp_keepalive_s=None, silence_probe_s=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from kv_preflight.ingester.main import run
 
@@ -121,6 +126,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           private=private,
                           lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
                           pod_id=pod_id, max_sources=max_sources, kv_cache_report_mode=kv_cache_report_mode,
+                          zmq_heartbeat_s=zmq_heartbeat_s, zmq_heartbeat_timeout_s=zmq_heartbeat_timeout_s,
+                          tcp_keepalive_s=tcp_keepalive_s, silence_probe_s=silence_probe_s,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -4,12 +4,14 @@ may not write for its pod, its route noted. What cannot be decoded is counted an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 from kv_preflight.engines import engine
 from kv_preflight.events import EventBatch
 from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.liveness import StreamWatch
 from kv_preflight.ingester.routes import Routes
 from kv_preflight.ingester.sources import Source
 
@@ -25,10 +27,12 @@ class Accepted(NamedTuple):
 
 
 class FrameAcceptor:
-    def __init__(self, routes: Routes, counters: Counters, crowded: Callable[[Source], bool]):
+    def __init__(self, routes: Routes, counters: Counters, crowded: Callable[[Source], bool],
+                 watch: StreamWatch | None = None):
         self.routes = routes
         self.counters = counters
         self.crowded = crowded  # the subscriber's: a pod= socket with several publishers connected
+        self.watch = watch  # each stream's last frame and seqs (ingester/liveness.py)
         self._conflicts: set[tuple[str, int, str]] = set()  # (pod, rank, endpoint) refused as a second publisher
 
     async def accept(self, src: Source, frames: list[bytes]) -> Accepted | None:
@@ -37,6 +41,8 @@ class FrameAcceptor:
             # logged by the subscriber when the second publisher came
             await self.counters.count("frames_refused", endpoint=src.endpoint)
             return None
+        if self.watch is not None:
+            self.watch.frame(src.endpoint, time.monotonic())
         decoded = engine(src.engine).decode_frames(frames, topic=src.named_topic)
         if decoded.skipped:  # placeholder events name no block (vLLM's offloading connector): never an error
             await self.counters.count("placeholder_events", decoded.skipped)
@@ -75,6 +81,8 @@ class FrameAcceptor:
             return None
         await self.routes.write_aliases()
         route = await self.routes.note(src, pod, decoded.topic.model, rank)
+        if self.watch is not None:
+            self.watch.batch(pod, rank, decoded.seq)
         return Accepted(pod, route.model, decoded.seq, decoded.batch, count)
 
     async def _conflict(self, src: Source, pod: str, rank: int, holder: str) -> None:

@@ -16,6 +16,8 @@ import signal
 import time
 import uuid
 
+import zmq
+
 from kv_preflight.config import Config
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
@@ -25,6 +27,7 @@ from kv_preflight.ingester.accept import FrameAcceptor
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.fleet_member import FleetMember
+from kv_preflight.ingester.liveness import StreamWatch
 from kv_preflight.ingester.membership_rules import EngineSpec
 from kv_preflight.ingester.metrics import IngesterMetrics
 from kv_preflight.ingester.pipeline import Pipeline
@@ -59,7 +62,9 @@ class Ingester:
         self.applier = Applier(cfg, index, self.routes, self.counters, self.valkey)
         self.resume = Resume(cfg, index, self.routes, self.applier, self.counters, self.valkey)
         self.subscriber: Subscriber | None = None
-        self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded)
+        self.watch = StreamWatch(cfg.silence_probe_s)  # each stream's last frame, usual gap and seqs (liveness.py)
+        self._silence_probes: dict[str, asyncio.Task] = {}  # source endpoint -> its probe (``_watch_streams``)
+        self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded, watch=self.watch)
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
@@ -84,7 +89,7 @@ class Ingester:
         return (ing := cls(cfg, index, sources))
 
     def start(self) -> None:
-        self.subscriber = Subscriber(self.sources)
+        self.subscriber = Subscriber(self.sources, on_drop=lambda src: self.counters.tally("stream_drops"))
         self.routes.add(self.sources)
 
     def stop(self) -> None:
@@ -160,11 +165,13 @@ class Ingester:
                     if frames is None:  # a reconnect: handle what came before, then probe (in the background)
                         await self.handle_messages(run)
                         run = []
-                        self.resume.probe_later(src)
+                        self.resume.probe_later(src, catch_up=self.subscriber.take_recovered(src))
                     else:
                         run.append((src, frames))
                 await self.handle_messages(run)
         finally:
+            for task in self._silence_probes.values():
+                task.cancel()
             self.resume.cancel()
             self.resume.cancel_probes()
             self.applier.let_go()
@@ -214,6 +221,11 @@ class Ingester:
         pods = {p for p, r in self.routes.pods.items() if r.source in endpoints}
         self.resume.cancel(pods)
         self.resume.cancel_probes(endpoints)
+        self.watch.forget(endpoints)
+        for endpoint in endpoints:
+            task = self._silence_probes.pop(endpoint, None)
+            if task is not None:
+                task.cancel()
         self.applier.let_go(pods)
         self.index.forget_cached(pods)  # another process may forget them now: nothing cached may outlive that
         if self.subscriber is not None and found:
@@ -252,16 +264,50 @@ class Ingester:
     def ingest_state(self) -> tuple[str, list[str]]:
         """("current" | "behind" | "stalled", the pods behind): stalled when Valkey calls have been failing, or the
         loop has made no progress, for STALL_S (a call that got through in between does not end the failing:
-        ``ValkeyRetry.failing``); behind on a backlog (a full receive), a Valkey failure younger than that, or a
-        pod whose replay is under way (an engine attached, or a gap)."""
+        ``ValkeyRetry.failing``); behind on a backlog (a full receive), a Valkey failure younger than that, a pod
+        whose replay is under way (an engine attached, a gap, a stream back after it went down), or a pod whose
+        stream is down (its connection dropped, or found dead, and not back yet)."""
         now = time.monotonic()
         failing = self.valkey.failing_for(now)  # not ended by one call that got through (valkey_retry.py)
         if (failing is not None and failing >= STALL_S) or now - self.progress.at >= STALL_S:
             return "stalled", sorted(self.routes.pods)
-        behind = sorted(self.resume.pending_pods | set(self.applier.held))
+        behind = sorted(self.resume.pending_pods | set(self.applier.held) | self.streams_down())
         if failing is not None or self.backlog:
             return "behind", sorted(self.routes.pods)
         return ("behind" if behind else "current"), behind
+
+    def streams_down(self) -> set[str]:
+        """The pods whose event stream is down now (ingester/subscriber.py ``down``)."""
+        if self.subscriber is None:
+            return set()
+        return self.routes.pods_on(self.subscriber.down_endpoints())
+
+    def _watch_streams(self) -> None:
+        """Probe each source silent past its usual gap (ingester/liveness.py), in a task of its own."""
+        if self.subscriber is None or not self.cfg.silence_probe_s:
+            return
+        now = time.monotonic()
+        down = self.subscriber.down_endpoints()
+        for src in self.subscriber.sources:
+            endpoint = src.endpoint
+            if endpoint.startswith("removed://") or endpoint in down or endpoint in self._silence_probes:
+                continue
+            if self.watch.due(endpoint, now):
+                task = asyncio.ensure_future(self._probe_silent(src))
+                task.add_done_callback(lambda t, e=endpoint: self._silence_probes.pop(e, None))
+                self._silence_probes[endpoint] = task
+
+    async def _probe_silent(self, src: Source) -> None:
+        try:
+            dead = await self.resume.probe_silent(src, self.watch.received, PROBE_GRACE_S)
+        except (*VALKEY_ERRORS, zmq.ZMQError, OSError) as exc:
+            log.warning("%s: silence probe failed (%s: %s)", src.endpoint, type(exc).__name__, exc)
+            return
+        if not dead or self.subscriber is None or src not in self.subscriber.sources:
+            return
+        self.counters.tally("streams_dead")
+        self.subscriber.mark_down(src, time.monotonic())  # behind until connected again (then replayed again)
+        self.resume.schedule(self.routes.pods_on({src.endpoint}))  # what it missed, now
 
     def batch_ts(self) -> dict[str, float]:
         return dict(sorted(self.applier.last_batch_ts.items())[:256])
@@ -344,6 +390,7 @@ class Ingester:
         batch is not left half applied."""
         if self.fleet.active:
             await self._fleet_tick()
+        self._watch_streams()
         try:
             await self.check_epoch()
         except VALKEY_ERRORS as exc:
@@ -384,6 +431,7 @@ class Ingester:
 
 
 LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
+PROBE_GRACE_S = 1.0  # a batch a silent source's replay holds may be in flight: it is dead only if still not here then
 DRAINS_AT_ONCE = 32  # pods whose outboxes the chores drain side by side
 
 

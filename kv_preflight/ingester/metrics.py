@@ -64,6 +64,13 @@ class IngesterMetrics:
                                           "never a decode error.", registry=r)
         self.apply_errors = Counter("kvpf_ingest_apply_errors", "Batches Valkey refused with a non-transient error "
                                     "(not retried; other pods go on).", registry=r)
+        self.stream_drops = Counter("kvpf_ingest_stream_drops", "Event streams whose connection dropped after its "
+                                    "handshake (a ZMTP heartbeat unanswered: a half-open connection or a partition; "
+                                    "TCP keepalive; the engine gone): their pods count behind until a publisher is "
+                                    "back and what they missed is replayed.", registry=r)
+        self.streams_dead = Counter("kvpf_ingest_streams_dead", "Silent event streams found dead by a probe of the "
+                                    "engine's replay socket (it held batches the stream never brought): connected "
+                                    "again, their pods replayed.", registry=r)
         self.loop_stalls = Counter("kvpf_ingest_loop_stalls", "Times the ingester's loop made no progress for "
                                    "5 s (each logged once with the stack of what it awaited).", registry=r)
         self.engine_errors = Counter("kvpf_ingest_engine_errors", "Engines refused alone, by step: attach (its "

@@ -1,6 +1,8 @@
 """Replay from the engine where the live stream cannot say what was missed: at start and for engines
 attached later (each pod from its persisted seq), on a (re)connect (is the last batch applied still in the
-engine's buffer, or did it restart?), and for a retired pod that answers again (rebuilt from seq 0).
+engine's buffer, or did it restart?, and after a stream that went down: what its pods missed meanwhile), for a
+source silent past its usual gap (did the engine publish what never came? ``probe_silent``), and for a retired
+pod that answers again (rebuilt from seq 0).
 """
 from __future__ import annotations
 
@@ -188,17 +190,51 @@ class Resume:
                     await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
                                              decode_errors=len(f.errors), resumed=True)
 
-    def probe_later(self, src: Source) -> None:
+    def probe_later(self, src: Source, *, catch_up: bool = False) -> None:
         """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not
-        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed."""
-        if not src.replay:
-            return
+        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed. With
+        ``catch_up`` (the source's stream had gone down): then its pods are resumed from their persisted seqs
+        (``schedule``; each counts behind until its replay is applied), so a quiet engine's batches lost meanwhile
+        are not left waiting for its next batch to show the gap."""
         running = self._probes.get(src.endpoint)
         if running is not None and not running.done():
+            if catch_up:  # after the probe under way
+                running.add_done_callback(lambda _: self.schedule(self.routes.pods_on({src.endpoint})))
             return  # one probe per source at a time; a reconnect during it changes nothing it would find
-        task = asyncio.ensure_future(self.probe_restart(src))
+        task = asyncio.ensure_future(self._probe_then_catch_up(src, catch_up))
         task.add_done_callback(self._probed)
         self._probes[src.endpoint] = task
+
+    async def _probe_then_catch_up(self, src: Source, catch_up: bool) -> None:
+        try:
+            await self.probe_restart(src)
+        finally:
+            if catch_up:
+                self.schedule(self.routes.pods_on({src.endpoint}))
+
+    async def probe_silent(self, src: Source, received: dict[tuple[str, int], int], grace_s: float) -> bool:
+        """Whether a silent source's stream is dead: its replay socket holds batches past the last seq its stream
+        delivered for a pod's rank (or past the pod's persisted seq, if higher), and they still have not come
+        ``grace_s`` later (a batch in flight is not a dead stream). A socket that does not answer proves
+        nothing (False): the heartbeats speak for the connection then."""
+        for pod, rank in self.routes.ranks_on(src.endpoint):
+            replay = self.routes.replay_endpoint(pod, rank)
+            if not replay:
+                continue
+            info = await self.valkey.call(self.index.meta.pod_info, pod)
+            last = max(received.get((pod, rank), -1), info.seqs.get(str(rank), -1))
+            frames, _ = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s,
+                                           source=self.routes.replay_source(replay))
+            newer = max((f.seq for f in frames if f.seq is not None and f.batch is not None
+                         and (f.batch.data_parallel_rank or 0) == rank), default=-1)
+            if newer <= last:
+                continue
+            await asyncio.sleep(grace_s)
+            if received.get((pod, rank), -1) < newer:
+                log.warning("%s: silent for a while, but its engine published seq %d..%d of %s rank %d, which never "
+                            "came: its stream is dead", src.endpoint, last + 1, newer, pod, rank)
+                return True
+        return False
 
     def _probed(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -216,7 +252,7 @@ class Resume:
         restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
         empty, so the pod's entries go now, not when it first publishes."""
         if not src.replay:
-            return
+            return  # no replay socket of its own (a --bind source: its pods' replays are asked by seq, elsewhere)
         for pod, route in list(self.routes.pods.items()):
             here = {r for (p, r), s in self.routes.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
             if not here and route.source != src.endpoint:
