@@ -366,9 +366,14 @@ class Ingester:
         await check_layout(self.index.client)
         await check_settings(self)
         await self.index.register_pods(pods)
-        for pod in pods:
-            await self.index.meta.mark_incomplete(pod, LOST_REASON)
-        self.resume.schedule(set(pods), rebuild=True)
+        # A pod another ingester of it rebuilt whole since this loss (it noticed first) is exact: flagged again
+        # here, nobody would clear it (its seq has moved on: this rebuild's clearing is refused)
+        flagged = {pod for pod in pods
+                   if await self.index.meta.mark_incomplete(pod, LOST_REASON, unless_rebuilt_in=epoch)}
+        if len(flagged) < len(pods):
+            log.warning("%d pod(s) already rebuilt by another ingester since the loss: not flagged or rebuilt again",
+                        len(pods) - len(flagged))
+        self.resume.schedule(flagged, rebuild=True, epoch=epoch)
         # Taken as seen only now: a step above that failed (a shard still rejoining) leaves this ingester in the
         # old epoch, so its next look finds "another" and does all of it again, rather than never.
         self.epoch = epoch
@@ -460,7 +465,8 @@ async def check_settings(ing: Ingester) -> None:
     hashed with another seed or block size would never be found by anyone reading this index."""
     cfg = ing.cfg
     ours = IndexSettings(hash_seed=cfg.hash_seed, block_size=cfg.block_size, hash_algo=cfg.hash_algo,
-                         entry_format=cfg.entry_format, pod_id=cfg.pod_id, kv_cache_report_mode=cfg.kv_cache_report_mode)
+                         entry_format=cfg.entry_format, pod_id=cfg.pod_id,
+                         kv_cache_report_mode=cfg.kv_cache_report_mode)
     found = await ing.valkey.call(ing.index.fleet.claim_settings, ours)
     wrong = ours.disagreements(found)
     if wrong:

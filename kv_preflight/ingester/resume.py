@@ -34,6 +34,7 @@ class Resume:
         self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
         self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
         self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
+        self._epochs: dict[str, str] = {}  # a pod rebuilt after a loss of Valkey's data -> the epoch that loss began
         self._probes: dict[str, asyncio.Task] = {}  # source endpoint -> its restart probe (``probe_later``)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
@@ -43,10 +44,11 @@ class Resume:
         for pod in pods:
             await self._apply(pod, await self._fetch(pod))
 
-    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False) -> None:
+    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False, epoch: str = "") -> None:
         """Resume these pods (an engine just attached) without holding up the loop: their replay sockets
         are asked in a task of their own (a dead one costs its timeout there); what they answered is
-        applied by the loop (``apply_ready``), in order with the live stream."""
+        applied by the loop (``apply_ready``), in order with the live stream. ``epoch``: a rebuild after a loss
+        of Valkey's data, which began that epoch (recorded with the pod once it is rebuilt whole)."""
         for pod in sorted(pods):
             route = self.routes.pods.get(pod)
             if route is None or not route.replay:
@@ -58,6 +60,8 @@ class Resume:
                 self._fetching.pop(pod).cancel()
             if rebuild:
                 self._rebuilding.add(pod)
+                if epoch:
+                    self._epochs[pod] = epoch
                 self.applier.park(pod)  # its live batches wait until the rebuild is applied (Applier.park)
             if reset:
                 self._resetting.add(pod)
@@ -88,6 +92,7 @@ class Resume:
             finally:
                 self._rebuilding.discard(pod)
                 self._resetting.discard(pod)
+                self._epochs.pop(pod, None)
                 await self.applier.unpark(pod)  # what arrived meanwhile, after it
 
     async def _apply_fetched(self, pod: str, task: asyncio.Future) -> None:
@@ -112,21 +117,28 @@ class Resume:
             # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
             # kept their data while others lost theirs, or of batches applied between a loss and its notice.
             was, cleared = await self._reset(pod)
-            if rebuilding and was.incomplete:  # the reset says "exact" (a new engine's state): not until the
-                # replay is in
+            if rebuilding and was.incomplete and cleared:  # the reset says "exact" (a new engine's state): not
+                # until the replay is in
                 await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
-            if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact
-                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild; it stays flagged "
-                            "until its next reset", pod)
+            if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact by
+                # this replay. The seq moved under another writer's batch: another ingester of the pod rebuilding
+                # it too (its rebuild clears the flag), or one that rebuilt it already, its live batches going on.
+                # Flagged again here, the pod stayed flagged for good after the other's rebuild had cleared it.
+                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild (another ingester of "
+                            "it rebuilds it, or did); its flag is left to that rebuild", pod)
                 rebuilding = False
         await self._apply(pod, task.result())
         if rebuilding and whole:
-            await self.valkey.call(self.index.meta.mark_complete, pod)
+            await self.valkey.call(self.index.meta.mark_complete, pod, rebuilt_in=self._epochs.get(pod, ""))
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
 
     async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
-        the pod was before, and whether every rank was cleared."""
+        the pod was before, and whether every rank was cleared. On a cluster the pod's outbox runs first, whole (as
+        ``Index.clear_pod`` does): an entry kept for a replica (one held back while its master was lost) and run
+        again after the clearing would write back entries and bits the pod's state no longer lists, which no later
+        clear (an AllBlocksCleared, a restart) could then remove."""
+        await self.valkey.call(self.index.drain_outbox, pod)
         info = await self.valkey.call(self.index.meta.pod_info, pod)
         cleared = not info.seqs
         for rank, last in sorted(info.seqs.items()):
@@ -147,6 +159,7 @@ class Resume:
                 del self._fetching[pod]
                 self._rebuilding.discard(pod)
                 self._resetting.discard(pod)
+                self._epochs.pop(pod, None)
 
     @staticmethod
     def _whole(fetched: list[tuple[int, list, bool]]) -> bool:
