@@ -59,7 +59,8 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # freshness (predictor/scoring/freshness.py): the ingester's own account of its ingestion, "current",
     # "behind" (a backlog, replays under way, Valkey failing briefly) or "stalled" (Valkey writes failing or
     # the loop stuck for STALL_S); "" from an ingester that predates it. ``current_ms``: the Valkey time it
-    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way;
+    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way or
+    # their event stream down (ingester/subscriber.py);
     # ``batch_ts``: each pod's newest applied batch's engine timestamp (epoch seconds).
     state: str = ""
     current_ms: int = 0
