@@ -52,6 +52,15 @@ class Config:
     # max_queue_bytes of such frames.
     max_frame_bytes: int = 32 * 1024 * 1024
     max_queue_bytes: int = 256 * 1024 * 1024
+    # Liveness of every event stream (ingester/sources.py Liveness, docs/operations.md): ZMTP heartbeats on every
+    # SUB and DEALER socket (a PING each zmq_heartbeat_s; no answer within zmq_heartbeat_timeout_s closes the
+    # connection and it is made again), TCP keepalive (first probe after tcp_keepalive_s idle), and a source
+    # silent for silence_probe_s (and four times its usual gap) has its replay socket asked whether the engine
+    # published batches that never came. 0 turns each off.
+    zmq_heartbeat_s: float = 2.0
+    zmq_heartbeat_timeout_s: float = 6.0
+    tcp_keepalive_s: float = 30.0
+    silence_probe_s: float = 10.0
     # CURVE: the ingester's keypair (a zmq.auth *.key_secret, or the z85 secret key alone) and the
     # publisher public keys a --bind socket admits (a directory of certificates, or one key per line).
     curve_secret_key_file: str = field(default="", repr=False)  # a path, but repr stays free of "secret"
@@ -113,6 +122,8 @@ class Config:
     # port (0: off; Dynamo's own default is 8090), and the hosts/CIDRs /register may name (empty: loopback).
     dynamo_port: int = 0
     register_allow: tuple[str, ...] = ()
+    # ... and the folders a registered ipc:// socket may be in (its path normalized first)
+    register_ipc_dirs: tuple[str, ...] = ("/tmp",)
     # /register's bounds: engines in all and per model (429 past them); every registration is re-read by
     # every ingester each discovery interval and listed by /workers, so they stay bounded
     max_registered_engines: int = 1024
@@ -188,6 +199,10 @@ class Config:
             raise ValueError("route_placement_window_s and route_pending_s must be >= 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a port number (0: off)")
+        if min(self.zmq_heartbeat_s, self.tcp_keepalive_s, self.silence_probe_s) < 0:
+            raise ValueError("zmq_heartbeat_s, tcp_keepalive_s and silence_probe_s must be >= 0 (0: off)")
+        if self.zmq_heartbeat_s and not self.zmq_heartbeat_s < self.zmq_heartbeat_timeout_s <= 6553:
+            raise ValueError("zmq_heartbeat_timeout_s must be longer than zmq_heartbeat_s (at most 6553 s)")
         if self.max_frame_bytes < 4096 or self.max_queue_bytes < self.max_frame_bytes:
             raise ValueError("max_frame_bytes must be at least 4096, and max_queue_bytes at least max_frame_bytes")
         if self.curve_allow and not self.curve_secret_key_file:
@@ -212,6 +227,8 @@ class Config:
             raise ValueError(f"pod_id must be 'topic' or 'endpoint', got {self.pod_id!r}")
         if not all(str(p).isdigit() and 0 < int(p) <= 65535 for p in self.target_ports):
             raise ValueError(f"target_ports must be port numbers, got {','.join(map(str, self.target_ports))}")
+        if not all(d.startswith("/") for d in self.register_ipc_dirs):
+            raise ValueError(f"register_ipc_dirs must be absolute folders, got {','.join(self.register_ipc_dirs)}")
         if not 0 <= self.dynamo_port <= 65535:
             raise ValueError("dynamo_port must be a port number (0: off)")
         if self.api_keys and not any(k.strip() for k in self.api_keys):

@@ -96,15 +96,20 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--registered-engines/--no-registered-engines", default=None, help="Also ingest engines registered at run time through the remote-indexer API (default on).")
 @click.option("--lora-name", "lora_names", multiple=True, help="ID=NAME: key blocks of the engine's LoRA id ID under adapter NAME (SGLang, TensorRT-LLM send only the id). Repeatable.")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
-@click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does.")
+@click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does. Every ingester of an index must agree (kvpf:settings).")
 @click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 @click.option("--max-sources", default=None, type=click.IntRange(min=1), help="Engine sources this ingester subscribes at most (default 256, and what the open-file limit allows); an engine past it is refused, logged and counted.")
+@click.option("--zmq-heartbeat", "zmq_heartbeat_s", default=None, type=click.FloatRange(min=0), help="Seconds between ZMTP heartbeat PINGs on every SUB and replay socket; an engine answers them by itself (default 2; 0: off). A connection silent past --zmq-heartbeat-timeout (a half-open connection, a partition) is closed and made again, and its pods replayed from their persisted seq.")
+@click.option("--zmq-heartbeat-timeout", "zmq_heartbeat_timeout_s", default=None, type=click.FloatRange(min=0.1, max=6553), help="Seconds without any traffic after a PING before the connection is closed (default 6); also how long a ZMTP handshake may take.")
+@click.option("--tcp-keepalive", "tcp_keepalive_s", default=None, type=click.FloatRange(min=0), help="Idle seconds before TCP keepalive probes on every event socket (3 probes, a third of that apart; default 30; 0: the OS default).")
+@click.option("--silence-probe", "silence_probe_s", default=None, type=click.FloatRange(min=0), help="A source silent this long, and four times its usual gap, has its replay socket asked for the next seq: batches it never got prove its stream dead, which is then connected again and replayed (default 10; 0: off).")
 @click.option("--kv-cache-report-mode", default=None, type=click.Choice(["incremental", "full"]), help="full: clients may ask vLLM for kv_cache_report_mode \"full\", so a parentless run of held blocks from a prompt's start is read as a re-announcement of reused blocks, not a second copy (default incremental, vLLM's default: such a run is a copy, as when concurrent requests compute one prefix at once). Every ingester of an index must agree.")
 def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block_size, entry_format, log_json, metrics_port,
            metrics_host, max_pod_series, max_frame_bytes, max_queue_bytes, curve_secret_key_file, curve_allow,
            lora_names, engines_from, copies, ingester_id, lease_ttl_s, membership_hold_s, retire_after_s,
            retired_retention_s, health_failures, registered_engines, hash_algo=None, pod_id=None,
-           target_ports=None, private=None, max_sources=None, kv_cache_report_mode=None) -> None:
+           target_ports=None, private=None, max_sources=None, kv_cache_report_mode=None, zmq_heartbeat_s=None,
+           zmq_heartbeat_timeout_s=None, tcp_keepalive_s=None, silence_probe_s=None) -> None:
     """Subscribe to engines' KV events and keep the Valkey index in step."""
     from kv_preflight.ingester.main import run
 
@@ -122,6 +127,8 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
                           private=private,
                           lora_names=parse_lora_names(lora_names) if lora_names else None, hash_algo=hash_algo,
                           pod_id=pod_id, max_sources=max_sources, kv_cache_report_mode=kv_cache_report_mode,
+                          zmq_heartbeat_s=zmq_heartbeat_s, zmq_heartbeat_timeout_s=zmq_heartbeat_timeout_s,
+                          tcp_keepalive_s=tcp_keepalive_s, silence_probe_s=silence_probe_s,
                           target_ports=tuple(p.strip() for p in target_ports.split(",") if p.strip()) if target_ports else None)
     except ValueError as exc:
         raise click.UsageError(config_error(exc)) from None
@@ -162,6 +169,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
 @click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
+@click.option("--register-ipc-dir", "register_ipc_dirs", multiple=True, help="Folder a Dynamo /register may name an ipc:// engine socket in (its path normalized first). Repeatable (default /tmp).")
 @click.option("--max-registered-engines", default=None, type=click.IntRange(min=1), help="Engines /register may add in all (default 1024); past it, 429.")
 @click.option("--max-registered-per-model", default=None, type=click.IntRange(min=1), help="Engines /register may add per model (default 256); past it, 429.")
 @click.option("--max-connections-per-client", default=None, type=click.IntRange(min=0), help="Connections one client address may hold open (default 64; 0: no limit); past it, 503 and close. Behind a load balancer or gateway every request comes from its few addresses: raise it to the gateway's connection pool or set 0 there.")
@@ -173,7 +181,7 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
           route_stale_s, api_keys_file, max_pods_filter, request_read_timeout_s, dynamo_port=None,
           register_allow=(), hash_algo=None, route_placement_window_s=None, route_pending_s=None,
           max_registered_engines=None, max_registered_per_model=None, max_connections_per_client=None,
-          max_connections=None, group_specs=()) -> None:
+          max_connections=None, group_specs=(), register_ipc_dirs=()) -> None:
     """Serve predictions and routing over HTTP."""
     from kv_preflight.predictor.serve import serve as run_server
 
@@ -190,7 +198,8 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
             route_overload_rel=route_overload_rel, route_max_kv_usage=route_max_kv_usage,
             route_good_match=route_good_match, route_stale_s=route_stale_s, api_keys_file=api_keys_file,
             max_pods_filter=max_pods_filter, request_read_timeout_s=request_read_timeout_s,
-            dynamo_port=dynamo_port, register_allow=register_allow, hash_algo=hash_algo,
+            dynamo_port=dynamo_port, register_allow=register_allow, register_ipc_dirs=register_ipc_dirs or None,
+            hash_algo=hash_algo,
             route_placement_window_s=route_placement_window_s, route_pending_s=route_pending_s,
             max_registered_engines=max_registered_engines, max_registered_per_model=max_registered_per_model,
             max_connections_per_client=max_connections_per_client, max_connections=max_connections,

@@ -68,7 +68,8 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # freshness (predictor/scoring/freshness.py): the ingester's own account of its ingestion, "current",
     # "behind" (a backlog, replays under way, Valkey failing briefly) or "stalled" (Valkey writes failing or
     # the loop stuck for STALL_S); "" from an ingester that predates it. ``current_ms``: the Valkey time it
-    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way;
+    # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way or
+    # their event stream down (ingester/subscriber.py);
     # ``batch_ts``: each pod's newest applied batch's engine timestamp (epoch seconds).
     state: str = ""
     current_ms: int = 0
@@ -99,16 +100,25 @@ class RegisteredEngine(msgspec.Struct, omit_defaults=True):
 
 
 class IndexSettings(msgspec.Struct, frozen=True):
-    """Settings every writer and reader of one index must share (``kvpf:settings``)."""
+    """Settings every writer and reader of one index must share (``kvpf:settings``).
+
+    The writers' alone too: ``pod_id`` (an ingester with ``--pod-id endpoint`` in a ``topic`` fleet indexes a
+    fleet engine a second time under its address: a ghost pod with the engine's blocks, never evicted) and
+    ``kv_cache_report_mode`` (how a parentless run of held blocks is read: two ingesters reading it two ways
+    would write one engine's pod two ways). An index written before a field was recorded takes the first
+    value a writer claims for it (``claim_settings`` sets each missing field)."""
 
     hash_seed: str
     block_size: int
     hash_algo: str = "fnv64a"
     entry_format: str = "json"
+    pod_id: str = "topic"
+    kv_cache_report_mode: str = "incremental"
 
     def as_fields(self) -> dict[str, str]:
         return {"hash_seed": self.hash_seed, "block_size": str(self.block_size),
-                "hash_algo": self.hash_algo, "entry_format": self.entry_format}
+                "hash_algo": self.hash_algo, "entry_format": self.entry_format, "pod_id": self.pod_id,
+                "kv_cache_report_mode": self.kv_cache_report_mode}
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> "IndexSettings | None":
@@ -116,13 +126,19 @@ class IndexSettings(msgspec.Struct, frozen=True):
             return None
         return cls(hash_seed=fields.get("hash_seed", ""), block_size=int(fields["block_size"]),
                    hash_algo=fields.get("hash_algo", "fnv64a"),
-                   entry_format=fields.get("entry_format", "json"))
+                   entry_format=fields.get("entry_format", "json"), pod_id=fields.get("pod_id", "topic"),
+                   kv_cache_report_mode=fields.get("kv_cache_report_mode", "incremental"))
 
     def disagreements(self, other: "IndexSettings") -> list[str]:
         """``name: ours != theirs`` for every setting that differs (empty: they agree)."""
         return [f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
-                for name in ("hash_seed", "block_size", "hash_algo", "entry_format")
-                if getattr(self, name) != getattr(other, name)]
+                for name in SETTING_FLAGS if getattr(self, name) != getattr(other, name)]
+
+
+# each index-wide setting and the flag that gives it (ingest and serve)
+SETTING_FLAGS = {"hash_seed": "--hash-seed", "block_size": "--block-size", "hash_algo": "--hash-algo",
+                 "entry_format": "--entry-format", "pod_id": "--pod-id",
+                 "kv_cache_report_mode": "--kv-cache-report-mode"}
 
 
 _pod_decoder = msgspec.json.Decoder(PodRecord)

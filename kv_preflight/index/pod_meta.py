@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from kv_preflight.engines.hit_rules import FULL, KNOWN_KINDS, GroupSpec
 from kv_preflight.index.backend import IndexBackend
 from kv_preflight.index.entries import text
+from kv_preflight.index import scripts
 from kv_preflight.index.layout import (ADAPTERS_KEY, COUNTERS_KEY, PODS_KEY, parse_adapter_field, pod_meta_key,
                                       pod_outbox_key)
 
@@ -232,11 +233,21 @@ class PodMeta:
         key = pod_meta_key(pod_id) if pod_id else COUNTERS_KEY
         await self.client.hincrby(key, name, n)
 
-    async def mark_incomplete(self, pod_id: str, reason: str) -> None:
-        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 1, "incomplete_reason": reason})
+    async def mark_incomplete(self, pod_id: str, reason: str, *, unless_rebuilt_in: str = "") -> bool:
+        """Flag the pod; with ``unless_rebuilt_in``, not if it was rebuilt whole in that epoch of the index (by
+        another ingester that noticed the same loss first). Whether it was flagged."""
+        if not unless_rebuilt_in:
+            await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 1, "incomplete_reason": reason})
+            return True
+        return bool(await self.client.eval(scripts.FLAG_POD, 1, pod_meta_key(pod_id), reason, unless_rebuilt_in))
 
-    async def mark_complete(self, pod_id: str) -> None:
-        await self.client.hset(pod_meta_key(pod_id), mapping={"incomplete": 0, "incomplete_reason": ""})
+    async def mark_complete(self, pod_id: str, *, rebuilt_in: str = "") -> None:
+        """Clear the flag; ``rebuilt_in``: the pod was rebuilt whole from its engine's replay after the loss that
+        began that epoch (no later notice of that loss flags it again)."""
+        fields: dict[str, str | int] = {"incomplete": 0, "incomplete_reason": ""}
+        if rebuilt_in:
+            fields["rebuilt_epoch"] = rebuilt_in
+        await self.client.hset(pod_meta_key(pod_id), mapping=fields)
 
 
 __all__ = ["PodInfo", "PodMeta", "ScoringInfo", "groups_from", "has_a_rule", "parse_groups", "pod_info_from",

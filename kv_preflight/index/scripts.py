@@ -27,7 +27,8 @@ LOOKUP_BITS = lua("lookup_bits")
 LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
+FLAG_POD = lua("flag_pod")  # a pod flagged incomplete unless rebuilt in this epoch (kv_preflight/index/pod_meta.py)
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
 ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 
-__all__ = ["ADOPT", "APPLY", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]
+__all__ = ["ADOPT", "APPLY", "CAS_FIELD", "EFFECTS", "FLAG_POD", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]

@@ -4,12 +4,14 @@ may not write for its pod, its route noted. What cannot be decoded is counted an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 from kv_preflight.engines import engine
 from kv_preflight.events import EventBatch
 from kv_preflight.ingester.counters import Counters
+from kv_preflight.ingester.liveness import StreamWatch
 from kv_preflight.ingester.routes import Routes
 from kv_preflight.ingester.sources import Source
 
@@ -25,10 +27,13 @@ class Accepted(NamedTuple):
 
 
 class FrameAcceptor:
-    def __init__(self, routes: Routes, counters: Counters, crowded: Callable[[Source], bool]):
+    def __init__(self, routes: Routes, counters: Counters, crowded: Callable[[Source], bool],
+                 watch: StreamWatch | None = None):
         self.routes = routes
         self.counters = counters
         self.crowded = crowded  # the subscriber's: a pod= socket with several publishers connected
+        self.watch = watch  # each stream's last frame and seqs (ingester/liveness.py)
+        self._conflicts: set[tuple[str, int, str]] = set()  # (pod, rank, endpoint) refused as a second publisher
 
     async def accept(self, src: Source, frames: list[bytes]) -> Accepted | None:
         """Decode one message and note its route; None when it is dropped (counted)."""
@@ -36,6 +41,8 @@ class FrameAcceptor:
             # logged by the subscriber when the second publisher came
             await self.counters.count("frames_refused", endpoint=src.endpoint)
             return None
+        if self.watch is not None:
+            self.watch.frame(src.endpoint, time.monotonic())
         decoded = engine(src.engine).decode_frames(frames, topic=src.named_topic)
         if decoded.skipped:  # placeholder events name no block (vLLM's offloading connector): never an error
             await self.counters.count("placeholder_events", decoded.skipped)
@@ -68,6 +75,30 @@ class FrameAcceptor:
         if pod in self.routes.forgotten:  # unregistered or cleared with --forget: its keys are going
             await self.counters.count("frames_refused", endpoint=src.endpoint)
             return None
+        holder = self.routes.publisher_of(pod, rank)  # (the index pod: a data-parallel rank's is its own)
+        if holder is not None and holder != src.endpoint:
+            await self._conflict(src, pod, rank, holder)
+            return None
         await self.routes.write_aliases()
         route = await self.routes.note(src, pod, decoded.topic.model, rank)
+        if self.watch is not None:
+            self.watch.batch(pod, rank, decoded.seq)
         return Accepted(pod, route.model, decoded.seq, decoded.batch, count)
+
+    async def _conflict(self, src: Source, pod: str, rank: int, holder: str) -> None:
+        """A frame of a pod's rank that another socket of this ingester publishes already (two replicas given one
+        topic pod id, each with its own --source or --bind): whose batch is whose cannot be told once they are in
+        one seq, so the socket that published it first keeps it and the other's frames are refused, as two
+        --engine sources of one pod are (docs/fleet.md). Counted once per (pod, rank, socket) as a pod conflict,
+        every frame as refused; logged the first time and every 1000th frame."""
+        await self.counters.count("frames_refused", endpoint=src.endpoint)
+        key = (pod, rank, src.endpoint)
+        if key not in self._conflicts:
+            self._conflicts.add(key)
+            await self.counters.count("pod_conflicts")
+            log.error("refused from %s: pod %r rank %d is already published by %s here; two publishers of one pod "
+                      "would corrupt it (give each engine its own pod id: its topic kv@POD@MODEL, or pod= on its "
+                      "source)", src.endpoint, pod[:80], rank, holder)
+        elif self.counters.counts["frames_refused"] % 1000 == 0:
+            log.warning("refused from %s: pod %r rank %d still published by %s too (%d frame(s) refused so far)",
+                        src.endpoint, pod[:80], rank, holder, self.counters.counts["frames_refused"])

@@ -54,8 +54,10 @@ COUNTED: dict[str, Counted] = {
     "placeholder_events": Counted((("placeholder_events",),), valkey="placeholder_events"),
     "frames_refused": Counted((("frames_refused", ENDPOINT),), valkey="frames_refused"),
     "publishers_refused": Counted((("publishers_refused",),)),
+    "stream_drops": Counted((("stream_drops",),)),  # a stream's connection lost (ingester/subscriber.py)
+    "streams_dead": Counted((("streams_dead",),)),  # a silent stream proven dead (ingester/liveness.py)
     # the fleet membership (ingester/fleet_member.py)
-    "pod_conflicts": Counted((("pod_conflicts",),)),
+    "pod_conflicts": Counted((("pod_conflicts",),), valkey="pod_conflicts"),  # also a source's (ingester/accept.py)
     "pods_retired": Counted((("pods_retired",),)),
     "attach_errors": Counted((("engine_errors", "attach"),)),  # an engine's sources refused: that engine alone
     "detach_errors": Counted((("engine_errors", "detach"),)),

@@ -16,14 +16,18 @@ import signal
 import time
 import uuid
 
+import zmq
+
 from kv_preflight.config import Config
-from kv_preflight.fleet.records import IndexSettings
+from kv_preflight.events import topic_or_none
+from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.layout_version import check_layout, v1_writer_seen
 from kv_preflight.ingester.accept import FrameAcceptor
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.fleet_member import FleetMember
+from kv_preflight.ingester.liveness import StreamWatch
 from kv_preflight.ingester.membership_rules import EngineSpec
 from kv_preflight.ingester.metrics import IngesterMetrics
 from kv_preflight.ingester.pipeline import Pipeline
@@ -60,7 +64,9 @@ class Ingester:
         # a pod written with its data-parallel ranks merged (before each was a pod of its own): rebuilt once
         self.routes.on_merged = lambda pod: self.resume.schedule({pod}, rebuild=True)
         self.subscriber: Subscriber | None = None
-        self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded)
+        self.watch = StreamWatch(cfg.silence_probe_s)  # each stream's last frame, usual gap and seqs (liveness.py)
+        self._silence_probes: dict[str, asyncio.Task] = {}  # source endpoint -> its probe (``_watch_streams``)
+        self.acceptor = FrameAcceptor(self.routes, self.counters, crowded=self._crowded, watch=self.watch)
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
@@ -85,7 +91,7 @@ class Ingester:
         return (ing := cls(cfg, index, sources))
 
     def start(self) -> None:
-        self.subscriber = Subscriber(self.sources)
+        self.subscriber = Subscriber(self.sources, on_drop=lambda src: self.counters.tally("stream_drops"))
         self.routes.add(self.sources)
 
     def stop(self) -> None:
@@ -161,11 +167,13 @@ class Ingester:
                     if frames is None:  # a reconnect: handle what came before, then probe (in the background)
                         await self.handle_messages(run)
                         run = []
-                        self.resume.probe_later(src)
+                        self.resume.probe_later(src, catch_up=self.subscriber.take_recovered(src))
                     else:
                         run.append((src, frames))
                 await self.handle_messages(run)
         finally:
+            for task in self._silence_probes.values():
+                task.cancel()
             self.resume.cancel()
             self.resume.cancel_probes()
             self.applier.let_go()
@@ -186,6 +194,10 @@ class Ingester:
             # a registered engine names its model too: its frames need no kv@POD@MODEL topic (Dynamo's
             # workers publish with vLLM's default empty topic), as --source ...,pod=,model= does
             found = [dataclasses.replace(src, pod=spec.pod, model=src.model or spec.model or None) for src in found]
+        else:  # named by its topic: the pod it announced is the one pod its sockets may write for (pods=), so an
+            # engine announcing one pod and publishing another's topic is refused, logged and counted (accept.py)
+            found = [dataclasses.replace(src, pods=frozenset({topic.pod_id}))
+                     if src.pods is None and (topic := topic_or_none(src.topic)) is not None else src for src in found]
         found = secure_sources(found, self.cfg, on_refused=lambda key: self.counters.tally("publishers_refused"))
         assert self.subscriber is not None
         live = sum(1 for s in self.subscriber.sources if not s.endpoint.startswith("removed://"))
@@ -211,6 +223,11 @@ class Ingester:
         pods = {p for p, r in self.routes.pods.items() if r.source in endpoints}
         self.resume.cancel(pods)
         self.resume.cancel_probes(endpoints)
+        self.watch.forget(endpoints)
+        for endpoint in endpoints:
+            task = self._silence_probes.pop(endpoint, None)
+            if task is not None:
+                task.cancel()
         self.applier.let_go(pods)
         self.index.forget_cached(pods)  # another process may forget them now: nothing cached may outlive that
         if self.subscriber is not None and found:
@@ -247,17 +264,52 @@ class Ingester:
         return sorted(self.routes.pods)
 
     def ingest_state(self) -> tuple[str, list[str]]:
-        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey writes have failed, or the
-        loop has made no progress, for STALL_S; behind on a backlog (a full receive), a Valkey failure younger
-        than that, or a pod whose replay is under way (an engine attached, or a gap)."""
+        """("current" | "behind" | "stalled", the pods behind): stalled when Valkey calls have been failing, or the
+        loop has made no progress, for STALL_S (a call that got through in between does not end the failing:
+        ``ValkeyRetry.failing``); behind on a backlog (a full receive), a Valkey failure younger than that, a pod
+        whose replay is under way (an engine attached, a gap, a stream back after it went down), or a pod whose
+        stream is down (its connection dropped, or found dead, and not back yet)."""
         now = time.monotonic()
-        failing = self.valkey.failing_since
-        if (failing is not None and now - failing >= STALL_S) or now - self.progress.at >= STALL_S:
+        failing = self.valkey.failing_for(now)  # not ended by one call that got through (valkey_retry.py)
+        if (failing is not None and failing >= STALL_S) or now - self.progress.at >= STALL_S:
             return "stalled", sorted(self.routes.pods)
-        behind = sorted(self.resume.pending_pods | set(self.applier.held))
+        behind = sorted(self.resume.pending_pods | set(self.applier.held) | self.streams_down())
         if failing is not None or self.backlog:
             return "behind", sorted(self.routes.pods)
         return ("behind" if behind else "current"), behind
+
+    def streams_down(self) -> set[str]:
+        """The pods whose event stream is down now (ingester/subscriber.py ``down``)."""
+        if self.subscriber is None:
+            return set()
+        return self.routes.pods_on(self.subscriber.down_endpoints())
+
+    def _watch_streams(self) -> None:
+        """Probe each source silent past its usual gap (ingester/liveness.py), in a task of its own."""
+        if self.subscriber is None or not self.cfg.silence_probe_s:
+            return
+        now = time.monotonic()
+        down = self.subscriber.down_endpoints()
+        for src in self.subscriber.sources:
+            endpoint = src.endpoint
+            if endpoint.startswith("removed://") or endpoint in down or endpoint in self._silence_probes:
+                continue
+            if self.watch.due(endpoint, now):
+                task = asyncio.ensure_future(self._probe_silent(src))
+                task.add_done_callback(lambda t, e=endpoint: self._silence_probes.pop(e, None))
+                self._silence_probes[endpoint] = task
+
+    async def _probe_silent(self, src: Source) -> None:
+        try:
+            dead = await self.resume.probe_silent(src, self.watch.received, PROBE_GRACE_S)
+        except (*VALKEY_ERRORS, zmq.ZMQError, OSError) as exc:
+            log.warning("%s: silence probe failed (%s: %s)", src.endpoint, type(exc).__name__, exc)
+            return
+        if not dead or self.subscriber is None or src not in self.subscriber.sources:
+            return
+        self.counters.tally("streams_dead")
+        self.subscriber.mark_down(src, time.monotonic())  # behind until connected again (then replayed again)
+        self.resume.schedule(self.routes.pods_on({src.endpoint}))  # what it missed, now
 
     def batch_ts(self) -> dict[str, float]:
         return dict(sorted(self.applier.last_batch_ts.items())[:256])
@@ -316,9 +368,14 @@ class Ingester:
         await check_layout(self.index.client)
         await check_settings(self)
         await self.index.register_pods(pods)
-        for pod in pods:
-            await self.index.meta.mark_incomplete(pod, LOST_REASON)
-        self.resume.schedule(set(pods), rebuild=True)
+        # A pod another ingester of it rebuilt whole since this loss (it noticed first) is exact: flagged again
+        # here, nobody would clear it (its seq has moved on: this rebuild's clearing is refused)
+        flagged = {pod for pod in pods
+                   if await self.index.meta.mark_incomplete(pod, LOST_REASON, unless_rebuilt_in=epoch)}
+        if len(flagged) < len(pods):
+            log.warning("%d pod(s) already rebuilt by another ingester since the loss: not flagged or rebuilt again",
+                        len(pods) - len(flagged))
+        self.resume.schedule(flagged, rebuild=True, epoch=epoch)
         # Taken as seen only now: a step above that failed (a shard still rejoining) leaves this ingester in the
         # old epoch, so its next look finds "another" and does all of it again, rather than never.
         self.epoch = epoch
@@ -340,6 +397,7 @@ class Ingester:
         batch is not left half applied."""
         if self.fleet.active:
             await self._fleet_tick()
+        self._watch_streams()
         try:
             await self.check_epoch()
         except VALKEY_ERRORS as exc:
@@ -380,6 +438,7 @@ class Ingester:
 
 
 LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
+PROBE_GRACE_S = 1.0  # a batch a silent source's replay holds may be in flight: it is dead only if still not here then
 DRAINS_AT_ONCE = 32  # pods whose outboxes the chores drain side by side
 
 
@@ -406,14 +465,16 @@ class SettingsError(RuntimeError):
 async def check_settings(ing: Ingester) -> None:
     """Claim the index-wide settings (first writer wins) and refuse to write under others: request keys
     hashed with another seed or block size would never be found by anyone reading this index."""
-    ours = IndexSettings(hash_seed=ing.cfg.hash_seed, block_size=ing.cfg.block_size, hash_algo=ing.cfg.hash_algo,
-                         entry_format=ing.cfg.entry_format)
+    cfg = ing.cfg
+    ours = IndexSettings(hash_seed=cfg.hash_seed, block_size=cfg.block_size, hash_algo=cfg.hash_algo,
+                         entry_format=cfg.entry_format, pod_id=cfg.pod_id,
+                         kv_cache_report_mode=cfg.kv_cache_report_mode)
     found = await ing.valkey.call(ing.index.fleet.claim_settings, ours)
     wrong = ours.disagreements(found)
     if wrong:
+        flags = ", ".join(f for n, f in SETTING_FLAGS.items() if getattr(ours, n) != getattr(found, n))
         raise SettingsError("this index was written with other settings (ours != the index's): " + "; ".join(wrong)
-                            + ". Give the index's values (--hash-seed, --block-size, --entry-format), or use "
-                            "another Valkey")
+                            + f". Give the index's values ({flags}), or use another Valkey")
 
 
 def start_line(cfg: Config, sockets: int, cluster: bool) -> str:

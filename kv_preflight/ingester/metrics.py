@@ -37,7 +37,8 @@ class IngesterMetrics:
         self.decode_errors = Counter("kvpf_ingest_decode_errors", "Frames or events that could not be decoded.",
                                      registry=r)
         self.pod_conflicts = Counter("kvpf_ingest_pod_conflicts", "Engines refused because another live engine "
-                                     "already publishes their pod id.", registry=r)
+                                     "already publishes their pod id, and sockets refused a pod's rank another socket "
+                                     "publishes (once per pod, rank and socket).", registry=r)
         self.pods_retired = Counter("kvpf_ingest_pods_retired", "Pods retired (left discovery, or unreachable "
                                     "for --retire-after): entries cleared.", registry=r)
         self.gaps = PodLabelled(Counter("kvpf_ingest_gaps", "Seq gaps seen, by pod.", ["pod"], registry=r), pods)
@@ -63,6 +64,13 @@ class IngesterMetrics:
                                           "never a decode error.", registry=r)
         self.apply_errors = Counter("kvpf_ingest_apply_errors", "Batches Valkey refused with a non-transient error "
                                     "(not retried; other pods go on).", registry=r)
+        self.stream_drops = Counter("kvpf_ingest_stream_drops", "Event streams whose connection dropped after its "
+                                    "handshake (a ZMTP heartbeat unanswered: a half-open connection or a partition; "
+                                    "TCP keepalive; the engine gone): their pods count behind until a publisher is "
+                                    "back and what they missed is replayed.", registry=r)
+        self.streams_dead = Counter("kvpf_ingest_streams_dead", "Silent event streams found dead by a probe of the "
+                                    "engine's replay socket (it held batches the stream never brought): connected "
+                                    "again, their pods replayed.", registry=r)
         self.loop_stalls = Counter("kvpf_ingest_loop_stalls", "Times the ingester's loop made no progress for "
                                    "5 s (each logged once with the stack of what it awaited).", registry=r)
         self.engine_errors = Counter("kvpf_ingest_engine_errors", "Engines refused alone, by step: attach (its "

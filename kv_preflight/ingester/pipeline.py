@@ -75,6 +75,7 @@ class Pipeline:
             except VALKEY_ERRORS as exc:
                 if not transient(exc):
                     raise
+                self.valkey.note_failure()  # the run was sent outside ``call``: its failure counts all the same
                 # Lost with the connection: send the run again (what did apply answers "dup").
                 results = await self.valkey.call(self.index.apply_batches, args)
         except ResponseError:

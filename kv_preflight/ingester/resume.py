@@ -1,6 +1,8 @@
 """Replay from the engine where the live stream cannot say what was missed: at start and for engines
 attached later (each pod from its persisted seq), on a (re)connect (is the last batch applied still in the
-engine's buffer, or did it restart?), and for a retired pod that answers again (rebuilt from seq 0).
+engine's buffer, or did it restart?, and after a stream that went down: what its pods missed meanwhile), for a
+source silent past its usual gap (did the engine publish what never came? ``probe_silent``), and for a retired
+pod that answers again (rebuilt from seq 0).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class Resume:
         self._fetching: dict[str, asyncio.Task] = {}  # pod -> its replay being fetched (``schedule``)
         self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
         self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
+        self._epochs: dict[str, str] = {}  # a pod rebuilt after a loss of Valkey's data -> the epoch that loss began
         self._probes: dict[str, asyncio.Task] = {}  # source endpoint -> its restart probe (``probe_later``)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
@@ -41,10 +44,11 @@ class Resume:
         for pod in pods:
             await self._apply(pod, await self._fetch(pod))
 
-    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False) -> None:
+    def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False, epoch: str = "") -> None:
         """Resume these pods (an engine just attached) without holding up the loop: their replay sockets
         are asked in a task of their own (a dead one costs its timeout there); what they answered is
-        applied by the loop (``apply_ready``), in order with the live stream."""
+        applied by the loop (``apply_ready``), in order with the live stream. ``epoch``: a rebuild after a loss
+        of Valkey's data, which began that epoch (recorded with the pod once it is rebuilt whole)."""
         for pod in sorted(pods):
             route = self.routes.pods.get(pod)
             if route is None or not route.replay:
@@ -56,6 +60,8 @@ class Resume:
                 self._fetching.pop(pod).cancel()
             if rebuild:
                 self._rebuilding.add(pod)
+                if epoch:
+                    self._epochs[pod] = epoch
                 self.applier.park(pod)  # its live batches wait until the rebuild is applied (Applier.park)
             if reset:
                 self._resetting.add(pod)
@@ -86,6 +92,7 @@ class Resume:
             finally:
                 self._rebuilding.discard(pod)
                 self._resetting.discard(pod)
+                self._epochs.pop(pod, None)
                 await self.applier.unpark(pod)  # what arrived meanwhile, after it
 
     async def _apply_fetched(self, pod: str, task: asyncio.Future) -> None:
@@ -110,21 +117,28 @@ class Resume:
             # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
             # kept their data while others lost theirs, or of batches applied between a loss and its notice.
             was, cleared = await self._reset(pod)
-            if rebuilding and was.incomplete:  # the reset says "exact" (a new engine's state): not until the
-                # replay is in
+            if rebuilding and was.incomplete and cleared:  # the reset says "exact" (a new engine's state): not
+                # until the replay is in
                 await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
-            if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact
-                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild; it stays flagged "
-                            "until its next reset", pod)
+            if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact by
+                # this replay. The seq moved under another writer's batch: another ingester of the pod rebuilding
+                # it too (its rebuild clears the flag), or one that rebuilt it already, its live batches going on.
+                # Flagged again here, the pod stayed flagged for good after the other's rebuild had cleared it.
+                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild (another ingester of "
+                            "it rebuilds it, or did); its flag is left to that rebuild", pod)
                 rebuilding = False
         await self._apply(pod, task.result())
         if rebuilding and whole:
-            await self.valkey.call(self.index.meta.mark_complete, pod)
+            await self.valkey.call(self.index.meta.mark_complete, pod, rebuilt_in=self._epochs.get(pod, ""))
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
 
     async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
-        the pod was before, and whether every rank was cleared."""
+        the pod was before, and whether every rank was cleared. On a cluster the pod's outbox runs first, whole (as
+        ``Index.clear_pod`` does): an entry kept for a replica (one held back while its master was lost) and run
+        again after the clearing would write back entries and bits the pod's state no longer lists, which no later
+        clear (an AllBlocksCleared, a restart) could then remove."""
+        await self.valkey.call(self.index.drain_outbox, pod)
         info = await self.valkey.call(self.index.meta.pod_info, pod)
         cleared = not info.seqs
         for rank, last in sorted(info.seqs.items()):
@@ -145,6 +159,7 @@ class Resume:
                 del self._fetching[pod]
                 self._rebuilding.discard(pod)
                 self._resetting.discard(pod)
+                self._epochs.pop(pod, None)
 
     @staticmethod
     def _whole(fetched: list[tuple[int, list, bool]]) -> bool:
@@ -188,17 +203,51 @@ class Resume:
                     await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
                                              decode_errors=len(f.errors), resumed=True)
 
-    def probe_later(self, src: Source) -> None:
+    def probe_later(self, src: Source, *, catch_up: bool = False) -> None:
         """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not
-        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed."""
-        if not src.replay:
-            return
+        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed. With
+        ``catch_up`` (the source's stream had gone down): then its pods are resumed from their persisted seqs
+        (``schedule``; each counts behind until its replay is applied), so a quiet engine's batches lost meanwhile
+        are not left waiting for its next batch to show the gap."""
         running = self._probes.get(src.endpoint)
         if running is not None and not running.done():
+            if catch_up:  # after the probe under way
+                running.add_done_callback(lambda _: self.schedule(self.routes.pods_on({src.endpoint})))
             return  # one probe per source at a time; a reconnect during it changes nothing it would find
-        task = asyncio.ensure_future(self.probe_restart(src))
+        task = asyncio.ensure_future(self._probe_then_catch_up(src, catch_up))
         task.add_done_callback(self._probed)
         self._probes[src.endpoint] = task
+
+    async def _probe_then_catch_up(self, src: Source, catch_up: bool) -> None:
+        try:
+            await self.probe_restart(src)
+        finally:
+            if catch_up:
+                self.schedule(self.routes.pods_on({src.endpoint}))
+
+    async def probe_silent(self, src: Source, received: dict[tuple[str, int], int], grace_s: float) -> bool:
+        """Whether a silent source's stream is dead: its replay socket holds batches past the last seq its stream
+        delivered for a pod's rank (or past the pod's persisted seq, if higher), and they still have not come
+        ``grace_s`` later (a batch in flight is not a dead stream). A socket that does not answer proves
+        nothing (False): the heartbeats speak for the connection then."""
+        for pod, rank in self.routes.ranks_on(src.endpoint):
+            replay = self.routes.replay_endpoint(pod, rank)
+            if not replay:
+                continue
+            info = await self.valkey.call(self.index.meta.pod_info, pod)
+            last = max(received.get((pod, rank), -1), info.seqs.get(str(rank), -1))
+            frames, _ = await fetch_replay(replay, last + 1, timeout_s=self.cfg.replay_timeout_s,
+                                           source=self.routes.replay_source(replay))
+            newer = max((f.seq for f in frames if f.seq is not None and f.batch is not None
+                         and (f.batch.data_parallel_rank or 0) == rank), default=-1)
+            if newer <= last:
+                continue
+            await asyncio.sleep(grace_s)
+            if received.get((pod, rank), -1) < newer:
+                log.warning("%s: silent for a while, but its engine published seq %d..%d of %s rank %d, which never "
+                            "came: its stream is dead", src.endpoint, last + 1, newer, pod, rank)
+                return True
+        return False
 
     def _probed(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -216,7 +265,7 @@ class Resume:
         restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
         empty, so the pod's entries go now, not when it first publishes."""
         if not src.replay:
-            return
+            return  # no replay socket of its own (a --bind source: its pods' replays are asked by seq, elsewhere)
         for pod, route in list(self.routes.pods.items()):
             here = {r for (p, r), s in self.routes.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
             if not here and route.source != src.endpoint:

@@ -73,6 +73,25 @@ class Routes:
             if src.endpoint in endpoints:
                 del self._replays[replay]
 
+    def pods_on(self, endpoints: set[str]) -> set[str]:
+        """The pods a rank of which is published on one of these source endpoints."""
+        if not endpoints:
+            return set()
+        return ({p for p, r in self.pods.items() if r.source in endpoints}
+                | {p for (p, _), s in self.rank_sources.items() if s.endpoint in endpoints})
+
+    def ranks_on(self, endpoint: str) -> list[tuple[str, int]]:
+        """(pod, rank) published on this source endpoint, as far as known (rank 0 for a pod with no rank noted)."""
+        ranks = {key for key, s in self.rank_sources.items() if s.endpoint == endpoint}
+        ranks |= {(p, 0) for p, r in self.pods.items() if r.source == endpoint and not any(k[0] == p for k in ranks)}
+        return sorted(ranks)
+
+    def publisher_of(self, pod: str, rank: int) -> str | None:
+        """The endpoint of the socket this pod's rank is published on here (the first to publish it, or to be
+        attached for it, since the engine or source that brought it was let go), None if none is yet."""
+        owner = self.rank_sources.get((pod, rank))
+        return owner.endpoint if owner is not None else None
+
     async def note(self, src: Source, pod: str, model: str, rank: int) -> PodRoute:
         """The route a frame of ``pod`` just arrived on (the model and source it names are the current ones)."""
         route = self.pods.setdefault(pod, PodRoute(model=model, replay=src.replay, source=src.endpoint,

@@ -1,4 +1,5 @@
-"""The options every ingester socket gets: the size limits of its source, and CURVE keys where it uses CURVE.
+"""The options every ingester socket gets: the size limits of its source, its liveness checks (ZMTP heartbeats,
+TCP keepalive: ``Liveness``), and CURVE keys where it uses CURVE.
 
 Every socket opened with them is bounded (docs/operations.md, "Hostile publishers and memory"):
 ZMQ_MAXMSGSIZE makes ZMQ drop a connection whose next frame is larger than ``max_frame_bytes``
@@ -22,6 +23,8 @@ def configure(sock: zmq.Socket, src: Source, *, server: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, src.limits.max_frame_bytes)
     sock.setsockopt(zmq.RCVHWM, src.limits.rcvhwm)
+    for option, value in src.liveness.options():
+        sock.setsockopt(option, value)
     if src.curve is None or not (server or src.curve_server_key):
         return
     sock.setsockopt(zmq.CURVE_PUBLICKEY, src.curve.public_key)

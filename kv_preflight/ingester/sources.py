@@ -45,6 +45,37 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Liveness:
+    """How a socket notices a connection that went dead without a word (``--zmq-heartbeat``, ``--tcp-keepalive``):
+    a middlebox that dropped the engine's half of the connection and left ours open and silent, a partition, an
+    engine host gone. ZMTP heartbeats are what notice those: the side that sets ZMQ_HEARTBEAT_IVL sends PINGs and
+    any ZMTP 3.1 peer answers PONG by itself (vLLM sets none: our SUB and DEALER sockets are the ones that ask),
+    and no traffic within ``heartbeat_timeout_s`` closes the connection, which libzmq then connects again (a
+    connecting socket) or the engine does (a bound one). TCP keepalive also closes a connection to a host that
+    vanished, where the kernel alone would wait for hours."""
+
+    heartbeat_s: float = Config.zmq_heartbeat_s  # PING interval; 0: no heartbeat
+    heartbeat_timeout_s: float = Config.zmq_heartbeat_timeout_s  # no traffic this long after a PING: closed
+    keepalive_s: float = Config.tcp_keepalive_s  # idle before the first TCP keepalive probe; 0: the OS default (off)
+
+    def options(self) -> list[tuple[int, int]]:
+        """(ZMQ option, value) pairs for a socket."""
+        out: list[tuple[int, int]] = []
+        if self.heartbeat_s > 0:
+            timeout_ms = int(self.heartbeat_timeout_s * 1000)
+            out += [(zmq.HEARTBEAT_IVL, int(self.heartbeat_s * 1000)), (zmq.HEARTBEAT_TIMEOUT, timeout_ms),
+                    # the peer may drop us after as long without a word from us (vLLM's PUB has no other way to
+                    # free a subscriber that vanished); a ZMTP handshake that does not finish in that time is
+                    # abandoned and tried again (libzmq waits 30 s by default: a partition that heals would)
+                    (zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500)), (zmq.HANDSHAKE_IVL, timeout_ms)]
+        if self.keepalive_s > 0:
+            idle = max(1, int(self.keepalive_s))
+            out += [(zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, idle),
+                    (zmq.TCP_KEEPALIVE_INTVL, max(1, idle // 3)), (zmq.TCP_KEEPALIVE_CNT, 3)]
+        return out
+
+
+@dataclass(frozen=True)
 class Source:
     endpoint: str
     bind: bool = False
@@ -54,6 +85,7 @@ class Source:
     pods: frozenset[str] | None = None  # pods= : frames of any other pod on this socket are refused
     curve_server_key: bytes | None = None  # curve_server_key= : the engine's public key (connecting sockets)
     limits: Limits = Limits()
+    liveness: Liveness = Liveness()
     curve: Curve | None = None  # ours: a bound socket is a CURVE server; a connecting one uses it as client keys
     engine: str = DEFAULT  # engine= : the adapter that decodes its frames (kv_preflight/engines/)
     pod: str | None = None  # pod= and model= : the publisher's topic is empty or foreign; these name it
@@ -113,6 +145,7 @@ def secure_sources(sources: list[Source], cfg: Config,
     if cfg.curve_allow and not cfg.curve_secret_key_file:
         raise ValueError("--curve-allow needs --curve-secret-key-file (the ingester's own keypair)")
     limits = Limits(cfg.max_frame_bytes, cfg.max_queue_bytes)
+    liveness = Liveness(cfg.zmq_heartbeat_s, cfg.zmq_heartbeat_timeout_s, cfg.tcp_keepalive_s)
     curve = None
     if cfg.curve_secret_key_file:
         public, secret = load_keypair(cfg.curve_secret_key_file)
@@ -127,7 +160,7 @@ def secure_sources(sources: list[Source], cfg: Config,
     out = []
     for s in sources:
         uses_curve = s.curve_server_key is not None if not s.bind else curve is not None
-        out.append(replace(s, limits=limits, curve=curve if uses_curve else None))
+        out.append(replace(s, limits=limits, liveness=liveness, curve=curve if uses_curve else None))
         if s.bind and not uses_curve:
             log.warning("%s accepts any publisher, which can then write for %s: give --curve-secret-key-file "
                         "and --curve-allow, or a pods= allowlist", s.endpoint,

@@ -4,12 +4,17 @@ A socket connects to an engine that binds (``--source``) or binds for engines th
 (``--bind``); its options are ingester/socket_options.py's. A bound socket can be a CURVE server
 admitting only listed publisher keys (ingester/curve.py), and any socket can carry a ``pods=``
 allowlist (enforced where frames are accepted). Each socket's monitor reports handshakes and drops:
-a connecting socket that libzmq gave up on is connected again, with backoff.
+a connecting socket that libzmq gave up on is connected again, with backoff. A source whose connection
+dropped after it had been up (a heartbeat unanswered, the engine gone) is ``down`` until a publisher's
+handshake succeeds again; it is then ``recovered`` (``take_recovered``), for the ingester to replay what its
+pods missed meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -29,14 +34,19 @@ POLL_MS = 500
 class Subscriber:
     """All SUB sockets of one ingester, read as one stream of (source, frames)."""
 
-    def __init__(self, sources: list[Source], ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, sources: list[Source], ctx: zmq.asyncio.Context | None = None,
+                 on_drop: Callable[[Source], None] | None = None):
         self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.on_drop = on_drop  # each connection dropped after its handshake (counted: stream_drops)
+        self._up: set[int] = set()  # sources a publisher's handshake succeeded on at least once
+        self.down: dict[int, float] = {}  # source index -> when (monotonic) its stream went down
+        self._recovered: set[int] = set()  # down, then a handshake again: what they missed is to be replayed
         self.sources = sources
         self.sockets: list[zmq.asyncio.Socket] = []
         self.poller = zmq.asyncio.Poller()
         self.monitors: dict[zmq.asyncio.Socket, Source] = {}
         self._drops: dict[int, int] = {}  # source index -> drops (connecting: since its last good handshake)
-        self._peers: dict[int, int] = {}  # bound source with pod= -> publishers connected now
+        self._peers: dict[int, int] = {}  # bound source -> publishers connected now
         self._reconnects: dict[int, asyncio.TimerHandle] = {}
         # One receive takes at most this many bytes (and at least one message): decoded, a batch
         # takes about ten times its wire size, and a receive is decoded whole.
@@ -103,8 +113,10 @@ class Subscriber:
             # failed handshakes too (see _dropped). Bound: drops only, logged (the publisher reconnects).
             # A bound socket named with pod= counts its publishers too: its frames carry no pod of their own,
             # so it is only trusted while exactly one publisher is connected (see ``crowded``).
-            mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if src.pod else 0)) if src.bind
-                                          else zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            # Bound sockets count their publishers too, so one left by its last publisher is down until one is back.
+            mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                                          if src.bind else
+                                          zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         except Exception:
             sock.close(linger=0)
             raise
@@ -131,8 +143,18 @@ class Subscriber:
                     src = self.monitors[sock]
                     event = zmq.utils.monitor.parse_monitor_message(await sock.recv_multipart())["event"]
                     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                        self._drops.pop(self.sources.index(src), None)
-                        out.append((src, None))
+                        i = self.sources.index(src)
+                        self._drops.pop(i, None)
+                        was_up = i in self._up
+                        self._up.add(i)
+                        # A bound socket's publisher that connects again may have lost frames meanwhile whether or
+                        # not the socket had another publisher (its old connection still counted, half-open)
+                        if self.down.pop(i, None) is not None or (src.bind and was_up):
+                            self._recovered.add(i)
+                            log.warning("%s: a publisher connected again after a stream went down; replaying what "
+                                        "its pods missed", src.endpoint)
+                        if not src.bind or i in self._recovered:
+                            out.append((src, None))
                     elif event == zmq.EVENT_ACCEPTED:
                         self._accepted(src)
                     elif event == zmq.EVENT_DISCONNECTED:
@@ -172,16 +194,50 @@ class Subscriber:
     def _accepted(self, src: Source) -> None:
         i = self.sources.index(src)
         peers = self._peers[i] = self._peers.get(i, 0) + 1
-        if peers > 1:
+        if peers > 1 and src.pod:
             log.error("%s: %d publishers connected to a socket named pod=%s: its frames are refused until only one "
                       "is left (give each publisher its own --bind, or let them publish kv@POD@MODEL topics)",
                       src.endpoint, peers, src.pod)
 
+    def take_recovered(self, src: Source) -> bool:
+        """Whether this source came back after its stream went down (once: the caller replays its pods)."""
+        try:
+            i = self.sources.index(src)
+        except ValueError:
+            return False
+        if i in self._recovered:
+            self._recovered.discard(i)
+            return True
+        return False
+
+    def down_endpoints(self) -> set[str]:
+        """The endpoints of the sources whose stream is down now."""
+        return {self.sources[i].endpoint for i in self.down}
+
+    def mark_down(self, src: Source, now: float) -> None:
+        """A stream found dead by other means (ingester/liveness.py): down until a handshake again; a connecting
+        socket is connected anew at once (libzmq keeps a connection it believes alive)."""
+        i = self.sources.index(src)
+        self.down.setdefault(i, now)
+        if not src.bind and i not in self._reconnects:
+            self._reconnects[i] = asyncio.get_running_loop().call_soon(self._reconnect, i)
+
+    def _went_down(self, i: int, src: Source) -> None:
+        if i not in self._up or i in self.down:
+            return
+        self.down[i] = time.monotonic()
+        if self.on_drop is not None:
+            self.on_drop(src)
+
     def _dropped(self, src: Source) -> None:
         i = self.sources.index(src)
         drops = self._drops[i] = self._drops.get(i, 0) + 1
-        if i in self._peers:
-            self._peers[i] = max(0, self._peers[i] - 1)
+        if src.bind:
+            self._peers[i] = max(0, self._peers.get(i, 0) - 1)
+            if self._peers[i] == 0:
+                self._went_down(i, src)
+        else:
+            self._went_down(i, src)
         if src.bind:
             if drops <= 10 or drops % 1000 == 0:
                 log.warning("%s: a publisher's connection dropped (a frame over --max-frame-bytes %d, a refused "
@@ -202,8 +258,9 @@ class Subscriber:
         src = self.sources[i]
         delay = min(5.0, 0.1 * 2 ** (drops - 1))
         if drops <= 3 or drops % 100 == 0:
-            log.warning("%s: connection dropped (a frame over --max-frame-bytes %d, a failed handshake, or the "
-                        "engine went away); reconnecting in %.1f s", src.endpoint, src.limits.max_frame_bytes, delay)
+            log.warning("%s: connection dropped (a heartbeat unanswered: a half-open connection or a partition; a "
+                        "frame over --max-frame-bytes %d, a failed handshake, or the engine went away); reconnecting "
+                        "in %.1f s", src.endpoint, src.limits.max_frame_bytes, delay)
         self._reconnects[i] = asyncio.get_running_loop().call_later(delay, self._reconnect, i)
 
     def _reconnect(self, i: int) -> None:
@@ -240,6 +297,9 @@ class Subscriber:
                 self.sources[i] = Source(endpoint=f"removed://{i}")
                 self._drops.pop(i, None)
                 self._peers.pop(i, None)
+                self._up.discard(i)
+                self.down.pop(i, None)
+                self._recovered.discard(i)
                 log.info("unsubscribed", extra={"endpoint": src.endpoint})
 
     def close(self) -> None:

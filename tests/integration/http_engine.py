@@ -29,6 +29,7 @@ class HttpEngine:
     metrics_ok: bool = True
     tokenize_requests: list[dict] = field(default_factory=list)
     port: int = field(default_factory=free_port)
+    kv_event_sources: dict | None = None  # what /kv_event_sources answers (default: one rank, tcp://*:5557)
 
     def __post_init__(self) -> None:
         app = Starlette(routes=[
@@ -68,6 +69,8 @@ class HttpEngine:
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _sources(self, request: Request) -> JSONResponse:
+        if self.kv_event_sources is not None:
+            return JSONResponse(self.kv_event_sources)
         return JSONResponse({"0": {"endpoint": "tcp://*:5557", "topic": f"kv@{self.pod}@{self.models[0]}"}})
 
     def start(self) -> "HttpEngine":

@@ -15,7 +15,8 @@ import redis
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
 from kv_preflight.index.cluster.writes import encode_changes
-from kv_preflight.index.layout import EPOCH_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
+from kv_preflight.events import AllBlocksCleared, EventBatch
+from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
@@ -536,10 +537,11 @@ class Outage:
         self.vc.release_replicas(self.held)
         self.held = []
 
-    async def restart_empty(self, victim) -> redis.Redis:
+    async def restart_empty(self, victim, *, writes_go_on: bool = False) -> redis.Redis:
         """A master restarted without its data and without a failover (no persistence; its replica held, so
         none can take over): back serving its slots, empty, and its replica let go (it syncs from it, empty
-        too). Returns a client of it."""
+        too). Returns a client of it. ``writes_go_on``: ingesters write meanwhile, so it may hold new keys by the
+        time it is looked at (the data loss is checked by its being noticed, then)."""
         import shutil
 
         self.held = self.vc.hold_replicas(victim)
@@ -554,7 +556,7 @@ class Outage:
             assert time.monotonic() < deadline, "the restarted master did not rejoin"
             await asyncio.sleep(0.1)
         assert back.info("replication")["role"] == "master"  # no failover: the same master, empty
-        assert not request_keys_on(victim.port), "the restarted master kept its data: nothing is tested"
+        assert writes_go_on or not request_keys_on(victim.port), "the restarted master kept its data: nothing is tested"
         self.let_go()
         return back
 
@@ -939,5 +941,122 @@ async def test_a_slot_marker_gone_from_a_shard_that_ran_all_along_is_written_aga
         await publish(o.engine, o.wl, 5)
         await assert_exact(o.ix, o.engine, o.wl)
         assert ing.poll() is None
+    finally:
+        await o.close()
+
+
+async def test_a_shard_at_maxmemory_is_a_transient_error_not_a_foreign_key(tmp_path):
+    """A master at its maxmemory under noeviction refuses the writes of a batch's effects (round A: its request
+    keys' entries and bits) with OOM. effects.lua counted each refusal as "a key of a foreign type": the pod was
+    flagged incomplete and those changes were never made, though nothing foreign was there. Now an OOM ends the
+    script (Valkey refuses it before a script's first write, so nothing was changed), the ingester retries as it
+    does for a shard down, the outbox keeps the changes, and once the shard has room again they run: the pod is
+    never flagged, and the index ends exactly the engine's (its replay vs the index's export)."""
+    o = Outage(tmp_path, 58)
+    try:
+        o.ingest("ing")
+        await o.exact()
+        spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
+        victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
+        full = redis.Redis(port=victim.port)
+        full.config_set("maxmemory-policy", "noeviction")
+        full.config_set("maxmemory", 1)
+        try:
+            await publish(o.engine, o.wl, 10)
+            await wait_seq(o.ix, "pod-c", o.engine.seq - 1)  # the pod steps ran (the pod's shard has room)
+            await asyncio.sleep(3.0)  # the effects were tried (and refused) meanwhile: the flag would be up by now
+            info = await o.ix.meta.pod_info("pod-c")
+            assert not info.incomplete, info.incomplete_reason
+            assert not info.counters.get("foreign_keys"), info.counters
+            assert info.pending_effects >= 1, "no batch's changes waited for the full shard: nothing is tested"
+        finally:
+            full.config_set("maxmemory", 0)
+            full.close()
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        await publish(o.engine, o.wl, 5)
+        await assert_exact(o.ix, o.engine, o.wl)
+    finally:
+        await o.close()
+
+
+def pod_leftovers(client: redis.RedisCluster, pod: str, held: set[int]) -> dict[str, list[str]]:
+    """On every primary, the request keys holding an llm-d entry of ``pod``, and the presence hashes holding its
+    bit, that are not among ``held`` (the request keys its state lists): entries and bits no writer will ever
+    remove, since clearing a pod (an AllBlocksCleared, a restart, a rebuild) removes what its state lists."""
+    num = client.hget(NUMS_BYNAME_KEY, pod)
+    num = int(num) if num is not None else None
+    entries, bits = [], []
+    for node in client.get_primaries():
+        one = redis.Redis(host=node.host, port=node.port)
+        for k in one.scan_iter(count=1000):
+            name = k.decode()
+            if name.isdigit():
+                if int(name) not in held and any(f'"PodIdentifier":"{pod}"' in f.decode() for f in one.hkeys(k)):
+                    entries.append(name)
+            elif num is not None and name.startswith("kvpf:{") and name[6:-1].isdigit() and int(name[6:-1]) not in held:
+                for v in one.hvals(k):
+                    bitmap = v.partition(b":")[2]
+                    if len(bitmap) > num // 8 and bitmap[num // 8] >> (num % 8) & 1:
+                        bits.append(name)
+        one.close()
+    return {"entries": sorted(entries), "bits": sorted(set(bits))}
+
+
+@pytest.mark.parametrize("lost", ["request_keys", "pod_shard"])
+async def test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_and_leaves_nothing(tmp_path, lost):
+    """A master restarted without its data and without a failover (its replica held), while the engine publishes
+    and two ingesters write its pod. Both notice; the pod is rebuilt from the engine's replay. The pod stayed
+    flagged incomplete for good (3 of 3 runs of the issue): the second ingester's rebuild found the pod's seq moved
+    by the first (\"a rank's seq moved while the pod was cleared\") and flagged it again after the first had
+    cleared the flag. And llm-d entries and presence bits outlived the rebuild and a later AllBlocksCleared (1 of
+    3). Now the pod ends unflagged, the index exactly the engine's (its published batches vs the index), and after
+    an AllBlocksCleared no entry or bit of the pod is left on any shard."""
+    o = Outage(tmp_path, 59)
+    try:
+        a = o.ingest("a", env={"KVPF_REPLAY_TIMEOUT_S": "10"})
+        b = o.ingest("b", env={"KVPF_REPLAY_TIMEOUT_S": "10"})
+        await o.engine.subscribed(2)
+        await publish(o.engine, o.wl, 10)
+        await assert_exact(o.ix, o.engine, o.wl)
+        await o.marked_epoch()
+        meta = o.sync.get_node_from_key(pod_meta_key("pod-c")).port
+        masters = [m for m in o.vc.masters_now() if m.port != o.sync.get_node_from_key(EPOCH_KEY).port]
+        if lost == "pod_shard":
+            victim = next(m for m in o.vc.masters_now() if m.port == meta)
+        else:
+            victim = max((m for m in masters if m.port != meta), key=lambda m: len(request_keys_on(m.port)))
+        stop_load = asyncio.Event()
+
+        async def load():
+            while not stop_load.is_set():
+                o.engine.publish(o.wl.next_batch())
+                await asyncio.sleep(0.02)
+        under_load = asyncio.ensure_future(load())
+        try:
+            await o.restart_empty(victim, writes_go_on=True)
+            for name, proc in (("a", a), ("b", b)):
+                wait_log(str(tmp_path / f"{name}.log"), "Valkey lost the index's data", proc)
+            await asyncio.sleep(3.0)  # the rebuilds run under load
+        finally:
+            stop_load.set()
+            await under_load
+        deadline = time.monotonic() + 60
+        while (await o.ix.meta.pod_info("pod-c")).incomplete:
+            assert time.monotonic() < deadline, f"pod-c stayed flagged: {(await o.ix.meta.pod_info('pod-c')).incomplete_reason}"
+            await asyncio.sleep(0.2)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        held = {rk async for s in export_blocks(o.ix.writer, "pod-c") for rk in s.request_keys}
+        assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
+        cleared = EventBatch(time.time(), [AllBlocksCleared()], 0)
+        o.wl.batches.append(cleared)
+        o.wl.live = []
+        o.engine.publish(cleared)
+        await assert_exact(o.ix, o.engine, o.wl)
+        assert pod_leftovers(o.sync, "pod-c", set()) == {"entries": [], "bits": []}
+        await publish(o.engine, o.wl, 5)
+        await assert_exact(o.ix, o.engine, o.wl)
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        assert a.poll() is None and b.poll() is None
     finally:
         await o.close()

@@ -271,3 +271,49 @@ async def test_query_scores_each_data_parallel_rank_of_an_engine_nobody_register
         assert r["frequencies"] == [2, 2, 1], r
         workers = (await c.get("/workers")).json()
         assert [w["instance_id"] for w in workers] == [int(sid)], workers
+
+
+def test_register_refuses_what_no_engine_publishes_on_and_workers_refuses_negative_paging(valkey_url, tmp_path):
+    """A real ``serve --dynamo-port``: /register refused (each was accepted before) an instance_id past u64 (Dynamo's
+    type; 422 as serde's range error), an endpoint on Valkey's own port, on the predictor's or this API's HTTP port
+    or on an engine's HTTP port (an ingester would speak ZMTP to them, and reconnect, while the registration
+    stands), and an ipc:// path outside --register-ipc-dir once normalized (``ipc:///../../etc/passwd``); /workers
+    refuses a negative offset and a limit below 1 (400) where it clamped them to 0 and 1."""
+    from kv_preflight.cli.valkey_server import free_port
+    from tests.e2e.harness import spawn, stop, wait_http
+
+    port, dport, engine_port = free_port(), free_port(), free_port()
+    valkey_port = int(valkey_url.rsplit(":", 1)[1].split("/")[0])
+    proc = spawn(["serve", "--valkey-url", valkey_url, "--port", str(port), "--dynamo-port", str(dport),
+                  "--engine-url", f"{MODEL}=http://localhost:{engine_port}", "--tokenizer-check"],
+                 str(tmp_path / "serve.log"))
+    try:
+        wait_http(f"http://127.0.0.1:{dport}/health")
+        api = f"http://127.0.0.1:{dport}"
+
+        def register(**change) -> httpx.Response:
+            return httpx.post(f"{api}/register", json=REGISTER_1 | change, timeout=10)
+
+        r = register(instance_id=2 ** 64)
+        assert r.status_code == 422, r.text
+        for endpoint, what in ((f"tcp://127.0.0.1:{valkey_port}", "Valkey"),
+                               (f"tcp://localhost:{port}", "the predictor's HTTP port"),
+                               (f"tcp://127.0.0.2:{dport}", "this remote-indexer API's HTTP port"),
+                               (f"tcp://[::1]:{engine_port}", "an engine's HTTP port")):
+            r = register(endpoint=endpoint)
+            assert r.status_code == 403 and what in r.json()["error"], (endpoint, r.text)
+            r = register(replay_endpoint=endpoint)
+            assert r.status_code == 403 and what in r.json()["error"], (endpoint, r.text)
+        for outside in ("ipc:///../../etc/passwd", "ipc:///tmp/../etc/x.sock", "ipc://relative.sock", "ipc://@abstract"):
+            r = register(endpoint=outside)
+            assert r.status_code == 403 and "--register-ipc-dir" in r.json()["error"], (outside, r.text)
+        assert httpx.get(f"{api}/workers", timeout=10).json() == []  # none of those was registered
+        assert register(instance_id=2 ** 64 - 1, endpoint="ipc:///tmp/kvpf-test-engine.sock").status_code == 201
+        assert register().status_code == 201
+        for query in ("offset=-1", "limit=-5", "limit=0", "offset=-3&limit=-3"):
+            r = httpx.get(f"{api}/workers?{query}", timeout=10)
+            assert r.status_code == 400 and "offset must be 0 or more" in r.json()["error"], (query, r.text)
+        page = httpx.get(f"{api}/workers?offset=1&limit=1", timeout=10)
+        assert page.status_code == 200 and [w["instance_id"] for w in page.json()] == [2 ** 64 - 1]
+    finally:
+        stop(proc)

@@ -361,3 +361,35 @@ async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
 
 async def _is(fn, want) -> bool:
     return await fn() == want
+
+
+@pytest.mark.parametrize("flag, value, found", [("--pod-id", "endpoint", "pod_id: 'endpoint' != 'topic'"),
+                                                ("--kv-cache-report-mode", "full",
+                                                 "kv_cache_report_mode: 'full' != 'incremental'")])
+async def test_an_ingester_that_would_name_or_read_pods_otherwise_refuses_to_write(valkey_url, tmp_path, flag, value,
+                                                                                    found):
+    """--pod-id and --kv-cache-report-mode are the index's too (kvpf:settings): a one-off ingester started with
+    --pod-id endpoint beside a fleet that names pods by topic ingested a fleet engine again under its address (a
+    ghost pod holding the engine's blocks, never evicted); two report modes read one engine's parentless runs two
+    ways. The second writer is refused with the flag to give, before it subscribes to anything."""
+    engine = sim_engine("sim-set", tmp_path).start()
+    ix = Index.from_url(valkey_url)
+    procs = []
+    try:
+        fleet = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url, *FAST], str(tmp_path / "fleet.log"),
+                      env=FAST_ENV)
+        procs.append(fleet)
+        await until(lambda: ix.fleet.settings(), "the fleet's settings")
+        one_off = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url, flag, value, *FAST],
+                        str(tmp_path / "one_off.log"), env=FAST_ENV)
+        procs.append(one_off)
+        assert one_off.wait(30) == 1
+        out = open(tmp_path / "one_off.log").read()
+        assert "other settings" in out and found in out and f"({flag})" in out and "Traceback" not in out
+        assert set(await ix.meta.pod_ids()) <= {"sim-set"}  # no pod under the engine's address
+        assert fleet.poll() is None
+    finally:
+        for p in procs:
+            stop(p)
+        engine.stop()
+        await ix.close()

@@ -321,3 +321,39 @@ async def test_a_large_snapshot_is_chunked_and_read_back_whole(ix, valkey_url):
     finally:
         await fresh.close()
         sync.close()
+
+
+@pytest.mark.parametrize("foreign_too", [False, True])
+def test_a_shard_at_maxmemory_fails_its_effects_whole_never_as_a_foreign_key(valkey_url, foreign_too):
+    """A cluster shard's share of a batch (effects.lua) on a node at maxmemory under noeviction: Valkey refuses its
+    writes with OOM (before a script's first write only, so nothing was changed). Each refusal was counted as a
+    write that hit "a key of a foreign type", so the caller flagged the pod incomplete and dropped the changes,
+    though nothing foreign was there. Now the script fails with the OOM error itself: a transient error the
+    writer retries (kv_preflight/ingester/valkey_retry.py), with the changes kept in the pod's outbox. A key of a
+    foreign type (a LIST at a request key) in the same run is no reason to flag either while the node is full."""
+    from redis.exceptions import OutOfMemoryError
+
+    from kv_preflight.index.changes import shard_args
+    from kv_preflight.index.scripts import EFFECTS
+    from kv_preflight.ingester.valkey_retry import transient
+
+    r = redis.Redis.from_url(valkey_url)
+    if foreign_too:
+        r.rpush("104", "x")
+    ops = [("K", rk, F0, 1, "0", 1, 1, 1) for rk in (101, 102, 103, 104)]
+    args, _, _ = shard_args(ops)
+    sha = r.script_load(EFFECTS)
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(OutOfMemoryError) as failed:
+            reply = r.evalsha(sha, 0, *args)
+            print("the script answered", reply)
+        assert transient(failed.value)
+        assert not r.exists("101", presence_key(101))  # nothing was written
+    finally:
+        r.config_set("maxmemory", 0)
+    reply = r.evalsha(sha, 0, *args)  # room again: the same changes run, the foreign key alone refused
+    assert int(reply[1]) == (1 if foreign_too else 0)
+    assert r.hkeys("101") == [F0.encode()] and r.exists(presence_key(101))
+    r.close()

@@ -197,3 +197,134 @@ def test_pods_allowlist_drops_a_forged_pods_frames(valkey_url, tmp_path):
         ctx.destroy(linger=0)
         vk.close()
         stop(proc)
+
+
+def test_an_engine_found_through_engine_may_write_only_for_the_pod_it_announced(valkey_url, tmp_path):
+    """A rogue engine given with --engine announces pod ``rogue`` in /kv_event_sources and publishes topic
+    ``kv@sim-0@sim`` with sim-0's next seq. Its frames were written into sim-0 (blocks sim-0 never held, answered
+    as exact; sim-0's next real batch then looked like a restart and cleared it), unlogged and uncounted. Now
+    every source found through --engine has its announced pod as its pods= list: the forged frames are refused,
+    logged and counted, and sim-0's index stays exactly what sim-0 published (its replay vs the index)."""
+    from tests.integration.engine_stub import EngineStub
+    from tests.integration.http_engine import HttpEngine
+    from tests.integration.sim import sim_engine
+    from tests.integration.truth import engine_truth, index_state
+    from kv_preflight.cli.accuracy import shared_prefix_workload
+
+    def serve(prompts: list[dict]) -> None:
+        for p in prompts:
+            r = httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": p["token_ids"],
+                                                                 "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+
+    zport, rport = free_port(), free_port()
+    stub = EngineStub(f"tcp://*:{zport}", f"tcp://*:{rport}", "kv@sim-0@sim", bind=True)
+    rogue = HttpEngine("rogue", ["sim"], kv_event_sources={"0": {
+        "endpoint": f"tcp://*:{zport}", "replay_endpoint": f"tcp://*:{rport}", "topic": "kv@rogue@sim"}}).start()
+    engine = sim_engine("sim-0", tmp_path).start()
+    proc, metrics_url, log = spawn_ingester(valkey_url, tmp_path, "--engine", engine.url, "--engine", rogue.url)
+    vk = Valkey(valkey_url)
+    try:
+        work = shared_prefix_workload(n=6, seed=21, block=16)
+        serve(work[:3])
+        deadline = time.monotonic() + 30
+        while vk.seq("sim-0") < len(engine.published()) - 1:
+            assert time.monotonic() < deadline, "sim-0 was not ingested"
+            time.sleep(0.05)
+        stub.count_subscriptions()
+        deadline = time.monotonic() + 30
+        while stub.subscriptions < 1:  # the ingester subscribed to the rogue too
+            assert time.monotonic() < deadline, "the rogue engine was never subscribed to"
+            time.sleep(0.05)
+            stub.count_subscriptions()
+        forged = 0
+        for _ in range(20):  # sim-0's next seq each time, as /stats shows it
+            stub.seq = vk.seq("sim-0") + 1
+            stub.publish(EventBatch(time.time() + 60, [BlockStored([777000 + forged], None, [5 + forged] * 16, 16,
+                                                                   medium="GPU", group_idx=0, extra_keys=[None])], 0))
+            forged += 1
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_frames_refused_total") < forged:
+            assert time.monotonic() < deadline, "the forged frames were not refused"
+            time.sleep(0.1)
+        assert "'sim-0' is not in its pods= allowlist" in log.read_text()
+        serve(work[3:])  # sim-0 goes on: no restart, no clear
+        published = engine.published()
+        deadline = time.monotonic() + 30
+        while vk.seq("sim-0") < len(published) - 1:
+            assert time.monotonic() < deadline, "sim-0's later batches were not applied"
+            time.sleep(0.05)
+        held = vk.loop.run_until_complete(index_state(vk.ix, "sim-0"))
+        assert held == engine_truth(published)
+        info = vk.loop.run_until_complete(vk.ix.meta.pod_info("sim-0"))
+        assert not info.incomplete and not info.counters.get("restarts") and not info.counters.get("cleared")
+        assert proc.poll() is None
+    finally:
+        vk.close()
+        stop(proc)
+        engine.stop()
+        rogue.stop()
+        stub.close()
+
+
+def test_two_sources_publishing_one_pod_keep_it_the_first_ones(valkey_url, tmp_path):
+    """Two replicas given one topic pod id (``kv@sim-dup@sim``), each given with its own --source: their batches
+    went into one pod as one seq (each a restart or a gap of the other's: clears, replays, blocks of one replica
+    missing, the pod answered as exact), unnoticed, pod_conflicts 0. Now the socket that published the pod first
+    keeps it; the other's frames are refused, logged, counted (frames_refused, and one pod_conflict), and the pod
+    ends exactly what the first replica published (its replay vs the index), never flagged, never cleared."""
+    from tests.integration.sim import sim_engine
+    from tests.integration.truth import engine_truth, index_state
+    from kv_preflight.cli.accuracy import shared_prefix_workload
+
+    first, second = sim_engine("sim-dup", tmp_path / "a"), sim_engine("sim-dup", tmp_path / "b")
+    for e, d in ((first, "a"), (second, "b")):
+        (tmp_path / d).mkdir()
+        e.start()
+    sources = [f"tcp://127.0.0.1:{e.zmq_port},replay=tcp://127.0.0.1:{e.replay_port}" for e in (first, second)]
+    proc, metrics_url, log = spawn_ingester(valkey_url, tmp_path, "--source", sources[0], "--source", sources[1])
+    vk = Valkey(valkey_url)
+
+    def serve(engine, prompts: list[dict]) -> None:
+        for p in prompts:
+            r = httpx.post(engine.url + "/v1/completions", json={"model": "sim", "prompt": p["token_ids"],
+                                                                 "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+
+    def applied(engine) -> list:
+        published = engine.published()
+        deadline = time.monotonic() + 30
+        while vk.seq("sim-dup") < len(published) - 1:
+            assert time.monotonic() < deadline, f"sim-dup did not reach seq {len(published) - 1}"
+            time.sleep(0.05)
+        return published
+
+    try:
+        work = shared_prefix_workload(n=12, seed=33, block=16)
+        serve(first, work[:2])
+        applied(first)
+        deadline = time.monotonic() + 30
+        while metric(httpx.get(metrics_url, timeout=5).text, "kvpf_ingest_pod_conflicts_total") < 1:
+            serve(second, work[6:7])  # its first batches reach the ingester once its SUB has joined
+            assert time.monotonic() < deadline, "the second publisher's frames were never refused"
+        for a, b in zip(work[2:6], work[7:11]):  # interleaved from here on
+            serve(first, [a])
+            serve(second, [b])
+        published = applied(first)
+        scraped = httpx.get(metrics_url, timeout=5).text
+        assert metric(scraped, "kvpf_ingest_pod_conflicts_total") == 1
+        refused = metric(scraped, "kvpf_ingest_frames_refused_total", endpoint=sources[1].split(",")[0])
+        assert refused >= 5, scraped
+        assert vk.counters().get("pod_conflicts") == 1
+        assert "'sim-dup' rank 0 is already published by" in log.read_text()
+        assert vk.loop.run_until_complete(index_state(vk.ix, "sim-dup")) == engine_truth(published)
+        info = vk.loop.run_until_complete(vk.ix.meta.pod_info("sim-dup"))
+        assert not info.incomplete and info.counters["batches"] == len(published)
+        assert not info.counters.get("restarts") and not info.counters.get("cleared")
+        assert proc.poll() is None
+    finally:
+        vk.close()
+        stop(proc)
+        first.stop()
+        second.stop()

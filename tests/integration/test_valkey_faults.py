@@ -35,7 +35,9 @@ from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.ingester.replay import fetch_replay
 from kv_preflight.predictor.metadata import DEFAULT_TTL_S as METADATA_TTL_S
 from kv_preflight.events import EventBatch
+from kv_preflight.fleet.records import decode_lease
 from kv_preflight.index.index import Index
+from kv_preflight.index.layout import INGESTERS_KEY, pod_meta_key
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.sim import SimEngine, sim_engine
 from tests.integration.truth import engine_truth, index_state
@@ -290,3 +292,92 @@ def test_valkey_fault_under_load(stack, fault):
     asyncio.run(assert_index_is_engine_truth(stack))
     assert_predictions_exact(stack)
     stack.assert_running()
+
+
+FULL_S = 25.0  # Valkey held at its maxmemory this long
+FILLER_KEY = "test:filler"
+FILLER_ROOM = 1_000_000  # the limit, over the memory used when it is set
+LATE_S = 1.0  # a batch published this long before a lease was written, and not applied then, is one it is behind
+
+
+def hover_at_the_limit(url: str, done: threading.Event, full_s: float = 0.5, room_s: float = 0.15) -> None:
+    """Until ``done``: a filler key grown until Valkey refuses it (every write refused from then on) for ``full_s``,
+    then gone for ``room_s`` (writes pass), as the used memory of a Valkey at its limit moves with its clients'
+    buffers. Grown in pieces: one large SET is refused for the query buffer it needs."""
+    piece = b"x" * 65536
+    with closing(redis.Redis.from_url(url)) as c:
+        while not done.is_set():
+            try:
+                for _ in range(2 * FILLER_ROOM // len(piece)):
+                    c.append(FILLER_KEY, piece)
+            except redis.exceptions.OutOfMemoryError:
+                pass
+            done.wait(full_s)
+            c.delete(FILLER_KEY)
+            done.wait(room_s)
+
+
+def test_valkey_at_maxmemory_never_leases_current_while_batches_wait(stack):
+    """Valkey at maxmemory under noeviction, its used memory moving around the limit (client buffers in the issue's
+    runs; a filler key here), so that a write in a few gets through. A batch applied or a read answered between
+    failures ended the ingester's "failing" at once, and the lease written in that moment said "current" (answers
+    then said "exact" for the lease's TTL while every batch after it failed: 3 of 3 runs of the issue). Now the
+    failing ends only once calls have answered for a while, none failing or retrying. The oracle is the engine's
+    own history: no lease the ingester writes says "current" while a batch the engine published more than LATE_S
+    before is not applied (the pod's seq, read after each renewal, is behind it). Once Valkey has room again the
+    index ends exactly the engine's (its replay vs the index) and answers are exact and right."""
+    r = redis.Redis.from_url(stack.valkey.url)
+    leases: dict[int, tuple[str, int]] = {}  # renewed_ms -> (state, the pod's seq read just after)
+    done = threading.Event()
+
+    def engine_load() -> None:  # every request stores (and the 64-block pool evicts): batches all along
+        rng = random.Random(4)
+        with httpx.Client(timeout=30) as client:
+            while not done.wait(0.05):
+                tokens = rng.choice(WORK)["token_ids"] + [rng.randrange(10, 8000) for _ in range(rng.randrange(16, 48))]
+                try:
+                    client.post(stack.engine.url + "/v1/completions", json={"model": "sim", "prompt": tokens,
+                                                                           "max_tokens": 1})
+                except httpx.HTTPError:
+                    pass
+
+    load = threading.Thread(target=engine_load, daemon=True)
+    assert_predictions_exact(stack)  # ingested and exact before
+    load.start()
+    try:
+        time.sleep(1.0)  # the load's batches are flowing
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + FILLER_ROOM))
+        hover = threading.Thread(target=hover_at_the_limit, args=(stack.valkey.url, done), daemon=True)
+        hover.start()
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < FULL_S:
+                for raw in r.hvals(INGESTERS_KEY):
+                    lease = decode_lease(raw)
+                    if lease is not None and lease.renewed_ms not in leases:
+                        seq = r.hget(pod_meta_key(POD), "seq:0")
+                        leases[lease.renewed_ms] = (lease.state, int(seq) if seq is not None else -1)
+                time.sleep(0.02)
+        finally:
+            done.set()
+            hover.join(timeout=60)
+            r.config_set("maxmemory", "0")
+            r.delete(FILLER_KEY)
+            r.close()
+    finally:
+        done.set()
+        load.join(timeout=60)
+    log = (stack.logs / "ingester.log").read_text()
+    assert "command not allowed when used memory" in log, "Valkey refused none of the ingester's writes: nothing was tested"
+    published = [(b.ts, seq) for seq, b in enumerate(asyncio.run(engine_history(stack.engine)))]
+    lies = []
+    for renewed_ms, (state, seq_after) in sorted(leases.items()):
+        due = max((seq for ts, seq in published if ts <= renewed_ms / 1000 - LATE_S), default=-1)
+        if state == "current" and seq_after < due:
+            lies.append((renewed_ms, seq_after, due))
+    assert len(leases) >= 5, leases
+    assert not lies, f"{len(lies)} of {len(leases)} leases said current while batches waited (ms, seq, due): {lies[:5]}"
+    stack.assert_running()
+    asyncio.run(assert_index_is_engine_truth(stack))
+    assert_predictions_exact(stack)

@@ -81,3 +81,30 @@ def test_register_allow_default_is_loopback():
 def test_stable_instance_id_is_stable_and_json_safe():
     assert stable_instance_id("vllm-0") == stable_instance_id("vllm-0") != stable_instance_id("vllm-1")
     assert 0 <= stable_instance_id("10.0.0.1:8000") < 2 ** 53
+
+
+def test_an_ipc_path_must_normalize_into_an_allowed_folder():
+    from kv_preflight.predictor.dynamo.wire import check_ipc_path
+
+    check_ipc_path("ipc:///tmp/engine.sock", ["/tmp"])
+    check_ipc_path("ipc:///tmp/a/../engine.sock", ["/tmp/"])
+    check_ipc_path("ipc:///run/vllm/e.sock", ["/tmp", "/run/vllm"])
+    for outside in ("ipc:///../../etc/passwd", "ipc:///tmp/../etc/passwd", "ipc:///tmpfoo/x", "ipc:///tmp",
+                    "ipc://tmp/x", "ipc://@name", "ipc:///run/vllm2/e.sock"):
+        with pytest.raises(EndpointRefused):
+            check_ipc_path(outside, ["/tmp", "/run/vllm"])
+    with pytest.raises(EndpointRefused):
+        check_ipc_path("ipc:///tmp/engine.sock", [])
+
+
+def test_own_services_are_refused_whatever_the_loopback_spelling():
+    from kv_preflight.predictor.dynamo.wire import own_services
+
+    services = own_services(["redis://127.0.0.1:6379/0", "rediss://:pw@10.0.0.5:7000"],
+                            {"http://0.0.0.0:8080": "the predictor's HTTP port", "http://engine-0:8000": "an engine's"})
+    for endpoint, what in (("tcp://localhost:6379", "Valkey"), ("tcp://10.0.0.5:7000", "Valkey"),
+                           ("tcp://127.0.0.3:8080", "predictor"), ("tcp://engine-0:8000", "engine")):
+        with pytest.raises(EndpointRefused, match=what):
+            check_endpoint(endpoint, ["0.0.0.0/0", "::/0", "engine-0"], services=services)
+    check_endpoint("tcp://127.0.0.1:5557", (), services=services)
+    check_endpoint("tcp://engine-0:5557", ["engine-0"], services=services)

@@ -41,7 +41,10 @@
 -- fails that one command, never the script, so a batch is never left half applied and a retry counts nothing
 -- twice; failures are counted (foreign.n) and the first is kept. A key that moved away (cluster: resharding,
 -- failover) fails with "non local key": its op is listed in `moved` for the caller to send through the
--- cluster's routing (effects.lua).
+-- cluster's routing (effects.lua). A refusal that says the server's state, not the key's (OOM at maxmemory under
+-- noeviction, MISCONF, NOREPLICAS, READONLY), ends the script with that error: Valkey refuses those only
+-- before a script's first write, so nothing was changed, and the caller retries it as it retries any
+-- transient error (counted as a foreign key, it left the pod flagged and its changes unmade).
 local foreign = {n = 0, first = nil}
 local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
@@ -51,7 +54,9 @@ local op_at = 0     -- the position of the op running (for `moved`; each block o
 local sibs = ''     -- G: the sibling ranks' bits for the K ops that follow
 -- Globals cost a table lookup at every use; the loop below runs a few of these per block, so they are locals.
 local pcall_, type_, argv = redis.pcall, type, ARGV
+local server_states = {OOM = true, MISCONF = true, NOREPLICAS = true, READONLY = true}
 local function failed(r, key)  -- a command's error reply: a moved key or a foreign-typed one (returns nil)
+  if server_states[string.match(r.err, '^%u+')] then error(r) end
   if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
      string.find(r.err, 'ASK', 1, true) then
     moved[#moved + 1] = op_at

@@ -29,7 +29,8 @@ from kv_preflight.index.rank_pods import base_pod, split_rank_pod
 from kv_preflight.predictor.scoring.ranks import dp_pods_of
 from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointError, EndpointRefused, QueryRequest,
                                    RegisterRequest, UnregisterRequest, WorkerInfo, ListenerInfo, build_score_response,
-                                   check_endpoint, rank_prefix, registered_pod, registration_id, stable_instance_id,
+                                   check_endpoint, own_services, rank_prefix, registered_pod, registration_id,
+                                   stable_instance_id,
                                    tier_prefixes)
 from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
@@ -110,16 +111,9 @@ class DynamoApi:
     # ---- /register
 
     async def register(self, req: RegisterRequest) -> tuple[int, dict[str, str]]:
-        for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
-            try:
-                check_endpoint(endpoint, self.cfg.register_allow)
-            except EndpointError as exc:
-                msg = str(exc)
-                if endpoint == req.replay_endpoint and endpoint != req.endpoint:
-                    msg = msg.replace("invalid endpoint", "invalid replay endpoint", 1)
-                return 400, {"error": msg}
-            except EndpointRefused as exc:
-                return 403, {"error": f"endpoint refused: {exc}"}
+        refused = self._check_endpoints(req)
+        if refused is not None:
+            return refused
         for name, value, most in (("model_name", req.model_name, MAX_NAME_BYTES),
                                   ("routing_group", req.routing_group, MAX_NAME_BYTES),
                                   ("endpoint", req.endpoint, MAX_ENDPOINT_BYTES),
@@ -132,6 +126,9 @@ class DynamoApi:
         async with valkey_call(self.deadline_s, "registered engines"):
             every = await self.index.fleet.registered_engines()
             view = await self.index.fleet.fleet_view()
+        refused = self._check_endpoints(req, self._own_services(every, view))
+        if refused is not None:
+            return refused
         if len(every) >= self.cfg.max_registered_engines:
             return 429, {"error": f"{len(every)} engines are registered, the most this index takes "
                                   f"(--max-registered-engines {self.cfg.max_registered_engines})"}
@@ -167,6 +164,40 @@ class DynamoApi:
         log.info("registered instance %d dp_rank %d (%s, %s) at %s", req.instance_id, rank, req.model_name,
                  req.routing_group, req.endpoint)
         return 201, {"status": "ok"}
+
+    def _check_endpoints(self, req: RegisterRequest,
+                         services: dict[str, str] | None = None) -> tuple[int, dict[str, str]] | None:
+        """400 for a malformed endpoint, 403 for one refused (outside --register-allow or --register-ipc-dir,
+        or one of ``services``), None when both endpoints may be subscribed."""
+        for endpoint in filter(None, (req.endpoint, req.replay_endpoint)):
+            try:
+                check_endpoint(endpoint, self.cfg.register_allow, self.cfg.register_ipc_dirs, services)
+            except EndpointError as exc:
+                msg = str(exc)
+                if endpoint == req.replay_endpoint and endpoint != req.endpoint:
+                    msg = msg.replace("invalid endpoint", "invalid replay endpoint", 1)
+                return 400, {"error": msg}
+            except EndpointRefused as exc:
+                return 403, {"error": f"endpoint refused: {exc}"}
+        return None
+
+    def _own_services(self, registered: Mapping[str, fleet.RegisteredEngine], view: fleet.FleetView) -> dict[str, str]:
+        """The TCP servers of this deployment that are no ZMQ publisher: Valkey (the URL's node, and on a
+        cluster every node its client knows), this server's HTTP ports, and every engine's HTTP port the
+        fleet knows (the engines it serves, its pod records, the engines registered by URL)."""
+        cfg = self.cfg
+        valkey = [cfg.valkey_url]
+        nodes = getattr(self.index.client, "get_nodes", None)  # a cluster's client knows every node
+        if callable(nodes):
+            valkey += [f"redis://{n.host}:{n.port}" for n in nodes()]
+        http = {f"http://{cfg.host}:{cfg.port}": "the predictor's HTTP port"}
+        if cfg.dynamo_port:
+            http[f"http://{cfg.host}:{cfg.dynamo_port}"] = "this remote-indexer API's HTTP port"
+        engines = [u for urls in cfg.engine_urls.values() for u in urls]
+        engines += [r.engine_url for r in view.pods.values() if r.engine_url]
+        engines += [r.url for r in registered.values() if r.url]
+        http.update({u: "an engine's HTTP port" for u in engines})
+        return own_services(valkey, http)
 
     # ---- /unregister
 
@@ -407,10 +438,14 @@ def create_dynamo_app(cfg: Config, index: Index | None = None) -> Starlette:
                 if kind is None:
                     args = (request.query_params.get("model_name"), request.query_params.get("routing_group"))
                     try:
-                        offset = max(0, int(request.query_params.get("offset", "0")))
-                        size = min(MAX_WORKERS_PAGE, max(1, int(request.query_params.get("limit", MAX_WORKERS_PAGE))))
+                        offset = int(request.query_params.get("offset", "0"))
+                        size = int(request.query_params.get("limit", MAX_WORKERS_PAGE))
                     except ValueError:
                         return _error("offset and limit are whole numbers", 400)
+                    if offset < 0 or size < 1:  # refused, not clamped: a client's arithmetic gone wrong says so
+                        return _error(f"offset must be 0 or more and limit 1 or more (got offset={offset}, "
+                                      f"limit={size})", 400)
+                    size = min(MAX_WORKERS_PAGE, size)
                     every = await api.workers(*args)
                     page = _json(every[offset:offset + size])
                     if offset + size < len(every):  # a bounded answer: the rest by ?offset=

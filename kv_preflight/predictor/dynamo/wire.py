@@ -11,13 +11,15 @@ The routes and the I/O are in predictor/dynamo/api.py; docs/dynamo.md says what 
 from __future__ import annotations
 
 import ipaddress
+import os.path
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import msgspec
 
-from kv_preflight.engines.endpoints import check_zmq_endpoint
+from kv_preflight.engines.endpoints import check_zmq_endpoint, endpoint_identity
 from kv_preflight.index.entries import parse_entry
 from kv_preflight.predictor.scoring.freshness import Freshness
 from kv_preflight.keys.chain import MAX_TOKEN_ID, fnv64a
@@ -25,7 +27,15 @@ from kv_preflight.keys.multimodal import MultimodalItem
 
 DEFAULT_ROUTING_GROUP = "default"  # Dynamo's default_routing_group()
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec decodes JSON integers up to 2^64-1
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec decodes larger JSON integers too: see _u64 (its bound won't fit)
+U64_MAX = 2**64 - 1
+
+
+def _u64(value: int, name: str) -> None:
+    """Dynamo's ids are u64 (serde refuses a larger one with a data error: 422); raised in ``__post_init__``,
+    msgspec's ValidationError says so, since a ``le`` bound past int64 is not one msgspec takes."""
+    if value > U64_MAX:
+        raise ValueError(f"{name} {value} is not a u64 (at most {U64_MAX})")
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 # Ids given to pods nobody registered: 53 bits, so a JavaScript client reads them exactly.
 _STABLE_ID_MASK = (1 << 53) - 1
@@ -45,6 +55,9 @@ class RegisterRequest(msgspec.Struct):
     additional_salt: str | None = None  # accepted, ignored (Dynamo too: engines salt their own hashes)
     additionalsalt: str | None = None  # Dynamo's serde alias of additional_salt
 
+    def __post_init__(self) -> None:
+        _u64(self.instance_id, "instance_id")
+
 
 class UnregisterRequest(msgspec.Struct):
     instance_id: U64
@@ -52,6 +65,9 @@ class UnregisterRequest(msgspec.Struct):
     routing_group: str | None = None  # None: every routing group of the model
     tenant_id: str | None = None
     dp_rank: U32 | None = None  # honoured only with routing_group, as Dynamo does
+
+    def __post_init__(self) -> None:
+        _u64(self.instance_id, "instance_id")
 
 
 class QueryRequest(msgspec.Struct):
@@ -165,11 +181,19 @@ def parse_allow(items: Iterable[str]) -> tuple[list[ipaddress.IPv4Network | ipad
 LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")
 
 
-def check_endpoint(endpoint: str, allow: Sequence[str]) -> None:
+DEFAULT_IPC_DIRS = ("/tmp",)  # --register-ipc-dir: where a registered ipc:// socket may be (vLLM's ipc paths are there)
+
+
+def check_endpoint(endpoint: str, allow: Sequence[str], ipc_dirs: Sequence[str] = DEFAULT_IPC_DIRS,
+                   services: Mapping[str, str] | None = None) -> None:
     """Raise EndpointError (malformed) or EndpointRefused (not ours to connect to) for a registered endpoint.
 
     ``allow`` empty means loopback only. An ipc:// endpoint is a path on this host, so it is allowed
-    exactly when loopback is; inproc:// lives inside another process and cannot be reached.
+    exactly when loopback is, and only inside one of ``ipc_dirs`` (its path normalized first: ``/../`` climbs
+    no further); inproc:// lives inside another process and cannot be reached. ``services``: what this
+    deployment serves over TCP that is no ZMQ publisher (``endpoint_identity`` -> what it is: Valkey, an
+    HTTP port), refused, since an ingester told to subscribe there would speak ZMTP to it, and reconnect, for
+    as long as the registration stands.
     """
     host = endpoint_host(endpoint)
     if endpoint.startswith("inproc://"):
@@ -177,6 +201,11 @@ def check_endpoint(endpoint: str, allow: Sequence[str]) -> None:
     nets, names = parse_allow(allow or LOOPBACK)
     if endpoint.startswith("ipc://"):
         host = "127.0.0.1"
+        check_ipc_path(endpoint, ipc_dirs)
+    elif services:
+        what = services.get(endpoint_identity(endpoint))
+        if what is not None:
+            raise EndpointRefused(f"`{endpoint[:200]}` is {what}, not an engine's ZMQ publisher")
     if host in ("*", "0.0.0.0", "::", ""):
         raise EndpointRefused(f"`{endpoint[:200]}` names no host to connect to: give the engine's address")
     try:  # what Dynamo's format check lets through but no ingester socket could connect to (port 0, long ipc)
@@ -192,6 +221,42 @@ def check_endpoint(endpoint: str, allow: Sequence[str]) -> None:
     if any(addr in n for n in nets) or host in names:
         return
     raise EndpointRefused(f"address {host} is not in --register-allow")
+
+
+def check_ipc_path(endpoint: str, dirs: Sequence[str]) -> None:
+    """Raise EndpointRefused unless an ipc:// endpoint's path, normalized, lies inside one of ``dirs``
+    (absolute folders; an abstract-namespace name, ``ipc://@NAME``, and a relative path are in none)."""
+    path = endpoint[len("ipc://"):]
+    shown = endpoint[:200]
+    if path.startswith("@") or not path.startswith("/"):
+        raise EndpointRefused(f"`{shown}` is not an absolute path inside --register-ipc-dir "
+                              f"({', '.join(dirs) or 'none given'})")
+    real = os.path.normpath(path)
+    for folder in dirs:
+        base = os.path.normpath(folder)
+        if base.startswith("/") and (real.startswith(base.rstrip("/") + "/")):
+            return
+    raise EndpointRefused(f"`{shown}` is outside --register-ipc-dir ({', '.join(dirs) or 'none given'})")
+
+
+def own_services(valkey_urls: Iterable[str], http_urls: Mapping[str, str]) -> dict[str, str]:
+    """What a registration may not name as its publisher: each Valkey node (``valkey_urls``: redis://HOST:PORT)
+    and each HTTP server (URL -> what it is), by ``endpoint_identity`` (loopback spellings are one host)."""
+    out: dict[str, str] = {}
+    for url, what in [*((u, "Valkey") for u in valkey_urls), *http_urls.items()]:
+        parts = urlsplit(url)
+        try:
+            port = parts.port or {"http": 80, "https": 443, "redis": 6379, "rediss": 6379}.get(parts.scheme)
+        except ValueError:
+            continue
+        host = parts.hostname or "127.0.0.1"
+        if not port:
+            continue
+        if host in ("0.0.0.0", "::"):  # a server on every interface: its loopback spelling at least
+            host = "127.0.0.1"
+        out[endpoint_identity(f"tcp://{'[' + host + ']' if ':' in host else host}:{port}")] = \
+            f"{what} ({host}:{port})"
+    return out
 
 
 # ---- the query answer
