@@ -24,6 +24,7 @@ from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.routed import RoutedState
 from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
@@ -84,6 +85,7 @@ class Predictor:
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
     placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
     complete_groups: CompleteGroups = field(default_factory=CompleteGroups)  # hybrid pods found fully described
+    routed: RoutedState | None = None  # what the gateway sent where (predictor/routed.py); None: the index alone
     _partial_logged_at: float = float("-inf")
 
     def __post_init__(self) -> None:
@@ -273,6 +275,19 @@ class Predictor:
         decision = await self._route_keys(model, keys, n_tokens, await self.expand_pods(req.pods), req.max_staleness_ms)
         return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
 
+    async def request_keys(self, req: PredictRequest | KeyedRequest) -> tuple[str, list[int], int, list[Finding]]:
+        """(model, request keys, prompt length, the prompt's warnings): what ``route_keys`` decides from. The
+        gateway tokenizes a request once with it and decides again from the same keys after a failed upstream."""
+        if isinstance(req, KeyedRequest):
+            await self._check_model(req.model, need_engine=False)
+            return req.model, req.keys, req.n_tokens, self.warnings.check_keyed(req)
+        model, keys, n_tokens, head = await self._request_keys(req)
+        return model, keys, n_tokens, self._warn(req, model, head)
+
+    async def route_keys(self, model: str, keys: list[int], n_tokens: int) -> RouteDecision:
+        """``/route``'s decision for keys ``request_keys`` gave, over every pod serving the model."""
+        return await self._route_keys(model, keys, n_tokens, None)
+
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
         decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods),
@@ -296,7 +311,7 @@ class Predictor:
         if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
-        loads = {p: self._load_of(p) for p in candidates}
+        loads = {p: self.load_of(p) for p in candidates}
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
@@ -346,9 +361,11 @@ class Predictor:
             out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
             reachable = out - self.load.unreachable()
             out = reachable or out
+        if self.routed is not None:  # pods that just failed a request here, while another is left
+            out = self.routed.usable(out)
         return out
 
-    def _load_of(self, pod: str) -> PodLoad | None:
+    def load_of(self, pod: str) -> PodLoad | None:
         """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
         own = self.load.snapshot(pod, self.policy.stale_s) if self.load else None
         if own is None and self.fleet is not None:

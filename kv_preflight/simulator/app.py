@@ -7,6 +7,8 @@ chat to the rest of the context, and both are clamped to
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -82,6 +84,28 @@ def _messages_ids(body: dict[str, Any]) -> list[int]:
         raise ApiError(str(exc), param="messages") from None
 
 
+async def _until_client_leaves(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancellable(request: Request, work):
+    """``work``'s result, or None once the client has gone away, ``work`` cancelled: vLLM aborts a request whose
+    client disconnected (its ``with_cancellation`` on the OpenAI routes), freeing its blocks at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_client_leaves(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 class SimulatorApp:
     """Routes bound to one engine runner and config; build with ``.starlette()``."""
 
@@ -144,7 +168,9 @@ class SimulatorApp:
             max_tokens = self._max_tokens(body, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
         except ApiError as exc:
             return exc.response()
-        gen = await self.runner.generate(prompt_ids, max_tokens)
+        gen = await cancellable(request, self.runner.generate(prompt_ids, max_tokens))
+        if gen is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
         rid, text = f"cmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -165,7 +191,9 @@ class SimulatorApp:
             max_tokens = self._max_tokens(body, len(prompt_ids), None)
         except ApiError as exc:
             return exc.response()
-        gen = await self.runner.generate(prompt_ids, max_tokens)
+        gen = await cancellable(request, self.runner.generate(prompt_ids, max_tokens))
+        if gen is None:
+            return Response(status_code=499)
         rid, text = f"chatcmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": None,
@@ -252,6 +280,16 @@ class SimulatorApp:
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)!r}"]
+        lines += ["# HELP vllm:request_success_total Count of successfully processed requests.",
+                  "# TYPE vllm:request_success_total counter"]
+        for reason, n in (("length", c.requests_finished), ("abort", c.requests_aborted)):
+            lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",'
+                         f'model_name="{self.cfg.model}"}} {float(n)!r}')
+        # vLLM's CacheConfig as an info metric: the KV pool's size (a gateway reads its capacity from it)
+        lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                  "# TYPE vllm:cache_config_info gauge",
+                  f'vllm:cache_config_info{{block_size="{self.cfg.block_size}",enable_prefix_caching="True",'
+                  f'engine="0",num_gpu_blocks="{self.cfg.num_blocks}"}} 1.0']
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def starlette(self, lifespan: Any = None) -> Starlette:

@@ -1,0 +1,374 @@
+"""The gateway's routes, on top of the predictor's app (the same /v1/cache/*, /health, /ready, /stats, /metrics).
+
+Per request (``Gateway.proxy``): the body is read within ``--max-body-bytes`` and the read timeout, what
+routing needs is read from it (gateway/openai.py), tokenized once and decided by ``/route``'s code
+(``Predictor.request_keys``, ``Predictor.route_keys``); the body goes to the chosen pod's engine as sent and
+its answer comes back byte for byte, with ``x-kvpf-pod``, ``x-kvpf-predicted-cached-tokens`` and
+``x-kvpf-reason``. A failure before the answer's first byte is retried once on the next candidate (the pod
+avoided meanwhile, the fleet told when it refused the connection). A client that goes away cancels the
+upstream request: the connection to the engine is closed, which the engine takes as an abort.
+
+When the index cannot decide (Valkey down, the prompt not tokenizable here) the request still goes out, to a
+pod known to serve the model, by load then prompt hash (``x-kvpf-reason: not_indexed``): a router that
+fails requests because its index is down would be worse than no router.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kv_preflight.config import Config
+from kv_preflight.index.index import Index
+from kv_preflight.predictor.gateway.engines import GatewayEngines, tell_unreachable
+from kv_preflight.predictor.gateway.forward import Upstream, UpstreamFailed, answer_headers
+from kv_preflight.predictor.gateway.metrics import GatewayMetrics
+from kv_preflight.predictor.gateway.openai import Routable, error_body, read_body
+from kv_preflight.predictor.http.app import create_app
+from kv_preflight.predictor.http.auth import load_api_keys
+from kv_preflight.predictor.http.body import read_json_body
+from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
+                                                PredictorError, UnknownModel, clip)
+from kv_preflight.predictor.load import LoadMonitor
+from kv_preflight.predictor.prediction import Predictor
+from kv_preflight.predictor.routed import RoutedState
+from kv_preflight.predictor.scoring.route import RouteDecision, decide
+from kv_preflight.predictor.scoring.score import Prediction
+
+log = logging.getLogger("kvpf.gateway")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_JSON = (b"content-type", b"application/json")
+
+
+class _Decided(msgspec.Struct):
+    """A route decided for one request, with what deciding again needs (the keys: tokenized once)."""
+
+    decision: RouteDecision
+    model: str
+    keys: list[int]
+    n_tokens: int
+    indexed: bool  # False: by load and hash, the index could not decide
+
+
+class Gateway:
+    def __init__(self, cfg: Config, predictor: Predictor, engines: GatewayEngines, routed: RoutedState,
+                 metrics: GatewayMetrics, *, own_keys: bool = False):
+        self.cfg, self.predictor, self.engines, self.routed, self.metrics = cfg, predictor, engines, routed, metrics
+        self.own_keys = own_keys  # the gateway checks API keys: a client's Authorization is the gateway's, kept here
+        self.upstream: Upstream | None = None
+        self.inflight = 0
+        self.background: set[asyncio.Task] = set()
+
+    # ---- the ASGI endpoints
+
+    def endpoint(self, path: str) -> "_Asgi":
+        chat = path == CHAT
+        return _Asgi(lambda scope, receive, send: self.proxy(scope, receive, send, path=path, chat=chat,
+                                                             name="chat" if chat else "completions"))
+
+    async def proxy(self, scope: Scope, receive: Receive, send: Send, *, path: str, chat: bool, name: str) -> None:
+        cfg = self.cfg
+        request = Request(scope, receive)
+        try:
+            body = await read_json_body(request, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
+            routable = read_body(body, chat=chat, max_tokens=cfg.max_tokens, hash_seed=self.predictor.cfg.hash_seed,
+                                 block_size=self.predictor.cfg.block_size, hash_algo=self.predictor.cfg.hash_algo)
+        except ClientDisconnect:
+            self.metrics.request(name, "client_gone")
+            return
+        except PredictorError as exc:
+            self.metrics.request(name, "bad_request")
+            await _error(send, exc.status, exc.message, "BadRequestError" if exc.status < 500 else exc.kind)
+            return
+        if self.inflight >= cfg.gateway_max_inflight:
+            self.metrics.request(name, "busy")
+            await _error(send, 503, f"the gateway has {self.inflight} requests in flight, its limit "
+                                    "(--gateway-max-inflight); retry", "ServiceUnavailableError", retry_after=True)
+            return
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        task = asyncio.current_task()
+        sending = [True]  # False once the answer's last byte went out: the watcher must not cancel after it
+
+        def client_left(_: asyncio.Future) -> None:
+            if sending[0] and task is not None:
+                task.cancel()
+
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        watcher.add_done_callback(client_left)
+        try:
+            outcome = await self._exchange(send, scope, path, body, routable, sending)
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise
+            outcome = "client_gone"  # the connection to the engine was closed on the way out: an abort there
+            if task is not None:
+                task.uncancel()
+        finally:
+            sending[0] = False
+            watcher.cancel()
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+        self.metrics.request(name, outcome)
+
+    # ---- one request's decision, upstream exchange and answer
+
+    async def _exchange(self, send: Send, scope: Scope, path: str, body: bytes, routable: Routable,
+                        sending: list[bool]) -> str:
+        started = time.perf_counter()
+        try:
+            decided = await self._decide(routable, body)
+        except PredictorError as exc:
+            kind = ("NotFoundError" if isinstance(exc, UnknownModel) else
+                    "BadRequestError" if exc.status < 500 else "ServiceUnavailableError")
+            await _error(send, 404 if isinstance(exc, UnknownModel) else exc.status, exc.message, kind,
+                         retry_after=exc.status == 503)
+            return exc.kind
+        headers = scope["headers"]
+        if self.own_keys:
+            headers = [(k, v) for k, v in headers if k != b"authorization"]
+        failed: str | None = None
+        while True:
+            decision = decided.decision
+            pod = decision.pod_id
+            if pod is None:
+                await _error(send, 503, f"no pod to send this request to: {decision.detail}",
+                             "ServiceUnavailableError", retry_after=True)
+                return "no_pod"
+            url = self.engines.url_of(pod)
+            self.metrics.decision.observe(time.perf_counter() - started)
+            try:
+                if url is None:
+                    raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record names "
+                                                   "one, no --engine is it)", connect=False)
+                response = await self._open(url + path, body, headers, decision)
+            except UpstreamFailed as exc:
+                self._failed(pod, exc)
+                if failed is None:
+                    again = await self._decide_again(decided)
+                    if again.decision.pod_id not in (None, pod):
+                        self.metrics.retries.inc()
+                        failed, decided = pod, again
+                        started = time.perf_counter()
+                        continue
+                await _error(send, 502, clip(f"pod {pod} failed ({exc.detail})" + (
+                    f", after pod {failed} failed" if failed else "")), "BadGatewayError")
+                return "upstream_failed"
+            break
+        self.metrics.sent(pod)
+        try:
+            extra = decision_headers(decided.decision, failed)
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": answer_headers(response) + extra})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sending[0] = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.HTTPError as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
+            log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
+            self.metrics.failure("cut_short")
+        finally:
+            await response.aclose()
+        return f"{response.status_code // 100}xx"
+
+    async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision) -> httpx.Response:
+        assert self.upstream is not None
+        # data-parallel ranks (docs/routing.md): a decision that names a rank pins the request to it
+        return await self.upstream.open(url, body, headers, dp_rank=getattr(decision, "dp_rank", None))
+
+    def _failed(self, pod: str, exc: UpstreamFailed) -> None:
+        self.metrics.failure(exc.kind)
+        log.warning("pod %s failed a request (%s): %s; avoided for %gs", pod, exc.kind, exc.detail,
+                    self.cfg.gateway_avoid_s)
+        self.routed.avoid(pod, self.cfg.gateway_avoid_s)
+        if exc.connect:  # a 5xx proves the engine answers: its owner's next health check would undo the mark
+            self._spawn(self._tell_fleet(pod, f"gateway: {exc.detail}"))
+
+    async def _tell_fleet(self, pod: str, why: str) -> None:
+        if await tell_unreachable(self.predictor.index, self.predictor.fleet, pod, why):
+            self.metrics.fleet_told.inc()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    # ---- deciding
+
+    async def _decide(self, routable: Routable, body: bytes) -> _Decided:
+        p = self.predictor
+        req = routable.request
+        try:
+            model, keys, n_tokens, _ = await p.request_keys(req)
+        except (EngineUnavailable, BadRequest) as exc:
+            if isinstance(exc, UnknownModel):
+                raise
+            # not tokenizable here (no engine answers /tokenize, a template the local tokenizer refuses): the
+            # engine is the judge of its input, and a pod that serves the model may still be found
+            return self._unrouted(req.model or "", body, "not_tokenized", exc.message)
+        except IndexUnavailable as exc:
+            return self._unrouted(req.model or "", body, "index_unavailable", exc.message)
+        try:
+            decision = await p.route_keys(model, keys, n_tokens)
+        except IndexUnavailable as exc:
+            return self._unrouted(model, body, "index_unavailable", exc.message, n_tokens)
+        return _Decided(decision, model, keys, n_tokens, indexed=True)
+
+    async def _decide_again(self, decided: _Decided) -> _Decided:
+        """After a failure: the same keys, decided again (the failed pod is avoided now)."""
+        if decided.indexed:
+            try:
+                decision = await self.predictor.route_keys(decided.model, decided.keys, decided.n_tokens)
+                return _Decided(decision, decided.model, decided.keys, decided.n_tokens, indexed=True)
+            except PredictorError:
+                pass
+        return self._unrouted(decided.model, b"", "index_unavailable", "deciding again", decided.n_tokens,
+                              affinity=decided.keys[0] if decided.keys else 0)
+
+    def _unrouted(self, model: str, body: bytes, why: str, detail: str, n_tokens: int = 0,
+                  affinity: int | None = None) -> _Decided:
+        """A decision without the index: the pods known to serve ``model`` (fleet records, scraped engines), by
+        load then a hash of the body, so one prompt keeps going to one pod."""
+        p = self.predictor
+        if p.fleet is not None and not p.fleet.ready and not self.engines.named:
+            raise NotReady(f"not ready: the fleet records have not been read yet ({detail})")
+        pods = set(p.fleet.serving(model)) - p.fleet.unreachable() if p.fleet is not None else set()
+        if p.load is not None:
+            pods |= set(p.load.serving(model) or ())
+        pods = self.routed.usable(pods)
+        if affinity is None:
+            affinity = int.from_bytes(hashlib.blake2b(body[:4096], digest_size=8).digest(), "big")
+        empty = Prediction(predicted_cached_tokens=0, total_prompt_tokens=n_tokens, blocks_total=0, blocks_cached=0,
+                           cache_hit_ratio=0.0, best_pod=None, pod_affinities=[])
+        decision = decide(empty, pods, {pod: p.load_of(pod) for pod in pods}, policy=p.policy,
+                          ttft=p.ttft.for_model(model), affinity_key=affinity)
+        decision = msgspec.structs.replace(decision, reason="not_indexed", detail=clip(
+            f"{why}: {detail}; by load, then prompt hash ({decision.detail})"))
+        self.metrics.not_routed(why)
+        return _Decided(decision, model, [], n_tokens, indexed=False)
+
+    # ---- /v1/models
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The fleet's models and adapters: each live pod's record (base model first, then its adapters) and
+        each scraped engine's own list."""
+        p = self.predictor
+        base_of: dict[str, str | None] = {}
+        view = p.fleet.view if p.fleet is not None else None
+        if view is not None:
+            for record in view.pods.values():
+                if record.state == "retired" or not record.models:
+                    continue
+                base_of.setdefault(record.models[0], None)
+                for adapter in record.models[1:]:
+                    base_of.setdefault(adapter, record.models[0])
+        if p.load is not None:
+            for served in p.load.served.values():
+                for m in served:
+                    base_of.setdefault(m, None)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kv-preflight",
+                 "root": base or m, "parent": base} for m, base in sorted(base_of.items())]
+        payload = msgspec.json.encode({"object": "list", "data": data})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_JSON, (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    # ---- life
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        self.upstream = Upstream(self.cfg)
+        tasks = []
+        if self.engines.urls:
+            await self.engines.resolve_once(self.upstream.client)
+            tasks.append(asyncio.create_task(self.engines.run(self.upstream.client)))
+        try:
+            yield
+        finally:
+            for t in [*tasks, *self.background]:
+                t.cancel()
+            await asyncio.gather(*tasks, *self.background, return_exceptions=True)
+            await self.upstream.aclose()
+
+
+def decision_headers(d: RouteDecision, failed: str | None = None) -> list[tuple[bytes, bytes]]:
+    """The decision on the answer: the pod as the index names it (a data-parallel rank r >= 1 of pod P is
+    ``P@dp<r>``), the tokens predicted cached there, why it was chosen, and the pod that failed first if any."""
+    rank = getattr(d, "dp_rank", None)
+    pod = d.pod_id if not rank else f"{d.pod_id}@dp{rank}"
+    out = [(b"x-kvpf-pod", str(pod).encode()),
+           (b"x-kvpf-predicted-cached-tokens", str(d.cached_tokens).encode()),
+           (b"x-kvpf-reason", d.reason.encode())]
+    if failed is not None:
+        out.append((b"x-kvpf-retried-from", failed.encode()))
+    return out
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client is gone (its body was read whole before this is started)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _error(send: Send, status: int, message: str, kind: str, *, retry_after: bool = False) -> None:
+    payload = error_body(message, status, kind)
+    headers = [_JSON, (b"content-length", str(len(payload)).encode())]
+    if retry_after:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
+    """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
+    app = create_app(cfg, index)
+    predictor: Predictor = app.state.predictor
+    routed = RoutedState()
+    predictor.routed = routed
+    if predictor.load is None:  # the --engine engines are scraped for load and models once named
+        predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,
+                                     timeout_s=min(0.8 * cfg.metrics_interval_s, 2.0))
+    engines = GatewayEngines(cfg.engines, predictor.fleet, predictor.load, timeout_s=cfg.gateway_connect_timeout_s)
+    fleet_engines = predictor.tokenizer.discovered
+    predictor.tokenizer.discovered = lambda model: [*(fleet_engines(model) if fleet_engines else ()),
+                                                    *engines.urls_serving(model)]
+    gateway = Gateway(cfg, predictor, engines, routed, GatewayMetrics(predictor.metrics, cfg.max_pod_series),
+                      own_keys=bool(load_api_keys(cfg.api_keys_file, cfg.api_keys)))
+    app.router.routes[0:0] = [
+        Route(COMPLETIONS, gateway.endpoint(COMPLETIONS), methods=["POST"]),
+        Route(CHAT, gateway.endpoint(CHAT), methods=["POST"]),
+        Route("/v1/models", _Asgi(gateway.models), methods=["GET"]),
+    ]
+    predictor_life = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: Starlette) -> AsyncIterator[None]:
+        async with predictor_life(a), gateway.running():
+            yield
+
+    app.router.lifespan_context = lifespan
+    app.state.gateway = gateway
+    return app
+
+
+class _Asgi:
+    """An ASGI callable as a Route endpoint: Starlette takes a function or method for request -> response, an
+    object for ASGI."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope, receive, send)
