@@ -39,6 +39,15 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               the shard holding the numbering comes back empty, new numbers start at the
                               highest copy left (a pod's meta "num" gives it its own back: numbering.py)
 
+What routing knows from the requests it sent (kv_preflight/index/routed.py; written by gateways, never by the
+ingester, never into llm-d's keys or the presence bits), per pod in the pod's slot:
+
+  kvpf:{<pod>}:bookings       ZSET booking id -> when it expires (Valkey ms): requests a gateway routed there and
+                              has in flight, renewed while they run, gone with their gateway after the TTL
+  kvpf:{<pod>}:booked         HASH n -> how many, tokens -> their summed cost (uncached prefill + decode), and
+                              booking id -> its cost; kept equal to the live bookings by the one script that
+                              changes them (lua/booked.lua)
+
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
 
@@ -184,6 +193,11 @@ def slot_marker_key(n: int) -> str:
 def barrier_key(i: int) -> str:
     """The i-th candidate for a shard's replication barrier key (a HASH, in some slot that shard owns)."""
     return f"{OUR_PREFIX}{{b{i}}}:barrier"
+
+
+def pod_booking_keys(pod_id: str) -> tuple[str, str]:
+    """A pod's bookings (ZSET id -> expiry ms) and their totals (HASH), in the pod's slot: one script changes both."""
+    return _pod(pod_id, "bookings"), _pod(pod_id, "booked")
 
 
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ LOOKUP = lua("parse_entry", "chain", "lookup")
 LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
-ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
+ADOPT = lua("adopt")
+BOOKED = lua("booked")  # a pod's bookings: book, renew, release, read (kv_preflight/index/routed.py)  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 
-__all__ = ["ADOPT", "APPLY", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]
+__all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]

@@ -298,6 +298,8 @@ class Predictor:
                           max_staleness_ms: int | None = None) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
+        # the gateways' bookings, read while the lookup runs (predictor/routed.py); None: no bookings here
+        booking_read = self.routed.start(model) if self.routed is not None else None
         prediction = await self._predict_keys(model, keys, n_tokens, pods)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
@@ -312,11 +314,12 @@ class Predictor:
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
         loads = {p: self.load_of(p) for p in candidates}
+        booked = await booking_read.complete(candidates) if booking_read is not None else None
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
-                          pending=hint.pending)
+                          pending=hint.pending, booked=booked)
         if stale:
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(

@@ -344,3 +344,52 @@ def test_up_starts_a_gateway_that_routes_by_its_index(tmp_path):
             reader.join(10)
         out = "".join(lines)
         assert f"gateway    http://127.0.0.1:{gateway_port}" in out and "stopped." in out, out
+
+
+async def _route(g: GatewayProc, prompt) -> dict:
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(g.url + "/v1/cache/route", json={"model": MODEL, "token_ids": prompt})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def _candidate(decision: dict, pod: str) -> dict:
+    return next(c for c in decision["candidates"] if c["pod_id"] == pod)
+
+
+async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gateway, stubs):
+    """Gateway A forwards four long requests to pod-x (which holds their prompt); gateway B, another process,
+    sees them booked there at once (no metrics say so: the stubs report idle) and sends the same prompt to
+    pod-y; when A's requests end, or A dies and its bookings expire, B goes back to pod-x."""
+    x, y = stubs(hold_s=60, body=b'{"x": 1}'), stubs(body=b'{"y": 1}')
+    prompt = list(range(3000, 3064))
+    await store(ix, "pod-x", prompt)
+    await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    a = gateway("--gateway-booking-ttl", "2").ready()
+    b = gateway("--route-overload-abs", "2").ready()
+    assert (await _route(b, prompt))["pod_id"] == "pod-x"
+
+    held = [asyncio.ensure_future(a.complete(prompt)) for _ in range(4)]
+    await until(lambda: _async(len(x.seen) == 4), "four requests held by pod-x")
+    d = await _route(b, prompt)
+    cost = (64 - 48) + 256  # its prompt's tokens not cached there (the last block is recomputed) + default decode
+    assert (_candidate(d, "pod-x")["booked_requests"], _candidate(d, "pod-x")["booked_tokens"]) == (4, 4 * cost)
+    assert (d["pod_id"], d["reason"]) == ("pod-y", "least_loaded")
+    assert (await b.complete(prompt)).headers["x-kvpf-pod"] == "pod-y"
+
+    for h in held:  # the clients leave: the requests end, their bookings go at once
+        h.cancel()
+    await until(lambda: _routed_to(b, prompt, "pod-x"), "pod-x chosen again once A's requests ended")
+    assert _candidate(await _route(b, prompt), "pod-x")["booked_requests"] == 0
+
+    held = [asyncio.ensure_future(a.complete(prompt)) for _ in range(4)]
+    await until(lambda: _async(len(x.seen) == 8), "four more requests held by pod-x")
+    await until(lambda: _routed_to(b, prompt, "pod-y"), "pod-y chosen while they run")
+    a.proc.kill()  # gone without releasing anything: its bookings expire after their TTL (2 s)
+    await until(lambda: _routed_to(b, prompt, "pod-x"), "pod-x chosen again once A's bookings expired")
+    for h in held:
+        h.cancel()
+
+
+async def _routed_to(g: GatewayProc, prompt, pod: str) -> bool:
+    return (await _route(g, prompt))["pod_id"] == pod

@@ -31,6 +31,8 @@ from starlette.types import Receive, Scope, Send
 
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
+from kv_preflight.index.routed import RoutedStore
+from kv_preflight.predictor.gateway.booking import Booking, Bookings
 from kv_preflight.predictor.gateway.engines import GatewayEngines, tell_unreachable
 from kv_preflight.predictor.gateway.forward import Upstream, UpstreamFailed, answer_headers
 from kv_preflight.predictor.gateway.metrics import GatewayMetrics
@@ -68,6 +70,7 @@ class Gateway:
         self.cfg, self.predictor, self.engines, self.routed, self.metrics = cfg, predictor, engines, routed, metrics
         self.own_keys = own_keys  # the gateway checks API keys: a client's Authorization is the gateway's, kept here
         self.upstream: Upstream | None = None
+        self.bookings: Bookings | None = None  # set in running(); None: --gateway-booking-ttl 0
         self.inflight = 0
         self.background: set[asyncio.Task] = set()
 
@@ -140,48 +143,67 @@ class Gateway:
         if self.own_keys:
             headers = [(k, v) for k, v in headers if k != b"authorization"]
         failed: str | None = None
-        while True:
-            decision = decided.decision
-            pod = decision.pod_id
-            if pod is None:
-                await _error(send, 503, f"no pod to send this request to: {decision.detail}",
-                             "ServiceUnavailableError", retry_after=True)
-                return "no_pod"
-            url = self.engines.url_of(pod)
-            self.metrics.decision.observe(time.perf_counter() - started)
-            try:
-                if url is None:
-                    raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record names "
-                                                   "one, no --engine is it)", connect=False)
-                response = await self._open(url + path, body, headers, decision)
-            except UpstreamFailed as exc:
-                self._failed(pod, exc)
-                if failed is None:
-                    again = await self._decide_again(decided)
-                    if again.decision.pod_id not in (None, pod):
-                        self.metrics.retries.inc()
-                        failed, decided = pod, again
-                        started = time.perf_counter()
-                        continue
-                await _error(send, 502, clip(f"pod {pod} failed ({exc.detail})" + (
-                    f", after pod {failed} failed" if failed else "")), "BadGatewayError")
-                return "upstream_failed"
-            break
-        self.metrics.sent(pod)
+        booking: Booking | None = None
         try:
-            extra = decision_headers(decided.decision, failed)
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": answer_headers(response) + extra})
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            sending[0] = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.HTTPError as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
-            log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
-            self.metrics.failure("cut_short")
+            while True:
+                decision = decided.decision
+                pod = decision.pod_id
+                if pod is None:
+                    await _error(send, 503, f"no pod to send this request to: {decision.detail}",
+                                 "ServiceUnavailableError", retry_after=True)
+                    return "no_pod"
+                url = self.engines.url_of(pod)
+                self.metrics.decision.observe(time.perf_counter() - started)
+                booking = self._book(decided, routable)
+                try:
+                    if url is None:
+                        raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
+                                                       "names one, no --engine is it)", connect=False)
+                    response = await self._open(url + path, body, headers, decision)
+                except UpstreamFailed as exc:
+                    self._release(booking)
+                    booking = None
+                    self._failed(pod, exc)
+                    if failed is None:
+                        again = await self._decide_again(decided)
+                        if again.decision.pod_id not in (None, pod):
+                            self.metrics.retries.inc()
+                            failed, decided = pod, again
+                            started = time.perf_counter()
+                            continue
+                    await _error(send, 502, clip(f"pod {pod} failed ({exc.detail})" + (
+                        f", after pod {failed} failed" if failed else "")), "BadGatewayError")
+                    return "upstream_failed"
+                break
+            self.metrics.sent(pod)
+            try:
+                extra = decision_headers(decided.decision, failed)
+                await send({"type": "http.response.start", "status": response.status_code,
+                            "headers": answer_headers(response) + extra})
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sending[0] = False
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except httpx.HTTPError as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
+                log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
+                self.metrics.failure("cut_short")
+            finally:
+                await response.aclose()
         finally:
-            await response.aclose()
+            self._release(booking)  # however the request ended: answered, failed, or its client gone
         return f"{response.status_code // 100}xx"
+
+    def _book(self, decided: _Decided, routable: Routable) -> Booking | None:
+        """The request's cost booked on its pod: the prompt's tokens not cached there, and what it will decode."""
+        if self.bookings is None or not decided.indexed or decided.decision.pod_id is None:
+            return None
+        d = decided.decision
+        decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
+        return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode))
+
+    def _release(self, booking: Booking | None) -> None:
+        if booking is not None and self.bookings is not None:
+            self.bookings.release(booking)
 
     async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision) -> httpx.Response:
         assert self.upstream is not None
@@ -291,6 +313,10 @@ class Gateway:
     async def running(self) -> AsyncIterator[None]:
         self.upstream = Upstream(self.cfg)
         tasks = []
+        if self.routed.store is not None and self.cfg.gateway_booking_ttl_s > 0:
+            self.bookings = Bookings(self.routed.store, self.routed, self.cfg.gateway_booking_ttl_s,
+                                     timeout_s=self.predictor.valkey_deadline_s)
+            tasks.append(asyncio.create_task(self.bookings.run()))
         if self.engines.urls:
             await self.engines.resolve_once(self.upstream.client)
             tasks.append(asyncio.create_task(self.engines.run(self.upstream.client)))
@@ -300,6 +326,8 @@ class Gateway:
             for t in [*tasks, *self.background]:
                 t.cancel()
             await asyncio.gather(*tasks, *self.background, return_exceptions=True)
+            if self.bookings is not None:
+                await self.bookings.aclose()
             await self.upstream.aclose()
 
 
@@ -335,7 +363,8 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
-    routed = RoutedState()
+    routed = RoutedState(store=RoutedStore(predictor.index.client) if cfg.gateway_booking_ttl_s > 0 else None,
+                         deadline_s=predictor.valkey_deadline_s)
     predictor.routed = routed
     if predictor.load is None:  # the --engine engines are scraped for load and models once named
         predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,
