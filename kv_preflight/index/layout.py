@@ -47,6 +47,12 @@ ingester, never into llm-d's keys or the presence bits), per pod in the pod's sl
   kvpf:{<pod>}:booked         HASH n -> how many, tokens -> their summed cost (uncached prefill + decode), and
                               booking id -> its cost; kept equal to the live bookings by the one script that
                               changes them (lua/booked.lua)
+  kvpf:{<pod>}:speculative    ZSET request key (8 bytes, big-endian) -> when it expires: the chains of prompts
+                              gateways sent there lately, counted as held until the engine's events confirm them
+                              or the TTL lapses (lua/routed_chain.lua; scores keep each chain's live keys a prefix)
+  kvpf:{<pod>}:approximate    ZSET request key -> when it was last routed there: what an engine that publishes no
+                              events holds, as far as the gateways' own requests tell (at most its KV capacity,
+                              least recently used first out)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -198,6 +204,19 @@ def barrier_key(i: int) -> str:
 def pod_booking_keys(pod_id: str) -> tuple[str, str]:
     """A pod's bookings (ZSET id -> expiry ms) and their totals (HASH), in the pod's slot: one script changes both."""
     return _pod(pod_id, "bookings"), _pod(pod_id, "booked")
+
+
+def pod_speculative_key(pod_id: str) -> str:
+    return _pod(pod_id, "speculative")
+
+
+def pod_approximate_key(pod_id: str) -> str:
+    return _pod(pod_id, "approximate")
+
+
+def pod_routed_keys(pod_id: str) -> tuple[str, str, str, str]:
+    """What the read beside a lookup takes (lua/routed_read.lua): bookings, their totals, speculative, approximate."""
+    return (*pod_booking_keys(pod_id), pod_speculative_key(pod_id), pod_approximate_key(pod_id))
 
 
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:

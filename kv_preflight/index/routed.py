@@ -8,18 +8,34 @@ Per pod, in the pod's slot (``{<pod>}``: each script runs on one shard of a Valk
   request when it forwards it, renews its bookings while they run, releases each when it ends; a gateway that
   dies leaves bookings that expire after their TTL. Every operation drops the expired ones first, so the
   totals ``(n, tokens)`` are those of live bookings.
+* **speculative keys** (``lua/routed_chain.lua``): a routed prompt's request keys, live for a short TTL, so the
+  blocks it is about to cache count on its pod before the engine's events say so.
+* **approximate keys** (the same script): for an engine that publishes no events, every prompt routed there, kept
+  to its KV capacity, least recently used first out: what it probably holds.
 
-Key names come from kv_preflight/index/layout.py; the scripts from kv_preflight/index/lua/.
+``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
+(``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import evalsha_pipeline
-from kv_preflight.index.layout import pod_booking_keys
+from kv_preflight.index.layout import pod_approximate_key, pod_booking_keys, pod_routed_keys, pod_speculative_key
+
+# Scores count milliseconds from here (Valkey's clock), so a key's position fraction keeps 1e-5 ms of precision
+# in a double for decades: a chain's keys, written in one ms, still sort ancestors first.
+EPOCH_MS = 1_735_689_600_000  # 2025-01-01
+MAX_SPECULATIVE = 1 << 20  # speculative keys one pod keeps at most (about 100 bytes each); the soonest to expire go
+
+
+def keys_blob(request_keys: Sequence[int]) -> bytes:
+    """Request keys as the scripts take them: 8 bytes each, big-endian, one string."""
+    return struct.pack(f">{len(request_keys)}Q", *request_keys)
 
 
 class Booked(msgspec.Struct, frozen=True):
@@ -29,10 +45,21 @@ class Booked(msgspec.Struct, frozen=True):
     tokens: int = 0
 
 
+class PodRouted(msgspec.Struct, frozen=True):
+    """What was routed to one pod, for one prompt: its bookings, and how many of the prompt's first request keys
+    it holds speculatively and approximately."""
+
+    booked: Booked = Booked()
+    speculative: int = 0
+    approximate: int = 0
+
+
 class RoutedStore:
     def __init__(self, client):
         self.client = client
         self._booked = client.register_script(scripts.BOOKED)
+        self._chain = client.register_script(scripts.ROUTED_CHAIN)
+        self._read = client.register_script(scripts.ROUTED_READ)
 
     async def _booked_calls(self, calls: Sequence[tuple[str, Sequence[object]]]) -> list[Booked]:
         """One script call per (pod, arguments), pipelined (a cluster client sends each to its pod's shard)."""
@@ -53,7 +80,35 @@ class RoutedStore:
     async def release(self, pod: str, booking: str) -> Booked:
         return (await self._booked_calls([(pod, ("release", booking))]))[0]
 
-    async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:
-        """Each pod's live bookings, in one round trip (per shard on a cluster)."""
+    async def read(self, pods: Iterable[str], blob: bytes = b"") -> dict[str, PodRouted]:
+        """Each pod's bookings and its hold of the prompt whose keys ``blob`` holds, in one round trip (per shard on
+        a cluster)."""
         pods = list(dict.fromkeys(pods))
-        return dict(zip(pods, await self._booked_calls([(p, ("read",)) for p in pods])))
+        if not pods:
+            return {}
+        replies = await evalsha_pipeline(self.client, self._read, [pod_routed_keys(p) for p in pods],
+                                         [(EPOCH_MS, blob)] * len(pods))
+        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3])) for p, r in zip(pods, replies)}
+
+    async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:
+        return {p: r.booked for p, r in (await self.read(pods)).items()}
+
+    async def speculate(self, pod: str, blob: bytes, ttl_ms: int, max_keys: int = MAX_SPECULATIVE) -> int:
+        """The prompt's keys live on ``pod`` for ``ttl_ms``; how many speculative keys the pod holds now."""
+        return (await evalsha_pipeline(self.client, self._chain, [(pod_speculative_key(pod),)],
+                                       [("speculative", EPOCH_MS, blob, int(ttl_ms), int(max_keys))]))[0]
+
+    async def approximate(self, pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> int:
+        """The prompt's keys used on ``pod`` now; at most ``capacity_blocks`` kept. How many the pod holds now."""
+        return (await evalsha_pipeline(self.client, self._chain, [(pod_approximate_key(pod),)],
+                                       [("approximate", EPOCH_MS, blob, max(1, int(capacity_blocks)),
+                                         int(idle_ms))]))[0]
+
+    async def forget_approximate(self, pods: Iterable[str]) -> None:
+        """Drop what was guessed for these pods (their events flow now: the index says what they hold)."""
+        pods = list(pods)
+        if pods:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for p in pods:
+                    pipe.delete(pod_approximate_key(p))
+                await pipe.execute()

@@ -29,6 +29,9 @@ LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
 ADOPT = lua("adopt")
-BOOKED = lua("booked")  # a pod's bookings: book, renew, release, read (kv_preflight/index/routed.py)  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
+# what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the read of both
+BOOKED = lua("booked_drop", "booked")
+ROUTED_CHAIN = lua("routed_chain")
+ROUTED_READ = lua("booked_drop", "routed_read")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 
-__all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]
+__all__ = ["ADOPT", "APPLY", "BOOKED", "ROUTED_CHAIN", "ROUTED_READ", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]

@@ -24,7 +24,8 @@ from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
-from kv_preflight.predictor.routed import RoutedState
+from kv_preflight.predictor.routed import RoutedRead, RoutedState
+from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
 from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_token_count
@@ -173,15 +174,19 @@ class Predictor:
                 "the pods filter names retired pod(s) " + _names(gone) + ": never offered, counted as holding nothing")))
         return out
 
-    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None) -> Prediction:
+    async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None,
+                            routed: RoutedRead | None = None) -> Prediction:
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
         why = ""
         findings: list[Finding] = []
+        hybrid: dict[str, Any] = {}
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
             pods = [p for p in pods if p not in retired]  # a retired pod is never offered
+        if routed is None and self.routed is not None and keys:
+            routed = self.routed.start(self.foreseen(model, pods), keys)
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
@@ -202,8 +207,17 @@ class Predictor:
                 findings = group_findings(model, (m.pod_id for m in matches), hybrid, declared, self.complete_groups)
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = await self._hybrid_matches(keys, matches, hybrid, infos, prompt_len, found.group_bits)
+        speculative: dict[str, int] = {}
+        if routed is not None and keys and (pods is None or pods):
+            got = await routed.get({m.pod_id for m in matches})
+            if got:  # the longest of index, speculative and approximate prefix (predictor/scoring/routed.py)
+                matches, speculative = with_routed(matches, got, skip=hybrid)
+                if any(p not in infos for p in speculative):  # a pod whose blocks are all speculative: its meta too
+                    async with valkey_call(self.valkey_deadline_s, "pod metadata"):
+                        infos = {**infos, **await self.metadata.pod_infos(p for p in speculative if p not in infos)}
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model))
+        prediction = mark_speculative(prediction, speculative)
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
@@ -298,9 +312,9 @@ class Predictor:
                           max_staleness_ms: int | None = None) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
-        # the gateways' bookings, read while the lookup runs (predictor/routed.py); None: no bookings here
-        booking_read = self.routed.start(model) if self.routed is not None else None
-        prediction = await self._predict_keys(model, keys, n_tokens, pods)
+        # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
+        routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
+        prediction = await self._predict_keys(model, keys, n_tokens, pods, routed)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         stale: list[str] = []
@@ -314,7 +328,7 @@ class Predictor:
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
         loads = {p: self.load_of(p) for p in candidates}
-        booked = await booking_read.complete(candidates) if booking_read is not None else None
+        booked = await routed.booked(candidates) if routed is not None else None
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
@@ -330,6 +344,18 @@ class Predictor:
         self.metrics.route(decision.reason)
         # what the prediction could not claim (hybrid groups not all known) holds for the route built on it
         return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
+
+    def foreseen(self, model: str, pods: list[str] | None) -> set[str]:
+        """The pods a route for ``model`` will likely have as candidates, from what is in memory (no read): the
+        pods filter, else those the index, the fleet records and the scraped engines say serve it."""
+        if pods is not None:
+            return set(pods)
+        out = set(self.metadata.cached_pods_of(model))
+        if self.fleet is not None:
+            out = (out | self.fleet.serving(model)) - self.fleet.retired()
+        if self.load is not None:
+            out |= self.load.serving(model) or set()
+        return out
 
     def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
         """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""

@@ -7,23 +7,28 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
   the process that saw it fail: routes leave it out while another candidate is left (soft state, per process);
 * the requests every gateway has in flight, *booked* per pod in Valkey (kv_preflight/index/routed.py): a route
   reads the candidates' bookings and counts them as load (predictor/scoring/route.py), so N gateways deciding
-  between two metric scrapes see each other's requests.
+  between two metric scrapes see each other's requests;
+* the prompts every gateway sent where, as *speculative* entries (their blocks count on the pod for a short
+  TTL, until its events confirm them) and, for engines that publish no events, as an *approximate* index
+  (predictor/scoring/routed.py merges both into the lookup's matches).
 
-The bookings are read beside the lookup: a route starts the read of the pods its model's last route had as
-candidates before the lookup, in one pipelined round trip of its own that runs while the lookup does, and
-reads any candidate it did not foresee after (a new pod, a model's first route). This process's own bookings
-that are not written yet count too, so two of its requests a moment apart see each other.
+All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
+the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
+the candidates bring that was not foreseen. This process's own bookings that are not written yet count too,
+so two of its requests a moment apart see each other.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kv_preflight.index.backend import VALKEY_ERRORS
-from kv_preflight.index.routed import Booked, RoutedStore
+from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob
 
 log = logging.getLogger("kvpf.predictor")
 
@@ -37,7 +42,6 @@ class RoutedState:
     deadline_s: float = 2.0
     read_errors: int = 0
     _avoided: dict[str, float] = field(default_factory=dict)  # pod -> until (monotonic)
-    _hint: dict[str, frozenset[str]] = field(default_factory=dict)  # model -> its last route's candidates
     _unwritten: dict[str, list[int]] = field(default_factory=dict)  # pod -> [requests, tokens] booked here, unwritten
     _error_logged_at: float = float("-inf")
 
@@ -62,13 +66,13 @@ class RoutedState:
         left = out - self.avoided()
         return left or out
 
-    # ---- bookings
+    # ---- bookings, speculative and approximate entries: read beside the lookup
 
-    def start(self, model: str) -> "RoutedRead | None":
-        """The read of a route's bookings, started now (beside the lookup) for the pods foreseen."""
+    def start(self, pods: Collection[str], keys: Sequence[int]) -> "RoutedRead | None":
+        """The read of what was routed to ``pods`` for this prompt, started now (beside the lookup)."""
         if self.store is None:
             return None
-        return RoutedRead(self, model, self._hint.get(model, frozenset()))
+        return RoutedRead(self, frozenset(pods), keys_blob(keys) if keys else b"")
 
     def unwritten(self, pod: str, requests: int, tokens: int) -> None:
         """A booking of this process on its way to Valkey (+1) or written or failed (-1): counted meanwhile."""
@@ -78,46 +82,59 @@ class RoutedState:
         if counts[0] <= 0:
             del self._unwritten[pod]
 
-    async def read(self, pods: Iterable[str]) -> dict[str, Booked] | None:
-        """The pods' bookings, or None when Valkey did not answer (the route is decided without them)."""
+    async def read(self, pods: Iterable[str], blob: bytes = b"") -> dict[str, PodRouted] | None:
+        """What was routed to the pods, or None when Valkey did not answer (decided without it, counted)."""
         assert self.store is not None
         pods = list(pods)
         if not pods:
             return {}
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await self.store.booked(pods)
+                return await self.store.read(pods, blob)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self.read_errors += 1
             now = self.clock()
             if now - self._error_logged_at >= READ_ERROR_LOG_S:
                 self._error_logged_at = now
-                log.warning("bookings not readable, routes decided without them (%d so far): %s: %s",
+                log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
                             self.read_errors, type(exc).__name__, exc)
             return None
 
-    def with_unwritten(self, booked: dict[str, Booked]) -> dict[str, Booked]:
+    def with_unwritten(self, routed: dict[str, PodRouted]) -> dict[str, PodRouted]:
         for pod, (requests, tokens) in self._unwritten.items():
-            if pod in booked:
-                b = booked[pod]
-                booked[pod] = Booked(b.requests + requests, b.tokens + tokens)
-        return booked
+            if pod in routed:
+                r = routed[pod]
+                routed[pod] = msgspec.structs.replace(
+                    r, booked=Booked(r.booked.requests + requests, r.booked.tokens + tokens))
+        return routed
 
 
 class RoutedRead:
-    """One route's read of bookings: started for the pods foreseen, completed for its actual candidates."""
+    """One request's read of what was routed: started for the pods foreseen, extended to any pod found after."""
 
-    def __init__(self, state: RoutedState, model: str, pods: frozenset[str]):
-        self.state, self.model, self.pods = state, model, pods
-        self.task = asyncio.ensure_future(state.read(pods)) if pods else None
+    def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes):
+        self.state, self.pods, self.blob = state, pods, blob
+        self.task = asyncio.ensure_future(state.read(pods, blob)) if pods else None
+        self.got: dict[str, PodRouted] | None = None
 
-    async def complete(self, candidates: Collection[str]) -> dict[str, Booked] | None:
-        got = await self.task if self.task is not None else {}
-        missing = set(candidates) - self.pods
-        if missing and got is not None:
-            more = await self.state.read(missing)
-            got = None if more is None else {**got, **more}
-        self.state._hint[self.model] = frozenset(candidates)
+    async def get(self, pods: Collection[str] = ()) -> dict[str, PodRouted] | None:
+        """The foreseen pods' and ``pods``' (read now if not foreseen); None when Valkey did not answer."""
+        if self.got is None:
+            self.got = (await self.task if self.task is not None else {})
+            if self.got is None:
+                return None
+        missing = set(pods) - self.pods
+        if missing:
+            more = await self.state.read(missing, self.blob)
+            if more is None:
+                return None
+            self.got.update(more)
+            self.pods = self.pods | missing
+        return self.got
+
+    async def booked(self, candidates: Collection[str]) -> dict[str, Booked] | None:
+        got = await self.get(candidates)
         if got is None:
             return None
-        return self.state.with_unwritten({p: got.get(p, Booked()) for p in candidates})
+        routed = self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates})
+        return {p: r.booked for p, r in routed.items()}

@@ -366,7 +366,8 @@ async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gat
     await store(ix, "pod-x", prompt)
     await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
     a = gateway("--gateway-booking-ttl", "2").ready()
-    b = gateway("--route-overload-abs", "2").ready()
+    # (B writes no speculative entries: its request to pod-y would make pod-y hold the prompt as pod-x does)
+    b = gateway("--route-overload-abs", "2", "--gateway-speculative-ttl", "0").ready()
     assert (await _route(b, prompt))["pod_id"] == "pod-x"
 
     held = [asyncio.ensure_future(a.complete(prompt)) for _ in range(4)]
@@ -393,3 +394,70 @@ async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gat
 
 async def _routed_to(g: GatewayProc, prompt, pod: str) -> bool:
     return (await _route(g, prompt))["pod_id"] == pod
+
+
+async def test_a_routed_prompt_counts_on_its_pod_for_every_gateway_until_its_ttl_lapses(valkey_url, ix, gateway,
+                                                                                        stubs):
+    """Gateway A sends a new prompt to a pod whose engine publishes nothing the index could confirm it with;
+    gateway B, another process, routes the same prompt there by A's speculative entries (best_overlap, its
+    blocks marked speculative in /route, /predict and /explain) until A's TTL lapses, then by itself again."""
+    x, y = stubs(body=b'{"x": 1}'), stubs(body=b'{"y": 1}')
+    await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    a = gateway("--gateway-speculative-ttl", "3").ready()
+    b = gateway().ready()
+    prompt = list(range(4000, 4064))
+    assert (await _route(b, prompt))["reason"] == "no_overlap"
+    sent = (await a.complete(prompt)).headers["x-kvpf-pod"]
+    d = await _route(b, prompt)
+    assert (d["pod_id"], d["reason"], d["cached_tokens"]) == (sent, "best_overlap", 48)
+    async with httpx.AsyncClient(timeout=10) as c:
+        body = {"model": MODEL, "token_ids": prompt}
+        predicted = (await c.post(b.url + "/v1/cache/predict", json=body)).json()
+        explained = (await c.post(b.url + "/v1/cache/explain", json=body)).json()
+    assert predicted["pod_affinities"] == [{"pod_id": sent, "cached_blocks": 4, "cached_tokens": 48, "device_tier": "gpu",
+                                            "estimated_ttft_ms": predicted["pod_affinities"][0]["estimated_ttft_ms"],
+                                            "speculative_blocks": 4}]
+    chain = next(c for c in explained["pods"] if c["pod_id"] == sent)
+    assert (chain["stop_block"], chain["speculative_blocks"]) == (4, 4)
+    await until(lambda: _reason(b, prompt, "no_overlap"), "the speculative entries gone with their TTL")
+
+
+async def _reason(g: GatewayProc, prompt, reason: str) -> bool:
+    return (await _route(g, prompt))["reason"] == reason
+
+
+async def test_speculative_blocks_give_way_to_the_engines_events(valkey_url, ix, tmp_path, gateway):
+    """With a real engine and ingester: a prompt a gateway sent there counts as speculative until the engine's
+    events are in the index, then as the index's (speculative_blocks gone), the count unchanged."""
+    from kv_preflight.index.routed import RoutedStore, keys_blob
+    from kv_preflight.keys.chain import request_keys
+
+    engine = sim_engine("sim-0", tmp_path).start()
+    ingester = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url], str(tmp_path / "ingest.log"))
+    try:
+        g = gateway().ready()
+        await until(lambda: _models(g), "the engine's fleet record")
+        prompt = list(range(5000, 5064))
+        # what a gateway writes as it sends the prompt (a minute's TTL: the events must be what ends it here)
+        await RoutedStore(ix.client).speculate("sim-0", keys_blob(request_keys(prompt, model=MODEL)), 60_000)
+
+        async def affinity():
+            async with httpx.AsyncClient(timeout=10) as c:
+                d = (await c.post(g.url + "/v1/cache/predict", json={"model": MODEL, "token_ids": prompt})).json()
+            return d["pod_affinities"][0]
+
+        assert await affinity() == {"pod_id": "sim-0", "cached_blocks": 4, "cached_tokens": 48, "device_tier": "gpu",
+                                    "estimated_ttft_ms": (await affinity())["estimated_ttft_ms"],
+                                    "speculative_blocks": 4}
+        async with httpx.AsyncClient(timeout=30) as c:  # the engine computes the prompt: its events follow
+            r = await c.post(engine.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200
+
+        async def confirmed():
+            a = await affinity()
+            return a["cached_tokens"] == 48 and "speculative_blocks" not in a
+
+        await until(confirmed, "the engine's events confirming the speculative blocks", timeout=60)
+    finally:
+        stop(ingester)
+        engine.stop(kill=True)

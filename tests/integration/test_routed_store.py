@@ -51,3 +51,57 @@ async def test_a_booking_not_renewed_expires_and_a_renewed_one_stays(store):
 
 async def _is(store, pod, want):
     return (await store.booked([pod]))[pod] == want
+
+
+def chain(root: int, n: int, shared: list[int] | None = None) -> list[int]:
+    """Request keys of a prompt: ``shared`` (another prompt's first keys), then keys of its own."""
+    from kv_preflight.keys.chain import request_keys
+
+    tokens = [root] * (16 * n)
+    return (shared or []) + request_keys(tokens, model="m")[len(shared or []):n]
+
+
+async def test_speculative_keys_count_as_the_prefix_they_share_until_their_ttl(store):
+    from kv_preflight.index.routed import keys_blob
+
+    a = chain(1, 10)
+    b = chain(2, 10, shared=a[:5])
+    pod = PODS[5]
+    await store.speculate(pod, keys_blob(a), 400)
+    got = await store.read([pod, PODS[6]], keys_blob(b))
+    assert got[pod].speculative == 5 and got[PODS[6]].speculative == 0
+    assert (await store.read([pod], keys_blob(a[:3])))[pod].speculative == 3
+    assert (await store.read([pod], keys_blob(a + chain(3, 2))))[pod].speculative == 10
+    assert (await store.read([pod], keys_blob(a)))[pod].approximate == 0  # speculative is not approximate
+    await until(lambda: _speculative(store, pod, a, 0), "the speculative keys gone with their TTL")
+
+
+async def _speculative(store, pod, keys, want):
+    from kv_preflight.index.routed import keys_blob
+
+    return (await store.read([pod], keys_blob(keys)))[pod].speculative == want
+
+
+async def test_approximate_keys_are_kept_to_the_capacity_least_recently_used_first_out(store):
+    """A chain's tail goes before its head (a prefix of it stays readable), and the chain used least lately first."""
+    import asyncio
+
+    from kv_preflight.index.routed import keys_blob
+
+    pod = PODS[7]
+    a, b, c = chain(1, 8), chain(2, 8), chain(3, 4)
+
+    async def held(keys):
+        return (await store.read([pod], keys_blob(keys)))[pod].approximate
+
+    assert await store.approximate(pod, keys_blob(a), 12, 60_000) == 8
+    await asyncio.sleep(0.01)
+    assert await store.approximate(pod, keys_blob(b), 12, 60_000) == 12
+    assert (await held(a), await held(b)) == (4, 8)  # a, the older, lost its last 4 blocks
+    await asyncio.sleep(0.01)
+    await store.approximate(pod, keys_blob(a[:4]), 12, 60_000)  # a used again: b is the least recent now
+    await asyncio.sleep(0.01)
+    await store.approximate(pod, keys_blob(c), 12, 60_000)
+    assert (await held(a), await held(b), await held(c)) == (4, 4, 4)
+    await store.forget_approximate([pod])
+    assert await held(a) == 0

@@ -5,26 +5,12 @@
 --   book ID COST TTL_MS      a new booking (an ID already booked is left as it is)
 --   renew TTL_MS ID...       bookings still running: their expiry moved to now + TTL_MS (gone ones stay gone)
 --   release ID               a request done: its booking and its cost leave the totals
---   read                     the totals {n, tokens}
--- Every operation first drops expired bookings (a gateway that died), at most 256 a call, so the totals are
--- those of live bookings. Answers {n, tokens}. The keys expire 2 x TTL after their last write: an idle pod
--- whose gateways are gone keeps nothing.
+-- Every operation first drops expired bookings (booked_drop.lua). Answers {n, tokens}. The keys expire
+-- 2 x TTL after their last write: an idle pod whose gateways are gone keeps nothing.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[1]
-
-local function drop(id)
-  local cost = redis.call('HGET', KEYS[2], id)
-  if redis.call('ZREM', KEYS[1], id) == 1 and cost then
-    redis.call('HINCRBY', KEYS[2], 'n', -1)
-    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(cost))
-  end
-  redis.call('HDEL', KEYS[2], id)
-end
-
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 256)) do
-  drop(id)
-end
+drop_expired(now)
 
 local ttl = nil
 if op == 'book' then
@@ -46,5 +32,5 @@ if ttl then
   redis.call('PEXPIRE', KEYS[1], 2 * ttl)
   redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 end
-local n, tokens = redis.call('HGET', KEYS[2], 'n'), redis.call('HGET', KEYS[2], 'tokens')
-return {tonumber(n or '0'), tonumber(tokens or '0')}
+local n, tokens = totals()
+return {n, tokens}

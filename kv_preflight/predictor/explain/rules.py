@@ -207,6 +207,7 @@ class PodChain(msgspec.Struct, frozen=True):
     lost_tokens: LostTokens
     engine_block_size: int
     device_tier: str | None = None
+    speculative_blocks: int = 0  # of stop_block, blocks a gateway's speculative entries alone hold (docs/gateway.md)
 
 
 def pod_chain(pod_id: str, model: str, blocks: int, *, canonical_block: int, engine_block: int | None,

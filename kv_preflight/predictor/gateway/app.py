@@ -31,7 +31,8 @@ from starlette.types import Receive, Scope, Send
 
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
-from kv_preflight.index.routed import RoutedStore
+from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.routed import RoutedStore, keys_blob
 from kv_preflight.predictor.gateway.booking import Booking, Bookings
 from kv_preflight.predictor.gateway.engines import GatewayEngines, tell_unreachable
 from kv_preflight.predictor.gateway.forward import Upstream, UpstreamFailed, answer_headers
@@ -71,6 +72,7 @@ class Gateway:
         self.own_keys = own_keys  # the gateway checks API keys: a client's Authorization is the gateway's, kept here
         self.upstream: Upstream | None = None
         self.bookings: Bookings | None = None  # set in running(); None: --gateway-booking-ttl 0
+        self.speculative_ms = int(cfg.gateway_speculative_ttl_s * 1000)
         self.inflight = 0
         self.background: set[asyncio.Task] = set()
 
@@ -155,6 +157,7 @@ class Gateway:
                 url = self.engines.url_of(pod)
                 self.metrics.decision.observe(time.perf_counter() - started)
                 booking = self._book(decided, routable)
+                self._speculate(decided)
                 try:
                     if url is None:
                         raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
@@ -200,6 +203,22 @@ class Gateway:
         d = decided.decision
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
         return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode))
+
+    def _speculate(self, decided: _Decided) -> None:
+        """The prompt's blocks count on its pod for every gateway until its events confirm them or the TTL lapses
+        (kv_preflight/index/routed.py): written beside the upstream request, a failure only counted."""
+        store, pod = self.routed.store, decided.decision.pod_id
+        if store is None or not decided.indexed or not decided.keys or pod is None or self.speculative_ms <= 0:
+            return
+        self._spawn(self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms), "speculative"))
+
+    async def _quietly(self, work, what: str) -> None:
+        try:
+            async with asyncio.timeout(self.predictor.valkey_deadline_s):
+                await work
+        except (TimeoutError, *VALKEY_ERRORS) as exc:
+            self.metrics.write_failed(what)
+            log.debug("a %s write failed: %s: %s", what, type(exc).__name__, exc)
 
     def _release(self, booking: Booking | None) -> None:
         if booking is not None and self.bookings is not None:
@@ -363,8 +382,7 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
-    routed = RoutedState(store=RoutedStore(predictor.index.client) if cfg.gateway_booking_ttl_s > 0 else None,
-                         deadline_s=predictor.valkey_deadline_s)
+    routed = RoutedState(store=RoutedStore(predictor.index.client), deadline_s=predictor.valkey_deadline_s)
     predictor.routed = routed
     if predictor.load is None:  # the --engine engines are scraped for load and models once named
         predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,

@@ -34,6 +34,8 @@ class GatewayMetrics:
         self.unrouted = Counter("kvpf_gateway_unrouted", "Requests forwarded without the index's decision, by why "
                                 "(index_unavailable, not_tokenized): by load and prompt hash instead.", ["why"],
                                 registry=r)
+        self.write_failures = Counter("kvpf_gateway_write_failures", "Writes of what was routed that Valkey did not "
+                                      "take (speculative, approximate); the requests went on.", ["what"], registry=r)
         self.pods = PodSeries(max_pod_series)
         self.per_pod = PodLabelled(Counter("kvpf_gateway_pod_requests", "Requests forwarded, per pod (the spread "
                                            "of load).", ["pod"], registry=r), self.pods)
@@ -46,6 +48,9 @@ class GatewayMetrics:
 
     def sent(self, pod: str) -> None:
         self.per_pod.labels(pod).inc()
+
+    def write_failed(self, what: str) -> None:
+        self._child(self.write_failures, what).inc()
 
     def not_routed(self, why: str) -> None:
         self._child(self.unrouted, why).inc()

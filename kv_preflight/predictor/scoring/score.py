@@ -46,6 +46,9 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  #
     device_tier: str
     estimated_ttft_ms: float | None = None  # prefill model: this pod's TTFT given its cached tokens
     incomplete: bool = False  # the pod's index may be missing blocks (gap, lost events)
+    # of cached_blocks, those counted on a gateway's speculative entries alone (a prompt just sent there, its
+    # events not in yet: predictor/scoring/routed.py); 0 (omitted): all the index's
+    speculative_blocks: int = 0
 
 
 class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):
