@@ -30,6 +30,7 @@ GATEWAY_OPTIONS = [
     click.Option(["--gateway-avoid", "gateway_avoid_s"], default=None, type=click.FloatRange(min=0), help="Seconds a pod that failed a request is left out of routes while another is left (default 10)."),
     click.Option(["--gateway-decode-tokens"], default=None, type=click.IntRange(min=0), help="Decode tokens booked for a request that names no max_tokens (default 256)."),
     click.Option(["--gateway-speculative-ttl", "gateway_speculative_ttl_s"], default=None, type=click.FloatRange(min=0), help="Seconds a routed prompt's blocks count on its pod for every gateway, until the engine's events confirm them (default 2; 0: none)."),
+    click.Option(["--gateway-kv-capacity"], default=None, type=click.IntRange(min=0), help="KV capacity in tokens of an engine no ingester feeds, which its approximate index keeps (default 0: what the engine's metrics say, vllm:cache_config_info; else 131072)."),
     click.Option(["--gateway-booking-ttl", "gateway_booking_ttl_s"], default=None, type=click.FloatRange(min=0), help="Seconds a request's booking outlives a gateway that stopped renewing it (default 10; 0: no bookings, routes see only the engines' scraped load)."),
 ]
 

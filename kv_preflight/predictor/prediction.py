@@ -211,10 +211,8 @@ class Predictor:
         if routed is not None and keys and (pods is None or pods):
             got = await routed.get({m.pod_id for m in matches})
             if got:  # the longest of index, speculative and approximate prefix (predictor/scoring/routed.py)
-                matches, speculative = with_routed(matches, got, skip=hybrid)
-                if any(p not in infos for p in speculative):  # a pod whose blocks are all speculative: its meta too
-                    async with valkey_call(self.valkey_deadline_s, "pod metadata"):
-                        infos = {**infos, **await self.metadata.pod_infos(p for p in speculative if p not in infos)}
+                matches, speculative = with_routed(matches, got, approximate=self.routed.approximate, skip=hybrid)
+                infos = await self._routed_infos(matches, infos, speculative)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model))
         prediction = mark_speculative(prediction, speculative)
@@ -246,6 +244,8 @@ class Predictor:
         state from the fleet's leases; the state of the whole (predictor/scoring/freshness.py)."""
         named = [a.pod_id for a in prediction.pod_affinities] + list(pods or ()) + list(extra)
         per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
+        if self.routed is not None:  # a pod no ingester feeds, indexed by what the gateways sent: approximate
+            per_pod = self.routed.mark_approximate(per_pod)
         return answer_freshness(per_pod, partial=prediction.partial,
                                 incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
                                 aged=self.fleet.aged if self.fleet is not None else None)
@@ -344,6 +344,19 @@ class Predictor:
         self.metrics.route(decision.reason)
         # what the prediction could not claim (hybrid groups not all known) holds for the route built on it
         return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
+
+    async def _routed_infos(self, matches: list[Any], infos: dict[str, ScoringInfo],
+                            speculative: dict[str, int]) -> dict[str, ScoringInfo]:
+        """Scoring info for the pods what was routed added: a pod held speculatively alone (its meta), an
+        approximate pod (no meta: its engine's block size as the gateway read it)."""
+        assert self.routed is not None
+        approximate = {m.pod_id: ScoringInfo(m.pod_id, self.routed.approximate_block_size.get(m.pod_id), False)
+                       for m in matches if m.pod_id in self.routed.approximate and m.pod_id not in infos}
+        missing = [p for p in speculative if p not in infos and p not in approximate]
+        if missing:
+            async with valkey_call(self.valkey_deadline_s, "pod metadata"):
+                approximate |= await self.metadata.pod_infos(missing)
+        return {**infos, **approximate} if approximate else infos
 
     def foreseen(self, model: str, pods: list[str] | None) -> set[str]:
         """The pods a route for ``model`` will likely have as candidates, from what is in memory (no read): the

@@ -10,7 +10,7 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
   between two metric scrapes see each other's requests;
 * the prompts every gateway sent where, as *speculative* entries (their blocks count on the pod for a short
   TTL, until its events confirm them) and, for engines that publish no events, as an *approximate* index
-  (predictor/scoring/routed.py merges both into the lookup's matches).
+  (predictor/scoring/routed.py merges both into the lookup's matches); an approximate pod's freshness says so.
 
 All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
 the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
@@ -29,6 +29,7 @@ import msgspec
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob
+from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshness
 
 log = logging.getLogger("kvpf.predictor")
 
@@ -43,6 +44,10 @@ class RoutedState:
     read_errors: int = 0
     _avoided: dict[str, float] = field(default_factory=dict)  # pod -> until (monotonic)
     _unwritten: dict[str, list[int]] = field(default_factory=dict)  # pod -> [requests, tokens] booked here, unwritten
+    # pods no ingester feeds, indexed approximately by what the gateways sent there, and their engine block size
+    # when known (kv_preflight/predictor/gateway/approximate.py keeps both)
+    approximate: frozenset[str] = frozenset()
+    approximate_block_size: dict[str, int] = field(default_factory=dict)
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -65,6 +70,12 @@ class RoutedState:
         out = set(candidates)
         left = out - self.avoided()
         return left or out
+
+    def mark_approximate(self, per_pod: dict[str, PodFreshness]) -> dict[str, PodFreshness]:
+        """An approximate pod's freshness is ``approximate`` (no lease lists it: it would read ``unknown``)."""
+        if not self.approximate:
+            return per_pod
+        return {p: APPROXIMATE_POD if p in self.approximate else f for p, f in per_pod.items()}
 
     # ---- bookings, speculative and approximate entries: read beside the lookup
 

@@ -75,6 +75,15 @@ def record(url: str) -> PodRecord:
     return PodRecord(state="live", engine_url=url, models=[MODEL], block_size=16, owner="test-ingester")
 
 
+async def fed(ix, *pods: str) -> None:
+    """A live ingester's lease that lists the pods: their events are ingested (not approximate pods)."""
+    from kv_preflight.fleet.records import IngesterLease
+
+    now = await ix.fleet.now_ms()
+    await ix.fleet.put_lease("test-ingester", IngesterLease(expires_ms=now + 600_000, state="current", current_ms=now,
+                                                            pods=list(pods)))
+
+
 def dead_url() -> str:
     """A URL nothing listens on (connection refused)."""
     with socket.socket() as s:
@@ -365,6 +374,7 @@ async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gat
     prompt = list(range(3000, 3064))
     await store(ix, "pod-x", prompt)
     await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    await fed(ix, "pod-x", "pod-y")
     a = gateway("--gateway-booking-ttl", "2").ready()
     # (B writes no speculative entries: its request to pod-y would make pod-y hold the prompt as pod-x does)
     b = gateway("--route-overload-abs", "2", "--gateway-speculative-ttl", "0").ready()
@@ -398,11 +408,12 @@ async def _routed_to(g: GatewayProc, prompt, pod: str) -> bool:
 
 async def test_a_routed_prompt_counts_on_its_pod_for_every_gateway_until_its_ttl_lapses(valkey_url, ix, gateway,
                                                                                         stubs):
-    """Gateway A sends a new prompt to a pod whose engine publishes nothing the index could confirm it with;
+    """Gateway A sends a new prompt to a pod an ingester feeds but whose engine (a stub) sends no event to confirm it;
     gateway B, another process, routes the same prompt there by A's speculative entries (best_overlap, its
     blocks marked speculative in /route, /predict and /explain) until A's TTL lapses, then by itself again."""
     x, y = stubs(body=b'{"x": 1}'), stubs(body=b'{"y": 1}')
     await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    await fed(ix, "pod-x", "pod-y")  # an ingester feeds them (else they are approximate pods: the next test)
     a = gateway("--gateway-speculative-ttl", "3").ready()
     b = gateway().ready()
     prompt = list(range(4000, 4064))
@@ -461,3 +472,58 @@ async def test_speculative_blocks_give_way_to_the_engines_events(valkey_url, ix,
     finally:
         stop(ingester)
         engine.stop(kill=True)
+
+
+async def test_engines_no_ingester_feeds_are_routed_approximately_until_their_events_flow(valkey_url, ix, tmp_path,
+                                                                                       gateway):
+    """Two simulated engines named to the gateway with --engine, no ingester: each prompt's second request goes
+    where its first went, by the approximate index the gateway keeps of what it sent (the prediction equal to what
+    the engine then reports), bounded by the engine's KV capacity, the pods' freshness `approximate`, never an
+    exact answer. Once an ingester feeds them, they are exact, and the approximate index is gone."""
+    import redis.asyncio as aioredis
+
+    engines = [sim_engine(p, tmp_path, blocks=64).start() for p in ("sim-0", "sim-1")]  # 63 usable x 16 tokens
+    ingester = None
+    try:
+        g = gateway(*(a for e in engines for a in ("--engine", e.url))).ready()
+        await until(lambda: _models(g), "the engines' models")
+        prompt = "Tell me about the weather in the northern mountains this winter, in detail please. " * 2
+        first = await g.complete(prompt, max_tokens=2)
+        pod = first.headers["x-kvpf-pod"]
+        assert first.headers["x-kvpf-reason"] == "no_overlap"
+        again = await g.complete(prompt, max_tokens=2)
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (again.headers["x-kvpf-pod"], again.headers["x-kvpf-reason"]) == (pod, "best_overlap")
+        assert cached > 0 and again.headers["x-kvpf-predicted-cached-tokens"] == str(cached)
+        async with httpx.AsyncClient(timeout=10) as c:
+            d = (await c.post(g.url + "/v1/cache/route", json={"model": MODEL, "prompt": prompt})).json()
+        assert d["freshness"]["pods"][pod]["state"] == "approximate" and d["freshness"]["state"] == "degraded"
+        assert any("approximate" in r for r in d["freshness"]["reasons"])
+        # bounded by the engine's capacity (vllm:cache_config_info: 64 blocks of 16 = 1024 tokens, 64 request keys)
+        client = aioredis.Redis.from_url(valkey_url)
+        for i in range(12):
+            await g.complete(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 200)), max_tokens=1)
+        sizes = [await client.zcard(f"kvpf:{{{p}}}:approximate") for p in ("sim-0", "sim-1")]
+        assert max(sizes) == 64 and min(sizes) > 0, sizes
+        # the events start flowing: exact
+        ingester = spawn(["ingest", "--valkey-url", valkey_url, *(a for e in engines for a in ("--engine", e.url))],
+                         str(tmp_path / "ingest.log"))
+
+        async def exact():
+            async with httpx.AsyncClient(timeout=10) as c:
+                d = (await c.post(g.url + "/v1/cache/route", json={"model": MODEL, "prompt": prompt})).json()
+            return d if all(f["state"] == "current" for f in d["freshness"]["pods"].values()) else None
+
+        d = await until(exact, "both pods fed by the ingester, their answers exact", timeout=60)
+        assert d["freshness"]["state"] == "exact"
+        await until(lambda: _all_gone(client, ["sim-0", "sim-1"]), "the approximate index dropped")
+        await client.aclose()
+    finally:
+        if ingester is not None:
+            stop(ingester)
+        for e in engines:
+            e.stop(kill=True)
+
+
+async def _all_gone(client, pods) -> bool:
+    return not any([await client.exists(f"kvpf:{{{p}}}:approximate") for p in pods])

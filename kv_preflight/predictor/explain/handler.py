@@ -149,7 +149,7 @@ async def _with_routed(p: Predictor, model: str, keys: list[int], matches: list[
     got = await p.routed.read(wanted if pods is None else wanted & set(pods), keys_blob(keys))
     if not got:
         return matches, {}
-    return with_routed(matches, got, skip=hybrid)
+    return with_routed(matches, got, approximate=p.routed.approximate, skip=hybrid)
 
 
 

@@ -33,6 +33,7 @@ from kv_preflight.config import Config
 from kv_preflight.index.index import Index
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import RoutedStore, keys_blob
+from kv_preflight.predictor.gateway.approximate import IDLE_MS, Approximations
 from kv_preflight.predictor.gateway.booking import Booking, Bookings
 from kv_preflight.predictor.gateway.engines import GatewayEngines, tell_unreachable
 from kv_preflight.predictor.gateway.forward import Upstream, UpstreamFailed, answer_headers
@@ -73,6 +74,7 @@ class Gateway:
         self.upstream: Upstream | None = None
         self.bookings: Bookings | None = None  # set in running(); None: --gateway-booking-ttl 0
         self.speculative_ms = int(cfg.gateway_speculative_ttl_s * 1000)
+        self.approximations: Approximations | None = None  # set in running()
         self.inflight = 0
         self.background: set[asyncio.Task] = set()
 
@@ -157,7 +159,7 @@ class Gateway:
                 url = self.engines.url_of(pod)
                 self.metrics.decision.observe(time.perf_counter() - started)
                 booking = self._book(decided, routable)
-                self._speculate(decided)
+                self._remember(decided)
                 try:
                     if url is None:
                         raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
@@ -204,13 +206,20 @@ class Gateway:
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
         return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode))
 
-    def _speculate(self, decided: _Decided) -> None:
-        """The prompt's blocks count on its pod for every gateway until its events confirm them or the TTL lapses
-        (kv_preflight/index/routed.py): written beside the upstream request, a failure only counted."""
+    def _remember(self, decided: _Decided) -> None:
+        """What every gateway must know of this request (kv_preflight/index/routed.py), written beside the upstream
+        request, a failure only counted: on a pod no ingester feeds, its keys used now (its approximate index);
+        elsewhere, its blocks counted on the pod until its events confirm them or the TTL lapses (speculative)."""
         store, pod = self.routed.store, decided.decision.pod_id
-        if store is None or not decided.indexed or not decided.keys or pod is None or self.speculative_ms <= 0:
+        if store is None or not decided.indexed or not decided.keys or pod is None:
             return
-        self._spawn(self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms), "speculative"))
+        if pod in self.routed.approximate and self.approximations is not None:
+            self._spawn(self._quietly(store.approximate(pod, keys_blob(decided.keys),
+                                                        self.approximations.capacity_blocks(pod), IDLE_MS),
+                                      "approximate"))
+        elif self.speculative_ms > 0:
+            self._spawn(self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms),
+                                      "speculative"))
 
     async def _quietly(self, work, what: str) -> None:
         try:
@@ -339,6 +348,12 @@ class Gateway:
         if self.engines.urls:
             await self.engines.resolve_once(self.upstream.client)
             tasks.append(asyncio.create_task(self.engines.run(self.upstream.client)))
+        if self.routed.store is not None:
+            self.approximations = Approximations(self.predictor, self.engines, self.routed.store, self.routed,
+                                                 capacity_tokens=self.cfg.gateway_kv_capacity,
+                                                 timeout_s=self.predictor.valkey_deadline_s)
+            await self.approximations.refresh(self.upstream.client)
+            tasks.append(asyncio.create_task(self.approximations.run(self.upstream.client)))
         try:
             yield
         finally:

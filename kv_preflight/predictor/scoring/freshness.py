@@ -14,13 +14,16 @@ Per pod:
   only lease that listed the pod has expired (an ingester that cannot renew its lease cannot write either:
   Valkey out of memory under ``noeviction``, a dead process);
 * ``unknown``: no lease lists it (an ingester started with ``--source`` only takes no lease).
+* ``approximate``: no ingester feeds it (an engine that publishes no KV events, named to a gateway): what it
+  holds is a guess from the requests the gateways sent there (docs/gateway.md); set by the gateway's predictor.
 
 ``staleness_ms``: how long ago its ingester was last known current (0-1 s while current), the bound on what
 the index may be missing for it; ``index_lag_ms``: now minus the engine timestamp of the pod's newest applied
 batch (it grows while the engine is idle, which is not staleness: read it with the state).
 
 The answer's state: ``partial`` when a Valkey Cluster shard did not answer (counts are lower bounds),
-``degraded`` (with reasons) when a pod it names is behind, stalled or flagged incomplete, else ``exact``.
+``degraded`` (with reasons) when a pod it names is behind, stalled, approximate or flagged incomplete, else
+``exact``.
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ import msgspec
 
 from kv_preflight.fleet.records import FleetView, IngesterLease
 
-CURRENT, BEHIND, STALLED, UNKNOWN = "current", "behind", "stalled", "unknown"
-_RANK = {CURRENT: 0, BEHIND: 1, STALLED: 2, UNKNOWN: 3}
+CURRENT, BEHIND, STALLED, UNKNOWN, APPROXIMATE = "current", "behind", "stalled", "unknown", "approximate"
+_RANK = {CURRENT: 0, BEHIND: 1, STALLED: 2, UNKNOWN: 3, APPROXIMATE: 4}
 
 
 class PodFreshness(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -41,6 +44,7 @@ class PodFreshness(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 UNKNOWN_POD = PodFreshness(UNKNOWN)
+APPROXIMATE_POD = PodFreshness(APPROXIMATE)
 MAX_LISTED = 64  # pods an answer's freshness lists (the ones not current first); its state counts them all
 
 
@@ -110,6 +114,10 @@ def answer_freshness(pods: Mapping[str, PodFreshness], *, partial: bool = False,
         named = sorted(p for p, f in pods.items() if f.state == state)
         if named:
             reasons.append(f"ingestion {state} for {', '.join(named[:10])}{' ...' if len(named) > 10 else ''}")
+    guessed = sorted(p for p, f in pods.items() if f.state == APPROXIMATE)
+    if guessed:
+        reasons.append(f"index approximate for {', '.join(guessed[:10])}{' ...' if len(guessed) > 10 else ''} (no KV "
+                       "events: what the gateways sent there)")
     flagged = sorted(set(incomplete))
     if flagged:
         reasons.append(f"index incomplete for {', '.join(flagged[:10])}{' ...' if len(flagged) > 10 else ''}")
