@@ -53,6 +53,9 @@ ingester, never into llm-d's keys or the presence bits), per pod in the pod's sl
   kvpf:{<pod>}:approximate    ZSET request key -> when it was last routed there: what an engine that publishes no
                               events holds, as far as the gateways' own requests tell (at most its KV capacity,
                               least recently used first out)
+  kvpf:{<pod>}:homes          ZSET prefix (its first request key, 8 bytes) -> when last routed there: the
+  kvpf:{<pod>}:homed          HASH prefix -> its blocks, sum -> theirs together: the pod's footprint, the cache
+                              room other prefixes take there, which new prefixes are placed by (fleet-wide)
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -214,9 +217,16 @@ def pod_approximate_key(pod_id: str) -> str:
     return _pod(pod_id, "approximate")
 
 
-def pod_routed_keys(pod_id: str) -> tuple[str, str, str, str]:
-    """What the read beside a lookup takes (lua/routed_read.lua): bookings, their totals, speculative, approximate."""
-    return (*pod_booking_keys(pod_id), pod_speculative_key(pod_id), pod_approximate_key(pod_id))
+def pod_home_keys(pod_id: str) -> tuple[str, str]:
+    """The prefixes homed on a pod (ZSET prefix -> last routed ms) and their blocks (HASH), in the pod's slot."""
+    return _pod(pod_id, "homes"), _pod(pod_id, "homed")
+
+
+def pod_routed_keys(pod_id: str) -> tuple[str, ...]:
+    """What the read beside a lookup takes (lua/routed_read.lua): bookings, their totals, speculative, approximate,
+    homes and their blocks."""
+    return (*pod_booking_keys(pod_id), pod_speculative_key(pod_id), pod_approximate_key(pod_id),
+            *pod_home_keys(pod_id))
 
 
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:

@@ -29,9 +29,11 @@ LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
 ADOPT = lua("adopt")
-# what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the read of both
+# what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the prefixes
+# homed there; the read of all of it
 BOOKED = lua("booked_drop", "booked")
 ROUTED_CHAIN = lua("routed_chain")
-ROUTED_READ = lua("booked_drop", "routed_read")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
+HOMES = lua("homes_drop", "homes")
+ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 
-__all__ = ["ADOPT", "APPLY", "BOOKED", "ROUTED_CHAIN", "ROUTED_READ", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]
+__all__ = ["ADOPT", "APPLY", "BOOKED", "HOMES", "ROUTED_CHAIN", "ROUTED_READ", "CAS_FIELD", "EFFECTS", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD", "NUMS", "POD_STEP", "lua"]

@@ -328,12 +328,15 @@ class Predictor:
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
         loads = {p: self.load_of(p) for p in candidates}
-        booked = await routed.booked(candidates) if routed is not None else None
+        shared = await routed.for_route(candidates) if routed is not None else None
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
+        footprints = hint.footprints or None
+        if shared is not None and self.routed is not None and self.routed.window_ms > 0:
+            footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
-                          affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
-                          pending=hint.pending, booked=booked)
+                          affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
+                          pending=hint.pending, booked={p: r.booked for p, r in shared.items()} if shared else None)
         if stale:
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(
@@ -375,10 +378,14 @@ class Predictor:
         assert self.placements is not None and decision.pod_id is not None
         if decision.best_overlap_pod is None:
             self.placements.placed(prefix, decision.pod_id, blocks)
+            if self.routed is not None:
+                self.routed.home(prefix, decision.pod_id, blocks)
             return
         best = next((a for a in prediction.pod_affinities if a.pod_id == decision.best_overlap_pod), None)
         if best is not None:
             self.placements.seen(prefix, best.pod_id, best.cached_blocks)
+            if self.routed is not None:
+                self.routed.home(prefix, best.pod_id, best.cached_blocks)
 
     async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
         """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.

@@ -10,7 +10,10 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
   between two metric scrapes see each other's requests;
 * the prompts every gateway sent where, as *speculative* entries (their blocks count on the pod for a short
   TTL, until its events confirm them) and, for engines that publish no events, as an *approximate* index
-  (predictor/scoring/routed.py merges both into the lookup's matches); an approximate pod's freshness says so.
+  (predictor/scoring/routed.py merges both into the lookup's matches); an approximate pod's freshness says so;
+* the prefixes every gateway homed where within the placement window (``--route-placement-window``), each pod's
+  *footprint*: a new prefix goes where the fewest blocks of others live (predictor/scoring/placement.py's rule,
+  over the fleet's placements rather than one process's share of them).
 
 All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
 the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
@@ -48,6 +51,10 @@ class RoutedState:
     # when known (kv_preflight/predictor/gateway/approximate.py keeps both)
     approximate: frozenset[str] = frozenset()
     approximate_block_size: dict[str, int] = field(default_factory=dict)
+    # the placement window (ms; 0: no footprints): prefixes homed on a pod within it make its footprint, read and
+    # written fleet-wide (kv_preflight/index/routed.py homes) in place of this process's own placement memory
+    window_ms: int = 0
+    _writes: set = field(default_factory=set)
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -101,7 +108,7 @@ class RoutedState:
             return {}
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await self.store.read(pods, blob)
+                return await self.store.read(pods, blob, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self.read_errors += 1
             now = self.clock()
@@ -110,6 +117,23 @@ class RoutedState:
                 log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
                             self.read_errors, type(exc).__name__, exc)
             return None
+
+    def home(self, prefix: int, pod: str, blocks: int) -> None:
+        """``prefix`` routed to (or found on) ``pod``, ``blocks`` long: its home for every gateway's placements,
+        written in the background (a failure costs placements a little accuracy, nothing else)."""
+        if self.store is None or self.window_ms <= 0:
+            return
+        task = asyncio.ensure_future(self._home(prefix, pod, blocks))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _home(self, prefix: int, pod: str, blocks: int) -> None:
+        assert self.store is not None
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                await self.store.home(pod, prefix, blocks, self.window_ms)
+        except (TimeoutError, *VALKEY_ERRORS):
+            self.read_errors += 1
 
     def with_unwritten(self, routed: dict[str, PodRouted]) -> dict[str, PodRouted]:
         for pod, (requests, tokens) in self._unwritten.items():
@@ -143,9 +167,9 @@ class RoutedRead:
             self.pods = self.pods | missing
         return self.got
 
-    async def booked(self, candidates: Collection[str]) -> dict[str, Booked] | None:
+    async def for_route(self, candidates: Collection[str]) -> dict[str, PodRouted] | None:
+        """Every candidate's bookings (this process's unwritten ones added) and footprint; None: not readable."""
         got = await self.get(candidates)
         if got is None:
             return None
-        routed = self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates})
-        return {p: r.booked for p, r in routed.items()}
+        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates})

@@ -13,11 +13,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 PODS = [f"pod-{i}" for i in range(12)]  # on a cluster, their hash tags spread them over the three shards
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["single", "single, lean connection", "cluster"])
 async def store(request, valkey_url):
-    url = valkey_url if request.param == "single" else request.getfixturevalue("cluster_url")
+    url = request.getfixturevalue("cluster_url") if request.param == "cluster" else valkey_url
     index = Index.from_url(url)
-    yield RoutedStore(index.client)
+    fast = index.backend.fast if request.param == "single, lean connection" else None
+    assert fast is not None or request.param != "single, lean connection"
+    yield RoutedStore(index.client, fast)
     await index.close()
 
 
@@ -105,3 +107,23 @@ async def test_approximate_keys_are_kept_to_the_capacity_least_recently_used_fir
     assert (await held(a), await held(b), await held(c)) == (4, 4, 4)
     await store.forget_approximate([pod])
     assert await held(a) == 0
+
+
+async def test_a_pods_footprint_is_the_blocks_of_the_other_prefixes_homed_there_within_the_window(store):
+    from kv_preflight.index.routed import keys_blob
+
+    pod = PODS[8]
+    a, b = chain(1, 4), chain(2, 6)
+    await store.home(pod, a[0], 10, 60_000)
+    await store.home(pod, b[0], 6, 60_000)
+    assert await store.home(pod, a[0], 12, 60_000) == 18  # a homed again, longer: counted once, at its new size
+    got = await store.read([pod, PODS[9]], keys_blob(b), 60_000)
+    assert (got[pod].footprint, got[PODS[9]].footprint) == (12, 0)  # b's own blocks do not crowd it out
+    assert (await store.read([pod], keys_blob(chain(3, 2)), 60_000))[pod].footprint == 18
+    assert (await store.read([pod], keys_blob(b), 0))[pod].footprint == 0  # no window: no footprints read
+    await store.home(pod, b[0], 6, 200)  # a short window: everything older leaves with it
+
+    async def only_recent():
+        return (await store.read([pod], keys_blob(a), 200))[pod].footprint == 0
+
+    await until(only_recent, "the prefixes older than the window gone from the footprint")

@@ -8,7 +8,7 @@ import pytest
 from kv_preflight.cli.gateway_cmd import config_values
 from kv_preflight.keys.chain import request_keys
 from kv_preflight.predictor.gateway.app import decision_headers
-from kv_preflight.predictor.gateway.openai import read_body
+from kv_preflight.predictor.gateway.openai import read_routable
 from kv_preflight.predictor.http.errors import BadRequest
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest
 from kv_preflight.predictor.routed import RoutedState
@@ -22,7 +22,7 @@ def body(**fields) -> bytes:
 
 
 def test_a_token_prompt_is_keyed_from_the_json_text():
-    got = read_body(body(prompt=list(range(10)), max_tokens=7, stream=True, temperature=0.3), chat=False, **ARGS)
+    got = read_routable(body(prompt=list(range(10)), max_tokens=7, stream=True, temperature=0.3), chat=False, **ARGS)
     assert isinstance(got.request, KeyedRequest)
     assert got.request.keys == request_keys(list(range(10)), model="m", hash_seed="", block_size=4)
     assert got.request.n_tokens == 10 and got.stream and got.max_tokens == 7
@@ -31,13 +31,13 @@ def test_a_token_prompt_is_keyed_from_the_json_text():
 @pytest.mark.parametrize("prompt, want", [("hello", {"prompt": "hello"}), (["hello", "x"], {"prompt": "hello"}),
                                           ([[1, 2, 3], [4]], {"token_ids": [1, 2, 3]})])
 def test_other_prompts_go_to_the_predictors_tokenization(prompt, want):
-    got = read_body(body(prompt=prompt), chat=False, **ARGS).request
+    got = read_routable(body(prompt=prompt), chat=False, **ARGS).request
     assert isinstance(got, PredictRequest) and got.model == "m"
     assert {k: getattr(got, k) for k in want} == want
 
 
 def test_chat_messages_and_max_completion_tokens():
-    got = read_body(body(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=9, max_tokens=3),
+    got = read_routable(body(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=9, max_tokens=3),
                     chat=True, **ARGS)
     assert got.request.messages == [{"role": "user", "content": "hi"}] and got.max_tokens == 9 and not got.stream
 
@@ -49,7 +49,7 @@ def test_chat_messages_and_max_completion_tokens():
 ])
 def test_bad_bodies_say_why(raw, chat, why):
     with pytest.raises(BadRequest, match=why):
-        read_body(raw, chat=chat, **ARGS)
+        read_routable(raw, chat=chat, **ARGS)
 
 
 class RankedDecision(RouteDecision, frozen=True):

@@ -83,15 +83,15 @@ class Outcome:
                 "route_load_known": self.load_known, "seconds": round(self.seconds, 2)}
 
 
-def workload(n: int, seed: int = 7) -> list[tuple[int, str]]:
+def workload(n: int, seed: int = 7, tenants: int = TENANTS) -> list[tuple[int, str]]:
     """(tenant, prompt): tenants chosen uniformly at random, each prompt its tenant's system prompt + a question."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz     "
     prefixes = [(f"tenant-{t:02d} system prompt: " + "".join(rng.choice(letters) for _ in range(PREFIX_CHARS)))
-                [:PREFIX_CHARS] for t in range(TENANTS)]
+                [:PREFIX_CHARS] for t in range(tenants)]
     out = []
     for i in range(n):
-        t = rng.randrange(TENANTS)
+        t = rng.randrange(tenants)
         out.append((t, prefixes[t] + f" question {i}: " + "".join(rng.choice(letters) for _ in range(40))))
     return out
 

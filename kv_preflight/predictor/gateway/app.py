@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -36,12 +36,12 @@ from kv_preflight.index.routed import RoutedStore, keys_blob
 from kv_preflight.predictor.gateway.approximate import IDLE_MS, Approximations
 from kv_preflight.predictor.gateway.booking import Booking, Bookings
 from kv_preflight.predictor.gateway.engines import GatewayEngines, tell_unreachable
-from kv_preflight.predictor.gateway.forward import Upstream, UpstreamFailed, answer_headers
+from kv_preflight.predictor.gateway.forward import Cut, Response, Upstream, UpstreamFailed, answer_headers
 from kv_preflight.predictor.gateway.metrics import GatewayMetrics
-from kv_preflight.predictor.gateway.openai import Routable, error_body, read_body
+from kv_preflight.predictor.gateway.openai import Routable, error_body, read_routable
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.http.auth import load_api_keys
-from kv_preflight.predictor.http.body import read_json_body
+from kv_preflight.predictor.http.body import read_json
 from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
                                                 PredictorError, UnknownModel, clip)
 from kv_preflight.predictor.load import LoadMonitor
@@ -87,11 +87,11 @@ class Gateway:
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send, *, path: str, chat: bool, name: str) -> None:
         cfg = self.cfg
-        request = Request(scope, receive)
         try:
-            body = await read_json_body(request, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
-            routable = read_body(body, chat=chat, max_tokens=cfg.max_tokens, hash_seed=self.predictor.cfg.hash_seed,
-                                 block_size=self.predictor.cfg.block_size, hash_algo=self.predictor.cfg.hash_algo)
+            body = await read_json(scope, receive, limit=cfg.max_body_bytes, timeout_s=cfg.request_read_timeout_s)
+            settings = self.predictor.cfg  # the index's hash seed and block size, adopted at start
+            routable = read_routable(body, chat=chat, max_tokens=cfg.max_tokens, hash_seed=settings.hash_seed,
+                                     block_size=settings.block_size, hash_algo=settings.hash_algo)
         except ClientDisconnect:
             self.metrics.request(name, "client_gone")
             return
@@ -189,7 +189,7 @@ class Gateway:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 sending[0] = False
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except httpx.HTTPError as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
+            except Cut as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
                 log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
                 self.metrics.failure("cut_short")
             finally:
@@ -233,7 +233,7 @@ class Gateway:
         if booking is not None and self.bookings is not None:
             self.bookings.release(booking)
 
-    async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision) -> httpx.Response:
+    async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision) -> Response:
         assert self.upstream is not None
         # data-parallel ranks (docs/routing.md): a decision that names a rank pins the request to it
         return await self.upstream.open(url, body, headers, dp_rank=getattr(decision, "dp_rank", None))
@@ -340,20 +340,22 @@ class Gateway:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         self.upstream = Upstream(self.cfg)
+        # the engines' discovery paths and metrics (not the request path): httpx, as the predictor's scrapes
+        control = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.gateway_connect_timeout_s))
         tasks = []
         if self.routed.store is not None and self.cfg.gateway_booking_ttl_s > 0:
             self.bookings = Bookings(self.routed.store, self.routed, self.cfg.gateway_booking_ttl_s,
                                      timeout_s=self.predictor.valkey_deadline_s)
             tasks.append(asyncio.create_task(self.bookings.run()))
         if self.engines.urls:
-            await self.engines.resolve_once(self.upstream.client)
-            tasks.append(asyncio.create_task(self.engines.run(self.upstream.client)))
+            await self.engines.resolve_once(control)
+            tasks.append(asyncio.create_task(self.engines.run(control)))
         if self.routed.store is not None:
             self.approximations = Approximations(self.predictor, self.engines, self.routed.store, self.routed,
                                                  capacity_tokens=self.cfg.gateway_kv_capacity,
                                                  timeout_s=self.predictor.valkey_deadline_s)
-            await self.approximations.refresh(self.upstream.client)
-            tasks.append(asyncio.create_task(self.approximations.run(self.upstream.client)))
+            await self.approximations.refresh(control)
+            tasks.append(asyncio.create_task(self.approximations.run(control)))
         try:
             yield
         finally:
@@ -363,6 +365,7 @@ class Gateway:
             if self.bookings is not None:
                 await self.bookings.aclose()
             await self.upstream.aclose()
+            await control.aclose()
 
 
 def decision_headers(d: RouteDecision, failed: str | None = None) -> list[tuple[bytes, bytes]]:
@@ -397,7 +400,10 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
-    routed = RoutedState(store=RoutedStore(predictor.index.client), deadline_s=predictor.valkey_deadline_s)
+    # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py)
+    store = RoutedStore(predictor.index.client, getattr(predictor.index.backend, "fast", None))
+    routed = RoutedState(store=store, deadline_s=predictor.valkey_deadline_s,
+                         window_ms=int(cfg.route_placement_window_s * 1000))
     predictor.routed = routed
     if predictor.load is None:  # the --engine engines are scraped for load and models once named
         predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,

@@ -93,12 +93,27 @@ class GatewayEngines:
         recorded = self._recorded_pod(url)
         if recorded is not None and self.named.get(url) != recorded:
             self._name(url, recorded, events=True)
-            return
-        if url in self.named:
-            return
-        pod, events = await self._ask(client, url)
-        if pod is not None:
+        elif url not in self.named:
+            pod, events = await self._ask(client, url)
+            if pod is None:
+                return
             self._name(url, pod, events)
+        else:
+            return
+        await self._read_models(client, url, self.named[url])
+
+    async def _read_models(self, client: httpx.AsyncClient, url: str, pod: str) -> None:
+        """The models a newly named engine serves, at once (the LoadMonitor reads them every tenth scrape): a
+        request for them is routed from the first second."""
+        if self.load is None:
+            return
+        try:
+            resp = await client.get(url + "/v1/models", timeout=self.timeout_s)
+            names = {str(m.get("id")) for m in resp.json().get("data", []) if isinstance(m, dict) and m.get("id")}
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if names:
+            self.load.served[pod] = frozenset(names)
 
     async def _ask(self, client: httpx.AsyncClient, url: str) -> tuple[str | None, bool]:
         """(pod, publishes events): the topic's pod at the discovery path, else the address of an engine that

@@ -41,7 +41,8 @@ class Routable(msgspec.Struct, frozen=True):
     max_tokens: int | None  # what the body asks for (None: the engine's default)
 
 
-def read_body(body: bytes, *, chat: bool, max_tokens: int, hash_seed: str, block_size: int, hash_algo: str) -> Routable:
+def read_routable(body: bytes, *, chat: bool, max_tokens: int, hash_seed: str, block_size: int,
+                  hash_algo: str) -> Routable:
     """The routing input of a completions (``chat=False``) or chat completions body; BadRequest names what is wrong."""
     try:
         shape = _decoder.decode(body)
