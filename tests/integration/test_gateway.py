@@ -527,3 +527,57 @@ async def test_engines_no_ingester_feeds_are_routed_approximately_until_their_ev
 
 async def _all_gone(client, pods) -> bool:
     return not any([await client.exists(f"kvpf:{{{p}}}:approximate") for p in pods])
+
+
+async def _raw_server(answer, *, close_after: bool):
+    """A raw HTTP/1.1 engine on a real port: each request answered with ``answer`` bytes, the connection closed
+    after it when ``close_after`` (an engine dropping a kept-alive connection without saying so)."""
+    served = []
+
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                served.append(head)
+                writer.write(answer)
+                await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", served
+
+
+async def test_the_forwarding_client_reconnects_a_dropped_keepalive_and_reads_every_framing():
+    """The gateway's own client (predictor/gateway/forward.py): a pooled connection the engine closed is replaced
+    without a failure; chunked and connection-delimited answers come back whole."""
+    from kv_preflight.config import Config
+    from kv_preflight.predictor.gateway.forward import Upstream
+
+    upstream = Upstream(Config())
+    chunked = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+               b"7\r\ndata: 1\r\n9\r\n\n\ndata: 2\r\n0\r\n\r\n")
+    server, url, served = await _raw_server(chunked, close_after=True)
+    try:
+        for _ in range(3):  # each reuse finds the connection closed, and goes again on a new one
+            response = await upstream.open(url + "/v1/completions", b"{}", [])
+            assert response.status_code == 200 and await response.aread() == b"data: 1\n\ndata: 2"
+            await response.aclose()
+        assert len(served) == 3
+    finally:
+        server.close()
+    delimited = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n{\"whole\": true}"
+    server, url, served = await _raw_server(delimited, close_after=True)
+    try:
+        response = await upstream.open(url + "/v1/completions", b"{}", [])
+        assert await response.aread() == b'{"whole": true}'
+        await response.aclose()
+    finally:
+        server.close()
+        await upstream.aclose()
