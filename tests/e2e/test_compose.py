@@ -188,8 +188,8 @@ def project_volumes(name: str) -> list[str]:
 def routes_through_the_gateways(gateway: str) -> None:
     """Completions through the balancer's gateways: a prompt's later requests go where its first left its blocks,
     each predicted exactly (the engine's cached tokens), whichever gateway the balancer picks."""
-    prompt = {"model": MODEL, "prompt": "You are a careful assistant. Summarize the quarterly report. " * 4,
-              "max_tokens": 2}
+    # token ids: this stack's local tokenizer (KVPF_TOKENIZERS, unchecked) is not the simulated engines' own
+    prompt = {"model": MODEL, "prompt": [7000 + i % 97 for i in range(200)], "max_tokens": 2}
     answers = [httpx.post(gateway + "/v1/completions", json=prompt, timeout=30) for _ in range(6)]
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     later = answers[3:]  # by then the first request's events are in the index
