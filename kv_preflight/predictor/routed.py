@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshne
 log = logging.getLogger("kvpf.predictor")
 
 READ_ERROR_LOG_S = 10.0  # a failing read of bookings: one log line a while, a counter for each
+HOME_EVERY_S = 5.0  # a prefix's home is written again at most this often, unless its length changed
+MAX_HOMED = 100_000  # homes this process remembers writing (the least recently written forgotten first)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class RoutedState:
     # written fleet-wide (kv_preflight/index/routed.py homes) in place of this process's own placement memory
     window_ms: int = 0
     _writes: set = field(default_factory=set)
+    _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -120,9 +124,19 @@ class RoutedState:
 
     def home(self, prefix: int, pod: str, blocks: int) -> None:
         """``prefix`` routed to (or found on) ``pod``, ``blocks`` long: its home for every gateway's placements,
-        written in the background (a failure costs placements a little accuracy, nothing else)."""
+        written in the background (a failure costs placements a little accuracy, nothing else). Written again only
+        when its length changed or ``HOME_EVERY_S`` passed: the window is a minute, a prompt's every request
+        need not say so."""
         if self.store is None or self.window_ms <= 0:
             return
+        now = self.clock()
+        last = self._homed.get((prefix, pod))
+        if last is not None and last[1] == blocks and now - last[0] < HOME_EVERY_S:
+            return
+        self._homed[(prefix, pod)] = (now, blocks)
+        self._homed.move_to_end((prefix, pod))
+        while len(self._homed) > MAX_HOMED:
+            self._homed.popitem(last=False)
         task = asyncio.ensure_future(self._home(prefix, pod, blocks))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

@@ -160,7 +160,8 @@ def bench_gateway(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
         p99 = (lat["gateway"]["p99_us"] - lat["direct"]["p99_us"]) / 1000
         res.add(f"gateway: added latency, 4K-token prompts, concurrency {CONCURRENCY}",
                 f"p50 +{p50:.2f} ms, p99 +{p99:.2f} ms (engine {ENGINE_MS:g} ms: direct p50 "
-                f"{lat['direct']['p50_us'] / 1000:.1f} ms, through the gateway {lat['gateway']['p50_us'] / 1000:.1f} ms)",
+                f"{lat['direct']['p50_us'] / 1000:.1f} ms, through the gateway "
+                f"{lat['gateway']['p50_us'] / 1000:.1f} ms)",
                 "p50 <= 1 ms, p99 <= 3 ms", "the engine directly", None, p50 <= 1.0 and p99 <= 3.0,
                 added_p50_ms=round(p50, 3), added_p99_ms=round(p99, 3))
         thr = figures["throughput"]

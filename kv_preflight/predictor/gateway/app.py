@@ -53,6 +53,9 @@ from kv_preflight.predictor.scoring.score import Prediction
 log = logging.getLogger("kvpf.gateway")
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# a prompt its pod already holds to within this many tokens gains nothing from speculative entries (the engine
+# recomputes its last block anyway; two blocks of 32 on vLLM CPU): the write, 4K-token prompts' largest, is skipped
+SPECULATE_MARGIN = 64
 _JSON = (b"content-type", b"application/json")
 
 
@@ -158,8 +161,7 @@ class Gateway:
                     return "no_pod"
                 url = self.engines.url_of(pod)
                 self.metrics.decision.observe(time.perf_counter() - started)
-                booking = self._book(decided, routable)
-                self._remember(decided)
+                booking = self._after_decision(decided, routable)
                 try:
                     if url is None:
                         raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
@@ -198,28 +200,36 @@ class Gateway:
             self._release(booking)  # however the request ended: answered, failed, or its client gone
         return f"{response.status_code // 100}xx"
 
-    def _book(self, decided: _Decided, routable: Routable) -> Booking | None:
-        """The request's cost booked on its pod: the prompt's tokens not cached there, and what it will decode."""
+    def _after_decision(self, decided: _Decided, routable: Routable) -> Booking | None:
+        """What every gateway must know of this request, written beside the upstream request in one background task
+        (a failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
+        decode), then what it leaves in that pod's cache (``_remember``)."""
+        remember = self._remember(decided)
         if self.bookings is None or not decided.indexed or decided.decision.pod_id is None:
+            if remember is not None:
+                self._spawn(remember)
             return None
         d = decided.decision
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
-        return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode))
+        return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode),
+                                  then=remember)
 
-    def _remember(self, decided: _Decided) -> None:
-        """What every gateway must know of this request (kv_preflight/index/routed.py), written beside the upstream
-        request, a failure only counted: on a pod no ingester feeds, its keys used now (its approximate index);
-        elsewhere, its blocks counted on the pod until its events confirm them or the TTL lapses (speculative)."""
-        store, pod = self.routed.store, decided.decision.pod_id
+    def _remember(self, decided: _Decided):
+        """The write of what the request leaves in its pod's cache (kv_preflight/index/routed.py): on a pod no
+        ingester feeds, its keys used now (its approximate index); elsewhere, unless the pod holds the prompt to
+        within its last ``SPECULATE_MARGIN`` tokens already, its blocks counted there until its events confirm them
+        or the TTL lapses (speculative). None: nothing to write."""
+        store, d = self.routed.store, decided.decision
+        pod = d.pod_id
         if store is None or not decided.indexed or not decided.keys or pod is None:
-            return
+            return None
         if pod in self.routed.approximate and self.approximations is not None:
-            self._spawn(self._quietly(store.approximate(pod, keys_blob(decided.keys),
-                                                        self.approximations.capacity_blocks(pod), IDLE_MS),
-                                      "approximate"))
-        elif self.speculative_ms > 0:
-            self._spawn(self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms),
-                                      "speculative"))
+            return self._quietly(store.approximate(pod, keys_blob(decided.keys),
+                                                   self.approximations.capacity_blocks(pod), IDLE_MS), "approximate")
+        held = d.cached_tokens > 0 and d.cached_tokens >= d.total_prompt_tokens - SPECULATE_MARGIN
+        if self.speculative_ms > 0 and not held:
+            return self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms), "speculative")
+        return None
 
     async def _quietly(self, work, what: str) -> None:
         try:

@@ -14,7 +14,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import RoutedStore
@@ -43,19 +45,23 @@ class Bookings:
         self._logged_at = float("-inf")
         self.tasks: set[asyncio.Task] = set()
 
-    def book(self, pod: str, tokens: int) -> Booking:
+    def book(self, pod: str, tokens: int, then: Coroutine[Any, Any, None] | None = None) -> Booking:
+        """Book ``tokens`` on ``pod``, written in the background; ``then``: the request's other writes, awaited in the
+        same task after it (one task per request, not one per write)."""
         self.count += 1
         booking = Booking(pod, f"{self.prefix}:{self.count}", max(0, int(tokens)))
         self.live.setdefault(pod, {})[booking.id] = booking.tokens
         self.state.unwritten(pod, 1, booking.tokens)
-        booking.written = self._spawn(self._write(booking))
+        booking.written = self._spawn(self._write(booking, then))
         return booking
 
-    async def _write(self, booking: Booking) -> None:
+    async def _write(self, booking: Booking, then: Coroutine[Any, Any, None] | None) -> None:
         try:
             await self._call(self.store.book(booking.pod, booking.id, booking.tokens, self.ttl_ms))
         finally:
             self.state.unwritten(booking.pod, -1, -booking.tokens)
+        if then is not None:
+            await then
 
     def release(self, booking: Booking) -> None:
         """The request ended: its booking goes, once written (no wait for the caller)."""
