@@ -6,7 +6,8 @@ at once (cli/bench/echo_engine.py), known from fleet records and fed by an inges
 process) sends 4K-token completions at concurrency 32, first to an engine directly, then through the gateway:
 
 * added latency: the gateway's p50 and p99 less the direct ones, the engine answering each request after
-  ``ENGINE_MS`` (a short generation; at concurrency 32 that offers the gateway ~160 requests a second);
+  ``ENGINE_MS`` (a short generation; at concurrency 32 that offers the gateway ~160 requests a second, the
+  clients' starts spread over that time so they do not arrive in step);
 * throughput per worker: the gateway's requests per second against an engine that answers at once;
 * the decision inside it: ``Predictor.request_keys`` + ``route_keys`` on a 4K-token prompt, timed in this process
   against the same Valkey (the lookup, and the read of bookings and speculative entries beside it).
@@ -54,12 +55,13 @@ PROMPT_TOKENS = 4096
 
 
 def _loadgen(port: int, bodies: list[bytes], tmp: Path, name: str, *, duration_s: float, concurrency: int,
-             path: str = "/v1/completions") -> dict[str, Any]:
+             path: str = "/v1/completions", stagger_s: float = 0.0) -> dict[str, Any]:
     import subprocess
 
     loadgen.write_bodies(str(tmp / f"{name}.bodies"), bodies)
     spec = {"host": "127.0.0.1", "port": port, "path": path, "bodies": str(tmp / f"{name}.bodies"),
-            "concurrency": concurrency, "duration_s": duration_s, "warmup_requests": concurrency * 4}
+            "concurrency": concurrency, "duration_s": duration_s, "warmup_requests": concurrency * 4,
+            "stagger_s": stagger_s}
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     out = subprocess.run([python(), "-m", "kv_preflight.cli.bench.loadgen", str(tmp / f"{name}.json")],
                          capture_output=True, text=True, timeout=duration_s + 120)
@@ -144,10 +146,13 @@ def bench_gateway(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
                               "--workers", "1"], port, tmp / f"gateway-{label}.log").ready()
             servers.append(gateway)
             _wait(lambda: _serves(f"http://127.0.0.1:{port}", MODEL), "the gateway did not read the fleet records")
+            # the 32 clients spread over the engine's answer time (a steady ~160/s), not in step (a burst of 32)
+            stagger = ENGINE_MS / 1000 / CONCURRENCY if label == "latency" else 0.0
             direct = _loadgen(engines[pod], bodies, tmp, f"direct-{label}", duration_s=duration,
-                              concurrency=CONCURRENCY)
+                              concurrency=CONCURRENCY, stagger_s=stagger)
             cpu0 = gateway.cpu()
-            through = _loadgen(port, bodies, tmp, f"gateway-{label}", duration_s=duration, concurrency=CONCURRENCY)
+            through = _loadgen(port, bodies, tmp, f"gateway-{label}", duration_s=duration, concurrency=CONCURRENCY,
+                               stagger_s=stagger)
             cpu = gateway.cpu() - cpu0
             gateway.stop()
             bad = {k: v for k, v in through["statuses"].items() if str(k) != "200"}
