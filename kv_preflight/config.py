@@ -133,6 +133,20 @@ class Config:
     # targetPorts, rank r -> target_ports[r] (empty: the engine URL's port + r). docs/llm-d.md.
     pod_id: str = "topic"
     target_ports: tuple[str, ...] = ()  # decimal port numbers (strings, as env and flags give them)
+    # Gateway (``kv-preflight gateway``, docs/gateway.md; its engines without an ingester: ``engines``). Upstream
+    # requests in flight at most (past it: 503), the time to connect to an engine and to wait for its next
+    # bytes, how long a pod that failed a request is avoided, and the decode tokens a request that names no
+    # max_tokens is booked for, how long a booking outlives a gateway that stopped renewing it (0: no bookings), and
+    # how long a routed prompt's blocks count on its pod before its events confirm them (0: no speculative entries),
+    # and the KV capacity (tokens) an engine no ingester feeds is indexed to (0: what its metrics say).
+    gateway_max_inflight: int = 1024
+    gateway_connect_timeout_s: float = 2.0
+    gateway_read_timeout_s: float = 600.0
+    gateway_avoid_s: float = 10.0
+    gateway_decode_tokens: int = 256
+    gateway_booking_ttl_s: float = 10.0
+    gateway_speculative_ttl_s: float = 2.0
+    gateway_kv_capacity: int = 0
     # Which fields were given explicitly (flag or env) rather than defaulted, set by ``load``: a predictor
     # adopts the index's hash_seed / block_size / entry_format unless it was given its own (predictor/settings.py).
     given: tuple[str, ...] = field(default=(), repr=False, compare=False)
@@ -231,6 +245,13 @@ class Config:
             raise ValueError(f"register_ipc_dirs must be absolute folders, got {','.join(self.register_ipc_dirs)}")
         if not 0 <= self.dynamo_port <= 65535:
             raise ValueError("dynamo_port must be a port number (0: off)")
+        if self.gateway_max_inflight < 1 or min(self.gateway_decode_tokens, self.gateway_kv_capacity) < 0:
+            raise ValueError("gateway_max_inflight must be at least 1, gateway_decode_tokens and gateway_kv_capacity "
+                             "not negative")
+        if min(self.gateway_connect_timeout_s, self.gateway_read_timeout_s) <= 0 or \
+                min(self.gateway_avoid_s, self.gateway_booking_ttl_s, self.gateway_speculative_ttl_s) < 0:
+            raise ValueError("gateway_connect_timeout_s and gateway_read_timeout_s must be positive, "
+                             "gateway_avoid_s, gateway_booking_ttl_s and gateway_speculative_ttl_s not negative")
         if self.api_keys and not any(k.strip() for k in self.api_keys):
             # a typo or an unset secret (KVPF_API_KEYS="${KEYS}") must not quietly switch auth off
             raise ValueError("KVPF_API_KEYS is set but names no key (only blanks and commas): give k1,k2, "

@@ -208,15 +208,21 @@ def serve(valkey_url, valkey_cluster, engine_urls, host, port, workers, hash_see
         check_serve_files(cfg)
     except ValueError as exc:
         raise click.BadParameter(config_error(exc)) from None
+    run_checked(cfg, run_server, workers)
+
+
+def run_checked(cfg: Config, run, workers: int) -> None:
+    """``run(cfg, workers=...)`` once the hash seed, block size and entry format given explicitly are found to
+    match the index's (predictor/settings.py); a mismatch is a one-line error (serve, gateway)."""
     import asyncio
 
     from kv_preflight.predictor.settings import SettingsMismatch, check_settings
 
-    try:  # hash seed, block size, entry format given explicitly must match the index's (predictor/settings.py)
+    try:
         asyncio.run(check_settings(cfg))
     except SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from None
-    run_server(cfg, workers=workers)
+    run(cfg, workers=workers)
 
 
 def config_error(exc: ValueError) -> str:
@@ -305,6 +311,10 @@ def simulate(pod, model, host, port, zmq_endpoint, replay_endpoint, block_size, 
         raise click.UsageError(str(exc)) from None
     run(cfg)
 
+
+from kv_preflight.cli.gateway_cmd import gateway_command  # noqa: E402
+
+cli.add_command(gateway_command(serve))  # serve's options and the gateway's own (cli/gateway_cmd.py)
 
 from kv_preflight.cli.env import apply_env  # noqa: E402
 

@@ -293,10 +293,13 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
     return [url for _, url in sims]
 
 
-def scrape_targets(stack: Stack, predictor: str, engines: list[str]) -> list[tuple[str, str]]:
+def scrape_targets(stack: Stack, predictor: str, engines: list[str], gateway: str | None = None) -> list[tuple[str, str]]:
     """(process, its /metrics URL) for every process of the stack that serves one: the predictor (and its series
-    per pod, /metrics/pods), each ingester, each engine (a simulated engine's, or a real vLLM's, vllm:* series)."""
+    per pod, /metrics/pods), the gateway, each ingester, each engine (a simulated engine's, or a real vLLM's,
+    vllm:* series)."""
     out = [("predictor", predictor + "/metrics"), ("predictor-pods", predictor + "/metrics/pods")]
+    if gateway:
+        out.append(("gateway", gateway + "/metrics"))
     out += [(c.name, c.url) for c in stack.children if c.name.startswith("ingester-") and c.url]
     sims = {c.url: c.name for c in stack.children if c.pod}
     out += [(sims.get(url, f"engine-{i}"), url.rstrip("/") + "/metrics") for i, url in enumerate(engines)]
@@ -313,7 +316,8 @@ def write_prometheus_config(data_dir: Path, targets: list[tuple[str, str]]) -> P
     ``prometheus --config.file <data-dir>/prometheus.yml``."""
     jobs: dict[str, list[tuple[str, str]]] = {}
     for name, url in targets:
-        job = name if name.startswith("predictor") else "ingester" if name.startswith("ingester-") else "engine"
+        job = name if name.startswith(("predictor", "gateway")) else "ingester" if name.startswith("ingester-") \
+            else "engine"
         jobs.setdefault(job, []).append((name, url))
     lines = ["# written by kv-preflight up for the stack it runs: prometheus --config.file THIS_FILE",
              "global:", "  scrape_interval: 5s", "scrape_configs:"]
@@ -397,6 +401,7 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--data-dir", default=".data", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Valkey data (AOF) and logs.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Predictor port.")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=1), help="Predictor worker processes on that port.")
+@click.option("--gateway-port", default=None, type=click.IntRange(0, 65535), help="Port of the OpenAI-compatible gateway that routes by the index (default: --port + 1; 0: no gateway). docs/gateway.md")
 @click.option("--ingesters", default=2, show_default=True, type=click.IntRange(min=1), help="Ingester processes sharing the engines by lease, each engine ingested by two of them (docs/fleet.md).")
 @click.option("--sim-engines", default=2, show_default=True, type=click.IntRange(min=1), help="Simulated engines when no --engine is given.")
 @click.option("--model", default="sim-model", show_default=True, help="Model name of the simulated engines.")
@@ -407,7 +412,8 @@ def step(i: int, n: int, text: str) -> None:
 @click.option("--exit-after-demo", is_flag=True, help="With --demo: stop the stack when the demo ends (exit 1 on any mismatch).")
 @click.option("--fresh", is_flag=True, help="Start from an empty index: remove the Valkey data (AOF) and logs an earlier up left in --data-dir.")
 def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, ingesters, sim_engines, model, sim_block_size,
-       sim_blocks, demo, exit_after_demo, fresh=False, sim_max_model_len=4096, **serve_options) -> None:
+       sim_blocks, demo, exit_after_demo, fresh=False, sim_max_model_len=4096, gateway_port=None,
+       **serve_options) -> None:
     """Run Valkey, engines (simulated unless given), ingesters and the predictor together.
 
     Every process listens on 127.0.0.1; the banner lists each one's Prometheus /metrics, and
@@ -437,6 +443,11 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                                  param_hint="'--data-dir'") from None
     check_port(port, "predictor", "--port")
     reserve_port(port)  # free now, and none of the ports drawn below for valkey or engines may be it
+    gateway_port = port + 1 if gateway_port is None and port < 65535 else gateway_port or 0
+    gateway = f"http://127.0.0.1:{gateway_port}" if gateway_port else None
+    if gateway_port:
+        check_port(gateway_port, "gateway", "--gateway-port")
+        reserve_port(gateway_port)
     if engines:
         check_engines(list(engines))
     if fresh:
@@ -503,10 +514,16 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
         serve += serve_args(serve_options)
         predictor_child = stack.spawn("predictor", serve)
         wait_http(predictor + "/ready", stack, "predictor", predictor_child)
+        if gateway:  # the same routing options: the gateway decides as the predictor's /route does
+            click.echo(f"      and the gateway on 127.0.0.1:{gateway_port} (OpenAI API, routed by the index) ...")
+            gateway_child = stack.spawn("gateway", ["gateway", "--valkey-url", valkey_url, "--port", str(gateway_port),
+                                                    *(a for u in engine_urls for a in ("--engine-url", u)),
+                                                    *serve_args(serve_options)])
+            wait_http(gateway + "/ready", stack, "gateway", gateway_child)
         if not engine_urls:
             _wait_fleet(valkey_url, engine_list, stack)
         served_model = urls[0].split("=", 1)[0]
-        metrics = scrape_targets(stack, predictor, engine_list)
+        metrics = scrape_targets(stack, predictor, engine_list, gateway)
         prometheus_file = write_prometheus_config(data_dir, metrics)
         env_file = stack_file.write(data_dir, {stack_file.VALKEY_URL: valkey_url, stack_file.PREDICTOR_URL: predictor,
                                                stack_file.MODEL: served_model,
@@ -515,10 +532,12 @@ def up(engines, engine_urls, valkey_url, cluster, data_dir, port, workers, inges
                                                   for i, url in enumerate(engine_list)}})
         step(5, n, click.style("ready", fg="green"))
         cli_path = Path(sys.executable).parent / "kv-preflight"
+        gateway_line = f"  gateway    {gateway}   (POST /v1/completions, /v1/chat/completions: routed by the index)\n" \
+            if gateway else ""
         cli_hint = str(cli_path) if cli_path.exists() else "kv-preflight"
         click.echo(f"""
   predictor  {predictor}   (GET /health, GET /ready, GET /stats, POST /v1/cache/predict)
-  valkey     {valkey_url.split('@')[-1]}
+{gateway_line}  valkey     {valkey_url.split('@')[-1]}
   engines    {' '.join(engine_list)}
   metrics    {metrics_lines(metrics)}
              (a Prometheus scrape config for them all: {prometheus_file}; a dashboard: compose/observability/)

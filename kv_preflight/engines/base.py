@@ -99,6 +99,9 @@ class Engine:
     tokenize_path: str | None  # HTTP path of its tokenizer, if it serves one
     tokenize_body: TokenizeBody | None  # the request ``tokenize_path`` takes
     since: str  # first version whose events this adapter reads
+    # its /metrics text -> (KV cache capacity in tokens, its block size), if it says: what a gateway bounds an
+    # engine's approximate index by when the engine publishes no events (docs/gateway.md)
+    read_kv_capacity: Callable[[str], "tuple[int, int] | None"] | None = None
 
     def decode_frames(self, frames: list[bytes], topic: Topic | None = None) -> DecodedFrame:
         """One message in this engine's layout; never raises (see kv_preflight/events.py decode_frames)."""

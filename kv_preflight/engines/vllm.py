@@ -10,6 +10,7 @@ Publishers are listed at ``GET /kv_event_sources`` (one entry per data-parallel 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -143,6 +144,29 @@ def pod_id_of_kv_event_sources(body: Any) -> str | None:
     return None
 
 
+_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def read_kv_capacity(text: str) -> tuple[int, int] | None:
+    """(KV cache capacity in tokens, block size) from ``vllm:cache_config_info`` (0.32: ``kv_cache_size_tokens``,
+    else ``num_gpu_blocks`` x ``block_size``); summed over data-parallel ranks (one series each); None if absent."""
+    total, block = 0, 0
+    for m in _CACHE_CONFIG.finditer(text):
+        labels = dict(_LABEL.findall(m.group(1)))
+        size = labels.get("block_size", "")
+        tokens = labels.get("kv_cache_size_tokens", "")
+        blocks = labels.get("num_gpu_blocks", "")
+        if not size.isdigit():
+            continue
+        block = int(size)
+        if tokens.isdigit():
+            total += int(tokens)
+        elif blocks.isdigit():
+            total += int(blocks) * block
+    return (total, block) if total and block else None
+
+
 def tokenize_body(model: str, *, prompt: str | None = None, messages: list[Any] | None = None) -> dict[str, Any]:
     """The ``POST /tokenize`` request: completion form for a prompt, chat form (with generation prompt) for
     messages, so the tokens are those of the chat template the engine applies."""
@@ -165,4 +189,5 @@ ENGINE = Engine(
     tokenize_path="/tokenize",
     tokenize_body=tokenize_body,
     since="0.2x (maps), older (arrays)",
+    read_kv_capacity=read_kv_capacity,
 )

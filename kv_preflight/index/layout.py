@@ -39,6 +39,24 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               the shard holding the numbering comes back empty, new numbers start at the
                               highest copy left (a pod's meta "num" gives it its own back: numbering.py)
 
+What routing knows from the requests it sent (kv_preflight/index/routed.py; written by gateways, never by the
+ingester, never into llm-d's keys or the presence bits), per pod in the pod's slot:
+
+  kvpf:{<pod>}:bookings       ZSET booking id -> when it expires (Valkey ms): requests a gateway routed there and
+                              has in flight, renewed while they run, gone with their gateway after the TTL
+  kvpf:{<pod>}:booked         HASH n -> how many, tokens -> their summed cost (uncached prefill + decode), and
+                              booking id -> its cost; kept equal to the live bookings by the one script that
+                              changes them (lua/booked.lua)
+  kvpf:{<pod>}:speculative    ZSET request key (8 bytes, big-endian) -> when it expires: the chains of prompts
+                              gateways sent there lately, counted as held until the engine's events confirm them
+                              or the TTL lapses (lua/routed_chain.lua; scores keep each chain's live keys a prefix)
+  kvpf:{<pod>}:approximate    ZSET request key -> when it was last routed there: what an engine that publishes no
+                              events holds, as far as the gateways' own requests tell (at most its KV capacity,
+                              least recently used first out)
+  kvpf:{<pod>}:homes          ZSET prefix (its first request key, 8 bytes) -> when last routed there: the
+  kvpf:{<pod>}:homed          HASH prefix -> its blocks, sum -> theirs together: the pod's footprint, the cache
+                              room other prefixes take there, which new prefixes are placed by (fleet-wide)
+
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
 
@@ -188,6 +206,31 @@ def slot_marker_key(n: int) -> str:
 def barrier_key(i: int) -> str:
     """The i-th candidate for a shard's replication barrier key (a HASH, in some slot that shard owns)."""
     return f"{OUR_PREFIX}{{b{i}}}:barrier"
+
+
+def pod_booking_keys(pod_id: str) -> tuple[str, str]:
+    """A pod's bookings (ZSET id -> expiry ms) and their totals (HASH), in the pod's slot: one script changes both."""
+    return _pod(pod_id, "bookings"), _pod(pod_id, "booked")
+
+
+def pod_speculative_key(pod_id: str) -> str:
+    return _pod(pod_id, "speculative")
+
+
+def pod_approximate_key(pod_id: str) -> str:
+    return _pod(pod_id, "approximate")
+
+
+def pod_home_keys(pod_id: str) -> tuple[str, str]:
+    """The prefixes homed on a pod (ZSET prefix -> last routed ms) and their blocks (HASH), in the pod's slot."""
+    return _pod(pod_id, "homes"), _pod(pod_id, "homed")
+
+
+def pod_routed_keys(pod_id: str) -> tuple[str, ...]:
+    """What the read beside a lookup takes (lua/routed_read.lua): bookings, their totals, speculative, approximate,
+    homes and their blocks."""
+    return (*pod_booking_keys(pod_id), pod_speculative_key(pod_id), pod_approximate_key(pod_id),
+            *pod_home_keys(pod_id))
 
 
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:

@@ -132,6 +132,7 @@ class FleetMember:
         self.retirements = Retirements(index, cfg, ingester.counters, ingester.schedule_rebuild)
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
+        self.records_made: set[str] = set()  # pods of URL-less feeds whose record this process wrote if none was
         self.written_at: dict[str, float] = {}
         self.ticks = 0
         self.known: dict[str, EngineSpec] = {}  # the engines this ingester knows (its lease lists them)
@@ -304,6 +305,12 @@ class FleetMember:
             elif att.spec.url and (new := [p for p in sorted(att.pods) if p not in view.pods]):
                 self._step(f"recording the pods of {key}")
                 await self._record_new(att, new, now_ms)
+        # every other pod ingested here with no record yet (a --source or --bind feed, a pod named by its frames):
+        # recorded with no engine URL, so a pod this fleet ingested is retired like any other once nobody does
+        # (``unlisted``): a one-off ingester naming an engine's pod its own way leaves no ghost for good
+        if unrecorded := [p for p in self.ing.pods() if p not in view.pods and p not in self.records_made]:
+            self._step("recording the pods of sources")
+            await self._record_sourced(unrecorded, now_ms)
         if self.discovered.started or not self.sources:
             self._step("retiring departed pods")
             await self.retirements.sweep(view, set(fleet_known), now_ms, self.me, self.live,
@@ -562,6 +569,13 @@ class FleetMember:
         for pod in pods:
             await self.index.fleet.replace_pod_record(pod, None, PodRecord(
                 state="live", since_ms=now_ms, engine_url=att.spec.url, owner=self.owners.get(att.spec.key, [""])[0]))
+
+    async def _record_sourced(self, pods: list[str], now_ms: int) -> None:
+        """``_record_new`` for pods of feeds with no engine URL (written only if there is still none, once per
+        pod and process: ``records_made``)."""
+        for pod in pods:
+            await self.index.fleet.replace_pod_record(pod, None, PodRecord(state="live", since_ms=now_ms, owner=self.me))
+            self.records_made.add(pod)
 
     async def _write(self, pod: str, record: PodRecord) -> None:
         now = time.monotonic()

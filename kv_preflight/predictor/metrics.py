@@ -50,7 +50,8 @@ class PredictorMetrics:
         self._index_seen = (0, 0, 0)
         self._children: dict[tuple, object] = {}
 
-    def _child(self, metric, *labels: str):
+    def child(self, metric, *labels: str):
+        """``metric``'s child for ``labels``, resolved once (the gateway's metrics use it too)."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
@@ -58,8 +59,8 @@ class PredictorMetrics:
         return child
 
     def request(self, endpoint: str, outcome: str, seconds: float) -> None:
-        self._child(self.latency, endpoint).observe(seconds)
-        self._child(self.outcomes, endpoint, outcome).inc()
+        self.child(self.latency, endpoint).observe(seconds)
+        self.child(self.outcomes, endpoint, outcome).inc()
 
     def index_counts(self, gap_walks: int, foreign_keys: int, late_reads: int) -> None:
         """The index's own lookup counters (``Index.gap_walks`` ...), added as they grew since the last call:
@@ -72,13 +73,13 @@ class PredictorMetrics:
             self._index_seen = now
 
     def answered(self, endpoint: str, freshness: str) -> None:
-        self._child(self.answers, endpoint, freshness).inc()
+        self.child(self.answers, endpoint, freshness).inc()
 
     def tokenized(self, model: str, source: str) -> None:
-        self._child(self.tokenizations, model, source).inc()
+        self.child(self.tokenizations, model, source).inc()
 
     def route(self, reason: str) -> None:
-        self._child(self.routes, reason).inc()
+        self.child(self.routes, reason).inc()
 
     def exposition(self, gauges: IndexGauges | None = None) -> bytes:
         """The counters (every worker's, summed), then this scrape's reading of the fleet and the index (no series
@@ -87,7 +88,7 @@ class PredictorMetrics:
         for limit, n in REFUSED.items():
             was = self._refused_seen.get(limit, 0)
             if n > was:
-                self._child(self.connections_refused, limit).inc(n - was)
+                self.child(self.connections_refused, limit).inc(n - was)
                 self._refused_seen[limit] = n
         out = exposition(self.registry)
         if gauges is not None:

@@ -24,6 +24,8 @@ from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor, PodLoad
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.routed import RoutedRead, RoutedState
+from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
 from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
 from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
@@ -89,6 +91,7 @@ class Predictor:
     fleet: FleetWatcher | None = None  # the ingesters' fleet records (kvpf:fleet, kvpf:load); None: not read
     placements: PrefixPlacements | None = None  # where this process sent new prefixes lately; None: by load only
     complete_groups: CompleteGroups = field(default_factory=CompleteGroups)  # hybrid pods found fully described
+    routed: RoutedState | None = None  # what the gateway sent where (predictor/routed.py); None: the index alone
     _partial_logged_at: float = float("-inf")
 
     def __post_init__(self) -> None:
@@ -188,17 +191,21 @@ class Predictor:
         return out
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None,
-                            prompt: PromptKeys | None = None) -> Prediction:
+                            prompt: PromptKeys | None = None, routed: RoutedRead | None = None) -> Prediction:
         """``keys``: the prompt's canonical chain; ``prompt``: the prompt itself, when its multimodal items key it
-        differently per engine block size (each pod is then read under the chain of its own size)."""
+        differently per engine block size (each pod is then read under the chain of its own size); ``routed``:
+        what the gateways routed (bookings, speculative entries), being read (predictor/routed.py)."""
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
         why = ""
         findings: list[Finding] = []
+        hybrid: dict[str, Any] = {}
         retired = self.fleet.retired() if self.fleet else frozenset()
         if pods is not None and retired:
             pods = [p for p in pods if base_pod(p) not in retired]  # a retired pod is never offered (nor its ranks)
+        if routed is None and self.routed is not None and keys:
+            routed = self.routed.start(self.foreseen(model, pods), keys)
         # An empty pods filter means no candidate pod, hence nothing cached (not "every pod").
         if keys and (pods is None or pods):
             async with valkey_call(self.valkey_deadline_s, "prefix lookup"):
@@ -228,9 +235,16 @@ class Predictor:
                 if hybrid:  # a hybrid model's other KV cache groups, read beside: each group's rule decides
                     matches = [m for k, ms, f in sets
                                for m in await self._hybrid_matches(k, ms, hybrid, infos, prompt_len, f.group_bits)]
+        speculative: dict[str, int] = {}
+        if routed is not None and keys and (pods is None or pods):
+            got = await routed.get({m.pod_id for m in matches})
+            if got:  # the longest of index, speculative and approximate prefix (predictor/scoring/routed.py)
+                matches, speculative = with_routed(matches, got, approximate=self.routed.approximate, skip=hybrid)
+                infos = await self._routed_infos(matches, infos, speculative)
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model),
                            unreachable=self.fleet.unreachable() if self.fleet else ())
+        prediction = mark_speculative(prediction, speculative)
         self.traffic.observe(model, keys[0] if keys else None, prompt_len, prediction.predicted_cached_tokens)
         if unanswered is not None:
             # A cluster shard did not answer: every count is a lower bound from that block on.
@@ -259,6 +273,8 @@ class Predictor:
         holders = [a.pod_id for a in prediction.pod_affinities]
         named = holders + list(pods or ()) + list(extra)
         per_pod = self.fleet.freshness(named) if self.fleet is not None else pod_freshness(None, named, 0, 0.0)
+        if self.routed is not None:  # a pod no ingester feeds, indexed by what the gateways sent: approximate
+            per_pod = self.routed.mark_approximate(per_pod)
         return answer_freshness(per_pod, partial=prediction.partial, holders=holders,
                                 incomplete=[a.pod_id for a in prediction.pod_affinities if a.incomplete],
                                 fleet_problem=self.fleet.problem() if self.fleet is not None else None,
@@ -362,6 +378,20 @@ class Predictor:
                                           req.max_staleness_ms, prompt)
         return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
 
+    async def request_keys(self, req: PredictRequest | KeyedRequest) -> tuple[str, list[int], int, list[Finding]]:
+        """(model, request keys, prompt length, the prompt's warnings): what ``route_keys`` decides from. The
+        gateway tokenizes a request once with it and decides again from the same keys after a failed upstream."""
+        if isinstance(req, KeyedRequest):
+            await self._check_model(req.model, need_engine=False)
+            return req.model, req.keys, req.n_tokens, self.warnings.check_keyed(req)
+        model, prompt, n_tokens, head = await self._request_keys(req)
+        # (an OpenAI request names no multimodal items: its canonical chain is every pod's)
+        return model, prompt.keys, n_tokens, self._warn(req, model, head)
+
+    async def route_keys(self, model: str, keys: list[int], n_tokens: int) -> RouteDecision:
+        """``/route``'s decision for keys ``request_keys`` gave, over every pod serving the model."""
+        return await self._route_keys(model, keys, n_tokens, None)
+
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
         decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods),
@@ -372,11 +402,15 @@ class Predictor:
                           max_staleness_ms: int | None = None, prompt: PromptKeys | None = None) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
-        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt)
+        # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
+        routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
+        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         held = [a.pod_id for a in prediction.pod_affinities]
         per_pod = self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0)
+        if self.routed is not None:  # an engine no ingester feeds, routed by the gateways' approximate index
+            per_pod = self.routed.mark_approximate(per_pod)
         stale = []
         if max_staleness_ms is not None:
             aged = {p: self.fleet.aged(f) for p, f in per_pod.items()} if self.fleet is not None else per_pod
@@ -387,12 +421,16 @@ class Predictor:
         if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
             prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
-        loads = {p: self._load_of(p) for p in candidates}
+        loads = {p: self.load_of(p) for p in candidates}
+        shared = await routed.for_route(candidates) if routed is not None else None
         # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
+        footprints = hint.footprints or None
+        if shared is not None and self.routed is not None and self.routed.window_ms > 0:
+            footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
-                          affinity_key=keys[0] if keys else n_tokens, footprints=hint.footprints or None,
-                          pending=hint.pending)
+                          affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
+                          pending=hint.pending, booked={p: r.booked for p, r in shared.items()} if shared else None)
         if stale:
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(
@@ -405,15 +443,45 @@ class Predictor:
         decision = decision_with_ranks(decision, self.dp_pods())
         return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
 
+    async def _routed_infos(self, matches: list[Any], infos: dict[str, ScoringInfo],
+                            speculative: dict[str, int]) -> dict[str, ScoringInfo]:
+        """Scoring info for the pods what was routed added: a pod held speculatively alone (its meta), an
+        approximate pod (no meta: its engine's block size as the gateway read it)."""
+        assert self.routed is not None
+        approximate = {m.pod_id: ScoringInfo(m.pod_id, self.routed.approximate_block_size.get(m.pod_id), False)
+                       for m in matches if m.pod_id in self.routed.approximate and m.pod_id not in infos}
+        missing = [p for p in speculative if p not in infos and p not in approximate]
+        if missing:
+            async with valkey_call(self.valkey_deadline_s, "pod metadata"):
+                approximate |= await self.metadata.pod_infos(missing)
+        return {**infos, **approximate} if approximate else infos
+
+    def foreseen(self, model: str, pods: list[str] | None) -> set[str]:
+        """The pods a route for ``model`` will likely have as candidates, from what is in memory (no read): the
+        pods filter, else those the index, the fleet records and the scraped engines say serve it."""
+        if pods is not None:
+            return set(pods)
+        out = set(self.metadata.cached_pods_of(model))
+        if self.fleet is not None:
+            retired = self.fleet.retired()
+            out = {p for p in out | self.fleet.serving(model) if base_pod(p) not in retired}
+        if self.load is not None:
+            out |= self.load.serving(model) or set()
+        return out
+
     def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
         """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""
         assert self.placements is not None and decision.pod_id is not None
         if decision.best_overlap_pod is None:
             self.placements.placed(prefix, decision.pod_id, blocks)
+            if self.routed is not None:
+                self.routed.home(prefix, decision.pod_id, blocks)
             return
         best = next((a for a in prediction.pod_affinities if a.pod_id == decision.best_overlap_pod), None)
         if best is not None:
             self.placements.seen(prefix, best.pod_id, best.cached_blocks)
+            if self.routed is not None:
+                self.routed.home(prefix, best.pod_id, best.cached_blocks)
 
     async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
         """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.
@@ -441,9 +509,11 @@ class Predictor:
             out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
             reachable = out - self.load.unreachable()
             out = reachable or out
+        if self.routed is not None:  # pods that just failed a request here, while another is left
+            out = self.routed.usable(out)
         return out
 
-    def _load_of(self, pod: str) -> PodLoad | None:
+    def load_of(self, pod: str) -> PodLoad | None:
         """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
         own = self.load.snapshot(base_pod(pod), self.policy.stale_s) if self.load else None
         if own is None and self.fleet is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import msgspec
 import uvicorn
@@ -38,8 +39,9 @@ def decode_config(raw: str) -> Config:
     return cfg
 
 
-def app_from_env() -> Starlette:
-    """uvicorn factory for worker processes: the parent's exact Config, else the ``KVPF_*`` env."""
+def app_from_env(create: Callable[[Config], Starlette] = create_app) -> Starlette:
+    """uvicorn factory for worker processes: the parent's exact Config, else the ``KVPF_*`` env (``create``: the
+    app to build from it, the gateway's for ``kv-preflight gateway``)."""
     import multiprocessing
 
     supervisor = multiprocessing.parent_process()
@@ -48,7 +50,7 @@ def app_from_env() -> Starlette:
     raw = os.environ.get(CONFIG_ENV)
     cfg = decode_config(raw) if raw else Config.load()
     setup_logging(cfg.log_json)  # a fresh worker process has no handlers yet
-    return create_app(cfg)
+    return create(cfg)
 
 
 def _has(module: str) -> bool:
@@ -111,20 +113,22 @@ def serve(cfg: Config, workers: int = 1) -> None:
     options = uvicorn_options(cfg, workers)
     dynamo = start_dynamo_api(cfg) if cfg.dynamo_port else None
     try:
-        _serve(cfg, workers, options)
+        run(cfg, workers, options)
     finally:
         if dynamo is not None:
             dynamo.terminate()
             dynamo.join(5)
 
 
-def _serve(cfg: Config, workers: int, options: dict) -> None:
+def run(cfg: Config, workers: int, options: dict, create: Callable[[Config], Starlette] = create_app,
+        factory: str = APP_FACTORY) -> None:
+    """``create(cfg)`` under uvicorn; with ``workers > 1``, ``factory`` (an importable ``app_from_env``) in each."""
     if workers > 1:
         os.environ[CONFIG_ENV] = encode_config(cfg)
         metrics_dir = use_multiprocess_dir()  # before any worker imports prometheus_client
         try:
-            uvicorn.run(APP_FACTORY, factory=True, **options)
+            uvicorn.run(factory, factory=True, **options)
         finally:
             remove_multiprocess_dir(metrics_dir)
     else:
-        uvicorn.run(create_app(cfg), **options)
+        uvicorn.run(create(cfg), **options)

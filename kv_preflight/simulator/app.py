@@ -7,6 +7,8 @@ chat to the rest of the context, and both are clamped to
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -83,6 +85,28 @@ def _messages_ids(body: dict[str, Any]) -> list[int]:
 
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32 (openai/completion/serving.py): pins a request to a rank
+
+
+async def _until_client_leaves(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancellable(request: Request, work):
+    """``work``'s result, or None once the client has gone away, ``work`` cancelled: vLLM aborts a request whose
+    client disconnected (its ``with_cancellation`` on the OpenAI routes), freeing its blocks at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_client_leaves(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 # vLLM 0.32's series the simulator exports (name, type, help), each per engine core (label engine="<rank>")
@@ -186,7 +210,9 @@ class SimulatorApp:
             runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await runner.generate(prompt_ids, max_tokens, lora)
+        gen = await cancellable(request, runner.generate(prompt_ids, max_tokens, lora))
+        if gen is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
         rid, text = f"cmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -208,7 +234,9 @@ class SimulatorApp:
             runner = self._rank_for(request)
         except ApiError as exc:
             return exc.response()
-        gen = await runner.generate(prompt_ids, max_tokens, lora)
+        gen = await cancellable(request, runner.generate(prompt_ids, max_tokens, lora))
+        if gen is None:
+            return Response(status_code=499)
         rid, text = f"chatcmpl-{uuid.uuid4().hex[:16]}", tokenizer.decode(gen.output_ids)
         if body.get("stream"):
             chunk = {"index": 0, "delta": {"role": "assistant", "content": text}, "logprobs": None,
@@ -292,6 +320,19 @@ class SimulatorApp:
                 value = (c.running, c.waiting, runner.cache.usage, c.prefix_cache_queries, c.prefix_cache_hits,
                          c.prompt_tokens, c.generation_tokens)[i]
                 lines.append(f'{name}{{engine="{rank}",model_name="{self.cfg.model}"}} {float(value)!r}')
+        lines += ["# HELP vllm:request_success_total Count of successfully processed requests.",
+                  "# TYPE vllm:request_success_total counter"]
+        for rank, runner in enumerate(self.runners):
+            c = runner.counters
+            for reason, n in (("length", c.requests_finished), ("abort", c.requests_aborted)):
+                lines.append(f'vllm:request_success_total{{engine="{rank}",finished_reason="{reason}",'
+                             f'model_name="{self.cfg.model}"}} {float(n)!r}')
+        # vLLM's CacheConfig as an info metric: the KV pool's size (a gateway reads its capacity from it)
+        lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                  "# TYPE vllm:cache_config_info gauge"]
+        for rank in range(len(self.runners)):
+            lines.append(f'vllm:cache_config_info{{block_size="{self.cfg.block_size}",enable_prefix_caching="True",'
+                         f'engine="{rank}",num_gpu_blocks="{self.cfg.num_blocks}"}} 1.0')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def starlette(self, lifespan: Any = None) -> Starlette:

@@ -28,6 +28,7 @@ class EngineCounters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     requests_finished: int = 0
+    requests_aborted: int = 0  # cancelled before they finished: the client went away (vLLM's finished_reason abort)
 
 
 class EngineRunner:
@@ -54,6 +55,9 @@ class EngineRunner:
         self.counters.waiting += 1
         try:
             await self._lock.acquire()
+        except asyncio.CancelledError:
+            self.counters.requests_aborted += 1
+            raise
         finally:
             self.counters.waiting -= 1
         gen = Generation(prompt_ids=list(prompt_ids), max_tokens=max_tokens, lora=lora)
@@ -67,6 +71,9 @@ class EngineRunner:
                     # Yield between steps, as vLLM's engine core serves utility calls
                     # (reset_prefix_cache, metrics) between steps.
                     await asyncio.sleep(self.step_delay_s)
+        except asyncio.CancelledError:
+            self.counters.requests_aborted += 1
+            raise
         finally:
             steps.close()  # frees the blocks if we were cancelled mid-request
             self.counters.running = 0

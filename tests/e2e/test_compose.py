@@ -155,11 +155,11 @@ def quickstart_curls() -> list[str]:
     return in_header
 
 
-def walk_the_documented_quickstart(project: Project, port: int) -> None:
+def walk_the_documented_quickstart(project: Project, port: int, gateway_port: int) -> None:
     """Issue 27, finding 11: what the docs tell a newcomer to run once the stack is up (the curls) and to stop
     it (``down -v``), run as documented on this project's port and name; the volumes (the index) must go."""
     for curl in quickstart_curls():
-        cmd = curl.replace("localhost:8080", f"127.0.0.1:{port}")
+        cmd = curl.replace("localhost:8080", f"127.0.0.1:{port}").replace("localhost:8000", f"127.0.0.1:{gateway_port}")
         out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60, env=project.env)
         assert out.returncode == 0 and out.stdout, (cmd, out.stdout, out.stderr)
         if "/ready" in cmd:
@@ -167,6 +167,8 @@ def walk_the_documented_quickstart(project: Project, port: int) -> None:
         if "/v1/cache/predict" in cmd:
             answer = json.loads(out.stdout)
             assert answer["total_prompt_tokens"] > 0 and "freshness" in answer, answer
+        if "/v1/completions" in cmd:  # through a gateway: the engine's answer, the decision in its headers
+            assert out.stdout.startswith("HTTP/1.1 200") and "x-kvpf-pod: sim-" in out.stdout, out.stdout
     volumes = project_volumes(project.name)
     assert volumes, f"the stack {project.name} made no volume: nothing for down -v to delete"
     m = re.search(r"`(docker compose -f compose/docker-compose\.yml down -v)`", compose_section())
@@ -184,8 +186,22 @@ def project_volumes(name: str) -> list[str]:
     return out.stdout.split()
 
 
+def routes_through_the_gateways(gateway: str) -> None:
+    """Completions through the balancer's gateways: a prompt's later requests go where its first left its blocks,
+    each predicted exactly (the engine's cached tokens), whichever gateway the balancer picks."""
+    # token ids: this stack's local tokenizer (KVPF_TOKENIZERS, unchecked) is not the simulated engines' own
+    prompt = {"model": MODEL, "prompt": [7000 + i % 97 for i in range(200)], "max_tokens": 2}
+    answers = [httpx.post(gateway + "/v1/completions", json=prompt, timeout=30) for _ in range(6)]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    later = answers[3:]  # by then the first request's events are in the index
+    assert {r.headers["x-kvpf-pod"] for r in later} == {answers[0].headers["x-kvpf-pod"]}
+    for r in later:
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert r.headers["x-kvpf-reason"] == "best_overlap" and r.headers["x-kvpf-predicted-cached-tokens"] == str(cached)
+
+
 def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, tmp_path):
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     # Item 4 of issue 14: the optional env file and the tokenizer mount reach the predictors.
     tokenizers = tmp_path / "tokenizers"
     write_tokenizer(tokenizers / "sim")
@@ -194,7 +210,8 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
     env_file = tmp_path / "kvpf.env"
     env_file.write_text(f"KVPF_TOKENIZERS={MODEL}=/tokenizers/sim\nKVPF_TOKENIZER_CHECK=false\n")
     project = Project(f"kvpf-e2e-{os.getpid()}", clean_env(KVPF_LB_PORT=str(port), KVPF_ENV_FILE=str(env_file),
-                                                          KVPF_TOKENIZER_DIR=str(tokenizers)))
+                                                          KVPF_TOKENIZER_DIR=str(tokenizers),
+                                                          KVPF_GATEWAY_PORT=str(gateway_port)))
     lb = f"http://127.0.0.1:{port}"
     try:
         up = project.compose("up", "--build", "--detach", "--wait", "--wait-timeout", "300", timeout=900)
@@ -206,6 +223,8 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
 
         first = project.demo(*ENGINES)
         assert all(r["hits"] > 0 for r in first.values()), first  # a workload that never hits checks nothing
+        wait_healthy(f"http://127.0.0.1:{gateway_port}/health")
+        routes_through_the_gateways(f"http://127.0.0.1:{gateway_port}")
 
         project.compose("kill", "ingester-1")
         project.compose("restart", "valkey", timeout=120)
@@ -214,14 +233,14 @@ def test_stack_predicts_exactly_through_its_load_balancer_across_faults(docker, 
         # or left behind with the killed ingester, shows as a prediction below the engine's cached tokens.
         again = project.demo(*ENGINES)
         assert all(r["hits"] == r["requests"] for r in again.values()), again
-        walk_the_documented_quickstart(project, port)
+        walk_the_documented_quickstart(project, port, gateway_port)
     finally:
         project.down()
 
 
 def test_cluster_profile_predicts_exactly(docker):
-    port = free_port()
-    project = Project(f"kvpf-e2e-cl-{os.getpid()}", clean_env(KVPF_LB_PORT=str(port)),
+    port, gateway_port = free_port(), free_port()
+    project = Project(f"kvpf-e2e-cl-{os.getpid()}", clean_env(KVPF_LB_PORT=str(port), KVPF_GATEWAY_PORT=str(gateway_port)),
                       env_file=COMPOSE_DIR / "cluster.env")
     lb = f"http://127.0.0.1:{port}"
     try:

@@ -153,7 +153,7 @@ def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, 
 FREE_TEXT = {"--model", "--pod", "--pods", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
              "--cache-salt", "--ingester-id", "--api-key", "--topic", "--lora"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
-DAEMONS = {"ingest", "serve", "up", "simulate"}
+DAEMONS = {"ingest", "serve", "gateway", "up", "simulate"}
 # Where a generic bad value does not apply: (command, flag, case) -> why
 NOT_BAD = {
     ("calibrate", "--output", "bad-path"): "a new file is written there: any path is a valid output",
@@ -227,7 +227,7 @@ def _bad_values(cmd_name: str, opt: click.Option) -> list[tuple[str, str]]:
 def _good(cmd_name: str, opt: click.Option) -> str:
     """A well-formed value for a required option (its service, if any, is down)."""
     flag = next((o for o in opt.opts if o.startswith("--")), opt.opts[0])
-    return {"--tokens": "[1, 2, 3]", "--engine-url": "m=" + DEAD_HTTP if cmd_name == "serve" else DEAD_HTTP,
+    return {"--tokens": "[1, 2, 3]", "--engine-url": "m=" + DEAD_HTTP if cmd_name in ("serve", "gateway") else DEAD_HTTP,
             "--predictor-url": DEAD_HTTP, "--engine": DEAD_HTTP, "--valkey-url": DEAD_VALKEY,
             "--pod-metrics": "p=" + DEAD_HTTP}.get(flag, "m")
 

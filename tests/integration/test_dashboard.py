@@ -73,7 +73,7 @@ def test_every_dashboard_query_reads_metrics_the_processes_export(tmp_path):
                 time.sleep(0.2)
             text = log.read_text()
             urls = re.findall(r"(http://127\.0\.0\.1:\d+/metrics(?:/pods)?)\s+\(\S+\)", text)
-            assert len(urls) == 6, text
+            assert len(urls) == 7, text  # the predictor (and its /metrics/pods), the gateway, 2 ingesters, 2 engines
             names: set[str] = set()
             labels: dict[str, set[str]] = {}
             for url in urls:

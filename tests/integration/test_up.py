@@ -358,7 +358,7 @@ def test_an_engine_killed_under_up_is_retired_and_the_stack_stays_up(tmp_path):
             text = log.read_text()
             assert proc.poll() is None, text
             shown = re.findall(r"(http://127\.0\.0\.1:\d+/metrics(?:/pods)?)\s+\((\S+)\)", text)
-            assert sorted(n for _, n in shown) == ["engine-sim-0", "engine-sim-1", "ingester-0", "ingester-1",
+            assert sorted(n for _, n in shown) == ["engine-sim-0", "engine-sim-1", "gateway", "ingester-0", "ingester-1",
                                                    "predictor", "predictor-pods"], text
             for url, name in shown:
                 body = httpx.get(url, timeout=5).text

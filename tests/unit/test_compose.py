@@ -46,7 +46,7 @@ def test_every_command_is_a_real_cli_invocation(stack):
     assert {"engine-a", "engine-b", "ingester-1", "ingester-2", "predictor-1", "predictor-2"} <= set(services)
     for name, svc in services.items():
         cmd, params = parse_cli(svc["command"])
-        assert cmd in ("simulate", "ingest", "serve"), name
+        assert cmd in ("simulate", "ingest", "serve", "gateway"), name
 
 
 def test_bad_command_would_be_caught():
@@ -71,7 +71,7 @@ def test_addresses_and_ports_agree(stack):
                 assert u.hostname in stack["services"], f"{name}: unknown engine {u.hostname}"
                 if u.hostname in engines:
                     assert u.port == engines[u.hostname], f"{name}: {url} does not match the engine's port"
-        if cmd == "serve":
+        if cmd in ("serve", "gateway"):
             assert params["host"] == "0.0.0.0"
             for pair in params["engine_urls"]:
                 host = urlsplit(pair.split("=", 1)[1])
@@ -81,16 +81,18 @@ def test_addresses_and_ports_agree(stack):
     assert "--appendonly" in stack["services"]["valkey"]["command"]
 
 
-def test_load_balancer_targets_the_predictors(stack):
+def test_load_balancer_targets_the_predictors_and_the_gateways(stack):
     conf = (COMPOSE / "nginx.conf").read_text()
     upstreams = re.findall(r"server\s+([\w-]+):(\d+);", conf)
-    predictors = {n: parse_cli(s["command"])[1]["port"] for n, s in kvpf_services(stack).items()
-                  if parse_cli(s["command"])[0] == "serve"}
-    assert {h for h, _ in upstreams} == set(predictors)
+    servers = {n: (parse_cli(s["command"])[0], parse_cli(s["command"])[1]["port"]) for n, s in kvpf_services(stack).items()
+               if parse_cli(s["command"])[0] in ("serve", "gateway")}
+    assert {h for h, _ in upstreams} == set(servers)
+    assert {kind for kind, _ in servers.values()} == {"serve", "gateway"}
     for host, port in upstreams:
-        assert int(port) == predictors[host]
-    listen = re.search(r"listen\s+(\d+);", conf).group(1)
-    assert f"8080:{listen}" in stack["services"]["lb"]["ports"]
+        assert int(port) == servers[host][1]
+    listens = re.findall(r"listen\s+(\d+);", conf)
+    assert sorted(listens) == ["8000", "8080"]
+    assert {f"8080:8080", "8000:8000"} == set(stack["services"]["lb"]["ports"])
 
 
 def test_gpu_profile_configures_vllm_events(stack):
@@ -127,7 +129,7 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
         if svc.get("image") == "kv-preflight:local":
             assert test[:2] == ["CMD", "python"], name
             cmd, params = parse_cli(svc["command"])
-            port = {"simulate": params.get("port"), "serve": params.get("port"),
+            port = {"simulate": params.get("port"), "serve": params.get("port"), "gateway": params.get("port"),
                     "ingest": params.get("metrics_port")}[cmd]
             assert f"http://127.0.0.1:{port}/" in text, f"{name}: health asked on a port it does not serve"
         elif svc["image"].startswith("valkey/"):
@@ -143,9 +145,9 @@ def test_every_long_running_service_has_a_healthcheck_its_image_can_run(stack):
 
 def test_host_port_env_file_and_tokenizer_mount_are_configurable():
     raw = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
-    assert raw["services"]["lb"]["ports"] == ["${KVPF_LB_PORT:-8080}:8080"]
+    assert raw["services"]["lb"]["ports"] == ["${KVPF_LB_PORT:-8080}:8080", "${KVPF_GATEWAY_PORT:-8000}:8000"]
     assert raw["x-kvpf"]["env_file"] == [{"path": "${KVPF_ENV_FILE:-kvpf.env}", "required": False}]
-    for name in ("predictor-1", "predictor-2"):
+    for name in ("predictor-1", "predictor-2", "gateway-1", "gateway-2"):
         assert raw["services"][name]["volumes"] == ["${KVPF_TOKENIZER_DIR:-./tokenizers}:/tokenizers:ro"]
     assert (COMPOSE / "tokenizers").is_dir(), "the default mount exists, so Docker does not create it as root"
     example = (COMPOSE / "kvpf.env.example").read_text()

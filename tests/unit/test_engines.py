@@ -231,3 +231,16 @@ def test_fuzz_every_engine_layout_never_raises(name, tag, positional, as_map):
     for topic in (None, Topic("p", "m")):
         out = engine(name).decode_frames([b"", (1).to_bytes(8, "big"), payload], topic=topic)
         assert isinstance(out.errors, list) and out.error_count + out.skipped + len(out.batch.events) == 2
+
+
+def test_vllm_kv_capacity_from_its_cache_config_info():
+    """What a gateway bounds an engine's approximate index by (docs/gateway.md): a real vLLM 0.32 capture, and the
+    simulator's series (num_gpu_blocks x block_size)."""
+    from kv_preflight.engines.vllm import read_kv_capacity
+    from tests.conftest import fixture_path
+
+    assert read_kv_capacity(fixture_path("vllm-0.32-metrics.txt").read_text()) == (8192, 32)
+    sim = 'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="512"} 1.0'
+    assert read_kv_capacity(sim) == (512 * 16, 16)
+    assert read_kv_capacity(sim + "\n" + sim.replace('engine="0"', 'engine="1"')) == (2 * 512 * 16, 16)  # DP ranks
+    assert read_kv_capacity("vllm:num_requests_running 0.0\n") is None

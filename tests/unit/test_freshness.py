@@ -109,3 +109,12 @@ def test_route_staleness_and_health():
     assert fleet_health(view(a=lease("stalled", ["p"]))) == ["every ingester stalled (1)"]
     assert fleet_health(view(a=lease("current", ["p"], live=False)))[0].startswith("no live ingester")
     assert fleet_health(view(a=lease("current", ["p"]))) == []
+
+
+def test_an_answer_naming_an_approximate_pod_is_never_exact():
+    from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshness, answer_freshness
+
+    f = answer_freshness({"a": PodFreshness("current", 3, 10), "g": APPROXIMATE_POD})
+    assert f.state == "degraded" and f.pods["g"].state == "approximate"
+    assert f.reasons == ["index approximate for g (no KV events: what the gateways sent there)"]
+    assert answer_freshness({"a": PodFreshness("current", 3, 10)}).state == "exact"

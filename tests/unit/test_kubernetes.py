@@ -95,11 +95,12 @@ def test_the_validator_rejects_a_bad_object(container):
 def test_the_pieces_the_issue_asks_for_are_there(rendered):
     overlay, objs = rendered
     deployments = by_kind(objs, "Deployment")
-    assert {"kv-preflight-predictor", "kv-preflight-ingester"} <= set(deployments)
-    hpa = by_kind(objs, "HorizontalPodAutoscaler")["kv-preflight-predictor"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kv-preflight-predictor"}
+    assert {"kv-preflight-predictor", "kv-preflight-ingester", "kv-preflight-gateway"} <= set(deployments)
+    for name in ("kv-preflight-predictor", "kv-preflight-gateway"):
+        hpa = by_kind(objs, "HorizontalPodAutoscaler")[name]
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
     pdbs = by_kind(objs, "PodDisruptionBudget")
-    assert {"kv-preflight-predictor", "kv-preflight-ingester"} <= set(pdbs)
+    assert {"kv-preflight-predictor", "kv-preflight-ingester", "kv-preflight-gateway"} <= set(pdbs)
     valkey = by_kind(objs, "StatefulSet")["valkey"]
     args = valkey["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
@@ -191,9 +192,10 @@ def test_commands_are_real_cli_invocations_and_options_are_known(rendered, monke
                 continue
             name, params = _command(c["args"])
             seen.add(name)
-            if name == "serve":
+            if name in ("serve", "gateway"):
                 assert params["host"] == "0.0.0.0"
             if name == "ingest":
                 assert params["engines_from"] and params["metrics_host"] == "0.0.0.0"
     assert "serve" in seen
     assert "ingest" in seen
+    assert "gateway" in seen

@@ -208,3 +208,33 @@ def test_make_target():
     t = make_target("p", "http://h:8000/metrics")
     assert (t.base_url, t.metrics_url) == ("http://h:8000", "http://h:8000/metrics")
     assert make_target(None, "http://h:8000/").metrics_url == "http://h:8000/metrics"
+
+
+def test_booked_requests_count_as_load_before_the_next_scrape():
+    """Gateways' bookings (kv_preflight/index/routed.py): a pod is at least as loaded as the requests booked there,
+    so a burst another gateway sent since the last scrape overloads the best pod here too."""
+    from kv_preflight.index.routed import Booked
+
+    p = prediction(512, ("a", 320, "gpu"), ("b", 256, "gpu"))
+    scraped = {"a": load(0), "b": load(0)}  # the last scrape: both idle
+    assert decide(p, ["a", "b"], scraped, policy=POLICY, ttft=TTFT).pod_id == "a"
+    d = decide(p, ["a", "b"], scraped, policy=POLICY, ttft=TTFT, booked={"a": Booked(16, 9000), "b": Booked(0, 0)})
+    assert (d.pod_id, d.reason) == ("b", "least_loaded_good_match")
+    a = next(c for c in d.candidates if c.pod_id == "a")
+    assert a.overloaded and (a.load, a.booked_requests, a.booked_tokens) == (16.0, 16, 9000)
+    # the scrape already counts them: the larger of the two, not their sum
+    d = decide(p, ["a", "b"], {"a": load(20), "b": load(0)}, policy=POLICY, ttft=TTFT, booked={"a": Booked(16, 9000)})
+    assert next(c for c in d.candidates if c.pod_id == "a").load == 20.0
+
+
+def test_booked_pods_without_metrics_are_known_and_ties_go_to_fewer_booked_tokens():
+    from kv_preflight.index.routed import Booked
+
+    fresh = prediction(512)
+    d = decide(fresh, ["a", "b", "c"], {}, policy=POLICY, ttft=TTFT,
+               booked={"a": Booked(2, 100), "b": Booked(1, 5000), "c": Booked(1, 50)})
+    assert d.pod_id == "c" and all(c.assumed_load is None for c in d.candidates)
+    overlap = prediction(512, ("a", 320, "gpu"))
+    d = decide(overlap, ["a", "b"], {}, policy=RoutingPolicy(overload_abs=2), ttft=TTFT,
+               booked={"a": Booked(6, 0), "b": Booked(0, 0)})  # no metrics anywhere, yet a is overloaded
+    assert (d.pod_id, d.reason) == ("b", "least_loaded")

@@ -1,6 +1,6 @@
 """Run every benchmark row against real processes and print figures, targets and baseline ratios.
 
-    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,dp,warnings] [--json] [--json-file out.json] [--html out.html]
+    python -m kv_preflight.cli.bench [--quick] [--only keys,ingest,memory,floor,outage,http,scaling,cluster,fleet,route,lora,dp,warnings,gateway,gateways] [--json] [--json-file out.json] [--html out.html]
 
 It starts its own valkey-server on a free loopback port (no persistence), loads
 the index, starts ``kv-preflight serve --workers 2`` and the baseline server
@@ -761,6 +761,14 @@ def run(*, quick: bool, only: set[str], as_json: bool = False, json_file: Path |
                     bench_route(res, vk, quick, tmp, ADAPTERS)
                 if "dp" in only:
                     bench_route(res, vk, quick, tmp, dp_size=2)
+            if "gateway" in only:
+                from kv_preflight.cli.bench.gateway import bench_gateway
+
+                bench_gateway(res, vk, quick, tmp)
+            if "gateways" in only:
+                from kv_preflight.cli.bench.gateway import bench_gateways
+
+                bench_gateways(res, vk, quick, tmp)
         finally:
             vk.stop()
     m["loadavg_end"] = os.getloadavg()

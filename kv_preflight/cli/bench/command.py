@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-ROWS = ("keys", "ingest", "memory", "floor", "outage", "http", "scaling", "cluster", "fleet", "route", "lora", "dp", "warnings")
+ROWS = ("keys", "ingest", "memory", "floor", "outage", "http", "scaling", "cluster", "fleet", "route", "lora", "dp",
+        "warnings", "gateway", "gateways")
 DEFAULT_ROWS = "keys,ingest,floor,http,scaling,cluster,fleet,warnings"
 
 

@@ -104,8 +104,13 @@ async def run(spec: dict) -> dict:
     counter = 0
     state = {"measuring": False}
 
+    stagger = spec.get("stagger_s", 0.0)  # worker i starts i x this late: clients of an engine with a fixed answer
+    # time would otherwise stay in step, all arriving at once (a burst the server queues), every round
+
     async def worker(c: _Conn, wid: int, stop_at: float | None, limit: int | None) -> None:
         nonlocal counter
+        if stagger and state["measuring"]:
+            await asyncio.sleep(wid * stagger)
         while True:
             i = counter
             counter += 1

@@ -96,16 +96,16 @@ class Outcome:
                 "route_load_known": self.load_known, "seconds": round(self.seconds, 2)}
 
 
-def workload(n: int, seed: int = 7, adapters: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+def workload(n: int, seed: int = 7, adapters: tuple[str, ...] = (), tenants: int = TENANTS) -> list[tuple[int, str, str]]:
     """(tenant, model, prompt): tenants chosen uniformly at random, each prompt its tenant's system prompt + a
     question; the model is the engines' own, or with ``adapters`` the tenant's adapter."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz     "
     prefixes = [(f"tenant-{t:02d} system prompt: " + "".join(rng.choice(letters) for _ in range(PREFIX_CHARS)))
-                [:PREFIX_CHARS] for t in range(TENANTS)]
+                [:PREFIX_CHARS] for t in range(tenants)]
     out = []
     for i in range(n):
-        t = rng.randrange(TENANTS)
+        t = rng.randrange(tenants)
         model = adapters[t % len(adapters)] if adapters else MODEL
         out.append((t, model, prefixes[t] + f" question {i}: " + "".join(rng.choice(letters) for _ in range(40))))
     return out

@@ -27,6 +27,8 @@ from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, grou
                                                    window_cut)
 from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor, valkey_call
+from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
+from kv_preflight.index.routed import keys_blob
 from kv_preflight.index.presence import read_group_bits
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
@@ -103,10 +105,12 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     partial = [f for _, f in sets if f.partial]
     if req.pods is not None:  # the ranks found of a pod named (before a registry read lists them)
         req = msgspec.structs.replace(req, pods=expand_ranks(req.pods, [m.pod_id for m in matches]))
+    matches, speculative = await _with_routed(p, model, prompt.keys, matches, serving, req.pods, hybrid)
     engine_blocks = {pod: i.engine_block_size for pod, i in infos.items()}
     prediction = score(matches, prompt_len=len(tokens), canonical_block=cfg.block_size, engine_blocks=engine_blocks,
                        incomplete={pod for pod, i in infos.items() if i.incomplete}, pods=req.pods,
                        ttft=p.ttft.for_model(model))
+    prediction = mark_speculative(prediction, speculative)
     if partial:
         prediction = msgspec.structs.replace(prediction, partial=True,
                                              partial_from_block=min(f.unanswered_from for f in partial))
@@ -115,7 +119,8 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
         return rules.pod_chain(pod, root, blocks, canonical_block=cfg.block_size, engine_block=engine_blocks.get(pod),
                                prompt_len=len(tokens), tier=tier)
 
-    chains = [chain(model, m.pod_id, m.blocks, m.tier) for m in matches]
+    chains = [msgspec.structs.replace(chain(model, m.pod_id, m.blocks, m.tier),
+                                      speculative_blocks=speculative.get(m.pod_id, 0)) for m in matches]
     held = {m.pod_id for m in matches}
     chains += [chain(model, pod, 0, None) for pod in serving if pod not in held
                and (req.pods is None or pod in req.pods)]
@@ -151,6 +156,20 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
 
 
 # ---------------------------------------------------------------- helpers
+
+
+async def _with_routed(p: Predictor, model: str, keys: list[int], matches: list[Any], serving: list[str],
+                       pods: list[str] | None, hybrid: dict[str, Any]) -> tuple[list[Any], dict[str, int]]:
+    """On a gateway, the matches with what was routed merged in (predictor/scoring/routed.py), and per pod the
+    blocks that stood on speculative entries alone: a chain's stop may be a gateway's guess, and says so."""
+    if p.routed is None or p.routed.store is None or not keys or pods == []:
+        return matches, {}
+    wanted = {m.pod_id for m in matches} | set(serving[:MAX_POD_CHAINS]) | p.foreseen(model, pods)
+    got = await p.routed.read(wanted if pods is None else wanted & set(pods), keys_blob(keys))
+    if not got:
+        return matches, {}
+    return with_routed(matches, got, approximate=p.routed.approximate, skip=hybrid)
+
 
 
 def _group_cuts(before: Sequence[Any], after: Sequence[Any], hybrid: dict[str, Any], infos: dict[str, Any],

@@ -208,6 +208,7 @@ class PodChain(msgspec.Struct, frozen=True, omit_defaults=True):
     engine_block_size: int
     device_tier: str | None = None
     dp_rank: int | None = None  # the pod's data-parallel rank (a pod with ranks: predictor/scoring/ranks.py)
+    speculative_blocks: int = 0  # of stop_block, blocks a gateway's speculative entries alone hold (docs/gateway.md)
 
 
 def pod_chain(pod_id: str, model: str, blocks: int, *, canonical_block: int, engine_block: int | None,

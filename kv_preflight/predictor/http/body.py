@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope
 
 from kv_preflight.predictor.http.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
 
@@ -32,20 +33,30 @@ async def read_json_body(request: Request, *, limit: int, timeout_s: float) -> b
     A client that disconnects mid-body raises starlette's ``ClientDisconnect``, which the caller
     counts as such (it is not a server error).
     """
-    content_type = request.headers.get("content-type")
+    return await read_json(request.scope, request.receive, limit=limit, timeout_s=timeout_s)
+
+
+async def read_json(scope: Scope, receive: Receive, *, limit: int, timeout_s: float) -> bytes:
+    """``read_json_body`` from the ASGI scope and receive channel themselves (the gateway's path: no Request,
+    no Headers object, read for every forwarded request)."""
+    content_type = declared = None
+    for name, value in scope["headers"]:
+        if name == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+        elif name == b"content-length" and declared is None:
+            declared = value.decode("latin-1")
     if not is_json_media_type(content_type):
         raise UnsupportedMediaType(f"Content-Type {clip(repr(content_type))} is not JSON: send application/json "
                                    "(or no Content-Type)")
     try:
         async with asyncio.timeout(timeout_s):
-            return await read_body(request, limit)
+            return await read_body(receive, declared, limit)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s (request_read_timeout)") from None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
     """The body, refusing (413) as soon as it is known to exceed ``limit``: by header, else while streaming."""
-    declared = request.headers.get("content-length")
     if declared is not None:
         try:
             size = int(declared)
@@ -55,9 +66,14 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(f"body of {size} bytes exceeds the limit of {limit} bytes (max_body_bytes)")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(f"body exceeds the limit of {limit} bytes (max_body_bytes)")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)

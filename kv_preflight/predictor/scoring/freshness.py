@@ -24,14 +24,16 @@ Per pod:
 * ``unknown``: no lease lists it: its ingester left (a one-off ``ingest`` run naming pods its own way leaves
   them so, until the fleet retires them), an ingester that takes no lease (``--source``/``--bind`` alone with
   ``--no-registered-engines``), a pod written by ``index import``.
+* ``approximate``: no ingester feeds it (an engine that publishes no KV events, named to a gateway): what it
+  holds is a guess from the requests the gateways sent there (docs/gateway.md); set by the gateway's predictor.
 
 ``staleness_ms``: how long ago its ingester was last known current (0-1 s while current), the bound on what
 the index may be missing for it; ``index_lag_ms``: now minus the engine timestamp of the pod's newest applied
 batch (it grows while the engine is idle, which is not staleness: read it with the state).
 
 The answer's state: ``partial`` when a Valkey Cluster shard did not answer (counts are lower bounds),
-``degraded`` (with reasons) when a pod it names is behind, stalled or flagged incomplete, when a pod it names
-as a holder (cached tokens in the answer) is unreachable, retired or unknown, or when the fleet's records
+``degraded`` (with reasons) when a pod it names is behind, stalled, approximate or flagged incomplete, when a pod
+it names as a holder (cached tokens in the answer) is unreachable, retired or unknown, or when the fleet's records
 could not be read (every account is then as old as the last read), else ``exact``.
 """
 from __future__ import annotations
@@ -44,11 +46,11 @@ import msgspec
 from kv_preflight.fleet.records import FleetView, IngesterLease
 from kv_preflight.index.rank_pods import base_pod
 
-CURRENT, BEHIND, STALLED, UNREACHABLE, RETIRED, UNKNOWN = (
-    "current", "behind", "stalled", "unreachable", "retired", "unknown")
-PodState = Literal["current", "behind", "stalled", "unreachable", "retired", "unknown"]
-_RANK = {CURRENT: 0, BEHIND: 1, STALLED: 2, UNKNOWN: 3}  # among the leases listing a pod, the best account wins
-_LIST_FIRST = {UNREACHABLE: 4, RETIRED: 4, STALLED: 3, BEHIND: 2}  # what a truncated listing keeps first
+CURRENT, BEHIND, STALLED, UNREACHABLE, RETIRED, UNKNOWN, APPROXIMATE = (
+    "current", "behind", "stalled", "unreachable", "retired", "unknown", "approximate")
+PodState = Literal["current", "behind", "stalled", "unreachable", "retired", "unknown", "approximate"]
+_RANK = {CURRENT: 0, BEHIND: 1, STALLED: 2, UNKNOWN: 3, APPROXIMATE: 4}  # among the leases listing a pod, the best wins
+_LIST_FIRST = {UNREACHABLE: 4, RETIRED: 4, STALLED: 3, BEHIND: 2, APPROXIMATE: 2}  # what a truncated listing keeps first
 # What an answer cannot vouch for when it names such a pod as a holder: the pod's blocks may not be the engine's.
 _HOLDER_REASONS = {UNREACHABLE: "engine unreachable for {} (its health checks fail: what the index holds for it "
                                 "may be gone)",
@@ -65,6 +67,7 @@ class PodFreshness(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 UNKNOWN_POD = PodFreshness(UNKNOWN)
+APPROXIMATE_POD = PodFreshness(APPROXIMATE)
 MAX_LISTED = 64  # pods an answer's freshness lists (the ones not current first); its state counts them all
 
 
@@ -171,6 +174,9 @@ def answer_freshness(pods: Mapping[str, PodFreshness], *, partial: bool = False,
         named = sorted(p for p, f in pods.items() if f.state == state)
         if named:
             reasons.append(f"ingestion {state} for {_names(named)}")
+    guessed = sorted(p for p, f in pods.items() if f.state == APPROXIMATE)
+    if guessed:
+        reasons.append(f"index approximate for {_names(guessed)} (no KV events: what the gateways sent there)")
     held = set(holders)
     for state, why in _HOLDER_REASONS.items():
         named = sorted(p for p in held if (f := pods.get(p)) is not None and f.state == state)

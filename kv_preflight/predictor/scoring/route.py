@@ -9,7 +9,11 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
 2. Its load is ``running + waiting_weight * waiting`` from the engine's metrics. A pod
    whose load is not known (no fresh metrics) is assumed as loaded as the mean of the
    candidates whose load is known: unknown is neither idle nor busy, so such pods neither
-   sort last (everything would go to the few scraped pods) nor first.
+   sort last (everything would go to the few scraped pods) nor first. Where gateways book
+   their requests (``booked``: kv_preflight/index/routed.py), a pod's load is at least the
+   requests booked there: the metrics lag a second behind, the bookings do not, so N
+   gateways do not all send a burst to the pod the last scrape called idle; among equal
+   loads, fewer booked tokens first.
 3. A pod with known load is overloaded when its KV usage is at least ``max_kv_usage``
    (new requests there would evict or queue), or when its load exceeds the *reference*
    by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kv_preflight.index.routed import Booked
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import Freshness
@@ -79,6 +84,8 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_usage: float | None = None
     recent_prefix_blocks: int | None = None  # blocks of other recent prefixes homed here (placement hint)
     dp_rank: int | None = None  # the pod's data-parallel rank, each a cache of its own (predictor/scoring/ranks.py)
+    booked_requests: int | None = None  # requests the gateways have in flight here (None: bookings not read)
+    booked_tokens: int | None = None  # their summed cost: uncached prefill + decode tokens
 
 
 class RouteDecision(msgspec.Struct, frozen=True):
@@ -117,11 +124,16 @@ def decide(
     affinity_key: int = 0,
     footprints: Mapping[str, int] | None = None,
     pending: str | None = None,
+    booked: Mapping[str, Booked] | None = None,
 ) -> RouteDecision:
     n = prediction.total_prompt_tokens
     by_pod = {a.pod_id: a for a in prediction.pod_affinities}
     pods = sorted(set(candidates))
     scores = {p: policy.load_score(ld) for p in pods if (ld := loads.get(p)) is not None}
+    booked = booked or {}
+    for p in pods:  # at least what the gateways have in flight there (the scrape counts them a second late)
+        if (b := booked.get(p)) is not None:
+            scores[p] = max(scores.get(p, 0.0), float(b.requests))
     known_mean = sum(scores.values()) / len(scores) if scores else None
 
     def effective(pod: str) -> float:
@@ -140,9 +152,7 @@ def decide(
 
     def overloaded(pod: str) -> bool:
         ld = loads.get(pod)
-        if ld is None:
-            return False
-        if ld.kv_usage >= policy.max_kv_usage:
+        if ld is not None and ld.kv_usage >= policy.max_kv_usage:
             return True
         if pod not in refs:
             return False
@@ -160,16 +170,18 @@ def decide(
             estimated_ttft_ms=ttft.estimate_ms(n, cached), overloaded=overloaded(pod),
             device_tier=a.device_tier if a else None,
             load=scores.get(pod),
-            assumed_load=round(known_mean, 3) if ld is None and known_mean is not None else None,
+            assumed_load=round(known_mean, 3) if pod not in scores and known_mean is not None else None,
             running=ld.running if ld else None, waiting=ld.waiting if ld else None,
             kv_usage=round(ld.kv_usage, 4) if ld else None,
             recent_prefix_blocks=footprints.get(pod) if footprints else None,
+            booked_requests=b.requests if (b := booked.get(pod)) is not None else None,
+            booked_tokens=b.tokens if b is not None else None,
         ))
     cands.sort(key=lambda c: (-c.weighted_overlap, c.pod_id))
 
     def least_loaded(pool: list[RouteCandidate]) -> RouteCandidate:
         # lower (known or assumed) load, then more overlap, then the prefix's rendezvous order
-        return min(pool, key=lambda c: (effective(c.pod_id), -c.weighted_overlap,
+        return min(pool, key=lambda c: (effective(c.pod_id), c.booked_tokens or 0, -c.weighted_overlap,
                                         -rendezvous(affinity_key, c.pod_id)))
 
     def decision(chosen: RouteCandidate | None, reason: str, detail: str, best: RouteCandidate | None) -> RouteDecision:
@@ -192,7 +204,7 @@ def decide(
             return decision(held, "no_overlap", f"no pod holds a prefix of this prompt yet; it was just placed on "
                             f"{held.pod_id} (pending: not indexed yet), so it goes there again", None)
         room = footprints or {}
-        chosen = min(pool, key=lambda c: (room.get(c.pod_id, 0), effective(c.pod_id),
+        chosen = min(pool, key=lambda c: (room.get(c.pod_id, 0), effective(c.pod_id), c.booked_tokens or 0,
                                           -rendezvous(affinity_key, c.pod_id)))
         if any(room.get(c.pod_id, 0) for c in pool):
             how = f"the pod with the fewest blocks of other recent prefixes ({room.get(chosen.pod_id, 0)})"

@@ -52,6 +52,9 @@ class PodAffinity(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):  #
     # its engine fails its health checks (its fleet record says unreachable): listed with what the index holds
     # for it, never the best pod (a stopped engine holds nothing; a route never sends there)
     unreachable: bool = False
+    # of cached_blocks, those counted on a gateway's speculative entries alone (a prompt just sent there, its
+    # events not in yet: predictor/scoring/routed.py); 0 (omitted): all the index's
+    speculative_blocks: int = 0
 
 
 class Prediction(msgspec.Struct, frozen=True, omit_defaults=True):

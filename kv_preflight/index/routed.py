@@ -1,0 +1,136 @@
+"""The Valkey commands of what routing knows from the requests it sent (docs/gateway.md): gateways write these
+keys, and every gateway reads them beside its lookup. The ingester never touches them, and they never touch
+llm-d's keys or the presence bits (the index's write path is the ingester's alone).
+
+Per pod, in the pod's slot (``{<pod>}``: each script runs on one shard of a Valkey Cluster as on one node):
+
+* **bookings** (``lua/booked.lua``): the requests in flight there and their cost in tokens. A gateway books a
+  request when it forwards it, renews its bookings while they run, releases each when it ends; a gateway that
+  dies leaves bookings that expire after their TTL. Every operation drops the expired ones first, so the
+  totals ``(n, tokens)`` are those of live bookings.
+* **speculative keys** (``lua/routed_chain.lua``): a routed prompt's request keys, live for a short TTL, so the
+  blocks it is about to cache count on its pod before the engine's events say so.
+* **approximate keys** (the same script): for an engine that publishes no events, every prompt routed there, kept
+  to its KV capacity, least recently used first out: what it probably holds.
+* **homes** (``lua/homes.lua``): the prefixes routed there within the placement window and their blocks, the
+  pod's footprint: what a new prefix is placed by (predictor/scoring/placement.py keeps the same per process;
+  this is every gateway's, so N gateways agree where the room is).
+
+``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
+(``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py. A gateway makes
+four such calls per request (read, book, speculate, release): on a single node they go on the index's lean
+connection (kv_preflight/index/resp.py) when it has one, redis-py's Python per command being most of their cost.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from kv_preflight.index import scripts
+from kv_preflight.index.backend import evalsha_pipeline
+from kv_preflight.index.layout import (pod_approximate_key, pod_booking_keys, pod_home_keys, pod_routed_keys,
+                                      pod_speculative_key)
+from kv_preflight.index.resp import FastConnection
+
+# Scores count milliseconds from here (Valkey's clock), so a key's position fraction keeps 1e-5 ms of precision
+# in a double for decades: a chain's keys, written in one ms, still sort ancestors first.
+EPOCH_MS = 1_735_689_600_000  # 2025-01-01
+MAX_SPECULATIVE = 1 << 20  # speculative keys one pod keeps at most (about 100 bytes each); the soonest to expire go
+
+
+def keys_blob(request_keys: Sequence[int]) -> bytes:
+    """Request keys as the scripts take them: 8 bytes each, big-endian, one string."""
+    return struct.pack(f">{len(request_keys)}Q", *request_keys)
+
+
+class Booked(msgspec.Struct, frozen=True):
+    """A pod's live bookings: requests in flight there through the gateways, and their summed cost in tokens."""
+
+    requests: int = 0
+    tokens: int = 0
+
+
+class PodRouted(msgspec.Struct, frozen=True):
+    """What was routed to one pod, for one prompt: its bookings, and how many of the prompt's first request keys
+    it holds speculatively and approximately."""
+
+    booked: Booked = Booked()
+    speculative: int = 0
+    approximate: int = 0
+    footprint: int = 0  # blocks of other prefixes homed there within the window
+
+
+class RoutedStore:
+    def __init__(self, client, fast: FastConnection | None = None):
+        self.client, self.fast = client, fast
+        self._booked = client.register_script(scripts.BOOKED)
+        self._chain = client.register_script(scripts.ROUTED_CHAIN)
+        self._read = client.register_script(scripts.ROUTED_READ)
+        self._homes = client.register_script(scripts.HOMES)
+
+    async def _eval(self, script, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
+        """One EVALSHA per (keys, args), written at once: on the lean connection, else pipelined by redis-py (a
+        cluster client sends each to its key's shard)."""
+        if self.fast is not None:
+            return await self.fast.evalsha_many(script.sha, script.script, [list(a) for a in args],
+                                                [tuple(k) for k in keys])
+        return await evalsha_pipeline(self.client, script, keys, args)
+
+    async def _booked_calls(self, calls: Sequence[tuple[str, Sequence[object]]]) -> list[Booked]:
+        """One script call per (pod, arguments), pipelined (a cluster client sends each to its pod's shard)."""
+        if not calls:
+            return []
+        replies = await self._eval(self._booked, [pod_booking_keys(p) for p, _ in calls], [a for _, a in calls])
+        return [Booked(int(n), int(tokens)) for n, tokens in replies]
+
+    async def book(self, pod: str, booking: str, tokens: int, ttl_ms: int) -> Booked:
+        return (await self._booked_calls([(pod, ("book", booking, max(0, int(tokens)), int(ttl_ms)))]))[0]
+
+    async def renew(self, bookings: Mapping[str, Iterable[str]], ttl_ms: int) -> None:
+        """Move the expiry of these bookings (pod -> booking ids) to now + ``ttl_ms``: they still run."""
+        calls = [(pod, ("renew", int(ttl_ms), *ids)) for pod, ids in bookings.items() if ids]
+        await self._booked_calls(calls)
+
+    async def release(self, pod: str, booking: str) -> Booked:
+        return (await self._booked_calls([(pod, ("release", booking))]))[0]
+
+    async def read(self, pods: Iterable[str], blob: bytes = b"", window_ms: int = 0) -> dict[str, PodRouted]:
+        """Each pod's bookings, its hold of the prompt whose keys ``blob`` holds, and (``window_ms`` > 0) its
+        footprint, in one round trip (per shard on a cluster)."""
+        pods = list(dict.fromkeys(pods))
+        if not pods:
+            return {}
+        replies = await self._eval(self._read, [pod_routed_keys(p) for p in pods],
+                                   [(EPOCH_MS, blob, int(window_ms))] * len(pods))
+        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]))
+                for p, r in zip(pods, replies)}
+
+    async def home(self, pod: str, prefix: int, blocks: int, window_ms: int) -> int:
+        """``prefix`` (a prompt's first request key) homed on ``pod`` now, ``blocks`` long; the pod's footprint."""
+        return (await self._eval(self._homes, [pod_home_keys(pod)],
+                                 [(keys_blob([prefix]), max(0, int(blocks)), int(window_ms))]))[0]
+
+    async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:
+        return {p: r.booked for p, r in (await self.read(pods)).items()}
+
+    async def speculate(self, pod: str, blob: bytes, ttl_ms: int, max_keys: int = MAX_SPECULATIVE) -> int:
+        """The prompt's keys live on ``pod`` for ``ttl_ms``; how many speculative keys the pod holds now."""
+        return (await self._eval(self._chain, [(pod_speculative_key(pod),)],
+                                 [("speculative", EPOCH_MS, blob, int(ttl_ms), int(max_keys))]))[0]
+
+    async def approximate(self, pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> int:
+        """The prompt's keys used on ``pod`` now; at most ``capacity_blocks`` kept. How many the pod holds now."""
+        return (await self._eval(self._chain, [(pod_approximate_key(pod),)],
+                                 [("approximate", EPOCH_MS, blob, max(1, int(capacity_blocks)), int(idle_ms))]))[0]
+
+    async def forget_approximate(self, pods: Iterable[str]) -> None:
+        """Drop what was guessed for these pods (their events flow now: the index says what they hold)."""
+        pods = list(pods)
+        if pods:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for p in pods:
+                    pipe.delete(pod_approximate_key(p))
+                await pipe.execute()

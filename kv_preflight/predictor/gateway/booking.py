@@ -1,0 +1,112 @@
+"""The gateway's bookings: each forwarded request's cost booked on its pod in Valkey until it completes.
+
+A request's cost is the work it brings the engine: its prompt's tokens not cached there (the decision's
+prediction) plus the tokens it will decode (its ``max_tokens``, else ``--gateway-decode-tokens``). The booking
+is written as the request goes out, without holding it up (the write runs beside the upstream request; until
+it lands this process counts it itself: predictor/routed.py), renewed every third of its TTL while the request
+runs, and released when it ends, however it ends. A gateway that dies stops renewing: its bookings expire
+after ``--gateway-booking-ttl`` seconds (kv_preflight/index/lua/booked.lua drops them on the pod's next
+operation). A failed write is counted and logged, never the request's failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.routed import RoutedStore
+from kv_preflight.predictor.routed import RoutedState
+
+log = logging.getLogger("kvpf.gateway")
+
+ERROR_LOG_S = 10.0
+
+
+@dataclass
+class Booking:
+    pod: str
+    id: str
+    tokens: int
+    written: asyncio.Task | None = None
+
+
+class Bookings:
+    def __init__(self, store: RoutedStore, state: RoutedState, ttl_s: float, timeout_s: float = 2.0):
+        self.store, self.state, self.ttl_ms, self.timeout_s = store, state, int(ttl_s * 1000), timeout_s
+        self.prefix = os.urandom(6).hex()  # this process's bookings: ids no other gateway draws
+        self.count = 0
+        self.live: dict[str, dict[str, int]] = {}  # pod -> booking id -> tokens, written or on its way
+        self.errors = 0
+        self._logged_at = float("-inf")
+        self.tasks: set[asyncio.Task] = set()
+
+    def book(self, pod: str, tokens: int, then: Coroutine[Any, Any, None] | None = None) -> Booking:
+        """Book ``tokens`` on ``pod``, written in the background; ``then``: the request's other writes, awaited in the
+        same task after it (one task per request, not one per write)."""
+        self.count += 1
+        booking = Booking(pod, f"{self.prefix}:{self.count}", max(0, int(tokens)))
+        self.live.setdefault(pod, {})[booking.id] = booking.tokens
+        self.state.unwritten(pod, 1, booking.tokens)
+        booking.written = self._spawn(self._write(booking, then))
+        return booking
+
+    async def _write(self, booking: Booking, then: Coroutine[Any, Any, None] | None) -> None:
+        try:
+            await self._call(self.store.book(booking.pod, booking.id, booking.tokens, self.ttl_ms))
+        finally:
+            self.state.unwritten(booking.pod, -1, -booking.tokens)
+        if then is not None:
+            await then
+
+    def release(self, booking: Booking) -> None:
+        """The request ended: its booking goes, once written (no wait for the caller)."""
+        pod = self.live.get(booking.pod)
+        if pod is not None:
+            pod.pop(booking.id, None)
+            if not pod:
+                del self.live[booking.pod]
+        self._spawn(self._release(booking))
+
+    async def _release(self, booking: Booking) -> None:
+        if booking.written is not None:
+            await asyncio.wait([booking.written])
+        await self._call(self.store.release(booking.pod, booking.id))
+
+    async def run(self) -> None:
+        """Renew every live booking each third of the TTL, in one round trip (per shard)."""
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            live = {pod: list(ids) for pod, ids in self.live.items() if ids}
+            if live:
+                await self._call(self.store.renew(live, self.ttl_ms))
+
+    async def _call(self, work) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await work
+        except (TimeoutError, *VALKEY_ERRORS) as exc:
+            self.errors += 1
+            now = time.monotonic()
+            if now - self._logged_at >= ERROR_LOG_S:
+                self._logged_at = now
+                log.warning("bookings: a write to Valkey failed (%d so far; the requests go on, their bookings "
+                            "expire by TTL): %s: %s", self.errors, type(exc).__name__, exc)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def aclose(self) -> None:
+        """Release what is still booked (a clean stop leaves no booking to expire) and wait for the writes."""
+        for pod, ids in list(self.live.items()):
+            for booking_id, tokens in list(ids.items()):
+                self.release(Booking(pod, booking_id, tokens))
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=self.timeout_s)

@@ -1,0 +1,58 @@
+"""What was routed, merged into what the index says: pure.
+
+A pod holds, for a prompt, the longest of: its prefix in the index (the engine's events), its speculative
+prefix (a prompt sent there moments ago, whose events have not landed: kv_preflight/index/routed.py), and for
+an engine that publishes no events its approximate prefix (what the gateways sent there, to its KV capacity).
+An answer says how many of a pod's blocks stood on routing alone (``speculative_blocks``): those beyond its
+prefix in the index; an approximate pod's freshness says ``approximate`` instead (predictor/scoring/freshness.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import msgspec
+
+from kv_preflight.index.entries import DEFAULT_TIER, PodMatch
+from kv_preflight.index.routed import PodRouted
+from kv_preflight.predictor.scoring.score import Prediction
+
+
+def with_routed(matches: Sequence[PodMatch], routed: Mapping[str, PodRouted], *, approximate: Collection[str] = (),
+                skip: Collection[str] = ()) -> tuple[list[PodMatch], dict[str, int]]:
+    """(the matches, each pod's prefix the longest of index, speculative and, for the ``approximate`` pods,
+    approximate; per pod, the blocks beyond its index prefix that stood on speculative entries). ``skip``: pods
+    whose match is the index's alone (a hybrid model's, whose groups' rules the index's bits decide)."""
+    out: list[PodMatch] = []
+    speculative: dict[str, int] = {}
+    seen = set()
+    for m in matches:
+        seen.add(m.pod_id)
+        r = routed.get(m.pod_id)
+        if r is None or m.pod_id in skip:
+            out.append(m)
+            continue
+        longest = max(r.speculative, r.approximate if m.pod_id in approximate else 0)
+        if longest > m.blocks:
+            if r.speculative > m.blocks:
+                speculative[m.pod_id] = r.speculative - m.blocks
+            out.append(PodMatch(m.pod_id, longest, m.tier))
+        else:
+            out.append(m)
+    for pod, r in routed.items():
+        if pod in seen or pod in skip:
+            continue
+        longest = max(r.speculative, r.approximate if pod in approximate else 0)
+        if longest > 0:
+            if r.speculative > 0:
+                speculative[pod] = r.speculative
+            out.append(PodMatch(pod, longest, DEFAULT_TIER))
+    return out, speculative
+
+
+def mark_speculative(prediction: Prediction, speculative: Mapping[str, int]) -> Prediction:
+    """Each affinity's ``speculative_blocks``: of its cached blocks, those that stood on speculative entries."""
+    if not speculative:
+        return prediction
+    affinities = [msgspec.structs.replace(a, speculative_blocks=min(speculative[a.pod_id], a.cached_blocks))
+                  if a.pod_id in speculative else a for a in prediction.pod_affinities]
+    return msgspec.structs.replace(prediction, pod_affinities=affinities)
