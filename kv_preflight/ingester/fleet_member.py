@@ -308,7 +308,9 @@ class FleetMember:
         # every other pod ingested here with no record yet (a --source or --bind feed, a pod named by its frames):
         # recorded with no engine URL, so a pod this fleet ingested is retired like any other once nobody does
         # (``unlisted``): a one-off ingester naming an engine's pod its own way leaves no ghost for good
-        if unrecorded := [p for p in self.ing.pods() if p not in view.pods and p not in self.records_made]:
+        of_engines = {p for a in self.attached.values() if a.spec.url for p in a.pods}  # recorded by their owners
+        if unrecorded := [p for p in self.ing.pods()
+                          if p not in view.pods and p not in of_engines and p not in self.records_made]:
             self._step("recording the pods of sources")
             await self._record_sourced(unrecorded, now_ms)
         if self.discovered.started or not self.sources:

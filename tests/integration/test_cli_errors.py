@@ -151,7 +151,7 @@ def test_up_refuses_a_data_dir_it_cannot_use_before_starting_anything(tmp_path, 
 
 # Options whose value is free text: no value is wrong in itself.
 FREE_TEXT = {"--model", "--pod", "--pods", "--hash-seed", "--host", "--metrics-host", "--prompt", "--compare-prompt",
-             "--cache-salt", "--ingester-id", "--api-key", "--topic", "--lora"}
+             "--cache-salt", "--ingester-id", "--api-key", "--topic", "--lora", "--register-ipc-dir"}
 # Long-running commands: a dependency that is down is waited for and logged, not an input error.
 DAEMONS = {"ingest", "serve", "gateway", "up", "simulate"}
 # Where a generic bad value does not apply: (command, flag, case) -> why
