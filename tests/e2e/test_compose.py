@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from kv_preflight.cli.valkey_server import free_port
 from tests.tokenizer_files import write_tokenizer
@@ -304,7 +305,6 @@ CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prome
 
 def profile_image(service: str) -> str:
     """The image a service of the compose file names, by its default."""
-    import yaml
 
     raw = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())["services"][service]["image"]
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", raw)
@@ -352,14 +352,21 @@ def test_observability_profile_scrapes_every_process_and_answers_the_dashboard(d
             r = httpx.post(f"http://127.0.0.1:{port}/v1/cache/route", json={"model": MODEL, "token_ids": list(range(40 + i))},
                            timeout=10)
             assert r.status_code == 200, r.text
+        # every target of the stack's jobs (predictors twice: /metrics and /metrics/pods; ingesters, gateways,
+        # engines) scraped and up; the gpu profile's are not running here
+        config = yaml.safe_load((COMPOSE_DIR / "observability" / "prometheus.yml").read_text())
+        expected = {(j["job_name"], t) for j in config["scrape_configs"] if j["job_name"] != "gpu"
+                    for c in j["static_configs"] for t in c["targets"]}
+        assert {"gateway", "ingester", "engine", "predictor", "predictor-pods"} == {j for j, _ in expected}
         deadline = time.monotonic() + 90
-        while True:  # every target of the stack's jobs scraped and up (gpu's are not running here)
+        while True:
             targets = httpx.get(prom + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
-            ours = {t["scrapeUrl"]: t["health"] for t in targets if t["labels"]["job"] != "gpu"}
-            if len(ours) == 8 and set(ours.values()) == {"up"} or time.monotonic() > deadline:
+            ours = {(t["labels"]["job"], t["labels"]["instance"]): t["health"] for t in targets
+                    if t["labels"]["job"] != "gpu"}
+            if set(ours) == expected and set(ours.values()) == {"up"} or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        assert len(ours) == 8 and set(ours.values()) == {"up"}, ours
+        assert set(ours) == expected and set(ours.values()) == {"up"}, (ours, expected)
         dashboard = json.loads((COMPOSE_DIR / "observability" / "grafana" / "kv-preflight.json").read_text())
         queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
         must_answer = {"max by (state) (kvpf_pods)", "max by (pod) (kvpf_index_pod_memory_bytes)",

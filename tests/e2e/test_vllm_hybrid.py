@@ -63,11 +63,12 @@ def group_blind(valkey_url: str, prompt: list[int], pod: str) -> int:
 
 
 def measured(engine_url: str, predictor_url: str, valkey_url: str, reqs: list[dict],
-             answers: list[tuple[int, int, bool]] | None = None) -> list[tuple[int, int, int]]:
+             answers: list[tuple[int, int, bool, dict]] | None = None) -> list[tuple[int, int, int]]:
     """Per request, in order: (predicted, what a group-blind rule predicts, vLLM's cached_tokens), each
     prediction made once the index has every event of the requests before. ``answers``, when given, gets
     per request what /route and /explain answered at the same moment: (route's cached_tokens, explain's
-    predicted_cached_tokens, whether explain found a group_cut)."""
+    predicted_cached_tokens, whether explain found a group_cut, route's reason and freshness for a failure's
+    message)."""
     from kv_preflight.cli.accuracy import EventWatcher, _send, pod_of, wait_caught_up
 
     watcher = EventWatcher.for_engine(engine_url)
@@ -83,7 +84,8 @@ def measured(engine_url: str, predictor_url: str, valkey_url: str, reqs: list[di
                     route = client.post(predictor_url + "/v1/cache/route", json=body, timeout=30).json()
                     explain = client.post(predictor_url + "/v1/cache/explain", json=body, timeout=30).json()
                     answers.append((route["cached_tokens"], explain["predicted_cached_tokens"],
-                                    any(f["kind"] == "group_cut" for f in explain["findings"])))
+                                    any(f["kind"] == "group_cut" for f in explain["findings"]),
+                                    {k: route.get(k) for k in ("reason", "detail", "freshness")}))
                 blind = group_blind(valkey_url, req["token_ids"], pod)
                 _, actual = _send(client, engine_url, "tiny", req)
                 out.append((pred["predicted_cached_tokens"], blind, actual))
@@ -94,7 +96,7 @@ def measured(engine_url: str, predictor_url: str, valkey_url: str, reqs: list[di
 
 def test_hybrid_predictions_equal_vllm_cached_tokens(vllm, valkey_url):
     with kvpf_stack(valkey_url, ["--engine", vllm.url], ["--engine-url", f"tiny={vllm.url}"], "e2e-hybrid") as stack:
-        answers: list[tuple[int, int, bool]] = []
+        answers: list[tuple[int, int, bool, dict]] = []
         results = measured(vllm.url, stack.predictor_url, valkey_url, workload(9, 60), answers)
         stats = httpx.get(stack.predictor_url + "/stats", timeout=5).json()
     exact = sum(p == a for p, _, a in results)
@@ -110,9 +112,10 @@ def test_hybrid_predictions_equal_vllm_cached_tokens(vllm, valkey_url):
     mismatches = [(i, p, a) for i, (p, _, a) in enumerate(results) if p != a]
     assert not mismatches, f"(request, predicted, actual): {mismatches}"
     # /route and /explain count as /predict does (issue 24 item 4), and /explain says why when a group cut the hit
-    unlike = [(i, p, r, e) for i, ((p, _, _), (r, e, _)) in enumerate(zip(results, answers)) if not p == r == e]
+    unlike = [(i, p, r, e, why) for i, ((p, _, _), (r, e, _, why)) in enumerate(zip(results, answers))
+              if not p == r == e]
     assert not unlike, f"(request, predict, route, explain): {unlike}"
-    cut_by_window = [i for i, ((p, b, _), (_, _, cut)) in enumerate(zip(results, answers)) if b > p]
+    cut_by_window = [i for i, ((p, b, _), (_, _, cut, _)) in enumerate(zip(results, answers)) if b > p]
     assert cut_by_window and all(answers[i][2] for i in cut_by_window), (cut_by_window, answers)
 
 
