@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import ResponseError
@@ -83,6 +84,9 @@ class Applier:
         # order, until the rebuild has cleared the pod and applied the replay (``unpark``)
         self.parked: dict[str, list[tuple[str, _Pending]]] = {}
         self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
+        # a pod's first write waits for a lease listing it (ingester/fleet_member.py ``vouch``): set by the ingester
+        self.vouch: Callable[[str], Awaitable[None]] | None = None
+        self.vouched: set[str] = set()
 
     def forget_chains(self) -> None:
         """After an engine restart: engine keys of the old process mean nothing now."""
@@ -93,6 +97,8 @@ class Applier:
     async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0) -> Plan:
         """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
         as a MarkIncomplete, so the flag is written by the very script that applies the batch."""
+        if self.vouch is not None and pod not in self.vouched:
+            await self.vouch(pod)
         plan = await self._plan_events(pod, model, seq, batch)
         reasons = []
         if plan.orphans:

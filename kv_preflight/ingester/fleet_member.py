@@ -55,6 +55,7 @@ MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
 LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
+VOUCH_WAIT_S = 1.0  # how long a new pod's first write waits for a lease listing it (``vouch``) before going on
 
 
 def _given_here(spec: EngineSpec) -> str:
@@ -146,6 +147,8 @@ class FleetMember:
         self.owners: dict[str, list[str]] = {}  # engine key -> its owners this round, primary first
         self.share: tuple[int, int, int] = (-1, -1, -1)  # (engines here, engines known, live ingesters) last logged
         self.http = httpx.AsyncClient(timeout=cfg.health_timeout_s)
+        self.vouched: set[str] = set()  # pods a lease put by this process listed (or tried to): ``vouch``
+        self._vouching: asyncio.Future | None = None  # the lease put a new pod's first write waits for
 
     @property
     def active(self) -> bool:
@@ -205,8 +208,33 @@ class FleetMember:
     async def renew(self) -> None:
         now_ms = await self.index.fleet.now_ms()
         self.started_ms = self.started_ms or now_ms
-        await self.index.fleet.put_lease(self.me, self._lease(now_ms))
+        await self._put_lease(now_ms)
+
+    async def _put_lease(self, now_ms: int) -> None:
+        lease = self._lease(now_ms)
+        await self.index.fleet.put_lease(self.me, lease)
         self.renewed_at = time.monotonic()
+        self.vouched.update(lease.pods)
+
+    async def vouch(self, pod: str) -> None:
+        """Record first: a pod's first write here waits for a lease that lists it (put now, not at the next
+        renewal). A predictor weighs only blocks some lease vouches for (an ``unknown`` pod's are not routed by),
+        so an engine just attached whose blocks landed before its lease did had its first hits routed as misses
+        for up to a renewal. Once per pod and process; a lease put that fails or is slow delays nothing for long
+        (``VOUCH_WAIT_S``): the renewals list the pod anyway. The pods past the lease's cap are never listed."""
+        if pod in self.vouched:
+            return
+        if not self.active or self.ticks == 0:  # no lease of ours to list it (or the first round puts the first)
+            return
+        if self._vouching is None or self._vouching.done():
+            self._vouching = asyncio.ensure_future(self.renew())
+            self._vouching.add_done_callback(lambda t: t.cancelled() or t.exception())  # a late failure: retrieved
+        try:
+            await asyncio.wait_for(asyncio.shield(self._vouching), VOUCH_WAIT_S)
+        except (*VALKEY_ERRORS, TimeoutError) as exc:
+            log.warning("pod %s: its first write goes ahead before a lease lists it (%s)", pod,
+                        exc or type(exc).__name__)
+        self.vouched.add(pod)
 
     def start_renewing(self) -> asyncio.Task:
         """``renew_forever`` in a task of its own, which ``close`` ends before it gives the lease back."""
@@ -255,8 +283,7 @@ class FleetMember:
             # a private ingester's lease says only how fresh its pods are (``private``): nobody hands it engines,
             # nor counts on it, nor takes its
             self._step("renewing the lease")
-            await self.index.fleet.put_lease(self.me, self._lease(now_ms))
-            self.renewed_at = time.monotonic()
+            await self._put_lease(now_ms)
             self._step("reading the fleet")
             view = await self.index.fleet.fleet_view()
             forgotten = await self.index.fleet.forgotten()

@@ -70,6 +70,7 @@ class Ingester:
         self.pipeline = Pipeline(self.acceptor, self.applier, index, self.valkey)
         self.engine_sources: dict[str, list[Source]] = {}  # engine key -> its sources (the fleet membership owns which)
         self.fleet = FleetMember(self, cfg, index)
+        self.applier.vouch, self.applier.vouched = self.fleet.vouch, self.fleet.vouched  # record first
         self.source_cap = source_cap(cfg)
         self.epoch: str | None = None  # the index's epoch as this ingester last saw it (check_epoch)
         self.backlog = False  # the last receive was full: frames were waiting behind it (ingest_state)

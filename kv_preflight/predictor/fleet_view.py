@@ -27,6 +27,8 @@ from kv_preflight.fleet.records import FleetView
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 
 log = logging.getLogger("kvpf.predictor")
+REREAD_MIN_S = 0.25  # reads of the records an unlisted holder asks for (``catch_up``): at most one this often
+REREAD_WAIT_S = 0.2  # how long an answer waits for such a read before it goes on with the last view
 
 
 @dataclass
@@ -46,6 +48,8 @@ class FleetWatcher:
     _as_of_ms: int = 0  # the Valkey time _fresh was judged at
     _listed: frozenset[str] = frozenset()  # the pods some lease lists
     _turn_ms: int | None = None  # when a lease's account turns next (late, expired): _fresh is judged again then
+    _reading: asyncio.Future | None = None  # a read ``catch_up`` started, while under way
+    _reread_at: float = float("-inf")  # local monotonic time ``catch_up`` last started one
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -74,6 +78,25 @@ class FleetWatcher:
             self.failing = None
         self.set_view(view)
         return True
+
+    async def catch_up(self, holders: Iterable[str]) -> None:
+        """Read the records again now when a pod holding blocks of the prompt is one the last read knows nothing
+        of: an engine just attached, whose ingester put a lease listing it before its first write
+        (ingester/fleet_member.py ``vouch``), would otherwise read ``unknown`` (its hits not routed by) for up to
+        ``interval_s``. A pod no ingester vouches for stays unknown at the cost of one read per ``REREAD_MIN_S``
+        across all requests; an answer waits at most ``REREAD_WAIT_S`` for it, then uses the last view."""
+        fresh = self._fresh
+        if self.view is not None and all(p in fresh for p in holders):
+            return
+        if self._reading is None or self._reading.done():
+            if self.clock() - self._reread_at < REREAD_MIN_S:
+                return
+            self._reread_at = self.clock()
+            self._reading = asyncio.ensure_future(self.read_once())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reading), REREAD_WAIT_S)
+        except TimeoutError:
+            pass  # the read goes on in the background; this answer uses the last view
 
     def set_view(self, view: FleetView) -> None:
         self.view, self.read_at = view, self.clock()

@@ -241,6 +241,9 @@ class Predictor:
             if got:  # the longest of index, speculative and approximate prefix (predictor/scoring/routed.py)
                 matches, speculative = with_routed(matches, got, approximate=self.routed.approximate, skip=hybrid)
                 infos = await self._routed_infos(matches, infos, speculative)
+        if self.fleet is not None and matches:  # a holder the last read of the records knows nothing of: read again
+            approximate = self.routed.approximate if self.routed is not None else ()
+            await self.fleet.catch_up({m.pod_id for m in matches if m.pod_id not in approximate})
         prediction = score(matches, prompt_len=prompt_len, canonical_block=self.cfg.block_size, infos=infos,
                            pods=pods, ttft=self.ttft.for_model(model),
                            unreachable=self.fleet.unreachable() if self.fleet else ())

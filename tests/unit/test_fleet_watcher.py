@@ -1,9 +1,12 @@
 """What the predictor reads from the fleet records (predictor/fleet_view.py), on a fixed view and a fake clock."""
 from __future__ import annotations
 
-import msgspec
+import types
 
-from kv_preflight.predictor.fleet_view import FleetWatcher
+import msgspec
+import pytest
+
+from kv_preflight.predictor.fleet_view import REREAD_MIN_S, FleetWatcher
 from kv_preflight.predictor.scoring.freshness import PodFreshness
 from kv_preflight.fleet.records import FleetView, IngesterLease, PodLoad, PodRecord
 
@@ -91,3 +94,39 @@ def test_accounts_age_by_the_local_clock_and_turn_without_a_new_read():
     w.set_view(FleetView(now_ms=56_000, ingesters={"i": msgspec.structs.replace(
         lease, renewed_ms=55_900, current_ms=55_900, expires_ms=60_900)}, load={}, pods={}))
     assert now("p") == PodFreshness("current", 100) and w.problem() is None
+
+
+class _Records:
+    """The fleet store's one read the watcher makes, answering the views given in turn (the last one again)."""
+
+    def __init__(self, *views: FleetView) -> None:
+        self.views, self.reads = list(views), 0
+
+    async def fleet_view(self) -> FleetView:
+        self.reads += 1
+        return self.views[min(self.reads, len(self.views)) - 1]
+
+
+@pytest.mark.anyio
+async def test_a_holder_no_read_knows_is_read_again_at_most_every_quarter_second():
+    """``catch_up``: a pod holding blocks that the last read of the records does not list (an engine just attached)
+    makes the watcher read them again now, so it is judged by the lease its ingester put before its first write;
+    a pod nobody vouches for costs at most one read per REREAD_MIN_S, whatever the request rate."""
+    clock = Clock()
+    lease = IngesterLease(state="current", current_ms=50_000, pods=["new"], expires_ms=60_000, renewed_ms=50_000)
+    records = _Records(FleetView(now_ms=50_000, ingesters={}, pods={}, load={}),
+                       FleetView(now_ms=50_100, ingesters={"i": lease}, pods={}, load={}))
+    w = FleetWatcher(index=types.SimpleNamespace(fleet=records), clock=clock)  # type: ignore[arg-type]
+    await w.read_once()
+    assert w.freshness(["new"])["new"].state == "unknown"
+    await w.catch_up(["new"])
+    assert records.reads == 2 and w.freshness(["new"])["new"].state == "current"
+    await w.catch_up(["new"])  # listed now: no read
+    assert records.reads == 2
+    for _ in range(5):  # a pod nobody vouches for: one read, then none for a quarter second
+        await w.catch_up(["ghost"])
+    assert records.reads == 2  # the last forced read was just now
+    clock.t += REREAD_MIN_S
+    for _ in range(5):
+        await w.catch_up(["ghost"])
+    assert records.reads == 3 and w.freshness(["ghost"])["ghost"].state == "unknown"
