@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import redis
 
-from kv_preflight.cli.bench.__main__ import load_set
+from kv_preflight.cli.bench.prompts import load_set
 from kv_preflight.cli.valkey_server import ValkeyServer
 from kv_preflight.predictor.scoring import score as scoring
 from kv_preflight.predictor.http.app import create_app
