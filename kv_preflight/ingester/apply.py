@@ -84,7 +84,7 @@ class Applier:
         # order, until the rebuild has cleared the pod and applied the replay (``unpark``)
         self.parked: dict[str, list[tuple[str, _Pending]]] = {}
         self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
-        # a pod's first write waits for a lease listing it (ingester/fleet_member.py ``vouch``): set by the ingester
+        # a pod's first write waits for a lease listing it (ingester/lease.py ``vouch``): set by the ingester
         self.vouch: Callable[[str], Awaitable[None]] | None = None
         self.vouched: set[str] = set()
 

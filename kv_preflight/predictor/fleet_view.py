@@ -82,7 +82,7 @@ class FleetWatcher:
     async def catch_up(self, holders: Iterable[str]) -> None:
         """Read the records again now when a pod holding blocks of the prompt is one the last read knows nothing
         of: an engine just attached, whose ingester put a lease listing it before its first write
-        (ingester/fleet_member.py ``vouch``), would otherwise read ``unknown`` (its hits not routed by) for up to
+        (ingester/lease.py ``vouch``), would otherwise read ``unknown`` (its hits not routed by) for up to
         ``interval_s``. A pod no ingester vouches for stays unknown at the cost of one read per ``REREAD_MIN_S``
         across all requests; an answer waits at most ``REREAD_WAIT_S`` for it, then uses the last view."""
         fresh = self._fresh

@@ -194,7 +194,7 @@ async def _decision_times(valkey_url: str, prompts: list[list[int]], n: int) -> 
     from kv_preflight.config import Config
     from kv_preflight.index.routed import RoutedStore
     from kv_preflight.keys.chain import request_keys_json
-    from kv_preflight.predictor.http.request import KeyedRequest
+    from kv_preflight.predictor.request import KeyedRequest
     from kv_preflight.predictor.prediction import Predictor
     from kv_preflight.predictor.routed import RoutedState
 

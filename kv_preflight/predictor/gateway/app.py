@@ -42,7 +42,7 @@ from kv_preflight.predictor.gateway.openai import Routable, error_body, read_rou
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.http.auth import load_api_keys
 from kv_preflight.predictor.http.body import read_json
-from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
+from kv_preflight.predictor.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
                                                 PredictorError, UnknownModel, clip)
 from kv_preflight.predictor.load import LoadMonitor
 from kv_preflight.predictor.prediction import Predictor
