@@ -140,7 +140,8 @@ class FleetMember(LeaseHolder):
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
         self.renewer: asyncio.Task | None = None  # renew_forever's task (start_renewing)
         self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
-        self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
+        self.current_ms = 0  # Valkey's time of the last renewal at which every pod not listed behind was current
+        self.pod_current_ms: dict[str, int] = {}  # pod -> the last renewal at which it was current (ingester/lease.py)
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]

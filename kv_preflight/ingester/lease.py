@@ -34,7 +34,8 @@ class LeaseHolder:
     attached: dict
     known: dict[str, EngineSpec]
     started_ms: int  # Valkey's time of this ingester's first renewal
-    current_ms: int  # Valkey's time of the last renewal at which this ingester was current
+    current_ms: int  # Valkey's time of the last renewal at which every pod not listed behind was current
+    pod_current_ms: dict[str, int]  # pod -> Valkey's time of the last renewal at which it was current
     forget_seen_ms: int  # the newest forget request carried out
     renewed_at: float  # monotonic time of the last lease renewal
     renewer: asyncio.Task | None  # renew_forever's task (start_renewing)
@@ -44,11 +45,21 @@ class LeaseHolder:
 
     def _lease(self, now_ms: int) -> IngesterLease:
         state, behind = self.ing.ingest_state()
-        if state == "current":
-            self.current_ms = now_ms
         pods = self.ing.pods()
+        late = set(behind)
+        # current for every pod it does not list as behind (one engine's stream down leaves the others current,
+        # and their staleness a renewal's): ``current_ms`` moves; each pod behind keeps when it last was
+        if state == "current" or (state == "behind" and not late.issuperset(pods)):
+            self.current_ms = now_ms
+            for pod in pods:
+                if pod not in late:
+                    self.pod_current_ms[pod] = now_ms
+        if len(self.pod_current_ms) > 2 * max(len(pods), 64):  # pods let go of: forgotten
+            self.pod_current_ms = {p: self.pod_current_ms[p] for p in pods if p in self.pod_current_ms}
+        listed = behind[:MAX_LEASE_SOURCES]
         return IngesterLease(
-            state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
+            state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=listed,
+            behind_since_ms={p: self.pod_current_ms.get(p, 0) for p in listed},
             batch_ts=self.ing.batch_ts(),
             expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
             renew_ms=int(LEASE_RENEW_S * 1000), private=self.cfg.private,
