@@ -319,6 +319,8 @@ class Applier:
         elif result.status == "corrupt":
             await self._corrupt(pod, seq, result.detail)
         elif result.status in _ANSWERS:
+            if result.status == "dup":  # a copy applied it: the index has it, so this ingester's lag counts it too
+                self.last_batch_ts[pod] = max(self.last_batch_ts.get(pod, 0.0), batch.ts)
             await self.counters.count(_ANSWERS[result.status], pod=pod)
 
     async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, result: ApplyResult) -> None:

@@ -6,6 +6,7 @@ stood still while any pod was behind, so A's staleness rose with the clock (a ne
 stack, ``exact`` and ``current``)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -62,3 +63,42 @@ def test_a_dead_engine_leaves_the_other_pods_staleness_a_renewals(valkey_url, tm
             stop(p)
         a.stop()
         b.stop()
+
+
+@pytest.mark.anyio
+async def test_both_copies_of_a_pod_say_its_newest_batch(valkey_url, tmp_path):
+    """Two ingesters ingesting one engine (``--copies 2``): a batch is applied once, by whichever comes first, and
+    the other's is a duplicate; both leases give the pod's newest batch time, so ``index ingesters`` shows one lag
+    (a newcomer saw 2.3 s for one copy and 32.5 s for the other)."""
+    from kv_preflight.index.index import Index
+
+    engine = sim_engine("sim-2c", tmp_path).start()
+    args = ["ingest", "--valkey-url", valkey_url, "--engine", engine.url, "--copies", "2", *FAST]
+    procs = [spawn([*args, "--ingester-id", f"copy-{i}"], str(tmp_path / f"ing{i}.log"), env=FAST_ENV)
+             for i in range(2)]
+    ix = Index.from_url(valkey_url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # both copies subscribed (their leases list the pod once its engine is attached)
+            leases = (await ix.fleet.fleet_view()).ingesters
+            if all("sim-2c" in lease.pods for lease in leases.values()) and len(leases) == 2:
+                break
+            assert time.monotonic() < deadline, leases
+            await asyncio.sleep(0.2)
+        for n in range(6):  # batches after both copies subscribed: each applied by one, a duplicate for the other
+            engine.complete(list(range(200 + 100 * n, 280 + 100 * n)))
+            time.sleep(0.3)
+        newest = engine.published()[-1].ts
+        deadline = time.monotonic() + 30
+        while True:
+            leases = (await ix.fleet.fleet_view()).ingesters
+            got = {i: lease.batch_ts.get("sim-2c") for i, lease in leases.items()}
+            if set(got) == {"copy-0", "copy-1"} and all(ts == newest for ts in got.values()):
+                break
+            assert time.monotonic() < deadline, (got, newest)
+            await asyncio.sleep(0.2)
+    finally:
+        await ix.close()
+        for p in procs:
+            stop(p)
+        engine.stop()
