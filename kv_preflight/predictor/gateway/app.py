@@ -413,7 +413,7 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py)
     store = RoutedStore(predictor.index.client, getattr(predictor.index.backend, "fast", None))
     routed = RoutedState(store=store, deadline_s=predictor.valkey_deadline_s,
-                         window_ms=int(cfg.route_placement_window_s * 1000))
+                         window_ms=int(cfg.route_placement_window_s * 1000), pending_ms=int(cfg.route_pending_s * 1000))
     predictor.routed = routed
     if predictor.load is None:  # the --engine engines are scraped for load and models once named
         predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,
