@@ -201,9 +201,9 @@ class Gateway:
         return f"{response.status_code // 100}xx"
 
     def _after_decision(self, decided: _Decided, routable: Routable) -> Booking | None:
-        """What every gateway must know of this request, written beside the upstream request in one background task
-        (a failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
-        decode), then what it leaves in that pod's cache (``_remember``)."""
+        """What every gateway must know of this request, written in the background beside the upstream request (a
+        failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
+        decode), and what it leaves in that pod's cache (``_remember``), sent together."""
         remember = self._remember(decided)
         if self.bookings is None or not decided.indexed or decided.decision.pod_id is None:
             if remember is not None:
@@ -212,7 +212,7 @@ class Gateway:
         d = decided.decision
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
         return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode),
-                                  then=remember)
+                                  also=remember)
 
     def _remember(self, decided: _Decided):
         """The write of what the request leaves in its pod's cache (kv_preflight/index/routed.py): on a pod no
