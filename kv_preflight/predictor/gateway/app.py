@@ -410,8 +410,13 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
-    # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py)
-    store = RoutedStore(predictor.index.client, getattr(predictor.index.backend, "fast", None))
+    # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py), and
+    # what is written on it in one turn of the loop goes in one send: a decision's lookup and the read beside it, the
+    # bookings and speculative entries of the requests decided in that turn (kv_preflight/index/resp.py)
+    fast = getattr(predictor.index.backend, "fast", None)
+    if fast is not None:
+        fast.coalesce = True
+    store = RoutedStore(predictor.index.client, fast)
     routed = RoutedState(store=store, deadline_s=predictor.valkey_deadline_s,
                          window_ms=int(cfg.route_placement_window_s * 1000), pending_ms=int(cfg.route_pending_s * 1000))
     predictor.routed = routed
