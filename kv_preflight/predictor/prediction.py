@@ -433,7 +433,8 @@ class Predictor:
             footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
-                          pending=hint.pending, booked={p: r.booked for p, r in shared.items()} if shared else None)
+                          pending=hint.pending or (self.routed.pending(shared) if self.routed is not None else None),
+                          booked={p: r.booked for p, r in shared.items()} if shared else None)
         if stale:
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(
