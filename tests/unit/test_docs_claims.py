@@ -1,6 +1,7 @@
 """Statements in README.md and docs/ that the code can check."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -88,3 +89,27 @@ def test_the_durability_page_names_tests_and_functions_that_exist():
             missing.append(f"{cls}.{name}")
     assert len(named_tests) >= 20 and len(named_functions) >= 10, (len(named_tests), len(named_functions))
     assert not missing, missing
+
+
+def test_the_compose_predict_example_draws_no_warning():
+    """The predict curl of the compose quickstart (docs/operations.md and the compose file's header, the same
+    line) sends token ids the simulated engines could have made: BOS first, then bytes. Its BERT-style ids
+    ([101, 2023, ...]) drew a ``missing_bos`` warning from every predictor that knew the engines' BOS."""
+    from kv_preflight.predictor.explain.warnings import hints_from_probe
+    from kv_preflight.predictor.explain.rules import bos_findings
+    from kv_preflight.simulator import tokenizer
+
+    def bodies(text: str) -> list[str]:
+        return re.findall(r"-d '(\{[^']*\"token_ids\"[^']*\})'", text)
+
+    ops = (REPO / "docs" / "operations.md").read_text().split("## The compose stack", 1)[1].split("\n## ", 1)[0]
+    header = "\n".join(ln for ln in (REPO / "compose" / "docker-compose.yml").read_text().splitlines()
+                       if ln.startswith("#"))
+    assert bodies(ops) and bodies(ops) == bodies(header), (bodies(ops), bodies(header))
+    body = json.loads(bodies(ops)[0])
+    ids = body["token_ids"]
+    hints = hints_from_probe(tokenizer.encode("a"), tokenizer.encode("b"))  # what explain learns of the engine
+    assert hints.bos_id == tokenizer.BOS and hints.adds_bos
+    assert bos_findings(ids, hints.bos_id, hints.adds_bos) == []
+    text = tokenizer.decode(ids[1:])
+    assert tokenizer.encode(text) == ids and len(ids) > 16, (text, ids)  # a prompt's tokens, a whole block and more
