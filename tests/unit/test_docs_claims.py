@@ -113,3 +113,27 @@ def test_the_compose_predict_example_draws_no_warning():
     assert bos_findings(ids, hints.bos_id, hints.adds_bos) == []
     text = tokenizer.decode(ids[1:])
     assert tokenizer.encode(text) == ids and len(ids) > 16, (text, ids)  # a prompt's tokens, a whole block and more
+
+
+def test_usage_shows_the_options_a_running_stack_fills_as_optional():
+    """An option whose default is the running `up` stack's (.data/env), as `explain --model` and `tokenizer check
+    --model/--engine-url`, is optional: usage.md's command table shows it in brackets, not as a flag to give."""
+    from kv_preflight.cli.env import walk
+    from kv_preflight.cli.main import cli
+
+    filled = {(" ".join(p), o.opts[0]) for p, cmd in walk(cli) for o in cmd.params
+              if "default: the running `up` stack's" in (getattr(o, "help", None) or "")}
+    assert ("explain", "--model") in filled and ("tokenizer check", "--engine-url") in filled
+    shown_bare = []
+    for line in USAGE.splitlines():
+        m = re.match(r"\| `kv-preflight ([a-z][a-z ]*[a-z]) ([-(\[.].*?)` \|", line)
+        if not m:
+            continue
+        synopsis = m.group(2)
+        while True:  # drop every [...] group, innermost first: what is left is what the row says to give
+            inner = re.sub(r"\[[^\[\]]*\]", "", synopsis)
+            if inner == synopsis:
+                break
+            synopsis = inner
+        shown_bare += [(m.group(1), flag) for flag in re.findall(r"--[a-z-]+", synopsis) if (m.group(1), flag) in filled]
+    assert not shown_bare, shown_bare
