@@ -29,10 +29,10 @@ def _pod_row(p, now: float) -> dict[str, Any]:
 
 
 # What `index stats` counts, said beside the figures (its JSON names them as GET /stats does: docs/api.md)
-EVENTS_NOTE = ("batches, stored, removed, cleared: what the engines' events did since each pod was first indexed "
-               "(a block evicted and stored again is stored twice; a second copy of a held block counts too), so "
-               "stored - removed exceeds blocks, the engine blocks held now, by the copies and what clears and "
-               "restarts dropped")
+EVENTS_NOTE = ("Stored and removed count what a pod's events stored and removed since it was first indexed, so a "
+               "block evicted and stored again counts twice. Stored minus removed can exceed blocks: a second copy "
+               "of a held block counts as stored, and a clear or an engine restart drops blocks without counting "
+               "them as removed.")
 INDEX_COUNTERS_NOTE = ("index-wide counters (kvpf:counters): events skipped or refused, never applied ones: "
                        "decode_errors, corrupt_batches, foreign_keys, apply_errors, frames_refused, "
                        "placeholder_events, data_losses")
@@ -87,9 +87,9 @@ def stats(valkey_url, pod_id, as_json) -> None:
     _emit(as_json, _run(go()), human)
 
 
-POD_COLUMNS = ("block: the engine's KV block size in tokens; blocks: engine blocks held now; stored, removed: " +
-               EVENTS_NOTE.split(": ", 1)[1] + "; seq: last seq applied per rank; age s: since its last event; "
-               "fleet: its record (live, unreachable, retired); index: ok (exact) or INCOMPLETE and why. " +
+POD_COLUMNS = ("block: the engine's KV block size in tokens; blocks: engine blocks held now; seq: last seq applied "
+               "per rank; age s: since its last event; fleet: its record (live, unreachable, retired); index: ok "
+               "(exact) or INCOMPLETE and why. " + EVENTS_NOTE + " " +
                INDEX_COUNTERS_NOTE[0].upper() + INDEX_COUNTERS_NOTE[1:])
 
 

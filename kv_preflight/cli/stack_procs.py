@@ -213,11 +213,17 @@ def start_sims(stack: Stack, count: int, args: list[str], draw=free_port) -> lis
     return [url for _, url in sims]
 
 
+def say_event(text: str) -> None:
+    """A line of what happens to the fleet after start-up, after the local time (HH:MM:SS): without it the wait
+    between "unreachable" and "retired" (``--retire-after``, 60 s) could not be seen in the output."""
+    click.echo(f"{time.strftime('%H:%M:%S')} {text}")
+
+
 class EngineFailures:
     """A simulated engine that exits under ``up`` is an engine failure, not the stack's: said at once, then the
     fleet followed as production follows it (ingesters find the engine unreachable after their failed health
     checks and stop offering it; past ``ingest --retire-after`` its pod is retired, its entries cleared), each
-    step printed as the fleet records show it."""
+    step printed as the fleet records show it, after the time it was seen (``say_event``)."""
 
     def __init__(self, valkey_url: str, engines: int, every_s: float = 1.0):
         self.valkey_url = valkey_url
@@ -229,11 +235,11 @@ class EngineFailures:
     def lost(self, child: Child) -> None:
         self.left -= 1
         retire = os.environ.get("KVPF_RETIRE_AFTER") or os.environ.get("KVPF_RETIRE_AFTER_S") or "60"
-        click.echo(click.style("engine failure: ", fg="yellow") + f"{exited(child)}. The stack stays up "
-                   f"({self.left} engine(s) left): the ingesters will find {child.url} unreachable after "
-                   f"{os.environ.get('KVPF_HEALTH_FAILURES') or 3} failed health checks, stop routing to pod "
-                   f"{child.pod}, and retire it after {retire} s (its entries cleared; KVPF_RETIRE_AFTER sets that). "
-                   f"`kv-preflight index pods` shows it.")
+        say_event(click.style("engine failure: ", fg="yellow") + f"{exited(child)}. The stack stays up "
+                  f"({self.left} engine(s) left): the ingesters will find {child.url} unreachable after "
+                  f"{os.environ.get('KVPF_HEALTH_FAILURES') or 3} failed health checks, stop routing to pod "
+                  f"{child.pod}, and retire it after {retire} s (its entries cleared; KVPF_RETIRE_AFTER sets that). "
+                  f"`kv-preflight index pods` shows it.")
         self.watching[child.pod] = "live"
 
     def follow(self) -> None:
@@ -253,12 +259,12 @@ class EngineFailures:
             self.watching[pod] = state
             why = f" ({rec.reason})" if rec is not None and rec.reason else ""
             if state == "unreachable":
-                click.echo(f"      {pod}: unreachable{why}: not routed to, its blocks still listed until it is retired")
+                say_event(f"{pod}: unreachable{why}: not routed to, its blocks still listed until it is retired")
             elif state in ("retired", "gone"):
-                click.echo(f"      {pod}: retired{why}: its entries are cleared and it is no longer offered")
+                say_event(f"{pod}: retired{why}: its entries are cleared and it is no longer offered")
                 del self.watching[pod]
             elif state == "live":
-                click.echo(f"      {pod}: live again")
+                say_event(f"{pod}: live again")
 
     async def _records(self) -> dict:
         from kv_preflight.index.index import Index

@@ -581,7 +581,7 @@ class Predictor:
                     f"not ready: no ingester has reported a pod of any model yet, so {clip(repr(model))} cannot be "
                     "told from a typo; retry once the ingesters have read their engines (`kv-preflight index pods` "
                     "lists what they reported)")
-            raise UnknownModel(unknown_model_message(model, models))
+            raise UnknownModel(unknown_model_message(model, models, gateway=self.routed is not None))
         if need_engine:
             raise EngineUnavailable(
                 f"cannot tokenize for model {clip(repr(model))}: no engine of it answers /tokenize now (no live "
@@ -676,9 +676,10 @@ def _names(pods: list[str], limit: int = 10) -> str:
     return ", ".join(repr(p) for p in pods[:limit]) + (" ..." if len(pods) > limit else "")
 
 
-def unknown_model_message(model: str, known: list[str]) -> str:
+def unknown_model_message(model: str, known: list[str], *, gateway: bool = False) -> str:
     """Names the cause (no ingester reported a pod of it), lists the known models and, when one is near
-    (case-insensitively: "Tiny" for "tiny"), asks if that was meant."""
+    (case-insensitively: "Tiny" for "tiny"), asks if that was meant. A gateway's (``gateway``) names its own
+    --engine too: an engine given so makes the models it serves known."""
     import difflib
 
     lowered = {m.lower(): m for m in known}
@@ -686,8 +687,10 @@ def unknown_model_message(model: str, known: list[str]) -> str:
         lowered[m] for m in difflib.get_close_matches(model.lower(), list(lowered), n=1, cutoff=0.6)]
     shown = ", ".join(repr(m) for m in known[:20]) + (f" ... ({len(known)} in all)" if len(known) > 20 else "")
     hint = f"; did you mean {near[0]!r}?" if near else ""
-    return (f"unknown model {clip(repr(model))}: no ingester has reported a pod of this model yet, and no "
-            f"--engine-url or --tokenizer names it (known models: {clip(shown)}){hint}")
+    configured = ("no --engine of this gateway serves it, nor does any --engine-url or --tokenizer name it" if gateway
+                  else "no --engine-url or --tokenizer names it")
+    return (f"unknown model {clip(repr(model))}: no ingester has reported a pod of this model yet, and "
+            f"{configured} (known models: {clip(shown)}){hint}")
 
 
 def prefix_placements(cfg: Config) -> PrefixPlacements | None:

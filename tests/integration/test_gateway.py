@@ -170,6 +170,26 @@ async def test_answers_pass_through_byte_for_byte(valkey_url, ix, gateway, stubs
     assert plain.seen[-1]["body"] == b'{"model":"sim","prompt":[1,2,3]}'  # the body went up as sent
 
 
+async def test_an_unknown_model_is_a_404_that_names_the_gateways_own_flags(valkey_url, ix, gateway, stubs):
+    """The 404 for a model nothing serves says what would make it known in the gateway's own words: its --engine
+    (it said "no --engine-url or --tokenizer names it", serve's wording alone, to someone who had given --engine),
+    and still lists the known models."""
+    engine = stubs(body=b'{"ok": true}')
+    await ix.fleet.put_pod_records({"pod-a": record(engine.url)})
+    g = gateway().ready()
+    async with httpx.AsyncClient(timeout=10) as c:
+        async def judged():  # 503 until the fleet records are read
+            r = await c.post(g.url + "/v1/completions", json={"model": "nope", "prompt": [1, 2, 3]})
+            return r if r.status_code != 503 else None
+
+        r = await until(judged, "the gateway's verdict on an unknown model")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError", r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("unknown model 'nope'") and f"known models: {MODEL!r}" in message, message
+    assert "no --engine of this gateway serves it" in message and "--engine-url or --tokenizer" in message, message
+    assert engine.seen == []  # nothing went upstream
+
+
 async def test_refused_connection_is_retried_on_the_next_candidate_and_the_fleet_told(valkey_url, ix, gateway, stubs):
     alive = stubs(body=b'{"ok": "alive"}')
     prompt = list(range(500, 564))

@@ -311,6 +311,7 @@ async def test_unknown_model(client, writer):
     r = await client.post(PREDICT, json={"model": "nope", "token_ids": tokens_of(32)})
     assert r.status_code == 400
     assert r.json()["error"].startswith("unknown model 'nope'")
+    assert "and no --engine-url or --tokenizer names it" in r.json()["error"]  # serve's flags (a gateway adds --engine)
     r = await client.post(PREDICT, json={"model": "nope", "prompt": "hello"})
     assert r.status_code == 400 and "unknown model" in r.json()["error"]
     # known from the index, but prompts need an engine to tokenize and none answers: the server's, a 503

@@ -376,6 +376,11 @@ def test_an_engine_killed_under_up_is_retired_and_the_stack_stays_up(tmp_path):
             assert proc.poll() is None, text
             assert "engine-sim-0 was killed by SIGKILL" in text and "The stack stays up" in text, text
             assert "sim-0: unreachable" in text and "sim-0: retired" in text, text
+            # each fleet event after the local time it was seen (the 60 s retire delay shows), the banner without
+            stamp = r"^\d\d:\d\d:\d\d "
+            for event in (r"engine failure: engine-sim-0 was killed by SIGKILL", r"sim-0: unreachable", r"sim-0: retired"):
+                assert re.search(stamp + event, text, re.M), (event, text)
+            assert re.search(r"^Ctrl-C stops everything\.$", text, re.M), text
             assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
             pods = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "pods", "--json"], cwd=tmp_path,
                                   capture_output=True, text=True, timeout=60,

@@ -1,6 +1,7 @@
 """Statements in README.md and docs/ that the code can check."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def test_the_unit_tests_run_no_engine_and_usage_says_how_long_they_take():
     assert "test_longest_hit_equals_vllm_live" in (REPO / "tests" / "e2e" / "test_vllm_hit_rules.py").read_text()
     assert "well under a minute" not in USAGE
     assert "scripts/test tests/unit" in USAGE and re.search(r"unit tests took \d+ min \d+ s", " ".join(USAGE.split()))
+    # a count of tests drifts with every commit (it said 1,784 when there were 1,867): usage.md names none
+    section = " ".join(USAGE.split("## Tests:", 1)[1].split("\n## ", 1)[0].split())
+    assert not re.search(r"\d[\d,]* (unit |integration )?tests\b", section), section
 
 
 def test_the_durability_page_names_tests_and_functions_that_exist():
@@ -85,3 +89,51 @@ def test_the_durability_page_names_tests_and_functions_that_exist():
             missing.append(f"{cls}.{name}")
     assert len(named_tests) >= 20 and len(named_functions) >= 10, (len(named_tests), len(named_functions))
     assert not missing, missing
+
+
+def test_the_compose_predict_example_draws_no_warning():
+    """The predict curl of the compose quickstart (docs/operations.md and the compose file's header, the same
+    line) sends token ids the simulated engines could have made: BOS first, then bytes. Its BERT-style ids
+    ([101, 2023, ...]) drew a ``missing_bos`` warning from every predictor that knew the engines' BOS."""
+    from kv_preflight.predictor.explain.warnings import hints_from_probe
+    from kv_preflight.predictor.explain.rules import bos_findings
+    from kv_preflight.simulator import tokenizer
+
+    def bodies(text: str) -> list[str]:
+        return re.findall(r"-d '(\{[^']*\"token_ids\"[^']*\})'", text)
+
+    ops = (REPO / "docs" / "operations.md").read_text().split("## The compose stack", 1)[1].split("\n## ", 1)[0]
+    header = "\n".join(ln for ln in (REPO / "compose" / "docker-compose.yml").read_text().splitlines()
+                       if ln.startswith("#"))
+    assert bodies(ops) and bodies(ops) == bodies(header), (bodies(ops), bodies(header))
+    body = json.loads(bodies(ops)[0])
+    ids = body["token_ids"]
+    hints = hints_from_probe(tokenizer.encode("a"), tokenizer.encode("b"))  # what explain learns of the engine
+    assert hints.bos_id == tokenizer.BOS and hints.adds_bos
+    assert bos_findings(ids, hints.bos_id, hints.adds_bos) == []
+    text = tokenizer.decode(ids[1:])
+    assert tokenizer.encode(text) == ids and len(ids) > 16, (text, ids)  # a prompt's tokens, a whole block and more
+
+
+def test_usage_shows_the_options_a_running_stack_fills_as_optional():
+    """An option whose default is the running `up` stack's (.data/env), as `explain --model` and `tokenizer check
+    --model/--engine-url`, is optional: usage.md's command table shows it in brackets, not as a flag to give."""
+    from kv_preflight.cli.env import walk
+    from kv_preflight.cli.main import cli
+
+    filled = {(" ".join(p), o.opts[0]) for p, cmd in walk(cli) for o in cmd.params
+              if "default: the running `up` stack's" in (getattr(o, "help", None) or "")}
+    assert ("explain", "--model") in filled and ("tokenizer check", "--engine-url") in filled
+    shown_bare = []
+    for line in USAGE.splitlines():
+        m = re.match(r"\| `kv-preflight ([a-z][a-z ]*[a-z]) ([-(\[.].*?)` \|", line)
+        if not m:
+            continue
+        synopsis = m.group(2)
+        while True:  # drop every [...] group, innermost first: what is left is what the row says to give
+            inner = re.sub(r"\[[^\[\]]*\]", "", synopsis)
+            if inner == synopsis:
+                break
+            synopsis = inner
+        shown_bare += [(m.group(1), flag) for flag in re.findall(r"--[a-z-]+", synopsis) if (m.group(1), flag) in filled]
+    assert not shown_bare, shown_bare
