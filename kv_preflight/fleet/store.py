@@ -12,19 +12,19 @@ from typing import Any
 
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
-from kv_preflight.index.cluster.markers import Looked, SlotMarkers
+from kv_preflight.index.backend import IndexBackend, Looked, foreign_as_empty, ms_of
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
                                        INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)
 
 
 class FleetStore:
-    """Reads and writes of the fleet's records, on a single node or a cluster (redis-py routes each key)."""
+    """Reads and writes of the fleet's records, on a single node or a cluster (redis-py routes each key; what
+    differs, the backend does: how Valkey's time comes with reads, and the shards' slot markers)."""
 
-    def __init__(self, client, *, cluster: bool):
+    def __init__(self, client, backend: IndexBackend):
         self.client = client
-        self.cluster = cluster
+        self.backend = backend
 
     async def now_ms(self) -> int:
         """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
@@ -42,19 +42,13 @@ class FleetStore:
                        if (r := fleet.decode_lease(v)) is not None})
 
     async def _timed_read(self, *hashes: str) -> list[Any]:
-        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
-        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
+        """Valkey's time (ms) and HGETALL of each hash, in one round trip where the topology allows it."""
         def fill(pipe) -> None:
-            if not self.cluster:
-                pipe.time()
             for h in hashes:
                 pipe.hgetall(h)
 
-        if self.cluster:
-            now, *rest = [await self.client.time(), *await read_pipeline(self.client, fill)]
-        else:
-            now, *rest = await read_pipeline(self.client, fill)
-        return [ms_of(now), *foreign_as_empty(rest)]
+        now, rest = await self.backend.read_timed(fill)
+        return [now, *foreign_as_empty(rest)]
 
     async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
         if records:
@@ -138,14 +132,13 @@ class FleetStore:
         await self.client.hset(EPOCH_KEY, "id_at", await self.now_ms())
 
     async def look_at_shards(self, epoch: str) -> Looked:
-        """(cluster) The primaries that came back without their data in ``epoch``, and those whose marker was
-        evicted (kv_preflight/index/cluster/markers.py); on a single node, none: its epoch key says it all."""
-        return await SlotMarkers(self.client).look(epoch) if self.cluster else Looked([], [])
+        """The primaries that came back without their data in ``epoch``, and those whose marker was evicted
+        (kv_preflight/index/cluster/markers.py); on a single node, none: its epoch key says it all."""
+        return await self.backend.look_at_shards(epoch)
 
     async def mark_shards(self, epoch: str) -> None:
-        """(cluster) Every slot marked in ``epoch``, so a shard's loss from here on shows (``look_at_shards``)."""
-        if self.cluster:
-            await SlotMarkers(self.client).mark(epoch)
+        """Every slot marked in ``epoch``, so a shard's loss from here on shows (``look_at_shards``; a cluster's)."""
+        await self.backend.mark_shards(epoch)
 
     async def maxmemory_policy(self) -> str | None:
         """Valkey's ``maxmemory-policy``, None where CONFIG is not allowed (a managed service)."""

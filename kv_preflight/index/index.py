@@ -86,7 +86,7 @@ class Index:
         # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
         self.numbering = Numbering(client)
         # fleet records, leases, load, settings, aliases, feeds: kv_preflight/fleet/store.py
-        self.fleet = FleetStore(client, cluster=self.cluster)
+        self.fleet = FleetStore(client, self.backend)
         # the registry, pods' meta (seqs, flags, counters) and the index-wide counters: kv_preflight/index/pod_meta.py
         self.meta = PodMeta(client, self.backend)
 
@@ -110,6 +110,27 @@ class Index:
     def late_reads(self) -> int:
         """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
         return self.backend.late_reads
+
+    @property
+    def unreplicated(self) -> int:
+        """Runs whose changes no replica confirmed in time, kept in the outbox (cluster; 0 on one node): for /metrics."""
+        return self.backend.unreplicated
+
+    @property
+    def confirmed_late(self) -> int:
+        """Kept outbox entries deleted once a replica confirmed them (cluster; 0 on one node): for /metrics."""
+        return self.backend.confirmed_late
+
+    @property
+    def partial_reads(self) -> bool:
+        """Whether one part of the index (a shard) can fail while the others answer: then a caller goes on
+        with what answers, and the lookup says how far it read ("partial"), rather than failing."""
+        return self.backend.partial_reads
+
+    @property
+    def label(self) -> str:
+        """What a log line calls the topology ("" for a plain single node)."""
+        return self.backend.label
 
     async def close(self) -> None:
         await self.backend.close()
@@ -334,6 +355,12 @@ class Index:
         """Run what a stopped writer left in a pod's outbox (cluster; nothing to do on one node);
         ``stale_only``: only entries older than the takeover time (their writer is gone)."""
         return await self.backend.drain_outbox(pod_id, stale_only=stale_only)
+
+    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
+        """What stopped writers left in these pods' outboxes (only entries older than the takeover time), run,
+        ``at_once`` pods side by side: per pod the entries run, or the Valkey error that stopped it (``{}`` on
+        one node: it has no outbox)."""
+        return await self.backend.drain_outboxes(pods, at_once=at_once)
 
     async def memory_usage(self) -> int | None:
         """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""

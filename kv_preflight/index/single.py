@@ -4,11 +4,11 @@ both hot paths when the URL allows it (redis://, unix://); redis-py everything e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import evalsha_pipeline, read_fields, read_pipeline, ready
+from kv_preflight.index.backend import Looked, evalsha_pipeline, ms_of, read_fields, read_pipeline, ready
 from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, longest_prefix, parse_lookup_reply
 from kv_preflight.keys.chain import pack_keys
 from kv_preflight.index.presence import (NamesFor, mask_of, one_tier_of_reads, parse_bits_reply, prefix_from_bits,
@@ -20,6 +20,10 @@ from kv_preflight.index.writer import Prepared
 
 class SingleNodeBackend:
     cluster = False
+    label = ""
+    partial_reads = False  # the node answers whole or not at all
+    unreplicated = 0  # (no replication barrier on one node)
+    confirmed_late = 0
 
     def __init__(self, client, fast: FastConnection | None):
         self.client = client
@@ -95,8 +99,29 @@ class SingleNodeBackend:
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return 0  # one script applies a whole batch: nothing is ever left half applied
 
+    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
+        return {}  # no outbox on one node
+
+    def nodes(self) -> list[tuple[str, int]]:
+        return []  # the URL's node is all there is
+
     def forget(self, pods: Iterable[str]) -> None:
         pass  # nothing of a pod's writes is remembered here
+
+    async def read_timed(self, fill: Callable[[Any], None]) -> tuple[int, list[Any]]:
+        """``TIME`` first in the same pipeline: one round trip."""
+        def with_time(pipe) -> None:
+            pipe.time()
+            fill(pipe)
+
+        now, *rest = await read_pipeline(self.client, with_time)
+        return ms_of(now), rest
+
+    async def look_at_shards(self, epoch: str) -> Looked:
+        return Looked([], [])  # one node: its epoch key (kvpf:epoch) goes with its data, and says it all
+
+    async def mark_shards(self, epoch: str) -> None:
+        pass  # (the same)
 
     async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """On the lean connection where there is one (a thousand pods' metadata cost ~70 ms of redis-py's

@@ -562,10 +562,10 @@ class Predictor:
             async with valkey_call(self.valkey_deadline_s, "model check"):
                 known = model in await self.metadata.known_models(model)
         except IndexUnavailable:
-            if not self.index.cluster:
+            if not self.index.partial_reads:
                 raise
-            # On a cluster the registry's shard may be the one that is down while the others answer: the
-            # model goes unchecked, and the lookup says how far it could read ("partial"), never a 5xx.
+            # The registry's shard may be the one that is down while the others answer: the model goes
+            # unchecked, and the lookup says how far it could read ("partial"), never a 5xx.
             known = True
         if not known and self.fleet is not None:
             known = bool(self.fleet.serving(model))

@@ -187,9 +187,7 @@ class DynamoApi:
         fleet knows (the engines it serves, its pod records, the engines registered by URL)."""
         cfg = self.cfg
         valkey = [cfg.valkey_url]
-        nodes = getattr(self.index.client, "get_nodes", None)  # a cluster's client knows every node
-        if callable(nodes):
-            valkey += [f"redis://{n.host}:{n.port}" for n in nodes()]
+        valkey += [f"redis://{host}:{port}" for host, port in self.index.backend.nodes()]  # a cluster's shards
         http = {f"http://{cfg.host}:{cfg.port}": "the predictor's HTTP port"}
         if cfg.dynamo_port:
             http[f"http://{cfg.host}:{cfg.dynamo_port}"] = "this remote-indexer API's HTTP port"

@@ -411,7 +411,7 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
     # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py)
-    store = RoutedStore(predictor.index.client, getattr(predictor.index.backend, "fast", None))
+    store = RoutedStore(predictor.index.client, predictor.index.backend.fast)
     routed = RoutedState(store=store, deadline_s=predictor.valkey_deadline_s,
                          window_ms=int(cfg.route_placement_window_s * 1000))
     predictor.routed = routed
