@@ -12,7 +12,7 @@ counts), and our own keys are checked before the first write.
 
 What is not the apply or the lookup lives beside it, each taking the client or backend it needs: pods'
 metadata and counters (pod_meta.py, ``Index.meta``), pod numbers (numbering.py, ``Index.numbering``), the
-fleet's records (kv_preflight/fleet/store.py, ``Index.fleet``), export and import (transfer.py), the layout
+fleet's records (kv_preflight/index/fleet_store.py, ``Index.fleet``), export and import (transfer.py), the layout
 check (layout_version.py), engine keys (engine_keys.py), and which backend a URL gets (connect.py).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
-from kv_preflight.fleet.store import FleetStore
+from kv_preflight.index.fleet_store import FleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.numbering import Numbering, give_numbers
@@ -85,7 +85,7 @@ class Index:
         self.writer = PodWriter(client, cluster=self.cluster, reannouncements=reannouncements)
         # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
         self.numbering = Numbering(client)
-        # fleet records, leases, load, settings, aliases, feeds: kv_preflight/fleet/store.py
+        # fleet records, leases, load, settings, aliases, feeds: kv_preflight/index/fleet_store.py
         self.fleet = FleetStore(client, self.backend)
         # the registry, pods' meta (seqs, flags, counters) and the index-wide counters: kv_preflight/index/pod_meta.py
         self.meta = PodMeta(client, self.backend)

@@ -36,7 +36,7 @@ from kv_preflight.predictor.http.errors import PredictorError
 from kv_preflight.predictor.prediction import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
-from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
+from kv_preflight.index.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
@@ -217,7 +217,7 @@ class DynamoApi:
                 await self.index.fleet.unregister_engine(engine_id)
             # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here, once
             # no ingester ingests it any more (a worker still publishing would otherwise come back as a pod
-            # that no listing shows: fleet/lifecycle.py)
+            # that no listing shows: index/lifecycle.py)
             await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
         return 200, {"status": "ok"}
