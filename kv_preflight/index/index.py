@@ -35,7 +35,7 @@ from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
-from kv_preflight.index.fleet_store import FleetStore
+from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.numbering import Numbering, give_numbers
@@ -86,7 +86,7 @@ class Index:
         # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
         self.numbering = Numbering(client)
         # fleet records, leases, load, settings, aliases, feeds: kv_preflight/index/fleet_store.py
-        self.fleet = FleetStore(client, self.backend)
+        self.fleet: FleetStore = ValkeyFleetStore(client, self.backend)
         # the registry, pods' meta (seqs, flags, counters) and the index-wide counters: kv_preflight/index/pod_meta.py
         self.meta = PodMeta(client, self.backend)
 
