@@ -60,7 +60,7 @@ class IndexBackend(Protocol):
         """Apply planned batches (kv_preflight/index/writer.py), in order; the results come from the future."""
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Over llm-d's entries (``linear``, ``gallop``, ``pipeline``): per pod, its prefix of the chain; and how
+        """Over llm-d's entries (``linear``, ``pipeline``): per pod, its prefix of the chain; and how
         many foreign-typed keys were read as misses."""
 
     async def lookup_bits(self, request_keys: Sequence[int], names: "NamesFor") -> tuple[Lookup | None, int]:

@@ -29,7 +29,6 @@ class SingleNodeBackend:
         self.client = client
         self.fast = fast
         self._apply = client.register_script(scripts.APPLY)
-        self._lookup = client.register_script(scripts.LOOKUP)
         self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
@@ -53,20 +52,20 @@ class SingleNodeBackend:
         return ready([apply_result(r) for r in await evalsha_pipeline(self.client, self._apply, keys, args)])
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
-        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison; ``pipeline``,
-        llm-d's own pipelined HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``.)"""
+        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``pipeline``, llm-d's own pipelined
+        HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``; layout 2's galloping search is
+        the benchmark's, kv_preflight/cli/bench/gallop.py.)"""
         if mode == "pipeline":
             fields, foreign = await read_fields(self.client, request_keys)
             return Lookup(longest_prefix(fields, pods)), foreign
-        script = self._lookup_linear if mode == "linear" else self._lookup
-        head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
-        # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
+        if mode != "linear":
+            raise ValueError(f"lookup mode {mode!r}: a single node walks llm-d's entries 'linear' or 'pipeline'")
+        script = self._lookup_linear
         args = [len(request_keys), pack_keys(request_keys), 0, *(pods or ())]
         if self.fast is not None:
-            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), head)
+            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), 1)
         else:
-            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), head)
+            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), 1)
         return Lookup(matches), foreign
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:

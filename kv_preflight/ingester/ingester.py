@@ -21,6 +21,7 @@ import zmq
 from kv_preflight.config import Config
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
+from kv_preflight.index import hooks
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.layout_version import check_layout, v1_writer_seen
 from kv_preflight.ingester.accept import FrameAcceptor
@@ -485,6 +486,7 @@ def start_line(cfg: Config, sockets: int, topology: str = "") -> str:
 
 
 async def run_ingester(cfg: Config) -> None:
+    hooks.load_plugin()  # a fault-injection test's hooks (kv_preflight/index/hooks.py); none in production
     ing = await Ingester.create(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
