@@ -10,7 +10,8 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from kv_preflight.index.backend import VALKEY_ERRORS, Looked, ms_of, read_pipeline, ready
-from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup, merge_shards, pod_bisectable
+from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup
+from kv_preflight.index.cluster.merge import merge_shards, pod_bisectable
 from kv_preflight.index.cluster.markers import SlotMarkers, numbering_copies
 from kv_preflight.index.cluster.routing import Shards, by_primary, cluster_client, node_for, probe_cluster, writer_id
 from kv_preflight.index.cluster.writes import TAKEOVER_MS, ClusterWrites
