@@ -33,7 +33,7 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
                                    stable_instance_id,
                                    tier_prefixes)
 from kv_preflight.predictor.http.errors import PredictorError
-from kv_preflight.predictor.prediction import valkey_call
+from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index.lifecycle import LET_GO_WAIT_S, forget_pods
