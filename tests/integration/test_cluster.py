@@ -14,7 +14,7 @@ import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
-from kv_preflight.index.cluster.writes import encode_changes
+from kv_preflight.index.cluster.outbox_ops import encode_changes
 from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
