@@ -63,7 +63,7 @@ def read_turns(path: Path) -> list[dict[str, Any]]:
 async def tokenize_turns(rows: list[dict[str, Any]], tokenizers: dict[str, str],
                          engine_urls: dict[str, tuple[str, ...]],
                          timeout_s: float) -> list[Any]:
-    from kv_preflight.predictor.http.errors import PredictorError
+    from kv_preflight.predictor.errors import PredictorError
     from kv_preflight.predictor.diagnosis.sessions import TurnRecord
     from kv_preflight.predictor.tokens.source import Tokenization
     from kv_preflight.predictor.tokens.engine import EngineTokenizer

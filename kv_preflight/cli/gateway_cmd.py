@@ -12,6 +12,7 @@ import dataclasses
 
 import click
 
+from kv_preflight.cli.serve_checks import check_serve_files, run_checked
 from kv_preflight.config import (Config, parse_group_specs, parse_model_urls, parse_pod_urls, parse_tier_weights,
                                  parse_tokenizer_dirs)
 
@@ -45,7 +46,6 @@ def gateway_command(serve: click.Command) -> click.Command:
             p.help = "Listen port (default 8080)."
 
     def run(workers: int, **options) -> None:
-        from kv_preflight.cli.main import check_serve_files, run_checked
         from kv_preflight.predictor.gateway.serve import serve as run_gateway
 
         try:

@@ -21,18 +21,21 @@ from kv_preflight.index.transfer import (export_blocks, groups_of_row, groups_ro
 @click.option("--pod", "pod_ids", multiple=True, help="Pod to export (repeatable; default all).")
 @click.option("-o", "--output", type=click.File("w"), default="-", show_default=True)
 def export_cmd(valkey_url, pod_ids, output) -> None:
-    """Write pods' entries as JSON lines: one pod line (its model, block size, seqs and KV cache groups), then one
-    line per engine block."""
+    """Write pods' entries as JSON lines: one pod line (its model, block size, seqs, KV cache groups and LoRA
+    adapters), then one line per engine block."""
     async def go():
         ix = await _open(valkey_url)
         total = 0
         try:
             known = await ix.meta.pod_ids()
             _unknown_pods(pod_ids, known)
+            adapters = await ix.meta.adapters()
             for pod_id in pod_ids or sorted(known):
                 info = await ix.meta.pod_info(pod_id)
                 head = {"pod": pod_id, "model": info.model, "engine_block_size": info.engine_block_size,
                         "seqs": info.seqs}
+                if adapters.get(pod_id):  # its LoRA adapters (kvpf:adapters): without them an adapter's model is unknown
+                    head["adapters"] = sorted(adapters[pod_id])
                 groups = await pod_groups(ix.writer, pod_id)
                 if any(s.kind != FULL for s in groups.values()) or len(groups) > 1:
                     head["groups"] = groups_row(groups)  # else plain: one full-attention group says nothing
@@ -82,6 +85,8 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
                     await import_blocks(ix, pod, meta.get("model", ""), meta.get("engine_block_size"), blocks[i:i + 500],
                                         groups_of_row(meta.get("groups")))
                 await restore_seqs(ix.client, pod, meta.get("seqs") or {})
+                if meta.get("adapters"):
+                    await ix.register_adapters({(pod, a): meta.get("model", "") for a in meta["adapters"]})
                 if not exact:
                     await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
                                                   "exact again at its next reset")
@@ -112,6 +117,10 @@ def _read_export(source) -> dict[str, tuple[dict, list[StoreBlock]]]:
                 if not all(str(r).isdigit() and isinstance(v, int) and 0 <= v < 2**63 for r, v in seqs.items()):
                     raise ValueError("seqs must map dp ranks to non-negative integers")
                 groups_of_row(row.get("groups"))  # checked here, before anything is written
+                adapters = row.get("adapters", [])
+                if not isinstance(adapters, list) or not all(isinstance(a, str) and a and "\t" not in a
+                                                             for a in adapters):
+                    raise ValueError("adapters must be a list of adapter names (non-empty, no tab)")
                 meta.update(row)
                 continue
             entry = parse_entry(row["entry"])

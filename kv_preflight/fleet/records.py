@@ -71,11 +71,16 @@ class IngesterLease(msgspec.Struct, omit_defaults=True):
     # last renewed while current. ``pods``: the pods it ingests; ``behind``: those with a replay under way or
     # their event stream down (ingester/subscriber.py);
     # ``batch_ts``: each pod's newest applied batch's engine timestamp (epoch seconds).
+    # ``current_ms`` is the last renewal at which every pod not in ``behind`` was current: one pod's stream down
+    # does not age the others. ``behind_since_ms``: per pod of ``behind``, the last renewal at which that pod was
+    # current (0: not since this ingester took it), its own staleness; absent in a lease that predates it (then
+    # ``current_ms`` stood still while any pod was behind, and is every pod's).
     state: str = ""
     current_ms: int = 0
     pods: list[str] = msgspec.field(default_factory=list)
     behind: list[str] = msgspec.field(default_factory=list)
     batch_ts: dict[str, float] = msgspec.field(default_factory=dict)
+    behind_since_ms: dict[str, int] | None = None
 
 
 class RegisteredEngine(msgspec.Struct, omit_defaults=True):

@@ -61,6 +61,7 @@ class PodRouted(msgspec.Struct, frozen=True):
     speculative: int = 0
     approximate: int = 0
     footprint: int = 0  # blocks of other prefixes homed there within the window
+    homed_ms_ago: int = -1  # when the prompt's own prefix was last homed there (-1: not within the window)
 
 
 class RoutedStore:
@@ -99,13 +100,13 @@ class RoutedStore:
 
     async def read(self, pods: Iterable[str], blob: bytes = b"", window_ms: int = 0) -> dict[str, PodRouted]:
         """Each pod's bookings, its hold of the prompt whose keys ``blob`` holds, and (``window_ms`` > 0) its
-        footprint, in one round trip (per shard on a cluster)."""
+        footprint and when the prompt's prefix was last homed there, in one round trip (per shard on a cluster)."""
         pods = list(dict.fromkeys(pods))
         if not pods:
             return {}
         replies = await self._eval(self._read, [pod_routed_keys(p) for p in pods],
                                    [(EPOCH_MS, blob, int(window_ms))] * len(pods))
-        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]))
+        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
                 for p, r in zip(pods, replies)}
 
     async def home(self, pod: str, prefix: int, blocks: int, window_ms: int) -> int:

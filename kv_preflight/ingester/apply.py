@@ -84,7 +84,7 @@ class Applier:
         # order, until the rebuild has cleared the pod and applied the replay (``unpark``)
         self.parked: dict[str, list[tuple[str, _Pending]]] = {}
         self.last_batch_ts: dict[str, float] = {}  # pod -> engine timestamp of its newest applied batch
-        # a pod's first write waits for a lease listing it (ingester/fleet_member.py ``vouch``): set by the ingester
+        # a pod's first write waits for a lease listing it (ingester/lease.py ``vouch``): set by the ingester
         self.vouch: Callable[[str], Awaitable[None]] | None = None
         self.vouched: set[str] = set()
 
@@ -319,6 +319,8 @@ class Applier:
         elif result.status == "corrupt":
             await self._corrupt(pod, seq, result.detail)
         elif result.status in _ANSWERS:
+            if result.status == "dup":  # a copy applied it: the index has it, so this ingester's lag counts it too
+                self.last_batch_ts[pod] = max(self.last_batch_ts.get(pod, 0.0), batch.ts)
             await self.counters.count(_ANSWERS[result.status], pod=pod)
 
     async def _applied(self, pod: str, seq: int, batch: EventBatch, plan: Plan, result: ApplyResult) -> None:

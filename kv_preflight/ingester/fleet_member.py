@@ -16,7 +16,8 @@ Every second (``FleetMember.tick``, from the ingester's chores) an ingester:
    ``--retired-retention`` seconds, then dropped; both through the one pod lifecycle
    (fleet/lifecycle.py: every ingester lets the pod go before its keys go), in tasks of their own.
 
-The rules are pure functions in ingester/membership_rules.py; this module does their I/O.
+The rules are pure functions in ingester/membership_rules.py; this module does their I/O, its lease (step 2,
+and ``vouch``) ingester/lease.py.
 """
 from __future__ import annotations
 
@@ -38,12 +39,13 @@ from kv_preflight.engines.endpoints import check_zmq_endpoint
 from kv_preflight.ingester.engine_probe import probe
 from kv_preflight.ingester.retirement import Retirements
 from kv_preflight.events import topic_or_none
-from kv_preflight.fleet.records import MAX_LEASE_SOURCES, IngesterLease, PodLoad, PodRecord
+from kv_preflight.fleet.records import PodLoad, PodRecord
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, rank_pod, split_rank_pod
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
+from kv_preflight.ingester.lease import LeaseHolder
 from kv_preflight.ingester.membership_rules import (Debounced, EngineSpec, Health, address_pod_id, after_check,
                                                     balanced_owners)
 from kv_preflight.ingester.sources import Source
@@ -53,9 +55,7 @@ log = logging.getLogger("kvpf.ingester")
 
 MODELS_EVERY = 10  # ticks between reads of an engine's /v1/models and the pod's block size
 RECORD_REFRESH_S = 10.0  # a record unchanged is written again this often (its owner may have changed)
-LEASE_RENEW_S = 1.0  # the lease is renewed this often, beside the rounds (``renew_forever``)
 SLOW_ROUND_S = 2.0  # a round slower than this logs where its time went at info (else at debug)
-VOUCH_WAIT_S = 1.0  # how long a new pod's first write waits for a lease listing it (``vouch``) before going on
 
 
 def _given_here(spec: EngineSpec) -> str:
@@ -110,7 +110,7 @@ class Ingesting(Protocol):
     def batch_ts(self) -> dict[str, float]: ...
 
 
-class FleetMember:
+class FleetMember(LeaseHolder):
     def __init__(self, ingester: Ingesting, cfg: Config, index: Index) -> None:
         self.ing = ingester
         self.index = index
@@ -140,7 +140,8 @@ class FleetMember:
         self.renewed_at = 0.0  # monotonic time of the last lease renewal
         self.renewer: asyncio.Task | None = None  # renew_forever's task (start_renewing)
         self.forget_seen_ms = 0  # the newest forget request carried out (IngesterLease.forget_seen_ms)
-        self.current_ms = 0  # Valkey's time of the last renewal at which this ingester was current
+        self.current_ms = 0  # Valkey's time of the last renewal at which every pod not listed behind was current
+        self.pod_current_ms: dict[str, int] = {}  # pod -> the last renewal at which it was current (ingester/lease.py)
         self._steps: list[tuple[str, float]] = []  # (step, monotonic start) of the round under way
         self.started_ms = 0
         self.live: list[str] = [self.me]
@@ -190,74 +191,6 @@ class FleetMember:
     def round_deadline_s(self) -> float:
         """How long a round may take before the watchdog says it overran: half the lease TTL."""
         return max(2.0, self.cfg.lease_ttl_s / 2)
-
-    def _lease(self, now_ms: int) -> IngesterLease:
-        state, behind = self.ing.ingest_state()
-        if state == "current":
-            self.current_ms = now_ms
-        pods = self.ing.pods()
-        return IngesterLease(
-            state=state, current_ms=self.current_ms, pods=pods[:MAX_LEASE_SOURCES], behind=behind[:MAX_LEASE_SOURCES],
-            batch_ts=self.ing.batch_ts(),
-            expires_ms=now_ms + int(self.cfg.lease_ttl_s * 1000), started_ms=self.started_ms, renewed_ms=now_ms,
-            renew_ms=int(LEASE_RENEW_S * 1000), private=self.cfg.private,
-            forget_seen_ms=self.forget_seen_ms, sources=dict(list(self.ing.endpoints().items())[:MAX_LEASE_SOURCES]),
-            host=socket.gethostname(), engines=sorted(self.attached), lag_s=self.ing.lag_s(),
-            known=[msgspec.to_builtins(s) for s in sorted(self.known.values(), key=lambda s: s.key)])
-
-    async def renew(self) -> None:
-        now_ms = await self.index.fleet.now_ms()
-        self.started_ms = self.started_ms or now_ms
-        await self._put_lease(now_ms)
-
-    async def _put_lease(self, now_ms: int) -> None:
-        lease = self._lease(now_ms)
-        await self.index.fleet.put_lease(self.me, lease)
-        self.renewed_at = time.monotonic()
-        self.vouched.update(lease.pods)
-
-    async def vouch(self, pod: str) -> None:
-        """Record first: a pod's first write here waits for a lease that lists it (put now, not at the next
-        renewal). A predictor weighs only blocks some lease vouches for (an ``unknown`` pod's are not routed by),
-        so an engine just attached whose blocks landed before its lease did had its first hits routed as misses
-        for up to a renewal. Once per pod and process; a lease put that fails or is slow delays nothing for long
-        (``VOUCH_WAIT_S``): the renewals list the pod anyway. The pods past the lease's cap are never listed."""
-        if pod in self.vouched:
-            return
-        if not self.active or self.ticks == 0:  # no lease of ours to list it (or the first round puts the first)
-            return
-        if self._vouching is None or self._vouching.done():
-            self._vouching = asyncio.ensure_future(self.renew())
-            self._vouching.add_done_callback(lambda t: t.cancelled() or t.exception())  # a late failure: retrieved
-        try:
-            await asyncio.wait_for(asyncio.shield(self._vouching), VOUCH_WAIT_S)
-        except (*VALKEY_ERRORS, TimeoutError) as exc:
-            log.warning("pod %s: its first write goes ahead before a lease lists it (%s)", pod,
-                        exc or type(exc).__name__)
-        self.vouched.add(pod)
-
-    def start_renewing(self) -> asyncio.Task:
-        """``renew_forever`` in a task of its own, which ``close`` ends before it gives the lease back."""
-        self.renewer = asyncio.ensure_future(self.renew_forever())
-        return self.renewer
-
-    async def renew_forever(self) -> None:
-        """The lease, renewed every second in a task of its own: whatever a round is waiting for, the
-        others never take this ingester for dead while it lives (nor does a stalled round hide that it
-        is alive but slow: the watchdog says so)."""
-        while True:
-            # due a second after the last renewal, whoever made it (a round renews too): renewals stay a second
-            # apart, as the lease says (``renew_ms``), so predictors can take two missed ones for silence
-            due = self.renewed_at + LEASE_RENEW_S - time.monotonic()
-            if self.ticks == 0 or due > 0:  # the first round puts the first; else the next one is not due yet
-                await asyncio.sleep(due if due > 0 else LEASE_RENEW_S)
-                continue
-            try:
-                async with asyncio.timeout(max(1.0, self.cfg.lease_ttl_s / 2)):
-                    await self.renew()
-            except (*VALKEY_ERRORS, TimeoutError) as exc:
-                log.warning("lease not renewed now (%s)", exc or type(exc).__name__)
-                await asyncio.sleep(LEASE_RENEW_S / 4)  # tried again soon, never in a loop that spins
 
     def _step(self, name: str) -> None:
         self._steps.append((name, time.monotonic()))

@@ -44,6 +44,7 @@ class FleetWatcher:
     failing: str | None = None  # the last read error, while reads fail
     _models: dict[str, frozenset[str]] = field(default_factory=dict)
     _by_state: dict[str, frozenset[str]] = field(default_factory=dict)  # record state -> its pods
+    _engines: dict[str, list[str]] = field(default_factory=dict)  # model -> engines_of(model), for this view
     _fresh: dict = field(default_factory=dict)  # pod -> its PodFreshness at _as_of_ms (predictor/scoring/freshness.py)
     _as_of_ms: int = 0  # the Valkey time _fresh was judged at
     _listed: frozenset[str] = frozenset()  # the pods some lease lists
@@ -82,7 +83,7 @@ class FleetWatcher:
     async def catch_up(self, holders: Iterable[str]) -> None:
         """Read the records again now when a pod holding blocks of the prompt is one the last read knows nothing
         of: an engine just attached, whose ingester put a lease listing it before its first write
-        (ingester/fleet_member.py ``vouch``), would otherwise read ``unknown`` (its hits not routed by) for up to
+        (ingester/lease.py ``vouch``), would otherwise read ``unknown`` (its hits not routed by) for up to
         ``interval_s``. A pod no ingester vouches for stays unknown at the cost of one read per ``REREAD_MIN_S``
         across all requests; an answer waits at most ``REREAD_WAIT_S`` for it, then uses the last view."""
         fresh = self._fresh
@@ -102,6 +103,7 @@ class FleetWatcher:
         self.view, self.read_at = view, self.clock()
         self.reads += 1
         self._models = {p: frozenset(r.models) for p, r in view.pods.items() if r.models}
+        self._engines = {}
         by_state: dict[str, set[str]] = {}
         for pod, record in view.pods.items():
             by_state.setdefault(record.state, set()).add(pod)
@@ -202,12 +204,17 @@ class FleetWatcher:
         return frozenset(p for p, ms in self._models.items() if model in ms and p not in retired)
 
     def engines_of(self, model: str) -> list[str]:
-        """Engine URLs of the live pods serving ``model`` (sorted by pod, one per URL): tokenization targets."""
+        """Engine URLs of the live pods serving ``model`` (sorted by pod, one per URL): tokenization targets. Kept
+        per view (asked on every request a model check makes: a sort of every pod's record each time), not to be
+        changed by the caller."""
         if self.view is None:
             return []
-        urls = [r.engine_url.rstrip("/") for p, r in sorted(self.view.pods.items())
-                if r.state == "live" and r.engine_url and model in r.models]
-        return list(dict.fromkeys(urls))
+        known = self._engines.get(model)
+        if known is None:
+            urls = [r.engine_url.rstrip("/") for p, r in sorted(self.view.pods.items())
+                    if r.state == "live" and r.engine_url and model in r.models]
+            known = self._engines[model] = list(dict.fromkeys(urls))
+        return known
 
     def load(self, pod_id: str, stale_s: float) -> PodLoad | None:
         """The pod's shared load if younger than ``stale_s`` (as the local scraper's PodLoad), else None."""

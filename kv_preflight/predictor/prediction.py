@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from kv_preflight.predictor.explain.findings import Finding
-from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotFound, NotReady,
-                                                UnknownModel, clip)
+from kv_preflight.predictor.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotFound, NotReady,
+                                           UnknownModel, clip)
 from kv_preflight.predictor.fleet_view import FleetWatcher
 from kv_preflight.predictor.load import LoadMonitor
 from kv_preflight.predictor.metadata import IndexMetadata
@@ -28,7 +28,7 @@ from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
 from kv_preflight.predictor.scoring.placement import PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
-from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
 from kv_preflight.predictor.scoring.route import RoutingPolicy
 from kv_preflight.predictor.scoring.freshness import Freshness, answer_freshness, pod_freshness
 from kv_preflight.predictor.scoring.score import Prediction, score

@@ -12,8 +12,8 @@ import msgspec
 from kv_preflight.index.rank_pods import base_pod
 from kv_preflight.keys.prompt import PromptKeys
 from kv_preflight.predictor.explain.findings import Finding
-from kv_preflight.predictor.http.errors import clip
-from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest
+from kv_preflight.predictor.errors import clip
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_route, untrusted
 from kv_preflight.predictor.scoring.placement import PlacementHint
@@ -98,7 +98,8 @@ class RoutePath:
             footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
-                          pending=hint.pending, booked={p: r.booked for p, r in shared.items()} if shared else None)
+                          pending=hint.pending or (self.routed.pending(shared) if self.routed is not None else None),
+                          booked={p: r.booked for p, r in shared.items()} if shared else None)
         if stale:
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(

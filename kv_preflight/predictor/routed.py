@@ -13,7 +13,8 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
   (predictor/scoring/routed.py merges both into the lookup's matches); an approximate pod's freshness says so;
 * the prefixes every gateway homed where within the placement window (``--route-placement-window``), each pod's
   *footprint*: a new prefix goes where the fewest blocks of others live (predictor/scoring/placement.py's rule,
-  over the fleet's placements rather than one process's share of them).
+  over the fleet's placements rather than one process's share of them); and a prefix homed on a pod within
+  ``--route-pending`` that no pod shows yet is *pending* there for every gateway, not only the one that placed it.
 
 All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
 the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
@@ -26,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -57,6 +58,9 @@ class RoutedState:
     # the placement window (ms; 0: no footprints): prefixes homed on a pod within it make its footprint, read and
     # written fleet-wide (kv_preflight/index/routed.py homes) in place of this process's own placement memory
     window_ms: int = 0
+    # a prefix homed on a pod less than this long ago (ms; --route-pending) by any gateway, and found nowhere, is
+    # pending there: sent there again rather than placed anew (``pending``)
+    pending_ms: int = 0
     _writes: set = field(default_factory=set)
     _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
     _error_logged_at: float = float("-inf")
@@ -148,6 +152,15 @@ class RoutedState:
                 await self.store.home(pod, prefix, blocks, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS):
             self.read_errors += 1
+
+    def pending(self, routed: Mapping[str, PodRouted] | None) -> str | None:
+        """The pod any gateway homed this prompt's prefix on most lately, if within ``pending_ms``: a burst of a new
+        prefix over N gateways goes to one pod, as it does through one (placement.py's ``pending``, whose memory is
+        one process's), in the ms before the first request's speculative entries and events land."""
+        if not routed or self.pending_ms <= 0:
+            return None
+        homed = [(r.homed_ms_ago, p) for p, r in routed.items() if 0 <= r.homed_ms_ago < self.pending_ms]
+        return min(homed)[1] if homed else None
 
     def with_unwritten(self, routed: dict[str, PodRouted]) -> dict[str, PodRouted]:
         for pod, (requests, tokens) in self._unwritten.items():

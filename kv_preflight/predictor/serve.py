@@ -11,6 +11,7 @@ directory (kv_preflight/metrics.py), so any scrape sees the whole server.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 
@@ -57,8 +58,22 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _takes(option: str) -> bool:
+    """Whether this uvicorn has ``option`` (the project allows versions from before some options)."""
+    return option in inspect.signature(uvicorn.run).parameters
+
+
+# How long uvicorn's supervisor waits for a worker to answer its ping before it kills and restarts it. Its default,
+# 5 s, counts the worker's start-up: a spawned worker imports everything first, and on a loaded node (two cores
+# shared with an engine, a container's CPU limit) that took longer, so every worker was killed while importing and
+# restarted, forever, and the server never answered (compose under load: "Child process [..] died" every 6 s).
+WORKER_PING_TIMEOUT_S = 60
+
+
 def uvicorn_options(cfg: Config, workers: int) -> dict:
-    return {
+    ping = ({"timeout_worker_healthcheck": WORKER_PING_TIMEOUT_S}
+            if workers > 1 and _takes("timeout_worker_healthcheck") else {})
+    return ping | {
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop" if _has("uvloop") else "asyncio",

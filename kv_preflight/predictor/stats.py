@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_preflight.predictor.http.errors import BadRequest, clip
+from kv_preflight.predictor.errors import BadRequest, clip
 from kv_preflight.index.read_side import ReadSide
 from kv_preflight.index.pod_meta import PodInfo
 from kv_preflight.keys.chain import HAS_C_EXTENSION

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from kv_preflight.index.backend import VALKEY_ERRORS
-from kv_preflight.predictor.http.errors import IndexUnavailable, clip
+from kv_preflight.predictor.errors import IndexUnavailable, clip
 
 
 @asynccontextmanager

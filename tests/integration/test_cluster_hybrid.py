@@ -20,7 +20,7 @@ from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.presence import as_int, numbers
 from kv_preflight.predictor.http.app import create_app
-from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor.request import KeyedRequest
 from kv_preflight.predictor import prediction
 from kv_preflight.predictor.prediction import Predictor
 from tests.integration.test_hybrid_answers import PROMPT, by_pod, client, loaded_fleet

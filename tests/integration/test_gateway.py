@@ -442,6 +442,28 @@ async def test_a_routed_prompt_counts_on_its_pod_for_every_gateway_until_its_ttl
     await until(lambda: _reason(b, prompt, "no_overlap"), "the speculative entries gone with their TTL")
 
 
+async def test_a_new_prefix_one_gateway_placed_is_pending_there_for_every_gateway(valkey_url, ix, gateway, stubs):
+    """Gateway A places a new prompt (no speculative entries: what a second gateway sees before they land); gateway
+    B, another process, sends the same prompt to the same pod although its own rule (the fewest blocks of other
+    prefixes homed there) would now pick the other pod, until --route-pending lapses. Through one gateway a burst
+    of a new prefix stays on one pod (placement.py's pending); through eight it scattered."""
+    from kv_preflight.index.routed import RoutedStore
+
+    x, y = stubs(body=b'{"x": 1}'), stubs(body=b'{"y": 1}')
+    await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    await fed(ix, "pod-x", "pod-y")
+    a = gateway("--gateway-speculative-ttl", "0").ready()
+    b = gateway("--route-pending", "3").ready()
+    prompt = list(range(4100, 4164))
+    sent = (await a.complete(prompt)).headers["x-kvpf-pod"]
+    other = "pod-y" if sent == "pod-x" else "pod-x"
+    # another prefix, 40 blocks, homed on the pod A chose: by footprints alone the prompt goes to the other pod
+    await RoutedStore(ix.client).home(sent, 12345, 40, 60_000)
+    d = await _route(b, prompt)
+    assert (d["pod_id"], d["reason"]) == (sent, "no_overlap") and "pending" in d["detail"], d["detail"]
+    await until(lambda: _routed_to(b, prompt, other), "placed by footprints once --route-pending lapsed")
+
+
 async def _reason(g: GatewayProc, prompt, reason: str) -> bool:
     return (await _route(g, prompt))["reason"] == reason
 

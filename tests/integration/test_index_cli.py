@@ -241,3 +241,49 @@ def test_import_cannot_corrupt(valkey_url):
     pod = json.loads(run("index", "pods", "--valkey-url", valkey_url, "--json"))[0]
     assert pod["blocks"] == 0 and pod["incomplete"] and "cleared by hand" in pod["incomplete_reason"]
     r.close()
+
+
+def test_export_import_keeps_a_pods_lora_adapters(valkey_url):
+    """The pod line carries the LoRA adapters its events stored blocks of (``kvpf:adapters``) and the import writes
+    them back: imported into an empty Valkey, a zero-config predictor still knows the adapter as a model of the
+    pod (before, it answered 400 "unknown model" for it until the engine stored another of its blocks)."""
+    import asyncio
+
+    import redis
+
+    from kv_preflight.config import Config
+    from kv_preflight.index.index import Index, StoreBlock
+    from kv_preflight.keys.chain import request_keys
+    from kv_preflight.predictor.http.app import create_app
+
+    cfg = Config(valkey_url=valkey_url)
+    tokens = list(range(5000, 5064))
+    keys = request_keys(tokens, model="sql", hash_seed=cfg.hash_seed, block_size=cfg.block_size)
+
+    async def write():
+        ix = Index.from_url(valkey_url)
+        try:
+            await ix.apply_batch(pod_id="pod-lora", rank=0, seq=0, ts=1.0, model="base", engine_block_size=16,
+                                 mutations=[StoreBlock(200 + i, "gpu", ix.entry_field("pod-lora", "GPU", 0), (k,), 0)
+                                            for i, k in enumerate(keys)], adapters={"sql"})
+        finally:
+            await ix.close()
+
+    async def predict() -> httpx.Response:
+        app = create_app(Config(valkey_url=valkey_url))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+                return await c.post("/v1/cache/predict", json={"model": "sql", "token_ids": tokens + [7]})
+
+    asyncio.run(write())
+    before = asyncio.run(predict())
+    assert before.status_code == 200 and before.json()["predicted_cached_tokens"] == 64, before.text
+    exported = run("index", "export", "--valkey-url", valkey_url)
+    assert json.loads(exported.splitlines()[0])["adapters"] == ["sql"]
+    redis.Redis.from_url(valkey_url).flushall()  # an empty Valkey
+    run("index", "import", "--valkey-url", valkey_url, "--exact", input=exported)
+    after = asyncio.run(predict())
+    assert after.status_code == 200 and after.json()["predicted_cached_tokens"] == 64, after.text
+    bad = exported.replace('"adapters": ["sql"]', '"adapters": ["a\\tb"]', 1)
+    refused = CliRunner().invoke(cli, ["index", "import", "--valkey-url", valkey_url, "--replace"], input=bad)
+    assert refused.exit_code != 0 and "adapters must be a list" in refused.output, refused.output

@@ -2,7 +2,7 @@
 ``kv-preflight simulate`` engine and a ``kv-preflight ingest --engine URL`` started after the engine cached a
 prompt. A route weighs only blocks some ingester's lease vouches for (an ``unknown`` pod's are not routed by), so
 the first answer that finds the new pod's blocks must already find a lease listing it: the ingester puts one
-before the pod's first write (ingester/fleet_member.py ``vouch``), and the predictor reads the records again when
+before the pod's first write (ingester/lease.py ``vouch``), and the predictor reads the records again when
 a holder is one its last read knows nothing of (predictor/fleet_view.py ``catch_up``). Before, the pod read
 ``unknown`` for up to two renewal intervals after its first blocks landed, and its hits were routed as misses
 (CI: tests/e2e/test_vllm_hybrid.py, a route answering 0 where predict answered 128)."""

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.predictor.http.app import create_app
-from kv_preflight.predictor.http.errors import ECHO_LIMIT
+from kv_preflight.predictor.errors import ECHO_LIMIT
 from kv_preflight.predictor.http.protocols import protocol_factory
 from kv_preflight.config import Config
 from tests.e2e.harness import stop, wait_http

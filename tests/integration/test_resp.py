@@ -41,6 +41,27 @@ async def test_script_reloaded_after_flush_and_connection_after_restart(valkey_s
     await ix.close()
 
 
+async def test_commands_written_in_one_turn_of_the_loop_go_in_one_send_when_coalescing(valkey_url):
+    """The gateway's connection (``coalesce``): a decision's lookup and the read beside it, and every booking written
+    in the same turn, leave in one send, answered in order; without it, a send each."""
+    r = redis.Redis.from_url(valkey_url)
+    sha = r.script_load("return ARGV[1]")
+    r.close()
+    for coalesce, sends in ((True, 1), (False, 41)):
+        conn = FastConnection.from_url(valkey_url)
+        conn.coalesce = coalesce
+        assert await conn.execute("PING") == b"PONG"
+        transport = conn._proto.transport
+        written, write = [], transport.write
+        transport.write = lambda data: (written.append(data), write(data))[-1]
+        replies = await asyncio.gather(*(conn.execute("ECHO", f"m{i}") for i in range(20)),
+                                       conn.evalsha_many(sha, "return ARGV[1]", [["a"], ["b"]]),
+                                       *(conn.execute("ECHO", f"n{i}") for i in range(20)))
+        assert replies == [f"m{i}".encode() for i in range(20)] + [[b"a", b"b"]] + [f"n{i}".encode() for i in range(20)]
+        assert len(written) == sends
+        await conn.close()
+
+
 def test_only_plain_urls_get_a_fast_connection():
     assert FastConnection.from_url("rediss://127.0.0.1:6379/0") is None
     c = FastConnection.from_url("redis://user:pw@127.0.0.1:7000/3")
@@ -199,13 +220,15 @@ class Proxy:
             close()
 
 
-async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, valkey_url):
+@pytest.mark.parametrize("coalesce", [False, True])
+async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, valkey_url, coalesce):
     r = redis.Redis.from_url(valkey_url)
     r.set("k", "v")
     incr = "return redis.call('INCR', KEYS[1])"
     sha = r.script_load(incr)
     async with Proxy(valkey_server.port) as proxy:
         conn = FastConnection.from_url(proxy.url, resend_scripts={sha})
+        conn.coalesce = coalesce
         assert await conn.execute("PING") == b"PONG"
         for fault in ("drop", "run"):  # closed before or after Valkey ran it, nothing of the reply back
             proxy.fault = fault
@@ -222,6 +245,7 @@ async def test_lean_connection_resends_only_what_can_run_twice(valkey_server, va
         proxy.fault = "run"  # the unanswered commands of a run are written once more, in order
         assert await conn.evalsha_many(sha, incr, [[], []], [("t",), ("u",)]) == [2, 2]
         other = FastConnection.from_url(proxy.url)  # the same script, not named: not resent
+        other.coalesce = coalesce
         assert await other.execute("PING") == b"PONG"
         proxy.fault = "run"
         with pytest.raises(RedisConnectionError):

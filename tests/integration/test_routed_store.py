@@ -127,3 +127,19 @@ async def test_a_pods_footprint_is_the_blocks_of_the_other_prefixes_homed_there_
         return (await store.read([pod], keys_blob(a), 200))[pod].footprint == 0
 
     await until(only_recent, "the prefixes older than the window gone from the footprint")
+
+
+async def test_the_read_says_how_long_ago_the_prompts_own_prefix_was_homed_on_each_pod(store):
+    """What makes a prefix one gateway just placed pending for every gateway (predictor/routed.py ``pending``)."""
+    import asyncio
+
+    from kv_preflight.index.routed import keys_blob
+
+    pod, other = PODS[10], PODS[11]
+    a, b = chain(1, 4), chain(2, 4)
+    await store.home(pod, a[0], 4, 60_000)
+    await asyncio.sleep(0.05)
+    got = await store.read([pod, other], keys_blob(a), 60_000)
+    assert 50 <= got[pod].homed_ms_ago < 10_000 and got[other].homed_ms_ago == -1
+    assert (await store.read([pod], keys_blob(b), 60_000))[pod].homed_ms_ago == -1  # another prefix's home
+    assert (await store.read([pod], keys_blob(a), 0))[pod].homed_ms_ago == -1  # no window: homes not read

@@ -204,7 +204,7 @@ def test_every_process_up_started_ends_when_up_is_killed(tmp_path):
     import sys
     import time
 
-    from kv_preflight.cli.up import descendants
+    from kv_preflight.cli.stack_procs import descendants
     from kv_preflight.cli.valkey_server import free_port
 
     if not sys.platform.startswith("linux"):
@@ -259,7 +259,7 @@ def test_serve_workers_end_when_serve_is_killed(valkey_url, tmp_path):
     import sys
     import time
 
-    from kv_preflight.cli.up import descendants
+    from kv_preflight.cli.stack_procs import descendants
     from kv_preflight.cli.valkey_server import free_port
     from tests.e2e.harness import spawn, wait_http
 
@@ -293,7 +293,7 @@ def test_a_simulated_engine_whose_port_was_taken_is_started_on_others(tmp_path, 
     import click
     import httpx
 
-    from kv_preflight.cli.up import SIM_ATTEMPTS, Stack, start_sims
+    from kv_preflight.cli.stack_procs import SIM_ATTEMPTS, Stack, start_sims
     from kv_preflight.cli.valkey_server import free_port
 
     taken = socket.socket()

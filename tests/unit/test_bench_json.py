@@ -4,7 +4,7 @@ from __future__ import annotations
 import calendar
 import time
 
-from kv_preflight.cli.bench.__main__ import source_commit
+from kv_preflight.cli.bench.measure import source_commit
 from kv_preflight.cli.bench.command import dated_in
 
 STARTED = calendar.timegm(time.strptime("2026-12-02 09:56:08", "%Y-%m-%d %H:%M:%S"))

@@ -41,6 +41,16 @@ def test_states_models_and_engines():
     assert w.engines_of("llama") == ["http://a:1"] and w.engines_of("other") == []
 
 
+def test_engines_are_kept_per_view_and_each_new_view_answers_anew():
+    """engines_of is asked on every request's model check: kept for the view it was computed from, not kept past it."""
+    w, _ = watcher()
+    assert w.engines_of("llama") == ["http://a:1"] and w.engines_of("llama") is w.engines_of("llama")
+    w.set_view(FleetView(now_ms=51_000, ingesters={}, load={}, pods={
+        "a": PodRecord(state="unreachable", engine_url="http://a:1/", models=["llama"]),
+        "e": PodRecord(engine_url="http://e:1", models=["llama"])}))
+    assert w.engines_of("llama") == ["http://e:1"]
+
+
 def test_load_age_is_valkey_time_plus_local_time_since_the_read():
     w, clock = watcher()
     ld = w.load("a", stale_s=5)

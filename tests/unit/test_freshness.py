@@ -118,3 +118,33 @@ def test_an_answer_naming_an_approximate_pod_is_never_exact():
     assert f.state == "degraded" and f.pods["g"].state == "approximate"
     assert f.reasons == ["index approximate for g (no KV events: what the gateways sent there)"]
     assert answer_freshness({"a": PodFreshness("current", 3, 10)}).state == "exact"
+
+
+def test_one_pod_behind_does_not_age_the_others_and_the_newest_batch_of_any_copy_is_the_lag():
+    """Walkthrough of 2026-12-07: an engine killed, its pod's stream down, and the ingester's other pod read
+    ``current`` with a staleness rising by the second (49 s), as its lease's ``current_ms`` stood still while any
+    pod was behind. Now ``current_ms`` is the last renewal at which every pod not listed behind was current, and
+    a pod behind has its own (``behind_since_ms``); a lease that predates it keeps the old meaning. The index lag
+    is from the newest batch any ingester of the pod applied: a copy whose duplicate was not applied again has an
+    older one."""
+    now_lease = IngesterLease(expires_ms=NOW + 3000, state="behind", current_ms=NOW - 300, pods=["ok", "dead"],
+                              behind=["dead"], behind_since_ms={"dead": NOW - 49_000}, batch_ts={"ok": 990.0})
+    copy = IngesterLease(expires_ms=NOW + 3000, state="current", current_ms=NOW - 900, pods=["ok"],
+                         batch_ts={"ok": 999.5})
+    got = pod_freshness(view(a=now_lease, b=copy), ["ok", "dead"], NOW, 1000.0)
+    assert got["ok"] == PodFreshness("current", 300, 500)  # a's account (the least stale), b's newer batch
+    assert got["dead"] == PodFreshness("behind", 49_000)
+    never = msgspec.structs.replace(now_lease, behind_since_ms={"dead": 0})  # behind since this ingester took it
+    assert pod_freshness(view(a=never), ["dead"], NOW, 1000.0)["dead"] == PodFreshness("behind")
+    old = msgspec.structs.replace(now_lease, current_ms=NOW - 49_000, behind_since_ms=None)  # predates the field
+    assert pod_freshness(view(a=old), ["ok"], NOW, 1000.0)["ok"].staleness_ms == 49_000
+
+
+def test_health_does_not_count_an_unreachable_pod_as_behind():
+    behind = IngesterLease(expires_ms=NOW + 3000, state="behind", current_ms=NOW - 300, pods=["ok", "dead"],
+                           behind=["dead"])
+    v = FleetView(now_ms=NOW, load={}, ingesters={"a": behind},
+                  pods={"ok": PodRecord(models=["m"]), "dead": PodRecord(state="unreachable", models=["m"])})
+    assert fleet_health(v) == []
+    v = msgspec.structs.replace(v, pods={"ok": PodRecord(models=["m"]), "dead": PodRecord(models=["m"])})
+    assert fleet_health(v) == ["1 pod(s) behind"]

@@ -9,8 +9,8 @@ from kv_preflight.cli.gateway_cmd import config_values
 from kv_preflight.keys.chain import request_keys
 from kv_preflight.predictor.gateway.app import decision_headers
 from kv_preflight.predictor.gateway.openai import read_routable
-from kv_preflight.predictor.http.errors import BadRequest
-from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest
+from kv_preflight.predictor.errors import BadRequest
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest
 from kv_preflight.predictor.routed import RoutedState
 from kv_preflight.predictor.scoring.route import RouteDecision
 

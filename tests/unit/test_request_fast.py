@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_preflight.predictor.http.errors import BadRequest
-from kv_preflight.predictor.http.request import parse_keyed, parse_request
+from kv_preflight.predictor.errors import BadRequest
+from kv_preflight.predictor.request import parse_keyed, parse_request
 from kv_preflight.keys.chain import request_keys
 
 KW = dict(max_tokens=1000, hash_seed="s", block_size=16)

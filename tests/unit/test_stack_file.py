@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from kv_preflight.cli import stack_file
 from kv_preflight.cli.main import cli
-from kv_preflight.cli.up import fresh_start
+from kv_preflight.cli.stack_checks import fresh_start
 
 
 def test_the_env_file_counts_only_while_its_up_holds_the_lock(tmp_path, monkeypatch):

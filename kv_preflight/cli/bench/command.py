@@ -1,5 +1,5 @@
 """``kv-preflight bench``'s options, on click like every other command (did-you-mean, KVPF_<NAME> by the one
-rule of cli/env.py); the run itself (cli/bench/__main__.py) is imported only when it starts.
+rule of cli/env.py); the run itself (cli/bench/run.py) is imported only when it starts.
 
 ``--json`` is a flag, as everywhere (``KVPF_JSON=1`` prints JSON): it once took a file, so that variable
 made ``bench`` write a file named ``1``. The file is ``--json-file``.
@@ -56,7 +56,7 @@ def bench(quick: bool, only: set[str], as_json: bool, json_file: Path | None, ht
     """
     import os
 
-    from kv_preflight.cli.bench.__main__ import run
+    from kv_preflight.cli.bench.run import run
 
     if json_file is not None:  # refused now, not after minutes of benchmarking
         json_file = dated_in(json_file)

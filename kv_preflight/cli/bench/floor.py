@@ -22,6 +22,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from kv_preflight.cli.bench.measure import valkey_cpu
 from kv_preflight.cli.bench.workload import Stream, event_stream
 from kv_preflight.cli.valkey_server import ValkeyServer
 from kv_preflight.engines import engine
@@ -114,11 +115,6 @@ class FloorWriter:
         await self.client.aclose()
 
 
-def cpu_s(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def used_memory(r: redis.Redis, *, settle_s: float = 5.0) -> int:
     """Valkey's used_memory as the index's data takes it: once the writers' connections are gone (a connection
     the server has not yet seen close still holds its query and reply buffers) and with the slowlog emptied (at
@@ -184,7 +180,7 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis],
     try:
         with tuned_collector():  # as the ingester process runs
             await w.write(warm)
-            c0 = sum(cpu_s(n) for n in nodes)
+            c0 = sum(valkey_cpu(n) for n in nodes)
             if on_measure:
                 on_measure(True)
             t, p0 = time.perf_counter(), time.process_time()
@@ -192,7 +188,7 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis],
             elapsed, proc = time.perf_counter() - t, time.process_time() - p0
             if on_measure:
                 on_measure(False)
-            c1 = sum(cpu_s(n) for n in nodes)
+            c1 = sum(valkey_cpu(n) for n in nodes)
     finally:
         await w.close()
     return elapsed, c1 - c0, proc
@@ -230,12 +226,12 @@ async def interleaved(writers: dict[str, tuple[Writer, list[redis.Redis]]], warm
             turn = measured[i:i + TURN_FRAMES]
             for name in names[k % len(names):] + names[:k % len(names)]:
                 writer, nodes = writers[name]
-                c0 = sum(cpu_s(x) for x in nodes)
+                c0 = sum(valkey_cpu(x) for x in nodes)
                 t, p0 = time.perf_counter(), time.process_time()
                 await writer.write(turn)
                 wall[name] += time.perf_counter() - t
                 proc[name] += time.process_time() - p0
-                cpu[name] += sum(cpu_s(x) for x in nodes) - c0
+                cpu[name] += sum(valkey_cpu(x) for x in nodes) - c0
     return {n: (wall[n], cpu[n], proc[n]) for n in names}
 
 

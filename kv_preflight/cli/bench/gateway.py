@@ -43,6 +43,7 @@ from kv_preflight.cli.bench.procs import Server, python
 from kv_preflight.cli.bench.route import workload
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.fleet.records import IngesterLease, PodRecord
+from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.index.index import Index, StoreBlock
 from kv_preflight.keys.chain import request_keys
 from kv_preflight.predictor.scoring.ttft import PrefillModel
@@ -86,7 +87,7 @@ async def _fleet(valkey_url: str, pods: dict[str, str], held: dict[str, list[lis
                 for i in range(len(tokens) // 16):
                     rks = request_keys(tokens[i * 16:(i + 1) * 16], model=MODEL, block_size=16, parent=parent)
                     mutations.append(StoreBlock(rks[-1] ^ 0x5EED, "gpu", index.entry_field(pod, "GPU", None),
-                                                tuple(rks)))
+                                                tuple(rks), parent=CHAIN_ROOT if parent is None else parent))
                     parent = rks[-1]
             result = await index.apply_batch(pod_id=pod, rank=0, seq=0, ts=time.time(), model=MODEL,
                                              engine_block_size=16, mutations=mutations)
@@ -194,7 +195,7 @@ async def _decision_times(valkey_url: str, prompts: list[list[int]], n: int) -> 
     from kv_preflight.config import Config
     from kv_preflight.index.routed import RoutedStore
     from kv_preflight.keys.chain import request_keys_json
-    from kv_preflight.predictor.http.request import KeyedRequest
+    from kv_preflight.predictor.request import KeyedRequest
     from kv_preflight.predictor.prediction import Predictor
     from kv_preflight.predictor.routed import RoutedState
 

@@ -21,6 +21,8 @@ from typing import Any
 import redis
 
 from kv_preflight.cli.bench.procs import Server, python
+from kv_preflight.cli.bench.prompts import C, E, MODEL, PromptSet, load_set, run_load
+from kv_preflight.cli.bench.results import fmt_us
 from kv_preflight.cli.bench.workload import tokens
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, longest_hit
@@ -42,8 +44,6 @@ def groups(engine_block: int) -> dict[int, GroupSpec]:
 async def load_hybrid_set(index: Index, name: str, *, model: str, canonical: int, engine_block: int,
                           n_prompts: int, length: int, n_pods: int, seed: int) -> Any:
     """Like ``load_set`` (each pod holds its own share of each prompt), with two KV cache groups per pod."""
-    from kv_preflight.cli.bench.__main__ import PromptSet
-
     rng = random.Random(seed)
     spec = groups(engine_block)
     need = -(-(WINDOW - 1) // engine_block)
@@ -84,8 +84,6 @@ async def load_hybrid_set(index: Index, name: str, *, model: str, canonical: int
 def bench_hybrid_fleet(res: Any, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
     """Both fleets on the single node, one ``serve --workers 2``, rounds alternating plain and hybrid so the
     machine's moment weighs on both alike; the row is the ratio of their median p50s."""
-    from kv_preflight.cli.bench.__main__ import C, E, MODEL, fmt_us, load_set, run_load
-
     print(f"hybrid fleet beside the plain one: 4K tokens held by {PODS:,} pods, two KV cache groups "
           f"(sliding window {WINDOW}) vs one", flush=True)
     redis.Redis(port=vk.port).flushall()

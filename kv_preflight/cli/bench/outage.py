@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from kv_preflight.cli.bench.floor import cpu_s
+from kv_preflight.cli.bench.measure import valkey_cpu
 from kv_preflight.index.entries import StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_outbox_key
 
@@ -28,7 +28,7 @@ GROWTH_MAX = 1.5  # many entries kept / few: the cost must not follow the outbox
 
 
 def _cpu(masters: list[redis.Redis]) -> float:
-    return sum(cpu_s(m) for m in masters)
+    return sum(valkey_cpu(m) for m in masters)
 
 
 class _Pods:

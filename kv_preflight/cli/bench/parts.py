@@ -22,11 +22,11 @@ from pathlib import Path
 import msgspec
 import redis
 
-from kv_preflight.cli.bench.__main__ import load_set
+from kv_preflight.cli.bench.prompts import load_set
 from kv_preflight.cli.valkey_server import ValkeyServer
 from kv_preflight.predictor.scoring import score as scoring
 from kv_preflight.predictor.http.app import create_app
-from kv_preflight.predictor.http.request import parse_keyed
+from kv_preflight.predictor.request import parse_keyed
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from kv_preflight.predictor.explain.warnings import ModelHints, PromptWarnings
-from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor.request import KeyedRequest
 from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
 from kv_preflight.predictor.tokens.source import Tokenization
 from kv_preflight.predictor.tokens.engine import EngineTokenizer

@@ -2,11 +2,13 @@
 -- KEYS: the pod's bookings and their totals (booked_drop.lua), its speculative keys, its approximate keys
 -- (routed_chain.lua), its homes and their blocks (homes_drop.lua). ARGV: EPOCH (ms), the prompt's request keys
 -- (8 bytes each, one string; may be empty), the homes' window (ms).
--- Answers {booked requests, booked tokens, speculative blocks, approximate blocks, footprint}: the live
+-- Answers {booked requests, booked tokens, speculative blocks, approximate blocks, footprint, homed}: the live
 -- bookings' totals (expired ones dropped first); how many of the prompt's first keys each ZSET holds live (a
 -- speculative key is live until its score, an approximate one while it is kept), bisected: the live keys of a
 -- chain are a prefix of it (routed_chain.lua), so log2(n) probes find where it ends; and the blocks of the
--- prefixes homed there within the window, this prompt's own prefix aside (it does not crowd itself out).
+-- prefixes homed there within the window, this prompt's own prefix aside (it does not crowd itself out); and how
+-- many ms ago this prompt's prefix was last homed there (-1: not within the window), so a prefix one gateway
+-- just placed is pending there for every gateway.
 local t = redis.call('TIME')
 local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 drop_expired(ms)
@@ -34,13 +36,15 @@ end
 
 local speculative = held(KEYS[3], function(score) return score > now end)
 local approximate = held(KEYS[4], function(score) return true end)
-local footprint = 0
+local footprint, homed = 0, -1
 local window = tonumber(ARGV[3])
 if window > 0 and redis.call('EXISTS', KEYS[6]) == 1 then
   drop_old_homes(KEYS[5], KEYS[6], ms - window)
   footprint = tonumber(redis.call('HGET', KEYS[6], 'sum') or '0')
   if n > 0 then
     footprint = footprint - tonumber(redis.call('HGET', KEYS[6], string.sub(blob, 1, 8)) or '0')
+    local at = redis.call('ZSCORE', KEYS[5], string.sub(blob, 1, 8))
+    if at then homed = math.max(0, ms - tonumber(at)) end
   end
 end
-return {n_booked, tokens, speculative, approximate, footprint}
+return {n_booked, tokens, speculative, approximate, footprint, homed}

@@ -32,7 +32,7 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
                                    check_endpoint, own_services, rank_prefix, registered_pod, registration_id,
                                    stable_instance_id,
                                    tier_prefixes)
-from kv_preflight.predictor.http.errors import PredictorError
+from kv_preflight.predictor.errors import PredictorError
 from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet

@@ -17,10 +17,10 @@ import httpx
 import msgspec
 
 from kv_preflight.predictor.explain import rules
-from kv_preflight.predictor.http.errors import BadRequest, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.errors import BadRequest, EngineRejected, EngineUnavailable, clip
 from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
 from kv_preflight.predictor.explain.warnings import hints_from_probe
-from kv_preflight.predictor.http.request import PredictRequest, check_mm_items, check_token_count, parse_request
+from kv_preflight.predictor.request import PredictRequest, check_mm_items, check_token_count, parse_request
 from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
 from kv_preflight.predictor.scoring.ranks import rank_of, with_ranks
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,

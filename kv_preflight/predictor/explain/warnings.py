@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kv_preflight.predictor.explain.rules import bos_findings
 from kv_preflight.predictor.explain.findings import TEMPLATE_DRIFT, Finding
 from kv_preflight.predictor.tokens.local import LocalTokenizer
-from kv_preflight.predictor.http.request import KeyedRequest
+from kv_preflight.predictor.request import KeyedRequest
 from kv_preflight.predictor.tokens.source import Tokenization
 
 # strftime_now is the Hugging Face template global for "today"; Llama 3.x templates render date_string.

@@ -42,7 +42,7 @@ from kv_preflight.predictor.gateway.openai import Routable, error_body, read_rou
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.http.auth import load_api_keys
 from kv_preflight.predictor.http.body import read_json
-from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
+from kv_preflight.predictor.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotReady,
                                                 PredictorError, UnknownModel, clip)
 from kv_preflight.predictor.load import LoadMonitor
 from kv_preflight.predictor.prediction import Predictor
@@ -201,9 +201,9 @@ class Gateway:
         return f"{response.status_code // 100}xx"
 
     def _after_decision(self, decided: _Decided, routable: Routable) -> Booking | None:
-        """What every gateway must know of this request, written beside the upstream request in one background task
-        (a failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
-        decode), then what it leaves in that pod's cache (``_remember``)."""
+        """What every gateway must know of this request, written in the background beside the upstream request (a
+        failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
+        decode), and what it leaves in that pod's cache (``_remember``), sent together."""
         remember = self._remember(decided)
         if self.bookings is None or not decided.indexed or decided.decision.pod_id is None:
             if remember is not None:
@@ -212,7 +212,7 @@ class Gateway:
         d = decided.decision
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
         return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode),
-                                  then=remember)
+                                  also=remember)
 
     def _remember(self, decided: _Decided):
         """The write of what the request leaves in its pod's cache (kv_preflight/index/routed.py): on a pod no
@@ -410,10 +410,15 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The predictor's app (its routes, API keys, lifespan) with the gateway's routes and life added."""
     app = create_app(cfg, index)
     predictor: Predictor = app.state.predictor
-    # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py)
-    store = RoutedStore(predictor.index.client, predictor.index.backend.fast)
+    # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py), and
+    # what is written on it in one turn of the loop goes in one send: a decision's lookup and the read beside it, the
+    # bookings and speculative entries of the requests decided in that turn (kv_preflight/index/resp.py)
+    fast = predictor.index.backend.fast
+    if fast is not None:
+        fast.coalesce = True
+    store = RoutedStore(predictor.index.client, fast)
     routed = RoutedState(store=store, deadline_s=predictor.valkey_deadline_s,
-                         window_ms=int(cfg.route_placement_window_s * 1000))
+                         window_ms=int(cfg.route_placement_window_s * 1000), pending_ms=int(cfg.route_pending_s * 1000))
     predictor.routed = routed
     if predictor.load is None:  # the --engine engines are scraped for load and models once named
         predictor.load = LoadMonitor([], interval_s=cfg.metrics_interval_s,

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from kv_preflight.predictor.http.errors import BadRequest, clip
-from kv_preflight.predictor.http.request import (MAX_MESSAGES_DEPTH, KeyedRequest, PredictRequest, check_depth,
+from kv_preflight.predictor.errors import BadRequest, clip
+from kv_preflight.predictor.request import (MAX_MESSAGES_DEPTH, KeyedRequest, PredictRequest, check_depth,
                                                  check_token_count)
 from kv_preflight.keys.chain import request_keys_json
 

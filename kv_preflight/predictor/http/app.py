@@ -3,7 +3,7 @@
 All state (Valkey client, engine client, caches, counters) hangs off
 ``app.state.predictor``, created by ``create_app`` so each worker process owns its own.
 Request limits (media type, size, read time, pods filter, JSON depth) are enforced in
-predictor/http/body.py and predictor/http/request.py; the time to send headers in predictor/http/protocols.py.
+predictor/http/body.py and predictor/request.py; the time to send headers in predictor/http/protocols.py.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from starlette.routing import Route
 
 from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
 from kv_preflight.predictor.http.body import read_json_body
-from kv_preflight.predictor.http.errors import PredictorError, RequestTimeout
+from kv_preflight.predictor.errors import PredictorError, RequestTimeout
 from kv_preflight.predictor.explain.handler import explain as explain_request, parse_explain
 from kv_preflight.predictor.http.openapi import openapi_document
-from kv_preflight.predictor.http.request import parse_keyed, parse_request
+from kv_preflight.predictor.request import parse_keyed, parse_request
 from kv_preflight.predictor.index_gauges import IndexReadings, fleet_numbers, read_index_numbers
 from kv_preflight.predictor.prediction import Predictor
 from kv_preflight.predictor.settings import SettingsMismatch, read_index_settings, reconcile, refusal

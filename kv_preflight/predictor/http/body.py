@@ -14,7 +14,7 @@ import asyncio
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope
 
-from kv_preflight.predictor.http.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
+from kv_preflight.predictor.errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType, clip
 
 
 def is_json_media_type(content_type: str | None) -> bool:

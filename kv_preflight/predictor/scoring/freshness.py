@@ -99,6 +99,14 @@ def _lease_state(lease: IngesterLease, pod: str, now_ms: int) -> str:
     return BEHIND if is_late(lease, now_ms) else CURRENT
 
 
+def _current_since(lease: IngesterLease, pod: str) -> int:
+    """The Valkey time the lease last said ``pod`` was current (0: not known): its own for a pod it lists behind,
+    else the lease's (the last renewal at which every pod it does not list behind was current)."""
+    if lease.behind_since_ms is not None and pod in lease.behind:
+        return lease.behind_since_ms.get(pod, 0)
+    return lease.current_ms
+
+
 Listing = dict[str, list[IngesterLease]]
 
 
@@ -137,16 +145,19 @@ def pod_freshness(view: FleetView | None, pods: Iterable[str], now_ms: int, wall
         listing = leases_by_pod(view)
     for pod in wanted:
         best: PodFreshness | None = None
+        newest = 0.0  # the newest batch any ingester of the pod applied: a copy's duplicate is not applied again
         for lease in listing.get(pod, ()):
             state = _lease_state(lease, pod, now_ms)
-            staleness = max(0, now_ms - lease.current_ms) if lease.current_ms else None
-            ts = lease.batch_ts.get(pod)
-            lag = max(0, int((wall_now_s - ts) * 1000)) if ts else None
-            here = PodFreshness(state, staleness, lag)
+            since = _current_since(lease, pod)
+            staleness = max(0, now_ms - since) if since else None
+            newest = max(newest, lease.batch_ts.get(pod) or 0.0)
+            here = PodFreshness(state, staleness)
             if best is None or (_RANK[state], staleness if staleness is not None else 1 << 62) < \
                     (_RANK[best.state], best.staleness_ms if best.staleness_ms is not None else 1 << 62):
                 best = here
         fresh = best or UNKNOWN_POD
+        if best is not None and newest:
+            fresh = PodFreshness(best.state, best.staleness_ms, max(0, int((wall_now_s - newest) * 1000)))
         record = view.pods.get(base_pod(pod))  # a data-parallel rank's record is its pod's
         if record is not None and record.state in (UNREACHABLE, RETIRED):  # an engine down is never current
             fresh = PodFreshness(record.state, fresh.staleness_ms, fresh.index_lag_ms)
@@ -214,8 +225,9 @@ def fleet_health(view: FleetView | None, now_ms: int | None = None) -> list[str]
             reasons.append(f"ingester(s) stalled: {_names(sorted(stalled))}")
         if late:
             reasons.append(f"ingester(s) silent, {MISSED_RENEWALS} lease renewals missed: {_names(late)}")
+        down = {p for p, r in view.pods.items() if r.state in (UNREACHABLE, RETIRED)}  # said as such, not "behind"
         behind = sorted({p for lease in live.values() if lease.state == BEHIND
-                         for p in (lease.behind or lease.pods)})
+                         for p in (lease.behind or lease.pods) if base_pod(p) not in down})
         if behind:
             reasons.append(f"{len(behind)} pod(s) behind")
     served: dict[str, list[str]] = {}  # model -> its pods that are not retired

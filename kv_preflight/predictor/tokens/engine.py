@@ -17,8 +17,8 @@ import httpx
 import msgspec
 
 from kv_preflight.engines import DEFAULT, engine
-from kv_preflight.predictor.http.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
-from kv_preflight.predictor.http.request import TokenId
+from kv_preflight.predictor.errors import ECHO_LIMIT, EngineRejected, EngineUnavailable, clip
+from kv_preflight.predictor.request import TokenId
 
 log = logging.getLogger("kvpf.predictor")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kv_preflight.predictor.http.errors import EngineRejected, EngineUnavailable
+from kv_preflight.predictor.errors import EngineRejected, EngineUnavailable
 from kv_preflight.predictor.explain.rules import Cause, classify, first_divergence
 from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError
 from kv_preflight.jsonl import read_json_lines

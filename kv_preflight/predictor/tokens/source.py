@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv_preflight.predictor.http.errors import BadRequest, clip
+from kv_preflight.predictor.errors import BadRequest, clip
 from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError
 from kv_preflight.predictor.tokens.engine import EngineTokenizer
 from kv_preflight.predictor.tokens.parity import builtin_samples, check_parity
