@@ -312,7 +312,7 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
         try:
             _unknown_pods([pod_id], await ix.meta.pod_ids())
             if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
-                from kv_preflight.fleet.lifecycle import forget_pods
+                from kv_preflight.index.lifecycle import forget_pods
                 return (await forget_pods(ix, [pod_id], keep_refusing=False))[pod_id]
             n = await ix.clear_pod(pod_id)
             if not forget:  # the engine still holds those blocks: say so until it resets

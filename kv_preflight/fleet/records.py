@@ -2,7 +2,7 @@
 
 Ingesters write them (ingester/fleet_member.py); predictors read them, so ``serve --valkey-url URL`` alone
 knows every pod's engine, models and load (docs/fleet.md). Pure values and their JSON encodings
-here; the Valkey commands are in kv_preflight/fleet/store.py, the key names in kv_preflight/index/layout.py.
+here; the Valkey commands are in kv_preflight/index/fleet_store.py, the key names in kv_preflight/index/layout.py.
 
 Times are Valkey ``TIME`` in milliseconds: leases and ages are compared against the same clock by
 every process, whatever the hosts' clocks say.

@@ -8,7 +8,7 @@
  *   Python dicts without the interpreter around them, so the state stays the Python object every other reader
  *   (clone, snapshot, restore, export) knows.
  * - A plan's changes as changes.lua's arguments (kv_preflight/index/changes.py change_args, shard_args) and a
- *   Valkey Cluster run's outbox ops and rounds (kv_preflight/index/cluster/writes.py): a list item or a command
+ *   Valkey Cluster run's outbox ops and rounds (kv_preflight/index/cluster/outbox_ops.py, run by writes.py): a list item or a command
  *   per block each.
  *
  * The Python functions stay the reference and the fallback when this module is not built, and take whatever
@@ -912,13 +912,13 @@ done:
     return result;
 }
 
-/* ---- a Valkey Cluster run's ops (kv_preflight/index/cluster/writes.py): its outbox ops and its rounds */
+/* ---- a Valkey Cluster run's ops (kv_preflight/index/cluster/outbox_ops.py, run by writes.py): its outbox ops and its rounds */
 
 static PyObject *list_from(PyObject *seq) {
     return PyList_Check(seq) ? PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq)) : PySequence_List(seq);
 }
 
-/* change_ops(changes, byte, mask, types) -> list | None: writes.py change_ops_py (the reference) for the three
+/* change_ops(changes, byte, mask, types) -> list | None: outbox_ops.py change_ops_py (the reference) for the three
  * change types (``types``: KeyChange, EngineAdd, EngineDrop; any other is left out, as there); None for a
  * change missing fields (Python's unpacking then says so). */
 static PyObject *change_ops(PyObject *self, PyObject *args) {

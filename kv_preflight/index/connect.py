@@ -31,7 +31,7 @@ def connect(url: str, *, timeout_s: float = 1.0, cluster: bool | None = None,
     # Scripts resent once after a lost connection, being safe to run twice (kv_preflight/index/resp.py): the
     # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
     # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
-    lookups = {resp.script_sha(s) for s in (scripts.LOOKUP, scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
+    lookups = {resp.script_sha(s) for s in (scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
     client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
     fast = FastConnection.from_url(url, timeout_s=timeout_s,
                                    resend_scripts=lookups | {resp.script_sha(scripts.APPLY)})

@@ -12,7 +12,7 @@ counts), and our own keys are checked before the first write.
 
 What is not the apply or the lookup lives beside it, each taking the client or backend it needs: pods'
 metadata and counters (pod_meta.py, ``Index.meta``), pod numbers (numbering.py, ``Index.numbering``), the
-fleet's records (kv_preflight/fleet/store.py, ``Index.fleet``), export and import (transfer.py), the layout
+fleet's records (kv_preflight/index/fleet_store.py, ``Index.fleet``), export and import (transfer.py), the layout
 check (layout_version.py), engine keys (engine_keys.py), and which backend a URL gets (connect.py).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
                             longest_prefix, make_entry, parse_entry, text, tier_of)
-from kv_preflight.fleet.store import FleetStore
+from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
                            pod_meta_key, pod_state_keys, request_key_name)
 from kv_preflight.index.numbering import Numbering, give_numbers
@@ -85,8 +85,8 @@ class Index:
         self.writer = PodWriter(client, cluster=self.cluster, reannouncements=reannouncements)
         # pod number -> pod for the lookup, pods' numbers, a forgotten pod's number freed: kv_preflight/index/numbering.py
         self.numbering = Numbering(client)
-        # fleet records, leases, load, settings, aliases, feeds: kv_preflight/fleet/store.py
-        self.fleet = FleetStore(client, cluster=self.cluster)
+        # fleet records, leases, load, settings, aliases, feeds: kv_preflight/index/fleet_store.py
+        self.fleet: FleetStore = ValkeyFleetStore(client, self.backend)
         # the registry, pods' meta (seqs, flags, counters) and the index-wide counters: kv_preflight/index/pod_meta.py
         self.meta = PodMeta(client, self.backend)
 
@@ -110,6 +110,27 @@ class Index:
     def late_reads(self) -> int:
         """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
         return self.backend.late_reads
+
+    @property
+    def unreplicated(self) -> int:
+        """Runs whose changes no replica confirmed in time, kept in the outbox (cluster; 0 on one node): for /metrics."""
+        return self.backend.unreplicated
+
+    @property
+    def confirmed_late(self) -> int:
+        """Kept outbox entries deleted once a replica confirmed them (cluster; 0 on one node): for /metrics."""
+        return self.backend.confirmed_late
+
+    @property
+    def partial_reads(self) -> bool:
+        """Whether one part of the index (a shard) can fail while the others answer: then a caller goes on
+        with what answers, and the lookup says how far it read ("partial"), rather than failing."""
+        return self.backend.partial_reads
+
+    @property
+    def label(self) -> str:
+        """What a log line calls the topology ("" for a plain single node)."""
+        return self.backend.label
 
     async def close(self) -> None:
         await self.backend.close()
@@ -335,6 +356,12 @@ class Index:
         ``stale_only``: only entries older than the takeover time (their writer is gone)."""
         return await self.backend.drain_outbox(pod_id, stale_only=stale_only)
 
+    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
+        """What stopped writers left in these pods' outboxes (only entries older than the takeover time), run,
+        ``at_once`` pods side by side: per pod the entries run, or the Valkey error that stopped it (``{}`` on
+        one node: it has no outbox)."""
+        return await self.backend.drain_outboxes(pods, at_once=at_once)
+
     async def memory_usage(self) -> int | None:
         """Bytes Valkey uses (summed over the primaries of a cluster); None if it does not say."""
         try:
@@ -410,8 +437,8 @@ class Index:
 
         ``script`` (the default) reads the chain keys' pod bitmaps in one EVALSHA per shard and walks
         them exactly (kv_preflight/index/presence.py); ``linear`` walks llm-d's entries exactly (the reference);
-        ``gallop`` bisects llm-d's entries (layout 2's lookup, for the benchmark); ``pipeline`` (single
-        node) sends llm-d's own pipelined HKEYS and walks in Python.
+        ``pipeline`` (single node) sends llm-d's own pipelined HKEYS and walks in Python. (Layout 2's galloping
+        lookup is the benchmark's: kv_preflight/cli/bench/gallop.py.)
         """
         if not request_keys:
             return Lookup([])

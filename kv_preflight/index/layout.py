@@ -81,7 +81,7 @@ Fleet-wide keys, which no per-batch atomic step touches:
   kvpf:layout                 version -> "4": checked at start; a process refuses any other (``index
                               migrate`` moves layouts 1, 2 and 3)
 
-Fleet membership (kv_preflight/fleet/store.py reads and writes them; times are Valkey ``TIME`` in
+Fleet membership (kv_preflight/index/fleet_store.py reads and writes them; times are Valkey ``TIME`` in
 milliseconds, never a local clock, so hosts with skewed clocks agree):
 
   kvpf:ingesters              ingester id -> JSON lease {"expires_ms", "started_ms", "host", "engines", "lag"}

@@ -4,11 +4,11 @@ both hot paths when the URL allows it (redis://, unix://); redis-py everything e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import evalsha_pipeline, read_fields, read_pipeline, ready
+from kv_preflight.index.backend import Looked, evalsha_pipeline, ms_of, read_fields, read_pipeline, ready
 from kv_preflight.index.entries import ApplyResult, Lookup, PodMatch, apply_result, longest_prefix, parse_lookup_reply
 from kv_preflight.keys.chain import pack_keys
 from kv_preflight.index.presence import (NamesFor, mask_of, one_tier_of_reads, parse_bits_reply, prefix_from_bits,
@@ -20,12 +20,15 @@ from kv_preflight.index.writer import Prepared
 
 class SingleNodeBackend:
     cluster = False
+    label = ""
+    partial_reads = False  # the node answers whole or not at all
+    unreplicated = 0  # (no replication barrier on one node)
+    confirmed_late = 0
 
     def __init__(self, client, fast: FastConnection | None):
         self.client = client
         self.fast = fast
         self._apply = client.register_script(scripts.APPLY)
-        self._lookup = client.register_script(scripts.LOOKUP)
         self._lookup_linear = client.register_script(scripts.LOOKUP_LINEAR)
         self._lookup_bits = client.register_script(scripts.LOOKUP_BITS)
         # pods walked key by key instead of bisected (orphan keys, or their count unknown): a counter
@@ -49,20 +52,20 @@ class SingleNodeBackend:
         return ready([apply_result(r) for r in await evalsha_pipeline(self.client, self._apply, keys, args)])
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``gallop``, layout 2's bisecting
-        search (a pod's blocks form a prefix of the chain), kept for the benchmark's comparison; ``pipeline``,
-        llm-d's own pipelined HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``.)"""
+        """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``pipeline``, llm-d's own pipelined
+        HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``; layout 2's galloping search is
+        the benchmark's, kv_preflight/cli/bench/gallop.py.)"""
         if mode == "pipeline":
             fields, foreign = await read_fields(self.client, request_keys)
             return Lookup(longest_prefix(fields, pods)), foreign
-        script = self._lookup_linear if mode == "linear" else self._lookup
-        head = 1 if mode == "linear" else 2  # lookup.lua also says whether a key moved (never, here)
-        # budget 0: no exact walk past key 1 (the bisection is cheaper at every pod count)
+        if mode != "linear":
+            raise ValueError(f"lookup mode {mode!r}: a single node walks llm-d's entries 'linear' or 'pipeline'")
+        script = self._lookup_linear
         args = [len(request_keys), pack_keys(request_keys), 0, *(pods or ())]
         if self.fast is not None:
-            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), head)
+            matches, foreign = parse_lookup_reply(await self.fast.evalsha(script.sha, script.script, args), 1)
         else:
-            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), head)
+            matches, foreign = parse_lookup_reply(await script(keys=[], args=args), 1)
         return Lookup(matches), foreign
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
@@ -95,8 +98,29 @@ class SingleNodeBackend:
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return 0  # one script applies a whole batch: nothing is ever left half applied
 
+    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
+        return {}  # no outbox on one node
+
+    def nodes(self) -> list[tuple[str, int]]:
+        return []  # the URL's node is all there is
+
     def forget(self, pods: Iterable[str]) -> None:
         pass  # nothing of a pod's writes is remembered here
+
+    async def read_timed(self, fill: Callable[[Any], None]) -> tuple[int, list[Any]]:
+        """``TIME`` first in the same pipeline: one round trip."""
+        def with_time(pipe) -> None:
+            pipe.time()
+            fill(pipe)
+
+        now, *rest = await read_pipeline(self.client, with_time)
+        return ms_of(now), rest
+
+    async def look_at_shards(self, epoch: str) -> Looked:
+        return Looked([], [])  # one node: its epoch key (kvpf:epoch) goes with its data, and says it all
+
+    async def mark_shards(self, epoch: str) -> None:
+        pass  # (the same)
 
     async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """On the lean connection where there is one (a thousand pods' metadata cost ~70 ms of redis-py's

@@ -21,6 +21,7 @@ import zmq
 from kv_preflight.config import Config
 from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import SETTING_FLAGS, IndexSettings
+from kv_preflight.index import hooks
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.layout_version import check_layout, v1_writer_seen
 from kv_preflight.ingester.accept import FrameAcceptor
@@ -411,31 +412,19 @@ class Ingester:
                 return
         except VALKEY_ERRORS:
             return
-        if not self.index.cluster:
-            return
-        # Side by side: a pod's drain waits up to the barrier's timeout (WAIT, 200 ms) while a replica is down
-        # and its entries stay, and the loop waits for its chores, so one pod after another held ingestion up
-        # for that long per pod, every second, for as long as a replica was down.
-        limit = asyncio.Semaphore(DRAINS_AT_ONCE)
-        await asyncio.gather(*(self._drain(pod, limit) for pod in list(self.routes.pods)))
+        for pod, ran in (await self.index.drain_outboxes(list(self.routes.pods), at_once=DRAINS_AT_ONCE)).items():
+            if isinstance(ran, Exception):
+                log.warning("%s: outbox not drained now (%s)", pod, ran)
+            elif ran:
+                log.warning("%s: ran %d outbox entries again (a stopped writer's, or ours after the slot map "
+                            "moved before a replica confirmed them)", pod, ran)
+                await self.counters.count("outbox_drains")
         metrics = self.counters.metrics
-        for name, metric in (("unreplicated", metrics.unreplicated_runs),
-                             ("confirmed_late", metrics.outbox_confirmed_late)):
-            seen = getattr(self.index.backend, name, 0)
+        for name, metric, seen in (("unreplicated", metrics.unreplicated_runs, self.index.unreplicated),
+                                   ("confirmed_late", metrics.outbox_confirmed_late, self.index.confirmed_late)):
             if seen > self._exported.get(name, 0):
                 metric.inc(seen - self._exported.get(name, 0))
                 self._exported[name] = seen
-
-    async def _drain(self, pod: str, limit: asyncio.Semaphore) -> None:
-        async with limit:
-            try:
-                ran = await self.index.drain_outbox(pod, stale_only=True)
-                if ran:
-                    log.warning("%s: ran %d outbox entries again (a stopped writer's, or ours after the slot map "
-                                "moved before a replica confirmed them)", pod, ran)
-                    await self.counters.count("outbox_drains")
-            except VALKEY_ERRORS as exc:
-                log.warning("%s: outbox not drained now (%s)", pod, exc)
 
 
 LOST_REASON = "Valkey lost the index's data; rebuilding from the engine's replay buffer"
@@ -478,10 +467,10 @@ async def check_settings(ing: Ingester) -> None:
                             + f". Give the index's values ({flags}), or use another Valkey")
 
 
-def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
+def start_line(cfg: Config, sockets: int, topology: str = "") -> str:
     """What this ingester is about to do, and with whom: a one-off `ingest --engine X` against a fleet's
     Valkey used to take a share of the fleet's engines while its log said "ingesting from 0 source(s)"."""
-    where = cfg.valkey_url.split("@")[-1] + (" (Valkey Cluster)" if cluster else "")
+    where = cfg.valkey_url.split("@")[-1] + (f" ({topology})" if topology else "")
     given = [*(f"--engine {u}" for u in cfg.engines), *(f"--engines-from {s}" for s in cfg.engines_from)]
     own = ", ".join(given) or "no engine"
     socks = f"; {sockets} --source/--bind socket(s), ingested here alone" if sockets else ""
@@ -497,6 +486,7 @@ def start_line(cfg: Config, sockets: int, cluster: bool) -> str:
 
 
 async def run_ingester(cfg: Config) -> None:
+    hooks.load_plugin()  # a fault-injection test's hooks (kv_preflight/index/hooks.py); none in production
     ing = await Ingester.create(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -513,7 +503,7 @@ async def run_ingester(cfg: Config) -> None:
         log.warning("Valkey's maxmemory-policy is %s: at maxmemory it evicts index keys (an entry, a pod's state, "
                     "a presence bitmap) and predictions go wrong silently; run noeviction (docs/operations.md)",
                     policy)
-    log.info("%s", start_line(cfg, len(ing.sources), ing.index.cluster))
+    log.info("%s", start_line(cfg, len(ing.sources), ing.index.label))
     metrics_server = None
     if cfg.metrics_port:
         metrics_server = ing.metrics.serve(cfg.metrics_port, cfg.metrics_host)

@@ -11,7 +11,8 @@ import asyncio
 
 from redis.exceptions import ResponseError
 
-from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.index import VALKEY_ERRORS
+from kv_preflight.index.write_side import WriteSide
 from kv_preflight.ingester.accept import Accepted, FrameAcceptor
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.bridge import Plan
@@ -23,7 +24,7 @@ PIPELINE_BATCHES = 64
 
 
 class Pipeline:
-    def __init__(self, acceptor: FrameAcceptor, applier: Applier, index: Index, valkey: ValkeyRetry):
+    def __init__(self, acceptor: FrameAcceptor, applier: Applier, index: WriteSide, valkey: ValkeyRetry):
         self.acceptor = acceptor
         self.applier = applier
         self.index = index

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from kv_preflight.config import Config
-from kv_preflight.index.index import Index
+from kv_preflight.index.write_side import WriteSide
 from kv_preflight.index.pod_meta import PodInfo
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
@@ -23,7 +23,7 @@ log = logging.getLogger("kvpf.ingester")
 
 
 class Resume:
-    def __init__(self, cfg: Config, index: Index, routes: Routes, applier: Applier, counters: Counters,
+    def __init__(self, cfg: Config, index: WriteSide, routes: Routes, applier: Applier, counters: Counters,
                  valkey: ValkeyRetry):
         self.cfg = cfg
         self.index = index

@@ -2,7 +2,7 @@
 rendezvous owner carries out (its engine left discovery, stayed unreachable, or no live lease lists the pod for
 --retire-after), the end of a retired pod's retention, and a retired pod answering again. The work runs in
 tasks of its own (``leaving``), since each waits for every lease to say the pod was let go
-(kv_preflight/fleet/lifecycle.py); ingester/fleet_member.py decides when, this module does it."""
+(kv_preflight/index/lifecycle.py); ingester/fleet_member.py decides when, this module does it."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgspec
 
 from kv_preflight.config import Config
-from kv_preflight.fleet.lifecycle import flag_retired, forget_pods, retire_pods
+from kv_preflight.index.lifecycle import flag_retired, forget_pods, retire_pods
 from kv_preflight.fleet.records import MAX_LEASE_SOURCES, PodRecord
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.ingester.counters import Counters

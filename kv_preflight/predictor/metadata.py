@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from kv_preflight.index.index import Index
+from kv_preflight.index.read_side import ReadSide
 from kv_preflight.index.pod_meta import ScoringInfo
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod
 
@@ -58,7 +58,7 @@ class _SingleFlight:
 
 
 class IndexMetadata:
-    def __init__(self, index: Index, *, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, index: ReadSide, *, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic):
         self.index = index
         self.ttl_s = ttl_s
         self.clock = clock

@@ -7,33 +7,32 @@ failure becomes IndexUnavailable (503) rather than a hang or a 500.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from kv_preflight.predictor.explain.findings import Finding
-from kv_preflight.predictor.http.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotFound, NotReady,
-                                                UnknownModel, clip)
+from kv_preflight.predictor.errors import (BadRequest, EngineUnavailable, IndexUnavailable, NotFound, NotReady,
+                                           UnknownModel, clip)
 from kv_preflight.predictor.fleet_view import FleetWatcher
-from kv_preflight.predictor.load import LoadMonitor, PodLoad
+from kv_preflight.predictor.load import LoadMonitor
 from kv_preflight.predictor.metadata import IndexMetadata
 from kv_preflight.predictor.metrics import PredictorMetrics
+from kv_preflight.predictor.route_path import MAX_FRESHNESS_PODS, RoutePath
 from kv_preflight.predictor.routed import RoutedRead, RoutedState
+from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
-from kv_preflight.predictor.scoring.placement import PlacementHint, PrefixPlacements
+from kv_preflight.predictor.scoring.placement import PrefixPlacements
 from kv_preflight.predictor.explain.warnings import PromptWarnings
-from kv_preflight.predictor.http.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
-from kv_preflight.predictor.scoring.route import RouteDecision, RoutingPolicy, decide
-from kv_preflight.predictor.scoring.freshness import (Freshness, answer_freshness, pod_freshness,
-                                                       stale_for_route, untrusted)
+from kv_preflight.predictor.request import KeyedRequest, PredictRequest, check_mm_items, check_token_count
+from kv_preflight.predictor.scoring.route import RoutingPolicy
+from kv_preflight.predictor.scoring.freshness import Freshness, answer_freshness, pod_freshness
 from kv_preflight.predictor.scoring.score import Prediction, score
-from kv_preflight.predictor.scoring.ranks import decision_with_ranks, dp_pods_of, with_ranks
+from kv_preflight.predictor.scoring.ranks import dp_pods_of, with_ranks
 from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
 from kv_preflight.index.rank_pods import base_pod
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
@@ -52,27 +51,14 @@ from kv_preflight.keys.multimodal import MultimodalItem
 from kv_preflight.keys.prompt import PromptKeys
 
 
-MAX_FRESHNESS_PODS = 64  # route candidates a route's freshness lists beside the pods holding the prompt
 ALIASES_TTL_S = 1.0  # a pod renamed by `ingest --pod-id endpoint` is known to pods filters within a second
 PARTIAL_LOG_S = 10.0  # a shard down makes every answer partial: one log line a while says why, the counter counts
 
 log = logging.getLogger("kvpf.predictor")
 
 
-@asynccontextmanager
-async def valkey_call(timeout_s: float, what: str) -> AsyncIterator[None]:
-    """Bound a Valkey step and turn any of its failures into IndexUnavailable."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            yield
-    except TimeoutError:
-        raise IndexUnavailable(f"valkey did not answer {what} within {timeout_s}s") from None
-    except VALKEY_ERRORS as exc:
-        raise IndexUnavailable(f"valkey unavailable ({what}): {type(exc).__name__}: {clip(str(exc))}") from None
-
-
 @dataclass
-class Predictor:
+class Predictor(RoutePath):
     cfg: Config
     index: Index
     tokenizer: EngineTokenizer
@@ -373,80 +359,6 @@ class Predictor:
         listed = self.fleet.listed() if self.fleet is not None else frozenset()
         return self.metadata.cached_dp_pods() | dp_pods_of(listed)
 
-    # ---- routing
-
-    async def route(self, req: PredictRequest) -> RouteDecision:
-        model, prompt, n_tokens, head = await self._request_keys(req)
-        decision = await self._route_keys(model, prompt.keys, n_tokens, await self.expand_pods(req.pods),
-                                          req.max_staleness_ms, prompt)
-        return msgspec.structs.replace(decision, warnings=self._warn(req, model, head) + decision.warnings)
-
-    async def request_keys(self, req: PredictRequest | KeyedRequest) -> tuple[str, list[int], int, list[Finding]]:
-        """(model, request keys, prompt length, the prompt's warnings): what ``route_keys`` decides from. The
-        gateway tokenizes a request once with it and decides again from the same keys after a failed upstream."""
-        if isinstance(req, KeyedRequest):
-            await self._check_model(req.model, need_engine=False)
-            return req.model, req.keys, req.n_tokens, self.warnings.check_keyed(req)
-        model, prompt, n_tokens, head = await self._request_keys(req)
-        # (an OpenAI request names no multimodal items: its canonical chain is every pod's)
-        return model, prompt.keys, n_tokens, self._warn(req, model, head)
-
-    async def route_keys(self, model: str, keys: list[int], n_tokens: int) -> RouteDecision:
-        """``/route``'s decision for keys ``request_keys`` gave, over every pod serving the model."""
-        return await self._route_keys(model, keys, n_tokens, None)
-
-    async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
-        await self._check_model(req.model, need_engine=False)
-        decision = await self._route_keys(req.model, req.keys, req.n_tokens, await self.expand_pods(req.pods),
-                                          req.max_staleness_ms)
-        return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req) + decision.warnings)
-
-    async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None,
-                          max_staleness_ms: int | None = None, prompt: PromptKeys | None = None) -> RouteDecision:
-        if pods is not None:
-            await self._check_pods_filter(pods)
-        # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
-        routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
-        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed)
-        candidates = await self._route_candidates(model, prediction, pods)
-        freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
-        held = [a.pod_id for a in prediction.pod_affinities]
-        per_pod = self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0)
-        if self.routed is not None:  # an engine no ingester feeds, routed by the gateways' approximate index
-            per_pod = self.routed.mark_approximate(per_pod)
-        stale = []
-        if max_staleness_ms is not None:
-            aged = {p: self.fleet.aged(f) for p, f in per_pod.items()} if self.fleet is not None else per_pod
-            stale = stale_for_route(aged, max_staleness_ms)
-        if self.fleet is not None and (distrusted := untrusted(per_pod)):  # blocks nobody vouches for: not routed by
-            prediction = msgspec.structs.replace(
-                prediction, pod_affinities=[a for a in prediction.pod_affinities if a.pod_id not in distrusted])
-        if stale:  # the cache it would route by may be older than allowed: by load alone, and say why
-            prediction = msgspec.structs.replace(prediction, pod_affinities=[], best_pod=None,
-                                                 predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
-        loads = {p: self.load_of(p) for p in candidates}
-        shared = await routed.for_route(candidates) if routed is not None else None
-        # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
-        hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
-        footprints = hint.footprints or None
-        if shared is not None and self.routed is not None and self.routed.window_ms > 0:
-            footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
-        decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
-                          affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
-                          pending=hint.pending or (self.routed.pending(shared) if self.routed is not None else None),
-                          booked={p: r.booked for p, r in shared.items()} if shared else None)
-        if stale:
-            decision = msgspec.structs.replace(
-                decision, reason="stale_index", detail=clip(
-                    f"routed by load alone: the index of {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''} may "
-                    f"be older than max_staleness_ms {max_staleness_ms} ({decision.reason}: {decision.detail})"))
-        elif self.placements is not None and keys and decision.pod_id is not None:
-            self._note_placement(keys[0], len(keys), prediction, decision)
-        self.metrics.route(decision.reason)
-        # what the prediction could not claim (hybrid groups not all known) holds for the route built on it
-        decision = decision_with_ranks(decision, self.dp_pods())
-        return msgspec.structs.replace(decision, freshness=freshness, warnings=list(prediction.warnings or []))
-
     async def _routed_infos(self, matches: list[Any], infos: dict[str, ScoringInfo],
                             speculative: dict[str, int]) -> dict[str, ScoringInfo]:
         """Scoring info for the pods what was routed added: a pod held speculatively alone (its meta), an
@@ -459,71 +371,6 @@ class Predictor:
             async with valkey_call(self.valkey_deadline_s, "pod metadata"):
                 approximate |= await self.metadata.pod_infos(missing)
         return {**infos, **approximate} if approximate else infos
-
-    def foreseen(self, model: str, pods: list[str] | None) -> set[str]:
-        """The pods a route for ``model`` will likely have as candidates, from what is in memory (no read): the
-        pods filter, else those the index, the fleet records and the scraped engines say serve it."""
-        if pods is not None:
-            return set(pods)
-        out = set(self.metadata.cached_pods_of(model))
-        if self.fleet is not None:
-            retired = self.fleet.retired()
-            out = {p for p in out | self.fleet.serving(model) if base_pod(p) not in retired}
-        if self.load is not None:
-            out |= self.load.serving(model) or set()
-        return out
-
-    def _note_placement(self, prefix: int, blocks: int, prediction: Prediction, decision: RouteDecision) -> None:
-        """The prefix's home: the pod holding the most of it, or, when nobody does, the pod it was sent to."""
-        assert self.placements is not None and decision.pod_id is not None
-        if decision.best_overlap_pod is None:
-            self.placements.placed(prefix, decision.pod_id, blocks)
-            if self.routed is not None:
-                self.routed.home(prefix, decision.pod_id, blocks)
-            return
-        best = next((a for a in prediction.pod_affinities if a.pod_id == decision.best_overlap_pod), None)
-        if best is not None:
-            self.placements.seen(prefix, best.pod_id, best.cached_blocks)
-            if self.routed is not None:
-                self.routed.home(prefix, best.pod_id, best.cached_blocks)
-
-    async def _route_candidates(self, model: str, prediction: Prediction, pods: list[str] | None) -> set[str]:
-        """Pods that may take a request for ``model``: the ``pods`` filter, else every pod known to serve it.
-
-        Known: holds blocks of this prompt under this model's keys (a LoRA adapter's keys carry its
-        name, so base-model blocks never count for an adapter), is in the index under this model, or
-        lists it in ``/v1/models``. A pod whose model list is known and lacks the model is dropped, and
-        so is a pod whose metrics stopped answering, while another candidate is left.
-        """
-        fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
-        if pods is not None:
-            pods = expand_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
-            return {p for p in pods if base_pod(p) not in fleet_out}
-        out = {a.pod_id for a in prediction.pod_affinities}
-        async with valkey_call(self.valkey_deadline_s, "pods of model"):
-            out |= await self.metadata.pods_of(model)
-        if self.fleet is not None:
-            # every pod whose record lists the model; unreachable and retired pods are never routed to (nor their
-            # data-parallel ranks, whose record is their pod's)
-            out |= self.fleet.serving(model)
-            out = {p for p in out if ((ms := self.fleet.models_of(base_pod(p))) is None or model in ms)
-                   and base_pod(p) not in fleet_out}
-        if self.load is not None:
-            out |= self.load.serving(model) or set()
-            out = {p for p in out if p not in self.load.served or model in self.load.served[p]}
-            reachable = out - self.load.unreachable()
-            out = reachable or out
-        if self.routed is not None:  # pods that just failed a request here, while another is left
-            out = self.routed.usable(out)
-        return out
-
-    def load_of(self, pod: str) -> PodLoad | None:
-        """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
-        own = self.load.snapshot(base_pod(pod), self.policy.stale_s) if self.load else None
-        if own is None and self.fleet is not None:
-            # a data-parallel rank's own load when its owner scraped it per rank, else its engine's
-            return self.fleet.load(pod, self.policy.stale_s) or self.fleet.load(base_pod(pod), self.policy.stale_s)
-        return own
 
     async def _pods_not_known(self, pods: list[str]) -> tuple[list[str], list[str]]:
         """(unknown, retired) pods of a filter: unknown to the index, the fleet records and --pod-metrics."""
@@ -563,10 +410,10 @@ class Predictor:
             async with valkey_call(self.valkey_deadline_s, "model check"):
                 known = model in await self.metadata.known_models(model)
         except IndexUnavailable:
-            if not self.index.cluster:
+            if not self.index.partial_reads:
                 raise
-            # On a cluster the registry's shard may be the one that is down while the others answer: the
-            # model goes unchecked, and the lookup says how far it could read ("partial"), never a 5xx.
+            # The registry's shard may be the one that is down while the others answer: the model goes
+            # unchecked, and the lookup says how far it could read ("partial"), never a 5xx.
             known = True
         if not known and self.fleet is not None:
             known = bool(self.fleet.serving(model))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_preflight.predictor.errors import BadRequest, clip
-from kv_preflight.index.index import Index
+from kv_preflight.index.read_side import ReadSide
 from kv_preflight.index.pod_meta import PodInfo
 from kv_preflight.keys.chain import HAS_C_EXTENSION
 
@@ -127,7 +127,7 @@ def build_stats(
 # ---- Valkey reads
 
 
-async def read_pods_summary(index: Index, pod_models: Mapping[str, str]) -> PodsSummary:
+async def read_pods_summary(index: ReadSide, pod_models: Mapping[str, str]) -> PodsSummary:
     """Counts and totals over every pod, reading only the meta fields they need (PodMeta.meta_fields)."""
     fields = ("incomplete", "blocks", *EVENT_COUNTERS)
     summary = PodsSummary(pods=len(pod_models), models=len({m for m in pod_models.values() if m}))

@@ -14,7 +14,7 @@ import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
-from kv_preflight.index.cluster.writes import encode_changes
+from kv_preflight.index.cluster.outbox_ops import encode_changes
 from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -250,7 +250,8 @@ async def test_kill_between_the_steps_of_a_batch(cluster_url, tmp_path, point, p
     args = ["ingest", "--valkey-url", cluster_url, "--source", source]
     # The crash comes at the last batch, so its blocks are still held at the end (no eviction hides a
     # lost effect), and the engine then goes quiet: only the outbox can finish that batch.
-    doomed = spawn(args, str(tmp_path / "doomed.log"), env={"KVPF_TEST_CRASH_AT": f"{point}:30"})
+    doomed = spawn(args, str(tmp_path / "doomed.log"),
+                   env={"KVPF_TEST_HOOKS": "tests.integration.crash_hooks", "KVPF_TEST_CRASH_AT": f"{point}:30"})
     try:
         await engine.subscribed()
         await publish(engine, wl, 30, pause=pause)

@@ -127,7 +127,7 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
     and the outbox entry was deleted with its writes lost (seen once in CI under load,
     test_cluster_failover.py::test_master_killed_under_load). The slot map moved since the run began, so the
     ack now refuses, and the entry runs again on the new master."""
-    from kv_preflight.index.cluster.writes import encode_changes
+    from kv_preflight.index.cluster.outbox_ops import encode_changes
     from kv_preflight.index.pod_state import EngineAdd, KeyChange
 
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
@@ -162,7 +162,7 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
 
 
 def cw_ops(changes):
-    from kv_preflight.index.cluster.writes import change_ops
+    from kv_preflight.index.cluster.outbox_ops import change_ops
 
     return change_ops(changes, 0)
 

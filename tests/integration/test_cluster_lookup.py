@@ -188,7 +188,7 @@ async def test_a_drop_whose_key_moved_since_the_map_was_read_still_prunes_its_en
 async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
     """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its changes not run."""
     from kv_preflight.index.backend import evalsha_pipeline
-    from kv_preflight.index.cluster.writes import encode_changes
+    from kv_preflight.index.cluster.outbox_ops import encode_changes
     from kv_preflight.index.entries import apply_result, text
 
     writes = ix.backend.writes
@@ -209,7 +209,7 @@ async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random, skip
     import msgspec
 
     from kv_preflight.index.cluster import node_for
-    from kv_preflight.index.cluster.writes import key_op_args
+    from kv_preflight.index.cluster.outbox_ops import key_op_args
 
     ops = [op for op in msgspec.msgpack.decode(payload) if op[0] == "K"]
     nodes = sorted({node_for(ix.client, str(op[1])).name for op in ops})

@@ -7,7 +7,7 @@ import random
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kv_preflight.index.cluster import merge_shards
-from kv_preflight.index.cluster.lookup import Unanswered
+from kv_preflight.index.cluster.merge import Unanswered
 
 
 def linear(n: int, present: list[dict[str, str]], cut: int) -> dict[str, tuple[int, str]]:
@@ -110,7 +110,7 @@ def test_a_shard_that_holds_nobody_at_its_first_key_sent_all_a_walk_needs():
     """lookup_bits.lua's replies (kv_preflight/index/presence.py BitsReply): its keys' bitmaps (kind 0), or no pod
     at its first key (kind 1 naming none: every prefix ends there) let the cluster walk the chain once, group
     bitmaps included; a bisection (kind 1 naming pods), a moved key or "whole" (kind 2) do not."""
-    from kv_preflight.index.cluster.lookup import sent_bitmaps
+    from kv_preflight.index.cluster.merge import sent_bitmaps
     from kv_preflight.index.presence import parse_bits_reply
 
     assert sent_bitmaps(parse_bits_reply([0, 0, 0, "", 0, "gpu", b"\x03", "", ""]))

@@ -1,4 +1,4 @@
-"""When a cluster lookup may bisect a pod (kv_preflight/index/cluster/lookup.py pod_bisectable): its orphan count
+"""When a cluster lookup may bisect a pod (kv_preflight/index/cluster/merge.py pod_bisectable): its orphan count
 known and 0, and no outbox entry left from a step taken while the pod had a gap."""
 from kv_preflight.index.cluster import pod_bisectable
 

@@ -34,9 +34,9 @@ def test_c_extension_is_built():
     assert keys.HAS_C_EXTENSION
     # and the write path's loops (kv_preflight/index/_write_path.c): without them an ingester takes 2-3x the CPU
     from kv_preflight.index import changes, pod_log, pod_state
-    from kv_preflight.index.cluster import writes
+    from kv_preflight.index.cluster import outbox_ops
     assert None not in (pod_state._plan_blocks, pod_log._snapshot_columns, pod_log._delta_columns,
-                        changes._change_args_c, changes._shard_args_c, writes._c)
+                        changes._change_args_c, changes._shard_args_c, outbox_ops._c)
 
 
 @settings(max_examples=200, deadline=None)

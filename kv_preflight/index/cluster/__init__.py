@@ -3,14 +3,16 @@
 live (``routing.py``)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from kv_preflight.index.backend import ready
-from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup, merge_shards, pod_bisectable
-from kv_preflight.index.cluster.markers import numbering_copies
+from kv_preflight.index.backend import VALKEY_ERRORS, Looked, ms_of, read_pipeline, ready
+from kv_preflight.index.cluster.lookup import EXACT_BUDGET, ClusterLookup
+from kv_preflight.index.cluster.merge import merge_shards, pod_bisectable
+from kv_preflight.index.cluster.markers import SlotMarkers, numbering_copies
 from kv_preflight.index.cluster.routing import Shards, by_primary, cluster_client, node_for, probe_cluster, writer_id
 from kv_preflight.index.cluster.writes import TAKEOVER_MS, ClusterWrites
 from kv_preflight.index.entries import ApplyResult, Lookup
@@ -24,6 +26,11 @@ class ClusterBackend:
     """Valkey Cluster: batches in three steps (writes.py), lookups in at most three rounds (lookup.py)."""
 
     cluster = True
+    label = "Valkey Cluster"
+    # On a cluster the shard holding one key (the registry's, a meta) may be the one down while the others
+    # answer: a caller goes on, and the lookup says how far it could read ("partial")
+    partial_reads = True
+    fast = None  # redis-py's cluster client routes every command
 
     def __init__(self, client: RedisCluster, *, writer: str | None = None, takeover_ms: int = TAKEOVER_MS):
         self.client = client
@@ -58,11 +65,40 @@ class ClusterBackend:
     def confirmed_late(self) -> int:
         return self.writes.confirmed_late
 
+    def nodes(self) -> list[tuple[str, int]]:
+        return [(n.host, int(n.port)) for n in self.client.get_nodes()]
+
     def forget(self, pods: Iterable[str]) -> None:
         self.writes.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         return await self.writes.drain(pod_id, older_than_ms=self.writes.takeover_ms if stale_only else 0)
+
+    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
+        """Side by side: a pod's drain waits up to the barrier's timeout (WAIT, 200 ms) while a replica is down
+        and its entries stay, so one pod after another would hold its caller up that long per pod."""
+        limit = asyncio.Semaphore(at_once)
+
+        async def one(pod: str) -> int | Exception:
+            async with limit:
+                try:
+                    return await self.drain_outbox(pod, stale_only=True)
+                except VALKEY_ERRORS as exc:
+                    return exc
+
+        return dict(zip(pods, await asyncio.gather(*(one(p) for p in pods))))
+
+    async def read_timed(self, fill: Callable[[Any], None]) -> tuple[int, list[Any]]:
+        """``TIME`` alone (no pipeline may hold a keyless command on a cluster), then one pipeline routed per
+        shard."""
+        now = await self.client.time()
+        return ms_of(now), await read_pipeline(self.client, fill)
+
+    async def look_at_shards(self, epoch: str) -> Looked:
+        return await SlotMarkers(self.client).look(epoch)
+
+    async def mark_shards(self, epoch: str) -> None:
+        await SlotMarkers(self.client).mark(epoch)
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
         return await self.lookups.lookup(request_keys, pods, mode)

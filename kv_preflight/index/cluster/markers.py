@@ -22,12 +22,12 @@ import asyncio
 import functools
 from binascii import crc_hqx
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from kv_preflight.index.backend import ms_of, read_pipeline
+from kv_preflight.index.backend import Looked, ms_of, read_pipeline
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_COPIES, NUMS_NEXT_KEY, nums_copy_key, slot_marker_key
 
@@ -88,15 +88,6 @@ def _one(reply: Any, node: str) -> Any:
         return reply[node]
     return reply
 
-
-class Looked(NamedTuple):
-    """What one look at the markers found: the primaries (host:port) that came back without their data, and
-    those whose marker was gone though they ran all along (evicted under an ``allkeys-*`` policy, or deleted by
-    hand: written again, no loss)."""
-
-    lost: list[str]
-    rewritten: list[str]
-    numbering: bool = False  # the pod numbering (``kvpf:{nums}:*``) was on a lost one
 
 
 class SlotMarkers:

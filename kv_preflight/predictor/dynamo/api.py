@@ -33,10 +33,10 @@ from kv_preflight.predictor.dynamo.wire import (DEFAULT_ROUTING_GROUP, EndpointE
                                    stable_instance_id,
                                    tier_prefixes)
 from kv_preflight.predictor.errors import PredictorError
-from kv_preflight.predictor.prediction import valkey_call
+from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
-from kv_preflight.fleet.lifecycle import LET_GO_WAIT_S, forget_pods
+from kv_preflight.index.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
@@ -187,9 +187,7 @@ class DynamoApi:
         fleet knows (the engines it serves, its pod records, the engines registered by URL)."""
         cfg = self.cfg
         valkey = [cfg.valkey_url]
-        nodes = getattr(self.index.client, "get_nodes", None)  # a cluster's client knows every node
-        if callable(nodes):
-            valkey += [f"redis://{n.host}:{n.port}" for n in nodes()]
+        valkey += [f"redis://{host}:{port}" for host, port in self.index.backend.nodes()]  # a cluster's shards
         http = {f"http://{cfg.host}:{cfg.port}": "the predictor's HTTP port"}
         if cfg.dynamo_port:
             http[f"http://{cfg.host}:{cfg.dynamo_port}"] = "this remote-indexer API's HTTP port"
@@ -219,7 +217,7 @@ class DynamoApi:
                 await self.index.fleet.unregister_engine(engine_id)
             # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here, once
             # no ingester ingests it any more (a worker still publishing would otherwise come back as a pod
-            # that no listing shows: fleet/lifecycle.py)
+            # that no listing shows: index/lifecycle.py)
             await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
         return 200, {"status": "ok"}

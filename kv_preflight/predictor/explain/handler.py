@@ -26,7 +26,8 @@ from kv_preflight.predictor.scoring.ranks import rank_of, with_ranks
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
                                                    window_cut)
 from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
-from kv_preflight.predictor.prediction import Predictor, valkey_call
+from kv_preflight.predictor.prediction import Predictor
+from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
 from kv_preflight.index.routed import keys_blob
 from kv_preflight.index.presence import read_group_bits

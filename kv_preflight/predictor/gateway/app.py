@@ -413,7 +413,7 @@ def create_gateway_app(cfg: Config, index: Index | None = None) -> Starlette:
     # on a single node the index's lean connection carries the routed scripts too (kv_preflight/index/routed.py), and
     # what is written on it in one turn of the loop goes in one send: a decision's lookup and the read beside it, the
     # bookings and speculative entries of the requests decided in that turn (kv_preflight/index/resp.py)
-    fast = getattr(predictor.index.backend, "fast", None)
+    fast = predictor.index.backend.fast
     if fast is not None:
         fast.coalesce = True
     store = RoutedStore(predictor.index.client, fast)

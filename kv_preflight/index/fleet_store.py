@@ -8,23 +8,59 @@ apart from the index's data.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import foreign_as_empty, ms_of, read_pipeline
-from kv_preflight.index.cluster.markers import Looked, SlotMarkers
+from kv_preflight.index.backend import IndexBackend, Looked, foreign_as_empty, ms_of
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
                                        INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)
 
 
-class FleetStore:
-    """Reads and writes of the fleet's records, on a single node or a cluster (redis-py routes each key)."""
+class FleetStore(Protocol):
+    """The fleet store: what ingesters write and predictors read of the fleet (records, leases, load, settings,
+    the epoch, forgets, aliases, the diagnosis, replay feeds), on Valkey's clock. ``ValkeyFleetStore`` is the
+    implementation over either backend (what differs, the backend does: how Valkey's time comes with reads, and
+    a cluster's slot markers); tests/integration/test_contract_fleet_store.py is the bar for any other."""
 
-    def __init__(self, client, *, cluster: bool):
+    async def now_ms(self) -> int: ...
+    async def fleet_view(self) -> fleet.FleetView: ...
+    async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None: ...
+    async def replace_pod_record(self, pod_id: str, expected: fleet.PodRecord | None, record: fleet.PodRecord) -> bool: ...
+    async def drop_pod_records(self, pod_ids: Iterable[str]) -> None: ...
+    async def put_load(self, loads: dict[str, fleet.PodLoad]) -> None: ...
+    async def put_lease(self, ingester_id: str, lease: fleet.IngesterLease) -> None: ...
+    async def drop_leases(self, ingester_ids: Iterable[str]) -> None: ...
+    async def registered_engines(self) -> dict[str, fleet.RegisteredEngine]: ...
+    async def register_engine(self, engine_id: str, engine: fleet.RegisteredEngine) -> None: ...
+    async def unregister_engine(self, engine_id: str) -> bool: ...
+    async def settings(self) -> fleet.IndexSettings | None: ...
+    async def claim_settings(self, ours: fleet.IndexSettings) -> fleet.IndexSettings: ...
+    async def epoch(self) -> str | None: ...
+    async def claim_epoch(self, token: str) -> str: ...
+    async def replace_epoch(self, seen: str, token: str) -> str: ...
+    async def look_at_shards(self, epoch: str) -> Looked: ...
+    async def mark_shards(self, epoch: str) -> None: ...
+    async def maxmemory_policy(self) -> str | None: ...
+    async def forget_pods(self, pod_ids: Iterable[str]) -> int: ...
+    async def forgotten(self) -> dict[str, int]: ...
+    async def unforget_pods(self, pod_ids: Iterable[str]) -> None: ...
+    async def add_aliases(self, pairs: Iterable[tuple[str, str]]) -> None: ...
+    async def aliases(self) -> dict[str, list[str]]: ...
+    async def put_fleet_diagnosis(self, summary: bytes) -> int: ...
+    async def fleet_diagnosis(self) -> tuple[bytes | None, int, int]: ...
+    async def remember_feed(self, replay_endpoint: str, rank: int, pod_id: str, model: str) -> None: ...
+    async def feeds(self, replay_endpoints: Iterable[str]) -> list[tuple[str, int, str, str]]: ...
+
+
+class ValkeyFleetStore:
+    """Reads and writes of the fleet's records, on a single node or a cluster (redis-py routes each key; what
+    differs, the backend does: how Valkey's time comes with reads, and the shards' slot markers)."""
+
+    def __init__(self, client, backend: IndexBackend):
         self.client = client
-        self.cluster = cluster
+        self.backend = backend
 
     async def now_ms(self) -> int:
         """Valkey's clock (``TIME``), the one clock every lease and age in the fleet is measured on."""
@@ -42,19 +78,13 @@ class FleetStore:
                        if (r := fleet.decode_lease(v)) is not None})
 
     async def _timed_read(self, *hashes: str) -> list[Any]:
-        """Valkey's time (ms) and HGETALL of each hash, in one round trip on a single node; on a cluster
-        TIME goes alone (no pipeline may hold a keyless command there), then one pipeline routed per shard."""
+        """Valkey's time (ms) and HGETALL of each hash, in one round trip where the topology allows it."""
         def fill(pipe) -> None:
-            if not self.cluster:
-                pipe.time()
             for h in hashes:
                 pipe.hgetall(h)
 
-        if self.cluster:
-            now, *rest = [await self.client.time(), *await read_pipeline(self.client, fill)]
-        else:
-            now, *rest = await read_pipeline(self.client, fill)
-        return [ms_of(now), *foreign_as_empty(rest)]
+        now, rest = await self.backend.read_timed(fill)
+        return [now, *foreign_as_empty(rest)]
 
     async def put_pod_records(self, records: dict[str, fleet.PodRecord]) -> None:
         if records:
@@ -138,14 +168,13 @@ class FleetStore:
         await self.client.hset(EPOCH_KEY, "id_at", await self.now_ms())
 
     async def look_at_shards(self, epoch: str) -> Looked:
-        """(cluster) The primaries that came back without their data in ``epoch``, and those whose marker was
-        evicted (kv_preflight/index/cluster/markers.py); on a single node, none: its epoch key says it all."""
-        return await SlotMarkers(self.client).look(epoch) if self.cluster else Looked([], [])
+        """The primaries that came back without their data in ``epoch``, and those whose marker was evicted
+        (kv_preflight/index/cluster/markers.py); on a single node, none: its epoch key says it all."""
+        return await self.backend.look_at_shards(epoch)
 
     async def mark_shards(self, epoch: str) -> None:
-        """(cluster) Every slot marked in ``epoch``, so a shard's loss from here on shows (``look_at_shards``)."""
-        if self.cluster:
-            await SlotMarkers(self.client).mark(epoch)
+        """Every slot marked in ``epoch``, so a shard's loss from here on shows (``look_at_shards``; a cluster's)."""
+        await self.backend.mark_shards(epoch)
 
     async def maxmemory_policy(self) -> str | None:
         """Valkey's ``maxmemory-policy``, None where CONFIG is not allowed (a managed service)."""
@@ -228,4 +257,4 @@ class FleetStore:
         return sorted(out)
 
 
-__all__ = ["FleetStore"]
+__all__ = ["FleetStore", "ValkeyFleetStore"]

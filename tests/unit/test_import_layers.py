@@ -1,0 +1,70 @@
+"""The package's floors, read from the source (every ``import``, at any depth, ``TYPE_CHECKING`` ones included):
+kv_preflight/fleet/ (the fleet's records, values) is below kv_preflight/index/ (the index, whose fleet store reads
+and writes them), so nothing in fleet/ imports index/; and neither imports the processes above them."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kv_preflight"
+ABOVE = ("kv_preflight.ingester", "kv_preflight.predictor", "kv_preflight.cli", "kv_preflight.simulator")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Every module a file imports (``from a import b`` counts as ``a`` and ``a.b``: b may be a module)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def imports_from(room: str, forbidden: tuple[str, ...]) -> list[str]:
+    """``module -> imported`` for each module under ``room`` importing anything under ``forbidden``."""
+    out = []
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        for name in sorted(imported(path)):
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
+                out.append(f"{module_name(path)} -> {name}")
+    return out
+
+
+def test_the_scan_sees_imports_at_any_depth_and_relative_ones(tmp_path):
+    """The scan itself can fail: a nested, a TYPE_CHECKING and a relative import are all seen."""
+    room = tmp_path / "kv_preflight" / "fleet"
+    room.mkdir(parents=True)
+    (room / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kv_preflight.index import y\n"
+                               "def f():\n    import kv_preflight.index.z\nfrom ..index import w\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "kv_preflight"
+    try:
+        got = imports_from("fleet", ("kv_preflight.index",))
+    finally:
+        PACKAGE = saved
+    assert got == ["kv_preflight.fleet.x -> kv_preflight.index", "kv_preflight.fleet.x -> kv_preflight.index.w",
+                   "kv_preflight.fleet.x -> kv_preflight.index.y", "kv_preflight.fleet.x -> kv_preflight.index.z"]
+
+
+def test_fleet_does_not_import_the_index():
+    """The fleet's records are values every process shares; their Valkey commands are the index's
+    (index/fleet_store.py), a pod's leaving too (index/lifecycle.py): an import back would make the two one
+    room drawn as two again."""
+    assert imports_from("fleet", ("kv_preflight.index",)) == []
+
+
+def test_the_index_and_the_fleet_import_no_process_above_them():
+    assert imports_from("index", ABOVE) == []
+    assert imports_from("fleet", ABOVE) == []
