@@ -100,11 +100,16 @@ class RoutePath:
                           affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
                           pending=hint.pending or (self.routed.pending(shared) if self.routed is not None else None),
                           booked={p: r.booked for p, r in shared.items()} if shared else None)
-        if stale:
+        if pods and not candidates:  # the filter named pods, and none may take a request now
+            decision = msgspec.structs.replace(decision, detail=clip(
+                f"no pod of the pods filter may take it: {', '.join(sorted(pods)[:5])}{' ...' if len(pods) > 5 else ''}"
+                " unreachable (its engine fails its health checks; the fleet records say so)"))
+        if stale:  # the cache was not consulted: the rule's own reason (no_overlap, ...) would only mislead
             decision = msgspec.structs.replace(
                 decision, reason="stale_index", detail=clip(
-                    f"routed by load alone: the index of {', '.join(stale[:5])}{' ...' if len(stale) > 5 else ''} may "
-                    f"be older than max_staleness_ms {max_staleness_ms} ({decision.reason}: {decision.detail})"))
+                    f"routed by load alone, the cache not consulted: the index of {', '.join(stale[:5])}"
+                    f"{' ...' if len(stale) > 5 else ''} may be older than max_staleness_ms {max_staleness_ms} (a current "
+                    "pod's staleness is up to about 2 s: a renewal and a read apart)"))
         elif self.placements is not None and keys and decision.pod_id is not None:
             self._note_placement(keys[0], len(keys), prediction, decision)
         self.metrics.route(decision.reason)

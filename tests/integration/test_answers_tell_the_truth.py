@@ -92,6 +92,11 @@ async def test_errors_name_their_cause_and_503_is_for_the_server(valkey_url, tmp
         # token ids need no engine: still answered
         r = httpx.post(base + "/v1/cache/predict", json={"model": "sim", "token_ids": list(range(40))}, timeout=5)
         assert r.status_code == 200, r.text
+        # a route whose pods filter names only that pod goes nowhere, and says why (it said no pod serves the model)
+        r = httpx.post(base + "/v1/cache/route", json={"model": "sim", "token_ids": list(range(40)), "pods": ["sim-t"]},
+                       timeout=5)
+        assert r.status_code == 200 and r.json()["pod_id"] is None, r.text
+        assert r.json()["reason"] == "no_candidates" and "sim-t unreachable" in r.json()["detail"], r.text
     finally:
         if ing is not None:
             stop(ing)

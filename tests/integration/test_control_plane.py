@@ -759,6 +759,9 @@ async def test_answers_say_when_the_index_is_stale(valkey_url, tmp_path):
         # among fresh-sim alone, as before the registered worker was added beside it
         route = await answer(first, "/v1/cache/route", max_staleness_ms=1000, pods=["fresh-sim"])
         assert route["reason"] == "stale_index" and route["pod_id"] == "fresh-sim", route
+        # the cache was not consulted: the detail says so, not a rule's reason about prefixes nobody looked at
+        assert route["detail"].startswith("routed by load alone, the cache not consulted") and \
+            "no_overlap" not in route["detail"], route
         assert (await answer(first, "/v1/cache/route", pods=["fresh-sim"]))["reason"] != "stale_index"
         r.config_set("maxmemory", "0")
 
