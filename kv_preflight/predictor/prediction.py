@@ -433,8 +433,8 @@ class Predictor(RoutePath):
             raise EngineUnavailable(
                 f"cannot tokenize for model {clip(repr(model))}: no engine of it answers /tokenize now (no live "
                 "pod's fleet record gives one: its engines are down, unreachable, or not reported yet) and no "
-                f"--engine-url or --tokenizer is configured for it; retry, give serve --tokenizer {clip(model)}=DIR, "
-                "or send token_ids"
+                f"--engine-url or --tokenizer is configured for it; retry, give "
+                f"{'gateway' if self.routed is not None else 'serve'} --tokenizer {clip(model)}=DIR, or send token_ids"
             )
 
     async def _known_models(self) -> list[str]:

@@ -10,6 +10,7 @@ import socket
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from kv_preflight.cli.valkey_server import free_port
@@ -188,6 +189,21 @@ async def test_an_unknown_model_is_a_404_that_names_the_gateways_own_flags(valke
     assert message.startswith("unknown model 'nope'") and f"known models: {MODEL!r}" in message, message
     assert "no --engine of this gateway serves it" in message and "--engine-url or --tokenizer" in message, message
     assert engine.seen == []  # nothing went upstream
+
+
+async def test_a_prompt_no_engine_can_tokenize_is_a_503_that_names_the_gateways_own_command(valkey_url, ix, gateway):
+    """The gateway's own /v1/cache/predict for a known model whose engines are all down: a 503 whose fix names
+    `gateway --tokenizer` (it said `serve --tokenizer` to someone running a gateway)."""
+    await store(ix, "pod-dead", list(range(900, 964)))  # the model is known from the index
+    await ix.fleet.put_pod_records({"pod-dead": msgspec.structs.replace(record(dead_url()), state="unreachable")})
+    g = gateway().ready()
+    async with httpx.AsyncClient(timeout=10) as c:
+        async def judged():
+            r = await c.post(g.url + "/v1/cache/predict", json={"model": MODEL, "prompt": "hello"})
+            return r if r.status_code == 503 and "cannot tokenize" in r.text else None
+
+        r = await until(judged, "the gateway's 503 for a prompt it cannot tokenize")
+    assert f"give gateway --tokenizer {MODEL}=DIR" in r.json()["error"], r.text
 
 
 async def test_refused_connection_is_retried_on_the_next_candidate_and_the_fleet_told(valkey_url, ix, gateway, stubs):
