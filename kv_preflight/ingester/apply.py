@@ -24,7 +24,7 @@ from kv_preflight.config import Config
 from kv_preflight.events import EventBatch
 from kv_preflight.index.engine_keys import resolve_engine_keys
 from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
-from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_state, unresolved_parents
+from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_held, seed_state, unresolved_parents
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from kv_preflight.ingester.replay import fetch_replay
@@ -110,7 +110,12 @@ class Applier:
         return plan
 
     async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
+        def known(ek: int) -> tuple[tuple[int, ...], int | None] | None:  # a block the pod holds: its own state's
+            return self.index.writer.known_block(pod, ek)
+
         missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
+        if missing:
+            missing = seed_held(self.state, missing, known)
         if missing:
             resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
             seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
@@ -118,8 +123,7 @@ class Applier:
             return plan_batch(
                 batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
-                hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys,
-                known=lambda ek: self.index.writer.known_block(pod, ek),
+                hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys, known=known,
             )
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)

@@ -356,14 +356,37 @@ def _plan_partial(ev: BlockStored, plan: Plan, pod_id: str, model: str, state: C
     never keyed by a guessed position."""
     tier = tier_of(ev.medium)
     fld = entry_field(pod_id, ev.medium, ev.group_idx)
+    parentless = ev.parent_block_hash is None
     for ek in ev.block_hashes:
         point = state.get(model, ek)
-        if point is None or point.keys is None:
-            plan.orphans += 1
-            continue
-        plan.mutations.append(StoreBlock(ek, tier, fld, point.keys, ev.group_idx or 0,
-                                         ev.parent_block_hash is None, point.parent))
+        if point is not None and point.keys is not None:
+            keys, parent = point.keys, point.parent
+        else:  # not met by this process lately (restarted, its LRU full): a block the pod itself holds
+            held = known(ek) if known is not None else None
+            if held is None:
+                plan.orphans += 1
+                continue
+            keys, parent = held
+        plan.mutations.append(StoreBlock(ek, tier, fld, keys, ev.group_idx or 0, parentless, parent))
         plan.stored_blocks += 1
+
+
+def seed_held(state: ChainState, missing: Sequence[tuple[str, int]], known: Known) -> list[tuple[str, int]]:
+    """Parents this process has not met lately (it restarted, its LRU let them go, another pod's restart emptied
+    it) that the pod itself holds: taken from the pod's own state (the index writer's, ``known``), which holds
+    every block the pod holds, loaded from its log; put in ``state`` as chain points. Returns those it does not
+    hold, for Valkey's engine map. A block keyed before its parent was (no request key of its own: engine blocks
+    smaller than canonical ones) leaves its chain's last key unknown here: Valkey's."""
+    rest = []
+    for model, ek in missing:
+        held = known(ek)
+        if held is None or not held[0]:
+            rest.append((model, ek))
+            continue
+        rks, parent = held
+        state.put(model, ek, ChainPoint(rks[-1], carry_known=False, keys=rks if parent is not None else None,
+                                        parent=parent if parent is not None else CHAIN_ROOT))
+    return rest
 
 
 def seed_state(state: ChainState, resolved: dict[tuple[str, int], int]) -> None:
@@ -372,4 +395,5 @@ def seed_state(state: ChainState, resolved: dict[tuple[str, int], int]) -> None:
         state.put(model, ek, ChainPoint(rk, carry_known=False))
 
 
-__all__ = ["ChainPoint", "ChainState", "Plan", "adapter_of", "plan_batch", "seed_state", "unresolved_parents", "Sequence"]
+__all__ = ["ChainPoint", "ChainState", "Plan", "adapter_of", "plan_batch", "seed_held", "seed_state", "unresolved_parents",
+           "Sequence"]

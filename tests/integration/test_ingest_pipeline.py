@@ -11,7 +11,7 @@ from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, Eve
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.entries import CHAIN_ROOT
 from kv_preflight.keys.chain import request_keys
-from kv_preflight.index.layout import pod_state_keys
+from kv_preflight.index.layout import engine_key_name, pod_state_keys
 from kv_preflight.index.transfer import export_blocks, held_blocks
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
@@ -178,6 +178,32 @@ async def test_parent_resolved_from_valkey_is_the_pods_own_model_chain(valkey_ur
     assert (got_a, got_b) == ({"pod-a": 4}, {"pod-b": 4})
     assert not (await cold.index.meta.pod_info("pod-a")).incomplete
     await cold.index.close()
+
+
+async def test_parent_the_pod_holds_is_found_in_its_own_state(valkey_url):
+    """Another pod's engine restart empties the ingester's chain state (content-addressed, shared by every
+    pod). A child whose parent its own pod holds is then chained from the pod's state (the writer's), with
+    no read of Valkey's engine map: here ``engine:<parent>`` is gone, so that read would have found nothing
+    and the child would have been an orphan (its pod flagged incomplete)."""
+    t0, t1 = list(range(3000, 3032)), list(range(3032, 3064))
+
+    def msg(pod, seq, ts, ev):
+        return encode_frames(make_topic(pod, "m"), seq, EventBatch(ts, [ev], 0))
+
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await ing.handle_messages([(SRC, msg("pod-a", 0, 1000.0, BlockStored([51], None, t0, 32, medium="GPU", group_idx=0)))])
+    for seq in (0, 1):
+        await ing.handle_messages([(SRC, msg("pod-b", seq, 1000.0 + seq, BlockStored([61 + seq], None, t0, 32,
+                                                                                       medium="GPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, msg("pod-b", 0, 2000.0, BlockStored([71], None, t1, 32, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts["engine_restarts"] == 1 and len(ing.applier.state) == 1  # pod-b's new block only
+    assert redis.Redis.from_url(valkey_url).delete(engine_key_name(51)) == 1
+    await ing.handle_messages([(SRC, msg("pod-a", 1, 1001.0, BlockStored([52], 51, t1, 32, medium="GPU", group_idx=0)))])
+    got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(t0 + t1, model="m"))}
+    assert got == {"pod-a": 4}
+    assert not (await ing.index.meta.pod_info("pod-a")).incomplete
+    assert ing.counters.counts.get("orphan_blocks", 0) == 0
+    await ing.index.close()
 
 
 async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):

@@ -2,7 +2,8 @@
 import pytest
 
 from kv_preflight.engines.vllm import EXTRA_KEYS as VLLM_EXTRA_KEYS
-from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_state, unresolved_parents
+from kv_preflight.index.pod_state import PodState
+from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_held, seed_state, unresolved_parents
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.keys.chain import request_keys
@@ -201,3 +202,39 @@ def test_a_partial_event_takes_the_keys_of_the_full_events_around_it_in_its_plac
     ]
     assert (p.stored_blocks, p.orphans, p.removed_blocks) == (6, 1, 1)
     assert list(state._points) == [("tiny", 1), ("tiny", 3), ("tiny", 2), ("tiny", 4)]
+
+
+# ---- blocks the pod holds, from its own state (the index writer's PodState) when this process has not met them
+
+def held_by_pod(events):
+    """A pod's state after ``events`` planned by a process since gone: what the writer loads from its log."""
+    pod = PodState(pod_id="p")
+    pod.plan(plan(events).mutations)
+    return pod.block_keys
+
+
+def test_a_parent_the_pod_holds_is_taken_from_its_state_not_valkey():
+    """A chain state that never met the parent (the ingester restarted, its LRU let it go, another pod's restart
+    emptied it): the pod's own state names it, so Valkey is asked only for what the pod does not hold."""
+    known = held_by_pod([BlockStored([1, 2], None, TOKENS[:64], 32, medium="GPU", group_idx=0)])
+    child = BlockStored([3], 2, TOKENS[64:96], 32, medium="GPU", group_idx=0)
+    state = ChainState()
+    missing = unresolved_parents(EventBatch(1.0, [child, BlockStored([9], 8, TOKENS[:32], 32)]), "tiny", state)
+    assert seed_held(state, missing, known) == [("tiny", 8)]  # for Valkey
+    p = plan([child], state)
+    assert p.orphans == 0
+    assert p.mutations[0].request_keys == tuple(request_keys(TOKENS[:96], model="tiny")[4:])
+
+
+def test_a_partial_event_takes_the_keys_of_blocks_the_pod_holds():
+    """A sliding-window group's event whose blocks the full-attention group stored in an earlier batch, planned by
+    a process that has not met them: their keys come from the pod's state, not an orphan each."""
+    keys = request_keys(TOKENS[:64], model="tiny")
+    known = held_by_pod([BlockStored([1, 2, 3, 4], None, TOKENS[:64], 16, medium="GPU", group_idx=0)])
+    window = BlockStored([2, 4], None, TOKENS[:64], 16, medium="GPU", group_idx=1, extra_keys=[None] * 4)
+    p = plan_batch(EventBatch(1.0, [window], 0), pod_id="p", topic_model="tiny", state=ChainState(), hash_seed="",
+                   block_size=16, entry_field=field, extra_keys=VLLM_EXTRA_KEYS, known=known)
+    f1 = field("p", "GPU", 1)
+    assert p.mutations == [StoreBlock(2, "gpu", f1, (keys[1],), 1, True, keys[0]),
+                           StoreBlock(4, "gpu", f1, (keys[3],), 1, True, keys[2])]
+    assert p.orphans == 0
