@@ -86,7 +86,10 @@ class LeaseHolder:
         (``VOUCH_WAIT_S``): the renewals list the pod anyway. The pods past the lease's cap are never listed."""
         if pod in self.vouched:
             return
-        if not self.active or self.ticks == 0:  # no lease of ours to list it (or the first round puts the first)
+        if not self.active:  # no lease of ours to list it: not asked again for this pod (a batch's hot path)
+            self.vouched.add(pod)
+            return
+        if self.ticks == 0:  # the first round puts the first lease, listing the pods routed by then
             return
         if self._vouching is None or self._vouching.done():
             self._vouching = asyncio.ensure_future(self.renew())
