@@ -447,6 +447,49 @@ async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gat
         h.cancel()
 
 
+async def test_requests_ending_together_release_their_bookings_in_one_write(valkey_url, ix, gateway, stubs):
+    """Six requests held by their engine end together (their clients leave): their bookings leave Valkey in one
+    script call, not one each (a write and a script call per request cost the gateway's CPU and Valkey's)."""
+    import threading
+
+    import redis
+
+    from kv_preflight.index.layout import pod_booking_keys
+
+    x = stubs(hold_s=60, body=b'{"x": 1}')
+    prompt = list(range(3100, 3164))
+    await store(ix, "pod-x", prompt)
+    await ix.fleet.put_pod_records({"pod-x": record(x.url)})
+    await fed(ix, "pod-x")
+    g = gateway().ready()
+    held = [asyncio.ensure_future(g.complete(prompt)) for _ in range(6)]
+    await until(lambda: _async(len(x.seen) == 6), "six requests held by pod-x")
+    assert _candidate(await _route(g, prompt), "pod-x")["booked_requests"] == 6
+    releases: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:  # every booking script call that releases, as Valkey runs it
+        with redis.Redis.from_url(valkey_url).monitor() as m:
+            watching.set()
+            for c in m.listen():
+                words = c["command"].split()
+                if len(words) > 2 and words[0] == "EVALSHA" and "release" in words:
+                    releases.append(len(words) - words.index("release") - 1)
+                if c["command"] == "ECHO done-watching":
+                    return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    watching.wait(10)
+    for h in held:
+        h.cancel()
+    await until(lambda: _async(not redis.Redis.from_url(valkey_url).zcard(pod_booking_keys("pod-x")[0])),
+                "the six bookings released")
+    redis.Redis.from_url(valkey_url).echo("done-watching")
+    watcher.join(10)
+    assert sum(releases) == 6 and len(releases) < 6, releases
+
+
 async def _routed_to(g: GatewayProc, prompt, pod: str) -> bool:
     return (await _route(g, prompt))["pod_id"] == pod
 
