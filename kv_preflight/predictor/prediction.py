@@ -177,10 +177,12 @@ class Predictor(RoutePath):
         return out
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None,
-                            prompt: PromptKeys | None = None, routed: RoutedRead | None = None) -> Prediction:
+                            prompt: PromptKeys | None = None, routed: RoutedRead | None = None,
+                            fresh: bool = True) -> Prediction:
         """``keys``: the prompt's canonical chain; ``prompt``: the prompt itself, when its multimodal items key it
         differently per engine block size (each pod is then read under the chain of its own size); ``routed``:
-        what the gateways routed (bookings, speculative entries), being read (predictor/routed.py)."""
+        what the gateways routed (bookings, speculative entries), being read (predictor/routed.py); ``fresh``:
+        False for a route, which says its own freshness, over its candidates (route_path.py)."""
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
@@ -247,6 +249,8 @@ class Predictor(RoutePath):
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         if findings:  # pods answered without a claim of exactness (hybrid groups not all known)
             prediction = msgspec.structs.replace(prediction, warnings=findings)
+        if not fresh:
+            return prediction
         if pods is None:  # the pods that could have held it: a pod stalled behind a miss makes the miss stale too
             serving = self.metadata.cached_pods_of(model)  # no read of its own: what the last one said
             if self.fleet is not None:

@@ -72,7 +72,7 @@ class RoutePath:
             await self._check_pods_filter(pods)
         # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
         routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
-        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed)
+        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed, fresh=False)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         held = [a.pod_id for a in prediction.pod_affinities]
