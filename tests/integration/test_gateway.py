@@ -239,6 +239,35 @@ async def test_5xx_before_the_first_byte_is_retried_once(valkey_url, ix, gateway
     assert view.pods["pod-failing"].state == "live"
 
 
+async def test_an_https_engine_is_forwarded_to_over_tls_and_an_untrusted_one_is_not_reported(valkey_url, ix, tmp_path,
+                                                                                             gateway, stubs):
+    """An engine served over https (a self-signed certificate) is forwarded to by a gateway that trusts its CA
+    (SSL_CERT_FILE); a gateway that does not fails the TLS handshake, sends the request to the next candidate and
+    leaves the pod's record live (its own trust failed, not the engine)."""
+    from tests.integration.tls import self_signed
+
+    cert, key = self_signed(tmp_path)
+    secure = stubs(body=b'{"ok": "tls"}', tls=(str(cert), str(key)))
+    plain = stubs(body=b'{"ok": "plain"}')
+    assert secure.url.startswith("https://")
+    prompt = list(range(800, 864))
+    await store(ix, "pod-tls", prompt)  # the TLS pod holds the prompt: the index sends it there first
+    await ix.fleet.put_pod_records({"pod-tls": record(secure.url), "pod-plain": record(plain.url)})
+    trusting = gateway(env={"SSL_CERT_FILE": str(cert)}).ready()
+    r = await trusting.complete(prompt)
+    assert (r.status_code, r.content, r.headers["x-kvpf-pod"]) == (200, b'{"ok": "tls"}', "pod-tls"), r.text
+    assert "x-kvpf-retried-from" not in r.headers and len(secure.seen) == 1
+    assert secure.seen[0]["body"] == msgspec.json.encode({"model": MODEL, "prompt": prompt})
+    untrusting = gateway().ready()
+    r = await untrusting.complete(prompt)
+    assert (r.status_code, r.content) == (200, b'{"ok": "plain"}'), r.text
+    assert (r.headers["x-kvpf-pod"], r.headers["x-kvpf-retried-from"]) == ("pod-plain", "pod-tls")
+    assert len(secure.seen) == 1
+    assert 'kvpf_gateway_upstream_failures_total{kind="tls"} 1.0' in httpx.get(untrusting.url + "/metrics").text
+    assert "TLS with 127.0.0.1" in untrusting.log.read_text()
+    assert (await ix.fleet.fleet_view()).pods["pod-tls"].state == "live"
+
+
 async def test_a_request_is_retried_once_at_most(valkey_url, ix, gateway, stubs):
     engines = [stubs(status=500, body=b'{"error": "boom"}') for _ in range(3)]
     await ix.fleet.put_pod_records({f"pod-{i}": record(e.url) for i, e in enumerate(engines)})
