@@ -28,9 +28,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from kv_preflight.engines.hit_rules import GroupSpec
-from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_fields
+from kv_preflight.index.backend import VALKEY_ERRORS, read_fields
 from kv_preflight.index.cluster import ClusterBackend
-from kv_preflight.index.connect import TAKEOVER_MS, connect
+from kv_preflight.index.connect import TAKEOVER_MS, IndexBackend, connect
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
                             RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
