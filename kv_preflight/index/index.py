@@ -369,14 +369,6 @@ class Index:
         except (RedisError, ValueError, TypeError):
             return None
 
-    async def with_ranks(self, pods: Iterable[str]) -> list[str]:
-        """The pods and, for each, the index pods of its data-parallel ranks the registry lists (``<pod>@dp<r>``,
-        rank_pods.py), in order: a pod retired or forgotten goes with all its ranks."""
-        pods = list(dict.fromkeys(pods))
-        wanted = set(pods)
-        ranks = sorted(p for p in await self.meta.pod_ids() if RANK_SEPARATOR in p and base_pod(p) in wanted)
-        return list(dict.fromkeys([*pods, *ranks]))
-
     async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
         """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
         result = await self.apply_batch(pod_id=pod_id, rank=rank, seq=expected_last, ts=0.0, model="",

@@ -30,14 +30,6 @@ def rank_of(name: str, dp_pods: Collection[str]) -> tuple[str, int | None]:
     return pod, (rank if rank or pod in dp_pods else None)
 
 
-def expand(pods: Iterable[str], names: Iterable[str]) -> list[str]:
-    """A pods filter with every rank of each pod it names (``names``: the index pods known), in order."""
-    wanted = list(pods)
-    asked = set(wanted)
-    ranks = sorted(n for n in names if RANK_SEPARATOR in n and base_pod(n) in asked)
-    return list(dict.fromkeys([*wanted, *ranks]))
-
-
 def with_ranks(prediction: Prediction, dp_pods: Collection[str]) -> Prediction:
     """The prediction with each index pod named as its pod and rank (no change when no pod has ranks)."""
     ranked = dp_pods_of(a.pod_id for a in prediction.pod_affinities)
@@ -74,4 +66,4 @@ def index_pod(pod: str, dp_rank: int | None) -> str:
     return rank_pod(pod, dp_rank)
 
 
-__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "expand", "index_pod", "rank_of", "with_ranks"]
+__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "index_pod", "rank_of", "with_ranks"]
