@@ -14,7 +14,7 @@ import msgspec
 
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, rank_pod, split_rank_pod
 from kv_preflight.predictor.scoring.route import RouteCandidate, RouteDecision
-from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
+from kv_preflight.predictor.scoring.score import Prediction
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32 (entrypoints/openai/*/serving.py): pins a request's rank
 
