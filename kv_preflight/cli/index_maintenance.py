@@ -11,7 +11,8 @@ from kv_preflight.cli.index_common import _config, _emit, _index, _open, _run, _
 from kv_preflight.engines.hit_rules import FULL
 from kv_preflight.events import topic_or_none
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.fleet_store import FleetStore
+from kv_preflight.index.index import StoreBlock, parse_entry
 from kv_preflight.index.layout import LAYOUT_KEY, LAYOUT_VERSION
 from kv_preflight.index.migrate import migrate as migrate_layout
 from kv_preflight.index.transfer import (export_blocks, groups_of_row, groups_row, import_blocks, pod_groups,
@@ -228,7 +229,7 @@ def migrate(valkey_url, force, as_json) -> None:
             version = found.decode() if isinstance(found, bytes) else found
             if version == LAYOUT_VERSION:
                 return {"pods": 0, "blocks": 0, "keys": 0}, True
-            live = await _live_ingesters(ix)
+            live = await _live_ingesters(ix.fleet)
             if live and not force:
                 raise click.ClickException(
                     f"{len(live)} ingester(s) hold a live lease on this index ({', '.join(live[:5])}"
@@ -253,11 +254,11 @@ def migrate(valkey_url, force, as_json) -> None:
     _emit(as_json, done, human)
 
 
-async def _live_ingesters(ix: Index) -> list[str]:
+async def _live_ingesters(store: FleetStore) -> list[str]:
     """The ingesters whose lease on the index has not expired; [] when the leases cannot be read (an old
     layout's records)."""
     try:
-        view = await ix.fleet.fleet_view()
+        view = await store.fleet_view()
     except Exception:  # a record of another layout's form: the layout check is the user's word then
         return []
     return sorted(i for i, lease in view.ingesters.items() if lease.expires_ms > view.now_ms)
