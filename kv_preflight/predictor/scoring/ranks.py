@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 
 import msgspec
 
-from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, rank_pod, split_rank_pod
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, split_rank_pod
 from kv_preflight.predictor.scoring.route import RouteCandidate, RouteDecision
 from kv_preflight.predictor.scoring.score import Prediction
 
@@ -61,9 +61,4 @@ def decision_with_ranks(decision: RouteDecision, dp_pods: Collection[str]) -> Ro
         candidates=candidates, headers={DP_RANK_HEADER: str(rank)} if rank is not None else None)
 
 
-def index_pod(pod: str, dp_rank: int | None) -> str:
-    """The index pod of a pod and rank as an answer names them (the inverse of ``rank_of``)."""
-    return rank_pod(pod, dp_rank)
-
-
-__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "index_pod", "rank_of", "with_ranks"]
+__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "rank_of", "with_ranks"]
