@@ -25,19 +25,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import VALKEY_ERRORS, read_fields
 from kv_preflight.index.cluster import ClusterBackend
 from kv_preflight.index.connect import TAKEOVER_MS, IndexBackend, connect
 from kv_preflight.index.single import SingleNodeBackend
-from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
-                            RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
-                            longest_prefix, make_entry, parse_entry, text, tier_of)
+from kv_preflight.index.entries import (ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodMatch, RemoveBlock,
+                                       StoreBlock, encode_entry, longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
-                           pod_meta_key, pod_state_keys, request_key_name)
+                                      pod_state_keys)
 from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
 from kv_preflight.index.pod_meta import PodMeta
@@ -478,8 +477,6 @@ class Index:
         return await self.backend.key_count()
 
 
-__all__ = [
-    "VALKEY_ERRORS", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
-    "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
-    "make_entry", "parse_entry", "pod_meta_key", "request_key_name", "tier_of",
-]
+# besides the Index, values its callers import from here (their home is entries.py, backend.py, layout.py)
+__all__ = ["VALKEY_ERRORS", "ApplyResult", "ClearPod", "Index", "MarkIncomplete", "PodMatch", "RemoveBlock", "StoreBlock",
+           "encode_entry", "engine_key_name", "longest_prefix", "make_entry", "parse_entry", "tier_of"]
