@@ -428,8 +428,7 @@ class Index:
 
         ``script`` (the default) reads the chain keys' pod bitmaps in one EVALSHA per shard and walks
         them exactly (kv_preflight/index/presence.py); ``linear`` walks llm-d's entries exactly (the reference);
-        ``pipeline`` (single node) sends llm-d's own pipelined HKEYS and walks in Python. (Layout 2's galloping
-        lookup is the benchmark's: kv_preflight/cli/bench/gallop.py.)
+        ``pipeline`` (single node) sends llm-d's own pipelined HKEYS and walks in Python.
         """
         if not request_keys:
             return Lookup([])
