@@ -25,9 +25,8 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
     """Write pods' entries as JSON lines: one pod line (its model, block size, seqs, KV cache groups and LoRA
     adapters), then one line per engine block."""
     async def go():
-        ix = await _open(valkey_url)
         total = 0
-        try:
+        async with _open(valkey_url) as ix:
             known = await ix.meta.pod_ids()
             _unknown_pods(pod_ids, known)
             adapters = await ix.meta.adapters()
@@ -52,8 +51,6 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
                     total += 1
                     if total % 10_000 == 0:
                         click.echo(f"exported {total} blocks ...", err=True)
-        finally:
-            await ix.close()
         click.echo(f"exported {total} block(s)", err=True)
 
     _run(go())
@@ -72,9 +69,8 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
     rows = _read_export(source)
 
     async def go():
-        ix = await _open(valkey_url)
         counts: dict[str, int] = {}
-        try:
+        async with _open(valkey_url) as ix:
             for pod, (meta, blocks) in rows.items():
                 held = (await ix.meta.pod_info(pod)).blocks
                 if held and not replace:
@@ -92,8 +88,6 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
                     await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
                                                   "exact again at its next reset")
                 counts[pod] = len(blocks)
-        finally:
-            await ix.close()
         return counts
 
     counts = _run(go())
@@ -159,9 +153,8 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
     async def go():
-        ix = await _open(valkey_url)
         report = []
-        try:
+        async with _open(valkey_url) as ix:
             ing = Ingester(cfg, ix, [])
             found = []  # every engine is asked first: a --pod no engine publishes wipes nothing
             for url in engines:
@@ -196,8 +189,6 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                                "last_seq": frames[-1].seq if frames else None,
                                "covers_full_history": first == 0 and complete,
                                "blocks": info.blocks, "incomplete": info.incomplete})
-        finally:
-            await ix.close()
         return report
 
     def human(rows):
@@ -223,8 +214,7 @@ MIGRATE_HELP = f"""Move an index of layout 1 (kv-preflight 0.1), 2 or 3 to layou
 @json_opt
 def migrate(valkey_url, force, as_json) -> None:
     async def go():
-        ix = _index(valkey_url)
-        try:
+        async with _index(valkey_url) as ix:
             found = await ix.client.hget(LAYOUT_KEY, "version")
             version = found.decode() if isinstance(found, bytes) else found
             if version == LAYOUT_VERSION:
@@ -239,8 +229,6 @@ def migrate(valkey_url, force, as_json) -> None:
             def progress(pod: str, n: int) -> None:
                 click.echo(f"  {pod}: {n} done", err=True)
             return await migrate_layout(ix.client, progress=progress), False
-        finally:
-            await ix.close()
 
     done, already = _run(go())
 

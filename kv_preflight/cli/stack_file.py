@@ -242,11 +242,8 @@ async def fleet_view_at(valkey_url: str, timeout_s: float = 1.0) -> FleetView:
     commands see its engines."""
     from kv_preflight.index.index import Index
 
-    ix = Index.from_url(valkey_url, timeout_s=timeout_s)
-    try:
+    async with Index.from_url(valkey_url, timeout_s=timeout_s) as ix:
         return await ix.fleet.fleet_view()
-    finally:
-        await ix.close()
 
 
 def engine_and_model(model: str | None, engine_url: str | None, *, need_engine: bool,

@@ -135,6 +135,12 @@ class Index:
         await self.backend.close()
         await self.client.aclose()
 
+    async def __aenter__(self) -> "Index":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def ping(self) -> bool:
         return bool(await self.client.ping())
 
