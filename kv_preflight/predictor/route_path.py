@@ -18,7 +18,7 @@ from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_route, untrusted
 from kv_preflight.predictor.scoring.placement import PlacementHint
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks
-from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
+from kv_preflight.index.rank_pods import pods_with_ranks
 from kv_preflight.predictor.scoring.route import RouteDecision, decide
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.valkey_call import valkey_call
@@ -154,7 +154,7 @@ class RoutePath:
         """
         fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
         if pods is not None:
-            pods = expand_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
+            pods = pods_with_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
             return {p for p in pods if base_pod(p) not in fleet_out}
         out = {a.pod_id for a in prediction.pod_affinities}
         async with valkey_call(self.valkey_deadline_s, "pods of model"):

@@ -226,7 +226,7 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
             log.warning("start-up: Valkey %s: unreachable (%s); predictions answer 503 until it is back, "
                         "index layout not checked yet", where, exc)
         # Hash seed, block size, entry format: the index's unless given explicitly (predictor/settings.py).
-        found = await read_index_settings(predictor.index, predictor.valkey_deadline_s)
+        found = await read_index_settings(predictor.index.fleet, predictor.valkey_deadline_s)
         cfg_now, adopted, problems = reconcile(predictor.cfg, found)
         if problems:
             log.error("%s", refusal(problems))
