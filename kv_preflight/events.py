@@ -357,15 +357,6 @@ def _decode_fast(payload: bytes) -> EventBatch | None:
     return EventBatch(ts=wire.ts, events=events, data_parallel_rank=wire.data_parallel_rank)
 
 
-def decode_payload(payload: bytes, layout: WireLayout) -> tuple[EventBatch, list[str]]:
-    """A batch and the reasons for any events dropped from it; the valid ones still apply.
-
-    Raises DecodeError when the payload as a whole is unusable.
-    """
-    batch, errors, more, _ = _decode_payload(payload, layout)
-    return batch, errors + ([f"{more} more event(s) dropped"] if more else [])
-
-
 def _decode_payload(payload: bytes, layout: WireLayout) -> tuple[EventBatch, list[str], int, int]:
     """The batch, the first MAX_LISTED_ERRORS reasons for dropped events, how many more were dropped,
     and how many placeholders were skipped."""

@@ -38,9 +38,3 @@ ENGINE = Engine(
     tokenize_body=None,
     since="PR #17023 (streaming publisher, 2026-08)",
 )
-
-
-def wire_hash(block_key: bytes) -> int:
-    """TensorRT-LLM's event hash of a radix block key: its first 8 bytes big-endian, as a signed int64."""
-    value = int.from_bytes(block_key[:8], "big")
-    return value - (1 << 64) if value >= 1 << 63 else value

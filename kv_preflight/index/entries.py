@@ -174,7 +174,7 @@ class Lookup:
     # Each key's bitmaps of a hybrid model's other KV cache groups ((tier, group) -> bitmap), from the first
     # key on, at least as far as the longest match, when the lookup read every key's presence anyway (the
     # fleet-wide reply: a single node's, or every cluster shard's); None: not read (the reader asks
-    # ``presence.read_group_bits``, a round trip of its own).
+    # ``ReadSide.group_presence``, a round trip of its own).
     group_bits: list[dict[tuple[str, int], bytes]] | None = None
     unanswered_why: str = ""  # what the first silent shard said (a timeout, a refused connection), for the log
 

@@ -38,6 +38,7 @@ from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
                                       pod_state_keys)
 from kv_preflight.index.numbering import Numbering, give_numbers
+from kv_preflight.index.presence import GroupBits, read_group_bits
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
 from kv_preflight.index.pod_meta import PodMeta
 
@@ -466,6 +467,17 @@ class Index:
         found, foreign = await self.backend.lookup(request_keys, pods, "linear")
         self.foreign_reads += foreign
         return found
+
+    async def group_presence(self, request_keys: Sequence[int], pods: Iterable[str], *,
+                             have: Sequence[GroupBits] | None = None) -> tuple[Sequence[GroupBits], dict[str, int]]:
+        """The keys' other-group bitmaps and the pods' numbers (their bit in each): what a hybrid model's other KV
+        cache groups' rules read (kv_preflight/predictor/scoring/groups.py). ``have``: the lookup's own read of them
+        (``Lookup.group_bits``), taken when it covers the keys, so no second round."""
+        if have is not None and len(have) >= len(request_keys):
+            bits = have[:len(request_keys)]
+        else:
+            bits = await read_group_bits(self.backend, request_keys)
+        return bits, await self.numbering.pod_numbers(pods)
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's Lookup: pipelined HKEYS; with ``stop_at_gap`` trimmed at the first empty key."""

@@ -22,11 +22,11 @@ LET_GO_WAIT_S = 10.0  # how long a forget waits for the live ingesters to let th
 FORGET_RETENTION_MS = 3_600_000  # a forget request is kept this long (a pod registered anew drops it at once)
 
 
-async def let_go_everywhere(index: "Index", pods: Sequence[str], *, wait_s: float = LET_GO_WAIT_S) -> list[str]:
+async def let_go_everywhere(index: "Index", pods: Sequence[str]) -> list[str]:
     """Ask every ingester to let these pods go and wait (bounded) until every live one has; returns the
     ingesters that had not when the wait ended (they refuse the pods' frames as soon as they look)."""
     asked = await index.fleet.forget_pods(pods)
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + LET_GO_WAIT_S
     while True:
         view = await index.fleet.fleet_view()
         behind = sorted(i for i, lease in view.live_ingesters().items() if lease.forget_seen_ms < asked)
@@ -35,7 +35,7 @@ async def let_go_everywhere(index: "Index", pods: Sequence[str], *, wait_s: floa
         await asyncio.sleep(0.1)
     if behind:
         log.warning("pods %s: ingester(s) %s did not confirm letting them go within %.0f s; clearing anyway (they "
-                    "refuse the pods' frames once they look)", list(pods), behind, wait_s)
+                    "refuse the pods' frames once they look)", list(pods), behind, LET_GO_WAIT_S)
     stale = [p for p, at in (await index.fleet.forgotten()).items() if at < asked - FORGET_RETENTION_MS]
     await index.fleet.unforget_pods(stale)
     return behind

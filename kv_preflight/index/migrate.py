@@ -28,7 +28,8 @@ from kv_preflight.index.entries import CHAIN_ROOT, StoreBlock, parse_entry, text
 from kv_preflight.index.numbering import give_numbers
 from kv_preflight.index.layout import (LAYOUT_KEY, LAYOUT_VERSION, PODS_KEY, V1_PODS_KEY, engine_key_name,
                                        is_presence_key, pod_meta_key, pod_state_key, presence_key, v1_pod_blocks_key,
-                                       v1_pod_fields_key, v1_pod_meta_key, v3_pod_keys)
+                                       v1_pod_fields_key, v1_pod_meta_key, v3_bits_key, v3_members_key,
+                                       v3_pod_keys)
 from kv_preflight.index.pod_meta import parse_groups
 from kv_preflight.index.pod_log import encode_snapshot
 from kv_preflight.index.pod_state import KeyChange, PodState
@@ -90,7 +91,7 @@ async def migrate(client, *, chunk: int = 500, progress: Progress | None = None)
         await _write_pod(client, pod, state, v1.get(pod) or pods.get(pod, ""))
         done["pods"] += 1
     # 2. presence, rebuilt whole
-    await _delete_matching(client, ("kvpf:{*}:bits", "kvpf:{*}:p"), chunk)  # layout 3's, an early 4's
+    await _delete_matching(client, (v3_bits_key("*"), "kvpf:{*}:p"), chunk)  # layout 3's, an early 4's
     await _delete_matching(client, ("kvpf:{*}",), chunk, only=is_presence_key)  # a migrate cut short's
     add = client.register_script(_ADD_BIT)
     await client.script_load(_ADD_BIT)
@@ -112,7 +113,7 @@ async def migrate(client, *, chunk: int = 500, progress: Progress | None = None)
             progress("presence", len(keys_seen))
     done["keys"] = len(keys_seen)
     # 3. what the old layouts kept
-    await _delete_matching(client, ("kvpf:{engine:*}:pods",), chunk)
+    await _delete_matching(client, (v3_members_key("*"),), chunk)
     for pod in states:
         await client.delete(*v3_pod_keys(pod))
         await client.delete(v1_pod_meta_key(pod), v1_pod_fields_key(pod), v1_pod_blocks_key(pod))

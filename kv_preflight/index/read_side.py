@@ -1,6 +1,6 @@
 """The read side of the index: what a predictor asks of it to answer. Look a chain of request keys up (per
-pod, how many leading blocks it holds), and the pods' metadata an answer carries (models, engine block sizes,
-flags, seqs).
+pod, how many leading blocks it holds), read the chain's bits in a hybrid pod's other KV cache groups, and the
+pods' metadata an answer carries (models, engine block sizes, flags, seqs).
 
 ``Index`` (kv_preflight/index/index.py) is the implementation, over either backend chosen at connect; its
 ``meta`` (kv_preflight/index/pod_meta.py) the metadata. A caller types against ``ReadSide`` and never asks which
@@ -8,13 +8,14 @@ topology it has. tests/integration/test_contract_read_side.py is the bar every i
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_preflight.index.entries import Lookup, PodMatch
 
 if TYPE_CHECKING:
     from kv_preflight.index.pod_meta import PodInfo, ScoringInfo
+    from kv_preflight.index.presence import GroupBits
 
 
 class AnswerMeta(Protocol):
@@ -54,6 +55,12 @@ class ReadSide(Protocol):
     async def lookup_detailed(self, request_keys: Sequence[int], pods: Sequence[str] | None = None, *,
                               mode: str = "script") -> Lookup:
         """``lookup`` with what the answer says beside the matches (``partial``, other KV cache groups' bits)."""
+
+    async def group_presence(self, request_keys: Sequence[int], pods: Iterable[str], *,
+                             have: "Sequence[GroupBits] | None" = None) -> "tuple[Sequence[GroupBits], dict[str, int]]":
+        """Each key's bitmaps in the KV cache groups other than the prefix group ((tier, group) -> bitmap), and the
+        pods' numbers (their bit in each): what a hybrid pod's other groups' rules read. ``have``: the lookup's
+        own (``Lookup.group_bits``), used where it covers the keys."""
 
     async def fields_per_key(self, request_keys: Sequence[int], *, stop_at_gap: bool = True) -> list[list[bytes]]:
         """llm-d's own Lookup: each key's entry fields (trimmed at the first empty key)."""

@@ -114,7 +114,6 @@ class PodWriter:
         self.writer = writer or os.urandom(4).hex()
         self.pods: dict[str, PodCache] = {}
         self.heads: dict[str, _Tentative] = {}  # per pod, the state its batches in flight lead to
-        self.reloads = 0  # pods loaded again after a stale plan (a counter for /metrics)
         # pod -> its sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), for pods that have any
         self.sibs: dict[str, bytes] = {}
 
@@ -215,8 +214,6 @@ class PodWriter:
             if r.status in (STALE, REPLAN, "nonum"):
                 failed.add(prep.pod)
                 redo.append(i)
-                if r.status == STALE:
-                    self.reloads += 1
         return redo
 
     def lost(self, preps: Sequence[Prepared]) -> None:

@@ -28,8 +28,7 @@ MAX_ASKS = 64
 
 
 async def fetch_replay(
-    endpoint: str, start_seq: int, *, timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None,
-    source: Source | None = None,
+    endpoint: str, start_seq: int, *, timeout_s: float = 2.0, source: Source | None = None,
 ) -> tuple[list[DecodedFrame], bool]:
     """Every batch the engine still buffers from ``start_seq`` on, in seq order, and whether they came whole: the
     end marker came, with no seq missing after the first one the engine sent.
@@ -42,7 +41,7 @@ async def fetch_replay(
     asked for again by this call: the engine would only send it again) or past ``max_queue_bytes`` over all asks;
     the caller flags the seqs it did not get. ``source``: the source the replay socket belongs to, whose limits
     and CURVE keys the DEALER takes (``Routes.replay_source``); a bare one if not given."""
-    ctx = ctx or zmq.asyncio.Context.instance()
+    ctx = zmq.asyncio.Context.instance()
     src = source or Source(endpoint)
     frames: list[DecodedFrame] = []
     expect = max(start_seq, 0)

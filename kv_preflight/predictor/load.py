@@ -74,7 +74,7 @@ class LoadMonitor:
     served: dict[str, frozenset[str]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # pod -> last scrape error, while failing
     scrapes: int = 0
-    scrape_errors: int = 0
+    scrape_errors: int = 0  # kvpf_engine_scrape_errors_total
     up: dict[str, bool] = field(default_factory=dict)  # engine URL -> answered its last scrape (for the log)
 
     @classmethod
@@ -126,6 +126,7 @@ class LoadMonitor:
             if t.pod_id is None:
                 t.pod_id = await _discover_pod(client, t.base_url)
                 if t.pod_id is None:
+                    self.scrape_errors += 1
                     self._log_state(t, False, f"unreachable (its {ENGINE.discovery_path} does not answer); asked "
                                               "again every scrape")
                     return

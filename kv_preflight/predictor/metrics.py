@@ -1,5 +1,6 @@
 """The predictor's Prometheus metrics: latency, outcomes, answers by freshness, tokenization source, Valkey
-errors, routes; and, read at each scrape, the fleet and the index in numbers (predictor/index_gauges.py).
+errors, routes, the engines' failed scrapes and tokenize failovers; and, read at each scrape, the fleet and the
+index in numbers (predictor/index_gauges.py).
 
 The request path only touches pre-resolved label children (a dict hit and an add,
 about a microsecond), never ``labels()`` formatting. Label values come from closed
@@ -43,11 +44,19 @@ class PredictorMetrics:
                                     "read as misses.", registry=r)
         self.late_reads = Counter("kvpf_lookup_late_reads", "Cluster lookups that took a 4th round (a key moved or a "
                                   "shard failed mid-lookup: resharding, failover).", registry=r)
+        self.engine_scrape_errors = Counter("kvpf_engine_scrape_errors", "Scrapes of an engine (its pod id, load "
+                                            "or served models) that failed: unreachable, an error status, or no "
+                                            "load series; /stats engine_load names the engine and the error.",
+                                            registry=r)
+        self.tokenize_failovers = Counter("kvpf_tokenize_failovers", "Prompts an engine of the model failed to "
+                                          "tokenize (down, timeout, 5xx) and the next of its --engine-url was asked.",
+                                          registry=r)
         self.connections_refused = Counter("kvpf_connections_refused", "Connections answered 503 and closed at once: "
                                            "a client address over --max-connections-per-client, or the process "
                                            "over its connection limit.", ["limit"], registry=r)
         self._refused_seen: dict[str, int] = {}
         self._index_seen = (0, 0, 0)
+        self._engine_seen = (0, 0)
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):
@@ -65,12 +74,13 @@ class PredictorMetrics:
     def index_counts(self, gap_walks: int, foreign_keys: int, late_reads: int) -> None:
         """The index's own lookup counters (``Index.gap_walks`` ...), added as they grew since the last call:
         counters kept in Prometheus' multiprocess files, so ``serve --workers N`` sums its workers'."""
-        now = (gap_walks, foreign_keys, late_reads)
-        if now != self._index_seen:
-            for metric, was, is_ in zip((self.gap_walks, self.foreign_keys, self.late_reads), self._index_seen, now):
-                if is_ > was:
-                    metric.inc(is_ - was)
-            self._index_seen = now
+        self._index_seen = _grown((self.gap_walks, self.foreign_keys, self.late_reads), self._index_seen,
+                                  (gap_walks, foreign_keys, late_reads))
+
+    def engine_counts(self, scrape_errors: int, tokenize_failovers: int) -> None:
+        """The load monitor's failed scrapes and the engine tokenizer's failovers, added as ``index_counts`` adds."""
+        self._engine_seen = _grown((self.engine_scrape_errors, self.tokenize_failovers), self._engine_seen,
+                                   (scrape_errors, tokenize_failovers))
 
     def answered(self, endpoint: str, freshness: str) -> None:
         self.child(self.answers, endpoint, freshness).inc()
@@ -103,3 +113,12 @@ class PredictorMetrics:
         once = CollectorRegistry(auto_describe=False)
         once.register(GaugesCollector(gauges, per_pod=True))
         return generate_latest(once)
+
+
+def _grown(metrics: tuple, was: tuple[int, ...], now: tuple[int, ...]) -> tuple[int, ...]:
+    """Each metric increased by what its count grew since ``was``; returns ``now``, the next call's ``was``."""
+    if now != was:
+        for metric, before, after in zip(metrics, was, now):
+            if after > before:
+                metric.inc(after - before)
+    return now

@@ -44,7 +44,6 @@ from kv_preflight.config import Config
 from kv_preflight.index.entries import Lookup
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 from kv_preflight.index.pod_meta import ScoringInfo
-from kv_preflight.index.presence import read_group_bits
 from kv_preflight.predictor.scoring.groups import CompleteGroups, apply_groups, group_findings, keys_needed, pods_groups
 from kv_preflight.keys.multimodal import MultimodalItem
 from kv_preflight.keys.prompt import PromptKeys
@@ -329,11 +328,7 @@ class Predictor(RoutePath):
         needed = keys_needed(matches, hybrid)
         if not needed:
             return matches
-        if group_bits is not None and len(group_bits) >= needed:
-            presence = group_bits[:needed]
-        else:
-            presence = await read_group_bits(self.index.backend, keys[:needed])
-        nums = await self.index.numbering.pod_numbers(hybrid)
+        presence, nums = await self.index.group_presence(keys[:needed], hybrid, have=group_bits)
         return apply_groups(matches, hybrid, {p: i.engine_block_size for p, i in infos.items()}, presence, nums,
                             self.cfg.block_size, prompt_len)
 

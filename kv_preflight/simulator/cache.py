@@ -112,15 +112,6 @@ class PrefixCache(BlockPool):
         # hash -> blocks holding it, oldest first (a hit uses the oldest).
         self._cached: dict[int, dict[int, Block]] = {}
 
-    # ---- observations ----
-
-    def cached_hashes(self) -> set[int]:
-        return set(self._cached)
-
-    def free_queue_hashes(self) -> list[int | None]:
-        """Eviction order, head first (tests compare it with the rules above)."""
-        return [b.block_hash for b in self._free.values()]
-
     # ---- request life cycle ----
 
     def new_request(self, token_ids: Sequence[int], lora: tuple[str, int] | None = None) -> RequestBlocks:

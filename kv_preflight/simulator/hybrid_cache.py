@@ -93,15 +93,6 @@ class HybridPrefixCache(BlockPool):
         self._cached: dict[tuple[int, int], dict[int, Block]] = {}
         self._key_of: dict[int, tuple[int, int]] = {}
 
-    # ---- observations ----
-
-    def cached_hashes(self, group: int) -> set[int]:
-        return {h for g, h in self._cached if g == group}
-
-    def free_queue_hashes(self) -> list[tuple[int, int] | None]:
-        """Eviction order, head first: each free block's (group, hash), or None if it holds none."""
-        return [self._key_of.get(b.block_id) for b in self._free.values()]
-
     def peak_blocks(self, num_tokens: int) -> int:
         """Blocks a request with KV for ``num_tokens`` tokens may hold at once: every group a slot per token
         (the window group frees its old blocks only from the step after the prefill)."""

@@ -14,7 +14,7 @@ import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
-from kv_preflight.index.cluster.outbox_ops import encode_changes
+from kv_preflight.index.cluster.outbox_ops import change_ops
 from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -94,6 +94,11 @@ async def apply_all(ix: Index, batches) -> None:
         assert r.status == "applied", r
 
 
+def outbox_entry(changes: list, num: int | None) -> bytes:
+    """A plan's changes as its pod step writes them to the outbox (cluster/writes.py ``send``)."""
+    return msgspec.msgpack.encode(change_ops(changes, num))
+
+
 def outbox_keys(client: redis.RedisCluster) -> list[str]:
     """Every pod outbox key on the cluster's primaries."""
     return [k.decode() for node in client.get_primaries() for k in client.keys("kvpf:{*}:outbox", target_nodes=node)]
@@ -163,8 +168,8 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
         before = dump(sync)
         num = int(sync.hget(pod_meta_key("pod-a"), "num"))
         # What the batch's outbox entry held: each key's entry and bit, then the engine keys' ZADDs.
-        again = encode_changes([KeyChange(11, f, 1, "gpu", 1), KeyChange(12, f, 1, "gpu", 1), KeyChange(13, f, 1, "gpu", 1),
-                                EngineAdd(1, (11, 12)), EngineAdd(2, (13,))], num)
+        again = outbox_entry([KeyChange(11, f, 1, "gpu", 1), KeyChange(12, f, 1, "gpu", 1), KeyChange(13, f, 1, "gpu", 1),
+                              EngineAdd(1, (11, 12)), EngineAdd(2, (13,))], num)
         sync.hset(pod_outbox_key("pod-a"), "99|dead-writer@2000|0", again)
         assert await ix.drain_outbox("pod-a") == 1
         assert dump(sync) == before
@@ -173,8 +178,8 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
                                      mutations=[RemoveBlock(1, "gpu"), RemoveBlock(1, "gpu")])).status == "applied"
         after = dump(sync)
         sync.hset(pod_outbox_key("pod-a"), "100|dead-writer@2000|0",
-                  encode_changes([KeyChange(11, f, -1, "gpu", -1), KeyChange(12, f, -1, "gpu", -1),
-                                  EngineDrop(1, (11, 12))], num))
+                  outbox_entry([KeyChange(11, f, -1, "gpu", -1), KeyChange(12, f, -1, "gpu", -1),
+                                EngineDrop(1, (11, 12))], num))
         await ix.drain_outbox("pod-a")
         assert dump(sync) == after
         # An entry that does not decode is deleted without running, and counted.

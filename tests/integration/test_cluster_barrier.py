@@ -20,7 +20,7 @@ import redis
 from kv_preflight.cli.valkey_cluster import ValkeyCluster
 from kv_preflight.index.index import Index, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.layout import pod_outbox_key
-from tests.integration.test_cluster import drain_until_empty, outbox_keys
+from tests.integration.test_cluster import drain_until_empty, outbox_entry, outbox_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -127,14 +127,13 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
     and the outbox entry was deleted with its writes lost (seen once in CI under load,
     test_cluster_failover.py::test_master_killed_under_load). The slot map moved since the run began, so the
     ack now refuses, and the entry runs again on the new master."""
-    from kv_preflight.index.cluster.outbox_ops import encode_changes
     from kv_preflight.index.pod_state import EngineAdd, KeyChange
 
     async with cluster_with_index(tmp_path) as (cluster, ix, sync, stopped):
         f, rk, victim, replica = await held_shard(cluster, ix, sync, stopped)
         cw = ix.backend.writes
         changes = [EngineAdd(7, (rk,)), KeyChange(rk, f, 1, "gpu", 1)]
-        payload = encode_changes(changes, 0)
+        payload = outbox_entry(changes, 0)
         sync.hset(pod_outbox_key("pod-a"), "9|w|0", payload)  # the batch's entry, as its pod step wrote it
         _, _, touched = await cw.run([cw_ops(changes)])  # rounds A-D: the entry's writes, on the victim
         assert sync.hkeys(str(rk)) == [f.encode()]

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from kv_preflight.config import Config
 from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec, longest_hit, prefix_group
 from kv_preflight.index.entries import CHAIN_ROOT
+from kv_preflight.index import index as index_module
 from kv_preflight.index.index import Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.presence import as_int, numbers
 from kv_preflight.predictor.http.app import create_app
 from kv_preflight.predictor.request import KeyedRequest
-from kv_preflight.predictor import prediction
 from kv_preflight.predictor.prediction import Predictor
 from tests.integration.test_hybrid_answers import PROMPT, by_pod, client, loaded_fleet
 
@@ -30,12 +30,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 class Reads:
     """What a predictor's Index did: each default lookup's ``group_bits``, and how many times the chain keys'
-    presence was read apart from the lookup (``presence.read_group_bits``: a round trip of its own)."""
+    presence was read apart from the lookup (``Index.group_presence`` calling ``presence.read_group_bits``: a
+    round trip of its own)."""
 
     def __init__(self, monkeypatch):
         self.group_bits: list[object] = []
         self.presence_reads = 0
-        lookup, presence = Index.lookup_detailed, prediction.read_group_bits
+        lookup, presence = Index.lookup_detailed, index_module.read_group_bits
 
         async def lookup_detailed(ix, *args, **kwargs):
             found = await lookup(ix, *args, **kwargs)
@@ -47,7 +48,7 @@ class Reads:
             return await presence(backend, *args, **kwargs)
 
         monkeypatch.setattr(Index, "lookup_detailed", lookup_detailed)
-        monkeypatch.setattr(prediction, "read_group_bits", counted_presence)
+        monkeypatch.setattr(index_module, "read_group_bits", counted_presence)
 
 
 ASKED = (None, ["pod-h"], ["pod-h", "pod-p"], ["pod-p", "pod-s", "pod-t", "pod-c"])

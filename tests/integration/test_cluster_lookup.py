@@ -188,13 +188,13 @@ async def test_a_drop_whose_key_moved_since_the_map_was_read_still_prunes_its_en
 async def pod_step(ix: Index, pod: str, seq: int, muts: list) -> tuple[str, bytes]:
     """Step 1 of a cluster batch alone (the pod's seq and state, its outbox entry); its changes not run."""
     from kv_preflight.index.backend import evalsha_pipeline
-    from kv_preflight.index.cluster.outbox_ops import encode_changes
     from kv_preflight.index.entries import apply_result, text
+    from tests.integration.test_cluster import outbox_entry
 
     writes = ix.backend.writes
     (prep,) = await ix.plan_batches([dict(pod_id=pod, rank=0, seq=seq, ts=1.0, model="m", engine_block_size=16,
                                           mutations=muts)])
-    payload = encode_changes(prep.changes, prep.num)
+    payload = outbox_entry(prep.changes, prep.num)
     args = prep.head + [writes.writer_arg(), "1" if prep.gap else "0", payload]
     (reply,) = await evalsha_pipeline(ix.client, writes._pod_step, [prep.keys], [args])
     assert text(reply[0]) == "applied" and text(reply[5]), reply

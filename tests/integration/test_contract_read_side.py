@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kv_preflight.engines.hit_rules import FULL, SLIDING, GroupSpec
+from kv_preflight.index.entries import CHAIN_ROOT, StoreBlock, encode_entry, make_entry
+from kv_preflight.index.presence import as_int, numbers
 from kv_preflight.index.read_side import AnswerMeta, ReadSide
 from tests.integration.contract import apply, chain, conforms, index, request_keys  # noqa: F401 (fixture)
 
@@ -59,3 +62,29 @@ async def test_the_meta_answers_carry(index):
     assert (await index.meta.pod_info("pod-a")).blocks == 6
     assert all(isinstance(n, int) for n in (await index.meta.counters()).values())
     assert index.gap_walks >= 0 and index.late_reads >= 0 and index.foreign_reads == 0
+
+
+async def test_a_hybrid_pods_other_group_bits_and_numbers(index):
+    """A pod with a sliding-window group beside full attention: its window group holds keys 3 and 4 of the
+    chain; a plain pod beside it holds the chain in its one group. Each key's bits in the other groups, and the
+    pods' numbers that read them; the lookup's own read of them, when it covers the keys, taken as it is."""
+    await written(index)
+    groups = {0: GroupSpec(FULL), 1: GroupSpec(SLIDING, sliding_window=32)}
+
+    def stores(engine_keys: range, group: int) -> list[StoreBlock]:
+        field = encode_entry(make_entry("pod-h", "GPU", group))
+        return [StoreBlock(k, "gpu", field, (1000 + k,), group, parent=CHAIN_ROOT if k == 1 else 999 + k)
+                for k in engine_keys]
+
+    r = await index.apply_batch(pod_id="pod-h", rank=0, seq=0, ts=1.0, model="m", engine_block_size=16,
+                                mutations=stores(range(1, 5), 0) + stores(range(3, 5), 1), groups=groups)
+    assert r.status == "applied", r
+    keys = request_keys(range(1, 5))
+    bits, nums = await index.group_presence(keys, ["pod-h", "pod-a", "nope"])
+    assert sorted(nums) == ["pod-a", "pod-h"] and nums["pod-h"] != nums["pod-a"]
+    held = [{(tier, group): numbers(as_int(bitmap)) for (tier, group), bitmap in per_key.items()} for per_key in bits]
+    assert held == [{}, {}, {("gpu", 1): [nums["pod-h"]]}, {("gpu", 1): [nums["pod-h"]]}]
+    assert (await index.group_presence(keys[:2], ["pod-h"]))[0] == [{}, {}]
+    lookups = [{("gpu", 1): b"\x80"}] * 5  # a lookup's read covering the keys: taken, not read again
+    assert (await index.group_presence(keys, ["pod-h"], have=lookups))[0] == lookups[:4]
+    assert (await index.group_presence(keys, ["pod-h"], have=lookups[:3]))[0] == bits  # too short: read

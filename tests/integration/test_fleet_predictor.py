@@ -18,6 +18,7 @@ from kv_preflight.keys.chain import request_keys
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.leases import vouch
 from tests.integration.sim import sim_engine
+from tests.prom import metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
@@ -216,9 +217,15 @@ async def test_tokenization_fails_over_between_engine_urls_of_a_model(valkey_url
         r = s.post("/v1/cache/predict", {"model": MODEL, "prompt": "failover"})
         assert r.status_code == 200, r.text
         assert r.json()["total_prompt_tokens"] == tokens
+    # counted: the first prompt after the kill failed over to pod-b, which answers first from then on; and the
+    # scrapes of pod-a's engine, which refuses connections now, fail
+    assert metric(httpx.get(s.url + "/metrics").text, "kvpf_tokenize_failovers_total") == 1
+    await asyncio.to_thread(until, lambda: metric(httpx.get(s.url + "/metrics").text,
+                                                  "kvpf_engine_scrape_errors_total") > 0, "pod-a's scrapes counted")
     b.stop(kill=True)
     r = s.post("/v1/cache/predict", {"model": MODEL, "prompt": "failover"})
     assert r.status_code == 503 and "all 2 engines" in r.json()["error"]
+    assert metric(httpx.get(s.url + "/metrics").text, "kvpf_tokenize_failovers_total") == 2
 
 
 async def test_settings_are_adopted_or_a_disagreement_refused(valkey_url, ix, serve, tmp_path):

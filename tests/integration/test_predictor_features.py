@@ -218,6 +218,23 @@ async def test_route_prefers_overlap_until_the_pod_is_overloaded(valkey_url, eng
         text = (await client.get("/metrics")).text
         assert metric(text, "kvpf_route_decisions_total", reason="best_overlap") == 2
         assert metric(text, "kvpf_predictions_total", endpoint="route", outcome="hit") == 3
+        assert metric(text, "kvpf_engine_scrape_errors_total") == 1  # pod-b's metrics, the once they failed
+    await app.state.predictor.aclose()
+
+
+async def test_engines_that_refuse_connections_are_counted(valkey_url):
+    """A --pod-metrics URL and an --engine-url whose ports nothing listens on: each scrape of each fails (the
+    second one's pod id cannot even be discovered), is counted, and /stats says which and why."""
+    cfg = Config(valkey_url=valkey_url, pod_metrics={"pod-gone": f"http://127.0.0.1:{free_port()}"},
+                 engine_urls={"m": f"http://127.0.0.1:{free_port()}"})
+    app = create_app(cfg)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as client:
+        for scrapes in (1, 2):
+            await scrape(app)
+            assert metric((await client.get("/metrics")).text, "kvpf_engine_scrape_errors_total") == 2 * scrapes
+        stats = (await client.get("/stats")).json()["engine_load"]
+        assert "ConnectError" in stats["pod-gone"]["error"]
+        assert [v["error"] for k, v in stats.items() if k != "pod-gone"] == ["pod id not discovered yet"]
     await app.state.predictor.aclose()
 
 

@@ -13,7 +13,6 @@ import pytest
 from kv_preflight.ingester.bridge import ChainState, model_for, plan_batch
 from kv_preflight.ingester.discovery import sources_from
 from kv_preflight.engines import ENGINES, engine
-from kv_preflight.engines.trtllm import wire_hash
 from kv_preflight.index.entries import RemoveBlock, StoreBlock
 from kv_preflight.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Topic, topic_or_none,
@@ -82,9 +81,8 @@ def test_trtllm_merged_blocks_and_hash():
     assert header["block_size"] == 32 and header["negative_hashes"] > 0  # the fixture covers signed hashes
     merged = frames[0].batch.events[0]
     assert len(merged.block_hashes) == 4 and merged.block_size == 32 and len(merged.token_ids) == 128
-    key = bytes(range(32))
-    assert wire_hash(key) == int.from_bytes(key[:8], "big")  # under 2^63: itself
-    assert wire_hash(b"\xff" * 8 + key) == -1  # above: the signed reinterpretation
+    stored = [h for f in frames for e in f.batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert any(h >= 1 << 63 for h in stored)  # its negative int64 hashes, read as the same 64 bits unsigned
     # TensorRT-LLM never sends tagged arrays: one is an error, not a misread
     arrays = msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], "GPU"]], 0])
     f = engine("trtllm").decode_frames([b"", (0).to_bytes(8, "big"), arrays], topic=Topic("p", "m"))

@@ -6,7 +6,7 @@ import pytest
 
 from kv_preflight.predictor.tokens.local import LocalTokenizer, TemplateError, TokenizerLoadError, normalize_messages
 from kv_preflight.predictor.tokens.parity import (
-    Sample, builtin_samples, compare, diagnose, first_divergence, load_samples,
+    Sample, builtin_samples, cause_of, compare, first_divergence, load_samples,
 )
 from tests.tokenizer_files import BOS, IM_END, IM_START, write_tokenizer
 
@@ -107,6 +107,10 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert first_divergence([], []) is None
+
+
+def diagnose(*args, bos_id: int | None) -> str:
+    return cause_of(*args, bos_id).detail
 
 
 def test_diagnose_names_the_usual_causes():

@@ -42,6 +42,15 @@ def removed(batches: list[list]) -> list[int]:
     return [h for e in flat(batches) if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
 
+def cached_hashes(cache: PrefixCache) -> set[int]:
+    return set(cache._cached)
+
+
+def free_queue_hashes(cache: PrefixCache) -> list[int | None]:
+    """Eviction order, head first (the tests compare it with the free queue's rules)."""
+    return [b.block_hash for b in cache._free.values()]
+
+
 def hashes_of(prompt: list[int], block_size: int = BS) -> list[int]:
     out: list[int] = []
     extend_block_hashes(out, prompt, block_size)
@@ -160,8 +169,8 @@ def test_hit_blocks_in_use_are_not_evicted():
 def test_unhashed_blocks_are_reused_before_cached_ones():
     cache = PrefixCache(num_blocks=7, block_size=BS)
     serve(cache, tokens(1, 6))  # block 1 cached, block 2 (partial) freed to the head
-    assert cache.free_queue_hashes()[0] is None
-    assert cache.free_queue_hashes()[-1] == hashes_of(tokens(1, 6))[0]
+    assert free_queue_hashes(cache)[0] is None
+    assert free_queue_hashes(cache)[-1] == hashes_of(tokens(1, 6))[0]
 
 
 def test_observed_fill_then_decode_evicts_the_first_requests_last_block():
@@ -276,7 +285,7 @@ def test_event_stream_replays_to_the_cache_contents(ops):
     pending = cache.take_events()  # a trailing reset is still queued
     if pending:
         holders.clear()
-    assert {h for h, n in holders.items() if n > 0} == cache.cached_hashes()
+    assert {h for h, n in holders.items() if n > 0} == cached_hashes(cache)
 
 
 # ---------------------------------------------------------------- tokenizer

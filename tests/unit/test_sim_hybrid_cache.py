@@ -38,6 +38,15 @@ def serve(c: HybridPrefixCache, prompt: list[int], max_tokens: int = 1) -> tuple
     return gen.cached_tokens, batches
 
 
+def cached_hashes(c: HybridPrefixCache, group: int) -> set[int]:
+    return {h for g, h in c._cached if g == group}
+
+
+def free_queue_keys(c: HybridPrefixCache) -> list[tuple[int, int] | None]:
+    """Eviction order, head first: each free block's (group, hash), or None if it holds none."""
+    return [c._key_of.get(b.block_id) for b in c._free.values()]
+
+
 def stored_in(batches: list[list], group: int) -> list[int]:
     return [h for e in flat(batches) if isinstance(e, BlockStored) and e.group_idx == group for h in e.block_hashes]
 
@@ -69,7 +78,7 @@ def test_window_group_caches_only_the_blocks_ending_at_the_replay_boundary():
     h = hashes_of(prompt)
     assert stored_in(batches, FA) == h
     assert stored_in(batches, SW) == h[4:6]
-    assert c.cached_hashes(SW) == set(h[4:6]) and c.cached_hashes(FA) == set(h)
+    assert cached_hashes(c, SW) == set(h[4:6]) and cached_hashes(c, FA) == set(h)
 
 
 def test_block_stored_fields_per_group_match_vllm():
@@ -102,7 +111,7 @@ def test_short_run_from_block_zero_counts():
     """No run of two cached blocks: the run from block 0 is still a hit."""
     c = cache()
     serve(c, tokens(1, BS + 1))
-    assert c.cached_hashes(SW) == {hashes_of(tokens(1, BS))[0]}
+    assert cached_hashes(c, SW) == {hashes_of(tokens(1, BS))[0]}
     assert serve(c, tokens(1, BS + 1))[0] == BS
 
 
@@ -164,7 +173,7 @@ def test_window_blocks_leave_the_request_during_decode():
     assert c.num_free_blocks == 63 - 18
     next(steps)  # first decode: the window group keeps the last 3 blocks only
     assert c.num_free_blocks == 63 - 9 - 3
-    assert c.free_queue_hashes()[:6] == [None] * 6
+    assert free_queue_keys(c)[:6] == [None] * 6
     list(steps)
     assert c.num_free_blocks == 63
 
@@ -183,7 +192,7 @@ def test_reset_clears_both_groups():
     c = cache()
     serve(c, tokens(1, 3 * BS + 1))
     assert c.reset()
-    assert c.cached_hashes(SW) == c.cached_hashes(FA) == set()
+    assert cached_hashes(c, SW) == cached_hashes(c, FA) == set()
     assert c.take_events() == [AllBlocksCleared()]
     assert serve(c, tokens(1, 3 * BS + 1))[0] == 0
 
@@ -216,4 +225,4 @@ def test_cached_tokens_equal_vllms_rule_over_what_the_events_say(ops):
             elif isinstance(e, BlockRemoved):
                 held[e.group_idx].subtract(e.block_hashes)
         assert {g: {x for x, n in held[g].items() if n > 0} for g in held} == \
-            {SW: c.cached_hashes(SW), FA: c.cached_hashes(FA)}
+            {SW: cached_hashes(c, SW), FA: cached_hashes(c, FA)}

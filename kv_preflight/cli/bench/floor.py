@@ -235,10 +235,9 @@ async def interleaved(writers: dict[str, tuple[Writer, list[redis.Redis]]], warm
     return {n: (wall[n], cpu[n], proc[n]) for n in names}
 
 
-def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> dict[str, Any]:
+def bench_floor(res: Any, tmp: Path, quick: bool) -> dict[str, Any]:
     """The rows of the module docstring; returns the run's figures (also in ``res.extra["floor"]``). The writers
-    (the floor's and ours, on a single node and, with ``cluster``, on a cluster each) take turns
-    (``interleaved``)."""
+    (the floor's and ours, on a single node and on a cluster each) take turns (``interleaved``)."""
     from kv_preflight.cli.valkey_cluster import ValkeyCluster
 
     print(f"write path against llm-d's bare layout ({PODS} pods, LRU {CAPACITY} blocks of {ENGINE_BLOCK} tokens, "
@@ -267,16 +266,15 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
                 r.config_set(opt, "no")
             mem0[name] = used_memory(r)
             urls[name] = (vk.url, False, [r])
-        if cluster:
-            # No replicas: a replica costs its master the propagation of every write, the floor's as much as ours
-            # (the floor's own CPU doubles with one replica each, measured), which is the deployment's choice, not
-            # the write path's; the row compares the write path's own cost with the single node's.
-            for name in ("floor", "ours"):
-                vc = ValkeyCluster(tmp / f"floor-cluster-{name}", appendonly=False, replicas=0).start()
-                servers.append(vc)
-                masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
-                clients.extend(masters)
-                urls[f"{name}-cluster"] = (vc.url, True, masters)
+        # No replicas: a replica costs its master the propagation of every write, the floor's as much as ours
+        # (the floor's own CPU doubles with one replica each, measured), which is the deployment's choice, not
+        # the write path's; the row compares the write path's own cost with the single node's.
+        for name in ("floor", "ours"):
+            vc = ValkeyCluster(tmp / f"floor-cluster-{name}", appendonly=False, replicas=0).start()
+            servers.append(vc)
+            masters = [redis.Redis(port=m.port) for m in vc.masters_now()]
+            clients.extend(masters)
+            urls[f"{name}-cluster"] = (vc.url, True, masters)
         sides = asyncio.run(_run_sides(urls, warm, measured))
         figures = {}
         for name in ("floor", "ours"):
@@ -305,12 +303,11 @@ def bench_floor(res: Any, tmp: Path, quick: bool, *, cluster: bool = True) -> di
         out.update(floor_cpu_us=f_us, ours_cpu_us=o_us, cpu_ratio=cpu_ratio, floor_bytes=floor.bytes_per_entry,
                    ours_bytes=ours.bytes_per_entry, memory_ratio=mem_ratio, entries=ours.entries,
                    ours_blocks_per_s=rate, ours_blocks_per_cpu_s=core_rate, floor_seconds=floor.seconds)
-        if cluster:
-            got = {name: sum(live_entries(m) for m in urls[f"{name}-cluster"][2]) for name in ("floor", "ours")}
-            if got["floor"] != got["ours"] or got["ours"] != ours.entries:
-                res.failed_checks.append(f"on the cluster the floor writer and the ingester left {got['floor']} and "
-                                         f"{got['ours']} entries (single node {ours.entries})")
-            out.update(_cluster_rows(res, sides, events, o_us, f_us, core_rate))
+        got = {name: sum(live_entries(m) for m in urls[f"{name}-cluster"][2]) for name in ("floor", "ours")}
+        if got["floor"] != got["ours"] or got["ours"] != ours.entries:
+            res.failed_checks.append(f"on the cluster the floor writer and the ingester left {got['floor']} and "
+                                     f"{got['ours']} entries (single node {ours.entries})")
+        out.update(_cluster_rows(res, sides, events, o_us, f_us, core_rate))
     finally:
         for c in clients:
             c.close()

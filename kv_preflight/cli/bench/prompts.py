@@ -25,13 +25,12 @@ class PromptSet:
         self.name, self.bodies, self.expected = name, bodies, expected
 
 
-async def load_set(index: Index, name: str, *, n_prompts: int, length: int, n_pods: int, seed: int,
-                   fractions=None) -> PromptSet:
-    """Prompts whose chains ``n_pods`` pods hold in part: pod i holds about fractions[i] of the prefix."""
+async def load_set(index: Index, name: str, *, n_prompts: int, length: int, n_pods: int, seed: int) -> PromptSet:
+    """Prompts whose chains ``n_pods`` pods hold in part: pod i holds about (i + 1) / n_pods of the prefix."""
     import random
 
     rng = random.Random(seed)
-    fractions = fractions or [(i + 1) / n_pods for i in range(n_pods)]
+    fractions = [(i + 1) / n_pods for i in range(n_pods)]
     bodies, expected = [], []
     pods = [f"{name}-pod-{i}" for i in range(n_pods)]
     for p in range(n_prompts):

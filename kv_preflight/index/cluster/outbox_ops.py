@@ -16,7 +16,6 @@ from kv_preflight.index.changes import key_ops as lua_key_ops
 from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
-_enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 try:  # a run's per-op loops in C (kv_preflight/index/_write_path.c); the Python functions here are their reference
     from kv_preflight.index import _write_path as _c
@@ -25,15 +24,9 @@ except ImportError:  # pragma: no cover - no compiler at install time
 _CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)
 
 
-def encode_changes(changes: Sequence[Any], num: int | None) -> bytes:
-    """A plan's changes as an outbox entry: self-contained (the pod's bit position included), so any
-    ingester can run it again."""
-    return _enc.encode(change_ops(changes, num))
-
-
 def change_ops(changes: Sequence[Any], num: int | None, sibs: bytes = b"") -> list[Any]:
-    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back): ``change_ops_py``, in C
-    when built. ``sibs``: the pod's sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), carried
+    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back), self-contained (the pod's
+    bit position included) so any ingester can run them again: ``change_ops_py``, in C when built. ``sibs``: the pod's sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), carried
     by each K op as a ninth item (changes.py ``shard_args`` sends them as changes.lua's ``G``)."""
     if sibs:
         return [op + [sibs] if op[0] == "K" else op for op in change_ops_py(changes, num)]
@@ -67,7 +60,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _valid_op(op: Any) -> bool:
-    """The three shapes ``encode_changes`` writes; anything else (a hand edit, a bug, an older build's
+    """The three shapes ``change_ops`` writes; anything else (a hand edit, a bug, an older build's
     entry) must not reach the scripts."""
     if not isinstance(op, list) or not op:
         return False
@@ -186,4 +179,4 @@ def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
     return n, first
 
 
-__all__ = ["ENGINE_PREFIX", "change_ops", "change_ops_py", "decode_entry", "encode_changes", "key_op_args"]
+__all__ = ["ENGINE_PREFIX", "change_ops", "change_ops_py", "decode_entry", "key_op_args"]

@@ -40,7 +40,6 @@ from kv_preflight.index.lifecycle import LET_GO_WAIT_S, forget_pods
 from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
-from kv_preflight.index.presence import read_group_bits
 from kv_preflight.keys.multimodal import checked_items
 from kv_preflight.keys.prompt import PromptKeys
 from kv_preflight.predictor.scoring.groups import apply_groups, pods_groups
@@ -375,8 +374,7 @@ class DynamoApi:
         depth = max((m.blocks for m in mine), default=0)
         if not depth:
             return prefixes
-        presence = await read_group_bits(self.index.backend, keys[:depth])
-        nums = await self.index.numbering.pod_numbers(hybrid)
+        presence, nums = await self.index.group_presence(keys[:depth], hybrid)
         adjusted = apply_groups(mine, hybrid, {i.pod_id: i.engine_block_size for i in infos}, presence, nums,
                                 self.cfg.block_size, n_tokens + 1)
         out = dict(prefixes)

@@ -30,7 +30,6 @@ from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
 from kv_preflight.index.rank_pods import pods_with_ranks
 from kv_preflight.index.routed import keys_blob
-from kv_preflight.index.presence import read_group_bits
 
 MAX_OTHER_MODELS = 8  # other roots looked up for the other_model finding (one round trip each)
 MAX_POD_CHAINS = 64  # pods listed in ``pods``; the rest are counted in pods_truncated
@@ -96,8 +95,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
                 if not keys_needed(f.matches, hybrid):
                     matches += f.matches
                     continue
-                presence = await read_group_bits(p.index.backend, keys[:keys_needed(f.matches, hybrid)])
-                nums = await p.index.numbering.pod_numbers(hybrid)
+                presence, nums = await p.index.group_presence(keys[:keys_needed(f.matches, hybrid)], hybrid)
                 adjusted = apply_groups(f.matches, hybrid, {pod: i.engine_block_size for pod, i in infos.items()},
                                         presence, nums, cfg.block_size, len(tokens))
                 group_notes += _group_cuts(f.matches, adjusted, hybrid, infos, GroupBits(presence), nums,

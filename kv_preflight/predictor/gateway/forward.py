@@ -61,7 +61,6 @@ class _Conn(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.used = 0  # exchanges started on it
         self.idle_since = time.monotonic()
         self._reset()
 
@@ -246,7 +245,6 @@ class Upstream:
 
     async def _exchange(self, conn: _Conn, request: bytes) -> Response:
         conn._reset()
-        conn.used += 1
         conn.head = asyncio.get_running_loop().create_future()
         assert conn.transport is not None
         conn.transport.write(request)

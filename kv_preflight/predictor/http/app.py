@@ -77,6 +77,13 @@ def _observe(predictor: Predictor, endpoint: str, outcome: str, started: float, 
         predictor.metrics.answered(endpoint, freshness.state)
     index = predictor.index
     predictor.metrics.index_counts(index.gap_walks, index.foreign_reads, index.late_reads)
+    _engine_counts(predictor)
+
+
+def _engine_counts(predictor: Predictor) -> None:
+    """The engines' faults this process counted (failed scrapes, tokenize failovers), into the metrics."""
+    load = predictor.load
+    predictor.metrics.engine_counts(load.scrape_errors if load is not None else 0, predictor.tokenizer.failovers)
 
 
 async def _answer(request: Request, endpoint: str, keyed_fn, parsed_fn, cached_tokens) -> Response:
@@ -140,6 +147,7 @@ async def metrics(request: Request) -> Response:
     predictor: Predictor = request.app.state.predictor
     gauges = fleet_numbers(predictor.fleet)
     gauges.index = await request.app.state.index_readings.latest()
+    _engine_counts(predictor)
     return Response(predictor.metrics.exposition(gauges), media_type=METRICS_CONTENT_TYPE)
 
 

@@ -47,13 +47,11 @@ def digest(key: str | bytes) -> bytes:
 
 
 class ApiKeyAuth:
-    def __init__(self, app: ASGIApp, keys: Iterable[str], *, on_reject: Callable[[], None] | None = None,
-                 open_paths: frozenset[str] = OPEN_PATHS):
+    def __init__(self, app: ASGIApp, keys: Iterable[str], *, on_reject: Callable[[], None] | None = None):
         self.app = app
         self.digests = [digest(k) for k in keys]
         if not self.digests:
             raise ValueError("ApiKeyAuth needs at least one key")
-        self.open_paths = open_paths
         self.on_reject = on_reject
 
     def allowed(self, authorization: bytes | None) -> bool:
@@ -67,7 +65,7 @@ class ApiKeyAuth:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         auth = None

@@ -3,7 +3,7 @@
 The index's lookup gives each pod's prefix in its prefix group (full attention: ``PodMatch.blocks``, in
 request keys). A pod with several KV cache groups (a sliding-window layer beside a full-attention one, and so
 on) reuses only what every group's rule accepts (kv_preflight/engines/hit_rules.py, vLLM's coordinator): the
-other groups' presence is read beside the lookup (``presence.read_group_bits``), and each such pod's match is replaced
+other groups' presence is read beside the lookup (``ReadSide.group_presence``), and each such pod's match is replaced
 by the blocks that rule leaves, so scoring needs nothing else.
 """
 from __future__ import annotations

@@ -55,11 +55,6 @@ class PrefixPlacements:
         self._homes: OrderedDict[int, _Home] = OrderedDict()  # least recently seen first
         self._blocks: dict[str, int] = {}  # pod -> sum of its homes' blocks
 
-    @property
-    def remembered(self) -> int:
-        """How many prefixes are remembered (no __len__: an empty memory must not be falsy)."""
-        return len(self._homes)
-
     def hint(self, prefix: int, pods: Collection[str]) -> PlacementHint:
         now = self.clock()
         self._expire(now)

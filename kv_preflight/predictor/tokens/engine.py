@@ -48,7 +48,7 @@ class EngineTokenizer:
         self.timeout_s = timeout_s
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
         self.discovered = discovered
-        self.failovers = 0
+        self.failovers = 0  # kvpf_tokenize_failovers_total
         self._last_good: dict[str, str] = {}  # model -> URL that answered last
 
     def urls_for(self, model: str) -> tuple[str, ...]:

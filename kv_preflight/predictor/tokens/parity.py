@@ -83,13 +83,9 @@ def load_samples(path: Path) -> list[Sample]:
 # ---------------------------------------------------------------- pure comparison
 
 
-def diagnose(local: Sequence[int], engine: Sequence[int], position: int, sample: Sample, bos_id: int | None) -> str:
-    """A best guess at why, from the shape of the difference; the decoded tokens say the rest."""
-    return cause_of(local, engine, position, sample, bos_id).detail
-
-
 def cause_of(local: Sequence[int], engine: Sequence[int], position: int, sample: Sample, bos_id: int | None) -> Cause:
-    """predictor/explain/rules.py's classifier, told both sides come from one input (so no content change, no window)."""
+    """A best guess at why, from the shape of the difference (its ``detail``; the decoded tokens say the rest):
+    predictor/explain/rules.py's classifier, told both sides come from one input (so no content change, no window)."""
     return classify(local, engine, position, bos_id=bos_id, labels=("local", "engine"), same_input=True,
                     chat=sample.messages is not None, ours_text=sample.text, theirs_text=sample.text)
 
