@@ -130,12 +130,19 @@ class PodState:
         # --kv-cache-report-mode full). Otherwise such a run is a second physical copy: concurrent requests
         # that computed one prefix at once store it from block 0 twice, and each copy is evicted in turn.
         self.reannouncements = False
+        # Engine key -> the bridge's chain point (ingester/bridge.py ``ChainPoint``) of a block that ended mid
+        # request key (engine blocks not a multiple of canonical ones): the tokens not keyed yet, which its
+        # child's first key needs and the blocks above do not hold. In memory only, not in the log (a writer
+        # loading the pod again keeps its own, ``PodWriter.load``): a child of a block no process here planned
+        # is an orphan.
+        self.carries: dict[int, object] = {}
 
     # ---- copies
 
     def clone(self) -> "PodState":
         other = PodState(self.groups, self.engine_block_size, self.pod_id)
         other.reannouncements = self.reannouncements
+        other.carries = dict(self.carries)
         other._tiers = self._tiers
         other.blocks = {k: b.copy() for k, b in self.blocks.items()}
         other.tiers = set(self.tiers)
@@ -178,7 +185,12 @@ class PodState:
         return len(self.blocks)
 
     def block_keys(self, ek: int) -> tuple[tuple[int, ...], int | None] | None:
-        """A held block's request keys and parent, in whichever tier or group the pod holds ``ek``."""
+        """A held block's request keys and parent, in whichever tier or group the pod holds ``ek`` (the same
+        keys in each: vLLM hashes tokens, not groups or tiers). Asked for a batch's parents and partial events'
+        blocks, so the commonest place, the GPU tier of the prefix group, is tried first."""
+        b = self.blocks.get((ek, "gpu", self._prefix))
+        if b is not None:
+            return b.rks, b.parent
         if not self.ek_refs.get(ek):
             return None
         for group in sorted({0, *self.groups}):
@@ -188,6 +200,13 @@ class PodState:
                     if b is not None:
                         return b.rks, b.parent
         return None
+
+    def keep_carries(self, points: Mapping[int, object]) -> None:
+        """Chain points of blocks that ended mid key (``carries``); those of blocks the pod no longer holds go
+        once they outnumber the held ones."""
+        self.carries.update(points)
+        if len(self.carries) > 2 * len(self.ek_refs) + 1024:
+            self.carries = {ek: p for ek, p in self.carries.items() if self.ek_refs.get(ek)}
 
     def field_tier(self, fld: str) -> str | None:
         """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's

@@ -15,7 +15,7 @@ from kv_preflight.index.index import VALKEY_ERRORS
 from kv_preflight.index.write_side import WriteSide
 from kv_preflight.ingester.accept import Accepted, FrameAcceptor
 from kv_preflight.ingester.apply import Applier
-from kv_preflight.ingester.bridge import Plan
+from kv_preflight.ingester.bridge import ChainState, Plan
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.valkey_retry import ValkeyRetry, transient
 
@@ -49,7 +49,9 @@ class Pipeline:
         # Two runs in flight: while Valkey applies one, the next is planned and written.
         inflight = None
         for run in runs:
-            plans = [await self.applier.plan(pod, model, seq, batch, errors) for pod, model, seq, batch, errors in run]
+            chains = ChainState()  # a parent planned earlier in the run is in no pod's state nor Valkey yet
+            plans = [await self.applier.plan(pod, model, seq, batch, errors, chains=chains)
+                     for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
                          engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations,
                          adapters=plan.adapters)

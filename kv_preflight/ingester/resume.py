@@ -147,7 +147,6 @@ class Resume:
             if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
                 cleared = True
                 break
-        self.applier.forget_chains()
         return info, cleared
 
     def cancel(self, pods: set[str] | None = None) -> None:
@@ -311,7 +310,6 @@ class Resume:
         # the engine's whole history is here: the pod starts as it does (a pod that never had a seq, retired
         # and flagged, is not left flagged: there is no seq to reset it by)
         await self.valkey.call(self.index.reset_pod, pod)
-        self.applier.forget_chains()
         for f in frames:
             if f.batch is not None and f.seq is not None:
                 await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
