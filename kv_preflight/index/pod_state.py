@@ -204,9 +204,11 @@ class PodState:
     def keep_carries(self, points: Mapping[int, object]) -> None:
         """Chain points of blocks that ended mid key (``carries``); those of blocks the pod no longer holds go
         once they outnumber the held ones."""
-        self.carries.update(points)
-        if len(self.carries) > 2 * len(self.ek_refs) + 1024:
-            self.carries = {ek: p for ek, p in self.carries.items() if self.ek_refs.get(ek)}
+        carries = self.carries
+        carries.update(points)
+        if len(carries) > 2 * len(self.ek_refs) + 1024:
+            for ek in [ek for ek in carries if not self.ek_refs.get(ek)]:
+                del carries[ek]
 
     def field_tier(self, fld: str) -> str | None:
         """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's

@@ -46,10 +46,11 @@ class Pipeline:
             pod, model, seq, batch, errors = runs[0][0]
             await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
             return
-        # Two runs in flight: while Valkey applies one, the next is planned and written.
+        # Two runs in flight: while Valkey applies one, the next is planned and written. A parent planned in
+        # either is in no pod's state nor Valkey yet (or in a state loaded again meanwhile): their chain points.
         inflight = None
+        chains = ChainState()
         for run in runs:
-            chains = ChainState()  # a parent planned earlier in the run is in no pod's state nor Valkey yet
             plans = [await self.applier.plan(pod, model, seq, batch, errors, chains=chains)
                      for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
