@@ -149,11 +149,6 @@ def is_presence_key(name: bytes | str) -> bool:
     return n.startswith(OUR_PREFIX + "{") and n.endswith("}") and n[len(OUR_PREFIX) + 1:-1].isdigit()
 
 
-def presence_field(tier: str, group: int | None) -> str:
-    """A bitmap's field in a presence hash: its tier, and its KV cache group when not 0."""
-    return f"{tier}|{group}" if group else tier
-
-
 PRESENCE_PREFIX, PRESENCE_SUFFIX = OUR_PREFIX + "{", "}"  # what the lookup script puts around a key
 
 
@@ -242,10 +237,6 @@ def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:
 def pod_state_keys(pod_id: str) -> tuple[str, ...]:
     """Every per-pod key (what ``index clear --forget`` deletes once the entries are gone)."""
     return pod_keys(pod_id, cluster=True)
-
-
-def register_pod_args(pod_id: str, model: str) -> tuple[str, str, str]:
-    return PODS_KEY, pod_id, model
 
 
 def feed_field(replay_endpoint: str, rank: int) -> str:

@@ -130,11 +130,9 @@ class PodState:
         # --kv-cache-report-mode full). Otherwise such a run is a second physical copy: concurrent requests
         # that computed one prefix at once store it from block 0 twice, and each copy is evicted in turn.
         self.reannouncements = False
-        # Engine key -> the bridge's chain point (ingester/bridge.py ``ChainPoint``) of a block that ended mid
-        # request key (engine blocks not a multiple of canonical ones): the tokens not keyed yet, which its
-        # child's first key needs and the blocks above do not hold. In memory only, not in the log (a writer
-        # loading the pod again keeps its own, ``PodWriter.load``): a child of a block no process here planned
-        # is an orphan.
+        # Engine key -> the bridge's ChainPoint (ingester/bridge.py) of a block planned with E not a multiple of C:
+        # the tokens it left unkeyed, which its child's first key needs. In memory only (kept across a reload:
+        # ``PodWriter.forget``); a child of such a block no process here planned is an orphan.
         self.carries: dict[int, object] = {}
 
     # ---- copies
@@ -142,7 +140,6 @@ class PodState:
     def clone(self) -> "PodState":
         other = PodState(self.groups, self.engine_block_size, self.pod_id)
         other.reannouncements = self.reannouncements
-        other.carries = dict(self.carries)
         other._tiers = self._tiers
         other.blocks = {k: b.copy() for k, b in self.blocks.items()}
         other.tiers = set(self.tiers)

@@ -157,8 +157,7 @@ class PodWriter:
                         snap_bytes, log_bytes, len(deltas), text(meta.get("groups", b"")))
 
     def forget(self, pod_id: str, *, carries: bool = True) -> None:
-        """Load the pod again before its next plan. Its carries (``PodState.carries``, kept nowhere else) are
-        kept for that, unless ``carries`` is False (the pod let go)."""
+        """Load the pod again before its next plan, with its ``PodState.carries`` (unless it was let go)."""
         cache = self.pods.pop(pod_id, None)
         if carries and cache is not None and cache.state.carries:
             self._carries[pod_id] = cache.state.carries

@@ -76,7 +76,7 @@ class Applier:
         self.routes = routes
         self.counters = counters
         self.valkey = valkey
-        self.state = ChainState()  # the chain points of the run planned last (``plan``'s ``chains``)
+        self.state = ChainState()  # the chain points the last ``plan`` used (its ``chains``)
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
         self._silent: dict[str, float] = {}  # replay endpoint that did not answer -> not asked until (monotonic)
         self.held: dict[str, _Held] = {}  # pods whose gap is being replayed (``apply_held`` carries them on)
@@ -94,7 +94,7 @@ class Applier:
                    chains: ChainState | None = None, mode: str = "check") -> Plan:
         """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
         as a MarkIncomplete, so the flag is written by the very script that applies the batch. ``chains``: the
-        chain points of the batches planned before it in the same run (none: a run of its own)."""
+        chain points of the batches planned before it and maybe not applied yet (none: it goes alone)."""
         if self.vouch is not None and pod not in self.vouched:
             await self.vouch(pod)
         self.state = chains if chains is not None else ChainState()
@@ -110,7 +110,7 @@ class Applier:
 
     async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch, chains: ChainState,
                            mode: str) -> Plan:
-        """A parent the run did not plan is taken from the pod's state, then Valkey's engine map. Not from the pod's
+        """A parent not in ``chains`` is taken from the pod's state, then Valkey's engine map. Not from the pod's
         state in a reset (the engine restarted: the pod's blocks are the old process's, cleared before this batch
         applies)."""
         pod_state = await self.valkey.call(self.index.pod_state, pod)

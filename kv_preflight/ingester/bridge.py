@@ -7,9 +7,9 @@ the event's ``token_ids``, chaining from the parent block's last request key, an
 record engine key -> request keys (in the pod's state, kv_preflight/index/pod_state.py, and llm-d's
 ``engine:<key>``), so a later BlockRemoved (engine key only) can find the request keys to drop.
 
-A parent is found in the run's own chain points (``ChainState``: blocks planned earlier in the same run of
-batches, which neither the pod's state nor Valkey holds yet), else in the pod's state (``seed_held``), else in
-Valkey's ``engine:<parent>`` (``seed_state``); else the child is an orphan.
+A parent is found among the blocks planned with its batch (``ChainState``: the pipeline's runs in flight, which
+neither the pod's state nor Valkey holds yet), else in the pod's state (``seed_held``), else in Valkey's
+``engine:<parent>`` (``seed_state``); else the child is an orphan.
 
 Ratios: when E is a multiple of C (the usual case) each engine block owns E/C
 whole request keys. Otherwise an engine block may end mid-key; its leftover
@@ -53,8 +53,8 @@ class ChainPoint(msgspec.Struct, frozen=True, gc=False):  # one per stored block
 
 
 class ChainState:
-    """Engine key -> ChainPoint of the blocks one run of batches planned (or found for it), bounded LRU.
-    Content-addressed, so safe to share across pods."""
+    """Engine key -> ChainPoint of the blocks planned with a batch (the pipeline's runs, ingester/pipeline.py),
+    or found for them; a bounded LRU. Content-addressed, so safe to share across pods."""
 
     def __init__(self, capacity: int = 200_000):
         self.capacity = capacity
@@ -104,8 +104,8 @@ class Plan:
     # kv_cache_spec_sliding_window on every BlockStored, filled in KVCacheManager.take_events)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events whose parent could not be resolved
-    # engine key -> chain point of each block planned with E not a multiple of C, or ending mid key: what the
-    # pod's state keeps beside the block (PodState.carries) for a child planned in a later run
+    # engine key -> chain point of each block planned with E not a multiple of C (or ending mid key): for the
+    # pod's state to keep (PodState.carries), for a child planned later
     carries: dict[int, ChainPoint] = field(default_factory=dict)
     # LoRA adapters whose blocks the batch stores (their names, as the blocks are keyed): the index records them
     # per pod (layout.py ADAPTERS_KEY), so a predictor knows an adapter from the events alone
@@ -384,7 +384,7 @@ def _plan_partial(ev: BlockStored, plan: Plan, pod_id: str, model: str, state: C
 
 def seed_held(state: ChainState, missing: Sequence[tuple[str, int]], known: Known,
               carries: Mapping[int, Any] | None = None) -> list[tuple[str, int]]:
-    """Parents the run has not planned that the pod itself holds: taken from the pod's own state (the index
+    """Parents not planned with the batch that the pod itself holds: taken from the pod's own state (the index
     writer's, ``known``), which holds every block the pod holds, loaded from its log, and the chain points of
     those that ended mid key (``carries``, ``Plan.carries``); put in ``state`` as chain points. Returns those it
     does not hold, for Valkey's engine map. A block keyed before its parent was (no request key of its own:
