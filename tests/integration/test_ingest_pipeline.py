@@ -286,16 +286,20 @@ async def test_a_restarted_engines_batch_takes_no_parent_from_the_old_processes_
     await ing.index.close()
 
 
-async def test_a_parent_evicted_from_every_tier_before_its_child_leaves_the_child_an_orphan(valkey_url):
+@pytest.mark.parametrize("together", [False, True])
+async def test_a_parent_evicted_from_every_tier_before_its_child_leaves_the_child_an_orphan(valkey_url, together):
     """vLLM holds a request's blocks while it runs, so a block's parent is not evicted before the block is stored;
     a BlockStored whose parent the pod let go of in an earlier batch means events the index never saw. The
     child is not keyed from a memory of the parent (the pod's state no longer holds it, nor does Valkey): an
-    orphan, the pod flagged."""
+    orphan, the pod flagged. The same when the three batches come together (pipelined: the child waits for the
+    eviction to apply, then is planned as alone)."""
     toks = list(range(4000, 4096))
     ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
-    await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored([1, 2], None, toks[:64], 32, medium="GPU", group_idx=0)))])
-    await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockRemoved([2], medium="GPU")))])
-    await ing.handle_messages([(SRC, one("pod-a", 2, 1002.0, BlockStored([3], 2, toks[64:], 32, medium="GPU", group_idx=0)))])
+    msgs = [(SRC, one("pod-a", 0, 1000.0, BlockStored([1, 2], None, toks[:64], 32, medium="GPU", group_idx=0))),
+            (SRC, one("pod-a", 1, 1001.0, BlockRemoved([2], medium="GPU"))),
+            (SRC, one("pod-a", 2, 1002.0, BlockStored([3], 2, toks[64:], 32, medium="GPU", group_idx=0)))]
+    for batch in ([msgs] if together else [[m] for m in msgs]):
+        await ing.handle_messages(batch)
     assert ing.counters.counts["orphan_blocks"] == 1 and await flagged(ing, "pod-a")
     got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(toks, model="m"))}
     assert got == {"pod-a": 2}  # block 1's keys; block 3 not indexed
