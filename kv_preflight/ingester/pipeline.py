@@ -112,20 +112,23 @@ class _Flight:
     def waits(self, pod: str, batch: EventBatch) -> bool:
         """Note the batch's events; True (its own are then of no use) if one stores a child of a block let go."""
         dropped = self.dropped.setdefault(pod, set())
+        drop = dropped.update
         since = self.since_clear.get(pod)
         for ev in batch.events:
-            if isinstance(ev, BlockRemoved):
-                dropped.update(ev.block_hashes)
+            kind = type(ev)  # (once per event of every batch: one type test, not isinstance's chain)
+            if kind is BlockRemoved:
+                drop(ev.block_hashes)
                 if since is not None:
                     since.difference_update(ev.block_hashes)
-            elif isinstance(ev, BlockStored):
+            elif kind is BlockStored:
                 p = ev.parent_block_hash
                 if p is not None and (p in dropped or (since is not None and p not in since)):
                     return True
-                dropped.difference_update(ev.block_hashes)
+                if dropped:
+                    dropped.difference_update(ev.block_hashes)
                 if since is not None:
                     since.update(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+            elif kind is AllBlocksCleared:
                 dropped.clear()
                 since = self.since_clear[pod] = set()
         return False
