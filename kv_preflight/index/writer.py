@@ -117,7 +117,7 @@ class PodWriter:
         self.reloads = 0  # pods loaded again after a stale plan (a counter for /metrics)
         # pod -> its sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), for pods that have any
         self.sibs: dict[str, bytes] = {}
-        self._carries: dict[str, dict[int, object]] = {}  # a pod's PodState.carries while it is not loaded
+        self._carries: dict[str, dict[int, object]] = {}  # each pod's PodState.carries, kept when it is loaded again
 
     # ---- loading
 
@@ -129,7 +129,7 @@ class PodWriter:
         replies = await evalsha_pipeline(self.client, script, [pod_keys(p) for p in pod_ids], [[] for _ in pod_ids])
         for p, r in zip(pod_ids, replies):
             self.pods[p] = self._cache_from(p, r[0], r[1])
-            self.pods[p].state.carries = self._carries.pop(p, {})
+            self.pods[p].state.carries = self._carries.setdefault(p, {})
             self.heads.pop(p, None)
 
     def _cache_from(self, pod_id: str, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
@@ -158,12 +158,10 @@ class PodWriter:
 
     def forget(self, pod_id: str, *, carries: bool = True) -> None:
         """Load the pod again before its next plan, with its ``PodState.carries`` (unless it was let go)."""
-        cache = self.pods.pop(pod_id, None)
-        if carries and cache is not None and cache.state.carries:
-            self._carries[pod_id] = cache.state.carries
-        elif not carries:
-            self._carries.pop(pod_id, None)
+        self.pods.pop(pod_id, None)
         self.heads.pop(pod_id, None)
+        if not carries:
+            self._carries.pop(pod_id, None)
 
     def set_num(self, pod_id: str, num: int) -> None:
         cache = self.pods.get(pod_id)
