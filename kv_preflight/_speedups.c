@@ -623,36 +623,31 @@ fail:
     return NULL;
 }
 
-/* What the walk below emits per pod: a pair (number, keys held), or with ``names`` a match built by
- * ``make(name, held, tiers[held - 1])`` for a number ``names`` knows (others are left out). */
+/* What the walk below emits per pod: a match built by ``make(name, held, tiers[held - 1])`` for a number
+ * ``names`` knows (others are left out). */
 typedef struct {
     PyObject *out;
-    PyObject *names;  /* dict int -> str, or NULL: pairs */
+    PyObject *names;  /* dict int -> str */
     PyObject **tiers;
     Py_ssize_t n_tiers;
     PyObject *make;
 } prefix_emit;
 
 static int emit_prefix(prefix_emit *e, Py_ssize_t num, Py_ssize_t held) {
-    PyObject *item;
-    if (e->names == NULL) {
-        item = Py_BuildValue("(nn)", num, held);
-    } else {
-        PyObject *key = PyLong_FromSsize_t(num);
-        if (key == NULL) return -1;
-        PyObject *name = PyDict_GetItemWithError(e->names, key);  /* borrowed */
-        Py_DECREF(key);
-        if (name == NULL) return PyErr_Occurred() ? -1 : 0;
-        if (held < 1 || held > e->n_tiers) {
-            PyErr_SetString(PyExc_ValueError, "a tier for every key walked is needed");
-            return -1;
-        }
-        PyObject *count = PyLong_FromSsize_t(held);
-        if (count == NULL) return -1;
-        PyObject *call_args[3] = {name, count, e->tiers[held - 1]};
-        item = PyObject_Vectorcall(e->make, call_args, 3, NULL);
-        Py_DECREF(count);
+    PyObject *key = PyLong_FromSsize_t(num);
+    if (key == NULL) return -1;
+    PyObject *name = PyDict_GetItemWithError(e->names, key);  /* borrowed */
+    Py_DECREF(key);
+    if (name == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (held < 1 || held > e->n_tiers) {
+        PyErr_SetString(PyExc_ValueError, "a tier for every key walked is needed");
+        return -1;
     }
+    PyObject *count = PyLong_FromSsize_t(held);
+    if (count == NULL) return -1;
+    PyObject *call_args[3] = {name, count, e->tiers[held - 1]};
+    PyObject *item = PyObject_Vectorcall(e->make, call_args, 3, NULL);
+    Py_DECREF(count);
     if (item == NULL) return -1;
     int rc = PyList_Append(e->out, item);
     Py_DECREF(item);
@@ -715,15 +710,6 @@ fail:
     Py_XDECREF(out);
     Py_DECREF(seq);
     return NULL;
-}
-
-/* prefix_counts(bitmaps: sequence[bytes | None], end: int) -> list[tuple[int, int]]: the walk's pairs. */
-static PyObject *prefix_counts(PyObject *self, PyObject *args) {
-    PyObject *maps_obj;
-    Py_ssize_t end;
-    if (!PyArg_ParseTuple(args, "On", &maps_obj, &end)) return NULL;
-    prefix_emit e = {NULL, NULL, NULL, 0, NULL};
-    return walk_prefixes(maps_obj, end, &e);
 }
 
 /* prefix_matches(bitmaps, end, names: dict[int, str], tiers: sequence[str], make) -> list: the walk's pods
@@ -1173,10 +1159,9 @@ static PyMethodDef methods[] = {
      "A pod state's per-block snapshot columns (pod_log._columns), in one pass over its blocks."},
     {"pack_keys", pack_keys, METH_O,
      "Keys as fixed-width (20) right-aligned decimal, concatenated: one argument for the lookup script."},
-    {"prefix_counts", prefix_counts, METH_VARARGS,
-     "Per pod number, how many leading keys of a chain it holds, from one pod bitmap per key."},
     {"prefix_matches", prefix_matches, METH_VARARGS,
-     "prefix_counts' pods as make(name, held, tiers[held - 1]), numbers without a name left out."},
+     "Per pod a chain's first key holds, make(name, held, tiers[held - 1]): how many leading keys it holds, "
+     "from one pod bitmap per key; numbers without a name left out."},
     {"affinities", affinities, METH_VARARGS,
      "predictor/scoring/score.py's per-pod loop: make(pod, blocks, tokens, tier, estimate, incomplete) per scoring pod."},
     {"delta_columns", (PyCFunction)(void (*)(void))delta_columns, METH_FASTCALL,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import click
 
@@ -55,7 +54,3 @@ def apply_env(group: click.Group) -> None:
                 param.type = copy.copy(param.type)
                 param.type.split_envvar_value = _split_commas
 
-
-def env_default(flag: str, default):
-    """For the argparse options of ``bench``: the same rule, ``KVPF_<FLAG>`` or the default."""
-    return os.environ.get(ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()) or default

@@ -57,8 +57,7 @@ def stats(valkey_url, pod_id, as_json) -> None:
     """Keys, memory, events applied and faults counted; per pod: blocks held, events applied, seq, last event
     age, fleet state, incomplete flag."""
     async def go():
-        ix = await _open(valkey_url)
-        try:
+        async with _open(valkey_url) as ix:
             now = time.time()
             keys, counters = await ix.key_count(), await ix.meta.counters()
             infos = await ix.meta.pods()
@@ -70,8 +69,6 @@ def stats(valkey_url, pod_id, as_json) -> None:
                    "pods": [r for r in rows if pod_id is None or r["pod_id"] == pod_id], "index_counters": counters,
                    "keys": keys, "counters": counters}  # /stats's names (index_keys, index_counters); keys and
             return out                                  # counters are the old aliases
-        finally:
-            await ix.close()
 
     def human(d):
         s = d["summary"]
@@ -147,12 +144,9 @@ def _with_fleet(rows: list[dict], view) -> list[dict]:
 def pods(valkey_url, as_json) -> None:
     """The pods the index knows."""
     async def go():
-        ix = await _open(valkey_url)
-        try:
+        async with _open(valkey_url) as ix:
             now = time.time()
             return _with_fleet([_pod_row(p, now) for p in await ix.meta.pods()], await ix.fleet.fleet_view())
-        finally:
-            await ix.close()
 
     _emit(as_json, _run(go()), _pods_table)
 
@@ -164,11 +158,8 @@ def ingesters(valkey_url, as_json) -> None:
     """The ingesters sharing this index: lease, the engines each ingests, and how long since each pod's
     last applied batch (docs/fleet.md)."""
     async def go():
-        ix = await _open(valkey_url)
-        try:
+        async with _open(valkey_url) as ix:
             view = await ix.fleet.fleet_view()
-        finally:
-            await ix.close()
         return [{"ingester": i, "live": lease.expires_ms > view.now_ms, "host": lease.host,
                  "up_s": round((view.now_ms - lease.started_ms) / 1000, 1) if lease.started_ms else None,
                  "lease_left_s": round((lease.expires_ms - view.now_ms) / 1000, 1), "engines": lease.engines,
@@ -237,13 +228,10 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
         raise click.BadParameter(str(exc)) from None
 
     async def go():
-        ix = await _open(valkey_url)
-        try:
+        async with _open(valkey_url) as ix:
             fields = await ix.fields_per_key(keys, stop_at_gap=False) if keys else []
             pods = sorted({e.PodIdentifier for fl in fields for e in map(parse_entry, fl) if e is not None})
             return fields, {i.pod_id: i for i in await ix.meta.scoring_infos(pods)}
-        finally:
-            await ix.close()
 
     fields, infos = _run(go())
     declared = cfg.group_specs.get(model)
@@ -308,8 +296,7 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
 def clear(valkey_url, pod_id, forget, as_json) -> None:
     """Remove every entry of one pod, in time proportional to its blocks."""
     async def go():
-        ix = await _open(valkey_url)
-        try:
+        async with _open(valkey_url) as ix:
             _unknown_pods([pod_id], await ix.meta.pod_ids())
             if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
                 from kv_preflight.index.lifecycle import forget_pods
@@ -319,8 +306,6 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
                 await ix.meta.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
                                                  "the index no longer lists; exact again at its next reset")
             return n
-        finally:
-            await ix.close()
 
     n = _run(go())
     _emit(as_json, {"pod_id": pod_id, "blocks_removed": n}, lambda d: click.echo(f"removed {n} block(s) of {pod_id}"))

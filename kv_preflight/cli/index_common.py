@@ -3,7 +3,9 @@ for every error reaching Valkey, the output as text or JSON."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import click
@@ -67,15 +69,12 @@ def _index(valkey_url: str | None) -> Index:
     return Index.from_url(cfg.valkey_url, timeout_s=timeout_s, entry_format=cfg.entry_format, cluster=cluster)
 
 
-async def _open(valkey_url: str | None) -> Index:
-    """The index, after checking it is of this kv-preflight's layout (else a clear error)."""
-    ix = _index(valkey_url)
-    try:
+@contextlib.asynccontextmanager
+async def _open(valkey_url: str | None) -> AsyncIterator[Index]:
+    """The index, after checking it is of this kv-preflight's layout (else a clear error); closed after."""
+    async with _index(valkey_url) as ix:
         await check_layout(ix.client)
-    except BaseException:
-        await ix.close()
-        raise
-    return ix
+        yield ix
 
 
 valkey_opt = click.option("--valkey-url", default=None, help="Valkey URL (any node of a cluster).  [env KVPF_VALKEY_URL]")

@@ -11,7 +11,8 @@ from kv_preflight.cli.index_common import _config, _emit, _index, _open, _run, _
 from kv_preflight.engines.hit_rules import FULL
 from kv_preflight.events import topic_or_none
 from kv_preflight.index.entries import CHAIN_ROOT
-from kv_preflight.index.index import Index, StoreBlock, parse_entry
+from kv_preflight.index.fleet_store import FleetStore
+from kv_preflight.index.index import StoreBlock, parse_entry
 from kv_preflight.index.layout import LAYOUT_KEY, LAYOUT_VERSION
 from kv_preflight.index.migrate import migrate as migrate_layout
 from kv_preflight.index.transfer import (export_blocks, groups_of_row, groups_row, import_blocks, pod_groups,
@@ -24,9 +25,8 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
     """Write pods' entries as JSON lines: one pod line (its model, block size, seqs, KV cache groups and LoRA
     adapters), then one line per engine block."""
     async def go():
-        ix = await _open(valkey_url)
         total = 0
-        try:
+        async with _open(valkey_url) as ix:
             known = await ix.meta.pod_ids()
             _unknown_pods(pod_ids, known)
             adapters = await ix.meta.adapters()
@@ -51,8 +51,6 @@ def export_cmd(valkey_url, pod_ids, output) -> None:
                     total += 1
                     if total % 10_000 == 0:
                         click.echo(f"exported {total} blocks ...", err=True)
-        finally:
-            await ix.close()
         click.echo(f"exported {total} block(s)", err=True)
 
     _run(go())
@@ -71,9 +69,8 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
     rows = _read_export(source)
 
     async def go():
-        ix = await _open(valkey_url)
         counts: dict[str, int] = {}
-        try:
+        async with _open(valkey_url) as ix:
             for pod, (meta, blocks) in rows.items():
                 held = (await ix.meta.pod_info(pod)).blocks
                 if held and not replace:
@@ -91,8 +88,6 @@ def import_cmd(valkey_url, source, replace, exact, as_json) -> None:
                     await ix.meta.mark_incomplete(pod, "imported from an export: the engine may have changed since; "
                                                   "exact again at its next reset")
                 counts[pod] = len(blocks)
-        finally:
-            await ix.close()
         return counts
 
     counts = _run(go())
@@ -158,9 +153,8 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
     cfg = _config(valkey_url=valkey_url, hash_seed=hash_seed, block_size=block_size, replay_timeout_s=5.0)
 
     async def go():
-        ix = await _open(valkey_url)
         report = []
-        try:
+        async with _open(valkey_url) as ix:
             ing = Ingester(cfg, ix, [])
             found = []  # every engine is asked first: a --pod no engine publishes wipes nothing
             for url in engines:
@@ -195,8 +189,6 @@ def rebuild(valkey_url, engines, only_pods, hash_seed, block_size, as_json) -> N
                                "last_seq": frames[-1].seq if frames else None,
                                "covers_full_history": first == 0 and complete,
                                "blocks": info.blocks, "incomplete": info.incomplete})
-        finally:
-            await ix.close()
         return report
 
     def human(rows):
@@ -222,13 +214,12 @@ MIGRATE_HELP = f"""Move an index of layout 1 (kv-preflight 0.1), 2 or 3 to layou
 @json_opt
 def migrate(valkey_url, force, as_json) -> None:
     async def go():
-        ix = _index(valkey_url)
-        try:
+        async with _index(valkey_url) as ix:
             found = await ix.client.hget(LAYOUT_KEY, "version")
             version = found.decode() if isinstance(found, bytes) else found
             if version == LAYOUT_VERSION:
                 return {"pods": 0, "blocks": 0, "keys": 0}, True
-            live = await _live_ingesters(ix)
+            live = await _live_ingesters(ix.fleet)
             if live and not force:
                 raise click.ClickException(
                     f"{len(live)} ingester(s) hold a live lease on this index ({', '.join(live[:5])}"
@@ -238,8 +229,6 @@ def migrate(valkey_url, force, as_json) -> None:
             def progress(pod: str, n: int) -> None:
                 click.echo(f"  {pod}: {n} done", err=True)
             return await migrate_layout(ix.client, progress=progress), False
-        finally:
-            await ix.close()
 
     done, already = _run(go())
 
@@ -253,11 +242,11 @@ def migrate(valkey_url, force, as_json) -> None:
     _emit(as_json, done, human)
 
 
-async def _live_ingesters(ix: Index) -> list[str]:
+async def _live_ingesters(store: FleetStore) -> list[str]:
     """The ingesters whose lease on the index has not expired; [] when the leases cannot be read (an old
     layout's records)."""
     try:
-        view = await ix.fleet.fleet_view()
+        view = await store.fleet_view()
     except Exception:  # a record of another layout's form: the layout check is the user's word then
         return []
     return sorted(i for i, lease in view.ingesters.items() if lease.expires_ms > view.now_ms)

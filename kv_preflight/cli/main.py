@@ -13,7 +13,7 @@ from kv_preflight.config import Config, parse_model_urls, parse_pod_urls, parse_
 from kv_preflight.config import parse_group_specs, parse_lora_names
 from kv_preflight.cli.serve_checks import check_serve_files, config_error, run_checked
 from kv_preflight.cli.token_input import read_tokens
-from kv_preflight.keys.chain import HAS_C_EXTENSION
+from kv_preflight.keys.chain import HAS_C_EXTENSION, HASH_ALGOS
 
 
 # --version says whether setup.py built the C block-key routine (no compiler at install: the pure-Python path).
@@ -48,7 +48,7 @@ def cli(ctx: click.Context) -> None:
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1), help="Canonical tokens per request key.")
 @click.option("--parent", default=None, type=int, help="Continue the chain from this request key instead of the model root.")
 @click.option("--tokens", "tokens_spec", required=True, help="JSON list of token ids, or @file.")
-@click.option("--hash-algo", default="fnv64a", show_default=True, type=click.Choice(["fnv64a", "xxh64"]), help="llm-d's request-key hash: fnv64a (cbor-fnv, its default) or xxh64 (llm-d-router hashAlgorithm: xxh64).")
+@click.option("--hash-algo", default="fnv64a", show_default=True, type=click.Choice(HASH_ALGOS), help="llm-d's request-key hash: fnv64a (cbor-fnv, its default) or xxh64 (llm-d-router hashAlgorithm: xxh64).")
 @click.option("--cache-salt", default=None, help="vLLM cache_salt of the prompt: keys its first block as the engine does.")
 def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens_spec: str, hash_algo: str = "fnv64a",
          cache_salt: str | None = None) -> None:
@@ -96,7 +96,7 @@ def keys(model: str, hash_seed: str, block_size: int, parent: int | None, tokens
 @click.option("--health-failures", default=None, type=click.IntRange(min=1), help="Failed /health checks in a row that make a pod unreachable (default 3).")
 @click.option("--registered-engines/--no-registered-engines", default=None, help="Also ingest engines registered at run time through the remote-indexer API (default on).")
 @click.option("--lora-name", "lora_names", multiple=True, help="ID=NAME: key blocks of the engine's LoRA id ID under adapter NAME (SGLang, TensorRT-LLM send only the id). Repeatable.")
-@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
+@click.option("--hash-algo", default=None, type=click.Choice(HASH_ALGOS), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--pod-id", "pod_id", default=None, type=click.Choice(["topic", "endpoint"]), help="Pod id to index under: the topic's kv@POD@model (default), or endpoint: <pod IP>:<target port of the rank>, as llm-d v0.10 does. Every ingester of an index must agree (kvpf:settings).")
 @click.option("--target-ports", default=None, help="With --pod-id endpoint: the InferencePool's targetPorts, P0,P1,... (rank r gets the r-th; default: the --engine URL's port + r).")
 @click.option("--max-sources", default=None, type=click.IntRange(min=1), help="Engine sources this ingester subscribes at most (default 256, and what the open-file limit allows); an engine past it is refused, logged and counted.")
@@ -168,7 +168,7 @@ def ingest(valkey_url, valkey_cluster, sources, binds, engines, hash_seed, block
 @click.option("--max-pods-filter", default=None, type=click.IntRange(min=1), help="Most entries a request's pods filter may hold (default 1024).")
 @click.option("--request-read-timeout", "request_read_timeout_s", default=None, type=click.FloatRange(min=0.01), help="Seconds a client gets to send a request's headers, then as many for its body; 408 and close after (default 10).")
 @click.option("--dynamo-port", default=None, type=click.IntRange(0, 65535), help="Also serve NVIDIA Dynamo's standalone KV indexer API on this port (default 0: off; Dynamo uses 8090). docs/dynamo.md")
-@click.option("--hash-algo", default=None, type=click.Choice(["fnv64a", "xxh64"]), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
+@click.option("--hash-algo", default=None, type=click.Choice(HASH_ALGOS), help="Request-key hash, as llm-d's tokenProcessorConfig.hashAlgorithm (default fnv64a = cbor-fnv; xxh64).")
 @click.option("--register-allow", "register_allow", multiple=True, help="Host, address or CIDR a Dynamo /register may name as an engine endpoint. Repeatable (default: loopback only).")
 @click.option("--register-ipc-dir", "register_ipc_dirs", multiple=True, help="Folder a Dynamo /register may name an ipc:// engine socket in (its path normalized first). Repeatable (default /tmp).")
 @click.option("--max-registered-engines", default=None, type=click.IntRange(min=1), help="Engines /register may add in all (default 1024); past it, 429.")

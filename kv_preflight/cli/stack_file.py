@@ -23,6 +23,7 @@ import click
 from click.core import ParameterSource
 
 from kv_preflight.config import ENV_PREFIX
+from kv_preflight.fleet.records import FleetView
 
 DATA_DIR = ".data"  # up's --data-dir default (relative to where it runs)
 ENV_FILE = "env"
@@ -225,14 +226,8 @@ def fleet_engines(*, predictor_url: str | None = None, valkey_url: str | None = 
         return []
     import asyncio
 
-    from kv_preflight.index.index import Index
-
     async def read() -> list[FleetEngine]:
-        ix = Index.from_url(valkey_url, timeout_s=timeout_s)
-        try:
-            view = await ix.fleet.fleet_view()
-        finally:
-            await ix.close()
+        view = await fleet_view_at(valkey_url, timeout_s)
         return [FleetEngine(r.engine_url, tuple(r.models), p) for p, r in sorted(view.pods.items())
                 if r.state == "live" and r.engine_url]
 
@@ -240,6 +235,15 @@ def fleet_engines(*, predictor_url: str | None = None, valkey_url: str | None = 
         return asyncio.run(asyncio.wait_for(read(), timeout_s))
     except Exception:  # noqa: BLE001 - Valkey down or not ours: the caller says what to give instead
         return []
+
+
+async def fleet_view_at(valkey_url: str, timeout_s: float = 1.0) -> FleetView:
+    """The fleet records read once from ``valkey_url``, the index opened for it and closed: how the stack's
+    commands see its engines."""
+    from kv_preflight.index.index import Index
+
+    async with Index.from_url(valkey_url, timeout_s=timeout_s) as ix:
+        return await ix.fleet.fleet_view()
 
 
 def engine_and_model(model: str | None, engine_url: str | None, *, need_engine: bool,

@@ -267,10 +267,6 @@ class EngineFailures:
                 say_event(f"{pod}: live again")
 
     async def _records(self) -> dict:
-        from kv_preflight.index.index import Index
+        from kv_preflight.cli.stack_file import fleet_view_at
 
-        ix = Index.from_url(self.valkey_url)
-        try:
-            return (await ix.fleet.fleet_view()).pods
-        finally:
-            await ix.close()
+        return (await fleet_view_at(self.valkey_url)).pods

@@ -328,16 +328,10 @@ def _wait_fleet(valkey_url: str, engine_list: list[str], stack, timeout_s: float
     seconds), so the first request already finds its model; then one more second for the predictor's read."""
     import asyncio
 
-    from kv_preflight.index.index import Index
-
     reported: set[str] = set()
 
     async def ready() -> bool:
-        ix = Index.from_url(valkey_url)
-        try:
-            view = await ix.fleet.fleet_view()
-        finally:
-            await ix.close()
+        view = await stack_file.fleet_view_at(valkey_url)
         reported.update(r.engine_url for r in view.pods.values() if r.state == "live" and r.models)
         return set(engine_list) <= reported
 

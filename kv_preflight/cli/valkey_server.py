@@ -5,7 +5,6 @@ server they own, never a system one.
 """
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import socket
@@ -202,7 +201,3 @@ class ValkeyServer:
     def restart(self) -> None:
         self.stop()
         self.start()
-
-
-def default_data_dir() -> Path:
-    return Path(os.environ.get("KVPF_DATA_DIR", ".data")) / "valkey"

@@ -1,21 +1,15 @@
-"""What a backend is (the one interface kv_preflight/index/index.py calls for what differs between a single
-Valkey node and a Valkey Cluster), and the pieces both use."""
+"""The pieces every backend uses (kv_preflight/index/single.py, kv_preflight/index/cluster/): what a Valkey call
+can raise, scripts and reads pipelined, replies read. What a backend is: kv_preflight/index/connect.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from kv_preflight.index.entries import ApplyResult, Lookup
 from kv_preflight.index.layout import request_key_name
-
-if TYPE_CHECKING:
-    from kv_preflight.index.resp import FastConnection
-    from kv_preflight.index.presence import NamesFor
-    from kv_preflight.index.writer import Prepared
 
 # What a Valkey call can raise when Valkey (a node, a shard) is unreachable or answers an error:
 # redis-py's cluster client raises RedisClusterException (not a RedisError) when it has no node.
@@ -30,71 +24,6 @@ class Looked(NamedTuple):
     lost: list[str]
     rewritten: list[str]
     numbering: bool = False  # the pod numbering (``kvpf:{nums}:*``) was on a lost one
-
-
-class IndexBackend(Protocol):
-    """A topology: how a batch is applied, how a chain is looked up, and its housekeeping. The Index
-    (kv_preflight/index/index.py) calls only these, and never asks which backend it has: a new topology
-    is one module implementing them."""
-
-    cluster: bool  # for the index's own modules (the pod's key names); callers ask the questions below instead
-    label: str  # what a log line calls the topology ("" for a plain single node)
-    # True where one part of the index (a shard) can fail while the others answer: a caller then goes on with
-    # what answers (the answer says "partial") rather than failing the request
-    partial_reads: bool
-    gap_walks: int  # pods a default lookup walked key by key rather than bisected (a counter)
-    late_reads: int  # default lookups that took a round past the usual ones (a counter; 0 on one node)
-    unreplicated: int  # runs whose changes no replica confirmed in time, kept in the outbox (a counter; 0 on one node)
-    confirmed_late: int  # kept outbox entries deleted once a replica confirmed them (a counter; 0 on one node)
-    # keys elsewhere than the numbering's that keep its high-water mark (kv_preflight/index/numbering.py
-    # give_numbers): a cluster's shards may lose their data one at a time; () on one node
-    numbering_copies: tuple[str, ...]
-    # the lean connection (kv_preflight/index/resp.py) where the topology and URL have one, for other scripts on
-    # the hot path (the gateway's routed state, kv_preflight/index/routed.py); None: redis-py carries everything
-    fast: "FastConnection | None"
-
-    def nodes(self) -> list[tuple[str, int]]:
-        """(host, port) of every node the client knows beyond the URL's (a cluster's shards and replicas)."""
-
-    async def send(self, preps: Sequence["Prepared"]) -> "asyncio.Future[list[ApplyResult]]":
-        """Apply planned batches (kv_preflight/index/writer.py), in order; the results come from the future."""
-
-    async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
-        """Over llm-d's entries (``linear``, ``pipeline``): per pod, its prefix of the chain; and how
-        many foreign-typed keys were read as misses."""
-
-    async def lookup_bits(self, request_keys: Sequence[int], names: "NamesFor") -> tuple[Lookup | None, int]:
-        """The default lookup, over the presence bitmaps; None when a key holds entries that are not ours."""
-
-    async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
-        """Finish what a stopped writer left half applied (nothing to do on a single node)."""
-
-    async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
-        """``drain_outbox(stale_only=True)`` of each pod, ``at_once`` side by side: per pod the entries run again,
-        or the Valkey error that stopped it (other errors raise). A single node has none: ``{}`` at once."""
-
-    async def read_timed(self, fill: Callable[[Any], None]) -> tuple[int, list[Any]]:
-        """Valkey's time (ms) and the replies of the reads ``fill`` puts in a pipeline (error replies in place),
-        in as few round trips as the topology allows."""
-
-    async def look_at_shards(self, epoch: str) -> Looked:
-        """The primaries that came back without their data in ``epoch``, and those whose slot marker was
-        evicted (kv_preflight/index/cluster/markers.py); a single node has none: its epoch key says it all."""
-
-    async def mark_shards(self, epoch: str) -> None:
-        """Every slot marked in ``epoch`` so a shard's loss from here on shows (nothing to mark on one node)."""
-
-    def forget(self, pods: Iterable[str]) -> None:
-        """Drop what this process remembers of these pods' writes (a pod let go, the index's data lost)."""
-
-    async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Read-only commands on the keys they name second, replies in order, error replies in place."""
-
-    async def key_count(self) -> int: ...
-
-    async def memory_usage(self) -> int | None: ...
-
-    async def close(self) -> None: ...
 
 
 async def evalsha_pipeline(client, script, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
@@ -172,5 +101,5 @@ def ms_of(time_reply: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-__all__ = ["VALKEY_ERRORS", "IndexBackend", "Looked", "evalsha_pipeline", "foreign_as_empty", "ms_of", "read_fields", "read_pipeline",
+__all__ = ["VALKEY_ERRORS", "Looked", "evalsha_pipeline", "foreign_as_empty", "ms_of", "read_fields", "read_pipeline",
            "ready"]

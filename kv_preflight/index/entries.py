@@ -5,7 +5,6 @@ No I/O here: the backends (kv_preflight/index/) send these, kv_preflight/index/i
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,12 +145,6 @@ def encode_mutations(mutations: Iterable[Mutation]) -> list[str | int]:
     return [len(fields), *fields, *ops]
 
 
-def apply_args(pod_id: str, rank: int, seq: int, ts: float, model: str, engine_block_size: int | None,
-                mutations: Sequence[Mutation], mode: str, writer: str = "") -> list[Any]:
-    return [pod_id, rank, seq, repr(ts), mode, model, "" if engine_block_size is None else engine_block_size,
-            repr(time.time()), writer, *encode_mutations(mutations)]
-
-
 def text(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
@@ -240,6 +233,6 @@ def parse_lookup_reply(flat: Sequence[Any], head: int = 1) -> tuple[list[PodMatc
 
 __all__ = [
     "CHAIN_ROOT", "DEFAULT_TIER", "ApplyResult", "better_tier", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
-    "RemoveBlock", "StoreBlock", "apply_args", "apply_result", "block_slot", "encode_entry", "encode_mutations",
+    "RemoveBlock", "StoreBlock", "apply_result", "block_slot", "encode_entry", "encode_mutations",
     "longest_prefix", "make_entry", "parse_entry", "parse_lookup_reply", "text", "tier_of",
 ]

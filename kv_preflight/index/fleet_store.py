@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index import scripts
-from kv_preflight.index.backend import IndexBackend, Looked, foreign_as_empty, ms_of
+from kv_preflight.index.backend import Looked, foreign_as_empty, ms_of
+from kv_preflight.index.connect import IndexBackend
 from kv_preflight.index.entries import text
 from kv_preflight.index.layout import (ALIASES_KEY, DIAGNOSIS_KEY, EPOCH_KEY, FEEDS_KEY, FLEET_KEY, FORGET_KEY,
                                        INGESTERS_KEY, LOAD_KEY, REGISTERED_KEY, SETTINGS_KEY, feed_field)

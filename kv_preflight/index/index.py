@@ -25,19 +25,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from kv_preflight.engines.hit_rules import GroupSpec
-from kv_preflight.index.backend import VALKEY_ERRORS, IndexBackend, read_fields
+from kv_preflight.index.backend import VALKEY_ERRORS, read_fields
 from kv_preflight.index.cluster import ClusterBackend
-from kv_preflight.index.connect import TAKEOVER_MS, connect
+from kv_preflight.index.connect import TAKEOVER_MS, IndexBackend, connect
 from kv_preflight.index.single import SingleNodeBackend
-from kv_preflight.index.entries import (DEFAULT_TIER, ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodEntry, PodMatch,
-                            RemoveBlock, StoreBlock, block_slot, encode_entry, encode_mutations,
-                            longest_prefix, make_entry, parse_entry, text, tier_of)
+from kv_preflight.index.entries import (ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodMatch, RemoveBlock,
+                                       StoreBlock, encode_entry, longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
-                           pod_meta_key, pod_state_keys, request_key_name)
+                                      pod_state_keys)
 from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
 from kv_preflight.index.pod_meta import PodMeta
@@ -136,6 +135,12 @@ class Index:
     async def close(self) -> None:
         await self.backend.close()
         await self.client.aclose()
+
+    async def __aenter__(self) -> "Index":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())
@@ -375,14 +380,6 @@ class Index:
         except (RedisError, ValueError, TypeError):
             return None
 
-    async def with_ranks(self, pods: Iterable[str]) -> list[str]:
-        """The pods and, for each, the index pods of its data-parallel ranks the registry lists (``<pod>@dp<r>``,
-        rank_pods.py), in order: a pod retired or forgotten goes with all its ranks."""
-        pods = list(dict.fromkeys(pods))
-        wanted = set(pods)
-        ranks = sorted(p for p in await self.meta.pod_ids() if RANK_SEPARATOR in p and base_pod(p) in wanted)
-        return list(dict.fromkeys([*pods, *ranks]))
-
     async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
         """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
         result = await self.apply_batch(pod_id=pod_id, rank=rank, seq=expected_last, ts=0.0, model="",
@@ -443,8 +440,7 @@ class Index:
 
         ``script`` (the default) reads the chain keys' pod bitmaps in one EVALSHA per shard and walks
         them exactly (kv_preflight/index/presence.py); ``linear`` walks llm-d's entries exactly (the reference);
-        ``pipeline`` (single node) sends llm-d's own pipelined HKEYS and walks in Python. (Layout 2's galloping
-        lookup is the benchmark's: kv_preflight/cli/bench/gallop.py.)
+        ``pipeline`` (single node) sends llm-d's own pipelined HKEYS and walks in Python.
         """
         if not request_keys:
             return Lookup([])
@@ -492,8 +488,6 @@ class Index:
         return await self.backend.key_count()
 
 
-__all__ = [
-    "VALKEY_ERRORS", "ApplyResult", "Lookup", "DEFAULT_TIER", "block_slot", "encode_mutations", "ClearPod", "Index", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch", "RedisError",
-    "RemoveBlock", "ResponseError", "StoreBlock", "block_slot", "encode_entry", "engine_key_name", "longest_prefix",
-    "make_entry", "parse_entry", "pod_meta_key", "request_key_name", "tier_of",
-]
+# besides the Index, values its callers import from here (their home is entries.py, backend.py, layout.py)
+__all__ = ["VALKEY_ERRORS", "ApplyResult", "ClearPod", "Index", "MarkIncomplete", "PodMatch", "RemoveBlock", "StoreBlock",
+           "encode_entry", "engine_key_name", "longest_prefix", "make_entry", "parse_entry", "tier_of"]

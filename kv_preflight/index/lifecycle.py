@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kv_preflight.index.rank_pods import base_pod
+from kv_preflight.index.rank_pods import base_pod, pods_with_ranks
 
 if TYPE_CHECKING:
     from kv_preflight.index.index import Index
@@ -46,7 +46,7 @@ async def forget_pods(index: "Index", pods: Sequence[str], *, keep_refusing: boo
     and number: pod -> blocks removed. ``keep_refusing``: the ingesters go on refusing the pods' frames (an
     unregistered worker that still publishes) until they are registered anew; else (``index clear
     --forget``) a pod whose engine still publishes comes back as a new pod, listed like any other."""
-    pods = await index.with_ranks(pods)  # a data-parallel pod with its ranks' pods (index/rank_pods.py)
+    pods = pods_with_ranks(pods, await index.meta.pod_ids())  # a data-parallel pod with its ranks' pods
     await let_go_everywhere(index, pods)
     removed = {pod: await index.clear_pod(pod, forget=True) for pod in pods}
     await index.fleet.drop_pod_records(pods)
@@ -61,7 +61,7 @@ async def retire_pods(index: "Index", reasons: dict[str, str]) -> dict[str, int]
     behind the clear. Their metadata, number and record stay (a retired pod may return, and is listed until
     its retention ends), and the ingesters may take their engines again at once (a still-known engine is
     attached anew, which is how its return is seen): pod -> blocks removed."""
-    ranks = await index.with_ranks(reasons)  # a data-parallel pod with its ranks' pods (index/rank_pods.py)
+    ranks = pods_with_ranks(reasons, await index.meta.pod_ids())  # a data-parallel pod with its ranks' pods
     reasons = {pod: reasons.get(pod) or reasons[base_pod(pod)] for pod in ranks}
     pods = sorted(reasons)
     for pod in pods:

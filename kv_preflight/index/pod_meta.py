@@ -15,7 +15,7 @@ import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kv_preflight.engines.hit_rules import FULL, KNOWN_KINDS, GroupSpec
-from kv_preflight.index.backend import IndexBackend
+from kv_preflight.index.connect import IndexBackend
 from kv_preflight.index.entries import text
 from kv_preflight.index import scripts
 from kv_preflight.index.layout import (ADAPTERS_KEY, COUNTERS_KEY, PODS_KEY, parse_adapter_field, pod_meta_key,

@@ -15,13 +15,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from kv_preflight.index.entries import DEFAULT_TIER, PodMatch, better_tier, text
+from kv_preflight.index.entries import DEFAULT_TIER, PodMatch, better_tier
 from kv_preflight.index.layout import presence_key
-
-if TYPE_CHECKING:
-    from kv_preflight.index.backend import IndexBackend
 
 try:
     from kv_preflight import _speedups
@@ -35,6 +32,12 @@ TierRuns = tuple[tuple[str, int], ...]
 # its map again if a number is unknown or the epoch is not the one its names were read under.
 # (the numbers as an iterable, or as one bitmap: an int).
 NamesFor = Callable[[Iterable[int] | int, str], Awaitable[Mapping[int, str]]]
+
+
+class ReadsCommands(Protocol):
+    """What ``read_group_bits`` reads through: a backend (kv_preflight/index/backend.py ``read_commands``)."""
+
+    async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]: ...
 
 
 _TIER_NAMES = {b"gpu": "gpu", b"cpu": "cpu", b"disk": "disk"}  # decoded once, not once per key
@@ -383,7 +386,7 @@ def _one_tier(per_key: Sequence[Mapping[str, bytes | int] | None], end: int
     return maps, tiers
 
 
-async def read_group_bits(backend: "IndexBackend", request_keys: Sequence[int]) -> list[GroupBits]:
+async def read_group_bits(backend: ReadsCommands, request_keys: Sequence[int]) -> list[GroupBits]:
     """Each request key's other-group bitmaps ((tier, group) -> bitmap, counts stripped), read from its presence
     hash: what the engine's rule for a hybrid model's other KV cache groups reads
     (kv_preflight/predictor/scoring/groups.py), where the lookup did not hand them over (``Lookup.group_bits``)."""

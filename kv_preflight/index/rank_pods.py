@@ -16,6 +16,7 @@ own (``<ip>:<port + rank>``, llm-d-router v0.10's per-rank endpoints) and gets n
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 RANK_SEPARATOR = "@dp"
 MAX_RANK = 4095  # far above any data-parallel size run (wide-EP: 8-64 ranks); a bound on names read back
@@ -42,6 +43,15 @@ def base_pod(name: str) -> str:
     return split_rank_pod(name)[0] if RANK_SEPARATOR in name else name
 
 
+def pods_with_ranks(pods: Iterable[str], names: Iterable[str]) -> list[str]:
+    """The pods and, for each, the index pods of its ranks among ``names`` (the index pods known), in order:
+    a pods filter, a pod retired or forgotten, stands for all its ranks."""
+    wanted = list(pods)
+    asked = set(wanted)
+    ranks = sorted(n for n in names if RANK_SEPARATOR in n and base_pod(n) in asked)
+    return list(dict.fromkeys([*wanted, *ranks]))
+
+
 def family_bits(name: str, nums: dict[str, int]) -> bytes:
     """The bitmap of ``name``'s sibling ranks (every index pod of the same pod but ``name`` itself) among the
     pods numbered in ``nums`` (pod -> number): what changes.lua's ``G`` op is given, so a rank letting go of a
@@ -58,4 +68,4 @@ def family_bits(name: str, nums: dict[str, int]) -> bytes:
     return bytes(out)
 
 
-__all__ = ["MAX_RANK", "RANK_SEPARATOR", "base_pod", "family_bits", "rank_pod", "split_rank_pod"]
+__all__ = ["MAX_RANK", "RANK_SEPARATOR", "base_pod", "family_bits", "pods_with_ranks", "rank_pod", "split_rank_pod"]

@@ -18,8 +18,9 @@ Per pod, in the pod's slot (``{<pod>}``: each script runs on one shard of a Valk
 
 ``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
 (``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py. A gateway makes
-four such calls per request (read, book, speculate, release): on a single node they go on the index's lean
-connection (kv_preflight/index/resp.py) when it has one, redis-py's Python per command being most of their cost.
+up to four such calls per request (read, book, speculate, release; releases go a few at a time): on a single
+node they go on the index's lean connection (kv_preflight/index/resp.py) when it has one, redis-py's Python per
+command being most of their cost.
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ class RoutedStore:
 
     async def release(self, pod: str, booking: str) -> Booked:
         return (await self._booked_calls([(pod, ("release", booking))]))[0]
+
+    async def release_many(self, bookings: Mapping[str, Sequence[str]]) -> None:
+        """Release these bookings (pod -> booking ids): one script call per pod, written at once."""
+        await self._booked_calls([(pod, ("release", *ids)) for pod, ids in bookings.items() if ids])
 
     async def read(self, pods: Iterable[str], blob: bytes = b"", window_ms: int = 0) -> dict[str, PodRouted]:
         """Each pod's bookings, its hold of the prompt whose keys ``blob`` holds, and (``window_ms`` > 0) its

@@ -29,13 +29,13 @@ LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 FLAG_POD = lua("flag_pod")  # a pod flagged incomplete unless rebuilt in this epoch (kv_preflight/index/pod_meta.py)
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
-ADOPT = lua("adopt")
+ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 # what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the prefixes
 # homed there; the read of all of it
 BOOKED = lua("booked_drop", "booked")
 ROUTED_CHAIN = lua("routed_chain")
 HOMES = lua("homes_drop", "homes")
-ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
+ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")
 
 __all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",
            "NUMS", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "lua"]

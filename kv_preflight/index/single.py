@@ -53,8 +53,7 @@ class SingleNodeBackend:
 
     async def lookup(self, request_keys: Sequence[int], pods: Sequence[str] | None, mode: str) -> tuple[Lookup, int]:
         """Over llm-d's entries: ``linear``, the exact walk in one EVALSHA; ``pipeline``, llm-d's own pipelined
-        HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``; layout 2's galloping search is
-        the benchmark's, kv_preflight/cli/bench/gallop.py.)"""
+        HKEYS, walked in Python. (The default reads the bitmaps: ``lookup_bits``.)"""
         if mode == "pipeline":
             fields, foreign = await read_fields(self.client, request_keys)
             return Lookup(longest_prefix(fields, pods)), foreign

@@ -1,19 +1,17 @@
 """A pod's blocks out of the index and back in (``kv-preflight index export`` and ``import``): read from
 the pod's state log (kv_preflight/index/pod_state.py) by a reader of its own, so what a writer holds in
-memory never stands in for what Valkey holds; written back through the Index's apply path.
+memory never stands in for what Valkey holds; written back through the write side's ``apply_batch``.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.entries import StoreBlock
 from kv_preflight.index.layout import pod_meta_key
+from kv_preflight.index.write_side import WriteSide
 from kv_preflight.index.writer import PodWriter
-
-if TYPE_CHECKING:
-    from kv_preflight.index.index import Index
 
 
 async def _read_pod(writer: PodWriter, pod_id: str) -> PodWriter:
@@ -66,7 +64,7 @@ def groups_of_row(raw: Any) -> dict[int, GroupSpec]:
     return out
 
 
-async def import_blocks(index: "Index", pod_id: str, model: str, engine_block_size: int | None,
+async def import_blocks(index: WriteSide, pod_id: str, model: str, engine_block_size: int | None,
                         stores: Sequence[StoreBlock], groups: Mapping[int, GroupSpec] | None = None) -> None:
     """Write exported entries back, with the pod's KV cache groups (without them a hybrid pod would be scored
     as a plain one until its next BlockStored named them); the pod's seq is left alone (the next live batch

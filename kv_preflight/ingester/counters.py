@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.index import VALKEY_ERRORS
+from kv_preflight.index.write_side import WriteSide
 from kv_preflight.ingester.metrics import IngesterMetrics
 
 POD, ENDPOINT = "{pod}", "{endpoint}"  # label values filled in from the call
@@ -74,7 +75,7 @@ COUNTED: dict[str, Counted] = {
 
 
 class Counters:
-    def __init__(self, metrics: IngesterMetrics, index: Index, retry: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, metrics: IngesterMetrics, index: WriteSide, retry: Callable[..., Awaitable[Any]]) -> None:
         self.counts: Counter[str] = Counter()
         self.metrics = metrics
         self.index = index

@@ -240,9 +240,6 @@ class Ingester:
         """Messages in arrival order, through the pipeline (ingester/pipeline.py)."""
         await self.pipeline.handle_messages(messages)
 
-    async def rebuild_pod(self, pod: str) -> bool:
-        return await self.resume.rebuild_pod(pod)
-
     def schedule_rebuild(self, pod: str) -> None:
         """A retired pod that answers again: replayed from seq 0, cleared first, exact if the buffer is whole."""
         self.resume.schedule({pod}, rebuild=True, reset=True)

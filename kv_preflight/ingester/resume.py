@@ -133,7 +133,7 @@ class Resume:
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
 
     async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
-        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``rebuild_pod`` does); what
+        """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``Index.reset_pod`` does); what
         the pod was before, and whether every rank was cleared. On a cluster the pod's outbox runs first, whole (as
         ``Index.clear_pod`` does): an entry kept for a replica (one held back while its master was lost) and run
         again after the clearing would write back entries and bits the pod's state no longer lists, which no later
@@ -294,24 +294,3 @@ class Resume:
                     await self.counters.count("engine_restarts")
                     log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",
                                 pod, last)
-
-    async def rebuild_pod(self, pod: str) -> bool:
-        """Entries of a pod that was retired (cleared) and answers again: replayed from seq 0 if the
-        engine still buffers that far back; False (the pod stays flagged incomplete) otherwise."""
-        route = self.routes.pods.get(pod)
-        if route is None or not route.replay:
-            return False
-        frames, complete = await fetch_replay(route.replay, 0, timeout_s=self.cfg.replay_timeout_s,
-                                               source=self.routes.replay_source(route.replay))
-        seqs = sorted(f.seq for f in frames if f.seq is not None and f.batch is not None)
-        # complete and empty: the engine has published nothing (restarted meanwhile), its history is empty too
-        if not complete or seqs != list(range(len(seqs))):
-            return False
-        # the engine's whole history is here: the pod starts as it does (a pod that never had a seq, retired
-        # and flagged, is not left flagged: there is no seq to reset it by)
-        await self.valkey.call(self.index.reset_pod, pod)
-        for f in frames:
-            if f.batch is not None and f.seq is not None:
-                await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
-                                         decode_errors=len(f.errors))
-        return True

@@ -195,30 +195,20 @@ def prompt_request_keys(
 ) -> list[int]:
     """Keys of a prompt as the ingester keys the engine's blocks of it: ``extra_per_block[i]`` the multimodal
     identifiers of canonical block i (kv_preflight/keys/multimodal.py ``canonical_extras``), the cache salt
-    after block 0's (``with_salt``)."""
+    after block 0's (``with_salt``).
+
+    The salt (vLLM's ``cache_salt``) taints the first block only: vLLM 0.32 adds it to the extra keys of the
+    block starting at token 0 (kv_cache_utils ``generate_block_hash_extra_keys``) and publishes it there as a
+    bare string; llm-d-router folds it into that block's extra features after any multimodal hashes
+    (preciseprefixcache ``foldCacheSalt``), so block 0's extra is ``[{"Hash": salt}]`` and every later key
+    differs through the chain.
+    """
     extras = with_salt(list(extra_per_block) if extra_per_block else None, cache_salt, len(tokens) // block_size)
     return request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size, extra_per_block=extras,
                         hash_algo=hash_algo)
 
 
-def salted_request_keys(
-    tokens: Sequence[int],
-    *,
-    model: str,
-    hash_seed: str = "",
-    block_size: int = 16,
-    cache_salt: str | None = None,
-    hash_algo: str = "fnv64a",
-) -> list[int]:
-    """Keys of a prompt sent with vLLM's ``cache_salt``: the salt taints the first block only.
-
-    vLLM 0.32 adds the salt to the extra keys of the block starting at token 0 (kv_cache_utils
-    ``generate_block_hash_extra_keys``) and publishes it there as a bare string; llm-d-router folds it
-    into that block's extra features after any multimodal hashes (preciseprefixcache ``foldCacheSalt``),
-    so block 0's extra is ``[{"Hash": salt}]`` and every later key differs through the chain.
-    """
-    return prompt_request_keys(tokens, model=model, hash_seed=hash_seed, block_size=block_size,
-                               cache_salt=cache_salt, hash_algo=hash_algo)
+salted_request_keys = prompt_request_keys  # a prompt sent with a cache_salt and no multimodal items
 
 
 def chain_root(model: str, hash_seed: str = "", hash_algo: str = "fnv64a") -> int:

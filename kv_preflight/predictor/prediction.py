@@ -33,8 +33,7 @@ from kv_preflight.predictor.scoring.route import RoutingPolicy
 from kv_preflight.predictor.scoring.freshness import Freshness, answer_freshness, pod_freshness
 from kv_preflight.predictor.scoring.score import Prediction, score
 from kv_preflight.predictor.scoring.ranks import dp_pods_of, with_ranks
-from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
-from kv_preflight.index.rank_pods import base_pod
+from kv_preflight.index.rank_pods import base_pod, pods_with_ranks
 from kv_preflight.predictor.stats import ProcessCounters, StatsQuery, build_stats, read_pods_summary
 from kv_preflight.predictor.tokens.source import Tokenization
 from kv_preflight.predictor.tokens.engine import EngineTokenizer
@@ -177,10 +176,12 @@ class Predictor(RoutePath):
         return out
 
     async def _predict_keys(self, model: str, keys: list[int], prompt_len: int, pods: list[str] | None,
-                            prompt: PromptKeys | None = None, routed: RoutedRead | None = None) -> Prediction:
+                            prompt: PromptKeys | None = None, routed: RoutedRead | None = None,
+                            fresh: bool = True) -> Prediction:
         """``keys``: the prompt's canonical chain; ``prompt``: the prompt itself, when its multimodal items key it
         differently per engine block size (each pod is then read under the chain of its own size); ``routed``:
-        what the gateways routed (bookings, speculative entries), being read (predictor/routed.py)."""
+        what the gateways routed (bookings, speculative entries), being read (predictor/routed.py); ``fresh``:
+        False for a route, which says its own freshness, over its candidates (route_path.py)."""
         matches: list[Any] = []
         infos: dict[str, ScoringInfo] = {}
         unanswered = None
@@ -202,7 +203,7 @@ class Predictor(RoutePath):
                 sets = [(k, [m for m in f.matches if base_pod(m.pod_id) not in retired], f) for k, f in found_sets]
                 matches = [m for _, ms, _ in sets for m in ms]
                 if pods is not None:  # the ranks found of a pod named (before a registry read lists them)
-                    pods = expand_ranks(pods, [m.pod_id for m in matches])
+                    pods = pods_with_ranks(pods, [m.pod_id for m in matches])
                 cut = [f for _, f in found_sets if f.unanswered_from is not None]
                 if cut:
                     first = min(cut, key=lambda f: f.unanswered_from)
@@ -247,6 +248,8 @@ class Predictor(RoutePath):
             prediction = msgspec.structs.replace(prediction, partial=True, partial_from_block=unanswered)
         if findings:  # pods answered without a claim of exactness (hybrid groups not all known)
             prediction = msgspec.structs.replace(prediction, warnings=findings)
+        if not fresh:
+            return prediction
         if pods is None:  # the pods that could have held it: a pod stalled behind a miss makes the miss stale too
             serving = self.metadata.cached_pods_of(model)  # no read of its own: what the last one said
             if self.fleet is not None:
@@ -351,7 +354,7 @@ class Predictor(RoutePath):
         # lists (read at most once a second) or a lease does (before they publish)
         async with valkey_call(self.valkey_deadline_s, "pods"):
             names = set(await self.metadata.all_pods())
-        return expand_ranks(pods, names | (self.fleet.listed() if self.fleet is not None else frozenset()))
+        return pods_with_ranks(pods, names | (self.fleet.listed() if self.fleet is not None else frozenset()))
 
     def dp_pods(self) -> frozenset[str]:
         """The pods known to have data-parallel ranks: a ``<pod>@dp<r>`` in the registry as last read, or in an

@@ -18,7 +18,7 @@ from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_route, untrusted
 from kv_preflight.predictor.scoring.placement import PlacementHint
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks
-from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
+from kv_preflight.index.rank_pods import pods_with_ranks
 from kv_preflight.predictor.scoring.route import RouteDecision, decide
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.valkey_call import valkey_call
@@ -72,7 +72,7 @@ class RoutePath:
             await self._check_pods_filter(pods)
         # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
         routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
-        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed)
+        prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed, fresh=False)
         candidates = await self._route_candidates(model, prediction, pods)
         freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
         held = [a.pod_id for a in prediction.pod_affinities]
@@ -154,7 +154,7 @@ class RoutePath:
         """
         fleet_out = self.fleet.unreachable() | self.fleet.retired() if self.fleet else frozenset()
         if pods is not None:
-            pods = expand_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
+            pods = pods_with_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
             return {p for p in pods if base_pod(p) not in fleet_out}
         out = {a.pod_id for a in prediction.pod_affinities}
         async with valkey_call(self.valkey_deadline_s, "pods of model"):

@@ -14,6 +14,7 @@ import logging
 
 from kv_preflight.config import Config
 from kv_preflight.fleet.records import IndexSettings
+from kv_preflight.index.fleet_store import FleetStore
 from kv_preflight.index.index import VALKEY_ERRORS, Index
 
 log = logging.getLogger("kvpf.predictor")
@@ -60,11 +61,11 @@ def refusal(problems: list[str]) -> str:
             "written with yours")
 
 
-async def read_index_settings(index: Index, timeout_s: float, *, quiet: bool = False) -> IndexSettings | None:
+async def read_index_settings(store: FleetStore, timeout_s: float, *, quiet: bool = False) -> IndexSettings | None:
     """The index's settings; None when it has none, or when Valkey cannot be read now (logged unless quiet)."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await index.fleet.settings()
+            return await store.settings()
     except (TimeoutError, ValueError, *VALKEY_ERRORS) as exc:
         if not quiet:
             log.warning("index settings not read now (serving with this predictor's own): %s: %s",
@@ -84,7 +85,7 @@ async def check_settings(cfg: Config) -> None:
         index = Index.from_url(cfg.valkey_url, timeout_s=cfg.valkey_timeout_s, entry_format=cfg.entry_format,
                                cluster=cfg.cluster_mode())
         try:
-            found = await read_index_settings(index, 2 * cfg.valkey_timeout_s, quiet=True)
+            found = await read_index_settings(index.fleet, 2 * cfg.valkey_timeout_s, quiet=True)
         finally:
             await index.close()
     finally:

@@ -72,12 +72,10 @@ class RequestBlocks:
     lora: tuple[str, int] | None = None  # the LoRA adapter's name and id, for an adapter's request
 
 
-class PrefixCache:
-    """vLLM's block pool with prefix caching, one request at a time or many; no I/O.
-
-    Events accumulate until ``take_events`` (the engine publishes them once per step,
-    as vLLM's scheduler does).
-    """
+class BlockPool:
+    """vLLM's block pool, what both prefix caches (this one and hybrid_cache.py's) share: the blocks, the free
+    queue, and the events, which accumulate until ``take_events`` (the engine publishes them once per step, as
+    vLLM's scheduler does)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:
@@ -89,11 +87,7 @@ class PrefixCache:
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Block 0 is the null block: never free, never cached.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks[1:])
-        # hash -> blocks holding it, oldest first (a hit uses the oldest).
-        self._cached: dict[int, dict[int, Block]] = {}
         self._events: list[Event] = []
-
-    # ---- observations ----
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,16 +99,27 @@ class PrefixCache:
         """vLLM's ``kv_cache_usage_perc``: blocks held by requests over usable blocks."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+
+class PrefixCache(BlockPool):
+    """vLLM's block pool with prefix caching, one request at a time or many; no I/O."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        # hash -> blocks holding it, oldest first (a hit uses the oldest).
+        self._cached: dict[int, dict[int, Block]] = {}
+
+    # ---- observations ----
+
     def cached_hashes(self) -> set[int]:
         return set(self._cached)
 
     def free_queue_hashes(self) -> list[int | None]:
         """Eviction order, head first (tests compare it with the rules above)."""
         return [b.block_hash for b in self._free.values()]
-
-    def take_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
 
     # ---- request life cycle ----
 

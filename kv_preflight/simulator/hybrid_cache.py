@@ -33,12 +33,11 @@ source (vllm/v1/core/), function by function; the plain one-group model is ``cac
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from kv_preflight.simulator.cache import MEDIUM_GPU, Block, PoolExhausted, extend_block_hashes
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_preflight.simulator.cache import MEDIUM_GPU, Block, BlockPool, PoolExhausted, extend_block_hashes
 
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
@@ -73,7 +72,7 @@ class HybridRequest:
     scheduled: bool = False  # its first allocation (the prefill) is done
 
 
-class HybridPrefixCache:
+class HybridPrefixCache(BlockPool):
     """vLLM's block pool shared by several KV cache groups, with prefix caching; pure, no I/O.
 
     The same surface as ``PrefixCache`` (``new_request``, ``admit``, ``allocate_slots``,
@@ -81,36 +80,20 @@ class HybridPrefixCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVCacheGroup]) -> None:
-        if num_blocks < 2:
-            raise ValueError("num_blocks must be at least 2 (one is vLLM's reserved null block)")
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
+        super().__init__(num_blocks, block_size)
         groups = tuple(groups)
         # The hybrid coordinator's "simple hybrid": one full-attention group and one other. More groups need
         # the fixed-point loop and per-spec batching, which no model the simulator stands for has.
         if sorted(g.kind for g in groups) != [FULL_ATTENTION, SLIDING_WINDOW]:
             raise ValueError("a hybrid simulator has one full_attention and one sliding_window group")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.groups = groups
         self._full = next(i for i, g in enumerate(groups) if g.kind == FULL_ATTENTION)
         self._window = next(i for i, g in enumerate(groups) if g.kind == SLIDING_WINDOW)
-        self._blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks[1:])
         # (group, hash) -> blocks holding it, oldest first; a block's own key is in _key_of.
         self._cached: dict[tuple[int, int], dict[int, Block]] = {}
         self._key_of: dict[int, tuple[int, int]] = {}
-        self._events: list[Event] = []
 
     # ---- observations ----
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def cached_hashes(self, group: int) -> set[int]:
         return {h for g, h in self._cached if g == group}
@@ -118,10 +101,6 @@ class HybridPrefixCache:
     def free_queue_hashes(self) -> list[tuple[int, int] | None]:
         """Eviction order, head first: each free block's (group, hash), or None if it holds none."""
         return [self._key_of.get(b.block_id) for b in self._free.values()]
-
-    def take_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
 
     def peak_blocks(self, num_tokens: int) -> int:
         """Blocks a request with KV for ``num_tokens`` tokens may hold at once: every group a slot per token

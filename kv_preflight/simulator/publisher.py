@@ -79,10 +79,6 @@ class EventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task | None = None
 
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq
-
     def open(self) -> None:
         """Create and bind/connect the sockets; a busy port fails here, before serving starts."""
         if self._ctx is not None:

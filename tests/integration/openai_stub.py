@@ -28,6 +28,7 @@ class OpenAIStub:
     seen: list[dict] = field(default_factory=list)  # each request: its path, headers and body
     aborted: int = 0  # requests whose client went away before the answer was done
     port: int = field(default_factory=free_port)
+    tls: tuple[str, str] | None = None  # (cert, key): served over https
 
     def __post_init__(self) -> None:
         app = Starlette(routes=[
@@ -35,13 +36,14 @@ class OpenAIStub:
             Route("/v1/chat/completions", self._answer, methods=["POST"]),
             Route("/v1/models", self._models), Route("/metrics", self._metrics), Route("/health", self._health),
         ])
+        tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
+                                                    lifespan="off", **tls))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> "OpenAIStub":
         self.thread.start()

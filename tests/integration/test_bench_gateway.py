@@ -22,7 +22,8 @@ def test_quick_gateway_rows_run(tmp_path):
     rows = {r["row"].split(",")[0]: r for r in doc["rows"]}
     assert {"gateway: added latency", "gateway: throughput", "gateway: the route decision"} <= set(rows)
     assert doc["failed_checks"] == []
-    for label in ("latency", "throughput"):
-        figures = doc["gateway"][label]
+    runs = [*doc["gateway"]["latency"]["pairs"], doc["gateway"]["throughput"]]
+    assert len(runs) == 4  # three pairs of latency runs (--quick), one throughput run
+    for figures in runs:
         assert set(figures["gateway"]["statuses"]) == {"200"} and figures["gateway"]["requests"] > 0
 

@@ -239,6 +239,35 @@ async def test_5xx_before_the_first_byte_is_retried_once(valkey_url, ix, gateway
     assert view.pods["pod-failing"].state == "live"
 
 
+async def test_an_https_engine_is_forwarded_to_over_tls_and_an_untrusted_one_is_not_reported(valkey_url, ix, tmp_path,
+                                                                                             gateway, stubs):
+    """An engine served over https (a self-signed certificate) is forwarded to by a gateway that trusts its CA
+    (SSL_CERT_FILE); a gateway that does not fails the TLS handshake, sends the request to the next candidate and
+    leaves the pod's record live (its own trust failed, not the engine)."""
+    from tests.integration.tls import self_signed
+
+    cert, key = self_signed(tmp_path)
+    secure = stubs(body=b'{"ok": "tls"}', tls=(str(cert), str(key)))
+    plain = stubs(body=b'{"ok": "plain"}')
+    assert secure.url.startswith("https://")
+    prompt = list(range(800, 864))
+    await store(ix, "pod-tls", prompt)  # the TLS pod holds the prompt: the index sends it there first
+    await ix.fleet.put_pod_records({"pod-tls": record(secure.url), "pod-plain": record(plain.url)})
+    trusting = gateway(env={"SSL_CERT_FILE": str(cert)}).ready()
+    r = await trusting.complete(prompt)
+    assert (r.status_code, r.content, r.headers["x-kvpf-pod"]) == (200, b'{"ok": "tls"}', "pod-tls"), r.text
+    assert "x-kvpf-retried-from" not in r.headers and len(secure.seen) == 1
+    assert secure.seen[0]["body"] == msgspec.json.encode({"model": MODEL, "prompt": prompt})
+    untrusting = gateway().ready()
+    r = await untrusting.complete(prompt)
+    assert (r.status_code, r.content) == (200, b'{"ok": "plain"}'), r.text
+    assert (r.headers["x-kvpf-pod"], r.headers["x-kvpf-retried-from"]) == ("pod-plain", "pod-tls")
+    assert len(secure.seen) == 1
+    assert 'kvpf_gateway_upstream_failures_total{kind="tls"} 1.0' in httpx.get(untrusting.url + "/metrics").text
+    assert "TLS with 127.0.0.1" in untrusting.log.read_text()
+    assert (await ix.fleet.fleet_view()).pods["pod-tls"].state == "live"
+
+
 async def test_a_request_is_retried_once_at_most(valkey_url, ix, gateway, stubs):
     engines = [stubs(status=500, body=b'{"error": "boom"}') for _ in range(3)]
     await ix.fleet.put_pod_records({f"pod-{i}": record(e.url) for i, e in enumerate(engines)})
@@ -445,6 +474,49 @@ async def test_bookings_of_one_gateway_process_steer_another(valkey_url, ix, gat
     await until(lambda: _routed_to(b, prompt, "pod-x"), "pod-x chosen again once A's bookings expired")
     for h in held:
         h.cancel()
+
+
+async def test_requests_ending_together_release_their_bookings_in_one_write(valkey_url, ix, gateway, stubs):
+    """Six requests held by their engine end together (their clients leave): their bookings leave Valkey in one
+    script call, not one each (a write and a script call per request cost the gateway's CPU and Valkey's)."""
+    import threading
+
+    import redis
+
+    from kv_preflight.index.layout import pod_booking_keys
+
+    x = stubs(hold_s=60, body=b'{"x": 1}')
+    prompt = list(range(3100, 3164))
+    await store(ix, "pod-x", prompt)
+    await ix.fleet.put_pod_records({"pod-x": record(x.url)})
+    await fed(ix, "pod-x")
+    g = gateway().ready()
+    held = [asyncio.ensure_future(g.complete(prompt)) for _ in range(6)]
+    await until(lambda: _async(len(x.seen) == 6), "six requests held by pod-x")
+    assert _candidate(await _route(g, prompt), "pod-x")["booked_requests"] == 6
+    releases: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:  # every booking script call that releases, as Valkey runs it
+        with redis.Redis.from_url(valkey_url).monitor() as m:
+            watching.set()
+            for c in m.listen():
+                words = c["command"].split()
+                if len(words) > 2 and words[0] == "EVALSHA" and "release" in words:
+                    releases.append(len(words) - words.index("release") - 1)
+                if c["command"] == "ECHO done-watching":
+                    return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    watching.wait(10)
+    for h in held:
+        h.cancel()
+    await until(lambda: _async(not redis.Redis.from_url(valkey_url).zcard(pod_booking_keys("pod-x")[0])),
+                "the six bookings released")
+    redis.Redis.from_url(valkey_url).echo("done-watching")
+    watcher.join(10)
+    assert sum(releases) == 6 and len(releases) < 6, releases
 
 
 async def _routed_to(g: GatewayProc, prompt, pod: str) -> bool:

@@ -37,6 +37,18 @@ async def test_bookings_add_up_per_pod_and_leave_when_released(store):
     assert (await store.booked([PODS[0]]))[PODS[0]] == Booked(0, 0)
 
 
+async def test_bookings_released_together_leave_in_one_call_per_pod(store):
+    """A gateway sends the releases of requests that ended together at once: each pod's in one script call."""
+    for i, pod in enumerate(PODS):
+        for j in range(3):
+            await store.book(pod, f"g1:{j}", 10 * (j + 1), 60_000)
+    await store.release_many({pod: ["g1:0", "g1:2", "g1:9"] for pod in PODS})  # g1:9: never booked, nothing
+    booked = await store.booked(PODS)
+    assert all(booked[p] == Booked(1, 20) for p in PODS)
+    await store.release_many({PODS[0]: ["g1:1"], PODS[1]: []})
+    assert (await store.booked(PODS[:2])) == {PODS[0]: Booked(0, 0), PODS[1]: Booked(1, 20)}
+
+
 async def test_a_booking_not_renewed_expires_and_a_renewed_one_stays(store):
     pod = PODS[3]
     await store.book(pod, "dead:1", 500, 300)  # its gateway died: nobody renews it

@@ -68,3 +68,55 @@ def test_fleet_does_not_import_the_index():
 def test_the_index_and_the_fleet_import_no_process_above_them():
     assert imports_from("index", ABOVE) == []
     assert imports_from("fleet", ABOVE) == []
+
+
+def import_cycles() -> list[list[str]]:
+    """The package's modules that import each other round a circle (strongly connected parts of the graph of
+    every import the scan sees, ``TYPE_CHECKING`` ones included), each part sorted."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: sorted(i for i in imported(p) if i in modules and i != m) for m, p in modules.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:  # Tarjan's, recursive: the package is far shallower than Python's limit
+        order[m] = low[m] = len(order)
+        stack.append(m)
+        for n in graph[m]:
+            if n not in order:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], order[n])
+        if low[m] == order[m]:
+            part = []
+            while (n := stack.pop()) != m:
+                part.append(n)
+            if part:
+                cycles.append(sorted([m, *part]))
+
+    for m in sorted(graph):
+        if m not in order:
+            visit(m)
+    return sorted(cycles)
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """A circle, even through ``TYPE_CHECKING``, is two modules that cannot be read, tested or moved apart; the
+    index had two (its backend protocol and the writer it names, the Index and its export/import)."""
+    assert import_cycles() == []
+
+
+def test_the_circle_scan_finds_a_circle_through_type_checking(tmp_path):
+    room = tmp_path / "kv_preflight" / "index"
+    room.mkdir(parents=True)
+    (room / "a.py").write_text("from kv_preflight.index.b import x\n")
+    (room / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kv_preflight.index import a\n")
+    (room / "c.py").write_text("from kv_preflight.index import a\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "kv_preflight"
+    try:
+        assert import_cycles() == [["kv_preflight.index.a", "kv_preflight.index.b"]]
+    finally:
+        PACKAGE = saved

@@ -56,7 +56,7 @@ def test_bitmaps_walk_as_the_entries_do(seed):
 
 @pytest.mark.parametrize("seed", range(200))
 def test_one_tier_per_key_walks_in_c_as_the_entries_do(seed):
-    """Keys with one tier each (the common case) take the C walk (_speedups.prefix_counts): it must equal the
+    """Keys with one tier each (the common case) take the C walk (_speedups.prefix_matches): it must equal the
     entries' walk too, with gaps, pods that stop anywhere, a key nobody holds, sparse and wide numbers."""
     rng = random.Random(1000 + seed)
     n_pods = rng.choice([1, 2, 9, 300, 1000])

@@ -238,3 +238,28 @@ def test_booked_pods_without_metrics_are_known_and_ties_go_to_fewer_booked_token
     d = decide(overlap, ["a", "b"], {}, policy=RoutingPolicy(overload_abs=2), ttft=TTFT,
                booked={"a": Booked(6, 0), "b": Booked(0, 0)})  # no metrics anywhere, yet a is overloaded
     assert (d.pod_id, d.reason) == ("b", "least_loaded")
+
+
+def test_load_references_equal_the_fleet_mean_with_unknown_pods_filled_per_pod():
+    """Each known pod's reference, from one sum, equals the definition: the mean over every candidate, each unknown
+    one counted as the mean of the known ones other than this pod (idle when there are none)."""
+    import random
+
+    from kv_preflight.predictor.scoring.route import load_references
+
+    def naive(scores, pods):
+        out = {}
+        for pod in scores:
+            known = [scores[p] for p in pods if p in scores and p != pod]
+            fill = sum(known) / len(known) if known else 0.0
+            out[pod] = sum(scores.get(p, fill) for p in pods) / len(pods)
+        return out
+
+    rng = random.Random(5)
+    for _ in range(500):
+        pods = [f"p{i}" for i in range(rng.randint(2, 30))]
+        scores = {p: float(rng.choice([0, 1, 2, 7, rng.uniform(0, 50)])) for p in pods if rng.random() < 0.7}
+        got, want = load_references(scores, len(pods)), naive(scores, pods)
+        assert got.keys() == want.keys()
+        assert all(abs(got[p] - want[p]) < 1e-9 for p in got), (scores, len(pods))
+    assert load_references({"a": 4.0}, 3) == {"a": 4.0 / 3}  # the others unknown, counted idle

@@ -1,7 +1,7 @@
 """Routines of kv_preflight/_speedups.c held equal to their Python twins by property tests, for those that had
 only examples or seeded cases: ``request_keys_json`` (the prediction's fast path) against the ordinary decode and
 ``request_keys_reference``, ``slot_groups`` against ``slot_groups_reference``, ``pack_u64s`` against ``struct``,
-``prefix_matches`` and ``prefix_counts`` against presence.py's Python walk (``prefix_from_bits`` given ``wanted``).
+``prefix_matches`` against presence.py's Python walk (``prefix_from_bits`` given ``wanted``).
 The other routines' property tests live beside their modules' tests: ``request_keys`` and ``pack_keys``
 (test_keys_fast.py), ``pack_command`` (test_keys_fast.py), ``delta_columns`` and ``snapshot_columns``
 (test_pod_state.py), ``affinities`` (test_score.py)."""
@@ -114,12 +114,3 @@ def test_prefix_matches_equals_the_python_walk(chain):
     got = _speedups.prefix_matches(maps, end, names, tiers[:end], PodMatch)
     assert sorted((m.pod_id, m.blocks, m.tier) for m in got) == \
         sorted((m.pod_id, m.blocks, m.tier) for m in _python_walk(maps, tiers, names, end))
-
-
-@settings(max_examples=300, deadline=None)
-@given(one_tier_chains())
-def test_prefix_counts_equals_the_python_walk(chain):
-    maps, tiers, _, end = chain
-    every = {n: str(n) for b in maps if b for n in range(8 * len(b)) if b[n // 8] >> n % 8 & 1}
-    got = _speedups.prefix_counts(maps, end)
-    assert sorted(got) == sorted((int(m.pod_id), m.blocks) for m in _python_walk(maps, tiers, every, end))

@@ -46,12 +46,9 @@ def bench_fleet(res: Results, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
                 redis.Redis(port=port).flushall()
 
             async def load(url=url) -> dict[int, PromptSet]:
-                index = Index.from_url(url, timeout_s=30.0)
-                try:
+                async with Index.from_url(url, timeout_s=30.0) as index:
                     return {n: await load_set(index, f"fleet{n}", n_prompts=2, length=4096, n_pods=n, seed=90 + n)
                             for n in counts}
-                finally:
-                    await index.close()
 
             t = time.perf_counter()
             sets = asyncio.run(load())

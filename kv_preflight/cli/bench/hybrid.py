@@ -89,14 +89,11 @@ def bench_hybrid_fleet(res: Any, vk: ValkeyServer, quick: bool, tmp: Path) -> No
     redis.Redis(port=vk.port).flushall()
 
     async def load() -> tuple[Any, Any]:
-        index = Index.from_url(vk.url, timeout_s=30.0)
-        try:
+        async with Index.from_url(vk.url, timeout_s=30.0) as index:
             plain = await load_set(index, "plainfleet", n_prompts=2, length=LENGTH, n_pods=PODS, seed=290)
             hybrid = await load_hybrid_set(index, "hybridfleet", model=MODEL, canonical=C, engine_block=E,
                                            n_prompts=2, length=LENGTH, n_pods=PODS, seed=291)
             return plain, hybrid
-        finally:
-            await index.close()
 
     t = time.perf_counter()
     plain, hybrid = asyncio.run(load())

@@ -44,11 +44,8 @@ async def _median_us(fn: Callable[[], Awaitable[object] | object], repeat: int) 
 
 
 async def measure(url: str, pods: int, repeat: int) -> dict[str, float]:
-    index = Index.from_url(url, timeout_s=30.0)
-    try:
+    async with Index.from_url(url, timeout_s=30.0) as index:
         prompts = await load_set(index, f"parts{pods}", n_prompts=1, length=4096, n_pods=pods, seed=90 + pods)
-    finally:
-        await index.close()
     cfg = Config(valkey_url=url, block_size=16)
     app = create_app(cfg)
     predictor = app.state.predictor

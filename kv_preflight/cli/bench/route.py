@@ -171,8 +171,7 @@ class StandInFleetWriter:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        index = Index.from_url(self.valkey_url, timeout_s=5.0)
-        try:
+        async with Index.from_url(self.valkey_url, timeout_s=5.0) as index:
             await index.fleet.put_pod_records({e.pod: PodRecord(state="live", engine_url=e.url, models=[MODEL],
                                                           block_size=16, owner="bench-stand-in")
                                          for e in self.engines})
@@ -188,17 +187,12 @@ class StandInFleetWriter:
                             loads[e.pod] = PodLoad(*parsed, at_ms=await index.fleet.now_ms())
                     await index.fleet.put_load(loads)
                     await asyncio.sleep(0.5)
-        finally:
-            await index.close()
 
 
 async def _fleet_pods(valkey_url: str) -> set[str]:
-    index = Index.from_url(valkey_url, timeout_s=5.0)
-    try:
+    async with Index.from_url(valkey_url, timeout_s=5.0) as index:
         view = await index.fleet.fleet_view()
         return {p for p, r in view.pods.items() if r.state == "live" and r.engine_url and MODEL in r.models}
-    finally:
-        await index.close()
 
 
 def _predicted(predictor_url: str, model: str, prompt: str) -> int:

@@ -39,10 +39,6 @@ class ClusterBackend:
         self.lookups = ClusterLookup(client, self.shards)
 
     @property
-    def writer(self) -> str:
-        return self.writes.writer
-
-    @property
     def unreplicated(self) -> int:
         return self.writes.unreplicated
 
@@ -105,9 +101,6 @@ class ClusterBackend:
 
     async def lookup_bits(self, request_keys: Sequence[int], names: NamesFor) -> tuple[Lookup | None, int]:
         return await self.lookups.lookup_bits(request_keys, names)
-
-    async def pods_with_gaps(self, pods) -> set[str]:
-        return await self.lookups.pods_with_gaps(pods)
 
     async def read_commands(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         return await self.shards.commands(commands)

@@ -25,8 +25,8 @@ from kv_preflight.index.presence import (BitsReply, GroupBits, NamesFor, TierRun
 from kv_preflight.keys.chain import pack_keys
 
 # A shard walks its keys exactly (every field read, as the linear walk) while that reads at most this many fields,
-# then bisects (kv_preflight/index/lua/lookup.lua). 0: bisect from the shard's first key, as the benchmark's gallop
-# does on one node. Measured (docs/benchmarks.md): an exact walk of up to 512 fields cost the 32K-token predict p50
+# then bisects (kv_preflight/index/lua/lookup.lua). 0: bisect from the shard's first key (layout 2's galloping
+# lookup). Measured (docs/benchmarks.md): an exact walk of up to 512 fields cost the 32K-token predict p50
 # 10.5 ms against 6.1 ms, for an exactness the bisection lacks only while a batch is half applied (its effects on
 # some shards, not yet on others), where either answer lies between the index before and after that batch.
 # ``mode="linear"`` walks exactly.

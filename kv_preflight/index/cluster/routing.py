@@ -244,7 +244,8 @@ class Shards:
         again: list[int] = list(unserved)
         # Whether the map is out of date: a slot with no primary in it, a primary that did not answer, a command
         # refused as not its slot's. A primary with no lean connection (TLS) is no such news: redis-py carries
-        # its commands on the same map, and forgetting the map would make every cluster ack refuse (``ack``).
+        # its commands on the same map, and forgetting the map would make every cluster ack refuse
+        # (``ClusterWrites._written_to``).
         stale = bool(unserved)
 
         async def one(node, idx: list[int]) -> None:

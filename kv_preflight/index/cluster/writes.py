@@ -233,7 +233,7 @@ class ClusterWrites:
         if not entries:
             return 0, "", Touched([], None)
         await self.shards.ready()
-        mark = self.shards.map_mark()  # the slot map the run writes by (``ack``)
+        mark = self.shards.map_mark()  # the slot map the run writes by (``_written_to``)
         digest = self.shards.map_digest()
         ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
@@ -338,20 +338,12 @@ class ClusterWrites:
 
     # ---- step 3, and entries left behind
 
-    async def ack(self, entries: Sequence[tuple[str, str, bytes]], touched: "Touched") -> bool:
-        """Delete the entries once every shard their changes touched has them on a replica; False
-        (entries kept, to run again later) when one has not confirmed in time, a touched key's slot has no
-        primary now, or the slot map moved since the run began: the primaries asked now may not be those
-        written to (a run stalled across a failover wrote to the old master; its promoted replica, asked now,
-        has no replica of its own to wait for and would confirm writes it never had)."""
-        if not entries:
-            return True
-        nodes = await self._written_to(touched)
-        return nodes is not None and await self._confirm_and_delete(entries, nodes)
-
     async def _written_to(self, touched: "Touched") -> list[Any] | None:
-        """The primaries a run wrote to; None when that is not known now: the slot map moved since the run
-        began, or a touched key's slot has no primary."""
+        """The primaries a run wrote to, for its ack; None when that is not known now: a touched key's slot
+        has no primary, or the slot map moved since the run began: the primaries asked now may not be those
+        written to (a run stalled across a failover wrote to the old master; its promoted replica, asked now,
+        has no replica of its own to wait for and would confirm writes it never had). Then the entries are
+        kept, to run again later, as when a replica does not confirm in time."""
         if touched.mark is not None and self.shards.map_moved(touched.mark):
             return None
         if touched.mark is not None and self.shards.routed_since(touched.mark):

@@ -4,7 +4,7 @@
 -- ARGV[1]: the operation; then its arguments:
 --   book ID COST TTL_MS      a new booking (an ID already booked is left as it is)
 --   renew TTL_MS ID...       bookings still running: their expiry moved to now + TTL_MS (gone ones stay gone)
---   release ID               a request done: its booking and its cost leave the totals
+--   release ID...            requests done: their bookings and their costs leave the totals
 -- Every operation first drops expired bookings (booked_drop.lua). Answers {n, tokens}. The keys expire
 -- 2 x TTL after their last write: an idle pod whose gateways are gone keeps nothing.
 local t = redis.call('TIME')
@@ -26,7 +26,9 @@ elseif op == 'renew' then
     redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i])
   end
 elseif op == 'release' then
-  drop(ARGV[2])
+  for i = 2, #ARGV do
+    drop(ARGV[i])
+  end
 end
 if ttl then
   redis.call('PEXPIRE', KEYS[1], 2 * ttl)

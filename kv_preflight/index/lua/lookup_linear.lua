@@ -1,7 +1,7 @@
 -- The exact linear walk (mode "linear"): one HKEYS per key, keeping the pods that hold every
 -- key so far, early stop when none is left; each distinct field is parsed once. Same ARGV.
--- It is what the pipeline path computes in Python, and what the benchmark checks the galloping
--- script against.
+-- It is what the pipeline path computes in Python, and the reference the tests hold the other
+-- lookups to.
 local alive, counts, tiers = nil, {}, {}
 for i = 1, n do
   local present = pods_in(read('HKEYS', key(i)))

@@ -21,7 +21,6 @@ from kv_preflight.predictor.errors import BadRequest, EngineRejected, EngineUnav
 from kv_preflight.predictor.explain.rules import Explanation, Finding, PodChain
 from kv_preflight.predictor.explain.warnings import hints_from_probe
 from kv_preflight.predictor.request import PredictRequest, check_mm_items, check_token_count, parse_request
-from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
 from kv_preflight.predictor.scoring.ranks import rank_of, with_ranks
 from kv_preflight.predictor.scoring.groups import (GroupBits, apply_groups, group_findings, keys_needed, pods_groups,
                                                    window_cut)
@@ -29,6 +28,7 @@ from kv_preflight.predictor.scoring.score import engine_cached_tokens, score
 from kv_preflight.predictor.prediction import Predictor
 from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.routed import mark_speculative, with_routed
+from kv_preflight.index.rank_pods import pods_with_ranks
 from kv_preflight.index.routed import keys_blob
 from kv_preflight.index.presence import read_group_bits
 
@@ -105,7 +105,7 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
                 matches += adjusted
     partial = [f for _, f in sets if f.partial]
     if req.pods is not None:  # the ranks found of a pod named (before a registry read lists them)
-        req = msgspec.structs.replace(req, pods=expand_ranks(req.pods, [m.pod_id for m in matches]))
+        req = msgspec.structs.replace(req, pods=pods_with_ranks(req.pods, [m.pod_id for m in matches]))
     matches, speculative = await _with_routed(p, model, prompt.keys, matches, serving, req.pods, hybrid)
     engine_blocks = {pod: i.engine_block_size for pod, i in infos.items()}
     prediction = score(matches, prompt_len=len(tokens), canonical_block=cfg.block_size, engine_blocks=engine_blocks,

@@ -29,7 +29,7 @@ import msgspec
 
 from kv_preflight.predictor.scoring.score import Prediction
 
-from kv_preflight.predictor.explain.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, FINDING_KINDS, MISSING_BOS,  # noqa: F401
+from kv_preflight.predictor.explain.findings import (CONTENT, DUPLICATE_BOS, EXTRA_TOKENS, MISSING_BOS,
                                 OTHER_MODEL, ROLLING_CONTEXT, TEMPLATE_DRIFT, TOKENIZER_DRIFT, UNICODE, WHITESPACE,
                                 Finding)
 

@@ -4,7 +4,9 @@ A request's cost is the work it brings the engine: its prompt's tokens not cache
 prediction) plus the tokens it will decode (its ``max_tokens``, else ``--gateway-decode-tokens``). The booking
 is written as the request goes out, without holding it up (the write runs beside the upstream request; until
 it lands this process counts it itself: predictor/routed.py), renewed every third of its TTL while the request
-runs, and released when it ends, however it ends. A gateway that dies stops renewing: its bookings expire
+runs, and released when it ends, however it ends. Releases wait up to ``RELEASE_AFTER_S`` for company (the next
+booking's write, or each other): one write and one script call per pod where each was one, a finished request's
+cost counted a few ms longer. A gateway that dies stops renewing: its bookings expire
 after ``--gateway-booking-ttl`` seconds (kv_preflight/index/lua/booked.lua drops them on the pod's next
 operation). A failed write is counted and logged, never the request's failure.
 """
@@ -25,6 +27,7 @@ from kv_preflight.predictor.routed import RoutedState
 log = logging.getLogger("kvpf.gateway")
 
 ERROR_LOG_S = 10.0
+RELEASE_AFTER_S = 0.005  # a release waits at most this long to go with others (see the module's docstring)
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Bookings:
         self.errors = 0
         self._logged_at = float("-inf")
         self.tasks: set[asyncio.Future] = set()
+        self._releases: dict[str, list[str]] = {}  # pod -> booking ids released, not sent yet
+        self._release_timer: asyncio.TimerHandle | None = None
 
     def book(self, pod: str, tokens: int, also: Coroutine[Any, Any, None] | None = None) -> Booking:
         """Book ``tokens`` on ``pod``, written in the background; ``also``: the request's other writes, sent beside
@@ -53,6 +58,7 @@ class Bookings:
         booking = Booking(pod, f"{self.prefix}:{self.count}", max(0, int(tokens)))
         self.live.setdefault(pod, {})[booking.id] = booking.tokens
         self.state.unwritten(pod, 1, booking.tokens)
+        self._send_releases()  # written in the same turn of the loop as the booking: one send
         write = self._write(booking)
         booking.written = self._spawn(asyncio.gather(write, also) if also is not None else write)
         return booking
@@ -64,18 +70,30 @@ class Bookings:
             self.state.unwritten(booking.pod, -1, -booking.tokens)
 
     def release(self, booking: Booking) -> None:
-        """The request ended: its booking goes, once written (no wait for the caller)."""
+        """The request ended: its booking goes once written, with the next booking's write or within
+        ``RELEASE_AFTER_S`` (no wait for the caller)."""
         pod = self.live.get(booking.pod)
         if pod is not None:
             pod.pop(booking.id, None)
             if not pod:
                 del self.live[booking.pod]
-        self._spawn(self._release(booking))
+        if booking.written is None or booking.written.done():
+            self._queue_release(booking)
+        else:
+            booking.written.add_done_callback(lambda _: self._queue_release(booking))
 
-    async def _release(self, booking: Booking) -> None:
-        if booking.written is not None:
-            await asyncio.wait([booking.written])
-        await self._call(self.store.release(booking.pod, booking.id))
+    def _queue_release(self, booking: Booking) -> None:
+        self._releases.setdefault(booking.pod, []).append(booking.id)
+        if self._release_timer is None:
+            self._release_timer = asyncio.get_running_loop().call_later(RELEASE_AFTER_S, self._send_releases)
+
+    def _send_releases(self) -> None:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        if self._releases:
+            releases, self._releases = self._releases, {}
+            self._spawn(self._call(self.store.release_many(releases)))
 
     async def run(self) -> None:
         """Renew every live booking each third of the TTL, in one round trip (per shard)."""
@@ -108,5 +126,8 @@ class Bookings:
         for pod, ids in list(self.live.items()):
             for booking_id, tokens in list(ids.items()):
                 self.release(Booking(pod, booking_id, tokens))
+        if self.tasks:  # bookings still being written: their releases queue once they are
+            await asyncio.wait(list(self.tasks), timeout=self.timeout_s)
+        self._send_releases()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=self.timeout_s)

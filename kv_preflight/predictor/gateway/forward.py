@@ -1,6 +1,7 @@
 """The gateway's one pooled HTTP client to the engines, and what counts as a failure worth another pod.
 
-A lean HTTP/1.1 client on asyncio protocols with httptools' parser (both already the server's): keep-alive
+A lean HTTP/1.1 client on asyncio protocols with httptools' parser (both already the server's), over TLS for
+https:// engines (verified against the system's CAs, or the bundle ``SSL_CERT_FILE`` names): keep-alive
 connections pooled per engine, the request's headers and body written in one call, the answer parsed as it
 arrives. It is what a proxy needs and no more, because httpx, measured here, spent about 1.2 ms of CPU per
 forwarded request (its pool, anyio streams, sniffio) where the whole gateway is allowed 1 ms (docs/gateway.md).
@@ -20,6 +21,7 @@ byte is the client's answer: a stream cut short is cut short for the client too.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
@@ -36,6 +38,7 @@ _HOP = frozenset(h.encode() for h in HOP_BY_HOP)
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's header that pins a request to a data-parallel rank
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed rather than reused (engines close theirs too)
 MAX_IDLE = 512  # idle connections kept per engine
+_Key = tuple[str, str, int]  # an engine's connections: (scheme, host, port)
 HIGH_WATER = 1 << 20  # answer bytes buffered before the engine's connection stops being read (client slower)
 
 
@@ -54,7 +57,7 @@ class Cut(Exception):
 class _Conn(asyncio.Protocol):
     """One connection to an engine; one exchange at a time."""
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: _Key) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -196,7 +199,8 @@ class Upstream:
     def __init__(self, cfg: Config):
         self.connect_timeout_s = cfg.gateway_connect_timeout_s
         self.read_timeout_s = cfg.gateway_read_timeout_s
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[_Key, list[_Conn]] = {}
+        self._tls: ssl.SSLContext | None = None  # made at the first https:// engine
 
     async def open(self, url: str, body: bytes, headers: Iterable[tuple[bytes, bytes]],
                    dp_rank: int | None = None) -> Response:
@@ -204,9 +208,10 @@ class Upstream:
         UpstreamFailed when the engine gave nothing worth passing on (see the module's docstring)."""
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
-        key = (host, parts.port or (443 if parts.scheme == "https" else 80))
-        if parts.scheme != "http":
-            raise UpstreamFailed("scheme", f"{parts.scheme}:// engines are not supported (http:// only)", connect=False)
+        if parts.scheme not in ("http", "https"):
+            raise UpstreamFailed("scheme", f"{parts.scheme}:// engines are not supported (http:// and https://)",
+                                 connect=False)
+        key = (parts.scheme, host, parts.port or (443 if parts.scheme == "https" else 80))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = [b"POST ", target.encode(), b" HTTP/1.1\r\nhost: ", parts.netloc.encode(), b"\r\ncontent-length: ",
                 str(len(body)).encode(), b"\r\n"]
@@ -257,19 +262,33 @@ class Upstream:
             raise UpstreamFailed("5xx", f"answered {response.status_code}: {text}", connect=False)
         return response
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    async def _connect(self, key: _Key) -> _Conn:
         loop = asyncio.get_running_loop()
+        scheme, host, port = key
+        tls = {"ssl": self._tls_context(), "server_hostname": host} if scheme == "https" else {}
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Conn(key), key[0], key[1])
+            async with asyncio.timeout(self.connect_timeout_s):  # the TLS handshake included
+                _, conn = await loop.create_connection(lambda: _Conn(key), host, port, **tls)
         except TimeoutError:
             raise UpstreamFailed("connect", f"cannot connect within {self.connect_timeout_s:g}s",
                                  connect=True) from None
+        except ssl.SSLError as exc:
+            # the engine answers, its certificate is not trusted here (or the handshake failed): this gateway's
+            # trust, not the engine's health, so the fleet is not told it is unreachable
+            raise UpstreamFailed("tls", f"TLS with {host}:{port} failed: {exc.reason or exc} (a private CA: "
+                                        "SSL_CERT_FILE names its PEM bundle)", connect=False) from None
         except OSError as exc:
             raise UpstreamFailed("connect", f"cannot connect: {exc.strerror or exc}", connect=True) from None
         return conn
 
-    def _take(self, key: tuple[str, int]) -> _Conn | None:
+    def _tls_context(self) -> ssl.SSLContext:
+        """https:// engines are verified against the system's CAs, or the bundle ``SSL_CERT_FILE`` names (OpenSSL's
+        variable, which httpx, the gateway's other client, reads too): one trust for every client of the process."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    def _take(self, key: _Key) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:

@@ -23,8 +23,8 @@ class GatewayMetrics:
                                   "request sent: tokenizing and the route decision, what the gateway adds.",
                                   buckets=LATENCY_BUCKETS, registry=r)
         self.upstream_failures = Counter("kvpf_gateway_upstream_failures", "Upstream requests that gave no answer "
-                                         "worth passing on, by kind (connect, 5xx, protocol, timeout, pool, "
-                                         "no_url).", ["kind"], registry=r)
+                                         "worth passing on, by kind (connect, tls, 5xx, protocol, timeout, "
+                                         "pool, no_url, scheme, cut_short).", ["kind"], registry=r)
         self.retries = Counter("kvpf_gateway_retries", "Requests sent again to the next candidate after a failure.",
                                registry=r)
         self.fleet_told = Counter("kvpf_gateway_pods_marked_unreachable", "Pods this gateway marked unreachable "

@@ -12,9 +12,9 @@ from collections.abc import Collection, Iterable
 
 import msgspec
 
-from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, rank_pod, split_rank_pod
+from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, split_rank_pod
 from kv_preflight.predictor.scoring.route import RouteCandidate, RouteDecision
-from kv_preflight.predictor.scoring.score import PodAffinity, Prediction
+from kv_preflight.predictor.scoring.score import Prediction
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM 0.32 (entrypoints/openai/*/serving.py): pins a request's rank
 
@@ -28,14 +28,6 @@ def rank_of(name: str, dp_pods: Collection[str]) -> tuple[str, int | None]:
     """(pod, rank) of an index pod; rank None for a pod without ranks."""
     pod, rank = split_rank_pod(name)
     return pod, (rank if rank or pod in dp_pods else None)
-
-
-def expand(pods: Iterable[str], names: Iterable[str]) -> list[str]:
-    """A pods filter with every rank of each pod it names (``names``: the index pods known), in order."""
-    wanted = list(pods)
-    asked = set(wanted)
-    ranks = sorted(n for n in names if RANK_SEPARATOR in n and base_pod(n) in asked)
-    return list(dict.fromkeys([*wanted, *ranks]))
 
 
 def with_ranks(prediction: Prediction, dp_pods: Collection[str]) -> Prediction:
@@ -69,9 +61,4 @@ def decision_with_ranks(decision: RouteDecision, dp_pods: Collection[str]) -> Ro
         candidates=candidates, headers={DP_RANK_HEADER: str(rank)} if rank is not None else None)
 
 
-def index_pod(pod: str, dp_rank: int | None) -> str:
-    """The index pod of a pod and rank as an answer names them (the inverse of ``rank_of``)."""
-    return rank_pod(pod, dp_rank)
-
-
-__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "expand", "index_pod", "rank_of", "with_ranks"]
+__all__ = ["DP_RANK_HEADER", "decision_with_ranks", "dp_pods_of", "rank_of", "with_ranks"]

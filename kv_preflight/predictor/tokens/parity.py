@@ -103,7 +103,7 @@ class SampleResult:
     local_token: str | None = None
     engine_token: str | None = None
     hint: str = ""
-    cause: str = ""  # the hint's kind (predictor/explain/rules.py FINDING_KINDS)
+    cause: str = ""  # the hint's kind (predictor/explain/findings.py FINDING_KINDS)
     error: str = ""  # one side refused the input and the other did not
 
     @property
