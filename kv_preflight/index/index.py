@@ -41,6 +41,7 @@ from kv_preflight.index.numbering import Numbering, give_numbers
 from kv_preflight.index.presence import GroupBits, read_group_bits
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, base_pod, family_bits
 from kv_preflight.index.pod_meta import PodMeta
+from kv_preflight.index.pod_state import PodState
 
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.transfer import held_blocks
@@ -261,6 +262,11 @@ class Index:
         await self._load_pods(pods)
         return self.writer.prepare_run(batches)
 
+    async def pod_state(self, pod_id: str) -> PodState:
+        """The pod's state as this writer plans its batches against it, loaded from its log if it is not yet."""
+        await self._load_pods([pod_id])
+        return self.writer.pods[pod_id].state
+
     async def _load_pods(self, pods: Sequence[str]) -> None:
         """Load the pods this Index has not loaded yet, or that another writer may have moved."""
         due = [p for p in pods if p not in self.writer.pods]
@@ -354,7 +360,7 @@ class Index:
             self._registered.pop(pod, None)
             self._numbered.discard(pod)
             self._nums.pop(pod, None)
-            self.writer.forget(pod)
+            self.writer.forget(pod, carries=False)
         self.backend.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:

@@ -130,6 +130,10 @@ class PodState:
         # --kv-cache-report-mode full). Otherwise such a run is a second physical copy: concurrent requests
         # that computed one prefix at once store it from block 0 twice, and each copy is evicted in turn.
         self.reannouncements = False
+        # Engine key -> the bridge's ChainPoint (ingester/bridge.py) of a block planned with E not a multiple of C:
+        # the tokens it left unkeyed, which its child's first key needs. In memory only (kept across a reload:
+        # ``PodWriter.forget``); a child of such a block no process here planned is an orphan.
+        self.carries: dict[int, object] = {}
 
     # ---- copies
 
@@ -178,7 +182,12 @@ class PodState:
         return len(self.blocks)
 
     def block_keys(self, ek: int) -> tuple[tuple[int, ...], int | None] | None:
-        """A held block's request keys and parent, in whichever tier or group the pod holds ``ek``."""
+        """A held block's request keys and parent, in whichever tier or group the pod holds ``ek`` (the same
+        keys in each: vLLM hashes tokens, not groups or tiers). Asked for a batch's parents and partial events'
+        blocks, so the commonest place, the GPU tier of the prefix group, is tried first."""
+        b = self.blocks.get((ek, "gpu", self._prefix))
+        if b is not None:
+            return b.rks, b.parent
         if not self.ek_refs.get(ek):
             return None
         for group in sorted({0, *self.groups}):
@@ -188,6 +197,15 @@ class PodState:
                     if b is not None:
                         return b.rks, b.parent
         return None
+
+    def keep_carries(self, points: Mapping[int, object]) -> None:
+        """Chain points of blocks that ended mid key (``carries``); those of blocks the pod no longer holds go
+        once they outnumber the held ones."""
+        carries = self.carries
+        carries.update(points)
+        if len(carries) > 2 * len(self.ek_refs) + 1024:
+            for ek in [ek for ek in carries if not self.ek_refs.get(ek)]:
+                del carries[ek]
 
     def field_tier(self, fld: str) -> str | None:
         """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's

@@ -16,6 +16,7 @@ from kv_preflight.index.entries import ApplyResult, Mutation
 
 if TYPE_CHECKING:
     from kv_preflight.index.pod_meta import PodInfo
+    from kv_preflight.index.pod_state import PodState
 
 
 class PodFlags(Protocol):
@@ -51,6 +52,10 @@ class WriteSide(Protocol):
 
     async def send_batches(self, batches: Sequence[dict[str, Any]]) -> "asyncio.Future[list[ApplyResult]]":
         """``apply_batches`` in two steps: sent now, the results from the future."""
+
+    async def pod_state(self, pod_id: str) -> "PodState":
+        """The pod's state as this process plans its batches against it (loaded from its log if it is not): the
+        blocks the pod holds and their request keys, which the ingester's bridge chains a child's keys from."""
 
     async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
         """Clear a restarted engine's pod unless its seq moved on since ``expected_last``; True if it did."""

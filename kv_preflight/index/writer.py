@@ -116,6 +116,7 @@ class PodWriter:
         self.heads: dict[str, _Tentative] = {}  # per pod, the state its batches in flight lead to
         # pod -> its sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), for pods that have any
         self.sibs: dict[str, bytes] = {}
+        self._carries: dict[str, dict[int, object]] = {}  # each pod's PodState.carries, kept when it is loaded again
 
     # ---- loading
 
@@ -127,6 +128,7 @@ class PodWriter:
         replies = await evalsha_pipeline(self.client, script, [pod_keys(p) for p in pod_ids], [[] for _ in pod_ids])
         for p, r in zip(pod_ids, replies):
             self.pods[p] = self._cache_from(p, r[0], r[1])
+            self.pods[p].state.carries = self._carries.setdefault(p, {})
             self.heads.pop(p, None)
 
     def _cache_from(self, pod_id: str, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
@@ -153,14 +155,12 @@ class PodWriter:
         return PodCache(state, text(meta.get("gen", b"0")), int(text(num)) if num is not None else None,
                         snap_bytes, log_bytes, len(deltas), text(meta.get("groups", b"")))
 
-    def known_block(self, pod_id: str, engine_key: int) -> tuple[tuple[int, ...], int | None] | None:
-        """The request keys and parent of a block the pod holds in any tier or group, as last committed."""
-        cache = self.pods.get(pod_id)
-        return cache.state.block_keys(engine_key) if cache is not None else None
-
-    def forget(self, pod_id: str) -> None:
+    def forget(self, pod_id: str, *, carries: bool = True) -> None:
+        """Load the pod again before its next plan, with its ``PodState.carries`` (unless it was let go)."""
         self.pods.pop(pod_id, None)
         self.heads.pop(pod_id, None)
+        if not carries:
+            self._carries.pop(pod_id, None)
 
     def set_num(self, pod_id: str, num: int) -> None:
         cache = self.pods.get(pod_id)

@@ -76,7 +76,7 @@ class Applier:
         self.routes = routes
         self.counters = counters
         self.valkey = valkey
-        self.state = ChainState()
+        self.state = ChainState()  # the chain points the last ``plan`` used (its ``chains``)
         self.last_applied: dict[str, float] = {}  # pod -> monotonic time of its last applied batch
         self._silent: dict[str, float] = {}  # replay endpoint that did not answer -> not asked until (monotonic)
         self.held: dict[str, _Held] = {}  # pods whose gap is being replayed (``apply_held`` carries them on)
@@ -88,18 +88,17 @@ class Applier:
         self.vouch: Callable[[str], Awaitable[None]] | None = None
         self.vouched: set[str] = set()
 
-    def forget_chains(self) -> None:
-        """After an engine restart: engine keys of the old process mean nothing now."""
-        self.state = ChainState()
-
     # ---- planning
 
-    async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0) -> Plan:
+    async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0, *,
+                   chains: ChainState | None = None, mode: str = "check") -> Plan:
         """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
-        as a MarkIncomplete, so the flag is written by the very script that applies the batch."""
+        as a MarkIncomplete, so the flag is written by the very script that applies the batch. ``chains``: the
+        chain points of the batches planned before it and maybe not applied yet (none: it goes alone)."""
         if self.vouch is not None and pod not in self.vouched:
             await self.vouch(pod)
-        plan = await self._plan_events(pod, model, seq, batch)
+        self.state = chains if chains is not None else ChainState()
+        plan = await self._plan_events(pod, model, seq, batch, self.state, mode)
         reasons = []
         if plan.orphans:
             reasons.append(f"{plan.orphans} stored block(s) had an unknown parent")
@@ -109,22 +108,28 @@ class Applier:
             plan.mutations.append(MarkIncomplete("; ".join(reasons)))
         return plan
 
-    async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch) -> Plan:
-        def known(ek: int) -> tuple[tuple[int, ...], int | None] | None:  # a block the pod holds: its own state's
-            return self.index.writer.known_block(pod, ek)
-
-        missing = unresolved_parents(batch, model, self.state, self.cfg.lora_names)
-        if missing:
-            missing = seed_held(self.state, missing, known)
+    async def _plan_events(self, pod: str, model: str, seq: int, batch: EventBatch, chains: ChainState,
+                           mode: str) -> Plan:
+        """A parent not in ``chains`` is taken from the pod's state, then Valkey's engine map. Not from the pod's
+        state in a reset (the engine restarted: the pod's blocks are the old process's, cleared before this batch
+        applies)."""
+        pod_state = await self.valkey.call(self.index.pod_state, pod)
+        known = pod_state.block_keys if mode != "reset" else None
+        missing = unresolved_parents(batch, model, chains, self.cfg.lora_names)
+        if missing and known is not None:
+            missing = seed_held(chains, missing, known, pod_state.carries)
         if missing:
             resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
-            seed_state(self.state, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
+            seed_state(chains, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
         try:
-            return plan_batch(
-                batch, pod_id=pod, topic_model=model, state=self.state, hash_seed=self.cfg.hash_seed,
+            plan = plan_batch(
+                batch, pod_id=pod, topic_model=model, state=chains, hash_seed=self.cfg.hash_seed,
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
                 hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys, known=known,
             )
+            if plan.carries:
+                pod_state.keep_carries(plan.carries)
+            return plan
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
             await self.counters.count("plan_errors")
@@ -166,7 +171,7 @@ class Applier:
         for its gap's replay), or None (try it again in ``item.mode``)."""
         seq, batch = item.seq, item.batch
         rank = batch.data_parallel_rank or 0
-        plan = await self.plan(pod, model, seq, batch, item.decode_errors)
+        plan = await self.plan(pod, model, seq, batch, item.decode_errors, mode=item.mode)
         try:
             result = await self.valkey.call(
                 self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
@@ -189,13 +194,11 @@ class Applier:
             log.warning("%s: seq went back from %d to 0 with a newer timestamp: engine restarted, clearing its "
                         "entries", pod, result.last_seq)
             await self.counters.count("engine_restarts")
-            self.forget_chains()
             item.mode = "reset"
         elif isinstance(step, ResetIfThenCheck):
             log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
                         "entries", pod, result.last_seq, seq)
             await self.counters.count("engine_restarts")
-            self.forget_chains()
             await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
             item.mode = "check"
         elif isinstance(step, Replay):

@@ -4,13 +4,17 @@ vLLM names blocks by *engine keys* (its own chained hashes, block size E, 32 on
 CPU). llm-d's scheduler names them by *request keys* (FNV/CBOR chain, canonical
 block size C, 16 by default). On BlockStored we recompute the request keys from
 the event's ``token_ids``, chaining from the parent block's last request key, and
-record engine key -> request keys, so a later BlockRemoved (engine key only) can
-find the request keys to drop.
+record engine key -> request keys (in the pod's state, kv_preflight/index/pod_state.py, and llm-d's
+``engine:<key>``), so a later BlockRemoved (engine key only) can find the request keys to drop.
+
+A parent is found among the blocks planned with its batch (``ChainState``: the pipeline's runs in flight, which
+neither the pod's state nor Valkey holds yet), else in the pod's state (``seed_held``), else in Valkey's
+``engine:<parent>`` (``seed_state``); else the child is an orphan.
 
 Ratios: when E is a multiple of C (the usual case) each engine block owns E/C
 whole request keys. Otherwise an engine block may end mid-key; its leftover
-tokens ("carry") are kept in ``ChainState`` so the next block can finish the key.
-Carries live in memory only, so a child whose parent carried tokens and was seen
+tokens ("carry") are kept in the pod's state (``PodState.carries``, from ``Plan.carries``) so the next
+block can finish the key. Carries live in memory only, so a child whose parent carried tokens and was seen
 by another ingester process cannot be keyed; that is counted as an orphan.
 """
 from __future__ import annotations
@@ -49,7 +53,8 @@ class ChainPoint(msgspec.Struct, frozen=True, gc=False):  # one per stored block
 
 
 class ChainState:
-    """Engine key -> ChainPoint, bounded LRU. Content-addressed, so safe to share across pods."""
+    """Engine key -> ChainPoint of the blocks planned with a batch (the pipeline's runs, ingester/pipeline.py),
+    or found for them; a bounded LRU. Content-addressed, so safe to share across pods."""
 
     def __init__(self, capacity: int = 200_000):
         self.capacity = capacity
@@ -99,6 +104,9 @@ class Plan:
     # kv_cache_spec_sliding_window on every BlockStored, filled in KVCacheManager.take_events)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events whose parent could not be resolved
+    # engine key -> chain point of each block planned with E not a multiple of C (or ending mid key): for the
+    # pod's state to keep (PodState.carries), for a child planned later
+    carries: dict[int, ChainPoint] = field(default_factory=dict)
     # LoRA adapters whose blocks the batch stores (their names, as the blocks are keyed): the index records them
     # per pod (layout.py ADAPTERS_KEY), so a predictor knows an adapter from the events alone
     adapters: set[str] = field(default_factory=set)
@@ -221,6 +229,7 @@ def _take(plan: Plan, planned: Plan) -> None:
     plan.mutations.extend(planned.mutations)
     plan.orphans += planned.orphans
     plan.stored_blocks += planned.stored_blocks
+    plan.carries.update(planned.carries)
 
 
 @functools.lru_cache(maxsize=256)
@@ -297,6 +306,8 @@ def _plan_stored(
         if own:
             parent = own[-1]
         state.put(model, ek, point)
+        if left or e % block_size:
+            plan.carries[ek] = point
         plan.stored_blocks += 1
 
 
@@ -371,15 +382,20 @@ def _plan_partial(ev: BlockStored, plan: Plan, pod_id: str, model: str, state: C
         plan.stored_blocks += 1
 
 
-def seed_held(state: ChainState, missing: Sequence[tuple[str, int]], known: Known) -> list[tuple[str, int]]:
-    """Parents this process has not met lately (it restarted, its LRU let them go, another pod's restart emptied
-    it) that the pod itself holds: taken from the pod's own state (the index writer's, ``known``), which holds
-    every block the pod holds, loaded from its log; put in ``state`` as chain points. Returns those it does not
-    hold, for Valkey's engine map. A block keyed before its parent was (no request key of its own: engine blocks
-    smaller than canonical ones) leaves its chain's last key unknown here: Valkey's."""
+def seed_held(state: ChainState, missing: Sequence[tuple[str, int]], known: Known,
+              carries: Mapping[int, Any] | None = None) -> list[tuple[str, int]]:
+    """Parents not planned with the batch that the pod itself holds: taken from the pod's own state (the index
+    writer's, ``known``), which holds every block the pod holds, loaded from its log, and the chain points of
+    those that ended mid key (``carries``, ``Plan.carries``); put in ``state`` as chain points. Returns those it
+    does not hold, for Valkey's engine map. A block keyed before its parent was (no request key of its own:
+    engine blocks smaller than canonical ones) leaves its chain's last key unknown here: Valkey's."""
     rest = []
     for model, ek in missing:
         held = known(ek)
+        point = carries.get(ek) if carries and held is not None else None  # (of a block it still holds)
+        if point is not None:
+            state.put(model, ek, point)
+            continue
         if held is None or not held[0]:
             rest.append((model, ek))
             continue

@@ -8,14 +8,16 @@ pod waiting for a gap's replay has its batches queued behind it there, unplanned
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 from redis.exceptions import ResponseError
 
+from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import VALKEY_ERRORS
 from kv_preflight.index.write_side import WriteSide
 from kv_preflight.ingester.accept import Accepted, FrameAcceptor
 from kv_preflight.ingester.apply import Applier
-from kv_preflight.ingester.bridge import Plan
+from kv_preflight.ingester.bridge import ChainState, Plan
 from kv_preflight.ingester.sources import Source
 from kv_preflight.ingester.valkey_retry import ValkeyRetry, transient
 
@@ -41,15 +43,21 @@ class Pipeline:
                 await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
             else:
                 accepted.append(item)
-        runs = [accepted[i:i + PIPELINE_BATCHES] for i in range(0, len(accepted), PIPELINE_BATCHES)]
-        if len(runs) == 1 and len(runs[0]) == 1:
-            pod, model, seq, batch, errors = runs[0][0]
-            await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
-            return
-        # Two runs in flight: while Valkey applies one, the next is planned and written.
+        # Two runs in flight: while Valkey applies one, the next is planned and written. A parent planned in
+        # either is in no pod's state nor Valkey yet (or in a state loaded again meanwhile): their chain points.
         inflight = None
-        for run in runs:
-            plans = [await self.applier.plan(pod, model, seq, batch, errors) for pod, model, seq, batch, errors in run]
+        chains = ChainState()
+        for run in _runs(accepted):
+            if isinstance(run, tuple):  # alone, once every batch before it applied (``_Flight``)
+                if inflight is not None:
+                    await self._finish_run(*inflight)
+                    inflight = None
+                pod, model, seq, batch, errors = run
+                await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
+                chains = ChainState()  # nothing in flight: every pod's state and Valkey are as applied
+                continue
+            plans = [await self.applier.plan(pod, model, seq, batch, errors, chains=chains)
+                     for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
                          engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations,
                          adapters=plan.adapters)
@@ -89,3 +97,60 @@ class Pipeline:
                 await self.applier.answered(pod, seq, batch, plan, result)
             else:  # gap or restart, or behind one: the one-batch path re-checks (and counts), recovers
                 await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
+
+
+class _Flight:
+    """What the batches of a call that may not have applied yet let go of, per pod: engine keys removed, and
+    those stored since the pod was cleared. A batch storing a child of one goes alone once they applied, so it is
+    planned against the pod's state and Valkey as they are then, as one applied by itself would be: the chain
+    points of a run would key it, where the pod's state after its batches no longer holds the parent."""
+
+    def __init__(self) -> None:
+        self.dropped: dict[str, set[int]] = {}
+        self.since_clear: dict[str, set[int]] = {}
+
+    def waits(self, pod: str, batch: EventBatch) -> bool:
+        """Note the batch's events; True (its own are then of no use) if one stores a child of a block let go."""
+        dropped = self.dropped.setdefault(pod, set())
+        drop = dropped.update
+        since = self.since_clear.get(pod)
+        for ev in batch.events:
+            kind = type(ev)  # (once per event of every batch: one type test, not isinstance's chain)
+            if kind is BlockRemoved:
+                drop(ev.block_hashes)
+                if since is not None:
+                    since.difference_update(ev.block_hashes)
+            elif kind is BlockStored:
+                p = ev.parent_block_hash
+                if p is not None and (p in dropped or (since is not None and p not in since)):
+                    return True
+                if dropped:
+                    dropped.difference_update(ev.block_hashes)
+                if since is not None:
+                    since.update(ev.block_hashes)
+            elif kind is AllBlocksCleared:
+                dropped.clear()
+                since = self.since_clear[pod] = set()
+        return False
+
+
+def _runs(accepted: list[Accepted]) -> Iterator[list[Accepted] | Accepted]:
+    """The batches in runs of at most PIPELINE_BATCHES, and, alone between them, each that must wait for those
+    before it to apply (``_Flight``)."""
+    flight, run = _Flight(), []
+    if len(accepted) == 1:
+        yield accepted[0]
+        return
+    for item in accepted:
+        if flight.waits(item[0], item[3]):
+            if run:
+                yield run
+            yield item
+            flight, run = _Flight(), []
+            continue
+        run.append(item)
+        if len(run) == PIPELINE_BATCHES:
+            yield run
+            run = []
+    if run:
+        yield run

@@ -147,7 +147,6 @@ class Resume:
             if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
                 cleared = True
                 break
-        self.applier.forget_chains()
         return info, cleared
 
     def cancel(self, pods: set[str] | None = None) -> None:

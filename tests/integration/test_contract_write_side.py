@@ -52,6 +52,14 @@ async def test_removals_and_batches_in_one_round_trip(index):
     assert found == [("pod-a", 2), ("pod-b", 3)]
 
 
+async def test_the_pod_state_names_the_keys_of_each_block_the_pod_holds(index):
+    """What the ingester chains a child from: loaded from the pod's log by a process that has not planned it."""
+    await apply(index, "pod-a", 0, chain("pod-a", range(1, 4)))
+    index.forget_cached(["pod-a"])
+    state = await index.pod_state("pod-a")
+    assert state.block_keys(2) == ((1002,), 1001) and state.block_keys(9) is None
+
+
 async def test_clear_empties_a_pod_and_keeps_it_listed(index):
     await apply(index, "pod-a", 0, chain("pod-a", range(1, 5)))
     await apply(index, "pod-b", 0, chain("pod-b", range(1, 3)))

@@ -240,3 +240,82 @@ async def test_a_lost_reply_does_not_lose_the_incomplete_flag(valkey_url):
     info = await ing.index.meta.pod_info("pod-a")
     assert info.incomplete and "unknown parent" in info.incomplete_reason
     await ing.index.close()
+
+
+# ---- where a parent is found without a chain state kept for the process: the run's, the pod's state, Valkey
+
+def one(pod, seq, ts, *events):
+    return encode_frames(make_topic(pod, "m"), seq, EventBatch(ts, list(events), 0))
+
+
+async def flagged(ing, pod) -> bool:
+    return (await ing.index.meta.pod_info(pod)).incomplete
+
+
+async def test_a_carry_is_kept_in_the_pods_state_across_runs_and_a_reload(valkey_url):
+    """Engine blocks of 24 tokens, request blocks of 16: a block ends mid key, and its child's first key needs the
+    leftover tokens, which neither the pod's log nor Valkey holds. Each block comes in a run of its own, and a
+    duplicate between them makes the writer load the pod again from its log: the carry stays with the pod's
+    state, and the chain is keyed whole."""
+    toks = list(range(7000, 7072))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored([1], None, toks[:24], 24, medium="GPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockStored([2], 1, toks[24:48], 24, medium="GPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockStored([2], 1, toks[24:48], 24, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts["duplicates_skipped"] == 1 and "pod-a" not in ing.index.writer.pods  # loaded again next
+    await ing.handle_messages([(SRC, one("pod-a", 2, 1002.0, BlockStored([3], 2, toks[48:72], 24, medium="GPU", group_idx=0)))])
+    got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(toks, model="m"))}
+    assert got == {"pod-a": 4}
+    assert ing.counters.counts.get("orphan_blocks", 0) == 0 and not await flagged(ing, "pod-a")
+    await ing.index.close()
+
+
+async def test_a_restarted_engines_batch_takes_no_parent_from_the_old_processes_blocks(valkey_url):
+    """A batch applied as a reset (the engine restarted: the pod is cleared before it applies) names a parent only
+    the old process stored: the pod's state still holds it when the batch is planned, but it is not this
+    engine's block. The child is an orphan (the pod flagged), not chained from the old process's keys."""
+    t0, t1 = list(range(3000, 3032)), list(range(3032, 3064))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored([51], None, t0, 32, medium="GPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockStored([52], None, t1, 32, medium="GPU", group_idx=0)))])
+    assert redis.Redis.from_url(valkey_url).delete(engine_key_name(51)) == 1  # only the pod's state could answer
+    await ing.handle_messages([(SRC, one("pod-a", 0, 2000.0, BlockStored([53], 51, t1, 32, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts["engine_restarts"] == 1
+    assert ing.counters.counts["orphan_blocks"] == 1 and await flagged(ing, "pod-a")
+    assert await ing.index.lookup(request_keys(t0 + t1, model="m")) == []
+    await ing.index.close()
+
+
+@pytest.mark.parametrize("together", [False, True])
+async def test_a_parent_evicted_from_every_tier_before_its_child_leaves_the_child_an_orphan(valkey_url, together):
+    """vLLM holds a request's blocks while it runs, so a block's parent is not evicted before the block is stored;
+    a BlockStored whose parent the pod let go of in an earlier batch means events the index never saw. The
+    child is not keyed from a memory of the parent (the pod's state no longer holds it, nor does Valkey): an
+    orphan, the pod flagged. The same when the three batches come together (pipelined: the child waits for the
+    eviction to apply, then is planned as alone)."""
+    toks = list(range(4000, 4096))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    msgs = [(SRC, one("pod-a", 0, 1000.0, BlockStored([1, 2], None, toks[:64], 32, medium="GPU", group_idx=0))),
+            (SRC, one("pod-a", 1, 1001.0, BlockRemoved([2], medium="GPU"))),
+            (SRC, one("pod-a", 2, 1002.0, BlockStored([3], 2, toks[64:], 32, medium="GPU", group_idx=0)))]
+    for batch in ([msgs] if together else [[m] for m in msgs]):
+        await ing.handle_messages(batch)
+    assert ing.counters.counts["orphan_blocks"] == 1 and await flagged(ing, "pod-a")
+    got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(toks, model="m"))}
+    assert got == {"pod-a": 2}  # block 1's keys; block 3 not indexed
+    await ing.index.close()
+
+
+async def test_a_parent_evicted_from_the_gpu_but_held_on_the_cpu_tier_keys_its_child(valkey_url):
+    """An offload tier: the parent left the GPU but its copy on the CPU tier is still held, so its keys are in the
+    pod's state (any tier) and the child is keyed, the pod exact."""
+    toks = list(range(4000, 4096))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored([1, 2], None, toks[:64], 32, medium="GPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockStored([1, 2], None, toks[:64], 32, medium="CPU", group_idx=0)))])
+    await ing.handle_messages([(SRC, one("pod-a", 2, 1002.0, BlockRemoved([1, 2], medium="GPU")))])
+    await ing.handle_messages([(SRC, one("pod-a", 3, 1003.0, BlockStored([3], 2, toks[64:], 32, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts.get("orphan_blocks", 0) == 0 and not await flagged(ing, "pod-a")
+    keys = request_keys(toks, model="m")
+    assert (await ing.index.pod_state("pod-a")).block_keys(3) == (tuple(keys[4:]), keys[3])
+    await ing.index.close()

@@ -238,3 +238,19 @@ def test_a_partial_event_takes_the_keys_of_blocks_the_pod_holds():
     assert p.mutations == [StoreBlock(2, "gpu", f1, (keys[1],), 1, True, keys[0]),
                            StoreBlock(4, "gpu", f1, (keys[3],), 1, True, keys[2])]
     assert p.orphans == 0
+
+
+def test_blocks_ending_mid_key_leave_their_chain_points_for_the_pods_state():
+    """E=24, C=16: every block's point (its leftover tokens, or none at a key boundary) is in ``Plan.carries``, for
+    the pod's state to keep; taken back for a block the pod holds, the child is keyed as by the same run, and a
+    point of a block the pod no longer holds is not taken."""
+    a = BlockStored([1, 2], None, TOKENS[:48], 24, medium="GPU", group_idx=0)
+    p = plan([a])
+    assert set(p.carries) == {1, 2} and p.carries[1].carry == tuple(TOKENS[16:24]) and p.carries[2].carry == ()
+    assert plan([BlockStored([3], None, TOKENS[:32], 32)]).carries == {}  # aligned: the pod's keys are enough
+    known = held_by_pod([a])
+    child = BlockStored([3], 2, TOKENS[48:72], 24, medium="GPU", group_idx=0)
+    state = ChainState()
+    assert seed_held(state, [("tiny", 2)], known, p.carries) == []
+    assert [k for m in plan([child], state).mutations for k in m.request_keys] == request_keys(TOKENS[:72], model="tiny")[3:]
+    assert seed_held(ChainState(), [("tiny", 2)], lambda ek: None, p.carries) == [("tiny", 2)]
