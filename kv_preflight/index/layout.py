@@ -57,6 +57,13 @@ ingester, never into llm-d's keys or the presence bits), per pod in the pod's sl
   kvpf:{<pod>}:homed          HASH prefix -> its blocks, sum -> theirs together: the pod's footprint, the cache
                               room other prefixes take there, which new prefixes are placed by (fleet-wide)
 
+And fleet-wide, for new prefixes (lua/placing.lua), in one slot:
+
+  kvpf:{placing}:claims       HASH prefix (its first request key, 8 bytes) -> the pod a gateway placed it on, and
+                              n -> the placements' turn counter: gateways placing new prefixes at the same moment
+                              (each seeing every pod equally empty) take pods in turn, and one prefix keeps one pod
+  kvpf:{placing}:lapse        ZSET prefix -> when its claim lapses (Valkey ms; --route-pending after it was made)
+
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
 
@@ -224,6 +231,11 @@ def pod_approximate_key(pod_id: str) -> str:
 def pod_home_keys(pod_id: str) -> tuple[str, str]:
     """The prefixes homed on a pod (ZSET prefix -> last routed ms) and their blocks (HASH), in the pod's slot."""
     return _pod(pod_id, "homes"), _pod(pod_id, "homed")
+
+
+def placement_claim_keys() -> tuple[str, str]:
+    """New prefixes' claimed pods (HASH, with the turn counter) and when each claim lapses (ZSET), in one slot."""
+    return f"{OUR_PREFIX}{{placing}}:claims", f"{OUR_PREFIX}{{placing}}:lapse"
 
 
 def pod_routed_keys(pod_id: str) -> tuple[str, ...]:

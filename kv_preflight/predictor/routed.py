@@ -14,7 +14,9 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
 * the prefixes every gateway homed where within the placement window (``--route-placement-window``), each pod's
   *footprint*: a new prefix goes where the fewest blocks of others live (predictor/scoring/placement.py's rule,
   over the fleet's placements rather than one process's share of them); and a prefix homed on a pod within
-  ``--route-pending`` that no pod shows yet is *pending* there for every gateway, not only the one that placed it.
+  ``--route-pending`` that no pod shows yet is *pending* there for every gateway, not only the one that placed it;
+  before its home lands, the new prefix's *claim* (``claim``) gives it one pod fleet-wide, and gives gateways
+  placing distinct new prefixes at the same moment distinct pods.
 
 All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
 the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
@@ -63,6 +65,7 @@ class RoutedState:
     pending_ms: int = 0
     _writes: set = field(default_factory=set)
     _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
+    _homing: dict = field(default_factory=dict)  # pod -> {prefix: blocks}: new homes of ours on their way to Valkey
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -98,7 +101,7 @@ class RoutedState:
         """The read of what was routed to ``pods`` for this prompt, started now (beside the lookup)."""
         if self.store is None:
             return None
-        return RoutedRead(self, frozenset(pods), keys_blob(keys) if keys else b"")
+        return RoutedRead(self, frozenset(pods), keys_blob(keys) if keys else b"", keys[0] if keys else None)
 
     def unwritten(self, pod: str, requests: int, tokens: int) -> None:
         """A booking of this process on its way to Valkey (+1) or written or failed (-1): counted meanwhile."""
@@ -118,12 +121,7 @@ class RoutedState:
             async with asyncio.timeout(self.deadline_s):
                 return await self.store.read(pods, blob, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
-            self.read_errors += 1
-            now = self.clock()
-            if now - self._error_logged_at >= READ_ERROR_LOG_S:
-                self._error_logged_at = now
-                log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
-                            self.read_errors, type(exc).__name__, exc)
+            self._failed(exc)
             return None
 
     def home(self, prefix: int, pod: str, blocks: int) -> None:
@@ -137,6 +135,8 @@ class RoutedState:
         last = self._homed.get((prefix, pod))
         if last is not None and last[1] == blocks and now - last[0] < HOME_EVERY_S:
             return
+        if last is None:  # counted in the pod's footprint here until written (``with_unwritten``)
+            self._homing.setdefault(pod, {})[prefix] = blocks
         self._homed[(prefix, pod)] = (now, blocks)
         self._homed.move_to_end((prefix, pod))
         while len(self._homed) > MAX_HOMED:
@@ -152,6 +152,12 @@ class RoutedState:
                 await self.store.home(pod, prefix, blocks, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS):
             self.read_errors += 1
+        finally:
+            homing = self._homing.get(pod)
+            if homing is not None:
+                homing.pop(prefix, None)
+                if not homing:
+                    del self._homing[pod]
 
     def pending(self, routed: Mapping[str, PodRouted] | None) -> str | None:
         """The pod any gateway homed this prompt's prefix on most lately, if within ``pending_ms``: a burst of a new
@@ -162,20 +168,47 @@ class RoutedState:
         homed = [(r.homed_ms_ago, p) for p, r in routed.items() if 0 <= r.homed_ms_ago < self.pending_ms]
         return min(homed)[1] if homed else None
 
-    def with_unwritten(self, routed: dict[str, PodRouted]) -> dict[str, PodRouted]:
+    async def claim(self, prefix: int, pods: Sequence[str]) -> str | None:
+        """Of ``pods`` (equally good for the new prefix ``prefix``, by name), the one whose turn it is fleet-wide, or
+        the one a gateway placed the prefix on within ``pending_ms``; None when not shared (no store, no pending
+        window) or Valkey did not answer (the caller keeps its own choice, counted)."""
+        if self.store is None or self.pending_ms <= 0 or len(pods) < 2:
+            return None
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await self.store.claim(prefix, pods, self.pending_ms)
+        except (TimeoutError, *VALKEY_ERRORS) as exc:
+            self._failed(exc)
+            return None
+
+    def _failed(self, exc: BaseException) -> None:
+        self.read_errors += 1
+        now = self.clock()
+        if now - self._error_logged_at >= READ_ERROR_LOG_S:
+            self._error_logged_at = now
+            log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
+                        self.read_errors, type(exc).__name__, exc)
+
+    def with_unwritten(self, routed: dict[str, PodRouted], prefix: int | None = None) -> dict[str, PodRouted]:
+        """``routed`` with this process's bookings and new homes not written yet: two of its requests a moment apart
+        see each other (a new prefix placed here a moment ago counts in its pod's footprint for the next one;
+        ``prefix``, the prompt's own, aside, as the read leaves it aside)."""
         for pod, (requests, tokens) in self._unwritten.items():
             if pod in routed:
                 r = routed[pod]
                 routed[pod] = msgspec.structs.replace(
                     r, booked=Booked(r.booked.requests + requests, r.booked.tokens + tokens))
+        for pod, homing in self._homing.items():
+            if pod in routed and (blocks := sum(b for p, b in homing.items() if p != prefix)):
+                routed[pod] = msgspec.structs.replace(routed[pod], footprint=routed[pod].footprint + blocks)
         return routed
 
 
 class RoutedRead:
     """One request's read of what was routed: started for the pods foreseen, extended to any pod found after."""
 
-    def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes):
-        self.state, self.pods, self.blob = state, pods, blob
+    def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes, prefix: int | None = None):
+        self.state, self.pods, self.blob, self.prefix = state, pods, blob, prefix
         self.task = asyncio.ensure_future(state.read(pods, blob)) if pods else None
         self.got: dict[str, PodRouted] | None = None
 
@@ -199,4 +232,4 @@ class RoutedRead:
         got = await self.get(candidates)
         if got is None:
             return None
-        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates})
+        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix)

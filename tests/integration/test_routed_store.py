@@ -143,3 +143,24 @@ async def test_the_read_says_how_long_ago_the_prompts_own_prefix_was_homed_on_ea
     assert 50 <= got[pod].homed_ms_ago < 10_000 and got[other].homed_ms_ago == -1
     assert (await store.read([pod], keys_blob(b), 60_000))[pod].homed_ms_ago == -1  # another prefix's home
     assert (await store.read([pod], keys_blob(a), 0))[pod].homed_ms_ago == -1  # no window: homes not read
+
+
+async def test_new_prefixes_claimed_at_once_take_the_pods_in_turn_and_one_prefix_keeps_its_pod(store):
+    """Gateways placing new prefixes at the same moment (each seeing every pod equally empty) would all pick the
+    pod their hash favours; claimed, they take the equally good pods in turn, and a prefix claimed again within
+    the TTL keeps the pod it was given, whatever pods the second claimant found as good."""
+    import asyncio
+
+    pods = [f"pod-{i}" for i in range(8)]
+    prefixes = [chain(100 + i, 1)[0] for i in range(8)]
+    got = await asyncio.gather(*(store.claim(p, pods, 60_000) for p in prefixes))
+    assert sorted(got) == pods  # eight at once: eight pods
+    again = await asyncio.gather(*(store.claim(p, pods[::-1][:3], 60_000) for p in prefixes))
+    assert again == got
+    fleeting = chain(999, 1)[0]
+    first = await store.claim(fleeting, pods, 200)
+
+    async def lapsed_and_taken_anew():
+        return await store.claim(fleeting, [p for p in pods if p != first], 200) != first
+
+    await until(lapsed_and_taken_anew, "the claim lapsed with its TTL: the prefix placed anew")

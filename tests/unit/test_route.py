@@ -238,3 +238,29 @@ def test_booked_pods_without_metrics_are_known_and_ties_go_to_fewer_booked_token
     d = decide(overlap, ["a", "b"], {}, policy=RoutingPolicy(overload_abs=2), ttft=TTFT,
                booked={"a": Booked(6, 0), "b": Booked(0, 0)})  # no metrics anywhere, yet a is overloaded
     assert (d.pod_id, d.reason) == ("b", "least_loaded")
+
+
+def test_a_new_prefix_lists_the_pods_as_good_for_it_by_name():
+    """What gateways placing new prefixes at once take in turn (kv_preflight/index/routed.py ``claim``): every pod
+    tied with the chosen one on footprint, load and booked tokens, not on the prefix's hash."""
+    from kv_preflight.index.routed import Booked
+    from kv_preflight.predictor.scoring.route import placed_on, placement_ties
+
+    p = prediction(512)
+    pods = ["d", "c", "b", "a", "e"]
+    loads = {"a": load(0), "b": load(0), "c": load(0), "d": load(0), "e": load(20)}  # e: overloaded, never placed on
+    booked = {"a": Booked(0, 0), "b": Booked(0, 0), "c": Booked(1, 300), "d": Booked(0, 0), "e": Booked(0, 0)}
+    d = decide(p, pods, loads, policy=POLICY, ttft=TTFT, affinity_key=7, footprints={"a": 0, "b": 0, "c": 0, "d": 12},
+               booked=booked)
+    assert d.reason == "no_overlap" and d.pod_id in ("a", "b")
+    # c is as empty but busier (its booking), d holds another prefix: a and b alone are as good, by name
+    assert placement_ties(d) == ["a", "b"]
+    other = "b" if d.pod_id == "a" else "a"
+    moved = placed_on(d, other, 2)
+    assert (moved.pod_id, moved.reason, moved.cached_tokens) == (other, "no_overlap", 0)
+    assert moved.estimated_ttft_ms == d.estimated_ttft_ms and "in turn" in moved.detail
+    # nothing known of anyone: every pod not overloaded is as good
+    d = decide(p, pods, {}, policy=POLICY, ttft=TTFT, affinity_key=7)
+    assert placement_ties(d) == ["a", "b", "c", "d", "e"]
+    # a prompt some pod holds is not placed: no ties
+    assert placement_ties(decide(prediction(512, ("a", 320, "gpu")), pods, {}, policy=POLICY, ttft=TTFT)) == []

@@ -31,7 +31,11 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    else the non-overloaded pod with the fewest blocks of other recent prefixes homed on it
    (``footprints``, predictor/scoring/placement.py), then the least loaded, then a rendezvous hash of
    the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
-   Without footprints (none known yet) that is the least loaded pod.
+   Without footprints (none known yet) that is the least loaded pod. Gateways placing new prefixes at the same
+   moment all see the same state (every pod empty and idle, before any of their homes or bookings land), so the
+   hash would pile a burst of distinct new prefixes on the pods it happens to favour: where gateways share Valkey,
+   the pods equally good for the prefix (``placement_ties``) are handed out in turn, fleet-wide
+   (kv_preflight/index/routed.py ``claim``; ``placed_on``).
 """
 from __future__ import annotations
 
@@ -235,3 +239,32 @@ def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float)
     if c.kv_usage is not None and c.kv_usage >= policy.max_kv_usage:
         return f"KV usage {c.kv_usage:.0%} >= {policy.max_kv_usage:.0%}"
     return f"load {c.load:g} vs the fleet's mean {reference:g}"
+
+
+def placement_ties(decision: RouteDecision) -> list[str]:
+    """For a new prefix placed by rule 5 (``no_overlap``), the pods as good for it as the one chosen, short of the
+    prefix's hash: the same footprint, load and booked tokens, among the pods it was chosen from; by name, an order
+    every gateway shares. [] for any other decision."""
+    if decision.reason != "no_overlap" or decision.pod_id is None:
+        return []
+    pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
+
+    def key(c: RouteCandidate) -> tuple[int, float, int]:
+        load = c.load if c.load is not None else (c.assumed_load or 0.0)
+        return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0
+
+    chosen = next((c for c in pool if c.pod_id == decision.pod_id), None)
+    if chosen is None:
+        return []
+    return sorted(c.pod_id for c in pool if key(c) == key(chosen))
+
+
+def placed_on(decision: RouteDecision, pod: str, ties: int) -> RouteDecision:
+    """``decision`` (a new prefix's) sent to ``pod`` instead, one of the ``ties`` pods as good for it, whose turn
+    it was (or which another gateway placed the prefix on moments ago)."""
+    chosen = next(c for c in decision.candidates if c.pod_id == pod)
+    return msgspec.structs.replace(
+        decision, pod_id=pod, cached_tokens=chosen.cached_tokens, estimated_ttft_ms=chosen.estimated_ttft_ms,
+        detail=f"no pod holds a prefix of this prompt: {ties} pods are as good for it, and gateways placing new "
+               f"prefixes at once take them in turn: {pod}, its turn (or where another gateway placed this prefix "
+               "moments ago)")
