@@ -100,7 +100,8 @@ class RoutePath:
         pending = hint.pending or (self.routed.pending(shared) if self.routed is not None else None)
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
                           affinity_key=keys[0] if keys else n_tokens, footprints=footprints, pending=pending,
-                          booked={p: r.booked for p, r in shared.items()} if shared else None)
+                          booked={p: r.booked for p, r in shared.items()} if shared else None,
+                          booked_at_scrape=self.routed.booked_at_scrape(loads) if shared else None)
         if self.routed is not None and keys and pending is None and len(ties := placement_ties(decision)) > 1:
             # new prefixes placed by several gateways at once: the equally good pods in turn, fleet-wide
             claimed = await self.routed.claim(keys[0], ties)

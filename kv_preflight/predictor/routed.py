@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ import msgspec
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob
+from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshness
 
 log = logging.getLogger("kvpf.predictor")
@@ -43,6 +44,10 @@ log = logging.getLogger("kvpf.predictor")
 READ_ERROR_LOG_S = 10.0  # a failing read of bookings: one log line a while, a counter for each
 HOME_EVERY_S = 5.0  # a prefix's home is written again at most this often, unless its length changed
 MAX_HOMED = 100_000  # homes this process remembers writing (the least recently written forgotten first)
+BOOKED_SEEN_S = 10.0  # how long each pod's booked requests, as this process read them, are remembered
+SCRAPE_MATCH_S = 1.0  # bookings read at most this long before a scrape stand for what was booked when it was taken
+BOOKED_STEP_S = 0.05  # one remembered value per pod per this long at most (the last read in it): a scrape's time
+                      # is known to a tick, and a busy pod's bookings change every few ms
 
 
 @dataclass
@@ -66,6 +71,8 @@ class RoutedState:
     _writes: set = field(default_factory=set)
     _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
     _homing: dict = field(default_factory=dict)  # pod -> {prefix: blocks}: new homes of ours on their way to Valkey
+    # pod -> [first read, last read, booked requests] for each value read in turn, oldest first (``booked_at``)
+    _booked_seen: dict = field(default_factory=dict)
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -201,7 +208,40 @@ class RoutedState:
         for pod, homing in self._homing.items():
             if pod in routed and (blocks := sum(b for p, b in homing.items() if p != prefix)):
                 routed[pod] = msgspec.structs.replace(routed[pod], footprint=routed[pod].footprint + blocks)
+        self._saw_booked(routed)
         return routed
+
+    # ---- the bookings when a pod was scraped: how much of the scrape has ended since
+
+    def _saw_booked(self, routed: Mapping[str, PodRouted]) -> None:
+        now = self.clock()
+        for pod, r in routed.items():
+            seen = self._booked_seen.get(pod)
+            if seen is None:
+                seen = self._booked_seen[pod] = deque()
+            if seen and (seen[-1][2] == r.booked.requests or now - seen[-1][0] < BOOKED_STEP_S):
+                seen[-1][1:] = now, r.booked.requests  # the same value read again, or a newer one within the step
+            else:
+                seen.append([now, now, r.booked.requests])
+            while len(seen) > 1 and seen[1][0] <= now - BOOKED_SEEN_S:
+                seen.popleft()
+
+    def booked_at(self, pod: str, when: float) -> int | None:
+        """The requests booked on ``pod`` at ``when`` as this process read them: the value read last at or before
+        it, if that read was less than ``SCRAPE_MATCH_S`` before it (None: not read about then)."""
+        for first, last, n in reversed(self._booked_seen.get(pod, ())):  # the scrape is recent: from the newest
+            if first <= when:
+                return n if when - last <= SCRAPE_MATCH_S else None
+        return None
+
+    def booked_at_scrape(self, loads: Mapping[str, PodLoad | None]) -> dict[str, int]:
+        """Each scraped pod's bookings when its load was scraped, where this process read them then (route.py
+        takes the scrape less the gateways' requests that ended since: scoring/routed.py ``load_now``)."""
+        out = {}
+        for pod, ld in loads.items():
+            if ld is not None and (n := self.booked_at(pod, ld.at)) is not None:
+                out[pod] = n
+        return out
 
 
 class RoutedRead:

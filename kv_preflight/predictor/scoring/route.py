@@ -13,7 +13,11 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    their requests (``booked``: kv_preflight/index/routed.py), a pod's load is at least the
    requests booked there: the metrics lag a second behind, the bookings do not, so N
    gateways do not all send a burst to the pod the last scrape called idle; among equal
-   loads, fewer booked tokens first.
+   loads, fewer booked tokens first. For the same reason a scrape that counted the
+   gateways' requests is taken less those of them that have ended since
+   (``booked_at_scrape``: how many were booked there when it was taken;
+   predictor/scoring/routed.py ``load_now``), else a burst that has drained still reads
+   as a queue until the next scrape and moves its prefix's next requests away.
 3. A pod with known load is overloaded when its KV usage is at least ``max_kv_usage``
    (new requests there would evict or queue), or when its load exceeds the *reference*
    by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
@@ -49,6 +53,7 @@ from kv_preflight.index.routed import Booked
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import Freshness
+from kv_preflight.predictor.scoring.routed import load_now
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
@@ -81,7 +86,9 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     estimated_ttft_ms: float
     overloaded: bool = False
     device_tier: str | None = None
-    load: float | None = None  # running + waiting_weight * waiting; None: no fresh metrics
+    # running + waiting_weight * waiting (less the gateways' requests ended since the scrape; at least those booked
+    # here); None: no fresh metrics. ``running`` and ``waiting`` are the engine's, as scraped
+    load: float | None = None
     assumed_load: float | None = None  # no fresh metrics: the load assumed (the known candidates' mean)
     running: float | None = None
     waiting: float | None = None
@@ -129,12 +136,20 @@ def decide(
     footprints: Mapping[str, int] | None = None,
     pending: str | None = None,
     booked: Mapping[str, Booked] | None = None,
+    booked_at_scrape: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     n = prediction.total_prompt_tokens
     by_pod = {a.pod_id: a for a in prediction.pod_affinities}
     pods = sorted(set(candidates))
-    scores = {p: policy.load_score(ld) for p in pods if (ld := loads.get(p)) is not None}
     booked = booked or {}
+    then = booked_at_scrape or {}
+    scores = {}
+    for p in pods:
+        if (ld := loads.get(p)) is None:
+            continue
+        if (b := booked.get(p)) is not None and (t := then.get(p)) is not None:
+            ld = load_now(ld, t, b.requests)  # the scrape less the gateways' requests that ended since it
+        scores[p] = policy.load_score(ld)
     for p in pods:  # at least what the gateways have in flight there (the scrape counts them a second late)
         if (b := booked.get(p)) is not None:
             scores[p] = max(scores.get(p, 0.0), float(b.requests))
