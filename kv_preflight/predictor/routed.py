@@ -70,7 +70,9 @@ class RoutedState:
     pending_ms: int = 0
     _writes: set = field(default_factory=set)
     _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
-    _homing: dict = field(default_factory=dict)  # pod -> {prefix: blocks}: new homes of ours on their way to Valkey
+    # pod -> {prefix: [blocks, when written or None]}: new homes of ours on their way to Valkey, or written since a
+    # read still in flight may have started (``with_unwritten``)
+    _homing: dict = field(default_factory=dict)
     # pod -> [first read, last read, booked requests] for each value read in turn, oldest first (``booked_at``)
     _booked_seen: dict = field(default_factory=dict)
     _error_logged_at: float = float("-inf")
@@ -142,8 +144,8 @@ class RoutedState:
         last = self._homed.get((prefix, pod))
         if last is not None and last[1] == blocks and now - last[0] < HOME_EVERY_S:
             return
-        if last is None:  # counted in the pod's footprint here until written (``with_unwritten``)
-            self._homing.setdefault(pod, {})[prefix] = blocks
+        if last is None:  # counted in the pod's footprint here until every read sees it (``with_unwritten``)
+            self._homing.setdefault(pod, {})[prefix] = [blocks, None]
         self._homed[(prefix, pod)] = (now, blocks)
         self._homed.move_to_end((prefix, pod))
         while len(self._homed) > MAX_HOMED:
@@ -160,11 +162,14 @@ class RoutedState:
         except (TimeoutError, *VALKEY_ERRORS):
             self.read_errors += 1
         finally:
-            homing = self._homing.get(pod)
-            if homing is not None:
-                homing.pop(prefix, None)
+            now = self.clock()
+            if (homing := self._homing.get(pod)) is not None and (entry := homing.get(prefix)) is not None:
+                entry[1] = now
+            for pod_, homing in list(self._homing.items()):  # a read started before the write lasts its deadline
+                for p in [p for p, (_, done) in homing.items() if done is not None and done < now - self.deadline_s]:
+                    del homing[p]
                 if not homing:
-                    del self._homing[pod]
+                    del self._homing[pod_]
 
     def pending(self, routed: Mapping[str, PodRouted] | None) -> str | None:
         """The pod any gateway homed this prompt's prefix on most lately, if within ``pending_ms``: a burst of a new
@@ -196,17 +201,21 @@ class RoutedState:
             log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
                         self.read_errors, type(exc).__name__, exc)
 
-    def with_unwritten(self, routed: dict[str, PodRouted], prefix: int | None = None) -> dict[str, PodRouted]:
-        """``routed`` with this process's bookings and new homes not written yet: two of its requests a moment apart
-        see each other (a new prefix placed here a moment ago counts in its pod's footprint for the next one;
+    def with_unwritten(self, routed: dict[str, PodRouted], prefix: int | None = None,
+                       read_at: float | None = None) -> dict[str, PodRouted]:
+        """``routed`` with this process's bookings not written yet, and its new homes that the read (started at
+        ``read_at``; None: now) may have missed, written after it started or not yet: two of its requests a moment
+        apart see each other (a new prefix placed here a moment ago counts in its pod's footprint for the next one;
         ``prefix``, the prompt's own, aside, as the read leaves it aside)."""
         for pod, (requests, tokens) in self._unwritten.items():
             if pod in routed:
                 r = routed[pod]
                 routed[pod] = msgspec.structs.replace(
                     r, booked=Booked(r.booked.requests + requests, r.booked.tokens + tokens))
+        read_at = self.clock() if read_at is None else read_at
         for pod, homing in self._homing.items():
-            if pod in routed and (blocks := sum(b for p, b in homing.items() if p != prefix)):
+            if pod in routed and (blocks := sum(b for p, (b, done) in homing.items()
+                                                if p != prefix and (done is None or done > read_at))):
                 routed[pod] = msgspec.structs.replace(routed[pod], footprint=routed[pod].footprint + blocks)
         self._saw_booked(routed)
         return routed
@@ -249,6 +258,7 @@ class RoutedRead:
 
     def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes, prefix: int | None = None):
         self.state, self.pods, self.blob, self.prefix = state, pods, blob, prefix
+        self.started = state.clock()
         self.task = asyncio.ensure_future(state.read(pods, blob)) if pods else None
         self.got: dict[str, PodRouted] | None = None
 
@@ -272,4 +282,4 @@ class RoutedRead:
         got = await self.get(candidates)
         if got is None:
             return None
-        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix)
+        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix, self.started)

@@ -90,10 +90,11 @@ def test_the_bookings_when_a_pod_was_scraped_as_this_process_read_them():
     assert state.booked_at("a", 101.0) == 3 and len(state._booked_seen["a"]) == 2
 
 
-def test_a_new_home_counts_in_its_pods_footprint_here_until_it_is_written():
+def test_a_new_home_counts_in_its_pods_footprint_here_until_every_read_sees_it():
     """Through one gateway, two new prefixes a moment apart: the second must see the first's home before Valkey
-    has it (else both go to the same emptiest pod: 4 tenants on one pod, 2 on another, in the bench's single-gateway
-    runs). A store whose write is held open stands for Valkey that has not answered yet."""
+    has it, and when its read of Valkey started before the write landed (else both go to the same emptiest pod: 4
+    tenants on one pod, 2 on another, in the bench's single-gateway runs). A store whose write is held open stands
+    for Valkey that has not answered yet."""
     import asyncio
 
     from kv_preflight.predictor.routed import RoutedState
@@ -106,9 +107,11 @@ def test_a_new_home_counts_in_its_pods_footprint_here_until_it_is_written():
             await self.go.wait()
             return blocks
 
+    t = [10.0]
+
     async def run():
         store = HeldStore()
-        state = RoutedState(store=store, window_ms=60_000)
+        state = RoutedState(store=store, window_ms=60_000, clock=lambda: t[0])
         state.home(111, "a", 12)
         await asyncio.sleep(0)
         got = state.with_unwritten({"a": PodRouted(footprint=3), "b": PodRouted()}, prefix=222)
@@ -116,9 +119,17 @@ def test_a_new_home_counts_in_its_pods_footprint_here_until_it_is_written():
         assert state.with_unwritten({"a": PodRouted(footprint=3)}, prefix=111)["a"].footprint == 3  # its own: aside
         state.home(111, "a", 12)  # homed again before written: counted once
         assert state.with_unwritten({"a": PodRouted()}, prefix=222)["a"].footprint == 12
+        t[0] = 10.5
         store.go.set()
         for _ in range(3):
             await asyncio.sleep(0)
-        assert state.with_unwritten({"a": PodRouted(footprint=15)}, prefix=222)["a"].footprint == 15  # Valkey's now
+        # written at 10.5: a read that started before may have missed it, one that started after has it
+        assert state.with_unwritten({"a": PodRouted(footprint=3)}, prefix=222, read_at=10.4)["a"].footprint == 15
+        assert state.with_unwritten({"a": PodRouted(footprint=15)}, prefix=222, read_at=10.6)["a"].footprint == 15
+        t[0] = 13.0
+        state.home(333, "b", 4)  # a later write, once done, forgets what every read has seen by now
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert list(state._homing) == ["b"]
 
     asyncio.run(run())
