@@ -120,11 +120,12 @@ class RoutedStore:
         return (await self._eval(self._homes, [pod_home_keys(pod)],
                                  [(keys_blob([prefix]), max(0, int(blocks)), int(window_ms))]))[0]
 
-    async def claim(self, prefix: int, pods: Sequence[str], ttl_ms: int) -> str:
-        """The pod of ``pods`` (equally good for a new prefix, in an order every gateway shares) whose turn it is,
-        claimed for ``prefix`` for ``ttl_ms``; or the pod a live claim of ``prefix`` already names."""
+    async def claim(self, prefix: int, pool: Sequence[str], good: Sequence[str], ttl_ms: int) -> str:
+        """Of ``good`` (the pods of ``pool`` equally good for a new prefix; ``pool`` in an order every gateway shares),
+        the first from the place the turn counter names, claimed for ``prefix`` for ``ttl_ms``; or the pod a live
+        claim of ``prefix`` already names."""
         reply = (await self._eval(self._placing, [placement_claim_keys()],
-                                  [(keys_blob([prefix]), int(ttl_ms), *pods)]))[0]
+                                  [(keys_blob([prefix]), int(ttl_ms), len(pool), *pool, *good)]))[0]
         return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:

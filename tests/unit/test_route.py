@@ -244,7 +244,7 @@ def test_a_new_prefix_lists_the_pods_as_good_for_it_by_name():
     """What gateways placing new prefixes at once take in turn (kv_preflight/index/routed.py ``claim``): every pod
     tied with the chosen one on footprint, load and booked tokens, not on the prefix's hash."""
     from kv_preflight.index.routed import Booked
-    from kv_preflight.predictor.scoring.route import placed_on, placement_ties
+    from kv_preflight.predictor.scoring.route import placed_on, placement_pool, placement_ties
 
     p = prediction(512)
     pods = ["d", "c", "b", "a", "e"]
@@ -255,6 +255,7 @@ def test_a_new_prefix_lists_the_pods_as_good_for_it_by_name():
     assert d.reason == "no_overlap" and d.pod_id in ("a", "b")
     # c is as empty but busier (its booking), d holds another prefix: a and b alone are as good, by name
     assert placement_ties(d) == ["a", "b"]
+    assert placement_pool(d) == ["a", "b", "c", "d"]  # what it was chosen from: not e, overloaded
     other = "b" if d.pod_id == "a" else "a"
     moved = placed_on(d, other, 2)
     assert (moved.pod_id, moved.reason, moved.cached_tokens) == (other, "no_overlap", 0)

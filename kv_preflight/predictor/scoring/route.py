@@ -256,13 +256,25 @@ def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float)
     return f"load {c.load:g} vs the fleet's mean {reference:g}"
 
 
-def placement_ties(decision: RouteDecision) -> list[str]:
-    """For a new prefix placed by rule 5 (``no_overlap``), the pods as good for it as the one chosen, short of the
-    prefix's hash: the same footprint, load and booked tokens, among the pods it was chosen from; by name, an order
-    every gateway shares. [] for any other decision."""
+def placement_pool(decision: RouteDecision) -> list[str]:
+    """For a new prefix placed by rule 5 (``no_overlap``), the pods it was chosen from (those not overloaded, else
+    all), by name: an order every gateway shares. [] for any other decision."""
     if decision.reason != "no_overlap" or decision.pod_id is None:
         return []
-    pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
+    return sorted(c.pod_id for c in _pool(decision))
+
+
+def _pool(decision: RouteDecision) -> list[RouteCandidate]:
+    return [c for c in decision.candidates if not c.overloaded] or decision.candidates
+
+
+def placement_ties(decision: RouteDecision) -> list[str]:
+    """For a new prefix placed by rule 5 (``no_overlap``), the pods as good for it as the one chosen, short of the
+    prefix's hash: the same footprint, load and booked tokens, among the pods it was chosen from; by name. [] for
+    any other decision."""
+    if decision.reason != "no_overlap" or decision.pod_id is None:
+        return []
+    pool = _pool(decision)
 
     def key(c: RouteCandidate) -> tuple[int, float, int]:
         load = c.load if c.load is not None else (c.assumed_load or 0.0)
