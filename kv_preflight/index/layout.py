@@ -59,10 +59,11 @@ ingester, never into llm-d's keys or the presence bits), per pod in the pod's sl
 
 And fleet-wide, for new prefixes (lua/placing.lua), in one slot:
 
-  kvpf:{placing}:claims       HASH prefix (its first request key, 8 bytes) -> the pod a gateway placed it on, and
-                              n -> the placements' turn counter: gateways placing new prefixes at the same moment
-                              (each seeing every pod equally empty) take pods in turn, and one prefix keeps one pod
+  kvpf:{placing}:claims       HASH prefix (its first request key, 8 bytes) -> the pod a gateway placed it on: one
+                              new prefix keeps one pod through every gateway
   kvpf:{placing}:lapse        ZSET prefix -> when its claim lapses (Valkey ms; --route-pending after it was made)
+  kvpf:{placing}:pods         ZSET pod -> when it was last claimed: gateways placing new prefixes at the same
+                              moment (each seeing every pod equally empty) take the least lately claimed first
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -233,9 +234,10 @@ def pod_home_keys(pod_id: str) -> tuple[str, str]:
     return _pod(pod_id, "homes"), _pod(pod_id, "homed")
 
 
-def placement_claim_keys() -> tuple[str, str]:
-    """New prefixes' claimed pods (HASH, with the turn counter) and when each claim lapses (ZSET), in one slot."""
-    return f"{OUR_PREFIX}{{placing}}:claims", f"{OUR_PREFIX}{{placing}}:lapse"
+def placement_claim_keys() -> tuple[str, str, str]:
+    """New prefixes' claimed pods (HASH), when each claim lapses (ZSET), when each pod was last claimed (ZSET): one
+    slot."""
+    return f"{OUR_PREFIX}{{placing}}:claims", f"{OUR_PREFIX}{{placing}}:lapse", f"{OUR_PREFIX}{{placing}}:pods"
 
 
 def pod_routed_keys(pod_id: str) -> tuple[str, ...]:

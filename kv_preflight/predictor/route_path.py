@@ -19,8 +19,7 @@ from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_ro
 from kv_preflight.predictor.scoring.placement import PlacementHint
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks
 from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
-from kv_preflight.predictor.scoring.route import (RouteDecision, decide, placed_on, placement_pool,
-                                                  placement_ties)
+from kv_preflight.predictor.scoring.route import RouteDecision, decide, placed_on, placement_ties
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.valkey_call import valkey_call
 
@@ -104,8 +103,9 @@ class RoutePath:
                           booked={p: r.booked for p, r in shared.items()} if shared else None,
                           booked_at_scrape=self.routed.booked_at_scrape(loads) if shared else None)
         if self.routed is not None and keys and pending is None and len(ties := placement_ties(decision)) > 1:
-            # new prefixes placed by several gateways at once: the equally good pods in turn, fleet-wide
-            claimed = await self.routed.claim(keys[0], placement_pool(decision), ties)
+            # new prefixes placed at once (by several gateways, or one with its claims in flight): the equally good
+            # pods the least lately claimed first, fleet-wide
+            claimed = await self.routed.claim(keys[0], ties)
             if claimed is not None and claimed != decision.pod_id and claimed in candidates:
                 decision = placed_on(decision, claimed, len(ties))
         if pods and not candidates:  # the filter named pods, and none may take a request now

@@ -180,15 +180,15 @@ class RoutedState:
         homed = [(r.homed_ms_ago, p) for p, r in routed.items() if 0 <= r.homed_ms_ago < self.pending_ms]
         return min(homed)[1] if homed else None
 
-    async def claim(self, prefix: int, pool: Sequence[str], good: Sequence[str]) -> str | None:
-        """Of ``good`` (the pods of ``pool``, by name, equally good for the new prefix ``prefix``), the one whose turn
-        it is fleet-wide, or the one a gateway placed the prefix on within ``pending_ms``; None when not shared (no
-        store, no pending window) or Valkey did not answer (the caller keeps its own choice, counted)."""
-        if self.store is None or self.pending_ms <= 0 or len(good) < 2:
+    async def claim(self, prefix: int, pods: Sequence[str]) -> str | None:
+        """Of ``pods`` (equally good for the new prefix ``prefix``, by name), the one claimed least lately fleet-wide,
+        or the one a gateway placed the prefix on within ``pending_ms``; None when not shared (no store, no pending
+        window) or Valkey did not answer (the caller keeps its own choice, counted)."""
+        if self.store is None or self.pending_ms <= 0 or len(pods) < 2:
             return None
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await self.store.claim(prefix, pool, good, self.pending_ms)
+                return await self.store.claim(prefix, pods, self.pending_ms)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self._failed(exc)
             return None

@@ -500,7 +500,7 @@ async def test_a_new_prefix_one_gateway_placed_is_pending_there_for_every_gatewa
     await until(lambda: _routed_to(b, prompt, other), "placed by footprints once --route-pending lapsed")
 
 
-async def test_new_prefixes_placed_through_two_gateways_at_once_take_the_pods_in_turn(valkey_url, ix, gateway, stubs):
+async def test_new_prefixes_placed_through_two_gateways_at_once_take_different_pods(valkey_url, ix, gateway, stubs):
     """Two gateway processes each place a new prompt, both prompts hashed to the same pod, each gateway seeing both
     pods as empty and idle (no placement window: nothing homed is read, as in the ms before a home lands). Claimed
     fleet-wide, the two prompts go to different pods, and the first prompt keeps its pod through the other

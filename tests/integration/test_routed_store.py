@@ -145,28 +145,30 @@ async def test_the_read_says_how_long_ago_the_prompts_own_prefix_was_homed_on_ea
     assert (await store.read([pod], keys_blob(a), 0))[pod].homed_ms_ago == -1  # no window: homes not read
 
 
-async def test_new_prefixes_claimed_at_once_take_the_pods_in_turn_and_one_prefix_keeps_its_pod(store):
+async def test_new_prefixes_claimed_at_once_take_different_pods_and_one_prefix_keeps_its_pod(store):
     """Gateways placing new prefixes at the same moment (each seeing every pod equally empty) would all pick the
-    pod their hash favours; claimed, they take the equally good pods in turn, and a prefix claimed again within
-    the TTL keeps the pod it was given, whatever pods the second claimant found as good."""
+    pod their hash favours; claimed, they take the equally good pods the least lately claimed first, and a prefix
+    claimed again within the TTL keeps the pod it was given, whatever pods the second claimant found as good."""
     import asyncio
 
     pods = [f"pod-{i}" for i in range(8)]
     prefixes = [chain(100 + i, 1)[0] for i in range(8)]
-    got = await asyncio.gather(*(store.claim(p, pods, pods, 60_000) for p in prefixes))
+    got = await asyncio.gather(*(store.claim(p, pods, 60_000) for p in prefixes))
     assert sorted(got) == pods  # eight at once: eight pods
-    again = await asyncio.gather(*(store.claim(p, pods, pods[:3], 60_000) for p in prefixes))
+    again = await asyncio.gather(*(store.claim(p, pods[:3], 60_000) for p in prefixes))
     assert again == got
-    # gateways whose equally good pods differ a little (each counts its own unwritten bookings) still spread: the
-    # turn names a place in the shared order, and each takes the first of its own good pods from there
+    # gateways whose equally good pods differ a little (each counts its own unwritten bookings), or where a run of
+    # pods is not among them, still spread: each takes the least lately claimed of its own
     more = [chain(200 + i, 1)[0] for i in range(8)]
-    got = await asyncio.gather(*(store.claim(p, pods, [q for q in pods if q != pods[i]], 60_000)
-                                 for i, p in enumerate(more)))
-    assert len(set(got)) >= 7 and all(g != pods[i] for i, g in enumerate(got))
+    got = await asyncio.gather(*(store.claim(p, [q for q in pods if q != pods[i]], 60_000) for i, p in enumerate(more)))
+    assert len(set(got)) == 8 and all(g != pods[i] for i, g in enumerate(got))
+    few = [chain(300 + i, 1)[0] for i in range(4)]
+    got = await asyncio.gather(*(store.claim(p, [pods[0], *pods[4:]], 60_000) for p in few))
+    assert len(set(got)) == 4  # a run of pods not among them funnels nothing onto the next one
     fleeting = chain(999, 1)[0]
-    first = await store.claim(fleeting, pods, pods, 200)
+    first = await store.claim(fleeting, pods, 200)
 
     async def lapsed_and_taken_anew():
-        return await store.claim(fleeting, pods, [p for p in pods if p != first], 200) != first
+        return await store.claim(fleeting, [p for p in pods if p != first], 200) != first
 
     await until(lapsed_and_taken_anew, "the claim lapsed with its TTL: the prefix placed anew")

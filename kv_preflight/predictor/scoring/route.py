@@ -38,8 +38,8 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    Without footprints (none known yet) that is the least loaded pod. Gateways placing new prefixes at the same
    moment all see the same state (every pod empty and idle, before any of their homes or bookings land), so the
    hash would pile a burst of distinct new prefixes on the pods it happens to favour: where gateways share Valkey,
-   the pods equally good for the prefix (``placement_ties``) are handed out in turn, fleet-wide
-   (kv_preflight/index/routed.py ``claim``; ``placed_on``).
+   the pods equally good for the prefix (``placement_ties``) are handed out the least lately claimed first,
+   fleet-wide (kv_preflight/index/routed.py ``claim``; ``placed_on``).
 """
 from __future__ import annotations
 
@@ -256,25 +256,13 @@ def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float)
     return f"load {c.load:g} vs the fleet's mean {reference:g}"
 
 
-def placement_pool(decision: RouteDecision) -> list[str]:
-    """For a new prefix placed by rule 5 (``no_overlap``), the pods it was chosen from (those not overloaded, else
-    all), by name: an order every gateway shares. [] for any other decision."""
-    if decision.reason != "no_overlap" or decision.pod_id is None:
-        return []
-    return sorted(c.pod_id for c in _pool(decision))
-
-
-def _pool(decision: RouteDecision) -> list[RouteCandidate]:
-    return [c for c in decision.candidates if not c.overloaded] or decision.candidates
-
-
 def placement_ties(decision: RouteDecision) -> list[str]:
     """For a new prefix placed by rule 5 (``no_overlap``), the pods as good for it as the one chosen, short of the
     prefix's hash: the same footprint, load and booked tokens, among the pods it was chosen from; by name. [] for
     any other decision."""
     if decision.reason != "no_overlap" or decision.pod_id is None:
         return []
-    pool = _pool(decision)
+    pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
 
     def key(c: RouteCandidate) -> tuple[int, float, int]:
         load = c.load if c.load is not None else (c.assumed_load or 0.0)
@@ -287,11 +275,11 @@ def placement_ties(decision: RouteDecision) -> list[str]:
 
 
 def placed_on(decision: RouteDecision, pod: str, ties: int) -> RouteDecision:
-    """``decision`` (a new prefix's) sent to ``pod`` instead, one of the ``ties`` pods as good for it, whose turn
-    it was (or which another gateway placed the prefix on moments ago)."""
+    """``decision`` (a new prefix's) sent to ``pod`` instead, one of the ``ties`` pods as good for it, the one claimed
+    least lately (or which another gateway placed the prefix on moments ago)."""
     chosen = next(c for c in decision.candidates if c.pod_id == pod)
     return msgspec.structs.replace(
         decision, pod_id=pod, cached_tokens=chosen.cached_tokens, estimated_ttft_ms=chosen.estimated_ttft_ms,
         detail=f"no pod holds a prefix of this prompt: {ties} pods are as good for it, and gateways placing new "
-               f"prefixes at once take them in turn: {pod}, its turn (or where another gateway placed this prefix "
-               "moments ago)")
+               f"prefixes at once take them the least lately claimed first: {pod} (or where another gateway placed "
+               "this prefix moments ago)")
