@@ -62,8 +62,10 @@ And fleet-wide, for new prefixes (lua/placing.lua), in one slot:
   kvpf:{placing}:claims       HASH prefix (its first request key, 8 bytes) -> the pod a gateway placed it on: one
                               new prefix keeps one pod through every gateway
   kvpf:{placing}:lapse        ZSET prefix -> when its claim lapses (Valkey ms; --route-pending after it was made)
-  kvpf:{placing}:pods         ZSET pod -> when it was last claimed: gateways placing new prefixes at the same
-                              moment (each seeing every pod equally empty) take the least lately claimed first
+  kvpf:{placing}:recent       ZSET prefix .. blocks .. pod -> when it was placed there: the placements of the last
+                              moment, counted on their pods beside the footprints a gateway read (their homes may
+                              not have reached its read), so gateways placing at once do not crowd one pod
+  kvpf:{placing}:pods         ZSET pod -> when it was last claimed: ties go to the least lately claimed
 
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
@@ -234,10 +236,10 @@ def pod_home_keys(pod_id: str) -> tuple[str, str]:
     return _pod(pod_id, "homes"), _pod(pod_id, "homed")
 
 
-def placement_claim_keys() -> tuple[str, str, str]:
-    """New prefixes' claimed pods (HASH), when each claim lapses (ZSET), when each pod was last claimed (ZSET): one
-    slot."""
-    return f"{OUR_PREFIX}{{placing}}:claims", f"{OUR_PREFIX}{{placing}}:lapse", f"{OUR_PREFIX}{{placing}}:pods"
+def placement_claim_keys() -> tuple[str, str, str, str]:
+    """New prefixes' claimed pods (HASH), when each claim lapses (ZSET), the placements of the last moment (ZSET),
+    when each pod was last claimed (ZSET): one slot."""
+    return tuple(f"{OUR_PREFIX}{{placing}}:{k}" for k in ("claims", "lapse", "recent", "pods"))
 
 
 def pod_routed_keys(pod_id: str) -> tuple[str, ...]:

@@ -18,8 +18,8 @@ Per pod, in the pod's slot (``{<pod>}``: each script runs on one shard of a Valk
 
 Fleet-wide, one slot: **placement claims** (``lua/placing.lua``): a new prefix's pod, claimed for
 ``--route-pending``. Gateways placing new prefixes at the same moment read the same state (every pod empty and
-idle, before any home or booking lands) and would all pick the same pod: the claim hands them the equally good
-pods the least lately claimed first, and every request of one new prefix the same pod.
+idle, before any home or booking lands) and would all pick the same pod: the claim counts the placements of the
+last moment beside the footprints each read, and gives every request of one new prefix the same pod.
 
 ``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
 (``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py. A gateway makes
@@ -120,11 +120,14 @@ class RoutedStore:
         return (await self._eval(self._homes, [pod_home_keys(pod)],
                                  [(keys_blob([prefix]), max(0, int(blocks)), int(window_ms))]))[0]
 
-    async def claim(self, prefix: int, pods: Sequence[str], ttl_ms: int) -> str:
-        """Of ``pods`` (equally good for a new prefix, in an order every gateway shares), the one claimed least
-        lately, claimed for ``prefix`` for ``ttl_ms``; or the pod a live claim of ``prefix`` already names."""
+    async def claim(self, prefix: int, blocks: int, order: Sequence[tuple[str, int]], ttl_ms: int,
+                    moment_ms: int) -> str:
+        """The pod a new prefix (``blocks`` long) is placed on, claimed for ``ttl_ms``: of ``order`` ((pod, its
+        footprint as the caller read it), the caller's preference first), the one with the fewest blocks counting
+        the placements of the last ``moment_ms`` there too; or the pod a live claim of ``prefix`` already names."""
+        flat = [x for pod, footprint in order for x in (pod, int(footprint))]
         reply = (await self._eval(self._placing, [placement_claim_keys()],
-                                  [(keys_blob([prefix]), int(ttl_ms), *pods)]))[0]
+                                  [(keys_blob([prefix]), int(ttl_ms), int(moment_ms), int(blocks), *flat)]))[0]
         return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:

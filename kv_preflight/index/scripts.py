@@ -35,7 +35,7 @@ ADOPT = lua("adopt")
 BOOKED = lua("booked_drop", "booked")
 ROUTED_CHAIN = lua("routed_chain")
 HOMES = lua("homes_drop", "homes")
-PLACING = lua("placing")  # a new prefix's pod claimed fleet-wide, the least lately claimed first
+PLACING = lua("placing")  # a new prefix's pod claimed fleet-wide, with the placements of the last moment
 ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 
 __all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",

@@ -19,7 +19,7 @@ from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_ro
 from kv_preflight.predictor.scoring.placement import PlacementHint
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks
 from kv_preflight.predictor.scoring.ranks import expand as expand_ranks
-from kv_preflight.predictor.scoring.route import RouteDecision, decide, placed_on, placement_ties
+from kv_preflight.predictor.scoring.route import RouteDecision, decide, placed_on, placement_order
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.valkey_call import valkey_call
 
@@ -102,12 +102,12 @@ class RoutePath:
                           affinity_key=keys[0] if keys else n_tokens, footprints=footprints, pending=pending,
                           booked={p: r.booked for p, r in shared.items()} if shared else None,
                           booked_at_scrape=self.routed.booked_at_scrape(loads) if shared else None)
-        if self.routed is not None and keys and pending is None and len(ties := placement_ties(decision)) > 1:
-            # new prefixes placed at once (by several gateways, or one with its claims in flight): the equally good
-            # pods the least lately claimed first, fleet-wide
-            claimed = await self.routed.claim(keys[0], ties)
+        if self.routed is not None and keys and pending is None and \
+                len(order := placement_order(decision, keys[0])) > 1:
+            # a new prefix, placed fleet-wide: with the placements of the last moment that our read may not show
+            claimed = await self.routed.claim(keys[0], len(keys), order)
             if claimed is not None and claimed != decision.pod_id and claimed in candidates:
-                decision = placed_on(decision, claimed, len(ties))
+                decision = placed_on(decision, claimed)
         if pods and not candidates:  # the filter named pods, and none may take a request now
             decision = msgspec.structs.replace(decision, detail=clip(
                 f"no pod of the pods filter may take it: {', '.join(sorted(pods)[:5])}{' ...' if len(pods) > 5 else ''}"

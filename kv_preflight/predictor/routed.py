@@ -44,6 +44,7 @@ log = logging.getLogger("kvpf.predictor")
 READ_ERROR_LOG_S = 10.0  # a failing read of bookings: one log line a while, a counter for each
 HOME_EVERY_S = 5.0  # a prefix's home is written again at most this often, unless its length changed
 MAX_HOMED = 100_000  # homes this process remembers writing (the least recently written forgotten first)
+CLAIM_MOMENT_MS = 1000  # a placement counts on its pod beside the footprints read for this long (its home's way there)
 BOOKED_SEEN_S = 10.0  # how long each pod's booked requests, as this process read them, are remembered
 SCRAPE_MATCH_S = 1.0  # bookings read at most this long before a scrape stand for what was booked when it was taken
 BOOKED_STEP_S = 0.05  # one remembered value per pod per this long at most (the last read in it): a scrape's time
@@ -180,15 +181,16 @@ class RoutedState:
         homed = [(r.homed_ms_ago, p) for p, r in routed.items() if 0 <= r.homed_ms_ago < self.pending_ms]
         return min(homed)[1] if homed else None
 
-    async def claim(self, prefix: int, pods: Sequence[str]) -> str | None:
-        """Of ``pods`` (equally good for the new prefix ``prefix``, by name), the one claimed least lately fleet-wide,
-        or the one a gateway placed the prefix on within ``pending_ms``; None when not shared (no store, no pending
-        window) or Valkey did not answer (the caller keeps its own choice, counted)."""
-        if self.store is None or self.pending_ms <= 0 or len(pods) < 2:
+    async def claim(self, prefix: int, blocks: int, order: Sequence[tuple[str, int]]) -> str | None:
+        """The pod the new prefix ``prefix`` goes to, claimed fleet-wide (kv_preflight/index/routed.py ``claim``) from
+        ``order`` (rule 5's, with each pod's footprint), or the one a gateway placed it on within ``pending_ms``; None
+        when not shared (no store, no pending window) or Valkey did not answer (the caller keeps its own choice,
+        counted)."""
+        if self.store is None or self.pending_ms <= 0 or len(order) < 2:
             return None
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await self.store.claim(prefix, pods, self.pending_ms)
+                return await self.store.claim(prefix, blocks, order, self.pending_ms, CLAIM_MOMENT_MS)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self._failed(exc)
             return None

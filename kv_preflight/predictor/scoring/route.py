@@ -38,8 +38,9 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    Without footprints (none known yet) that is the least loaded pod. Gateways placing new prefixes at the same
    moment all see the same state (every pod empty and idle, before any of their homes or bookings land), so the
    hash would pile a burst of distinct new prefixes on the pods it happens to favour: where gateways share Valkey,
-   the pods equally good for the prefix (``placement_ties``) are handed out the least lately claimed first,
-   fleet-wide (kv_preflight/index/routed.py ``claim``; ``placed_on``).
+   the placement is claimed fleet-wide (kv_preflight/index/routed.py ``claim``): rule 5's order
+   (``placement_order``), weighed with the placements of the last moment that the footprints read may not show
+   yet (``placed_on``).
 """
 from __future__ import annotations
 
@@ -256,30 +257,28 @@ def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float)
     return f"load {c.load:g} vs the fleet's mean {reference:g}"
 
 
-def placement_ties(decision: RouteDecision) -> list[str]:
-    """For a new prefix placed by rule 5 (``no_overlap``), the pods as good for it as the one chosen, short of the
-    prefix's hash: the same footprint, load and booked tokens, among the pods it was chosen from; by name. [] for
-    any other decision."""
+def placement_order(decision: RouteDecision, affinity_key: int) -> list[tuple[str, int]]:
+    """For a new prefix placed by rule 5 (``no_overlap``), the pods it was chosen from in rule 5's order (fewest
+    blocks of other prefixes, least loaded, fewer booked tokens, the prefix's rendezvous order: the chosen pod
+    first), each with its footprint: what a claim weighs with the placements other gateways made a moment ago.
+    [] for any other decision."""
     if decision.reason != "no_overlap" or decision.pod_id is None:
         return []
     pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
 
-    def key(c: RouteCandidate) -> tuple[int, float, int]:
+    def key(c: RouteCandidate) -> tuple[int, float, int, int]:
         load = c.load if c.load is not None else (c.assumed_load or 0.0)
-        return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0
+        return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0, -rendezvous(affinity_key, c.pod_id)
 
-    chosen = next((c for c in pool if c.pod_id == decision.pod_id), None)
-    if chosen is None:
-        return []
-    return sorted(c.pod_id for c in pool if key(c) == key(chosen))
+    return [(c.pod_id, c.recent_prefix_blocks or 0) for c in sorted(pool, key=key)]
 
 
-def placed_on(decision: RouteDecision, pod: str, ties: int) -> RouteDecision:
-    """``decision`` (a new prefix's) sent to ``pod`` instead, one of the ``ties`` pods as good for it, the one claimed
-    least lately (or which another gateway placed the prefix on moments ago)."""
+def placed_on(decision: RouteDecision, pod: str) -> RouteDecision:
+    """``decision`` (a new prefix's) sent to ``pod`` instead: the claim's pod (the fewest blocks once the placements
+    other gateways made a moment ago count, or where one of them placed this prefix moments ago)."""
     chosen = next(c for c in decision.candidates if c.pod_id == pod)
     return msgspec.structs.replace(
         decision, pod_id=pod, cached_tokens=chosen.cached_tokens, estimated_ttft_ms=chosen.estimated_ttft_ms,
-        detail=f"no pod holds a prefix of this prompt: {ties} pods are as good for it, and gateways placing new "
-               f"prefixes at once take them the least lately claimed first: {pod} (or where another gateway placed "
-               "this prefix moments ago)")
+        detail=f"no pod holds a prefix of this prompt: {pod} has the fewest blocks of other prefixes once the new "
+               "prefixes the gateways placed a moment ago count too (or a gateway placed this prefix there moments "
+               "ago)")
