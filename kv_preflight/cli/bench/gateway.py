@@ -477,12 +477,13 @@ def _loads_idle(valkey_url: str, pods: list[str], since_ms: int) -> bool:
 
 
 def _drop_routed(valkey_url: str, pods: list[str]) -> None:
-    from kv_preflight.index.layout import pod_routed_keys
+    from kv_preflight.index.layout import placement_claim_keys, pod_routed_keys
 
     r = redis.Redis.from_url(valkey_url)
     try:
         for p in pods:
             r.delete(*pod_routed_keys(p))
+        r.delete(*placement_claim_keys())  # new prefixes' claims: they placed tenants on the caches just emptied
     finally:
         r.close()
 
