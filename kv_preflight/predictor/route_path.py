@@ -104,9 +104,10 @@ class RoutePath:
                           booked_at_scrape=self.routed.booked_at_scrape(loads) if shared else None)
         if self.routed is not None and keys and pending is None and \
                 len(order := placement_order(decision, keys[0])) > 1:
-            # a new prefix, placed fleet-wide: with the placements of the last moment that our read may not show
+            # a new prefix, placed fleet-wide: with the placements of the last moment that our read may not show (a
+            # pod claimed for it elsewhere that is overloaded, or no longer a candidate here, is not taken)
             claimed = await self.routed.claim(keys[0], len(keys), order)
-            if claimed is not None and claimed != decision.pod_id and claimed in candidates:
+            if claimed is not None and claimed != decision.pod_id and any(p == claimed for p, _ in order):
                 decision = placed_on(decision, claimed)
         if pods and not candidates:  # the filter named pods, and none may take a request now
             decision = msgspec.structs.replace(decision, detail=clip(
