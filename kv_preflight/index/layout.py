@@ -57,6 +57,16 @@ ingester, never into llm-d's keys or the presence bits), per pod in the pod's sl
   kvpf:{<pod>}:homed          HASH prefix -> its blocks, sum -> theirs together: the pod's footprint, the cache
                               room other prefixes take there, which new prefixes are placed by (fleet-wide)
 
+And fleet-wide, for new prefixes (lua/placing.lua), in one slot:
+
+  kvpf:{placing}:claims       HASH prefix (its first request key, 8 bytes) -> the pod a gateway placed it on: one
+                              new prefix keeps one pod through every gateway
+  kvpf:{placing}:lapse        ZSET prefix -> when its claim lapses (Valkey ms; --route-pending after it was made)
+  kvpf:{placing}:recent       ZSET prefix .. blocks .. pod -> when it was placed there: the placements of the last
+                              moment, counted on their pods beside the footprints a gateway read (their homes may
+                              not have reached its read), so gateways placing at once do not crowd one pod
+  kvpf:{placing}:pods         ZSET pod -> when it was last claimed: ties go to the least lately claimed
+
 Per-pod keys share the hash tag ``{<pod>}``, hence one slot, so the seq and generation checks and the pod's
 state change are one atomic script on a cluster too.
 
@@ -219,6 +229,12 @@ def pod_approximate_key(pod_id: str) -> str:
 def pod_home_keys(pod_id: str) -> tuple[str, str]:
     """The prefixes homed on a pod (ZSET prefix -> last routed ms) and their blocks (HASH), in the pod's slot."""
     return _pod(pod_id, "homes"), _pod(pod_id, "homed")
+
+
+def placement_claim_keys() -> tuple[str, str, str, str]:
+    """New prefixes' claimed pods (HASH), when each claim lapses (ZSET), the placements of the last moment (ZSET),
+    when each pod was last claimed (ZSET): one slot."""
+    return tuple(f"{OUR_PREFIX}{{placing}}:{k}" for k in ("claims", "lapse", "recent", "pods"))
 
 
 def pod_routed_keys(pod_id: str) -> tuple[str, ...]:

@@ -16,6 +16,11 @@ Per pod, in the pod's slot (``{<pod>}``: each script runs on one shard of a Valk
   pod's footprint: what a new prefix is placed by (predictor/scoring/placement.py keeps the same per process;
   this is every gateway's, so N gateways agree where the room is).
 
+Fleet-wide, one slot: **placement claims** (``lua/placing.lua``): a new prefix's pod, claimed for
+``--route-pending``. Gateways placing new prefixes at the same moment read the same state (every pod empty and
+idle, before any home or booking lands) and would all pick the same pod: the claim counts the placements of the
+last moment beside the footprints each read, and gives every request of one new prefix the same pod.
+
 ``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
 (``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py. A gateway makes
 up to four such calls per request (read, book, speculate, release; releases go a few at a time): on a single
@@ -32,8 +37,8 @@ import msgspec
 
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import evalsha_pipeline
-from kv_preflight.index.layout import (pod_approximate_key, pod_booking_keys, pod_home_keys, pod_routed_keys,
-                                      pod_speculative_key)
+from kv_preflight.index.layout import (placement_claim_keys, pod_approximate_key, pod_booking_keys, pod_home_keys,
+                                      pod_routed_keys, pod_speculative_key)
 from kv_preflight.index.resp import FastConnection
 
 # Scores count milliseconds from here (Valkey's clock), so a key's position fraction keeps 1e-5 ms of precision
@@ -72,6 +77,7 @@ class RoutedStore:
         self._chain = client.register_script(scripts.ROUTED_CHAIN)
         self._read = client.register_script(scripts.ROUTED_READ)
         self._homes = client.register_script(scripts.HOMES)
+        self._placing = client.register_script(scripts.PLACING)
 
     async def _eval(self, script, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> list[Any]:
         """One EVALSHA per (keys, args), written at once: on the lean connection, else pipelined by redis-py (a
@@ -118,6 +124,16 @@ class RoutedStore:
         """``prefix`` (a prompt's first request key) homed on ``pod`` now, ``blocks`` long; the pod's footprint."""
         return (await self._eval(self._homes, [pod_home_keys(pod)],
                                  [(keys_blob([prefix]), max(0, int(blocks)), int(window_ms))]))[0]
+
+    async def claim(self, prefix: int, blocks: int, order: Sequence[tuple[str, int]], ttl_ms: int,
+                    moment_ms: int) -> str:
+        """The pod a new prefix (``blocks`` long) is placed on, claimed for ``ttl_ms``: of ``order`` ((pod, its
+        footprint as the caller read it), the caller's preference first), the one with the fewest blocks counting
+        the placements of the last ``moment_ms`` there too; or the pod a live claim of ``prefix`` already names."""
+        flat = [x for pod, footprint in order for x in (pod, int(footprint))]
+        reply = (await self._eval(self._placing, [placement_claim_keys()],
+                                  [(keys_blob([prefix]), int(ttl_ms), int(moment_ms), int(blocks), *flat)]))[0]
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     async def booked(self, pods: Iterable[str]) -> dict[str, Booked]:
         return {p: r.booked for p, r in (await self.read(pods)).items()}

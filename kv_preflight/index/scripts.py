@@ -35,7 +35,8 @@ ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it
 BOOKED = lua("booked_drop", "booked")
 ROUTED_CHAIN = lua("routed_chain")
 HOMES = lua("homes_drop", "homes")
+PLACING = lua("placing")  # a new prefix's pod claimed fleet-wide, with the placements of the last moment
 ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")
 
 __all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",
-           "NUMS", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "lua"]
+           "NUMS", "PLACING", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "lua"]

@@ -19,7 +19,7 @@ from kv_preflight.predictor.scoring.freshness import pod_freshness, stale_for_ro
 from kv_preflight.predictor.scoring.placement import PlacementHint
 from kv_preflight.predictor.scoring.ranks import decision_with_ranks
 from kv_preflight.index.rank_pods import pods_with_ranks
-from kv_preflight.predictor.scoring.route import RouteDecision, decide
+from kv_preflight.predictor.scoring.route import RouteDecision, decide, placed_on, placement_order
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.valkey_call import valkey_call
 
@@ -91,15 +91,24 @@ class RoutePath:
                                                  predicted_cached_tokens=0, blocks_cached=0, cache_hit_ratio=0.0)
         loads = {p: self.load_of(p) for p in candidates}
         shared = await routed.for_route(candidates) if routed is not None else None
-        # no await from the hint to the note below: a concurrent request of the same new prefix sees this placement
+        # no await from the hint to the note below (but a claim's, which settles the same prefix fleet-wide): a
+        # concurrent request of the same new prefix sees this placement
         hint = self.placements.hint(keys[0], candidates) if self.placements is not None and keys else PlacementHint()
         footprints = hint.footprints or None
         if shared is not None and self.routed is not None and self.routed.window_ms > 0:
             footprints = {p: r.footprint for p, r in shared.items()}  # every gateway's placements, not ours alone
+        pending = hint.pending or (self.routed.pending(shared) if self.routed is not None else None)
         decision = decide(prediction, candidates, loads, policy=self.policy, ttft=self.ttft.for_model(model),
-                          affinity_key=keys[0] if keys else n_tokens, footprints=footprints,
-                          pending=hint.pending or (self.routed.pending(shared) if self.routed is not None else None),
-                          booked={p: r.booked for p, r in shared.items()} if shared else None)
+                          affinity_key=keys[0] if keys else n_tokens, footprints=footprints, pending=pending,
+                          booked={p: r.booked for p, r in shared.items()} if shared else None,
+                          booked_at_scrape=self.routed.booked_at_scrape(loads) if shared else None)
+        if self.routed is not None and keys and pending is None and \
+                len(order := placement_order(decision, keys[0])) > 1:
+            # a new prefix, placed fleet-wide: with the placements of the last moment that our read may not show (a
+            # pod claimed for it elsewhere that is overloaded, or no longer a candidate here, is not taken)
+            claimed = await self.routed.claim(keys[0], len(keys), order)
+            if claimed is not None and claimed != decision.pod_id and any(p == claimed for p, _ in order):
+                decision = placed_on(decision, claimed)
         if pods and not candidates:  # the filter named pods, and none may take a request now
             decision = msgspec.structs.replace(decision, detail=clip(
                 f"no pod of the pods filter may take it: {', '.join(sorted(pods)[:5])}{' ...' if len(pods) > 5 else ''}"

@@ -14,7 +14,9 @@ gateway, kv_preflight/predictor/gateway/) also knows what it just sent where, be
 * the prefixes every gateway homed where within the placement window (``--route-placement-window``), each pod's
   *footprint*: a new prefix goes where the fewest blocks of others live (predictor/scoring/placement.py's rule,
   over the fleet's placements rather than one process's share of them); and a prefix homed on a pod within
-  ``--route-pending`` that no pod shows yet is *pending* there for every gateway, not only the one that placed it.
+  ``--route-pending`` that no pod shows yet is *pending* there for every gateway, not only the one that placed it;
+  before its home lands, the new prefix's *claim* (``claim``) gives it one pod fleet-wide, and gives gateways
+  placing distinct new prefixes at the same moment distinct pods.
 
 All of it is read beside the lookup, in one pipelined round trip that runs while the lookup does: the pods
 the predictor foresees as candidates (those its caches say serve the model), and after, any pod the lookup or
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ import msgspec
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob
+from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshness
 
 log = logging.getLogger("kvpf.predictor")
@@ -41,6 +44,11 @@ log = logging.getLogger("kvpf.predictor")
 READ_ERROR_LOG_S = 10.0  # a failing read of bookings: one log line a while, a counter for each
 HOME_EVERY_S = 5.0  # a prefix's home is written again at most this often, unless its length changed
 MAX_HOMED = 100_000  # homes this process remembers writing (the least recently written forgotten first)
+CLAIM_MOMENT_MS = 1000  # a placement counts on its pod beside the footprints read for this long (its home's way there)
+BOOKED_SEEN_S = 10.0  # how long each pod's booked requests, as this process read them, are remembered
+SCRAPE_MATCH_S = 1.0  # bookings read at most this long before a scrape stand for what was booked when it was taken
+BOOKED_STEP_S = 0.05  # one remembered value per pod per this long at most (the last read in it): a scrape's time
+                      # is known to a tick, and a busy pod's bookings change every few ms
 
 
 @dataclass
@@ -63,6 +71,11 @@ class RoutedState:
     pending_ms: int = 0
     _writes: set = field(default_factory=set)
     _homed: OrderedDict = field(default_factory=OrderedDict)  # (prefix, pod) -> (when written, blocks)
+    # pod -> {prefix: [blocks, when written or None]}: new homes of ours on their way to Valkey, or written since a
+    # read still in flight may have started (``with_unwritten``)
+    _homing: dict = field(default_factory=dict)
+    # pod -> [first read, last read, booked requests] for each value read in turn, oldest first (``booked_at``)
+    _booked_seen: dict = field(default_factory=dict)
     _error_logged_at: float = float("-inf")
 
     # ---- pods that failed here
@@ -98,7 +111,7 @@ class RoutedState:
         """The read of what was routed to ``pods`` for this prompt, started now (beside the lookup)."""
         if self.store is None:
             return None
-        return RoutedRead(self, frozenset(pods), keys_blob(keys) if keys else b"")
+        return RoutedRead(self, frozenset(pods), keys_blob(keys) if keys else b"", keys[0] if keys else None)
 
     def unwritten(self, pod: str, requests: int, tokens: int) -> None:
         """A booking of this process on its way to Valkey (+1) or written or failed (-1): counted meanwhile."""
@@ -118,12 +131,7 @@ class RoutedState:
             async with asyncio.timeout(self.deadline_s):
                 return await self.store.read(pods, blob, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
-            self.read_errors += 1
-            now = self.clock()
-            if now - self._error_logged_at >= READ_ERROR_LOG_S:
-                self._error_logged_at = now
-                log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
-                            self.read_errors, type(exc).__name__, exc)
+            self._failed(exc)
             return None
 
     def home(self, prefix: int, pod: str, blocks: int) -> None:
@@ -137,6 +145,8 @@ class RoutedState:
         last = self._homed.get((prefix, pod))
         if last is not None and last[1] == blocks and now - last[0] < HOME_EVERY_S:
             return
+        if last is None:  # counted in the pod's footprint here until every read sees it (``with_unwritten``)
+            self._homing.setdefault(pod, {})[prefix] = [blocks, None]
         self._homed[(prefix, pod)] = (now, blocks)
         self._homed.move_to_end((prefix, pod))
         while len(self._homed) > MAX_HOMED:
@@ -152,6 +162,15 @@ class RoutedState:
                 await self.store.home(pod, prefix, blocks, self.window_ms)
         except (TimeoutError, *VALKEY_ERRORS):
             self.read_errors += 1
+        finally:
+            now = self.clock()
+            if (homing := self._homing.get(pod)) is not None and (entry := homing.get(prefix)) is not None:
+                entry[1] = now
+            for pod_, homing in list(self._homing.items()):  # a read started before the write lasts its deadline
+                for p in [p for p, (_, done) in homing.items() if done is not None and done < now - self.deadline_s]:
+                    del homing[p]
+                if not homing:
+                    del self._homing[pod_]
 
     def pending(self, routed: Mapping[str, PodRouted] | None) -> str | None:
         """The pod any gateway homed this prompt's prefix on most lately, if within ``pending_ms``: a burst of a new
@@ -162,20 +181,86 @@ class RoutedState:
         homed = [(r.homed_ms_ago, p) for p, r in routed.items() if 0 <= r.homed_ms_ago < self.pending_ms]
         return min(homed)[1] if homed else None
 
-    def with_unwritten(self, routed: dict[str, PodRouted]) -> dict[str, PodRouted]:
+    async def claim(self, prefix: int, blocks: int, order: Sequence[tuple[str, int]]) -> str | None:
+        """The pod the new prefix ``prefix`` goes to, claimed fleet-wide (kv_preflight/index/routed.py ``claim``) from
+        ``order`` (rule 5's, with each pod's footprint), or the one a gateway placed it on within ``pending_ms``; None
+        when not shared (no store, no pending window) or Valkey did not answer (the caller keeps its own choice,
+        counted)."""
+        if self.store is None or self.pending_ms <= 0 or len(order) < 2:
+            return None
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await self.store.claim(prefix, blocks, order, self.pending_ms, CLAIM_MOMENT_MS)
+        except (TimeoutError, *VALKEY_ERRORS) as exc:
+            self._failed(exc)
+            return None
+
+    def _failed(self, exc: BaseException) -> None:
+        self.read_errors += 1
+        now = self.clock()
+        if now - self._error_logged_at >= READ_ERROR_LOG_S:
+            self._error_logged_at = now
+            log.warning("what was routed is not readable, routes decided without it (%d so far): %s: %s",
+                        self.read_errors, type(exc).__name__, exc)
+
+    def with_unwritten(self, routed: dict[str, PodRouted], prefix: int | None = None,
+                       read_at: float | None = None) -> dict[str, PodRouted]:
+        """``routed`` with this process's bookings not written yet, and its new homes that the read (started at
+        ``read_at``; None: now) may have missed, written after it started or not yet: two of its requests a moment
+        apart see each other (a new prefix placed here a moment ago counts in its pod's footprint for the next one;
+        ``prefix``, the prompt's own, aside, as the read leaves it aside)."""
         for pod, (requests, tokens) in self._unwritten.items():
             if pod in routed:
                 r = routed[pod]
                 routed[pod] = msgspec.structs.replace(
                     r, booked=Booked(r.booked.requests + requests, r.booked.tokens + tokens))
+        read_at = self.clock() if read_at is None else read_at
+        for pod, homing in self._homing.items():
+            if pod in routed and (blocks := sum(b for p, (b, done) in homing.items()
+                                                if p != prefix and (done is None or done > read_at))):
+                routed[pod] = msgspec.structs.replace(routed[pod], footprint=routed[pod].footprint + blocks)
+        self._saw_booked(routed)
         return routed
+
+    # ---- the bookings when a pod was scraped: how much of the scrape has ended since
+
+    def _saw_booked(self, routed: Mapping[str, PodRouted]) -> None:
+        now = self.clock()
+        for pod, r in routed.items():
+            seen = self._booked_seen.get(pod)
+            if seen is None:
+                seen = self._booked_seen[pod] = deque()
+            if seen and (seen[-1][2] == r.booked.requests or now - seen[-1][0] < BOOKED_STEP_S):
+                seen[-1][1:] = now, r.booked.requests  # the same value read again, or a newer one within the step
+            else:
+                seen.append([now, now, r.booked.requests])
+            while len(seen) > 1 and seen[1][0] <= now - BOOKED_SEEN_S:
+                seen.popleft()
+
+    def booked_at(self, pod: str, when: float) -> int | None:
+        """The requests booked on ``pod`` at ``when`` as this process read them: the value read last at or before
+        it, if that read was less than ``SCRAPE_MATCH_S`` before it (None: not read about then)."""
+        for first, last, n in reversed(self._booked_seen.get(pod, ())):  # the scrape is recent: from the newest
+            if first <= when:
+                return n if when - last <= SCRAPE_MATCH_S else None
+        return None
+
+    def booked_at_scrape(self, loads: Mapping[str, PodLoad | None]) -> dict[str, int]:
+        """Each scraped pod's bookings when its load was scraped, where this process read them then (route.py
+        takes the scrape less the gateways' requests that ended since: scoring/routed.py ``load_now``)."""
+        out = {}
+        for pod, ld in loads.items():
+            if ld is not None and (n := self.booked_at(pod, ld.at)) is not None:
+                out[pod] = n
+        return out
 
 
 class RoutedRead:
     """One request's read of what was routed: started for the pods foreseen, extended to any pod found after."""
 
-    def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes):
-        self.state, self.pods, self.blob = state, pods, blob
+    def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes, prefix: int | None = None):
+        self.state, self.pods, self.blob, self.prefix = state, pods, blob, prefix
+        self.started = state.clock()
         self.task = asyncio.ensure_future(state.read(pods, blob)) if pods else None
         self.got: dict[str, PodRouted] | None = None
 
@@ -199,4 +284,4 @@ class RoutedRead:
         got = await self.get(candidates)
         if got is None:
             return None
-        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates})
+        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix, self.started)

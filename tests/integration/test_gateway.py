@@ -572,6 +572,33 @@ async def test_a_new_prefix_one_gateway_placed_is_pending_there_for_every_gatewa
     await until(lambda: _routed_to(b, prompt, other), "placed by footprints once --route-pending lapsed")
 
 
+async def test_new_prefixes_placed_through_two_gateways_at_once_take_different_pods(valkey_url, ix, gateway, stubs):
+    """Two gateway processes each place a new prompt, both prompts hashed to the same pod, each gateway seeing both
+    pods as empty and idle (no placement window: nothing homed is read, as in the ms before a home lands). Claimed
+    fleet-wide, the two prompts go to different pods, and the first prompt keeps its pod through the other
+    gateway; without the claim both went where the hash sends them, as a cold fleet's first burst through eight
+    gateways piled most tenants on a few pods."""
+    from kv_preflight.keys.chain import request_keys
+    from kv_preflight.predictor.scoring.route import rendezvous
+
+    x, y = stubs(body=b'{"x": 1}'), stubs(body=b'{"y": 1}')
+    await ix.fleet.put_pod_records({"pod-x": record(x.url), "pod-y": record(y.url)})
+    await fed(ix, "pod-x", "pod-y")
+    a = gateway("--route-placement-window", "0").ready()
+    b = gateway("--route-placement-window", "0").ready()
+
+    def hashed_to(prompt) -> str:
+        key = request_keys(prompt, model=MODEL, block_size=16)[0]
+        return max(("pod-x", "pod-y"), key=lambda p: rendezvous(key, p))
+
+    prompts = [list(range(s, s + 64)) for s in range(5000, 5600, 64)]
+    p1, p2 = [p for p in prompts if hashed_to(p) == "pod-x"][:2]
+    d1, d2 = await _route(a, p1), await _route(b, p2)
+    assert d1["reason"] == d2["reason"] == "no_overlap"
+    assert {d1["pod_id"], d2["pod_id"]} == {"pod-x", "pod-y"}, (d1["detail"], d2["detail"])
+    assert (await _route(b, p1))["pod_id"] == d1["pod_id"]
+
+
 async def _reason(g: GatewayProc, prompt, reason: str) -> bool:
     return (await _route(g, prompt))["reason"] == reason
 

@@ -155,3 +155,32 @@ async def test_the_read_says_how_long_ago_the_prompts_own_prefix_was_homed_on_ea
     assert 50 <= got[pod].homed_ms_ago < 10_000 and got[other].homed_ms_ago == -1
     assert (await store.read([pod], keys_blob(b), 60_000))[pod].homed_ms_ago == -1  # another prefix's home
     assert (await store.read([pod], keys_blob(a), 0))[pod].homed_ms_ago == -1  # no window: homes not read
+
+
+async def test_new_prefixes_claimed_at_once_spread_and_one_prefix_keeps_its_pod(store):
+    """Gateways placing new prefixes at the same moment read the same footprints (none of their homes landed yet)
+    and would all pick the same pod; claimed, each counts the placements of the last moment too, and a prefix
+    claimed again within the TTL keeps the pod it was given, whatever the second claimant's order."""
+    import asyncio
+
+    pods = [f"pod-{i}" for i in range(8)]
+    order = [(p, 0) for p in pods]  # every pod empty to every claimant: the same first choice for all
+    prefixes = [chain(100 + i, 1)[0] for i in range(8)]
+    got = await asyncio.gather(*(store.claim(p, 12, order, 60_000, 60_000) for p in prefixes))
+    assert sorted(got) == pods  # eight at once: eight pods
+    again = await asyncio.gather(*(store.claim(p, 12, order[::-1], 60_000, 60_000) for p in prefixes))
+    assert again == got
+    # footprints count: beside the last moment's placements (12 blocks on each pod now), a pod read as 20 blocks
+    # fuller takes nothing until the others have as much, whatever the claimant's order put first
+    full = [("pod-0", 20), *[(p, 0) for p in pods[1:]]]
+    more = await asyncio.gather(*(store.claim(chain(200 + i, 1)[0], 12, full, 60_000, 60_000) for i in range(7)))
+    assert sorted(more) == pods[1:]
+    # once the moment has passed, only the footprints read count
+    first = await store.claim(chain(300, 1)[0], 12, [("pod-1", 0), ("pod-2", 5)], 60_000, 0)
+    assert first == "pod-1"
+    fleeting = chain(999, 1)[0]
+    first = await store.claim(fleeting, 12, order, 200, 0)
+
+    async def lapsed_and_taken_anew():
+        return await store.claim(fleeting, 12, [(p, 0) for p in pods if p != first], 200, 0) != first
+    await until(lapsed_and_taken_anew, "the claim lapsed with its TTL: the prefix placed anew")

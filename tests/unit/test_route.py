@@ -263,3 +263,31 @@ def test_load_references_equal_the_fleet_mean_with_unknown_pods_filled_per_pod()
         assert got.keys() == want.keys()
         assert all(abs(got[p] - want[p]) < 1e-9 for p in got), (scores, len(pods))
     assert load_references({"a": 4.0}, 3) == {"a": 4.0 / 3}  # the others unknown, counted idle
+
+
+def test_a_new_prefix_lists_the_pods_it_may_go_to_in_rule_5s_order_with_their_footprints():
+    """What a gateway claims a new prefix's pod from (kv_preflight/index/routed.py ``claim``): the pods not
+    overloaded, in the order rule 5 ranks them (the chosen one first), each with its footprint, which the claim
+    weighs with what other gateways placed a moment ago."""
+    from kv_preflight.index.routed import Booked
+    from kv_preflight.predictor.scoring.route import placed_on, placement_order
+
+    p = prediction(512)
+    pods = ["d", "c", "b", "a", "e"]
+    loads = {"a": load(0), "b": load(0), "c": load(0), "d": load(0), "e": load(20)}  # e: overloaded, never placed on
+    booked = {"a": Booked(0, 0), "b": Booked(0, 0), "c": Booked(1, 300), "d": Booked(0, 0), "e": Booked(0, 0)}
+    d = decide(p, pods, loads, policy=POLICY, ttft=TTFT, affinity_key=7, footprints={"a": 0, "b": 0, "c": 0, "d": 12},
+               booked=booked)
+    order = placement_order(d, 7)
+    assert d.reason == "no_overlap" and order[0][0] == d.pod_id
+    # a and b as empty and idle (by the prefix's hash), then c (as empty, but a booking), then d (another prefix)
+    assert sorted(order[:2]) == [("a", 0), ("b", 0)] and order[2:] == [("c", 0), ("d", 12)]
+    other = "b" if d.pod_id == "a" else "a"
+    moved = placed_on(d, other)
+    assert (moved.pod_id, moved.reason, moved.cached_tokens) == (other, "no_overlap", 0)
+    assert moved.estimated_ttft_ms == d.estimated_ttft_ms and "placed a moment ago" in moved.detail
+    # nothing known of anyone: every pod, by the prefix's hash
+    d = decide(p, pods, {}, policy=POLICY, ttft=TTFT, affinity_key=7)
+    assert [q for q, _ in placement_order(d, 7)] == sorted(pods, key=lambda q: -rendezvous(7, q))
+    # a prompt some pod holds is not placed: nothing to claim
+    assert placement_order(decide(prediction(512, ("a", 320, "gpu")), pods, {}, policy=POLICY, ttft=TTFT), 7) == []

@@ -432,6 +432,11 @@ def _quality_mode(mode: str, vk: ValkeyServer, reqs, pods: list[str], engine_of:
         _reset(engine_of)
         if mode == "events":
             _wait(lambda: _index_empty(vk.url, probe), "the index did not see the cache resets")
+            # and the engines' load as the ingester last wrote it is the idle engines', not the last run's queues
+            # (each gateway run starts from the fleet the baselines start from: a row a few seconds old still
+            # counts as fresh, and a gateway started now has no bookings of its own to tell it the queue is gone)
+            since = _now_ms(vk.url)
+            _wait(lambda: _loads_idle(vk.url, pods, since), "the engines' load rows did not read idle")
         # what the last run's gateways routed (homes, speculative and approximate entries) described caches that
         # were just emptied: it goes with them
         _drop_routed(vk.url, pods)
@@ -476,13 +481,39 @@ def _index_empty(valkey_url: str, probe: list[int]) -> bool:
     return asyncio.run(look())
 
 
+def _now_ms(valkey_url: str) -> int:
+    async def now() -> int:
+        index = Index.from_url(valkey_url, timeout_s=5.0)
+        try:
+            return await index.fleet.now_ms()
+        finally:
+            await index.close()
+
+    return asyncio.run(now())
+
+
+def _loads_idle(valkey_url: str, pods: list[str], since_ms: int) -> bool:
+    """Every pod's load row written after ``since_ms`` (Valkey time) and reading no request running or waiting."""
+    async def look() -> bool:
+        index = Index.from_url(valkey_url, timeout_s=5.0)
+        try:
+            loads = (await index.fleet.fleet_view()).load
+            return all((ld := loads.get(p)) is not None and ld.at_ms >= since_ms and ld.running + ld.waiting == 0
+                       for p in pods)
+        finally:
+            await index.close()
+
+    return asyncio.run(look())
+
+
 def _drop_routed(valkey_url: str, pods: list[str]) -> None:
-    from kv_preflight.index.layout import pod_routed_keys
+    from kv_preflight.index.layout import placement_claim_keys, pod_routed_keys
 
     r = redis.Redis.from_url(valkey_url)
     try:
         for p in pods:
             r.delete(*pod_routed_keys(p))
+        r.delete(*placement_claim_keys())  # new prefixes' claims: they placed tenants on the caches just emptied
     finally:
         r.close()
 

@@ -13,7 +13,11 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    their requests (``booked``: kv_preflight/index/routed.py), a pod's load is at least the
    requests booked there: the metrics lag a second behind, the bookings do not, so N
    gateways do not all send a burst to the pod the last scrape called idle; among equal
-   loads, fewer booked tokens first.
+   loads, fewer booked tokens first. For the same reason a scrape that counted the
+   gateways' requests is taken less those of them that have ended since
+   (``booked_at_scrape``: how many were booked there when it was taken;
+   predictor/scoring/routed.py ``load_now``), else a burst that has drained still reads
+   as a queue until the next scrape and moves its prefix's next requests away.
 3. A pod with known load is overloaded when its KV usage is at least ``max_kv_usage``
    (new requests there would evict or queue), or when its load exceeds the *reference*
    by at least ``overload_abs`` *and* by the factor ``overload_rel`` (both, as SGLang's
@@ -31,7 +35,12 @@ it, so overlap alone makes a hot spot of the pod holding a popular prefix. The r
    else the non-overloaded pod with the fewest blocks of other recent prefixes homed on it
    (``footprints``, predictor/scoring/placement.py), then the least loaded, then a rendezvous hash of
    the prompt's first block, so one prefix keeps going to one pod and builds a cache there.
-   Without footprints (none known yet) that is the least loaded pod.
+   Without footprints (none known yet) that is the least loaded pod. Gateways placing new prefixes at the same
+   moment all see the same state (every pod empty and idle, before any of their homes or bookings land), so the
+   hash would pile a burst of distinct new prefixes on the pods it happens to favour: where gateways share Valkey,
+   the placement is claimed fleet-wide (kv_preflight/index/routed.py ``claim``): rule 5's order
+   (``placement_order``), weighed with the placements of the last moment that the footprints read may not show
+   yet (``placed_on``).
 """
 from __future__ import annotations
 
@@ -45,6 +54,7 @@ from kv_preflight.index.routed import Booked
 from kv_preflight.predictor.explain.findings import Finding
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import Freshness
+from kv_preflight.predictor.scoring.routed import load_now
 from kv_preflight.predictor.scoring.score import Prediction
 from kv_preflight.predictor.scoring.ttft import PrefillModel
 from kv_preflight.config import Config
@@ -77,7 +87,9 @@ class RouteCandidate(msgspec.Struct, frozen=True, omit_defaults=True):
     estimated_ttft_ms: float
     overloaded: bool = False
     device_tier: str | None = None
-    load: float | None = None  # running + waiting_weight * waiting; None: no fresh metrics
+    # running + waiting_weight * waiting (less the gateways' requests ended since the scrape; at least those booked
+    # here); None: no fresh metrics. ``running`` and ``waiting`` are the engine's, as scraped
+    load: float | None = None
     assumed_load: float | None = None  # no fresh metrics: the load assumed (the known candidates' mean)
     running: float | None = None
     waiting: float | None = None
@@ -125,12 +137,20 @@ def decide(
     footprints: Mapping[str, int] | None = None,
     pending: str | None = None,
     booked: Mapping[str, Booked] | None = None,
+    booked_at_scrape: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     n = prediction.total_prompt_tokens
     by_pod = {a.pod_id: a for a in prediction.pod_affinities}
     pods = sorted(set(candidates))
-    scores = {p: policy.load_score(ld) for p in pods if (ld := loads.get(p)) is not None}
     booked = booked or {}
+    then = booked_at_scrape or {}
+    scores = {}
+    for p in pods:
+        if (ld := loads.get(p)) is None:
+            continue
+        if (b := booked.get(p)) is not None and (t := then.get(p)) is not None:
+            ld = load_now(ld, t, b.requests)  # the scrape less the gateways' requests that ended since it
+        scores[p] = policy.load_score(ld)
     for p in pods:  # at least what the gateways have in flight there (the scrape counts them a second late)
         if (b := booked.get(p)) is not None:
             scores[p] = max(scores.get(p, 0.0), float(b.requests))
@@ -241,3 +261,30 @@ def _overload_reason(c: RouteCandidate, policy: RoutingPolicy, reference: float)
     if c.kv_usage is not None and c.kv_usage >= policy.max_kv_usage:
         return f"KV usage {c.kv_usage:.0%} >= {policy.max_kv_usage:.0%}"
     return f"load {c.load:g} vs the fleet's mean {reference:g}"
+
+
+def placement_order(decision: RouteDecision, affinity_key: int) -> list[tuple[str, int]]:
+    """For a new prefix placed by rule 5 (``no_overlap``), the pods it was chosen from in rule 5's order (fewest
+    blocks of other prefixes, least loaded, fewer booked tokens, the prefix's rendezvous order: the chosen pod
+    first), each with its footprint: what a claim weighs with the placements other gateways made a moment ago.
+    [] for any other decision."""
+    if decision.reason != "no_overlap" or decision.pod_id is None:
+        return []
+    pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
+
+    def key(c: RouteCandidate) -> tuple[int, float, int, int]:
+        load = c.load if c.load is not None else (c.assumed_load or 0.0)
+        return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0, -rendezvous(affinity_key, c.pod_id)
+
+    return [(c.pod_id, c.recent_prefix_blocks or 0) for c in sorted(pool, key=key)]
+
+
+def placed_on(decision: RouteDecision, pod: str) -> RouteDecision:
+    """``decision`` (a new prefix's) sent to ``pod`` instead: the claim's pod (the fewest blocks once the placements
+    other gateways made a moment ago count, or where one of them placed this prefix moments ago)."""
+    chosen = next(c for c in decision.candidates if c.pod_id == pod)
+    return msgspec.structs.replace(
+        decision, pod_id=pod, cached_tokens=chosen.cached_tokens, estimated_ttft_ms=chosen.estimated_ttft_ms,
+        detail=f"no pod holds a prefix of this prompt: {pod} has the fewest blocks of other prefixes once the new "
+               "prefixes the gateways placed a moment ago count too (or a gateway placed this prefix there moments "
+               "ago)")

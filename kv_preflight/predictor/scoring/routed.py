@@ -14,6 +14,7 @@ import msgspec
 
 from kv_preflight.index.entries import DEFAULT_TIER, PodMatch
 from kv_preflight.index.routed import PodRouted
+from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.score import Prediction
 
 
@@ -56,3 +57,19 @@ def mark_speculative(prediction: Prediction, speculative: Mapping[str, int]) -> 
     affinities = [msgspec.structs.replace(a, speculative_blocks=min(speculative[a.pod_id], a.cached_blocks))
                   if a.pod_id in speculative else a for a in prediction.pod_affinities]
     return msgspec.structs.replace(prediction, pod_affinities=affinities)
+
+
+def load_now(scraped: PodLoad, booked_then: int, booked_now: int) -> PodLoad:
+    """A pod's scraped load as it stands now, by the gateways' bookings: ``booked_then`` requests were in flight
+    there through the gateways when the engine was scraped, ``booked_now`` are now. What the scrape counted beyond
+    them (other clients' requests) is taken to be there still; of the gateways' requests it counted, those that
+    ended since are not: a burst that has ended would read for a scrape interval or two as a queue, and move its
+    tenant's next requests off the pod holding their prefix. Only ever lowers the scrape, waiting first (an ended
+    request lets a waiting one run); what grew since is the bookings' to say (route.py counts a pod's load as at
+    least its booked requests)."""
+    counted = scraped.running + scraped.waiting
+    gone = counted - (booked_now + max(0.0, counted - booked_then))
+    if gone <= 0:
+        return scraped
+    return PodLoad(running=max(0.0, scraped.running - max(0.0, gone - scraped.waiting)),
+                   waiting=max(0.0, scraped.waiting - gone), kv_usage=scraped.kv_usage, at=scraped.at)
