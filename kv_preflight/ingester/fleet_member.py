@@ -487,14 +487,16 @@ class FleetMember(LeaseHolder):
         task = self.probes.get(url)
         if task is None or not task.done():
             if task is None:
-                self.probes[url] = asyncio.ensure_future(probe(
+                self.probes[url] = asyncio.ensure_future(_timed(probe(
                     self.http, url, att.family,
-                    self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods)))
+                    self.ticks % MODELS_EVERY == 1 or any(p not in self.records for p in att.pods))))
             return
-        self.probes[url] = asyncio.ensure_future(probe(self.http, url, att.family, self.ticks % MODELS_EVERY == 1))
+        self.probes[url] = asyncio.ensure_future(_timed(probe(self.http, url, att.family,
+                                                              self.ticks % MODELS_EVERY == 1)))
         if task.cancelled() or task.exception():
             return
-        ok, detail, load, models = task.result()
+        (ok, detail, load, models), done = task.result()
+        scraped_ms = now_ms - max(0, int((time.monotonic() - done) * 1000))  # its load is as old as the probe
         ranked = any(RANK_SEPARATOR in p for p in att.pods)  # data-parallel ranks: each rank's own load
         for pod in sorted(att.pods):
             if pod in self.retirements.leaving:  # its record waits until its entries are cleared (a return meanwhile too)
@@ -521,7 +523,7 @@ class FleetMember(LeaseHolder):
             await self._write(pod, record)
             if load is not None and record.state == "live":
                 mine = load[1].get(split_rank_pod(pod)[1]) if ranked else None
-                await self.index.fleet.put_load({pod: PodLoad(*(mine or load[0]), at_ms=now_ms)})
+                await self.index.fleet.put_load({pod: PodLoad(*(mine or load[0]), at_ms=scraped_ms)})
 
     async def _record_new(self, att: _Attached, pods: list[str], now_ms: int) -> None:
         """A copy's pods the fleet has no record of yet (this ingester is not the engine's primary owner, whose
@@ -546,3 +548,9 @@ class FleetMember(LeaseHolder):
         await self.index.fleet.put_pod_records({pod: record})
         self.records[pod] = record
         self.written_at[pod] = now
+
+
+async def _timed(probing):
+    """A probe's answer and when it came (monotonic): the load it read is the engine's of that moment, a round before
+    the round that writes it (gateways take a scrape less the requests that ended since it: predictor/routed.py)."""
+    return await probing, time.monotonic()

@@ -6,6 +6,7 @@ test can add and remove A records for a name of its own), split among ingesters 
 taken over after a kill -9 within the lease TTL, and retired when they leave or stay unreachable."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -78,6 +79,33 @@ async def test_fleet_records_load_and_lease(valkey_url, tmp_path):
         assert rows[0]["fleet"]["state"] == "live" and rows[0]["fleet"]["engine_url"] == engine.url
         stop(ing)  # a clean stop gives the lease back at once
         assert not (await ix.fleet.fleet_view()).ingesters
+    finally:
+        stop(ing)
+        engine.stop()
+        await ix.close()
+
+
+async def test_a_pods_load_row_is_stamped_with_its_scrapes_time(valkey_url, tmp_path):
+    """A pod's load row (kvpf:load) says when its engine was scraped, not when the round that wrote it ran: the
+    probe started in one round is read in the next, about a chores period (1 s) later, and gateways discount a
+    scrape by the requests that ended since it (predictor/routed.py), so a row a round younger than its scrape made
+    them count ended requests as running. Each new row, seen within 50 ms of being written, is already about a round
+    old (a row stamped at its write is seen a few ms old)."""
+    engine = sim_engine("sim-age", tmp_path).start()
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", engine.url, "--ingester-id", "ing-age"],
+                str(tmp_path / "ing.log"))
+    ix = Index.from_url(valkey_url)
+    try:
+        await until(lambda: _with_load(ix, "sim-age"), "the pod's load")
+        ages, last = [], None
+        while len(ages) < 4:
+            view = await ix.fleet.fleet_view()
+            at = view.load["sim-age"].at_ms
+            if last is not None and at != last:
+                ages.append(view.now_ms - at)  # a new row, read within a poll of its write
+            last = at
+            await asyncio.sleep(0.05)
+        assert min(ages) >= 500, ages
     finally:
         stop(ing)
         engine.stop()
