@@ -51,13 +51,7 @@ def app_from_env(create: Callable[[Config], Starlette] = create_app) -> Starlett
     raw = os.environ.get(CONFIG_ENV)
     cfg = decode_config(raw) if raw else Config.load()
     setup_logging(cfg.log_json)  # a fresh worker process has no handlers yet
-    return served(create(cfg))
-
-
-def served(app: Starlette) -> Starlette:
-    """The app as a served process runs it: its garbage collector settled after start-up (http/app.py settle_gc)."""
-    app.state.settle_gc = True
-    return app
+    return create(cfg)
 
 
 def _has(module: str) -> bool:
@@ -152,4 +146,4 @@ def run(cfg: Config, workers: int, options: dict, create: Callable[[Config], Sta
         finally:
             remove_multiprocess_dir(metrics_dir)
     else:
-        uvicorn.run(served(create(cfg)), **options)
+        uvicorn.run(create(cfg), **options)

@@ -8,7 +8,6 @@ predictor/http/body.py and predictor/request.py; the time to send headers in pre
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -203,19 +202,6 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return json_response({"error": f"internal error: {type(exc).__name__}"}, 500)
 
 
-GC_GEN0 = 20_000  # new objects between two collections of the youngest generation (Python's default: 700)
-
-
-def settle_gc() -> None:
-    """What start-up built (modules, the config, tokenizers) is left out of every later garbage collection, and the
-    youngest generation is collected every ``GC_GEN0`` new objects rather than 700: a request allocates thousands (a
-    4K-token prompt's keys and its answer), and the collector's passes over what outlived them were a tenth of a
-    gateway's CPU per request (perf, bench row ``gateway``). Reference cycles are still collected, less often."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
-
-
 def create_app(cfg: Config, index: Index | None = None) -> Starlette:
     """The ASGI app; ``index`` is for callers that own one (tests), else one is made from ``cfg``."""
     keys = load_api_keys(cfg.api_keys_file, cfg.api_keys)
@@ -256,8 +242,6 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
                      f": {tok['detail']}" if tok.get("detail") else "")
         if predictor.load is not None:
             tasks.append(asyncio.create_task(predictor.load.run()))
-        if getattr(app.state, "settle_gc", False):  # a served process (predictor/serve.py), not a test's app
-            settle_gc()
         try:
             yield
         finally:
