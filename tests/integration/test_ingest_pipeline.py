@@ -319,3 +319,43 @@ async def test_a_parent_evicted_from_the_gpu_but_held_on_the_cpu_tier_keys_its_c
     keys = request_keys(toks, model="m")
     assert (await ing.index.pod_state("pod-a")).block_keys(3) == (tuple(keys[4:]), keys[3])
     await ing.index.close()
+
+
+
+
+@pytest.mark.parametrize("case", ["one_long_prompt", "churn", "pipelined"])
+async def test_a_carry_planned_when_the_pods_carries_are_pruned_is_kept(valkey_url, case):
+    """Engine blocks of 24 tokens, request blocks of 16: every block leaves a carry. The carries of blocks a pod
+    let go of are pruned once they outnumber its held blocks' (PodState.keep_carries); the pruning runs as a
+    batch is planned, before it applies, when the blocks the batch stores, and those of the batches planned
+    before it in the same call, are not held yet: their carries must stay. Otherwise a child stored in a later
+    call finds its parent held but its leftover tokens gone: an orphan, the pod flagged, though every event came.
+    ``one_long_prompt``: one batch stores more blocks than the pruning's floor; ``churn``: blocks stored and
+    evicted before, the floor crossed by the next store; ``pipelined``: two batches in one call cross it, the
+    child's parent in the first."""
+    n = 1030 if case == "one_long_prompt" else 600
+    toks = list(range(20_000, 20_000 + 24 * (n + 1)))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    seq = 0
+    if case == "churn":
+        old = list(range(100_000, 100_000 + n))
+        gone = list(range(50_000, 50_000 + 24 * n))
+        await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored(old, None, gone, 24, medium="GPU", group_idx=0)))])
+        await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockRemoved(old, medium="GPU")))])
+        seq = 2
+    eks = list(range(1, n + 1))
+    first = [(SRC, one("pod-a", seq, 1002.0, BlockStored(eks, None, toks[:24 * n], 24, medium="GPU", group_idx=0)))]
+    if case == "pipelined":  # another prompt's 500 blocks planned after the parent's, in the same call
+        other = list(range(200_000, 200_500))
+        first.append((SRC, one("pod-a", seq + 1, 1002.5, BlockStored(other, None, list(range(60_000, 60_000 + 24 * 500)),
+                                                                     24, medium="GPU", group_idx=0))))
+    await ing.handle_messages(first)
+    seq += len(first)
+    await ing.handle_messages([(SRC, one("pod-a", seq, 1003.0, BlockStored([n + 1], n, toks[24 * n:], 24, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts.get("orphan_blocks", 0) == 0 and not await flagged(ing, "pod-a")
+    got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(toks, model="m"))}
+    assert got == {"pod-a": len(toks) // 16}
+    if case == "churn":  # the let-go blocks' carries are pruned all the same
+        carries = (await ing.index.pod_state("pod-a")).carries
+        assert not set(carries) & set(old) and len(carries) == n + 1
+    await ing.index.close()
