@@ -19,18 +19,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 SRC = Source("tcp://test", bind=False, replay=None)
 
 
-def stored(hashes, parent, first_token):
-    toks = list(range(first_token, first_token + 32 * len(hashes)))
-    return BlockStored(hashes, parent, toks, 32, medium="GPU", group_idx=0, extra_keys=[None] * len(hashes))
+def stored(hashes, parent, first_token, size=32):
+    toks = list(range(first_token, first_token + size * len(hashes)))
+    return BlockStored(hashes, parent, toks, size, medium="GPU", group_idx=0, extra_keys=[None] * len(hashes))
 
 
-def stream(pod: str, seqs, *, ts0: float = 1000.0, base: int = 0):
-    """Batches of one pod: chained stores, some removals, a clear; one message per seq."""
+def stream(pod: str, seqs, *, ts0: float = 1000.0, base: int = 0, size: int = 32):
+    """Batches of one pod: chained stores, some removals, a clear; one message per seq. ``size``: the engine's
+    block size (not a multiple of the request blocks' 16: blocks end mid key, their carries key the next)."""
     out = []
     prev = None
     for n, seq in enumerate(seqs):
         h = base + 100 + 10 * n
-        events = [stored([h, h + 1], prev, 5000 + 64 * n + base)]
+        events = [stored([h, h + 1], prev, 5000 + 2 * size * n + base, size)]
         if n % 3 == 2:
             events.append(BlockRemoved([h - 20, h - 19], medium="GPU"))
         if n == 7:
@@ -70,18 +71,19 @@ async def ingest(url: str, messages, *, pipelined: bool):
     return ing.counters.counts
 
 
+@pytest.mark.parametrize("size", [32, 24, 8])
 @pytest.mark.parametrize("case", ["clean", "gap", "restart", "dup"])
-async def test_pipelined_equals_one_by_one(valkey_url, case, monkeypatch):
+async def test_pipelined_equals_one_by_one(valkey_url, case, size, monkeypatch):
     import kv_preflight.ingester.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "PIPELINE_BATCHES", 4)  # several runs in flight
-    a = stream("pod-a", range(12))
-    b = stream("pod-b", range(12), base=7)
+    a = stream("pod-a", range(12), size=size)
+    b = stream("pod-b", range(12), base=7, size=size)
     msgs = [m for pair in zip(a, b) for m in pair]
     if case == "gap":
         msgs = [m for m in msgs if m is not a[5]]  # pod-a's seq 5 never arrives (no replay socket)
     if case == "restart":  # pod-a's engine restarts after seq 8: seq from 0 again, newer ts
-        msgs += stream("pod-a", range(4), ts0=9000.0, base=50)
+        msgs += stream("pod-a", range(4), ts0=9000.0, base=50, size=size)
     if case == "dup":
         msgs += msgs[:9]  # another copy of the first messages (a second ingester got there first)
     url0, url1 = valkey_url, valkey_url.rsplit("/", 1)[0] + "/1"
