@@ -19,7 +19,7 @@ connection). ``clone`` gives a copy for callers that need the state before.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -198,13 +198,17 @@ class PodState:
                         return b.rks, b.parent
         return None
 
-    def keep_carries(self, points: Mapping[int, object]) -> None:
+    def keep_carries(self, points: Mapping[int, object], planned: Callable[[], Container[int]] | None = None) -> None:
         """Chain points of blocks that ended mid key (``carries``); those of blocks the pod no longer holds go
-        once they outnumber the held ones."""
+        once they outnumber the held ones. Asked as a batch is planned, before it applies: the batch's own blocks
+        (``points``) and those planned before it and maybe not applied yet (``planned``: asked only when pruning)
+        are not held yet, and keep theirs (a child stored later needs them)."""
         carries = self.carries
         carries.update(points)
         if len(carries) > 2 * len(self.ek_refs) + 1024:
-            for ek in [ek for ek in carries if not self.ek_refs.get(ek)]:
+            refs = self.ek_refs
+            keep = planned() if planned is not None else ()
+            for ek in [ek for ek in carries if not refs.get(ek) and ek not in points and ek not in keep]:
                 del carries[ek]
 
     def field_tier(self, fld: str) -> str | None:

@@ -127,8 +127,8 @@ class Applier:
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
                 hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys, known=known,
             )
-            if plan.carries:
-                pod_state.keep_carries(plan.carries)
+            if plan.carries:  # (the call's chain points: blocks planned, maybe not applied, whose carries stay)
+                pod_state.keep_carries(plan.carries, chains.engine_keys)
             return plan
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)

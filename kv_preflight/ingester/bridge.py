@@ -95,6 +95,10 @@ class ChainState:
     def __len__(self) -> int:
         return len(self._points)
 
+    def engine_keys(self) -> set[int]:
+        """The engine keys it holds points of, any model's (a pod's carries are pruned around them)."""
+        return {ek for _, ek in self._points}
+
 
 @dataclass
 class Plan:

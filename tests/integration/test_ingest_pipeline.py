@@ -19,18 +19,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 SRC = Source("tcp://test", bind=False, replay=None)
 
 
-def stored(hashes, parent, first_token):
-    toks = list(range(first_token, first_token + 32 * len(hashes)))
-    return BlockStored(hashes, parent, toks, 32, medium="GPU", group_idx=0, extra_keys=[None] * len(hashes))
+def stored(hashes, parent, first_token, size=32):
+    toks = list(range(first_token, first_token + size * len(hashes)))
+    return BlockStored(hashes, parent, toks, size, medium="GPU", group_idx=0, extra_keys=[None] * len(hashes))
 
 
-def stream(pod: str, seqs, *, ts0: float = 1000.0, base: int = 0):
-    """Batches of one pod: chained stores, some removals, a clear; one message per seq."""
+def stream(pod: str, seqs, *, ts0: float = 1000.0, base: int = 0, size: int = 32):
+    """Batches of one pod: chained stores, some removals, a clear; one message per seq. ``size``: the engine's
+    block size (not a multiple of the request blocks' 16: blocks end mid key, their carries key the next)."""
     out = []
     prev = None
     for n, seq in enumerate(seqs):
         h = base + 100 + 10 * n
-        events = [stored([h, h + 1], prev, 5000 + 64 * n + base)]
+        events = [stored([h, h + 1], prev, 5000 + 2 * size * n + base, size)]
         if n % 3 == 2:
             events.append(BlockRemoved([h - 20, h - 19], medium="GPU"))
         if n == 7:
@@ -70,18 +71,19 @@ async def ingest(url: str, messages, *, pipelined: bool):
     return ing.counters.counts
 
 
+@pytest.mark.parametrize("size", [32, 24, 8])
 @pytest.mark.parametrize("case", ["clean", "gap", "restart", "dup"])
-async def test_pipelined_equals_one_by_one(valkey_url, case, monkeypatch):
+async def test_pipelined_equals_one_by_one(valkey_url, case, size, monkeypatch):
     import kv_preflight.ingester.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "PIPELINE_BATCHES", 4)  # several runs in flight
-    a = stream("pod-a", range(12))
-    b = stream("pod-b", range(12), base=7)
+    a = stream("pod-a", range(12), size=size)
+    b = stream("pod-b", range(12), base=7, size=size)
     msgs = [m for pair in zip(a, b) for m in pair]
     if case == "gap":
         msgs = [m for m in msgs if m is not a[5]]  # pod-a's seq 5 never arrives (no replay socket)
     if case == "restart":  # pod-a's engine restarts after seq 8: seq from 0 again, newer ts
-        msgs += stream("pod-a", range(4), ts0=9000.0, base=50)
+        msgs += stream("pod-a", range(4), ts0=9000.0, base=50, size=size)
     if case == "dup":
         msgs += msgs[:9]  # another copy of the first messages (a second ingester got there first)
     url0, url1 = valkey_url, valkey_url.rsplit("/", 1)[0] + "/1"
@@ -318,4 +320,44 @@ async def test_a_parent_evicted_from_the_gpu_but_held_on_the_cpu_tier_keys_its_c
     assert ing.counters.counts.get("orphan_blocks", 0) == 0 and not await flagged(ing, "pod-a")
     keys = request_keys(toks, model="m")
     assert (await ing.index.pod_state("pod-a")).block_keys(3) == (tuple(keys[4:]), keys[3])
+    await ing.index.close()
+
+
+
+
+@pytest.mark.parametrize("case", ["one_long_prompt", "churn", "pipelined"])
+async def test_a_carry_planned_when_the_pods_carries_are_pruned_is_kept(valkey_url, case):
+    """Engine blocks of 24 tokens, request blocks of 16: every block leaves a carry. The carries of blocks a pod
+    let go of are pruned once they outnumber its held blocks' (PodState.keep_carries); the pruning runs as a
+    batch is planned, before it applies, when the blocks the batch stores, and those of the batches planned
+    before it in the same call, are not held yet: their carries must stay. Otherwise a child stored in a later
+    call finds its parent held but its leftover tokens gone: an orphan, the pod flagged, though every event came.
+    ``one_long_prompt``: one batch stores more blocks than the pruning's floor; ``churn``: blocks stored and
+    evicted before, the floor crossed by the next store; ``pipelined``: two batches in one call cross it, the
+    child's parent in the first."""
+    n = 1030 if case == "one_long_prompt" else 600
+    toks = list(range(20_000, 20_000 + 24 * (n + 1)))
+    ing = Ingester(Config(valkey_url=valkey_url), Index.from_url(valkey_url), [])
+    seq = 0
+    if case == "churn":
+        old = list(range(100_000, 100_000 + n))
+        gone = list(range(50_000, 50_000 + 24 * n))
+        await ing.handle_messages([(SRC, one("pod-a", 0, 1000.0, BlockStored(old, None, gone, 24, medium="GPU", group_idx=0)))])
+        await ing.handle_messages([(SRC, one("pod-a", 1, 1001.0, BlockRemoved(old, medium="GPU")))])
+        seq = 2
+    eks = list(range(1, n + 1))
+    first = [(SRC, one("pod-a", seq, 1002.0, BlockStored(eks, None, toks[:24 * n], 24, medium="GPU", group_idx=0)))]
+    if case == "pipelined":  # another prompt's 500 blocks planned after the parent's, in the same call
+        other = list(range(200_000, 200_500))
+        first.append((SRC, one("pod-a", seq + 1, 1002.5, BlockStored(other, None, list(range(60_000, 60_000 + 24 * 500)),
+                                                                     24, medium="GPU", group_idx=0))))
+    await ing.handle_messages(first)
+    seq += len(first)
+    await ing.handle_messages([(SRC, one("pod-a", seq, 1003.0, BlockStored([n + 1], n, toks[24 * n:], 24, medium="GPU", group_idx=0)))])
+    assert ing.counters.counts.get("orphan_blocks", 0) == 0 and not await flagged(ing, "pod-a")
+    got = {m.pod_id: m.blocks for m in await ing.index.lookup(request_keys(toks, model="m"))}
+    assert got == {"pod-a": len(toks) // 16}
+    if case == "churn":  # the let-go blocks' carries are pruned all the same
+        carries = (await ing.index.pod_state("pod-a")).carries
+        assert not set(carries) & set(old) and len(carries) == n + 1
     await ing.index.close()
