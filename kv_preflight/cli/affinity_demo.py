@@ -55,7 +55,7 @@ def print_affinity_demo(engine_urls: list[str], predictor_url: str, model: str) 
                     _caught_up(predictor_url, watchers)
                     explained = (next((p for p, u in pods.items() if u == url), url), client.post(
                         predictor_url.rstrip("/") + "/v1/cache/explain",
-                        json={"model": model, "prompt": req["prompt"]}).json())
+                        json={"model": model, "prompt": req["prompt"], "pods": sorted(pods)}).json())
                 tokens, hit = _send(client, url, model, req)
                 held.add(url)
                 sent, cached = sent + tokens, cached + hit

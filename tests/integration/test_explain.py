@@ -89,6 +89,20 @@ async def test_a_clean_hit_has_no_finding_and_says_what_the_engine_drops(valkey_
             assert r.status_code == 200 and r.json()["warnings"] == [], r.text
 
 
+async def test_a_pod_the_filter_names_is_listed_even_before_the_index_has_seen_it(valkey_url, tok, tok_dir,
+                                                                                     writer):
+    """Each pod the pods filter names gets its chain, one holding nothing included, though the index has never
+    listed it under the model (a pod whose first blocks are still on their way, as in `up --demo`)."""
+    tokens = list(range(300, 300 + 64))
+    await writer.store("pod-held", tokens, engine_block=16, model=M)
+    async with running(cfg_for(valkey_url, tok_dir)) as client:
+        doc = await explain(client, {"model": M, "token_ids": tokens, "pods": ["pod-held", "pod-new"]})
+        chains = {p["pod_id"]: p for p in doc["pods"]}
+        assert set(chains) == {"pod-held", "pod-new"}
+        assert (chains["pod-new"]["stop_block"], chains["pod-new"]["reused_tokens"]) == (0, 0)
+        assert chains["pod-held"]["stop_block"] == 4
+
+
 async def test_lost_tokens_by_rule(valkey_url, tok, tok_dir, writer):
     tokens = list(range(5, 5 + 100))  # 100 tokens: 6 request-key blocks of 16, a tail of 4
     await writer.store("pod-b", tokens, engine_block=16, model=M)

@@ -121,8 +121,10 @@ async def explain(p: Predictor, req: PredictRequest, other: PredictRequest | Non
     chains = [msgspec.structs.replace(chain(model, m.pod_id, m.blocks, m.tier),
                                       speculative_blocks=speculative.get(m.pod_id, 0)) for m in matches]
     held = {m.pod_id for m in matches}
-    chains += [chain(model, pod, 0, None) for pod in serving if pod not in held
-               and (req.pods is None or pod in req.pods)]
+    # every pod that could have held it and does not: each pod the filter names (whether or not the index has seen
+    # it serve the model yet), else the index's pods of the model
+    chains += [chain(model, pod, 0, None) for pod in (sorted(set(req.pods)) if req.pods is not None else serving)
+               if pod not in held]
     chains.sort(key=lambda c: (-c.stop_block, c.pod_id))
     other_chains = [chain(root, m.pod_id, m.blocks, m.tier) for root, m in elsewhere]
 
