@@ -219,12 +219,11 @@ class RoutedState:
             if pod in routed and (blocks := sum(b for p, (b, done) in homing.items()
                                                 if p != prefix and (done is None or done > read_at))):
                 routed[pod] = msgspec.structs.replace(routed[pod], footprint=routed[pod].footprint + blocks)
-        self._saw_booked(routed)
         return routed
 
     # ---- the bookings when a pod was scraped: how much of the scrape has ended since
 
-    def _saw_booked(self, routed: Mapping[str, PodRouted]) -> None:
+    def saw_booked(self, routed: Mapping[str, PodRouted]) -> None:
         now = self.clock()
         for pod, r in routed.items():
             seen = self._booked_seen.get(pod)
@@ -284,4 +283,6 @@ class RoutedRead:
         got = await self.get(candidates)
         if got is None:
             return None
-        return self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix, self.started)
+        routed = self.state.with_unwritten({p: got.get(p, PodRouted()) for p in candidates}, self.prefix, self.started)
+        self.state.saw_booked(routed)  # what was booked where, now: for the scrapes taken about now (``booked_at``)
+        return routed

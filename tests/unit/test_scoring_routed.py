@@ -76,17 +76,17 @@ def test_the_bookings_when_a_pod_was_scraped_as_this_process_read_them():
 
     t = [100.0]
     state = RoutedState(clock=lambda: t[0])
-    state.with_unwritten({"a": PodRouted(booked=Booked(7, 700)), "b": PodRouted(booked=Booked(2, 20))})
+    state.saw_booked({"a": PodRouted(booked=Booked(7, 700)), "b": PodRouted(booked=Booked(2, 20))})
     t[0] = 100.4
-    state.with_unwritten({"a": PodRouted(booked=Booked(7, 700)), "b": PodRouted(booked=Booked(2, 20))})  # the same
+    state.saw_booked({"a": PodRouted(booked=Booked(7, 700)), "b": PodRouted(booked=Booked(2, 20))})  # the same
     t[0] = 101.0
-    state.with_unwritten({"a": PodRouted(booked=Booked(1, 100)), "b": PodRouted(booked=Booked(2, 20))})
+    state.saw_booked({"a": PodRouted(booked=Booked(1, 100)), "b": PodRouted(booked=Booked(2, 20))})
     assert state.booked_at("a", 100.5) == 7 and state.booked_at("a", 101.0) == 1 and state.booked_at("a", 99) is None
     assert state.booked_at("a", 101.0 + SCRAPE_MATCH_S + 0.1) is None  # not read about then: unknown
     scraped = {"a": PodLoad(1, 6, 0.0, at=100.5), "b": PodLoad(1, 6, 0.0, at=99.0), "c": None}
     assert state.booked_at_scrape(scraped) == {"a": 7}  # b's bookings were not read at its scrape's time
     t[0] = 101.01  # a busy pod's bookings change every few ms: one value per step kept, the last read in it
-    state.with_unwritten({"a": PodRouted(booked=Booked(3, 300))})
+    state.saw_booked({"a": PodRouted(booked=Booked(3, 300))})
     assert state.booked_at("a", 101.0) == 3 and len(state._booked_seen["a"]) == 2
 
 

@@ -211,14 +211,13 @@ def decide(
     top = cands[0].weighted_overlap
     best = least_loaded([c for c in cands if c.weighted_overlap == top])
     if top <= 0:
-        pool = [c for c in cands if not c.overloaded] or cands
+        pool = _placement_pool(cands)
         held = next((c for c in pool if c.pod_id == pending), None)
         if held is not None:
             return decision(held, "no_overlap", f"no pod holds a prefix of this prompt yet; it was just placed on "
                             f"{held.pod_id} (pending: not indexed yet), so it goes there again", None)
         room = footprints or {}
-        chosen = min(pool, key=lambda c: (room.get(c.pod_id, 0), effective(c.pod_id), c.booked_tokens or 0,
-                                          -rendezvous(affinity_key, c.pod_id)))
+        chosen = min(pool, key=lambda c: _placement_key(c, effective(c.pod_id), affinity_key))
         if any(room.get(c.pod_id, 0) for c in pool):
             how = f"the pod with the fewest blocks of other recent prefixes ({room.get(chosen.pod_id, 0)})"
             how += ", then least loaded" if scores else ", then by prefix hash"
@@ -270,13 +269,20 @@ def placement_order(decision: RouteDecision, affinity_key: int) -> list[tuple[st
     [] for any other decision."""
     if decision.reason != "no_overlap" or decision.pod_id is None:
         return []
-    pool = [c for c in decision.candidates if not c.overloaded] or decision.candidates
+    pool = sorted(_placement_pool(decision.candidates), key=lambda c: _placement_key(
+        c, c.load if c.load is not None else (c.assumed_load or 0.0), affinity_key))
+    return [(c.pod_id, c.recent_prefix_blocks or 0) for c in pool]
 
-    def key(c: RouteCandidate) -> tuple[int, float, int, int]:
-        load = c.load if c.load is not None else (c.assumed_load or 0.0)
-        return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0, -rendezvous(affinity_key, c.pod_id)
 
-    return [(c.pod_id, c.recent_prefix_blocks or 0) for c in sorted(pool, key=key)]
+def _placement_pool(cands: list[RouteCandidate]) -> list[RouteCandidate]:
+    """Rule 5's pool: the candidates not overloaded, or all of them when every one is."""
+    return [c for c in cands if not c.overloaded] or cands
+
+
+def _placement_key(c: RouteCandidate, load: float, affinity_key: int) -> tuple[int, float, int, int]:
+    """Rule 5's order: fewest blocks of other recent prefixes, least (known or assumed) ``load``, fewer booked
+    tokens, the prefix's rendezvous order."""
+    return c.recent_prefix_blocks or 0, load, c.booked_tokens or 0, -rendezvous(affinity_key, c.pod_id)
 
 
 def placed_on(decision: RouteDecision, pod: str) -> RouteDecision:
