@@ -73,8 +73,7 @@ def _loadgen(port: int, bodies: list[bytes], tmp: Path, name: str, *, duration_s
 
 async def _fleet(valkey_url: str, pods: dict[str, str], held: dict[str, list[list[int]]] | None = None) -> None:
     """Fleet records and a live lease for ``pods`` (pod -> engine URL), and each pod's prompts in the index."""
-    index = Index.from_url(valkey_url, timeout_s=5.0)
-    try:
+    async with Index.from_url(valkey_url, timeout_s=5.0) as index:
         await index.fleet.put_pod_records({p: PodRecord(state="live", engine_url=u, models=[MODEL], block_size=16,
                                                         owner="bench") for p, u in pods.items()})
         now = await index.fleet.now_ms()
@@ -92,8 +91,6 @@ async def _fleet(valkey_url: str, pods: dict[str, str], held: dict[str, list[lis
             result = await index.apply_batch(pod_id=pod, rank=0, seq=0, ts=time.time(), model=MODEL,
                                              engine_block_size=16, mutations=mutations)
             assert result.status == "applied", result
-    finally:
-        await index.close()
 
 
 def _wait(check, what: str, timeout_s: float = 60.0) -> None:
@@ -471,23 +468,17 @@ def _all_candidates(url: str, pods: list[str], mode: str) -> bool:
 
 def _index_empty(valkey_url: str, probe: list[int]) -> bool:
     async def look() -> bool:
-        index = Index.from_url(valkey_url, timeout_s=5.0)
-        try:
+        async with Index.from_url(valkey_url, timeout_s=5.0) as index:
             found = await index.lookup_detailed(request_keys(probe, model=MODEL), None)
-            return not found.matches
-        finally:
-            await index.close()
+        return not found.matches
 
     return asyncio.run(look())
 
 
 def _now_ms(valkey_url: str) -> int:
     async def now() -> int:
-        index = Index.from_url(valkey_url, timeout_s=5.0)
-        try:
+        async with Index.from_url(valkey_url, timeout_s=5.0) as index:
             return await index.fleet.now_ms()
-        finally:
-            await index.close()
 
     return asyncio.run(now())
 
@@ -495,13 +486,10 @@ def _now_ms(valkey_url: str) -> int:
 def _loads_idle(valkey_url: str, pods: list[str], since_ms: int) -> bool:
     """Every pod's load row written after ``since_ms`` (Valkey time) and reading no request running or waiting."""
     async def look() -> bool:
-        index = Index.from_url(valkey_url, timeout_s=5.0)
-        try:
+        async with Index.from_url(valkey_url, timeout_s=5.0) as index:
             loads = (await index.fleet.fleet_view()).load
-            return all((ld := loads.get(p)) is not None and ld.at_ms >= since_ms and ld.running + ld.waiting == 0
-                       for p in pods)
-        finally:
-            await index.close()
+        return all((ld := loads.get(p)) is not None and ld.at_ms >= since_ms and ld.running + ld.waiting == 0
+                   for p in pods)
 
     return asyncio.run(look())
 
