@@ -114,8 +114,7 @@ class Probe(NamedTuple):
     at: int
 
 
-def shard_args(ops: Sequence[KeyChange | Probe], whose: Sequence[Sequence[Any]]) -> \
-        tuple[list[Any], list[int], dict[int, int]]:
+def shard_args(ops: Sequence[Any], whose: Sequence[Any]) -> tuple[list[Any], list[int], dict[int, int]]:
     """See ``shard_args_py`` (the reference): the same, in C for the usual shard's ops (s and r runs, probes)."""
     if _shard_args_c is not None:
         done = _shard_args_c(ops, whose, mine, *_PRESENCE_NAME, _SHARD_TYPES)
@@ -124,8 +123,7 @@ def shard_args(ops: Sequence[KeyChange | Probe], whose: Sequence[Sequence[Any]])
     return shard_args_py(ops, whose)
 
 
-def shard_args_py(ops: Sequence[KeyChange | Probe], whose: Sequence[Sequence[Any]]) -> \
-        tuple[list[Any], list[int], dict[int, int]]:
+def shard_args_py(ops: Sequence[Any], whose: Sequence[Any]) -> tuple[list[Any], list[int], dict[int, int]]:
     """A Valkey Cluster shard's share of a run's request-key changes (outbox entries' KeyChanges and drops'
     ``Probe``s, in order; ``whose``: per op, its entry, whose ``num`` and ``sibs`` are its pod's bit position and
     sibling ranks' bits) as changes.lua's arguments: an entry and its bit that come or go together in s and r

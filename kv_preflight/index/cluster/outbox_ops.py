@@ -29,9 +29,7 @@ except ImportError:  # pragma: no cover - no compiler at install time
     _c = None
 _TYPES = (KeyChange, EngineAdd, EngineDrop, Probe)
 _U64 = 2**64
-# A pod's bit position past this is no pod's: its presence value alone would be 2 MB a request key. An entry that
-# names one is malformed (not a bitmap of that size made for each of its keys).
-MAX_NUM = 2**24
+MAX_NUM = 2**24  # no pod's bit position (its presence value alone would be 2 MB): an entry naming one is malformed
 
 
 class OutboxEntry(NamedTuple):
@@ -52,56 +50,44 @@ def outbox_payload(entry: OutboxEntry) -> bytes:
     return _enc.encode((entry.num, entry.sibs, changes, [j for j, c in enumerate(changes) if type(c) is EngineDrop]))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_key(x: Any) -> bool:
-    """A request key or an engine key: a uint64 (llm-d's)."""
-    return _is_int(x) and 0 <= x < _U64
+    """A request key or an engine key: a uint64 (llm-d's; msgpack decodes an int as exactly int, a bool as bool)."""
+    return type(x) is int and 0 <= x < _U64
 
 
 def _entry(raw: Any) -> OutboxEntry | None:
-    """A decoded payload as the OutboxEntry ``outbox_payload`` wrote, every item checked; None for anything else (a hand
-    edit, a bug, a previous build's entry: a list of ops, ``["K", rk, ...]``)."""
-    if not isinstance(raw, list) or len(raw) != 4:
+    """A decoded payload as the OutboxEntry ``outbox_payload`` wrote, every item checked; None for anything else (a
+    hand edit, a bug, a previous build's entry: a list of ops, ``["K", rk, ...]``)."""
+    if not (type(raw) is list and len(raw) == 4 and type(raw[0]) is int and 0 <= raw[0] < MAX_NUM
+            and type(raw[1]) is bytes and len(raw[1]) <= MAX_NUM // 8 and type(raw[2]) is list
+            and type(raw[3]) is list and all(type(j) is int for j in raw[3])):
         return None
     num, sibs, items, drops = raw
-    if not (_is_int(num) and 0 <= num < MAX_NUM and isinstance(sibs, bytes) and len(sibs) <= MAX_NUM // 8
-            and isinstance(items, list) and isinstance(drops, list) and all(_is_int(j) for j in drops)):
-        return None
     dropped = set(drops)
     changes: list[Change] = []
     for j, c in enumerate(items):
-        if not isinstance(c, list):
-            return None
-        if len(c) == 5 and j not in dropped:
-            rk, fld, e, bit, bit_delta = c
-            if not (_is_key(rk) and isinstance(fld, str) and _is_int(e) and isinstance(bit, str)
-                    and _is_int(bit_delta)):
-                return None
-            changes.append(KeyChange(rk, fld, e, bit, bit_delta))
-        elif len(c) == 2 and _is_key(c[0]) and isinstance(c[1], list) and c[1] and all(_is_key(rk) for rk in c[1]):
+        if type(c) is list and len(c) == 5 and _is_key(c[0]) and type(c[1]) is str and type(c[2]) is int \
+                and type(c[3]) is str and type(c[4]) is int:
+            changes.append(KeyChange(*c))
+        elif type(c) is list and len(c) == 2 and _is_key(c[0]) and type(c[1]) is list and c[1] \
+                and all(_is_key(rk) for rk in c[1]):
             changes.append((EngineDrop if j in dropped else EngineAdd)(c[0], tuple(c[1])))
         else:
             return None
-    if len(dropped) != len(drops) or sum(type(c) is EngineDrop for c in changes) != len(drops):
-        return None  # a position named twice, or one that is no change
-    return OutboxEntry(num, sibs, changes)
+    # the drops' positions exactly as written: each on an engine key's change, once, in order
+    return OutboxEntry(num, sibs, changes) if [j for j, c in enumerate(changes) if type(c) is EngineDrop] == drops \
+        else None
 
 
 def decode_entry(field: bytes, payload: bytes) -> tuple[int, OutboxEntry] | None:
     """An outbox entry's order number and content, or None when either is malformed (the field is
     "<n>|<writer>|<ms>", both numbers decimal)."""
+    parts = field.split(b"|", 2)
+    entry = read_payload(payload) if len(parts) == 3 and parts[2].isdigit() else None
     try:
-        parts = field.split(b"|", 2)
-        if len(parts) != 3 or not parts[2].isdigit():
-            return None
-        n = int(parts[0])
+        return None if entry is None else (int(parts[0]), entry)
     except ValueError:
         return None
-    entry = read_payload(payload)
-    return None if entry is None else (n, entry)
 
 
 def read_payload(payload: bytes) -> OutboxEntry | None:
@@ -117,10 +103,9 @@ def key_op_args(op: KeyChange | Probe, pod: Sequence[Any]) -> list[Any]:
     ops for it); ``pod``: the change's entry (its pod's bit position and sibling bits)."""
     if type(op) is Probe:
         return ["q", op.rk, op.at]
-    num, sibs = pod[0], pod[1]
-    if sibs:  # a rank of a pod with data-parallel ranks: its siblings' bits first
-        return ["G", sibs, *lua_key_ops(*op, num, general=True)]
-    return lua_key_ops(*op, num)
+    if pod[1]:  # a rank of a pod with data-parallel ranks: its siblings' bits first
+        return ["G", pod[1], *lua_key_ops(*op, pod[0], general=True)]
+    return lua_key_ops(*op, pod[0])
 
 
 def _native(name: str, *args: Any) -> Any:

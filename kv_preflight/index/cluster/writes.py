@@ -62,7 +62,6 @@ log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
 
 
-
 class Touched(NamedTuple):
     """What a run wrote, for its ack: the keys (per name prefix, the values: request keys, engine keys), the
     slot map it wrote by (``Shards.map_mark``; None: nothing written) and that map's content
@@ -459,15 +458,12 @@ class ClusterWrites:
         entries = []
         for f, v in raw.items():
             parsed = decode_entry(f, v)
-            if parsed is None:
-                # Its changes to the shared keys never run, while the pod step that wrote it moved the pod's
-                # state past them: the pod's entries may lack them, and the answers say so (docs/durability.md)
-                self.malformed += 1
+            if parsed is None:  # its changes never run, though the pod step that wrote it moved the pod's state
+                self.malformed += 1  # past them: the pod's entries may lack them, and its answers say so
                 log.error("pod %s: outbox entry %r is malformed (%d bytes); deleted without running it, the pod "
                           "flagged incomplete", pod, f[:80], len(v))
-                await self.client.hset(pod_meta_key(pod), mapping={
-                    "incomplete": 1, "incomplete_reason": "an outbox entry this build cannot read (a hand edit, or "
-                                                          "another build's) was deleted without running its changes"})
+                await self.client.hset(pod_meta_key(pod), mapping={"incomplete": 1, "incomplete_reason":
+                                       "an outbox entry of no shape this build reads was deleted unrun"})
                 await self.client.hdel(pod_outbox_key(pod), f)
                 continue
             entries.append((parsed[0], f.decode(), v, parsed[1]))
