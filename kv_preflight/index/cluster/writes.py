@@ -111,9 +111,9 @@ class ClusterWrites:
         entry ran ("pending": run it now) or its writer had time to ("busy")."""
         writer = self.writer_arg()
         keys = [p.keys for p in preps]
-        ops = [OutboxEntry(p.num or 0, p.sibs, p.changes) for p in preps]  # run as they are, not decoded
+        planned = [OutboxEntry(p.num or 0, p.sibs, p.changes) for p in preps]  # run as they are, not decoded
         args = [p.head + [writer, "1" if p.gap else "0", outbox_payload(o) if o.changes else ""]
-                for p, o in zip(preps, ops)]
+                for p, o in zip(preps, planned)]
         pods = [p.pod for p in preps]
         results: list[ApplyResult | None] = [None] * len(preps)
         todo = list(range(len(preps)))
@@ -121,7 +121,7 @@ class ClusterWrites:
         while todo:
             replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
-            entry_ops: list[OutboxEntry] = []
+            to_run: list[OutboxEntry] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
             written: dict[str, int] = {}  # per pod, entries this round wrote (a pod's steps run in order)
@@ -141,7 +141,7 @@ class ClusterWrites:
                 if status == "applied" and len(r) > 5 and text(r[5]):
                     entry = (pods[i], text(r[5]), args[i][-1])
                     entries.append(entry)
-                    entry_ops.append(ops[i])
+                    to_run.append(planned[i])
                     owners.append(i)
                     # own entries older than this round's are another run's (kept: not replicated in
                     # time, or run again by a drain): this pod's entries wait for that one, in order
@@ -152,7 +152,7 @@ class ClusterWrites:
                     written[pods[i]] = written.get(pods[i], 0) + 1
             hooks.after_step("pod_step", len(entries))  # (kv_preflight/index/hooks.py: nothing, but in a crash test)
             if entries:
-                foreign, first, touched = await self.run(entry_ops)
+                foreign, first, touched = await self.run(to_run)
                 hooks.after_step("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
