@@ -8,8 +8,8 @@
  *   Python dicts without the interpreter around them, so the state stays the Python object every other reader
  *   (clone, snapshot, restore, export) knows.
  * - A plan's changes as changes.lua's arguments (kv_preflight/index/changes.py change_args, shard_args) and a
- *   Valkey Cluster run's outbox ops and rounds (kv_preflight/index/cluster/outbox_ops.py, run by writes.py): a list item or a command
- *   per block each.
+ *   Valkey Cluster run's rounds read off its outbox entries' changes (kv_preflight/index/cluster/outbox_ops.py, run
+ *   by writes.py): a list item or a command per block each.
  *
  * The Python functions stay the reference and the fallback when this module is not built, and take whatever
  * is not the usual case (each C routine answers None for it); tests/unit/test_pod_state.py, test_changes.py and
@@ -555,24 +555,6 @@ done:
 
 /* ---- a Valkey Cluster shard's share of a run's changes as changes.lua's arguments (changes.py shard_args) */
 
-/* A one-letter op name */
-static int op_is(PyObject *o, char c) {
-    return PyUnicode_Check(o) && PyUnicode_GET_LENGTH(o) == 1 && PyUnicode_READ_CHAR(o, 0) == (Py_UCS4)c;
-}
-
-/* An op's items (a list or a tuple), or NULL */
-static PyObject **op_items(PyObject *op, Py_ssize_t *n) {
-    if (PyList_Check(op)) {
-        *n = PyList_GET_SIZE(op);
-        return PySequence_Fast_ITEMS(op);
-    }
-    if (PyTuple_Check(op)) {
-        *n = PyTuple_GET_SIZE(op);
-        return PySequence_Fast_ITEMS(op);
-    }
-    return NULL;
-}
-
 /* changes.py _runs: an entry and its bit that come or go together (or an entry with no bit); -1: not ints */
 static int runs_of(PyObject *entry_obj, PyObject *bit, PyObject *delta, long *entry) {
     int overflow = 0;
@@ -582,11 +564,6 @@ static int runs_of(PyObject *entry_obj, PyObject *bit, PyObject *delta, long *en
     if (overflow) return -1;
     *entry = e;
     return e != 0 && (PyUnicode_GET_LENGTH(bit) ? d == e : d == 0);
-}
-
-/* the same of an outbox K op ["K", rk, field, entry, bit, bit_delta, byte, mask] */
-static int runs(PyObject **k, long *entry) {
-    return runs_of(k[3], k[4], k[5], entry);
 }
 
 /* the same of a KeyChange (rk, field, entry, bit, bit_delta) */
@@ -621,95 +598,107 @@ static int append_new(PyObject *list, PyObject *o) {
     return r;
 }
 
-/* shard_args(ops, mine, key_prefix, key_suffix) -> (args, owners, folded) | None: changes.py shard_args (its
- * reference, see there), for ops of the two kinds a shard mostly gets: K changes whose entry and bit come or
- * go together (s and r runs under F) and drop probes ("Q", rk, j). None, with nothing else done, for anything
- * else (a change in the general form, an op of another shape, a key outside uint64): Python then builds the
- * whole share. ``mine(num)``: changes.py mine; the key names are key_prefix + decimal + key_suffix (ASCII). */
+/* A change's pod (its OutboxEntry: num, sibs, ...) as C reads it: 1 with ``num`` set for a pod numbered within a
+ * long and no sibling bits, 0 for anything else (Python's), -1 on an error */
+static int plain_pod(PyObject *pod, long *num) {
+    if (!PyTuple_Check(pod) || PyTuple_GET_SIZE(pod) < 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(pod, 0))
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(pod, 1)) || PyBytes_GET_SIZE(PyTuple_GET_ITEM(pod, 1)) != 0)
+        return 0;
+    int overflow = 0;
+    *num = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(pod, 0), &overflow);
+    if (*num == -1 && PyErr_Occurred()) return -1;
+    return !overflow && *num >= 0;
+}
+
+/* shard_args(ops, whose, mine, key_prefix, key_suffix, types) -> (args, owners, folded) | None: changes.py
+ * shard_args (its reference, see there), for ops of the two kinds a shard mostly gets: KeyChanges whose entry and
+ * bit come or go together (s and r runs under F) of pods with no sibling ranks (``whose``: per op, its OutboxEntry)
+ * and drops' probes. None, with nothing else done, for anything else (a change in the general form, a pod with
+ * sibling ranks, an op of another type, a key outside uint64): Python then builds the whole share.
+ * ``mine(num)``: changes.py mine; the key names are key_prefix + decimal + key_suffix (ASCII); ``types``:
+ * (KeyChange, Probe). Fields, keys and numbers must be of the exact str, int and bytes types, so that no comparison
+ * below runs Python code (which could change the lists read). */
 static PyObject *shard_args(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ops_obj, *mine;
+    PyObject *ops_obj, *whose, *mine, *types;
     const char *prefix, *suffix;
     Py_ssize_t np, ns;
-    if (!PyArg_ParseTuple(args, "OOs#s#", &ops_obj, &mine, &prefix, &np, &suffix, &ns)) return NULL;
-    if (!PyList_Check(ops_obj)) Py_RETURN_NONE;
+    if (!PyArg_ParseTuple(args, "OOOs#s#O!", &ops_obj, &whose, &mine, &prefix, &np, &suffix, &ns, &PyTuple_Type,
+                          &types))
+        return NULL;
+    if (PyTuple_GET_SIZE(types) != 2) {
+        PyErr_SetString(PyExc_TypeError, "types must be (KeyChange, Probe)");
+        return NULL;
+    }
+    PyObject *kc = PyTuple_GET_ITEM(types, 0), *pt = PyTuple_GET_ITEM(types, 1);
+    if (!PyList_Check(ops_obj) || !PyList_Check(whose) || PyList_GET_SIZE(whose) != PyList_GET_SIZE(ops_obj))
+        Py_RETURN_NONE;
     PyObject *out = PyList_New(0), *owners = PyList_New(0), *folded = PyDict_New(), *owns = PyDict_New();
     PyObject *result = NULL, *s_name = PyUnicode_FromString("s"), *r_name = PyUnicode_FromString("r");
     PyObject *f_name = PyUnicode_FromString("F"), *q_name = PyUnicode_FromString("q");
     if (!out || !owners || !folded || !owns || !s_name || !r_name || !f_name || !q_name) goto done;
-    PyObject *reg[4] = {NULL, NULL, NULL, NULL};  /* the F op's field, bit, byte and mask, as last sent */
+    PyObject *reg_field = NULL, *reg_bit = NULL;  /* the F op's field and bit, as last sent, and its pod: */
+    long reg_num = -1;
     Py_ssize_t run_at = -1, run_len = 0;
     char run_name = 0;
     int unusual = 0;
     Py_ssize_t n = PyList_GET_SIZE(ops_obj);
     for (Py_ssize_t i = 0; i < n && !unusual; i++) {
-        PyObject *op = PyList_GET_ITEM(ops_obj, i);
-        Py_ssize_t len;
-        PyObject **k = op_items(op, &len);
-        if (k == NULL || len < 1) { unusual = 1; break; }
+        PyObject *op = PyList_GET_ITEM(ops_obj, i), *t = (PyObject *)Py_TYPE(op);
         PyObject *index = PyLong_FromSsize_t(i);
         if (index == NULL) goto done;
         int r = 0;
-        if (op_is(k[0], 'Q') && len == 3 && PyLong_CheckExact(k[1])) {
+        if (t == pt && PyTuple_GET_SIZE(op) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(op, 0))) {
+            PyObject *rk = PyTuple_GET_ITEM(op, 0);
             int folds = 0;
-            if (i) {  /* changes.py folds_probe */
-                Py_ssize_t plen;
-                PyObject **prev = op_items(PyList_GET_ITEM(ops_obj, i - 1), &plen);
-                long entry;
-                if (prev != NULL && plen == 8 && op_is(prev[0], 'K')) {
-                    int same = PyObject_RichCompareBool(prev[1], k[1], Py_EQ);
-                    int ru = same > 0 ? runs(prev, &entry) : 0;
-                    if (same < 0) r = -1;
-                    else if (ru < 0) unusual = 1;
-                    else folds = same && entry < 0 && ru;
-                }
+            PyObject *prev = i ? PyList_GET_ITEM(ops_obj, i - 1) : NULL;
+            if (prev != NULL && (PyObject *)Py_TYPE(prev) == kc && PyTuple_GET_SIZE(prev) == 5) {  /* folds_probe */
+                long entry, num;
+                int plain = plain_pod(PyList_GET_ITEM(whose, i - 1), &num);
+                int ru = plain > 0 && PyLong_CheckExact(PyTuple_GET_ITEM(prev, 0)) ? key_runs(prev, &entry) : -1;
+                if (plain < 0) r = -1;
+                else if (ru < 0) unusual = 1;
+                else folds = ru && entry < 0 && PyObject_RichCompareBool(PyTuple_GET_ITEM(prev, 0), rk, Py_EQ) > 0;
             }
             if (r == 0 && !unusual) {
                 if (folds) {
                     PyObject *at = PyLong_FromSsize_t(PyList_GET_SIZE(owners));
                     r = at == NULL ? -1 : PyDict_SetItem(folded, at, index);
                     Py_XDECREF(at);
-                } else if (PyList_Append(out, q_name) < 0 || PyList_Append(out, k[1]) < 0
-                           || PyList_Append(out, k[2]) < 0 || PyList_Append(owners, index) < 0) {
+                } else if (PyList_Append(out, q_name) < 0 || PyList_Append(out, rk) < 0
+                           || PyList_Append(out, PyTuple_GET_ITEM(op, 1)) < 0 || PyList_Append(owners, index) < 0) {
                     r = -1;
                 }
             }
-        } else if (op_is(k[0], 'K') && len == 8) {
-            long entry;
-            int ru = runs(k, &entry);
-            int overflow = 0;
-            long byte = PyLong_CheckExact(k[6]) ? PyLong_AsLongAndOverflow(k[6], &overflow) : -1;
-            long mask = !overflow && PyLong_CheckExact(k[7]) ? PyLong_AsLongAndOverflow(k[7], &overflow) : -1;
-            /* exact types, so that no comparison below runs Python code (which could free the ops read); a byte
-             * whose bit position (byte - 1) * 8 + ... does not fit a long is Python's (it raises there) */
-            int plain = PyUnicode_CheckExact(k[2]) && PyUnicode_CheckExact(k[4]) && byte <= (LONG_MAX - 64) / 8;
-            PyObject *pk = ru > 0 && plain && !overflow && byte >= 1 && mask >= 1
-                ? key_name(k[1], prefix, np, suffix, ns) : NULL;
+        } else if (t == kc && PyTuple_GET_SIZE(op) == 5) {
+            PyObject *rk = PyTuple_GET_ITEM(op, 0), *fld = PyTuple_GET_ITEM(op, 1), *bit = PyTuple_GET_ITEM(op, 3);
+            long entry, num;
+            int plain = plain_pod(PyList_GET_ITEM(whose, i), &num);
+            int ru = plain > 0 ? key_runs(op, &entry) : 0;
+            PyObject *pk = ru > 0 && PyUnicode_CheckExact(fld) && PyUnicode_CheckExact(bit)
+                ? key_name(rk, prefix, np, suffix, ns) : NULL;
             if (pk == NULL) {
-                if (PyErr_Occurred()) r = -1;
+                if (plain < 0 || PyErr_Occurred()) r = -1;
                 else unusual = 1;
             } else {
                 char name = entry > 0 ? 's' : 'r';
-                int same = reg[0] != NULL;
-                static const int at[4] = {2, 4, 6, 7};  /* field, bit, byte, mask */
-                for (int j = 0; j < 4 && same > 0; j++) same = PyObject_RichCompareBool(reg[j], k[at[j]], Py_EQ);
+                int same = reg_field != NULL && reg_num == num;
+                if (same > 0) same = PyObject_RichCompareBool(reg_field, fld, Py_EQ);
+                if (same > 0) same = PyObject_RichCompareBool(reg_bit, bit, Py_EQ);
                 if (same < 0) {
                     r = -1;
                 } else if (!same) {
-                    reg[0] = k[2]; reg[1] = k[4]; reg[2] = k[6]; reg[3] = k[7];
-                    PyObject *key = PyTuple_Pack(2, k[6], k[7]);
-                    PyObject *own = key == NULL ? NULL : PyDict_GetItemWithError(owns, key);
+                    reg_field = fld; reg_bit = bit; reg_num = num;
+                    PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(whose, i), 0);
+                    PyObject *own = PyDict_GetItemWithError(owns, key);
                     if (own != NULL) {
                         Py_INCREF(own);
-                    } else if (key != NULL && !PyErr_Occurred()) {
-                        int bits = 0;
-                        for (long m = mask; m; m >>= 1) bits++;
-                        own = PyObject_CallFunction(mine, "l", (byte - 1) * 8 + bits - 1);
+                    } else if (!PyErr_Occurred()) {
+                        own = PyObject_CallOneArg(mine, key);
                         if (own != NULL && PyDict_SetItem(owns, key, own) < 0) Py_CLEAR(own);
                     }
-                    Py_XDECREF(key);
-                    if (own == NULL || PyList_Append(out, f_name) < 0 || PyList_Append(out, k[2]) < 0
-                        || PyList_Append(out, k[4]) < 0 || PyList_Append(out, own) < 0
+                    if (own == NULL || PyList_Append(out, f_name) < 0 || PyList_Append(out, fld) < 0
+                        || PyList_Append(out, bit) < 0 || PyList_Append(out, own) < 0
                         || PyList_Append(owners, index) < 0)
                         r = -1;
                     Py_XDECREF(own);
@@ -717,7 +706,7 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
                     /* the block joins the run just before it */
                     run_len += 1;
                     PyObject *count = PyLong_FromSsize_t(run_len);
-                    if (count == NULL || PyList_SetItem(out, run_at, count) < 0 || PyList_Append(out, k[1]) < 0
+                    if (count == NULL || PyList_SetItem(out, run_at, count) < 0 || PyList_Append(out, rk) < 0
                         || PyList_Append(out, pk) < 0 || PyList_Append(owners, index) < 0)
                         r = -1;
                     Py_DECREF(pk);
@@ -730,7 +719,7 @@ static PyObject *shard_args(PyObject *self, PyObject *args) {
                     run_len = 1;
                     run_name = name;
                     if (PyList_Append(out, name == 's' ? s_name : r_name) < 0
-                        || append_new(out, PyLong_FromLong(1)) < 0 || PyList_Append(out, k[1]) < 0
+                        || append_new(out, PyLong_FromLong(1)) < 0 || PyList_Append(out, rk) < 0
                         || PyList_Append(out, pk) < 0 || PyList_Append(owners, index) < 0)
                         r = -1;
                 }
@@ -912,64 +901,29 @@ done:
     return result;
 }
 
-/* ---- a Valkey Cluster run's ops (kv_preflight/index/cluster/outbox_ops.py, run by writes.py): its outbox ops and its rounds */
+/* ---- a Valkey Cluster run's rounds (kv_preflight/index/cluster/outbox_ops.py, run by writes.py), read off the
+ * outbox entries' changes */
 
-static PyObject *list_from(PyObject *seq) {
-    return PyList_Check(seq) ? PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq)) : PySequence_List(seq);
-}
-
-/* change_ops(changes, byte, mask, types) -> list | None: outbox_ops.py change_ops_py (the reference) for the three
- * change types (``types``: KeyChange, EngineAdd, EngineDrop; any other is left out, as there); None for a
- * change missing fields (Python's unpacking then says so). */
-static PyObject *change_ops(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *changes, *byte, *mask, *types;
-    if (!PyArg_ParseTuple(args, "O!OOO!", &PyList_Type, &changes, &byte, &mask, &PyTuple_Type, &types)) return NULL;
-    if (PyTuple_GET_SIZE(types) != 3) {
-        PyErr_SetString(PyExc_TypeError, "types must be (KeyChange, EngineAdd, EngineDrop)");
-        return NULL;
-    }
-    PyObject *kc = PyTuple_GET_ITEM(types, 0), *ea = PyTuple_GET_ITEM(types, 1), *ed = PyTuple_GET_ITEM(types, 2);
-    if (!changes_whole(PySequence_Fast_ITEMS(changes), PyList_GET_SIZE(changes), kc, ea, ed)) Py_RETURN_NONE;
-    PyObject *k_name = PyUnicode_FromString("K"), *z_name = PyUnicode_FromString("Z"), *x_name = PyUnicode_FromString("X");
-    PyObject *out = PyList_New(0);
-    int failed = !k_name || !z_name || !x_name || !out;
-    Py_ssize_t n = failed ? 0 : PyList_GET_SIZE(changes);
-    for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        PyObject *c = PyList_GET_ITEM(changes, i), *t = (PyObject *)Py_TYPE(c), *op = NULL;
-        if (t == kc) {
-            if ((op = PyList_New(8)) != NULL) {
-                PyList_SET_ITEM(op, 0, Py_NewRef(k_name));
-                for (int j = 0; j < 5; j++) PyList_SET_ITEM(op, 1 + j, Py_NewRef(PyTuple_GET_ITEM(c, j)));
-                PyList_SET_ITEM(op, 6, Py_NewRef(byte));
-                PyList_SET_ITEM(op, 7, Py_NewRef(mask));
-            }
-        } else if (t == ea || t == ed) {
-            PyObject *rks = list_from(PyTuple_GET_ITEM(c, 1));
-            if (rks != NULL && (op = PyList_New(3)) != NULL) {
-                PyList_SET_ITEM(op, 0, Py_NewRef(t == ea ? z_name : x_name));
-                PyList_SET_ITEM(op, 1, Py_NewRef(PyTuple_GET_ITEM(c, 0)));
-                PyList_SET_ITEM(op, 2, rks);
-                rks = NULL;
-            }
-            Py_XDECREF(rks);
-        } else {
-            continue;
-        }
-        failed = append_new(out, op) < 0;
-    }
-    Py_XDECREF(k_name); Py_XDECREF(z_name); Py_XDECREF(x_name);
-    if (failed) Py_CLEAR(out);
-    return out;
-}
-
-/* An op's kind letter, 0 for anything else */
-static char kind_of(PyObject *op, PyObject ***items, Py_ssize_t *len) {
-    *items = op_items(op, len);
-    if (*items == NULL || *len < 1 || !PyUnicode_Check((*items)[0]) || PyUnicode_GET_LENGTH((*items)[0]) != 1)
+/* ``types`` as the run's routines get them: (KeyChange, EngineAdd, EngineDrop, Probe), Probe a NamedTuple (a tuple
+ * subclass of no fields of its own, so that ``pair`` may make one); 0 with a TypeError for anything else */
+static int run_types(PyObject *types, PyObject **kc, PyObject **ea, PyObject **ed, PyTypeObject **pt) {
+    PyTypeObject *p = PyTuple_GET_SIZE(types) == 4 && PyType_Check(PyTuple_GET_ITEM(types, 3))
+        ? (PyTypeObject *)PyTuple_GET_ITEM(types, 3) : NULL;
+    if (p == NULL || !PyType_IsSubtype(p, &PyTuple_Type) || p->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "types must be (KeyChange, EngineAdd, EngineDrop, Probe)");
         return 0;
-    Py_UCS4 c = PyUnicode_READ_CHAR((*items)[0], 0);
-    return c < 128 ? (char)c : 0;
+    }
+    *kc = PyTuple_GET_ITEM(types, 0); *ea = PyTuple_GET_ITEM(types, 1); *ed = PyTuple_GET_ITEM(types, 2); *pt = p;
+    return 1;
+}
+
+/* A ``t`` (a NamedTuple of two fields) of a and b, as tuple.__new__(t, (a, b)) makes it */
+static PyObject *pair(PyTypeObject *t, PyObject *a, PyObject *b) {
+    PyObject *p = t->tp_alloc(t, 2);
+    if (p == NULL) return NULL;
+    PyTuple_SET_ITEM(p, 0, Py_NewRef(a));
+    PyTuple_SET_ITEM(p, 1, Py_NewRef(b));
+    return p;
 }
 
 /* d[k] = j */
@@ -990,79 +944,106 @@ static PyObject *distinct(PyObject *rks) {
     return out;
 }
 
-/* run_keys(ops) -> (key_ops, request_keys) | None: writes.py ClusterWrites.run's first pass (see there): the K
- * changes as they are and a probe ("Q", rk, j) per distinct request key of each engine key's drop, in order, and
- * the K changes' request keys. None for an op of another shape (Python then takes the run). */
-static PyObject *run_keys(PyObject *self, PyObject *ops) {
+/* An engine key's add or drop whose request keys are a tuple of at least one (a plan's and a decoded entry's) */
+static int engine_change(PyObject *c) {
+    PyObject *rks = PyTuple_GET_SIZE(c) == 2 ? PyTuple_GET_ITEM(c, 1) : NULL;
+    return rks != NULL && PyTuple_Check(rks) && PyTuple_GET_SIZE(rks) > 0;
+}
+
+/* run_keys(entries, types) -> (key_ops, whose, request_keys) | None: outbox_ops.py _run_keys (the reference): over
+ * the entries' changes in order, the KeyChanges as they are and a Probe(rk, j) per distinct request key of each
+ * engine key's drop, per such op its entry, and the KeyChanges' request keys. None for an entry or change of
+ * another shape (Python then takes the run). */
+static PyObject *run_keys(PyObject *self, PyObject *args) {
     (void)self;
-    if (!PyList_Check(ops)) Py_RETURN_NONE;
-    PyObject *key_ops = PyList_New(0), *rks_out = PyList_New(0), *q_name = PyUnicode_FromString("Q");
-    PyObject *result = NULL;
-    if (!key_ops || !rks_out || !q_name) goto done;
-    Py_ssize_t n = PyList_GET_SIZE(ops);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *op = PyList_GET_ITEM(ops, j), **k;
-        Py_ssize_t len;
-        char kind = kind_of(op, &k, &len);
-        if (kind == 'K' && len >= 2) {
-            if (PyList_Append(key_ops, op) < 0 || PyList_Append(rks_out, k[1]) < 0) goto done;
-        } else if (kind == 'X' && len >= 3) {
-            PyObject *rks = k[2], *at = PyLong_FromSsize_t(j);
-            if (at == NULL) goto done;
-            Py_ssize_t m = PyObject_Length(rks);
-            PyObject *each = m < 0 ? NULL : m == 1 ? PySequence_List(rks) : distinct(rks);
-            if (each == NULL) {
-                Py_DECREF(at);
-                PyErr_Clear();
-                result = Py_NewRef(Py_None);
-                goto done;
+    PyObject *entries, *types, *kc, *ea, *ed;
+    PyTypeObject *pt;
+    if (!PyArg_ParseTuple(args, "OO!", &entries, &PyTuple_Type, &types) || !run_types(types, &kc, &ea, &ed, &pt))
+        return NULL;
+    if (!PyList_Check(entries)) Py_RETURN_NONE;
+    PyObject *key_ops = PyList_New(0), *whose = PyList_New(0), *rks_out = PyList_New(0), *result = NULL;
+    if (!key_ops || !whose || !rks_out) goto done;
+    Py_ssize_t j = 0;
+    for (Py_ssize_t e = 0; e < PyList_GET_SIZE(entries); e++) {
+        PyObject *entry = PyList_GET_ITEM(entries, e);
+        PyObject *changes = PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) >= 3 ? PyTuple_GET_ITEM(entry, 2) : NULL;
+        if (changes == NULL || !PyList_Check(changes)
+            || !changes_whole(PySequence_Fast_ITEMS(changes), PyList_GET_SIZE(changes), kc, ea, ed)) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        /* held, and sizes read afresh: a request key's hash (a set of a drop's keys) may run Python code */
+        Py_INCREF(entry);
+        Py_INCREF(changes);
+        int r = 0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(changes) && r == 0; i++, j++) {
+            PyObject *c = PyList_GET_ITEM(changes, i), *t = (PyObject *)Py_TYPE(c);
+            if (t == kc) {
+                r = PyList_Append(key_ops, c) < 0 || PyList_Append(whose, entry) < 0
+                    || PyList_Append(rks_out, PyTuple_GET_ITEM(c, 0)) < 0 ? -1 : 0;
+            } else if (t == ed && engine_change(c)) {
+                PyObject *rks = PyTuple_GET_ITEM(c, 1), *at = PyLong_FromSsize_t(j);
+                PyObject *each = at == NULL ? NULL : PyTuple_GET_SIZE(rks) == 1 ? PySequence_List(rks) : distinct(rks);
+                if (each == NULL) {
+                    r = at == NULL ? -1 : 1;  /* an unhashable key: Python's */
+                    PyErr_Clear();
+                }
+                for (Py_ssize_t k = 0; each != NULL && k < PyList_GET_SIZE(each) && r == 0; k++)
+                    r = append_new(key_ops, pair(pt, PyList_GET_ITEM(each, k), at)) < 0
+                        || PyList_Append(whose, entry) < 0 ? -1 : 0;
+                Py_XDECREF(each);
+                Py_XDECREF(at);
+            } else if (t != ea || !engine_change(c)) {
+                r = 1;  /* another type or shape: Python's */
             }
-            int r = 0;
-            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(each) && r == 0; i++)
-                r = append_new(key_ops, PyTuple_Pack(3, q_name, PyList_GET_ITEM(each, i), at));
-            Py_DECREF(each);
-            Py_DECREF(at);
-            if (r < 0) goto done;
-        } else if (kind != 'Z') {
+        }
+        Py_DECREF(entry);
+        Py_DECREF(changes);
+        if (r < 0) goto done;
+        if (r > 0) {
             result = Py_NewRef(Py_None);
             goto done;
         }
     }
-    result = PyTuple_Pack(2, key_ops, rks_out);
+    result = PyTuple_Pack(3, key_ops, whose, rks_out);
 done:
-    Py_XDECREF(key_ops); Py_XDECREF(rks_out); Py_XDECREF(q_name);
+    Py_XDECREF(key_ops); Py_XDECREF(whose); Py_XDECREF(rks_out);
     return result;
 }
 
-/* engine_round(ops, empty_at, prefix) -> (commands, engine_keys, drops) | None: writes.py ClusterWrites.run's
- * round B (see there), in the run's order: an engine key's ZADD per add (its request keys at their positions),
- * its ZREM per drop whose every distinct request key ``empty_at`` counts empty, the engine keys commanded and
- * the drops as (j, op). None for an op of another shape or an engine key outside uint64 (Python then does it). */
+/* engine_round(changes, empty_at, prefix, types) -> (commands, engine_keys, drops) | None: outbox_ops.py
+ * _engine_round (the reference): round B in the run's order, an engine key's ZADD per add (its request keys at
+ * their positions), its ZREM per drop whose every distinct request key ``empty_at`` counts empty, the engine keys
+ * commanded and the drops as (j, drop). None for a change of another shape or an engine key outside uint64
+ * (Python then does it). */
 static PyObject *engine_round(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ops, *empty_at;
+    PyObject *changes, *empty_at, *types, *kc, *ea, *ed;
+    PyTypeObject *pt;
     const char *prefix;
     Py_ssize_t np;
-    if (!PyArg_ParseTuple(args, "OOs#", &ops, &empty_at, &prefix, &np)) return NULL;
-    if (!PyList_Check(ops) || !PyDict_Check(empty_at)) Py_RETURN_NONE;
+    if (!PyArg_ParseTuple(args, "OOs#O!", &changes, &empty_at, &prefix, &np, &PyTuple_Type, &types)
+        || !run_types(types, &kc, &ea, &ed, &pt))
+        return NULL;
+    if (!PyList_Check(changes) || !PyDict_Check(empty_at)
+        || !changes_whole(PySequence_Fast_ITEMS(changes), PyList_GET_SIZE(changes), kc, ea, ed))
+        Py_RETURN_NONE;
     PyObject *cmds = PyList_New(0), *eks = PyList_New(0), *drops = PyList_New(0);
     PyObject *zadd = PyUnicode_FromString("ZADD"), *zrem = PyUnicode_FromString("ZREM");
     PyObject *result = NULL;
     if (!cmds || !eks || !drops || !zadd || !zrem) goto done;
-    Py_ssize_t n = PyList_GET_SIZE(ops);
+    Py_ssize_t n = PyList_GET_SIZE(changes);
     for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *op = PyList_GET_ITEM(ops, j), **k;
-        Py_ssize_t len;
-        char kind = kind_of(op, &k, &len);
-        if (kind == 'K') continue;
-        if ((kind != 'Z' && kind != 'X') || len != 3 || !PyList_Check(k[2]) || PyList_GET_SIZE(k[2]) < 1) {
+        PyObject *c = PyList_GET_ITEM(changes, j), *t = (PyObject *)Py_TYPE(c);
+        if (t == kc) continue;
+        if ((t != ea && t != ed) || !engine_change(c)) {
             result = Py_NewRef(Py_None);
             goto done;
         }
-        PyObject *rks = k[2];
-        Py_ssize_t m = PyList_GET_SIZE(rks);
+        PyObject *ek = PyTuple_GET_ITEM(c, 0), *rks = PyTuple_GET_ITEM(c, 1);
+        Py_ssize_t m = PyTuple_GET_SIZE(rks);
         PyObject *cmd = NULL;
-        if (kind == 'X') {
+        if (t == ed) {
             Py_ssize_t want = 1;
             if (m != 1) {
                 PyObject *set = PySet_New(rks);
@@ -1074,23 +1055,18 @@ static PyObject *engine_round(PyObject *self, PyObject *args) {
             if (at == NULL) goto done;
             long long empty;
             int r = dget(empty_at, at, &empty);
-            if (r == 0 && empty == want) {
-                r = append_new(drops, PyTuple_Pack(2, at, op));
-                Py_DECREF(at);
-                if (r < 0) goto done;
-            } else {
-                Py_DECREF(at);
-                if (r < 0) goto done;
-                continue;
-            }
+            if (r == 0 && empty == want) r = append_new(drops, PyTuple_Pack(2, at, c));
+            Py_DECREF(at);
+            if (r < 0) goto done;
+            if (empty != want) continue;
         }
-        PyObject *name = key_name(k[1], prefix, np, "", 0);
+        PyObject *name = key_name(ek, prefix, np, "", 0);
         if (name == NULL) {
             if (PyErr_Occurred()) goto done;
             result = Py_NewRef(Py_None);
             goto done;
         }
-        if (kind == 'Z') {  /* ("ZADD", name, 0, rk0, 1, rk1, ...) */
+        if (t == ea) {  /* ("ZADD", name, 0, rk0, 1, rk1, ...) */
             if ((cmd = PyTuple_New(2 + 2 * m)) != NULL) {
                 PyTuple_SET_ITEM(cmd, 0, Py_NewRef(zadd));
                 PyTuple_SET_ITEM(cmd, 1, name);
@@ -1098,7 +1074,7 @@ static PyObject *engine_round(PyObject *self, PyObject *args) {
                     PyObject *pos = PyLong_FromSsize_t(i);
                     if (pos == NULL) { Py_CLEAR(cmd); break; }
                     PyTuple_SET_ITEM(cmd, 2 + 2 * i, pos);
-                    PyTuple_SET_ITEM(cmd, 3 + 2 * i, Py_NewRef(PyList_GET_ITEM(rks, i)));
+                    PyTuple_SET_ITEM(cmd, 3 + 2 * i, Py_NewRef(PyTuple_GET_ITEM(rks, i)));
                 }
             } else {
                 Py_DECREF(name);
@@ -1107,12 +1083,12 @@ static PyObject *engine_round(PyObject *self, PyObject *args) {
             if ((cmd = PyTuple_New(2 + m)) != NULL) {
                 PyTuple_SET_ITEM(cmd, 0, Py_NewRef(zrem));
                 PyTuple_SET_ITEM(cmd, 1, name);
-                for (Py_ssize_t i = 0; i < m; i++) PyTuple_SET_ITEM(cmd, 2 + i, Py_NewRef(PyList_GET_ITEM(rks, i)));
+                for (Py_ssize_t i = 0; i < m; i++) PyTuple_SET_ITEM(cmd, 2 + i, Py_NewRef(PyTuple_GET_ITEM(rks, i)));
             } else {
                 Py_DECREF(name);
             }
         }
-        if (append_new(cmds, cmd) < 0 || PyList_Append(eks, k[1]) < 0) goto done;
+        if (append_new(cmds, cmd) < 0 || PyList_Append(eks, ek) < 0) goto done;
     }
     result = PyTuple_Pack(3, cmds, eks, drops);
 done:
@@ -1120,64 +1096,57 @@ done:
     return result;
 }
 
-/* raced(ops, drops, back) -> list: writes.py ClusterWrites.run's round D (``_raced``, the reference): the
- * drops (j, op) one of whose request keys is in ``back`` (a set: it holds an entry again after round B) and is
- * not stored by a K op of the run after the drop (such a store explains the entry; any other is a writer that
- * raced the drop's ZREM). None for a drop or op of another shape (Python then does it). */
+/* raced(changes, drops, back, types) -> list | None: outbox_ops.py _raced (the reference): round D, the drops
+ * (j, drop) one of whose request keys is in ``back`` (a set: it holds an entry again after round B) and is not
+ * stored by a KeyChange of the run after the drop (such a store explains the entry; any other is a writer that
+ * raced the drop's ZREM). None for a change or drop of another shape (Python then does it). */
 static PyObject *raced(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ops, *drops, *back;
-    if (!PyArg_ParseTuple(args, "OOO", &ops, &drops, &back)) return NULL;
-    if (!PyList_Check(ops) || !PyList_Check(drops)) Py_RETURN_NONE;
+    PyObject *changes, *drops, *back, *types, *kc, *ea, *ed;
+    PyTypeObject *pt;
+    if (!PyArg_ParseTuple(args, "OOOO!", &changes, &drops, &back, &PyTuple_Type, &types)
+        || !run_types(types, &kc, &ea, &ed, &pt))
+        return NULL;
+    if (!PyList_Check(changes) || !PyList_Check(drops)
+        || !changes_whole(PySequence_Fast_ITEMS(changes), PyList_GET_SIZE(changes), kc, ea, ed))
+        Py_RETURN_NONE;
     if (!PyAnySet_Check(back)) {
         PyErr_SetString(PyExc_TypeError, "back must be a set");
         return NULL;
     }
     PyObject *stored_at = PyDict_New(), *zero = PyLong_FromLong(0), *out = PyList_New(0), *result = NULL;
     if (stored_at == NULL || zero == NULL || out == NULL) goto done;
-    /* per key of ``back``, the run's last K op storing it; the list's size read afresh and the op's items held:
+    /* per key of ``back``, the run's last KeyChange storing it; the list's size read afresh and the change held:
      * a key's hash or comparison may run Python code */
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(ops); j++) {
-        PyObject **k;
-        Py_ssize_t len;
-        if (kind_of(PyList_GET_ITEM(ops, j), &k, &len) != 'K') continue;
-        if (len < 2) {  /* op[1], op[3]: Python's IndexError */
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
-            goto done;
-        }
-        PyObject *rk = Py_NewRef(k[1]), *entry = len < 4 ? NULL : Py_NewRef(k[3]);
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(changes); j++) {
+        PyObject *c = PyList_GET_ITEM(changes, j);
+        if ((PyObject *)Py_TYPE(c) != kc) continue;
+        Py_INCREF(c);
+        PyObject *rk = PyTuple_GET_ITEM(c, 0);
         int in = PySet_Contains(back, rk);
-        int stores = 0;
-        if (in > 0 && entry == NULL) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
-            in = -1;
-        } else if (in > 0) {
-            stores = PyObject_RichCompareBool(entry, zero, Py_GT);
-        }
+        int stores = in > 0 ? PyObject_RichCompareBool(PyTuple_GET_ITEM(c, 2), zero, Py_GT) : 0;
         int r = in < 0 || stores < 0 || (stores && append_at(stored_at, rk, j) < 0) ? -1 : 0;
-        Py_DECREF(rk);
-        Py_XDECREF(entry);
+        Py_DECREF(c);
         if (r < 0) goto done;
     }
     /* the drops: each held while its keys are looked up (a key's hash may run Python code) */
     for (Py_ssize_t d = 0; d < PyList_GET_SIZE(drops); d++) {
-        PyObject *drop = PyList_GET_ITEM(drops, d), **k;
-        Py_ssize_t len;
-        if (!PyTuple_Check(drop) || PyTuple_GET_SIZE(drop) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(drop, 0))
-            || kind_of(PyTuple_GET_ITEM(drop, 1), &k, &len) != 'X' || len != 3 || !PyList_Check(k[2])) {
+        PyObject *drop = PyList_GET_ITEM(drops, d);
+        PyObject *c = PyTuple_Check(drop) && PyTuple_GET_SIZE(drop) == 2 ? PyTuple_GET_ITEM(drop, 1) : NULL;
+        if (c == NULL || !PyLong_CheckExact(PyTuple_GET_ITEM(drop, 0)) || (PyObject *)Py_TYPE(c) != ed
+            || !engine_change(c)) {
             result = Py_NewRef(Py_None);
             goto done;
         }
         long long j = PyLong_AsLongLong(PyTuple_GET_ITEM(drop, 0));
         if (j == -1 && PyErr_Occurred()) goto done;
-        PyObject *rks = Py_NewRef(k[2]);
+        PyObject *rks = Py_NewRef(PyTuple_GET_ITEM(c, 1));
         Py_INCREF(drop);
         int r = 0;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rks) && r == 0; i++) {
-            PyObject *rk = Py_NewRef(PyList_GET_ITEM(rks, i));
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rks) && r == 0; i++) {
+            PyObject *rk = PyTuple_GET_ITEM(rks, i);
             int in = PySet_Contains(back, rk);
             PyObject *got = in > 0 ? PyDict_GetItemWithError(stored_at, rk) : NULL;
-            Py_DECREF(rk);
             if (in < 0 || (got == NULL && PyErr_Occurred())) r = -1;
             else if (in && (got == NULL ? -1 : PyLong_AsLongLong(got)) < j) r = PyList_Append(out, drop) < 0 ? -1 : 1;
         }
@@ -1197,11 +1166,10 @@ static PyMethodDef methods[] = {
      "types) -> the index of the first mutation left to Python."},
     {"change_args", change_args, METH_VARARGS,
      "changes.py change_args for S/R runs and engine keys' adds and drops: the arguments, or None for Python."},
-    {"change_ops", change_ops, METH_VARARGS, "writes.py change_ops: a plan's changes as outbox ops."},
-    {"run_keys", run_keys, METH_O, "writes.py ClusterWrites.run's first pass: (key_ops, request_keys), or None."},
+    {"run_keys", run_keys, METH_VARARGS, "outbox_ops.py _run_keys: (key_ops, whose, request_keys), or None."},
     {"engine_round", engine_round, METH_VARARGS,
-     "writes.py ClusterWrites.run's round B: (commands, engine_keys, drops), or None."},
-    {"raced", raced, METH_VARARGS, "writes.py round D: the drops a store of another writer raced, or None."},
+     "outbox_ops.py _engine_round: (commands, engine_keys, drops), or None."},
+    {"raced", raced, METH_VARARGS, "outbox_ops.py _raced: the drops a store of another writer raced, or None."},
     {"shard_args", shard_args, METH_VARARGS,
      "changes.py shard_args for s/r runs and probes: (args, owners, folded), or None for Python to do it."},
     {NULL, NULL, 0, NULL},

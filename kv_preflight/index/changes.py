@@ -3,7 +3,7 @@ common case, the general form where an entry and a bit do not move together. Pur
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name, presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -106,57 +106,67 @@ def change_args_py(changes: Sequence[Any], num: int | None, *, general: bool = F
     return out
 
 
-def shard_args(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict[int, int]]:
+class Probe(NamedTuple):
+    """A drop's probe of one of its request keys, among a Valkey Cluster shard's key changes: is the key left with
+    no entry at this point of the run (``at``: the drop's position among the run's changes)?"""
+
+    rk: int
+    at: int
+
+
+def shard_args(ops: Sequence[Any], whose: Sequence[Any]) -> tuple[list[Any], list[int], dict[int, int]]:
     """See ``shard_args_py`` (the reference): the same, in C for the usual shard's ops (s and r runs, probes)."""
     if _shard_args_c is not None:
-        done = _shard_args_c(ops, mine, *_PRESENCE_NAME)
+        done = _shard_args_c(ops, whose, mine, *_PRESENCE_NAME, _SHARD_TYPES)
         if done is not None:
             return done
-    return shard_args_py(ops)
+    return shard_args_py(ops, whose)
 
 
-def shard_args_py(ops: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int], dict[int, int]]:
-    """A Valkey Cluster shard's share of a run's request-key changes (outbox ``K`` changes and drop probes
-    ``("Q", rk, j)``, in order) as changes.lua's arguments: an entry and its bit that come or go together in s
-    and r runs under F, as a single node's batch sends them in S and R runs but without the engine key a shard
-    never gets there (the general form, one op per change, sent each change's field, bit name and value again:
-    most of a shard's arguments), the rest as they are. A probe right after its key's removal in an r run is not
-    sent: the r block answers it (``folds_probe``). Also, per op the script counts (``lua_op_count``), the index
-    in ``ops`` of the change it runs, since a change whose key moved away is named by that position; and per r
-    block that answers a probe, its position as the script counts (from 1) -> the probe's index in ``ops``."""
+def shard_args_py(ops: Sequence[Any], whose: Sequence[Any]) -> tuple[list[Any], list[int], dict[int, int]]:
+    """A Valkey Cluster shard's share of a run's request-key changes (outbox entries' KeyChanges and drops'
+    ``Probe``s, in order; ``whose``: per op, its entry, whose ``num`` and ``sibs`` are its pod's bit position and
+    sibling ranks' bits) as changes.lua's arguments: an entry and its bit that come or go together in s and r
+    runs under F, as a single node's batch sends them in S and R runs but without the engine key a shard never
+    gets there (the general form, one op per change, sent each change's field, bit name and value again: most of
+    a shard's arguments), the rest as they are. A probe right after its key's removal in an r run is not sent:
+    the r block answers it (``folds_probe``). Also, per op the script counts (``lua_op_count``), the index in
+    ``ops`` of the change it runs, since a change whose key moved away is named by that position; and per r block
+    that answers a probe, its position as the script counts (from 1) -> the probe's index in ``ops``."""
     out: list[Any] = []
     owners: list[int] = []
     folded: dict[int, int] = {}
-    reg: tuple[str, str, int, int] | None = None
-    owns: dict[tuple[int, int], bytes] = {}  # (byte, mask) -> mine(): a run's ops are mostly one pod's
+    reg: tuple[str, str, int] | None = None
+    owns: dict[int, bytes] = {}  # num -> mine(num): a run's ops are mostly one pod's
     run_at = -1
-    sibs = b""  # the G op's sibling bits, as last sent (a pod with data-parallel ranks: its K ops carry them)
+    sibs = b""  # the G op's sibling bits, as last sent (a pod with data-parallel ranks)
     for i, op in enumerate(ops):
-        if op[0] == "K" and (op[8] if len(op) > 8 else b"") != sibs:
-            sibs = op[8] if len(op) > 8 else b""
+        if type(op) is Probe:
+            if i and folds_probe(ops[i - 1], op, whose[i - 1][1]):
+                folded[len(owners)] = i  # the r block just sent (the script's op len(owners), from 1)
+                continue
+            out += ["q", op.rk, op.at]
+            owners.append(i)
+            continue
+        num, pod_sibs = whose[i][0], whose[i][1]
+        if pod_sibs != sibs:
+            sibs = pod_sibs
             out += ["G", sibs]
             owners.append(i)
             reg = None
             run_at = -1
-        if op[0] == "Q":
-            if i and folds_probe(ops[i - 1], op):
-                folded[len(owners)] = i  # the r block just sent (the script's op len(owners), from 1)
-                continue
-            out += ["q", op[1], op[2]]
-            owners.append(i)
-            continue
-        _, rk, fld, entry, bit, bitdelta, byte, mask = op[:8]
+        rk, fld, entry, bit, bitdelta = op
         if sibs or not _runs(op):
-            part = key_ops(rk, fld, entry, bit, bitdelta, (byte - 1) * 8 + mask.bit_length() - 1, general=bool(sibs))
+            part = key_ops(rk, fld, entry, bit, bitdelta, num, general=bool(sibs))
             out += part
             owners += [i] * lua_op_count(part)
             continue
         name = "s" if entry > 0 else "r"
-        if reg != (fld, bit, byte, mask):
-            reg = (fld, bit, byte, mask)
-            own = owns.get((byte, mask))
+        if reg != (fld, bit, num):
+            reg = (fld, bit, num)
+            own = owns.get(num)
             if own is None:
-                own = owns[(byte, mask)] = mine((byte - 1) * 8 + mask.bit_length() - 1)
+                own = owns[num] = mine(num)
             out += ["F", fld, bit, own]
             owners.append(i)
         elif run_at >= 0 and out[run_at - 1] == name and run_at + 1 + 2 * out[run_at] == len(out):
@@ -176,20 +186,22 @@ try:  # the usual changes' arguments in C (kv_preflight/index/_write_path.c); th
 except ImportError:  # pragma: no cover - no compiler at install time
     _change_args_c = _shard_args_c = None
 _CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)
+_SHARD_TYPES = (KeyChange, Probe)
 _PRESENCE_NAME = tuple(presence_key("\0").split("\0"))  # the presence key's name around its request key
 
 
-def _runs(op: Sequence[Any]) -> bool:
-    """An outbox K change whose entry and bit come or go together (or an entry with no bit): an s or r block."""
-    entry, bit, bitdelta = op[3], op[4], op[5]
+def _runs(c: KeyChange) -> bool:
+    """A key change whose entry and bit come or go together (or an entry with no bit): an s or r block."""
+    entry, bit, bitdelta = c[2], c[3], c[4]
     return entry != 0 and (bitdelta == entry if bit else bitdelta == 0)
 
 
-def folds_probe(prev: Sequence[Any], probe: Sequence[Any]) -> bool:
-    """Whether a drop's probe ``("Q", rk, j)`` rides on the change just before it in a shard's ops: the removal
-    of the same key's entry in an r block, whose answer (the key left empty, or not) is the probe's, as nothing
-    runs on that key in between. Saves the probe's three arguments, which cost Valkey more than its HLEN."""
-    return prev[0] == "K" and len(prev) == 8 and prev[1] == probe[1] and prev[3] < 0 and _runs(prev)
+def folds_probe(prev: KeyChange | Probe, probe: Probe, prev_sibs: bytes) -> bool:
+    """Whether a drop's probe rides on the change just before it in a shard's ops: the removal of the same key's
+    entry in an r block (not a change of a pod with sibling ranks, ``prev_sibs``: those go in the general form),
+    whose answer (the key left empty, or not) is the probe's, as nothing runs on that key in between. Saves the
+    probe's three arguments, which cost Valkey more than its HLEN."""
+    return type(prev) is KeyChange and not prev_sibs and prev[0] == probe.rk and prev[2] < 0 and _runs(prev)
 
 
 # How many arguments each changes.lua op takes, its name included (S, R, Z and X: by their count)
@@ -213,4 +225,5 @@ def lua_op_count(args: Sequence[Any]) -> int:
     return n
 
 
-__all__ = ["change_args", "change_args_py", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args", "shard_args_py"]
+__all__ = ["Probe", "change_args", "change_args_py", "folds_probe", "key_ops", "lua_op_count", "mine", "shard_args",
+           "shard_args_py"]

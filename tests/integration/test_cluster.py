@@ -14,7 +14,7 @@ import redis
 
 from kv_preflight.index.index import ClearPod, Index, RemoveBlock, StoreBlock, encode_entry, make_entry
 from kv_preflight.index.cluster.markers import first_slots, numbering_copies, slot_markers
-from kv_preflight.index.cluster.outbox_ops import change_ops
+from kv_preflight.index.cluster.outbox_ops import OutboxEntry, outbox_payload
 from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
@@ -96,7 +96,7 @@ async def apply_all(ix: Index, batches) -> None:
 
 def outbox_entry(changes: list, num: int | None) -> bytes:
     """A plan's changes as its pod step writes them to the outbox (cluster/writes.py ``send``)."""
-    return msgspec.msgpack.encode(change_ops(changes, num))
+    return outbox_payload(OutboxEntry(num or 0, b"", changes))
 
 
 def outbox_keys(client: redis.RedisCluster) -> list[str]:
@@ -182,12 +182,19 @@ async def test_a_retry_or_a_drain_never_changes_counts(cluster_url):
                                 EngineDrop(1, (11, 12))], num))
         await ix.drain_outbox("pod-a")
         assert dump(sync) == after
-        # An entry that does not decode is deleted without running, and counted.
+        # An entry that does not decode is deleted without running, and counted; its pod is flagged (the pod step
+        # that wrote it moved the pod's state past changes that never ran)
         sync.hset(pod_outbox_key("pod-a"), "101|dead-writer@2000|0", msgspec.msgpack.encode([["K", "11"], 3]))
         sync.hset(pod_outbox_key("pod-a"), "not-a-number", b"\xc1")
         assert await ix.drain_outbox("pod-a") == 0
         assert ix.backend.writes.malformed == 2 and not sync.exists(pod_outbox_key("pod-a"))
-        assert dump(sync) == after
+        assert (await ix.meta.pod_info("pod-a")).incomplete
+        flag = {"incomplete", "incomplete_reason"}
+        assert {k: v for k, v in dump(sync).items() if k != pod_meta_key("pod-a")} == \
+            {k: v for k, v in after.items() if k != pod_meta_key("pod-a")}
+        meta = dump(sync)[pod_meta_key("pod-a")]
+        assert {f: v for f, v in meta.items() if f not in flag} == \
+            {f: v for f, v in after[pod_meta_key("pod-a")].items() if f not in flag}
         assert "11" not in after and "engine:1" not in after and "13" in after
     finally:
         sync.close()
@@ -320,6 +327,32 @@ async def test_ingest_and_predict_on_the_cluster(cluster_url, tmp_path):
         await ix.close()
 
 
+async def test_an_entry_a_previous_build_wrote_is_not_run_and_its_pod_is_flagged(cluster_url):
+    """A rolling upgrade: an outbox entry left by the previous build (its changes as ops, ``["K", rk, field,
+    entry, bit, bit_delta, byte, mask]``, ``["Z", ek, rks]``) is of no shape this build reads. It is deleted
+    without running, counted, and its pod flagged incomplete: the pod step that wrote it moved the pod's state
+    past changes that never reached the shared keys."""
+    ix = Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        f = entry("pod-old")
+        assert (await ix.apply_batch(pod_id="pod-old", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                     mutations=[StoreBlock(1, "gpu", f, (11,))])).status == "applied"
+        assert not (await ix.meta.pod_info("pod-old")).incomplete
+        num = int(sync.hget(pod_meta_key("pod-old"), "num"))
+        old = msgspec.msgpack.encode([["K", 21, f, 1, "gpu", 1, num // 8 + 1, 1 << (num % 8)], ["Z", 2, [21]]])
+        sync.hset(pod_outbox_key("pod-old"), "1|old-build@2000|0", old)
+        malformed = ix.backend.writes.malformed
+        assert await ix.drain_outbox("pod-old") == 0
+        assert ix.backend.writes.malformed == malformed + 1 and not sync.exists(pod_outbox_key("pod-old"))
+        assert not sync.exists("21") and not sync.exists("engine:2")  # never run
+        info = await ix.meta.pod_info("pod-old")
+        assert info.incomplete and "outbox entry" in info.incomplete_reason
+    finally:
+        sync.close()
+        await ix.close()
+
+
 @pytest.mark.parametrize("eviction", ["raced", "alone"])
 async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, eviction):
     """Rounds C and D (kv_preflight/index/cluster/writes.py): pod A lets go of a block whose request key it alone
@@ -338,8 +371,8 @@ async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, evic
         writes = a.backend.writes
         round_a, held, go = writes._round_a, asyncio.Event(), asyncio.Event()
 
-        async def held_after_round_a(key_ops):
-            out = await round_a(key_ops)
+        async def held_after_round_a(key_ops, whose):
+            out = await round_a(key_ops, whose)
             held.set()
             await go.wait()
             return out

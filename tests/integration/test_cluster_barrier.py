@@ -163,9 +163,9 @@ async def test_a_run_stalled_across_a_failover_is_not_acked_and_runs_again(tmp_p
 
 
 def cw_ops(changes):
-    from kv_preflight.index.cluster.outbox_ops import change_ops
+    from kv_preflight.index.cluster.outbox_ops import OutboxEntry
 
-    return change_ops(changes, 0)
+    return OutboxEntry(0, b"", changes)
 
 
 async def test_kept_entries_run_again_once_their_master_failed_over_unseen(tmp_path):

@@ -206,18 +206,19 @@ async def run_on_some_shards(ix: Index, payload: bytes, rng: random.Random, skip
     """Round A of step 2 (the request keys' entries and bits, what a lookup reads) on some shards only: a
     random subset, or every shard but ``skip``. The batch is half applied, as when its writer is killed while
     the shards' runs are on their way."""
-    import msgspec
-
     from kv_preflight.index.cluster import node_for
-    from kv_preflight.index.cluster.outbox_ops import key_op_args
+    from kv_preflight.index.cluster.outbox_ops import key_op_args, read_payload
+    from kv_preflight.index.pod_state import KeyChange
 
-    ops = [op for op in msgspec.msgpack.decode(payload) if op[0] == "K"]
-    nodes = sorted({node_for(ix.client, str(op[1])).name for op in ops})
+    entry = read_payload(payload)
+    assert entry is not None
+    ops = [c for c in entry.changes if type(c) is KeyChange]
+    nodes = sorted({node_for(ix.client, str(op.rk)).name for op in ops})
     chosen = set(nodes) - {skip} if skip is not None else set(rng.sample(nodes, k=rng.randrange(0, len(nodes) + 1)))
     script = ix.backend.writes._effects
     for name in chosen:
         node = ix.client.get_node(node_name=name)
-        args = [a for op in ops if node_for(ix.client, str(op[1])).name == name for a in key_op_args(op)]
+        args = [a for op in ops if node_for(ix.client, str(op.rk)).name == name for a in key_op_args(op, entry)]
         await script.registered_client.script_load(script.script)
         await ix.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
 

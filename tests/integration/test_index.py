@@ -334,14 +334,15 @@ def test_a_shard_at_maxmemory_fails_its_effects_whole_never_as_a_foreign_key(val
     from redis.exceptions import OutOfMemoryError
 
     from kv_preflight.index.changes import shard_args
+    from kv_preflight.index.pod_state import KeyChange
     from kv_preflight.index.scripts import EFFECTS
     from kv_preflight.ingester.valkey_retry import transient
 
     r = redis.Redis.from_url(valkey_url)
     if foreign_too:
         r.rpush("104", "x")
-    ops = [("K", rk, F0, 1, "0", 1, 1, 1) for rk in (101, 102, 103, 104)]
-    args, _, _ = shard_args(ops)
+    ops = [KeyChange(rk, F0, 1, "0", 1) for rk in (101, 102, 103, 104)]
+    args, _, _ = shard_args(ops, [(0, b"")] * len(ops))
     sha = r.script_load(EFFECTS)
     r.config_set("maxmemory-policy", "noeviction")
     r.config_set("maxmemory", 1)

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_preflight.index import changes
-from kv_preflight.index.changes import (change_args, change_args_py, folds_probe, key_ops, lua_op_count, mine,
-                                        shard_args, shard_args_py)
+from kv_preflight.index.changes import (Probe, change_args, change_args_py, folds_probe, key_ops, lua_op_count,
+                                        mine, shard_args, shard_args_py)
 from kv_preflight.index.layout import presence_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 
@@ -65,10 +65,10 @@ def test_a_shards_changes_run_in_runs_and_each_position_names_its_change():
     """A cluster shard gets its outbox changes as s/r runs under F (not an E and a B per change, each with its
     field, bit and value again; no engine key slot, which a shard never fills), and every position the script
     counts maps back to the change it runs."""
-    k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
-    ops = [k(11, "f", 1, "0", 1, 2), k(12, "f", 1, "0", 1, 2), ("Q", 13, 5), k(13, "f", -1, "0", -1, 2),
-           k(14, "g", 1, "0", 1, 9), k(15, "g", 1, "0", 0, 9), k(16, "g", 1, "0", 1, 9)]
-    args, owners, folded = shard_args(ops)
+    two, nine = (2, b""), (9, b"")  # the changes' pods (their outbox entries: bit position, sibling bits)
+    ops = [KeyChange(11, "f", 1, "0", 1), KeyChange(12, "f", 1, "0", 1), Probe(13, 5), KeyChange(13, "f", -1, "0", -1),
+           KeyChange(14, "g", 1, "0", 1), KeyChange(15, "g", 1, "0", 0), KeyChange(16, "g", 1, "0", 1)]
+    args, owners, folded = shard_args(ops, [two, two, two, two, nine, nine, nine])
     assert folded == {}  # the probe of 13 comes before its removal: sent
     assert args[:4] == ["F", "f", "0", mine(2)] and args[4:10] == ["s", 2, 11, presence_key(11), 12, presence_key(12)]
     assert args[10:13] == ["q", 13, 5] and args[13:17] == ["r", 1, 13, presence_key(13)]
@@ -84,11 +84,11 @@ def test_a_shards_changes_run_in_runs_and_each_position_names_its_change():
 def test_a_drops_probe_rides_on_its_keys_removal_just_before_it():
     """A probe right after the removal of its key's entry (an r block) is answered by that block, so it is not
     sent; one after a store, after another key's removal, or after the general form is."""
-    k = lambda rk, fld, e, bit, bd, num: ("K", rk, fld, e, bit, bd, num // 8 + 1, 1 << (num % 8))
-    ops = [k(13, "f", -1, "0", -1, 2), ("Q", 13, 7), k(14, "f", -1, "0", -1, 2), ("Q", 13, 8),
-           k(15, "f", 1, "0", 1, 2), ("Q", 15, 9), k(16, "f", -1, "0", 0, 2), ("Q", 16, 10)]
-    assert [folds_probe(ops[i - 1], ops[i]) for i in (1, 3, 5, 7)] == [True, False, False, False]
-    args, owners, folded = shard_args(ops)
+    ops = [KeyChange(13, "f", -1, "0", -1), Probe(13, 7), KeyChange(14, "f", -1, "0", -1), Probe(13, 8),
+           KeyChange(15, "f", 1, "0", 1), Probe(15, 9), KeyChange(16, "f", -1, "0", 0), Probe(16, 10)]
+    assert [folds_probe(ops[i - 1], ops[i], b"") for i in (1, 3, 5, 7)] == [True, False, False, False]
+    assert not folds_probe(ops[0], ops[1], b"\x02")  # a rank's removal goes in the general form, under G
+    args, owners, folded = shard_args(ops, [(2, b"")] * len(ops))
     assert args[:8] == ["F", "f", "0", mine(2), "r", 2, 13, presence_key(13)]  # no q for 13's first probe
     assert folded == {2: 1}  # the script's op 2 (the r block of 13, after F) answers the probe at ops[1]
     assert args.count("q") == 3 and ["q", 13, 8] == args[10:13]
@@ -97,29 +97,33 @@ def test_a_drops_probe_rides_on_its_keys_removal_just_before_it():
 
 
 _RK = st.sampled_from([0, 7, 13, 2**64 - 1, 10**18])
-_K = st.builds(lambda rk, fld, e, bit, num: ("K", rk, fld, e, bit, e if bit else 0, num // 8 + 1, 1 << (num % 8)),
-               _RK, st.sampled_from(["f", "g"]), st.sampled_from([1, -1]), st.sampled_from(["0", "1|1", ""]),
-               st.sampled_from([0, 2, 9, 63]))
-_Q = st.builds(lambda rk, j: ("Q", rk, j), _RK, st.integers(0, 50))
+_K = st.builds(lambda rk, fld, e, bit: KeyChange(rk, fld, e, bit, e if bit else 0),
+               _RK, st.sampled_from(["f", "g"]), st.sampled_from([1, -1]), st.sampled_from(["0", "1|1", ""]))
+_Q = st.builds(Probe, _RK, st.integers(0, 50))
+_POD = st.builds(lambda num: (num, b""), st.sampled_from([0, 2, 9, 63]))  # an entry's bit position, no siblings
 
 
 @pytest.mark.skipif(changes._shard_args_c is None, reason="the C routines are not built")
 @settings(max_examples=400, deadline=None)
-@given(ops=st.lists(st.one_of(_K, _Q, _K.map(list)), max_size=30),
-       general=st.lists(st.tuples(st.integers(0, 29), _RK), max_size=2))
-def test_a_shards_args_in_c_are_the_python_references(ops, general):
+@given(ops=st.lists(st.tuples(st.one_of(_K, _Q), _POD), max_size=30),
+       general=st.lists(st.tuples(st.integers(0, 29), _RK), max_size=2),
+       ranks=st.lists(st.tuples(st.integers(0, 29), _K, st.sampled_from([b"\x02", b"\x00\x01"])), max_size=2))
+def test_a_shards_args_in_c_are_the_python_references(ops, general, ranks):
     """kv_preflight/index/_write_path.c builds a shard's share for s/r runs and probes (the usual case) and leaves
-    anything else to Python: both give the same arguments, positions and folded probes; with only runs and
-    probes the C routine is the one that answered."""
+    anything else (a change in the general form; one of a pod with sibling ranks, sent under G) to Python: both
+    give the same arguments, positions and folded probes; with only runs and probes the C routine is the one that
+    answered."""
     for at, rk in general:  # an entry without its bit: the general form, left to Python
-        if at <= len(ops):
-            ops.insert(at, ("K", rk, "f", 1, "0", 0, 1, 1))
-    got = changes._shard_args_c(ops, mine, *changes._PRESENCE_NAME)
-    if not general:
+        ops.insert(min(at, len(ops)), (KeyChange(rk, "f", 1, "0", 0), (1, b"")))
+    for at, c, sibs in ranks:
+        ops.insert(min(at, len(ops)), (c, (3, sibs)))
+    changes_, whose = [c for c, _ in ops], [pod for _, pod in ops]
+    got = changes._shard_args_c(changes_, whose, mine, *changes._PRESENCE_NAME, changes._SHARD_TYPES)
+    if not general and not ranks:
         assert got is not None
-    assert shard_args(ops) == shard_args_py(ops)
+    assert shard_args(changes_, whose) == shard_args_py(changes_, whose)
     if got is not None:
-        assert got == shard_args_py(ops)
+        assert got == shard_args_py(changes_, whose)
 
 
 _KC = st.builds(lambda rk, fld, e, bit: KeyChange(rk, fld, e, bit, e if bit else 0), _RK, st.sampled_from(["f", "g"]),
@@ -183,12 +187,19 @@ def test_a_comparison_that_changes_the_list_cannot_free_what_change_args_reads()
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("byte", [2**61 + 1, 2**60 + 1, 2**63 - 1])
-def test_a_bit_position_past_a_long_is_pythons_error_not_another_pods_bit(byte):
-    """A (corrupt) outbox K change whose byte is near 2**63: its bit position (byte - 1) * 8 overflowed a C long
-    (2**61 + 1 wrapped to pod 0's bit, sent as F's value); the C routine leaves it to Python, which raises."""
-    ops = [["K", 5, "f", 1, "0", 1, byte, 1]]
+@pytest.mark.parametrize("num", [2**61 + 1, 2**60 + 1, 2**63 - 1, 2**64, -1])
+def test_a_bit_position_of_no_pod_is_pythons_error_not_another_pods_bit(num):
+    """A change whose pod's bit position is far past any pod's (or negative) never becomes another pod's bit as F's
+    value: the C routine leaves it to Python or calls ``mine`` with it as Python does, and both raise. (An outbox
+    entry read from Valkey never gets here: ``decode_entry`` refuses a num past ``MAX_NUM``.)"""
+    ops, whose = [KeyChange(5, "f", 1, "0", 1)], [(num, b"")]
     if changes._shard_args_c is not None:
-        assert changes._shard_args_c(ops, mine, *changes._PRESENCE_NAME) is None
+        try:
+            got = changes._shard_args_c(ops, whose, mine, *changes._PRESENCE_NAME, changes._SHARD_TYPES)
+        except (MemoryError, OverflowError, ValueError):
+            got = None
+        assert got is None
     with pytest.raises((MemoryError, OverflowError, ValueError)):
-        shard_args(ops)
+        shard_args(ops, whose)
+    with pytest.raises((MemoryError, OverflowError, ValueError)):
+        shard_args_py(ops, whose)

@@ -1,163 +1,176 @@
 """What a Valkey Cluster's outbox entry holds, and the pure parts of running it (kv_preflight/index/cluster/writes.py
-runs it): a plan's changes as the entry's ops and back (``change_ops``, ``decode_entry``, checked op by op: an
-entry is read from Valkey, so anything may be there), a K op as effects.lua's arguments, and each round's
-commands from the ops (``_run_keys``: round A's keys and probes; ``_engine_round``: round B's ZADD and ZREM;
-``_raced``: round D's re-adds). The per-op loops are in C (kv_preflight/index/_write_path.c) when built; the Python
-functions here are their reference (tests/unit/test_cluster_run_ops.py holds them equal)."""
+runs it). An entry is a batch's changes as its plan made them (pod_state.py's ``KeyChange``, ``EngineAdd``,
+``EngineDrop``) with the pod's bit position and its sibling ranks' bits once (``OutboxEntry``): the rounds read the
+changes themselves, as a single node's script arguments are made from them, so a cluster's batch takes no more
+shapes on its way to Valkey than a single node's. Here: an entry to bytes and back (``outbox_payload``;
+``decode_entry`` checks every item, as an entry is read from Valkey and anything may be there), a key change as
+effects.lua's arguments, and each round's commands (``_run_keys``: round A's key changes and probes;
+``_engine_round``: round B's ZADD and ZREM; ``_raced``: round D's re-adds). The per-change loops are in C
+(kv_preflight/index/_write_path.c) when built; the Python functions here are their reference
+(tests/unit/test_cluster_run_ops.py holds them equal)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from redis.exceptions import ResponseError
 
+from kv_preflight.index.changes import Probe
 from kv_preflight.index.changes import key_ops as lua_key_ops
 from kv_preflight.index.layout import ENGINE_PREFIX, engine_key_name
-from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
+from kv_preflight.index.pod_state import Change, EngineAdd, EngineDrop, KeyChange
 
+_enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
-try:  # a run's per-op loops in C (kv_preflight/index/_write_path.c); the Python functions here are their reference
+try:  # a run's per-change loops in C (kv_preflight/index/_write_path.c); the Python functions here are their reference
     from kv_preflight.index import _write_path as _c
 except ImportError:  # pragma: no cover - no compiler at install time
     _c = None
-_CHANGE_TYPES = (KeyChange, EngineAdd, EngineDrop)
+_TYPES = (KeyChange, EngineAdd, EngineDrop, Probe)
+_U64 = 2**64
+MAX_NUM = 2**24  # no pod's bit position (its presence value alone would be 2 MB): an entry naming one is malformed
 
 
-def change_ops(changes: Sequence[Any], num: int | None, sibs: bytes = b"") -> list[Any]:
-    """A plan's changes as the outbox entry's ops (what ``decode_entry`` gives back), self-contained (the pod's
-    bit position included) so any ingester can run them again: ``change_ops_py``, in C when built. ``sibs``: the pod's sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), carried
-    by each K op as a ninth item (changes.py ``shard_args`` sends them as changes.lua's ``G``)."""
-    if sibs:
-        return [op + [sibs] if op[0] == "K" else op for op in change_ops_py(changes, num)]
-    if _c is not None and type(changes) is list:
-        n = num or 0
-        done = _c.change_ops(changes, n // 8 + 1, 1 << (n % 8), _CHANGE_TYPES)
-        if done is not None:
-            return done
-    return change_ops_py(changes, num)
+class OutboxEntry(NamedTuple):
+    """An outbox entry: a batch's changes to the keys every pod shares, as its plan made them, and what they need
+    of the pod, once: its bit position (``num``) and its sibling data-parallel ranks' bits (``sibs``,
+    kv_preflight/index/rank_pods.py ``family_bits``; b"" for a pod without: changes.lua's ``G``)."""
+
+    num: int
+    sibs: bytes
+    changes: Sequence[Change]
 
 
-def change_ops_py(changes: Sequence[Any], num: int | None) -> list[Any]:
-    """The reference of ``change_ops``."""
-    flat: list[Any] = []
-    n = num or 0
-    byte, mask = n // 8 + 1, 1 << (n % 8)
-    for c in changes:
-        kind = type(c)  # the three NamedTuples, exactly (a hot loop: one type test, not isinstance's chain)
-        if kind is KeyChange:
-            rk, fld, entry, bit, bit_delta = c
-            flat.append(["K", rk, fld, entry, bit, bit_delta, byte, mask])
-        elif kind is EngineAdd:
-            flat.append(["Z", c.ek, list(c.rks)])
-        elif kind is EngineDrop:
-            flat.append(["X", c.ek, list(c.rks)])
-    return flat
+def outbox_payload(entry: OutboxEntry) -> bytes:
+    """The entry as its pod step stores it, msgpack ``[num, sibs, changes, drops]``: each change the array of its
+    fields (a KeyChange's five; an engine key's add or drop: ``[ek, [rks]]``) and ``drops`` the positions of the
+    drops among them, since an add and a drop have the same fields."""
+    changes = entry.changes
+    return _enc.encode((entry.num, entry.sibs, changes, [j for j, c in enumerate(changes) if type(c) is EngineDrop]))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_key(x: Any) -> bool:
+    """A request key or an engine key: a uint64 (llm-d's; msgpack decodes an int as exactly int, a bool as bool)."""
+    return type(x) is int and 0 <= x < _U64
 
 
-def _valid_op(op: Any) -> bool:
-    """The three shapes ``change_ops`` writes; anything else (a hand edit, a bug, an older build's
-    entry) must not reach the scripts."""
-    if not isinstance(op, list) or not op:
-        return False
-    if op[0] == "K":
-        return (len(op) in (8, 9) and _is_int(op[1]) and isinstance(op[2], str) and _is_int(op[3])
-                and isinstance(op[4], str) and all(_is_int(x) for x in op[5:8])
-                and (len(op) == 8 or isinstance(op[8], bytes)))
-    if op[0] in ("Z", "X"):
-        return len(op) == 3 and _is_int(op[1]) and isinstance(op[2], list) and all(_is_int(x) for x in op[2])
-    return False
-
-
-def decode_entry(field: bytes, payload: bytes) -> tuple[int, list[Any]] | None:
-    """An outbox entry's order number and changes, or None when either is malformed (the field is
-    "<n>|<writer>|<ms>", both numbers decimal)."""
-    try:
-        parts = field.split(b"|", 2)
-        if len(parts) != 3 or not parts[2].isdigit():
+def _entry(raw: Any) -> OutboxEntry | None:
+    """A decoded payload as the OutboxEntry ``outbox_payload`` wrote, every item checked; None for anything else (a
+    hand edit, a bug, a previous build's entry: a list of ops, ``["K", rk, ...]``)."""
+    if not (type(raw) is list and len(raw) == 4 and type(raw[0]) is int and 0 <= raw[0] < MAX_NUM
+            and type(raw[1]) is bytes and len(raw[1]) <= MAX_NUM // 8 and type(raw[2]) is list
+            and type(raw[3]) is list and all(type(j) is int for j in raw[3])):
+        return None
+    num, sibs, items, drops = raw
+    dropped = set(drops)
+    changes: list[Change] = []
+    for j, c in enumerate(items):
+        if type(c) is list and len(c) == 5 and _is_key(c[0]) and type(c[1]) is str and type(c[2]) is int \
+                and type(c[3]) is str and type(c[4]) is int:
+            changes.append(KeyChange(*c))
+        elif type(c) is list and len(c) == 2 and _is_key(c[0]) and type(c[1]) is list and c[1] \
+                and all(_is_key(rk) for rk in c[1]):
+            changes.append((EngineDrop if j in dropped else EngineAdd)(c[0], tuple(c[1])))
+        else:
             return None
-        n = int(parts[0])
-        ops = _dec.decode(payload)
-    except (ValueError, msgspec.DecodeError):
-        return None
-    if not isinstance(ops, list) or not all(_valid_op(op) for op in ops):
-        return None
-    return n, ops
+    # the drops' positions exactly as written: each on an engine key's change, once, in order
+    return OutboxEntry(num, sibs, changes) if [j for j, c in enumerate(changes) if type(c) is EngineDrop] == drops \
+        else None
 
 
-def key_op_args(op: Sequence[Any]) -> list[Any]:
-    """An outbox K change, or a drop's probe of one request key ("Q", rk, position), as effects.lua's
-    arguments (changes.lua's ops for it)."""
-    if op[0] == "Q":
-        return ["q", op[1], op[2]]
-    _, rk, fld, entry, bit, bitdelta, byte, mask = op[:8]
-    num = (byte - 1) * 8 + mask.bit_length() - 1
-    if len(op) > 8 and op[8]:  # a rank of a pod with data-parallel ranks: its siblings' bits first
-        return ["G", op[8], *lua_key_ops(rk, fld, entry, bit, bitdelta, num, general=True)]
-    return lua_key_ops(rk, fld, entry, bit, bitdelta, num)
+def decode_entry(field: bytes, payload: bytes) -> tuple[int, OutboxEntry] | None:
+    """An outbox entry's order number and content, or None when either is malformed (the field is
+    "<n>|<writer>|<ms>", both numbers decimal)."""
+    parts = field.split(b"|", 2)
+    entry = read_payload(payload) if len(parts) == 3 and parts[2].isdigit() else None
+    try:
+        return None if entry is None else (int(parts[0]), entry)
+    except ValueError:
+        return None
+
+
+def read_payload(payload: bytes) -> OutboxEntry | None:
+    """An outbox entry's content, or None when it is malformed."""
+    try:
+        return _entry(_dec.decode(payload))
+    except msgspec.DecodeError:
+        return None
+
+
+def key_op_args(op: KeyChange | Probe, pod: Sequence[Any]) -> list[Any]:
+    """A key change of an entry, or a drop's probe of one request key, as effects.lua's arguments (changes.lua's
+    ops for it); ``pod``: the change's entry (its pod's bit position and sibling bits)."""
+    if type(op) is Probe:
+        return ["q", op.rk, op.at]
+    if pod[1]:  # a rank of a pod with data-parallel ranks: its siblings' bits first
+        return ["G", pod[1], *lua_key_ops(*op, pod[0], general=True)]
+    return lua_key_ops(*op, pod[0])
 
 
 def _native(name: str, *args: Any) -> Any:
-    """``_write_path.<name>(*args)``, a C twin of a function below; None when it is not built, or when it
+    """``_write_path.<name>(*args, types)``, a C twin of a function below; None when it is not built, or when it
     leaves the input to the Python reference (anything but the usual shapes)."""
-    return None if _c is None else getattr(_c, name)(*args)
+    return None if _c is None else getattr(_c, name)(*args, _TYPES)
 
 
-def _run_keys(ops: Sequence[Sequence[Any]]) -> tuple[list[Sequence[Any]], list[int]]:
-    """``run``'s first pass (the reference of ``_write_path.run_keys``): the K changes as they are and a probe
-    ("Q", rk, j) per distinct request key of each engine key's drop, in order; the K changes' request keys."""
-    key_ops: list[Sequence[Any]] = []
+def _run_keys(entries: Sequence[OutboxEntry]) -> tuple[list[KeyChange | Probe], list[OutboxEntry], list[int]]:
+    """``run``'s first pass (the reference of ``_write_path.run_keys``), over the entries' changes in order (``j``
+    counts them across the entries): the key changes as they are and a ``Probe(rk, j)`` per distinct request key
+    of each engine key's drop; per such op, the entry it came from (its pod); the key changes' request keys."""
+    key_ops: list[KeyChange | Probe] = []
+    whose: list[OutboxEntry] = []
     rk_changes: list[int] = []
-    for j, op in enumerate(ops):
-        kind = op[0]
-        if kind == "K":
-            key_ops.append(op)
-            rk_changes.append(op[1])
-        elif kind == "X":
-            rks = op[2]
-            if len(rks) == 1:
-                key_ops.append(("Q", rks[0], j))
-            else:
-                key_ops += [("Q", rk, j) for rk in set(rks)]
-    return key_ops, rk_changes
+    j = 0
+    for entry in entries:
+        for c in entry.changes:
+            kind = type(c)  # the three NamedTuples, exactly (a hot loop: one type test, not isinstance's chain)
+            if kind is KeyChange:
+                key_ops.append(c)
+                whose.append(entry)
+                rk_changes.append(c[0])
+            elif kind is EngineDrop:
+                rks = c[1]
+                for rk in rks if len(rks) == 1 else set(rks):
+                    key_ops.append(Probe(rk, j))
+                    whose.append(entry)
+            j += 1
+    return key_ops, whose, rk_changes
 
 
-def _engine_round(ops: Sequence[Sequence[Any]], empty_at: dict[int, int]) -> \
-        tuple[list[tuple[Any, ...]], list[int], list[tuple[int, Sequence[Any]]]]:
-    """``run``'s round B (the reference of ``_write_path.engine_round``): per add its ZADD, per drop whose
-    every distinct request key was empty where it stands its ZREM; the engine keys, the drops (j, op)."""
+def _engine_round(changes: Sequence[Change], empty_at: dict[int, int]) -> \
+        tuple[list[tuple[Any, ...]], list[int], list[tuple[int, EngineDrop]]]:
+    """``run``'s round B (the reference of ``_write_path.engine_round``) over a run's changes: per add its ZADD,
+    per drop whose every distinct request key was empty where it stands its ZREM; the engine keys, the drops
+    (j, drop)."""
     round_b: list[tuple[Any, ...]] = []
     round_b_eks: list[int] = []
-    drops: list[tuple[int, Sequence[Any]]] = []
+    drops: list[tuple[int, EngineDrop]] = []
     prefix = ENGINE_PREFIX
-    for j, op in enumerate(ops):
-        kind = op[0]
-        if kind == "Z":
-            ek, rks = op[1], op[2]
+    for j, c in enumerate(changes):
+        kind = type(c)
+        if kind is EngineAdd:
+            ek, rks = c
             round_b.append(("ZADD", prefix + str(ek), 0, rks[0]) if len(rks) == 1 else _engine_add(ek, rks))
             round_b_eks.append(ek)
-        elif kind == "X":
-            rks = op[2]
+        elif kind is EngineDrop:
+            ek, rks = c
             if empty_at.get(j, 0) == (1 if len(rks) == 1 else len(set(rks))):
-                drops.append((j, op))
-                round_b.append(("ZREM", prefix + str(op[1]), *rks))
-                round_b_eks.append(op[1])
+                drops.append((j, c))
+                round_b.append(("ZREM", prefix + str(ek), *rks))
+                round_b_eks.append(ek)
     return round_b, round_b_eks, drops
 
 
-def _raced(ops: Sequence[Sequence[Any]], drops: Sequence[tuple[int, Sequence[Any]]], back: set[int]) -> \
-        list[tuple[int, Sequence[Any]]]:
+def _raced(changes: Sequence[Change], drops: Sequence[tuple[int, EngineDrop]], back: set[int]) -> \
+        list[tuple[int, EngineDrop]]:
     """Round D (the reference of ``_write_path.raced``): the drops one of whose request keys holds an entry
     again (``back``) that no store of this run after the drop explains: another writer raced the ZREM."""
     stored_at: dict[int, int] = {}
-    for j, op in enumerate(ops):
-        if op[0] == "K" and op[1] in back and op[3] > 0:
-            stored_at[op[1]] = j
-    return [(j, op) for j, op in drops if any(rk in back and stored_at.get(rk, -1) < j for rk in op[2])]
+    for j, c in enumerate(changes):
+        if type(c) is KeyChange and c.rk in back and c.entry > 0:
+            stored_at[c.rk] = j
+    return [(j, d) for j, d in drops if any(rk in back and stored_at.get(rk, -1) < j for rk in d.rks)]
 
 
 def _engine_add(ek: int, rks: Sequence[int]) -> tuple[Any, ...]:
@@ -179,4 +192,4 @@ def _foreign(replies: Sequence[Any]) -> tuple[int, str]:
     return n, first
 
 
-__all__ = ["ENGINE_PREFIX", "change_ops", "change_ops_py", "decode_entry", "key_op_args"]
+__all__ = ["ENGINE_PREFIX", "MAX_NUM", "OutboxEntry", "decode_entry", "key_op_args", "outbox_payload", "read_payload"]

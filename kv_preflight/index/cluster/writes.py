@@ -41,7 +41,6 @@ from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
-import msgspec
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -51,17 +50,16 @@ from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.changes import shard_args
-from kv_preflight.index.cluster.outbox_ops import (_engine_add, _engine_round, _foreign, _native, _raced, _run_keys,
-                                                   change_ops, decode_entry, key_op_args)
+from kv_preflight.index.cluster.outbox_ops import (OutboxEntry, _engine_add, _engine_round, _foreign, _native,
+                                                   _raced, _run_keys, decode_entry, key_op_args, outbox_payload,
+                                                   read_payload)
 from kv_preflight.index.entries import ApplyResult, apply_result, text
 from kv_preflight.index.layout import ENGINE_PREFIX, pod_meta_key, pod_outbox_key, presence_key
+from kv_preflight.index.pod_state import KeyChange
 from kv_preflight.index.writer import Prepared
 
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
 
 
 class Touched(NamedTuple):
@@ -113,8 +111,9 @@ class ClusterWrites:
         entry ran ("pending": run it now) or its writer had time to ("busy")."""
         writer = self.writer_arg()
         keys = [p.keys for p in preps]
-        ops = [change_ops(p.changes, p.num, p.sibs) if p.changes else [] for p in preps]  # run as they are, not decoded
-        args = [p.head + [writer, "1" if p.gap else "0", _enc.encode(o) if o else ""] for p, o in zip(preps, ops)]
+        planned = [OutboxEntry(p.num or 0, p.sibs, p.changes) for p in preps]  # run as they are, not decoded
+        args = [p.head + [writer, "1" if p.gap else "0", outbox_payload(o) if o.changes else ""]
+                for p, o in zip(preps, planned)]
         pods = [p.pod for p in preps]
         results: list[ApplyResult | None] = [None] * len(preps)
         todo = list(range(len(preps)))
@@ -122,7 +121,7 @@ class ClusterWrites:
         while todo:
             replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
-            entry_ops: list[list[Any]] = []
+            to_run: list[OutboxEntry] = []
             ackable: list[tuple[str, str, bytes]] = []
             held_back: set[str] = set()  # pods with an older entry of ours still there: ack in order
             written: dict[str, int] = {}  # per pod, entries this round wrote (a pod's steps run in order)
@@ -142,7 +141,7 @@ class ClusterWrites:
                 if status == "applied" and len(r) > 5 and text(r[5]):
                     entry = (pods[i], text(r[5]), args[i][-1])
                     entries.append(entry)
-                    entry_ops.append(ops[i])
+                    to_run.append(planned[i])
                     owners.append(i)
                     # own entries older than this round's are another run's (kept: not replicated in
                     # time, or run again by a drain): this pod's entries wait for that one, in order
@@ -153,7 +152,7 @@ class ClusterWrites:
                     written[pods[i]] = written.get(pods[i], 0) + 1
             hooks.after_step("pod_step", len(entries))  # (kv_preflight/index/hooks.py: nothing, but in a crash test)
             if entries:
-                foreign, first, touched = await self.run(entry_ops)
+                foreign, first, touched = await self.run(to_run)
                 hooks.after_step("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
@@ -225,8 +224,8 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[Sequence[Any]]) -> tuple[int, str, "Touched"]:
-        """Run outbox entries' changes (each entry's ops, as ``decode_entry`` gives them), in order, in rounds
+    async def run(self, entries: Sequence[OutboxEntry]) -> tuple[int, str, "Touched"]:
+        """Run outbox entries' changes (as ``decode_entry`` gives them, or as planned), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
         alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
         request keys, engine keys)."""
@@ -235,16 +234,16 @@ class ClusterWrites:
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``_written_to``)
         digest = self.shards.map_digest()
-        ops = entries[0] if len(entries) == 1 else [op for entry in entries for op in entry]
+        changes = entries[0].changes if len(entries) == 1 else list(chain.from_iterable(e.changes for e in entries))
         # Round A runs each shard's share in order, and an engine key's drop is judged where it stands among
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
-        key_ops, rk_changes = _native("run_keys", ops) or _run_keys(ops)  # rk_changes: the barrier's
-        foreign, first, empty_at = await self._round_a(key_ops)
+        key_ops, whose, rk_changes = _native("run_keys", entries) or _run_keys(entries)  # rk_changes: the barrier's
+        foreign, first, empty_at = await self._round_a(key_ops, whose)
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
-        round_b, round_b_eks, drops = _native("engine_round", ops, empty_at, ENGINE_PREFIX) or \
-            _engine_round(ops, empty_at)
+        round_b, round_b_eks, drops = _native("engine_round", changes, empty_at, ENGINE_PREFIX) or \
+            _engine_round(changes, empty_at)
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -254,31 +253,32 @@ class ClusterWrites:
             # request keys back. An entry this run itself wrote after the drop explains itself (a later
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
-            rks = list(set(chain.from_iterable(op[2] for _, op in drops)))  # in any order: each is one HLEN
+            rks = list(set(chain.from_iterable(d.rks for _, d in drops)))  # in any order: each is one HLEN
             lens = await self.shards.commands(list(zip(repeat("HLEN"), rks)), numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
             readd_eks = []
             if back:  # another writer stored the block meanwhile, or this run did (often, under shared prompts)
-                found = _native("raced", ops, drops, back)
-                for j, op in found if found is not None else _raced(ops, drops, back):
-                    readd.append(_engine_add(op[1], op[2]))
-                    readd_eks.append(op[1])
+                found = _native("raced", changes, drops, back)
+                for j, d in found if found is not None else _raced(changes, drops, back):
+                    readd.append(_engine_add(d.ek, d.rks))
+                    readd_eks.append(d.ek)
             if readd:
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
         return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest)
 
-    async def _round_a(self, key_ops: Sequence[Sequence[Any]]) -> tuple[int, str, dict[int, int]]:
-        """The request keys' changes: one effects.lua per shard with that shard's (in order), the shards in
+    async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry]) -> tuple[int, str, dict[int, int]]:
+        """The request keys' changes (``whose``: each one's entry): one effects.lua per shard with that shard's (in
+        order), the shards in
         parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
         (declared keys: the request key and its presence hash, one slot). Returns foreign writes, the first
         such error, and per probed drop (its position in the run) how many of its request keys were empty
         where it stands."""
         if not key_ops:
             return 0, "", {}
-        by_node, moved = await self.shards.request_keys_by_primary([op[1] for op in key_ops])
+        by_node, moved = await self.shards.request_keys_by_primary([op[0] for op in key_ops])
         empty_at: dict[int, int] = {}
 
         def probes(reply_part: Sequence[Any]) -> None:
@@ -290,7 +290,7 @@ class ClusterWrites:
         async def shard(node, idx: list[int]) -> tuple[int, str]:
             # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
             ops = [key_ops[i] for i in idx]
-            args, at, folded = shard_args(ops)
+            args, at, folded = shard_args(ops, [whose[i] for i in idx])
             fast = self.shards.fast_for(node)
             if fast is not None:
                 try:
@@ -311,7 +311,7 @@ class ClusterWrites:
                     moved.append(idx[folded[p]])  # its probe goes with it
             probes(reply[3])
             # r blocks that left their key empty answer the probes that rode on them
-            probes([ops[folded[p]][2] for p in map(int, reply[4]) if p in folded and p not in gone])
+            probes([ops[folded[p]].at for p in map(int, reply[4]) if p in folded and p not in gone])
             return int(reply[1]), text(reply[2])
 
         foreign, first = 0, ""
@@ -327,9 +327,9 @@ class ClusterWrites:
         if moved:
             self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
             moved = sorted(set(moved))
-            ops = [key_ops[i] for i in moved]
-            replies = await evalsha_pipeline(self.client, script, [(str(op[1]), presence_key(op[1])) for op in ops],
-                                             [key_op_args(op) for op in ops])
+            replies = await evalsha_pipeline(self.client, script,
+                                             [(str(key_ops[i][0]), presence_key(key_ops[i][0])) for i in moved],
+                                             [key_op_args(key_ops[i], whose[i]) for i in moved])
             for r in replies:
                 foreign += int(r[1])
                 first = first or text(r[2])
@@ -458,10 +458,12 @@ class ClusterWrites:
         entries = []
         for f, v in raw.items():
             parsed = decode_entry(f, v)
-            if parsed is None:
-                self.malformed += 1
-                log.error("pod %s: outbox entry %r is malformed (%d bytes); deleted without running it",
-                          pod, f[:80], len(v))
+            if parsed is None:  # its changes never run, though the pod step that wrote it moved the pod's state
+                self.malformed += 1  # past them: the pod's entries may lack them, and its answers say so
+                log.error("pod %s: outbox entry %r is malformed (%d bytes); deleted without running it, the pod "
+                          "flagged incomplete", pod, f[:80], len(v))
+                await self.client.hset(pod_meta_key(pod), mapping={"incomplete": 1, "incomplete_reason":
+                                       "an outbox entry of no shape this build reads was deleted unrun"})
                 await self.client.hdel(pod_outbox_key(pod), f)
                 continue
             entries.append((parsed[0], f.decode(), v, parsed[1]))
@@ -478,7 +480,7 @@ class ClusterWrites:
             entries = keep
         whole = len(entries) == len(raw)  # every entry there (none too young to run, none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
-        _, _, touched = await self.run([ops for *_, ops in entries])
+        _, _, touched = await self.run([entry for *_, entry in entries])
         nodes = await self._written_to(touched)
         if todo and (nodes is None or not await self._confirm_and_delete(todo, nodes)):
             await self._engine_keys_done(todo)
@@ -516,11 +518,12 @@ class ClusterWrites:
         key's change leaves ``engine:<ek>`` a member too many or too few: llm-d's own event handling reads it,
         its lookups do not, and the block's next change writes it again."""
         for pod, field, payload in entries:
-            ops = _dec.decode(payload)
-            kept = [op for op in ops if op[0] == "K"]
-            if len(kept) == len(ops):
+            entry = read_payload(payload)  # one written or read (and checked) by this run: never None
+            kept = [c for c in entry.changes if type(c) is KeyChange] if entry is not None else []
+            if entry is None or len(kept) == len(entry.changes):
                 continue
-            await self.client.eval(scripts.CAS_FIELD, 1, pod_outbox_key(pod), field, payload, _enc.encode(kept))
+            await self.client.eval(scripts.CAS_FIELD, 1, pod_outbox_key(pod), field, payload,
+                                   outbox_payload(entry._replace(changes=kept)))
 
     async def _flag_foreign(self, entries: Sequence[tuple[str, str, bytes]], n: int, first: str) -> None:
         """Changes that hit a key of a foreign type stand alone (skipped); their pods are flagged."""
