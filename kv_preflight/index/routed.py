@@ -29,6 +29,8 @@ command being most of their cost.
 """
 from __future__ import annotations
 
+import asyncio
+
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -68,6 +70,12 @@ class PodRouted(msgspec.Struct, frozen=True):
     approximate: int = 0
     footprint: int = 0  # blocks of other prefixes homed there within the window
     homed_ms_ago: int = -1  # when the prompt's own prefix was last homed there (-1: not within the window)
+
+
+def read_replies(pods: Sequence[str], replies: Sequence[Any]) -> dict[str, PodRouted]:
+    """``RoutedStore.read``'s answer from its script's replies, one per pod."""
+    return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
+            for p, r in zip(pods, replies)}
 
 
 class RoutedStore:
@@ -117,8 +125,15 @@ class RoutedStore:
             return {}
         replies = await self._eval(self._read, [pod_routed_keys(p) for p in pods],
                                    [(EPOCH_MS, blob, int(window_ms))] * len(pods))
-        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
-                for p, r in zip(pods, replies)}
+        return read_replies(pods, replies)
+
+    def read_now(self, pods: Sequence[str], blob: bytes = b"", window_ms: int = 0) -> "asyncio.Future | None":
+        """``read``'s replies (``read_replies`` makes them its answer) as a future, written now, no task: on the
+        lean connection when it is open (else None: ``read`` it is). ``pods``: distinct."""
+        if self.fast is None or not pods:
+            return None
+        return self.fast.evalsha_now(self._read.sha, self._read.script, [[EPOCH_MS, blob, int(window_ms)]] * len(pods),
+                                     [tuple(pod_routed_keys(p)) for p in pods])
 
     async def home(self, pod: str, prefix: int, blocks: int, window_ms: int) -> int:
         """``prefix`` (a prompt's first request key) homed on ``pod`` now, ``blocks`` long; the pod's footprint."""
