@@ -143,6 +143,12 @@ class _Run:
         self.fut = fut
 
 
+def _retrieved(f: asyncio.Future) -> None:
+    """A future whose caller may never await it (it gave up on it first): its exception counts as seen."""
+    if not f.cancelled():
+        f.exception()
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
@@ -372,7 +378,43 @@ class FastConnection:
     async def evalsha_many(self, sha: str, script: str, arg_lists: list[list[Any]],
                            key_lists: list[tuple[str, ...]] | None = None) -> list[Any]:
         """Several EVALSHAs written at once, replies in order; a server error reply raises."""
-        return await (await self.evalsha_send(sha, script, arg_lists, key_lists))
+        if not arg_lists:
+            return []
+        kl = key_lists or [()] * len(arg_lists)
+        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        return await self._evalsha_replies(sha, script, arg_lists, kl, raws, await self._write_run(raws))
+
+    def evalsha_now(self, sha: str, script: str, arg_lists: list[list[Any]],
+                    key_lists: list[tuple[str, ...]] | None = None) -> "asyncio.Future[list[Any]] | None":
+        """``evalsha_many``'s replies as a future, the commands written now and no task made (a task is a turn of the
+        loop or two on the gateway's path: the read beside its lookup); None when the connection is not open (the
+        caller awaits ``evalsha_many``). Anything but plain replies (NOSCRIPT, an error reply, a lost connection)
+        goes ``evalsha_many``'s own way from there, in a task. No quiet check of its own: its caller has a deadline."""
+        proto = self._proto
+        if proto is None or not proto.open or not arg_lists:
+            return None
+        loop = asyncio.get_running_loop()
+        kl = key_lists or [()] * len(arg_lists)
+        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        run = _Run(len(raws), loop.create_future())
+        proto.pending.append(run)
+        proto.write(b"".join(raws))
+        written = (proto, run, time.monotonic())
+        out: asyncio.Future = loop.create_future()
+        out.add_done_callback(_retrieved)
+
+        def replied(f: asyncio.Future) -> None:
+            if out.done():
+                return
+            if f.exception() is None and not any(type(r) is hiredis.ReplyError for r in f.result()):
+                out.set_result(f.result())
+                return
+            slow = asyncio.ensure_future(self._evalsha_replies(sha, script, arg_lists, kl, raws, written))
+            slow.add_done_callback(lambda t: out.done() or (out.set_exception(t.exception()) if t.exception()
+                                                            else out.set_result(t.result())))
+
+        run.fut.add_done_callback(replied)
+        return out
 
     async def evalsha_send(self, sha: str, script: str, arg_lists: list[list[Any]],
                            key_lists: list[tuple[str, ...]] | None = None) -> "asyncio.Future[list[Any]]":
@@ -392,21 +434,22 @@ class FastConnection:
         kl = key_lists or [()] * len(arg_lists)
         raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
         written = await self._write_run(raws)
+        return asyncio.ensure_future(self._evalsha_replies(sha, script, arg_lists, kl, raws, written))
 
-        async def replies() -> list[Any]:
-            out = await self._run_replies(raws, written, resend=sha in self.resend_scripts)
-            missing = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError) and str(r).startswith("NOSCRIPT")]
-            if missing:
-                await self.execute("SCRIPT", "LOAD", script)
-                again = await self.evalsha_many(sha, script, [arg_lists[i] for i in missing], [kl[i] for i in missing])
-                for i, r in zip(missing, again):
-                    out[i] = r
-            for r in out:
-                if isinstance(r, hiredis.ReplyError):
-                    raise ResponseError(str(r))
-            return out
-
-        return asyncio.ensure_future(replies())
+    async def _evalsha_replies(self, sha: str, script: str, arg_lists: list[list[Any]], kl: list[tuple[str, ...]],
+                               raws: list[bytes], written: tuple["_Protocol", _Run, float]) -> list[Any]:
+        """The replies of EVALSHAs written as ``written``, the script loaded and what failed on that sent again."""
+        out = await self._run_replies(raws, written, resend=sha in self.resend_scripts)
+        missing = [i for i, r in enumerate(out) if isinstance(r, hiredis.ReplyError) and str(r).startswith("NOSCRIPT")]
+        if missing:
+            await self.execute("SCRIPT", "LOAD", script)
+            again = await self.evalsha_many(sha, script, [arg_lists[i] for i in missing], [kl[i] for i in missing])
+            for i, r in zip(missing, again):
+                out[i] = r
+        for r in out:
+            if isinstance(r, hiredis.ReplyError):
+                raise ResponseError(str(r))
+        return out
 
     async def pipeline(self, commands: Sequence[Sequence[Any]], *, resend: bool | None = None) -> list[Any]:
         """Several commands written at once, their replies in order; an error reply comes back in
@@ -451,17 +494,27 @@ class FastConnection:
         """The reply, or ConnectionError once the server has gone quiet: nothing received for
         timeout_s since the command was sent (a paused or partitioned server never closes the
         connection; without this an ingester run would wait as long as TCP does)."""
-        while True:
+        if fut.done():
+            return fut.result()
+        loop = asyncio.get_running_loop()
+        timeout_s = self.timeout_s
+
+        def check() -> None:  # a timer, not wait_for's future and shield's per reply
+            nonlocal timer
             if fut.done():
-                return fut.result()
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
-            except TimeoutError:
-                if fut.done():
-                    continue
-                if time.monotonic() - max(proto.last_rx, sent) > self.timeout_s:
-                    # fails every pending future; the next command reconnects
-                    proto.drop(f"nothing received for {self.timeout_s}s")
+                return
+            quiet_since = max(proto.last_rx, sent)
+            if time.monotonic() - quiet_since > timeout_s:
+                proto.drop(f"nothing received for {timeout_s}s")  # fails every pending future; the next reconnects
+            else:
+                timer = loop.call_later(quiet_since + timeout_s - time.monotonic(), check)
+
+        timer = loop.call_later(timeout_s, check)
+        try:
+            # (a caller that gives up cancels ``fut``: its reply, when it comes, is read and dropped)
+            return await fut
+        finally:
+            timer.cancel()
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None

@@ -29,6 +29,8 @@ command being most of their cost.
 """
 from __future__ import annotations
 
+import asyncio
+
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -70,6 +72,20 @@ class PodRouted(msgspec.Struct, frozen=True):
     homed_ms_ago: int = -1  # when the prompt's own prefix was last homed there (-1: not within the window)
 
 
+def _speculate(pod: str, blob: bytes, ttl_ms: int, max_keys: int) -> tuple[list[tuple[str]], list[tuple[Any, ...]]]:
+    return [(pod_speculative_key(pod),)], [("speculative", EPOCH_MS, blob, int(ttl_ms), int(max_keys))]
+
+
+def _approximate(pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> tuple[list[tuple[str]], list[tuple[Any, ...]]]:
+    return [(pod_approximate_key(pod),)], [("approximate", EPOCH_MS, blob, max(1, int(capacity_blocks)), int(idle_ms))]
+
+
+def read_replies(pods: Sequence[str], replies: Sequence[Any]) -> dict[str, PodRouted]:
+    """``RoutedStore.read``'s answer from its script's replies, one per pod."""
+    return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
+            for p, r in zip(pods, replies)}
+
+
 class RoutedStore:
     def __init__(self, client, fast: FastConnection | None = None):
         self.client, self.fast = client, fast
@@ -86,6 +102,22 @@ class RoutedStore:
             return await self.fast.evalsha_many(script.sha, script.script, [list(a) for a in args],
                                                 [tuple(k) for k in keys])
         return await evalsha_pipeline(self.client, script, keys, args)
+
+    def _eval_now(self, script, keys: Sequence[Sequence[str]], args: Sequence[Sequence[Any]]) -> "asyncio.Future | None":
+        """``_eval``'s replies as a future, written now, no task: on the lean connection when it is open (the
+        gateway's writes beside each request); None: ``_eval`` it is."""
+        if self.fast is None:
+            return None
+        return self.fast.evalsha_now(script.sha, script.script, [list(a) for a in args], [tuple(k) for k in keys])
+
+    def book_now(self, pod: str, booking: str, tokens: int, ttl_ms: int) -> "asyncio.Future | None":
+        """``book``, written now (``_eval_now``)."""
+        return self._eval_now(self._booked, [pod_booking_keys(pod)], [("book", booking, max(0, int(tokens)), int(ttl_ms))])
+
+    def release_now(self, bookings: Mapping[str, Sequence[str]]) -> "asyncio.Future | None":
+        """``release_many``, written now (``_eval_now``)."""
+        calls = [(pod, ("release", *ids)) for pod, ids in bookings.items() if ids]
+        return self._eval_now(self._booked, [pod_booking_keys(p) for p, _ in calls], [a for _, a in calls]) if calls else None
 
     async def _booked_calls(self, calls: Sequence[tuple[str, Sequence[object]]]) -> list[Booked]:
         """One script call per (pod, arguments), pipelined (a cluster client sends each to its pod's shard)."""
@@ -117,8 +149,14 @@ class RoutedStore:
             return {}
         replies = await self._eval(self._read, [pod_routed_keys(p) for p in pods],
                                    [(EPOCH_MS, blob, int(window_ms))] * len(pods))
-        return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
-                for p, r in zip(pods, replies)}
+        return read_replies(pods, replies)
+
+    def read_now(self, pods: Sequence[str], blob: bytes = b"", window_ms: int = 0) -> "asyncio.Future | None":
+        """``read``'s replies (``read_replies`` makes them its answer) as a future, written now, no task: on the
+        lean connection when it is open (else None: ``read`` it is). ``pods``: distinct."""
+        if not pods:
+            return None
+        return self._eval_now(self._read, [pod_routed_keys(p) for p in pods], [(EPOCH_MS, blob, int(window_ms))] * len(pods))
 
     async def home(self, pod: str, prefix: int, blocks: int, window_ms: int) -> int:
         """``prefix`` (a prompt's first request key) homed on ``pod`` now, ``blocks`` long; the pod's footprint."""
@@ -140,13 +178,19 @@ class RoutedStore:
 
     async def speculate(self, pod: str, blob: bytes, ttl_ms: int, max_keys: int = MAX_SPECULATIVE) -> int:
         """The prompt's keys live on ``pod`` for ``ttl_ms``; how many speculative keys the pod holds now."""
-        return (await self._eval(self._chain, [(pod_speculative_key(pod),)],
-                                 [("speculative", EPOCH_MS, blob, int(ttl_ms), int(max_keys))]))[0]
+        return (await self._eval(self._chain, *_speculate(pod, blob, ttl_ms, max_keys)))[0]
+
+    def speculate_now(self, pod: str, blob: bytes, ttl_ms: int, max_keys: int = MAX_SPECULATIVE) -> "asyncio.Future | None":
+        """``speculate``, written now (``_eval_now``)."""
+        return self._eval_now(self._chain, *_speculate(pod, blob, ttl_ms, max_keys))
 
     async def approximate(self, pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> int:
         """The prompt's keys used on ``pod`` now; at most ``capacity_blocks`` kept. How many the pod holds now."""
-        return (await self._eval(self._chain, [(pod_approximate_key(pod),)],
-                                 [("approximate", EPOCH_MS, blob, max(1, int(capacity_blocks)), int(idle_ms))]))[0]
+        return (await self._eval(self._chain, *_approximate(pod, blob, capacity_blocks, idle_ms)))[0]
+
+    def approximate_now(self, pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> "asyncio.Future | None":
+        """``approximate``, written now (``_eval_now``)."""
+        return self._eval_now(self._chain, *_approximate(pod, blob, capacity_blocks, idle_ms))
 
     async def forget_approximate(self, pods: Iterable[str]) -> None:
         """Drop what was guessed for these pods (their events flow now: the index says what they hold)."""

@@ -160,6 +160,12 @@ class IndexMetadata:
         await self.known_models()
         return set(self.cached_pods_of(model))
 
+    def fresh_pods_of(self, model: str) -> frozenset[str] | None:
+        """``pods_of`` when what was read last is fresh enough to answer it without a read, else None."""
+        if self._models_at is None or self.clock() - self._models_at >= self.ttl_s:
+            return None
+        return self.cached_pods_of(model)
+
     def cached_pods_of(self, model: str) -> frozenset[str]:
         """``pods_of`` from what was read last, without a read (empty before the first). A frozenset made once
         per read of the registry: every answer asks, and a fleet has thousands of pods."""

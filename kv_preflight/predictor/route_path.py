@@ -57,8 +57,10 @@ class RoutePath:
         return model, prompt.keys, n_tokens, self._warn(req, model, head)
 
     async def route_keys(self, model: str, keys: list[int], n_tokens: int) -> RouteDecision:
-        """``/route``'s decision for keys ``request_keys`` gave, over every pod serving the model."""
-        return await self._route_keys(model, keys, n_tokens, None)
+        """``/route``'s decision for keys ``request_keys`` gave, over every pod serving the model; no ``freshness``
+        block (the gateway's answer is the engine's, which has no place for one; the decision itself weighs each
+        pod's freshness as ``/route``'s does)."""
+        return await self._route_keys(model, keys, n_tokens, None, answer=False)
 
     async def route_keyed(self, req: KeyedRequest) -> RouteDecision:
         await self._check_model(req.model, need_engine=False)
@@ -67,14 +69,15 @@ class RoutePath:
         return msgspec.structs.replace(decision, warnings=self.warnings.check_keyed(req) + decision.warnings)
 
     async def _route_keys(self, model: str, keys: list[int], n_tokens: int, pods: list[str] | None,
-                          max_staleness_ms: int | None = None, prompt: PromptKeys | None = None) -> RouteDecision:
+                          max_staleness_ms: int | None = None, prompt: PromptKeys | None = None,
+                          answer: bool = True) -> RouteDecision:
         if pods is not None:
             await self._check_pods_filter(pods)
         # what the gateways routed (bookings, speculative entries), read while the lookup runs: predictor/routed.py
         routed = self.routed.start(self.foreseen(model, pods), keys) if self.routed is not None else None
         prediction = await self._predict_keys(model, keys, n_tokens, pods, prompt, routed, fresh=False)
         candidates = await self._route_candidates(model, prediction, pods)
-        freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS])
+        freshness = self.freshness_of(prediction, None, extra=sorted(candidates)[:MAX_FRESHNESS_PODS]) if answer else None
         held = [a.pod_id for a in prediction.pod_affinities]
         per_pod = self.fleet.freshness(held) if self.fleet is not None else pod_freshness(None, held, 0, 0.0)
         if self.routed is not None:  # an engine no ingester feeds, routed by the gateways' approximate index
@@ -166,8 +169,11 @@ class RoutePath:
             pods = pods_with_ranks(pods, [a.pod_id for a in prediction.pod_affinities])  # ranks found of a pod named
             return {p for p in pods if base_pod(p) not in fleet_out}
         out = {a.pod_id for a in prediction.pod_affinities}
-        async with valkey_call(self.valkey_deadline_s, "pods of model"):
-            out |= await self.metadata.pods_of(model)
+        known = self.metadata.fresh_pods_of(model)  # (no read, no deadline to set, while the registry's read is fresh)
+        if known is None:
+            async with valkey_call(self.valkey_deadline_s, "pods of model"):
+                known = await self.metadata.pods_of(model)
+        out |= known
         if self.fleet is not None:
             # every pod whose record lists the model; unreachable and retired pods are never routed to (nor their
             # data-parallel ranks, whose record is their pod's)

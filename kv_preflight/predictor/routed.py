@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kv_preflight.index.backend import VALKEY_ERRORS
-from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob
+from kv_preflight.index.routed import Booked, PodRouted, RoutedStore, keys_blob, read_replies
 from kv_preflight.predictor.load import PodLoad
 from kv_preflight.predictor.scoring.freshness import APPROXIMATE_POD, PodFreshness
 
@@ -130,6 +130,15 @@ class RoutedState:
         try:
             async with asyncio.timeout(self.deadline_s):
                 return await self.store.read(pods, blob, self.window_ms)
+        except (TimeoutError, *VALKEY_ERRORS) as exc:
+            self._failed(exc)
+            return None
+
+    async def replies(self, pods: Sequence[str], sent: asyncio.Future) -> dict[str, PodRouted] | None:
+        """``read``'s answer from a read written already (``RoutedStore.read_now``)."""
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return read_replies(pods, await sent)
         except (TimeoutError, *VALKEY_ERRORS) as exc:
             self._failed(exc)
             return None
@@ -260,13 +269,20 @@ class RoutedRead:
     def __init__(self, state: RoutedState, pods: frozenset[str], blob: bytes, prefix: int | None = None):
         self.state, self.pods, self.blob, self.prefix = state, pods, blob, prefix
         self.started = state.clock()
-        self.task = asyncio.ensure_future(state.read(pods, blob)) if pods else None
+        # written now, beside the lookup: on the lean connection without a task (one on the gateway's path is a turn
+        # of the loop or two once the replies are in), else in one
+        self.asked = list(pods)
+        self.sent = state.store.read_now(self.asked, blob, state.window_ms) if pods and state.store else None
+        self.task = asyncio.ensure_future(state.read(pods, blob)) if pods and self.sent is None else None
         self.got: dict[str, PodRouted] | None = None
 
     async def get(self, pods: Collection[str] = ()) -> dict[str, PodRouted] | None:
         """The foreseen pods' and ``pods``' (read now if not foreseen); None when Valkey did not answer."""
         if self.got is None:
-            self.got = (await self.task if self.task is not None else {})
+            if self.sent is not None:
+                self.got = await self.state.replies(self.asked, self.sent)
+            else:
+                self.got = (await self.task if self.task is not None else {})
             if self.got is None:
                 return None
         missing = set(pods) - self.pods

@@ -747,3 +747,36 @@ async def test_the_forwarding_client_reconnects_a_dropped_keepalive_and_reads_ev
     finally:
         server.close()
         await upstream.aclose()
+
+
+async def test_writes_valkey_refuses_are_counted_and_the_request_answered(valkey_url, ix, gateway, stubs):
+    """The booking, the speculative entries and the release go out without holding the request up (written in the
+    request's own turn of the loop, no task each): each one Valkey refuses (a key of another type in their place)
+    is counted (kvpf_gateway_write_failures_total, the bookings' errors logged), never the request's failure."""
+    import redis as redis_sync
+
+    from kv_preflight.index.layout import pod_booking_keys, pod_speculative_key
+
+    x = stubs(body=b'{"x": 1}')
+    await ix.fleet.put_pod_records({"pod-x": record(x.url)})
+    await fed(ix, "pod-x")
+    r = redis_sync.Redis.from_url(valkey_url)
+    r.hset(pod_booking_keys("pod-x")[0], "not", "a zset")  # booked.lua's ZSET: WRONGTYPE
+    r.hset(pod_speculative_key("pod-x"), "not", "a zset")
+    g = gateway().ready()
+    for i in range(3):
+        got = await g.complete(list(range(7000 + 100 * i, 7064 + 100 * i)))
+        assert got.status_code == 200 and got.headers["x-kvpf-pod"] == "pod-x"
+
+    async def counted() -> bool:
+        async with httpx.AsyncClient(timeout=10) as c:
+            text = (await c.get(g.url + "/metrics")).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("kvpf_gateway_write_failures_total")]
+        return any('what="speculative"' in ln and float(ln.split()[-1]) >= 3 for ln in lines)
+
+    await until(counted, "three speculative writes counted as failed")
+    async def logged() -> bool:
+        return "bookings: a write to Valkey failed" in g.log.read_text()
+
+    await until(logged, "the bookings' failure logged")
+    r.close()

@@ -62,6 +62,31 @@ async def test_commands_written_in_one_turn_of_the_loop_go_in_one_send_when_coal
         await conn.close()
 
 
+async def test_evalsha_now_writes_at_once_and_takes_evalsha_manys_way_for_anything_but_plain_replies(valkey_url):
+    """The gateway's read beside its lookup (``evalsha_now``: written in the caller's turn, no task): plain replies
+    as they come; a script the server forgot loaded and run again; an error reply raised; no connection open: None
+    (the caller awaits ``evalsha_many``)."""
+    script = "if ARGV[1] == 'boom' then return redis.error_reply('boom') end return ARGV[1]"
+    r = redis.Redis.from_url(valkey_url)
+    sha = r.script_load(script)
+    conn = FastConnection.from_url(valkey_url)
+    assert conn.evalsha_now(sha, script, [["a"]]) is None  # not connected yet
+    assert await conn.execute("PING") == b"PONG"
+    sent = conn.evalsha_now(sha, script, [["a"], ["b"]])
+    assert sent is not None and not sent.done()
+    assert await sent == [b"a", b"b"]
+    r.script_flush()
+    assert await conn.evalsha_now(sha, script, [["c"], ["d"]]) == [b"c", b"d"]  # NOSCRIPT: loaded, sent again
+    with pytest.raises(ResponseError, match="boom"):
+        await conn.evalsha_now(sha, script, [["e"], ["boom"]])
+    assert await conn.execute("PING") == b"PONG"  # the stream in step after each
+    given_up = conn.evalsha_now(sha, script, [["f"]])
+    given_up.cancel()  # a caller that gave up: its reply is read and dropped
+    assert await conn.evalsha_many(sha, script, [["g"]]) == [b"g"]
+    await conn.close()
+    r.close()
+
+
 def test_only_plain_urls_get_a_fast_connection():
     assert FastConnection.from_url("rediss://127.0.0.1:6379/0") is None
     c = FastConnection.from_url("redis://user:pw@127.0.0.1:7000/3")

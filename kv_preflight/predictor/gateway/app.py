@@ -187,10 +187,10 @@ class Gateway:
                 extra = decision_headers(decided.decision, failed)
                 await send({"type": "http.response.start", "status": response.status_code,
                             "headers": answer_headers(response) + extra})
-                async for chunk in response.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                sending[0] = False
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                async for chunk, last in response.aiter_last():
+                    if last:
+                        sending[0] = False
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
             except Cut as exc:  # the engine cut its answer short: so is the client's (no 2nd start)
                 log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
                 self.metrics.failure("cut_short")
@@ -218,18 +218,36 @@ class Gateway:
         """The write of what the request leaves in its pod's cache (kv_preflight/index/routed.py): on a pod no
         ingester feeds, its keys used now (its approximate index); elsewhere, unless the pod holds the prompt to
         within its last ``SPECULATE_MARGIN`` tokens already, its blocks counted there until its events confirm them
-        or the TTL lapses (speculative). None: nothing to write."""
+        or the TTL lapses (speculative). Written now on the lean connection (its failure counted when it comes), else
+        the coroutine that writes it is returned to be run; None: nothing (more) to run."""
         store, d = self.routed.store, decided.decision
         pod = d.pod_id
         if store is None or not decided.indexed or not decided.keys or pod is None:
             return None
+        blob = keys_blob(decided.keys)
         if pod in self.routed.approximate and self.approximations is not None:
-            return self._quietly(store.approximate(pod, keys_blob(decided.keys),
-                                                   self.approximations.capacity_blocks(pod), IDLE_MS), "approximate")
+            capacity = self.approximations.capacity_blocks(pod)
+            sent = store.approximate_now(pod, blob, capacity, IDLE_MS)
+            if sent is None:
+                return self._quietly(store.approximate(pod, blob, capacity, IDLE_MS), "approximate")
+            self._counted(sent, "approximate")
+            return None
         held = d.cached_tokens > 0 and d.cached_tokens >= d.total_prompt_tokens - SPECULATE_MARGIN
         if self.speculative_ms > 0 and not held:
-            return self._quietly(store.speculate(pod, keys_blob(decided.keys), self.speculative_ms), "speculative")
+            sent = store.speculate_now(pod, blob, self.speculative_ms)
+            if sent is None:
+                return self._quietly(store.speculate(pod, blob, self.speculative_ms), "speculative")
+            self._counted(sent, "speculative")
         return None
+
+    def _counted(self, sent: asyncio.Future, what: str) -> None:
+        """A write sent already (``RoutedStore.*_now``): its failure counted as ``_quietly``'s are."""
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled() and (exc := f.exception()) is not None:
+                self.metrics.write_failed(what)
+                log.debug("a %s write failed: %s: %s", what, type(exc).__name__, exc)
+
+        sent.add_done_callback(done)
 
     async def _quietly(self, work, what: str) -> None:
         try:

@@ -59,9 +59,29 @@ class Bookings:
         self.live.setdefault(pod, {})[booking.id] = booking.tokens
         self.state.unwritten(pod, 1, booking.tokens)
         self._send_releases()  # written in the same turn of the loop as the booking: one send
-        write = self._write(booking)
-        booking.written = self._spawn(asyncio.gather(write, also) if also is not None else write)
+        sent = self.store.book_now(pod, booking.id, booking.tokens, self.ttl_ms)
+        if sent is None:  # (no lean connection open: a task writes it)
+            write = self._write(booking)
+            booking.written = self._spawn(asyncio.gather(write, also) if also is not None else write)
+            return booking
+        if also is not None:
+            self._spawn(also)
+        booking.written = self._track(sent, lambda: self.state.unwritten(pod, -1, -booking.tokens))
         return booking
+
+    def _track(self, sent: asyncio.Future, then=None) -> asyncio.Future:
+        """A write sent already (no task): ``then`` once it is answered or failed, a failure counted as ``_call``'s
+        are. No deadline of its own: a Valkey gone quiet fails it when the lean connection is dropped."""
+        def done(f: asyncio.Future) -> None:
+            self.tasks.discard(f)
+            if then is not None:
+                then()
+            if not f.cancelled() and (exc := f.exception()) is not None:
+                self._failed(exc)
+
+        self.tasks.add(sent)
+        sent.add_done_callback(done)
+        return sent
 
     async def _write(self, booking: Booking) -> None:
         try:
@@ -93,7 +113,11 @@ class Bookings:
             self._release_timer = None
         if self._releases:
             releases, self._releases = self._releases, {}
-            self._spawn(self._call(self.store.release_many(releases)))
+            sent = self.store.release_now(releases)
+            if sent is not None:
+                self._track(sent)
+            else:
+                self._spawn(self._call(self.store.release_many(releases)))
 
     async def run(self) -> None:
         """Renew every live booking each third of the TTL, in one round trip (per shard)."""
@@ -108,12 +132,15 @@ class Bookings:
             async with asyncio.timeout(self.timeout_s):
                 await work
         except (TimeoutError, *VALKEY_ERRORS) as exc:
-            self.errors += 1
-            now = time.monotonic()
-            if now - self._logged_at >= ERROR_LOG_S:
-                self._logged_at = now
-                log.warning("bookings: a write to Valkey failed (%d so far; the requests go on, their bookings "
-                            "expire by TTL): %s: %s", self.errors, type(exc).__name__, exc)
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._logged_at >= ERROR_LOG_S:
+            self._logged_at = now
+            log.warning("bookings: a write to Valkey failed (%d so far; the requests go on, their bookings "
+                        "expire by TTL): %s: %s", self.errors, type(exc).__name__, exc)
 
     def _spawn(self, coro) -> asyncio.Future:
         task = asyncio.ensure_future(coro)

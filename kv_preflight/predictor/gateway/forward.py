@@ -158,6 +158,12 @@ class Response:
         self._done = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
+        async for chunk, _ in self.aiter_last():
+            yield chunk
+
+    async def aiter_last(self) -> AsyncIterator[tuple[bytes, bool]]:
+        """The body's chunks as they come, each with whether it is the last (the relay sends the last one as the
+        answer's end: one send, not a chunk and then an empty end). An empty body is one empty last chunk."""
         conn = self._conn
         while True:
             while conn.chunks:
@@ -166,9 +172,14 @@ class Response:
                 if conn.paused and conn.buffered < HIGH_WATER // 2 and conn.transport is not None:
                     conn.paused = False
                     conn.transport.resume_reading()
-                yield chunk
+                if not conn.chunks and conn.complete:
+                    self._done = True
+                    yield chunk, True
+                    return
+                yield chunk, False
             if conn.complete:
                 self._done = True
+                yield b"", True
                 return
             if conn.error is not None:
                 raise conn.error
