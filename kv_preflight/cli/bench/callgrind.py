@@ -9,6 +9,10 @@ the servers. Only the measured part is counted (instrumentation is switched on a
 server's timer work (``serverCron``) is left out: it runs by the clock, ten times a second, and valgrind's
 slowdown multiplies it by the run's length, not by the work. About a minute; needs valgrind.
 
+``--only gateway`` counts the gateway's instructions per forwarded request (4K-token prompts its one engine holds,
+each decided, booked, forwarded and answered): the steady figure behind the bench's gateway rows, whose CPU and
+latency figures move with the machine. About a minute.
+
 ``--only ingester`` counts the other side: the ingester process's own instructions per block event (its handler
 fed the same measured events, the Valkey servers run as usual), on a single node and on the 3-master cluster.
 Their ratio is the steady figure of what a cluster adds to the ingester's work (the bench's "one ingester,
@@ -154,18 +158,96 @@ def measure_ingester(topology: str, tmp: str) -> float:
     return total / events[0]
 
 
+def _up(url: str, model: str) -> bool:
+    """The gateway answers and lists the model (under valgrind it takes a while to listen at all)."""
+    import httpx
+
+    from kv_preflight.cli.bench import gateway as gw
+    try:
+        return gw._serves(url, model)
+    except httpx.HTTPError:
+        return False
+
+
+def measure_gateway(tmp: str, requests: int = 300) -> float:
+    """The gateway's instructions per forwarded request: ``kv-preflight gateway`` under callgrind, one engine (the
+    bench's echo engine, answering at once) holding the gateway row's 4K-token prompts in the index, requests sent
+    one after another (each decided, booked, forwarded and answered), instrumentation on after a warm-up."""
+    import random
+    from pathlib import Path
+
+    import httpx
+    import msgspec
+
+    from kv_preflight.cli.bench import gateway as gw
+    from kv_preflight.cli.bench.procs import Server, python
+    from kv_preflight.cli.valkey_server import ValkeyServer
+
+    vk = ValkeyServer(Path(tmp) / "vk", appendonly=False).start()
+    engine = proc = None
+    try:
+        rng = random.Random(11)
+        prompts = [[rng.randrange(5, 30_000) for _ in range(gw.PROMPT_TOKENS)] for _ in range(16)]
+        bodies = [msgspec.json.encode({"model": gw.MODEL, "prompt": p, "max_tokens": 1}) for p in prompts]
+        engine_port, port = free_port(), free_port()
+        engine = Server([python(), "-m", "kv_preflight.cli.bench.echo_engine", str(engine_port), gw.MODEL, "0"],
+                        engine_port, Path(tmp) / "echo.log").ready()
+        asyncio.run(gw._fleet(vk.url, {"echo-0": f"http://127.0.0.1:{engine_port}"}, {"echo-0": prompts}))
+        # deadlines for valgrind's pace (the gateway's own Valkey and engine timeouts)
+        env = {**os.environ, "KVPF_VALKEY_TIMEOUT": "20"}
+        proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.out",
+                                 python(), "-m", "kv_preflight", "gateway", "--valkey-url", vk.url, "--port", str(port),
+                                 "--workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=120) as c:
+            deadline = time.monotonic() + 600
+            while not _up(url, gw.MODEL):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the gateway under valgrind did not come up")
+                time.sleep(1)
+            for i in range(60):
+                c.post(url + "/v1/completions", content=bodies[i % len(bodies)]).raise_for_status()
+            subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
+            reasons: dict[str, int] = {}
+            for i in range(requests):
+                r = c.post(url + "/v1/completions", content=bodies[i % len(bodies)])
+                r.raise_for_status()
+                reasons[r.headers["x-kvpf-reason"]] = reasons.get(r.headers["x-kvpf-reason"], 0) + 1
+            time.sleep(0.5)  # the last releases written
+            subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], capture_output=True, check=True)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, check=True)
+        if reasons != {"best_overlap": requests}:
+            raise RuntimeError(f"the gateway decided otherwise than by the prompts it holds: {reasons}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+        if engine is not None:
+            engine.stop()
+        vk.stop()
+    total = 0
+    for path in glob.glob(f"{tmp}/cg.out*"):
+        with open(path) as f:
+            for line in f:
+                if line.startswith("totals:"):
+                    total += int(line.split()[1])
+    return total / requests
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="single,cluster",
-                        help="single, cluster (Valkey's instructions; both by default) or ingester (the ingester's own)")
+                        help="single, cluster (Valkey's instructions; both by default), ingester (the ingester's own) "
+                             "or gateway (the gateway's per forwarded request)")
     parser.add_argument("--ingester-child", choices=("single", "cluster"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ingester_child:
         _ingester_child(args.ingester_child)
         return 0
-    unknown = set(args.only.split(",")) - {"single", "cluster", "ingester"}
+    unknown = set(args.only.split(",")) - {"single", "cluster", "ingester", "gateway"}
     if unknown:
-        parser.error(f"--only takes single, cluster and/or ingester, not {', '.join(sorted(unknown))}")
+        parser.error(f"--only takes single, cluster, ingester and/or gateway, not {', '.join(sorted(unknown))}")
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             print(f"{tool} is not installed (valgrind's package provides it)", file=sys.stderr)
@@ -178,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                 per[topology] = measure_ingester(topology, tmp)
             print(f"ingester {topology:8s} {per[topology]:>10,.0f} instructions per block event", flush=True)
         print(f"ingester cluster rate / single node rate: {per['single'] / per['cluster']:.2f}x", flush=True)
-    for topology in [t for t in args.only.split(",") if t != "ingester"]:
+    if "gateway" in args.only.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"gateway  {measure_gateway(tmp):>10,.0f} instructions per forwarded request (4K-token prompts)",
+                  flush=True)
+    for topology in [t for t in args.only.split(",") if t not in ("ingester", "gateway")]:
         for side in ("floor", "ours"):
             with tempfile.TemporaryDirectory() as tmp:
                 figures[(topology, side)] = measure(side, topology == "cluster", tmp)
