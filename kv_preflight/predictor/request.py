@@ -123,6 +123,24 @@ class _KeyedShape(msgspec.Struct, forbid_unknown_fields=True):
 
 _keyed_decoder = msgspec.json.Decoder(_KeyedShape)
 
+try:  # a member's place in a body found by C (kv_preflight/_speedups.c member_span); without it, decoded whole
+    from kv_preflight._speedups import member_span as _member_span
+except ImportError:  # pragma: no cover - no compiler at install time
+    _member_span = None
+
+
+def without_list(body: bytes, name: bytes) -> tuple[bytes, msgspec.Raw] | None:
+    """``body`` with its top-level member ``name``, a JSON array, as ``[]``, and that array's text (a view of the
+    body, not a copy). A token list is keyed from its text in C (``request_keys_json``, which checks it whole):
+    the JSON decoder need not scan its digits first (for 4K tokens, 20 KB: as long as the keying). The body is
+    valid exactly when the smaller one is and the list is what the keying accepts. None when the C routine is
+    absent, or ``name`` is not there exactly once as an array (then decode it all)."""
+    span = _member_span(body, name) if _member_span is not None else None
+    if span is None or body[span[0]:span[0] + 1] != b"[":
+        return None
+    start, end = span
+    return body[:start] + b"[]" + body[end:], msgspec.Raw(memoryview(body)[start:end])
+
 
 class KeyedRequest(msgspec.Struct):
     """A token_ids request already turned into request keys (the fast path)."""
@@ -149,20 +167,26 @@ def parse_keyed(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int
     Only a refusal that would cost as much again to reach there is raised here: JSON nested too
     deep, and a pods filter over the limit (no key is hashed for either).
     """
+    cut = without_list(body, b"token_ids")
     try:
-        shape = _keyed_decoder.decode(body)
+        shape = _keyed_decoder.decode(body if cut is None else cut[0])
     except msgspec.MsgspecError:
         return None
     except RecursionError:
         raise _too_deep() from None
     check_pods(shape.pods, max_pods)
-    if not shape.model or not shape.token_ids or shape.prompt or shape.messages or shape.cache_salt or shape.mm_items:
+    token_ids = shape.token_ids
+    if cut is not None:
+        if bytes(token_ids) != b"[]":  # (not the member member_span found: decided the ordinary way)
+            return None
+        token_ids = cut[1]
+    if not shape.model or not token_ids or shape.prompt or shape.messages or shape.cache_salt or shape.mm_items:
         return None
-    got = request_keys_json(shape.token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
+    got = request_keys_json(token_ids, model=shape.model, hash_seed=hash_seed, block_size=block_size)
     if got is None or not 0 < got[1] <= max_tokens:
         return None
     return KeyedRequest(model=shape.model, keys=got[0], n_tokens=got[1], pods=shape.pods,
-                        raw_token_ids=shape.token_ids, max_staleness_ms=shape.max_staleness_ms)
+                        raw_token_ids=token_ids, max_staleness_ms=shape.max_staleness_ms)
 
 
 _HEAD = re.compile(rb"\s*\[\s*(\d+)(?:\s*,\s*(\d+))?")

@@ -1,5 +1,6 @@
-"""The gateway reads a token-id prompt where it lies in the body (C ``member_span``) and decodes the rest with ``[]``
-in its place: it must read every body exactly as decoding the whole does, the same routable or the same error."""
+"""A token list read where it lies in the body (C ``member_span``, ``request.without_list``), the rest decoded with
+``[]`` in its place: the gateway's prompt and a predict or route body's token_ids must read every body exactly as
+decoding the whole does, the same answer or the same error."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_preflight.predictor import request
 from kv_preflight.predictor.gateway import openai
 from kv_preflight.predictor.errors import BadRequest
 
-pytestmark = pytest.mark.skipif(openai._member_span is None, reason="the C routines are not built")
+pytestmark = pytest.mark.skipif(request._member_span is None, reason="the C routines are not built")
 
 ARGS = dict(chat=False, max_tokens=64, hash_seed="", block_size=4, hash_algo="fnv64a")
 
@@ -31,9 +33,9 @@ _members = st.dictionaries(
 
 
 def _read(body: bytes, c: bool):
-    saved = openai._member_span
+    saved = request._member_span
     if not c:
-        openai._member_span = None
+        request._member_span = None
     try:
         got = openai.read_routable(body, **ARGS)
         r = got.request
@@ -43,7 +45,7 @@ def _read(body: bytes, c: bool):
     except BadRequest as exc:
         return ("error", exc.message)
     finally:
-        openai._member_span = saved
+        request._member_span = saved
 
 
 def _assemble(members: list[tuple[str, object]], spaces: str) -> bytes:
@@ -114,3 +116,41 @@ def test_random_bodies_of_a_large_prompt_agree():
         body = json.dumps({"prompt": p, "model": "m", "max_tokens": rng.choice([None, 1, 5])},
                           indent=rng.choice([None, 1])).encode()
         assert _read(body, True) == _read(body, False)
+
+
+def _keyed(body: bytes, c: bool):
+    saved = request._member_span
+    if not c:
+        request._member_span = None
+    try:
+        got = request.parse_keyed(body, max_tokens=64, hash_seed="", block_size=4, max_pods=3)
+        return None if got is None else ("ok", got.model, got.keys, got.n_tokens, got.pods, got.head,
+                                         got.max_staleness_ms)
+    except BadRequest as exc:
+        return ("error", exc.message)
+    finally:
+        request._member_span = saved
+
+
+_predict_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "m\\n", ""]), "token_ids": _ids | st.lists(_ids, max_size=2) | _json},
+    optional={"pods": st.lists(st.sampled_from(["a", "b", "c@dp1"]), max_size=4) | st.none(),
+              "max_staleness_ms": st.integers(-1, 9) | st.none(), "prompt": st.just("x") | st.none(),
+              "cache_salt": st.just("s"), "mm_items": st.just([]), "unknown": st.just(1)})
+
+
+@settings(max_examples=400, deadline=None)
+@given(shape=_predict_bodies, order=st.randoms(use_true_random=False), again=st.sampled_from([None, "token_ids", "model"]),
+       other=_ids, spaces=st.sampled_from(["", " ", "\n"]), cut=st.integers(0, 300),
+       junk=st.sampled_from(["", "]", "}", ",", '"', "["]))
+def test_a_predict_body_read_in_place_reads_as_decoded_whole(shape, order, again, other, spaces, cut, junk):
+    """/v1/cache/predict and /route's fast path (``parse_keyed``): the same KeyedRequest, None (the ordinary way
+    decides) or refusal with the token list read in place as with the whole body decoded."""
+    items = list(shape.items())
+    order.shuffle(items)
+    if again is not None:
+        items.append((again, other if again == "token_ids" else "n"))
+    body = _assemble(items, spaces)
+    assert _keyed(body, True) == _keyed(body, False)
+    broken = body[:cut] + junk.encode() + body[cut:]
+    assert _keyed(broken, True) == _keyed(broken, False)

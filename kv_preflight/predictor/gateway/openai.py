@@ -14,13 +14,8 @@ import msgspec
 
 from kv_preflight.predictor.errors import BadRequest, clip
 from kv_preflight.predictor.request import (MAX_MESSAGES_DEPTH, KeyedRequest, PredictRequest, check_depth,
-                                                 check_token_count)
+                                                 check_token_count, without_list)
 from kv_preflight.keys.chain import request_keys_json
-
-try:  # the prompt's place in the body found by C (kv_preflight/_speedups.c member_span); without it, decoded whole
-    from kv_preflight._speedups import member_span as _member_span
-except ImportError:  # pragma: no cover - no compiler at install time
-    _member_span = None
 
 
 class _Body(msgspec.Struct):
@@ -105,22 +100,20 @@ def read_routable(body: bytes, *, chat: bool, max_tokens: int, hash_seed: str, b
 
 
 def _keyed_in_place(body: bytes, *, max_tokens: int, hash_seed: str, block_size: int) -> Routable | None:
-    """A token-id prompt keyed from its text where it lies, the rest of the body decoded with ``[]`` in its place:
-    the decoder never scans the prompt (20 KB of digits for 4K tokens; it was a sixth of what the gateway spent on
-    a forwarded request). The body is valid exactly when that smaller one is and the prompt is a plain id list,
-    both checked. None for anything else (no C routines, another prompt, a salt, an error): ``read_routable``'s
+    """A token-id prompt keyed from its text where it lies, the rest of the body decoded with ``[]`` in its place
+    (``without_list``: the decoder's scan of the digits was a sixth of what the gateway spent on a forwarded
+    request). None for anything else (no C routines, another prompt, a salt, an error): ``read_routable``'s
     ordinary way, which also words the error."""
-    span = _member_span(body, b"prompt") if _member_span is not None else None
-    if span is None or body[span[0]:span[0] + 1] != b"[":
+    cut = without_list(body, b"prompt")
+    if cut is None:
         return None
-    start, end = span
     try:
-        shape = _decoder.decode(body[:start] + b"[]" + body[end:])
+        shape = _decoder.decode(cut[0])
     except (msgspec.DecodeError, RecursionError):
         return None
     if not shape.model or shape.cache_salt is not None or bytes(shape.prompt) != b"[]":
         return None
-    raw = msgspec.Raw(memoryview(body)[start:end])
+    raw = cut[1]
     got = request_keys_json(raw, model=shape.model, hash_seed=hash_seed, block_size=block_size)
     if got is None or not 0 < got[1] <= max_tokens:
         return None
