@@ -30,6 +30,7 @@ from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset
 from kv_preflight.ingester.replay import fetch_replay
 from kv_preflight.ingester.routes import Routes
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
+from kv_preflight.keys.chain import chain_root
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -90,6 +91,10 @@ class Applier:
 
     # ---- planning
 
+    def _root(self, model: str) -> int:
+        """A model's chain root (a held block that keyed nothing and starts its chain continues from it)."""
+        return chain_root(model, self.cfg.hash_seed, self.cfg.hash_algo)
+
     async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0, *,
                    chains: ChainState | None = None, mode: str = "check") -> Plan:
         """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
@@ -117,7 +122,7 @@ class Applier:
         known = pod_state.block_keys if mode != "reset" else None
         missing = unresolved_parents(batch, model, chains, self.cfg.lora_names)
         if missing and known is not None:
-            missing = seed_held(chains, missing, known, pod_state.carries)
+            missing = seed_held(chains, missing, known, pod_state.carries, self._root)
         if missing:
             resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
             seed_state(chains, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
@@ -127,8 +132,6 @@ class Applier:
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
                 hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys, known=known,
             )
-            if plan.carries:  # (the call's chain points: blocks planned, maybe not applied, whose carries stay)
-                pod_state.keep_carries(plan.carries, chains.engine_keys)
             return plan
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -176,7 +179,7 @@ class Applier:
             result = await self.valkey.call(
                 self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
                 engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations, mode=item.mode,
-                adapters=plan.adapters,
+                adapters=plan.adapters, carries=plan.carries,
             )
         except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
             await self.failed(pod, seq, f"Valkey refused the batch: {exc}")

@@ -60,7 +60,7 @@ class Pipeline:
                      for pod, model, seq, batch, errors in run]
             args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
                          engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations,
-                         adapters=plan.adapters)
+                         adapters=plan.adapters, carries=plan.carries)
                     for (pod, model, seq, batch, _), plan in zip(run, plans)]
             try:
                 sent = await self.valkey.call(self.index.send_batches, args)
