@@ -73,14 +73,13 @@ class _Delta(msgspec.Struct, array_like=True):
 
 class _Carries(msgspec.Struct, array_like=True):
     """What blocks that end mid request key left unkeyed (``PodState.carries``, ``Carry``), beside a snapshot's
-    blocks or a delta's stores, by position: per block or store the number of tokens its carry holds (-1: it has
-    none; one value: every one's), the tokens of each in turn, and the rare ids and salts by position. Only the
-    tokens: the chain point they continue is the block's last request key (or, for a block that keyed none, its
-    parent), which the log holds already. A log entry with no carry has no such column (its bytes are those of
+    blocks or a delta's stores, by position: per block or store its carry's tokens (None: it has no carry; an
+    empty array: it has one, of no tokens), and the rare ids and salts by position. Only the tokens: the chain
+    point they continue is the block's last request key (or, for a block that keyed none, the key it chains
+    from), which the log holds already. A log entry with no carry has no such column (its bytes are those of
     the builds before carries were kept, which read a column after their own as nothing)."""
 
-    lens: list[int]
-    tokens: list[int]
+    tokens: list[tuple[int, ...] | None]
     extras: dict[int, tuple[list[str], str | None]] = {}
 
 
@@ -139,36 +138,25 @@ def encode_snapshot(state: PodState, gen: int) -> bytes:
 
 def _snapshot_carries(state: PodState) -> msgspec.Raw | None:
     """The held blocks' carries, at the first block of each engine key."""
-    carries = state.carries
+    get = state.carries.get
+    if len(state.ek_refs) == len(state.blocks):  # each engine key in one block (one tier, one group): the usual pod
+        return _carry_column([get(ek) for ek, _, _ in state.blocks])
     seen: set[int] = set()
-    at: list[int | None] = []
+    at: list[Carry | None] = []
     for ek, _, _ in state.blocks:
-        if ek in carries and ek not in seen:
-            seen.add(ek)
-            at.append(ek)
-        else:
-            at.append(None)
-    return _carry_column(at, carries)
+        at.append(None if ek in seen else get(ek))
+        seen.add(ek)
+    return _carry_column(at)
 
 
-def _carry_column(eks: Sequence[int | None], carries: Mapping[int, Carry]) -> msgspec.Raw | None:
-    """``_Carries`` of the blocks or stores whose engine keys are ``eks`` (None: record none there), encoded; None
-    when none has a carry."""
-    lens: list[int] = []
-    tokens: list[int] = []
-    extras: dict[int, tuple[list[str], str | None]] = {}
-    for i, ek in enumerate(eks):
-        c = carries.get(ek) if ek is not None else None
-        if c is None:
-            lens.append(-1)
-            continue
-        lens.append(len(c.tokens))
-        tokens += c.tokens
-        if c.ids or c.salt is not None:
-            extras[i] = (list(c.ids), c.salt)
-    if all(n < 0 for n in lens):
+def _carry_column(carries: list[Carry | None]) -> msgspec.Raw | None:
+    """``_Carries`` of blocks or stores, one carry or None each, encoded; None when none has a carry."""
+    n = carries.count(None)
+    if n == len(carries):
         return None
-    return msgspec.Raw(_enc.encode(_Carries(_column(lens), tokens, extras)))
+    tokens = [c.tokens for c in carries] if not n else [None if c is None else c.tokens for c in carries]
+    return msgspec.Raw(_enc.encode(_Carries(tokens, {i: (list(c.ids), c.salt) for i, c in enumerate(carries)
+                                                     if c is not None and (c.ids or c.salt is not None)})))
 
 
 def _read_carries(raw: msgspec.Raw, eks: Sequence[int], pod_id: str | None) -> dict[int, Carry]:
@@ -180,23 +168,16 @@ def _read_carries(raw: msgspec.Raw, eks: Sequence[int], pod_id: str | None) -> d
         return {}
     try:
         c = _carries_dec.decode(raw)
-        lens = _per_block(c.lens, len(eks))
-        if len(lens) != len(eks) or min(lens, default=-1) < -1 or sum(n for n in lens if n > 0) != len(c.tokens) \
-                or any(not 0 <= i < len(eks) or lens[i] < 0 for i in c.extras):
-            raise ValueError(f"{len(lens)} carries for {len(eks)} blocks, {len(c.tokens)} tokens")
-        out: dict[int, Carry] = {}
-        at = 0
-        tokens = c.tokens
-        for i, (ek, n) in enumerate(zip(eks, lens)):
-            if n >= 0:
-                ids, salt = c.extras.get(i, ((), None))
-                out[ek] = Carry(tuple(tokens[at:at + n]), tuple(ids), salt)
-                at += n
-        return out
+        if len(c.tokens) != len(eks) or any(not 0 <= i < len(eks) or c.tokens[i] is None for i in c.extras):
+            raise ValueError(f"{len(c.tokens)} carries for {len(eks)} blocks")
     except (msgspec.DecodeError, ValueError) as exc:
         log.warning("pod %s: its state log's carries do not read (%s): left out (a child of a block that ends "
                     "mid request key is an orphan, its pod flagged)", pod_id, exc)
         return {}
+    out = {ek: Carry(tokens) for ek, tokens in zip(eks, c.tokens) if tokens is not None}
+    for i, (ids, salt) in c.extras.items():
+        out[eks[i]] = Carry(c.tokens[i], tuple(ids), salt)
+    return out
 
 
 def _columns(state: PodState) -> tuple[list[str], list[str], bytes, bytes, list[int], list[int], bytes,
@@ -275,7 +256,7 @@ def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, G
     (``_speedups.delta_columns``, the same bytes) where it is built and the batch is ordinary; anything else (no
     C, a subclass, a key outside uint64, a group outside a byte, more than 16 tiers, ...) goes through
     ``_encode_delta``, the reference, which raises what it raises."""
-    carried = _carry_column([m.engine_key for m in mutations if isinstance(m, StoreBlock)], carries) \
+    carried = _carry_column([carries.get(m.engine_key) for m in mutations if isinstance(m, StoreBlock)]) \
         if carries else None
     if _delta_columns is not None:
         cols = _delta_columns(mutations, *_DELTA_TYPES)
