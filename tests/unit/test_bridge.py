@@ -254,3 +254,17 @@ def test_blocks_ending_mid_key_leave_their_chain_points_for_the_pods_state():
     assert seed_held(state, [("tiny", 2)], known, p.carries, chain_root) == []
     assert [k for m in plan([child], state).mutations for k in m.request_keys] == request_keys(TOKENS[:72], model="tiny")[3:]
     assert seed_held(ChainState(), [("tiny", 2)], lambda ek: None, p.carries, chain_root) == [("tiny", 2)]
+
+
+def test_a_held_block_that_keyed_nothing_chains_its_child_from_the_models_root():
+    """E=8, C=16: a prompt's first block keys nothing. Seeded from the pod's state (its carry, as the log gives it
+    back) by a process that never met it, the chain stands at the model's root: the child's key is the one-run
+    key, not an orphan."""
+    p = plan([BlockStored([1], None, TOKENS[:8], 8, medium="GPU", group_idx=0)])
+    assert p.mutations[0].request_keys == () and p.carries[1].tokens == tuple(TOKENS[:8])
+    pod = PodState(pod_id="p")
+    pod.plan(p.mutations, None, p.carries)
+    state = ChainState()
+    assert seed_held(state, [("tiny", 1)], pod.block_keys, pod.carries, chain_root) == []
+    child = plan([BlockStored([2], 1, TOKENS[8:16], 8, medium="GPU", group_idx=0)], state)
+    assert child.orphans == 0 and child.mutations[0].request_keys == tuple(request_keys(TOKENS[:16], model="tiny"))
