@@ -5,9 +5,10 @@ the pod bitmaps the lookup reads, ``kv_preflight/index/layout.py``). What only t
 engine blocks the pod holds, in which KV cache group and tier, with how many physical copies, which request keys
 each links, the reference counts behind each entry and each bit, the orphan count, the tokens a block that
 ends mid request key left for its child) lives here, in the ingester's memory, and is persisted per pod as one
-compact log (``kvpf:{<pod>}:state``: a snapshot and the batches since, see ``encode_snapshot``). Every writer of a pod (its batches, clears, resets, imports, the CLI)
-plans against this state at a generation ``gen`` and the apply script runs the plan only if the pod is still at
-that generation (optimistic concurrency), so a plan made from a stale copy is refused, never half applied.
+compact log (``kvpf:{<pod>}:state``: a snapshot and the batches since, see ``encode_snapshot``). Every writer of
+a pod (its batches, clears, resets, imports, the CLI) plans against this state at a generation ``gen`` and the
+apply script runs the plan only if the pod is still at that generation (optimistic concurrency), so a plan made
+from a stale copy is refused, never half applied.
 
 ``PodState.plan(mutations)`` moves the state past a batch and returns the commands' intent (``Plan``): per
 request key an entry and a bit change, per engine key an add or a conditional drop; the backends turn these
