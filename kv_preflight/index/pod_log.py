@@ -104,6 +104,12 @@ except ImportError:  # pragma: no cover - no compiler at install time
     _delta_columns = _pack_u64s = _snapshot_columns = None
 _DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
 
+
+class PodLogError(ValueError):
+    """A pod's state log that does not read (a hand edit, a bug, a build that writes another format). Nothing can
+    be planned against it (its blocks are not known), so the pod's writers refuse its batches and the ingester
+    flags the pod (ingester/apply.py), where the decoder's own error ended the process."""
+
 _enc = msgspec.msgpack.Encoder()
 _snap_dec = msgspec.msgpack.Decoder(_CarriedSnapshot)
 _delta_dec = msgspec.msgpack.Decoder(_CarriedDelta)
@@ -350,7 +356,17 @@ def _mutations(d: _Delta) -> list[Mutation]:
 def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None, *,
             reannouncements: bool = False) -> tuple[PodState, int]:
     """The state a snapshot and the deltas after it describe, and the generation it is at (the deltas planned
-    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run)."""
+    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run). ``PodLogError`` for a
+    log that does not read, whatever is wrong in it (only its carries may not read alone: ``_read_carries``)."""
+    try:
+        return _restore(snapshot, deltas, pod_id, reannouncements)
+    except (msgspec.DecodeError, struct.error, ValueError, TypeError, IndexError, KeyError, StopIteration,
+            OverflowError, RecursionError) as exc:
+        raise PodLogError(f"pod {pod_id}: its state log does not read ({type(exc).__name__}: {exc})"[:300]) from exc
+
+
+def _restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None,
+             reannouncements: bool) -> tuple[PodState, int]:
     st = PodState(pod_id=pod_id)
     st.reannouncements = reannouncements
     gen = 0
@@ -402,4 +418,4 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
     return st, gen
 
 
-__all__ = ["encode_delta", "encode_snapshot", "restore"]
+__all__ = ["PodLogError", "encode_delta", "encode_snapshot", "restore"]

@@ -24,6 +24,7 @@ from kv_preflight.config import Config
 from kv_preflight.events import EventBatch
 from kv_preflight.index.engine_keys import resolve_engine_keys
 from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_held, seed_state, unresolved_parents
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
@@ -174,7 +175,11 @@ class Applier:
         for its gap's replay), or None (try it again in ``item.mode``)."""
         seq, batch = item.seq, item.batch
         rank = batch.data_parallel_rank or 0
-        plan = await self.plan(pod, model, seq, batch, item.decode_errors, mode=item.mode)
+        try:
+            plan = await self.plan(pod, model, seq, batch, item.decode_errors, mode=item.mode)
+        except PodLogError as exc:  # (the pod's state, loaded to plan against)
+            await self.unreadable(pod, seq, exc)
+            return "error"
         try:
             result = await self.valkey.call(
                 self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
@@ -183,6 +188,9 @@ class Applier:
             )
         except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
             await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
+            return "error"
+        except PodLogError as exc:  # (loaded again to apply it: another writer had moved the pod)
+            await self.unreadable(pod, seq, exc)
             return "error"
         except ValueError as exc:  # a batch the pod's state log cannot hold (hostile: past 16 tiers, say)
             await self.failed(pod, seq, f"batch cannot be written: {exc}")
@@ -361,6 +369,17 @@ class Applier:
         await self.counters.count("corrupt_batches", pod=pod)
         try:
             await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+        except ResponseError:
+            pass  # the pod's own key is unusable: the log line and the counter are what is left
+
+    async def unreadable(self, pod: str, seq: int, exc: PodLogError) -> None:
+        """A batch of a pod whose state log does not read: nothing can be planned against a pod whose blocks are
+        not known, so the batch is not applied (logged, counted) and the pod is flagged, as its entries are no
+        longer what its engine holds; other pods go on. (The decoder's error ended the process, and every process
+        that took the pod over after it; found on a reload, it was only logged, the pod left exact.)"""
+        await self.failed(pod, seq, f"not applied: {exc}")
+        try:
+            await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} not applied: {exc}"[:300])
         except ResponseError:
             pass  # the pod's own key is unusable: the log line and the counter are what is left
 

@@ -137,3 +137,34 @@ def test_a_carries_column_that_does_not_read_is_left_out_and_the_pod_loads(value
     assert gen == 1 and model(again) == model(state)
     assert set(again.carries) <= {1, 2} and all(isinstance(c, Carry) and all(isinstance(t, int) for t in c.tokens)
                                                for c in again.carries.values())
+
+
+def good_log() -> tuple[list, list]:
+    """A snapshot and a delta that read, as their msgpack arrays (a test puts junk in one field of either)."""
+    muts = [StoreBlock(1, "gpu", "F", (101,), 0, True, CHAIN_ROOT), StoreBlock(2, "gpu", "F", (102,), 0, False, 101),
+            RemoveBlock(1, "gpu", 0)]
+    state = PodState(engine_block_size=24)
+    state.plan(muts[:2], None, {1: Carry((1, 2))})
+    return (msgspec.msgpack.decode(encode_snapshot(state, 1)),
+            msgspec.msgpack.decode(encode_delta(2, muts, None, 24, {2: Carry((3,))})))
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=junk | st.binary(max_size=40), where=st.sampled_from(["snapshot", "delta", "snapshot field", "delta field"]),
+       at=st.integers(0, 20))
+def test_a_log_that_does_not_read_is_one_clear_error(value, where, at):
+    """Junk in a whole log entry or in one of its fields (a hand edit, a bug, a build that writes another format):
+    ``restore`` raises ``PodLogError`` (a ValueError naming the pod), which the ingester handles per pod; the
+    decoder's own errors (msgspec's, struct's, an index out of range, an exhausted column) left the ingest loop and
+    ended the process, and every process that took the pod over after it."""
+    snapshot, delta = good_log()
+    if where.endswith("field"):
+        entry = list(snapshot if where.startswith("snapshot") else delta)
+        entry[at % len(entry)] = value
+        value = entry
+    raw = value if isinstance(value, bytes) and not where.endswith("field") else msgspec.msgpack.encode(value)
+    log = (raw, []) if where.startswith("snapshot") else (msgspec.msgpack.encode(snapshot), [raw])
+    try:
+        restore(*log, "p")
+    except pod_log.PodLogError as exc:
+        assert "p" in str(exc) and isinstance(exc, ValueError)
