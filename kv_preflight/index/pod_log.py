@@ -77,10 +77,15 @@ class _Carries(msgspec.Struct, array_like=True):
     empty array: it has one, of no tokens), and the rare ids and salts by position. Only the tokens: the chain
     point they continue is the block's last request key (or, for a block that keyed none, the key it chains
     from), which the log holds already. A log entry with no carry has no such column (its bytes are those of
-    the builds before carries were kept, which read a column after their own as nothing)."""
+    the builds before carries were kept, which read a column after their own as nothing). Where engine blocks are
+    smaller than a request key (SGLang's default page of 1 token), a block that completes no key leaves its
+    parent's carry and its own tokens: such a carry, after its parent's, is written as its own tokens only (bit i
+    of ``extends``), which keeps the column's size to what the blocks add (at E = 1, 8 bytes a block where every
+    carry written whole took 31, of 18 for the rest of the block)."""
 
     tokens: list[tuple[int, ...] | None]
     extras: dict[int, tuple[list[str], str | None]] = {}
+    extends: bytes = b""  # bit i set: tokens[i] is what carry i adds to carry i-1's
 
 
 class _CarriedSnapshot(_Snapshot, array_like=True):
@@ -161,8 +166,16 @@ def _carry_column(carries: list[Carry | None]) -> msgspec.Raw | None:
     if n == len(carries):
         return None
     tokens = [c.tokens for c in carries] if not n else [None if c is None else c.tokens for c in carries]
+    # (a comprehension, not a loop: the column is built once per snapshot of the pod's thousands of blocks)
+    extending = [i for i, p, t in zip(range(1, len(tokens)), tokens, tokens[1:])
+                 if p and t is not None and len(t) > len(p) and t[:len(p)] == p]
+    extends = bytearray((len(tokens) + 7) >> 3) if extending else b""
+    for i in reversed(extending):  # (from the last: each is cut by its predecessor's whole tokens)
+        tokens[i] = tokens[i][len(tokens[i - 1]):]
+        extends[i >> 3] |= 1 << (i & 7)
     return msgspec.Raw(_enc.encode(_Carries(tokens, {i: (list(c.ids), c.salt) for i, c in enumerate(carries)
-                                                     if c is not None and (c.ids or c.salt is not None)})))
+                                                     if c is not None and (c.ids or c.salt is not None)},
+                                            bytes(extends))))
 
 
 def _read_carries(raw: msgspec.Raw, eks: Sequence[int], pod_id: str | None) -> dict[int, Carry]:
@@ -176,13 +189,24 @@ def _read_carries(raw: msgspec.Raw, eks: Sequence[int], pod_id: str | None) -> d
         c = _carries_dec.decode(raw)
         if len(c.tokens) != len(eks) or any(not 0 <= i < len(eks) or c.tokens[i] is None for i in c.extras):
             raise ValueError(f"{len(c.tokens)} carries for {len(eks)} blocks")
+        tokens = c.tokens
+        if c.extends:
+            if len(c.extends) != (len(tokens) + 7) >> 3:
+                raise ValueError(f"{len(c.extends)} bytes of extensions for {len(tokens)} carries")
+            tokens = list(tokens)
+            for i, t in enumerate(tokens):
+                if c.extends[i >> 3] >> (i & 7) & 1:
+                    prev = tokens[i - 1] if i else None
+                    if t is None or not prev:
+                        raise ValueError(f"carry {i} continues none")
+                    tokens[i] = prev + t
     except (msgspec.DecodeError, ValueError) as exc:
         log.warning("pod %s: its state log's carries do not read (%s): left out (a child of a block that ends "
                     "mid request key is an orphan, its pod flagged)", pod_id, exc)
         return {}
-    out = {ek: Carry(tokens) for ek, tokens in zip(eks, c.tokens) if tokens is not None}
+    out = {ek: Carry(t) for ek, t in zip(eks, tokens) if t is not None}
     for i, (ids, salt) in c.extras.items():
-        out[eks[i]] = Carry(c.tokens[i], tuple(ids), salt)
+        out[eks[i]] = Carry(tokens[i], tuple(ids), salt)
     return out
 
 
