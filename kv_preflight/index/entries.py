@@ -96,6 +96,19 @@ class StoreBlock(msgspec.Struct, frozen=True):
 CHAIN_ROOT = -1  # StoreBlock.parent of a block that starts its chain
 
 
+class Carry(msgspec.Struct, frozen=True, gc=False):
+    """What a stored block left unkeyed, where its engine block size is not a multiple of the request keys'
+    (SGLang pages, TensorRT-LLM's tokens_per_block, vLLM's --block-size 24): the tokens after its last whole
+    request key (``tokens``, maybe none: the child still needs to know there are none), the extra-key ids of the
+    engine blocks they came from, and the salt of a prompt whose first request key is not complete yet. A
+    child's first key needs them (ingester/bridge.py), and nothing else in the index holds them, so the pod's
+    state keeps one per held block that has one, and its log persists them (kv_preflight/index/pod_log.py)."""
+
+    tokens: tuple[int, ...]
+    ids: tuple[str, ...] = ()
+    salt: str | None = None
+
+
 class RemoveBlock(msgspec.Struct, frozen=True):
     engine_key: int
     tier: str
@@ -232,7 +245,7 @@ def parse_lookup_reply(flat: Sequence[Any], head: int = 1) -> tuple[list[PodMatc
 
 
 __all__ = [
-    "CHAIN_ROOT", "DEFAULT_TIER", "ApplyResult", "better_tier", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
+    "CHAIN_ROOT", "DEFAULT_TIER", "ApplyResult", "better_tier", "Carry", "ClearPod", "Lookup", "MarkIncomplete", "Mutation", "PodEntry", "PodMatch",
     "RemoveBlock", "StoreBlock", "apply_result", "block_slot", "encode_entry", "encode_mutations",
     "longest_prefix", "make_entry", "parse_entry", "parse_lookup_reply", "text", "tier_of",
 ]

@@ -32,7 +32,7 @@ from kv_preflight.index.backend import VALKEY_ERRORS, read_fields
 from kv_preflight.index.cluster import ClusterBackend
 from kv_preflight.index.connect import TAKEOVER_MS, IndexBackend, connect
 from kv_preflight.index.single import SingleNodeBackend
-from kv_preflight.index.entries import (ApplyResult, ClearPod, Lookup, MarkIncomplete, Mutation, PodMatch, RemoveBlock,
+from kv_preflight.index.entries import (ApplyResult, Carry, ClearPod, Lookup, MarkIncomplete, Mutation, PodMatch, RemoveBlock,
                                        StoreBlock, encode_entry, longest_prefix, make_entry, parse_entry, text, tier_of)
 from kv_preflight.index.fleet_store import FleetStore, ValkeyFleetStore
 from kv_preflight.index.layout import (ADAPTERS_KEY, PODS_KEY, adapter_field, engine_key_name, parse_adapter_field,
@@ -172,10 +172,13 @@ class Index:
         mode: str = "check",
         groups: Mapping[int, GroupSpec] | None = None,
         adapters: Iterable[str] = (),
+        carries: Mapping[int, Carry] | None = None,
     ) -> ApplyResult:
+        """One batch: ``mutations`` at ``seq`` of the pod's rank ``rank``; ``carries``, what its stores left unkeyed
+        (engine key -> ``Carry``, kept in the pod's state for their children: ``PodState.carries``)."""
         return (await self.apply_batches([dict(pod_id=pod_id, rank=rank, seq=seq, ts=ts, model=model,
                                                 engine_block_size=engine_block_size, mutations=mutations,
-                                                mode=mode, groups=groups, adapters=adapters)]))[0]
+                                                mode=mode, groups=groups, adapters=adapters, carries=carries)]))[0]
 
     async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
         """Several ``apply_batch`` calls (same keyword arguments each) in one round trip, in order.
@@ -360,7 +363,7 @@ class Index:
             self._registered.pop(pod, None)
             self._numbered.discard(pod)
             self._nums.pop(pod, None)
-            self.writer.forget(pod, carries=False)
+            self.writer.forget(pod)
         self.backend.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:

@@ -7,15 +7,18 @@ the log into a snapshot from time to time, and any writer or reader can rebuild 
 """
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
 from kv_preflight.engines.hit_rules import GroupSpec
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock
+from kv_preflight.index.entries import CHAIN_ROOT, Carry, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock
 from kv_preflight.index import pod_state as _state  # its C plan loop, read at each call (tests swap it)
 from kv_preflight.index.pod_state import _PLAN_TYPES, Plan, PodState
+
+log = logging.getLogger(__name__)
 
 # ---- persistence: a snapshot of the blocks, then the mutation batches applied since
 # Both are msgpack. A snapshot is columnar (one list per attribute, built in C in one pass over the blocks, or
@@ -68,6 +71,35 @@ class _Delta(msgspec.Struct, array_like=True):
     reasons: list[str]  # per flag
 
 
+class _Carries(msgspec.Struct, array_like=True):
+    """What blocks that end mid request key left unkeyed (``PodState.carries``, ``Carry``), beside a snapshot's
+    blocks or a delta's stores, by position: per block or store its carry's tokens (None: it has no carry; an
+    empty array: it has one, of no tokens), and the rare ids and salts by position. Only the tokens: the chain
+    point they continue is the block's last request key (or, for a block that keyed none, the key it chains
+    from), which the log holds already. A log entry with no carry has no such column (its bytes are those of
+    the builds before carries were kept, which read a column after their own as nothing). Where engine blocks are
+    smaller than a request key (SGLang's default page of 1 token), a block that completes no key leaves its
+    parent's carry and its own tokens: such a carry, after its parent's, is written as its own tokens only (bit i
+    of ``extends``), which keeps the column's size to what the blocks add (at E = 1, 8 bytes a block where every
+    carry written whole took 31, of 18 for the rest of the block)."""
+
+    tokens: list[tuple[int, ...] | None]
+    extras: dict[int, tuple[list[str], str | None]] = {}
+    extends: bytes = b""  # bit i set: tokens[i] is what carry i adds to carry i-1's
+
+
+class _CarriedSnapshot(_Snapshot, array_like=True):
+    """A snapshot with the held blocks' carries (``_Carries``, encoded as it is: its own msgpack element)."""
+
+    carries: msgspec.Raw = msgspec.Raw()
+
+
+class _CarriedDelta(_Delta, array_like=True):
+    """A delta with its stores' carries (``_Carries``)."""
+
+    carries: msgspec.Raw = msgspec.Raw()
+
+
 try:  # a delta's and a snapshot's columns, and uint64s packed, in C (kv_preflight/_speedups.c); ``_encode_delta``,
     # ``_columns`` and the Python packing below are their references and stand in when not built
     from kv_preflight._speedups import delta_columns as _delta_columns
@@ -77,9 +109,16 @@ except ImportError:  # pragma: no cover - no compiler at install time
     _delta_columns = _pack_u64s = _snapshot_columns = None
 _DELTA_TYPES = (StoreBlock, RemoveBlock, ClearPod, MarkIncomplete)
 
+
+class PodLogError(ValueError):
+    """A pod's state log that does not read (a hand edit, a bug, a build that writes another format). Nothing can
+    be planned against it (its blocks are not known), so the pod's writers refuse its batches and the ingester
+    flags the pod (ingester/apply.py), where the decoder's own error ended the process."""
+
 _enc = msgspec.msgpack.Encoder()
-_snap_dec = msgspec.msgpack.Decoder(_Snapshot)
-_delta_dec = msgspec.msgpack.Decoder(_Delta)
+_snap_dec = msgspec.msgpack.Decoder(_CarriedSnapshot)
+_delta_dec = msgspec.msgpack.Decoder(_CarriedDelta)
+_carries_dec = msgspec.msgpack.Decoder(_Carries)
 
 
 def _spec_tuple(s: GroupSpec) -> tuple[str, int | None, int | None, int | None, bool]:
@@ -101,10 +140,74 @@ def encode_snapshot(state: PodState, gen: int) -> bytes:
     if columns is None:
         columns = _columns(state)
     fields, tiers, engine_keys, request_keys, counts, codes, chained, parents, copies = columns
-    return _enc.encode(_Snapshot(
+    carried = _snapshot_carries(state) if state.carries else None
+    return _enc.encode((_Snapshot if carried is None else _CarriedSnapshot)(
         gen, fields, {g: _spec_tuple(s) for g, s in state.groups.items()}, state.engine_block_size, tiers,
         engine_keys, request_keys, counts, codes, chained, parents, copies,
-        [(ek, list(rks)) for ek, rks in state.deferred.items()]))
+        [(ek, list(rks)) for ek, rks in state.deferred.items()], *(() if carried is None else (carried,))))
+
+
+def _snapshot_carries(state: PodState) -> msgspec.Raw | None:
+    """The held blocks' carries, at the first block of each engine key."""
+    get = state.carries.get
+    if len(state.ek_refs) == len(state.blocks):  # each engine key in one block (one tier, one group): the usual pod
+        return _carry_column([get(ek) for ek, _, _ in state.blocks])
+    seen: set[int] = set()
+    at: list[Carry | None] = []
+    for ek, _, _ in state.blocks:
+        at.append(None if ek in seen else get(ek))
+        seen.add(ek)
+    return _carry_column(at)
+
+
+def _carry_column(carries: list[Carry | None]) -> msgspec.Raw | None:
+    """``_Carries`` of blocks or stores, one carry or None each, encoded; None when none has a carry."""
+    n = carries.count(None)
+    if n == len(carries):
+        return None
+    tokens = [c.tokens for c in carries] if not n else [None if c is None else c.tokens for c in carries]
+    # (a comprehension, not a loop: the column is built once per snapshot of the pod's thousands of blocks)
+    extending = [i for i, p, t in zip(range(1, len(tokens)), tokens, tokens[1:])
+                 if p and t is not None and len(t) > len(p) and t[:len(p)] == p]
+    extends = bytearray((len(tokens) + 7) >> 3) if extending else b""
+    for i in reversed(extending):  # (from the last: each is cut by its predecessor's whole tokens)
+        tokens[i] = tokens[i][len(tokens[i - 1]):]
+        extends[i >> 3] |= 1 << (i & 7)
+    return msgspec.Raw(_enc.encode(_Carries(tokens, {i: (list(c.ids), c.salt) for i, c in enumerate(carries)
+                                                     if c is not None and (c.ids or c.salt is not None)},
+                                            bytes(extends))))
+
+
+def _read_carries(raw: msgspec.Raw, eks: Sequence[int], pod_id: str | None) -> dict[int, Carry]:
+    """The carries a ``_Carries`` column gives the blocks or stores whose engine keys are ``eks``; none when the
+    entry has no column (written by a build before carries were kept, or by a batch without any), or one that does
+    not read (logged: never an error, as without the column a child of such a block is only an orphan, and its
+    pod flagged)."""
+    if not raw:
+        return {}
+    try:
+        c = _carries_dec.decode(raw)
+        if len(c.tokens) != len(eks) or any(not 0 <= i < len(eks) or c.tokens[i] is None for i in c.extras):
+            raise ValueError(f"{len(c.tokens)} carries for {len(eks)} blocks")
+        tokens = c.tokens
+        if c.extends:
+            if len(c.extends) != (len(tokens) + 7) >> 3:
+                raise ValueError(f"{len(c.extends)} bytes of extensions for {len(tokens)} carries")
+            tokens = list(tokens)
+            for i, t in enumerate(tokens):
+                if c.extends[i >> 3] >> (i & 7) & 1:
+                    prev = tokens[i - 1] if i else None
+                    if t is None or not prev:
+                        raise ValueError(f"carry {i} continues none")
+                    tokens[i] = prev + t
+    except (msgspec.DecodeError, ValueError) as exc:
+        log.warning("pod %s: its state log's carries do not read (%s): left out (a child of a block that ends "
+                    "mid request key is an orphan, its pod flagged)", pod_id, exc)
+        return {}
+    out = {ek: Carry(t) for ek, t in zip(eks, tokens) if t is not None}
+    for i, (ids, salt) in c.extras.items():
+        out[eks[i]] = Carry(tokens[i], tuple(ids), salt)
+    return out
 
 
 def _columns(state: PodState) -> tuple[list[str], list[str], bytes, bytes, list[int], list[int], bytes,
@@ -177,21 +280,26 @@ def _per_block(column: list[int], n: int) -> list[int]:
 
 
 def encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
-                 engine_block_size: int | None) -> bytes:
-    """One applied batch as a ``_Delta``. Once per batch on the ingester's hot path: the per-mutation columns
-    come from one C pass (``_speedups.delta_columns``, the same bytes) where it is built and the batch is
-    ordinary; anything else (no C, a subclass, a key outside uint64, a group outside a byte, more than 16
-    tiers, ...) goes through ``_encode_delta``, the reference, which raises what it raises."""
+                 engine_block_size: int | None, carries: Mapping[int, Carry] | None = None) -> bytes:
+    """One applied batch as a ``_Delta`` (with its stores' ``carries``, as ``PodState.plan`` was given them: a
+    ``_CarriedDelta``). Once per batch on the ingester's hot path: the per-mutation columns come from one C pass
+    (``_speedups.delta_columns``, the same bytes) where it is built and the batch is ordinary; anything else (no
+    C, a subclass, a key outside uint64, a group outside a byte, more than 16 tiers, ...) goes through
+    ``_encode_delta``, the reference, which raises what it raises."""
+    carried = _carry_column([carries.get(m.engine_key) for m in mutations if isinstance(m, StoreBlock)]) \
+        if carries else None
     if _delta_columns is not None:
         cols = _delta_columns(mutations, *_DELTA_TYPES)
         if cols is not None:
-            return _enc.encode(_Delta(gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size,
-                                      *cols))
-    return _encode_delta(gen, mutations, groups, engine_block_size)
+            groups_ = {g: _spec_tuple(s) for g, s in (groups or {}).items()}
+            if carried is None:
+                return _enc.encode(_Delta(gen, groups_, engine_block_size, *cols))
+            return _enc.encode(_CarriedDelta(gen, groups_, engine_block_size, *cols, carried))
+    return _encode_delta(gen, mutations, groups, engine_block_size, carried)
 
 
 def _encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None,
-                  engine_block_size: int | None) -> bytes:
+                  engine_block_size: int | None, carried: msgspec.Raw | None = None) -> bytes:
     """``encode_delta`` a mutation at a time (the reference for ``_speedups.delta_columns``, and the fallback)."""
     fids: dict[str, int] = {}
     tids: dict[str, int] = {}
@@ -231,10 +339,10 @@ def _encode_delta(gen: int, mutations: Sequence[Mutation], groups: Mapping[int, 
         else:
             parents.append(m.parent)
         last = m.request_keys[-1] if m.request_keys else None
-    return _enc.encode(_Delta(
+    return _enc.encode((_Delta if carried is None else _CarriedDelta)(
         gen, {g: _spec_tuple(s) for g, s in (groups or {}).items()}, engine_block_size, list(fids), list(tids),
         bytes(kinds), _u64s(eks), _column(codes), _column([len(m.request_keys) for m in stores]),
-        _u64s(rks), bytes(flags), bytes(chained), parents, reasons))
+        _u64s(rks), bytes(flags), bytes(chained), parents, reasons, *(() if carried is None else (carried,))))
 
 
 def _mutations(d: _Delta) -> list[Mutation]:
@@ -272,7 +380,17 @@ def _mutations(d: _Delta) -> list[Mutation]:
 def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None = None, *,
             reannouncements: bool = False) -> tuple[PodState, int]:
     """The state a snapshot and the deltas after it describe, and the generation it is at (the deltas planned
-    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run)."""
+    again as their writer planned them: ``reannouncements`` as the fleet's ingesters run). ``PodLogError`` for a
+    log that does not read, whatever is wrong in it (only its carries may not read alone: ``_read_carries``)."""
+    try:
+        return _restore(snapshot, deltas, pod_id, reannouncements)
+    except (msgspec.DecodeError, struct.error, ValueError, TypeError, IndexError, KeyError, StopIteration,
+            OverflowError, RecursionError) as exc:
+        raise PodLogError(f"pod {pod_id}: its state log does not read ({type(exc).__name__}: {exc})"[:300]) from exc
+
+
+def _restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None,
+             reannouncements: bool) -> tuple[PodState, int]:
     st = PodState(pod_id=pod_id)
     st.reannouncements = reannouncements
     gen = 0
@@ -309,10 +427,14 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
             st.deferred[ek] = tuple(rks)
             for rk in rks:
                 st.waiting.setdefault(rk, set()).add(ek)
+        st.carries = _read_carries(snap.carries, [k[0] for k in keys], pod_id)
     for d in sorted((_delta_dec.decode(raw) for raw in deltas), key=lambda d: d.gen):
         if d.gen <= gen:
             continue
-        plan = st.plan(_mutations(d), {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None)
+        mutations = _mutations(d)
+        carries = _read_carries(d.carries, [m.engine_key for m in mutations if isinstance(m, StoreBlock)], pod_id) \
+            if d.carries else None
+        plan = st.plan(mutations, {int(g): GroupSpec(*t) for g, t in d.groups.items()} or None, carries)
         st = plan.after
         if d.engine_block_size:
             st.engine_block_size = d.engine_block_size
@@ -320,4 +442,4 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
     return st, gen
 
 
-__all__ = ["encode_delta", "encode_snapshot", "restore"]
+__all__ = ["PodLogError", "encode_delta", "encode_snapshot", "restore"]

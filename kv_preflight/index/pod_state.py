@@ -3,11 +3,12 @@
 Layout 4 keeps in Valkey, per request key, only what every reader needs (llm-d's entry, ``engine:<key>``, and
 the pod bitmaps the lookup reads, ``kv_preflight/index/layout.py``). What only the pod's writer needs (which
 engine blocks the pod holds, in which KV cache group and tier, with how many physical copies, which request keys
-each links, the reference counts behind each entry and each bit, the orphan count) lives here, in the
-ingester's memory, and is persisted per pod as one compact log (``kvpf:{<pod>}:state``: a snapshot and the
-batches since, see ``encode_snapshot``). Every writer of a pod (its batches, clears, resets, imports, the CLI)
-plans against this state at a generation ``gen`` and the apply script runs the plan only if the pod is still at
-that generation (optimistic concurrency), so a plan made from a stale copy is refused, never half applied.
+each links, the reference counts behind each entry and each bit, the orphan count, the tokens a block that
+ends mid request key left for its child) lives here, in the ingester's memory, and is persisted per pod as one
+compact log (``kvpf:{<pod>}:state``: a snapshot and the batches since, see ``encode_snapshot``). Every writer of
+a pod (its batches, clears, resets, imports, the CLI) plans against this state at a generation ``gen`` and the
+apply script runs the plan only if the pod is still at that generation (optimistic concurrency), so a plan made
+from a stale copy is refused, never half applied.
 
 ``PodState.plan(mutations)`` moves the state past a batch and returns the commands' intent (``Plan``): per
 request key an entry and a bit change, per engine key an add or a conditional drop; the backends turn these
@@ -19,14 +20,14 @@ connection). ``clone`` gives a copy for callers that need the state before.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
 
 from kv_preflight.engines.hit_rules import GroupSpec, longest_hit, prefix_group
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock, parse_entry
+from kv_preflight.index.entries import CHAIN_ROOT, Carry, ClearPod, MarkIncomplete, Mutation, RemoveBlock, StoreBlock, parse_entry
 from kv_preflight.index.rank_pods import base_pod
 
 UNKNOWN = None  # a block's parent when not known (an import of an older export): the orphan count is unknown
@@ -130,10 +131,10 @@ class PodState:
         # --kv-cache-report-mode full). Otherwise such a run is a second physical copy: concurrent requests
         # that computed one prefix at once store it from block 0 twice, and each copy is evicted in turn.
         self.reannouncements = False
-        # Engine key -> the bridge's ChainPoint (ingester/bridge.py) of a block planned with E not a multiple of C:
-        # the tokens it left unkeyed, which its child's first key needs. In memory only (kept across a reload:
-        # ``PodWriter.forget``); a child of such a block no process here planned is an orphan.
-        self.carries: dict[int, object] = {}
+        # Engine key -> what a held block left unkeyed (``Carry``: E not a multiple of C), which its child's first
+        # key needs; given with the batch that stores the block, gone with the block's last copy (``_carry``),
+        # persisted with the blocks (kv_preflight/index/pod_log.py).
+        self.carries: dict[int, Carry] = {}
 
     # ---- copies
 
@@ -155,6 +156,7 @@ class PodState:
         other.kids = dict(self.kids)
         other.parent_of = dict(self.parent_of)
         other.unknown, other.orphans = self.unknown, self.orphans
+        other.carries = dict(self.carries)
         return other
 
     # ---- what the lookup and meta need
@@ -197,19 +199,6 @@ class PodState:
                     if b is not None:
                         return b.rks, b.parent
         return None
-
-    def keep_carries(self, points: Mapping[int, object], planned: Callable[[], Container[int]] | None = None) -> None:
-        """Chain points of blocks that ended mid key (``carries``); those of blocks the pod no longer holds go
-        once they outnumber the held ones. Asked as a batch is planned, before it applies: the batch's own blocks
-        (``points``) and those planned before it and maybe not applied yet (``planned``: asked only when pruning)
-        are not held yet, and keep theirs (a child stored later needs them)."""
-        carries = self.carries
-        carries.update(points)
-        if len(carries) > 2 * len(self.ek_refs) + 1024:
-            refs = self.ek_refs
-            keep = planned() if planned is not None else ()
-            for ek in [ek for ek in carries if not refs.get(ek) and ek not in points and ek not in keep]:
-                del carries[ek]
 
     def field_tier(self, fld: str) -> str | None:
         """The tier a lookup counts an entry field on for this pod, as every reader parses it (llm-d's
@@ -285,8 +274,11 @@ class PodState:
 
     # ---- planning
 
-    def plan(self, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None = None) -> Plan:
-        """The changes ``mutations`` make; this state moves past them (``after`` is this state)."""
+    def plan(self, mutations: Sequence[Mutation], groups: Mapping[int, GroupSpec] | None = None,
+             carries: Mapping[int, Carry] | None = None) -> Plan:
+        """The changes ``mutations`` make; this state moves past them (``after`` is this state). ``carries``:
+        engine key -> what the batch's stored blocks left unkeyed (``Carry``), kept for those still held after
+        it."""
         st = self
         out = Plan(after=st)
         if groups:
@@ -322,6 +314,8 @@ class PodState:
             elif isinstance(m, MarkIncomplete):
                 out.flags.append(m.reason)
             i += 1
+        if carries or self.carries:
+            self._carry(mutations, carries)
         return out
 
     def clear_plan(self) -> Plan:
@@ -398,7 +392,23 @@ class PodState:
             parent = rk
         self._unlink_engine(ek, group, held.rks, out)
 
+    def _carry(self, mutations: Sequence[Mutation], carries: Mapping[int, Carry] | None) -> None:
+        """After a batch: a carry is kept exactly while its block is held (in any tier or group). Those of
+        blocks the batch removed go, and the batch's stores' own (``carries``) come in where their block is
+        still held at its end: a function of the batch alone, so its log entry replays to the same carries
+        (kv_preflight/index/pod_log.py records one per store, as here)."""
+        kept, refs = self.carries, self.ek_refs
+        for m in mutations:
+            if isinstance(m, StoreBlock):
+                if carries:
+                    c = carries.get(m.engine_key)
+                    if c is not None and refs.get(m.engine_key):
+                        kept[m.engine_key] = c
+            elif isinstance(m, RemoveBlock) and m.engine_key in kept and not refs.get(m.engine_key):
+                del kept[m.engine_key]
+
     def _clear(self, out: Plan) -> None:
+        self.carries.clear()
         for bk in list(self.blocks):
             self._drop(bk, self.blocks[bk], out)
         # nothing held: the orphan count is known again (0)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_preflight.engines.hit_rules import GroupSpec
-from kv_preflight.index.entries import ApplyResult, Mutation
+from kv_preflight.index.entries import ApplyResult, Carry, Mutation
 
 if TYPE_CHECKING:
     from kv_preflight.index.pod_meta import PodInfo
@@ -43,9 +43,11 @@ class WriteSide(Protocol):
 
     async def apply_batch(self, *, pod_id: str, rank: int, seq: int, ts: float, model: str,
                           engine_block_size: int | None, mutations: Sequence[Mutation], mode: str = "check",
-                          groups: Mapping[int, GroupSpec] | None = None, adapters: Iterable[str] = ()) -> ApplyResult:
+                          groups: Mapping[int, GroupSpec] | None = None, adapters: Iterable[str] = (),
+                          carries: Mapping[int, Carry] | None = None) -> ApplyResult:
         """One engine batch, checked against the pod's persisted seq (docs/architecture.md, "Write semantics"):
-        ``applied``, ``dup``, ``gap``, ``restart`` or ``corrupt``; applied whole or not at all."""
+        ``applied``, ``dup``, ``gap``, ``restart`` or ``corrupt``; applied whole or not at all. ``carries``: what
+        its stored blocks left unkeyed (``PodState.carries``), persisted with them for their children."""
 
     async def apply_batches(self, batches: Sequence[dict[str, Any]]) -> list[ApplyResult]:
         """Several ``apply_batch`` calls (same keyword arguments each), in order, in one round trip."""
@@ -55,7 +57,8 @@ class WriteSide(Protocol):
 
     async def pod_state(self, pod_id: str) -> "PodState":
         """The pod's state as this process plans its batches against it (loaded from its log if it is not): the
-        blocks the pod holds and their request keys, which the ingester's bridge chains a child's keys from."""
+        blocks the pod holds, their request keys and carries, which the ingester's bridge chains a child's keys
+        from."""
 
     async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
         """Clear a restarted engine's pod unless its seq moved on since ``expected_last``; True if it did."""

@@ -28,7 +28,7 @@ from typing import Any
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import evalsha_pipeline
 from kv_preflight.index.changes import change_args
-from kv_preflight.index.entries import ApplyResult, ClearPod, Mutation, text
+from kv_preflight.index.entries import ApplyResult, Carry, ClearPod, Mutation, text
 from kv_preflight.index.layout import pod_keys
 from kv_preflight.index.pod_log import encode_delta, encode_snapshot, restore
 from kv_preflight.index.pod_state import Plan, PodState
@@ -116,7 +116,6 @@ class PodWriter:
         self.heads: dict[str, _Tentative] = {}  # per pod, the state its batches in flight lead to
         # pod -> its sibling data-parallel ranks' bits (kv_preflight/index/rank_pods.py), for pods that have any
         self.sibs: dict[str, bytes] = {}
-        self._carries: dict[str, dict[int, object]] = {}  # each pod's PodState.carries, kept when it is loaded again
 
     # ---- loading
 
@@ -128,7 +127,6 @@ class PodWriter:
         replies = await evalsha_pipeline(self.client, script, [pod_keys(p) for p in pod_ids], [[] for _ in pod_ids])
         for p, r in zip(pod_ids, replies):
             self.pods[p] = self._cache_from(p, r[0], r[1])
-            self.pods[p].state.carries = self._carries.setdefault(p, {})
             self.heads.pop(p, None)
 
     def _cache_from(self, pod_id: str, meta_flat: Sequence[Any], state_flat: Sequence[Any]) -> PodCache:
@@ -155,12 +153,10 @@ class PodWriter:
         return PodCache(state, text(meta.get("gen", b"0")), int(text(num)) if num is not None else None,
                         snap_bytes, log_bytes, len(deltas), text(meta.get("groups", b"")))
 
-    def forget(self, pod_id: str, *, carries: bool = True) -> None:
-        """Load the pod again before its next plan, with its ``PodState.carries`` (unless it was let go)."""
+    def forget(self, pod_id: str) -> None:
+        """Load the pod again before its next plan."""
         self.pods.pop(pod_id, None)
         self.heads.pop(pod_id, None)
-        if not carries:
-            self._carries.pop(pod_id, None)
 
     def set_num(self, pod_id: str, num: int) -> None:
         cache = self.pods.get(pod_id)
@@ -226,16 +222,17 @@ class PodWriter:
         mode = b.get("mode", "check")
         mutations: Sequence[Mutation] = b.get("mutations", ())
         groups: Mapping[int, GroupSpec] | None = b.get("groups")
+        carries: Mapping[int, Carry] | None = b.get("carries")  # (what its stores left unkeyed: PodState.carries)
         before = t.state.orphan_count  # (planning moves the state)
         if mode in ("clear", "reset_if"):
             plan = t.state.clear_plan()
             logged: list[Mutation] = [ClearPod()]
         elif mode == "reset":
             first = t.state.clear_plan()
-            plan = merge(first, first.after.plan(mutations, groups))
+            plan = merge(first, first.after.plan(mutations, groups, carries))
             logged = [ClearPod(), *mutations]
         else:
-            plan = t.state.plan(mutations, groups)
+            plan = t.state.plan(mutations, groups, carries)
             logged = list(mutations)
         ebs = b.get("engine_block_size")
         after = plan.after
@@ -244,7 +241,7 @@ class PodWriter:
             after.engine_block_size = ebs
         n = gen_count(t.gen) + 1
         new_gen = f"{n}:{self.writer}"
-        delta = encode_delta(n, logged, groups, ebs)
+        delta = encode_delta(n, logged, groups, ebs, carries)
         snapshot = (t.log_bytes + len(delta) > max(SNAPSHOT_EVERY_BYTES, t.snap_bytes // 8)
                     or t.log_batches + 1 >= SNAPSHOT_EVERY_BATCHES)
         value = encode_snapshot(after, n) if snapshot else delta

@@ -24,12 +24,14 @@ from kv_preflight.config import Config
 from kv_preflight.events import EventBatch
 from kv_preflight.index.engine_keys import resolve_engine_keys
 from kv_preflight.index.index import ApplyResult, Index, MarkIncomplete
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.ingester.bridge import ChainState, Plan, plan_batch, seed_held, seed_state, unresolved_parents
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.recovery import MAX_STEPS, Done, Force, Replay, Reset, ResetIfThenCheck, next_step
 from kv_preflight.ingester.replay import fetch_replay
 from kv_preflight.ingester.routes import Routes
 from kv_preflight.ingester.valkey_retry import ValkeyRetry
+from kv_preflight.keys.chain import chain_root
 
 log = logging.getLogger("kvpf.ingester")
 
@@ -90,6 +92,10 @@ class Applier:
 
     # ---- planning
 
+    def _root(self, model: str) -> int:
+        """A model's chain root (a held block that keyed nothing and starts its chain continues from it)."""
+        return chain_root(model, self.cfg.hash_seed, self.cfg.hash_algo)
+
     async def plan(self, pod: str, model: str, seq: int, batch: EventBatch, decode_errors: int = 0, *,
                    chains: ChainState | None = None, mode: str = "check") -> Plan:
         """The batch's mutations; what makes the pod incomplete (orphans, undecodable events) ends them
@@ -117,7 +123,7 @@ class Applier:
         known = pod_state.block_keys if mode != "reset" else None
         missing = unresolved_parents(batch, model, chains, self.cfg.lora_names)
         if missing and known is not None:
-            missing = seed_held(chains, missing, known, pod_state.carries)
+            missing = seed_held(chains, missing, known, pod_state.carries, self._root)
         if missing:
             resolved = await self.valkey.call(resolve_engine_keys, self.index.client, [ek for _, ek in missing], pod)
             seed_state(chains, {(m, ek): resolved[ek] for m, ek in missing if ek in resolved})
@@ -127,8 +133,6 @@ class Applier:
                 block_size=self.cfg.block_size, entry_field=self.index.entry_field, lora_names=self.cfg.lora_names,
                 hash_algo=self.cfg.hash_algo, extra_keys=self.routes.engine_of(pod).extra_keys, known=known,
             )
-            if plan.carries:  # (the call's chain points: blocks planned, maybe not applied, whose carries stay)
-                pod_state.keep_carries(plan.carries, chains.engine_keys)
             return plan
         except Exception as exc:  # a batch no rule anticipated: keep the seq moving, flag the pod
             log.error("%s seq %d: batch could not be planned (%s); applying it empty", pod, seq, exc)
@@ -171,15 +175,22 @@ class Applier:
         for its gap's replay), or None (try it again in ``item.mode``)."""
         seq, batch = item.seq, item.batch
         rank = batch.data_parallel_rank or 0
-        plan = await self.plan(pod, model, seq, batch, item.decode_errors, mode=item.mode)
+        try:
+            plan = await self.plan(pod, model, seq, batch, item.decode_errors, mode=item.mode)
+        except PodLogError as exc:  # (the pod's state, loaded to plan against)
+            await self.unreadable(pod, seq, exc)
+            return "error"
         try:
             result = await self.valkey.call(
                 self.index.apply_batch, pod_id=pod, rank=rank, seq=seq, ts=batch.ts, model=model,
                 engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations, mode=item.mode,
-                adapters=plan.adapters,
+                adapters=plan.adapters, carries=plan.carries,
             )
         except ResponseError as exc:  # not transient: the batch cannot be applied; others go on
             await self.failed(pod, seq, f"Valkey refused the batch: {exc}")
+            return "error"
+        except PodLogError as exc:  # (loaded again to apply it: another writer had moved the pod)
+            await self.unreadable(pod, seq, exc)
             return "error"
         except ValueError as exc:  # a batch the pod's state log cannot hold (hostile: past 16 tiers, say)
             await self.failed(pod, seq, f"batch cannot be written: {exc}")
@@ -358,6 +369,17 @@ class Applier:
         await self.counters.count("corrupt_batches", pod=pod)
         try:
             await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} refused: {detail}"[:300])
+        except ResponseError:
+            pass  # the pod's own key is unusable: the log line and the counter are what is left
+
+    async def unreadable(self, pod: str, seq: int, exc: PodLogError) -> None:
+        """A batch of a pod whose state log does not read: nothing can be planned against a pod whose blocks are
+        not known, so the batch is not applied (logged, counted) and the pod is flagged, as its entries are no
+        longer what its engine holds; other pods go on. (The decoder's error ended the process, and every process
+        that took the pod over after it; found on a reload, it was only logged, the pod left exact.)"""
+        await self.failed(pod, seq, f"not applied: {exc}")
+        try:
+            await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} not applied: {exc}"[:300])
         except ResponseError:
             pass  # the pod's own key is unusable: the log line and the counter are what is left
 

@@ -13,9 +13,10 @@ neither the pod's state nor Valkey holds yet), else in the pod's state (``seed_h
 
 Ratios: when E is a multiple of C (the usual case) each engine block owns E/C
 whole request keys. Otherwise an engine block may end mid-key; its leftover
-tokens ("carry") are kept in the pod's state (``PodState.carries``, from ``Plan.carries``) so the next
-block can finish the key. Carries live in memory only, so a child whose parent carried tokens and was seen
-by another ingester process cannot be keyed; that is counted as an orphan.
+tokens ("carry", ``Carry``) go with the batch into the pod's state (``Plan.carries`` -> ``PodState.carries``),
+which persists them in its log beside the block, so the next block can finish the key whichever process
+plans it (a new ingester after a kill -9, another taking the pod over). Only Valkey's engine map holds no
+carry: a child whose parent is found only there, with E not a multiple of C, is an orphan.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import msgspec
 from kv_preflight.engines import BlockExtras, ExtraKeys
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_preflight.index.entries import CHAIN_ROOT, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
+from kv_preflight.index.entries import CHAIN_ROOT, Carry, ClearPod, Mutation, RemoveBlock, StoreBlock, tier_of
 from kv_preflight.keys.chain import chain_root, request_keys
 
 
@@ -95,10 +96,6 @@ class ChainState:
     def __len__(self) -> int:
         return len(self._points)
 
-    def engine_keys(self) -> set[int]:
-        """The engine keys it holds points of, any model's (a pod's carries are pruned around them)."""
-        return {ek for _, ek in self._points}
-
 
 @dataclass
 class Plan:
@@ -108,9 +105,9 @@ class Plan:
     # kv_cache_spec_sliding_window on every BlockStored, filled in KVCacheManager.take_events)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events whose parent could not be resolved
-    # engine key -> chain point of each block planned with E not a multiple of C (or ending mid key): for the
-    # pod's state to keep (PodState.carries), for a child planned later
-    carries: dict[int, ChainPoint] = field(default_factory=dict)
+    # engine key -> what each block planned with E not a multiple of C (or ending mid key) left unkeyed: for the
+    # pod's state to keep and persist (PodState.carries), for a child planned later
+    carries: dict[int, Carry] = field(default_factory=dict)
     # LoRA adapters whose blocks the batch stores (their names, as the blocks are keyed): the index records them
     # per pod (layout.py ADAPTERS_KEY), so a predictor knows an adapter from the events alone
     adapters: set[str] = field(default_factory=set)
@@ -311,7 +308,7 @@ def _plan_stored(
             parent = own[-1]
         state.put(model, ek, point)
         if left or e % block_size:
-            plan.carries[ek] = point
+            plan.carries[ek] = Carry(left, carry_ids, point.salt)
         plan.stored_blocks += 1
 
 
@@ -387,23 +384,32 @@ def _plan_partial(ev: BlockStored, plan: Plan, pod_id: str, model: str, state: C
 
 
 def seed_held(state: ChainState, missing: Sequence[tuple[str, int]], known: Known,
-              carries: Mapping[int, Any] | None = None) -> list[tuple[str, int]]:
+              carries: Mapping[int, Carry], root: Callable[[str], int]) -> list[tuple[str, int]]:
     """Parents not planned with the batch that the pod itself holds: taken from the pod's own state (the index
-    writer's, ``known``), which holds every block the pod holds, loaded from its log, and the chain points of
-    those that ended mid key (``carries``, ``Plan.carries``); put in ``state`` as chain points. Returns those it
-    does not hold, for Valkey's engine map. A block keyed before its parent was (no request key of its own:
-    engine blocks smaller than canonical ones) leaves its chain's last key unknown here: Valkey's."""
+    writer's, ``known``), which holds every block the pod holds, loaded from its log, and what those that ended
+    mid key left unkeyed (``carries``, ``PodState.carries``); put in ``state`` as chain points. ``root``: a
+    model's chain root (where a block that keyed nothing chains from, when it starts its chain). Returns those
+    it does not hold, for Valkey's engine map. A block keyed before its parent was, and with no carry (no request
+    key of its own: engine blocks smaller than canonical ones), leaves its chain's last key unknown here:
+    Valkey's."""
     rest = []
     for model, ek in missing:
         held = known(ek)
-        point = carries.get(ek) if carries and held is not None else None  # (of a block it still holds)
-        if point is not None:
-            state.put(model, ek, point)
-            continue
-        if held is None or not held[0]:
+        if held is None:
             rest.append((model, ek))
             continue
         rks, parent = held
+        carry = carries.get(ek)
+        if carry is not None and (rks or parent is not None):
+            # the chain stands at the block's last key, or, where it keyed none, at the key it chains from
+            last = rks[-1] if rks else root(model) if parent == CHAIN_ROOT else parent
+            state.put(model, ek, ChainPoint(last, carry.tokens, keys=rks if parent is not None else None,
+                                            parent=parent if parent is not None else CHAIN_ROOT,
+                                            carry_ids=carry.ids, salt=carry.salt))
+            continue
+        if not rks:
+            rest.append((model, ek))
+            continue
         state.put(model, ek, ChainPoint(rks[-1], carry_known=False, keys=rks if parent is not None else None,
                                         parent=parent if parent is not None else CHAIN_ROOT))
     return rest

@@ -56,15 +56,16 @@ class Pipeline:
                 await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
                 chains = ChainState()  # nothing in flight: every pod's state and Valkey are as applied
                 continue
-            plans = [await self.applier.plan(pod, model, seq, batch, errors, chains=chains)
-                     for pod, model, seq, batch, errors in run]
-            args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
-                         engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations,
-                         adapters=plan.adapters)
-                    for (pod, model, seq, batch, _), plan in zip(run, plans)]
             try:
+                plans = [await self.applier.plan(pod, model, seq, batch, errors, chains=chains)
+                         for pod, model, seq, batch, errors in run]
+                args = [dict(pod_id=pod, rank=batch.data_parallel_rank or 0, seq=seq, ts=batch.ts, model=model,
+                             engine_block_size=plan.engine_block_size, groups=plan.groups, mutations=plan.mutations,
+                             adapters=plan.adapters, carries=plan.carries)
+                        for (pod, model, seq, batch, _), plan in zip(run, plans)]
                 sent = await self.valkey.call(self.index.send_batches, args)
-            except ValueError:  # a batch of the run its pod's state log cannot hold: each alone, that one fails
+            except ValueError:  # a batch of the run its pod's state log cannot hold, or a pod whose log does not
+                # read (PodLogError): each alone, those fail
                 if inflight is not None:
                     await self._finish_run(*inflight)
                     inflight = None
@@ -87,8 +88,9 @@ class Pipeline:
                 self.valkey.note_failure()  # the run was sent outside ``call``: its failure counts all the same
                 # Lost with the connection: send the run again (what did apply answers "dup").
                 results = await self.valkey.call(self.index.apply_batches, args)
-        except ResponseError:
-            # One batch of the run was refused for good: each goes alone, so only that one fails.
+        except (ResponseError, ValueError):
+            # One batch of the run was refused for good, or a pod loaded again to plan it anew (another writer moved
+            # it) has a log that does not read (PodLogError): each goes alone, so only that one fails.
             for pod, model, seq, batch, errors in run:
                 await self.applier.apply(pod, model, seq, batch, decode_errors=errors)
             return

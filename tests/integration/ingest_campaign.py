@@ -14,7 +14,8 @@ alone (one-by-one, no fault) — or the pod is flagged incomplete. An unflagged 
 
 Engine block sizes go round ``--block-sizes`` (16,32,24,8: the last two leave carries beside canonical blocks of
 16), a third of the runs a hybrid engine (a sliding-window group). Prints one line per episode and a summary; exits
-1 on a violation. Ports come from [--port-base, --port-base + 900), cluster nodes from --port-base + 800 on.
+1 on a violation. Ports come from [--port-base, --port-base + --port-span) (900: cluster nodes from --port-base + 800
+on; a single node needs only 4 a run, so a span of 100 keeps a campaign inside a range of 100 ports).
 Not a test: the lead's or a reviewer's campaign, minutes long (a run of 10 episodes ~20-60 s on the simulator).
 """
 from __future__ import annotations
@@ -222,11 +223,11 @@ class Run:
         self.valkey.stop()
 
 
-def free_block(base: int, rng: random.Random) -> int:
-    """Four consecutive free ports from ``base`` on (within 900 of it): Valkey, the engine's HTTP, events, replay."""
+def free_block(base: int, rng: random.Random, span: int = 900) -> int:
+    """Four consecutive free ports from ``base`` on (within ``span`` of it): Valkey, the engine's HTTP, events, replay."""
     import socket
     for _ in range(100):
-        port = base + 4 * rng.randrange(0, 225)
+        port = base + 4 * rng.randrange(0, span // 4)
         try:
             for p in range(port, port + 4):
                 with socket.socket() as s:
@@ -244,6 +245,7 @@ async def main() -> int:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--port-base", type=int, default=45100)
+    ap.add_argument("--port-span", type=int, default=900, help="ports from --port-base to --port-base + this")
     ap.add_argument("--dir", default="/tmp/ingest-campaign")
     ap.add_argument("--block-sizes", default="16,32,24,8")
     ap.add_argument("--cluster", action="store_true", help="a local Valkey Cluster (3 masters, 3 replicas)")
@@ -269,7 +271,7 @@ async def main() -> int:
         bs = sizes[r % len(sizes)]
         window = rng.choice([None, None, 3 * bs]) if not args.vllm else None
         blocks = rng.choice([24, 40, 64])
-        port = free_block(args.port_base, rng)
+        port = free_block(args.port_base, rng, args.port_span)
         print(f"run {r} seed {seed} block {bs} blocks {blocks} window {window}", flush=True)
         run = Run(Path(args.dir) / f"run-{seed}", seed, port, bs, blocks, window, cluster=args.cluster,
                   vllm=args.vllm)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from kv_preflight.cli.valkey_server import free_port
 from kv_preflight.events import BlockStored, EventBatch, encode_frames
 from kv_preflight.index.index import Index
+from kv_preflight.index.layout import pod_meta_key, pod_state_key
 from tests.conftest import fixture_path
 from tests.e2e.harness import spawn, stop, wait_http
 from tests.integration.engine_stub import EngineStub
@@ -436,3 +437,48 @@ def test_a_batch_past_what_a_pod_state_holds_fails_alone_and_the_pod_moves_on(va
         text = b.log.read_text()
         assert "batch cannot be written" in text and "Traceback" not in text
         b.canary.publish_and_wait(b.proc)
+
+
+def test_a_pod_whose_state_log_does_not_read_is_flagged_and_the_others_go_on(valkey_url, tmp_path):
+    """A pod's state log holding junk (a hand edit, a bug, a build that writes another format): restoring it raised
+    the decoder's error out of the ingest loop and ended the process, and would every process that took the pod
+    over after it; found on a reload (another writer moved the pod), the batch was logged as not written and the
+    pod left exact. Now the pod's batches fail alone (logged, counted) and the pod is flagged, in a process that
+    finds the junk on a reload and in one that starts with it; other pods go on."""
+    def junk_log() -> None:
+        async def write() -> None:
+            await b.ix.client.hset(pod_state_key("victim"), "s", msgspec.msgpack.encode([1, "not a snapshot"]))
+            await b.ix.client.hset(pod_meta_key("victim"), "gen", "999:elsewhere")  # another writer moved it
+            await b.ix.meta.mark_complete("victim")
+        b.loop.run_until_complete(write())
+
+    def flagged(victim: Canary, seq: int) -> str:
+        """The victim's batch at ``seq`` sent (again each second: a frame sent as the publisher reconnects is
+        lost) until the pod is flagged; the flag's reason."""
+        deadline = time.monotonic() + 15
+        while True:
+            victim.pub.send_multipart(encode_frames("kv@victim@tiny", seq, victim.batch(seq)))
+            resend = time.monotonic() + 1.0
+            while time.monotonic() < resend:
+                info = victim.info()
+                if info.incomplete:
+                    return info.incomplete_reason
+                assert b.proc.poll() is None, "the ingester died: " + b.log.read_text()[-2000:]
+                time.sleep(0.05)
+            assert time.monotonic() < deadline, (info, b.log.read_text()[-1500:])
+
+    with bound_ingester(valkey_url, tmp_path) as b:
+        victim = Canary(b.pub, b.ix, b.loop, pod="victim")
+        victim.publish_and_wait(b.proc)  # the pod, held and loaded by the ingester: seq 0
+        junk_log()
+        assert "state log does not read" in flagged(victim, 1)
+        b.canary.publish_and_wait(b.proc)
+        assert metric(httpx.get(b.metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total") >= 1
+        assert "Traceback" not in b.log.read_text()
+    with bound_ingester(valkey_url, tmp_path) as b:  # a process that starts with the pod's log as it is
+        b.canary.seq = 2
+        b.canary.publish_and_wait(b.proc)
+        junk_log()
+        assert "state log does not read" in flagged(Canary(b.pub, b.ix, b.loop, pod="victim"), 1)
+        b.canary.publish_and_wait(b.proc)
+        assert "Traceback" not in b.log.read_text()

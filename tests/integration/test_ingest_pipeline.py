@@ -328,9 +328,8 @@ async def test_a_parent_evicted_from_the_gpu_but_held_on_the_cpu_tier_keys_its_c
 @pytest.mark.parametrize("case", ["one_long_prompt", "churn", "pipelined"])
 async def test_a_carry_planned_when_the_pods_carries_are_pruned_is_kept(valkey_url, case):
     """Engine blocks of 24 tokens, request blocks of 16: every block leaves a carry. The carries of blocks a pod
-    let go of are pruned once they outnumber its held blocks' (PodState.keep_carries); the pruning runs as a
-    batch is planned, before it applies, when the blocks the batch stores, and those of the batches planned
-    before it in the same call, are not held yet: their carries must stay. Otherwise a child stored in a later
+    let go of go (PodState.plan keeps one exactly while its block is held); the blocks a batch stores, and those
+    of the batches planned before it in the same call, are not held before they apply: their carries must stay. Otherwise a child stored in a later
     call finds its parent held but its leftover tokens gone: an orphan, the pod flagged, though every event came.
     ``one_long_prompt``: one batch stores more blocks than the pruning's floor; ``churn``: blocks stored and
     evicted before, the floor crossed by the next store; ``pipelined``: two batches in one call cross it, the

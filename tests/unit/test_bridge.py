@@ -6,7 +6,7 @@ from kv_preflight.index.pod_state import PodState
 from kv_preflight.ingester.bridge import ChainState, plan_batch, seed_held, seed_state, unresolved_parents
 from kv_preflight.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import ClearPod, RemoveBlock, StoreBlock, encode_entry, make_entry
-from kv_preflight.keys.chain import request_keys
+from kv_preflight.keys.chain import chain_root, request_keys
 
 TOKENS = list(range(1000, 1128))  # 128 tokens
 
@@ -220,7 +220,7 @@ def test_a_parent_the_pod_holds_is_taken_from_its_state_not_valkey():
     child = BlockStored([3], 2, TOKENS[64:96], 32, medium="GPU", group_idx=0)
     state = ChainState()
     missing = unresolved_parents(EventBatch(1.0, [child, BlockStored([9], 8, TOKENS[:32], 32)]), "tiny", state)
-    assert seed_held(state, missing, known) == [("tiny", 8)]  # for Valkey
+    assert seed_held(state, missing, known, {}, chain_root) == [("tiny", 8)]  # for Valkey
     p = plan([child], state)
     assert p.orphans == 0
     assert p.mutations[0].request_keys == tuple(request_keys(TOKENS[:96], model="tiny")[4:])
@@ -246,11 +246,25 @@ def test_blocks_ending_mid_key_leave_their_chain_points_for_the_pods_state():
     point of a block the pod no longer holds is not taken."""
     a = BlockStored([1, 2], None, TOKENS[:48], 24, medium="GPU", group_idx=0)
     p = plan([a])
-    assert set(p.carries) == {1, 2} and p.carries[1].carry == tuple(TOKENS[16:24]) and p.carries[2].carry == ()
+    assert set(p.carries) == {1, 2} and p.carries[1].tokens == tuple(TOKENS[16:24]) and p.carries[2].tokens == ()
     assert plan([BlockStored([3], None, TOKENS[:32], 32)]).carries == {}  # aligned: the pod's keys are enough
     known = held_by_pod([a])
     child = BlockStored([3], 2, TOKENS[48:72], 24, medium="GPU", group_idx=0)
     state = ChainState()
-    assert seed_held(state, [("tiny", 2)], known, p.carries) == []
+    assert seed_held(state, [("tiny", 2)], known, p.carries, chain_root) == []
     assert [k for m in plan([child], state).mutations for k in m.request_keys] == request_keys(TOKENS[:72], model="tiny")[3:]
-    assert seed_held(ChainState(), [("tiny", 2)], lambda ek: None, p.carries) == [("tiny", 2)]
+    assert seed_held(ChainState(), [("tiny", 2)], lambda ek: None, p.carries, chain_root) == [("tiny", 2)]
+
+
+def test_a_held_block_that_keyed_nothing_chains_its_child_from_the_models_root():
+    """E=8, C=16: a prompt's first block keys nothing. Seeded from the pod's state (its carry, as the log gives it
+    back) by a process that never met it, the chain stands at the model's root: the child's key is the one-run
+    key, not an orphan."""
+    p = plan([BlockStored([1], None, TOKENS[:8], 8, medium="GPU", group_idx=0)])
+    assert p.mutations[0].request_keys == () and p.carries[1].tokens == tuple(TOKENS[:8])
+    pod = PodState(pod_id="p")
+    pod.plan(p.mutations, None, p.carries)
+    state = ChainState()
+    assert seed_held(state, [("tiny", 1)], pod.block_keys, pod.carries, chain_root) == []
+    child = plan([BlockStored([2], 1, TOKENS[8:16], 8, medium="GPU", group_idx=0)], state)
+    assert child.orphans == 0 and child.mutations[0].request_keys == tuple(request_keys(TOKENS[:16], model="tiny"))
