@@ -54,6 +54,16 @@ def _assemble(members: list[tuple[str, object]], spaces: str) -> bytes:
     return ("{" + spaces + ("," + spaces).join(parts) + spaces + "}").encode()
 
 
+def _shuffled(shape: dict, order, again: str | None, other: list[int], listed: str, spaces: str) -> bytes:
+    """``shape``'s members in ``order``'s order, and ``again`` once more at the end (the token list ``listed`` as
+    ``other``, anything else as "n"): a body as a client may write it, duplicates and all."""
+    items = list(shape.items())
+    order.shuffle(items)
+    if again is not None:
+        items.append((again, other if again == listed else "n"))
+    return _assemble(items, spaces)
+
+
 @settings(max_examples=600, deadline=None)
 @given(members=_members, extra=st.lists(st.tuples(st.sampled_from(["prompt", "model"]), _prompt), max_size=2),
        spaces=st.sampled_from(["", " ", "\n\t "]), cut=st.integers(0, 400), junk=st.sampled_from(["", "]", "}", ",", '"', "[", "x"]))
@@ -79,11 +89,7 @@ _shapes = st.fixed_dictionaries(
 def test_bodies_of_every_routing_field_read_in_place_read_as_decoded_whole(shape, order, again, other, spaces):
     """Bodies shaped as clients send them (the fields routing reads, in any order, some twice): each field's
     meaning, a salt above all (its prompt is keyed another way), the same either way."""
-    items = list(shape.items())
-    order.shuffle(items)
-    if again is not None:
-        items.append((again, other if again == "prompt" else "n"))
-    body = _assemble(items, spaces)
+    body = _shuffled(shape, order, again, other, "prompt", spaces)
     assert _read(body, True) == _read(body, False)
 
 
@@ -146,11 +152,7 @@ _predict_bodies = st.fixed_dictionaries(
 def test_a_predict_body_read_in_place_reads_as_decoded_whole(shape, order, again, other, spaces, cut, junk):
     """/v1/cache/predict and /route's fast path (``parse_keyed``): the same KeyedRequest, None (the ordinary way
     decides) or refusal with the token list read in place as with the whole body decoded."""
-    items = list(shape.items())
-    order.shuffle(items)
-    if again is not None:
-        items.append((again, other if again == "token_ids" else "n"))
-    body = _assemble(items, spaces)
+    body = _shuffled(shape, order, again, other, "token_ids", spaces)
     assert _keyed(body, True) == _keyed(body, False)
     broken = body[:cut] + junk.encode() + body[cut:]
     assert _keyed(broken, True) == _keyed(broken, False)
