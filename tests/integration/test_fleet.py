@@ -282,6 +282,50 @@ async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
         await ix.close()
 
 
+async def test_a_pod_taken_over_whose_state_log_does_not_read_is_flagged_and_its_engine_ingested(valkey_url, tmp_path):
+    """A pod last served by an engine that left, now published by another (a restarted stack naming its engines as
+    before): it is reset as the new engine starts it, which loads its state log. With junk in that log (a hand
+    edit, a bug, a build that writes another format) PodLogError left the membership round and ended the process.
+    Now the pod is not reset (its old entries cannot be found to clear): logged, counted, flagged with the reason;
+    its new engine is ingested (its record names it) and the other engines go on."""
+    from kv_preflight.fleet.records import PodRecord
+    from kv_preflight.index.layout import pod_state_key
+
+    ix = Index.from_url(valkey_url)
+    moved, other = sim_engine("sim-moved", tmp_path).start(), sim_engine("sim-other", tmp_path).start()
+    # the pod as the engine that left wrote it (an address no ingester knows), its log junk
+    await ix.fleet.put_pod_records({"sim-moved": PodRecord(state="live", since_ms=1, engine_url="http://127.0.0.1:9",
+                                                           owner="gone")})
+    await ix.client.hset(pod_state_key("sim-moved"), "s", b"\xc1junk")
+    log = tmp_path / "ing.log"
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", moved.url, "--engine", other.url, *FAST], str(log),
+                env=FAST_ENV)
+    try:
+        async def flagged():
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            info = await ix.meta.pod_info("sim-moved")
+            return info if "state log does not read" in info.incomplete_reason else None
+
+        await until(flagged, "sim-moved flagged")
+
+        async def record():
+            rec = (await ix.fleet.fleet_view()).pods.get("sim-moved")
+            return rec if rec is not None and rec.engine_url == moved.url else None
+
+        await until(record, "sim-moved's record naming its new engine")
+        blind(other.url, shared_prefix_workload(n=2, seed=4, block=16))
+        await until(lambda: _blocks(ix, "sim-other"), "the other engine's entries")
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 1
+        text = log.read_text()
+        assert text.count("sim-moved: taken over") == 1 and "Traceback" not in text  # once: no retry loop
+        assert ing.poll() is None
+    finally:
+        stop(ing)
+        moved.stop()
+        other.stop()
+        await ix.close()
+
+
 async def _blocks(ix: Index, pod: str) -> int:
     return (await ix.meta.pod_info(pod)).blocks
 
