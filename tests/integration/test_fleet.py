@@ -431,6 +431,51 @@ async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
         await ix.close()
 
 
+async def test_a_retired_pod_whose_state_log_does_not_read_is_flagged_kept_and_not_refused(valkey_url, tmp_path):
+    """Two engines leave discovery; one pod's state log holds junk (a hand edit, a bug, a build that writes another
+    format). Its retirement asked every ingester to let it go, then failed to clear it ("leaving the index failed",
+    uncounted), leaving it refused by every ingester (``kvpf:forget``) and flagged only "retired"; at its
+    retention's end the drop failed again every round. Now its log is read before anything is let go: the pod is
+    flagged with the reason, logged and counted, not refused; at the retention's end it is kept (its number still
+    names it in the entries its log no longer lists), said once. The other pod is cleared and dropped as ever."""
+    from kv_preflight.index.layout import FORGET_KEY, pod_state_key
+
+    junk, fine = sim_engine("sim-junk", tmp_path).start(), sim_engine("sim-fine", tmp_path).start()
+    listing = tmp_path / "engines.json"
+    write_engines(listing, [junk, fine])
+    log = tmp_path / "ing.log"
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engines-from", f"file://{listing}", *FAST,
+                 "--retired-retention", "2"], str(log), env=FAST_ENV)
+    ix = Index.from_url(valkey_url)
+    try:
+        for engine in (junk, fine):
+            blind(engine.url, shared_prefix_workload(n=2, seed=7, block=16))
+            await until(lambda: _blocks(ix, engine.pod), f"{engine.pod}'s entries")
+        await ix.client.hset(pod_state_key("sim-junk"), "s", b"\xc1junk")
+        write_engines(listing, [])
+
+        async def dropped():
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            return "sim-fine" not in await ix.meta.pod_ids() and "retention over" in log.read_text()
+
+        await until(dropped, "sim-fine dropped, sim-junk's retention over")
+        info = await ix.meta.pod_info("sim-junk")
+        assert info.incomplete and "state log does not read" in info.incomplete_reason, info
+        assert info.blocks > 0 and "sim-junk" in await ix.meta.pod_ids()  # kept, its entries left
+        assert (await ix.fleet.fleet_view()).pods["sim-junk"].state == "retired"
+        assert not await ix.client.hexists(FORGET_KEY, "sim-junk")  # not refused: a return is ingested
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 2
+        await asyncio.sleep(3)  # rounds go by: the drop is not tried again
+        text = log.read_text()
+        assert text.count("sim-junk: retention over") == 1 and "Traceback" not in text, text[-2000:]
+        assert "leaving the index failed" not in text
+    finally:
+        stop(ing)
+        junk.stop()
+        fine.stop()
+        await ix.close()
+
+
 async def _is(fn, want) -> bool:
     return await fn() == want
 
