@@ -303,6 +303,42 @@ async def test_a_rebuild_of_a_pod_whose_state_log_does_not_read_flags_it_and_the
         await ix.close()
 
 
+async def test_an_engine_restart_probed_on_a_pod_whose_state_log_does_not_read_flags_it(own_valkey, tmp_path):
+    """An ingester starts while its engine has restarted (its replay buffer no longer holds the pod's seq): the
+    restart probe on connect clears the pod, loading its state log. With junk there the probe's task failed ("restart
+    probe failed", a warning) and the pod stayed unflagged, its old entries answering as exact. Now the pod is flagged
+    with the reason, logged, counted."""
+    zport, rport = free_port(), free_port()
+    pub, replay = f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}"
+    engine = EngineStub(pub, replay, "kv@pod-f@tiny", bind=True)
+    wl = Workload(11)
+    ix = Index.from_url(own_valkey.url)
+    args = ["ingest", "--valkey-url", own_valkey.url, "--source", f"{pub},replay={replay}"]
+    ing = spawn(args, str(tmp_path / "ing1.log"))
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 5)
+        await wait_for_seq(ix, "pod-f", 4)
+        stop(ing)
+        engine.close()
+        engine = EngineStub(pub, replay, "kv@pod-f@tiny", bind=True)  # restarted: seq 0, nothing buffered
+        await ix.client.hset(pod_state_key("pod-f"), "s", b"\xc1junk")
+        log = tmp_path / "ing2.log"
+        ing = spawn(args, str(log))
+        deadline = time.monotonic() + 30
+        while "state log does not read" not in (info := await ix.meta.pod_info("pod-f")).incomplete_reason:
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            assert time.monotonic() < deadline, (info, log.read_text()[-2000:])
+            await asyncio.sleep(0.05)
+        assert "engine restart" in info.incomplete_reason and info.blocks > 0, info  # not cleared
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 1
+        assert "restart probe failed" not in log.read_text() and "Traceback" not in log.read_text()
+    finally:
+        stop(ing)
+        engine.close()
+        await ix.close()
+
+
 async def test_two_ingester_processes_one_engine(own_valkey, tmp_path):
     engine, source = engine_and_source()
     wl = Workload(4)
