@@ -14,6 +14,7 @@ from kv_preflight.cli.stack_file import no_stack_hint
 from kv_preflight.config import Config
 from kv_preflight.index.index import Index
 from kv_preflight.index.layout_version import LayoutError, check_layout
+from kv_preflight.index.pod_log import PodLogError
 
 
 def _run(coro):
@@ -25,6 +26,9 @@ def _run(coro):
         raise click.ClickException(f"cannot reach Valkey: {exc}{no_stack_hint('valkey_url')}") from None
     except LayoutError as exc:
         raise click.ClickException(str(exc)) from None
+    except PodLogError as exc:  # nothing was written: the error came from reading the pod's log
+        raise click.ClickException(f"{exc}: its blocks are not known, so its entries cannot be exported or cleared "
+                                   "(docs/operations.md)") from None
     except Exception as exc:  # redis errors and the like: one clear line, no traceback
         if exc.__class__.__module__.startswith("redis"):
             raise click.ClickException(f"Valkey error: {exc}{no_stack_hint('valkey_url')}") from None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_preflight.index.rank_pods import base_pod, pods_with_ranks
+from kv_preflight.index.transfer import held_blocks
 
 if TYPE_CHECKING:
     from kv_preflight.index.index import Index
@@ -41,12 +42,21 @@ async def let_go_everywhere(index: "Index", pods: Sequence[str]) -> list[str]:
     return behind
 
 
+async def readable(index: "Index", pods: Sequence[str]) -> None:
+    """Every pod's state log read before any pod is let go: ``PodLogError`` for one that does not read, whose
+    entries cannot be found to clear. Let go first, it stayed refused by every ingester (``kvpf:forget``) when
+    its clear failed."""
+    for pod in pods:
+        await held_blocks(index.writer, pod)
+
+
 async def forget_pods(index: "Index", pods: Sequence[str], *, keep_refusing: bool) -> dict[str, int]:
     """Let the pods go everywhere, then clear their entries and drop their metadata, registry row, record
     and number: pod -> blocks removed. ``keep_refusing``: the ingesters go on refusing the pods' frames (an
     unregistered worker that still publishes) until they are registered anew; else (``index clear
     --forget``) a pod whose engine still publishes comes back as a new pod, listed like any other."""
     pods = pods_with_ranks(pods, await index.meta.pod_ids())  # a data-parallel pod with its ranks' pods
+    await readable(index, pods)
     await let_go_everywhere(index, pods)
     removed = {pod: await index.clear_pod(pod, forget=True) for pod in pods}
     await index.fleet.drop_pod_records(pods)
@@ -66,6 +76,7 @@ async def retire_pods(index: "Index", reasons: dict[str, str]) -> dict[str, int]
     pods = sorted(reasons)
     for pod in pods:
         await flag_retired(index, pod, reasons[pod])
+    await readable(index, pods)
     await let_go_everywhere(index, pods)
     removed = {pod: await index.clear_pod(pod) for pod in pods}
     await index.fleet.unforget_pods(pods)

@@ -115,6 +115,11 @@ class PodLogError(ValueError):
     be planned against it (its blocks are not known), so the pod's writers refuse its batches and the ingester
     flags the pod (ingester/apply.py), where the decoder's own error ended the process."""
 
+    def __init__(self, pod_id: str | None, why: str):
+        super().__init__(f"pod {pod_id}: its state log does not read ({why})"[:300])
+        self.pod_id = pod_id
+
+
 _enc = msgspec.msgpack.Encoder()
 _snap_dec = msgspec.msgpack.Decoder(_CarriedSnapshot)
 _delta_dec = msgspec.msgpack.Decoder(_CarriedDelta)
@@ -386,7 +391,7 @@ def restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None 
         return _restore(snapshot, deltas, pod_id, reannouncements)
     except (msgspec.DecodeError, struct.error, ValueError, TypeError, IndexError, KeyError, StopIteration,
             OverflowError, RecursionError) as exc:
-        raise PodLogError(f"pod {pod_id}: its state log does not read ({type(exc).__name__}: {exc})"[:300]) from exc
+        raise PodLogError(pod_id, f"{type(exc).__name__}: {exc}") from exc
 
 
 def _restore(snapshot: bytes | None, deltas: Iterable[bytes], pod_id: str | None,

@@ -210,7 +210,11 @@ class Applier:
             log.warning("%s: seq went back from %d to %d with a newer timestamp: engine restarted, clearing its "
                         "entries", pod, result.last_seq, seq)
             await self.counters.count("engine_restarts")
-            await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
+            try:
+                await self.valkey.call(self.index.reset_if_seq, pod, rank, step.last_seq)
+            except PodLogError as exc:  # (loaded again to clear it: the restart's answer made this writer forget it)
+                await self.unreadable(pod, seq, exc)
+                return "error"
             item.mode = "check"
         elif isinstance(step, Replay):
             assert replay is not None
@@ -378,8 +382,20 @@ class Applier:
         longer what its engine holds; other pods go on. (The decoder's error ended the process, and every process
         that took the pod over after it; found on a reload, it was only logged, the pod left exact.)"""
         await self.failed(pod, seq, f"not applied: {exc}")
+        await self._flag(pod, f"batch at seq {seq} not applied: {exc}")
+
+    async def not_reset(self, pod: str, why: str, exc: PodLogError) -> None:
+        """A reset (``why``: a rebuild, an engine restart found by a probe) of a pod whose state log does not
+        read: its blocks are not known, so its entries cannot be found to clear. They stay, the pod flagged with
+        the reason (logged, counted as a batch not applied), and what follows for it fails as its batches do
+        (``unreadable``); other pods go on. (PodLogError left the reset and ended the process.)"""
+        log.error("%s: %s: not reset, its entries left flagged: %s", pod, why, str(exc)[:300])
+        await self.counters.count("apply_errors")
+        await self._flag(pod, f"{why}: not reset: {exc}")
+
+    async def _flag(self, pod: str, reason: str) -> None:
         try:
-            await self.valkey.call(self.index.meta.mark_incomplete, pod, f"batch at seq {seq} not applied: {exc}"[:300])
+            await self.valkey.call(self.index.meta.mark_incomplete, pod, reason[:300])
         except ResponseError:
             pass  # the pod's own key is unusable: the log line and the counter are what is left
 

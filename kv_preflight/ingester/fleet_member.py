@@ -42,6 +42,7 @@ from kv_preflight.events import topic_or_none
 from kv_preflight.fleet.records import PodLoad, PodRecord
 from kv_preflight.index.rank_pods import RANK_SEPARATOR, rank_pod, split_rank_pod
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.discovery import discover_logged
 from kv_preflight.ingester.engines_from import EnginesFrom, observe, parse_engines_from
@@ -100,6 +101,8 @@ class Ingesting(Protocol):
     def detach_engine(self, key: str) -> None: ...
 
     def schedule_rebuild(self, pod: str) -> None: ...
+
+    async def not_reset(self, pod: str, why: str, exc: PodLogError) -> None: ...
 
     def endpoints(self) -> dict[str, str]: ...
 
@@ -426,12 +429,18 @@ class FleetMember(LeaseHolder):
                 # A new engine: the pod starts as it does (no seq, not incomplete), and is replayed from its
                 # seq 0. Clearing the entries alone kept the old seq and the retirement flag, so the pod read
                 # incomplete for good (and a new engine further on than the old seq would skip its start).
-                cleared = 0
+                cleared, unread = 0, []
                 for index_pod in sorted(index_pods):
-                    cleared += await self.index.reset_pod(index_pod)
+                    try:
+                        cleared += await self.index.reset_pod(index_pod)
+                    except PodLogError as exc:  # its old entries cannot be found to clear: left, flagged; the engine
+                        # is ingested all the same (its batches fail as any batch of such a pod)
+                        unread.append(index_pod)
+                        await self.ing.not_reset(index_pod, f"taken over from {rec.engine_url}", exc)
                 await self.index.fleet.put_pod_records({pod: new})
                 log.warning("pod %s: now published by %s (its engine %s left): %d old entries cleared, starts "
-                            "from the new engine's seq 0", pod, spec.url, rec.engine_url, cleared)
+                            "from the new engine's seq 0%s", pod, spec.url, rec.engine_url, cleared,
+                            f" (but {', '.join(unread)}: not reset, its state log does not read)" if unread else "")
 
     def _attach_failed(self, spec: EngineSpec, retry: _Retry, now: float, exc: BaseException) -> None:
         """An engine whose sources could not be subscribed (an address in use, an endpoint libzmq refuses,

@@ -244,6 +244,10 @@ class Ingester:
         """A retired pod that answers again: replayed from seq 0, cleared first, exact if the buffer is whole."""
         self.resume.schedule({pod}, rebuild=True, reset=True)
 
+    async def not_reset(self, pod: str, why: str, exc: PodLogError) -> None:
+        """A reset the fleet membership could not do (a pod taken over whose state log does not read)."""
+        await self.applier.not_reset(pod, why, exc)
+
     def endpoints(self) -> dict[str, str]:
         """The ZMQ endpoints subscribed here (connecting ones) and their replay endpoints -> their pod."""
         found = self.subscriber.sources if self.subscriber is not None else self.sources

@@ -10,8 +10,9 @@ import asyncio
 import logging
 
 from kv_preflight.config import Config
-from kv_preflight.index.write_side import WriteSide
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.index.pod_meta import PodInfo
+from kv_preflight.index.write_side import WriteSide
 from kv_preflight.ingester.apply import Applier
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.replay import fetch_replay
@@ -116,7 +117,11 @@ class Resume:
             # A rebuild clears what is left of the pod first: the whole replay then writes every batch again.
             # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
             # kept their data while others lost theirs, or of batches applied between a loss and its notice.
-            was, cleared = await self._reset(pod)
+            try:
+                was, cleared = await self._reset(pod)
+            except PodLogError as exc:  # its entries cannot be found to clear: no replay makes it exact
+                await self.applier.not_reset(pod, "rebuild from its engine's replay buffer", exc)
+                return
             if rebuilding and was.incomplete and cleared:  # the reset says "exact" (a new engine's state): not
                 # until the replay is in
                 await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
@@ -290,7 +295,12 @@ class Resume:
                     log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
                                 pod, min(seqs), last)
                     continue
-                if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
+                try:
+                    reset = await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
+                except PodLogError as exc:  # (a pod this process has not loaded yet: at start, or taken over)
+                    await self.applier.not_reset(pod, f"engine restart (seq {last} no longer in its buffer)", exc)
+                    continue
+                if reset:
                     await self.counters.count("engine_restarts")
                     log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",
                                 pod, last)

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import msgspec
 
 from kv_preflight.config import Config
-from kv_preflight.index.lifecycle import flag_retired, forget_pods, retire_pods
+from kv_preflight.index.lifecycle import flag_retired, forget_pods, readable, retire_pods
 from kv_preflight.fleet.records import MAX_LEASE_SOURCES, PodRecord
 from kv_preflight.index.index import VALKEY_ERRORS, Index
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.ingester.counters import Counters
 from kv_preflight.ingester.membership_rules import expired_retired, rendezvous_owners, retired, unlisted
 
@@ -34,6 +35,7 @@ class Retirements:
         # rounds) to say the pod was let go, so it never runs inside a round
         self.leaving: dict[str, asyncio.Task] = {}
         self.unlisted: dict[str, int] = {}  # recorded pod no live lease lists -> Valkey ms first seen so (unlisted)
+        self.kept: set[str] = set()  # retired pods not dropped at their retention's end: their state log does not read
 
     async def retire(self, pod: str, record: PodRecord) -> None:
         """Entries cleared in O(the pod's blocks) once every ingester let the pod go (a copy's batch in
@@ -49,6 +51,9 @@ class Retirements:
             try:
                 cleared = (await retire_pods(self.index, {pod: reason}))[pod]
                 break
+            except PodLogError as exc:
+                await self._unreadable(pod, f"retired ({reason})", exc)
+                return
             except VALKEY_ERRORS as exc:
                 if attempt == RETIRE_TRIES:
                     raise
@@ -58,9 +63,34 @@ class Retirements:
         log.warning("pod %s retired (%s): %d entries cleared", pod, reason, cleared)
 
     async def _dropped(self, pods: list[str]) -> None:
-        """The end of a retention: its records stay until this is done, so a round after a failure tries again."""
-        await forget_pods(self.index, pods, keep_refusing=False)
-        log.info("retired pod(s) %s dropped from the registry after %.0f s", pods, self.cfg.retired_retention_s)
+        """The end of a retention: its records stay until this is done, so a round after a failure tries again
+        (not after a state log that does not read: ``kept``)."""
+        unread: dict[str, PodLogError] = {}
+        for pod in pods:
+            try:
+                await readable(self.index, [pod])
+            except PodLogError as exc:
+                unread[pod] = exc
+        dropped = [p for p in pods if p not in unread]
+        try:
+            if dropped:
+                await forget_pods(self.index, dropped, keep_refusing=False)
+        except PodLogError as exc:  # (one of their data-parallel ranks' pods)
+            unread.update((pod, exc) for pod in dropped)
+            dropped = []
+        for pod, exc in unread.items():
+            self.kept.add(pod)
+            await self._unreadable(pod, "retention over", exc)
+        if dropped:
+            log.info("retired pod(s) %s dropped from the registry after %.0f s", dropped, self.cfg.retired_retention_s)
+
+    async def _unreadable(self, pod: str, why: str, exc: PodLogError) -> None:
+        """A pod leaving the index whose state log does not read: its entries cannot be found to clear, so they
+        stay, the pod flagged with the reason, logged and counted as a batch not applied; nothing was let go, its
+        metadata and number stay (freed, the number would name another pod in those entries)."""
+        log.error("pod %s: %s; its entries left, not cleared: %s", pod, why, str(exc)[:300])
+        await self.counters.count("apply_errors")
+        await self.index.meta.mark_incomplete(pod, f"{why}; not cleared: {exc}"[:300])
 
     def _leave(self, pods: list[str], work) -> None:
         task = asyncio.ensure_future(work)
@@ -114,7 +144,7 @@ class Retirements:
         # record stays until the engine leaves, so its metadata is never forgotten under an ingester that owns it
         gone = expired_retired(
             {p: r for p, r in view.pods.items() if rendezvous_owners(p, live, 1)[0] == me
-             and not (r.engine_url and r.engine_url in fleet_urls) and p not in self.leaving},
+             and not (r.engine_url and r.engine_url in fleet_urls) and p not in self.leaving and p not in self.kept},
             now_ms, int(self.cfg.retired_retention_s * 1000))
         if gone:  # its metadata and registry row too: names of departed pods do not pile up
             self._leave(list(gone), self._dropped(list(gone)))
@@ -123,6 +153,7 @@ class Retirements:
         """A retired pod answers again: rebuilt by replay if the engine still buffers its whole history,
         else it stays flagged incomplete until its next cache reset (an engine restart resets it too). The
         replay is fetched in the background and applied by the loop (ingester/resume.py), never in this round."""
+        self.kept.discard(pod)
         self.schedule_rebuild(pod)
         log.warning("pod %s is back after retirement: rebuilding it from its engine's replay buffer in the background",
                     pod)

@@ -86,6 +86,32 @@ def test_an_unknown_pod_is_an_error_naming_it(valkey_url, args):
     assert "pod-known" in out.stderr and out.stdout == ""
 
 
+def test_a_pod_whose_state_log_does_not_read_is_one_clear_error_and_changes_nothing(valkey_url):
+    """`index export|clear|import --replace` of a pod whose state log holds junk (a hand edit, a bug, a build that
+    writes another format) printed the decoder's traceback ("msgspec.DecodeError: MessagePack data is malformed"),
+    and `clear --forget` left the pod refused by every ingester. Now each is one line naming the pod, nothing
+    written: its entries cannot be found without its log."""
+    import redis
+
+    from kv_preflight.index.layout import FORGET_KEY, pod_state_key
+
+    asyncio.run(_fill(valkey_url, "pod-junk", 3))
+    exported = kvpf("index", "export", "--valkey-url", valkey_url).stdout
+    asyncio.run(_fill(valkey_url, "pod-ok", 2))
+    r = redis.Redis.from_url(valkey_url)
+    r.hset(pod_state_key("pod-junk"), "s", b"\xc1junk")
+    for args in (["export"], ["export", "--pod", "pod-junk"], ["clear", "--pod", "pod-junk"],
+                 ["clear", "--pod", "pod-junk", "--forget"]):
+        out = kvpf("index", *args, "--valkey-url", valkey_url)
+        assert_one_clear_line(out, "pod pod-junk: its state log does not read")
+    out = kvpf("index", "import", "--replace", "--valkey-url", valkey_url, input=exported)
+    assert_one_clear_line(out, "pod pod-junk: its state log does not read")
+    stats = json.loads(kvpf("index", "stats", "--valkey-url", valkey_url, "--json").stdout)
+    assert {p["pod_id"]: p["blocks"] for p in stats["pods"]} == {"pod-junk": 3, "pod-ok": 2}
+    assert not r.hgetall(FORGET_KEY)  # not let go: the ingesters still take its frames
+    assert kvpf("index", "export", "--pod", "pod-ok", "--valkey-url", valkey_url).returncode == 0
+
+
 def test_rebuild_of_an_unknown_pod_is_an_error_and_wipes_nothing(valkey_url, tmp_path):
     engine = sim_engine("sim-rb", tmp_path).start()
     try:

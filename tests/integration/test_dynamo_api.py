@@ -136,6 +136,25 @@ async def test_register_and_unregister_write_the_run_time_engines(ix, valkey_url
         assert (r.status_code, r.json()) == (404, {"error": "instance 1 not found"})
 
 
+async def test_unregister_of_a_worker_whose_state_log_does_not_read_is_a_clear_error_and_flags_it(ix, valkey_url):
+    """/unregister clears the worker's entries, reading its pod's state log; junk there (a hand edit, a bug, a build
+    that writes another format) was a bare 500 with the decoder's traceback in the log, the pod left refused by
+    every ingester. Now: the registration goes, the entries stay (they cannot be found to clear), the pod flagged
+    with the reason and not refused, and the answer says so."""
+    from kv_preflight.index.layout import FORGET_KEY, pod_state_key
+
+    async with client(create_dynamo_app(Config(valkey_url=valkey_url), ix)) as c:
+        assert (await c.post("/register", json=REGISTER_1)).status_code == 201
+        await ingest(ix, "dynamo-1", [stored([11], None, list(range(16)))], 0)
+        await ix.client.hset(pod_state_key("dynamo-1"), "s", b"\xc1junk")
+        r = await c.post("/unregister", json={"instance_id": 1, "model_name": MODEL})
+        assert r.status_code == 500 and "pod dynamo-1: its state log does not read" in r.json()["error"], r.text
+        assert await ix.fleet.registered_engines() == {}
+        info = await ix.meta.pod_info("dynamo-1")
+        assert info.blocks == 1 and info.incomplete and "state log does not read" in info.incomplete_reason, info
+        assert not await ix.client.hexists(FORGET_KEY, "dynamo-1")
+
+
 async def test_register_checks_endpoints_and_the_allow_list(ix, valkey_url):
     async with client(create_dynamo_app(Config(valkey_url=valkey_url), ix)) as c:
         for bad in ("tcp://host", "tcp://:5558", "udp://host:5558", "not-an-endpoint"):

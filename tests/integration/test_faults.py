@@ -12,7 +12,7 @@ import redis
 from kv_preflight.cli.valkey_server import ValkeyServer, free_port
 from kv_preflight.events import BlockRemoved, BlockStored, EventBatch
 from kv_preflight.index.index import Index
-from kv_preflight.index.layout import EPOCH_KEY
+from kv_preflight.index.layout import EPOCH_KEY, pod_state_key
 from tests.e2e.harness import spawn, stop, wait_log
 from tests.integration.engine_stub import EngineStub
 from tests.integration.truth import engine_truth, index_state
@@ -247,6 +247,95 @@ async def test_a_rebuild_of_a_pod_with_two_ranks_ends_exact_and_unflagged(own_va
         stop(ing)
         for stub in stubs:
             stub.close()
+        await ix.close()
+
+
+async def test_a_rebuild_of_a_pod_whose_state_log_does_not_read_flags_it_and_the_others_go_on(own_valkey, tmp_path):
+    """The index's epoch goes (as when Valkey loses its data; here the rest stays) and two pods are rebuilt from
+    their replay buffers, one of them with junk in its state log (a hand edit, a bug, a build that writes another
+    format). The rebuild clears a pod before it applies the replay, which loads its log: PodLogError left it and
+    ended the process. Now that pod is not reset (its entries cannot be found to clear), logged, counted, flagged
+    with the reason, its replay not applied; the other is rebuilt whole and goes on exact."""
+    stubs, sources = {}, []
+    for pod in ("pod-f", "pod-g"):
+        zport, rport = free_port(), free_port()
+        stubs[pod] = EngineStub(f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}", f"kv@{pod}@tiny", bind=True)
+        sources += ["--source", f"tcp://127.0.0.1:{zport},replay=tcp://127.0.0.1:{rport}"]
+    wls = {"pod-f": Workload(9), "pod-g": Workload(10)}
+    ix = Index.from_url(own_valkey.url)
+    log = str(tmp_path / "ing.log")
+    ing = spawn(["ingest", "--valkey-url", own_valkey.url, *sources], log)
+
+    async def publish_both(n: int) -> None:
+        for _ in range(n):
+            for pod, stub in stubs.items():
+                stub.publish(wls[pod].next_batch())
+            await asyncio.sleep(0.005)
+
+    try:
+        for stub in stubs.values():
+            await stub.subscribed()
+        await publish_both(10)
+        for pod in stubs:
+            await wait_for_seq(ix, pod, 9)
+        await ix.client.hset(pod_state_key("pod-f"), "s", b"\xc1junk")
+        redis.Redis.from_url(own_valkey.url).delete(EPOCH_KEY)  # the data kept: the seqs survive
+        wait_log(log, "pod-g: rebuilt whole from its engine's replay buffer", ing)
+        deadline = time.monotonic() + 30
+        while "state log does not read" not in (info := await ix.meta.pod_info("pod-f")).incomplete_reason:
+            assert ing.poll() is None, "the ingester died: " + open(log).read()[-2000:]
+            assert time.monotonic() < deadline, info
+            await asyncio.sleep(0.05)
+        await publish_both(3)
+        await wait_for_seq(ix, "pod-g", 12)
+        assert await index_state(ix, "pod-g") == engine_truth(wls["pod-g"].batches)
+        assert not (await ix.meta.pod_info("pod-g")).incomplete
+        info = await ix.meta.pod_info("pod-f")
+        assert info.incomplete and "state log does not read" in info.incomplete_reason, info
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 1
+        text = open(log).read()
+        assert "pod-f: rebuilt whole" not in text and "Traceback" not in text
+        assert ing.poll() is None
+    finally:
+        stop(ing)
+        for stub in stubs.values():
+            stub.close()
+        await ix.close()
+
+
+async def test_an_engine_restart_probed_on_a_pod_whose_state_log_does_not_read_flags_it(own_valkey, tmp_path):
+    """An ingester starts while its engine has restarted (its replay buffer no longer holds the pod's seq): the
+    restart probe on connect clears the pod, loading its state log. With junk there the probe's task failed ("restart
+    probe failed", a warning) and the pod stayed unflagged, its old entries answering as exact. Now the pod is flagged
+    with the reason, logged, counted."""
+    zport, rport = free_port(), free_port()
+    pub, replay = f"tcp://127.0.0.1:{zport}", f"tcp://127.0.0.1:{rport}"
+    engine = EngineStub(pub, replay, "kv@pod-f@tiny", bind=True)
+    wl = Workload(11)
+    ix = Index.from_url(own_valkey.url)
+    args = ["ingest", "--valkey-url", own_valkey.url, "--source", f"{pub},replay={replay}"]
+    ing = spawn(args, str(tmp_path / "ing1.log"))
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 5)
+        await wait_for_seq(ix, "pod-f", 4)
+        stop(ing)
+        engine.close()
+        engine = EngineStub(pub, replay, "kv@pod-f@tiny", bind=True)  # restarted: seq 0, nothing buffered
+        await ix.client.hset(pod_state_key("pod-f"), "s", b"\xc1junk")
+        log = tmp_path / "ing2.log"
+        ing = spawn(args, str(log))
+        deadline = time.monotonic() + 30
+        while "state log does not read" not in (info := await ix.meta.pod_info("pod-f")).incomplete_reason:
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            assert time.monotonic() < deadline, (info, log.read_text()[-2000:])
+            await asyncio.sleep(0.05)
+        assert "engine restart" in info.incomplete_reason and info.blocks > 0, info  # not cleared
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 1
+        assert "restart probe failed" not in log.read_text() and "Traceback" not in log.read_text()
+    finally:
+        stop(ing)
+        engine.close()
         await ix.close()
 
 

@@ -282,6 +282,50 @@ async def test_unreachable_pod_is_retired_then_returns(valkey_url, tmp_path):
         await ix.close()
 
 
+async def test_a_pod_taken_over_whose_state_log_does_not_read_is_flagged_and_its_engine_ingested(valkey_url, tmp_path):
+    """A pod last served by an engine that left, now published by another (a restarted stack naming its engines as
+    before): it is reset as the new engine starts it, which loads its state log. With junk in that log (a hand
+    edit, a bug, a build that writes another format) PodLogError left the membership round and ended the process.
+    Now the pod is not reset (its old entries cannot be found to clear): logged, counted, flagged with the reason;
+    its new engine is ingested (its record names it) and the other engines go on."""
+    from kv_preflight.fleet.records import PodRecord
+    from kv_preflight.index.layout import pod_state_key
+
+    ix = Index.from_url(valkey_url)
+    moved, other = sim_engine("sim-moved", tmp_path).start(), sim_engine("sim-other", tmp_path).start()
+    # the pod as the engine that left wrote it (an address no ingester knows), its log junk
+    await ix.fleet.put_pod_records({"sim-moved": PodRecord(state="live", since_ms=1, engine_url="http://127.0.0.1:9",
+                                                           owner="gone")})
+    await ix.client.hset(pod_state_key("sim-moved"), "s", b"\xc1junk")
+    log = tmp_path / "ing.log"
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engine", moved.url, "--engine", other.url, *FAST], str(log),
+                env=FAST_ENV)
+    try:
+        async def flagged():
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            info = await ix.meta.pod_info("sim-moved")
+            return info if "state log does not read" in info.incomplete_reason else None
+
+        await until(flagged, "sim-moved flagged")
+
+        async def record():
+            rec = (await ix.fleet.fleet_view()).pods.get("sim-moved")
+            return rec if rec is not None and rec.engine_url == moved.url else None
+
+        await until(record, "sim-moved's record naming its new engine")
+        blind(other.url, shared_prefix_workload(n=2, seed=4, block=16))
+        await until(lambda: _blocks(ix, "sim-other"), "the other engine's entries")
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 1
+        text = log.read_text()
+        assert text.count("sim-moved: taken over") == 1 and "Traceback" not in text  # once: no retry loop
+        assert ing.poll() is None
+    finally:
+        stop(ing)
+        moved.stop()
+        other.stop()
+        await ix.close()
+
+
 async def _blocks(ix: Index, pod: str) -> int:
     return (await ix.meta.pod_info(pod)).blocks
 
@@ -384,6 +428,51 @@ async def test_retired_pods_are_forgotten_after_retention(valkey_url, tmp_path):
     finally:
         stop(ing)
         engine.stop()
+        await ix.close()
+
+
+async def test_a_retired_pod_whose_state_log_does_not_read_is_flagged_kept_and_not_refused(valkey_url, tmp_path):
+    """Two engines leave discovery; one pod's state log holds junk (a hand edit, a bug, a build that writes another
+    format). Its retirement asked every ingester to let it go, then failed to clear it ("leaving the index failed",
+    uncounted), leaving it refused by every ingester (``kvpf:forget``) and flagged only "retired"; at its
+    retention's end the drop failed again every round. Now its log is read before anything is let go: the pod is
+    flagged with the reason, logged and counted, not refused; at the retention's end it is kept (its number still
+    names it in the entries its log no longer lists), said once. The other pod is cleared and dropped as ever."""
+    from kv_preflight.index.layout import FORGET_KEY, pod_state_key
+
+    junk, fine = sim_engine("sim-junk", tmp_path).start(), sim_engine("sim-fine", tmp_path).start()
+    listing = tmp_path / "engines.json"
+    write_engines(listing, [junk, fine])
+    log = tmp_path / "ing.log"
+    ing = spawn(["ingest", "--valkey-url", valkey_url, "--engines-from", f"file://{listing}", *FAST,
+                 "--retired-retention", "2"], str(log), env=FAST_ENV)
+    ix = Index.from_url(valkey_url)
+    try:
+        for engine in (junk, fine):
+            blind(engine.url, shared_prefix_workload(n=2, seed=7, block=16))
+            await until(lambda: _blocks(ix, engine.pod), f"{engine.pod}'s entries")
+        await ix.client.hset(pod_state_key("sim-junk"), "s", b"\xc1junk")
+        write_engines(listing, [])
+
+        async def dropped():
+            assert ing.poll() is None, "the ingester died: " + log.read_text()[-2000:]
+            return "sim-fine" not in await ix.meta.pod_ids() and "retention over" in log.read_text()
+
+        await until(dropped, "sim-fine dropped, sim-junk's retention over")
+        info = await ix.meta.pod_info("sim-junk")
+        assert info.incomplete and "state log does not read" in info.incomplete_reason, info
+        assert info.blocks > 0 and "sim-junk" in await ix.meta.pod_ids()  # kept, its entries left
+        assert (await ix.fleet.fleet_view()).pods["sim-junk"].state == "retired"
+        assert not await ix.client.hexists(FORGET_KEY, "sim-junk")  # not refused: a return is ingested
+        assert (await ix.meta.counters()).get("apply_errors", 0) >= 2
+        await asyncio.sleep(3)  # rounds go by: the drop is not tried again
+        text = log.read_text()
+        assert text.count("sim-junk: retention over") == 1 and "Traceback" not in text, text[-2000:]
+        assert "leaving the index failed" not in text
+    finally:
+        stop(ing)
+        junk.stop()
+        fine.stop()
         await ix.close()
 
 

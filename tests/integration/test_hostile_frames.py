@@ -482,3 +482,30 @@ def test_a_pod_whose_state_log_does_not_read_is_flagged_and_the_others_go_on(val
         assert "state log does not read" in flagged(Canary(b.pub, b.ix, b.loop, pod="victim"), 1)
         b.canary.publish_and_wait(b.proc)
         assert "Traceback" not in b.log.read_text()
+
+
+def test_an_engine_restart_found_on_a_pod_whose_state_log_does_not_read_flags_it(valkey_url, tmp_path):
+    """The junk found as an engine restart is cleared: a batch whose seq went back (not to 0) with a newer
+    timestamp is answered "restart", the writer forgets the pod, and the reset that follows (``ResetIfThenCheck``:
+    clear it if its seq is still the last) loads its log again. PodLogError left that reset and ended the process;
+    now the batch fails alone (logged, counted) and the pod is flagged with the reason; other pods go on."""
+    with bound_ingester(valkey_url, tmp_path) as b:
+        victim = Canary(b.pub, b.ix, b.loop, pod="victim")
+        for _ in range(3):
+            victim.publish_and_wait(b.proc)  # seq 0..2, the pod loaded by the ingester
+        # junk in the log alone (its generation kept): the batch is planned from what the ingester holds, and the
+        # script's seq check answers it
+        b.loop.run_until_complete(b.ix.client.hset(pod_state_key("victim"), "s", b"\xc1junk"))
+        errors = metric(httpx.get(b.metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total")
+        deadline = time.monotonic() + 15
+        while not (info := victim.info()).incomplete:
+            victim.pub.send_multipart(encode_frames("kv@victim@tiny", 1, victim.batch(1)))  # seq 1 again, newer ts
+            time.sleep(0.3)
+            assert b.proc.poll() is None, "the ingester died: " + b.log.read_text()[-2000:]
+            assert time.monotonic() < deadline, (info, b.log.read_text()[-1500:])
+        assert "state log does not read" in info.incomplete_reason, info
+        assert info.seqs == {"0": 2}  # nothing cleared, nothing applied
+        b.canary.publish_and_wait(b.proc)
+        text = b.log.read_text()
+        assert "engine restarted" in text and "state log does not read" in text and "Traceback" not in text
+        assert metric(httpx.get(b.metrics_url, timeout=5).text, "kvpf_ingest_apply_errors_total") > errors

@@ -37,6 +37,7 @@ from kv_preflight.predictor.valkey_call import valkey_call
 from kv_preflight.predictor.scoring.freshness import answer_freshness, pod_freshness
 from kv_preflight.fleet import records as fleet
 from kv_preflight.index.lifecycle import LET_GO_WAIT_S, forget_pods
+from kv_preflight.index.pod_log import PodLogError
 from kv_preflight.config import Config
 from kv_preflight.engines.endpoints import endpoint_identity
 from kv_preflight.index.index import VALKEY_ERRORS, Index
@@ -217,7 +218,14 @@ class DynamoApi:
             # Dynamo drops an unregistered worker's blocks from its tree: its entries go with it here, once
             # no ingester ingests it any more (a worker still publishing would otherwise come back as a pod
             # that no listing shows: index/lifecycle.py)
-            await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
+            try:
+                await forget_pods(self.index, sorted({r.pod for r in mine.values()}), keep_refusing=True)
+            except PodLogError as exc:  # its entries cannot be found to clear: left, flagged (nothing let go)
+                log.error("unregistered instance %d, but its entries are left: %s", req.instance_id, exc)
+                if exc.pod_id:
+                    await self.index.meta.mark_incomplete(exc.pod_id, f"unregistered; not cleared: {exc}"[:300])
+                return 500, {"error": f"instance {req.instance_id} unregistered, but its entries are left "
+                                      f"(flagged incomplete): {exc}"}
         log.info("unregistered instance %d (%d listener(s))", req.instance_id, len(mine))
         return 200, {"status": "ok"}
 
