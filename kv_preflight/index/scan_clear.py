@@ -120,6 +120,7 @@ async def clear_by_scan(index: "Index", pod_id: str, *, progress: Progress | Non
             batch = []
             report.tick()
     await _clear_keys(client, clear_key, batch, base_pod(pod_id), num, head, tally)
+    batch = []
     tally.phase = "engine keys"
     report.tick(force=True)
     async for name in client.scan_iter(match=ENGINE_KEY_MATCH, count=count, _type="zset"):

@@ -198,3 +198,49 @@ def test_clear_scan_cut_short_leaves_the_pod_flagged_and_refused_and_runs_again(
             assert await ix.client.hget(pod_meta_key("pod-a"), "blocks") == b"6"
 
     asyncio.run(go())
+
+
+def test_clear_scan_of_a_data_parallel_rank_leaves_the_entries_its_sibling_holds(valkey_url):
+    """A rank's llm-d entries name its pod, shared with its sibling ranks: the scan of rank 1 deletes an entry only
+    where no sibling's bit is left (rank 0 holds the chain's first 5 keys: their entries stay, rank 1's bit goes),
+    and lookups of rank 0 answer as before."""
+    async def go():
+        async with Index.from_url(valkey_url) as ix:
+            await ix.ensure_numbers(["vllm-0", "vllm-0@dp1"])
+            for rank, rks in ((0, CHAIN[:5]), (1, CHAIN[:8])):
+                await ix.apply_batch(pod_id="vllm-0@dp1" if rank else "vllm-0", rank=0, seq=0, ts=1.0, model="m",
+                                     engine_block_size=16, mutations=blocks("vllm-0", rks))
+            assert {m.pod_id: m.blocks for m in await ix.lookup(CHAIN)} == {"vllm-0": 5, "vllm-0@dp1": 8}
+            rank0 = [m for m in await ix.lookup(CHAIN) if m.pod_id == "vllm-0"]
+            await ix.client.hset(pod_state_key("vllm-0@dp1"), "s", JUNK)
+            tally = await clear_by_scan(ix, "vllm-0@dp1")
+            assert tally.fields_removed == 3 and tally.bits_cleared == 8, tally
+            assert tally.request_keys_scanned == 8 and tally.engine_keys_scanned == 8, tally
+            assert {m.pod_id: m.blocks for m in await ix.lookup(CHAIN)} == {"vllm-0": 5}
+            assert [m for m in await ix.lookup(CHAIN) if m.pod_id == "vllm-0"] == rank0
+            assert [m for m in await ix.lookup(CHAIN, mode="linear")] == rank0  # (llm-d's entries name the pod)
+            assert [len(await ix.client.hkeys(str(rk))) for rk in CHAIN[:8]] == [1] * 5 + [0] * 3
+            assert await held_blocks(ix.writer, "vllm-0") != {}  # rank 0's log untouched
+
+    asyncio.run(go())
+
+
+def test_clear_scan_with_forget_leaves_nothing_of_the_pod(valkey_url):
+    """--scan --forget: cleared by the scan (its log then reads), then forgotten as any pod is."""
+    async def before():
+        async with Index.from_url(valkey_url) as ix:
+            await fill(ix)
+            await ix.client.hset(pod_state_key("pod-a"), "s", JUNK)
+
+    asyncio.run(before())
+    out = kvpf("index", "clear", "--pod", "pod-a", "--scan", "--forget", "--valkey-url", valkey_url)
+    assert out.returncode == 0, out.stderr
+    assert "removed 28 entry field(s)" in out.stdout and "the pod forgotten" in out.stdout, out.stdout
+
+    async def after():
+        async with Index.from_url(valkey_url) as ix:
+            assert "pod-a" not in await ix.meta.pod_ids()
+            assert not await ix.client.exists(pod_meta_key("pod-a"), pod_state_key("pod-a"))
+            assert {m.pod_id: m.blocks for m in await ix.lookup(CHAIN)} == {"pod-b": 10}
+
+    asyncio.run(after())
