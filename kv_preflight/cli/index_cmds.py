@@ -292,9 +292,21 @@ def inspect(valkey_url, model, tokens_spec, prompt, engine_url, hash_seed, block
 @valkey_opt
 @click.option("--pod", "pod_id", required=True)
 @click.option("--forget", is_flag=True, help="Also drop the pod's metadata (seq, counters).")
+@click.option("--scan", is_flag=True,
+              help="For a pod whose state log does not read (docs/operations.md): find its entries without the log, "
+                   "by scanning every request key and engine key of the index (every primary of a cluster), in time "
+                   "proportional to the whole index; remove its llm-d entries and presence bits, never another pod's; "
+                   "then start its log anew, flagged as a clear leaves it. Progress on stderr. Refused for a pod "
+                   "whose state log reads; safe to interrupt and run again.")
 @json_opt
-def clear(valkey_url, pod_id, forget, as_json) -> None:
-    """Remove every entry of one pod, in time proportional to its blocks."""
+def clear(valkey_url, pod_id, forget, scan, as_json) -> None:
+    """Remove every entry of one pod, in time proportional to its blocks.
+
+    With --scan, of a pod whose state log does not read, in time proportional to the whole index."""
+    if scan:
+        _clear_by_scan(valkey_url, pod_id, forget, as_json)
+        return
+
     async def go():
         async with _open(valkey_url) as ix:
             _unknown_pods([pod_id], await ix.meta.pod_ids())
@@ -309,6 +321,35 @@ def clear(valkey_url, pod_id, forget, as_json) -> None:
 
     n = _run(go())
     _emit(as_json, {"pod_id": pod_id, "blocks_removed": n}, lambda d: click.echo(f"removed {n} block(s) of {pod_id}"))
+
+
+def _clear_by_scan(valkey_url, pod_id: str, forget: bool, as_json: bool) -> None:
+    """``index clear --scan``: kv_preflight/index/scan_clear.py, with its progress on stderr."""
+    from kv_preflight.index.scan_clear import LogReads, Moved, ScanTally, clear_by_scan
+
+    def progress(t: ScanTally) -> None:
+        click.echo(f"{pod_id}: {t.request_keys_scanned} request key(s) scanned (of {t.keys_total} keys in the index), "
+                   f"{t.engine_keys_scanned} engine key(s); {t.fields_removed} entry field(s) removed, "
+                   f"{t.bits_cleared} bit(s) cleared so far", err=True)
+
+    async def go():
+        async with _open(valkey_url) as ix:
+            _unknown_pods([pod_id], await ix.meta.pod_ids())
+            try:
+                tally = await clear_by_scan(ix, pod_id, progress=progress)
+            except (LogReads, Moved) as exc:
+                raise click.ClickException(str(exc)) from None
+            if forget:  # its log reads now: forgotten as any pod is
+                from kv_preflight.index.lifecycle import forget_pods
+                await forget_pods(ix, [pod_id], keep_refusing=False)
+            return tally
+
+    t = _run(go())
+    _emit(as_json, t.as_dict(), lambda d: click.echo(
+        f"removed {t.fields_removed} entry field(s) and {t.bits_cleared} presence bit(s) of {pod_id} from "
+        f"{t.keys_held} of {t.request_keys_scanned} request key(s) scanned; {t.engine_members_removed} request key(s) "
+        f"pruned from {t.engine_keys_scanned} engine key(s) scanned; its state log started anew"
+        + (", the pod forgotten" if forget else ", the pod flagged until its engine's next reset")))
 
 
 for _command in (export_cmd, import_cmd, rebuild, migrate):

@@ -27,7 +27,9 @@ def _run(coro):
     except LayoutError as exc:
         raise click.ClickException(str(exc)) from None
     except PodLogError as exc:  # nothing was written: the error came from reading the pod's log
+        pod = exc.pod_id or "P"
         raise click.ClickException(f"{exc}: its blocks are not known, so its entries cannot be exported or cleared "
+                                   f"from it; `index clear --pod {pod} --scan` clears them without it "
                                    "(docs/operations.md)") from None
     except Exception as exc:  # redis errors and the like: one clear line, no traceback
         if exc.__class__.__module__.startswith("redis"):

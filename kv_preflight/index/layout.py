@@ -148,6 +148,18 @@ def engine_key_name(engine_key: int | str) -> str:
     return ENGINE_PREFIX + str(engine_key)
 
 
+# SCAN patterns for llm-d's keys when a pod's are sought without its state log (kv_preflight/index/scan_clear.py):
+# a request key's name is its decimal (the pattern lets a few others through: ``is_request_key_name`` decides)
+REQUEST_KEY_MATCH = "[0-9]*"
+ENGINE_KEY_MATCH = ENGINE_PREFIX + "*"
+
+
+def is_request_key_name(name: bytes | str) -> bool:
+    """Whether a key name is a request key's (decimal digits only, as ``request_key_name`` writes it)."""
+    n = name.decode("ascii", "replace") if isinstance(name, bytes) else name
+    return n.isascii() and n.isdigit()
+
+
 def presence_key(request_key: int | str) -> str:
     """The request key's pod bitmaps (layout 4), in its slot."""
     return f"{OUR_PREFIX}{{{request_key}}}"

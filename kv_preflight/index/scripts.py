@@ -29,6 +29,10 @@ LOOKUP_LINEAR = lua("parse_entry", "chain", "lookup_linear")
 CAS_FIELD = lua("cas_field")
 FLAG_POD = lua("flag_pod")  # a pod flagged incomplete unless rebuilt in this epoch (kv_preflight/index/pod_meta.py)
 MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copied (kv_preflight/index/numbering.py)
+# a pod whose state log does not read, cleared by a scan of the keyspace (kv_preflight/index/scan_clear.py): one
+# request key's entries and bits of the pod; the pod's own keys claimed and released
+SCAN_CLEAR = lua("changes", "scan_clear")
+SCAN_POD = lua("scan_pod")
 ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 # what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the prefixes
 # homed there; the read of all of it
@@ -39,4 +43,4 @@ PLACING = lua("placing")  # a new prefix's pod claimed fleet-wide, with the plac
 ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")
 
 __all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",
-           "NUMS", "PLACING", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "lua"]
+           "NUMS", "PLACING", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "SCAN_CLEAR", "SCAN_POD", "lua"]

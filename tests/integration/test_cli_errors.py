@@ -104,6 +104,7 @@ def test_a_pod_whose_state_log_does_not_read_is_one_clear_error_and_changes_noth
                  ["clear", "--pod", "pod-junk", "--forget"]):
         out = kvpf("index", *args, "--valkey-url", valkey_url)
         assert_one_clear_line(out, "pod pod-junk: its state log does not read")
+        assert "`index clear --pod pod-junk --scan` clears them without it" in out.stderr  # the way out
     out = kvpf("index", "import", "--replace", "--valkey-url", valkey_url, input=exported)
     assert_one_clear_line(out, "pod pod-junk: its state log does not read")
     stats = json.loads(kvpf("index", "stats", "--valkey-url", valkey_url, "--json").stdout)

@@ -484,6 +484,53 @@ def test_a_pod_whose_state_log_does_not_read_is_flagged_and_the_others_go_on(val
         assert "Traceback" not in b.log.read_text()
 
 
+def test_a_pod_whose_state_log_does_not_read_is_cleared_by_a_scan_while_its_ingester_runs(valkey_url, tmp_path):
+    """A pod flagged for a state log that does not read stayed so for good, its entries in the index. `index clear
+    --scan`, run while its ingester runs and refuses its batches, removes them (the canary's entries on the same
+    request keys stay: the two pods' batches store the same blocks), and the pod's next batch is applied by the
+    ingester (past the gap its refused batch left, flagged, as a clear leaves a pod)."""
+    import subprocess
+    import sys
+
+    from kv_preflight.index.transfer import held_blocks
+
+    with bound_ingester(valkey_url, tmp_path) as b:
+        victim = Canary(b.pub, b.ix, b.loop, pod="victim")
+        for _ in range(3):
+            victim.publish_and_wait(b.proc)  # seq 0..2: the canary's blocks of seq 0..2, shared
+        while b.canary.seq < 3:
+            b.canary.publish_and_wait(b.proc)
+        rks = [rk for rks, _ in b.loop.run_until_complete(held_blocks(b.ix.writer, "victim")).values() for rk in rks]
+        canary_blocks = b.canary.info().blocks
+
+        def owners() -> list[list[str]]:
+            return [sorted(json.loads(f)["PodIdentifier"] for f in b.loop.run_until_complete(b.ix.client.hkeys(str(rk))))
+                    for rk in rks]
+
+        before = owners()
+        assert sum(pods == ["canary", "victim"] for pods in before) >= 2, before  # shared request keys
+        b.loop.run_until_complete(b.ix.client.hset(pod_state_key("victim"), "s", b"\xc1junk"))
+        b.loop.run_until_complete(b.ix.client.hset(pod_meta_key("victim"), "gen", "999:elsewhere"))
+        deadline = time.monotonic() + 15
+        while "state log does not read" not in (info := victim.info()).incomplete_reason:
+            b.pub.send_multipart(encode_frames("kv@victim@tiny", 3, victim.batch(3)))  # refused
+            time.sleep(0.3)
+            assert time.monotonic() < deadline, (info, b.log.read_text()[-1500:])
+        out = subprocess.run([sys.executable, "-m", "kv_preflight", "index", "clear", "--pod", "victim", "--scan",
+                              "--json", "--valkey-url", valkey_url], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["fields_removed"] == 3
+        assert owners() == [[p for p in pods if p != "victim"] for pods in before]
+        assert b.canary.info().blocks == canary_blocks
+        victim.seq = 4
+        victim.publish_and_wait(b.proc)  # seq 3 was refused: a gap, which a --bind socket cannot replay
+        info = victim.info()
+        assert info.blocks == 1 and info.incomplete, info
+        assert list(b.loop.run_until_complete(held_blocks(b.ix.writer, "victim"))) == [(500_004, "gpu", 0)]
+        b.canary.publish_and_wait(b.proc)
+        assert "Traceback" not in b.log.read_text()
+
+
 def test_an_engine_restart_found_on_a_pod_whose_state_log_does_not_read_flags_it(valkey_url, tmp_path):
     """The junk found as an engine restart is cleared: a batch whose seq went back (not to 0) with a newer
     timestamp is answered "restart", the writer forgets the pod, and the reset that follows (``ResetIfThenCheck``:
