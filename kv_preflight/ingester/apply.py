@@ -55,6 +55,7 @@ class _Pending:
     mode: str = "check"
     steps: int = 0  # attempts so far (at most MAX_STEPS)
     placeholders: int = 0  # a replayed batch's skipped events, counted when its turn comes
+    stop_at_gap: bool = False  # a gap ends it unapplied ("gap"), neither replayed nor forced (Applier.apply)
 
 
 @dataclass
@@ -142,11 +143,14 @@ class Applier:
     # ---- one batch, and the batches a gap before it needs
 
     async def apply(self, pod: str, model: str, seq: int, batch: EventBatch, *, allow_replay: bool = True,
-                    mode: str = "check", decode_errors: int = 0, resumed: bool = False) -> str:
+                    mode: str = "check", decode_errors: int = 0, resumed: bool = False,
+                    stop_at_gap: bool = False) -> str:
         """Apply one batch; returns its final status. Retries transient Valkey errors until it is back; the
         recovery rules (ingester/recovery.py) decide each next step, at most MAX_STEPS per batch. A gap
-        to replay holds the pod ("held": this batch and the pod's next ones wait for ``apply_held``)."""
-        item = _Pending(seq, batch, decode_errors, allow_replay, mode)
+        to replay holds the pod ("held": this batch and the pod's next ones wait for ``apply_held``).
+        ``stop_at_gap``: a gap answers "gap" and nothing is applied or flagged (a rebuild's whole replay, whose
+        gap can only be another writer's reset of the pod under it: ``Resume._apply``)."""
+        item = _Pending(seq, batch, decode_errors, allow_replay, mode, stop_at_gap=stop_at_gap)
         parked = self.parked.get(pod)
         if parked is not None and not resumed:  # its rebuild is under way: after it (``resumed``: the replay itself)
             parked.append((model, item))
@@ -216,6 +220,8 @@ class Applier:
                 await self.unreadable(pod, seq, exc)
                 return "error"
             item.mode = "check"
+        elif isinstance(step, (Replay, Force)) and item.stop_at_gap:
+            return "gap"
         elif isinstance(step, Replay):
             assert replay is not None
             item.can_replay = False

@@ -132,8 +132,17 @@ class Resume:
                 log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild (another ingester of "
                             "it rebuilds it, or did); its flag is left to that rebuild", pod)
                 rebuilding = False
-        await self._apply(pod, task.result())
-        if rebuilding and whole:
+        # A whole replay of a pod being rebuilt stops at a gap: applied from seq 0 in order, it finds one only where
+        # another writer cleared the pod under it (another ingester's rebuild, its pod_info and clearing between
+        # two of this replay's batches: the seq had not moved). Forced past, this replay's next batch put the seq
+        # past what that rebuild had applied, which then skipped the missed batches as "dup", and this rebuild's
+        # end cleared the gap's flag: the pod read exact with blocks the engine had removed. That rebuild, whole
+        # from its own clearing, makes the pod exact and clears the flag; this one leaves it to it.
+        stopped = await self._apply(pod, task.result(), stop_at_gap=whole and pod in self._rebuilding)
+        if stopped is not None:
+            log.warning("%s: the pod was cleared under this rebuild's replay at seq %d (another ingester of it "
+                        "rebuilds it); its flag is left to that rebuild", pod, stopped)
+        elif rebuilding and whole:
             await self.valkey.call(self.index.meta.mark_complete, pod, rebuilt_in=self._epochs.get(pod, ""))
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
 
@@ -195,17 +204,23 @@ class Resume:
             out.append((last + 1, frames, complete))
         return out
 
-    async def _apply(self, pod: str, fetched: list[tuple[int, list, bool]]) -> None:
+    async def _apply(self, pod: str, fetched: list[tuple[int, list, bool]], *, stop_at_gap: bool = False) -> int | None:
+        """Apply what the replay sockets answered, in order; ``stop_at_gap``: the seq of the first batch that found a
+        gap, where the rest is left unapplied (None: all of it went)."""
         route = self.routes.pods.get(pod)
         if route is None:
-            return
+            return None
         for _, frames, _ in fetched:
             for f in frames:
                 if f.batch is not None and f.seq is not None:
                     if f.skipped:
                         await self.counters.count("placeholder_events", f.skipped)
-                    await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
-                                             decode_errors=len(f.errors), resumed=True)
+                    status = await self.applier.apply(pod, route.model, f.seq, f.batch, allow_replay=False,
+                                                      decode_errors=len(f.errors), resumed=True,
+                                                      stop_at_gap=stop_at_gap)
+                    if status == "gap" and stop_at_gap:
+                        return f.seq
+        return None
 
     def probe_later(self, src: Source, *, catch_up: bool = False) -> None:
         """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not
