@@ -143,6 +143,13 @@ class _Run:
         self.fut = fut
 
 
+def _evalshas(sha: str, arg_lists: list[list[Any]], key_lists: list[tuple[str, ...]] | None
+              ) -> tuple[list[tuple[str, ...]], list[bytes]]:
+    """Each EVALSHA's keys (none when not given) and the command packed."""
+    kl = key_lists or [()] * len(arg_lists)
+    return kl, [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+
+
 def _retrieved(f: asyncio.Future) -> None:
     """A future whose caller may never await it (it gave up on it first): its exception counts as seen."""
     if not f.cancelled():
@@ -380,8 +387,7 @@ class FastConnection:
         """Several EVALSHAs written at once, replies in order; a server error reply raises."""
         if not arg_lists:
             return []
-        kl = key_lists or [()] * len(arg_lists)
-        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        kl, raws = _evalshas(sha, arg_lists, key_lists)
         return await self._evalsha_replies(sha, script, arg_lists, kl, raws, await self._write_run(raws))
 
     def evalsha_now(self, sha: str, script: str, arg_lists: list[list[Any]],
@@ -394,8 +400,7 @@ class FastConnection:
         if proto is None or not proto.open or not arg_lists:
             return None
         loop = asyncio.get_running_loop()
-        kl = key_lists or [()] * len(arg_lists)
-        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        kl, raws = _evalshas(sha, arg_lists, key_lists)
         run = _Run(len(raws), loop.create_future())
         proto.pending.append(run)
         proto.write(b"".join(raws))
@@ -410,8 +415,15 @@ class FastConnection:
                 out.set_result(f.result())
                 return
             slow = asyncio.ensure_future(self._evalsha_replies(sha, script, arg_lists, kl, raws, written))
-            slow.add_done_callback(lambda t: out.done() or (out.set_exception(t.exception()) if t.exception()
-                                                            else out.set_result(t.result())))
+            slow.add_done_callback(passed_on)
+
+        def passed_on(t: asyncio.Future) -> None:  # the slow way's outcome is the future's
+            if out.done():
+                return
+            if t.exception() is not None:
+                out.set_exception(t.exception())
+            else:
+                out.set_result(t.result())
 
         run.fut.add_done_callback(replied)
         return out
@@ -431,8 +443,7 @@ class FastConnection:
             done = loop.create_future()
             done.set_result([])
             return done
-        kl = key_lists or [()] * len(arg_lists)
-        raws = [pack("EVALSHA", sha, len(k), *k, *a) for k, a in zip(kl, arg_lists)]
+        kl, raws = _evalshas(sha, arg_lists, key_lists)
         written = await self._write_run(raws)
         return asyncio.ensure_future(self._evalsha_replies(sha, script, arg_lists, kl, raws, written))
 

@@ -30,7 +30,6 @@ command being most of their cost.
 from __future__ import annotations
 
 import asyncio
-
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -70,6 +69,19 @@ class PodRouted(msgspec.Struct, frozen=True):
     approximate: int = 0
     footprint: int = 0  # blocks of other prefixes homed there within the window
     homed_ms_ago: int = -1  # when the prompt's own prefix was last homed there (-1: not within the window)
+
+
+def _book(pod: str, booking: str, tokens: int, ttl_ms: int) -> list[tuple[str, tuple[Any, ...]]]:
+    return [(pod, ("book", booking, max(0, int(tokens)), int(ttl_ms)))]
+
+
+def _releases(bookings: Mapping[str, Sequence[str]]) -> list[tuple[str, tuple[Any, ...]]]:
+    return [(pod, ("release", *ids)) for pod, ids in bookings.items() if ids]
+
+
+def _booked(calls: Sequence[tuple[str, Sequence[object]]]) -> tuple[list[tuple[str, str]], list[Sequence[object]]]:
+    """booked.lua's keys and arguments, one call per (pod, arguments)."""
+    return [pod_booking_keys(p) for p, _ in calls], [a for _, a in calls]
 
 
 def _speculate(pod: str, blob: bytes, ttl_ms: int, max_keys: int) -> tuple[list[tuple[str]], list[tuple[Any, ...]]]:
@@ -112,22 +124,22 @@ class RoutedStore:
 
     def book_now(self, pod: str, booking: str, tokens: int, ttl_ms: int) -> "asyncio.Future | None":
         """``book``, written now (``_eval_now``)."""
-        return self._eval_now(self._booked, [pod_booking_keys(pod)], [("book", booking, max(0, int(tokens)), int(ttl_ms))])
+        return self._eval_now(self._booked, *_booked(_book(pod, booking, tokens, ttl_ms)))
 
     def release_now(self, bookings: Mapping[str, Sequence[str]]) -> "asyncio.Future | None":
         """``release_many``, written now (``_eval_now``)."""
-        calls = [(pod, ("release", *ids)) for pod, ids in bookings.items() if ids]
-        return self._eval_now(self._booked, [pod_booking_keys(p) for p, _ in calls], [a for _, a in calls]) if calls else None
+        calls = _releases(bookings)
+        return self._eval_now(self._booked, *_booked(calls)) if calls else None
 
     async def _booked_calls(self, calls: Sequence[tuple[str, Sequence[object]]]) -> list[Booked]:
         """One script call per (pod, arguments), pipelined (a cluster client sends each to its pod's shard)."""
         if not calls:
             return []
-        replies = await self._eval(self._booked, [pod_booking_keys(p) for p, _ in calls], [a for _, a in calls])
+        replies = await self._eval(self._booked, *_booked(calls))
         return [Booked(int(n), int(tokens)) for n, tokens in replies]
 
     async def book(self, pod: str, booking: str, tokens: int, ttl_ms: int) -> Booked:
-        return (await self._booked_calls([(pod, ("book", booking, max(0, int(tokens)), int(ttl_ms)))]))[0]
+        return (await self._booked_calls(_book(pod, booking, tokens, ttl_ms)))[0]
 
     async def renew(self, bookings: Mapping[str, Iterable[str]], ttl_ms: int) -> None:
         """Move the expiry of these bookings (pod -> booking ids) to now + ``ttl_ms``: they still run."""
@@ -139,7 +151,7 @@ class RoutedStore:
 
     async def release_many(self, bookings: Mapping[str, Sequence[str]]) -> None:
         """Release these bookings (pod -> booking ids): one script call per pod, written at once."""
-        await self._booked_calls([(pod, ("release", *ids)) for pod, ids in bookings.items() if ids])
+        await self._booked_calls(_releases(bookings))
 
     async def read(self, pods: Iterable[str], blob: bytes = b"", window_ms: int = 0) -> dict[str, PodRouted]:
         """Each pod's bookings, its hold of the prompt whose keys ``blob`` holds, and (``window_ms`` > 0) its

@@ -36,7 +36,7 @@ from kv_preflight.index.entries import parse_entry, text
 from kv_preflight.index.layout import (ENGINE_KEY_MATCH, REQUEST_KEY_MATCH, is_request_key_name, pod_meta_key,
                                        pod_state_key, presence_key)
 from kv_preflight.index.pod_log import PodLogError
-from kv_preflight.index.presence import presence_value
+from kv_preflight.index.presence import mask_of, presence_value
 from kv_preflight.index.rank_pods import base_pod, family_bits
 from kv_preflight.index.transfer import held_blocks
 
@@ -194,11 +194,8 @@ async def _write(client, fill) -> list[Any]:
 
 
 def _holds_bit(bits: dict, num: int) -> bool:
-    for raw in bits.values():
-        bitmap = presence_value(raw)[1]
-        if num // 8 < len(bitmap) and bitmap[num // 8] & (1 << (num % 8)):
-            return True
-    return False
+    """Pod ``num``'s bit in any field of a presence hash as read (HGETALL: field -> "count:bitmap")."""
+    return bool(mask_of({f: presence_value(raw)[1] for f, raw in bits.items()}) >> num & 1)
 
 
 async def _prune_engine_keys(client, names: Sequence[bytes], tally: ScanTally) -> None:

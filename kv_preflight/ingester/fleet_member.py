@@ -133,7 +133,7 @@ class FleetMember(LeaseHolder):
         self.fetches: dict[str, asyncio.Task] = {}  # engine URL -> /kv_event_sources
         self.probes: dict[str, asyncio.Task] = {}  # engine URL -> /health (+ /metrics, /v1/models)
         # retirements and drops under way, and pods no lease lists (ingester/retirement.py)
-        self.retirements = Retirements(index, cfg, ingester.counters, ingester.schedule_rebuild)
+        self.retirements = Retirements(index, cfg, ingester.counters, ingester.schedule_rebuild, ingester.not_reset)
         self.health: dict[str, Health] = {}  # pod -> failures in a row (primary owner only)
         self.records: dict[str, PodRecord] = {}  # pod -> what we last wrote
         self.records_made: set[str] = set()  # pods of URL-less feeds whose record this process wrote if none was

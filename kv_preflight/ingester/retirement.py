@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -26,11 +26,16 @@ RETIRE_TRIES = 5  # a retirement whose Valkey calls fail is tried again this man
 
 
 class Retirements:
-    def __init__(self, index: Index, cfg: Config, counters: Counters, schedule_rebuild: Callable[[str], None]):
+    def __init__(self, index: Index, cfg: Config, counters: Counters, schedule_rebuild: Callable[[str], None],
+                 not_reset: Callable[[str, str, PodLogError], Awaitable[None]]):
         self.index = index
         self.cfg = cfg
         self.counters = counters
         self.schedule_rebuild = schedule_rebuild
+        # a pod leaving the index whose state log does not read: its entries cannot be found to clear, so they stay,
+        # the pod flagged with the reason, logged and counted (the ingester's Applier.not_reset); nothing is let go,
+        # its metadata and number stay (freed, the number would name another pod in those entries)
+        self.not_reset = not_reset
         # pod -> its retirement or drop under way: it waits for every lease (this one's too, renewed beside the
         # rounds) to say the pod was let go, so it never runs inside a round
         self.leaving: dict[str, asyncio.Task] = {}
@@ -52,7 +57,7 @@ class Retirements:
                 cleared = (await retire_pods(self.index, {pod: reason}))[pod]
                 break
             except PodLogError as exc:
-                await self._unreadable(pod, f"retired ({reason})", exc)
+                await self.not_reset(pod, f"retired ({reason})", exc)
                 return
             except VALKEY_ERRORS as exc:
                 if attempt == RETIRE_TRIES:
@@ -80,17 +85,9 @@ class Retirements:
             dropped = []
         for pod, exc in unread.items():
             self.kept.add(pod)
-            await self._unreadable(pod, "retention over", exc)
+            await self.not_reset(pod, "retention over", exc)
         if dropped:
             log.info("retired pod(s) %s dropped from the registry after %.0f s", dropped, self.cfg.retired_retention_s)
-
-    async def _unreadable(self, pod: str, why: str, exc: PodLogError) -> None:
-        """A pod leaving the index whose state log does not read: its entries cannot be found to clear, so they
-        stay, the pod flagged with the reason, logged and counted as a batch not applied; nothing was let go, its
-        metadata and number stay (freed, the number would name another pod in those entries)."""
-        log.error("pod %s: %s; its entries left, not cleared: %s", pod, why, str(exc)[:300])
-        await self.counters.count("apply_errors")
-        await self.index.meta.mark_incomplete(pod, f"{why}; not cleared: {exc}"[:300])
 
     def _leave(self, pods: list[str], work) -> None:
         task = asyncio.ensure_future(work)

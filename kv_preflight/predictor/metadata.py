@@ -148,11 +148,16 @@ class IndexMetadata:
     async def known_models(self, wanted: str | None = None) -> frozenset[str]:
         """Models the index has pods for, LoRA adapters included (the adapters its pods' events stored blocks of);
         re-read when older than ``ttl_s`` or when ``wanted`` is missing."""
-        now = self.clock()
-        age = None if self._models_at is None else now - self._models_at
-        if age is None or age >= self.ttl_s or (wanted is not None and wanted not in self._models and age >= MODEL_MISS_RECHECK_S):
+        if self._models_stale(wanted):
             await self._flight.run("models", self._load_models)
         return self._models
+
+    def _models_stale(self, wanted: str | None = None) -> bool:
+        """``known_models``'s rule for reading the registry again: older than ``ttl_s``, or ``wanted`` missing from
+        a read older than ``MODEL_MISS_RECHECK_S``."""
+        age = None if self._models_at is None else self.clock() - self._models_at
+        return age is None or age >= self.ttl_s or (wanted is not None and wanted not in self._models
+                                                    and age >= MODEL_MISS_RECHECK_S)
 
     async def pods_of(self, model: str) -> set[str]:
         """Pods the index lists under ``model`` (their topic's model, or an adapter whose blocks their events
@@ -162,9 +167,7 @@ class IndexMetadata:
 
     def fresh_pods_of(self, model: str) -> frozenset[str] | None:
         """``pods_of`` when what was read last is fresh enough to answer it without a read, else None."""
-        if self._models_at is None or self.clock() - self._models_at >= self.ttl_s:
-            return None
-        return self.cached_pods_of(model)
+        return None if self._models_stale() else self.cached_pods_of(model)
 
     def cached_pods_of(self, model: str) -> frozenset[str]:
         """``pods_of`` from what was read last, without a read (empty before the first). A frozenset made once
