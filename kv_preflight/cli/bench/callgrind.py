@@ -173,7 +173,6 @@ def measure_gateway(tmp: str, requests: int = 300) -> float:
     """The gateway's instructions per forwarded request: ``kv-preflight gateway`` under callgrind, one engine (the
     bench's echo engine, answering at once) holding the gateway row's 4K-token prompts in the index, requests sent
     one after another (each decided, booked, forwarded and answered), instrumentation on after a warm-up."""
-    import random
     from pathlib import Path
 
     import httpx
@@ -186,8 +185,7 @@ def measure_gateway(tmp: str, requests: int = 300) -> float:
     vk = ValkeyServer(Path(tmp) / "vk", appendonly=False).start()
     engine = proc = None
     try:
-        rng = random.Random(11)
-        prompts = [[rng.randrange(5, 30_000) for _ in range(gw.PROMPT_TOKENS)] for _ in range(16)]
+        prompts = gw.speed_prompts(16)
         bodies = [msgspec.json.encode({"model": gw.MODEL, "prompt": p, "max_tokens": 1}) for p in prompts]
         engine_port, port = free_port(), free_port()
         engine = Server([python(), "-m", "kv_preflight.cli.bench.echo_engine", str(engine_port), gw.MODEL, "0"],

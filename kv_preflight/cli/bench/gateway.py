@@ -55,6 +55,12 @@ ENGINE_MS = 200.0  # the echo engine's answer time in the latency runs: a short 
 PROMPT_TOKENS = 4096
 
 
+def speed_prompts(n: int) -> list[list[int]]:
+    """The speed rows' prompts (this module's and scripts/callgrind's): ``n`` random 4K-token prompts, the same each run."""
+    rng = random.Random(11)
+    return [[rng.randrange(5, 30_000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
+
 def _loadgen(port: int, bodies: list[bytes], tmp: Path, name: str, *, duration_s: float, concurrency: int,
              path: str = "/v1/completions", stagger_s: float = 0.0, warmup: int | None = None) -> dict[str, Any]:
     import subprocess
@@ -119,8 +125,7 @@ def bench_gateway(res, vk: ValkeyServer, quick: bool, tmp: Path) -> None:
     r = redis.Redis.from_url(vk.url)
     r.flushall()
     r.close()
-    rng = random.Random(11)
-    prompts = [[rng.randrange(5, 30_000) for _ in range(PROMPT_TOKENS)] for _ in range(16 if quick else 64)]
+    prompts = speed_prompts(16 if quick else 64)
     servers: list[Server] = []
     duration = 3.0 if quick else 10.0
     try:
