@@ -104,19 +104,26 @@ class Subscriber:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             if "[" in src.endpoint:
                 sock.setsockopt(zmq.IPV6, 1)
-            if src.bind:
-                sock.bind(src.endpoint)
-            else:
-                sock.connect(src.endpoint)
             # Connecting: every (re)connection is reported once its handshake is done, so an engine that
             # restarted behind the same endpoint can be probed before it publishes anything; drops and
             # failed handshakes too (see _dropped). Bound: drops only, logged (the publisher reconnects).
             # A bound socket named with pod= counts its publishers too: its frames carry no pod of their own,
             # so it is only trusted while exactly one publisher is connected (see ``crowded``).
             # Bound sockets count their publishers too, so one left by its last publisher is down until one is back.
+            # The monitor is attached before connect/bind: libzmq does not report events from before it, and a
+            # handshake on loopback can finish first; the start's restart probe was then never run.
             mon = sock.get_monitor_socket((zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
                                           if src.bind else
                                           zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            try:
+                if src.bind:
+                    sock.bind(src.endpoint)
+                else:
+                    sock.connect(src.endpoint)
+            except Exception:
+                sock.disable_monitor()
+                mon.close(linger=0)
+                raise
         except Exception:
             sock.close(linger=0)
             raise

@@ -489,3 +489,36 @@ async def test_a_busy_engine_does_not_starve_a_quiet_one():
         sub.close()
         for e in engines:
             e.close()
+
+
+class _SlowToReturnFromConnect(zmq.asyncio.Socket):
+    """A real socket whose ``connect`` returns only after its handshake has had time to finish (as it can on a
+    loaded machine: libzmq connects in its own thread)."""
+
+    def connect(self, addr):
+        out = super().connect(addr)
+        time.sleep(0.2)
+        return out
+
+
+class _SlowConnectContext(zmq.asyncio.Context):
+    _socket_class = _SlowToReturnFromConnect
+
+
+async def test_a_handshake_done_before_connect_returns_is_still_reported():
+    """The monitor was attached after ``connect``: a handshake finished by then was never reported, so the
+    ingester's restart probe at start never ran (seen once in CI: an engine restarted while its ingester was
+    down left the pod's old entries exact)."""
+    from kv_preflight.ingester.subscriber import Subscriber
+
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    engine = EngineStub(pub, f"tcp://127.0.0.1:{free_port()}", "kv@pod-a@tiny")
+    ctx = _SlowConnectContext()
+    sub = Subscriber([Source(pub)], ctx=ctx)
+    try:
+        got = await asyncio.wait_for(sub.receive(), 10)
+        assert [frames for _, frames in got] == [None], got
+    finally:
+        sub.close()
+        engine.close()
+        ctx.term()
