@@ -225,6 +225,37 @@ async def test_refused_connection_is_retried_on_the_next_candidate_and_the_fleet
     assert "kvpf_gateway_retries_total 1.0" in metrics
 
 
+async def test_a_pod_whose_engine_never_got_the_request_is_neither_booked_nor_given_speculative_blocks(
+        valkey_url, ix, gateway, stubs):
+    """A request's booking and speculative entries are written once it is on its way to the engine: a pod whose
+    engine refused the connection never got the prompt, and counting its blocks there (as was done, for the
+    speculative TTL) would steer the prompt's next requests to a pod that does not hold it."""
+    import redis as sync_redis
+    from kv_preflight.index.layout import pod_booking_keys, pod_speculative_key
+
+    alive = stubs(body=b'{"ok": "alive"}')
+    await ix.fleet.put_pod_records({"pod-dead": record(dead_url()), "pod-alive": record(alive.url)})
+    await fed(ix, "pod-dead", "pod-alive")  # ingested pods: speculative entries (not an approximate index)
+    g = gateway("--gateway-avoid", "0.01", "--gateway-speculative-ttl", "60").ready()
+    r = sync_redis.Redis.from_url(valkey_url)
+    for start in range(1000, 20000, 64):  # new prompts: placed by their hash, until one went to pod-dead first
+        got = await g.complete(list(range(start, start + 64)))
+        assert got.status_code == 200, got.text
+        if got.headers.get("x-kvpf-retried-from") == "pod-dead":
+            break
+        await asyncio.sleep(0.05)  # pod-dead avoided no longer
+    else:
+        raise AssertionError("no prompt was placed on pod-dead first")
+    assert got.headers["x-kvpf-pod"] == "pod-alive"
+    async def counted() -> bool:
+        return bool(r.exists(pod_speculative_key("pod-alive")))
+
+    await until(counted, "the pod it went to counting its blocks")
+    assert not r.exists(pod_speculative_key("pod-dead")), "speculative blocks on a pod that never got the prompt"
+    assert not r.exists(pod_booking_keys("pod-dead")[0]), "a booking on a pod that never got the request"
+    r.close()
+
+
 async def test_5xx_before_the_first_byte_is_retried_once(valkey_url, ix, gateway, stubs):
     failing = stubs(status=500, body=b'{"error": "boom"}')
     other = stubs(body=b'{"ok": "other"}')

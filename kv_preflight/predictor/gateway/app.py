@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,6 +67,26 @@ class _Decided(msgspec.Struct):
     keys: list[int]
     n_tokens: int
     indexed: bool  # False: by load and hash, the index could not decide
+
+
+class _Booked:
+    """A request's booking, made once its request is written to the engine (``sent``, from the upstream client;
+    once, whatever the client's own retry) and taken back to be released (``take``: None if none was made)."""
+
+    __slots__ = ("make", "booking")
+
+    def __init__(self) -> None:
+        self.make: Callable[[], Booking | None] | None = None
+        self.booking: Booking | None = None
+
+    def sent(self) -> None:
+        if self.make is not None:
+            make, self.make = self.make, None
+            self.booking = make()
+
+    def take(self) -> Booking | None:
+        booking, self.booking, self.make = self.booking, None, None
+        return booking
 
 
 class Gateway:
@@ -150,7 +170,7 @@ class Gateway:
         if self.own_keys:
             headers = [(k, v) for k, v in headers if k != b"authorization"]
         failed: str | None = None
-        booking: Booking | None = None
+        booked = _Booked()
         try:
             while True:
                 decision = decided.decision
@@ -161,15 +181,16 @@ class Gateway:
                     return "no_pod"
                 url = self.engines.url_of(pod)
                 self.metrics.decision.observe(time.perf_counter() - started)
-                booking = self._after_decision(decided, routable)
+                # booked once the request is on its way to the engine: the booking's Python and its write to
+                # Valkey are then not between the decision and the engine (every gateway sees it a moment later)
+                booked.make = lambda d=decided: self._after_decision(d, routable)
                 try:
                     if url is None:
                         raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
                                                        "names one, no --engine is it)", connect=False)
-                    response = await self._open(url + path, body, headers, decision)
+                    response = await self._open(url + path, body, headers, decision, booked.sent)
                 except UpstreamFailed as exc:
-                    self._release(booking)
-                    booking = None
+                    self._release(booked.take())
                     self._failed(pod, exc)
                     if failed is None:
                         again = await self._decide_again(decided)
@@ -182,7 +203,6 @@ class Gateway:
                         f", after pod {failed} failed" if failed else "")), "BadGatewayError")
                     return "upstream_failed"
                 break
-            self.metrics.sent(pod)
             try:
                 extra = decision_headers(decided.decision, failed)
                 await send({"type": "http.response.start", "status": response.status_code,
@@ -195,9 +215,10 @@ class Gateway:
                 log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
                 self.metrics.failure("cut_short")
             finally:
+                self.metrics.sent(pod)  # (counted after the answer: not in its way)
                 await response.aclose()
         finally:
-            self._release(booking)  # however the request ended: answered, failed, or its client gone
+            self._release(booked.take())  # however the request ended: answered, failed, or its client gone
         return f"{response.status_code // 100}xx"
 
     def _after_decision(self, decided: _Decided, routable: Routable) -> Booking | None:
@@ -261,10 +282,10 @@ class Gateway:
         if booking is not None and self.bookings is not None:
             self.bookings.release(booking)
 
-    async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision) -> Response:
+    async def _open(self, url: str, body: bytes, headers: Any, decision: RouteDecision, sent=None) -> Response:
         assert self.upstream is not None
         # data-parallel ranks (docs/routing.md): a decision that names a rank pins the request to it
-        return await self.upstream.open(url, body, headers, dp_rank=getattr(decision, "dp_rank", None))
+        return await self.upstream.open(url, body, headers, dp_rank=getattr(decision, "dp_rank", None), sent=sent)
 
     def _failed(self, pod: str, exc: UpstreamFailed) -> None:
         self.metrics.failure(exc.kind)

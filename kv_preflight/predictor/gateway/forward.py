@@ -24,7 +24,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
 
 import httptools
@@ -213,9 +213,10 @@ class Upstream:
         self._tls: ssl.SSLContext | None = None  # made at the first https:// engine
 
     async def open(self, url: str, body: bytes, headers: Iterable[tuple[bytes, bytes]],
-                   dp_rank: int | None = None) -> Response:
+                   dp_rank: int | None = None, sent: Callable[[], None] | None = None) -> Response:
         """The engine's answer, its status and headers read, its body not yet: the caller streams and closes it.
-        UpstreamFailed when the engine gave nothing worth passing on (see the module's docstring)."""
+        UpstreamFailed when the engine gave nothing worth passing on (see the module's docstring). ``sent`` is
+        called as each attempt's request is written (the caller's work that need not delay the request: after)."""
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
         if parts.scheme not in ("http", "https"):
@@ -238,7 +239,7 @@ class Upstream:
             if conn is None:
                 conn = await self._connect(key)
             try:
-                return await self._exchange(conn, request)
+                return await self._exchange(conn, request, sent)
             except Cut as exc:
                 conn.close()
                 if reused and not conn.got_bytes and attempt == 0:
@@ -254,11 +255,13 @@ class Upstream:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, conn: _Conn, request: bytes) -> Response:
+    async def _exchange(self, conn: _Conn, request: bytes, sent: Callable[[], None] | None = None) -> Response:
         conn._reset()
         conn.head = asyncio.get_running_loop().create_future()
         assert conn.transport is not None
         conn.transport.write(request)
+        if sent is not None:
+            sent()
         async with asyncio.timeout(self.read_timeout_s):
             await conn.head
         response = Response(conn, self, self.read_timeout_s)
