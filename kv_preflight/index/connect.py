@@ -15,6 +15,7 @@ from kv_preflight.index.backend import Looked
 from kv_preflight.index.cluster import TAKEOVER_MS, ClusterBackend, cluster_client, probe_cluster
 from kv_preflight.index.entries import ApplyResult, Lookup
 from kv_preflight.index.presence import NamesFor
+from kv_preflight.index.resend import redis_client
 from kv_preflight.index.resp import FastConnection
 from kv_preflight.index.single import SingleNodeBackend
 from kv_preflight.index.writer import Prepared
@@ -104,7 +105,7 @@ def connect(url: str, *, timeout_s: float = 1.0, cluster: bool | None = None,
     # read-only lookups; and on the lean connection the apply, whose seq check answers "dup" to a
     # batch already applied (only the ingester's checked runs go there; "import" goes by redis-py).
     lookups = {resp.script_sha(s) for s in (scripts.LOOKUP_LINEAR, scripts.LOOKUP_BITS)}
-    client = resp.redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
+    client = redis_client(url, timeout_s=timeout_s, resend_scripts=lookups)
     fast = FastConnection.from_url(url, timeout_s=timeout_s,
                                    resend_scripts=lookups | {resp.script_sha(scripts.APPLY)})
     return client, SingleNodeBackend(client, fast)

@@ -309,7 +309,8 @@ async def test_a_run_cut_after_its_first_reply_is_resent_from_the_first_unanswer
 
 
 async def test_redis_client_resends_only_what_can_run_twice(valkey_server, valkey_url):
-    from kv_preflight.index.resp import redis_client, script_sha
+    from kv_preflight.index.resend import redis_client
+    from kv_preflight.index.resp import script_sha
 
     r = redis.Redis.from_url(valkey_url)
     r.set("k", "v")
@@ -340,7 +341,7 @@ async def test_redis_client_resends_only_what_can_run_twice(valkey_server, valke
 async def test_redis_client_replaces_a_pooled_connection_the_server_closed(valkey_url):
     """redis-py 8's pool skipped this check ("auto" maintenance notifications): after a restart
     or CLIENT KILL, the next command on each pooled connection failed, even a write."""
-    from kv_preflight.index.resp import redis_client
+    from kv_preflight.index.resend import redis_client
 
     client = redis_client(valkey_url, timeout_s=1.0)
     assert await client.ping()

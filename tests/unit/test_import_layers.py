@@ -120,3 +120,11 @@ def test_the_circle_scan_finds_a_circle_through_type_checking(tmp_path):
         assert import_cycles() == [["kv_preflight.index.a", "kv_preflight.index.b"]]
     finally:
         PACKAGE = saved
+
+
+MAX_MODULE_LINES = 600  # a room one can read at a sitting (issue 41); a larger one is split by what it holds
+
+
+def test_no_module_is_over_600_lines():
+    big = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
