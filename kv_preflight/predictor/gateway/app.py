@@ -69,24 +69,20 @@ class _Decided(msgspec.Struct):
     indexed: bool  # False: by load and hash, the index could not decide
 
 
-class _Booked:
-    """A request's booking, made once its request is written to the engine (``sent``, from the upstream client;
-    once, whatever the client's own retry) and taken back to be released (``take``: None if none was made)."""
+class _OnSent:
+    """What a request leaves in its pod's cache, written once its bytes are on their way to the engine (``sent``,
+    called by the upstream client; once, whatever the client's own retry): a pod whose engine could not be reached
+    never holds the prompt's speculative or approximate entries."""
 
-    __slots__ = ("make", "booking")
+    __slots__ = ("write",)
 
-    def __init__(self) -> None:
-        self.make: Callable[[], Booking | None] | None = None
-        self.booking: Booking | None = None
+    def __init__(self, write: Callable[[], None]) -> None:
+        self.write: Callable[[], None] | None = write
 
     def sent(self) -> None:
-        if self.make is not None:
-            make, self.make = self.make, None
-            self.booking = make()
-
-    def take(self) -> Booking | None:
-        booking, self.booking, self.make = self.booking, None, None
-        return booking
+        if self.write is not None:
+            write, self.write = self.write, None
+            write()
 
 
 class Gateway:
@@ -170,7 +166,7 @@ class Gateway:
         if self.own_keys:
             headers = [(k, v) for k, v in headers if k != b"authorization"]
         failed: str | None = None
-        booked = _Booked()
+        booking: Booking | None = None
         try:
             while True:
                 decision = decided.decision
@@ -181,16 +177,18 @@ class Gateway:
                     return "no_pod"
                 url = self.engines.url_of(pod)
                 self.metrics.decision.observe(time.perf_counter() - started)
-                # booked once the request is on its way to the engine: the booking's Python and its write to
-                # Valkey are then not between the decision and the engine (every gateway sees it a moment later)
-                booked.make = lambda d=decided: self._after_decision(d, routable)
+                # booked now, so this process's next decisions count it whatever the upstream takes (a connect);
+                # what it leaves in the pod's cache once its bytes are on their way (``_OnSent``)
+                booking = self._book(decided, routable)
+                on_sent = _OnSent(lambda d=decided: self._remember_sent(d))
                 try:
                     if url is None:
                         raise UpstreamFailed("no_url", f"no engine URL is known for pod {pod} (no fleet record "
                                                        "names one, no --engine is it)", connect=False)
-                    response = await self._open(url + path, body, headers, decision, booked.sent)
+                    response = await self._open(url + path, body, headers, decision, on_sent.sent)
                 except UpstreamFailed as exc:
-                    self._release(booked.take())
+                    self._release(booking)
+                    booking = None
                     self._failed(pod, exc)
                     if failed is None:
                         again = await self._decide_again(decided)
@@ -203,6 +201,7 @@ class Gateway:
                         f", after pod {failed} failed" if failed else "")), "BadGatewayError")
                     return "upstream_failed"
                 break
+            self.metrics.sent(pod)
             try:
                 extra = decision_headers(decided.decision, failed)
                 await send({"type": "http.response.start", "status": response.status_code,
@@ -215,25 +214,31 @@ class Gateway:
                 log.warning("pod %s: answer cut short: %s: %s", pod, type(exc).__name__, exc)
                 self.metrics.failure("cut_short")
             finally:
-                self.metrics.sent(pod)  # (counted after the answer: not in its way)
                 await response.aclose()
         finally:
-            self._release(booked.take())  # however the request ended: answered, failed, or its client gone
+            self._release(booking)  # however the request ended: answered, failed, or its client gone
         return f"{response.status_code // 100}xx"
 
-    def _after_decision(self, decided: _Decided, routable: Routable) -> Booking | None:
-        """What every gateway must know of this request, written in the background beside the upstream request (a
-        failure only counted): its cost booked on its pod (the prompt's tokens not cached there, and what it will
-        decode), and what it leaves in that pod's cache (``_remember``), sent together."""
-        remember = self._remember(decided)
+    def _book(self, decided: _Decided, routable: Routable) -> Booking | None:
+        """The request's cost booked on its pod (the prompt's tokens not cached there, and what it will decode),
+        written in the background (a failure only counted); None: no bookings here, or nothing decided by the index."""
         if self.bookings is None or not decided.indexed or decided.decision.pod_id is None:
-            if remember is not None:
-                self._spawn(remember)
             return None
         d = decided.decision
         decode = routable.max_tokens if routable.max_tokens is not None else self.cfg.gateway_decode_tokens
-        return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode),
-                                  also=remember)
+        return self.bookings.book(d.pod_id, max(0, d.total_prompt_tokens - d.cached_tokens) + max(0, decode))
+
+    def _remember_sent(self, decided: _Decided) -> None:
+        """``_remember``, from the upstream client's callback: written (a coroutine run), and whatever goes wrong
+        only counted, never raised into the exchange (the engine would see its request abandoned)."""
+        try:
+            remember = self._remember(decided)
+            if remember is not None:
+                self._spawn(remember)
+        except Exception as exc:  # a bug, not the request's failure
+            self.metrics.write_failed("speculative")
+            log.warning("what request left in pod %s's cache was not written: %s: %s", decided.decision.pod_id,
+                        type(exc).__name__, exc)
 
     def _remember(self, decided: _Decided):
         """The write of what the request leaves in its pod's cache (kv_preflight/index/routed.py): on a pod no

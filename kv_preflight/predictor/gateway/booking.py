@@ -16,9 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from kv_preflight.index.backend import VALKEY_ERRORS
 from kv_preflight.index.routed import RoutedStore
@@ -50,10 +48,9 @@ class Bookings:
         self._releases: dict[str, list[str]] = {}  # pod -> booking ids released, not sent yet
         self._release_timer: asyncio.TimerHandle | None = None
 
-    def book(self, pod: str, tokens: int, also: Coroutine[Any, Any, None] | None = None) -> Booking:
-        """Book ``tokens`` on ``pod``, written in the background; ``also``: the request's other writes, sent beside
-        it, not after its reply: another gateway deciding the same new prefix a moment later sees them one Valkey
-        round trip sooner (8 gateways scattered a burst of new prefixes in that round trip)."""
+    def book(self, pod: str, tokens: int) -> Booking:
+        """Book ``tokens`` on ``pod``, written in the background (in this turn of the loop: with the request's
+        speculative entries, written as its bytes go out, one send)."""
         self.count += 1
         booking = Booking(pod, f"{self.prefix}:{self.count}", max(0, int(tokens)))
         self.live.setdefault(pod, {})[booking.id] = booking.tokens
@@ -61,11 +58,8 @@ class Bookings:
         self._send_releases()  # written in the same turn of the loop as the booking: one send
         sent = self.store.book_now(pod, booking.id, booking.tokens, self.ttl_ms)
         if sent is None:  # (no lean connection open: a task writes it)
-            write = self._write(booking)
-            booking.written = self._spawn(asyncio.gather(write, also) if also is not None else write)
+            booking.written = self._spawn(self._write(booking))
             return booking
-        if also is not None:
-            self._spawn(also)
         booking.written = self._track(sent, lambda: self.state.unwritten(pod, -1, -booking.tokens))
         return booking
 
