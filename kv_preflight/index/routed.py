@@ -21,8 +21,8 @@ Fleet-wide, one slot: **placement claims** (``lua/placing.lua``): a new prefix's
 idle, before any home or booking lands) and would all pick the same pod: the claim counts the placements of the
 last moment beside the footprints each read, and gives every request of one new prefix the same pod.
 
-``read`` answers all of it for a prompt's keys and a set of pods in one pipelined round trip
-(``lua/routed_read.lua``, one call per pod). Key names come from kv_preflight/index/layout.py. A gateway makes
+``read`` answers all of it for a prompt's keys and a set of pods in one round trip (``lua/routed_read.lua``: one
+call for every pod on a single node, one per pod pipelined on a cluster). Key names come from kv_preflight/index/layout.py. A gateway makes
 up to four such calls per request (read, book, speculate, release; releases go a few at a time): on a single
 node they go on the index's lean connection (kv_preflight/index/resp.py) when it has one, redis-py's Python per
 command being most of their cost.
@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from kv_preflight.index import scripts
 from kv_preflight.index.backend import evalsha_pipeline
@@ -93,9 +94,23 @@ def _approximate(pod: str, blob: bytes, capacity_blocks: int, idle_ms: int) -> t
 
 
 def read_replies(pods: Sequence[str], replies: Sequence[Any]) -> dict[str, PodRouted]:
-    """``RoutedStore.read``'s answer from its script's replies, one per pod."""
-    return {p: PodRouted(Booked(int(r[0]), int(r[1])), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
-            for p, r in zip(pods, replies)}
+    """``RoutedStore.read``'s answer from its script's replies: six numbers per pod, in ``pods``' order, in one
+    reply (one call for every pod) or one reply per pod."""
+    flat = replies[0] if len(replies) == 1 else [x for r in replies for x in r]
+    if len(flat) != 6 * len(pods):
+        raise ResponseError(f"the routed read answered {len(flat)} numbers for {len(pods)} pods")
+    return {p: PodRouted(Booked(int(flat[i]), int(flat[i + 1])), int(flat[i + 2]), int(flat[i + 3]),
+                         int(flat[i + 4]), int(flat[i + 5])) for p, i in zip(pods, range(0, len(flat), 6))}
+
+
+def _read(pods: Sequence[str], blob: bytes, window_ms: int,
+          together: bool) -> tuple[list[tuple[str, ...]], list[tuple[Any, ...]]]:
+    """routed_read.lua's keys and arguments: every pod in one call (``together``: one node, the prompt's keys sent
+    once), else one call per pod (a cluster: a script's keys share one slot)."""
+    args = (EPOCH_MS, blob, int(window_ms))
+    if together:
+        return [tuple(k for p in pods for k in pod_routed_keys(p))], [args]
+    return [pod_routed_keys(p) for p in pods], [args] * len(pods)
 
 
 class RoutedStore:
@@ -159,8 +174,7 @@ class RoutedStore:
         pods = list(dict.fromkeys(pods))
         if not pods:
             return {}
-        replies = await self._eval(self._read, [pod_routed_keys(p) for p in pods],
-                                   [(EPOCH_MS, blob, int(window_ms))] * len(pods))
+        replies = await self._eval(self._read, *_read(pods, blob, window_ms, self.fast is not None))
         return read_replies(pods, replies)
 
     def read_now(self, pods: Sequence[str], blob: bytes = b"", window_ms: int = 0) -> "asyncio.Future | None":
@@ -168,7 +182,7 @@ class RoutedStore:
         lean connection when it is open (else None: ``read`` it is). ``pods``: distinct."""
         if not pods:
             return None
-        return self._eval_now(self._read, [pod_routed_keys(p) for p in pods], [(EPOCH_MS, blob, int(window_ms))] * len(pods))
+        return self._eval_now(self._read, *_read(pods, blob, window_ms, True))
 
     async def home(self, pod: str, prefix: int, blocks: int, window_ms: int) -> int:
         """``prefix`` (a prompt's first request key) homed on ``pod`` now, ``blocks`` long; the pod's footprint."""

@@ -184,3 +184,32 @@ async def test_new_prefixes_claimed_at_once_spread_and_one_prefix_keeps_its_pod(
     async def lapsed_and_taken_anew():
         return await store.claim(fleeting, 12, [(p, 0) for p in pods if p != first], 200, 0) != first
     await until(lapsed_and_taken_anew, "the claim lapsed with its TTL: the prefix placed anew")
+
+
+async def test_a_read_of_many_pods_sends_the_prompts_keys_once_on_one_node(store, valkey_url):
+    """On one node every pod is read in one script call, so the prompt's keys (2 KB for 4K tokens) go once, not once
+    per pod (64 pods were 128 KB and over a millisecond a decision); on a cluster one call per pod, as its slots
+    need. Either way each pod's answer is its own, in order: a pod's bookings, speculative and approximate keys and
+    footprint never read as another's."""
+    import redis as sync_redis
+
+    from kv_preflight.index.routed import keys_blob
+
+    a = chain(7, 12)
+    for i, pod in enumerate(PODS):
+        await store.book(pod, "g1:1", 10 * (i + 1), 60_000)
+        if i % 3 == 0:
+            await store.speculate(pod, keys_blob(a[: i + 1]), 60_000)
+        if i % 4 == 1:
+            await store.approximate(pod, keys_blob(a[: i]), 100, 60_000)
+    r = sync_redis.Redis.from_url(valkey_url)
+    r.config_resetstat()
+    got = await store.read(PODS, keys_blob(a))
+    calls = int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    r.close()
+    for i, pod in enumerate(PODS):
+        assert got[pod].booked == Booked(1, 10 * (i + 1)), pod
+        assert got[pod].speculative == (i + 1 if i % 3 == 0 else 0), pod
+        assert got[pod].approximate == (i if i % 4 == 1 else 0), pod
+    if store.fast is not None:
+        assert calls == 1, f"{calls} script calls for {len(PODS)} pods on one node"

@@ -10,7 +10,7 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[1]
-drop_expired(now)
+drop_expired(KEYS[1], KEYS[2], now)
 
 local ttl = nil
 if op == 'book' then
@@ -27,12 +27,12 @@ elseif op == 'renew' then
   end
 elseif op == 'release' then
   for i = 2, #ARGV do
-    drop(ARGV[i])
+    drop(KEYS[1], KEYS[2], ARGV[i])
   end
 end
 if ttl then
   redis.call('PEXPIRE', KEYS[1], 2 * ttl)
   redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 end
-local n, tokens = totals()
+local n, tokens = totals(KEYS[2])
 return {n, tokens}
