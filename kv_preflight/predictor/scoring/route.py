@@ -173,14 +173,17 @@ def decide(
         return s - ref >= policy.overload_abs and s >= policy.overload_rel * max(ref, 1.0)
 
     cands = []
+    ttft_at: dict[int, float] = {}  # cached tokens -> the estimate (most candidates hold nothing: one estimate)
     for pod in pods:
         a = by_pod.get(pod)
         cached = a.cached_tokens if a else 0
         ld = loads.get(pod)
+        if (estimate := ttft_at.get(cached)) is None:
+            estimate = ttft_at[cached] = ttft.estimate_ms(n, cached)
         cands.append(RouteCandidate(
             pod_id=pod, cached_tokens=cached,
             weighted_overlap=round(cached * policy.tier_weight(a.device_tier), 3) if a else 0.0,
-            estimated_ttft_ms=ttft.estimate_ms(n, cached), overloaded=overloaded(pod),
+            estimated_ttft_ms=estimate, overloaded=overloaded(pod),
             device_tier=a.device_tier if a else None,
             load=scores.get(pod),
             assumed_load=round(known_mean, 3) if pod not in scores and known_mean is not None else None,
