@@ -21,6 +21,8 @@ def test_quick_gateway_rows_run(tmp_path):
     doc = json.loads(out.read_text())
     rows = {r["row"].split(",")[0]: r for r in doc["rows"]}
     assert {"gateway: added latency", "gateway: throughput", "gateway: the route decision"} <= set(rows)
+    assert any(r["row"].endswith(", 64 pods") for r in doc["rows"]), [r["row"] for r in doc["rows"]]
+    assert doc["gateway"]["decision_64_pods"]["p50_ms"] > 0
     assert doc["failed_checks"] == []
     runs = [*doc["gateway"]["latency"]["pairs"], doc["gateway"]["throughput"]]
     assert len(runs) == 4  # three pairs of latency runs (--quick), one throughput run
