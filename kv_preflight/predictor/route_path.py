@@ -191,10 +191,12 @@ class RoutePath:
 
     def load_of(self, pod: str) -> PodLoad | None:
         """The predictor's own scrape (--pod-metrics, --engine-url) when fresh, else the fleet's shared load."""
-        own = self.load.snapshot(base_pod(pod), self.policy.stale_s) if self.load else None
+        base = base_pod(pod)
+        own = self.load.snapshot(base, self.policy.stale_s) if self.load else None
         if own is None and self.fleet is not None:
             # a data-parallel rank's own load when its owner scraped it per rank, else its engine's
-            return self.fleet.load(pod, self.policy.stale_s) or self.fleet.load(base_pod(pod), self.policy.stale_s)
+            shared = self.fleet.load(pod, self.policy.stale_s)
+            return shared if shared is not None or base == pod else self.fleet.load(base, self.policy.stale_s)
         return own
 
 
