@@ -1103,3 +1103,75 @@ async def test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_a
         assert a.poll() is None and b.poll() is None
     finally:
         await o.close()
+
+
+async def logged(path: str, texts: tuple[str, ...], proc, timeout_s: float = 30) -> str:
+    """Until a process's log holds one of ``texts`` (which one), the event loop going on meanwhile (``wait_log``
+    sleeps it: a load the test publishes would stop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = open(path, errors="replace").read()
+        for text in texts:
+            if text in got:
+                return text
+        assert proc.poll() is None, f"the process exited ({proc.returncode}): {got[-2000:]}"
+        assert time.monotonic() < deadline, f"{path} logged none of {texts} in {timeout_s}s: {got[-2000:]}"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged(tmp_path):
+    """Two ingesters of a pod, its engine publishing, a shard back empty. The first to notice rebuilds the pod;
+    the other, which has not noticed yet, applies the next live batch between the rebuild's read of the pod's seq
+    and its clearing, which is refused. That rebuild left the flag "to the other ingester's rebuild"; but the other
+    had not started one. When it noticed, its own clearing was refused the same way, by the first one's live
+    batches going on again, and it too left the flag to the other: the pod stayed flagged for good (the CI failure
+    "pod-c stayed flagged" of test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_and_leaves_nothing,
+    here made certain by tests/integration/rebuild_hooks.py: each clearing waits until the other's batch moved the
+    seq, and the second ingester notices only once the first's rebuild is over). Now a refused clearing reads the
+    seq again and tries again: the pod ends unflagged, the index exactly the engine's, and nothing of it is left
+    outside its state."""
+    o = Outage(tmp_path, 57)
+    gate = tmp_path / "b-may-look"
+    hooks = {"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_RESET_AFTER_MOVE": "1",
+             "KVPF_REPLAY_TIMEOUT_S": "10"}
+    try:
+        a = o.ingest("a", env=hooks)
+        b = o.ingest("b", env={**hooks, "KVPF_TEST_EPOCH_GATE": str(gate)})
+        await o.engine.subscribed(2)
+        await publish(o.engine, o.wl, 10)
+        await assert_exact(o.ix, o.engine, o.wl)
+        await o.marked_epoch()
+        spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
+        victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
+        stop_load = asyncio.Event()
+
+        async def load():
+            while not stop_load.is_set():
+                o.engine.publish(o.wl.next_batch())
+                await asyncio.sleep(0.02)
+        under_load = asyncio.ensure_future(load())
+        try:
+            await o.restart_empty(victim, writes_go_on=True)
+            await logged(str(tmp_path / "a.log"), ("Valkey lost the index's data",), a)
+            await logged(str(tmp_path / "a.log"), ("KVPF_TEST_RESET_AFTER_MOVE",), a)  # b's batch moved the seq
+            first = await logged(str(tmp_path / "a.log"), ("rebuilt whole", "flag is left to"), a)
+            gate.touch()
+            await logged(str(tmp_path / "b.log"), ("Valkey lost the index's data",), b)
+            await logged(str(tmp_path / "b.log"), ("already rebuilt by another ingester", "rebuilt whole",
+                                                   "flag is left to"), b)
+        finally:
+            stop_load.set()
+            await under_load
+        deadline = time.monotonic() + 30
+        while (info := await o.ix.meta.pod_info("pod-c")).incomplete:
+            assert time.monotonic() < deadline, f"pod-c stayed flagged ({first!r} first): {info.incomplete_reason}"
+            await asyncio.sleep(0.2)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        held = {rk async for s in export_blocks(o.ix.writer, "pod-c") for rk in s.request_keys}
+        assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
+        await publish(o.engine, o.wl, 5)
+        await assert_exact(o.ix, o.engine, o.wl)
+        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+        assert a.poll() is None and b.poll() is None
+    finally:
+        await o.close()
