@@ -19,6 +19,7 @@ from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
+from kv_preflight.ingester.resume import RESET_TRIES
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -1132,7 +1133,8 @@ async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged
     outside its state."""
     o = Outage(tmp_path, 57)
     gate = tmp_path / "b-may-look"
-    hooks = {"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_RESET_AFTER_MOVE": "1",
+    # one more refused clearing than a rebuild tries at once: its second round (the replay tried again) clears
+    hooks = {"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_RESET_AFTER_MOVE": str(RESET_TRIES + 1),
              "KVPF_REPLAY_TIMEOUT_S": "10"}
     try:
         a = o.ingest("a", env=hooks)
@@ -1166,6 +1168,7 @@ async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged
         while (info := await o.ix.meta.pod_info("pod-c")).incomplete:
             assert time.monotonic() < deadline, f"pod-c stayed flagged ({first!r} first): {info.incomplete_reason}"
             await asyncio.sleep(0.2)
+        assert "tried again" in (tmp_path / "a.log").read_text()  # (the second round ran)
         await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
         held = {rk async for s in export_blocks(o.ix.writer, "pod-c") for rk in s.request_keys}
         assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
