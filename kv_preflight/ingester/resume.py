@@ -195,9 +195,13 @@ class Resume:
         rebuilt it after the same loss). On a cluster the pod's outbox runs first, whole (as ``Index.clear_pod``
         does): an entry kept for a replica (one held back while its master was lost) and run again after the
         clearing would write back entries and bits the pod's state no longer lists, which no later clear (an
-        AllBlocksCleared, a restart) could then remove."""
-        for _ in range(RESET_TRIES):
-            await self.valkey.call(self.index.drain_outbox, pod)
+        AllBlocksCleared, a restart) could then remove. A try again (the seq moved: another writer's batch just
+        applied) runs only the entries of writers gone (``stale_only``): that batch's own may still be on its way to
+        the other shards, and run here and deleted, its changes would land after the clearing; left, they make the
+        clearing wait for them (lua/pod_step.lua "busy")."""
+        for attempt in range(RESET_TRIES):
+            again = attempt > 0 or pod in self._rounds
+            await self.valkey.call(self.index.drain_outbox, pod, stale_only=again)
             info = await self.valkey.call(self.index.meta.pod_info, pod)
             if not info.seqs:
                 return info, True
