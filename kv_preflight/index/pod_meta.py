@@ -39,6 +39,8 @@ class PodInfo:
     # batches applied whose changes on other shards have not all run yet (a cluster's outbox entries): until
     # 0, a lookup may not see all of the last batch (always 0 on a single node, where a batch is one script)
     pending_effects: int = 0
+    # the epoch whose loss of Valkey's data the pod was last rebuilt whole after (``mark_complete``; "": none)
+    rebuilt_epoch: str = ""
 
 
 _POD_COUNTERS = ("batches", "stored", "removed", "cleared", "orphans", "restarts", "gaps_accepted", "replays",
@@ -151,6 +153,7 @@ def pod_info_from(pod_id: str, meta_raw: Any) -> PodInfo:
         counters=counters,
         orphan_keys=(num("orphan_keys", meta["orphan_keys"])
                      if meta.get("orphan_keys") and meta.get("orphan_at") == meta.get("batches", "0") else None),
+        rebuilt_epoch=meta.get("rebuilt_epoch", ""),
     )
 
 

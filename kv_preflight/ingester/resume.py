@@ -22,6 +22,12 @@ from kv_preflight.ingester.valkey_retry import ValkeyRetry
 
 log = logging.getLogger("kvpf.ingester")
 
+# A rebuild's clearing refused (another writer's batch moved the pod's seq between its read and the clearing) is
+# tried again at once RESET_TRIES times; then, in the background, REBUILD_PAUSE_S later, up to REBUILD_ROUNDS times.
+RESET_TRIES = 3
+REBUILD_ROUNDS = 20
+REBUILD_PAUSE_S = 0.25
+
 
 class Resume:
     def __init__(self, cfg: Config, index: WriteSide, routes: Routes, applier: Applier, counters: Counters,
@@ -36,6 +42,7 @@ class Resume:
         self._rebuilding: set[str] = set()  # of those, pods flagged incomplete that a whole replay makes exact
         self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
         self._epochs: dict[str, str] = {}  # a pod rebuilt after a loss of Valkey's data -> the epoch that loss began
+        self._rounds: dict[str, int] = {}  # a pod being rebuilt -> its clearings refused so far (``_apply_fetched``)
         self._probes: dict[str, asyncio.Task] = {}  # source endpoint -> its restart probe (``probe_later``)
 
     async def known_pods(self, only: set[str] | None = None) -> None:
@@ -55,6 +62,8 @@ class Resume:
             if route is None or not route.replay:
                 continue
             if pod in self._fetching:
+                if rebuild and epoch and pod in self._rebuilding:  # a later loss, noticed before this rebuild
+                    self._epochs[pod] = epoch  # cleared the pod (``_reset`` comes once its replay is fetched)
                 if not rebuild or pod in self._rebuilding:
                     continue
                 # a resume from its seq under way: a rebuild (from seq 0, the pod cleared first) replaces it
@@ -88,30 +97,46 @@ class Resume:
             if not task.done():
                 continue
             del self._fetching[pod]
+            again = False
             try:
-                await self._apply_fetched(pod, task)
+                again = await self._apply_fetched(pod, task)
             finally:
-                self._rebuilding.discard(pod)
-                self._resetting.discard(pod)
-                self._epochs.pop(pod, None)
-                await self.applier.unpark(pod)  # what arrived meanwhile, after it
+                if again:  # the same replay, tried again a moment later; its live batches still parked
+                    self._fetching[pod] = asyncio.ensure_future(self._later(task.result()))
+                else:
+                    self._forget(pod)
+                    await self.applier.unpark(pod)  # what arrived meanwhile, after it
 
-    async def _apply_fetched(self, pod: str, task: asyncio.Future) -> None:
+    def _forget(self, pod: str) -> None:
+        self._rebuilding.discard(pod)
+        self._resetting.discard(pod)
+        self._epochs.pop(pod, None)
+        self._rounds.pop(pod, None)
+
+    @staticmethod
+    async def _later(fetched: list[tuple[int, list, bool]]) -> list[tuple[int, list, bool]]:
+        """A replay fetched already, answered again REBUILD_PAUSE_S later. Still all the pod needs: its live batches
+        have been parked since before it was fetched (``schedule``), so the two meet."""
+        await asyncio.sleep(REBUILD_PAUSE_S)
+        return fetched
+
+    async def _apply_fetched(self, pod: str, task: asyncio.Future) -> bool:
+        """Apply a replay fetched; whether to try it again (its clearing was refused: ``_later``)."""
         if task.cancelled():
-            return
+            return False
         exc = task.exception()
         if exc is not None:
             log.warning("resume %s: replay not fetched (%s: %s); its next gap replays it", pod,
                         type(exc).__name__, exc)
-            return
+            return False
         if pod not in self.routes.pods:  # not ours any more (let go meanwhile)
-            return
+            return False
         whole = self._whole(task.result())
         if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart made it
             # exact already)
             log.warning("%s: its replay buffer no longer reaches its first event; flagged incomplete until its "
                         "next reset", pod)
-            return
+            return False
         rebuilding = pod in self._rebuilding
         if whole and (pod in self._resetting or rebuilding):
             # A rebuild clears what is left of the pod first: the whole replay then writes every batch again.
@@ -121,16 +146,28 @@ class Resume:
                 was, cleared = await self._reset(pod)
             except PodLogError as exc:  # its entries cannot be found to clear: no replay makes it exact
                 await self.applier.not_reset(pod, "rebuild from its engine's replay buffer", exc)
-                return
+                return False
             if rebuilding and was.incomplete and cleared:  # the reset says "exact" (a new engine's state): not
                 # until the replay is in
                 await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
+            if not cleared and self._rebuilt_by_another(pod, was):
+                log.warning("%s: already rebuilt whole by another ingester of it after this loss; not again", pod)
+                return False
             if not cleared:  # what the replay applies may answer "dup" where the seq moved: not proven exact by
-                # this replay. The seq moved under another writer's batch: another ingester of the pod rebuilding
-                # it too (its rebuild clears the flag), or one that rebuilt it already, its live batches going on.
-                # Flagged again here, the pod stayed flagged for good after the other's rebuild had cleared it.
-                log.warning("%s: a rank's seq moved while the pod was cleared for its rebuild (another ingester of "
-                            "it rebuilds it, or did); its flag is left to that rebuild", pod)
+                # this replay. The seq moved under another writer's batch: another ingester of the pod rebuilding it
+                # too, or one whose live batches go on (it rebuilt the pod already, or has not noticed the loss
+                # yet). Leaving the flag to "that rebuild" is wrong in the last case: when that ingester notices,
+                # this one's live batches refuse its clearing in turn, and nobody clears the flag. So this rebuild
+                # is tried again, its own live batches parked meanwhile (they refuse no other clearing): until it
+                # clears the pod, or finds it rebuilt after this loss by the other.
+                rounds = self._rounds[pod] = self._rounds.get(pod, 0) + 1
+                if rounds < REBUILD_ROUNDS:
+                    log.info("%s: a rank's seq moved while the pod was cleared for its rebuild (another writer's "
+                             "batch); tried again in %.2f s", pod, REBUILD_PAUSE_S)
+                    return True
+                log.warning("%s: a rank's seq moved each time the pod was cleared for its rebuild (%d tries); its "
+                            "flag is left to another ingester's rebuild of it, else to its next reset", pod,
+                            rounds * RESET_TRIES)
                 rebuilding = False
         # A whole replay of a pod being rebuilt stops at a gap: applied from seq 0 in order, it finds one only where
         # another writer cleared the pod under it (another ingester's rebuild, its pod_info and clearing between
@@ -145,23 +182,38 @@ class Resume:
         elif rebuilding and whole:
             await self.valkey.call(self.index.meta.mark_complete, pod, rebuilt_in=self._epochs.get(pod, ""))
             log.warning("%s: rebuilt whole from its engine's replay buffer (seq 0 on); exact again", pod)
+        return False
+
+    def _rebuilt_by_another(self, pod: str, info: PodInfo) -> bool:
+        """Rebuilt whole by another ingester of it after the loss this rebuild is for, and not flagged since."""
+        epoch = self._epochs.get(pod, "")
+        return bool(epoch) and info.rebuilt_epoch == epoch and not info.incomplete
 
     async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``Index.reset_pod`` does); what
-        the pod was before, and whether every rank was cleared. On a cluster the pod's outbox runs first, whole (as
-        ``Index.clear_pod`` does): an entry kept for a replica (one held back while its master was lost) and run
-        again after the clearing would write back entries and bits the pod's state no longer lists, which no later
-        clear (an AllBlocksCleared, a restart) could then remove."""
-        await self.valkey.call(self.index.drain_outbox, pod)
-        info = await self.valkey.call(self.index.meta.pod_info, pod)
-        cleared = not info.seqs
-        for rank, last in sorted(info.seqs.items()):
-            # One that applies clears the whole pod, every rank's seq with it. One refused: that rank's seq moved
-            # meanwhile (another ingester of the pod, --copies, applied a batch); the next rank may still apply.
-            if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
-                cleared = True
-                break
-        return info, cleared
+        the pod was before, and whether every rank was cleared (tried RESET_TRIES times; not if another ingester
+        rebuilt it after the same loss). On a cluster the pod's outbox runs first, whole (as ``Index.clear_pod``
+        does): an entry kept for a replica (one held back while its master was lost) and run again after the
+        clearing would write back entries and bits the pod's state no longer lists, which no later clear (an
+        AllBlocksCleared, a restart) could then remove. A try again (the seq moved: another writer's batch just
+        applied) runs only the entries of writers gone (``stale_only``): that batch's own may still be on its way to
+        the other shards, and run here and deleted, its changes would land after the clearing; left, they make the
+        clearing wait for them (lua/pod_step.lua "busy")."""
+        for attempt in range(RESET_TRIES):
+            again = attempt > 0 or pod in self._rounds
+            await self.valkey.call(self.index.drain_outbox, pod, stale_only=again)
+            info = await self.valkey.call(self.index.meta.pod_info, pod)
+            if not info.seqs:
+                return info, True
+            if self._rebuilt_by_another(pod, info):
+                return info, False
+            for rank, last in sorted(info.seqs.items()):
+                # One that applies clears the whole pod, every rank's seq with it. One refused: that rank's seq
+                # moved meanwhile (another ingester of the pod, --copies, applied a batch); the next rank may still
+                # apply, and the next try reads the seqs again.
+                if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
+                    return info, True
+        return info, False
 
     def cancel(self, pods: set[str] | None = None) -> None:
         """Stop resuming these pods (None: all): let go, or the ingester stops (``Applier.let_go`` drops their
@@ -170,9 +222,7 @@ class Resume:
             if pods is None or pod in pods:
                 task.cancel()
                 del self._fetching[pod]
-                self._rebuilding.discard(pod)
-                self._resetting.discard(pod)
-                self._epochs.pop(pod, None)
+                self._forget(pod)
 
     @staticmethod
     def _whole(fetched: list[tuple[int, list, bool]]) -> bool:

@@ -4,6 +4,7 @@ batch), ingestion and prediction through real processes, and a master's failover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -19,6 +20,7 @@ from kv_preflight.events import AllBlocksCleared, EventBatch
 from kv_preflight.index.layout import EPOCH_KEY, NUMS_BYNAME_KEY, NUMS_NEXT_KEY, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import EngineAdd, EngineDrop, KeyChange
 from kv_preflight.index.transfer import export_blocks
+from kv_preflight.ingester.resume import RESET_TRIES
 from tests.e2e.harness import spawn, stop, wait_http, wait_log
 from tests.integration.engine_stub import EngineStub
 from tests.integration.test_faults import Workload, publish
@@ -576,6 +578,23 @@ class Outage:
             await asyncio.sleep(0.1)
         return self.sync.hget(EPOCH_KEY, "id")
 
+    @contextlib.asynccontextmanager
+    async def publishing(self):
+        """The engine publishing a batch every 20 ms while in the block (as long as the test's loop runs: a
+        ``wait_log`` in it stops the load too)."""
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            while not stop.is_set():
+                self.engine.publish(self.wl.next_batch())
+                await asyncio.sleep(0.02)
+        under_load = asyncio.ensure_future(load())
+        try:
+            yield
+        finally:
+            stop.set()
+            await under_load
+
     def let_go(self) -> None:
         self.vc.release_replicas(self.held)
         self.held = []
@@ -1046,6 +1065,14 @@ def pod_leftovers(client: redis.RedisCluster, pod: str, held: set[int]) -> dict[
     return {"entries": sorted(entries), "bits": sorted(set(bits))}
 
 
+async def goes_on_exact(o: Outage, *ingesters) -> None:
+    """Five batches more, applied exactly; pod-c unflagged, and the ingesters still running."""
+    await publish(o.engine, o.wl, 5)
+    await assert_exact(o.ix, o.engine, o.wl)
+    assert not (await o.ix.meta.pod_info("pod-c")).incomplete
+    assert all(proc.poll() is None for proc in ingesters)
+
+
 @pytest.mark.parametrize("lost", ["request_keys", "pod_shard"])
 async def test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_and_leaves_nothing(tmp_path, lost):
     """A master restarted without its data and without a failover (its replica held), while the engine publishes
@@ -1069,21 +1096,11 @@ async def test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_a
             victim = next(m for m in o.vc.masters_now() if m.port == meta)
         else:
             victim = max((m for m in masters if m.port != meta), key=lambda m: len(request_keys_on(m.port)))
-        stop_load = asyncio.Event()
-
-        async def load():
-            while not stop_load.is_set():
-                o.engine.publish(o.wl.next_batch())
-                await asyncio.sleep(0.02)
-        under_load = asyncio.ensure_future(load())
-        try:
+        async with o.publishing():
             await o.restart_empty(victim, writes_go_on=True)
             for name, proc in (("a", a), ("b", b)):
                 wait_log(str(tmp_path / f"{name}.log"), "Valkey lost the index's data", proc)
             await asyncio.sleep(3.0)  # the rebuilds run under load
-        finally:
-            stop_load.set()
-            await under_load
         deadline = time.monotonic() + 60
         while (await o.ix.meta.pod_info("pod-c")).incomplete:
             assert time.monotonic() < deadline, f"pod-c stayed flagged: {(await o.ix.meta.pod_info('pod-c')).incomplete_reason}"
@@ -1097,9 +1114,67 @@ async def test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_a
         o.engine.publish(cleared)
         await assert_exact(o.ix, o.engine, o.wl)
         assert pod_leftovers(o.sync, "pod-c", set()) == {"entries": [], "bits": []}
-        await publish(o.engine, o.wl, 5)
+        await goes_on_exact(o, a, b)
+    finally:
+        await o.close()
+
+
+async def logged(path: str, texts: tuple[str, ...], proc, timeout_s: float = 30) -> str:
+    """Until a process's log holds one of ``texts`` (which one), the event loop going on meanwhile (``wait_log``
+    sleeps it: a load the test publishes would stop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = open(path, errors="replace").read()
+        for text in texts:
+            if text in got:
+                return text
+        assert proc.poll() is None, f"the process exited ({proc.returncode}): {got[-2000:]}"
+        assert time.monotonic() < deadline, f"{path} logged none of {texts} in {timeout_s}s: {got[-2000:]}"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged(tmp_path):
+    """Two ingesters of a pod, its engine publishing, a shard back empty. The first to notice rebuilds the pod;
+    the other, which has not noticed yet, applies the next live batch between the rebuild's read of the pod's seq
+    and its clearing, which is refused. That rebuild left the flag "to the other ingester's rebuild"; but the other
+    had not started one. When it noticed, its own clearing was refused the same way, by the first one's live
+    batches going on again, and it too left the flag to the other: the pod stayed flagged for good (the CI failure
+    "pod-c stayed flagged" of test_a_shard_back_empty_under_load_with_two_ingesters_ends_unflagged_and_leaves_nothing,
+    here made certain by tests/integration/rebuild_hooks.py: each clearing waits until the other's batch moved the
+    seq, and the second ingester notices only once the first's rebuild is over). Now a refused clearing reads the
+    seq again and tries again: the pod ends unflagged, the index exactly the engine's, and nothing of it is left
+    outside its state."""
+    o = Outage(tmp_path, 57)
+    gate = tmp_path / "b-may-look"
+    # one more refused clearing than a rebuild tries at once: its second round (the replay tried again) clears
+    hooks = {"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_RESET_AFTER_MOVE": str(RESET_TRIES + 1),
+             "KVPF_REPLAY_TIMEOUT_S": "10"}
+    try:
+        a = o.ingest("a", env=hooks)
+        b = o.ingest("b", env={**hooks, "KVPF_TEST_EPOCH_GATE": str(gate)})
+        await o.engine.subscribed(2)
+        await publish(o.engine, o.wl, 10)
         await assert_exact(o.ix, o.engine, o.wl)
-        assert not (await o.ix.meta.pod_info("pod-c")).incomplete
-        assert a.poll() is None and b.poll() is None
+        await o.marked_epoch()
+        spared = {o.sync.get_node_from_key(k).port for k in (EPOCH_KEY, pod_meta_key("pod-c"))}
+        victim = max((m for m in o.vc.masters_now() if m.port not in spared), key=lambda m: len(request_keys_on(m.port)))
+        async with o.publishing():
+            await o.restart_empty(victim, writes_go_on=True)
+            await logged(str(tmp_path / "a.log"), ("Valkey lost the index's data",), a)
+            await logged(str(tmp_path / "a.log"), ("KVPF_TEST_RESET_AFTER_MOVE",), a)  # b's batch moved the seq
+            first = await logged(str(tmp_path / "a.log"), ("rebuilt whole", "flag is left to"), a)
+            gate.touch()
+            await logged(str(tmp_path / "b.log"), ("Valkey lost the index's data",), b)
+            await logged(str(tmp_path / "b.log"), ("already rebuilt by another ingester", "rebuilt whole",
+                                                   "flag is left to"), b)
+        deadline = time.monotonic() + 30
+        while (info := await o.ix.meta.pod_info("pod-c")).incomplete:
+            assert time.monotonic() < deadline, f"pod-c stayed flagged ({first!r} first): {info.incomplete_reason}"
+            await asyncio.sleep(0.2)
+        assert "tried again" in (tmp_path / "a.log").read_text()  # (the second round ran)
+        await assert_exact(o.ix, o.engine, o.wl, timeout=30.0)
+        held = {rk async for s in export_blocks(o.ix.writer, "pod-c") for rk in s.request_keys}
+        assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
+        await goes_on_exact(o, a, b)
     finally:
         await o.close()

@@ -1,6 +1,8 @@
 """The Valkey layout and the apply script, against a real valkey-server."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -358,3 +360,50 @@ def test_a_shard_at_maxmemory_fails_its_effects_whole_never_as_a_foreign_key(val
     assert int(reply[1]) == (1 if foreign_too else 0)
     assert r.hkeys("101") == [F0.encode()] and r.exists(presence_key(101))
     r.close()
+
+
+def test_a_shard_whose_cluster_is_down_fails_its_effects_whole_never_as_a_foreign_key(tmp_path):
+    """A cluster shard's share of a batch (effects.lua) on a node that sees its cluster down (a master restarted and
+    not yet back in the cluster: seen under load in the two-ingester outage test, test_cluster.py): Valkey refuses
+    every command of the script that names a key ("ERR Script attempted to execute a command while the cluster is
+    down"). Each refusal was counted as a write that hit "a key of a foreign type": the pod flagged with that
+    reason, its changes dropped (a removal dropped leaves an entry its state no longer lists, which no clearing
+    finds). Now the script fails as CLUSTERDOWN, a transient error the writer retries with the changes kept in the
+    pod's outbox; and once the cluster is up, the same changes run."""
+    from redis.exceptions import ClusterDownError
+
+    from kv_preflight.cli.valkey_server import ValkeyServer
+    from kv_preflight.index.changes import shard_args
+    from kv_preflight.index.pod_state import KeyChange
+    from kv_preflight.index.scripts import EFFECTS
+    from kv_preflight.ingester.valkey_retry import transient
+
+    # one node serving every slot but the last, and asking for full coverage: its cluster is down
+    node = ValkeyServer(tmp_path, appendonly=False,
+                        extra_args=("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                                    "--cluster-require-full-coverage", "yes")).start()
+    r = redis.Redis(port=node.port)
+
+    def state() -> str:
+        return r.execute_command("CLUSTER", "INFO").decode().splitlines()[0].partition(":")[2]
+    try:
+        r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16382)
+        assert state() == "fail"
+        ops = [KeyChange(rk, F0, 1, "0", 1) for rk in (101, 102, 103)]
+        args, _, _ = shard_args(ops, [(0, b"")] * len(ops))
+        sha = r.script_load(EFFECTS)
+        with pytest.raises(ClusterDownError) as failed:
+            reply = r.evalsha(sha, 0, *args)
+            print("the script answered", reply)
+        assert transient(failed.value)
+        r.execute_command("CLUSTER", "ADDSLOTS", 16383)
+        deadline = time.monotonic() + 10
+        while state() != "ok":
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.05)
+        reply = r.evalsha(sha, 0, *args)  # the cluster up: the same changes run, none refused
+        assert int(reply[1]) == 0
+        assert r.hkeys("101") == [F0.encode()] and r.exists(presence_key(101))
+    finally:
+        r.close()
+        node.stop()

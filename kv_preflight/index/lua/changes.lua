@@ -44,7 +44,9 @@
 -- cluster's routing (effects.lua). A refusal that says the server's state, not the key's (OOM at maxmemory under
 -- noeviction, MISCONF, NOREPLICAS, READONLY), ends the script with that error: Valkey refuses those only
 -- before a script's first write, so nothing was changed, and the caller retries it as it retries any
--- transient error (counted as a foreign key, it left the pod flagged and its changes unmade).
+-- transient error (counted as a foreign key, it left the pod flagged and its changes unmade). So does a cluster
+-- down in this node's view (a master starting, or cut off from the others), ended as CLUSTERDOWN: its state cannot
+-- change during a script, and while it is down every command that names a key is refused, so none was written.
 local foreign = {n = 0, first = nil}
 local moved = {}
 local empty = {}    -- request key -> true once it holds no entry (for X), false when it still does
@@ -57,6 +59,9 @@ local pcall_, type_, argv = redis.pcall, type, ARGV
 local server_states = {OOM = true, MISCONF = true, NOREPLICAS = true, READONLY = true}
 local function failed(r, key)  -- a command's error reply: a moved key or a foreign-typed one (returns nil)
   if server_states[string.match(r.err, '^%u+')] then error(r) end
+  if string.find(r.err, 'cluster is down', 1, true) then  -- "ERR Script attempted to execute a command while..."
+    error({err = 'CLUSTERDOWN ' .. string.gsub(r.err, '^ERR ', '')})
+  end
   if string.find(r.err, 'non local', 1, true) or string.find(r.err, 'MOVED', 1, true) or
      string.find(r.err, 'ASK', 1, true) then
     moved[#moved + 1] = op_at
