@@ -192,13 +192,15 @@ class Resume:
     async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``Index.reset_pod`` does); what
         the pod was before, and whether every rank was cleared (tried RESET_TRIES times; not if another ingester
-        rebuilt it after the same loss). On a cluster the pod's outbox runs first, whole (as ``Index.clear_pod``
-        does): an entry kept for a replica (one held back while its master was lost) and run again after the
-        clearing would write back entries and bits the pod's state no longer lists, which no later clear (an
-        AllBlocksCleared, a restart) could then remove. A try again (the seq moved: another writer's batch just
-        applied) runs only the entries of writers gone (``stale_only``): that batch's own may still be on its way to
-        the other shards, and run here and deleted, its changes would land after the clearing; left, they make the
-        clearing wait for them (lua/pod_step.lua "busy")."""
+        rebuilt it after the same loss). On a cluster the pod's outbox runs first (as ``Index.clear_pod`` does):
+        this writer's entries all, even those kept for a replica (one held back while its master was lost: run
+        again after the clearing it would write back entries and bits the pod's state no longer lists, which no
+        later clear, an AllBlocksCleared or a restart, could then remove), and other writers' entries only once
+        their writer is gone (older than the takeover time). A live writer's young entry is a batch whose changes
+        are still on their way to the other shards: run here and deleted, the clearing went at once and those
+        changes landed after it (the leftovers of test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_
+        leaves_nothing); left, it makes the clearing wait for them (lua/pod_step.lua "busy"). A try again (the
+        seq moved) only asks the barrier about this writer's kept entries (``stale_only``)."""
         for attempt in range(RESET_TRIES):
             again = attempt > 0 or pod in self._rounds
             await self.valkey.call(self.index.drain_outbox, pod, stale_only=again)

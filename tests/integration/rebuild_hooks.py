@@ -7,6 +7,10 @@ under load, happens only now and then.
   that seq, then go, and are refused: as when that batch lands between the rebuild's read and its clearing.
 * ``KVPF_TEST_EPOCH_GATE=<path>``: once this process has claimed the index's epoch, it looks at the epoch again
   only once ``<path>`` exists: its chores come after another ingester has noticed a loss and acted on it.
+* ``KVPF_TEST_PAUSE_AFTER_STEP=N:<path>``: right after the pod step that holds this process's N-th outbox entry (a
+  Valkey Cluster's batch: its seq moved, its changes not yet run on their shards), the whole process stops (as a
+  writer the scheduler left waiting) until ``<path>`` exists, having written ``<path>.paused`` to say so: another
+  writer then acts while this batch is on its way.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import logging
 import os
 import time
 
+from kv_preflight.index import hooks
 from kv_preflight.index.index import Index
 from kv_preflight.ingester.ingester import Ingester
 
@@ -23,6 +28,9 @@ log = logging.getLogger("kvpf.ingester")
 late_resets = int(os.environ.get("KVPF_TEST_RESET_AFTER_MOVE") or 0)
 gate = os.environ.get("KVPF_TEST_EPOCH_GATE", "")
 MOVE_WAIT_S = 30.0
+pause_at, _, pause_gate = os.environ.get("KVPF_TEST_PAUSE_AFTER_STEP", "").partition(":")
+entries_left = int(pause_at or 0)
+PAUSE_MAX_S = 60.0
 
 if late_resets:
     reset_if_seq = Index.reset_if_seq
@@ -51,3 +59,21 @@ if gate:
         await check_epoch(self)
 
     Ingester.check_epoch = gated_check_epoch  # type: ignore[method-assign]
+
+if entries_left:
+    after_step = hooks.after_step
+
+    def pause_after_step(point: str, batches: int) -> None:
+        global entries_left
+        if point == "pod_step" and batches and entries_left > 0:
+            entries_left -= batches
+            if entries_left <= 0:
+                log.warning("KVPF_TEST_PAUSE_AFTER_STEP: paused after a pod step until %s exists", pause_gate)
+                with open(pause_gate + ".paused", "w"):
+                    pass
+                deadline = time.monotonic() + PAUSE_MAX_S
+                while not os.path.exists(pause_gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the whole process stalls: no other task of it runs meanwhile
+        after_step(point, batches)
+
+    hooks.after_step = pause_after_step

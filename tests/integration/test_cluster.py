@@ -1178,3 +1178,63 @@ async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged
         await goes_on_exact(o, a, b)
     finally:
         await o.close()
+
+
+@pytest.mark.parametrize("clearing", ["rebuild", "index_clear"])
+async def test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_leaves_nothing(cluster_url, tmp_path, clearing):
+    """Ingester Y stalls between a batch's pod step and its changes on the other shards (its seq moved, its outbox
+    entry young); meanwhile another writer clears the pod: a rebuild's clearing (``Resume._reset``, its first try)
+    or ``index clear`` (``Index.clear_pod``). Running Y's entry and deleting it there let the clearing go at once, and
+    Y's changes then landed after it: entries and bits of the pod that its state no longer listed, which no later
+    clear removes (the leftovers the shard-loss tests found now and then under load). The clearing waits for Y's
+    entry instead (lua/pod_step.lua "busy"), then clears what Y wrote."""
+    from kv_preflight.ingester.resume import Resume
+    from kv_preflight.ingester.valkey_retry import ValkeyRetry
+    engine, source = cluster_engine()
+    wl = Workload(47)
+    # this process is the other writer; a long takeover time: Y's entry stays "young" whatever the machine's load
+    ix = Index.from_url(cluster_url, takeover_ms=20_000)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    gate = tmp_path / "go"
+    y = spawn(["ingest", "--valkey-url", cluster_url, "--source", source], str(tmp_path / "y.log"),
+              env={"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_PAUSE_AFTER_STEP": f"12:{gate}"})
+    try:
+        await engine.subscribed()
+        await publish(engine, wl, 11)
+        await wait_seq(ix, "pod-c", 10)
+        deadline = time.monotonic() + 20
+        while await ix.client.hlen(pod_outbox_key("pod-c")):  # those batches' changes all on their shards
+            assert time.monotonic() < deadline, "Y's outbox entries stayed"
+            await asyncio.sleep(0.05)
+        await publish(engine, wl, 1)  # Y's 12th batch: it stalls after its pod step
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "go.paused").exists():
+            assert time.monotonic() < deadline and y.poll() is None, "ingester Y never paused after its pod step"
+            await asyncio.sleep(0.05)
+        assert await ix.client.hlen(pod_outbox_key("pod-c")) == 1, "Y's batch is not on its way"
+        if clearing == "rebuild":  # the rebuild's clearing itself, as ingester X runs it
+            resume = Resume(None, ix, None, None, None, ValkeyRetry(asyncio.Event(), lambda: None))  # type: ignore[arg-type]
+            task = asyncio.ensure_future(resume._reset("pod-c"))
+        else:
+            task = asyncio.ensure_future(ix.clear_pod("pod-c"))
+        await asyncio.wait([task], timeout=2.0)  # time to clear while Y stalls, had the clearing not waited for it
+        gate.touch()
+        result = await asyncio.wait_for(task, 40)
+        if clearing == "rebuild":
+            assert result[1], "the rebuild's clearing did not go"
+        deadline = time.monotonic() + 20
+        while await ix.client.hlen(pod_outbox_key("pod-c")):  # Y's changes ran and its entry went
+            assert time.monotonic() < deadline, "Y's outbox entry stayed"
+            await asyncio.sleep(0.05)
+        assert y.poll() is None
+        if clearing == "rebuild":  # (index clear keeps the seqs)
+            assert (await ix.meta.pod_info("pod-c")).seqs == {}, "the clearing did not clear the pod"
+        held = {rk async for s in export_blocks(ix.writer, "pod-c") for rk in s.request_keys}
+        assert held == set()
+        assert pod_leftovers(sync, "pod-c", held) == {"entries": [], "bits": []}
+    finally:
+        gate.touch()
+        stop(y)
+        engine.close()
+        sync.close()
+        await ix.close()

@@ -68,7 +68,11 @@ class ClusterBackend:
         self.writes.forget(pods)
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
-        return await self.writes.drain(pod_id, older_than_ms=self.writes.takeover_ms if stale_only else 0)
+        # not stale_only (before a clearing): this writer's entries all run again, but another writer's only once
+        # stale: a live writer's young entry is on its way, and the clearing waits for it (ClusterWrites.drain)
+        if stale_only:
+            return await self.writes.drain(pod_id, older_than_ms=self.writes.takeover_ms)
+        return await self.writes.drain(pod_id, others_older_than_ms=self.writes.takeover_ms)
 
     async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
         """Side by side: a pod's drain waits up to the barrier's timeout (WAIT, 200 ms) while a replica is down

@@ -444,11 +444,16 @@ class ClusterWrites:
         for pod in pods:
             self._kept.pop(pod, None)
 
-    async def drain(self, pod: str, *, older_than_ms: int = 0) -> int:
+    async def drain(self, pod: str, *, older_than_ms: int = 0, others_older_than_ms: int | None = None) -> int:
         """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
         running any other batch meanwhile), and other writers' entries (a crashed or stalled writer's)
         once at least ``older_than_ms`` old (Valkey's clock). Stops at the first entry it must not run
-        yet, since one pod's changes must run in order."""
+        yet, since one pod's changes must run in order. ``others_older_than_ms``: the age for other writers'
+        entries alone, this writer's own all run again (not only asked the barrier, as with ``older_than_ms``):
+        a drain before a clearing, which must not run and delete a live writer's young entry (its changes are on
+        their way; run here and deleted, the clearing goes at once and they land after it, entries the cleared
+        pod's state no longer lists). Left, that entry makes the clearing wait for it (lua/pod_step.lua "busy")."""
+        others = older_than_ms if others_older_than_ms is None else others_older_than_ms
         if older_than_ms and await self._confirm_kept(pod):
             return 0
         raw = await self.client.hgetall(pod_outbox_key(pod))
@@ -468,13 +473,13 @@ class ClusterWrites:
                 continue
             entries.append((parsed[0], f.decode(), v, parsed[1]))
         entries.sort(key=lambda e: (e[0], e[1]))
-        if older_than_ms:
+        if others:
             sec, usec = await self.client.time()
             now_ms = sec * 1000 + usec // 1000
             keep = []
             for e in entries:
                 _, writer, ms = e[1].split("|", 2)
-                if writer != self.writer_arg() and now_ms - int(ms) < older_than_ms:
+                if writer != self.writer_arg() and now_ms - int(ms) < others:
                     break
                 keep.append(e)
             entries = keep
