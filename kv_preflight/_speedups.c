@@ -203,6 +203,12 @@ fail:
  * int per token. Only plain non-negative integers up to 2^32-1 are accepted (no sign,
  * fraction, exponent or leading zero); anything else raises ValueError, and the caller
  * falls back to its full decoder, which also words the error. */
+/* JSON whitespace skipped: the first byte at or after p that is not whitespace (end if none). */
+static inline const unsigned char *skip_ws(const unsigned char *p, const unsigned char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
 static PyObject *request_keys_json(PyObject *self, PyObject *args) {
     unsigned long long parent;
     Py_buffer raw;
@@ -219,11 +225,10 @@ static PyObject *request_keys_json(PyObject *self, PyObject *args) {
     keys = PyMem_Malloc(sizeof(uint64_t) * cap);
     if (keys == NULL) { PyErr_NoMemory(); goto done; }
     uint64_t prev = (uint64_t)parent, h = 0;
-#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
-    WS();
+    p = skip_ws(p, end);
     if (p >= end || *p != '[') goto bad;
     p++;
-    WS();
+    p = skip_ws(p, end);
     if (p < end && *p == ']') { p++; goto close; }
     for (;;) {
         if (p >= end || *p < '0' || *p > '9') goto bad;
@@ -251,15 +256,14 @@ static PyObject *request_keys_json(PyObject *self, PyObject *args) {
             prev = h;
             in_block = 0;
         }
-        WS();
-        if (p < end && *p == ',') { p++; WS(); continue; }
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') { p++; p = skip_ws(p, end); continue; }
         if (p < end && *p == ']') { p++; break; }
         goto bad;
     }
 close:
-    WS();
+    p = skip_ws(p, end);
     if (p != end) goto bad;
-#undef WS
     {
         PyObject *list = list_of(keys, nkeys);
         if (list == NULL) goto done;
@@ -328,11 +332,10 @@ static PyObject *member_span(PyObject *self, PyObject *args) {
     const unsigned char *base = (const unsigned char *)doc.buf, *p = base, *end = base + doc.len;
     Py_ssize_t found_at = -1, found_end = -1;
     int ok = 0;
-#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
-    WS();
+    p = skip_ws(p, end);
     if (p >= end || *p != '{') goto done;
     p++;
-    WS();
+    p = skip_ws(p, end);
     if (p < end && *p == '}') { p++; goto close; }
     for (;;) {
         if (p >= end || *p != '"') goto done;
@@ -341,10 +344,10 @@ static PyObject *member_span(PyObject *self, PyObject *args) {
         if (p >= end || *p != '"') goto done;  /* an escape in a member's name: the ordinary way */
         Py_ssize_t klen = p - key;
         p++;
-        WS();
+        p = skip_ws(p, end);
         if (p >= end || *p != ':') goto done;
         p++;
-        WS();
+        p = skip_ws(p, end);
         const unsigned char *value = p;
         p = skip_json_value(p, end);
         if (p == NULL) goto done;
@@ -353,15 +356,14 @@ static PyObject *member_span(PyObject *self, PyObject *args) {
             found_at = value - base;
             found_end = p - base;
         }
-        WS();
-        if (p < end && *p == ',') { p++; WS(); continue; }
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') { p++; p = skip_ws(p, end); continue; }
         if (p < end && *p == '}') { p++; break; }
         goto done;
     }
 close:
-    WS();
+    p = skip_ws(p, end);
     ok = p == end && found_at >= 0;
-#undef WS
 done:
     PyBuffer_Release(&doc);
     if (!ok) Py_RETURN_NONE;
