@@ -155,8 +155,11 @@ def test_predictor_metrics_say_pods_blocks_lag_memory_and_answers_by_freshness(v
         assert blocks > 0
         deadline, seen = time.monotonic() + 30, 0
         while seen < 6 and time.monotonic() < deadline:  # the pod's fleet record comes once it passed the
-            # membership hold, and each worker reads the records every second: until both workers show it
-            seen = seen + 1 if metric(httpx.get(url + "/metrics", timeout=5).text, "kvpf_pods", state="live") == 1 else 0
+            # membership hold, and its lag once a lease renewal carried the pod's newest batch time; each worker
+            # reads the records every second: until both workers show both
+            text = httpx.get(url + "/metrics", timeout=5).text
+            shown = metric(text, "kvpf_pods", state="live") == 1 and "kvpf_index_lag_seconds " in text
+            seen = seen + 1 if shown else 0
             time.sleep(0.1)
         for _ in range(4):  # new connections: both workers answer scrapes
             with httpx.Client(base_url=url, timeout=5) as one:
