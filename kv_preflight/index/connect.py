@@ -37,6 +37,7 @@ class IndexBackend(Protocol):
     late_reads: int  # default lookups that took a round past the usual ones (a counter; 0 on one node)
     unreplicated: int  # runs whose changes no replica confirmed in time, kept in the outbox (a counter; 0 on one node)
     confirmed_late: int  # kept outbox entries deleted once a replica confirmed them (a counter; 0 on one node)
+    late_runs: int  # batches whose changes their writer left to a drain, past its window (a counter; 0 on one node)
     # keys elsewhere than the numbering's that keep its high-water mark (kv_preflight/index/numbering.py
     # give_numbers): a cluster's shards may lose their data one at a time; () on one node
     numbering_copies: tuple[str, ...]

@@ -123,6 +123,11 @@ class Index:
         return self.backend.confirmed_late
 
     @property
+    def late_runs(self) -> int:
+        """Batches whose changes their writer left to a drain, come to past its window (cluster; 0 on one node)."""
+        return self.backend.late_runs
+
+    @property
     def partial_reads(self) -> bool:
         """Whether one part of the index (a shard) can fail while the others answer: then a caller goes on
         with what answers, and the lookup says how far it read ("partial"), rather than failing."""

@@ -24,6 +24,7 @@ class SingleNodeBackend:
     partial_reads = False  # the node answers whole or not at all
     unreplicated = 0  # (no replication barrier on one node)
     confirmed_late = 0
+    late_runs = 0  # (one script applies a batch whole)
 
     def __init__(self, client, fast: FastConnection | None):
         self.client = client

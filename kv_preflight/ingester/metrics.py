@@ -90,6 +90,12 @@ class IngesterMetrics:
         self.outbox_confirmed_late = Counter("kvpf_ingest_outbox_confirmed_late", "Outbox entries of this ingester "
                                              "deleted when a replica confirmed them after their run (Valkey "
                                              "Cluster): the end of a replica's outage, or of its lag.", registry=r)
+        self.late_runs = Counter("kvpf_ingest_late_runs", "Runs of batches' changes this ingester left in the "
+                                 "outbox for a drain (Valkey Cluster): it came to send them past their window (the "
+                                 "takeover time less a quarter, from before the pod step), when another ingester "
+                                 "may have run them and cleared the pod since. It stalled (a pause, a starved "
+                                 "machine), or the pod step itself took that long (a failover's timeouts).",
+                                 registry=r)
         self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
                                    "index's data (its epoch gone or changed, or a cluster shard back without its "
                                    "data): its pods flagged and rebuilt.", registry=r)

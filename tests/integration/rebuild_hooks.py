@@ -74,6 +74,7 @@ if entries_left:
                 deadline = time.monotonic() + PAUSE_MAX_S
                 while not os.path.exists(pause_gate) and time.monotonic() < deadline:
                     time.sleep(0.01)  # the whole process stalls: no other task of it runs meanwhile
+                log.warning("KVPF_TEST_PAUSE_AFTER_STEP: resumed")
         after_step(point, batches)
 
     hooks.after_step = pause_after_step

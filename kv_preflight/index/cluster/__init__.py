@@ -61,6 +61,10 @@ class ClusterBackend:
     def confirmed_late(self) -> int:
         return self.writes.confirmed_late
 
+    @property
+    def late_runs(self) -> int:
+        return self.writes.late_runs
+
     def nodes(self) -> list[tuple[str, int]]:
         return [(n.host, int(n.port)) for n in self.client.get_nodes()]
 

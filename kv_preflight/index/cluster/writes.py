@@ -60,6 +60,13 @@ from kv_preflight.index.writer import Prepared
 
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
+# a writer sends its batch's changes only within the takeover time less this share of it, counted from before its pod
+# step (``ClusterWrites.send``): past that, another writer may have run the entry and cleared the pod since
+LATE_SHARE = 4
+
+
+class Late(Exception):
+    """A run's writer is past its entries' window (``ClusterWrites.send``): the rest is left to a drain."""
 
 
 class Touched(NamedTuple):
@@ -97,6 +104,10 @@ class ClusterWrites:
         self.unreplicated = 0  # runs whose changes a replica had not confirmed in time (kept in the outbox)
         self.readded = 0  # engine keys given back their request keys in round D (a store raced our ZREM)
         self.malformed = 0  # outbox entries that could not be decoded (logged and deleted, never run)
+        self.late_runs = 0  # runs this writer left to a drain: it came to them past their window (``send``)
+        # pods with entries of this writer left to a drain that has not run them yet: their next entries are left
+        # too (run ahead of those, they would be kept as run whole and never run again after them)
+        self._left: set[str] = set()
         self.confirmed_late = 0  # entries of ours deleted when a replica confirmed them later, not run again
         self._kept: dict[str, dict[str, Kept]] = {}  # pod -> outbox field -> what its run wrote (``Kept``)
 
@@ -119,6 +130,13 @@ class ClusterWrites:
         todo = list(range(len(preps)))
         deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
         while todo:
+            # Another writer takes an entry over (runs it, and may then clear the pod) once it is older than the
+            # takeover time, by Valkey's clock from the step; counted here from before the step, so never less.
+            # This writer sends its changes only well within that: stalled past it (a pause, a long GC, a
+            # machine starved), its changes could land after another's clearing of the pod, entries and bits its
+            # state no longer lists, which no later clear removes. Left in the outbox, they run in order at the
+            # next drain (this writer's chores, within a second, or another's), and are gone if taken over.
+            until = time.monotonic() + self.takeover_ms * (1 - 1 / LATE_SHARE) / 1000
             replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
             to_run: list[OutboxEntry] = []
@@ -151,8 +169,20 @@ class ClusterWrites:
                         ackable.append(entry)
                     written[pods[i]] = written.get(pods[i], 0) + 1
             hooks.after_step("pod_step", len(entries))  # (kv_preflight/index/hooks.py: nothing, but in a crash test)
+            if self._left and entries:  # behind entries left to a drain: left too, to run after them, in order
+                kept_on = [k for k, e in enumerate(entries) if e[0] not in self._left]
+                entries, to_run, owners = ([xs[k] for k in kept_on] for xs in (entries, to_run, owners))
+                ackable = [e for e in ackable if e[0] not in self._left]
             if entries:
-                foreign, first, touched = await self.run(to_run)
+                try:
+                    foreign, first, touched = await self.run(to_run, until=until)
+                except Late as exc:
+                    self.late_runs += 1
+                    self._left.update(e[0] for e in entries)
+                    log.warning("pods %s: a batch's changes left to the next drain: %s",
+                                sorted({e[0] for e in entries})[:5], exc)
+                    entries = []
+            if entries:
                 hooks.after_step("effects", len(entries))
                 # Deleted only once replicated (else they run again after a failover); a pod's
                 # entries behind one of ours still there wait for the next drain, in order.
@@ -224,13 +254,15 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[OutboxEntry]) -> tuple[int, str, "Touched"]:
+    async def run(self, entries: Sequence[OutboxEntry], *, until: float | None = None) -> tuple[int, str, "Touched"]:
         """Run outbox entries' changes (as ``decode_entry`` gives them, or as planned), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
         alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
-        request keys, engine keys)."""
+        request keys, engine keys). ``until``: the monotonic time after which no round is sent (``Late`` is
+        raised; what ran is idempotent, and the whole entry runs again at a drain)."""
         if not entries:
             return 0, "", Touched([], None)
+        _in_time(until, "A")
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``_written_to``)
         digest = self.shards.map_digest()
@@ -244,6 +276,7 @@ class ClusterWrites:
         # one run ends as its last change says, as on a single node.
         round_b, round_b_eks, drops = _native("engine_round", changes, empty_at, ENGINE_PREFIX) or \
             _engine_round(changes, empty_at)
+        _in_time(until, "B")
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -254,6 +287,7 @@ class ClusterWrites:
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
             rks = list(set(chain.from_iterable(d.rks for _, d in drops)))  # in any order: each is one HLEN
+            _in_time(until, "C")
             lens = await self.shards.commands(list(zip(repeat("HLEN"), rks)), numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
@@ -264,6 +298,7 @@ class ClusterWrites:
                     readd.append(_engine_add(d.ek, d.rks))
                     readd_eks.append(d.ek)
             if readd:
+                _in_time(until, "D")
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
@@ -443,6 +478,7 @@ class ClusterWrites:
         """Pods let go: what ran of their entries is another writer's to find out now (it runs them)."""
         for pod in pods:
             self._kept.pop(pod, None)
+            self._left.discard(pod)
 
     async def drain(self, pod: str, *, older_than_ms: int = 0, others_older_than_ms: int | None = None) -> int:
         """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
@@ -459,6 +495,7 @@ class ClusterWrites:
         raw = await self.client.hgetall(pod_outbox_key(pod))
         if not raw:
             self._kept.pop(pod, None)
+            self._left.discard(pod)
             return 0
         entries = []
         for f, v in raw.items():
@@ -485,7 +522,11 @@ class ClusterWrites:
             entries = keep
         whole = len(entries) == len(raw)  # every entry there (none too young to run, none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
-        _, _, touched = await self.run([entry for *_, entry in entries])
+        foreign, first, touched = await self.run([entry for *_, entry in entries])
+        if whole:
+            self._left.discard(pod)  # what was left ran, in order: the pod's next entries run as they come
+        if foreign:  # as a batch's own run flags them (``send``)
+            await self._flag_foreign(todo, foreign, first)
         nodes = await self._written_to(touched)
         if todo and (nodes is None or not await self._confirm_and_delete(todo, nodes)):
             await self._engine_keys_done(todo)
@@ -544,3 +585,10 @@ class ClusterWrites:
 
 
 __all__ = ["ClusterWrites", "Kept", "TAKEOVER_MS", "Touched"]
+
+
+def _in_time(until: float | None, round_: str) -> None:
+    late = time.monotonic() - until if until is not None else 0.0
+    if late > 0:
+        raise Late(f"round {round_} would have gone {late * 1000:.0f} ms past the window of the entries' writer "
+                   "(another writer may have run them and cleared the pod since)")
