@@ -1063,16 +1063,7 @@ async def test_a_writer_stalled_past_the_takeover_time_leaves_its_changes_to_the
     y = spawn(["ingest", "--valkey-url", cluster_url, "--source", source, "--metrics-port", str(port)], log_path,
               env={"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_PAUSE_AFTER_STEP": f"12:{gate}"})
     try:
-        await engine.subscribed()
-        await publish(engine, wl, 11)
-        await wait_seq(ix, "pod-c", 10)
-        deadline = time.monotonic() + 20
-        while await ix.client.hlen(pod_outbox_key("pod-c")):  # those batches' changes all on their shards
-            assert time.monotonic() < deadline, "Y's outbox entries stayed"
-            await asyncio.sleep(0.05)
-        await publish(engine, wl, 1)  # Y's 12th batch: it stalls after its pod step
-        wait_log(log_path, "paused after a pod step", y)
-        assert await ix.client.hlen(pod_outbox_key("pod-c")) == 1, "Y's batch is not on its way"
+        await paused_on_its_way(engine, wl, ix, y, gate)
         if meanwhile == "index_clear":
             started = time.monotonic()
             await asyncio.wait_for(ix.clear_pod("pod-c"), 40)  # waits for Y's entry to grow old, runs it, clears
@@ -1244,6 +1235,24 @@ async def test_two_rebuilds_each_refused_by_the_others_batch_still_end_unflagged
         await o.close()
 
 
+async def paused_on_its_way(engine: EngineStub, wl: Workload, ix: Index, y, gate) -> None:
+    """Ingester Y (started with ``KVPF_TEST_PAUSE_AFTER_STEP=12:<gate>``) applies 11 batches whole, then stalls right
+    after its 12th batch's pod step: its seq moved, its outbox entry written, its changes not yet on their shards."""
+    await engine.subscribed()
+    await publish(engine, wl, 11)
+    await wait_seq(ix, "pod-c", 10)
+    deadline = time.monotonic() + 20
+    while await ix.client.hlen(pod_outbox_key("pod-c")):  # those batches' changes all on their shards
+        assert time.monotonic() < deadline, "Y's outbox entries stayed"
+        await asyncio.sleep(0.05)
+    await publish(engine, wl, 1)  # Y's 12th batch: it stalls after its pod step
+    deadline = time.monotonic() + 30
+    while not gate.with_name(gate.name + ".paused").exists():
+        assert time.monotonic() < deadline and y.poll() is None, "ingester Y never paused after its pod step"
+        await asyncio.sleep(0.05)
+    assert await ix.client.hlen(pod_outbox_key("pod-c")) == 1, "Y's batch is not on its way"
+
+
 @pytest.mark.parametrize("clearing", ["rebuild", "index_clear"])
 async def test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_leaves_nothing(cluster_url, tmp_path, clearing):
     """Ingester Y stalls between a batch's pod step and its changes on the other shards (its seq moved, its outbox
@@ -1263,19 +1272,7 @@ async def test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_leaves_n
     y = spawn(["ingest", "--valkey-url", cluster_url, "--source", source], str(tmp_path / "y.log"),
               env={"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks", "KVPF_TEST_PAUSE_AFTER_STEP": f"12:{gate}"})
     try:
-        await engine.subscribed()
-        await publish(engine, wl, 11)
-        await wait_seq(ix, "pod-c", 10)
-        deadline = time.monotonic() + 20
-        while await ix.client.hlen(pod_outbox_key("pod-c")):  # those batches' changes all on their shards
-            assert time.monotonic() < deadline, "Y's outbox entries stayed"
-            await asyncio.sleep(0.05)
-        await publish(engine, wl, 1)  # Y's 12th batch: it stalls after its pod step
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "go.paused").exists():
-            assert time.monotonic() < deadline and y.poll() is None, "ingester Y never paused after its pod step"
-            await asyncio.sleep(0.05)
-        assert await ix.client.hlen(pod_outbox_key("pod-c")) == 1, "Y's batch is not on its way"
+        await paused_on_its_way(engine, wl, ix, y, gate)
         if clearing == "rebuild":  # the rebuild's clearing itself, as ingester X runs it
             resume = Resume(None, ix, None, None, None, ValkeyRetry(asyncio.Event(), lambda: None))  # type: ignore[arg-type]
             task = asyncio.ensure_future(resume._reset("pod-c"))
