@@ -35,15 +35,15 @@ class IndexBackend(Protocol):
     partial_reads: bool
     gap_walks: int  # pods a default lookup walked key by key rather than bisected (a counter)
     late_reads: int  # default lookups that took a round past the usual ones (a counter; 0 on one node)
-    unreplicated: int  # runs whose changes no replica confirmed in time, kept in the outbox (a counter; 0 on one node)
-    confirmed_late: int  # kept outbox entries deleted once a replica confirmed them (a counter; 0 on one node)
-    late_runs: int  # batches whose changes their writer left to a drain, past its window (a counter; 0 on one node)
     # keys elsewhere than the numbering's that keep its high-water mark (kv_preflight/index/numbering.py
     # give_numbers): a cluster's shards may lose their data one at a time; () on one node
     numbering_copies: tuple[str, ...]
     # the lean connection (kv_preflight/index/resp.py) where the topology and URL have one, for other scripts on
     # the hot path (the gateway's routed state, kv_preflight/index/routed.py); None: redis-py carries everything
     fast: FastConnection | None
+
+    def write_counts(self) -> dict[str, int]:
+        """The write path's counters (``Index.write_counts``): each name's count so far; all 0 on one node."""
 
     def nodes(self) -> list[tuple[str, int]]:
         """(host, port) of every node the client knows beyond the URL's (a cluster's shards and replicas)."""

@@ -112,20 +112,12 @@ class Index:
         """Cluster lookups that took a 4th round (a key moved or a shard failed mid-lookup): for /metrics."""
         return self.backend.late_reads
 
-    @property
-    def unreplicated(self) -> int:
-        """Runs whose changes no replica confirmed in time, kept in the outbox (cluster; 0 on one node): for /metrics."""
-        return self.backend.unreplicated
-
-    @property
-    def confirmed_late(self) -> int:
-        """Kept outbox entries deleted once a replica confirmed them (cluster; 0 on one node): for /metrics."""
-        return self.backend.confirmed_late
-
-    @property
-    def late_runs(self) -> int:
-        """Batches whose changes their writer left to a drain, come to past its window (cluster; 0 on one node)."""
-        return self.backend.late_runs
+    def write_counts(self) -> dict[str, int]:
+        """The write path's own counters, for the ingester's /metrics (each only grows; all 0 on one node, where one
+        script applies a batch whole): ``unreplicated``, runs whose changes no replica confirmed in time, kept in
+        the outbox; ``confirmed_late``, such entries deleted once a replica confirmed them; ``late_runs``, runs a
+        writer left to a drain, come to past its entries' window (kv_preflight/index/cluster/writes.py)."""
+        return self.backend.write_counts()
 
     @property
     def partial_reads(self) -> bool:

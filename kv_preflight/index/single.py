@@ -22,9 +22,6 @@ class SingleNodeBackend:
     cluster = False
     label = ""
     partial_reads = False  # the node answers whole or not at all
-    unreplicated = 0  # (no replication barrier on one node)
-    confirmed_late = 0
-    late_runs = 0  # (one script applies a batch whole)
 
     def __init__(self, client, fast: FastConnection | None):
         self.client = client
@@ -100,6 +97,9 @@ class SingleNodeBackend:
 
     async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
         return {}  # no outbox on one node
+
+    def write_counts(self) -> dict[str, int]:
+        return {"unreplicated": 0, "confirmed_late": 0, "late_runs": 0}  # one script applies a batch whole
 
     def nodes(self) -> list[tuple[str, int]]:
         return []  # the URL's node is all there is

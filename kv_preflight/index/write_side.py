@@ -35,9 +35,9 @@ class PodFlags(Protocol):
 
 class WriteSide(Protocol):
     meta: PodFlags
-    unreplicated: int  # runs whose changes no replica confirmed in time, kept to run again (0 on one node)
-    confirmed_late: int  # such entries deleted once a replica confirmed them (0 on one node)
-    late_runs: int  # batches whose changes their writer left to a drain, past its window (0 on one node)
+
+    def write_counts(self) -> dict[str, int]:
+        """The write path's counters for /metrics (``Index.write_counts``)."""
 
     def entry_field(self, pod_id: str, medium: str | None, group_idx: int | None) -> str:
         """llm-d's entry field (PodEntry) for a pod, tier and KV cache group: what a StoreBlock carries."""

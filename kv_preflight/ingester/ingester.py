@@ -421,9 +421,10 @@ class Ingester:
                             "moved before a replica confirmed them)", pod, ran)
                 await self.counters.count("outbox_drains")
         metrics = self.counters.metrics
-        for name, metric, seen in (("unreplicated", metrics.unreplicated_runs, self.index.unreplicated),
-                                   ("confirmed_late", metrics.outbox_confirmed_late, self.index.confirmed_late),
-                                   ("late_runs", metrics.late_runs, self.index.late_runs)):
+        counts = self.index.write_counts()
+        for name, metric in (("unreplicated", metrics.unreplicated_runs),
+                             ("confirmed_late", metrics.outbox_confirmed_late), ("late_runs", metrics.late_runs)):
+            seen = counts[name]
             if seen > self._exported.get(name, 0):
                 metric.inc(seen - self._exported.get(name, 0))
                 self._exported[name] = seen

@@ -39,10 +39,6 @@ class ClusterBackend:
         self.lookups = ClusterLookup(client, self.shards)
 
     @property
-    def unreplicated(self) -> int:
-        return self.writes.unreplicated
-
-    @property
     def gap_walks(self) -> int:
         return self.lookups.gap_walks
 
@@ -57,13 +53,9 @@ class ClusterBackend:
     async def send(self, preps: Sequence[Prepared]) -> "Any":
         return ready(await self.writes.send(preps))
 
-    @property
-    def confirmed_late(self) -> int:
-        return self.writes.confirmed_late
-
-    @property
-    def late_runs(self) -> int:
-        return self.writes.late_runs
+    def write_counts(self) -> dict[str, int]:
+        w = self.writes
+        return {"unreplicated": w.unreplicated, "confirmed_late": w.confirmed_late, "late_runs": w.late_runs}
 
     def nodes(self) -> list[tuple[str, int]]:
         return [(n.host, int(n.port)) for n in self.client.get_nodes()]
