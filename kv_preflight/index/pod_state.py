@@ -81,7 +81,7 @@ class Plan:
 class _Block(msgspec.Struct, gc=False):
     """One held block. Scalars only, so never tracked by Python's cycle collector (gc=False): a pod state
     holds one per engine block, and the collector's passes over them cost the ingester much of its CPU
-    (kv_preflight/ingester/collector.py has the figures)."""
+    (kv_preflight/collector.py has the figures)."""
 
     field: str
     rks: tuple[int, ...]

@@ -13,7 +13,7 @@ from kv_preflight.logs import setup_logging
 
 def run(cfg: Config) -> int:
     setup_logging(cfg.log_json)
-    from kv_preflight.ingester.collector import tuned_collector
+    from kv_preflight.collector import tuned_collector
     from kv_preflight.ingester.ingester import run_ingester
 
     try:

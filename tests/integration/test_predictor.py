@@ -577,3 +577,21 @@ async def test_serve_under_uvicorn(valkey_url, writer, workers):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["predictor", "gateway"])
+async def test_a_served_worker_runs_with_the_collector_tuned_and_leaves_it_as_it_was(valkey_url, kind):
+    """kv_preflight/collector.py: while a predictor's or gateway's app runs (its lifespan), what the worker loaded
+    at start is frozen out of the collector's passes and the passes are rarer; the previous settings come back
+    when the app stops (tests and scripts/bench run apps in one process)."""
+    import gc
+
+    from kv_preflight.collector import THRESHOLDS
+    from kv_preflight.predictor.gateway.app import create_gateway_app
+
+    before = gc.get_threshold()
+    app = (create_app if kind == "predictor" else create_gateway_app)(Config(valkey_url=valkey_url))
+    async with app.router.lifespan_context(app):
+        assert gc.get_threshold() == THRESHOLDS
+        assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0

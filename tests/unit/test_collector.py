@@ -1,4 +1,4 @@
-"""The ingester's cycle-collector settings (kv_preflight/ingester/collector.py): its per-block objects are never
+"""The ingester's cycle-collector settings (kv_preflight/collector.py): its per-block objects are never
 tracked, and the tuned settings are undone after the body (the bench runs an ingester beside other rows)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 from kv_preflight.index.pod_state import _Block
 from kv_preflight.ingester.bridge import ChainPoint
-from kv_preflight.ingester.collector import THRESHOLDS, tuned_collector
+from kv_preflight.collector import THRESHOLDS, tuned_collector
 
 
 def test_the_objects_held_per_block_are_not_tracked():

@@ -174,7 +174,7 @@ async def _ours(url: str, warm: list, measured: list, nodes: list[redis.Redis],
     """The ingester alone: the warm-up, then the measured part. Returns (seconds, Valkey CPU seconds summed over
     ``nodes``, this process's CPU seconds) of the measured part. ``on_measure(True)`` / ``(False)`` around the
     measured part (callgrind's instrumentation: kv_preflight/cli/bench/callgrind.py)."""
-    from kv_preflight.ingester.collector import tuned_collector
+    from kv_preflight.collector import tuned_collector
 
     w = OursWriter(url)
     try:
@@ -213,7 +213,7 @@ async def interleaved(writers: dict[str, tuple[Writer, list[redis.Redis]]], warm
     since an idle server's timer work (about 4 ms of CPU a second per server here: serverCron, and a cluster
     node's gossip) would otherwise count every other writer's turns against it, and the most against the
     cheapest writer and the cluster's three servers."""
-    from kv_preflight.ingester.collector import tuned_collector
+    from kv_preflight.collector import tuned_collector
 
     names = list(writers)
     wall = dict.fromkeys(names, 0.0)

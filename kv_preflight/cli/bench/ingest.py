@@ -24,7 +24,7 @@ async def ingest_in_process(url: str, frames: list, chunk: int = 512) -> tuple[f
     """Ours, in process: the ingester's message handler fed ``chunk`` queued messages at a time,
     as its receive loop is when the socket has a backlog (a replay, a burst)."""
     from kv_preflight.config import Config
-    from kv_preflight.ingester.collector import tuned_collector
+    from kv_preflight.collector import tuned_collector
     from kv_preflight.ingester.ingester import Ingester
     from kv_preflight.ingester.sources import Source
 

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kv_preflight.collector import tuned_collector
 from kv_preflight.predictor.http.auth import ApiKeyAuth, load_api_keys
 from kv_preflight.predictor.http.body import read_json_body
 from kv_preflight.predictor.errors import PredictorError, RequestTimeout
@@ -243,7 +244,8 @@ def create_app(cfg: Config, index: Index | None = None) -> Starlette:
         if predictor.load is not None:
             tasks.append(asyncio.create_task(predictor.load.run()))
         try:
-            yield
+            with tuned_collector():  # what the worker imported and loaded by now: out of every pass (collector.py)
+                yield
         finally:
             for task in tasks:
                 task.cancel()
