@@ -89,7 +89,7 @@ async def test_a_new_clusters_first_writes_wait_for_their_replicas(tmp_path):
                                  mutations=[StoreBlock(1, "gpu", f, (11, 12))])
         assert r.status == "applied"
         # not confirmed on a replica, so the entry stays to run again (it would be deleted with no WAIT)
-        assert ix.backend.unreplicated == 1
+        assert ix.write_counts()["unreplicated"] == 1
         assert outbox_keys(sync) == [pod_outbox_key("pod-a")]
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
@@ -112,7 +112,7 @@ async def test_a_cluster_without_replicas_confirms_at_once(tmp_path):
             r = await ix.apply_batch(pod_id="pod-a", rank=0, seq=seq, ts=1.0, model="m", engine_block_size=32,
                                      mutations=[StoreBlock(seq + 1, "gpu", f, (11 + seq,))])
             assert r.status == "applied"
-        assert ix.backend.unreplicated == 0
+        assert ix.write_counts()["unreplicated"] == 0
         assert outbox_keys(sync) == []
     finally:
         await ix.close()
