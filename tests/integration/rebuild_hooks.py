@@ -11,10 +11,6 @@ under load, happens only now and then.
   Valkey Cluster's batch: its seq moved, its changes not yet run on their shards), the whole process stops (as a
   writer the scheduler left waiting) until ``<path>`` exists, having written ``<path>.paused`` to say so: another
   writer then acts while this batch is on its way.
-* ``KVPF_TEST_PAUSE_IN_DRAIN=<path>``: the same, in this process's first drain that runs outbox entries, right
-  before it runs them (``ClusterWrites.drain``): another writer acts while this drain is on its way.
-
-Loaded by an ingester at start, or by any process that calls ``hooks.load_plugin()``.
 """
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ gate = os.environ.get("KVPF_TEST_EPOCH_GATE", "")
 MOVE_WAIT_S = 30.0
 pause_at, _, pause_gate = os.environ.get("KVPF_TEST_PAUSE_AFTER_STEP", "").partition(":")
 entries_left = int(pause_at or 0)
-drain_gate = os.environ.get("KVPF_TEST_PAUSE_IN_DRAIN", "")
 PAUSE_MAX_S = 60.0
 
 if late_resets:
@@ -65,28 +60,21 @@ if gate:
 
     Ingester.check_epoch = gated_check_epoch  # type: ignore[method-assign]
 
-def _pause(what: str, gate_path: str) -> None:
-    log.warning("%s: paused until %s exists", what, gate_path)
-    with open(gate_path + ".paused", "w"):
-        pass
-    deadline = time.monotonic() + PAUSE_MAX_S
-    while not os.path.exists(gate_path) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the whole process stalls: no other task of it runs meanwhile
-    log.warning("%s: resumed", what)
-
-
-if entries_left or drain_gate:
+if entries_left:
     after_step = hooks.after_step
 
-    def pause_at_a_step(point: str, batches: int) -> None:
-        global entries_left, drain_gate
+    def pause_after_step(point: str, batches: int) -> None:
+        global entries_left
         if point == "pod_step" and batches and entries_left > 0:
             entries_left -= batches
             if entries_left <= 0:
-                _pause("KVPF_TEST_PAUSE_AFTER_STEP (after a pod step)", pause_gate)
-        if point == "drain" and batches and drain_gate:
-            gate_path, drain_gate = drain_gate, ""
-            _pause("KVPF_TEST_PAUSE_IN_DRAIN", gate_path)
+                log.warning("KVPF_TEST_PAUSE_AFTER_STEP: paused after a pod step until %s exists", pause_gate)
+                with open(pause_gate + ".paused", "w"):
+                    pass
+                deadline = time.monotonic() + PAUSE_MAX_S
+                while not os.path.exists(pause_gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the whole process stalls: no other task of it runs meanwhile
+                log.warning("KVPF_TEST_PAUSE_AFTER_STEP: resumed")
         after_step(point, batches)
 
-    hooks.after_step = pause_at_a_step
+    hooks.after_step = pause_after_step

@@ -31,12 +31,6 @@ answers "pending" (the entry is older than the takeover time) or "busy" (younger
 presumably running it), and the caller runs the entry first (``drain``); every ingester also runs its pods'
 stale entries each second. So nothing is lost and, since the counts live only in the pod step, a retry never
 changes counts.
-
-Who runs an entry: its owner (the writer its name says), within the owner's window (``LATE_SHARE``) from when
-it became the owner: its pod step, or its claim (lua/claim.lua: a drain renames every entry of the outbox to
-itself, with Valkey's time now, before running them). Past the window the owner leaves it; another writer
-takes it over only once it is older than the takeover time. So no two writers run an entry at once, and none
-runs it after another has run it, deleted it and cleared the pod (docs/durability.md).
 """
 from __future__ import annotations
 
@@ -487,22 +481,22 @@ class ClusterWrites:
             self._left.discard(pod)
 
     async def drain(self, pod: str, *, older_than_ms: int = 0, others_older_than_ms: int | None = None) -> int:
-        """Run the entries left in a pod's outbox, oldest first, all of them or none: every entry of this writer
-        (which is not running any other batch meanwhile), and other writers' entries (a crashed or stalled
-        writer's) once at least ``older_than_ms`` old (Valkey's clock). An outbox with another writer's entry too
-        young holds a live writer's batch on its way: nothing runs (that writer runs its own; the pod's steps
-        answer "busy" meanwhile). ``others_older_than_ms``: the age for other writers' entries alone, this
-        writer's own all run again (not only asked the barrier, as with ``older_than_ms``): a drain before a
-        clearing, which must not run and delete a live writer's young entry (run here and deleted, the clearing
-        went at once and its changes landed after it, entries the cleared pod's state no longer lists).
-
-        The entries are claimed first (lua/claim.lua: renamed to this writer, with Valkey's time now), then run
-        within this writer's window from the claim, as a batch's own run is (``send``): two drains, or a drain and
-        a clearing's drain, never run the same entries at once, and a drain stalled past its window leaves them."""
+        """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
+        running any other batch meanwhile), and other writers' entries (a crashed or stalled writer's)
+        once at least ``older_than_ms`` old (Valkey's clock). Stops at the first entry it must not run
+        yet, since one pod's changes must run in order. ``others_older_than_ms``: the age for other writers'
+        entries alone, this writer's own all run again (not only asked the barrier, as with ``older_than_ms``):
+        a drain before a clearing, which must not run and delete a live writer's young entry (its changes are on
+        their way; run here and deleted, the clearing goes at once and they land after it, entries the cleared
+        pod's state no longer lists). Left, that entry makes the clearing wait for it (lua/pod_step.lua "busy")."""
         others = older_than_ms if others_older_than_ms is None else others_older_than_ms
         if older_than_ms and await self._confirm_kept(pod):
             return 0
         raw = await self.client.hgetall(pod_outbox_key(pod))
+        if not raw:
+            self._kept.pop(pod, None)
+            self._left.discard(pod)
+            return 0
         entries = []
         for f, v in raw.items():
             parsed = decode_entry(f, v)
@@ -515,42 +509,50 @@ class ClusterWrites:
                 await self.client.hdel(pod_outbox_key(pod), f)
                 continue
             entries.append((parsed[0], f.decode(), v, parsed[1]))
-        if not entries:
-            self._kept.pop(pod, None)
-            self._left.discard(pod)
-            return 0
         entries.sort(key=lambda e: (e[0], e[1]))
-        mine = self.writer_arg()
-        if others and any(e[1].split("|", 2)[1] != mine for e in entries):
+        if others:
             sec, usec = await self.client.time()
             now_ms = sec * 1000 + usec // 1000
-            if any(now_ms - int(e[1].split("|", 2)[2]) < others for e in entries):
-                return 0  # another writer's entry too young: that writer is alive and runs it
-        until = time.monotonic() + self.takeover_ms * (1 - 1 / LATE_SHARE) / 1000  # from before the claim
-        claimed = await self.client.eval(scripts.CLAIM, 1, pod_outbox_key(pod), mine, *(e[1] for e in entries))
-        if not claimed:
-            return 0  # the outbox changed meanwhile (another writer claimed it, or a step added an entry)
-        theirs = sum(1 for e in entries if e[1].split("|", 2)[1] != mine)
-        if theirs:
-            log.warning("%s: took over %d outbox entries of another writer", pod, theirs)
-        self._kept.pop(pod, None)  # renamed: what ran of them is known by their old names no more; they run again
-        todo = [(pod, text(f), v) for f, (_, _, v, _) in zip(claimed[1:], entries)]
-        hooks.after_step("drain", len(todo))
-        try:
-            foreign, first, touched = await self.run([entry for *_, entry in entries], until=until)
-        except Late as exc:
-            self.late_runs += 1
-            self._left.add(pod)
-            log.warning("pod %s: outbox entries left to the next drain: %s", pod, exc)
-            return 0
-        self._left.discard(pod)  # what was left ran, in order: the pod's next entries run as they come
+            keep = []
+            for e in entries:
+                _, writer, ms = e[1].split("|", 2)
+                if writer != self.writer_arg() and now_ms - int(ms) < others:
+                    break
+                keep.append(e)
+            entries = keep
+        whole = len(entries) == len(raw)  # every entry there (none too young to run, none malformed)
+        todo = [(pod, f, v) for _, f, v, _ in entries]
+        foreign, first, touched = await self.run([entry for *_, entry in entries])
+        if whole:
+            self._left.discard(pod)  # what was left ran, in order: the pod's next entries run as they come
         if foreign:  # as a batch's own run flags them (``send``)
             await self._flag_foreign(todo, foreign, first)
         nodes = await self._written_to(touched)
-        if nodes is None or not await self._confirm_and_delete(todo, nodes):
+        if todo and (nodes is None or not await self._confirm_and_delete(todo, nodes)):
             await self._engine_keys_done(todo)
+            if whole and nodes is not None:
+                todo = await self._adopt(pod, todo)
             await self._remember(todo, nodes, touched)
         return len(entries)
+
+    async def _adopt(self, pod: str, entries: Sequence[tuple[str, str, bytes]]) -> Sequence[tuple[str, str, bytes]]:
+        """Another writer's entries this one ran and no replica confirmed (a replica down when their writer
+        stopped, or the fleet moved the pod): renamed to this writer (lua/adopt.lua), so its next pod steps
+        see its own entries and apply, and the chores confirm them later. Left as they were (and returned so)
+        when they are all ours already, or when the outbox changed meanwhile."""
+        mine = self.writer_arg()
+        renamed = []
+        for p, f, v in entries:
+            n, writer, ms = f.split("|", 2)
+            renamed.append((p, f if writer == mine else f"{n}|{mine}|{ms}", v))
+        if all(a[1] == b[1] for a, b in zip(entries, renamed)):
+            return entries
+        args = [x for a, b in zip(entries, renamed) for x in (a[1], b[1])]
+        if not await self.client.eval(scripts.ADOPT, 1, pod_outbox_key(pod), *args):
+            return []
+        log.warning("%s: took over %d outbox entries of another writer, run but not confirmed by a replica yet",
+                    pod, len(entries))
+        return renamed
 
     async def _engine_keys_done(self, entries: Sequence[tuple[str, str, bytes]]) -> None:
         """Entries that ran whole but stay in the outbox (not yet on a replica, or behind an earlier one of
