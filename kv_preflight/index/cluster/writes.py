@@ -271,7 +271,7 @@ class ClusterWrites:
         # them (a probe of each of its request keys: empty at that point?), as a single node judges it: a run
         # of several batches (a drain, a pipelined run) ends the same as the batches one by one.
         key_ops, whose, rk_changes = _native("run_keys", entries) or _run_keys(entries)  # rk_changes: the barrier's
-        foreign, first, empty_at = await self._round_a(key_ops, whose)
+        foreign, first, empty_at = await self._round_a(key_ops, whose, until)
         # Round B in the run's order: an engine key that is dropped and stored again (or the reverse) within
         # one run ends as its last change says, as on a single node.
         round_b, round_b_eks, drops = _native("engine_round", changes, empty_at, ENGINE_PREFIX) or \
@@ -304,7 +304,8 @@ class ClusterWrites:
                 foreign, first = foreign + f, first or fst
         return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest)
 
-    async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry]) -> tuple[int, str, dict[int, int]]:
+    async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry],
+                       until: float | None = None) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes (``whose``: each one's entry): one effects.lua per shard with that shard's (in
         order), the shards in
         parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
@@ -361,6 +362,7 @@ class ClusterWrites:
                 first = first or res[1]
         if moved:
             self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
+            _in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
             moved = sorted(set(moved))
             replies = await evalsha_pipeline(self.client, script,
                                              [(str(key_ops[i][0]), presence_key(key_ops[i][0])) for i in moved],
