@@ -373,8 +373,8 @@ async def test_a_store_racing_an_eviction_keeps_its_engine_key(cluster_url, evic
         writes = a.backend.writes
         round_a, held, go = writes._round_a, asyncio.Event(), asyncio.Event()
 
-        async def held_after_round_a(key_ops, whose):
-            out = await round_a(key_ops, whose)
+        async def held_after_round_a(key_ops, whose, *rest):
+            out = await round_a(key_ops, whose, *rest)
             held.set()
             await go.wait()
             return out
