@@ -49,6 +49,7 @@ from kv_preflight.index import hooks, scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
+from kv_preflight.index.cluster.window import Late, in_time, window_end
 from kv_preflight.index.changes import shard_args
 from kv_preflight.index.cluster.outbox_ops import (OutboxEntry, _engine_add, _engine_round, _foreign, _native,
                                                    _raced, _run_keys, decode_entry, key_op_args, outbox_payload,
@@ -60,13 +61,6 @@ from kv_preflight.index.writer import Prepared
 
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
-# a writer sends its batch's changes only within the takeover time less this share of it, counted from before its pod
-# step (``ClusterWrites.send``): past that, another writer may have run the entry and cleared the pod since
-LATE_SHARE = 4
-
-
-class Late(Exception):
-    """A run's writer is past its entries' window (``ClusterWrites.send``): the rest is left to a drain."""
 
 
 class Touched(NamedTuple):
@@ -130,13 +124,9 @@ class ClusterWrites:
         todo = list(range(len(preps)))
         deadline = time.monotonic() + 2 * self.takeover_ms / 1000 + 5
         while todo:
-            # Another writer takes an entry over (runs it, and may then clear the pod) once it is older than the
-            # takeover time, by Valkey's clock from the step; counted here from before the step, so never less.
-            # This writer sends its changes only well within that: stalled past it (a pause, a long GC, a
-            # machine starved), its changes could land after another's clearing of the pod, entries and bits its
-            # state no longer lists, which no later clear removes. Left in the outbox, they run in order at the
-            # next drain (this writer's chores, within a second, or another's), and are gone if taken over.
-            until = time.monotonic() + self.takeover_ms * (1 - 1 / LATE_SHARE) / 1000
+            # this writer's window on the entries its steps write (cluster/window.py): past it, they are left in
+            # the outbox, to run in order at the next drain (its chores, within a second), or taken over meanwhile
+            until = window_end(self.takeover_ms)
             replies = await self._pod_steps([keys[i] for i in todo], [args[i] for i in todo])
             entries: list[tuple[str, str, bytes]] = []
             to_run: list[OutboxEntry] = []
@@ -262,7 +252,7 @@ class ClusterWrites:
         raised; what ran is idempotent, and the whole entry runs again at a drain)."""
         if not entries:
             return 0, "", Touched([], None)
-        _in_time(until, "A")
+        in_time(until, "A")
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``_written_to``)
         digest = self.shards.map_digest()
@@ -276,7 +266,7 @@ class ClusterWrites:
         # one run ends as its last change says, as on a single node.
         round_b, round_b_eks, drops = _native("engine_round", changes, empty_at, ENGINE_PREFIX) or \
             _engine_round(changes, empty_at)
-        _in_time(until, "B")
+        in_time(until, "B")
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -287,7 +277,7 @@ class ClusterWrites:
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
             rks = list(set(chain.from_iterable(d.rks for _, d in drops)))  # in any order: each is one HLEN
-            _in_time(until, "C")
+            in_time(until, "C")
             lens = await self.shards.commands(list(zip(repeat("HLEN"), rks)), numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
@@ -298,7 +288,7 @@ class ClusterWrites:
                     readd.append(_engine_add(d.ek, d.rks))
                     readd_eks.append(d.ek)
             if readd:
-                _in_time(until, "D")
+                in_time(until, "D")
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
@@ -362,7 +352,7 @@ class ClusterWrites:
                 first = first or res[1]
         if moved:
             self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
-            _in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
+            in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
             moved = sorted(set(moved))
             replies = await evalsha_pipeline(self.client, script,
                                              [(str(key_ops[i][0]), presence_key(key_ops[i][0])) for i in moved],
@@ -587,10 +577,3 @@ class ClusterWrites:
 
 
 __all__ = ["ClusterWrites", "Kept", "TAKEOVER_MS", "Touched"]
-
-
-def _in_time(until: float | None, round_: str) -> None:
-    late = time.monotonic() - until if until is not None else 0.0
-    if late > 0:
-        raise Late(f"round {round_} would have gone {late * 1000:.0f} ms past the window of the entries' writer "
-                   "(another writer may have run them and cleared the pod since)")
