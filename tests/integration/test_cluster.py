@@ -1120,6 +1120,59 @@ def pod_leftovers(client: redis.RedisCluster, pod: str, held: set[int]) -> dict[
     return {"entries": sorted(entries), "bits": sorted(set(bits))}
 
 
+async def test_a_clearing_during_a_replica_outage_waits_for_a_live_writers_young_entry_among_old_ones(tmp_path):
+    """Every replica held, so ingester Y's entries stay in pod-c's outbox (run, not confirmed); they age past the
+    clearing writer's takeover time. Y then stalls right after its next batch's pod step: its young entry sits among
+    the old ones. ``index clear`` by another writer runs the old ones and must leave the young one. Its pod step
+    judges the outbox by one random entry (lua/pod_step.lua), mostly an old one: "pending". The drain that answer
+    calls for ran every entry, the young one too; unconfirmed, they were all taken over (renamed to the clearing
+    writer), its next pod step found only its own entries and cleared the pod, and Y's changes, still within its
+    window, landed after the clearing: entries and bits its state no longer listed (docs/durability.md named this
+    hole). That drain now leaves another writer's young entries too, so the clearing waits until Y's has run."""
+    o = Outage(tmp_path, 59)
+    gate = tmp_path / "go"
+    # this process is the other writer: Y's kept entries are old to it after 3 s, and its young one stays young for
+    # the whole of Y's stall and rounds (Y's window is 1.5 s from before its step)
+    ix = Index.from_url(o.vc.url, takeover_ms=3000)
+    try:
+        y = o.ingest("y", env={"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks",
+                               "KVPF_TEST_PAUSE_AFTER_STEP": f"21:{gate}"})
+        await o.exact()
+        deadline = time.monotonic() + 20
+        while o.sync.hlen(pod_outbox_key("pod-c")):  # the first ten batches' changes confirmed
+            assert time.monotonic() < deadline, "Y's outbox entries stayed"
+            await asyncio.sleep(0.05)
+        await o.publish_held()  # ten more, their entries kept
+        old = o.sync.hlen(pod_outbox_key("pod-c"))
+        assert old >= 5, "too few entries kept for the held replicas: nothing is tested"
+        await asyncio.sleep(3.2)  # older than the clearing writer's takeover time
+        await publish(o.engine, o.wl, 1)  # Y's 21st entry: it stalls after its pod step
+        deadline = time.monotonic() + 30
+        while not gate.with_name(gate.name + ".paused").exists():
+            assert time.monotonic() < deadline and y.poll() is None, "ingester Y never paused after its pod step"
+            await asyncio.sleep(0.05)
+        assert o.sync.hlen(pod_outbox_key("pod-c")) == old + 1, "Y's batch is not on its way"
+        task = asyncio.ensure_future(ix.clear_pod("pod-c"))
+        # time to clear while Y stalls, had the clearing not waited; Y resumes within its window
+        await asyncio.wait([task], timeout=1.0)
+        gate.touch()
+        await asyncio.wait_for(task, 40)
+        held = {rk async for s in export_blocks(ix.writer, "pod-c") for rk in s.request_keys}
+        assert held == set()
+        assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
+        o.let_go()
+        deadline = time.monotonic() + 30
+        while o.sync.exists(pod_outbox_key("pod-c")):  # confirmed once the replicas are back, and deleted
+            assert time.monotonic() < deadline, "the entries stayed once the replicas were back"
+            await asyncio.sleep(0.2)
+        assert pod_leftovers(o.sync, "pod-c", held) == {"entries": [], "bits": []}
+        assert y.poll() is None
+    finally:
+        gate.touch()
+        await ix.close()
+        await o.close()
+
+
 async def goes_on_exact(o: Outage, *ingesters) -> None:
     """Five batches more, applied exactly; pod-c unflagged, and the ingesters still running."""
     await publish(o.engine, o.wl, 5)

@@ -28,8 +28,8 @@ another way (docs/architecture.md, "Valkey Cluster"):
 
 An ingester killed between 1 and 3 leaves the entry; the next pod step of any ingester for that pod
 answers "pending" (the entry is older than the takeover time) or "busy" (younger: its writer is
-presumably running it), and the caller runs the entry first (``drain``); every ingester also runs its pods'
-stale entries each second. So nothing is lost and, since the counts live only in the pod step, a retry never
+presumably running it), and the caller runs the entry first (``drain``: the old entries, never another writer's
+young one, whose rounds are on their way); every ingester also runs its pods' stale entries each second. So nothing is lost and, since the counts live only in the pod step, a retry never
 changes counts.
 """
 from __future__ import annotations
@@ -188,8 +188,8 @@ class ClusterWrites:
                         assert res is not None
                         results[i] = ApplyResult(res.status, res.last_seq, res.foreign_writes + foreign, first,
                                                  res.gen)
-            for pod in sorted(drain):
-                await self.drain(pod)
+            for pod in sorted(drain):  # a live writer's young entry left (its rounds are on their way): "busy" next
+                await self.drain(pod, others_older_than_ms=self.takeover_ms)
             if again:
                 if time.monotonic() > deadline:
                     raise RedisConnectionError(f"pods {sorted(blocked)[:5]} stayed busy: another ingester's "
