@@ -365,9 +365,10 @@ class Index:
 
     async def drain_outbox(self, pod_id: str, *, stale_only: bool = False) -> int:
         """Run what a stopped writer left in a pod's outbox (cluster; nothing to do on one node): this writer's
-        entries, and another writer's once older than the takeover time (its writer is gone; a younger one's
-        changes are on their way: a clearing after this waits for them, lua/pod_step.lua "busy"). ``stale_only``:
-        this writer's entries kept for a replica are only confirmed, not run again."""
+        entries, and another writer's once every one of them is older than the takeover time (its writer is gone;
+        while one is younger, nothing runs: that writer's changes are on their way, and a clearing after this
+        waits for them, lua/pod_step.lua "busy"). ``stale_only``: this writer's entries kept for a replica are only
+        confirmed, not run again."""
         return await self.backend.drain_outbox(pod_id, stale_only=stale_only)
 
     async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:

@@ -131,6 +131,10 @@ class Resume:
             return False
         if pod not in self.routes.pods:  # not ours any more (let go meanwhile)
             return False
+        # A writer killed between a batch's steps on a cluster left its changes in the pod's outbox: run now, in the
+        # loop. In the fetch's own task, this drain ran this writer's entries again beside the loop's next batch of
+        # the pod, whose changes could then land before the older ones (a second review found it).
+        await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
         whole = self._whole(task.result())
         if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart made it
             # exact already)
@@ -238,8 +242,6 @@ class Resume:
     async def _fetch(self, pod: str) -> list[tuple[int, list, bool]]:
         """(first seq asked, frames, complete) per replay socket of the pod."""
         route = self.routes.pods[pod]
-        # A writer killed between a batch's steps on a cluster left its effects in the outbox.
-        await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
         info = await self.valkey.call(self.index.meta.pod_info, pod)
         seqs = {} if pod in self._rebuilding else info.seqs  # a rebuild asks for everything from seq 0
         ranks = {r: s.replay for (p, r), s in self.routes.rank_sources.items() if p == pod and s.replay}

@@ -11,6 +11,8 @@ under load, happens only now and then.
   Valkey Cluster's batch: its seq moved, its changes not yet run on their shards), the whole process stops (as a
   writer the scheduler left waiting) until ``<path>`` exists, having written ``<path>.paused`` to say so: another
   writer then acts while this batch is on its way.
+* ``KVPF_TEST_TAKEOVER_MS=N``: this process's cluster writes take N ms for the takeover time (2000): its window on
+  its own entries (three quarters of it) is as much longer, so a test can pause it well inside that window.
 """
 from __future__ import annotations
 
@@ -31,6 +33,17 @@ MOVE_WAIT_S = 30.0
 pause_at, _, pause_gate = os.environ.get("KVPF_TEST_PAUSE_AFTER_STEP", "").partition(":")
 entries_left = int(pause_at or 0)
 PAUSE_MAX_S = 60.0
+takeover_ms = int(os.environ.get("KVPF_TEST_TAKEOVER_MS") or 0)
+
+if takeover_ms:
+    from kv_preflight.index.cluster.writes import ClusterWrites
+
+    writes_init = ClusterWrites.__init__
+
+    def init_with_takeover(self, *args, **kwargs) -> None:
+        writes_init(self, *args, **{**kwargs, "takeover_ms": takeover_ms})
+
+    ClusterWrites.__init__ = init_with_takeover  # type: ignore[method-assign]
 
 if late_resets:
     reset_if_seq = Index.reset_if_seq

@@ -1123,20 +1123,22 @@ def pod_leftovers(client: redis.RedisCluster, pod: str, held: set[int]) -> dict[
 async def test_a_clearing_during_a_replica_outage_waits_for_a_live_writers_young_entry_among_old_ones(tmp_path):
     """Every replica held, so ingester Y's entries stay in pod-c's outbox (run, not confirmed); they age past the
     clearing writer's takeover time. Y then stalls right after its next batch's pod step: its young entry sits among
-    the old ones. ``index clear`` by another writer runs the old ones and must leave the young one. Its pod step
+    the old ones. ``index clear`` by another writer must run none of them while the young one is there. Its pod step
     judges the outbox by one random entry (lua/pod_step.lua), mostly an old one: "pending". The drain that answer
     calls for ran every entry, the young one too; unconfirmed, they were all taken over (renamed to the clearing
     writer), its next pod step found only its own entries and cleared the pod, and Y's changes, still within its
     window, landed after the clearing: entries and bits its state no longer listed (docs/durability.md named this
-    hole). That drain now leaves another writer's young entries too, so the clearing waits until Y's has run."""
+    hole). That drain now runs nothing while another writer's entry is young, so the clearing waits until Y's has
+    run."""
     o = Outage(tmp_path, 59)
     gate = tmp_path / "go"
-    # this process is the other writer: Y's kept entries are old to it after 3 s, and its young one stays young for
-    # the whole of Y's stall and rounds (Y's window is 1.5 s from before its step)
-    ix = Index.from_url(o.vc.url, takeover_ms=3000)
+    # this process is the other writer: Y's kept entries are old to it after 4 s, and its young one stays young for
+    # the whole of Y's stall and rounds (Y's window: 3.75 s from before its step, a takeover time of 5 s: a window
+    # shorter than the other's takeover time, as every writer's is)
+    ix = Index.from_url(o.vc.url, takeover_ms=4000)
     try:
         y = o.ingest("y", env={"KVPF_TEST_HOOKS": "tests.integration.rebuild_hooks",
-                               "KVPF_TEST_PAUSE_AFTER_STEP": f"21:{gate}"})
+                               "KVPF_TEST_PAUSE_AFTER_STEP": f"21:{gate}", "KVPF_TEST_TAKEOVER_MS": "5000"})
         await o.exact()
         deadline = time.monotonic() + 20
         while o.sync.hlen(pod_outbox_key("pod-c")):  # the first ten batches' changes confirmed
@@ -1145,7 +1147,7 @@ async def test_a_clearing_during_a_replica_outage_waits_for_a_live_writers_young
         await o.publish_held()  # ten more, their entries kept
         old = o.sync.hlen(pod_outbox_key("pod-c"))
         assert old >= 5, "too few entries kept for the held replicas: nothing is tested"
-        await asyncio.sleep(3.2)  # older than the clearing writer's takeover time
+        await asyncio.sleep(4.2)  # older than the clearing writer's takeover time
         await publish(o.engine, o.wl, 1)  # Y's 21st entry: it stalls after its pod step
         deadline = time.monotonic() + 30
         while not gate.with_name(gate.name + ".paused").exists():
@@ -1153,8 +1155,8 @@ async def test_a_clearing_during_a_replica_outage_waits_for_a_live_writers_young
             await asyncio.sleep(0.05)
         assert o.sync.hlen(pod_outbox_key("pod-c")) == old + 1, "Y's batch is not on its way"
         task = asyncio.ensure_future(ix.clear_pod("pod-c"))
-        # time to clear while Y stalls, had the clearing not waited; Y resumes within its window
-        await asyncio.wait([task], timeout=1.0)
+        # time to clear while Y stalls, had the clearing not waited (about 0.7 s); Y resumes well within its window
+        await asyncio.wait([task], timeout=2.5)
         gate.touch()
         await asyncio.wait_for(task, 40)
         held = {rk async for s in export_blocks(ix.writer, "pod-c") for rk in s.request_keys}
@@ -1170,6 +1172,41 @@ async def test_a_clearing_during_a_replica_outage_waits_for_a_live_writers_young
     finally:
         gate.touch()
         await ix.close()
+        await o.close()
+
+
+async def test_a_drain_never_runs_a_live_writers_old_entries_again_after_its_newer_ones(tmp_path):
+    """Every replica held: writer Y's entries stay in the outbox, each run whole, in order, and kept for a replica.
+    Y stores a block, and a moment later removes it. To another writer, Y's first entry is old and its second young.
+    That writer's drain (before a clearing, or after a pod step's "pending") ran the old one and stopped at the
+    young one: the store again, after the removal it had already gone before, so the request key held the pod's
+    entry and bit for a block the pod no longer has, and Y, which only asks the barrier about entries it ran, never
+    ran the removal again (a second review found it; it stays once the replicas are back). A drain now runs none of
+    another writer's entries while one of them is young."""
+    o = Outage(tmp_path, 63)
+    y = o.ix  # the live writer (takeover 2 s)
+    x = Index.from_url(o.vc.url, takeover_ms=3000)  # the other writer: Y's entries are old to it after 3 s
+    try:
+        await x.meta.pod_info("pod-r")  # its connections made: what follows Y's removal is quick
+        o.held = o.vc.hold_replicas()
+        r = await y.apply_batch(pod_id="pod-r", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                mutations=[StoreBlock(1, "gpu", entry("pod-r"), (11,))])
+        assert r.status == "applied"
+        await asyncio.sleep(3.3)  # old to X
+        r = await y.apply_batch(pod_id="pod-r", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
+                                mutations=[RemoveBlock(1, "gpu")])
+        assert r.status == "applied"
+        assert o.sync.hlen(pod_outbox_key("pod-r")) == 2, "Y's entries are not both kept: nothing is tested"
+        assert pod_leftovers(o.sync, "pod-r", set()) == {"entries": [], "bits": []}
+        ran = [await x.drain_outbox("pod-r", stale_only=False),  # as before a clearing (or after "pending")
+               await x.drain_outbox("pod-r", stale_only=True)]  # as the chores
+        assert pod_leftovers(o.sync, "pod-r", set()) == {"entries": [], "bits": []}
+        assert ran == [0, 0]
+        o.let_go()
+        await drain_until_empty(y, o.sync, timeout=30.0)
+        assert pod_leftovers(o.sync, "pod-r", set()) == {"entries": [], "bits": []}
+    finally:
+        await x.close()
         await o.close()
 
 

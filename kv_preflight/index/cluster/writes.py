@@ -28,9 +28,9 @@ another way (docs/architecture.md, "Valkey Cluster"):
 
 An ingester killed between 1 and 3 leaves the entry; the next pod step of any ingester for that pod
 answers "pending" (the entry is older than the takeover time) or "busy" (younger: its writer is
-presumably running it), and the caller runs the entry first (``drain``: the old entries, never another writer's
-young one, whose rounds are on their way); every ingester also runs its pods' stale entries each second. So nothing is lost and, since the counts live only in the pod step, a retry never
-changes counts.
+presumably running it), and the caller runs the entries first (``drain``: none while another writer's entry is
+young, its writer alive); every ingester also runs its pods' stale entries each second. So nothing is lost and,
+since the counts live only in the pod step, a retry never changes counts.
 """
 from __future__ import annotations
 
@@ -188,13 +188,14 @@ class ClusterWrites:
                         assert res is not None
                         results[i] = ApplyResult(res.status, res.last_seq, res.foreign_writes + foreign, first,
                                                  res.gen)
-            for pod in sorted(drain):  # a live writer's young entry left (its rounds are on their way): "busy" next
-                await self.drain(pod, others_older_than_ms=self.takeover_ms)
+            ran = 0
+            for pod in sorted(drain):  # nothing runs while a live writer's entry is young: "busy" until it is not
+                ran += await self.drain(pod, others_older_than_ms=self.takeover_ms)
             if again:
                 if time.monotonic() > deadline:
                     raise RedisConnectionError(f"pods {sorted(blocked)[:5]} stayed busy: another ingester's "
                                                "outbox entries did not run")
-                if not drain:
+                if not ran:
                     await asyncio.sleep(0.05)
             todo = again
         return [r for r in results if r is not None]
@@ -473,14 +474,17 @@ class ClusterWrites:
             self._left.discard(pod)
 
     async def drain(self, pod: str, *, older_than_ms: int = 0, others_older_than_ms: int | None = None) -> int:
-        """Run the entries left in a pod's outbox, oldest first: every entry of this writer (which is not
-        running any other batch meanwhile), and other writers' entries (a crashed or stalled writer's)
-        once at least ``older_than_ms`` old (Valkey's clock). Stops at the first entry it must not run
-        yet, since one pod's changes must run in order. ``others_older_than_ms``: the age for other writers'
-        entries alone, this writer's own all run again (not only asked the barrier, as with ``older_than_ms``):
-        a drain before a clearing, which must not run and delete a live writer's young entry (its changes are on
-        their way; run here and deleted, the clearing goes at once and they land after it, entries the cleared
-        pod's state no longer lists). Left, that entry makes the clearing wait for it (lua/pod_step.lua "busy")."""
+        """Run the entries left in a pod's outbox, oldest first, all of them or none: every entry of this writer
+        (which is not running any other batch meanwhile), and other writers' entries (a crashed or stalled
+        writer's) once every one of them is at least ``older_than_ms`` old (Valkey's clock). Another writer's
+        young entry says that writer is alive: its batch is on its way, and its older entries, kept for a replica,
+        have run already and ran before its newer ones; run again now, after those, they would undo the newer
+        ones' removals. So nothing runs (that writer runs its own; the pod's steps answer "busy" meanwhile).
+        ``others_older_than_ms``: the age for other writers' entries alone, this writer's own all run again (not
+        only asked the barrier, as with ``older_than_ms``): a drain before a clearing or after a pod step's
+        "pending", which must not run and delete a live writer's young entry (run here and deleted, the clearing
+        went at once and that writer's changes landed after it, entries the cleared pod's state no longer lists).
+        Returns the entries run."""
         others = older_than_ms if others_older_than_ms is None else others_older_than_ms
         if older_than_ms and await self._confirm_kept(pod):
             return 0
@@ -502,17 +506,13 @@ class ClusterWrites:
                 continue
             entries.append((parsed[0], f.decode(), v, parsed[1]))
         entries.sort(key=lambda e: (e[0], e[1]))
-        if others:
+        mine = self.writer_arg()
+        if others and any(e[1].split("|", 2)[1] != mine for e in entries):
             sec, usec = await self.client.time()
             now_ms = sec * 1000 + usec // 1000
-            keep = []
-            for e in entries:
-                _, writer, ms = e[1].split("|", 2)
-                if writer != self.writer_arg() and now_ms - int(ms) < others:
-                    break
-                keep.append(e)
-            entries = keep
-        whole = len(entries) == len(raw)  # every entry there (none too young to run, none malformed)
+            if any(w != mine and now_ms - int(ms) < others for w, ms in (e[1].split("|", 2)[1:] for e in entries)):
+                return 0  # another writer's entry too young: that writer is alive and runs its own
+        whole = len(entries) == len(raw)  # every entry there (none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
         foreign, first, touched = await self.run([entry for *_, entry in entries])
         if whole:

@@ -8,7 +8,7 @@
 -- Order matters for one request key of one pod (set, then unset): so a batch whose pod has an outbox entry
 -- of ANOTHER writer is not applied while that entry is young (answer "busy": its writer is about to run it)
 -- and, once it is older than the takeover time, the answer is "pending": the caller runs the old entries first
--- (one random entry is judged here: the caller's drain leaves any other writer's young one, ClusterWrites.send). A
+-- (one random entry is judged here: the caller's drain runs none of another writer's entries while one is young). A
 -- writer's own entries are in flight in order.
 -- KEYS: the pod's meta, state log, outbox. ARGV: as apply.lua up to pod_write.lua's, then the writer
 -- ("<writer id>@<takeover ms>"), gap ("1": the pod's keys have a gap before or after this step, see
