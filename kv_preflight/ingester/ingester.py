@@ -139,7 +139,7 @@ class Ingester:
                     recv = asyncio.ensure_future(self.subscriber.receive())
                 stop = asyncio.ensure_future(self._stopping.wait())
                 # a gap's replay answering wakes the loop too: its pod waits for nothing else
-                done, _ = await asyncio.wait({recv, stop, *self.applier.fetches()},
+                done, _ = await asyncio.wait({recv, stop, *self.applier.fetches(), *self.resume.probing()},
                                              timeout=max(0.0, next_chores - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
@@ -153,6 +153,9 @@ class Ingester:
                 if self.resume.pending:
                     self.progress.mark("applying replays fetched for engines attached")
                     await self.resume.apply_ready()
+                if any(task.done() for task in self.resume.probing()):
+                    self.progress.mark("applying restart probes")
+                    await self.resume.apply_probed()
                 if self.applier.held:
                     self.progress.mark("applying gaps' replays")
                     await self.applier.apply_held()

@@ -43,13 +43,15 @@ class Resume:
         self._resetting: set[str] = set()  # of those, pods cleared first if the replay is whole (a retired pod back)
         self._epochs: dict[str, str] = {}  # a pod rebuilt after a loss of Valkey's data -> the epoch that loss began
         self._rounds: dict[str, int] = {}  # a pod being rebuilt -> its clearings refused so far (``_apply_fetched``)
-        self._probes: dict[str, asyncio.Task] = {}  # source endpoint -> its restart probe (``probe_later``)
+        # source endpoint -> its restart probe (``probe_later``) and whether to catch up once it is applied
+        self._probes: dict[str, tuple[asyncio.Task, bool]] = {}
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
         restart blind spot. Engines attached later are resumed in the background (``schedule``)."""
         pods = [p for p, r in self.routes.pods.items() if r.replay and (only is None or p in only)]
         for pod in pods:
+            await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)  # (``_apply_fetched``)
             await self._apply(pod, await self._fetch(pod))
 
     def schedule(self, pods: set[str], *, rebuild: bool = False, reset: bool = False, epoch: str = "") -> None:
@@ -278,25 +280,39 @@ class Resume:
 
     def probe_later(self, src: Source, *, catch_up: bool = False) -> None:
         """``probe_restart`` in a task of its own: a replay socket slow to answer costs its timeout there, not
-        in the loop. Safe beside the stream: the reset it may do is conditional on the seq it probed. With
-        ``catch_up`` (the source's stream had gone down): then its pods are resumed from their persisted seqs
-        (``schedule``; each counts behind until its replay is applied), so a quiet engine's batches lost meanwhile
-        are not left waiting for its next batch to show the gap."""
+        in the loop. What it finds (the pods whose engine restarted) the loop applies (``apply_probed``), between
+        its batches: a reset sent from the probe's task went beside the loop's next batches of the pod, the
+        restarted engine's, and on a cluster the clearing's changes could land after theirs. With ``catch_up``
+        (the source's stream had gone down): then its pods are resumed from their persisted seqs (``schedule``;
+        each counts behind until its replay is applied), so a quiet engine's batches lost meanwhile are not left
+        waiting for its next batch to show the gap."""
         running = self._probes.get(src.endpoint)
-        if running is not None and not running.done():
+        if running is not None and not running[0].done():
             if catch_up:  # after the probe under way
-                running.add_done_callback(lambda _: self.schedule(self.routes.pods_on({src.endpoint})))
+                self._probes[src.endpoint] = (running[0], True)
             return  # one probe per source at a time; a reconnect during it changes nothing it would find
-        task = asyncio.ensure_future(self._probe_then_catch_up(src, catch_up))
-        task.add_done_callback(self._probed)
-        self._probes[src.endpoint] = task
+        self._probes[src.endpoint] = (asyncio.ensure_future(self.probe_restart(src)), catch_up)
 
-    async def _probe_then_catch_up(self, src: Source, catch_up: bool) -> None:
-        try:
-            await self.probe_restart(src)
-        finally:
+    def probing(self) -> list[asyncio.Task]:
+        """The restart probes under way: the loop wakes when one ends, to apply it (``apply_probed``)."""
+        return [task for task, _ in self._probes.values()]
+
+    async def apply_probed(self) -> None:
+        """The resets the ended probes found, then their sources' catch-up (the loop calls it every turn)."""
+        for endpoint, (task, catch_up) in list(self._probes.items()):
+            if not task.done():
+                continue
+            del self._probes[endpoint]
+            if task.cancelled():
+                continue
+            if task.exception() is not None:
+                log.warning("restart probe failed (%s: %s); the stream's seq check still notices a restart",
+                            type(task.exception()).__name__, task.exception())
+            else:
+                for pod, rank, last in task.result():
+                    await self._reset_restarted(pod, rank, last)
             if catch_up:
-                self.schedule(self.routes.pods_on({src.endpoint}))
+                self.schedule(self.routes.pods_on({endpoint}))
 
     async def probe_silent(self, src: Source, received: dict[tuple[str, int], int], grace_s: float) -> bool:
         """Whether a silent source's stream is dead: its replay socket holds batches past the last seq its stream
@@ -322,23 +338,20 @@ class Resume:
                 return True
         return False
 
-    def _probed(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("restart probe failed (%s: %s); the stream's seq check still notices a restart",
-                        type(task.exception()).__name__, task.exception())
-
     def cancel_probes(self, endpoints: set[str] | None = None) -> None:
-        for endpoint, task in list(self._probes.items()):
+        for endpoint, (task, _) in list(self._probes.items()):
             if endpoints is None or endpoint in endpoints:
                 task.cancel()
                 del self._probes[endpoint]
 
-    async def probe_restart(self, src: Source) -> None:
+    async def probe_restart(self, src: Source) -> list[tuple[str, int, int]]:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
         restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
-        empty, so the pod's entries go now, not when it first publishes."""
+        empty, so the pod's entries go now, not when it first publishes. Returns them, (pod, rank, that
+        seq), for the loop to reset (``apply_probed``)."""
+        restarted: list[tuple[str, int, int]] = []
         if not src.replay:
-            return  # no replay socket of its own (a --bind source: its pods' replays are asked by seq, elsewhere)
+            return restarted  # no replay socket of its own (a --bind source: its pods' replays are asked by seq)
         for pod, route in list(self.routes.pods.items()):
             here = {r for (p, r), s in self.routes.rank_sources.items() if p == pod and s.endpoint == src.endpoint}
             if not here and route.source != src.endpoint:
@@ -364,12 +377,19 @@ class Resume:
                     log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
                                 pod, min(seqs), last)
                     continue
-                try:
-                    reset = await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last)
-                except PodLogError as exc:  # (a pod this process has not loaded yet: at start, or taken over)
-                    await self.applier.not_reset(pod, f"engine restart (seq {last} no longer in its buffer)", exc)
-                    continue
-                if reset:
-                    await self.counters.count("engine_restarts")
-                    log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared",
-                                pod, last)
+                restarted.append((pod, int(rank), last))
+        return restarted
+
+    async def _reset_restarted(self, pod: str, rank: int, last: int) -> None:
+        """A probe's finding applied: the pod cleared if its seq is still the one probed (its engine's new batches
+        may have come first; then the seq rule, lua/seq.lua, noticed the restart already)."""
+        if pod not in self.routes.pods:  # let go meanwhile
+            return
+        try:
+            reset = await self.valkey.call(self.index.reset_if_seq, pod, rank, last)
+        except PodLogError as exc:  # (a pod this process has not loaded yet: at start, or taken over)
+            await self.applier.not_reset(pod, f"engine restart (seq {last} no longer in its buffer)", exc)
+            return
+        if reset:
+            await self.counters.count("engine_restarts")
+            log.warning("%s: engine no longer has seq %d after reconnecting: it restarted; entries cleared", pod, last)

@@ -305,8 +305,8 @@ async def test_data_parallel_ranks_are_probed_and_replayed_on_their_own_sockets(
         await feed(e1, srcs[1], 1, stored([101], None, 0, medium="CPU"))  # rank 1: seq 0
         seqs = [(await ix.meta.pod_info(p)).seqs for p in ("pod-a", "pod-a@dp1")]
         assert seqs == [{"0": 4}, {"1": 0}]
-        await ing.resume.probe_restart(srcs[1])  # rank 1's SUB socket reconnected; no engine restarted
-        await ing.resume.probe_restart(srcs[0])
+        assert await ing.resume.probe_restart(srcs[1]) == []  # rank 1's SUB socket reconnected; no engine restarted
+        assert await ing.resume.probe_restart(srcs[0]) == []
         infos = [await ix.meta.pod_info(p) for p in ("pod-a", "pod-a@dp1")]
         assert not any(i.counters.get("restarts", 0) for i in infos) and [i.seqs for i in infos] == seqs
         assert await cached_blocks(ix, 5 * 32) == 10
@@ -430,7 +430,10 @@ async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url,
         await ix.meta.mark_incomplete("pod-a", "an old gap")
         h.engine.buffer.clear()  # a new engine process behind the same endpoints
         h.engine.seq = 0
-        await ing.resume.probe_restart(h.source)
+        ing.resume.probe_later(h.source)  # as the loop does on a reconnect: the probe in its task, then
+        await asyncio.wait(ing.resume.probing())
+        assert (await ix.meta.pod_info("pod-a")).blocks == 1  # the probe's task wrote nothing: not beside the loop
+        await ing.resume.apply_probed()  # what it found applied by the loop, between its batches
         info = await ix.meta.pod_info("pod-a")
         assert info.counters.get("restarts") == 1 and info.blocks == 0
         assert not info.incomplete  # the pod is exact again (empty, as the new engine)
