@@ -45,6 +45,7 @@ class Resume:
         self._rounds: dict[str, int] = {}  # a pod being rebuilt -> its clearings refused so far (``_apply_fetched``)
         # source endpoint -> its restart probe (``probe_later``) and whether to catch up once it is applied
         self._probes: dict[str, tuple[asyncio.Task, bool]] = {}
+        self._found: list[tuple[str, int, int, float | None]] = []  # what ended probes found, not applied yet
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
@@ -287,32 +288,48 @@ class Resume:
         each counts behind until its replay is applied), so a quiet engine's batches lost meanwhile are not left
         waiting for its next batch to show the gap."""
         running = self._probes.get(src.endpoint)
-        if running is not None and not running[0].done():
-            if catch_up:  # after the probe under way
-                self._probes[src.endpoint] = (running[0], True)
-            return  # one probe per source at a time; a reconnect during it changes nothing it would find
+        if running is not None:
+            task, asked = running
+            if not task.done():
+                if catch_up:  # after the probe under way
+                    self._probes[src.endpoint] = (task, True)
+                return  # one probe per source at a time; a reconnect during it changes nothing it would find
+            self._found.extend(self._findings(task))  # ended, not applied yet: kept for ``apply_probed``
+            catch_up = catch_up or asked
         self._probes[src.endpoint] = (asyncio.ensure_future(self.probe_restart(src)), catch_up)
 
     def probing(self) -> list[asyncio.Task]:
         """The restart probes under way: the loop wakes when one ends, to apply it (``apply_probed``)."""
         return [task for task, _ in self._probes.values()]
 
+    @staticmethod
+    def _findings(task: asyncio.Task) -> list[tuple[str, int, int, float | None]]:
+        if task.cancelled():
+            return []
+        if task.exception() is not None:
+            log.warning("restart probe failed (%s: %s); the stream's seq check still notices a restart",
+                        type(task.exception()).__name__, task.exception())
+            return []
+        return task.result()
+
     async def apply_probed(self) -> None:
         """The resets the ended probes found, then their sources' catch-up (the loop calls it every turn)."""
-        for endpoint, (task, catch_up) in list(self._probes.items()):
-            if not task.done():
-                continue
-            del self._probes[endpoint]
-            if task.cancelled():
-                continue
-            if task.exception() is not None:
-                log.warning("restart probe failed (%s: %s); the stream's seq check still notices a restart",
-                            type(task.exception()).__name__, task.exception())
-            else:
-                for pod, rank, last in task.result():
-                    await self._reset_restarted(pod, rank, last)
-            if catch_up:
-                self.schedule(self.routes.pods_on({endpoint}))
+        catch_up = set()
+        for endpoint, (task, asked) in list(self._probes.items()):
+            if task.done():
+                del self._probes[endpoint]
+                self._found.extend(self._findings(task))
+                if asked and not task.cancelled():
+                    catch_up.add(endpoint)
+        found, self._found = self._found, []
+        for pod, rank, last, at in found:
+            try:
+                await self._reset_restarted(pod, rank, last, at)
+            except Exception as exc:  # one pod's refusal (it is logged and counted where it applies) stops no other
+                log.warning("%s: engine restart found by the probe not reset (%s: %s); the stream's seq check still "
+                            "notices it", pod, type(exc).__name__, exc)
+        if catch_up:
+            self.schedule(self.routes.pods_on(catch_up))
 
     async def probe_silent(self, src: Source, received: dict[tuple[str, int], int], grace_s: float) -> bool:
         """Whether a silent source's stream is dead: its replay socket holds batches past the last seq its stream
@@ -344,12 +361,12 @@ class Resume:
                 task.cancel()
                 del self._probes[endpoint]
 
-    async def probe_restart(self, src: Source) -> list[tuple[str, int, int]]:
+    async def probe_restart(self, src: Source) -> list[tuple[str, int, int, float | None]]:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
         restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
         empty, so the pod's entries go now, not when it first publishes. Returns them, (pod, rank, that
-        seq), for the loop to reset (``apply_probed``)."""
-        restarted: list[tuple[str, int, int]] = []
+        seq, the pod's last event time as read), for the loop to reset (``apply_probed``)."""
+        restarted: list[tuple[str, int, int, float | None]] = []
         if not src.replay:
             return restarted  # no replay socket of its own (a --bind source: its pods' replays are asked by seq)
         for pod, route in list(self.routes.pods.items()):
@@ -377,13 +394,18 @@ class Resume:
                     log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
                                 pod, min(seqs), last)
                     continue
-                restarted.append((pod, int(rank), last))
+                restarted.append((pod, int(rank), last, info.last_event_time))
         return restarted
 
-    async def _reset_restarted(self, pod: str, rank: int, last: int) -> None:
-        """A probe's finding applied: the pod cleared if its seq is still the one probed (its engine's new batches
-        may have come first; then the seq rule, lua/seq.lua, noticed the restart already)."""
+    async def _reset_restarted(self, pod: str, rank: int, last: int, at: float | None) -> None:
+        """A probe's finding applied: the pod cleared unless a batch of it applied since the probe read it. The
+        restarted engine's first batches may have come first (the seq rule, lua/seq.lua, then noticed the restart
+        and cleared the pod itself), and their seq may be back at the one probed: cleared again on the seq alone,
+        the pod lost them and read exact."""
         if pod not in self.routes.pods:  # let go meanwhile
+            return
+        if (await self.valkey.call(self.index.meta.pod_info, pod)).last_event_time != at:
+            log.info("%s: a batch applied since the restart probe; its seq check judged the restart", pod)
             return
         try:
             reset = await self.valkey.call(self.index.reset_if_seq, pod, rank, last)

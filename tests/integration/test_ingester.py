@@ -442,6 +442,34 @@ async def test_restart_found_by_the_probe_clears_the_incomplete_flag(valkey_url,
         await h.close()
 
 
+async def test_a_restart_the_stream_judged_before_the_probe_was_applied_is_not_cleared_again(valkey_url, ix):
+    """The probe finds the engine restarted (its replay no longer holds our seq 2); before the loop applies that,
+    the restarted engine's first three batches come (seqs 0..2): the seq rule sees the restart, clears the pod and
+    applies them. Its seq is back at 2, the one probed: cleared again on the seq alone, the pod lost those blocks
+    and read exact (a review found it). A reset is skipped once a batch of the pod applied since the probe."""
+    h = Harness(valkey_url)
+    try:
+        ing = Ingester(Config(valkey_url=valkey_url, replay_timeout_s=1.0), Index.from_url(valkey_url), [h.source])
+        for i in range(3):  # the old engine: seqs 0..2
+            h.engine.publish(batch(stored([i + 1], i or None, i)), send=False)
+            await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
+        h.engine.buffer.clear()  # a new engine process behind the same endpoints
+        h.engine.seq = 0
+        ing.resume.probe_later(h.source)
+        await asyncio.wait(ing.resume.probing())
+        for i in range(3):  # the new engine's first batches, handled before the probe is applied
+            h.engine.publish(batch(stored([101 + i], (100 + i) if i else None, i)), send=False)
+            await ing.handle_messages([(h.source, h.engine.buffer[-1][1])])
+        info = await ix.meta.pod_info("pod-a")
+        assert info.seqs == {"0": 2} and info.blocks == 3 and info.counters.get("restarts") == 1
+        await ing.resume.apply_probed()
+        info = await ix.meta.pod_info("pod-a")
+        assert info.blocks == 3 and info.counters.get("restarts") == 1 and not info.incomplete
+        await ing.index.close()
+    finally:
+        await h.close()
+
+
 async def test_reconnect_to_an_engine_whose_buffer_moved_on_is_not_a_restart(valkey_url, ix):
     """Same engine process, reconnected after a blip during which it published more than its
     replay buffer keeps: the probe finds only newer seqs. That is a gap, not a restart; clearing
