@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NamedTuple
 
 from kv_preflight.config import Config
 from kv_preflight.index.pod_log import PodLogError
@@ -29,6 +30,16 @@ REBUILD_ROUNDS = 20
 REBUILD_PAUSE_S = 0.25
 
 
+class Restarted(NamedTuple):
+    """A restart probe's finding: the pod's engine no longer holds ``seq`` of ``rank``; the pod's last event time
+    as the probe read it (a batch applied since: the stream's seq check judged the restart, ``_reset_restarted``)."""
+
+    pod: str
+    rank: int
+    seq: int
+    last_event_time: float | None
+
+
 class Resume:
     def __init__(self, cfg: Config, index: WriteSide, routes: Routes, applier: Applier, counters: Counters,
                  valkey: ValkeyRetry):
@@ -45,7 +56,7 @@ class Resume:
         self._rounds: dict[str, int] = {}  # a pod being rebuilt -> its clearings refused so far (``_apply_fetched``)
         # source endpoint -> its restart probe (``probe_later``) and whether to catch up once it is applied
         self._probes: dict[str, tuple[asyncio.Task, bool]] = {}
-        self._found: list[tuple[str, int, int, float | None]] = []  # what ended probes found, not applied yet
+        self._found: list[Restarted] = []  # what ended probes found, not applied yet
 
     async def known_pods(self, only: set[str] | None = None) -> None:
         """On start (``only``: just those pods), replay from each known pod's persisted seq, now: closes the
@@ -136,7 +147,7 @@ class Resume:
             return False
         # A writer killed between a batch's steps on a cluster left its changes in the pod's outbox: run now, in the
         # loop. In the fetch's own task, this drain ran this writer's entries again beside the loop's next batch of
-        # the pod, whose changes could then land before the older ones (a second review found it).
+        # the pod, whose changes could then land before the older ones.
         await self.valkey.call(self.index.drain_outbox, pod, stale_only=True)
         whole = self._whole(task.result())
         if pod in self._resetting and not whole:  # a retired pod stays flagged (or an engine restart made it
@@ -303,7 +314,7 @@ class Resume:
         return [task for task, _ in self._probes.values()]
 
     @staticmethod
-    def _findings(task: asyncio.Task) -> list[tuple[str, int, int, float | None]]:
+    def _findings(task: asyncio.Task) -> list[Restarted]:
         if task.cancelled():
             return []
         if task.exception() is not None:
@@ -361,12 +372,12 @@ class Resume:
                 task.cancel()
                 del self._probes[endpoint]
 
-    async def probe_restart(self, src: Source) -> list[tuple[str, int, int, float | None]]:
+    async def probe_restart(self, src: Source) -> list[Restarted]:
         """On (re)connect, ask the replay socket for the last batch we applied. An engine that
         restarted (vLLM 0.32 counts seq from 0 per process) no longer has it: its cache is
         empty, so the pod's entries go now, not when it first publishes. Returns them, (pod, rank, that
         seq, the pod's last event time as read), for the loop to reset (``apply_probed``)."""
-        restarted: list[tuple[str, int, int, float | None]] = []
+        restarted: list[Restarted] = []
         if not src.replay:
             return restarted  # no replay socket of its own (a --bind source: its pods' replays are asked by seq)
         for pod, route in list(self.routes.pods.items()):
@@ -394,7 +405,7 @@ class Resume:
                     log.warning("%s: replay buffer starts at seq %d, past our %d: a gap, not a restart",
                                 pod, min(seqs), last)
                     continue
-                restarted.append((pod, int(rank), last, info.last_event_time))
+                restarted.append(Restarted(pod, int(rank), last, info.last_event_time))
         return restarted
 
     async def _reset_restarted(self, pod: str, rank: int, last: int, at: float | None) -> None:
