@@ -21,6 +21,7 @@ import random
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
@@ -300,20 +301,25 @@ FILLER_ROOM = 1_000_000  # the limit, over the memory used when it is set
 LATE_S = 1.0  # a batch published this long before a lease was written, and not applied then, is one it is behind
 
 
-def hover_at_the_limit(url: str, done: threading.Event, full_s: float = 0.5, room_s: float = 0.15) -> None:
+def hover_at_the_limit(url: str, done: threading.Event, seen: Counter, full_s: float = 0.5,
+                       room_s: float = 0.15) -> None:
     """Until ``done``: a filler key grown until Valkey refuses it (every write refused from then on) for ``full_s``,
     then gone for ``room_s`` (writes pass), as the used memory of a Valkey at its limit moves with its clients'
-    buffers. Grown in pieces: one large SET is refused for the query buffer it needs."""
+    buffers. Grown in pieces: one large SET is refused for the query buffer it needs. ``seen`` counts the fillings
+    refused at the limit, and any other error by its text (the thread goes on: the test says what it met)."""
     piece = b"x" * 65536
     with closing(redis.Redis.from_url(url)) as c:
         while not done.is_set():
             try:
-                for _ in range(2 * FILLER_ROOM // len(piece)):
-                    c.append(FILLER_KEY, piece)
-            except redis.exceptions.OutOfMemoryError:
-                pass
-            done.wait(full_s)
-            c.delete(FILLER_KEY)
+                try:
+                    for _ in range(2 * FILLER_ROOM // len(piece)):
+                        c.append(FILLER_KEY, piece)
+                except redis.exceptions.OutOfMemoryError:
+                    seen["refused"] += 1
+                done.wait(full_s)
+                c.delete(FILLER_KEY)
+            except redis.exceptions.RedisError as exc:
+                seen[f"{type(exc).__name__}: {exc}"] += 1
             done.wait(room_s)
 
 
@@ -329,6 +335,7 @@ def test_valkey_at_maxmemory_never_leases_current_while_batches_wait(stack):
     r = redis.Redis.from_url(stack.valkey.url)
     leases: dict[int, tuple[str, int]] = {}  # renewed_ms -> (state, the pod's seq read just after)
     done = threading.Event()
+    hovered: Counter = Counter()  # the filler refused at the limit, and any other error (hover_at_the_limit)
 
     def engine_load() -> None:  # every request stores (and the 64-block pool evicts): batches all along
         rng = random.Random(4)
@@ -348,7 +355,7 @@ def test_valkey_at_maxmemory_never_leases_current_while_batches_wait(stack):
         time.sleep(1.0)  # the load's batches are flowing
         r.config_set("maxmemory-policy", "noeviction")
         r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + FILLER_ROOM))
-        hover = threading.Thread(target=hover_at_the_limit, args=(stack.valkey.url, done), daemon=True)
+        hover = threading.Thread(target=hover_at_the_limit, args=(stack.valkey.url, done, hovered), daemon=True)
         hover.start()
         start = time.monotonic()
         try:
@@ -369,7 +376,10 @@ def test_valkey_at_maxmemory_never_leases_current_while_batches_wait(stack):
         done.set()
         load.join(timeout=60)
     log = (stack.logs / "ingester.log").read_text()
-    assert "command not allowed when used memory" in log, "Valkey refused none of the ingester's writes: nothing was tested"
+    assert hovered["refused"], f"the filler never reached Valkey's limit: nothing was tested ({dict(hovered)})"
+    assert stack.ingester.poll() is None, log[-3000:]
+    assert "command not allowed when used memory" in log, \
+        f"Valkey refused none of the ingester's writes, at its limit {hovered['refused']} times: {log[-3000:]}"
     published = [(b.ts, seq) for seq, b in enumerate(asyncio.run(engine_history(stack.engine)))]
     lies = []
     for renewed_ms, (state, seq_after) in sorted(leases.items()):
