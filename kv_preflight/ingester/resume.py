@@ -333,12 +333,12 @@ class Resume:
                 if asked and not task.cancelled():
                     catch_up.add(endpoint)
         found, self._found = self._found, []
-        for pod, rank, last, at in found:
+        for restarted in found:
             try:
-                await self._reset_restarted(pod, rank, last, at)
+                await self._reset_restarted(restarted)
             except Exception as exc:  # one pod's refusal (it is logged and counted where it applies) stops no other
                 log.warning("%s: engine restart found by the probe not reset (%s: %s); the stream's seq check still "
-                            "notices it", pod, type(exc).__name__, exc)
+                            "notices it", restarted.pod, type(exc).__name__, exc)
         if catch_up:
             self.schedule(self.routes.pods_on(catch_up))
 
@@ -408,14 +408,15 @@ class Resume:
                 restarted.append(Restarted(pod, int(rank), last, info.last_event_time))
         return restarted
 
-    async def _reset_restarted(self, pod: str, rank: int, last: int, at: float | None) -> None:
+    async def _reset_restarted(self, restarted: Restarted) -> None:
         """A probe's finding applied: the pod cleared unless a batch of it applied since the probe read it. The
         restarted engine's first batches may have come first (the seq rule, lua/seq.lua, then noticed the restart
         and cleared the pod itself), and their seq may be back at the one probed: cleared again on the seq alone,
         the pod lost them and read exact."""
+        pod, rank, last = restarted.pod, restarted.rank, restarted.seq
         if pod not in self.routes.pods:  # let go meanwhile
             return
-        if (await self.valkey.call(self.index.meta.pod_info, pod)).last_event_time != at:
+        if (await self.valkey.call(self.index.meta.pod_info, pod)).last_event_time != restarted.last_event_time:
             log.info("%s: a batch applied since the restart probe; its seq check judged the restart", pod)
             return
         try:

@@ -507,10 +507,10 @@ class ClusterWrites:
             entries.append((parsed[0], f.decode(), v, parsed[1]))
         entries.sort(key=lambda e: (e[0], e[1]))
         mine = self.writer_arg()
-        if others and any(e[1].split("|", 2)[1] != mine for e in entries):
+        theirs = [int(ms) for w, ms in (e[1].split("|", 2)[1:] for e in entries) if w != mine]  # written at (ms)
+        if others and theirs:
             sec, usec = await self.client.time()
-            now_ms = sec * 1000 + usec // 1000
-            if any(w != mine and now_ms - int(ms) < others for w, ms in (e[1].split("|", 2)[1:] for e in entries)):
+            if sec * 1000 + usec // 1000 - max(theirs) < others:
                 return 0  # another writer's entry too young: that writer is alive and runs its own
         whole = len(entries) == len(raw)  # every entry there (none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
