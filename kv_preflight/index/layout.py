@@ -29,6 +29,8 @@ Ours, all HASHes (llm-d's Clear() runs HKEYS on every key not starting with ``en
                               snapshot (past 8,186 bytes in chunks "s", "s:1", ..., joined in order),
                               "d:<gen>" -> each batch applied since, until the next snapshot
   kvpf:{<pod>}:outbox         (cluster) "<n>|<writer>|<ms>" -> one batch's shared-key changes, until they ran
+  kvpf:{<pod>}:drain          (cluster) HASH by -> "<writer>#<token>", with a TTL: the one drain that may run the
+                              outbox's entries now, renewed while it runs (kv_preflight/index/cluster/drain_lease.py)
   kvpf:{b<n>}:barrier         (cluster) t -> 1: written, then WAITed on, to learn that a shard's replica has
                               our earlier writes (one such key per shard, in a slot that shard owns)
   kvpf:{m<n>}:slot            (cluster) id -> the epoch it was written in: one per hash slot (n the least that
@@ -206,6 +208,10 @@ def pod_outbox_key(pod_id: str) -> str:
     return _pod(pod_id, "outbox")
 
 
+def pod_drain_key(pod_id: str) -> str:
+    return _pod(pod_id, "drain")
+
+
 def nums_copy_key(n: int) -> str:
     """A copy of the pod numbering's high-water mark (a HASH, field "next"), tagged ``{m<n>}`` as a slot's marker
     is (kv_preflight/index/cluster/markers.py picks n per slot). On a cluster the shard holding ``kvpf:{nums}:*``
@@ -257,9 +263,9 @@ def pod_routed_keys(pod_id: str) -> tuple[str, ...]:
 
 
 def pod_keys(pod_id: str, *, cluster: bool = False) -> tuple[str, ...]:
-    """KEYS of the apply script: meta, state (and the outbox on a cluster)."""
+    """KEYS of the apply script: meta, state (and on a cluster the outbox and its drain's lease)."""
     keys = (pod_meta_key(pod_id), pod_state_key(pod_id))
-    return keys + (pod_outbox_key(pod_id),) if cluster else keys
+    return keys + (pod_outbox_key(pod_id), pod_drain_key(pod_id)) if cluster else keys
 
 
 def pod_state_keys(pod_id: str) -> tuple[str, ...]:

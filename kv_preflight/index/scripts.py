@@ -33,6 +33,7 @@ MAX_FIELD = lua("max_field")  # a cluster: the numbering's high-water mark copie
 # request key's entries and bits of the pod; the pod's own keys claimed and released
 SCAN_CLEAR = lua("changes", "scan_clear")
 SCAN_POD = lua("scan_pod")
+DRAIN_LEASE = lua("drain_lease")  # a cluster: one drain of a pod's outbox at a time (kv_preflight/index/cluster/drain_lease.py)
 ADOPT = lua("adopt")  # a cluster: a writer takes over a pod's outbox entries it ran (kv_preflight/index/cluster/writes.py)
 # what gateways routed, per pod (kv_preflight/index/routed.py): bookings; a routed prompt's chain; the prefixes
 # homed there; the read of all of it
@@ -42,5 +43,5 @@ HOMES = lua("homes_drop", "homes")
 PLACING = lua("placing")  # a new prefix's pod claimed fleet-wide, with the placements of the last moment
 ROUTED_READ = lua("booked_drop", "homes_drop", "routed_read")
 
-__all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",
+__all__ = ["ADOPT", "APPLY", "BOOKED", "CAS_FIELD", "DRAIN_LEASE", "EFFECTS", "FLAG_POD", "HOMES", "LOOKUP", "LOOKUP_BITS", "LOOKUP_LINEAR", "MAX_FIELD",
            "NUMS", "PLACING", "POD_STEP", "ROUTED_CHAIN", "ROUTED_READ", "SCAN_CLEAR", "SCAN_POD", "lua"]

@@ -10,6 +10,7 @@ removes. Past the window it leaves the entries in the outbox, for a drain (docs/
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 LATE_SHARE = 4  # the window is the takeover time less this share of it: the rest is for the last round to land
 
@@ -23,9 +24,11 @@ def window_end(takeover_ms: int) -> float:
     return time.monotonic() + takeover_ms * (1 - 1 / LATE_SHARE) / 1000
 
 
-def in_time(until: float | None, round_: str) -> None:
-    """Raise ``Late`` once ``until`` (None: no window, a drain's run) is past, before round ``round_`` is sent."""
-    late = time.monotonic() - until if until is not None else 0.0
+def in_time(until: float | Callable[[], float] | None, round_: str) -> None:
+    """Raise ``Late`` once ``until`` is past, before round ``round_`` is sent: a time, or what gives it now (a
+    drain's, which its lease's renewals move on: kv_preflight/index/cluster/drain_lease.py); None: no window."""
+    end = until() if callable(until) else until
+    late = time.monotonic() - end if end is not None else 0.0
     if late > 0:
         raise Late(f"round {round_} would have gone {late * 1000:.0f} ms past the window of the entries' writer "
                    "(another writer may have run them and cleared the pod since)")

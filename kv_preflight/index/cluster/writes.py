@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
@@ -48,6 +48,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from kv_preflight.index import hooks, scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
+from kv_preflight.index.cluster.drain_lease import DrainLease
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.cluster.window import Late, in_time, window_end
 from kv_preflight.index.changes import shard_args
@@ -94,6 +95,7 @@ class ClusterWrites:
         self.takeover_ms = takeover_ms
         self._pod_step = client.register_script(scripts.POD_STEP)
         self._effects = client.register_script(scripts.EFFECTS)
+        self._drain_lease = client.register_script(scripts.DRAIN_LEASE)
         self.barrier = ReplicationBarrier(client)
         self.unreplicated = 0  # runs whose changes a replica had not confirmed in time (kept in the outbox)
         self.readded = 0  # engine keys given back their request keys in round D (a store raced our ZREM)
@@ -245,7 +247,8 @@ class ClusterWrites:
 
     # ---- step 2: the changes, in rounds
 
-    async def run(self, entries: Sequence[OutboxEntry], *, until: float | None = None) -> tuple[int, str, "Touched"]:
+    async def run(self, entries: Sequence[OutboxEntry], *,
+                  until: float | Callable[[], float] | None = None) -> tuple[int, str, "Touched"]:
         """Run outbox entries' changes (as ``decode_entry`` gives them, or as planned), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
         alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
@@ -296,7 +299,7 @@ class ClusterWrites:
         return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest)
 
     async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry],
-                       until: float | None = None) -> tuple[int, str, dict[int, int]]:
+                       until: float | Callable[[], float] | None = None) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes (``whose``: each one's entry): one effects.lua per shard with that shard's (in
         order), the shards in
         parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
@@ -484,10 +487,23 @@ class ClusterWrites:
         only asked the barrier, as with ``older_than_ms``): a drain before a clearing or after a pod step's
         "pending", which must not run and delete a live writer's young entry (run here and deleted, the clearing
         went at once and that writer's changes landed after it, entries the cleared pod's state no longer lists).
-        Returns the entries run."""
+        Only one drain of a pod runs at a time, the one that holds its lease (cluster/drain_lease.py): another
+        returns 0, and the pod's other writers' steps answer "busy" until it is done. Returns the entries run."""
         others = older_than_ms if others_older_than_ms is None else others_older_than_ms
         if older_than_ms and await self._confirm_kept(pod):
             return 0
+        lease = DrainLease(self._drain_lease, pod, self.writer_arg(), self.takeover_ms)
+        async with lease as held:
+            if not held:
+                return 0  # another drain runs them (its writer's, or this process's other client)
+            try:
+                return await self._drain_held(pod, others, lease.end)
+            except Late as exc:  # its lease lapsed while it ran: what ran is idempotent, the entries stay
+                self.late_runs += 1
+                log.warning("pod %s: a drain stopped: %s", pod, exc)
+                return 0
+
+    async def _drain_held(self, pod: str, others: int, until) -> int:
         raw = await self.client.hgetall(pod_outbox_key(pod))
         if not raw:
             self._kept.pop(pod, None)
@@ -514,7 +530,7 @@ class ClusterWrites:
                 return 0  # another writer's entry too young: that writer is alive and runs its own
         whole = len(entries) == len(raw)  # every entry there (none malformed)
         todo = [(pod, f, v) for _, f, v, _ in entries]
-        foreign, first, touched = await self.run([entry for *_, entry in entries])
+        foreign, first, touched = await self.run([entry for *_, entry in entries], until=until)
         if whole:
             self._left.discard(pod)  # what was left ran, in order: the pod's next entries run as they come
         if foreign:  # as a batch's own run flags them (``send``)

@@ -1,0 +1,87 @@
+"""One drain of a pod's outbox at a time (Valkey Cluster; kv_preflight/index/cluster/writes.py ``ClusterWrites.drain``).
+
+A drain runs entries whose writer is gone or quiet, then may delete them; a clearing of the pod may follow. Two
+drains of one entry at once (two clearings; a pod step's "pending" beside another ingester's chores) let the slower
+one's run land after the faster one's delete and clearing: entries and bits the pod's state no longer lists, which no
+later clear removes. And a writer quiet for longer than the takeover time is taken for gone: its next batch, applied
+while a drain re-runs its older entries, could be overtaken by them. So a drain first takes the pod's lease
+(``kvpf:{<pod>}:drain``, lua/drain_lease.lua): while another holds it, a drain runs nothing and every other writer's
+pod step answers "busy" (lua/pod_step.lua).
+
+The lease lasts the takeover time and is renewed every quarter of it while the drain runs (a heartbeat): a run of
+any length (clearing a pod of 320,000 blocks takes about 2 s) keeps it, and a drain whose process is alive holds
+it to the end. A drain stalled past its lease (a pause, a starved machine, a lease lost in a failover) sends no more
+rounds (``end``, checked before each one, as a writer's window is: kv_preflight/index/cluster/window.py); its
+entries stay, for the next drain. A holder killed leaves the lease to lapse: the pod's steps wait that long.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from kv_preflight.index.backend import VALKEY_ERRORS
+from kv_preflight.index.cluster.window import window_end
+from kv_preflight.index.layout import pod_drain_key
+
+log = logging.getLogger("kvpf.index")
+
+BEATS = 4  # renewals per lease
+
+
+class DrainLease:
+    """A pod's lease, held by one drain: ``async with DrainLease(...) as held`` (``held`` False: another drain holds
+    it; run nothing)."""
+
+    def __init__(self, script, pod: str, writer: str, ms: int) -> None:
+        self.script, self.key, self.ms = script, pod_drain_key(pod), ms
+        self.holder = f"{writer}#{os.urandom(6).hex()}"  # the writer's name first: its own pod steps go on
+        self._end = float("-inf")
+        self._beat: asyncio.Task | None = None
+
+    def end(self) -> float:
+        """The monotonic time after which this drain sends no more of its run (``window.in_time``)."""
+        return self._end
+
+    async def __aenter__(self) -> bool:
+        until = window_end(self.ms)
+        if not await self._call("take"):
+            return False
+        self._end = until
+        self._beat = asyncio.create_task(self._renew())
+        return True
+
+    async def __aexit__(self, *exc) -> None:
+        if self._beat is None:
+            return
+        self._beat.cancel()
+        await asyncio.gather(self._beat, return_exceptions=True)
+        self._beat = None
+        self._end = float("-inf")
+        try:
+            await self._call("release")
+        except VALKEY_ERRORS as e:  # it lapses within the lease: the pod's other writers wait that long
+            log.warning("%s: a drain's lease was not released (%s: %s); it lapses in %d ms", self.key,
+                        type(e).__name__, e, self.ms)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.ms / BEATS / 1000)
+            until = window_end(self.ms)
+            try:
+                async with asyncio.timeout(self.ms / BEATS / 1000):
+                    held = await self._call("renew")
+            except (TimeoutError, *VALKEY_ERRORS) as e:
+                log.warning("%s: a drain's lease was not renewed (%s: %s); tried again", self.key, type(e).__name__, e)
+                continue  # ``end`` stays: past it, the drain stops
+            if not held:  # lapsed (the drain's process stalled, a failover lost it): another drain may run now
+                log.warning("%s: a drain's lease lapsed while it ran; it stops before its next round", self.key)
+                self._end = float("-inf")
+                return
+            self._end = until
+
+    async def _call(self, op: str) -> bool:
+        return bool(await self.script(keys=[self.key], args=[op, self.holder, self.ms]))
+
+
+__all__ = ["BEATS", "DrainLease"]
