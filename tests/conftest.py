@@ -74,6 +74,7 @@ def _listen_ports_of_this_worker() -> None:
     span = (last - first) // max(workers, 1)
     lo = first + xdist_worker() * span
     vs.free_port = functools.partial(vs.free_port, lo, lo + span)
+    os.environ["KVPF_LISTEN_PORTS"] = f"{lo}-{lo + span}"  # and the servers an `up` it starts draws for itself
 
 
 def pytest_addoption(parser):

@@ -33,7 +33,8 @@ name (`KVPF_TOKENIZERS=m1=/dir1,m2=/dir2`, `KVPF_METRICS_INTERVAL_S`, `KVPF_REQU
 `KVPF_API_KEYS=k1,k2` has no flag. Flags win; an empty variable counts as unset (except `KVPF_API_KEYS`:
 set but naming no key is a start-up error). A variable applies to every command with that option:
 `KVPF_JSON=1` makes each `--json` command print JSON. The rule lives in `kv_preflight/cli/env.py`; the
-column "environment" below lists each option's names.
+column "environment" below lists each option's names. `KVPF_LISTEN_PORTS=LO-HI` (no flag) is the range the
+servers `up` starts (and the test suite's) draw their loopback ports from, 10000-20000 by default.
 """
 
 _ENV_NOTE = re.compile(r"\s*\[env [A-Z0-9_, ]+\]")

@@ -5,6 +5,8 @@ server they own, never a system one.
 """
 from __future__ import annotations
 
+import logging
+import os
 import random
 import shutil
 import socket
@@ -19,7 +21,21 @@ from urllib.parse import quote
 from kv_preflight import parent_death
 
 
-LISTEN_PORTS = (10000, 20000)  # [lo, hi): below Linux's ephemeral range (32768-60999) and the cluster's ports
+def _listen_ports(spec: str) -> tuple[int, int]:
+    """[lo, hi): where ``free_port`` draws from. 10000-20000 unless ``KVPF_LISTEN_PORTS=LO-HI`` says otherwise
+    (the test suite gives each of its workers, and the ``up`` stacks they start, a share of their own: two
+    processes drawing from one range can draw one port before either binds it). Below Linux's ephemeral range
+    (32768-60999) and the cluster's ports. A value that is not such a range is logged and ignored."""
+    lo, _, hi = spec.partition("-")
+    if spec:
+        if lo.strip().isdigit() and hi.strip().isdigit() and 1024 <= int(lo) < int(hi) <= 65536:
+            return int(lo), int(hi)
+        logging.getLogger("kvpf").warning("KVPF_LISTEN_PORTS=%r is not a range LO-HI (1024 <= LO < HI <= 65536): "
+                                          "ports are drawn from 10000-20000", spec)
+    return 10000, 20000
+
+
+LISTEN_PORTS = _listen_ports(os.environ.get("KVPF_LISTEN_PORTS", ""))
 
 
 HANDED_OUT_HOLD_S = 120.0

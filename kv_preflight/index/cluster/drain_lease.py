@@ -5,8 +5,8 @@ drains of one entry at once (two clearings; a pod step's "pending" beside anothe
 one's run land after the faster one's delete and clearing: entries and bits the pod's state no longer lists, which no
 later clear removes. And a writer quiet for longer than the takeover time is taken for gone: its next batch, applied
 while a drain re-runs its older entries, could be overtaken by them. So a drain first takes the pod's lease
-(``kvpf:{<pod>}:drain``, lua/drain_lease.lua): while another holds it, a drain runs nothing and every other writer's
-pod step answers "busy" (lua/pod_step.lua).
+(``kvpf:{<pod>}:drain``, lua/drain_lease.lua): while one holds it, another drain runs nothing and every pod step of
+the pod answers "busy" (lua/pod_step.lua).
 
 The lease lasts the takeover time and is renewed every quarter of it while the drain runs (a heartbeat): a run of
 any length (clearing a pod of 320,000 blocks takes about 2 s) keeps it, and a drain whose process is alive holds
@@ -35,7 +35,7 @@ class DrainLease:
 
     def __init__(self, script, pod: str, writer: str, ms: int) -> None:
         self.script, self.key, self.ms = script, pod_drain_key(pod), ms
-        self.holder = f"{writer}#{os.urandom(6).hex()}"  # the writer's name first: its own pod steps go on
+        self.holder = f"{writer}#{os.urandom(6).hex()}"  # whose it is, for whoever reads the key
         self._end = float("-inf")
         self._beat: asyncio.Task | None = None
 

@@ -9,9 +9,10 @@
 -- of ANOTHER writer is not applied while that entry is young (answer "busy": its writer is about to run it)
 -- and, once it is older than the takeover time, the answer is "pending": the caller runs the old entries first
 -- (one random entry is judged here: the caller's drain runs none of another writer's entries while one is young). A
--- writer's own entries are in flight in order. And while another writer's drain holds the outbox (its lease,
--- KEYS[4]: kv_preflight/index/cluster/drain_lease.py) the answer is "busy" too: that drain may be running entries
--- this writer's own batch would come after (a quiet writer's kept entries, taken as a dead one's).
+-- writer's own entries are in flight in order. And while a drain holds the outbox (its lease, KEYS[4]:
+-- kv_preflight/index/cluster/drain_lease.py) the answer is "busy" too: that drain may be running entries this
+-- batch must come after (a quiet writer's kept entries, taken as a dead one's). Even this writer's own drain: a
+-- writer drains between its batches, never beside them, so its own lease is there only if its release failed.
 -- KEYS: the pod's meta, state log, outbox, drain lease. ARGV: as apply.lua up to pod_write.lua's, then the writer
 -- ("<writer id>@<takeover ms>"), gap ("1": the pod's keys have a gap before or after this step, see
 -- lookup_bits.lua: the lookup must not bisect the pod while this entry's changes travel), the changes
@@ -27,7 +28,7 @@ local writer, gap, payload = ARGV[a.rest], ARGV[a.rest + 1], ARGV[a.rest + 2]
 local own_pending = 0
 do
   local by = redis.call('HGET', KEYS[4], 'by')
-  if by and string.match(by, '^(.*)#') ~= writer then return {'busy', '-1', 0, 'drain: ' .. by, gen} end
+  if by then return {'busy', '-1', 0, 'drain: ' .. by, gen} end
 end
 do
   -- Every entry of an outbox is one writer's: a step adds its entry only when all those there are its own
