@@ -384,10 +384,13 @@ class Index:
         except (RedisError, ValueError, TypeError):
             return None
 
-    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
-        """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read."""
+    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int, *, flag: str | None = None) -> bool:
+        """Clear a restarted engine's pod, unless its seq moved on since ``expected_last`` was read. The pod reads
+        exact after it (a new engine's state), unless ``flag`` gives the reason it stays flagged, in the same step (a
+        rebuild's clearing: flagged again after it, the pod read exact and empty for that moment)."""
         result = await self.apply_batch(pod_id=pod_id, rank=rank, seq=expected_last, ts=0.0, model="",
-                                        engine_block_size=None, mutations=(), mode="reset_if")
+                                        engine_block_size=None, mutations=(MarkIncomplete(flag),) if flag else (),
+                                        mode="reset_if")
         return result.status == "applied"
 
     async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:

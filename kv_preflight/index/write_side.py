@@ -61,8 +61,9 @@ class WriteSide(Protocol):
         blocks the pod holds, their request keys and carries, which the ingester's bridge chains a child's keys
         from."""
 
-    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int) -> bool:
-        """Clear a restarted engine's pod unless its seq moved on since ``expected_last``; True if it did."""
+    async def reset_if_seq(self, pod_id: str, rank: int, expected_last: int, *, flag: str | None = None) -> bool:
+        """Clear a restarted engine's pod unless its seq moved on since ``expected_last``; True if it did. ``flag``:
+        the pod stays flagged incomplete with this reason, in the same step."""
 
     async def clear_pod(self, pod_id: str, *, forget: bool = False) -> int:
         """Every entry of the pod gone (``forget``: its meta, number and registry row too); blocks removed."""

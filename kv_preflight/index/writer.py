@@ -28,7 +28,7 @@ from typing import Any
 from kv_preflight.engines.hit_rules import GroupSpec
 from kv_preflight.index.backend import evalsha_pipeline
 from kv_preflight.index.changes import change_args
-from kv_preflight.index.entries import ApplyResult, Carry, ClearPod, Mutation, text
+from kv_preflight.index.entries import ApplyResult, Carry, ClearPod, MarkIncomplete, Mutation, text
 from kv_preflight.index.layout import pod_keys
 from kv_preflight.index.pod_log import encode_delta, encode_snapshot, restore
 from kv_preflight.index.pod_state import Plan, PodState
@@ -226,6 +226,8 @@ class PodWriter:
         before = t.state.orphan_count  # (planning moves the state)
         if mode in ("clear", "reset_if"):
             plan = t.state.clear_plan()
+            # a clearing that leaves the pod flagged in its own step (a rebuild's: not exact until its replay is in)
+            plan.flags += [m.reason for m in mutations if type(m) is MarkIncomplete]
             logged: list[Mutation] = [ClearPod()]
         elif mode == "reset":
             first = t.state.clear_plan()

@@ -161,13 +161,10 @@ class Resume:
             # Else what survived would answer "dup" to them: the seqs of a pod whose keys were on shards that
             # kept their data while others lost theirs, or of batches applied between a loss and its notice.
             try:
-                was, cleared = await self._reset(pod)
+                was, cleared = await self._reset(pod, keep_flag=rebuilding)
             except PodLogError as exc:  # its entries cannot be found to clear: no replay makes it exact
                 await self.applier.not_reset(pod, "rebuild from its engine's replay buffer", exc)
                 return False
-            if rebuilding and was.incomplete and cleared:  # the reset says "exact" (a new engine's state): not
-                # until the replay is in
-                await self.valkey.call(self.index.meta.mark_incomplete, pod, was.incomplete_reason)
             if not cleared and self._rebuilt_by_another(pod, was):
                 log.warning("%s: already rebuilt whole by another ingester of it after this loss; not again", pod)
                 return False
@@ -207,7 +204,7 @@ class Resume:
         epoch = self._epochs.get(pod, "")
         return bool(epoch) and info.rebuilt_epoch == epoch and not info.incomplete
 
-    async def _reset(self, pod: str) -> tuple[PodInfo, bool]:
+    async def _reset(self, pod: str, *, keep_flag: bool = False) -> tuple[PodInfo, bool]:
         """Clear a pod and its seqs before a whole replay applies from seq 0 (as ``Index.reset_pod`` does); what
         the pod was before, and whether every rank was cleared (tried RESET_TRIES times; not if another ingester
         rebuilt it after the same loss). On a cluster the pod's outbox runs first (as ``Index.clear_pod`` does):
@@ -218,7 +215,9 @@ class Resume:
         are still on their way to the other shards: run here and deleted, the clearing went at once and those
         changes landed after it (the leftovers of test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_
         leaves_nothing); left, it makes the clearing wait for them (lua/pod_step.lua "busy"). A try again (the
-        seq moved) only asks the barrier about this writer's kept entries (``stale_only``)."""
+        seq moved) only asks the barrier about this writer's kept entries (``stale_only``). ``keep_flag`` (a rebuild):
+        a flagged pod stays flagged in the clearing's own step, since a reset says "exact" (a new engine's state)
+        and the pod is not until its replay is in (flagged again after it, it read exact and empty meanwhile)."""
         for attempt in range(RESET_TRIES):
             again = attempt > 0 or pod in self._rounds
             await self.valkey.call(self.index.drain_outbox, pod, stale_only=again)
@@ -231,7 +230,8 @@ class Resume:
                 # One that applies clears the whole pod, every rank's seq with it. One refused: that rank's seq
                 # moved meanwhile (another ingester of the pod, --copies, applied a batch); the next rank may still
                 # apply, and the next try reads the seqs again.
-                if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last):
+                flag = (info.incomplete_reason or "rebuilding") if keep_flag and info.incomplete else None
+                if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last, flag=flag):
                     return info, True
         return info, False
 

@@ -48,7 +48,7 @@ if takeover_ms:
 if late_resets:
     reset_if_seq = Index.reset_if_seq
 
-    async def reset_after_a_move(self: Index, pod_id: str, rank: int, expected_last: int) -> bool:
+    async def reset_after_a_move(self: Index, pod_id: str, rank: int, expected_last: int, **kw) -> bool:
         global late_resets
         if late_resets > 0:
             late_resets -= 1
@@ -59,7 +59,7 @@ if late_resets:
                     break
                 await asyncio.sleep(0.01)
             log.warning("KVPF_TEST_RESET_AFTER_MOVE: %s cleared if its seq is still %d", pod_id, expected_last)
-        return await reset_if_seq(self, pod_id, rank, expected_last)
+        return await reset_if_seq(self, pod_id, rank, expected_last, **kw)
 
     Index.reset_if_seq = reset_after_a_move  # type: ignore[method-assign]
 

@@ -94,6 +94,19 @@ async def test_reset_if_seq_and_reset_pod(index):
     assert not info.incomplete and info.seqs == {}
 
 
+async def test_reset_if_seq_can_leave_the_pod_flagged_in_its_own_step(index):
+    """A rebuild's clearing: the pod stays flagged through it (the reset alone says exact, and flagged again after
+    it, the pod read exact and empty for that moment), the flag's reason the one given."""
+    await apply(index, "pod-a", 0, chain("pod-a", range(1, 4)))
+    await index.meta.mark_incomplete("pod-a", "a shard lost its data")
+    assert await index.reset_if_seq("pod-a", 0, 0, flag="a shard lost its data")
+    info = await index.meta.pod_info("pod-a")
+    assert (info.incomplete, info.incomplete_reason, info.seqs) == (True, "a shard lost its data", {})
+    assert await index.lookup(request_keys(range(1, 4))) == []
+    assert (await apply(index, "pod-a", 0, chain("pod-a", range(1, 2)))).status == "applied"
+    assert (await index.meta.pod_info("pod-a")).incomplete, "a batch after it leaves the flag"
+
+
 async def test_nothing_is_left_to_drain_after_batches_applied(index):
     """Whatever a batch leaves to finish (a cluster's outbox) is finished by a drain; running it again changes
     nothing the lookup sees."""
