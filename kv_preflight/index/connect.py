@@ -61,6 +61,10 @@ class IndexBackend(Protocol):
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         """Finish what a stopped writer left half applied (nothing to do on a single node)."""
 
+    def left_to_drain(self, pod_id: str) -> bool:
+        """Whether a batch of this writer's went out with its changes left to a drain that has not run them yet (a
+        cluster's writer past its window; never on a single node)."""
+
     async def drain_outboxes(self, pods: Sequence[str], *, at_once: int) -> dict[str, int | Exception]:
         """``drain_outbox(stale_only=True)`` of each pod, ``at_once`` side by side: per pod the entries run again,
         or the Valkey error that stopped it (other errors raise). A single node has none: ``{}`` at once."""

@@ -400,6 +400,12 @@ class Index:
         held = len(await held_blocks(self.writer, pod_id))
         await self.apply_batch(pod_id=pod_id, rank=0, seq=0, ts=0.0, model="", engine_block_size=None,
                                mutations=(), mode="clear")
+        if self.backend.left_to_drain(pod_id):  # the clear's changes left to a drain (cluster/window.py): run now,
+            await self.drain_outbox(pod_id)  # so a success means they ran (and ``forget`` deletes no unrun entry)
+            if self.backend.left_to_drain(pod_id):
+                raise RedisConnectionError(f"pod {pod_id}: the clear's changes were left to a drain that did not run "
+                                           "them (this process stalled past its window, or another drain holds the "
+                                           "pod's outbox); try again")
         self.writer.forget(pod_id)
         if forget:
             await self._drop_pod(pod_id)

@@ -107,6 +107,9 @@ class SingleNodeBackend:
     def forget(self, pods: Iterable[str]) -> None:
         pass  # nothing of a pod's writes is remembered here
 
+    def left_to_drain(self, pod_id: str) -> bool:
+        return False  # one script applies a batch whole
+
     async def read_timed(self, fill: Callable[[Any], None]) -> tuple[int, list[Any]]:
         """``TIME`` first in the same pipeline: one round trip."""
         def with_time(pipe) -> None:

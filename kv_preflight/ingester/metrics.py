@@ -94,7 +94,9 @@ class IngesterMetrics:
                                  "outbox for a drain (Valkey Cluster): it came to send them past their window (the "
                                  "takeover time less a quarter, from before the pod step), when another ingester "
                                  "may have run them and cleared the pod since. It stalled (a pause, a starved "
-                                 "machine), or the pod step itself took that long (a failover's timeouts).",
+                                 "machine), or the pod step itself took that long (a failover's timeouts); a clearing of a large pod "
+                                 "(hundreds of thousands of blocks) does too, by the length of its run. Also drains "
+                                 "stopped because their lease on the pod's outbox lapsed.",
                                  registry=r)
         self.data_losses = Counter("kvpf_ingest_data_losses", "Times this ingester found that Valkey lost the "
                                    "index's data (its epoch gone or changed, or a cluster shard back without its "

@@ -126,9 +126,13 @@ async def drain_until_empty(ix: Index, client: redis.RedisCluster, timeout: floa
     assert not left, f"outbox entries never confirmed: {left}"
 
 
-async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_url, cluster_url):
+@pytest.mark.parametrize("chunk", [None, 2])
+async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_url, cluster_url, chunk, monkeypatch):
     """One layout for both topologies: identical keys and values after the same batches, and the
-    cluster's lookup equals the single node's exact linear walk."""
+    cluster's lookup equals the single node's exact linear walk. ``chunk``: round A's changes sent to a shard in
+    scripts of two (``EFFECTS_CHUNK``: a large clearing's are cut so), a drop's probe apart from its removal."""
+    if chunk is not None:
+        monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", chunk)
     batches = random_batches(1)
     single, cluster = Index.from_url(valkey_url), Index.from_url(cluster_url)
     assert not single.cluster and cluster.cluster
@@ -1246,6 +1250,20 @@ def held_before_its_run(ix: Index) -> tuple[asyncio.Event, asyncio.Event]:
     return paused, go
 
 
+async def a_drain_held_on_a_dead_writers_entry(w: Index, x: Index, pod: str) -> tuple[asyncio.Event, asyncio.Task]:
+    """Writer W dies right after a batch's pod step (a store of request key 11 on ``pod``); once its entry is old to
+    X (takeover 500 ms), X's drain of the pod starts and is held before its run. Returns (go, the drain's task)."""
+    with dies_after_its_pod_step(), pytest.raises(_Died):
+        await w.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                            mutations=[StoreBlock(1, "gpu", entry(pod), (11,))])
+    assert await w.client.hlen(pod_outbox_key(pod)) == 1
+    await asyncio.sleep(0.7)
+    paused, go = held_before_its_run(x)
+    xs = asyncio.create_task(x.drain_outbox(pod))
+    await asyncio.wait_for(paused.wait(), 10)
+    return go, xs
+
+
 async def test_two_drains_of_one_old_entry_never_land_one_after_the_others_clearing(cluster_url):
     """A writer W dies between a batch's pod step and its changes: its entry (a store of request key 11) is old
     to writers X and Z. X starts a drain of the pod and is slow to send its run. Z drains too: it ran the entry,
@@ -1258,14 +1276,7 @@ async def test_two_drains_of_one_old_entry_never_land_one_after_the_others_clear
     z = Index.from_url(cluster_url, takeover_ms=500)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
-        with dies_after_its_pod_step(), pytest.raises(_Died):
-            await w.apply_batch(pod_id="pod-d", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                mutations=[StoreBlock(1, "gpu", entry("pod-d"), (11,))])
-        assert sync.hlen(pod_outbox_key("pod-d")) == 1
-        await asyncio.sleep(0.7)  # old to X and Z
-        paused, go = held_before_its_run(x)
-        xs = asyncio.create_task(x.drain_outbox("pod-d"))
-        await asyncio.wait_for(paused.wait(), 10)
+        go, xs = await a_drain_held_on_a_dead_writers_entry(w, x, "pod-d")  # (old to Z too)
         z_ran = await z.drain_outbox("pod-d")
         clearing = asyncio.create_task(z.apply_batch(pod_id="pod-d", rank=0, seq=1, ts=2.0, model="m",
                                                      engine_block_size=32, mutations=[ClearPod()]))
@@ -1290,13 +1301,7 @@ async def test_a_drain_whose_lease_lapsed_sends_no_more_of_its_run(cluster_url):
     x = Index.from_url(cluster_url, takeover_ms=500)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
-        with dies_after_its_pod_step(), pytest.raises(_Died):
-            await w.apply_batch(pod_id="pod-l", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                mutations=[StoreBlock(1, "gpu", entry("pod-l"), (11,))])
-        await asyncio.sleep(0.7)
-        paused, go = held_before_its_run(x)
-        xs = asyncio.create_task(x.drain_outbox("pod-l"))
-        await asyncio.wait_for(paused.wait(), 10)
+        go, xs = await a_drain_held_on_a_dead_writers_entry(w, x, "pod-l")
         assert sync.exists(pod_drain_key("pod-l"))
         sync.delete(pod_drain_key("pod-l"))  # lost
         await asyncio.sleep(0.4)  # the heartbeat finds it gone
@@ -1312,6 +1317,77 @@ async def test_a_drain_whose_lease_lapsed_sends_no_more_of_its_run(cluster_url):
         sync.close()
         for ix in (w, x):
             await ix.close()
+
+
+async def test_a_drain_that_finds_the_outbox_empty_holds_no_other_writer_back(cluster_url):
+    """Every ingester's chores drain each of its pods every second, and the outbox is nearly always empty. Such a
+    drain took the lease all the same (two replicated script writes per pod per second), and another writer of the
+    pod (``--copies``, a handover) had its pod step answered "busy" meanwhile: its whole pipelined run waited and
+    tried again (a review found it). Taking the lease now answers "empty" instead, writing nothing."""
+    x = Index.from_url(cluster_url)
+    y = Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        r = await y.apply_batch(pod_id="pod-e", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                mutations=[StoreBlock(1, "gpu", entry("pod-e"), (11,))])
+        assert r.status == "applied"
+        await drain_until_empty(y, sync)
+        writes = x.backend.writes
+        held = writes._drain_held
+        paused, go = asyncio.Event(), asyncio.Event()
+
+        async def slow(*a, **k):  # a moment of a starved machine, inside the drain
+            paused.set()
+            await go.wait()
+            return await held(*a, **k)
+
+        writes._drain_held = slow
+        xs = asyncio.create_task(x.drain_outbox("pod-e", stale_only=True))  # X's chores
+        await asyncio.wait([xs, asyncio.create_task(paused.wait())], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        lease_written = sync.exists(pod_drain_key("pod-e"))
+        batch = asyncio.create_task(y.apply_batch(pod_id="pod-e", rank=0, seq=1, ts=2.0, model="m",
+                                                  engine_block_size=32, mutations=[RemoveBlock(1, "gpu")]))
+        await asyncio.sleep(1.0)
+        went = batch.done()
+        go.set()
+        assert await xs == 0
+        assert (await batch).status == "applied"
+        assert (lease_written, went) == (0, True)
+    finally:
+        sync.close()
+        await x.close()
+        await y.close()
+
+
+async def test_index_clear_forget_never_reports_a_clear_whose_changes_did_not_run(cluster_url):
+    """``clear_pod(forget=True)`` (``index clear --forget``, a retirement's end, the fleet's forget): the clear's pod
+    step applied, then its writer came to the run past its window (a stall, a starved machine), left it to a drain
+    (``send``, ``Late``) and reported success at once; the forget then deleted the pod's keys, its outbox among
+    them: the clear's changes never ran, the pod's entries stayed on the request keys for good, and its number, freed,
+    went to the next pod with its old bits (a review found it). A clearing now runs what it left before it returns."""
+    w = Index.from_url(cluster_url, takeover_ms=500)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    try:
+        r = await w.apply_batch(pod_id="pod-f", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                mutations=[StoreBlock(1, "gpu", entry("pod-f"), (11,))])
+        assert r.status == "applied"
+        await drain_until_empty(w, sync)
+        writes = w.backend.writes
+        run = writes.run
+
+        async def stalled(entries, *, until=None):
+            if isinstance(until, float):  # the writer's own run (``send``), not a drain's
+                await asyncio.sleep(0.6)  # past its 375 ms window
+            return await run(entries, until=until)
+
+        writes.run = stalled
+        assert await w.clear_pod("pod-f", forget=True) == 1
+        assert writes.late_runs == 1, "the clear's run was not late: nothing was tested"
+        assert pod_leftovers(sync, "pod-f", set())["entries"] == []
+        assert not sync.exists(pod_outbox_key("pod-f"))
+    finally:
+        sync.close()
+        await w.close()
 
 
 async def test_a_quiet_live_writers_next_batch_waits_for_another_writers_drain_of_its_old_entries(tmp_path):

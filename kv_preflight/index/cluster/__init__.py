@@ -63,6 +63,9 @@ class ClusterBackend:
     def forget(self, pods: Iterable[str]) -> None:
         self.writes.forget(pods)
 
+    def left_to_drain(self, pod_id: str) -> bool:
+        return self.writes.left_to_drain(pod_id)
+
     async def drain_outbox(self, pod_id: str, *, stale_only: bool) -> int:
         # not stale_only (before a clearing): this writer's entries all run again, but another writer's only once
         # stale: a live writer's young entry is on its way, and the clearing waits for it (ClusterWrites.drain)

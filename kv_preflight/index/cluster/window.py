@@ -10,7 +10,7 @@ removes. Past the window it leaves the entries in the outbox, for a drain (docs/
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 LATE_SHARE = 4  # the window is the takeover time less this share of it: the rest is for the last round to land
 
@@ -24,14 +24,30 @@ def window_end(takeover_ms: int) -> float:
     return time.monotonic() + takeover_ms * (1 - 1 / LATE_SHARE) / 1000
 
 
-def in_time(until: float | Callable[[], float] | None, round_: str) -> None:
-    """Raise ``Late`` once ``until`` is past, before round ``round_`` is sent: a time, or what gives it now (a
-    drain's, which its lease's renewals move on: kv_preflight/index/cluster/drain_lease.py); None: no window."""
-    end = until() if callable(until) else until
-    late = time.monotonic() - end if end is not None else 0.0
+class Renewable(Protocol):
+    """A window that can be moved on (a drain's lease: kv_preflight/index/cluster/drain_lease.py)."""
+
+    def end(self) -> float: ...
+
+    async def renewed(self) -> bool: ...
+
+
+async def in_time(until: float | Renewable | None, round_: str) -> None:
+    """Raise ``Late`` once ``until`` is past, before round ``round_`` is sent: a writer's fixed end (its entries' age
+    decides when another takes them over), or a drain's lease, renewed on the spot if its end went by (the process
+    busy meanwhile: a renewal that succeeds proves nobody else held the lease since); None: no window."""
+    if until is None:
+        return
+    if isinstance(until, float):
+        end = until
+    else:
+        end = until.end()
+        if time.monotonic() > end and await until.renewed():
+            end = until.end()
+    late = time.monotonic() - end
     if late > 0:
         raise Late(f"round {round_} would have gone {late * 1000:.0f} ms past the window of the entries' writer "
                    "(another writer may have run them and cleared the pod since)")
 
 
-__all__ = ["LATE_SHARE", "Late", "in_time", "window_end"]
+__all__ = ["LATE_SHARE", "Late", "Renewable", "in_time", "window_end"]

@@ -48,9 +48,9 @@ from redis.exceptions import NoScriptError, ResponseError
 from kv_preflight.index import hooks, scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
-from kv_preflight.index.cluster.drain_lease import DrainLease
+from kv_preflight.index.cluster.drain_lease import BUSY, EMPTY, DrainLease
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
-from kv_preflight.index.cluster.window import Late, in_time, window_end
+from kv_preflight.index.cluster.window import Late, Renewable, in_time, window_end
 from kv_preflight.index.changes import shard_args
 from kv_preflight.index.cluster.outbox_ops import (OutboxEntry, _engine_add, _engine_round, _foreign, _native,
                                                    _raced, _run_keys, decode_entry, key_op_args, outbox_payload,
@@ -62,6 +62,11 @@ from kv_preflight.index.writer import Prepared
 
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
+# round A's changes go to a shard in scripts of at most this many, in order (~10 us a change: ~80 ms a script). One
+# script of a large clearing's whole share (a pod of 320,000 blocks on 3 masters) held its shard for over a second:
+# every lookup and writer there waited, the script outran the connection's timeout (1 s) and the run was resent one
+# script per change through redis-py's routing (which a review saw time out for good)
+EFFECTS_CHUNK = 8192
 
 
 class Touched(NamedTuple):
@@ -248,7 +253,7 @@ class ClusterWrites:
     # ---- step 2: the changes, in rounds
 
     async def run(self, entries: Sequence[OutboxEntry], *,
-                  until: float | Callable[[], float] | None = None) -> tuple[int, str, "Touched"]:
+                  until: float | Renewable | None = None) -> tuple[int, str, "Touched"]:
         """Run outbox entries' changes (as ``decode_entry`` gives them, or as planned), in order, in rounds
         A-D (module docstring). Returns how many writes hit a key of a foreign type (skipped: each stands
         alone), the first such error, and the keys touched, for the barrier (per name prefix, the values:
@@ -256,7 +261,7 @@ class ClusterWrites:
         raised; what ran is idempotent, and the whole entry runs again at a drain)."""
         if not entries:
             return 0, "", Touched([], None)
-        in_time(until, "A")
+        await in_time(until, "A")
         await self.shards.ready()
         mark = self.shards.map_mark()  # the slot map the run writes by (``_written_to``)
         digest = self.shards.map_digest()
@@ -270,7 +275,7 @@ class ClusterWrites:
         # one run ends as its last change says, as on a single node.
         round_b, round_b_eks, drops = _native("engine_round", changes, empty_at, ENGINE_PREFIX) or \
             _engine_round(changes, empty_at)
-        in_time(until, "B")
+        await in_time(until, "B")
         f, fst = _foreign(await self.shards.commands(round_b, numbered=(ENGINE_PREFIX, round_b_eks), resend=False)) \
             if round_b else (0, "")
         foreign, first = foreign + f, first or fst
@@ -281,7 +286,7 @@ class ClusterWrites:
             # store, of this block or another engine key's with the same request keys, e.g. a salted twin)
             # and is no such race.
             rks = list(set(chain.from_iterable(d.rks for _, d in drops)))  # in any order: each is one HLEN
-            in_time(until, "C")
+            await in_time(until, "C")
             lens = await self.shards.commands(list(zip(repeat("HLEN"), rks)), numbered=("", rks), resend=True)
             back = {rk for rk, n in zip(rks, lens) if isinstance(n, int) and n > 0}
             readd = []
@@ -292,14 +297,14 @@ class ClusterWrites:
                     readd.append(_engine_add(d.ek, d.rks))
                     readd_eks.append(d.ek)
             if readd:
-                in_time(until, "D")
+                await in_time(until, "D")
                 self.readded += len(readd)
                 f, fst = _foreign(await self.shards.commands(readd, numbered=(ENGINE_PREFIX, readd_eks), resend=False))
                 foreign, first = foreign + f, first or fst
         return foreign, first, Touched([("", rk_changes), (ENGINE_PREFIX, round_b_eks)], mark, digest)
 
     async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry],
-                       until: float | Callable[[], float] | None = None) -> tuple[int, str, dict[int, int]]:
+                       until: float | Renewable | None = None) -> tuple[int, str, dict[int, int]]:
         """The request keys' changes (``whose``: each one's entry): one effects.lua per shard with that shard's (in
         order), the shards in
         parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
@@ -318,6 +323,13 @@ class ClusterWrites:
         script = self._effects
 
         async def shard(node, idx: list[int]) -> tuple[int, str]:
+            foreign, first = 0, ""
+            for lo in range(0, len(idx), EFFECTS_CHUNK):
+                f, fst = await shard_chunk(node, idx[lo:lo + EFFECTS_CHUNK])
+                foreign, first = foreign + f, first or fst
+            return foreign, first
+
+        async def shard_chunk(node, idx: list[int]) -> tuple[int, str]:
             # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
             ops = [key_ops[i] for i in idx]
             args, at, folded = shard_args(ops, [whose[i] for i in idx])
@@ -356,7 +368,7 @@ class ClusterWrites:
                 first = first or res[1]
         if moved:
             self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
-            in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
+            await in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
             moved = sorted(set(moved))
             replies = await evalsha_pipeline(self.client, script,
                                              [(str(key_ops[i][0]), presence_key(key_ops[i][0])) for i in moved],
@@ -470,6 +482,10 @@ class ClusterWrites:
                  len(fields))
         return True
 
+    def left_to_drain(self, pod: str) -> bool:
+        """A batch of this writer's left its changes to a drain (``Late``) that has not run them yet."""
+        return pod in self._left
+
     def forget(self, pods: Iterable[str]) -> None:
         """Pods let go: what ran of their entries is another writer's to find out now (it runs them)."""
         for pod in pods:
@@ -493,19 +509,23 @@ class ClusterWrites:
         if older_than_ms and await self._confirm_kept(pod):
             return 0
         lease = DrainLease(self._drain_lease, pod, self.writer_arg(), self.takeover_ms)
-        async with lease as held:
-            if not held:
+        async with lease as took:
+            if took == EMPTY:
+                self._kept.pop(pod, None)
+                self._left.discard(pod)
+                return 0
+            if took == BUSY:
                 return 0  # another drain runs them (its writer's, or this process's other client)
             try:
-                return await self._drain_held(pod, others, lease.end)
+                return await self._drain_held(pod, others, lease)
             except Late as exc:  # its lease lapsed while it ran: what ran is idempotent, the entries stay
                 self.late_runs += 1
                 log.warning("pod %s: a drain stopped: %s", pod, exc)
                 return 0
 
-    async def _drain_held(self, pod: str, others: int, until) -> int:
+    async def _drain_held(self, pod: str, others: int, until: Renewable) -> int:
         raw = await self.client.hgetall(pod_outbox_key(pod))
-        if not raw:
+        if not raw:  # (emptied since the lease was taken: by a confirmation, or a drain whose lease had lapsed)
             self._kept.pop(pod, None)
             self._left.discard(pod)
             return 0
