@@ -1608,3 +1608,109 @@ async def test_a_clearing_waits_for_a_live_writers_batch_on_its_way_and_leaves_n
         engine.close()
         sync.close()
         await ix.close()
+
+
+def round_a_scripts(ix: Index, on_script) -> None:
+    """``ix``'s round-A scripts (effects.lua on a primary's lean connection) go through ``on_script(node name, the
+    script's number on that primary, send)``, which sends it (``await send()``) or not: a moment of a starved machine
+    between two of a shard's scripts, a connection lost under one."""
+    shards = ix.backend.writes.shards
+    fast_for = shards.fast_for
+    sent: dict[str, int] = {}
+
+    class Seen:
+        def __init__(self, name, fast):
+            self.name, self.fast = name, fast
+
+        def __getattr__(self, attr):
+            return getattr(self.fast, attr)
+
+        async def evalsha(self, *a, **k):
+            sent[self.name] = sent.get(self.name, 0) + 1
+            return await on_script(self.name, sent[self.name], lambda: self.fast.evalsha(*a, **k))
+
+    def seen(node):
+        fast = fast_for(node)
+        return None if fast is None else Seen(node.name, fast)
+
+    shards.fast_for = seen
+
+
+async def test_a_writers_round_a_in_scripts_sends_none_of_them_past_its_window(cluster_url, monkeypatch):
+    """Review of 29ca7a7. Round A goes to a shard in scripts of ``EFFECTS_CHUNK`` changes, one after another, but the
+    writer's window is checked once, before the first: a run whose round A outlasts the window (a large clearing or
+    restart, as the chunks were made for; here a writer starved between two scripts) sends its later scripts after
+    another writer took the entry over, ran it, deleted it and cleared the pod. They land after that clearing: the
+    pod's entries and bits that its state no longer lists, which no later clear removes."""
+    monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", 2)
+    w = Index.from_url(cluster_url, takeover_ms=500)
+    x = Index.from_url(cluster_url, takeover_ms=500)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    paused, go = asyncio.Event(), asyncio.Event()
+
+    async def starved_after_the_first(node: str, n: int, send):
+        answer = await send()
+        if n == 1:  # each shard's first script answered: W starved before the next
+            paused.set()
+            await go.wait()
+        return answer
+
+    try:
+        await w.meta.pod_info("pod-g")
+        round_a_scripts(w, starved_after_the_first)
+        batch = asyncio.create_task(w.apply_batch(
+            pod_id="pod-g", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+            mutations=[StoreBlock(ek, "gpu", entry("pod-g"), (ek * 10,)) for ek in range(1, 25)]))
+        await asyncio.wait_for(paused.wait(), 10)
+        await asyncio.sleep(0.7)  # W's entry old to X (500 ms): taken over
+        await asyncio.wait_for(x.clear_pod("pod-g"), 20)  # runs W's entry, deletes it, clears the pod
+        assert sync.hlen(pod_outbox_key("pod-g")) == 0
+        go.set()
+        assert (await batch).status == "applied"
+        await asyncio.sleep(0.5)
+        assert pod_leftovers(sync, "pod-g", set()) == {"entries": [], "bits": []}
+    finally:
+        go.set()
+        sync.close()
+        for ix in (w, x):
+            await ix.close()
+
+
+async def test_a_shard_lost_between_two_of_its_round_a_scripts_counts_no_probe_twice(cluster_url, monkeypatch):
+    """Review of 29ca7a7. A shard whose later round-A script fails (a connection lost, a failover's timeout) has its
+    whole share sent again through the routing, the scripts that had answered among them; but the probes those had
+    answered were counted already, and count again. A drop's request key empty where it stands then counts 2 for 1,
+    and the drop's ZREM is skipped: ``engine:<ek>`` keeps a request key no pod holds (a single node removes it). (With
+    two request keys, one empty counted twice passes for both: the ZREM goes though the other still holds an
+    entry.)"""
+    monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", 2)
+    w = Index.from_url(cluster_url)
+    sync = redis.RedisCluster.from_url(cluster_url)
+    home = sync.get_node_from_key("11").name
+    mates = [rk for rk in range(100, 400) if sync.get_node_from_key(str(rk)).name == home][:3]
+    lost = []
+
+    async def lost_once(node: str, n: int, send):
+        if node == home and n == 2 and not lost:
+            lost.append(n)
+            raise redis.ConnectionError("connection lost (a review's fault, between two scripts of a shard)")
+        return await send()
+
+    try:
+        r = await w.apply_batch(pod_id="pod-h", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                mutations=[StoreBlock(1, "gpu", entry("pod-h"), (11,))])
+        assert r.status == "applied"
+        await drain_until_empty(w, sync)
+        assert sync.zrange("engine:1", 0, -1) == [b"11"]
+        round_a_scripts(w, lost_once)
+        r = await w.apply_batch(pod_id="pod-h", rank=0, seq=1, ts=2.0, model="m", engine_block_size=32,
+                                mutations=[RemoveBlock(1, "gpu"),
+                                           *(StoreBlock(1000 + rk, "gpu", entry("pod-h"), (rk,)) for rk in mates)])
+        assert r.status == "applied"
+        assert lost, "no script of the shard was lost: nothing was tested"
+        await drain_until_empty(w, sync)
+        assert not sync.exists("11")
+        assert sync.zrange("engine:1", 0, -1) == []  # a single node's ZREM: every request key of the drop empty
+    finally:
+        sync.close()
+        await w.close()
