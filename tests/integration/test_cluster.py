@@ -1714,3 +1714,67 @@ async def test_a_shard_lost_between_two_of_its_round_a_scripts_counts_no_probe_t
     finally:
         sync.close()
         await w.close()
+
+
+async def test_index_clear_that_fails_try_again_still_flags_the_pod_it_cleared(cluster_url):
+    """Review of 29ca7a7. ``index clear`` (no ``--forget``) clears the pod's state, then flags it ("the engine may
+    still hold blocks the index no longer lists"). Its clearing's changes left to a drain (the CLI's process past its
+    window: a large pod's round A outlasts it) and that drain finding another drain on the pod (the pod's ingester:
+    its pod step answered "pending" on the CLI's entry, or its chores), ``clear_pod`` now fails "try again" after the
+    pod step applied, and the flag is never written: the pod reads exact with its state emptied, and once the
+    clearing's changes run (the other drain, the chores), with no entry left for blocks its engine still holds."""
+    import threading
+
+    from click.testing import CliRunner
+
+    from kv_preflight.cli.main import cli
+    from kv_preflight.index import hooks
+
+    x = Index.from_url(cluster_url)  # the pod's ingester
+    sync = redis.RedisCluster.from_url(cluster_url)
+    stepped, wake = threading.Event(), threading.Event()
+    main = threading.current_thread()
+
+    def stalled_after_its_step(point: str, batches: int) -> None:
+        if point == "pod_step" and batches and threading.current_thread() is not main:  # the CLI's process
+            stepped.set()
+            wake.wait(20)  # (the whole process: the CLI runs in a thread of its own, with its own loop)
+
+    try:
+        r = await x.apply_batch(pod_id="pod-k", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                                mutations=[StoreBlock(1, "gpu", entry("pod-k"), (11,))])
+        assert r.status == "applied"
+        await drain_until_empty(x, sync)
+        hooks.after_step = stalled_after_its_step
+        cleared = asyncio.create_task(asyncio.to_thread(
+            CliRunner().invoke, cli, ["index", "clear", "--valkey-url", cluster_url, "--pod", "pod-k"]))
+        assert await asyncio.to_thread(stepped.wait, 20)
+        writes = x.backend.writes
+        held = writes._drain_held
+        paused, go = asyncio.Event(), asyncio.Event()
+
+        async def slow(*a, **k):  # the ingester's drain of the pod, holding its lease
+            paused.set()
+            await go.wait()
+            return await held(*a, **k)
+
+        writes._drain_held = slow
+        xs = asyncio.create_task(x.drain_outbox("pod-k", stale_only=True))
+        await asyncio.wait_for(paused.wait(), 10)
+        await asyncio.sleep(1.6)  # past the CLI's window (1.5 s)
+        wake.set()
+        got = await cleared
+        go.set()
+        await xs
+        writes._drain_held = held
+        await asyncio.sleep(2.1)  # the CLI's entry old to the ingester: its chores run it
+        await drain_until_empty(x, sync)
+        assert not sync.exists("11")
+        info = await x.meta.pod_info("pod-k")
+        assert got.exit_code == 0 or "try again" in got.output, got.output
+        assert (info.blocks, info.incomplete) == (0, True), f"index clear exited {got.exit_code}: {got.output}"
+    finally:
+        hooks.after_step = hooks._nothing
+        wake.set()
+        sync.close()
+        await x.close()
