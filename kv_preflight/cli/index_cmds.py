@@ -313,11 +313,11 @@ def clear(valkey_url, pod_id, forget, scan, as_json) -> None:
             if forget:  # every ingester lets it go first, so no batch in flight brings it back unlisted
                 from kv_preflight.index.lifecycle import forget_pods
                 return (await forget_pods(ix, [pod_id], keep_refusing=False))[pod_id]
-            n = await ix.clear_pod(pod_id)
-            if not forget:  # the engine still holds those blocks: say so until it resets
-                await ix.meta.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
-                                                 "the index no longer lists; exact again at its next reset")
-            return n
+            # the engine still holds those blocks: say so until it resets; flagged first, so a clearing that fails
+            # after its pod step ("try again": its changes left to another drain) leaves the pod flagged too
+            await ix.meta.mark_incomplete(pod_id, "cleared by hand (index clear): the engine may still hold blocks "
+                                             "the index no longer lists; exact again at its next reset")
+            return await ix.clear_pod(pod_id)
 
     n = _run(go())
     _emit(as_json, {"pod_id": pod_id, "blocks_removed": n}, lambda d: click.echo(f"removed {n} block(s) of {pod_id}"))
