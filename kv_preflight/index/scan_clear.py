@@ -132,8 +132,9 @@ async def clear_by_scan(index: "Index", pod_id: str, *, progress: Progress | Non
     await _prune_engine_keys(client, batch, tally)
     if not await pod_script(keys=own_keys, args=["release", gen]):
         raise Moved(f"pod {pod_id}: another writer moved it while it was scanned; nothing released (run again)")
-    await index.clear_pod(pod_id)  # an empty state, as a clear writes it: the log reads again
+    # flagged first: a clearing that fails after its pod step ("try again", Index.clear_pod) leaves it flagged too
     await index.meta.mark_incomplete(pod_id, CLEARED_REASON)
+    await index.clear_pod(pod_id)  # an empty state, as a clear writes it: the log reads again
     tally.done = True
     return tally
 

@@ -132,7 +132,7 @@ async def test_cluster_holds_the_same_keys_and_answers_as_a_single_node(valkey_u
     cluster's lookup equals the single node's exact linear walk. ``chunk``: round A's changes sent to a shard in
     scripts of two (``EFFECTS_CHUNK``: a large clearing's are cut so), a drop's probe apart from its removal."""
     if chunk is not None:
-        monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", chunk)
+        monkeypatch.setattr("kv_preflight.index.cluster.round_a.EFFECTS_CHUNK", chunk)
     batches = random_batches(1)
     single, cluster = Index.from_url(valkey_url), Index.from_url(cluster_url)
     assert not single.cluster and cluster.cluster
@@ -1642,7 +1642,7 @@ async def test_a_writers_round_a_in_scripts_sends_none_of_them_past_its_window(c
     restart, as the chunks were made for; here a writer starved between two scripts) sends its later scripts after
     another writer took the entry over, ran it, deleted it and cleared the pod. They land after that clearing: the
     pod's entries and bits that its state no longer lists, which no later clear removes."""
-    monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", 2)
+    monkeypatch.setattr("kv_preflight.index.cluster.round_a.EFFECTS_CHUNK", 2)
     w = Index.from_url(cluster_url, takeover_ms=500)
     x = Index.from_url(cluster_url, takeover_ms=500)
     sync = redis.RedisCluster.from_url(cluster_url)
@@ -1683,7 +1683,7 @@ async def test_a_shard_lost_between_two_of_its_round_a_scripts_counts_no_probe_t
     and the drop's ZREM is skipped: ``engine:<ek>`` keeps a request key no pod holds (a single node removes it). (With
     two request keys, one empty counted twice passes for both: the ZREM goes though the other still holds an
     entry.)"""
-    monkeypatch.setattr("kv_preflight.index.cluster.writes.EFFECTS_CHUNK", 2)
+    monkeypatch.setattr("kv_preflight.index.cluster.round_a.EFFECTS_CHUNK", 2)
     w = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
     home = sync.get_node_from_key("11").name

@@ -37,36 +37,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from kv_preflight.index import hooks, scripts
 from kv_preflight.index.backend import VALKEY_ERRORS, evalsha_pipeline
 from kv_preflight.index.cluster.barrier import ReplicationBarrier
 from kv_preflight.index.cluster.drain_lease import BUSY, EMPTY, DrainLease
+from kv_preflight.index.cluster.round_a import run_round_a
 from kv_preflight.index.cluster.routing import REDIRECTS, Shards, by_primary
 from kv_preflight.index.cluster.window import Late, Renewable, in_time, window_end
-from kv_preflight.index.changes import shard_args
 from kv_preflight.index.cluster.outbox_ops import (OutboxEntry, _engine_add, _engine_round, _foreign, _native,
-                                                   _raced, _run_keys, decode_entry, key_op_args, outbox_payload,
+                                                   _raced, _run_keys, decode_entry, outbox_payload,
                                                    read_payload)
 from kv_preflight.index.entries import ApplyResult, apply_result, text
-from kv_preflight.index.layout import ENGINE_PREFIX, pod_meta_key, pod_outbox_key, presence_key
+from kv_preflight.index.layout import ENGINE_PREFIX, pod_meta_key, pod_outbox_key
 from kv_preflight.index.pod_state import KeyChange
 from kv_preflight.index.writer import Prepared
 
 log = logging.getLogger("kvpf.index")
 TAKEOVER_MS = 2000  # an outbox entry older than this is run by whoever applies the pod's next batch
-# round A's changes go to a shard in scripts of at most this many, in order (~10 us a change: ~80 ms a script). One
-# script of a large clearing's whole share (a pod of 320,000 blocks on 3 masters) held its shard for over a second:
-# every lookup and writer there waited, the script outran the connection's timeout (1 s) and the run was resent one
-# script per change through redis-py's routing (which a review saw time out for good)
-EFFECTS_CHUNK = 8192
 
 
 class Touched(NamedTuple):
@@ -305,86 +300,7 @@ class ClusterWrites:
 
     async def _round_a(self, key_ops: Sequence[Any], whose: Sequence[OutboxEntry],
                        until: float | Renewable | None = None) -> tuple[int, str, dict[int, int]]:
-        """The request keys' changes (``whose``: each one's entry): one effects.lua per shard with that shard's (in
-        order), the shards in
-        parallel; changes whose key moved meanwhile go again through the cluster's routing, one script each
-        (declared keys: the request key and its presence hash, one slot). Returns foreign writes, the first
-        such error, and per probed drop (its position in the run) how many of its request keys were empty
-        where it stands."""
-        if not key_ops:
-            return 0, "", {}
-        by_node, moved = await self.shards.request_keys_by_primary([op[0] for op in key_ops])
-        empty_at: dict[int, int] = {}
-
-        def probes(reply_part: Sequence[Any]) -> None:
-            for j in reply_part:
-                j = int(j)  # a probe's j (an int, or the script's reply as bytes)
-                empty_at[j] = empty_at.get(j, 0) + 1
-        script = self._effects
-
-        async def shard(node, idx: list[int]) -> tuple[int, str]:
-            foreign, first = 0, ""
-            for lo in range(0, len(idx), EFFECTS_CHUNK):
-                # each script is a send of its own: none past the window (a large run's round A outlasts it; the
-                # first comes after its keys were worked out, the loop busy meanwhile)
-                await in_time(until, "A")
-                try:
-                    f, fst = await shard_chunk(node, idx[lo:lo + EFFECTS_CHUNK])
-                except VALKEY_ERRORS:  # the rest through the routing; what answered stays counted (its probes)
-                    moved.extend(idx[lo:])
-                    break
-                foreign, first = foreign + f, first or fst
-            return foreign, first
-
-        async def shard_chunk(node, idx: list[int]) -> tuple[int, str]:
-            # effects.lua names a moved op by its position among the ops it ran (shard_args says whose)
-            ops = [key_ops[i] for i in idx]
-            args, at, folded = shard_args(ops, [whose[i] for i in idx])
-            fast = self.shards.fast_for(node)
-            if fast is not None:
-                try:
-                    async with asyncio.timeout(fast.timeout_s):
-                        reply = await fast.evalsha(script.sha, script.script, args)
-                except TimeoutError:
-                    raise RedisConnectionError(f"{node.name} did not answer the changes in time") from None
-            else:
-                try:
-                    reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
-                except NoScriptError:
-                    await self.client.script_load(script.script)
-                    reply = await self.client.execute_command("EVALSHA", script.sha, 0, *args, target_nodes=node)
-            gone = {int(p) for p in text(reply[0]).split(",") if p}
-            for p in gone:
-                moved.append(idx[at[p - 1]])
-                if p in folded:
-                    moved.append(idx[folded[p]])  # its probe goes with it
-            probes(reply[3])
-            # r blocks that left their key empty answer the probes that rode on them
-            probes([ops[folded[p]].at for p in map(int, reply[4]) if p in folded and p not in gone])
-            return int(reply[1]), text(reply[2])
-
-        foreign, first = 0, ""
-        results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
-        for (_, idx), res in zip(by_node.values(), results):
-            if isinstance(res, BaseException):
-                if not isinstance(res, VALKEY_ERRORS):
-                    raise res
-                moved.extend(idx)  # that shard did not answer: through the routing, which may have news
-            else:
-                foreign += res[0]
-                first = first or res[1]
-        if moved:
-            self.shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
-            await in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window
-            moved = sorted(set(moved))
-            replies = await evalsha_pipeline(self.client, script,
-                                             [(str(key_ops[i][0]), presence_key(key_ops[i][0])) for i in moved],
-                                             [key_op_args(key_ops[i], whose[i]) for i in moved])
-            for r in replies:
-                foreign += int(r[1])
-                first = first or text(r[2])
-                probes(r[3])
-        return foreign, first, empty_at
+        return await run_round_a(self.client, self.shards, self._effects, key_ops, whose, until)
 
     # ---- step 3, and entries left behind
 
