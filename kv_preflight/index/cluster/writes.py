@@ -427,7 +427,7 @@ class ClusterWrites:
         "pending", which must not run and delete a live writer's young entry (run here and deleted, the clearing
         went at once and that writer's changes landed after it, entries the cleared pod's state no longer lists).
         Only one drain of a pod runs at a time, the one that holds its lease (cluster/drain_lease.py): another
-        returns 0, and the pod's other writers' steps answer "busy" until it is done. Returns the entries run."""
+        returns 0, and the pod's steps answer "busy" until it is done. Returns the entries run."""
         others = older_than_ms if others_older_than_ms is None else others_older_than_ms
         if older_than_ms and await self._confirm_kept(pod):
             return 0
