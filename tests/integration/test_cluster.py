@@ -1319,6 +1319,14 @@ async def test_a_drain_whose_lease_lapsed_sends_no_more_of_its_run(cluster_url):
             await ix.close()
 
 
+async def stored_and_confirmed(ix: Index, sync: redis.RedisCluster, pod: str) -> None:
+    """``pod`` holds block 1 (request key 11), written by ``ix`` as seq 0, its outbox empty (confirmed by a replica)."""
+    r = await ix.apply_batch(pod_id=pod, rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
+                             mutations=[StoreBlock(1, "gpu", entry(pod), (11,))])
+    assert r.status == "applied"
+    await drain_until_empty(ix, sync)
+
+
 async def test_a_drain_that_finds_the_outbox_empty_holds_no_other_writer_back(cluster_url):
     """Every ingester's chores drain each of its pods every second, and the outbox is nearly always empty. Such a
     drain took the lease all the same (two replicated script writes per pod per second), and another writer of the
@@ -1328,10 +1336,7 @@ async def test_a_drain_that_finds_the_outbox_empty_holds_no_other_writer_back(cl
     y = Index.from_url(cluster_url)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
-        r = await y.apply_batch(pod_id="pod-e", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                mutations=[StoreBlock(1, "gpu", entry("pod-e"), (11,))])
-        assert r.status == "applied"
-        await drain_until_empty(y, sync)
+        await stored_and_confirmed(y, sync, "pod-e")
         writes = x.backend.writes
         held = writes._drain_held
         paused, go = asyncio.Event(), asyncio.Event()
@@ -1368,10 +1373,7 @@ async def test_index_clear_forget_never_reports_a_clear_whose_changes_did_not_ru
     w = Index.from_url(cluster_url, takeover_ms=500)
     sync = redis.RedisCluster.from_url(cluster_url)
     try:
-        r = await w.apply_batch(pod_id="pod-f", rank=0, seq=0, ts=1.0, model="m", engine_block_size=32,
-                                mutations=[StoreBlock(1, "gpu", entry("pod-f"), (11,))])
-        assert r.status == "applied"
-        await drain_until_empty(w, sync)
+        await stored_and_confirmed(w, sync, "pod-f")
         writes = w.backend.writes
         run = writes.run
 
