@@ -226,11 +226,11 @@ class Resume:
                 return info, True
             if self._rebuilt_by_another(pod, info):
                 return info, False
+            flag = (info.incomplete_reason or "rebuilding") if keep_flag and info.incomplete else None
             for rank, last in sorted(info.seqs.items()):
                 # One that applies clears the whole pod, every rank's seq with it. One refused: that rank's seq
                 # moved meanwhile (another ingester of the pod, --copies, applied a batch); the next rank may still
                 # apply, and the next try reads the seqs again.
-                flag = (info.incomplete_reason or "rebuilding") if keep_flag and info.incomplete else None
                 if await self.valkey.call(self.index.reset_if_seq, pod, int(rank), last, flag=flag):
                     return info, True
         return info, False

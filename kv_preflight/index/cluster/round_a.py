@@ -86,14 +86,11 @@ async def run_round_a(client: RedisCluster, shards: Shards, script: Any, key_ops
 
     foreign, first = 0, ""
     results = await asyncio.gather(*(shard(n, idx) for n, idx in by_node.values()), return_exceptions=True)
-    for (_, idx), res in zip(by_node.values(), results):
-        if isinstance(res, BaseException):
-            if not isinstance(res, VALKEY_ERRORS):
-                raise res
-            moved.extend(idx)  # that shard did not answer: through the routing, which may have news
-        else:
-            foreign += res[0]
-            first = first or res[1]
+    for res in results:
+        if isinstance(res, BaseException):  # Late, or a bug: a shard's Valkey error moved its unanswered scripts'
+            raise res  # changes already (``shard``), to go again through the routing, which may have news
+        foreign += res[0]
+        first = first or res[1]
     if moved:
         shards.forget_table()  # slots moved: the barrier's routing reads the map redis-py learns now
         await in_time(until, "A, resent")  # a shard that timed out (a failover) may have taken the window

@@ -434,8 +434,7 @@ class ClusterWrites:
         lease = DrainLease(self._drain_lease, pod, self.writer_arg(), self.takeover_ms)
         async with lease as took:
             if took == EMPTY:
-                self._kept.pop(pod, None)
-                self._left.discard(pod)
+                self.forget((pod,))  # nothing of ours there: none kept, none left
                 return 0
             if took == BUSY:
                 return 0  # another drain runs them (its writer's, or this process's other client)
@@ -449,8 +448,7 @@ class ClusterWrites:
     async def _drain_held(self, pod: str, others: int, until: Renewable) -> int:
         raw = await self.client.hgetall(pod_outbox_key(pod))
         if not raw:  # (emptied since the lease was taken: by a confirmation, or a drain whose lease had lapsed)
-            self._kept.pop(pod, None)
-            self._left.discard(pod)
+            self.forget((pod,))
             return 0
         entries = []
         for f, v in raw.items():
